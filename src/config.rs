@@ -1,0 +1,965 @@
+//! Configuration: the raw file/environment form and the validated [`Settings`].
+//!
+//! Sources, later wins: built-in defaults, the TOML file, then environment variables
+//! `PREFIX_BATCHER__SECTION__KEY` (e.g. `PREFIX_BATCHER__BATCHING__MAX_BATCH_SIZE=16`; lists are
+//! comma separated, e.g. `PREFIX_BATCHER__LLM__ENDPOINTS=http://a:8000,http://b:8000`).
+//! Unknown keys are errors. Durations are human strings (`"250ms"`, `"1s"`, `"2m"`, parsed by
+//! `humantime`). Every validation error names the key, the value and the rule.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::num::{NonZeroU32, NonZeroUsize};
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use url::Url;
+
+/// Prefix of environment overrides.
+pub const ENV_PREFIX: &str = "PREFIX_BATCHER";
+/// Default config path.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/prefix-batcher/config.toml";
+
+/// A configuration error. Exit code 78 (`EX_CONFIG`, sysexits.h).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file is missing, unreadable, not TOML, has unknown keys or values of the wrong type.
+    #[error("cannot load configuration: {0}")]
+    Load(#[source] config::ConfigError),
+    /// A value breaks a rule.
+    #[error("invalid configuration: `{key}` = {value}: {rule}")]
+    Invalid { key: &'static str, value: String, rule: String },
+}
+
+fn invalid(key: &'static str, value: impl fmt::Display, rule: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key, value: value.to_string(), rule: rule.into() }
+}
+
+/// A secret string. `Debug` and `Display` print `***`, so it cannot reach logs by accident.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    /// The secret itself; only for the place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\"***\"")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// A URL whose password is redacted when displayed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SecretUrl(Url);
+
+impl SecretUrl {
+    /// The URL with its password, for the place that connects.
+    pub fn expose(&self) -> &str {
+        self.0.as_str()
+    }
+    /// The URL with the password replaced by `***`.
+    pub fn redacted(&self) -> String {
+        let mut u = self.0.clone();
+        if u.password().is_some() {
+            let _ = u.set_password(Some("***"));
+        }
+        u.to_string()
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.redacted())
+    }
+}
+
+impl fmt::Display for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw form: exactly what the file and environment may contain.
+// ---------------------------------------------------------------------------------------------
+
+/// The raw configuration, as written in TOML. See `config/example.toml` for every key.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawConfig {
+    pub instance: RawInstance,
+    pub amqp: RawAmqp,
+    pub redis: RawRedis,
+    pub ownership: RawOwnership,
+    pub keying: RawKeying,
+    pub sharding: RawSharding,
+    pub batching: RawBatching,
+    pub llm: RawLlm,
+    pub http: RawHttp,
+    pub shutdown: RawShutdown,
+    pub log: RawLog,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        RawConfig {
+            instance: RawInstance::default(),
+            amqp: RawAmqp::default(),
+            redis: RawRedis::default(),
+            ownership: RawOwnership::default(),
+            keying: RawKeying::default(),
+            sharding: RawSharding::default(),
+            batching: RawBatching::default(),
+            llm: RawLlm::default(),
+            http: RawHttp::default(),
+            shutdown: RawShutdown::default(),
+            log: RawLog::default(),
+        }
+    }
+}
+
+/// `[instance]`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawInstance {
+    /// Stable instance name; empty means the hostname (plus `INSTANCE` env, set by the systemd
+    /// template unit as `%i`).
+    pub name: String,
+}
+
+/// `[amqp]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawAmqp {
+    pub url: String,
+    pub input_queue: String,
+    pub shard_exchange: String,
+    pub partition_queue_prefix: String,
+    pub results_queue: String,
+    pub dead_letter_exchange: String,
+    pub dead_letter_queue: String,
+    pub partitions: u32,
+    pub input_prefetch: u32,
+    pub partition_prefetch: u32,
+    pub max_message_bytes: usize,
+    pub confirm_timeout: String,
+    pub reconnect_backoff_initial: String,
+    pub reconnect_backoff_max: String,
+    pub backlog_poll_interval: String,
+}
+
+impl Default for RawAmqp {
+    fn default() -> Self {
+        RawAmqp {
+            url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            input_queue: "prefix-batcher.input".into(),
+            shard_exchange: "prefix-batcher.shards".into(),
+            partition_queue_prefix: "prefix-batcher.partition".into(),
+            results_queue: "prefix-batcher.results".into(),
+            dead_letter_exchange: "prefix-batcher.dlx".into(),
+            dead_letter_queue: "prefix-batcher.dead-letter".into(),
+            partitions: 64,
+            input_prefetch: 256,
+            partition_prefetch: 64,
+            max_message_bytes: 4 << 20,
+            confirm_timeout: "30s".into(),
+            reconnect_backoff_initial: "500ms".into(),
+            reconnect_backoff_max: "30s".into(),
+            backlog_poll_interval: "5s".into(),
+        }
+    }
+}
+
+/// `[redis]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRedis {
+    pub url: String,
+    pub key_prefix: String,
+    pub command_timeout: String,
+}
+
+impl Default for RawRedis {
+    fn default() -> Self {
+        RawRedis { url: "redis://127.0.0.1:6379/".into(), key_prefix: "prefix-batcher".into(), command_timeout: "2s".into() }
+    }
+}
+
+/// `[ownership]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawOwnership {
+    pub lease_ttl: String,
+    pub renew_deadline: String,
+    pub renew_interval: String,
+    pub member_ttl: String,
+    pub settle_time: String,
+}
+
+impl Default for RawOwnership {
+    fn default() -> Self {
+        RawOwnership {
+            lease_ttl: "15s".into(),
+            renew_deadline: "10s".into(),
+            renew_interval: "3s".into(),
+            member_ttl: "10s".into(),
+            settle_time: "2s".into(),
+        }
+    }
+}
+
+/// `[keying]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawKeying {
+    pub mode: String,
+    pub prefix_chars: usize,
+    pub chat_key: String,
+}
+
+impl Default for RawKeying {
+    fn default() -> Self {
+        RawKeying { mode: "prefix".into(), prefix_chars: 256, chat_key: "system".into() }
+    }
+}
+
+/// `[sharding]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawSharding {
+    pub default_shards: u32,
+    /// Explicit key or key hex → shards.
+    pub keys: HashMap<String, u32>,
+    pub rules: Vec<RawShardRule>,
+}
+
+impl Default for RawSharding {
+    fn default() -> Self {
+        RawSharding { default_shards: 8, keys: HashMap::new(), rules: Vec::new() }
+    }
+}
+
+/// `[[sharding.rules]]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawShardRule {
+    /// Regular expression (Rust `regex` syntax) matched against the explicit key or key material.
+    pub pattern: String,
+    pub shards: u32,
+}
+
+/// `[batching]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawBatching {
+    pub max_batch_size: usize,
+    pub max_batch_wait: String,
+    pub channel_capacity: usize,
+}
+
+impl Default for RawBatching {
+    fn default() -> Self {
+        RawBatching { max_batch_size: 8, max_batch_wait: "1s".into(), channel_capacity: 64 }
+    }
+}
+
+/// `[llm]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLlm {
+    pub endpoints: Vec<String>,
+    pub model: String,
+    pub api_key: String,
+    pub max_concurrency: usize,
+    pub request_timeout: String,
+    pub connect_timeout: String,
+    pub max_attempts: u32,
+    pub backoff_initial: String,
+    pub backoff_max: String,
+}
+
+impl Default for RawLlm {
+    fn default() -> Self {
+        RawLlm {
+            endpoints: vec!["http://127.0.0.1:8000".into()],
+            model: "default".into(),
+            api_key: String::new(),
+            max_concurrency: 4,
+            request_timeout: "300s".into(),
+            connect_timeout: "5s".into(),
+            max_attempts: 4,
+            backoff_initial: "500ms".into(),
+            backoff_max: "30s".into(),
+        }
+    }
+}
+
+/// `[http]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawHttp {
+    pub listen: String,
+}
+
+impl Default for RawHttp {
+    fn default() -> Self {
+        RawHttp { listen: "127.0.0.1:9464".into() }
+    }
+}
+
+/// `[shutdown]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawShutdown {
+    pub drain_timeout: String,
+}
+
+impl Default for RawShutdown {
+    fn default() -> Self {
+        RawShutdown { drain_timeout: "30s".into() }
+    }
+}
+
+/// `[log]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLog {
+    pub format: String,
+    pub level: String,
+}
+
+impl Default for RawLog {
+    fn default() -> Self {
+        RawLog { format: "pretty".into(), level: "info".into() }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validated form.
+// ---------------------------------------------------------------------------------------------
+
+/// Validated settings. Built only by [`Settings::from_raw`].
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Stable instance name (membership, leases, logs).
+    pub instance_name: String,
+    pub amqp: AmqpSettings,
+    pub redis: RedisSettings,
+    pub ownership: OwnershipSettings,
+    pub keying: KeyingSettings,
+    pub sharding: ShardingSettings,
+    pub batching: BatchingSettings,
+    pub llm: LlmSettings,
+    /// Address of `/metrics`, `/healthz`, `/readyz`; port 0 picks a free port.
+    pub http_listen: std::net::SocketAddr,
+    /// The whole shutdown (flush, in-flight work, release) must end within this; else exit 70.
+    pub drain_timeout: Duration,
+    pub log: LogSettings,
+}
+
+/// `[amqp]`, validated.
+#[derive(Debug, Clone)]
+pub struct AmqpSettings {
+    pub url: SecretUrl,
+    pub input_queue: String,
+    pub shard_exchange: String,
+    pub partition_queue_prefix: String,
+    pub results_queue: String,
+    pub dead_letter_exchange: String,
+    pub dead_letter_queue: String,
+    /// `P`: fixed for the life of a deployment.
+    pub partitions: NonZeroU32,
+    /// Unacked deliveries on the input consumer (AMQP `basic.qos` prefetch count).
+    pub input_prefetch: u16,
+    /// Unacked deliveries per partition consumer; ≥ `max_batch_size`.
+    pub partition_prefetch: u16,
+    /// Larger bodies are dead-lettered as `too_large`.
+    pub max_message_bytes: usize,
+    /// Longest wait for a publisher confirm.
+    pub confirm_timeout: Duration,
+    pub reconnect_backoff_initial: Duration,
+    pub reconnect_backoff_max: Duration,
+    /// How often queue depths (backlog) are read.
+    pub backlog_poll_interval: Duration,
+}
+
+impl AmqpSettings {
+    /// Name of partition queue `p`: `{prefix}.{p:03}` (zero padded to at least 3 digits).
+    pub fn partition_queue(&self, p: u32) -> String {
+        format!("{}.{:03}", self.partition_queue_prefix, p)
+    }
+    /// Routing key of partition `p` on the shard exchange (the partition number in decimal).
+    pub fn partition_routing_key(p: u32) -> String {
+        p.to_string()
+    }
+}
+
+/// `[redis]`, validated.
+#[derive(Debug, Clone)]
+pub struct RedisSettings {
+    pub url: SecretUrl,
+    /// Prefix of every Redis key, e.g. `prefix-batcher:lease:7`.
+    pub key_prefix: String,
+    pub command_timeout: Duration,
+}
+
+/// `[ownership]`, validated: `lease_ttl > renew_deadline > 1.2 × renew_interval` (the Kubernetes
+/// leader-election rule: client-go `leaderelection` requires LeaseDuration > RenewDeadline >
+/// JitterFactor(1.2) × RetryPeriod).
+#[derive(Debug, Clone)]
+pub struct OwnershipSettings {
+    pub lease_ttl: Duration,
+    pub renew_deadline: Duration,
+    pub renew_interval: Duration,
+    pub member_ttl: Duration,
+    pub settle_time: Duration,
+}
+
+/// `keying.mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyingMode {
+    /// Route and batch by prefix key.
+    Prefix,
+    /// A/B baseline: random partition, one mixed batch per partition.
+    Off,
+}
+
+/// `keying.chat_key`: what key material a chat request yields.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatKey {
+    /// All leading system/developer messages; without any, the first `prefix_chars` of the first
+    /// user message.
+    System,
+    /// Leading system/developer messages plus the first user message.
+    SystemAndFirstUser,
+    /// The first `prefix_chars` characters of the role-tagged conversation.
+    Rendered,
+}
+
+/// `[keying]`, validated.
+#[derive(Debug, Clone)]
+pub struct KeyingSettings {
+    pub mode: KeyingMode,
+    /// Characters (Unicode scalar values) of a completions prompt that form its key.
+    pub prefix_chars: NonZeroUsize,
+    pub chat_key: ChatKey,
+}
+
+/// One pattern rule of `[[sharding.rules]]`.
+#[derive(Debug, Clone)]
+pub struct ShardRule {
+    pub pattern: regex::Regex,
+    pub shards: NonZeroU32,
+}
+
+/// `[sharding]`, validated.
+#[derive(Debug, Clone)]
+pub struct ShardingSettings {
+    pub default_shards: NonZeroU32,
+    pub keys: HashMap<String, NonZeroU32>,
+    pub rules: Vec<ShardRule>,
+}
+
+/// `[batching]`, validated.
+#[derive(Debug, Clone)]
+pub struct BatchingSettings {
+    pub max_batch_size: NonZeroUsize,
+    /// Never zero.
+    pub max_batch_wait: Duration,
+    /// Capacity of the bounded channels between stages.
+    pub channel_capacity: NonZeroUsize,
+}
+
+/// `[llm]`, validated.
+#[derive(Debug, Clone)]
+pub struct LlmSettings {
+    /// Base URLs (without `/v1`).
+    pub endpoints: Vec<Url>,
+    /// Model sent when a request names none.
+    pub model: String,
+    /// Bearer token.
+    pub api_key: Option<Secret>,
+    /// HTTP calls in flight per endpoint.
+    pub max_concurrency: NonZeroUsize,
+    pub request_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub max_attempts: NonZeroU32,
+    pub backoff_initial: Duration,
+    pub backoff_max: Duration,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Pretty,
+    Json,
+}
+
+/// `[log]`, validated.
+#[derive(Debug, Clone)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    /// A `tracing_subscriber::EnvFilter` directive; `RUST_LOG` wins when set.
+    pub level: String,
+}
+
+/// Loads the raw configuration: defaults, then the file (when `path` is given), then the
+/// environment.
+pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
+    let mut b = config::Config::builder();
+    if let Some(p) = path {
+        b = b.add_source(config::File::from(p).format(config::FileFormat::Toml).required(true));
+    }
+    b = b.add_source(
+        config::Environment::with_prefix(ENV_PREFIX)
+            .prefix_separator("__")
+            .separator("__")
+            .try_parsing(true)
+            .list_separator(",")
+            .with_list_parse_key("llm.endpoints"),
+    );
+    let cfg = b.build().map_err(ConfigError::Load)?;
+    cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)
+}
+
+/// Loads and validates.
+pub fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {
+    Settings::from_raw(&load_raw(path)?)
+}
+
+fn duration(key: &'static str, v: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(v.trim())
+        .map_err(|e| invalid(key, format!("{v:?}"), format!("must be a duration such as \"250ms\" or \"1s\" ({e})")))
+}
+
+fn positive_duration(key: &'static str, v: &str) -> Result<Duration, ConfigError> {
+    let d = duration(key, v)?;
+    if d.is_zero() {
+        return Err(invalid(key, format!("{v:?}"), "must be greater than zero"));
+    }
+    Ok(d)
+}
+
+fn nonzero_u32(key: &'static str, v: u32) -> Result<NonZeroU32, ConfigError> {
+    NonZeroU32::new(v).ok_or_else(|| invalid(key, v, "must be at least 1"))
+}
+
+fn nonzero_usize(key: &'static str, v: usize) -> Result<NonZeroUsize, ConfigError> {
+    NonZeroUsize::new(v).ok_or_else(|| invalid(key, v, "must be at least 1"))
+}
+
+fn name(key: &'static str, v: &str) -> Result<String, ConfigError> {
+    if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(invalid(key, format!("{v:?}"), "must be 1 to 200 characters without spaces"));
+    }
+    Ok(v.to_owned())
+}
+
+fn secret_url(key: &'static str, v: &str, schemes: &[&str]) -> Result<SecretUrl, ConfigError> {
+    let u = Url::parse(v).map_err(|e| invalid(key, redact_str(v), format!("must be a URL ({e})")))?;
+    if !schemes.contains(&u.scheme()) {
+        return Err(invalid(key, SecretUrl(u.clone()).redacted(), format!("scheme must be one of {schemes:?}")));
+    }
+    Ok(SecretUrl(u))
+}
+
+/// Redacts the password of something that may be a URL but failed to parse as one.
+fn redact_str(v: &str) -> String {
+    match (v.find("://"), v.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***{}", &v[..s + 3], &v[at..]),
+        _ => format!("{v:?}"),
+    }
+}
+
+/// Default instance name: the hostname, plus `-{INSTANCE}` when the systemd template sets it.
+pub fn default_instance_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into());
+    match std::env::var("INSTANCE") {
+        Ok(i) if !i.is_empty() => format!("{host}-{i}"),
+        _ => host,
+    }
+}
+
+impl Settings {
+    /// Validates a raw configuration.
+    ///
+    /// Errors: the first broken rule, as [`ConfigError::Invalid`].
+    pub fn from_raw(r: &RawConfig) -> Result<Settings, ConfigError> {
+        let instance_name = if r.instance.name.is_empty() {
+            default_instance_name()
+        } else {
+            name("instance.name", &r.instance.name)?
+        };
+        if instance_name.contains(':') {
+            return Err(invalid("instance.name", format!("{instance_name:?}"), "must not contain ':'"));
+        }
+
+        let a = &r.amqp;
+        let partition_prefetch = u16::try_from(a.partition_prefetch)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| invalid("amqp.partition_prefetch", a.partition_prefetch, "must be 1 to 65535"))?;
+        let input_prefetch = u16::try_from(a.input_prefetch)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| invalid("amqp.input_prefetch", a.input_prefetch, "must be 1 to 65535"))?;
+        let partitions = nonzero_u32("amqp.partitions", a.partitions)?;
+        if partitions.get() > 1024 {
+            return Err(invalid("amqp.partitions", a.partitions, "must be at most 1024"));
+        }
+        if a.max_message_bytes < 64 {
+            return Err(invalid("amqp.max_message_bytes", a.max_message_bytes, "must be at least 64"));
+        }
+        let amqp = AmqpSettings {
+            url: secret_url("amqp.url", &a.url, &["amqp", "amqps"])?,
+            input_queue: name("amqp.input_queue", &a.input_queue)?,
+            shard_exchange: name("amqp.shard_exchange", &a.shard_exchange)?,
+            partition_queue_prefix: name("amqp.partition_queue_prefix", &a.partition_queue_prefix)?,
+            results_queue: name("amqp.results_queue", &a.results_queue)?,
+            dead_letter_exchange: name("amqp.dead_letter_exchange", &a.dead_letter_exchange)?,
+            dead_letter_queue: name("amqp.dead_letter_queue", &a.dead_letter_queue)?,
+            partitions,
+            input_prefetch,
+            partition_prefetch,
+            max_message_bytes: a.max_message_bytes,
+            confirm_timeout: positive_duration("amqp.confirm_timeout", &a.confirm_timeout)?,
+            reconnect_backoff_initial: positive_duration("amqp.reconnect_backoff_initial", &a.reconnect_backoff_initial)?,
+            reconnect_backoff_max: positive_duration("amqp.reconnect_backoff_max", &a.reconnect_backoff_max)?,
+            backlog_poll_interval: positive_duration("amqp.backlog_poll_interval", &a.backlog_poll_interval)?,
+        };
+        if amqp.url.0.scheme() == "amqps" {
+            return Err(invalid(
+                "amqp.url",
+                amqp.url.redacted(),
+                "amqps (TLS) is not built into this binary; terminate TLS in a local proxy or use amqp",
+            ));
+        }
+
+        let redis = RedisSettings {
+            url: secret_url("redis.url", &r.redis.url, &["redis", "unix", "redis+unix"])?,
+            key_prefix: name("redis.key_prefix", &r.redis.key_prefix)?,
+            command_timeout: positive_duration("redis.command_timeout", &r.redis.command_timeout)?,
+        };
+
+        let o = &r.ownership;
+        let ownership = OwnershipSettings {
+            lease_ttl: positive_duration("ownership.lease_ttl", &o.lease_ttl)?,
+            renew_deadline: positive_duration("ownership.renew_deadline", &o.renew_deadline)?,
+            renew_interval: positive_duration("ownership.renew_interval", &o.renew_interval)?,
+            member_ttl: positive_duration("ownership.member_ttl", &o.member_ttl)?,
+            settle_time: duration("ownership.settle_time", &o.settle_time)?,
+        };
+        if ownership.lease_ttl <= ownership.renew_deadline {
+            return Err(invalid(
+                "ownership.renew_deadline",
+                &o.renew_deadline,
+                format!("must be less than ownership.lease_ttl ({})", o.lease_ttl),
+            ));
+        }
+        if ownership.renew_deadline.as_secs_f64() <= 1.2 * ownership.renew_interval.as_secs_f64() {
+            return Err(invalid(
+                "ownership.renew_interval",
+                &o.renew_interval,
+                format!("1.2 × renew_interval must be less than ownership.renew_deadline ({})", o.renew_deadline),
+            ));
+        }
+        if ownership.member_ttl <= ownership.renew_interval {
+            return Err(invalid(
+                "ownership.member_ttl",
+                &o.member_ttl,
+                format!("must be greater than ownership.renew_interval ({})", o.renew_interval),
+            ));
+        }
+
+        let keying = KeyingSettings {
+            mode: match r.keying.mode.as_str() {
+                "prefix" => KeyingMode::Prefix,
+                "off" => KeyingMode::Off,
+                other => return Err(invalid("keying.mode", format!("{other:?}"), "must be \"prefix\" or \"off\"")),
+            },
+            prefix_chars: nonzero_usize("keying.prefix_chars", r.keying.prefix_chars)?,
+            chat_key: match r.keying.chat_key.as_str() {
+                "system" => ChatKey::System,
+                "system_and_first_user" => ChatKey::SystemAndFirstUser,
+                "rendered" => ChatKey::Rendered,
+                other => {
+                    return Err(invalid(
+                        "keying.chat_key",
+                        format!("{other:?}"),
+                        "must be \"system\", \"system_and_first_user\" or \"rendered\"",
+                    ))
+                }
+            },
+        };
+
+        let s = &r.sharding;
+        let mut keys = HashMap::new();
+        for (k, v) in &s.keys {
+            keys.insert(k.clone(), nonzero_u32("sharding.keys", *v)?);
+        }
+        let mut rules = Vec::new();
+        for rule in &s.rules {
+            let pattern = regex::Regex::new(&rule.pattern)
+                .map_err(|e| invalid("sharding.rules.pattern", format!("{:?}", rule.pattern), format!("must be a regular expression ({e})")))?;
+            rules.push(ShardRule { pattern, shards: nonzero_u32("sharding.rules.shards", rule.shards)? });
+        }
+        let sharding = ShardingSettings { default_shards: nonzero_u32("sharding.default_shards", s.default_shards)?, keys, rules };
+        for (key, n) in std::iter::once(("sharding.default_shards", sharding.default_shards))
+            .chain(sharding.keys.values().map(|n| ("sharding.keys", *n)))
+            .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards", r.shards)))
+        {
+            if n > partitions {
+                return Err(invalid(key, n, format!("must be at most amqp.partitions ({partitions})")));
+            }
+        }
+
+        let b = &r.batching;
+        let max_batch_wait = duration("batching.max_batch_wait", &b.max_batch_wait)?;
+        if max_batch_wait.is_zero() {
+            return Err(invalid(
+                "batching.max_batch_wait",
+                format!("{:?}", b.max_batch_wait),
+                "must be greater than zero (zero means \"never flush\" in some systems and \"always\" in others)",
+            ));
+        }
+        let batching = BatchingSettings {
+            max_batch_size: nonzero_usize("batching.max_batch_size", b.max_batch_size)?,
+            max_batch_wait,
+            channel_capacity: nonzero_usize("batching.channel_capacity", b.channel_capacity)?,
+        };
+        if usize::from(amqp.partition_prefetch) < batching.max_batch_size.get() {
+            return Err(invalid(
+                "amqp.partition_prefetch",
+                amqp.partition_prefetch,
+                format!(
+                    "must be at least batching.max_batch_size ({}), or batches could never fill",
+                    batching.max_batch_size
+                ),
+            ));
+        }
+
+        let l = &r.llm;
+        if l.endpoints.is_empty() {
+            return Err(invalid("llm.endpoints", "[]", "must list at least one base URL"));
+        }
+        let mut endpoints = Vec::new();
+        for e in &l.endpoints {
+            let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http(s) URL ({err})")))?;
+            if u.scheme() != "http" {
+                return Err(invalid(
+                    "llm.endpoints",
+                    format!("{e:?}"),
+                    "must be an http:// URL (TLS is not built into this binary)",
+                ));
+            }
+            if u.password().is_some() || !u.username().is_empty() {
+                return Err(invalid("llm.endpoints", redact_str(e), "must not carry credentials; use llm.api_key"));
+            }
+            endpoints.push(u);
+        }
+        let llm = LlmSettings {
+            endpoints,
+            model: name("llm.model", &l.model)?,
+            api_key: (!l.api_key.is_empty()).then(|| Secret(l.api_key.clone())),
+            max_concurrency: nonzero_usize("llm.max_concurrency", l.max_concurrency)?,
+            request_timeout: positive_duration("llm.request_timeout", &l.request_timeout)?,
+            connect_timeout: positive_duration("llm.connect_timeout", &l.connect_timeout)?,
+            max_attempts: nonzero_u32("llm.max_attempts", l.max_attempts)?,
+            backoff_initial: positive_duration("llm.backoff_initial", &l.backoff_initial)?,
+            backoff_max: positive_duration("llm.backoff_max", &l.backoff_max)?,
+        };
+        if llm.backoff_max < llm.backoff_initial {
+            return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
+        }
+
+        let http_listen = r
+            .http
+            .listen
+            .parse()
+            .map_err(|_| invalid("http.listen", format!("{:?}", r.http.listen), "must be an address such as \"127.0.0.1:9464\""))?;
+        let drain_timeout = positive_duration("shutdown.drain_timeout", &r.shutdown.drain_timeout)?;
+        let log = LogSettings {
+            format: match r.log.format.as_str() {
+                "pretty" => LogFormat::Pretty,
+                "json" => LogFormat::Json,
+                other => return Err(invalid("log.format", format!("{other:?}"), "must be \"pretty\" or \"json\"")),
+            },
+            level: r.log.level.clone(),
+        };
+        Ok(Settings {
+            instance_name,
+            amqp,
+            redis,
+            ownership,
+            keying,
+            sharding,
+            batching,
+            llm,
+            http_listen,
+            drain_timeout,
+            log,
+        })
+    }
+}
+
+/// The raw configuration as TOML with every secret replaced by `***` (for `check-config`).
+pub fn redacted_toml(raw: &RawConfig) -> String {
+    let mut r = raw.clone();
+    r.amqp.url = secret_url("amqp.url", &r.amqp.url, &["amqp", "amqps"]).map(|u| u.redacted()).unwrap_or_else(|_| redact_str(&r.amqp.url));
+    r.redis.url = secret_url("redis.url", &r.redis.url, &["redis", "unix", "redis+unix"])
+        .map(|u| u.redacted())
+        .unwrap_or_else(|_| redact_str(&r.redis.url));
+    if !r.llm.api_key.is_empty() {
+        r.llm.api_key = "***".into();
+    }
+    toml_string(&r)
+}
+
+fn toml_string(r: &RawConfig) -> String {
+    // serde_json → TOML-ish rendering without a TOML serializer dependency: sections of key = value.
+    let v = serde_json::to_value(r).unwrap_or_default();
+    let mut out = String::new();
+    if let serde_json::Value::Object(sections) = v {
+        for (section, body) in sections {
+            out.push_str(&format!("[{section}]\n"));
+            if let serde_json::Value::Object(fields) = body {
+                for (k, v) in fields {
+                    out.push_str(&format!("{k} = {v}\n"));
+                }
+            }
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(r: &RawConfig) -> Settings {
+        Settings::from_raw(r).unwrap()
+    }
+
+    fn err(r: &RawConfig) -> String {
+        Settings::from_raw(r).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let s = ok(&RawConfig::default());
+        assert_eq!(s.amqp.partitions.get(), 64);
+        assert_eq!(s.batching.max_batch_wait, Duration::from_secs(1));
+        assert_eq!(s.sharding.default_shards.get(), 8);
+        assert_eq!(s.ownership.lease_ttl, Duration::from_secs(15));
+        assert_eq!(s.amqp.partition_queue(7), "prefix-batcher.partition.007");
+    }
+
+    #[test]
+    fn zero_batch_wait_is_rejected_naming_the_key() {
+        let mut r = RawConfig::default();
+        r.batching.max_batch_wait = "0s".into();
+        let e = err(&r);
+        assert!(e.contains("batching.max_batch_wait") && e.contains("\"0s\"") && e.contains("greater than zero"), "{e}");
+    }
+
+    #[test]
+    fn prefetch_must_cover_batch_size() {
+        let mut r = RawConfig::default();
+        r.batching.max_batch_size = 100;
+        let e = err(&r);
+        assert!(e.contains("amqp.partition_prefetch") && e.contains("64") && e.contains("max_batch_size (100)"), "{e}");
+    }
+
+    #[test]
+    fn lease_timing_rule() {
+        let mut r = RawConfig::default();
+        r.ownership.renew_deadline = "20s".into();
+        assert!(err(&r).contains("ownership.renew_deadline"));
+        let mut r = RawConfig::default();
+        r.ownership.renew_interval = "9s".into();
+        assert!(err(&r).contains("ownership.renew_interval"));
+    }
+
+    #[test]
+    fn bad_values_name_key_value_and_rule() {
+        let cases: Vec<(fn(&mut RawConfig), &str)> = vec![
+            (|r| r.keying.mode = "fast".into(), "keying.mode"),
+            (|r| r.keying.chat_key = "x".into(), "keying.chat_key"),
+            (|r| r.batching.max_batch_wait = "soon".into(), "batching.max_batch_wait"),
+            (|r| r.amqp.partitions = 0, "amqp.partitions"),
+            (|r| r.amqp.partition_prefetch = 70000, "amqp.partition_prefetch"),
+            (|r| r.sharding.default_shards = 0, "sharding.default_shards"),
+            (|r| r.sharding.default_shards = 65, "sharding.default_shards"),
+            (|r| r.llm.endpoints = vec![], "llm.endpoints"),
+            (|r| r.llm.endpoints = vec!["ftp://x".into()], "llm.endpoints"),
+            (|r| r.llm.max_attempts = 0, "llm.max_attempts"),
+            (|r| r.http.listen = "nowhere".into(), "http.listen"),
+            (|r| r.log.format = "xml".into(), "log.format"),
+            (|r| r.amqp.url = "http://x".into(), "amqp.url"),
+            (|r| r.sharding.rules = vec![RawShardRule { pattern: "(".into(), shards: 2 }], "sharding.rules.pattern"),
+            (|r| r.instance.name = "a b".into(), "instance.name"),
+        ];
+        for (f, key) in cases {
+            let mut r = RawConfig::default();
+            f(&mut r);
+            let e = err(&r);
+            assert!(e.contains(key) && e.contains("must"), "{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn secrets_do_not_print() {
+        let mut r = RawConfig::default();
+        r.amqp.url = "amqp://user:hunter2@host:5672/%2f".into();
+        r.redis.url = "redis://:s3cret@host:6379/".into();
+        r.llm.api_key = "tok-123".into();
+        let s = ok(&r);
+        let dbg = format!("{s:?}");
+        for secret in ["hunter2", "s3cret", "tok-123"] {
+            assert!(!dbg.contains(secret), "{dbg}");
+            assert!(!redacted_toml(&r).contains(secret));
+        }
+        assert_eq!(s.amqp.url.expose(), "amqp://user:hunter2@host:5672/%2f");
+        r.amqp.partitions = 0;
+        assert!(!err(&r).contains("hunter2"));
+        r.amqp.partitions = 64;
+        r.amqp.url = "amqp://user:hunter2@ho st".into();
+        assert!(!err(&r).contains("hunter2"));
+    }
+
+    #[test]
+    fn file_and_env_layers_and_unknown_keys() {
+        let dir = std::env::temp_dir().join(format!("pb-cfg-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        std::fs::write(&path, "[batching]\nmax_batch_size = 4\nmax_batch_wait = \"250ms\"\n[llm]\nendpoints = [\"http://a:1\", \"http://b:2\"]\n").unwrap();
+        let s = load(Some(&path)).unwrap();
+        assert_eq!(s.batching.max_batch_size.get(), 4);
+        assert_eq!(s.batching.max_batch_wait, Duration::from_millis(250));
+        assert_eq!(s.llm.endpoints.len(), 2);
+        std::fs::write(&path, "[batching]\nmax_batch_sise = 4\n").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("max_batch_sise"), "{e}");
+        std::fs::write(&path, "[batchin]\n").unwrap();
+        assert!(load(Some(&path)).is_err());
+    }
+}

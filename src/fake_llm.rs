@@ -1,0 +1,629 @@
+//! A fake OpenAI-compatible LLM server, in process: for unit and integration tests, benchmarks of
+//! the pipeline without a GPU, and demos.
+//!
+//! Built with a builder ([`FakeLlm`]), bound to an OS-chosen port ([`FakeLlm::start`]) or to a
+//! listener the caller owns ([`FakeLlm::serve`]). It answers:
+//!
+//! - `POST /v1/completions` — `prompt` a string or a list of strings; one choice per prompt with
+//!   `index`, `text` = `"ok:"` + the prompt's first 8 characters and `finish_reason: "length"`, and
+//!   OpenAI `usage` with vLLM's `prompt_tokens_details.cached_tokens`. With
+//!   [`ListShape::PerPromptArray`] a list of several prompts is answered the way llama.cpp's
+//!   llama-server does: a JSON array of whole per-prompt completion objects, each with its own
+//!   `usage` and `timings` (`prompt_n`, `cache_n`, `predicted_n`).
+//! - `POST /v1/chat/completions` — `choices[0].message = {role: "assistant", content}`.
+//! - `GET /v1/models`, `GET /health`, and `GET /metrics` with vLLM's prefix cache counters
+//!   `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (in tokens).
+//!
+//! Token model: a prompt of `c` characters has `max(1, ceil(c / 4))` prompt tokens; its cached
+//! tokens are `floor(l / 4)` where `l` is the longest common prefix, in characters, with any prompt
+//! this server answered before (earlier prompts of the same list included), so tests can observe a
+//! cache effect. Failures and bad JSON come first, in call order (see [`FakeLlm::fail_first`]),
+//! and are not counted in the cache model.
+
+use std::future::Future;
+use std::io;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Map, Value};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use url::Url;
+
+/// Builder and configuration of a fake server. Every option defaults to "behave well, instantly".
+#[derive(Debug, Clone)]
+pub struct FakeLlm {
+    model: String,
+    latency: Duration,
+    per_prompt_latency: Duration,
+    fail_first: usize,
+    fail_status: u16,
+    always_fail: Option<u16>,
+    bad_json_first: usize,
+    retry_after: Option<u64>,
+    cache: CacheReport,
+    shape: ListShape,
+    reverse_choices: bool,
+    omit_choice: Option<usize>,
+}
+
+/// How the fake reports cached prompt tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CacheReport {
+    /// The longest-common-prefix model of the module docs (default).
+    #[default]
+    LongestPrefix,
+    /// Always report `cached_tokens: 0`.
+    Zero,
+    /// Report no `prompt_tokens_details` at all, like a server without prefix caching.
+    Omit,
+}
+
+/// The answer shape for a list `prompt` of more than one prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ListShape {
+    /// One object, one choice per prompt (OpenAI API, vLLM, SGLang). Default.
+    #[default]
+    Choices,
+    /// A JSON array of per-prompt completion objects, each with `usage` and `timings`
+    /// (llama.cpp's llama-server).
+    PerPromptArray,
+}
+
+impl Default for FakeLlm {
+    fn default() -> Self {
+        FakeLlm {
+            model: "fake-model".into(),
+            latency: Duration::ZERO,
+            per_prompt_latency: Duration::ZERO,
+            fail_first: 0,
+            fail_status: 500,
+            always_fail: None,
+            bad_json_first: 0,
+            retry_after: None,
+            cache: CacheReport::default(),
+            shape: ListShape::default(),
+            reverse_choices: false,
+            omit_choice: None,
+        }
+    }
+}
+
+impl FakeLlm {
+    /// A well-behaved, instant server named `fake-model`.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The model id reported by `/v1/models` and in answers that name no model.
+    pub fn model(mut self, name: impl Into<String>) -> Self {
+        self.model = name.into();
+        self
+    }
+
+    /// Delay before every POST answer (failures included).
+    pub fn latency(mut self, d: Duration) -> Self {
+        self.latency = d;
+        self
+    }
+
+    /// Extra delay per prompt of a POST (a list of 4 prompts waits 4 × `d`).
+    pub fn per_prompt_latency(mut self, d: Duration) -> Self {
+        self.per_prompt_latency = d;
+        self
+    }
+
+    /// The first `n` POST calls are answered with HTTP `status` and an OpenAI-style error body.
+    pub fn fail_first(mut self, n: usize, status: u16) -> Self {
+        self.fail_first = n;
+        self.fail_status = status;
+        self
+    }
+
+    /// Every POST call is answered with HTTP `status`.
+    pub fn always_fail(mut self, status: u16) -> Self {
+        self.always_fail = Some(status);
+        self
+    }
+
+    /// After the [`fail_first`](Self::fail_first) calls, the next `n` POST calls get HTTP 200 with
+    /// a truncated JSON body.
+    pub fn bad_json_first(mut self, n: usize) -> Self {
+        self.bad_json_first = n;
+        self
+    }
+
+    /// Adds `Retry-After: secs` to every failure response.
+    pub fn retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// How cached tokens are reported; see [`CacheReport`].
+    pub fn cached_tokens(mut self, mode: CacheReport) -> Self {
+        self.cache = mode;
+        self
+    }
+
+    /// The answer shape for list prompts; see [`ListShape`].
+    pub fn list_shape(mut self, shape: ListShape) -> Self {
+        self.shape = shape;
+        self
+    }
+
+    /// Return choices in reverse index order (the OpenAI API promises `index`, not order).
+    pub fn reverse_choices(mut self) -> Self {
+        self.reverse_choices = true;
+        self
+    }
+
+    /// Leave out the choice for prompt `index` of every list answer (a misbehaving server).
+    pub fn omit_choice(mut self, index: usize) -> Self {
+        self.omit_choice = Some(index);
+        self
+    }
+
+    /// Binds `127.0.0.1:0` and serves in a background task until the handle is dropped or
+    /// [`FakeLlmHandle::shutdown`] is called.
+    pub async fn start(self) -> io::Result<FakeLlmHandle> {
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let addr: SocketAddr = listener.local_addr()?;
+        let url = Url::parse(&format!("http://{addr}")).map_err(io::Error::other)?;
+        let state = Arc::new(Shared::new(self));
+        let stop = state.stop.clone();
+        tokio::spawn(serve_shared(state.clone(), listener, async move { stop.cancelled().await }));
+        Ok(FakeLlmHandle { url, state })
+    }
+
+    /// Serves on `listener` until `shutdown` completes (for a CLI subcommand or a caller that owns
+    /// the socket). Pending answers are cut short at shutdown (HTTP 503).
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> io::Result<()> {
+        serve_shared(Arc::new(Shared::new(self)), listener, shutdown).await
+    }
+}
+
+/// One POST the fake received, recorded on arrival (before its latency).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RecordedCall {
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub path: String,
+    /// The request's `model`.
+    pub model: Option<String>,
+    /// The completion prompts in request order, or for chat the one conversation rendered as
+    /// `<|role|>\ncontent\n` per message.
+    pub prompts: Vec<String>,
+    /// Everything else of the request body (sampling params, `cache_prompt`, `stream`, …).
+    pub params: Map<String, Value>,
+    /// The HTTP status the fake decided to answer with.
+    pub status: u16,
+    /// The `Authorization` header, as received.
+    pub authorization: Option<String>,
+    /// Arrival time.
+    pub received_at: tokio::time::Instant,
+}
+
+/// A running fake server. Dropping it stops the server.
+pub struct FakeLlmHandle {
+    /// Base URL, `http://127.0.0.1:PORT` (no `/v1`).
+    pub url: Url,
+    state: Arc<Shared>,
+}
+
+impl FakeLlmHandle {
+    /// Every POST received so far, in arrival order.
+    pub fn calls(&self) -> Vec<RecordedCall> {
+        self.state.lock().calls.clone()
+    }
+
+    /// Number of POSTs received so far.
+    pub fn call_count(&self) -> usize {
+        self.state.lock().calls.len()
+    }
+
+    /// Waits until at least `n` POSTs have arrived (no polling, no sleeps).
+    pub async fn wait_for_calls(&self, n: usize) {
+        let mut rx = self.state.arrivals.subscribe();
+        // The sender lives as long as `self`, so this only ends when the count is reached.
+        let _ = rx.wait_for(|&count| count >= n).await;
+    }
+
+    /// The highest number of POSTs that were being answered at the same time.
+    pub fn max_in_flight(&self) -> usize {
+        self.state.lock().max_in_flight
+    }
+
+    /// The `/metrics` counters: (prompt tokens queried, prompt tokens served from the cache).
+    pub fn prefix_cache_counters(&self) -> (u64, u64) {
+        let g = self.state.lock();
+        (g.cache_queries, g.cache_hits)
+    }
+
+    /// Stops the server; pending answers end with HTTP 503.
+    pub fn shutdown(self) {
+        drop(self)
+    }
+}
+
+impl std::fmt::Debug for FakeLlmHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FakeLlmHandle").field("url", &self.url.as_str()).finish_non_exhaustive()
+    }
+}
+
+impl Drop for FakeLlmHandle {
+    fn drop(&mut self) {
+        self.state.stop.cancel();
+    }
+}
+
+struct Shared {
+    cfg: FakeLlm,
+    inner: Mutex<Inner>,
+    /// Number of POSTs received; `wait_for_calls` watches it.
+    arrivals: watch::Sender<usize>,
+    /// Fired at shutdown: ends pending latencies and the accept loop.
+    stop: CancellationToken,
+}
+
+#[derive(Default)]
+struct Inner {
+    calls: Vec<RecordedCall>,
+    /// Prompts answered successfully, for the prefix cache model.
+    seen: Vec<String>,
+    cache_queries: u64,
+    cache_hits: u64,
+    in_flight: usize,
+    max_in_flight: usize,
+    completions: u64,
+}
+
+impl Shared {
+    fn new(cfg: FakeLlm) -> Self {
+        Shared {
+            cfg,
+            inner: Mutex::new(Inner::default()),
+            arrivals: watch::Sender::new(0),
+            stop: CancellationToken::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panicking test thread must not hide the recorded calls from the others.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+async fn serve_shared(
+    state: Arc<Shared>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let stop = state.stop.clone();
+    let app = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .with_state(state);
+    let signal = async move {
+        tokio::select! {
+            _ = shutdown => stop.cancel(),
+            _ = stop.cancelled() => {}
+        }
+    };
+    axum::serve(listener, app).with_graceful_shutdown(signal).await
+}
+
+/// Tokens of a text in the fake's model: `max(1, ceil(chars / 4))`.
+fn tokens(text: &str) -> u64 {
+    (text.chars().count() as u64).div_ceil(4).max(1)
+}
+
+fn common_prefix_chars(a: &str, b: &str) -> usize {
+    a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The deterministic answer text for a prompt.
+fn answer_text(prompt: &str) -> String {
+    format!("ok:{}", prompt.chars().take(8).collect::<String>())
+}
+
+fn error_response(status: u16, message: &str, retry_after: Option<u64>) -> Response {
+    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let kind = if code.is_server_error() { "server_error" } else { "invalid_request_error" };
+    let body = Json(json!({"error": {"message": message, "type": kind, "code": status}}));
+    let mut response = (code, body).into_response();
+    if let Some(secs) = retry_after {
+        response.headers_mut().insert(header::RETRY_AFTER, secs.into());
+    }
+    response
+}
+
+/// Per-prompt token accounting of one successful call.
+struct PromptTokens {
+    prompt: u64,
+    cached: Option<u64>,
+}
+
+enum Decision {
+    Fail(u16),
+    BadJson,
+    Answer(Vec<PromptTokens>),
+}
+
+/// Records the call, decides its fate, runs the cache model and the latency; returns `Err` with a
+/// finished response when the call fails, or the per-prompt token counts.
+async fn admit(
+    state: &Shared,
+    path: &str,
+    headers: &HeaderMap,
+    model: Option<String>,
+    prompts: Vec<String>,
+    params: Map<String, Value>,
+) -> Result<Vec<PromptTokens>, Response> {
+    let cfg = &state.cfg;
+    let n_prompts = prompts.len();
+    let (decision, count) = {
+        let mut g = state.lock();
+        let k = g.calls.len();
+        let decision = if let Some(status) = cfg.always_fail {
+            Decision::Fail(status)
+        } else if k < cfg.fail_first {
+            Decision::Fail(cfg.fail_status)
+        } else if k < cfg.fail_first + cfg.bad_json_first {
+            Decision::BadJson
+        } else {
+            let mut counts = Vec::with_capacity(n_prompts);
+            for p in &prompts {
+                let prompt = tokens(p);
+                let lcp = g.seen.iter().map(|s| common_prefix_chars(s, p)).max().unwrap_or(0);
+                let cached = (lcp as u64 / 4).min(prompt);
+                g.cache_queries += prompt;
+                g.cache_hits += cached;
+                g.seen.push(p.clone());
+                counts.push(PromptTokens {
+                    prompt,
+                    cached: match cfg.cache {
+                        CacheReport::LongestPrefix => Some(cached),
+                        CacheReport::Zero => Some(0),
+                        CacheReport::Omit => None,
+                    },
+                });
+            }
+            Decision::Answer(counts)
+        };
+        let status = match decision {
+            Decision::Fail(s) => s,
+            _ => 200,
+        };
+        g.calls.push(RecordedCall {
+            path: path.to_owned(),
+            model,
+            prompts,
+            params,
+            status,
+            authorization: headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_owned),
+            received_at: tokio::time::Instant::now(),
+        });
+        g.in_flight += 1;
+        g.max_in_flight = g.max_in_flight.max(g.in_flight);
+        (decision, g.calls.len())
+    };
+    state.arrivals.send_replace(count);
+
+    let _in_flight = InFlight(state);
+    let delay = cfg.latency + cfg.per_prompt_latency * n_prompts as u32;
+    if !delay.is_zero() {
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = state.stop.cancelled() => return Err(error_response(503, "fake server shutting down", None)),
+        }
+    }
+    match decision {
+        Decision::Fail(status) => Err(error_response(status, "fake failure", cfg.retry_after)),
+        Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
+        Decision::Answer(counts) => Ok(counts),
+    }
+}
+
+/// Decrements the in-flight gauge when an answer ends, however it ends.
+struct InFlight<'a>(&'a Shared);
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.lock().in_flight -= 1;
+    }
+}
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, Response> {
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(m)) => Ok(m),
+        _ => Err(error_response(400, "body must be a JSON object", None)),
+    }
+}
+
+fn usage_json(t: &PromptTokens, completion_tokens: u64) -> Value {
+    let mut usage = json!({
+        "prompt_tokens": t.prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": t.prompt + completion_tokens,
+    });
+    if let Some(cached) = t.cached {
+        usage["prompt_tokens_details"] = json!({ "cached_tokens": cached });
+    }
+    usage
+}
+
+async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let mut req = match parse_object(&body) {
+        Ok(m) => m,
+        Err(r) => return r,
+    };
+    let prompts: Vec<String> = match req.remove("prompt") {
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(list)) if !list.is_empty() && list.iter().all(Value::is_string) => {
+            list.into_iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()
+        }
+        _ => return error_response(400, "`prompt` must be a string or a non-empty list of strings", None),
+    };
+    let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
+    let counts = match admit(&state, "/v1/completions", &headers, model.clone(), prompts.clone(), req).await {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let cfg = &state.cfg;
+    let model = model.unwrap_or_else(|| cfg.model.clone());
+    let id = {
+        let mut g = state.lock();
+        g.completions += 1;
+        g.completions
+    };
+    let created = unix_now();
+    let choice = |i: usize, p: &str| {
+        json!({"index": i, "text": answer_text(p), "logprobs": null, "finish_reason": "length"})
+    };
+    if cfg.shape == ListShape::PerPromptArray && prompts.len() > 1 {
+        let objects: Vec<Value> = prompts
+            .iter()
+            .zip(&counts)
+            .enumerate()
+            .filter(|(i, _)| cfg.omit_choice != Some(*i))
+            .map(|(i, (p, t))| {
+                let completion_tokens = tokens(&answer_text(p));
+                json!({
+                    "id": format!("cmpl-fake-{id}-{i}"),
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [choice(i, p)],
+                    "usage": usage_json(t, completion_tokens),
+                    "timings": {
+                        "cache_n": t.cached.unwrap_or(0),
+                        "prompt_n": t.prompt - t.cached.unwrap_or(0),
+                        "predicted_n": completion_tokens,
+                    },
+                })
+            })
+            .collect();
+        let mut objects = objects;
+        if cfg.reverse_choices {
+            objects.reverse();
+        }
+        return Json(Value::Array(objects)).into_response();
+    }
+    let mut choices: Vec<Value> = prompts
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| cfg.omit_choice != Some(*i))
+        .map(|(i, p)| choice(i, p))
+        .collect();
+    if cfg.reverse_choices {
+        choices.reverse();
+    }
+    let total = PromptTokens {
+        prompt: counts.iter().map(|t| t.prompt).sum(),
+        cached: counts.iter().map(|t| t.cached).sum(),
+    };
+    let completion_tokens: u64 = prompts.iter().map(|p| tokens(&answer_text(p))).sum();
+    Json(json!({
+        "id": format!("cmpl-fake-{id}"),
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(&total, completion_tokens),
+    }))
+    .into_response()
+}
+
+/// Text of a chat message's `content`: a string, or the `text` parts joined.
+fn content_text(content: Option<&Value>) -> String {
+    match content {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
+        _ => String::new(),
+    }
+}
+
+async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let mut req = match parse_object(&body) {
+        Ok(m) => m,
+        Err(r) => return r,
+    };
+    let messages = match req.remove("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => m,
+        _ => return error_response(400, "`messages` must be a non-empty list", None),
+    };
+    let mut rendered = String::new();
+    for m in &messages {
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("?");
+        rendered.push_str(&format!("<|{role}|>\n{}\n", content_text(m.get("content"))));
+    }
+    let last = content_text(messages.last().and_then(|m| m.get("content")));
+    let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
+    let counts = match admit(&state, "/v1/chat/completions", &headers, model.clone(), vec![rendered], req).await {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    let id = {
+        let mut g = state.lock();
+        g.completions += 1;
+        g.completions
+    };
+    let content = answer_text(&last);
+    let completion_tokens = tokens(&content);
+    Json(json!({
+        "id": format!("chatcmpl-fake-{id}"),
+        "object": "chat.completion",
+        "created": unix_now(),
+        "model": model.unwrap_or_else(|| state.cfg.model.clone()),
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": "length",
+        }],
+        "usage": usage_json(&counts[0], completion_tokens),
+    }))
+    .into_response()
+}
+
+async fn models(State(state): State<Arc<Shared>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": state.cfg.model, "object": "model", "created": 0, "owned_by": "fake-llm"}],
+    }))
+}
+
+async fn metrics(State(state): State<Arc<Shared>>) -> Response {
+    let (queries, hits) = {
+        let g = state.lock();
+        (g.cache_queries, g.cache_hits)
+    };
+    let model = &state.cfg.model;
+    let text = format!(
+        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n\
+         # TYPE vllm:prefix_cache_queries_total counter\n\
+         vllm:prefix_cache_queries_total{{model_name=\"{model}\"}} {queries}\n\
+         # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
+         # TYPE vllm:prefix_cache_hits_total counter\n\
+         vllm:prefix_cache_hits_total{{model_name=\"{model}\"}} {hits}\n"
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}

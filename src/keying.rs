@@ -1,0 +1,329 @@
+//! Prefix keys, shards and partitions: which requests belong together and where they go.
+//!
+//! Everything here is pure and deterministic across instances, releases and platforms: hashes are
+//! `xxh3_64` with fixed seeds (never `std`'s `DefaultHasher`, whose output may change between
+//! Rust releases), and integers are hashed in little-endian byte order.
+//!
+//! - key: `xxh3_64(material, KEY_SEED)` where material is the explicit `prefix_key`, else the chat
+//!   key material, else the first `prefix_chars` characters of the completions prompt.
+//! - shard: uniform at random in `0..shards(key)`.
+//! - partition: `xxh3_64(key_le ‖ shard_le, PARTITION_SEED) mod P`.
+//! - rendezvous (HRW) hashing: the winner among members for an item is the member with the highest
+//!   `xxh3_64(item_le ‖ member, HRW_SEED)` (Thaler & Ravishankar, 1998).
+
+use std::fmt;
+use std::num::NonZeroU32;
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::config::{ChatKey, KeyingMode, KeyingSettings, ShardingSettings};
+use crate::request::{render_chat, Body, ChatMessage, Request};
+
+/// Seed of the prefix-key hash. Changing it re-keys every deployment: never change it.
+pub const KEY_SEED: u64 = 0x7072_6566_6978_6b65; // "prefixke"
+/// Seed of the partition hash.
+pub const PARTITION_SEED: u64 = 0x7061_7274_6974_696f; // "partitio"
+/// Seed of rendezvous hashing (partition owners, LLM endpoints).
+pub const HRW_SEED: u64 = 0x7265_6e64_657a_766f; // "rendezvo"
+
+/// Characters of key material shown in logs.
+pub const MATERIAL_PREVIEW_CHARS: usize = 40;
+
+/// A 64-bit prefix key. Displayed as 16 lowercase hex digits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PrefixKey(pub u64);
+
+impl PrefixKey {
+    /// Hashes key material.
+    pub fn of(material: &str) -> Self {
+        PrefixKey(xxh3_64_with_seed(material.as_bytes(), KEY_SEED))
+    }
+}
+
+impl fmt::Display for PrefixKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// Where a key came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    /// The request's `prefix_key` field or `x-prefix-key` header.
+    Explicit,
+    /// Derived from chat messages.
+    Chat,
+    /// Derived from a completions prompt.
+    Completion,
+}
+
+/// A derived key with the material it was computed from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyedRequest {
+    pub key: PrefixKey,
+    pub source: KeySource,
+    /// The full key material (the explicit key, or the prompt prefix).
+    pub material: String,
+}
+
+impl KeyedRequest {
+    /// The first [`MATERIAL_PREVIEW_CHARS`] characters of the material, for logs.
+    pub fn preview(&self) -> &str {
+        prefix_chars(&self.material, MATERIAL_PREVIEW_CHARS)
+    }
+}
+
+/// The first `n` Unicode scalar values of `s` (all of `s` when shorter).
+pub fn prefix_chars(s: &str, n: usize) -> &str {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// Derives the prefix key of a request: explicit > chat > completions (DESIGN §3).
+///
+/// Chat messages are validated at parse time, so derivation cannot fail.
+pub fn derive_key(req: &Request, cfg: &KeyingSettings) -> KeyedRequest {
+    if let Some(k) = &req.prefix_key {
+        return KeyedRequest { key: PrefixKey::of(k), source: KeySource::Explicit, material: k.clone() };
+    }
+    let (material, source) = match &req.body {
+        Body::Completion(p) => (prefix_chars(p, cfg.prefix_chars.get()).to_owned(), KeySource::Completion),
+        Body::Chat(msgs) => (chat_material(msgs, cfg), KeySource::Chat),
+    };
+    KeyedRequest { key: PrefixKey::of(&material), source, material }
+}
+
+fn chat_material(msgs: &[ChatMessage], cfg: &KeyingSettings) -> String {
+    let n = cfg.prefix_chars.get();
+    let leading_system = msgs.iter().take_while(|m| m.role == "system" || m.role == "developer").count();
+    match cfg.chat_key {
+        ChatKey::Rendered => render_chat(msgs, n),
+        ChatKey::System if leading_system > 0 => render_chat(&msgs[..leading_system], usize::MAX),
+        ChatKey::SystemAndFirstUser => {
+            let end = msgs[leading_system..]
+                .iter()
+                .position(|m| m.role == "user")
+                .map_or(leading_system, |i| leading_system + i + 1);
+            render_chat(&msgs[..end], usize::MAX)
+        }
+        ChatKey::System => match msgs.iter().find(|m| m.role == "user") {
+            Some(u) => render_chat(std::slice::from_ref(u), n + "<|user|>\n".len()),
+            None => render_chat(msgs, n),
+        },
+    }
+}
+
+/// Number of shards of a key: the per-key table (by explicit key or key hex), then the first
+/// matching pattern rule (matched against the explicit key or the key material), then
+/// `default_shards`.
+pub fn shards_for(k: &KeyedRequest, cfg: &ShardingSettings) -> NonZeroU32 {
+    if let Some(n) = cfg.keys.get(&k.material).or_else(|| cfg.keys.get(&k.key.to_string())) {
+        return *n;
+    }
+    cfg.rules
+        .iter()
+        .find(|r| r.pattern.is_match(&k.material))
+        .map_or(cfg.default_shards, |r| r.shards)
+}
+
+/// Picks a shard uniformly at random in `0..shards`.
+pub fn pick_shard(shards: NonZeroU32) -> u32 {
+    fastrand::u32(0..shards.get())
+}
+
+/// Partition of (key, shard): `xxh3_64(key_le ‖ shard_le, PARTITION_SEED) mod partitions`.
+pub fn partition_of(key: PrefixKey, shard: u32, partitions: NonZeroU32) -> u32 {
+    let mut buf = [0u8; 12];
+    buf[..8].copy_from_slice(&key.0.to_le_bytes());
+    buf[8..].copy_from_slice(&shard.to_le_bytes());
+    (xxh3_64_with_seed(&buf, PARTITION_SEED) % u64::from(partitions.get())) as u32
+}
+
+/// Rendezvous (HRW) score of `member` for `item`.
+pub fn hrw_score(item: u64, member: &str) -> u64 {
+    let mut buf = Vec::with_capacity(8 + member.len());
+    buf.extend_from_slice(&item.to_le_bytes());
+    buf.extend_from_slice(member.as_bytes());
+    xxh3_64_with_seed(&buf, HRW_SEED)
+}
+
+/// Index of the member with the highest [`hrw_score`] for `item` (ties: the smaller name wins);
+/// `None` when `members` is empty.
+pub fn hrw_pick<S: AsRef<str>>(item: u64, members: &[S]) -> Option<usize> {
+    members
+        .iter()
+        .enumerate()
+        .max_by(|(_, a), (_, b)| {
+            let (a, b) = (a.as_ref(), b.as_ref());
+            hrw_score(item, a).cmp(&hrw_score(item, b)).then_with(|| b.cmp(a))
+        })
+        .map(|(i, _)| i)
+}
+
+/// Convenience for [`KeyingMode`]: whether requests are routed by key.
+pub fn is_keyed(cfg: &KeyingSettings) -> bool {
+    cfg.mode == KeyingMode::Prefix
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ShardRule;
+    use crate::request::{parse, Envelope};
+    use std::collections::HashMap;
+    use std::num::NonZeroUsize;
+
+    fn kcfg(prefix_chars: usize, chat_key: ChatKey) -> KeyingSettings {
+        KeyingSettings { mode: KeyingMode::Prefix, prefix_chars: NonZeroUsize::new(prefix_chars).unwrap(), chat_key }
+    }
+
+    fn req(json: &str) -> Request {
+        parse(json.as_bytes(), &Envelope::default(), 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn completions_key_uses_first_prefix_chars() {
+        let c = kcfg(5, ChatKey::System);
+        let a = derive_key(&req(r#"{"prompt":"Hello world"}"#), &c);
+        let b = derive_key(&req(r#"{"prompt":"Hello there"}"#), &c);
+        let d = derive_key(&req(r#"{"prompt":"Help me"}"#), &c);
+        assert_eq!(a.key, b.key);
+        assert_eq!(a.material, "Hello");
+        assert_eq!(a.source, KeySource::Completion);
+        assert_ne!(a.key, d.key);
+    }
+
+    #[test]
+    fn prefix_counts_unicode_scalar_values_not_bytes() {
+        let c = kcfg(3, ChatKey::System);
+        let a = derive_key(&req(r#"{"prompt":"日本語のテキスト"}"#), &c);
+        assert_eq!(a.material, "日本語");
+        let b = derive_key(&req(r#"{"prompt":"日本語です"}"#), &c);
+        assert_eq!(a.key, b.key);
+        assert_eq!(prefix_chars("é😀x", 2), "é😀");
+        assert_eq!(prefix_chars("ab", 5), "ab");
+    }
+
+    #[test]
+    fn explicit_key_wins() {
+        let c = kcfg(5, ChatKey::System);
+        let a = derive_key(&req(r#"{"prompt":"Hello world","prefix_key":"tenant-1"}"#), &c);
+        let b = derive_key(&req(r#"{"messages":[{"role":"user","content":"x"}],"prefix_key":"tenant-1"}"#), &c);
+        assert_eq!(a.key, b.key);
+        assert_eq!(a.source, KeySource::Explicit);
+        assert_eq!(a.key, PrefixKey::of("tenant-1"));
+    }
+
+    #[test]
+    fn chat_system_mode_keys_on_leading_system_and_developer_messages() {
+        let c = kcfg(4, ChatKey::System);
+        let a = derive_key(&req(r#"{"messages":[{"role":"system","content":"S1"},{"role":"developer","content":"D"},{"role":"user","content":"q1"}]}"#), &c);
+        let b = derive_key(&req(r#"{"messages":[{"role":"system","content":"S1"},{"role":"developer","content":"D"},{"role":"user","content":"q2"}]}"#), &c);
+        let d = derive_key(&req(r#"{"messages":[{"role":"system","content":"S2"},{"role":"user","content":"q1"}]}"#), &c);
+        assert_eq!(a.key, b.key);
+        assert_ne!(a.key, d.key);
+        assert_eq!(a.source, KeySource::Chat);
+        // The whole system prompt counts, not just prefix_chars of it.
+        assert_eq!(a.material, "<|system|>\nS1\n<|developer|>\nD\n");
+    }
+
+    #[test]
+    fn chat_system_mode_without_system_uses_first_user_prefix() {
+        let c = kcfg(4, ChatKey::System);
+        let a = derive_key(&req(r#"{"messages":[{"role":"user","content":"abcdXYZ"}]}"#), &c);
+        let b = derive_key(&req(r#"{"messages":[{"role":"user","content":"abcdQRS"}]}"#), &c);
+        let d = derive_key(&req(r#"{"messages":[{"role":"user","content":"abceQRS"}]}"#), &c);
+        assert_eq!(a.key, b.key);
+        assert_ne!(a.key, d.key);
+        assert_eq!(a.material, "<|user|>\nabcd");
+    }
+
+    #[test]
+    fn chat_system_and_first_user_mode() {
+        let c = kcfg(4, ChatKey::SystemAndFirstUser);
+        let a = derive_key(&req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"x"}]}"#), &c);
+        let b = derive_key(&req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"y"}]}"#), &c);
+        let d = derive_key(&req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u2"}]}"#), &c);
+        assert_eq!(a.key, b.key);
+        assert_ne!(a.key, d.key);
+        assert_eq!(a.material, "<|system|>\nS\n<|user|>\nu1\n");
+    }
+
+    #[test]
+    fn chat_rendered_mode_uses_role_tagged_prefix() {
+        let c = kcfg(12, ChatKey::Rendered);
+        let a = derive_key(&req(r#"{"messages":[{"role":"system","content":"ABC"},{"role":"user","content":"q1"}]}"#), &c);
+        assert_eq!(a.material, "<|system|>\nA");
+        let b = derive_key(&req(r#"{"messages":[{"role":"user","content":"ABC"}]}"#), &c);
+        assert_ne!(a.key, b.key, "roles are part of the rendered material");
+    }
+
+    #[test]
+    fn unknown_message_schema_is_an_error_not_a_shared_key() {
+        let err = parse(br#"{"messages":[{"role":"user","content":{"image":1}}]}"#, &Envelope::default(), 1000);
+        assert_eq!(err.unwrap_err().reason(), "unknown_message_schema");
+    }
+
+    /// Pinned values: a change here re-keys and re-partitions every deployment. Never update these
+    /// numbers without a migration plan.
+    #[test]
+    fn hashes_are_pinned() {
+        assert_eq!(PrefixKey::of("").to_string(), format!("{:016x}", xxh3_64_with_seed(b"", KEY_SEED)));
+        let k = PrefixKey::of("Evaluate the result of a random Boolean expression.");
+        assert_eq!(k.to_string(), "c934e2bc27728a8a");
+        let p = NonZeroU32::new(64).unwrap();
+        let parts: Vec<u32> = (0..8).map(|s| partition_of(k, s, p)).collect();
+        assert_eq!(parts, vec![44, 2, 24, 24, 34, 1, 57, 37]);
+        assert_eq!(partition_of(PrefixKey(0), 0, p), 61);
+        assert_eq!(partition_of(PrefixKey(u64::MAX), 7, NonZeroU32::new(1000).unwrap()), 65);
+        assert_eq!(hrw_score(3, "node-a"), 0x19ac_3249_961a_e743);
+        assert_eq!(hrw_pick(3, &["node-a", "node-b", "node-c"]), Some(2));
+    }
+
+    #[test]
+    fn partition_is_in_range_and_spreads() {
+        let p = NonZeroU32::new(64).unwrap();
+        let mut seen = vec![0usize; 64];
+        for i in 0..64_000u64 {
+            let part = partition_of(PrefixKey(i.wrapping_mul(0x9e37_79b9_7f4a_7c15)), (i % 8) as u32, p);
+            seen[part as usize] += 1;
+        }
+        assert!(seen.iter().all(|&n| (800..1200).contains(&n)), "{seen:?}");
+    }
+
+    #[test]
+    fn hrw_moves_only_the_leaving_members_items() {
+        let before = ["a", "b", "c", "d"];
+        let after = ["a", "b", "d"];
+        for item in 0..1000u64 {
+            let was = before[hrw_pick(item, &before).unwrap()];
+            let now = after[hrw_pick(item, &after).unwrap()];
+            if was != "c" {
+                assert_eq!(was, now, "item {item} moved although its owner stayed");
+            }
+        }
+        assert_eq!(hrw_pick::<&str>(1, &[]), None);
+    }
+
+    #[test]
+    fn shard_table_then_rules_then_default() {
+        let n = |v| NonZeroU32::new(v).unwrap();
+        let cfg = ShardingSettings {
+            default_shards: n(8),
+            keys: HashMap::from([("tenant-1".to_string(), n(2))]),
+            rules: vec![ShardRule { pattern: regex::Regex::new("^Evaluate").unwrap(), shards: n(3) }],
+        };
+        let c = kcfg(20, ChatKey::System);
+        assert_eq!(shards_for(&derive_key(&req(r#"{"prompt":"x","prefix_key":"tenant-1"}"#), &c), &cfg), n(2));
+        assert_eq!(shards_for(&derive_key(&req(r#"{"prompt":"Evaluate this"}"#), &c), &cfg), n(3));
+        let other = derive_key(&req(r#"{"prompt":"Other"}"#), &c);
+        assert_eq!(shards_for(&other, &cfg), n(8));
+        let by_hex = ShardingSettings { keys: HashMap::from([(other.key.to_string(), n(5))]), ..cfg };
+        assert_eq!(shards_for(&other, &by_hex), n(5));
+        for _ in 0..100 {
+            assert!(pick_shard(n(3)) < 3);
+        }
+    }
+}

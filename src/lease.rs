@@ -1,0 +1,239 @@
+//! The Redis lease protocol: who may consume a partition, and since which epoch.
+//!
+//! # Protocol
+//!
+//! Keys (with `P` = `redis.key_prefix`):
+//! - `P:lease:{p}` = `"{name}:{nonce}:{epoch}"` with a TTL of `lease_ttl` — the lease of partition
+//!   `p`. `name` is the instance's stable name, `nonce` is random per process start.
+//! - `P:epoch:{p}` — a counter; every acquisition of a free lease `INCR`s it, so epochs of one
+//!   partition are strictly increasing and serve as fencing tokens.
+//!
+//! Operations, each one atomic Lua script (Redis runs a script without interleaving other
+//! commands, <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
+//! - acquire: if the lease is absent, `INCR` the epoch and `SET … NX PX lease_ttl`; if this very
+//!   process (same `name:nonce`) already holds it, extend it and return its epoch; else report the
+//!   holder.
+//! - renew: compare the whole value `name:nonce:epoch` and `PEXPIRE` only on a match.
+//! - release: compare and `DEL` only on a match.
+//!
+//! # Safety argument
+//!
+//! A holder consumes partition `p` only while `now < t_sent + renew_deadline`, where `t_sent` is
+//! the monotonic time at which it *sent* its last successful acquire/renew. The lease in Redis
+//! lives until at least `t_sent + lease_ttl` measured by Redis (the expiry was set after the send),
+//! so as long as clocks advance at similar rates (Redis uses its own monotonic-ish clock) and
+//! `lease_ttl - renew_deadline` covers the drift and the time between the last local check and a
+//! publish, the old holder stops before anyone else can acquire. The defaults (15 s vs 10 s) leave
+//! 5 s. Renewals compare the full value including the epoch, so a holder whose lease expired and
+//! was taken by another can never extend the successor's lease. A paused process (SIGSTOP, GC,
+//! swap) that wakes after its deadline finds its local deadline passed before doing anything and
+//! stops; anything it still publishes carries its old epoch in `x-partition-epoch`, which makes it
+//! detectable downstream. The broker adds a last fence: partition queues are single-active-consumer.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::Script;
+
+/// Acquire: KEYS = [lease, epoch], ARGV = [holder ("name:nonce"), ttl_ms].
+/// Returns `[epoch, ""]` on success, `[0, current_value]` when held by someone else.
+const ACQUIRE: &str = r#"
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local mine = ARGV[1] .. ':'
+  if string.sub(cur, 1, string.len(mine)) == mine then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {tonumber(string.sub(cur, string.len(mine) + 1)), ''}
+  end
+  return {0, cur}
+end
+local e = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. e, 'PX', ARGV[2])
+return {e, ''}
+"#;
+
+/// Renew: KEYS = [lease], ARGV = [value, ttl_ms]. Returns 1 when renewed, 0 when not ours.
+const RENEW: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"#;
+
+/// Release: KEYS = [lease], ARGV = [value]. Returns 1 when deleted, 0 when not ours.
+const RELEASE: &str = r#"
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+/// Lease errors.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// Redis unreachable, timed out or answered with an error. The lease state is unknown.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// The command did not answer within `redis.command_timeout`.
+    #[error("redis command timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+/// Result of an acquire attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquire {
+    /// Acquired (or already ours) with this epoch.
+    Acquired(u64),
+    /// Held by another process; the value is `name:nonce:epoch`.
+    Busy(String),
+}
+
+/// A parsed lease value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseValue {
+    pub name: String,
+    pub nonce: String,
+    pub epoch: u64,
+}
+
+impl LeaseValue {
+    /// Parses `name:nonce:epoch` (names contain no `:`, enforced at config load).
+    pub fn parse(s: &str) -> Option<LeaseValue> {
+        let mut it = s.rsplitn(3, ':');
+        let epoch = it.next()?.parse().ok()?;
+        let nonce = it.next()?.to_owned();
+        let name = it.next()?.to_owned();
+        Some(LeaseValue { name, nonce, epoch })
+    }
+}
+
+/// Lease operations for one process (`name:nonce`).
+#[derive(Clone)]
+pub struct Leases {
+    conn: ConnectionManager,
+    prefix: String,
+    holder: String,
+    ttl: Duration,
+    timeout: Duration,
+    acquire: std::sync::Arc<Script>,
+    renew: std::sync::Arc<Script>,
+    release: std::sync::Arc<Script>,
+}
+
+impl Leases {
+    /// `holder` is `name:nonce`.
+    pub fn new(conn: ConnectionManager, prefix: &str, holder: String, ttl: Duration, timeout: Duration) -> Self {
+        Leases {
+            conn,
+            prefix: prefix.to_owned(),
+            holder,
+            ttl,
+            timeout,
+            acquire: std::sync::Arc::new(Script::new(ACQUIRE)),
+            renew: std::sync::Arc::new(Script::new(RENEW)),
+            release: std::sync::Arc::new(Script::new(RELEASE)),
+        }
+    }
+
+    /// `name:nonce` of this process.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// Redis key of partition `p`'s lease.
+    pub fn lease_key(prefix: &str, p: u32) -> String {
+        format!("{prefix}:lease:{p}")
+    }
+
+    /// Redis key of partition `p`'s epoch counter.
+    pub fn epoch_key(prefix: &str, p: u32) -> String {
+        format!("{prefix}:epoch:{p}")
+    }
+
+    /// The full lease value this process writes for `epoch`.
+    pub fn value(&self, epoch: u64) -> String {
+        format!("{}:{epoch}", self.holder)
+    }
+
+    async fn timed<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, LeaseError> {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(LeaseError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Tries to acquire partition `p`.
+    pub async fn acquire(&self, p: u32) -> Result<Acquire, LeaseError> {
+        let mut conn = self.conn.clone();
+        let (epoch, cur): (u64, String) = self
+            .timed(
+                self.acquire
+                    .key(Self::lease_key(&self.prefix, p))
+                    .key(Self::epoch_key(&self.prefix, p))
+                    .arg(&self.holder)
+                    .arg(self.ttl.as_millis() as u64)
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        Ok(if epoch > 0 { Acquire::Acquired(epoch) } else { Acquire::Busy(cur) })
+    }
+
+    /// Renews partition `p`'s lease at `epoch`. `Ok(false)`: the lease is no longer ours.
+    pub async fn renew(&self, p: u32, epoch: u64) -> Result<bool, LeaseError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .timed(
+                self.renew
+                    .key(Self::lease_key(&self.prefix, p))
+                    .arg(self.value(epoch))
+                    .arg(self.ttl.as_millis() as u64)
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Releases partition `p`'s lease at `epoch`. `Ok(false)`: it was not ours any more.
+    pub async fn release(&self, p: u32, epoch: u64) -> Result<bool, LeaseError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .timed(self.release.key(Self::lease_key(&self.prefix, p)).arg(self.value(epoch)).invoke_async(&mut conn))
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Reads the lease values of partitions `0..partitions` (for `status`).
+    pub async fn read_all(&self, partitions: u32) -> Result<Vec<Option<LeaseValue>>, LeaseError> {
+        read_all(&mut self.conn.clone(), &self.prefix, partitions, self.timeout).await
+    }
+}
+
+/// Reads the lease values of partitions `0..partitions`.
+pub async fn read_all(
+    conn: &mut ConnectionManager,
+    prefix: &str,
+    partitions: u32,
+    timeout: Duration,
+) -> Result<Vec<Option<LeaseValue>>, LeaseError> {
+    let keys: Vec<String> = (0..partitions).map(|p| Leases::lease_key(prefix, p)).collect();
+    let vals: Vec<Option<String>> = match tokio::time::timeout(timeout, redis::cmd("MGET").arg(&keys).query_async(conn)).await {
+        Ok(r) => r?,
+        Err(_) => return Err(LeaseError::Timeout(timeout)),
+    };
+    Ok(vals.into_iter().map(|v| v.as_deref().and_then(LeaseValue::parse)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_value_parses() {
+        assert_eq!(
+            LeaseValue::parse("host-1:ab12:7"),
+            Some(LeaseValue { name: "host-1".into(), nonce: "ab12".into(), epoch: 7 })
+        );
+        assert_eq!(LeaseValue::parse("garbage"), None);
+        assert_eq!(LeaseValue::parse("a:b:notanumber"), None);
+    }
+}

@@ -1,0 +1,45 @@
+//! prefix-batcher keeps LLM servers' prefix (KV) caches warm.
+//!
+//! It consumes prompt requests from RabbitMQ, gives each a prefix key, spreads each key over a
+//! bounded number of shards, routes every shard to a partition queue that exactly one instance
+//! owns (Redis leases with epochs, fenced by RabbitMQ single-active-consumer), batches per key
+//! with a flush timeout, calls an OpenAI-compatible LLM server and publishes the results, acking
+//! each request only after its result is confirmed by the broker.
+//!
+//! # Layout
+//!
+//! Data flows one way: input queue → [`router`] → partition queues → [`partition`] (consumer →
+//! [`batcher`] → [`llm`] → [`publisher`]) → reply queues.
+//!
+//! - [`config`]: raw TOML/env configuration and the validated `Settings`.
+//! - [`request`]: the message contract — parsing requests, dead-letter reasons, result shape.
+//! - [`keying`]: prefix keys, shards, partitions and rendezvous hashing (pure).
+//! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
+//! - [`topology`]: declares and checks exchanges and queues.
+//! - [`router`]: consumes the input queue and forwards each request to its partition queue.
+//! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs).
+//! - [`ownership`]: membership, partition assignment and the lifecycle of owned partitions.
+//! - [`partition`]: the pipeline of one owned partition.
+//! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits).
+//! - [`publisher`]: publishes results and dead letters with publisher confirms.
+//! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`app`]: wiring, reconnects and graceful shutdown.
+//! - [`client`]: the `submit` and `status` commands.
+//! - [`fake_llm`]: an in-process fake OpenAI-compatible server for tests.
+
+pub mod app;
+pub mod batcher;
+pub mod client;
+pub mod config;
+pub mod fake_llm;
+pub mod http;
+pub mod keying;
+pub mod lease;
+pub mod llm;
+pub mod metrics;
+pub mod ownership;
+pub mod partition;
+pub mod publisher;
+pub mod request;
+pub mod router;
+pub mod topology;

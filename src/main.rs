@@ -1,0 +1,211 @@
+//! `prefix-batcher`: tracing → config (exit 78 on a bad one) → run → wait for a signal → drain
+//! with one deadline (exit 70 when exceeded).
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use prefix_batcher::app::{self, EXIT_CONFIG};
+use prefix_batcher::client;
+use prefix_batcher::config::{self, LogFormat, Settings, DEFAULT_CONFIG_PATH};
+
+#[derive(Parser)]
+#[command(name = "prefix-batcher", version, about = "Keeps LLM servers' prefix (KV) caches warm by batching RabbitMQ prompt requests per prefix key.")]
+struct Cli {
+    /// Configuration file (TOML). Environment variables PREFIX_BATCHER__SECTION__KEY override it.
+    /// When not given and the default path does not exist, built-in defaults are used.
+    #[arg(long, global = true, env = "PREFIX_BATCHER_CONFIG")]
+    config: Option<PathBuf>,
+    /// Log format; overrides `log.format`.
+    #[arg(long, global = true, value_parser = ["pretty", "json"])]
+    log_format: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon until SIGTERM or SIGINT.
+    Run,
+    /// Validate a configuration and print the effective configuration with secrets redacted.
+    CheckConfig {
+        /// File to check (defaults to --config).
+        path: Option<PathBuf>,
+    },
+    /// Publish JSONL requests (one JSON object per line) and optionally wait for their results.
+    Submit {
+        /// JSONL file; `-` or absent reads stdin.
+        #[arg(long, short)]
+        file: Option<PathBuf>,
+        /// Queue to publish to (default: amqp.input_queue).
+        #[arg(long)]
+        queue: Option<String>,
+        /// Wait for one result per request.
+        #[arg(long)]
+        wait: bool,
+        /// Write results (JSONL) here instead of stdout.
+        #[arg(long, short)]
+        out: Option<PathBuf>,
+        /// Longest total wait for results, e.g. "10m".
+        #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+    },
+    /// Show members, partition owners and epochs, backlog per partition and unowned partitions.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a fake OpenAI-compatible LLM server (for tests and demos without a real server).
+    #[command(hide = true)]
+    FakeLlm {
+        #[arg(long, default_value = "127.0.0.1:0")]
+        listen: String,
+        /// Latency per call.
+        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
+        latency: Duration,
+        /// Extra latency per prompt of a call.
+        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
+        per_prompt_latency: Duration,
+    },
+}
+
+fn config_path(cli: &Cli) -> Option<PathBuf> {
+    match &cli.config {
+        Some(p) => Some(p.clone()),
+        None if Path::new(DEFAULT_CONFIG_PATH).exists() => Some(PathBuf::from(DEFAULT_CONFIG_PATH)),
+        None => None,
+    }
+}
+
+fn init_tracing(format: LogFormat, level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().with_current_span(true).with_span_list(false).init(),
+        LogFormat::Pretty => builder.init(),
+    }
+}
+
+fn load(cli: &Cli, path: Option<&Path>) -> Result<(config::RawConfig, Settings), ExitCode> {
+    let raw = config::load_raw(path).map_err(|e| {
+        eprintln!("prefix-batcher: {e}");
+        ExitCode::from(EXIT_CONFIG as u8)
+    })?;
+    let mut settings = Settings::from_raw(&raw).map_err(|e| {
+        eprintln!("prefix-batcher: {e}");
+        ExitCode::from(EXIT_CONFIG as u8)
+    })?;
+    if let Some(f) = &cli.log_format {
+        settings.log.format = if f == "json" { LogFormat::Json } else { LogFormat::Pretty };
+    }
+    Ok((raw, settings))
+}
+
+async fn signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match &cli.command {
+        Command::CheckConfig { path } => {
+            let path = path.clone().or_else(|| config_path(&cli));
+            let (raw, s) = match load(&cli, path.as_deref()) {
+                Ok(x) => x,
+                Err(code) => return code,
+            };
+            println!("# configuration is valid (instance {}, {} partitions)", s.instance_name, s.amqp.partitions);
+            print!("{}", config::redacted_toml(&raw));
+            ExitCode::SUCCESS
+        }
+        Command::Run => {
+            let (_, settings) = match load(&cli, config_path(&cli).as_deref()) {
+                Ok(x) => x,
+                Err(code) => return code,
+            };
+            init_tracing(settings.log.format, &settings.log.level);
+            match app::run(settings, signal()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!(error = %e, "stopping");
+                    ExitCode::from(e.exit_code() as u8)
+                }
+            }
+        }
+        Command::Submit { file, queue, wait, out, timeout } => {
+            let (_, settings) = match load(&cli, config_path(&cli).as_deref()) {
+                Ok(x) => x,
+                Err(code) => return code,
+            };
+            let opts = client::SubmitOptions {
+                input: file.clone().filter(|f| f.as_os_str() != "-"),
+                queue: queue.clone(),
+                wait: *wait,
+                out: out.clone(),
+                timeout: *timeout,
+            };
+            match client::submit(&settings, &opts).await {
+                Ok(summary) => {
+                    eprintln!("{}", serde_json::to_string(&summary).expect("summary serializes"));
+                    if summary.missing > 0 {
+                        ExitCode::from(3)
+                    } else {
+                        ExitCode::SUCCESS
+                    }
+                }
+                Err(e) => {
+                    eprintln!("prefix-batcher submit: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Status { json } => {
+            let (_, settings) = match load(&cli, config_path(&cli).as_deref()) {
+                Ok(x) => x,
+                Err(code) => return code,
+            };
+            match client::status(&settings).await {
+                Ok(s) if *json => {
+                    println!("{}", serde_json::to_string_pretty(&s).expect("status serializes"));
+                    ExitCode::SUCCESS
+                }
+                Ok(s) => {
+                    print!("{}", client::render_status(&s));
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("prefix-batcher status: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::FakeLlm { listen, latency, per_prompt_latency } => {
+            let listener = match tokio::net::TcpListener::bind(listen).await {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("prefix-batcher fake-llm: cannot listen on {listen}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let addr = listener.local_addr().expect("bound");
+            println!("http://{addr}");
+            let fake = prefix_batcher::fake_llm::FakeLlm::new().latency(*latency).per_prompt_latency(*per_prompt_latency);
+            match fake.serve(listener, signal()).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("prefix-batcher fake-llm: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,312 @@
+//! Every metric the daemon exports: names, help texts, buckets and the typed functions that
+//! record them.
+//!
+//! Names follow the Prometheus naming conventions (<https://prometheus.io/docs/practices/naming/>):
+//! prefix `prefix_batcher_`, `_total` on counters, base units (`_seconds`, ratios in 0..1).
+//! Labels are bounded: `stage`, `outcome`, `reason`, `op`, `queue` come from closed sets and
+//! `partition` is bounded by `amqp.partitions`. Never a label per key, request or URL.
+
+use std::sync::LazyLock;
+
+use prometheus::{
+    exponential_buckets, linear_buckets, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter,
+    IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Metric name prefix.
+pub const NAMESPACE: &str = "prefix_batcher";
+
+/// The registry served on `/metrics`.
+pub static REGISTRY: LazyLock<Registry> = LazyLock::new(|| {
+    Registry::new_custom(Some(NAMESPACE.to_string()), None).expect("valid registry prefix")
+});
+
+fn reg<T: prometheus::core::Collector + Clone + 'static>(c: T) -> T {
+    REGISTRY.register(Box::new(c.clone())).expect("metric registered once");
+    c
+}
+
+macro_rules! counter_vec {
+    ($name:expr, $help:expr, $labels:expr) => {
+        LazyLock::new(|| reg(IntCounterVec::new(Opts::new($name, $help), $labels).unwrap()))
+    };
+}
+
+static BATCHES: LazyLock<IntCounterVec> =
+    counter_vec!("batches_total", "Batches flushed, by flush reason (size, timeout, shutdown, revoke).", &["reason"]);
+static BATCH_SIZE: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new("batch_size", "Requests per flushed batch.").buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),
+    )
+    .unwrap())
+});
+static BATCH_PURITY: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "batch_purity",
+            "Share of a batch held by its most common derived prefix key (1 = every request shares one key).",
+        )
+        .buckets(vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0]),
+    )
+    .unwrap())
+});
+static BATCH_SHARED_PREFIX: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "batch_shared_prefix_ratio",
+            "Longest common prefix of a batch's prompts divided by their mean length, in characters.",
+        )
+        .buckets(linear_buckets(0.1, 0.1, 10).unwrap()),
+    )
+    .unwrap())
+});
+static REQUESTS: LazyLock<IntCounterVec> = counter_vec!(
+    "requests_total",
+    "Requests by pipeline stage (router, batcher, publisher) and outcome.",
+    &["stage", "outcome"]
+);
+static DEAD_LETTERS: LazyLock<IntCounterVec> =
+    counter_vec!("dead_letters_total", "Messages sent to the dead-letter queue, by x-death-reason.", &["reason"]);
+static LLM_DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
+    reg(HistogramVec::new(
+        HistogramOpts::new("llm_request_duration_seconds", "Duration of one HTTP call to the LLM server.")
+            .buckets(exponential_buckets(0.005, 2.0, 16).unwrap()),
+        &["outcome"],
+    )
+    .unwrap())
+});
+static LLM_REQUESTS: LazyLock<IntCounterVec> =
+    counter_vec!("llm_requests_total", "HTTP calls to the LLM server, by outcome.", &["outcome"]);
+static LLM_PROMPT_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new("llm_prompt_tokens_total", "Prompt tokens reported by the LLM server (usage.prompt_tokens).").unwrap())
+});
+static LLM_CACHED_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "llm_cached_prompt_tokens_total",
+        "Prompt tokens the LLM server served from its prefix cache (usage.prompt_tokens_details.cached_tokens).",
+    )
+    .unwrap())
+});
+static QUEUE_MESSAGES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new("queue_messages", "Ready messages in a queue (the backlog): the input queue, or an owned partition queue."),
+        &["queue", "partition"],
+    )
+    .unwrap())
+});
+static BUFFERED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(Opts::new("buffered_requests", "Requests waiting in batch buffers, per owned partition."), &["partition"])
+        .unwrap())
+});
+static OLDEST_BUFFERED: LazyLock<GaugeVec> = LazyLock::new(|| {
+    reg(GaugeVec::new(
+        Opts::new("oldest_buffered_age_seconds", "Age of the oldest buffered request, per owned partition."),
+        &["partition"],
+    )
+    .unwrap())
+});
+static E2E_LATENCY: LazyLock<Histogram> = LazyLock::new(|| {
+    reg(Histogram::with_opts(
+        HistogramOpts::new(
+            "end_to_end_latency_seconds",
+            "From the request's AMQP timestamp to its result being confirmed (whole-second timestamp resolution).",
+        )
+        .buckets(exponential_buckets(0.05, 2.0, 16).unwrap()),
+    )
+    .unwrap())
+});
+static PARTITIONS_OWNED: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new("partitions_owned", "Partitions whose lease this instance holds and whose queue it consumes.").unwrap())
+});
+static LEASE_OPS: LazyLock<IntCounterVec> = counter_vec!(
+    "lease_operations_total",
+    "Redis lease operations (acquire, renew, release) by outcome (ok, lost, busy, error).",
+    &["op", "outcome"]
+);
+static REBALANCES: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new("rebalances_total", "Changes of the desired partition assignment seen by this instance.").unwrap())
+});
+static MEMBERS: LazyLock<IntGauge> =
+    LazyLock::new(|| reg(IntGauge::new("members", "Live instances seen in the membership set.").unwrap()));
+static READY: LazyLock<Gauge> =
+    LazyLock::new(|| reg(Gauge::new("ready", "1 when connected to RabbitMQ and Redis and the first lease round is done.").unwrap()));
+
+/// Label values of `requests_total{stage}`.
+pub mod stage {
+    pub const ROUTER: &str = "router";
+    pub const BATCHER: &str = "batcher";
+    pub const PUBLISHER: &str = "publisher";
+}
+
+/// Label values of `requests_total{outcome}`.
+pub mod outcome {
+    /// Router: published to a partition queue and acked.
+    pub const ROUTED: &str = "routed";
+    /// Router: sent to the dead-letter queue.
+    pub const DEAD_LETTERED: &str = "dead_lettered";
+    /// Batcher: received from a partition queue.
+    pub const RECEIVED: &str = "received";
+    /// Publisher: `ok: true` result confirmed and request acked.
+    pub const PROCESSED: &str = "processed";
+    /// Publisher: `ok: false` result confirmed and request acked.
+    pub const FAILED: &str = "failed";
+    /// Dropped unacked because the partition lease was lost (the broker redelivers it).
+    pub const REQUEUED: &str = "requeued";
+}
+
+/// Creates every metric with its label sets at zero, so dashboards and `promtool` see them from
+/// the first scrape.
+pub fn init() {
+    for r in crate::batcher::FlushReason::ALL {
+        BATCHES.with_label_values(&[r.as_str()]);
+    }
+    LazyLock::force(&BATCH_SIZE);
+    LazyLock::force(&BATCH_PURITY);
+    LazyLock::force(&BATCH_SHARED_PREFIX);
+    for (s, o) in [
+        (stage::ROUTER, outcome::ROUTED),
+        (stage::ROUTER, outcome::DEAD_LETTERED),
+        (stage::BATCHER, outcome::RECEIVED),
+        (stage::PUBLISHER, outcome::PROCESSED),
+        (stage::PUBLISHER, outcome::FAILED),
+        (stage::PUBLISHER, outcome::REQUEUED),
+    ] {
+        REQUESTS.with_label_values(&[s, o]);
+    }
+    for r in crate::request::DEAD_LETTER_REASONS {
+        DEAD_LETTERS.with_label_values(&[r]);
+    }
+    LLM_REQUESTS.with_label_values(&["ok"]);
+    LLM_DURATION.with_label_values(&["ok"]);
+    LazyLock::force(&LLM_PROMPT_TOKENS);
+    LazyLock::force(&LLM_CACHED_TOKENS);
+    QUEUE_MESSAGES.with_label_values(&["input", ""]);
+    LazyLock::force(&BUFFERED);
+    LazyLock::force(&OLDEST_BUFFERED);
+    LazyLock::force(&E2E_LATENCY);
+    LazyLock::force(&PARTITIONS_OWNED);
+    for op in ["acquire", "renew", "release"] {
+        LEASE_OPS.with_label_values(&[op, "ok"]);
+    }
+    LazyLock::force(&REBALANCES);
+    LazyLock::force(&MEMBERS);
+    LazyLock::force(&READY);
+}
+
+/// Renders the registry in the Prometheus text exposition format 0.0.4.
+pub fn render() -> String {
+    let mut buf = Vec::new();
+    TextEncoder::new().encode(&REGISTRY.gather(), &mut buf).expect("text encoding cannot fail");
+    String::from_utf8(buf).expect("text format is UTF-8")
+}
+
+/// A batch was flushed: counts it and records its size, purity and shared-prefix ratio.
+pub fn batch_flushed(reason: crate::batcher::FlushReason, size: usize, purity: f64, shared_prefix_ratio: f64) {
+    BATCHES.with_label_values(&[reason.as_str()]).inc();
+    BATCH_SIZE.observe(size as f64);
+    BATCH_PURITY.observe(purity);
+    BATCH_SHARED_PREFIX.observe(shared_prefix_ratio);
+}
+
+/// `n` requests reached `outcome` at `stage`.
+pub fn requests(stage: &'static str, outcome: &'static str, n: u64) {
+    REQUESTS.with_label_values(&[stage, outcome]).inc_by(n);
+}
+
+/// A message was dead-lettered with `reason` (one of [`crate::request::DEAD_LETTER_REASONS`]).
+pub fn dead_lettered(reason: &'static str) {
+    DEAD_LETTERS.with_label_values(&[reason]).inc();
+    REQUESTS.with_label_values(&[stage::ROUTER, outcome::DEAD_LETTERED]).inc();
+}
+
+/// One HTTP call to the LLM server ended with `outcome` (`ok` or an error kind) after `seconds`.
+pub fn llm_call(outcome: &'static str, seconds: f64) {
+    LLM_REQUESTS.with_label_values(&[outcome]).inc();
+    LLM_DURATION.with_label_values(&[outcome]).observe(seconds);
+}
+
+/// Token usage reported by one LLM response.
+pub fn llm_tokens(prompt_tokens: u64, cached_tokens: u64) {
+    LLM_PROMPT_TOKENS.inc_by(prompt_tokens);
+    LLM_CACHED_TOKENS.inc_by(cached_tokens);
+}
+
+/// Ready messages of the input queue.
+pub fn input_backlog(ready: u32) {
+    QUEUE_MESSAGES.with_label_values(&["input", ""]).set(i64::from(ready));
+}
+
+/// Ready messages of partition queue `partition`.
+pub fn partition_backlog(partition: u32, ready: u32) {
+    QUEUE_MESSAGES.with_label_values(&["partition", &partition.to_string()]).set(i64::from(ready));
+}
+
+/// Buffer state of one partition's batcher.
+pub fn buffer_state(partition: u32, buffered: usize, oldest_age_seconds: f64) {
+    let p = partition.to_string();
+    BUFFERED.with_label_values(&[&p]).set(buffered as i64);
+    OLDEST_BUFFERED.with_label_values(&[&p]).set(oldest_age_seconds);
+}
+
+/// Removes the per-partition series of a partition this instance no longer owns.
+pub fn partition_released(partition: u32) {
+    let p = partition.to_string();
+    let _ = BUFFERED.remove_label_values(&[&p]);
+    let _ = OLDEST_BUFFERED.remove_label_values(&[&p]);
+    let _ = QUEUE_MESSAGES.remove_label_values(&["partition", &p]);
+}
+
+/// End-to-end latency of one request, in seconds.
+pub fn end_to_end_latency(seconds: f64) {
+    E2E_LATENCY.observe(seconds);
+}
+
+/// Number of partitions this instance owns now.
+pub fn partitions_owned(n: usize) {
+    PARTITIONS_OWNED.set(n as i64);
+}
+
+/// A lease operation (`acquire`, `renew`, `release`) ended with `outcome` (`ok`, `lost`, `busy`,
+/// `error`).
+pub fn lease_op(op: &'static str, outcome: &'static str) {
+    LEASE_OPS.with_label_values(&[op, outcome]).inc();
+}
+
+/// The desired assignment changed.
+pub fn rebalanced() {
+    REBALANCES.inc();
+}
+
+/// Live members seen.
+pub fn members(n: usize) {
+    MEMBERS.set(n as i64);
+}
+
+/// Readiness (also served on `/readyz`).
+pub fn set_ready(ready: bool) {
+    READY.set(if ready { 1.0 } else { 0.0 });
+}
+
+/// Current readiness.
+pub fn is_ready() -> bool {
+    READY.get() > 0.5
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exposition_has_prefixed_names() {
+        super::init();
+        super::batch_flushed(crate::batcher::FlushReason::Size, 4, 1.0, 0.9);
+        let text = super::render();
+        for name in [
+            "prefix_batcher_batches_total{reason=\"size\"} 1",
+            "prefix_batcher_batch_purity_bucket",
+            "prefix_batcher_llm_cached_prompt_tokens_total",
+            "prefix_batcher_queue_messages{partition=\"\",queue=\"input\"}",
+            "prefix_batcher_partitions_owned",
+        ] {
+            assert!(text.contains(name), "missing {name}");
+        }
+    }
+}

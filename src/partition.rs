@@ -1,0 +1,353 @@
+//! The pipeline of one owned partition: consumer → batcher → LLM → publisher → ack.
+//!
+//! One instance of this runs per partition whose lease the instance holds. Stages are tasks
+//! joined by bounded channels (`batching.channel_capacity`); the AMQP prefetch
+//! (`amqp.partition_prefetch`) bounds the unacked deliveries.
+//!
+//! Three ways to stop, chosen by the owner ([`crate::ownership`]):
+//! - `drain` (SIGTERM): stop consuming, flush every buffer (`reason="shutdown"`), finish the
+//!   in-flight batches, publish and ack, close the channel.
+//! - `revoke` (cooperative handoff to another instance): the same, but buffers flush with
+//!   `reason="revoke"`.
+//! - `abort` (lease lost): close the channel at once — the broker requeues every unacked
+//!   delivery in order — abort in-flight LLM calls and drop their unpublished results.
+//!
+//! Before publishing any result the worker checks its local lease deadline ([`LeaseClock`]); a
+//! worker whose lease may have expired (e.g. after a SIGSTOP) publishes and acks nothing.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use crate::batcher::{self, Batch, BatchConfig, FlushReason};
+use crate::config::{KeyingMode, Settings};
+use crate::keying::{derive_key, PrefixKey};
+use crate::llm::{ErrorKind, InferenceItem, LlmClient};
+use crate::metrics::{self, outcome, stage};
+use crate::publisher::{self, header_str, header_u64, PublishError, HEADER_PARTITION, HEADER_PARTITION_EPOCH, HEADER_PREFIX_KEY, HEADER_REQUEST_ID, HEADER_SHARD};
+use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs};
+
+/// The local view of a lease's validity: consuming and publishing are allowed only before
+/// `valid_until` (monotonic), which the owner moves forward to `renew_sent + renew_deadline` after
+/// every successful renewal.
+#[derive(Debug)]
+pub struct LeaseClock {
+    base: std::time::Instant,
+    valid_until_ms: AtomicU64,
+}
+
+impl LeaseClock {
+    /// A clock valid until `deadline`.
+    pub fn new(deadline: std::time::Instant) -> Self {
+        let base = std::time::Instant::now();
+        let c = LeaseClock { base, valid_until_ms: AtomicU64::new(0) };
+        c.extend_to(deadline);
+        c
+    }
+    /// Moves the deadline (only forward).
+    pub fn extend_to(&self, deadline: std::time::Instant) {
+        let ms = deadline.saturating_duration_since(self.base).as_millis() as u64;
+        self.valid_until_ms.fetch_max(ms, Ordering::SeqCst);
+    }
+    /// Ends validity now.
+    pub fn invalidate(&self) {
+        self.valid_until_ms.store(0, Ordering::SeqCst);
+    }
+    /// Whether the lease is still valid.
+    pub fn is_valid(&self) -> bool {
+        (self.base.elapsed().as_millis() as u64) < self.valid_until_ms.load(Ordering::SeqCst)
+    }
+}
+
+/// Everything one partition worker needs.
+#[derive(Clone)]
+pub struct PartitionContext {
+    pub partition: u32,
+    /// Lease epoch (fencing token), sent as `x-partition-epoch` on every result.
+    pub epoch: u64,
+    pub settings: Arc<Settings>,
+    pub llm: LlmClient,
+    pub lease: Arc<LeaseClock>,
+}
+
+/// Stop signals of a worker.
+#[derive(Clone, Default)]
+pub struct StopSignals {
+    /// Graceful stop for shutdown: flush with `reason="shutdown"`.
+    pub drain: CancellationToken,
+    /// Graceful stop for a handoff: flush with `reason="revoke"`.
+    pub revoke: CancellationToken,
+    /// Hard stop: lease lost.
+    pub abort: CancellationToken,
+}
+
+/// A request waiting in a batch.
+struct Pending {
+    delivery: Delivery,
+    req: Request,
+    key: PrefixKey,
+    shard: u32,
+    received: Instant,
+    queued_ms: u64,
+    enqueued_unix_ms: Option<u64>,
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Runs the partition until stopped. Returns an error when the channel or connection fails.
+pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) -> Result<(), lapin::Error> {
+    let s = &ctx.settings;
+    let p = ctx.partition;
+    let queue = s.amqp.partition_queue(p);
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    ch.basic_qos(s.amqp.partition_prefetch, BasicQosOptions::default()).await?;
+    let tag = format!("{}:p{}:e{}", s.instance_name, p, ctx.epoch);
+    let mut consumer = ch
+        .basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await?;
+    info!(partition = p, epoch = ctx.epoch, queue = %queue, "partition consuming");
+
+    let cap = s.batching.channel_capacity.get();
+    let (item_tx, item_rx) = mpsc::channel::<(PrefixKey, Pending)>(cap);
+    let (batch_tx, mut batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
+    let cfg = BatchConfig { max_batch_size: s.batching.max_batch_size, max_batch_wait: s.batching.max_batch_wait };
+    let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
+        metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
+    }));
+
+    // Executor: one task per batch; the LLM client's per-endpoint semaphore bounds the calls.
+    let exec_ctx = ctx.clone();
+    let exec_ch = ch.clone();
+    let exec_abort = stop.abort.clone();
+    let executor = tokio::spawn(async move {
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut seq = 0u64;
+        loop {
+            tokio::select! {
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                batch = batch_rx.recv() => match batch {
+                    Some(batch) => {
+                        seq += 1;
+                        let batch_id = format!("{}-{}-{}", exec_ctx.partition, exec_ctx.epoch, seq);
+                        let span = info_span!("batch", partition = exec_ctx.partition, batch_id = %batch_id, key = %batch.key);
+                        tasks.spawn(process_batch(exec_ctx.clone(), exec_ch.clone(), batch, batch_id, exec_abort.clone()).instrument(span));
+                    }
+                    None => break,
+                },
+            }
+        }
+        while tasks.join_next().await.is_some() {}
+    });
+
+    // Intake.
+    let keyed = s.keying.mode == KeyingMode::Prefix;
+    let mut result = Ok(());
+    loop {
+        tokio::select! {
+            biased;
+            _ = stop.abort.cancelled() => break,
+            _ = stop.drain.cancelled() => break,
+            _ = stop.revoke.cancelled() => break,
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => {
+                    if let Some(pending) = accept(&ctx, &ch, delivery).await {
+                        let bkey = if keyed { pending.key } else { PrefixKey(0) };
+                        if item_tx.send((bkey, pending)).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+                Some(Err(e)) => { result = Err(e); break; }
+                None => break,
+            },
+        }
+    }
+
+    if stop.abort.is_cancelled() || result.is_err() {
+        // Lease lost or channel broken: close at once so the broker requeues everything unacked.
+        let _ = ch.close(200, "partition lease lost".into()).await;
+        batcher.abort();
+        executor.abort();
+        info!(partition = p, epoch = ctx.epoch, "partition aborted; unacked requests return to the queue");
+        return result;
+    }
+    // Graceful: no new deliveries, then flush and finish everything buffered and in flight.
+    let _ = ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+    drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
+    let _ = batcher.await;
+    let _ = executor.await;
+    let _ = ch.close(200, "partition released".into()).await;
+    metrics::buffer_state(p, 0, 0.0);
+    info!(partition = p, epoch = ctx.epoch, "partition drained");
+    Ok(())
+}
+
+/// Parses a delivery from a partition queue. The router validated it already; a message that
+/// still fails (e.g. published straight to a partition queue) is dead-lettered and acked here.
+async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery) -> Option<Pending> {
+    let s = &ctx.settings;
+    let props = &delivery.properties;
+    let headers = props.headers().as_ref();
+    let prefix_header = header_str(headers, HEADER_PREFIX_KEY);
+    let env = Envelope { message_id: props.message_id().as_ref().map(|m| m.as_str()), prefix_key_header: prefix_header.as_deref() };
+    match parse(&delivery.data, &env, s.amqp.max_message_bytes) {
+        Ok(req) => {
+            metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
+            let key = derive_key(&req, &s.keying).key;
+            let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
+            let now_ms = unix_ms();
+            let enqueued_unix_ms = props.timestamp().map(|t| t.saturating_mul(1000));
+            let queued_ms = enqueued_unix_ms.map_or(0, |t| now_ms.saturating_sub(t));
+            Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms })
+        }
+        Err(err) => {
+            warn!(partition = ctx.partition, reason = err.reason(), "dead-lettering request found in a partition queue");
+            if !ctx.lease.is_valid() {
+                return None;
+            }
+            let dl = publisher::dead_letter(
+                ch,
+                &s.amqp.dead_letter_exchange,
+                &delivery.data,
+                props,
+                err.reason(),
+                &err.to_string(),
+                s.amqp.confirm_timeout,
+            )
+            .await;
+            match dl {
+                Ok(()) => {
+                    if delivery.acker.ack(BasicAckOptions::default()).await.is_ok() {
+                        metrics::dead_lettered(err.reason());
+                    }
+                }
+                Err(e) => warn!(error = %e, "dead-letter publish failed; the message stays unacked"),
+            }
+            None
+        }
+    }
+}
+
+/// Runs one batch: LLM call, then one confirmed result per request, then its ack.
+async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKey, Pending>, batch_id: String, abort: CancellationToken) {
+    let n = batch.items.len();
+    let purity = batcher::purity(batch.items.iter().map(|p| p.key));
+    let texts: Vec<std::borrow::Cow<'_, str>> = batch.items.iter().map(|p| p.req.body.text_for_stats()).collect();
+    let shared = batcher::shared_prefix_ratio(&texts);
+    drop(texts);
+    metrics::batch_flushed(batch.reason, n, purity, shared);
+    debug!(size = n, reason = batch.reason.as_str(), purity, "batch flushed");
+    if batch.reason == FlushReason::Revoke && abort.is_cancelled() {
+        return;
+    }
+
+    let flushed = Instant::now();
+    let items: Vec<InferenceItem<'_>> = batch
+        .items
+        .iter()
+        .map(|p| InferenceItem { body: &p.req.body, model: p.req.model.as_deref(), params: &p.req.params })
+        .collect();
+    let endpoint = ctx.llm.endpoint_for(ctx.partition);
+    let results = ctx.llm.infer(endpoint, &items, &abort).await;
+    let llm_ms = flushed.elapsed().as_millis() as u64;
+    drop(items);
+    if abort.is_cancelled() {
+        return; // lease lost: the channel is closing and the broker requeues these requests
+    }
+
+    let publishes = batch.items.into_iter().zip(results).map(|(pending, res)| {
+        let batch_wait = flushed.saturating_duration_since(pending.received).as_millis() as u64;
+        let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms };
+        let base = RequestResult {
+            id: pending.req.id.clone(),
+            ok: false,
+            output: Value::Null,
+            finish_reason: None,
+            usage: None,
+            model: None,
+            prefix_key: pending.key.to_string(),
+            shard: pending.shard,
+            partition: ctx.partition,
+            batch_id: batch_id.clone(),
+            batch_size: n,
+            timings_ms: timings,
+            error: None,
+        };
+        let result = match res {
+            Ok(c) => RequestResult { ok: true, output: c.output, finish_reason: c.finish_reason, usage: c.usage, model: c.model, ..base },
+            Err(e) if e.kind == ErrorKind::Cancelled => return None,
+            Err(e) => RequestResult { error: Some(ResultError { kind: e.kind.as_str().to_owned(), message: e.message }), ..base },
+        };
+        Some(publish_and_ack(&ctx, &ch, pending, result))
+    });
+    let publishes: Vec<_> = publishes.flatten().collect();
+    futures_util::future::join_all(publishes).await;
+}
+
+async fn publish_and_ack(ctx: &PartitionContext, ch: &Channel, pending: Pending, result: RequestResult) {
+    let s = &ctx.settings;
+    if !ctx.lease.is_valid() {
+        warn!(partition = ctx.partition, epoch = ctx.epoch, request_id = %result.id, "lease deadline passed; not publishing");
+        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
+        return;
+    }
+    let body = serde_json::to_vec(&result).expect("result serializes");
+    let props = &pending.delivery.properties;
+    let correlation = props.correlation_id().clone().unwrap_or_else(|| result.id.as_str().into());
+    let out_props = BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(publisher::PERSISTENT)
+        .with_correlation_id(correlation)
+        .with_message_id(format!("{}:result", result.id).into())
+        .with_timestamp(unix_ms() / 1000)
+        .with_headers(publisher::headers_with(
+            None,
+            &[
+                (HEADER_REQUEST_ID, result.id.clone()),
+                (HEADER_PARTITION_EPOCH, ctx.epoch.to_string()),
+                (HEADER_PARTITION, ctx.partition.to_string()),
+            ],
+        ));
+    let t = s.amqp.confirm_timeout;
+    let reply_to = props.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
+    let mut published = match &reply_to {
+        Some(rt) => publisher::publish_confirmed(ch, "", rt, &body, out_props.clone(), t).await,
+        None => publisher::publish_confirmed(ch, "", &s.amqp.results_queue, &body, out_props.clone(), t).await,
+    };
+    if let (Err(PublishError::Unroutable { .. }), Some(rt)) = (&published, &reply_to) {
+        warn!(request_id = %result.id, reply_to = %rt, "reply queue does not exist; publishing the result to the results queue");
+        published = publisher::publish_confirmed(ch, "", &s.amqp.results_queue, &body, out_props, t).await;
+    }
+    if let Err(e) = published {
+        warn!(request_id = %result.id, error = %e, "result not confirmed; the request stays unacked and will be redelivered");
+        return;
+    }
+    if !ctx.lease.is_valid() {
+        // Published but not acked: the successor will process it again (a counted duplicate,
+        // detectable by the older x-partition-epoch).
+        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
+        return;
+    }
+    if let Err(e) = pending.delivery.acker.ack(BasicAckOptions::default()).await {
+        warn!(request_id = %result.id, error = %e, "ack failed; the request will be redelivered (duplicate result)");
+        return;
+    }
+    metrics::requests(stage::PUBLISHER, if result.ok { outcome::PROCESSED } else { outcome::FAILED }, 1);
+    if let Some(t0) = pending.enqueued_unix_ms {
+        metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
+    }
+}

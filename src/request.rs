@@ -1,0 +1,416 @@
+//! The message contract: parsing prompt requests and shaping results.
+//!
+//! A request is an AMQP message whose body is a UTF-8 JSON object with exactly one of `prompt`
+//! (completions style) or `messages` (OpenAI chat style). Anything that cannot be parsed into a
+//! [`Request`] yields a [`ParseError`] whose [`ParseError::reason`] is the stable, machine-readable
+//! value of the `x-death-reason` header on the dead-lettered message.
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+/// Roles accepted in chat messages (OpenAI chat completions API, including `developer`).
+pub const CHAT_ROLES: &[&str] = &["system", "user", "assistant", "tool", "developer"];
+
+/// A parsed prompt request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Request id: the body's `id`, else the AMQP `message_id`, else a generated UUID v4.
+    pub id: String,
+    /// The prompt itself.
+    pub body: Body,
+    /// Overrides the configured model when set.
+    pub model: Option<String>,
+    /// OpenAI sampling parameters passed through untouched (`max_tokens`, `temperature`, …,
+    /// and server-specific ones such as llama.cpp's `cache_prompt`).
+    pub params: Map<String, Value>,
+    /// Explicit prefix key from the body's `prefix_key` or the `x-prefix-key` header; wins over
+    /// derivation.
+    pub prefix_key: Option<String>,
+}
+
+/// The prompt of a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Body {
+    /// Completions style: one prompt string.
+    Completion(String),
+    /// Chat style: validated OpenAI chat messages, kept as JSON so they reach the server unchanged.
+    Chat(Vec<ChatMessage>),
+}
+
+/// One validated chat message.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatMessage {
+    /// One of [`CHAT_ROLES`].
+    pub role: String,
+    /// The text of the message: the string content, or the `text` parts joined with no separator.
+    pub text: String,
+    /// The message exactly as received, sent to the server as is.
+    pub raw: Value,
+}
+
+impl Body {
+    /// Number of characters (Unicode scalar values) of prompt text, used for batch statistics.
+    pub fn text_for_stats(&self) -> std::borrow::Cow<'_, str> {
+        match self {
+            Body::Completion(p) => std::borrow::Cow::Borrowed(p.as_str()),
+            Body::Chat(msgs) => std::borrow::Cow::Owned(render_chat(msgs, usize::MAX)),
+        }
+    }
+}
+
+/// Renders a conversation as role-tagged text (`<|role|>\ntext\n` per message), truncated to at
+/// most `max_chars` Unicode scalar values. Used by the `rendered` chat key and by batch statistics.
+pub fn render_chat(msgs: &[ChatMessage], max_chars: usize) -> String {
+    let mut out = String::new();
+    let mut n = 0usize;
+    for m in msgs {
+        for part in ["<|", m.role.as_str(), "|>\n", m.text.as_str(), "\n"] {
+            for c in part.chars() {
+                if n == max_chars {
+                    return out;
+                }
+                out.push(c);
+                n += 1;
+            }
+        }
+    }
+    out
+}
+
+/// Why a message could not be parsed. The variant decides the `x-death-reason` header.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    /// Body larger than `amqp.max_message_bytes`.
+    #[error("body is {size} bytes, more than the limit of {limit} bytes")]
+    TooLarge { size: usize, limit: usize },
+    /// Body is not UTF-8.
+    #[error("body is not valid UTF-8: {0}")]
+    InvalidUtf8(String),
+    /// Body is not JSON, or not a JSON object.
+    #[error("body is not a JSON object: {0}")]
+    InvalidJson(String),
+    /// Neither `prompt` nor `messages`.
+    #[error("request has neither `prompt` nor `messages`")]
+    MissingPrompt,
+    /// Both `prompt` and `messages`.
+    #[error("request has both `prompt` and `messages`; send exactly one")]
+    BothPromptAndMessages,
+    /// `messages` is not a list of known OpenAI chat messages.
+    #[error("unknown message schema: {0}")]
+    UnknownMessageSchema(String),
+    /// A field has the wrong type (e.g. `prompt` is a number).
+    #[error("invalid field `{field}`: {detail}")]
+    InvalidField { field: &'static str, detail: String },
+}
+
+impl ParseError {
+    /// The stable machine-readable reason, the value of the `x-death-reason` header and of the
+    /// `reason` label of `prefix_batcher_dead_letters_total`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ParseError::TooLarge { .. } => "too_large",
+            ParseError::InvalidUtf8(_) => "invalid_utf8",
+            ParseError::InvalidJson(_) => "invalid_json",
+            ParseError::MissingPrompt => "missing_prompt",
+            ParseError::BothPromptAndMessages => "both_prompt_and_messages",
+            ParseError::UnknownMessageSchema(_) => "unknown_message_schema",
+            ParseError::InvalidField { .. } => "invalid_field",
+        }
+    }
+}
+
+/// Every value [`ParseError::reason`] can return, for metric initialisation and docs.
+pub const DEAD_LETTER_REASONS: &[&str] = &[
+    "too_large",
+    "invalid_utf8",
+    "invalid_json",
+    "missing_prompt",
+    "both_prompt_and_messages",
+    "unknown_message_schema",
+    "invalid_field",
+];
+
+/// AMQP metadata the parser uses; kept separate from lapin types so parsing stays pure.
+#[derive(Debug, Default, Clone)]
+pub struct Envelope<'a> {
+    /// AMQP `message_id` property.
+    pub message_id: Option<&'a str>,
+    /// AMQP header `x-prefix-key`.
+    pub prefix_key_header: Option<&'a str>,
+}
+
+/// Parses one message body.
+///
+/// Errors: see [`ParseError`]; every error is final for that message (it is dead-lettered, never
+/// retried).
+pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Request, ParseError> {
+    if body.len() > max_bytes {
+        return Err(ParseError::TooLarge { size: body.len(), limit: max_bytes });
+    }
+    let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
+    let value: Value = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
+    let Value::Object(mut obj) = value else {
+        return Err(ParseError::InvalidJson(format!("expected an object, got {}", json_type(&value))));
+    };
+    let prompt = obj.remove("prompt");
+    let messages = obj.remove("messages");
+    let body = match (prompt, messages) {
+        (Some(_), Some(_)) => return Err(ParseError::BothPromptAndMessages),
+        (None, None) | (Some(Value::Null), None) | (None, Some(Value::Null)) => {
+            return Err(ParseError::MissingPrompt)
+        }
+        (Some(Value::String(p)), None) => Body::Completion(p),
+        (Some(other), None) => {
+            return Err(ParseError::InvalidField {
+                field: "prompt",
+                detail: format!("expected a string, got {}", json_type(&other)),
+            })
+        }
+        (None, Some(m)) => Body::Chat(parse_messages(m)?),
+    };
+    let id = match obj.remove("id") {
+        Some(Value::String(s)) if !s.is_empty() => s,
+        Some(Value::Number(n)) => n.to_string(),
+        None | Some(Value::Null) => env
+            .message_id
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
+        Some(other) => {
+            return Err(ParseError::InvalidField {
+                field: "id",
+                detail: format!("expected a non-empty string, got {}", json_type(&other)),
+            })
+        }
+    };
+    let model = match obj.remove("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(other) => {
+            return Err(ParseError::InvalidField {
+                field: "model",
+                detail: format!("expected a string, got {}", json_type(&other)),
+            })
+        }
+    };
+    let params = match obj.remove("params") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m,
+        Some(other) => {
+            return Err(ParseError::InvalidField {
+                field: "params",
+                detail: format!("expected an object, got {}", json_type(&other)),
+            })
+        }
+    };
+    let prefix_key = match obj.remove("prefix_key") {
+        None | Some(Value::Null) => env.prefix_key_header.map(str::to_owned),
+        Some(Value::String(s)) => Some(s),
+        Some(other) => {
+            return Err(ParseError::InvalidField {
+                field: "prefix_key",
+                detail: format!("expected a string, got {}", json_type(&other)),
+            })
+        }
+    };
+    Ok(Request { id, body, model, params, prefix_key })
+}
+
+fn parse_messages(v: Value) -> Result<Vec<ChatMessage>, ParseError> {
+    let Value::Array(items) = v else {
+        return Err(ParseError::UnknownMessageSchema(format!(
+            "`messages` must be a list, got {}",
+            json_type(&v)
+        )));
+    };
+    if items.is_empty() {
+        return Err(ParseError::MissingPrompt);
+    }
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, raw)| {
+            let bad = |what: String| ParseError::UnknownMessageSchema(format!("messages[{i}]: {what}"));
+            let Value::Object(m) = &raw else {
+                return Err(bad(format!("expected an object, got {}", json_type(&raw))));
+            };
+            let role = match m.get("role") {
+                Some(Value::String(r)) if CHAT_ROLES.contains(&r.as_str()) => r.clone(),
+                Some(Value::String(r)) => return Err(bad(format!("unknown role {r:?}"))),
+                _ => return Err(bad("missing string `role`".into())),
+            };
+            let text = match m.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for (j, part) in parts.iter().enumerate() {
+                        match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            _ => return Err(bad(format!("content[{j}] is not a {{type: \"text\", text}} part"))),
+                        }
+                    }
+                    text
+                }
+                // An assistant turn that only calls tools carries `content: null` (OpenAI API).
+                Some(Value::Null) | None if role == "assistant" && m.contains_key("tool_calls") => String::new(),
+                Some(other) => {
+                    return Err(bad(format!("`content` must be a string or a list of text parts, got {}", json_type(other))))
+                }
+                None => return Err(bad("missing `content`".into())),
+            };
+            Ok(ChatMessage { role, text, raw })
+        })
+        .collect()
+}
+
+fn json_type(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Token counts reported by the LLM server for one request.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct Usage {
+    /// `usage.prompt_tokens`.
+    pub prompt_tokens: u64,
+    /// `usage.completion_tokens`.
+    pub completion_tokens: u64,
+    /// `usage.prompt_tokens_details.cached_tokens` when the server reports it (vLLM, SGLang,
+    /// llama.cpp's llama-server).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub cached_tokens: Option<u64>,
+}
+
+/// Per-stage latencies of one request, in milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, serde::Deserialize)]
+pub struct TimingsMs {
+    /// From the AMQP `timestamp` (publish time, whole seconds) to the moment the batcher received
+    /// the request; 0 when the publisher set no timestamp.
+    pub queued: u64,
+    /// Time the request waited in its batch buffer.
+    pub batch_wait: u64,
+    /// Duration of the LLM call that served it, retries included.
+    pub llm: u64,
+}
+
+/// The error object of a failed result.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct ResultError {
+    /// Closed set: see [`crate::llm::ErrorKind`].
+    pub kind: String,
+    /// Human-readable detail.
+    pub message: String,
+}
+
+/// The result message published for every request (DESIGN §2).
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct RequestResult {
+    pub id: String,
+    pub ok: bool,
+    /// Completion text (completions), or the assistant message object (chat); `null` on failure.
+    pub output: Value,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub finish_reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub usage: Option<Usage>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub model: Option<String>,
+    /// The prefix key as 16 lowercase hex digits.
+    pub prefix_key: String,
+    pub shard: u32,
+    pub partition: u32,
+    /// `{partition}-{epoch}-{sequence}`: unique per batch within a lease.
+    pub batch_id: String,
+    pub batch_size: usize,
+    pub timings_ms: TimingsMs,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<ResultError>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(body: &str) -> Result<Request, ParseError> {
+        parse(body.as_bytes(), &Envelope::default(), 1 << 20)
+    }
+
+    #[test]
+    fn completions_request() {
+        let r = p(r#"{"id":"a","prompt":"hi","model":"m","params":{"max_tokens":3,"cache_prompt":true}}"#).unwrap();
+        assert_eq!(r.id, "a");
+        assert_eq!(r.body, Body::Completion("hi".into()));
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert_eq!(r.params["max_tokens"], 3);
+        assert_eq!(r.params["cache_prompt"], true);
+    }
+
+    #[test]
+    fn id_falls_back_to_message_id_then_uuid() {
+        let env = Envelope { message_id: Some("mid"), prefix_key_header: Some("hk") };
+        let r = parse(br#"{"prompt":"x"}"#, &env, 100).unwrap();
+        assert_eq!(r.id, "mid");
+        assert_eq!(r.prefix_key.as_deref(), Some("hk"));
+        let r = p(r#"{"prompt":"x"}"#).unwrap();
+        assert_eq!(r.id.len(), 36);
+        assert_ne!(r.id, p(r#"{"prompt":"x"}"#).unwrap().id);
+    }
+
+    #[test]
+    fn body_prefix_key_wins_over_header() {
+        let env = Envelope { message_id: None, prefix_key_header: Some("hk") };
+        let r = parse(br#"{"prompt":"x","prefix_key":"bk"}"#, &env, 100).unwrap();
+        assert_eq!(r.prefix_key.as_deref(), Some("bk"));
+    }
+
+    #[test]
+    fn chat_request_with_text_parts() {
+        let r = p(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}]}"#).unwrap();
+        let Body::Chat(m) = r.body else { panic!() };
+        assert_eq!(m[1].text, "ab");
+        assert_eq!(m[0].raw["content"], "S");
+    }
+
+    #[test]
+    fn bad_inputs_have_stable_reasons() {
+        let cases: &[(&[u8], &str)] = &[
+            (b"{not json", "invalid_json"),
+            (b"[1,2]", "invalid_json"),
+            (b"{\"id\":\"x\"}", "missing_prompt"),
+            (b"{\"prompt\":\"a\",\"messages\":[]}", "both_prompt_and_messages"),
+            (b"{\"messages\":[{\"role\":\"user\",\"content\":{\"x\":1}}]}", "unknown_message_schema"),
+            (b"{\"messages\":[{\"role\":\"wizard\",\"content\":\"x\"}]}", "unknown_message_schema"),
+            (b"{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}", "unknown_message_schema"),
+            (b"{\"messages\":\"hello\"}", "unknown_message_schema"),
+            (b"{\"prompt\":5}", "invalid_field"),
+            (b"{\"prompt\":\"x\",\"params\":[1]}", "invalid_field"),
+            (b"{\"prompt\":\"\xff\xfe\"}", "invalid_utf8"),
+        ];
+        for (body, reason) in cases {
+            let err = parse(body, &Envelope::default(), 1000).unwrap_err();
+            assert_eq!(err.reason(), *reason, "{}", String::from_utf8_lossy(body));
+            assert!(DEAD_LETTER_REASONS.contains(&err.reason()));
+        }
+        let err = parse(&[b' '; 11], &Envelope::default(), 10).unwrap_err();
+        assert_eq!(err.reason(), "too_large");
+    }
+
+    #[test]
+    fn assistant_tool_call_without_content_is_accepted() {
+        let r = p(r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":null,"tool_calls":[]}]}"#);
+        assert!(r.is_ok());
+    }
+
+    #[test]
+    fn render_chat_truncates_by_chars() {
+        let msgs = vec![ChatMessage { role: "user".into(), text: "héllo".into(), raw: Value::Null }];
+        assert_eq!(render_chat(&msgs, usize::MAX), "<|user|>\nhéllo\n");
+        assert_eq!(render_chat(&msgs, 11), "<|user|>\nhé");
+    }
+}

@@ -1,0 +1,146 @@
+//! The router: consumes the input queue (competing consumers: every instance runs one), keys each
+//! request and forwards it to its partition queue.
+//!
+//! Per delivery: parse → derive key → pick shard → partition → publish to the shard exchange with
+//! routing key = partition, wait for the confirm → ack the input. Bad input is published to the
+//! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
+//! loop. Deliveries are handled concurrently; `amqp.input_prefetch` bounds how many.
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Channel, Connection};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::{AmqpSettings, KeyingMode, Settings};
+use crate::keying::{derive_key, partition_of, pick_shard, shards_for};
+use crate::metrics::{self, outcome, stage};
+use crate::publisher::{self, headers_with, header_str, HEADER_PREFIX_KEY, HEADER_SHARD};
+use crate::request::{parse, Envelope};
+
+/// Where one valid request goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub request_id: String,
+    pub key_hex: String,
+    pub shard: u32,
+    pub partition: u32,
+}
+
+/// Decides the route of a parsed request (pure apart from the random shard).
+pub fn route(req: &crate::request::Request, settings: &Settings) -> Route {
+    let keyed = derive_key(req, &settings.keying);
+    let (shard, partition) = match settings.keying.mode {
+        KeyingMode::Prefix => {
+            let shard = pick_shard(shards_for(&keyed, &settings.sharding));
+            (shard, partition_of(keyed.key, shard, settings.amqp.partitions))
+        }
+        KeyingMode::Off => (0, fastrand::u32(0..settings.amqp.partitions.get())),
+    };
+    Route { request_id: req.id.clone(), key_hex: keyed.key.to_string(), shard, partition }
+}
+
+/// Runs the router until `stop` fires or the connection fails. On stop it cancels its consumer
+/// and finishes the deliveries it has (publish, confirm, ack) before returning.
+pub async fn run(conn: &Connection, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    ch.basic_qos(settings.amqp.input_prefetch, BasicQosOptions::default()).await?;
+    let tag = format!("router-{}", settings.instance_name);
+    let mut consumer = ch
+        .basic_consume(
+            settings.amqp.input_queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    info!(queue = %settings.amqp.input_queue, "router consuming");
+    let mut inflight = tokio::task::JoinSet::new();
+    let result = loop {
+        tokio::select! {
+            _ = stop.cancelled() => break Ok(()),
+            Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => {
+                    let (ch, settings) = (ch.clone(), settings.clone());
+                    inflight.spawn(async move { handle(&ch, &settings, delivery).await });
+                }
+                Some(Err(e)) => break Err(e),
+                None => break Ok(()),
+            },
+        }
+    };
+    let _ = ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+    while inflight.join_next().await.is_some() {}
+    let _ = ch.close(200, "router stopped".into()).await;
+    info!("router stopped");
+    result
+}
+
+async fn handle(ch: &Channel, settings: &Settings, delivery: Delivery) {
+    let a = &settings.amqp;
+    let props = &delivery.properties;
+    let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
+    let env = Envelope {
+        message_id: props.message_id().as_ref().map(|s| s.as_str()),
+        prefix_key_header: prefix_header.as_deref(),
+    };
+    let outcome = match parse(&delivery.data, &env, a.max_message_bytes) {
+        Err(err) => {
+            let reason = err.reason();
+            warn!(reason, detail = %err, "dead-lettering request");
+            match publisher::dead_letter(ch, &a.dead_letter_exchange, &delivery.data, props, reason, &err.to_string(), a.confirm_timeout).await {
+                Ok(()) => Ok(Some(reason)),
+                Err(e) => Err(e),
+            }
+        }
+        Ok(req) => {
+            let r = route(&req, settings);
+            debug!(request_id = %r.request_id, key = %r.key_hex, shard = r.shard, partition = r.partition, "routing");
+            let fwd = forward_props(props, &r);
+            publisher::publish_confirmed(
+                ch,
+                &a.shard_exchange,
+                &AmqpSettings::partition_routing_key(r.partition),
+                &delivery.data,
+                fwd,
+                a.confirm_timeout,
+            )
+            .await
+            .map(|()| None)
+        }
+    };
+    match outcome {
+        Ok(dead) => {
+            if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+                warn!(error = %e, "input ack failed; the broker will redeliver");
+                return;
+            }
+            match dead {
+                Some(reason) => metrics::dead_lettered(reason),
+                None => metrics::requests(stage::ROUTER, outcome::ROUTED, 1),
+            }
+        }
+        Err(e) => {
+            // Not acked: requeue so another attempt (here or on another instance) can succeed.
+            warn!(error = %e, "forwarding failed; requeueing input");
+            let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
+        }
+    }
+}
+
+/// Properties of a forwarded request: the original ones, with `message_id` = request id (so every
+/// stage agrees on a generated id), `correlation_id` defaulting to the request id, the shard in a
+/// header, and persistent delivery.
+fn forward_props(props: &BasicProperties, r: &Route) -> BasicProperties {
+    let mut p = props.clone().with_message_id(r.request_id.as_str().into()).with_delivery_mode(publisher::PERSISTENT);
+    if props.correlation_id().is_none() {
+        p = p.with_correlation_id(r.request_id.as_str().into());
+    }
+    p.with_headers(headers_with(props.headers().as_ref(), &[(HEADER_SHARD, r.shard.to_string())]))
+}

@@ -1,0 +1,149 @@
+//! Declares and checks the RabbitMQ topology: input queue, shard exchange, `P` partition queues,
+//! results queue, dead-letter exchange and queue.
+//!
+//! Declarations are idempotent. RabbitMQ refuses to redeclare a queue with other arguments
+//! (`PRECONDITION_FAILED`, reply code 406, <https://www.rabbitmq.com/docs/queues#property-equivalence>);
+//! that refusal is turned into a [`TopologyError::Mismatch`] naming the queue. A deployment's
+//! partition count is also checked: partition queue `P` must not exist (else the deployment has
+//! more partitions than configured), and Redis records `P` at first start (`{prefix}:partitions`).
+
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{Connection, ExchangeKind};
+
+use crate::config::AmqpSettings;
+
+/// Topology errors. A mismatch is a configuration error (exit 78).
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    /// An existing queue or exchange has other arguments than configured.
+    #[error("{what} `{name}` exists with other settings than configured ({detail}); delete it or change the configuration")]
+    Mismatch { what: &'static str, name: String, detail: String },
+    /// The deployment has another partition count.
+    #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (drain the queues and delete them to change it)")]
+    PartitionCount { existing: String, configured: u32 },
+    /// Broker or connection failure.
+    #[error("amqp: {0}")]
+    Amqp(#[from] lapin::Error),
+    /// Redis failure while checking the partition count.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+}
+
+fn is_precondition_failed(e: &lapin::Error) -> bool {
+    let s = e.to_string();
+    s.contains("PRECONDITION_FAILED") || s.contains("PreconditionFailed") || s.contains("406")
+}
+
+fn quorum_args(dlx: Option<&str>, single_active: bool) -> FieldTable {
+    let mut t = FieldTable::default();
+    t.insert(ShortString::from("x-queue-type"), AMQPValue::LongString("quorum".into()));
+    if single_active {
+        t.insert(ShortString::from("x-single-active-consumer"), AMQPValue::Boolean(true));
+    }
+    if let Some(dlx) = dlx {
+        t.insert(ShortString::from("x-dead-letter-exchange"), AMQPValue::LongString(dlx.into()));
+    }
+    t
+}
+
+fn durable() -> QueueDeclareOptions {
+    QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() }
+}
+
+/// Declares a queue on a fresh channel, so a refusal (which closes the channel) affects nothing
+/// else.
+async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
+    let ch = conn.create_channel().await?;
+    match ch.queue_declare(name.into(), durable(), args).await {
+        Ok(_) => {
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(())
+        }
+        Err(e) if is_precondition_failed(&e) => {
+            Err(TopologyError::Mismatch { what: "queue", name: name.to_owned(), detail: e.to_string() })
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) -> Result<(), TopologyError> {
+    let ch = conn.create_channel().await?;
+    let opts = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+    match ch.exchange_declare(name.into(), kind, opts, FieldTable::default()).await {
+        Ok(()) => {
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(())
+        }
+        Err(e) if is_precondition_failed(&e) => {
+            Err(TopologyError::Mismatch { what: "exchange", name: name.to_owned(), detail: e.to_string() })
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether a queue exists (passive declare on a throwaway channel).
+pub async fn queue_exists(conn: &Connection, name: &str) -> Result<bool, lapin::Error> {
+    let ch = conn.create_channel().await?;
+    let opts = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    match ch.queue_declare(name.into(), opts, FieldTable::default()).await {
+        Ok(_) => {
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(true)
+        }
+        Err(e) if e.to_string().contains("NOT_FOUND") || e.to_string().contains("NotFound") || e.to_string().contains("404") => {
+            Ok(false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Declares everything, idempotently, and checks the partition count against the broker and
+/// Redis (`redis_key` = `{prefix}:partitions`).
+pub async fn declare(
+    conn: &Connection,
+    cfg: &AmqpSettings,
+    redis: &mut redis::aio::ConnectionManager,
+    redis_key: &str,
+) -> Result<(), TopologyError> {
+    let p = cfg.partitions.get();
+    // Partition count first: nothing is declared for a deployment we would refuse to run.
+    let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
+    let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
+    if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
+        return Err(TopologyError::PartitionCount { existing, configured: p });
+    }
+    if queue_exists(conn, &cfg.partition_queue(p)).await? {
+        return Err(TopologyError::PartitionCount { existing: format!("more than {p}"), configured: p });
+    }
+
+    declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
+    declare_queue(conn, &cfg.dead_letter_queue, quorum_args(None, false)).await?;
+    let ch = conn.create_channel().await?;
+    ch.queue_bind(
+        cfg.dead_letter_queue.as_str().into(),
+        cfg.dead_letter_exchange.as_str().into(),
+        "".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
+
+    declare_queue(conn, &cfg.input_queue, quorum_args(Some(&cfg.dead_letter_exchange), false)).await?;
+    declare_queue(conn, &cfg.results_queue, quorum_args(None, false)).await?;
+    declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
+    for part in 0..p {
+        let q = cfg.partition_queue(part);
+        declare_queue(conn, &q, quorum_args(Some(&cfg.dead_letter_exchange), true)).await?;
+        ch.queue_bind(
+            q.as_str().into(),
+            cfg.shard_exchange.as_str().into(),
+            AmqpSettings::partition_routing_key(part).into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    }
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(())
+}
