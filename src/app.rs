@@ -147,6 +147,10 @@ async fn sessions(
         match end {
             SessionEnd::Stopped => return Ok(()),
             SessionEnd::Failed(why) => {
+                if metrics::is_ready() {
+                    // The session had been healthy: start the backoff over.
+                    backoff = settings.amqp.reconnect_backoff_initial;
+                }
                 metrics::set_ready(false);
                 warn!(reason = %why, retry_in = ?backoff, "session ended; reconnecting");
             }
