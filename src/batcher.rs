@@ -885,6 +885,15 @@ mod tests {
         }
     }
 
+    /// The next batch from `run`; a failure rather than a hang when none comes (under paused time
+    /// the hour passes at once when nothing else is pending).
+    async fn next(out: &mut mpsc::Receiver<Batch<&'static str, u32>>) -> Batch<&'static str, u32> {
+        tokio::time::timeout(Duration::from_secs(3600), out.recv())
+            .await
+            .expect("no batch within an hour")
+            .expect("`out` closed")
+    }
+
     #[tokio::test(start_paused = true)]
     async fn run_flushes_on_size_immediately() {
         let Harness { tx, mut out, .. } = spawn_run(3, WAIT);
@@ -892,7 +901,7 @@ mod tests {
         for i in 1..=3 {
             tx.send(("a", i)).await.unwrap();
         }
-        let batch = out.recv().await.unwrap();
+        let batch = next(&mut out).await;
         assert_eq!(batch.items, [1, 2, 3]);
         assert_eq!(batch.reason, FlushReason::Size);
         assert_eq!(Instant::now(), t0, "no waiting for a full batch");
@@ -909,7 +918,7 @@ mod tests {
             out.try_recv().is_err(),
             "nothing due 1 ms before the deadline"
         );
-        let batch = out.recv().await.unwrap();
+        let batch = next(&mut out).await;
         assert_eq!(Instant::now(), t0 + WAIT);
         assert_eq!(batch.items, [1, 2]);
         assert_eq!(batch.reason, FlushReason::Timeout);
@@ -924,19 +933,19 @@ mod tests {
         tokio::time::sleep(300 * MS).await;
         tx.send(("a", 1)).await.unwrap();
         tx.send(("a", 2)).await.unwrap();
-        let a = out.recv().await.unwrap();
+        let a = next(&mut out).await;
         assert_eq!(
             (a.key, a.items, a.reason),
             ("a", vec![1, 2], FlushReason::Size)
         );
         tx.send(("a", 3)).await.unwrap();
-        let b = out.recv().await.unwrap();
+        let b = next(&mut out).await;
         assert_eq!(
             (b.key, b.items, b.reason),
             ("b", vec![100], FlushReason::Timeout)
         );
         assert_eq!(Instant::now(), t0 + WAIT);
-        let a = out.recv().await.unwrap();
+        let a = next(&mut out).await;
         assert_eq!(
             (a.key, a.items, a.reason),
             ("a", vec![3], FlushReason::Timeout)
@@ -958,10 +967,10 @@ mod tests {
                 }
             }
         });
-        let a = out.recv().await.unwrap();
+        let a = next(&mut out).await;
         assert_eq!((a.key, a.reason), ("a", FlushReason::Timeout));
         assert_eq!(Instant::now(), t0 + WAIT);
-        let b = out.recv().await.unwrap();
+        let b = next(&mut out).await;
         assert_eq!((b.key, b.reason), ("b", FlushReason::Timeout));
         assert!(b.items.windows(2).all(|w| w[0] < w[1]));
         producer.abort();
@@ -1055,12 +1064,12 @@ mod tests {
         tokio::time::sleep(100 * MS).await;
         revoke.cancel();
         task.await.unwrap();
-        let a = out.recv().await.unwrap();
+        let a = next(&mut out).await;
         assert_eq!(
             (a.key, a.items, a.reason, a.oldest),
             ("a", vec![1], FlushReason::Revoke, t0)
         );
-        let b = out.recv().await.unwrap();
+        let b = next(&mut out).await;
         assert_eq!(
             (b.key, b.items, b.reason),
             ("b", vec![2], FlushReason::Revoke)
@@ -1101,7 +1110,7 @@ mod tests {
         for i in 0..6 {
             tx.send(("", i)).await.unwrap();
         }
-        let batch = out.recv().await.unwrap();
+        let batch = next(&mut out).await;
         assert_eq!(batch.items, [0, 1, 2, 3, 4, 5]);
         assert_eq!(batch.reason, FlushReason::Size);
     }
@@ -1135,8 +1144,8 @@ mod tests {
             [(0, None)],
             "drained, then nothing buffered"
         );
-        assert_eq!(out.recv().await.unwrap().items, [1, 3]);
-        assert_eq!(out.recv().await.unwrap().items, [2]);
+        assert_eq!(next(&mut out).await.items, [1, 3]);
+        assert_eq!(next(&mut out).await.items, [2]);
     }
 
     // ---- purity -----------------------------------------------------------------------------

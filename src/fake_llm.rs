@@ -6,10 +6,9 @@
 //!
 //! - `POST /v1/completions` — `prompt` a string or a list of strings; one choice per prompt with
 //!   `index`, `text` = `"ok:"` + the prompt's first 8 characters and `finish_reason: "length"`, and
-//!   OpenAI `usage` with vLLM's `prompt_tokens_details.cached_tokens`. With
-//!   [`ListShape::PerPromptArray`] a list of several prompts is answered the way llama.cpp's
-//!   llama-server does: a JSON array of whole per-prompt completion objects, each with its own
-//!   `usage` and `timings` (`prompt_n`, `cache_n`, `predicted_n`).
+//!   OpenAI `usage` with vLLM's `prompt_tokens_details.cached_tokens`. [`ListShape`] switches to
+//!   the answer shapes of llama.cpp's llama-server (with its `timings`: `prompt_n`, `cache_n`,
+//!   `predicted_n`).
 //! - `POST /v1/chat/completions` — `choices[0].message = {role: "assistant", content}`.
 //! - `GET /v1/models`, `GET /health`, and `GET /metrics` with vLLM's prefix cache counters
 //!   `vllm:prefix_cache_queries_total` and `vllm:prefix_cache_hits_total` (in tokens).
@@ -67,14 +66,18 @@ pub enum CacheReport {
     Omit,
 }
 
-/// The answer shape for a list `prompt` of more than one prompt.
+/// The answer shape of `/v1/completions`, which matters for a list `prompt`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ListShape {
-    /// One object, one choice per prompt (OpenAI API, vLLM, SGLang). Default.
+    /// One object, one choice per prompt, `usage` for the whole call (OpenAI API, vLLM, SGLang).
+    /// Default.
     #[default]
     Choices,
-    /// A JSON array of per-prompt completion objects, each with `usage` and `timings`
-    /// (llama.cpp's llama-server).
+    /// Current llama.cpp llama-server: one object, one choice per prompt, but the top-level
+    /// `usage` and `timings` are those of the first answered prompt only.
+    LlamaMerged,
+    /// Older llama-server builds: for more than one prompt, a JSON array of per-prompt completion
+    /// objects, each with its own `usage` and `timings`.
     PerPromptArray,
 }
 
@@ -452,10 +455,10 @@ impl Drop for InFlight<'_> {
     }
 }
 
-fn parse_object(body: &[u8]) -> Result<Map<String, Value>, Response> {
+fn parse_object(body: &[u8]) -> Option<Map<String, Value>> {
     match serde_json::from_slice(body) {
-        Ok(Value::Object(m)) => Ok(m),
-        _ => Err(error_response(400, "body must be a JSON object", None)),
+        Ok(Value::Object(m)) => Some(m),
+        _ => None,
     }
 }
 
@@ -472,9 +475,8 @@ fn usage_json(t: &PromptTokens, completion_tokens: u64) -> Value {
 }
 
 async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let mut req = match parse_object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
+    let Some(mut req) = parse_object(&body) else {
+        return error_response(400, "body must be a JSON object", None);
     };
     let prompts: Vec<String> = match req.remove("prompt") {
         Some(Value::String(s)) => vec![s],
@@ -496,61 +498,59 @@ async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body:
         g.completions
     };
     let created = unix_now();
-    let choice = |i: usize, p: &str| {
-        json!({"index": i, "text": answer_text(p), "logprobs": null, "finish_reason": "length"})
-    };
-    if cfg.shape == ListShape::PerPromptArray && prompts.len() > 1 {
-        let objects: Vec<Value> = prompts
-            .iter()
-            .zip(&counts)
-            .enumerate()
-            .filter(|(i, _)| cfg.omit_choice != Some(*i))
-            .map(|(i, (p, t))| {
-                let completion_tokens = tokens(&answer_text(p));
-                json!({
-                    "id": format!("cmpl-fake-{id}-{i}"),
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [choice(i, p)],
-                    "usage": usage_json(t, completion_tokens),
-                    "timings": {
-                        "cache_n": t.cached.unwrap_or(0),
-                        "prompt_n": t.prompt - t.cached.unwrap_or(0),
-                        "predicted_n": completion_tokens,
-                    },
-                })
-            })
-            .collect();
-        let mut objects = objects;
-        if cfg.reverse_choices {
-            objects.reverse();
-        }
-        return Json(Value::Array(objects)).into_response();
-    }
-    let mut choices: Vec<Value> = prompts
+    // Per prompt: (choice, usage, llama.cpp timings), in prompt order, the omitted one left out.
+    let mut answers: Vec<(Value, Value, Value)> = prompts
         .iter()
+        .zip(&counts)
         .enumerate()
         .filter(|(i, _)| cfg.omit_choice != Some(*i))
-        .map(|(i, p)| choice(i, p))
+        .map(|(i, (p, t))| {
+            let text = answer_text(p);
+            let completion_tokens = tokens(&text);
+            let choice = json!({"index": i, "text": text, "logprobs": null, "finish_reason": "length"});
+            let cached = t.cached.unwrap_or(0);
+            let timings = json!({"cache_n": cached, "prompt_n": t.prompt - cached, "predicted_n": completion_tokens});
+            (choice, usage_json(t, completion_tokens), timings)
+        })
         .collect();
     if cfg.reverse_choices {
-        choices.reverse();
+        answers.reverse();
     }
-    let total = PromptTokens {
-        prompt: counts.iter().map(|t| t.prompt).sum(),
-        cached: counts.iter().map(|t| t.cached).sum(),
+    let object = |choices: Vec<Value>, usage: Value, timings: Option<Value>| {
+        let mut o = json!({
+            "id": format!("cmpl-fake-{id}"),
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": usage,
+        });
+        if let Some(t) = timings {
+            o["timings"] = t;
+        }
+        o
     };
-    let completion_tokens: u64 = prompts.iter().map(|p| tokens(&answer_text(p))).sum();
-    Json(json!({
-        "id": format!("cmpl-fake-{id}"),
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_json(&total, completion_tokens),
-    }))
-    .into_response()
+    let answer = match cfg.shape {
+        ListShape::Choices => {
+            let total = PromptTokens {
+                prompt: counts.iter().map(|t| t.prompt).sum(),
+                cached: counts.iter().map(|t| t.cached).sum(),
+            };
+            let completion_tokens: u64 = prompts.iter().map(|p| tokens(&answer_text(p))).sum();
+            let choices = answers.into_iter().map(|(c, _, _)| c).collect();
+            object(choices, usage_json(&total, completion_tokens), None)
+        }
+        ListShape::PerPromptArray if prompts.len() > 1 => Value::Array(
+            answers.into_iter().map(|(c, usage, timings)| object(vec![c], usage, Some(timings))).collect(),
+        ),
+        ListShape::LlamaMerged | ListShape::PerPromptArray => {
+            // llama.cpp merges the per-prompt answers into the first: its usage and timings stay.
+            let (usage, timings) = answers.first().map(|(_, u, t)| (u.clone(), t.clone())).unwrap_or_default();
+            let choices = answers.into_iter().map(|(c, _, _)| c).collect();
+            object(choices, usage, Some(timings))
+        }
+    };
+    Json(answer).into_response()
 }
 
 /// Text of a chat message's `content`: a string, or the `text` parts joined.
@@ -563,9 +563,8 @@ fn content_text(content: Option<&Value>) -> String {
 }
 
 async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let mut req = match parse_object(&body) {
-        Ok(m) => m,
-        Err(r) => return r,
+    let Some(mut req) = parse_object(&body) else {
+        return error_response(400, "body must be a JSON object", None);
     };
     let messages = match req.remove("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m,
@@ -626,4 +625,93 @@ async fn metrics(State(state): State<Arc<Shared>>) -> Response {
          vllm:prefix_cache_hits_total{{model_name=\"{model}\"}} {hits}\n"
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn post(url: &Url, path: &str, body: Value) -> (u16, Value) {
+        let r = reqwest::Client::new().post(url.join(path).unwrap()).json(&body).send().await.unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn get_text(url: &Url, path: &str) -> (u16, String) {
+        let r = reqwest::get(url.join(path).unwrap()).await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    }
+
+    #[tokio::test]
+    async fn completions_answer_every_prompt_with_cache_counts() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        let (status, v) = post(&fake.url, "/v1/completions", json!({"model": "x", "prompt": "0123456789abcdef"})).await;
+        assert_eq!(status, 200);
+        assert_eq!(v["model"], "x");
+        assert_eq!(v["choices"][0]["text"], "ok:01234567");
+        assert_eq!(v["usage"]["prompt_tokens"], 4);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+
+        let (_, v) = post(&fake.url, "/v1/completions", json!({"prompt": ["0123456789abXYZ", "q"], "max_tokens": 1})).await;
+        assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+        assert_eq!(v["choices"][1]["index"], 1);
+        assert_eq!(v["usage"]["prompt_tokens"], 4 + 1);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 3, "12 shared chars");
+        assert_eq!(fake.prefix_cache_counters(), (9, 3));
+        assert_eq!(fake.calls()[1].params["max_tokens"], 1);
+        let (status, metrics) = get_text(&fake.url, "/metrics").await;
+        assert_eq!(status, 200);
+        assert!(metrics.contains("vllm:prefix_cache_queries_total{model_name=\"fake-model\"} 9\n"), "{metrics}");
+        assert!(metrics.contains("vllm:prefix_cache_hits_total{model_name=\"fake-model\"} 3\n"), "{metrics}");
+    }
+
+    #[tokio::test]
+    async fn llama_server_shape_and_chat() {
+        let fake = FakeLlm::new().list_shape(ListShape::PerPromptArray).cached_tokens(CacheReport::Omit).start().await.unwrap();
+        let (_, v) = post(&fake.url, "/v1/completions", json!({"prompt": ["aaaa", "aaaab"]})).await;
+        let arr = v.as_array().unwrap();
+        assert_eq!(arr.len(), 2);
+        assert_eq!(arr[1]["choices"][0]["index"], 1);
+        assert_eq!(arr[1]["timings"]["cache_n"], 0, "cached tokens are not reported");
+        assert!(arr[1]["usage"].get("prompt_tokens_details").is_none());
+
+        let merged = FakeLlm::new().list_shape(ListShape::LlamaMerged).start().await.unwrap();
+        let (_, v) = post(&merged.url, "/v1/completions", json!({"prompt": ["aaaa", "aaaabbbbcccc"]})).await;
+        assert_eq!(v["choices"].as_array().unwrap().len(), 2);
+        assert_eq!(v["usage"]["prompt_tokens"], 1, "the first prompt's usage only");
+        assert_eq!(v["timings"]["prompt_n"], 1);
+
+        let (_, v) = post(&fake.url, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]})).await;
+        assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": "ok:hello th"}));
+        assert_eq!(fake.calls()[1].prompts, ["<|user|>\nhello there\n"]);
+    }
+
+    #[tokio::test]
+    async fn failures_bad_requests_and_other_routes() {
+        let fake = FakeLlm::new().fail_first(1, 503).retry_after(2).bad_json_first(1).start().await.unwrap();
+        let r = reqwest::Client::new().post(fake.url.join("/v1/completions").unwrap()).json(&json!({"prompt": "a"})).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 503);
+        assert_eq!(r.headers()[header::RETRY_AFTER], "2");
+        let (status, v) = post(&fake.url, "/v1/completions", json!({"prompt": "a"})).await;
+        assert_eq!((status, v), (200, Value::Null), "truncated JSON");
+        let (status, _) = post(&fake.url, "/v1/completions", json!({"prompt": 5})).await;
+        assert_eq!(status, 400);
+        assert_eq!(post(&fake.url, "/v1/completions", json!({"prompt": "a"})).await.0, 200);
+        assert_eq!(fake.call_count(), 3, "the 400 was rejected before being recorded");
+        assert_eq!(get_text(&fake.url, "/health").await.0, 200);
+        assert!(get_text(&fake.url, "/v1/models").await.1.contains("fake-model"));
+    }
+
+    #[tokio::test]
+    async fn serve_stops_on_its_shutdown_future() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(FakeLlm::new().serve(listener, async move {
+            let _ = rx.await;
+        }));
+        assert_eq!(get_text(&url, "/health").await.0, 200);
+        tx.send(()).unwrap();
+        server.await.unwrap().unwrap();
+    }
 }

@@ -5,10 +5,16 @@
 //!
 //! - a completions group becomes ONE `POST {base}/v1/completions` whose `prompt` is the list of the
 //!   group's prompts (OpenAI completions API: `prompt` may be a list of strings). The answer is
-//!   demultiplexed by `choices[].index`. Two response shapes are understood: the OpenAI one (one
-//!   object, one choice per prompt, `index` = prompt position; vLLM, SGLang) and llama-server's
-//!   (a JSON *array* of complete per-prompt completion objects, each with its own `usage` and
-//!   `timings`, when the list has more than one prompt);
+//!   demultiplexed by `choices[].index`. Three response shapes are understood:
+//!   - OpenAI's (vLLM, SGLang): one object, one choice per prompt, `index` = prompt position, and
+//!     `usage` for the whole call;
+//!   - current llama.cpp llama-server's: the same object, but its `usage` and `timings` are those
+//!     of the *first* prompt only (the server merges its per-prompt answers into the first one).
+//!     It is recognised by the top-level `timings` object that only llama.cpp sends. That usage
+//!     goes to the first prompt's item, and since the other prompts' token counts are lost, the
+//!     endpoint is switched to one call per prompt from then on (see [`LlmClient::infer`]);
+//!   - older llama-server builds': a JSON *array* of complete per-prompt completion objects, each
+//!     with its own `usage` and `timings`;
 //! - a chat group becomes one `POST {base}/v1/chat/completions` per item, run concurrently (the chat
 //!   API has no list form).
 //!
@@ -23,6 +29,7 @@
 //! bearer token only travels in a header marked sensitive.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -68,6 +75,10 @@ struct Endpoint {
     chat: Url,
     /// `llm.max_concurrency` permits; one HTTP call (not one item) holds one permit.
     permits: Semaphore,
+    /// Set once the endpoint answered a list prompt llama.cpp-style, with the usage of its first
+    /// prompt only: completions groups then go as one call per prompt, so every item gets its own
+    /// exact usage and the cached-token metrics stay true.
+    per_prompt_calls: AtomicBool,
 }
 
 impl fmt::Debug for LlmClient {
@@ -272,6 +283,7 @@ impl LlmClient {
                 chat: join(CHAT_COMPLETIONS_PATH)?,
                 name,
                 permits: Semaphore::new(settings.max_concurrency.get()),
+                per_prompt_calls: AtomicBool::new(false),
             });
         }
         let mut headers = HeaderMap::new();
@@ -320,6 +332,11 @@ impl LlmClient {
 
     /// Runs one batch on endpoint `endpoint` (an index below [`Self::endpoint_count`]).
     ///
+    /// Completions items sharing (model, params) go as one list-prompt call, except on an endpoint
+    /// that has shown llama-server's merged answer (usage of the first prompt only): there each
+    /// completions item gets its own call, run concurrently like chat items, within
+    /// `llm.max_concurrency` (which should then be at least the server's slot count, `-np`).
+    ///
     /// Returns exactly one result per item, in item order; never panics and never drops an item.
     /// Every item of a failed HTTP call gets that call's last error (after up to `llm.max_attempts`
     /// attempts); an item whose choice is missing from an otherwise good list-prompt answer gets
@@ -336,11 +353,12 @@ impl LlmClient {
             let e = LlmError::new(ErrorKind::Rejected, format!("no LLM endpoint with index {endpoint}"), None);
             return items.iter().map(|_| Err(e.clone())).collect();
         }
+        let per_prompt = self.inner.endpoints[endpoint].per_prompt_calls.load(Ordering::Relaxed);
         let mut calls = Vec::new();
         for group in group_items(items, &self.inner.model) {
             match group.kind {
-                CallKind::Completions => calls.push(self.run_call(endpoint, items, group, cancel)),
-                CallKind::Chat => {
+                CallKind::Completions if !per_prompt => calls.push(self.run_call(endpoint, items, group, cancel)),
+                CallKind::Completions | CallKind::Chat => {
                     for &member in &group.members {
                         let single = Group { members: vec![member], ..group.clone() };
                         calls.push(self.run_call(endpoint, items, single, cancel));
@@ -412,6 +430,14 @@ impl LlmClient {
         match result {
             Ok(parsed) => {
                 metrics::llm_tokens(parsed.prompt_tokens, parsed.cached_tokens);
+                if parsed.first_prompt_usage_only && !ep.per_prompt_calls.swap(true, Ordering::Relaxed) {
+                    tracing::info!(
+                        endpoint,
+                        name = %ep.name,
+                        "the LLM server reports usage for the first prompt of a list only (llama-server); \
+                         sending one completions call per prompt to this endpoint from now on"
+                    );
+                }
                 group
                     .members
                     .iter()
@@ -642,6 +668,8 @@ struct Parsed {
     prompt_tokens: u64,
     /// Sum of `usage.prompt_tokens_details.cached_tokens` (or `timings.cache_n`) over the answer.
     cached_tokens: u64,
+    /// The answer was llama-server's merged list answer: its usage covers only the first prompt.
+    first_prompt_usage_only: bool,
 }
 
 /// Reads token counts from an OpenAI `usage` object, falling back to llama-server's `timings`
@@ -678,8 +706,9 @@ fn usage_of(obj: &Value) -> Option<Usage> {
 ///
 /// `choices_per_prompt` is the request's `n`: the OpenAI API numbers choices
 /// `prompt_index × n + j`, so the item of a choice is `index / n` and its first choice is kept.
-/// Accepts one OpenAI object or llama-server's array of per-prompt objects; for the array, the
-/// choices' own `index` values are used when they are distinct and in range, else array positions.
+/// Accepts one OpenAI object or older llama-server's array of per-prompt objects; the choices' own
+/// `index` values are used when they are distinct and in range, else positions. An object with a
+/// top-level `timings` (llama.cpp's merged answer) has the usage of its first choice's prompt only.
 fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Result<Parsed, LlmError> {
     let (objects, is_array) = match v {
         Value::Array(a) => (a, true),
@@ -702,7 +731,7 @@ fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Resul
         seen.sort_unstable();
         seen.windows(2).all(|w| w[0] != w[1])
     };
-    let mut indexed: Vec<(u64, usize, &Value)> = flat
+    let mut indexed: Vec<(u64, usize, usize, &Value)> = flat
         .iter()
         .zip(&declared)
         .enumerate()
@@ -712,20 +741,25 @@ fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Resul
                 (false, true) => o as u64 * choices_per_prompt + c as u64,
                 (false, false) => pos as u64,
             };
-            (index, o, ch)
+            (index, o, c, ch)
         })
         .collect();
-    indexed.sort_by_key(|&(index, _, _)| index);
+    indexed.sort_by_key(|&(index, _, _, _)| index);
 
     let mut out: Vec<Option<Result<Completion, LlmError>>> = (0..n_items).map(|_| None).collect();
     // Which items each object's choices served, to decide whether the object's usage is one item's.
     let mut items_of_object: Vec<Vec<usize>> = vec![Vec::new(); objects.len()];
-    for (index, o, choice) in indexed {
+    // The item served by the first choice of a single-object answer.
+    let mut first_choice_item = None;
+    for (index, o, c, choice) in indexed {
         let item = (index / choices_per_prompt) as usize;
         if item >= n_items || out[item].is_some() {
             continue;
         }
         items_of_object[o].push(item);
+        if !is_array && c == 0 {
+            first_choice_item = Some(item);
+        }
         let obj = &objects[o];
         out[item] = Some(match choice.get("text") {
             Some(text @ Value::String(_)) => Ok(Completion {
@@ -738,8 +772,11 @@ fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Resul
             _ => Err(LlmError::invalid(format!("choice {index} has no string `text`"))),
         });
     }
-    // An object's usage is an item's own when that object served exactly that one item: each
-    // element of llama-server's array, or the whole answer of a one-prompt call.
+    // An object's usage is an item's own when that object served exactly that one item (each
+    // element of older llama-server's array, or the whole answer of a one-prompt call), or, in
+    // llama.cpp's merged answer, the item of the first choice.
+    let merged = !is_array && objects.first().is_some_and(|o| o.get("timings").is_some_and(Value::is_object));
+    let first_prompt_usage_only = merged && items_of_object.first().is_some_and(|served| served.len() > 1);
     let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
     for (o, obj) in objects.iter().enumerate() {
         let usage = usage_of(obj);
@@ -759,8 +796,15 @@ fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Resul
             }
         }
         let served = &items_of_object[o];
-        if served.len() == 1 && (is_array || n_items == 1) {
-            if let Some(Some(Ok(c))) = out.get_mut(served[0]) {
+        let owner = if served.len() == 1 && (is_array || n_items == 1) {
+            Some(served[0])
+        } else if merged {
+            first_choice_item
+        } else {
+            None
+        };
+        if let Some(owner) = owner {
+            if let Some(Some(Ok(c))) = out.get_mut(owner) {
                 if c.usage.is_none() {
                     c.usage = usage;
                 }
@@ -772,7 +816,7 @@ fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Resul
         .enumerate()
         .map(|(i, r)| r.unwrap_or_else(|| Err(LlmError::invalid(format!("the answer has no choice for prompt {i}")))))
         .collect();
-    Ok(Parsed { items, prompt_tokens, cached_tokens })
+    Ok(Parsed { items, prompt_tokens, cached_tokens, first_prompt_usage_only })
 }
 
 /// Parses a chat completions answer: output is `choices[0].message`.
@@ -796,10 +840,479 @@ fn parse_chat(v: Value) -> Result<Parsed, LlmError> {
         model: v.get("model").and_then(Value::as_str).map(str::to_owned),
         attempts: 0,
     };
-    Ok(Parsed { items: vec![Ok(completion)], prompt_tokens, cached_tokens })
+    Ok(Parsed { items: vec![Ok(completion)], prompt_tokens, cached_tokens, first_prompt_usage_only: false })
 }
 
 /// A JSON value cut to 200 characters for error messages.
 fn short(v: &Value) -> String {
     preview(v.to_string().as_bytes()).chars().take(200).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+    use crate::fake_llm::{FakeLlm, ListShape};
+    use crate::request::ChatMessage;
+    use serde_json::json;
+    use std::num::{NonZeroU32, NonZeroUsize};
+
+    fn settings(url: &Url) -> LlmSettings {
+        LlmSettings {
+            endpoints: vec![url.clone()],
+            model: "m".into(),
+            api_key: None,
+            max_concurrency: NonZeroUsize::new(4).unwrap(),
+            request_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(2),
+            max_attempts: NonZeroU32::new(3).unwrap(),
+            backoff_initial: Duration::from_millis(1),
+            backoff_max: Duration::from_millis(5),
+        }
+    }
+
+    fn params(v: Value) -> Map<String, Value> {
+        v.as_object().cloned().unwrap()
+    }
+
+    fn completion(p: &str) -> Body {
+        Body::Completion(p.into())
+    }
+
+    fn chat(text: &str) -> Body {
+        Body::Chat(vec![
+            ChatMessage { role: "system".into(), text: "Be brief.".into(), raw: json!({"role": "system", "content": "Be brief."}) },
+            ChatMessage { role: "user".into(), text: text.into(), raw: json!({"role": "user", "content": text}) },
+        ])
+    }
+
+    fn items<'a>(reqs: &'a [(Body, Map<String, Value>)]) -> Vec<InferenceItem<'a>> {
+        reqs.iter().map(|(body, params)| InferenceItem { body, model: None, params }).collect()
+    }
+
+    async fn run(client: &LlmClient, reqs: &[(Body, Map<String, Value>)]) -> Vec<Result<Completion, LlmError>> {
+        client.infer(0, &items(reqs), &CancellationToken::new()).await
+    }
+
+    fn three_prompts(p: &Map<String, Value>) -> Vec<(Body, Map<String, Value>)> {
+        ["alpha prompt", "bravo prompt", "charlie prompt"].iter().map(|s| (completion(s), p.clone())).collect()
+    }
+
+    #[tokio::test]
+    async fn list_prompt_is_one_call_demuxed_by_index() {
+        let fake = FakeLlm::new().reverse_choices().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let p = params(json!({"max_tokens": 4, "cache_prompt": true, "x_unknown": [1]}));
+        let results = run(&client, &three_prompts(&p)).await;
+
+        let calls = fake.calls();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].path, "/v1/completions");
+        assert_eq!(calls[0].prompts, ["alpha prompt", "bravo prompt", "charlie prompt"]);
+        assert_eq!(calls[0].model.as_deref(), Some("m"));
+        assert_eq!(calls[0].params, p, "params pass through untouched");
+        let outputs: Vec<Value> = results.iter().map(|r| r.as_ref().unwrap().output.clone()).collect();
+        assert_eq!(outputs, [json!("ok:alpha pr"), json!("ok:bravo pr"), json!("ok:charlie ")]);
+        for r in &results {
+            let c = r.as_ref().unwrap();
+            assert_eq!(c.attempts, 1);
+            assert_eq!(c.finish_reason.as_deref(), Some("length"));
+            assert_eq!(c.model.as_deref(), Some("m"));
+            assert_eq!(c.usage, None, "whole-call usage is not apportioned");
+        }
+    }
+
+    #[tokio::test]
+    async fn one_prompt_call_gets_the_call_usage() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let reqs = vec![(completion("abcdefghij"), Map::new())];
+        let c = run(&client, &reqs).await.remove(0).unwrap();
+        assert_eq!(c.usage, Some(Usage { prompt_tokens: 3, completion_tokens: 3, cached_tokens: Some(0) }));
+    }
+
+    #[tokio::test]
+    async fn llama_server_array_shape_gives_per_item_usage() {
+        let fake = FakeLlm::new().list_shape(ListShape::PerPromptArray).reverse_choices().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let shared = "You are a helpful assistant. Answer: ";
+        let reqs: Vec<_> = ["one", "two", "six"].iter().map(|s| (completion(&format!("{shared}{s}")), Map::new())).collect();
+        let results = run(&client, &reqs).await;
+        assert_eq!(fake.call_count(), 1);
+        for (i, r) in results.iter().enumerate() {
+            let c = r.as_ref().unwrap();
+            assert_eq!(c.output, json!("ok:You are "));
+            let u = c.usage.as_ref().expect("per-prompt usage");
+            assert_eq!(u.prompt_tokens, 10);
+            // The first prompt sees an empty cache; later ones share `shared` (37 chars → 9 tokens).
+            assert_eq!(u.cached_tokens, Some(if i == 0 { 0 } else { 9 }), "item {i}");
+        }
+    }
+
+    #[tokio::test]
+    async fn llama_server_merged_answer_switches_the_endpoint_to_per_prompt_calls() {
+        let fake = FakeLlm::new().list_shape(ListShape::LlamaMerged).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 1);
+        let usages: Vec<Option<Usage>> = results.into_iter().map(|r| r.unwrap().usage).collect();
+        assert_eq!(usages[0], Some(Usage { prompt_tokens: 3, completion_tokens: 3, cached_tokens: Some(0) }));
+        assert_eq!(usages[1..], [None, None], "the merged usage is the first prompt's only");
+
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        let calls = fake.calls();
+        assert_eq!(calls.len(), 4, "one call per prompt from now on");
+        assert!(calls[1..].iter().all(|c| c.prompts.len() == 1));
+        for r in results {
+            let u = r.unwrap().usage.expect("exact per-item usage");
+            let cached = u.cached_tokens.unwrap();
+            assert!(cached > 0 && cached <= u.prompt_tokens, "seen before: {u:?}");
+        }
+    }
+
+    /// Runs against a real OpenAI-compatible server, e.g.
+    /// `LLM_SERVER_URL=$(scripts/llm-server start) cargo test --lib llm::tests::real_server -- --ignored --nocapture`.
+    #[tokio::test]
+    #[ignore = "needs a real LLM server in LLM_SERVER_URL"]
+    async fn real_server() {
+        let url = Url::parse(&std::env::var("LLM_SERVER_URL").expect("LLM_SERVER_URL")).unwrap();
+        let mut s = settings(&url);
+        s.request_timeout = Duration::from_secs(120);
+        let client = LlmClient::new(&s).unwrap();
+        let p = params(json!({"max_tokens": 4, "temperature": 0, "cache_prompt": true}));
+        let shared = "Q: What is the capital of France?\nA: Paris.\nQ: What is the capital of Italy?\nA: Rome.\nQ: ";
+        let reqs: Vec<_> = ["Spain", "Germany", "Japan"]
+            .iter()
+            .map(|c| (completion(&format!("{shared}What is the capital of {c}?\nA:")), p.clone()))
+            .chain([(chat("Say hi."), p.clone())])
+            .collect();
+        for round in 0..2 {
+            let results = run(&client, &reqs).await;
+            for r in &results {
+                let c = r.as_ref().unwrap();
+                println!("round {round}: {:?} usage={:?} finish={:?}", c.output, c.usage, c.finish_reason);
+            }
+            if round == 1 {
+                let cached: u64 = results.iter().filter_map(|r| r.as_ref().unwrap().usage.as_ref()?.cached_tokens).sum();
+                assert!(cached > 0, "the shared prefix was cached");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn server_errors_are_retried_until_success() {
+        let fake = FakeLlm::new().fail_first(2, 500).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 3);
+        for r in results {
+            assert_eq!(r.unwrap().attempts, 3);
+        }
+    }
+
+    #[tokio::test]
+    async fn permanent_server_error_fails_every_item_after_max_attempts() {
+        let fake = FakeLlm::new().always_fail(500).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 3, "max_attempts = 3");
+        assert_eq!(results.len(), 3);
+        for r in results {
+            let e = r.unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Server);
+            assert_eq!(e.status, Some(500));
+            assert!(e.message.contains("fake failure"), "{}", e.message);
+        }
+    }
+
+    #[tokio::test]
+    async fn rate_limit_honours_retry_after_capped_at_backoff_max() {
+        let fake = FakeLlm::new().fail_first(1, 429).retry_after(1).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.backoff_max = Duration::from_millis(300);
+        let client = LlmClient::new(&s).unwrap();
+        let started = Instant::now();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        let waited = started.elapsed();
+        assert!(waited >= Duration::from_millis(300), "waited only {waited:?}");
+        assert!(waited < Duration::from_millis(1000), "Retry-After must be capped: {waited:?}");
+        let calls = fake.calls();
+        assert_eq!(calls.len(), 2);
+        assert!(calls[1].received_at - calls[0].received_at >= Duration::from_millis(300));
+        assert!(results.iter().all(|r| r.as_ref().unwrap().attempts == 2));
+    }
+
+    #[tokio::test]
+    async fn client_errors_are_not_retried() {
+        let fake = FakeLlm::new().always_fail(400).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 1);
+        for r in results {
+            let e = r.unwrap_err();
+            assert_eq!((e.kind, e.status), (ErrorKind::Rejected, Some(400)));
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_json_is_retried() {
+        let fake = FakeLlm::new().bad_json_first(1).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 2);
+        assert!(results.iter().all(|r| r.as_ref().unwrap().attempts == 2));
+
+        let fake = FakeLlm::new().bad_json_first(10).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 3);
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::InvalidResponse));
+    }
+
+    #[tokio::test]
+    async fn cancellation_aborts_in_flight_calls_quickly() {
+        let fake = FakeLlm::new().latency(Duration::from_secs(60)).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let cancel = CancellationToken::new();
+        let task = {
+            let (client, cancel) = (client.clone(), cancel.clone());
+            tokio::spawn(async move {
+                let mut reqs = three_prompts(&Map::new());
+                reqs.push((chat("hi"), Map::new()));
+                client.infer(0, &items(&reqs), &cancel).await
+            })
+        };
+        fake.wait_for_calls(2).await;
+        let started = Instant::now();
+        cancel.cancel();
+        let results = tokio::time::timeout(Duration::from_secs(5), task).await.expect("returns quickly").unwrap();
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(results.len(), 4);
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Cancelled));
+        assert_eq!(fake.call_count(), 2);
+    }
+
+    #[tokio::test]
+    async fn batch_is_split_by_kind_model_and_params() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let (one, two) = (params(json!({"max_tokens": 1})), params(json!({"max_tokens": 2})));
+        let reqs = vec![
+            (completion("a1"), one.clone()),
+            (completion("b2"), two.clone()),
+            (chat("c3"), one.clone()),
+            (completion("d1"), one.clone()),
+            (completion("e2"), two.clone()),
+        ];
+        let mut its = items(&reqs);
+        its.push(InferenceItem { body: &reqs[0].0, model: Some("other"), params: &one });
+        let results = client.infer(0, &its, &CancellationToken::new()).await;
+        let outputs: Vec<Value> = results.into_iter().map(|r| r.unwrap().output).collect();
+        assert_eq!(
+            outputs,
+            [
+                json!("ok:a1"),
+                json!("ok:b2"),
+                json!({"role": "assistant", "content": "ok:c3"}),
+                json!("ok:d1"),
+                json!("ok:e2"),
+                json!("ok:a1"),
+            ]
+        );
+        let mut calls: Vec<(String, Option<String>, Vec<String>, Value)> = fake
+            .calls()
+            .into_iter()
+            .map(|c| (c.path, c.model, c.prompts, c.params["max_tokens"].clone()))
+            .collect();
+        calls.sort_by(|a, b| (&a.2, &a.1).cmp(&(&b.2, &b.1)));
+        let s = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            calls,
+            [
+                ("/v1/chat/completions".into(), Some("m".into()), s(&["<|system|>\nBe brief.\n<|user|>\nc3\n"]), json!(1)),
+                ("/v1/completions".into(), Some("other".into()), s(&["a1"]), json!(1)),
+                ("/v1/completions".into(), Some("m".into()), s(&["a1", "d1"]), json!(1)),
+                ("/v1/completions".into(), Some("m".into()), s(&["b2", "e2"]), json!(2)),
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn chat_items_run_concurrently_up_to_the_endpoint_limit() {
+        let fake = FakeLlm::new().latency(Duration::from_millis(100)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.max_concurrency = NonZeroUsize::new(2).unwrap();
+        let client = LlmClient::new(&s).unwrap();
+        let reqs: Vec<_> = (0..6).map(|i| (chat(&format!("question {i}")), Map::new())).collect();
+        let started = Instant::now();
+        let results = run(&client, &reqs).await;
+        assert_eq!(fake.call_count(), 6);
+        assert_eq!(fake.max_in_flight(), 2);
+        assert!(started.elapsed() >= Duration::from_millis(300), "6 calls, 2 at a time, 100 ms each");
+        for (i, r) in results.into_iter().enumerate() {
+            let c = r.unwrap();
+            assert_eq!(c.output, json!({"role": "assistant", "content": format!("ok:question")}));
+            assert!(c.usage.is_some(), "item {i}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_choice_fails_only_its_item() {
+        let fake = FakeLlm::new().omit_choice(1).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 1, "not retried");
+        assert!(results[0].is_ok() && results[2].is_ok());
+        assert_eq!(results[1].as_ref().unwrap_err().kind, ErrorKind::InvalidResponse);
+    }
+
+    #[tokio::test]
+    async fn refused_connections_are_retried_then_fail_as_connect() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        drop(listener);
+        let client = LlmClient::new(&settings(&url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        for r in results {
+            let e = r.unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Connect, "{e}");
+            assert!(!e.message.contains("127.0.0.1"), "no URL in messages: {}", e.message);
+        }
+    }
+
+    #[tokio::test]
+    async fn slow_server_times_out() {
+        let fake = FakeLlm::new().latency(Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.request_timeout = Duration::from_millis(100);
+        s.max_attempts = NonZeroU32::new(2).unwrap();
+        let client = LlmClient::new(&s).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.call_count(), 2);
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout));
+    }
+
+    #[tokio::test]
+    async fn bearer_token_is_sent_but_never_shown() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.api_key = Some(Secret::new("sk-test-123"));
+        let client = LlmClient::new(&s).unwrap();
+        run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(fake.calls()[0].authorization.as_deref(), Some("Bearer sk-test-123"));
+        assert!(!format!("{client:?}").contains("sk-test"));
+    }
+
+    #[tokio::test]
+    async fn stream_is_forced_off() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let p = params(json!({"stream": true, "stream_options": {"include_usage": true}, "seed": 7}));
+        let results = run(&client, &three_prompts(&p)).await;
+        assert!(results.iter().all(Result::is_ok));
+        assert_eq!(fake.calls()[0].params, params(json!({"stream": false, "seed": 7})));
+    }
+
+    #[test]
+    fn endpoint_urls_and_names() {
+        let mut s = settings(&Url::parse("http://user:pw@llm-a:8000/proxy").unwrap());
+        s.endpoints.push(Url::parse("http://llm-b:8000/").unwrap());
+        let client = LlmClient::new(&s).unwrap();
+        let ep = &client.inner.endpoints;
+        assert_eq!(ep[0].completions.as_str(), "http://user:pw@llm-a:8000/proxy/v1/completions");
+        assert_eq!(ep[1].chat.as_str(), "http://llm-b:8000/v1/chat/completions");
+        assert_eq!(client.endpoint_name(0), Some("http://llm-a:8000/proxy"));
+        assert!(!format!("{client:?}").contains("pw"));
+        let picks: Vec<usize> = (0..64).map(|p| client.endpoint_for(p)).collect();
+        assert!(picks.iter().all(|&i| i < 2));
+        assert!(picks.contains(&0) && picks.contains(&1), "both endpoints get partitions");
+        assert_eq!(picks, (0..64).map(|p| client.endpoint_for(p)).collect::<Vec<_>>(), "stable");
+    }
+
+    #[test]
+    fn new_rejects_bad_configuration() {
+        let mut s = settings(&Url::parse("https://llm:443").unwrap());
+        assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::Rejected);
+        s.endpoints.clear();
+        assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::Rejected);
+    }
+
+    #[tokio::test]
+    async fn out_of_range_endpoint_fails_every_item() {
+        let client = LlmClient::new(&settings(&Url::parse("http://127.0.0.1:9").unwrap())).unwrap();
+        let reqs = three_prompts(&Map::new());
+        let results = client.infer(5, &items(&reqs), &CancellationToken::new()).await;
+        assert_eq!(results.len(), 3);
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Rejected));
+        assert!(client.infer(0, &[], &CancellationToken::new()).await.is_empty());
+    }
+
+    #[test]
+    fn statuses_are_classified() {
+        let c = |s| classify(Problem::Status(s));
+        assert_eq!(c(429), ErrorKind::RateLimited);
+        assert_eq!(c(408), ErrorKind::Timeout);
+        assert_eq!(c(500), ErrorKind::Server);
+        assert_eq!(c(503), ErrorKind::Server);
+        assert_eq!(c(400), ErrorKind::Rejected);
+        assert_eq!(c(404), ErrorKind::Rejected);
+        assert_eq!(c(302), ErrorKind::Rejected);
+        assert_eq!(classify(Problem::InvalidBody), ErrorKind::InvalidResponse);
+        let retryable: Vec<&str> = ErrorKind::ALL.iter().filter(|k| k.retryable()).map(|k| k.as_str()).collect();
+        assert_eq!(retryable, ["timeout", "connect", "rate_limited", "server", "invalid_response"]);
+    }
+
+    #[test]
+    fn backoff_is_exponential_with_full_jitter_and_capped() {
+        let (initial, max) = (Duration::from_millis(100), Duration::from_secs(1));
+        for _ in 0..200 {
+            assert!(backoff_delay(1, None, initial, max) <= initial);
+            assert!(backoff_delay(3, None, initial, max) <= initial * 4);
+            assert!(backoff_delay(40, None, initial, max) <= max);
+        }
+        assert_eq!(backoff_delay(1, Some(Duration::from_secs(30)), initial, max), max);
+        assert_eq!(backoff_delay(1, Some(Duration::from_millis(200)), initial, max), Duration::from_millis(200));
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_static(" 7 "));
+        assert_eq!(parse_retry_after(&h), Some(Duration::from_secs(7)));
+        h.insert(RETRY_AFTER, HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT"));
+        assert_eq!(parse_retry_after(&h), None);
+    }
+
+    #[test]
+    fn demux_handles_n_choices_per_prompt() {
+        let v = json!({"choices": [
+            {"index": 3, "text": "b1"}, {"index": 0, "text": "a0"},
+            {"index": 2, "text": "b0"}, {"index": 1, "text": "a1"},
+        ], "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}});
+        let p = demux_completions(v, 2, 2).unwrap();
+        let outs: Vec<Value> = p.items.into_iter().map(|r| r.unwrap().output).collect();
+        assert_eq!(outs, [json!("a0"), json!("b0")]);
+        assert_eq!((p.prompt_tokens, p.cached_tokens), (10, 4));
+    }
+
+    #[test]
+    fn demux_array_without_usable_indices_goes_by_position() {
+        // An older llama-server numbers every element's choice 0.
+        let v = json!([
+            {"choices": [{"index": 0, "text": "x"}], "timings": {"prompt_n": 3, "cache_n": 5, "predicted_n": 2}},
+            {"choices": [{"index": 0, "text": "y"}], "usage": {"prompt_tokens": 8, "completion_tokens": 2}},
+        ]);
+        let p = demux_completions(v, 2, 1).unwrap();
+        let items: Vec<Completion> = p.items.into_iter().map(Result::unwrap).collect();
+        assert_eq!(items[0].output, json!("x"));
+        assert_eq!(items[0].usage, Some(Usage { prompt_tokens: 8, completion_tokens: 2, cached_tokens: Some(5) }));
+        assert_eq!(items[1].output, json!("y"));
+        assert_eq!(items[1].usage, Some(Usage { prompt_tokens: 8, completion_tokens: 2, cached_tokens: None }));
+        assert_eq!((p.prompt_tokens, p.cached_tokens), (16, 5));
+    }
+
+    #[test]
+    fn demux_rejects_answers_without_choices() {
+        let e = demux_completions(json!({"error": "overloaded"}), 2, 1).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidResponse);
+        assert!(parse_chat(json!({"choices": []})).is_err());
+        let p = demux_completions(json!({"choices": [{"index": 0, "text": 5}]}), 1, 1).unwrap();
+        assert_eq!(p.items[0].as_ref().unwrap_err().kind, ErrorKind::InvalidResponse);
+    }
 }

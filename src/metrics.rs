@@ -176,8 +176,10 @@ pub fn init() {
     for r in crate::request::DEAD_LETTER_REASONS {
         DEAD_LETTERS.with_label_values(&[r]);
     }
-    LLM_REQUESTS.with_label_values(&["ok"]);
-    LLM_DURATION.with_label_values(&["ok"]);
+    for o in std::iter::once("ok").chain(crate::llm::ErrorKind::ALL.iter().map(|k| k.as_str())) {
+        LLM_REQUESTS.with_label_values(&[o]);
+        LLM_DURATION.with_label_values(&[o]);
+    }
     LazyLock::force(&LLM_PROMPT_TOKENS);
     LazyLock::force(&LLM_CACHED_TOKENS);
     QUEUE_MESSAGES.with_label_values(&["input", ""]);

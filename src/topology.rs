@@ -108,13 +108,17 @@ pub async fn declare(
 ) -> Result<(), TopologyError> {
     let p = cfg.partitions.get();
     // Partition count first: nothing is declared for a deployment we would refuse to run.
-    let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
         return Err(TopologyError::PartitionCount { existing, configured: p });
     }
+    // Partition queues are declared from P-1 down to 0, so "queue 0 exists" means the whole set
+    // exists: a missing queue P-1 then reveals a smaller deployment, an existing queue P a larger one.
     if queue_exists(conn, &cfg.partition_queue(p)).await? {
         return Err(TopologyError::PartitionCount { existing: format!("more than {p}"), configured: p });
+    }
+    if queue_exists(conn, &cfg.partition_queue(0)).await? && !queue_exists(conn, &cfg.partition_queue(p - 1)).await? {
+        return Err(TopologyError::PartitionCount { existing: format!("fewer than {p}"), configured: p });
     }
 
     declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
@@ -132,7 +136,7 @@ pub async fn declare(
     declare_queue(conn, &cfg.input_queue, quorum_args(Some(&cfg.dead_letter_exchange), false)).await?;
     declare_queue(conn, &cfg.results_queue, quorum_args(None, false)).await?;
     declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
-    for part in 0..p {
+    for part in (0..p).rev() {
         let q = cfg.partition_queue(part);
         declare_queue(conn, &q, quorum_args(Some(&cfg.dead_letter_exchange), true)).await?;
         ch.queue_bind(
@@ -145,5 +149,11 @@ pub async fn declare(
         .await?;
     }
     let _ = ch.close(200, "ok".into()).await;
+    // Record P only once everything exists; re-read to catch a concurrent start with another P.
+    let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
+    let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
+    if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
+        return Err(TopologyError::PartitionCount { existing, configured: p });
+    }
     Ok(())
 }

@@ -1,0 +1,785 @@
+//! Shared helpers of the integration tests (real RabbitMQ on 127.0.0.1:5672 and Redis on
+//! 127.0.0.1:6379, `scripts/services` starts them; the fake LLM runs in the test process).
+//!
+//! - [`TestEnv`]: one unique name per test (`pbt-{test}-{random}`) used for EVERY queue, exchange
+//!   and the Redis key prefix, so tests run in parallel without interfering; a temp directory for
+//!   config files and daemon logs; cleanup of everything at the end (also on panic, best effort).
+//! - [`TestEnv::raw_config`]: a small, fast configuration (8 partitions, short lease timings).
+//! - [`Daemon`] (in process, `app::run` with a oneshot as shutdown) and [`DaemonProcess`] (the
+//!   real binary, `run` subcommand, config in a temp TOML file, stderr in a temp log file).
+//! - [`Amqp`]: publishing with publisher confirms; [`Collector`]: consumes results until a
+//!   condition holds, with a deadline.
+//! - [`RedisProbe`]: reads leases and member keys.
+//!
+//! Nothing here sleeps for a fixed time to "let things settle": every wait is on a condition with
+//! a deadline, and fails with a message saying what did not happen.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fs::File;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+use prefix_batcher::app::{self, AppError};
+use prefix_batcher::config::{RawConfig, Settings};
+use prefix_batcher::lease::LeaseValue;
+use prefix_batcher::request::RequestResult;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const REDIS_URL: &str = "redis://127.0.0.1:6379/";
+/// Default deadline of every wait.
+pub const DEADLINE: Duration = Duration::from_secs(60);
+/// Partitions of the test deployments.
+pub const PARTITIONS: u32 = 8;
+/// Characters of a completions prompt that form its key (`keying.prefix_chars`).
+pub const PREFIX_CHARS: usize = 32;
+
+// ---------------------------------------------------------------------------------------------
+// Test environment: names, config, cleanup.
+// ---------------------------------------------------------------------------------------------
+
+/// One test's private namespace.
+pub struct TestEnv {
+    /// `pbt-{test}-{random}`: prefix of every queue and exchange, and the Redis key prefix.
+    pub name: String,
+    /// Config files and daemon logs.
+    pub dir: PathBuf,
+    cleaned: bool,
+}
+
+impl TestEnv {
+    pub fn new(test: &str) -> TestEnv {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("pbt-{test}-{}", &id[..10]);
+        let dir = std::env::temp_dir().join(&name);
+        std::fs::create_dir_all(&dir).expect("create the test's temp dir");
+        TestEnv { name, dir, cleaned: false }
+    }
+
+    /// An instance name inside this test's namespace.
+    pub fn instance(&self, suffix: &str) -> String {
+        format!("{}-{suffix}", self.name)
+    }
+
+    pub fn input_queue(&self) -> String {
+        format!("{}.input", self.name)
+    }
+    pub fn shard_exchange(&self) -> String {
+        format!("{}.shards", self.name)
+    }
+    pub fn partition_queue_prefix(&self) -> String {
+        format!("{}.partition", self.name)
+    }
+    pub fn partition_queue(&self, p: u32) -> String {
+        format!("{}.{:03}", self.partition_queue_prefix(), p)
+    }
+    pub fn results_queue(&self) -> String {
+        format!("{}.results", self.name)
+    }
+    pub fn dead_letter_exchange(&self) -> String {
+        format!("{}.dlx", self.name)
+    }
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dead-letter", self.name)
+    }
+    /// Redis key prefix.
+    pub fn key_prefix(&self) -> &str {
+        &self.name
+    }
+
+    /// A valid configuration for this test: every name in the namespace, [`PARTITIONS`]
+    /// partitions, 4 shards per key, batches of ≤ 8 flushed after 150 ms, lease 3 s / renew
+    /// deadline 2 s / renew every 500 ms, member TTL 2 s, settle 200 ms, drain 10 s, LLM retries
+    /// with a 10 ms backoff, HTTP on an OS-chosen port.
+    pub fn raw_config(&self, llm_url: &str) -> RawConfig {
+        let mut r = RawConfig::default();
+        r.instance.name = self.instance("a");
+        let a = &mut r.amqp;
+        a.url = AMQP_URL.into();
+        a.input_queue = self.input_queue();
+        a.shard_exchange = self.shard_exchange();
+        a.partition_queue_prefix = self.partition_queue_prefix();
+        a.results_queue = self.results_queue();
+        a.dead_letter_exchange = self.dead_letter_exchange();
+        a.dead_letter_queue = self.dead_letter_queue();
+        a.partitions = PARTITIONS;
+        a.input_prefetch = 64;
+        a.partition_prefetch = 16;
+        a.confirm_timeout = "10s".into();
+        a.reconnect_backoff_initial = "100ms".into();
+        a.reconnect_backoff_max = "1s".into();
+        a.backlog_poll_interval = "1s".into();
+        r.redis.url = REDIS_URL.into();
+        r.redis.key_prefix = self.name.clone();
+        r.redis.command_timeout = "2s".into();
+        let o = &mut r.ownership;
+        o.lease_ttl = "3s".into();
+        o.renew_deadline = "2s".into();
+        o.renew_interval = "500ms".into();
+        o.member_ttl = "2s".into();
+        o.settle_time = "200ms".into();
+        r.keying.prefix_chars = PREFIX_CHARS;
+        r.sharding.default_shards = 4;
+        r.batching.max_batch_size = 8;
+        r.batching.max_batch_wait = "150ms".into();
+        r.batching.channel_capacity = 64;
+        let l = &mut r.llm;
+        l.endpoints = vec![llm_url.trim_end_matches('/').to_owned()];
+        l.model = "test-model".into();
+        l.max_concurrency = 4;
+        l.request_timeout = "20s".into();
+        l.connect_timeout = "2s".into();
+        l.max_attempts = 3;
+        l.backoff_initial = "10ms".into();
+        l.backoff_max = "100ms".into();
+        r.http.listen = "127.0.0.1:0".into();
+        r.shutdown.drain_timeout = "10s".into();
+        r.log.level = "info".into();
+        r
+    }
+
+    /// Deletes every queue and exchange of this test and every Redis key under its prefix.
+    pub async fn cleanup(mut self) {
+        cleanup_resources(&self.name).await;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        self.cleaned = true;
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
+        // The test failed before its cleanup: clean up from a thread with its own runtime (this
+        // may run inside the test's runtime), and keep the logs for the post-mortem.
+        eprintln!("test namespace {}: logs and configs kept in {}", self.name, self.dir.display());
+        let name = self.name.clone();
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                rt.block_on(async {
+                    let _ = tokio::time::timeout(Duration::from_secs(30), cleanup_resources(&name)).await;
+                });
+            }
+        })
+        .join();
+    }
+}
+
+async fn cleanup_resources(name: &str) {
+    // Queues: everything a deployment of up to 64 partitions declares (tests use fewer; deleting
+    // a queue that does not exist is a no-op in RabbitMQ).
+    let mut queues = vec![
+        format!("{name}.input"),
+        format!("{name}.results"),
+        format!("{name}.dead-letter"),
+    ];
+    queues.extend((0..=16).map(|p| format!("{name}.partition.{p:03}")));
+    if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
+        let mut ch = conn.create_channel().await.ok();
+        for q in &queues {
+            if ch.is_none() {
+                ch = conn.create_channel().await.ok();
+            }
+            if let Some(c) = &ch {
+                if c.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.is_err() {
+                    ch = None;
+                }
+            }
+        }
+        for x in [format!("{name}.shards"), format!("{name}.dlx")] {
+            if ch.is_none() {
+                ch = conn.create_channel().await.ok();
+            }
+            if let Some(c) = &ch {
+                if c.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await.is_err() {
+                    ch = None;
+                }
+            }
+        }
+        let _ = conn.close(200, "test cleanup".into()).await;
+    }
+    if let Ok(mut r) = RedisProbe::connect().await {
+        let keys = r.keys(&format!("{name}:*")).await;
+        if !keys.is_empty() {
+            let _: Result<i64, _> = redis::cmd("DEL").arg(&keys).query_async(&mut r.conn).await;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workloads.
+// ---------------------------------------------------------------------------------------------
+
+/// A request the test publishes: `id` is also its correlation id and message id.
+#[derive(Debug, Clone)]
+pub struct TestRequest {
+    pub id: String,
+    pub body: Vec<u8>,
+    /// The workload group (prefix) it belongs to.
+    pub group: usize,
+}
+
+/// The shared prefix of group `g`: exactly [`PREFIX_CHARS`] characters, so it is the whole key
+/// material of a completions prompt that starts with it; its first 8 characters are
+/// `prefix-{g}` for one-digit groups.
+pub fn group_prefix(g: usize) -> String {
+    let p = format!("{:-<width$}", format!("prefix-{g}:"), width = PREFIX_CHARS);
+    assert_eq!(p.chars().count(), PREFIX_CHARS);
+    p
+}
+
+/// A completions request of group `g`.
+pub fn completion(id: &str, g: usize, question: &str) -> TestRequest {
+    let prompt = format!("{}{question}", group_prefix(g));
+    let body = serde_json::json!({"id": id, "prompt": prompt, "params": {"max_tokens": 8}});
+    TestRequest { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), group: g }
+}
+
+/// `n` completions requests spread round-robin over `groups` prefixes, ids `{tag}-{i}`.
+pub fn completions_workload(tag: &str, n: usize, groups: usize) -> Vec<TestRequest> {
+    (0..n).map(|i| completion(&format!("{tag}-{i}"), i % groups, &format!(" question {i}?"))).collect()
+}
+
+pub fn ids(reqs: &[TestRequest]) -> HashSet<String> {
+    reqs.iter().map(|r| r.id.clone()).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The daemon, in process and as a process.
+// ---------------------------------------------------------------------------------------------
+
+/// A daemon running in this process (`app::run`) with a oneshot as its shutdown signal. Dropping
+/// it starts a graceful shutdown (the sender is dropped).
+pub struct Daemon {
+    pub instance: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<Result<(), AppError>>>,
+}
+
+/// Starts `app::run` on the current runtime.
+pub fn start_daemon(raw: &RawConfig) -> Daemon {
+    let settings = Settings::from_raw(raw).unwrap_or_else(|e| panic!("test configuration is invalid: {e}"));
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(app::run(settings, async move {
+        let _ = rx.await;
+    }));
+    Daemon { instance: raw.instance.name.clone(), stop: Some(tx), task: Some(task) }
+}
+
+impl Daemon {
+    /// Signals shutdown and waits (≤ [`DEADLINE`]) for `app::run` to return.
+    pub async fn stop(mut self) -> Result<(), AppError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let task = self.task.take().expect("stopped once");
+        match tokio::time::timeout(DEADLINE, task).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => panic!("daemon {} panicked: {e}", self.instance),
+            Err(_) => panic!("daemon {} did not stop within {DEADLINE:?}", self.instance),
+        }
+    }
+
+    /// Whether `app::run` returned already (it should not, while the test runs).
+    pub fn is_finished(&self) -> bool {
+        self.task.as_ref().is_none_or(|t| t.is_finished())
+    }
+}
+
+/// The binary under test, with a clean environment: no `PREFIX_BATCHER*` overrides or `RUST_LOG`
+/// from the caller, no colours in logs.
+pub fn bin_command() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_prefix-batcher"));
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("PREFIX_BATCHER") {
+            c.env_remove(k);
+        }
+    }
+    c.env_remove("RUST_LOG").env("NO_COLOR", "1").stdin(Stdio::null());
+    c
+}
+
+/// A child process of the binary; killed with SIGKILL when dropped while still running.
+pub struct DaemonProcess {
+    pub label: String,
+    child: Child,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+}
+
+impl DaemonProcess {
+    /// Starts `cmd` with stdout and stderr in `{dir}/{label}.out` / `{label}.log`.
+    pub fn spawn(env: &TestEnv, label: &str, mut cmd: Command) -> DaemonProcess {
+        let stdout = env.dir.join(format!("{label}.out"));
+        let stderr = env.dir.join(format!("{label}.log"));
+        let child = cmd
+            .stdout(File::create(&stdout).expect("create stdout file"))
+            .stderr(File::create(&stderr).expect("create log file"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {label}: {e}"));
+        DaemonProcess { label: label.to_owned(), child, stdout, stderr }
+    }
+
+    /// Writes `raw` as `{dir}/{label}.toml` and starts `prefix-batcher --config … run`.
+    pub fn run(env: &TestEnv, label: &str, raw: &RawConfig) -> DaemonProcess {
+        let cfg = write_config(env, label, raw);
+        let mut cmd = bin_command();
+        cmd.arg("--config").arg(&cfg).arg("run");
+        DaemonProcess::spawn(env, label, cmd)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL, then reap.
+    pub fn kill9(&mut self) {
+        self.child.kill().expect("SIGKILL the daemon");
+        self.child.wait().expect("reap the daemon");
+    }
+
+    /// SIGTERM (graceful stop).
+    pub fn sigterm(&self) {
+        let ok = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.pid().to_string())
+            .status()
+            .expect("run kill -TERM")
+            .success();
+        assert!(ok, "kill -TERM {} ({}) failed", self.pid(), self.label);
+    }
+
+    /// Waits for the process to exit, polling every 20 ms, at most `within`.
+    pub async fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                return s;
+            }
+            if Instant::now() >= deadline {
+                panic!("{} did not exit within {within:?}; its log:\n{}", self.label, self.log_tail(40));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().expect("try_wait").is_none()
+    }
+
+    /// Everything written to stderr so far, without ANSI escape sequences.
+    pub fn log(&self) -> String {
+        strip_ansi(&std::fs::read_to_string(&self.stderr).unwrap_or_default())
+    }
+
+    pub fn out(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    /// The last `n` lines of the log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' && chars.peek() == Some(&'[') {
+            chars.next();
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// Writes `raw` as TOML to `{dir}/{label}.toml` and returns the path.
+pub fn write_config(env: &TestEnv, label: &str, raw: &RawConfig) -> PathBuf {
+    let path = env.dir.join(format!("{label}.toml"));
+    std::fs::write(&path, to_toml(raw)).expect("write config");
+    path
+}
+
+/// Renders a `RawConfig` as TOML (one table per section; JSON scalars and arrays are valid TOML
+/// values; empty tables and lists are left out so their defaults apply).
+pub fn to_toml(raw: &RawConfig) -> String {
+    fn value(v: &serde_json::Value) -> String {
+        match v {
+            serde_json::Value::Object(m) => {
+                let fields: Vec<String> = m.iter().map(|(k, v)| format!("{} = {}", serde_json::Value::String(k.clone()), value(v))).collect();
+                format!("{{ {} }}", fields.join(", "))
+            }
+            serde_json::Value::Array(a) => format!("[{}]", a.iter().map(value).collect::<Vec<_>>().join(", ")),
+            other => other.to_string(),
+        }
+    }
+    let v = serde_json::to_value(raw).expect("RawConfig serializes");
+    let mut out = String::new();
+    for (section, body) in v.as_object().expect("sections") {
+        out.push_str(&format!("[{section}]\n"));
+        for (k, v) in body.as_object().expect("section body") {
+            let empty = matches!(v, serde_json::Value::Object(m) if m.is_empty()) || matches!(v, serde_json::Value::Array(a) if a.is_empty());
+            if !empty {
+                out.push_str(&format!("{k} = {}\n", value(v)));
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// AMQP: publishing and collecting.
+// ---------------------------------------------------------------------------------------------
+
+/// A test's AMQP connection with a channel in confirm mode.
+pub struct Amqp {
+    pub conn: Connection,
+    pub ch: Channel,
+}
+
+impl Amqp {
+    pub async fn connect() -> Amqp {
+        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+            .await
+            .expect("connect to RabbitMQ on 127.0.0.1:5672 (run scripts/services)");
+        let ch = conn.create_channel().await.expect("channel");
+        ch.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select");
+        Amqp { conn, ch }
+    }
+
+    /// Declares an exclusive reply queue `name` (it goes away with this connection) and consumes
+    /// it (auto-ack) on its own channel.
+    pub async fn reply_queue(&self, name: &str) -> Collector {
+        let ch = self.conn.create_channel().await.expect("channel");
+        let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+        ch.queue_declare(name.into(), opts, FieldTable::default()).await.expect("declare reply queue");
+        Collector::consume(ch, name).await
+    }
+
+    /// Consumes an existing queue (auto-ack) on a new channel.
+    pub async fn consume(&self, queue: &str) -> Collector {
+        let ch = self.conn.create_channel().await.expect("channel");
+        Collector::consume(ch, queue).await
+    }
+
+    /// Publishes one message to the default exchange with routing key `queue`, mandatory, and
+    /// waits for the broker's confirm.
+    pub async fn publish(&self, queue: &str, body: &[u8], props: BasicProperties) {
+        let confirm = self
+            .ch
+            .basic_publish("".into(), queue.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, body, props)
+            .await
+            .expect("publish")
+            .await
+            .expect("publisher confirm");
+        assert!(!confirm.is_nack(), "broker nacked a publish to {queue}");
+        assert!(confirm.take_message().is_none(), "publish to {queue} was returned: the queue does not exist");
+    }
+
+    /// Publishes `reqs` to `queue` (pipelined) with `reply_to`, then waits for every confirm.
+    pub async fn publish_requests(&self, queue: &str, reqs: &[TestRequest], reply_to: &str) {
+        let mut confirms = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            let confirm = self
+                .ch
+                .basic_publish(
+                    "".into(),
+                    queue.into(),
+                    BasicPublishOptions { mandatory: true, ..Default::default() },
+                    &r.body,
+                    request_props(&r.id, reply_to),
+                )
+                .await
+                .expect("publish request");
+            confirms.push(confirm);
+        }
+        for c in confirms {
+            let c = c.await.expect("publisher confirm");
+            assert!(!c.is_nack(), "broker nacked a request");
+            assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
+        }
+    }
+
+    /// `(ready messages, consumers)` of a queue (passive declare on a throwaway channel).
+    pub async fn queue_depth(&self, queue: &str) -> (u32, u32) {
+        let ch = self.conn.create_channel().await.expect("channel");
+        let q = ch
+            .queue_declare(queue.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default())
+            .await
+            .unwrap_or_else(|e| panic!("queue {queue} should exist: {e}"));
+        let _ = ch.close(200, "ok".into()).await;
+        (q.message_count(), q.consumer_count())
+    }
+
+    pub async fn close(self) {
+        let _ = self.conn.close(200, "test done".into()).await;
+    }
+}
+
+/// Properties of a test request: JSON, persistent, `message_id` = `correlation_id` = `id`,
+/// `reply_to`, `timestamp` = now.
+pub fn request_props(id: &str, reply_to: &str) -> BasicProperties {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(2)
+        .with_message_id(id.into())
+        .with_correlation_id(id.into())
+        .with_reply_to(reply_to.into())
+        .with_timestamp(now)
+}
+
+/// One message the test received.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub correlation_id: String,
+    pub headers: BTreeMap<String, String>,
+    pub body: Vec<u8>,
+    /// Order of arrival (0-based) on this collector.
+    pub seq: usize,
+}
+
+impl Received {
+    /// The body as a result; panics with the body when it is not one.
+    pub fn result(&self) -> RequestResult {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not a result ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(String::as_str)
+    }
+
+    /// The `x-partition-epoch` header as a number; panics when absent.
+    pub fn epoch(&self) -> u64 {
+        self.header("x-partition-epoch")
+            .unwrap_or_else(|| panic!("result {} has no x-partition-epoch header: {:?}", self.correlation_id, self.headers))
+            .parse()
+            .expect("numeric x-partition-epoch")
+    }
+}
+
+fn header_string(v: &AMQPValue) -> String {
+    match v {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Consumes one queue and keeps everything that arrived, in order.
+pub struct Collector {
+    pub queue: String,
+    ch: Channel,
+    consumer: Consumer,
+    pub received: Vec<Received>,
+}
+
+const SENTINEL: &str = "__test_barrier__";
+
+impl Collector {
+    async fn consume(ch: Channel, queue: &str) -> Collector {
+        let tag = format!("test-{}", uuid::Uuid::new_v4().simple());
+        let consumer = ch
+            .basic_consume(queue.into(), tag.as_str().into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())
+            .await
+            .unwrap_or_else(|e| panic!("consume {queue}: {e}"));
+        Collector { queue: queue.to_owned(), ch, consumer, received: Vec::new() }
+    }
+
+    /// Waits for the next message until `deadline`; `false` when the deadline passed.
+    async fn next_until(&mut self, deadline: Instant) -> bool {
+        match tokio::time::timeout_at(deadline, self.consumer.next()).await {
+            Err(_) => false,
+            Ok(None) => panic!("consumer of {} ended", self.queue),
+            Ok(Some(Err(e))) => panic!("consumer of {} failed: {e}", self.queue),
+            Ok(Some(Ok(d))) => {
+                let headers = d
+                    .properties
+                    .headers()
+                    .as_ref()
+                    .map(|h| h.inner().iter().map(|(k, v)| (k.as_str().to_owned(), header_string(v))).collect())
+                    .unwrap_or_default();
+                let correlation_id = d.properties.correlation_id().as_ref().map(|c| c.as_str().to_owned()).unwrap_or_default();
+                let seq = self.received.len();
+                self.received.push(Received { correlation_id, headers, body: d.data, seq });
+                true
+            }
+        }
+    }
+
+    /// Collects until `done(received)` holds; panics after `within` saying `what` did not happen.
+    pub async fn until(&mut self, what: &str, within: Duration, mut done: impl FnMut(&[Received]) -> bool) {
+        let deadline = Instant::now() + within;
+        while !done(&self.received) {
+            if !self.next_until(deadline).await {
+                panic!(
+                    "timed out after {within:?} waiting for {what} on {} ({} messages received)",
+                    self.queue,
+                    self.received.len()
+                );
+            }
+        }
+    }
+
+    /// Collects until every id in `ids` has at least one message.
+    pub async fn until_all(&mut self, ids: &HashSet<String>, within: Duration) {
+        let deadline = Instant::now() + within;
+        let mut seen: HashSet<String> = self.received.iter().map(|r| r.correlation_id.clone()).filter(|c| ids.contains(c)).collect();
+        while seen.len() < ids.len() {
+            if !self.next_until(deadline).await {
+                let mut missing: Vec<&String> = ids.iter().filter(|i| !seen.contains(*i)).collect();
+                missing.sort();
+                panic!(
+                    "timed out after {within:?}: {} of {} requests got no result on {} (first missing: {:?})",
+                    missing.len(),
+                    ids.len(),
+                    self.queue,
+                    &missing[..missing.len().min(10)]
+                );
+            }
+            let last = &self.received[self.received.len() - 1];
+            if ids.contains(&last.correlation_id) {
+                seen.insert(last.correlation_id.clone());
+            }
+        }
+    }
+
+    /// Number of distinct ids of `ids` that have a message.
+    pub fn distinct_of(&self, ids: &HashSet<String>) -> usize {
+        self.received.iter().filter(|r| ids.contains(&r.correlation_id)).map(|r| &r.correlation_id).collect::<HashSet<_>>().len()
+    }
+
+    /// Messages grouped by correlation id.
+    pub fn by_correlation(&self) -> HashMap<String, Vec<&Received>> {
+        let mut m: HashMap<String, Vec<&Received>> = HashMap::new();
+        for r in &self.received {
+            m.entry(r.correlation_id.clone()).or_default().push(r);
+        }
+        m
+    }
+
+    /// A FIFO barrier: publishes a sentinel to this queue and collects until it arrives, so
+    /// everything published to the queue before this call has been received. The sentinel is
+    /// not kept.
+    pub async fn barrier(&mut self, amqp: &Amqp) {
+        let tag = format!("{SENTINEL}{}", uuid::Uuid::new_v4().simple());
+        amqp.publish(&self.queue, b"barrier", BasicProperties::default().with_correlation_id(tag.as_str().into())).await;
+        self.until("the barrier message", DEADLINE, |r| r.last().is_some_and(|m| m.correlation_id == tag)).await;
+        self.received.retain(|m| !m.correlation_id.starts_with(SENTINEL));
+    }
+
+    pub async fn close(self) {
+        let _ = self.ch.close(200, "done".into()).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Redis.
+// ---------------------------------------------------------------------------------------------
+
+/// Reads the daemon's Redis state.
+pub struct RedisProbe {
+    pub conn: redis::aio::MultiplexedConnection,
+}
+
+impl RedisProbe {
+    pub async fn connect() -> Result<RedisProbe, redis::RedisError> {
+        let client = redis::Client::open(REDIS_URL)?;
+        Ok(RedisProbe { conn: client.get_multiplexed_async_connection().await? })
+    }
+
+    pub async fn keys(&mut self, pattern: &str) -> Vec<String> {
+        let mut keys: Vec<String> = redis::cmd("KEYS").arg(pattern).query_async(&mut self.conn).await.expect("redis KEYS");
+        keys.sort();
+        keys
+    }
+
+    pub async fn get(&mut self, key: &str) -> Option<String> {
+        redis::cmd("GET").arg(key).query_async(&mut self.conn).await.expect("redis GET")
+    }
+
+    pub async fn del(&mut self, key: &str) {
+        let _: i64 = redis::cmd("DEL").arg(key).query_async(&mut self.conn).await.expect("redis DEL");
+    }
+
+    /// The lease values of partitions `0..partitions` (`{prefix}:lease:{p}`), parsed.
+    pub async fn leases(&mut self, prefix: &str, partitions: u32) -> Vec<Option<LeaseValue>> {
+        let keys: Vec<String> = (0..partitions).map(|p| format!("{prefix}:lease:{p}")).collect();
+        let vals: Vec<Option<String>> = redis::cmd("MGET").arg(&keys).query_async(&mut self.conn).await.expect("redis MGET");
+        vals.into_iter()
+            .map(|v| v.map(|s| LeaseValue::parse(&s).unwrap_or_else(|| panic!("unparseable lease value {s:?}"))))
+            .collect()
+    }
+
+    /// Polls the leases every 50 ms until `done(leases)` holds; panics after `within`.
+    pub async fn wait_leases(
+        &mut self,
+        prefix: &str,
+        partitions: u32,
+        what: &str,
+        within: Duration,
+        mut done: impl FnMut(&[Option<LeaseValue>]) -> bool,
+    ) -> Vec<Option<LeaseValue>> {
+        let deadline = Instant::now() + within;
+        loop {
+            let leases = self.leases(prefix, partitions).await;
+            if done(&leases) {
+                return leases;
+            }
+            if Instant::now() >= deadline {
+                panic!("timed out after {within:?} waiting for {what}; leases: {leases:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until instance `name` holds the lease of every partition.
+    pub async fn wait_all_held_by(&mut self, prefix: &str, partitions: u32, name: &str) -> Vec<Option<LeaseValue>> {
+        self.wait_leases(prefix, partitions, &format!("{name} to hold every lease"), DEADLINE, |ls| {
+            ls.iter().all(|l| l.as_ref().is_some_and(|l| l.name == name))
+        })
+        .await
+    }
+}

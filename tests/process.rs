@@ -1,0 +1,309 @@
+//! End-to-end tests of the real binary (`prefix-batcher run` / `check-config` as child
+//! processes): crash safety under `kill -9`, graceful SIGTERM, startup refusal, config checks.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::*;
+use prefix_batcher::fake_llm::FakeLlm;
+use tokio::time::Instant;
+
+/// Waits until the process `name` holds every lease; fails early (with its log) if it exits.
+async fn wait_ready(redis: &mut RedisProbe, env: &TestEnv, daemon: &mut DaemonProcess, name: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        assert!(daemon.is_running(), "{} exited during startup; its log:\n{}", daemon.label, daemon.log_tail(40));
+        let leases = redis.leases(env.key_prefix(), PARTITIONS).await;
+        if leases.iter().all(|l| l.as_ref().is_some_and(|l| l.name == name)) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} did not acquire every lease within {DEADLINE:?} ({leases:?}); its log:\n{}",
+            daemon.label,
+            daemon.log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `kill -9` of a busy daemon loses nothing: after a restart (same name, so it must wait out the
+/// dead process's 3 s leases) every request has at least one result. Duplicates are allowed
+/// (at-least-once) and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_mid_run_then_restart_loses_no_request() {
+    let env = TestEnv::new("crash");
+    let fake = FakeLlm::new().latency(Duration::from_millis(300)).start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let name = raw.instance.name.clone();
+    let amqp = Amqp::connect().await;
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut first = DaemonProcess::run(&env, "first", &raw);
+    wait_ready(&mut redis, &env, &mut first, &name).await;
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+
+    let reqs = completions_workload("crash", 400, 5);
+    let all = ids(&reqs);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    results.until("40 results before the crash", DEADLINE, |r| r.len() >= 40).await;
+    first.kill9();
+    let before = results.distinct_of(&all);
+    assert!(before < all.len(), "every request finished before the kill ({before}); the test proves nothing");
+    let epochs_before: HashSet<(u32, u64)> = results.received.iter().map(|m| (m.result().partition, m.epoch())).collect();
+    let killed_at = Instant::now();
+
+    let mut second = DaemonProcess::run(&env, "second", &raw);
+    results.until_all(&all, DEADLINE).await;
+    let recovered_in = killed_at.elapsed();
+    assert!(second.is_running(), "the restarted daemon died; its log:\n{}", second.log_tail(40));
+    second.sigterm();
+    let status = second.wait_exit(DEADLINE).await;
+    assert!(status.success(), "SIGTERM must exit 0, got {status}; log:\n{}", second.log_tail(40));
+    results.barrier(&amqp).await;
+
+    let by_id = results.by_correlation();
+    let mut duplicates = 0;
+    for r in &reqs {
+        let got = by_id.get(&r.id).map_or(0, Vec::len);
+        assert!(got >= 1, "request {} was lost", r.id);
+        duplicates += got - 1;
+        for m in &by_id[&r.id] {
+            let res = m.result();
+            assert!(res.ok, "request {} failed: {:?}", r.id, res.error);
+            assert_eq!(res.id, r.id);
+        }
+    }
+    // The restarted process worked under new epochs (fencing tokens).
+    let after: Vec<(u32, u64)> = results
+        .received
+        .iter()
+        .map(|m| (m.result().partition, m.epoch()))
+        .filter(|pe| !epochs_before.contains(pe))
+        .collect();
+    assert!(!after.is_empty(), "no result came from a new epoch after the restart");
+    for (p, e) in &after {
+        let old = epochs_before.iter().filter(|(q, _)| q == p).map(|(_, e)| *e).max().unwrap_or(0);
+        assert!(*e > old, "partition {p}: epoch {e} after the restart is not above {old}");
+    }
+    for p in 0..PARTITIONS {
+        assert_eq!(amqp.queue_depth(&env.partition_queue(p)).await.0, 0, "partition {p} not empty at the end");
+    }
+    assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 0, "input not empty at the end");
+    println!(
+        "kill -9: {} requests, {before} had results before the kill, {duplicates} duplicate results, all done {:.1}s after the kill",
+        reqs.len(),
+        recovered_in.as_secs_f64()
+    );
+
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// SIGTERM drains: exit code 0, every lease and the member key deleted (long TTLs, so only a
+/// release explains their absence), and a successor finishes the rest at once: nothing lost,
+/// nothing duplicated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_releases_and_exits_zero() {
+    let env = TestEnv::new("term");
+    let fake = FakeLlm::new().latency(Duration::from_millis(200)).start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.ownership.lease_ttl = "60s".into();
+    raw.ownership.renew_deadline = "40s".into();
+    raw.ownership.renew_interval = "1s".into();
+    raw.ownership.member_ttl = "60s".into();
+    let name = raw.instance.name.clone();
+    let amqp = Amqp::connect().await;
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut daemon = DaemonProcess::run(&env, "term", &raw);
+    wait_ready(&mut redis, &env, &mut daemon, &name).await;
+    assert_eq!(redis.keys(&format!("{}:member:*", env.key_prefix())).await.len(), 1, "the member key should exist");
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+
+    let reqs = completions_workload("term", 300, 5);
+    let all = ids(&reqs);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    results.until("30 results before SIGTERM", DEADLINE, |r| r.len() >= 30).await;
+    daemon.sigterm();
+    let status = daemon.wait_exit(Duration::from_secs(30)).await;
+    assert_eq!(status.code(), Some(0), "SIGTERM must exit 0; log:\n{}", daemon.log_tail(40));
+    let leases = redis.keys(&format!("{}:lease:*", env.key_prefix())).await;
+    assert!(leases.is_empty(), "leases left after a graceful stop: {leases:?}");
+    let members = redis.keys(&format!("{}:member:*", env.key_prefix())).await;
+    assert!(members.is_empty(), "member key left after a graceful stop: {members:?}");
+    results.barrier(&amqp).await; // everything the first daemon published is in
+    let done_by_first = results.distinct_of(&all);
+    assert!(done_by_first < all.len(), "the first daemon finished everything; the successor is not exercised");
+
+    // A successor (different name) takes over at once: the leases were released, not left to
+    // expire after 60 s.
+    let mut raw_b = raw.clone();
+    raw_b.instance.name = env.instance("b");
+    let successor = start_daemon(&raw_b);
+    results.until_all(&all, Duration::from_secs(30)).await;
+    successor.stop().await.expect("successor stops cleanly");
+    results.barrier(&amqp).await;
+
+    let by_id = results.by_correlation();
+    for r in &reqs {
+        let got = by_id.get(&r.id).map_or(0, Vec::len);
+        assert_eq!(got, 1, "request {} got {got} results; a graceful drain neither loses nor duplicates", r.id);
+        let res = by_id[&r.id][0].result();
+        assert!(res.ok, "request {} failed: {:?}", r.id, res.error);
+    }
+    println!("sigterm: {done_by_first} of {} requests done by the first daemon, the rest by its successor", reqs.len());
+
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// A daemon configured with another `amqp.partitions` than the existing deployment refuses to
+/// start with exit code 78 and a message naming the partition count — whether the mismatch is
+/// found in Redis (recorded count) or on the broker (partition queue P exists).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_partition_count_is_refused_with_78() {
+    let env = TestEnv::new("refuse");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut redis = RedisProbe::connect().await.unwrap();
+    // The existing deployment: P = 8.
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    let recorded_key = format!("{}:partitions", env.key_prefix());
+    assert_eq!(redis.get(&recorded_key).await.as_deref(), Some("8"), "the deployment records its partition count");
+
+    let mut raw4 = raw.clone();
+    raw4.amqp.partitions = 4;
+    raw4.instance.name = env.instance("four");
+
+    // 1. Redis knows the deployment has 8.
+    let mut p = DaemonProcess::run(&env, "p4-redis", &raw4);
+    let status = p.wait_exit(DEADLINE).await;
+    let log = p.log();
+    assert_eq!(status.code(), Some(78), "want exit 78 (EX_CONFIG), got {status}; log:\n{log}");
+    assert!(log.contains("amqp.partitions") && log.contains("8 partitions"), "the refusal must name the partition counts; log:\n{log}");
+
+    // 2. Without the Redis record, the broker still shows partition queue 4 (of 0..8).
+    redis.del(&recorded_key).await;
+    let mut p = DaemonProcess::run(&env, "p4-broker", &raw4);
+    let status = p.wait_exit(DEADLINE).await;
+    let log = p.log();
+    assert_eq!(status.code(), Some(78), "want exit 78 (EX_CONFIG), got {status}; log:\n{log}");
+    assert!(log.contains("amqp.partitions") && log.contains("more than 4"), "the refusal must name the partition counts; log:\n{log}");
+
+    // Refused instances never joined: no member, no lease.
+    assert!(redis.keys(&format!("{}:member:*", env.key_prefix())).await.is_empty());
+    assert!(redis.keys(&format!("{}:lease:*", env.key_prefix())).await.is_empty());
+    env.cleanup().await;
+}
+
+/// A refused start must not change the deployment's recorded partition count, or the correctly
+/// configured instances are refused at their next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_start_does_not_poison_the_recorded_partition_count() {
+    let env = TestEnv::new("poison");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    let recorded_key = format!("{}:partitions", env.key_prefix());
+    redis.del(&recorded_key).await; // e.g. Redis restarted without persistence
+
+    let mut raw4 = raw.clone();
+    raw4.amqp.partitions = 4;
+    raw4.instance.name = env.instance("four");
+    let mut p = DaemonProcess::run(&env, "p4", &raw4);
+    assert_eq!(p.wait_exit(DEADLINE).await.code(), Some(78));
+
+    // The correctly configured deployment must still start.
+    let mut ok = DaemonProcess::run(&env, "p8", &raw);
+    wait_ready(&mut redis, &env, &mut ok, &raw.instance.name).await;
+    ok.sigterm();
+    assert_eq!(ok.wait_exit(DEADLINE).await.code(), Some(0));
+    env.cleanup().await;
+}
+
+/// A daemon with MORE partitions than the existing deployment is refused too, even when the
+/// Redis record of the count is gone (the broker still shows the deployment's queues).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn larger_partition_count_is_refused_without_the_redis_record() {
+    let env = TestEnv::new("larger");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    redis.del(&format!("{}:partitions", env.key_prefix())).await;
+
+    let mut raw16 = raw.clone();
+    raw16.amqp.partitions = 16;
+    raw16.instance.name = env.instance("sixteen");
+    let mut p = DaemonProcess::run(&env, "p16", &raw16);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if !p.is_running() {
+            break Some(p.wait_exit(DEADLINE).await);
+        }
+        // Started for real: it holds leases of the 16-partition layout.
+        if redis.leases(env.key_prefix(), 16).await.iter().any(|l| l.is_some()) || Instant::now() >= deadline {
+            break None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    if status.is_none() {
+        p.sigterm();
+        let _ = p.wait_exit(DEADLINE).await;
+    }
+    assert_eq!(status.and_then(|s| s.code()), Some(78), "P = 16 on an 8-partition deployment must be refused; log:\n{}", p.log_tail(20));
+    env.cleanup().await;
+}
+
+/// `check-config` accepts the documented example and rejects a zero `max_batch_wait` with 78,
+/// naming the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_config_accepts_the_example_and_rejects_a_zero_batch_wait() {
+    let env = TestEnv::new("check");
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.toml");
+    let mut cmd = bin_command();
+    cmd.arg("check-config").arg(example);
+    let mut p = DaemonProcess::spawn(&env, "example", cmd);
+    let status = p.wait_exit(DEADLINE).await;
+    assert_eq!(status.code(), Some(0), "config/example.toml must be valid; stderr:\n{}", p.log());
+    assert!(p.out().contains("configuration is valid"), "stdout:\n{}", p.out());
+
+    let bad = env.dir.join("zero-wait.toml");
+    std::fs::write(&bad, "[batching]\nmax_batch_wait = \"0s\"\n").unwrap();
+    let mut cmd = bin_command();
+    cmd.arg("check-config").arg(&bad);
+    let mut p = DaemonProcess::spawn(&env, "zero-wait", cmd);
+    let status = p.wait_exit(DEADLINE).await;
+    let stderr = p.log();
+    assert_eq!(status.code(), Some(78), "a zero max_batch_wait must exit 78; stderr:\n{stderr}");
+    assert!(stderr.contains("batching.max_batch_wait"), "stderr must name the key:\n{stderr}");
+
+    // The same file through `run` is refused the same way, before touching any service.
+    let mut cmd = bin_command();
+    cmd.arg("--config").arg(&bad).arg("run");
+    let mut p = DaemonProcess::spawn(&env, "zero-wait-run", cmd);
+    let status = p.wait_exit(DEADLINE).await;
+    assert_eq!(status.code(), Some(78), "run with a zero max_batch_wait must exit 78; stderr:\n{}", p.log());
+    assert!(p.log().contains("batching.max_batch_wait"));
+
+    // Environment overrides are validated too.
+    let mut cmd = bin_command();
+    cmd.arg("check-config").arg(example).env("PREFIX_BATCHER__BATCHING__MAX_BATCH_WAIT", "0ms");
+    let mut p = DaemonProcess::spawn(&env, "zero-wait-env", cmd);
+    let status = p.wait_exit(DEADLINE).await;
+    assert_eq!(status.code(), Some(78), "an env override of 0ms must exit 78; stderr:\n{}", p.log());
+    assert!(p.log().contains("batching.max_batch_wait"));
+    env.cleanup().await;
+}
