@@ -290,6 +290,7 @@ pub struct RawLlm {
     pub max_attempts: u32,
     pub backoff_initial: String,
     pub backoff_max: String,
+    pub list_prompts: bool,
 }
 
 impl Default for RawLlm {
@@ -304,6 +305,7 @@ impl Default for RawLlm {
             max_attempts: 4,
             backoff_initial: "500ms".into(),
             backoff_max: "30s".into(),
+            list_prompts: true,
         }
     }
 }
@@ -500,6 +502,10 @@ pub struct LlmSettings {
     pub max_attempts: NonZeroU32,
     pub backoff_initial: Duration,
     pub backoff_max: Duration,
+    /// Send a completions batch as one call with a list `prompt` (vLLM, SGLang). `false`: one call
+    /// per prompt, back to back under one concurrency permit — for servers with per-slot caches
+    /// that report usage for the first prompt of a list only (llama.cpp's llama-server).
+    pub list_prompts: bool,
 }
 
 /// Log output format.
@@ -785,6 +791,7 @@ impl Settings {
             max_attempts: nonzero_u32("llm.max_attempts", l.max_attempts)?,
             backoff_initial: positive_duration("llm.backoff_initial", &l.backoff_initial)?,
             backoff_max: positive_duration("llm.backoff_max", &l.backoff_max)?,
+            list_prompts: l.list_prompts,
         };
         if llm.backoff_max < llm.backoff_initial {
             return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));

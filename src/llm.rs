@@ -65,7 +65,13 @@ struct Inner {
     max_attempts: u32,
     backoff_initial: Duration,
     backoff_max: Duration,
+    /// `llm.list_prompts`: a completions group goes as one list-prompt call (else one call per
+    /// prompt, in order, under one permit).
+    list_prompts: bool,
 }
+
+/// One group's calls, boxed so list, sequential and chat calls fit in one `join_all`.
+type CallFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Vec<(usize, Result<Completion, LlmError>)>> + Send + 'a>>;
 
 struct Endpoint {
     /// The base URL without userinfo, query or fragment: the HRW member name and the only form that
@@ -308,6 +314,7 @@ impl LlmClient {
                 max_attempts: settings.max_attempts.get(),
                 backoff_initial: settings.backoff_initial,
                 backoff_max: settings.backoff_max,
+                list_prompts: settings.list_prompts,
             }),
         })
     }
@@ -332,10 +339,10 @@ impl LlmClient {
 
     /// Runs one batch on endpoint `endpoint` (an index below [`Self::endpoint_count`]).
     ///
-    /// Completions items sharing (model, params) go as one list-prompt call, except on an endpoint
-    /// that has shown llama-server's merged answer (usage of the first prompt only): there each
-    /// completions item gets its own call, run concurrently like chat items, within
-    /// `llm.max_concurrency` (which should then be at least the server's slot count, `-np`).
+    /// Completions items sharing (model, params) go as one list-prompt call, unless
+    /// `llm.list_prompts = false` or the endpoint has shown llama-server's merged answer (usage of
+    /// the first prompt only): then the group's prompts go one call each, back to back, under one
+    /// permit. Chat items get one call each, run concurrently within `llm.max_concurrency`.
     ///
     /// Returns exactly one result per item, in item order; never panics and never drops an item.
     /// Every item of a failed HTTP call gets that call's last error (after up to `llm.max_attempts`
@@ -353,15 +360,16 @@ impl LlmClient {
             let e = LlmError::new(ErrorKind::Rejected, format!("no LLM endpoint with index {endpoint}"), None);
             return items.iter().map(|_| Err(e.clone())).collect();
         }
-        let per_prompt = self.inner.endpoints[endpoint].per_prompt_calls.load(Ordering::Relaxed);
-        let mut calls = Vec::new();
+        let per_prompt = !self.inner.list_prompts || self.inner.endpoints[endpoint].per_prompt_calls.load(Ordering::Relaxed);
+        let mut calls: Vec<CallFuture<'_>> = Vec::new();
         for group in group_items(items, &self.inner.model) {
             match group.kind {
-                CallKind::Completions if !per_prompt => calls.push(self.run_call(endpoint, items, group, cancel)),
-                CallKind::Completions | CallKind::Chat => {
+                CallKind::Completions if !per_prompt => calls.push(Box::pin(self.run_call(endpoint, items, group, cancel, false))),
+                CallKind::Completions => calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel))),
+                CallKind::Chat => {
                     for &member in &group.members {
                         let single = Group { members: vec![member], ..group.clone() };
-                        calls.push(self.run_call(endpoint, items, single, cancel));
+                        calls.push(Box::pin(self.run_call(endpoint, items, single, cancel, false)));
                     }
                 }
             }
@@ -375,13 +383,40 @@ impl LlmClient {
             .collect()
     }
 
+    /// A completions group as one call per prompt, in order, under ONE permit of the endpoint:
+    /// the prompts of a batch reach the server back to back, so a server with per-slot caches
+    /// (llama-server) serves them from the slot that holds their shared prefix instead of
+    /// spreading them over cold slots or interleaving them with other batches.
+    async fn run_sequential(
+        &self,
+        endpoint: usize,
+        items: &[InferenceItem<'_>],
+        group: Group<'_>,
+        cancel: &CancellationToken,
+    ) -> Vec<(usize, Result<Completion, LlmError>)> {
+        let ep = &self.inner.endpoints[endpoint];
+        let _permit = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return group.members.iter().map(|&i| (i, Err(LlmError::cancelled()))).collect(),
+            p = ep.permits.acquire() => p,
+        };
+        let mut out = Vec::with_capacity(group.members.len());
+        for &member in &group.members {
+            let single = Group { members: vec![member], ..group.clone() };
+            out.extend(self.run_call(endpoint, items, single, cancel, true).await);
+        }
+        out
+    }
+
     /// One HTTP call (with retries) for `group`; returns `(item index, result)` for every member.
+    /// `permit_held`: the caller already holds an endpoint permit for this call.
     async fn run_call(
         &self,
         endpoint: usize,
         items: &[InferenceItem<'_>],
         group: Group<'_>,
         cancel: &CancellationToken,
+        permit_held: bool,
     ) -> Vec<(usize, Result<Completion, LlmError>)> {
         let ep = &self.inner.endpoints[endpoint];
         let mut body = group.params.clone();
@@ -426,7 +461,7 @@ impl LlmClient {
             CallKind::Completions => demux_completions(v, n_members, choices_per_prompt),
             CallKind::Chat => parse_chat(v),
         };
-        let (result, attempts) = self.send_with_retries(endpoint, url, payload, n_members, cancel, parse).await;
+        let (result, attempts) = self.send_with_retries(endpoint, url, payload, n_members, cancel, parse, permit_held).await;
         match result {
             Ok(parsed) => {
                 metrics::llm_tokens(parsed.prompt_tokens, parsed.cached_tokens);
@@ -467,14 +502,19 @@ impl LlmClient {
         n_items: usize,
         cancel: &CancellationToken,
         parse: impl Fn(Value) -> Result<Parsed, LlmError>,
+        permit_held: bool,
     ) -> (Result<Parsed, LlmError>, u32) {
         let ep = &self.inner.endpoints[endpoint];
         let mut attempt = 0u32;
         loop {
-            let permit = tokio::select! {
-                biased;
-                _ = cancel.cancelled() => return (Err(LlmError::cancelled()), attempt),
-                p = ep.permits.acquire() => p,
+            let permit = if permit_held {
+                None
+            } else {
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => return (Err(LlmError::cancelled()), attempt),
+                    p = ep.permits.acquire() => Some(p),
+                }
             };
             attempt += 1;
             let started = Instant::now();
@@ -868,6 +908,7 @@ mod tests {
             max_attempts: NonZeroU32::new(3).unwrap(),
             backoff_initial: Duration::from_millis(1),
             backoff_max: Duration::from_millis(5),
+            list_prompts: true,
         }
     }
 
