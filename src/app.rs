@@ -199,7 +199,7 @@ async fn session(
         tokio::spawn(async move { crate::router::run(&conn, settings, rs).await })
     };
     let backlog_stop = CancellationToken::new();
-    let backlog = tokio::spawn(poll_input_backlog(conn.clone(), settings.clone(), backlog_stop.clone()));
+    let backlog = tokio::spawn(poll_backlog(conn.clone(), settings.clone(), backlog_stop.clone()));
 
     let mut own = Ownership::new(settings.clone(), redis.clone(), nonce.to_owned(), llm.clone());
     let own_stop = CancellationToken::new();
@@ -277,12 +277,17 @@ async fn session(
     }
 }
 
-async fn poll_input_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: CancellationToken) {
+async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(settings.amqp.backlog_poll_interval);
-    let mut ch = None;
+    let mut ch: Option<lapin::Channel> = None;
     loop {
         tokio::select! {
-            _ = stop.cancelled() => return,
+            _ = stop.cancelled() => {
+                if let Some(c) = ch {
+                    let _ = c.close(200, "stopping".into()).await;
+                }
+                return;
+            }
             _ = tick.tick() => {}
         }
         if ch.is_none() {
@@ -292,7 +297,21 @@ async fn poll_input_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop
         let opts = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
         match c.queue_declare(settings.amqp.input_queue.as_str().into(), opts, FieldTable::default()).await {
             Ok(q) => metrics::input_backlog(q.message_count()),
-            Err(_) => ch = None,
+            Err(_) => {
+                ch = None;
+                continue;
+            }
+        }
+        // Every partition, owned here or not: an unowned partition's backlog is what an operator
+        // most needs to see. Dashboards take `max by (partition)` over instances.
+        for p in 0..settings.amqp.partitions.get() {
+            match c.queue_declare(settings.amqp.partition_queue(p).as_str().into(), opts, FieldTable::default()).await {
+                Ok(q) => metrics::partition_backlog(p, q.message_count()),
+                Err(_) => {
+                    ch = None;
+                    break;
+                }
+            }
         }
     }
 }

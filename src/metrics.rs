@@ -89,7 +89,7 @@ static LLM_CACHED_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 static QUEUE_MESSAGES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     reg(IntGaugeVec::new(
-        Opts::new("queue_messages", "Ready messages in a queue (the backlog): the input queue, or an owned partition queue."),
+        Opts::new("queue_messages", "Ready messages in a queue (the backlog): the input queue, or partition queue `partition` (every instance reports every partition; aggregate with max)."),
         &["queue", "partition"],
     )
     .unwrap())
@@ -255,7 +255,6 @@ pub fn partition_released(partition: u32) {
     let p = partition.to_string();
     let _ = BUFFERED.remove_label_values(&[&p]);
     let _ = OLDEST_BUFFERED.remove_label_values(&[&p]);
-    let _ = QUEUE_MESSAGES.remove_label_values(&["partition", &p]);
 }
 
 /// End-to-end latency of one request, in seconds.

@@ -27,6 +27,8 @@ use crate::request::{parse, Envelope};
 pub struct Route {
     pub request_id: String,
     pub key_hex: String,
+    /// The first characters of the key material, for logs.
+    pub key_preview: String,
     pub shard: u32,
     pub partition: u32,
 }
@@ -41,7 +43,7 @@ pub fn route(req: &crate::request::Request, settings: &Settings) -> Route {
         }
         KeyingMode::Off => (0, fastrand::u32(0..settings.amqp.partitions.get())),
     };
-    Route { request_id: req.id.clone(), key_hex: keyed.key.to_string(), shard, partition }
+    Route { request_id: req.id.clone(), key_hex: keyed.key.to_string(), key_preview: keyed.preview().to_owned(), shard, partition }
 }
 
 /// Runs the router until `stop` fires or the connection fails. On stop it cancels its consumer
@@ -101,7 +103,7 @@ async fn handle(ch: &Channel, settings: &Settings, delivery: Delivery) {
         }
         Ok(req) => {
             let r = route(&req, settings);
-            debug!(request_id = %r.request_id, key = %r.key_hex, shard = r.shard, partition = r.partition, "routing");
+            debug!(request_id = %r.request_id, key = %r.key_hex, material = %r.key_preview, shard = r.shard, partition = r.partition, "routing");
             let fwd = forward_props(props, &r);
             publisher::publish_confirmed(
                 ch,
