@@ -841,21 +841,7 @@ pub fn redacted_toml(raw: &RawConfig) -> String {
 }
 
 fn toml_string(r: &RawConfig) -> String {
-    // serde_json → TOML-ish rendering without a TOML serializer dependency: sections of key = value.
-    let v = serde_json::to_value(r).unwrap_or_default();
-    let mut out = String::new();
-    if let serde_json::Value::Object(sections) = v {
-        for (section, body) in sections {
-            out.push_str(&format!("[{section}]\n"));
-            if let serde_json::Value::Object(fields) = body {
-                for (k, v) in fields {
-                    out.push_str(&format!("{k} = {v}\n"));
-                }
-            }
-            out.push('\n');
-        }
-    }
-    out
+    toml::to_string(r).unwrap_or_else(|e| format!("# cannot render the configuration: {e}\n"))
 }
 
 #[cfg(test)]
