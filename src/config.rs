@@ -6,7 +6,7 @@
 //! Unknown keys are errors. Durations are human strings (`"250ms"`, `"1s"`, `"2m"`, parsed by
 //! `humantime`). Every validation error names the key, the value and the rule.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::num::{NonZeroU32, NonZeroUsize};
 use std::path::Path;
@@ -243,13 +243,14 @@ impl Default for RawKeying {
 pub struct RawSharding {
     pub default_shards: u32,
     /// Explicit key or key hex → shards.
-    pub keys: HashMap<String, u32>,
+    /// A `BTreeMap`, so `check-config` prints the keys in a stable order (diffable across hosts).
+    pub keys: BTreeMap<String, u32>,
     pub rules: Vec<RawShardRule>,
 }
 
 impl Default for RawSharding {
     fn default() -> Self {
-        RawSharding { default_shards: 8, keys: HashMap::new(), rules: Vec::new() }
+        RawSharding { default_shards: 8, keys: BTreeMap::new(), rules: Vec::new() }
     }
 }
 

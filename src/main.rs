@@ -1,5 +1,8 @@
 //! `prefix-batcher`: tracing → config (exit 78 on a bad one) → run → wait for a signal → drain
-//! with one deadline (exit 70 when exceeded).
+//! with one deadline (exit 70 when exceeded). Under systemd (`Type=notify`) the run reports
+//! READY / WATCHDOG / STOPPING through [`notify`].
+
+mod notify;
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -79,14 +82,27 @@ fn config_path(cli: &Cli) -> Option<PathBuf> {
     }
 }
 
+/// Logs go to stderr (the journal, under systemd). `json`: one object per line with `timestamp`,
+/// `level`, `target`, `fields` (the message and its fields), `span` (the innermost span) and
+/// `spans` (every enclosing span with its fields, outermost first — e.g.
+/// `batch{partition, batch_id, key}`), so a line logged inside a batch carries its partition,
+/// batch id and key hex. `pretty`: human text, with ANSI colours only on a
+/// terminal (`NO_COLOR` also turns them off). Secrets never reach either: the config types
+/// redact them in `Debug`/`Display` (see `config::Secret`, `config::SecretUrl`).
 fn init_tracing(format: LogFormat, level: &str) {
+    use std::io::IsTerminal;
+    // lapin logs expected broker refusals (e.g. the passive declares of the topology check) at
+    // ERROR; the daemon reports every failure that matters itself, so lapin is silenced unless
+    // RUST_LOG or log.level names it.
+    let directive = if level.contains("lapin") { level.to_owned() } else { format!("{level},lapin=off") };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(level))
+        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&directive))
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
-        LogFormat::Json => builder.json().with_current_span(true).with_span_list(false).init(),
-        LogFormat::Pretty => builder.init(),
+        LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).init(),
+        LogFormat::Pretty => builder.with_ansi(ansi).init(),
     }
 }
 
@@ -133,7 +149,9 @@ async fn main() -> ExitCode {
                 Err(code) => return code,
             };
             init_tracing(settings.log.format, &settings.log.level);
-            match app::run(settings, signal()).await {
+            prefix_batcher::metrics::deployment(settings.amqp.partitions.get());
+            let mut notifier = notify::Notifier::from_env();
+            match app::run_with_events(settings, signal(), move |e| notifier.event(e)).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!(error = %e, "stopping");

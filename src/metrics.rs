@@ -6,7 +6,9 @@
 //! Labels are bounded: `stage`, `outcome`, `reason`, `op`, `queue` come from closed sets and
 //! `partition` is bounded by `amqp.partitions`. Never a label per key, request or URL.
 
-use std::sync::LazyLock;
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::{Duration, Instant};
 
 use prometheus::{
     exponential_buckets, linear_buckets, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter,
@@ -100,11 +102,15 @@ static BUFFERED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 });
 static OLDEST_BUFFERED: LazyLock<GaugeVec> = LazyLock::new(|| {
     reg(GaugeVec::new(
-        Opts::new("oldest_buffered_age_seconds", "Age of the oldest buffered request, per owned partition."),
+        Opts::new("oldest_buffered_age_seconds", "Age of the oldest buffered request at scrape time, per owned partition (0 when empty)."),
         &["partition"],
     )
     .unwrap())
 });
+/// Since when the oldest buffered request of each owned partition waits (`None`: empty buffers).
+/// The batcher reports only on changes, so the age gauge is computed from this at every
+/// [`render`]: a stuck partition shows a growing age instead of a frozen one.
+static OLDEST_SINCE: LazyLock<Mutex<HashMap<u32, Option<Instant>>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 static E2E_LATENCY: LazyLock<Histogram> = LazyLock::new(|| {
     reg(Histogram::with_opts(
         HistogramOpts::new(
@@ -128,6 +134,12 @@ static REBALANCES: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 static MEMBERS: LazyLock<IntGauge> =
     LazyLock::new(|| reg(IntGauge::new("members", "Live instances seen in the membership set.").unwrap()));
+static PARTITIONS: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new("partitions", "Configured partition count P (amqp.partitions); the same on every instance of a deployment.").unwrap())
+});
+static BUILD_INFO: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(Opts::new("build_info", "Always 1; the version label is the daemon's version."), &["version"]).unwrap())
+});
 static READY: LazyLock<Gauge> =
     LazyLock::new(|| reg(Gauge::new("ready", "1 when connected to RabbitMQ and Redis and the first lease round is done.").unwrap()));
 
@@ -192,11 +204,20 @@ pub fn init() {
     }
     LazyLock::force(&REBALANCES);
     LazyLock::force(&MEMBERS);
+    LazyLock::force(&PARTITIONS);
+    BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
     LazyLock::force(&READY);
+}
+
+/// The deployment's configured partition count `P` (for "partitions without an owner":
+/// `max(prefix_batcher_partitions) - sum(prefix_batcher_partitions_owned)`).
+pub fn deployment(partitions: u32) {
+    PARTITIONS.set(i64::from(partitions));
 }
 
 /// Renders the registry in the Prometheus text exposition format 0.0.4.
 pub fn render() -> String {
+    refresh_oldest_ages(Instant::now());
     let mut buf = Vec::new();
     TextEncoder::new().encode(&REGISTRY.gather(), &mut buf).expect("text encoding cannot fail");
     String::from_utf8(buf).expect("text format is UTF-8")
@@ -243,16 +264,29 @@ pub fn partition_backlog(partition: u32, ready: u32) {
     QUEUE_MESSAGES.with_label_values(&["partition", &partition.to_string()]).set(i64::from(ready));
 }
 
-/// Buffer state of one partition's batcher.
+/// Buffer state of one partition's batcher: `buffered` requests, the oldest waiting for
+/// `oldest_age_seconds` (called on every change of the buffers).
 pub fn buffer_state(partition: u32, buffered: usize, oldest_age_seconds: f64) {
     let p = partition.to_string();
     BUFFERED.with_label_values(&[&p]).set(buffered as i64);
-    OLDEST_BUFFERED.with_label_values(&[&p]).set(oldest_age_seconds);
+    let now = Instant::now();
+    let since = (buffered > 0).then(|| now.checked_sub(Duration::from_secs_f64(oldest_age_seconds.max(0.0))).unwrap_or(now));
+    OLDEST_SINCE.lock().unwrap_or_else(|e| e.into_inner()).insert(partition, since);
+    OLDEST_BUFFERED.with_label_values(&[&p]).set(if buffered > 0 { oldest_age_seconds } else { 0.0 });
+}
+
+fn refresh_oldest_ages(now: Instant) {
+    let since = OLDEST_SINCE.lock().unwrap_or_else(|e| e.into_inner());
+    for (p, s) in since.iter() {
+        let age = s.map_or(0.0, |s| now.saturating_duration_since(s).as_secs_f64());
+        OLDEST_BUFFERED.with_label_values(&[&p.to_string()]).set(age);
+    }
 }
 
 /// Removes the per-partition series of a partition this instance no longer owns.
 pub fn partition_released(partition: u32) {
     let p = partition.to_string();
+    OLDEST_SINCE.lock().unwrap_or_else(|e| e.into_inner()).remove(&partition);
     let _ = BUFFERED.remove_label_values(&[&p]);
     let _ = OLDEST_BUFFERED.remove_label_values(&[&p]);
 }
@@ -306,8 +340,24 @@ mod tests {
             "prefix_batcher_llm_cached_prompt_tokens_total",
             "prefix_batcher_queue_messages{partition=\"\",queue=\"input\"}",
             "prefix_batcher_partitions_owned",
+            "prefix_batcher_build_info{version=",
         ] {
             assert!(text.contains(name), "missing {name}");
         }
+    }
+
+    #[test]
+    fn oldest_buffered_age_grows_between_buffer_changes() {
+        super::init();
+        super::buffer_state(1001, 3, 0.25);
+        let later = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        super::refresh_oldest_ages(later);
+        let age = super::OLDEST_BUFFERED.with_label_values(&["1001"]).get();
+        assert!((2.2..2.4).contains(&age), "age {age}");
+        super::buffer_state(1001, 0, 0.0);
+        super::refresh_oldest_ages(later);
+        assert_eq!(super::OLDEST_BUFFERED.with_label_values(&["1001"]).get(), 0.0);
+        super::partition_released(1001);
+        assert!(!super::render().contains("partition=\"1001\""));
     }
 }

@@ -1,0 +1,265 @@
+//! Logs and secrets, with the real binary:
+//!
+//! - `--log-format json` writes one JSON object per line, and lines logged inside a batch carry the
+//!   batch span (`partition`, `batch_id`, `key`);
+//! - real credentials — a RabbitMQ user and a Redis ACL user created for the test, each with its
+//!   own password, and an LLM bearer token — never appear in the logs (at `debug` for every crate),
+//!   in error messages (wrong passwords, a malformed configuration), in `check-config` output, or
+//!   in the `submit` and `status` commands' errors. The credentials come from the environment, as
+//!   under systemd (`EnvironmentFile=`), and the file holds unusable ones, so the daemon can only
+//!   work if the environment wins.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use prefix_batcher::fake_llm::FakeLlm;
+use tokio::time::Instant;
+
+fn rabbitmqctl(args: &[&str]) -> std::process::Output {
+    let run = |bin: &str| Command::new(bin).args(args).output();
+    run("rabbitmqctl").or_else(|_| run("/usr/sbin/rabbitmqctl")).expect("rabbitmqctl (scripts/services installs RabbitMQ)")
+}
+
+/// Credentials created for one test, deleted on drop.
+struct Credentials {
+    amqp_user: String,
+    amqp_password: String,
+    redis_user: String,
+    redis_password: String,
+    token: String,
+}
+
+impl Credentials {
+    async fn create(env: &TestEnv) -> Credentials {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let c = Credentials {
+            amqp_user: format!("{}-user", env.name),
+            amqp_password: format!("amqp-pw-{}", &id[..12]),
+            redis_user: format!("{}-user", env.name),
+            redis_password: format!("redis-pw-{}", &id[12..24]),
+            token: format!("sk-token-{}", &id[20..]),
+        };
+        let out = rabbitmqctl(&["add_user", &c.amqp_user, &c.amqp_password]);
+        assert!(out.status.success(), "rabbitmqctl add_user: {}", String::from_utf8_lossy(&out.stderr));
+        let out = rabbitmqctl(&["set_permissions", "-p", "/", &c.amqp_user, ".*", ".*", ".*"]);
+        assert!(out.status.success(), "rabbitmqctl set_permissions: {}", String::from_utf8_lossy(&out.stderr));
+        let mut r = RedisProbe::connect().await.unwrap();
+        let _: () = redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg(&c.redis_user)
+            .arg("reset")
+            .arg("on")
+            .arg(format!(">{}", c.redis_password))
+            .arg("~*")
+            .arg("&*")
+            .arg("+@all")
+            .query_async(&mut r.conn)
+            .await
+            .expect("redis ACL SETUSER");
+        c
+    }
+
+    fn amqp_url(&self, password: &str) -> String {
+        format!("amqp://{}:{password}@127.0.0.1:5672/%2f", self.amqp_user)
+    }
+
+    fn redis_url(&self, password: &str) -> String {
+        format!("redis://{}:{password}@127.0.0.1:6379/", self.redis_user)
+    }
+
+    fn secrets(&self) -> [&str; 3] {
+        [&self.amqp_password, &self.redis_password, &self.token]
+    }
+}
+
+impl Drop for Credentials {
+    fn drop(&mut self) {
+        let _ = rabbitmqctl(&["delete_user", &self.amqp_user]);
+        if let Ok(client) = redis::Client::open(REDIS_URL) {
+            if let Ok(mut c) = client.get_connection() {
+                let _: Result<i64, _> = redis::cmd("ACL").arg("DELUSER").arg(&self.redis_user).query(&mut c);
+            }
+        }
+    }
+}
+
+fn assert_no_secret(what: &str, text: &str, secrets: &[&str]) {
+    for s in secrets {
+        assert!(!text.contains(s), "{what} contains the secret {s:?}:\n{text}");
+    }
+}
+
+/// Runs the binary to completion with `args` and `env`; returns (exit code, stdout + stderr).
+fn run_bin(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut cmd = bin_command();
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run prefix-batcher");
+    (out.status.code(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_carry_batch_spans_and_no_secret_appears_anywhere() {
+    let env = TestEnv::new("secrets");
+    let creds = Credentials::create(&env).await;
+    let secrets = creds.secrets();
+    let fake = FakeLlm::new().latency(Duration::from_millis(20)).start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    // The file holds unusable credentials: only the environment's work.
+    raw.amqp.url = "amqp://nobody:not-the-password@127.0.0.1:5672/%2f".into();
+    raw.redis.url = "redis://nobody:not-the-password@127.0.0.1:6379/".into();
+    raw.log.format = "pretty".into(); // --log-format json overrides it
+    raw.log.level = "debug".into(); // every crate at debug: lapin, redis, reqwest, hyper too
+    let cfg = write_config(&env, "daemon", &raw);
+    let amqp_url = creds.amqp_url(&creds.amqp_password);
+    let redis_url = creds.redis_url(&creds.redis_password);
+    let secret_env = [
+        ("PREFIX_BATCHER__AMQP__URL", amqp_url.as_str()),
+        ("PREFIX_BATCHER__REDIS__URL", redis_url.as_str()),
+        ("PREFIX_BATCHER__LLM__API_KEY", creds.token.as_str()),
+    ];
+
+    // check-config: the effective configuration, secrets as ***.
+    let (code, out) = run_bin(&["--config", cfg.to_str().unwrap(), "check-config"], &secret_env);
+    assert_eq!(code, Some(0), "{out}");
+    assert_no_secret("check-config output", &out, &secrets);
+    assert!(out.contains(&format!("url = \"amqp://{}:***@127.0.0.1:5672/%2f\"", creds.amqp_user)), "{out}");
+    assert!(out.contains(&format!("url = \"redis://{}:***@127.0.0.1:6379/\"", creds.redis_user)), "{out}");
+    assert!(out.contains("api_key = \"***\""), "{out}");
+
+    // The daemon, with the secrets in its environment and a full debug log in JSON.
+    let mut cmd = bin_command();
+    cmd.arg("--config").arg(&cfg).arg("--log-format").arg("json").arg("run");
+    for (k, v) in secret_env {
+        cmd.env(k, v);
+    }
+    let mut daemon = DaemonProcess::spawn(&env, "daemon", cmd);
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    while !redis.leases(env.key_prefix(), PARTITIONS).await.iter().all(|l| l.is_some()) {
+        assert!(daemon.is_running() && Instant::now() < deadline, "the daemon did not take its leases; log:\n{}", daemon.log_tail(30));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let amqp = Amqp::connect().await;
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("secret", 60, 3);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    amqp.publish(&env.input_queue(), b"{not json", request_props("bad-1", &reply)).await; // a dead letter (warning)
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    let calls = fake.calls();
+    assert!(!calls.is_empty() && calls.iter().all(|c| c.authorization.as_deref() == Some(&format!("Bearer {}", creds.token))), "the token must be sent");
+    daemon.sigterm();
+    let status = daemon.wait_exit(DEADLINE).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", daemon.log_tail(30));
+
+    let log = daemon.log();
+    assert_no_secret("the daemon's log", &log, &secrets);
+    assert_no_secret("the daemon's stdout", &daemon.out(), &secrets);
+    assert!(log.lines().count() > 50, "a debug log has many lines:\n{log}");
+
+    // JSON: every line an object with the standard fields.
+    let mut batch_lines = 0;
+    let mut warnings_with_request_id = 0;
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        for field in ["timestamp", "level", "target", "fields"] {
+            assert!(v.get(field).is_some(), "no {field} in {line}");
+        }
+        let in_batch = v["spans"].as_array().into_iter().flatten().find(|s| s["name"] == "batch");
+        if let Some(span) = in_batch {
+            let partition = span["partition"].as_u64().unwrap_or_else(|| panic!("batch span without partition: {line}"));
+            let batch_id = span["batch_id"].as_str().unwrap_or_else(|| panic!("batch span without batch_id: {line}"));
+            let key = span["key"].as_str().unwrap_or_else(|| panic!("batch span without key: {line}"));
+            assert!(batch_id.starts_with(&format!("{partition}-")), "batch id {batch_id} of partition {partition}");
+            assert!(key.len() == 16 && key.chars().all(|c| c.is_ascii_hexdigit()), "key hex: {key}");
+            batch_lines += 1;
+        }
+        if v["level"] == "WARN" && v["fields"].get("request_id").is_some() {
+            warnings_with_request_id += 1;
+        }
+    }
+    assert!(batch_lines > 0, "no log line carries the batch span (partition, batch_id, key)");
+    println!("json log: {} lines, {batch_lines} inside a batch span, {warnings_with_request_id} warnings with a request id", log.lines().count());
+
+    results.close().await;
+    amqp.close().await;
+    drop(creds);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_name_the_problem_but_never_a_secret() {
+    let env = TestEnv::new("secreterr");
+    let creds = Credentials::create(&env).await;
+    let wrong_amqp = format!("wrong-amqp-{}", &env.name[env.name.len() - 8..]);
+    let wrong_redis = format!("wrong-redis-{}", &env.name[env.name.len() - 8..]);
+    let mut secrets: Vec<&str> = creds.secrets().to_vec();
+    secrets.extend([wrong_amqp.as_str(), wrong_redis.as_str()]);
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let cfg = write_config(&env, "base", &raw);
+    let cfg = cfg.to_str().unwrap();
+    let good_amqp = creds.amqp_url(&creds.amqp_password);
+    let good_redis = creds.redis_url(&creds.redis_password);
+    let bad_amqp = creds.amqp_url(&wrong_amqp);
+    let bad_redis = creds.redis_url(&wrong_redis);
+
+    // A daemon whose broker password is wrong, then one whose Redis password is wrong: both log
+    // why they cannot connect and keep retrying, until SIGTERM.
+    for (label, amqp, redis, expect) in [("wrong-amqp", &bad_amqp, &good_redis, "amqp"), ("wrong-redis", &good_amqp, &bad_redis, "redis")] {
+        let mut cmd = bin_command();
+        cmd.arg("--config").arg(cfg).arg("--log-format").arg("json").arg("run");
+        cmd.env("PREFIX_BATCHER__AMQP__URL", amqp).env("PREFIX_BATCHER__REDIS__URL", redis).env("PREFIX_BATCHER__LLM__API_KEY", &creds.token);
+        cmd.env("PREFIX_BATCHER__LOG__LEVEL", "debug");
+        let mut daemon = DaemonProcess::spawn(&env, label, cmd);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !daemon.log().contains("reconnecting") {
+            assert!(daemon.is_running() && Instant::now() < deadline, "{label}: no reconnect warning; log:\n{}", daemon.log_tail(30));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        daemon.sigterm();
+        daemon.wait_exit(DEADLINE).await;
+        let log = daemon.log();
+        assert_no_secret(&format!("{label}: the log"), &log, &secrets);
+        let warning = log.lines().find(|l| l.contains("reconnecting")).unwrap();
+        assert!(warning.contains(expect), "{label}: the warning names the failing service: {warning}");
+    }
+
+    // Configuration errors quote the offending value without its password.
+    let bad_file = env.dir.join("bad.toml");
+    std::fs::write(
+        &bad_file,
+        format!("[amqp]\nurl = \"{good_amqp}\"\npartitions = 0\n[redis]\nurl = \"{good_redis}\"\n[llm]\napi_key = \"{}\"\n", creds.token),
+    )
+    .unwrap();
+    for args in [vec!["check-config", bad_file.to_str().unwrap()], vec!["--config", bad_file.to_str().unwrap(), "run"]] {
+        let (code, out) = run_bin(&args, &[]);
+        assert_eq!(code, Some(78), "{args:?}: {out}");
+        assert!(out.contains("amqp.partitions"), "{args:?}: {out}");
+        assert_no_secret(&format!("{args:?}"), &out, &secrets);
+    }
+    let unparsable = format!("amqp://{}:{}@bad host/", creds.amqp_user, creds.amqp_password);
+    let with_creds = format!("http://user:{}@127.0.0.1:8000", creds.token);
+    for (key, value) in [("PREFIX_BATCHER__AMQP__URL", unparsable.as_str()), ("PREFIX_BATCHER__LLM__ENDPOINTS", with_creds.as_str())] {
+        let (code, out) = run_bin(&["--config", cfg, "check-config"], &[(key, value)]);
+        assert_eq!(code, Some(78), "{key}: {out}");
+        assert_no_secret(key, &out, &secrets);
+    }
+
+    // The client commands' connection errors.
+    let (code, out) = run_bin(&["--config", cfg, "submit", "--file", "/dev/null"], &[("PREFIX_BATCHER__AMQP__URL", &bad_amqp)]);
+    assert_ne!(code, Some(0), "submit with a wrong password must fail: {out}");
+    assert_no_secret("submit's error", &out, &secrets);
+    let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__URL", &bad_redis)]);
+    assert_ne!(code, Some(0), "status with a wrong password must fail: {out}");
+    assert_no_secret("status's error", &out, &secrets);
+
+    drop(creds);
+    env.cleanup().await;
+}
