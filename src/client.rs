@@ -15,8 +15,8 @@ use serde_json::Value;
 use tokio::io::AsyncBufReadExt;
 
 use crate::config::Settings;
-use crate::lease::{read_all, LeaseValue};
-use crate::ownership::{desired_partitions, read_members};
+use crate::lease::{read_all, LeaseValue, Leases};
+use crate::ownership::{assignment, member_key, read_members};
 use crate::request::RequestResult;
 
 /// Options of `submit`.
@@ -202,105 +202,210 @@ pub struct PartitionStatus {
     pub partition: u32,
     /// Lease holder name, `None` when no instance owns it.
     pub owner: Option<String>,
+    /// Lease epoch (fencing token); results of this tenure carry it in `x-partition-epoch`.
     pub epoch: Option<u64>,
-    /// Member the rendezvous hashing wants as owner.
+    /// Time until the lease expires unless renewed, in milliseconds.
+    pub lease_expires_in_ms: Option<u64>,
+    /// The member the assignment ([`crate::ownership::assignment`]) wants as owner.
     pub desired_owner: Option<String>,
-    /// Ready messages (backlog).
+    /// Ready messages (backlog); `None` when RabbitMQ could not be asked.
     pub backlog: Option<u32>,
     /// Consumers attached (1 active; more are single-active-consumer standbys).
     pub consumers: Option<u32>,
+    /// What needs attention, if anything: `unowned`, `owner not a live member` (a crashed
+    /// instance whose lease has not expired yet), `moving` (owner ≠ desired owner: a handoff is
+    /// due or in progress), `standby consumers`, `no consumer`.
+    pub note: Option<&'static str>,
+}
+
+/// One live member in `status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemberStatus {
+    /// Stable instance name (`instance.name`).
+    pub name: String,
+    /// Boot nonce of the process heartbeating under that name.
+    pub nonce: Option<String>,
+    /// Partitions whose lease it holds.
+    pub owned: usize,
+    /// Partitions the assignment gives it.
+    pub desired: usize,
 }
 
 /// The answer of `status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
-    pub members: Vec<String>,
+    /// `amqp.partitions`.
+    pub partition_count: u32,
+    pub members: Vec<MemberStatus>,
     pub partitions: Vec<PartitionStatus>,
+    /// Partitions without a lease holder.
     pub unowned: Vec<u32>,
+    /// Partitions whose holder is not their desired owner.
+    pub moving: Vec<u32>,
+    /// Lease holders that are not live members (name → partitions).
+    pub stale_owners: BTreeMap<String, Vec<u32>>,
+    /// Ready messages in the input queue.
     pub input_backlog: Option<u32>,
-    /// Partitions owned per member.
-    pub owned_per_member: BTreeMap<String, usize>,
+    /// Ready messages over all partition queues.
+    pub partition_backlog: Option<u64>,
+    /// Why the RabbitMQ part is missing, when it is.
+    pub amqp_error: Option<String>,
 }
 
-/// Reads members and leases from Redis and queue depths from RabbitMQ.
-pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
-    let client = redis::Client::open(settings.redis.url.expose())?;
-    let mut r = client.get_connection_manager().await.with_context(|| format!("connecting to {}", settings.redis.url))?;
-    let prefix = &settings.redis.key_prefix;
-    let members = read_members(&mut r, prefix).await?;
-    let p = settings.amqp.partitions.get();
-    let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, settings.redis.command_timeout).await?;
-
-    let conn = Connection::connect(settings.amqp.url.expose(), ConnectionProperties::default())
-        .await
-        .with_context(|| format!("connecting to {}", settings.amqp.url))?;
+/// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog.
+async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option<(u32, u32)>>, Option<u32>)> {
+    let conn = tokio::time::timeout(
+        settings.amqp.confirm_timeout,
+        Connection::connect(settings.amqp.url.expose(), ConnectionProperties::default()),
+    )
+    .await
+    .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.amqp.url))?
+    .with_context(|| format!("connecting to {}", settings.amqp.url))?;
     let passive = QueueDeclareOptions { passive: true, ..Default::default() };
     let mut ch = conn.create_channel().await?;
-    let mut backlogs = Vec::new();
+    let mut depths = Vec::with_capacity(p as usize);
     for part in 0..p {
         match ch.queue_declare(settings.amqp.partition_queue(part).as_str().into(), passive, FieldTable::default()).await {
-            Ok(q) => backlogs.push(Some((q.message_count(), q.consumer_count()))),
+            Ok(q) => depths.push(Some((q.message_count(), q.consumer_count()))),
             Err(_) => {
-                backlogs.push(None);
+                // A failed passive declare closes the channel.
+                depths.push(None);
                 ch = conn.create_channel().await?;
             }
         }
     }
-    let input_backlog = ch
+    let input = ch
         .queue_declare(settings.amqp.input_queue.as_str().into(), passive, FieldTable::default())
         .await
         .ok()
         .map(|q| q.message_count());
     let _ = conn.close(200, "status".into()).await;
+    Ok((depths, input))
+}
 
-    let mut desired_owner = vec![None; p as usize];
-    for m in &members {
-        for d in desired_partitions(p, &members, m) {
-            desired_owner[d as usize] = Some(m.clone());
-        }
+/// Reads members, nonces, leases and their remaining TTLs from Redis, and queue depths and
+/// consumer counts from RabbitMQ (when RabbitMQ is unreachable the rest is still reported, with
+/// `amqp_error` set).
+///
+/// Errors: Redis unreachable or answering with an error.
+pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
+    let client = redis::Client::open(settings.redis.url.expose())?;
+    let timeout = settings.redis.command_timeout;
+    let mut r = tokio::time::timeout(timeout, client.get_connection_manager())
+        .await
+        .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.redis.url))?
+        .with_context(|| format!("connecting to {}", settings.redis.url))?;
+    let prefix = &settings.redis.key_prefix;
+    let names = read_members(&mut r, prefix).await?;
+    let p = settings.amqp.partitions.get();
+    let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, timeout).await?;
+    let nonces: Vec<Option<String>> = if names.is_empty() {
+        Vec::new()
+    } else {
+        let keys: Vec<String> = names.iter().map(|m| member_key(prefix, m)).collect();
+        redis::cmd("MGET").arg(&keys).query_async(&mut r).await?
+    };
+    let mut pipe = redis::pipe();
+    for part in 0..p {
+        pipe.cmd("PTTL").arg(Leases::lease_key(prefix, part));
     }
-    let mut owned_per_member: BTreeMap<String, usize> = members.iter().map(|m| (m.clone(), 0)).collect();
-    let partitions: Vec<PartitionStatus> = (0..p)
-        .map(|part| {
-            let lease = leases[part as usize].as_ref();
-            if let Some(l) = lease {
-                *owned_per_member.entry(l.name.clone()).or_default() += 1;
-            }
-            PartitionStatus {
-                partition: part,
-                owner: lease.map(|l| l.name.clone()),
-                epoch: lease.map(|l| l.epoch),
-                desired_owner: desired_owner[part as usize].clone(),
-                backlog: backlogs[part as usize].map(|b| b.0),
-                consumers: backlogs[part as usize].map(|b| b.1),
-            }
-        })
+    let pttls: Vec<i64> = pipe.query_async(&mut r).await?;
+    let pttls: Vec<Option<u64>> = pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect();
+
+    let (depths, input_backlog, amqp_error) = match queue_depths(settings, p).await {
+        Ok((d, i)) => (d, i, None),
+        Err(e) => (vec![None; p as usize], None, Some(format!("{e:#}"))),
+    };
+
+    let desired = assignment(p, &names);
+    let mut members: Vec<MemberStatus> = names
+        .iter()
+        .zip(nonces)
+        .map(|(name, nonce)| MemberStatus { name: name.clone(), nonce, owned: 0, desired: 0 })
         .collect();
+    let mut stale_owners: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    let mut partitions = Vec::with_capacity(p as usize);
+    for part in 0..p {
+        let lease = leases[part as usize].as_ref();
+        let want = desired[part as usize];
+        if let Some(i) = want {
+            members[i].desired += 1;
+        }
+        let live_owner = lease.and_then(|l| names.iter().position(|n| *n == l.name));
+        if let Some(i) = live_owner {
+            members[i].owned += 1;
+        } else if let Some(l) = lease {
+            stale_owners.entry(l.name.clone()).or_default().push(part);
+        }
+        let depth = depths[part as usize];
+        let note = match (lease, depth) {
+            (None, _) => Some("unowned"),
+            (Some(_), _) if live_owner.is_none() => Some("owner not a live member"),
+            (Some(_), _) if live_owner != want => Some("moving"),
+            (Some(_), Some((_, c))) if c > 1 => Some("standby consumers"),
+            (Some(_), Some((_, 0))) => Some("no consumer"),
+            _ => None,
+        };
+        partitions.push(PartitionStatus {
+            partition: part,
+            owner: lease.map(|l| l.name.clone()),
+            epoch: lease.map(|l| l.epoch),
+            lease_expires_in_ms: lease.and(pttls.get(part as usize).copied().flatten()),
+            desired_owner: want.map(|i| names[i].clone()),
+            backlog: depth.map(|d| d.0),
+            consumers: depth.map(|d| d.1),
+            note,
+        });
+    }
     let unowned = partitions.iter().filter(|s| s.owner.is_none()).map(|s| s.partition).collect();
-    Ok(Status { members, partitions, unowned, input_backlog, owned_per_member })
+    let moving = partitions.iter().filter(|s| s.note == Some("moving")).map(|s| s.partition).collect();
+    let partition_backlog =
+        if depths.iter().all(Option::is_some) { Some(depths.iter().flatten().map(|d| u64::from(d.0)).sum()) } else { None };
+    Ok(Status { partition_count: p, members, partitions, unowned, moving, stale_owners, input_backlog, partition_backlog, amqp_error })
+}
+
+fn opt<T: ToString>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
 
 /// Renders `status` as a human table.
 pub fn render_status(s: &Status) -> String {
     let mut out = String::new();
+    let owned = s.partitions.iter().filter(|p| p.owner.is_some()).count();
     out.push_str(&format!("members ({}):\n", s.members.len()));
+    out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}\n", "name", "nonce", "owns", "desired"));
     for m in &s.members {
-        out.push_str(&format!("  {m:<40} owns {}\n", s.owned_per_member.get(m).copied().unwrap_or(0)));
+        out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
+    }
+    for (name, ps) in &s.stale_owners {
+        out.push_str(&format!("  {name:<40} (not a live member; still holds {} lease(s) until they expire)\n", ps.len()));
     }
     out.push_str(&format!(
-        "input backlog: {}\n\n",
-        s.input_backlog.map_or("?".to_string(), |b| b.to_string())
+        "\npartitions: {}, owned {owned}, unowned {}, moving {}; backlog: input {}, partitions {}\n",
+        s.partition_count,
+        s.unowned.len(),
+        s.moving.len(),
+        s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
+        s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
     ));
-    out.push_str(&format!("{:>9}  {:<32} {:>6}  {:>8}  {:>9}  {}\n", "partition", "owner", "epoch", "backlog", "consumers", "desired owner"));
+    if let Some(e) = &s.amqp_error {
+        out.push_str(&format!("RabbitMQ unreachable, backlog unknown: {e}\n"));
+    }
+    out.push_str(&format!(
+        "\n{:>9}  {:<32} {:>14} {:>9} {:>8} {:>9}  {:<32} {}\n",
+        "partition", "owner", "epoch", "lease ttl", "backlog", "consumers", "desired owner", "note"
+    ));
     for p in &s.partitions {
         out.push_str(&format!(
-            "{:>9}  {:<32} {:>6}  {:>8}  {:>9}  {}\n",
+            "{:>9}  {:<32} {:>14} {:>9} {:>8} {:>9}  {:<32} {}\n",
             p.partition,
             p.owner.as_deref().unwrap_or("-"),
-            p.epoch.map_or("-".into(), |e| e.to_string()),
-            p.backlog.map_or("?".into(), |b| b.to_string()),
-            p.consumers.map_or("?".into(), |b| b.to_string()),
+            opt(p.epoch),
+            p.lease_expires_in_ms.map_or("-".to_owned(), |ms| format!("{:.1}s", ms as f64 / 1000.0)),
+            p.backlog.map_or("?".to_owned(), |b| b.to_string()),
+            p.consumers.map_or("?".to_owned(), |b| b.to_string()),
             p.desired_owner.as_deref().unwrap_or("-"),
+            p.note.unwrap_or(""),
         ));
     }
     out.push_str(&format!("\nunowned partitions ({}): {:?}\n", s.unowned.len(), s.unowned));

@@ -5,14 +5,18 @@
 //! Keys (with `P` = `redis.key_prefix`):
 //! - `P:lease:{p}` = `"{name}:{nonce}:{epoch}"` with a TTL of `lease_ttl` — the lease of partition
 //!   `p`. `name` is the instance's stable name, `nonce` is random per process start.
-//! - `P:epoch:{p}` — a counter; every acquisition of a free lease `INCR`s it, so epochs of one
-//!   partition are strictly increasing and serve as fencing tokens.
+//! - `P:epoch:{p}` — a counter; every acquisition `INCR`s it, so epochs of one partition are
+//!   strictly increasing and serve as fencing tokens. When the counter is missing (first start,
+//!   or Redis lost its data: the test and demo Redis runs without persistence) it is first set to
+//!   Redis's clock in milliseconds (`TIME`), so epochs still grow across a data loss as long as a
+//!   partition was acquired fewer than once per millisecond since its counter was created.
 //!
 //! Operations, each one atomic Lua script (Redis runs a script without interleaving other
 //! commands, <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
-//! - acquire: if the lease is absent, `INCR` the epoch and `SET … NX PX lease_ttl`; if this very
-//!   process (same `name:nonce`) already holds it, extend it and return its epoch; else report the
-//!   holder.
+//! - acquire: if the lease is absent, or this very process (same `name:nonce`) holds it (a
+//!   previous worker of this process was aborted at its renew deadline while Redis was slow), `INCR`
+//!   the epoch and `SET … PX lease_ttl` with the new epoch — every worker incarnation gets its own
+//!   epoch; else report the holder.
 //! - renew: compare the whole value `name:nonce:epoch` and `PEXPIRE` only on a match.
 //! - release: compare and `DEL` only on a match.
 //!
@@ -35,17 +39,20 @@ use std::time::Duration;
 use redis::aio::ConnectionManager;
 use redis::Script;
 
-/// Acquire: KEYS = [lease, epoch], ARGV = [holder ("name:nonce"), ttl_ms].
+/// Acquire: KEYS = [lease, epoch], ARGV = [holder ("name:nonce"), ttl_ms]. (`SET` without `NX`:
+/// the key is absent or ours, checked just before, and a script runs atomically.)
 /// Returns `[epoch, ""]` on success, `[0, current_value]` when held by someone else.
 const ACQUIRE: &str = r#"
 local cur = redis.call('GET', KEYS[1])
 if cur then
   local mine = ARGV[1] .. ':'
-  if string.sub(cur, 1, string.len(mine)) == mine then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {tonumber(string.sub(cur, string.len(mine) + 1)), ''}
+  if string.sub(cur, 1, string.len(mine)) ~= mine then
+    return {0, cur}
   end
-  return {0, cur}
+end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  local t = redis.call('TIME')
+  redis.call('SET', KEYS[2], string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
 end
 local e = redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. e, 'PX', ARGV[2])

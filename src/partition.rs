@@ -12,10 +12,17 @@
 //! - `abort` (lease lost): close the channel at once — the broker requeues every unacked
 //!   delivery in order — abort in-flight LLM calls and drop their unpublished results.
 //!
-//! Before publishing any result the worker checks its local lease deadline ([`LeaseClock`]); a
-//! worker whose lease may have expired (e.g. after a SIGSTOP) publishes and acks nothing.
+//! Before publishing any result, and again before acking, the worker checks its local lease
+//! deadline ([`LeaseClock`]); a worker whose lease may have expired (e.g. after a SIGSTOP)
+//! publishes and acks nothing. The worker also stops by itself at that deadline, like an `abort`,
+//! without waiting for the owner to notice (the owner's loop may be stuck on an unreachable
+//! Redis): consumption stops within the renew deadline whatever happens to the rest.
+//!
+//! Every result carries `x-partition`, `x-partition-epoch` (the lease epoch, a fencing token: a
+//! result with a lower epoch than one already seen for its partition is stale) and `x-instance`
+//! (the instance name), so consumers and tests can build an ownership log from results alone.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -38,20 +45,24 @@ use crate::metrics::{self, outcome, stage};
 use crate::publisher::{self, header_str, header_u64, PublishError, HEADER_PARTITION, HEADER_PARTITION_EPOCH, HEADER_PREFIX_KEY, HEADER_REQUEST_ID, HEADER_SHARD};
 use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs};
 
+/// Header naming the instance that produced a result.
+pub const HEADER_INSTANCE: &str = "x-instance";
+
 /// The local view of a lease's validity: consuming and publishing are allowed only before
 /// `valid_until` (monotonic), which the owner moves forward to `renew_sent + renew_deadline` after
-/// every successful renewal.
+/// every successful renewal. Once invalidated (lease lost) it stays invalid.
 #[derive(Debug)]
 pub struct LeaseClock {
     base: std::time::Instant,
     valid_until_ms: AtomicU64,
+    revoked: AtomicBool,
 }
 
 impl LeaseClock {
     /// A clock valid until `deadline`.
     pub fn new(deadline: std::time::Instant) -> Self {
         let base = std::time::Instant::now();
-        let c = LeaseClock { base, valid_until_ms: AtomicU64::new(0) };
+        let c = LeaseClock { base, valid_until_ms: AtomicU64::new(0), revoked: AtomicBool::new(false) };
         c.extend_to(deadline);
         c
     }
@@ -60,13 +71,34 @@ impl LeaseClock {
         let ms = deadline.saturating_duration_since(self.base).as_millis() as u64;
         self.valid_until_ms.fetch_max(ms, Ordering::SeqCst);
     }
-    /// Ends validity now.
+    /// Ends validity now, for good: a later [`extend_to`](Self::extend_to) does not revive it.
     pub fn invalidate(&self) {
+        self.revoked.store(true, Ordering::SeqCst);
         self.valid_until_ms.store(0, Ordering::SeqCst);
     }
     /// Whether the lease is still valid.
     pub fn is_valid(&self) -> bool {
-        (self.base.elapsed().as_millis() as u64) < self.valid_until_ms.load(Ordering::SeqCst)
+        !self.revoked.load(Ordering::SeqCst) && (self.base.elapsed().as_millis() as u64) < self.valid_until_ms.load(Ordering::SeqCst)
+    }
+    /// The current deadline (monotonic); in the past once invalid.
+    pub fn deadline(&self) -> std::time::Instant {
+        if self.revoked.load(Ordering::SeqCst) {
+            return self.base;
+        }
+        self.base + std::time::Duration::from_millis(self.valid_until_ms.load(Ordering::SeqCst))
+    }
+    /// Completes when the lease is no longer valid (deadline passed or invalidated). It wakes at
+    /// the current deadline and re-checks, since renewals move the deadline forward meanwhile.
+    pub async fn expired(&self) {
+        loop {
+            if !self.is_valid() {
+                return;
+            }
+            // Wake at the deadline, and at least every second: an invalidation does not move the
+            // deadline forward, and the extra wake-ups cost nothing.
+            let at = self.deadline().min(std::time::Instant::now() + std::time::Duration::from_secs(1));
+            tokio::time::sleep_until(Instant::from_std(at)).await;
+        }
     }
 }
 
@@ -156,10 +188,21 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
     // Intake.
     let keyed = s.keying.mode == KeyingMode::Prefix;
     let mut result = Ok(());
+    let lease = ctx.lease.clone();
+    let expired = lease.expired();
+    tokio::pin!(expired);
     loop {
         tokio::select! {
             biased;
             _ = stop.abort.cancelled() => break,
+            _ = &mut expired => {
+                // Renew deadline passed and the owner has not aborted us yet: stop on our own, as
+                // an abort (in-flight LLM calls are cancelled through the same token).
+                warn!(partition = p, epoch = ctx.epoch, "lease deadline passed; stopping the partition");
+                ctx.lease.invalidate(); // a late renewal must not revive it for in-flight work
+                stop.abort.cancel();
+                break;
+            }
             _ = stop.drain.cancelled() => break,
             _ = stop.revoke.cancelled() => break,
             next = consumer.next() => match next {
@@ -320,6 +363,7 @@ async fn publish_and_ack(ctx: &PartitionContext, ch: &Channel, pending: Pending,
                 (HEADER_REQUEST_ID, result.id.clone()),
                 (HEADER_PARTITION_EPOCH, ctx.epoch.to_string()),
                 (HEADER_PARTITION, ctx.partition.to_string()),
+                (HEADER_INSTANCE, s.instance_name.clone()),
             ],
         ));
     let t = s.amqp.confirm_timeout;

@@ -186,7 +186,7 @@ async fn cleanup_resources(name: &str) {
         format!("{name}.results"),
         format!("{name}.dead-letter"),
     ];
-    queues.extend((0..=16).map(|p| format!("{name}.partition.{p:03}")));
+    queues.extend((0..=64).map(|p| format!("{name}.partition.{p:03}")));
     if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
         let mut ch = conn.create_channel().await.ok();
         for q in &queues {
@@ -781,5 +781,645 @@ impl RedisProbe {
             ls.iter().all(|l| l.as_ref().is_some_and(|l| l.name == name))
         })
         .await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-process clusters (tests/scale.rs).
+// ---------------------------------------------------------------------------------------------
+
+/// Helpers of the multi-process scale tests: a [`cluster::Cluster`] of daemon processes (start,
+/// SIGTERM, SIGKILL, SIGSTOP/SIGCONT by instance), a [`cluster::PacedPublisher`] that keeps a
+/// stream of requests flowing in the background, a [`cluster::ResultLog`] that collects every
+/// result from the durable results queue in the background (surviving a RabbitMQ restart), and
+/// the ownership log built from the results' `x-partition` / `x-partition-epoch` / `x-instance`
+/// headers, with its overlap check.
+pub mod cluster {
+    use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+    use std::path::PathBuf;
+    use std::process::{Command, ExitStatus};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use futures_util::StreamExt;
+    use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions};
+    use lapin::types::FieldTable;
+    use lapin::{BasicProperties, Connection, ConnectionProperties};
+    use prefix_batcher::config::RawConfig;
+    use prefix_batcher::lease::LeaseValue;
+    use prefix_batcher::request::RequestResult;
+    use tokio::task::JoinHandle;
+    use tokio::time::Instant;
+    use tokio_util::sync::CancellationToken;
+
+    use super::{bin_command, header_string, write_config, DaemonProcess, RedisProbe, TestEnv, TestRequest, AMQP_URL};
+
+    /// Properties of a request whose result goes to the deployment's durable results queue (no
+    /// `reply_to`): it survives a RabbitMQ restart, unlike an exclusive reply queue.
+    pub fn request_props_to_results(id: &str) -> BasicProperties {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
+        BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(id.into())
+            .with_correlation_id(id.into())
+            .with_timestamp(now)
+    }
+
+    /// The desired owner name of every partition among `members` (the daemon's own assignment).
+    pub fn desired_owners(partitions: u32, members: &[String]) -> Vec<String> {
+        prefix_batcher::ownership::assignment(partitions, members)
+            .into_iter()
+            .map(|o| members[o.expect("members is not empty")].clone())
+            .collect()
+    }
+
+    /// Partitions per lease holder name.
+    pub fn held_by(leases: &[Option<LeaseValue>]) -> BTreeMap<String, BTreeSet<u32>> {
+        let mut m: BTreeMap<String, BTreeSet<u32>> = BTreeMap::new();
+        for (p, l) in leases.iter().enumerate() {
+            if let Some(l) = l {
+                m.entry(l.name.clone()).or_default().insert(p as u32);
+            }
+        }
+        m
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Processes.
+    // -----------------------------------------------------------------------------------------
+
+    /// Sends `signal` (e.g. `STOP`, `CONT`, `TERM`) to a process.
+    pub fn send_signal(pid: u32, signal: &str) {
+        let ok = Command::new("kill").arg(format!("-{signal}")).arg(pid.to_string()).status().expect("run kill").success();
+        assert!(ok, "kill -{signal} {pid} failed");
+    }
+
+    /// The daemon processes of one deployment, by instance suffix (instance name =
+    /// `env.instance(suffix)`). Each start of an instance is a new process with its own log,
+    /// `{suffix}-{n}.log` in the test's directory.
+    pub struct Cluster {
+        pub base: RawConfig,
+        pub procs: BTreeMap<String, DaemonProcess>,
+        starts: HashMap<String, usize>,
+        /// Instance name per suffix.
+        names: BTreeMap<String, String>,
+        /// A config file of this deployment (for `prefix-batcher status`).
+        pub config: PathBuf,
+    }
+
+    impl Cluster {
+        pub fn new(env: &TestEnv, base: RawConfig) -> Cluster {
+            let config = write_config(env, "status", &base);
+            Cluster { base, procs: BTreeMap::new(), starts: HashMap::new(), names: BTreeMap::new(), config }
+        }
+
+        /// Starts (or restarts) instance `suffix`; its name stays the same across restarts.
+        pub fn start(&mut self, env: &TestEnv, suffix: &str) {
+            let n = self.starts.entry(suffix.to_owned()).or_default();
+            *n += 1;
+            let mut raw = self.base.clone();
+            raw.instance.name = env.instance(suffix);
+            self.names.insert(suffix.to_owned(), raw.instance.name.clone());
+            let label = format!("{suffix}-{n}");
+            let p = DaemonProcess::run(env, &label, &raw);
+            if let Some(mut old) = self.procs.insert(suffix.to_owned(), p) {
+                assert!(!old.is_running(), "instance {suffix} started twice");
+            }
+        }
+
+        /// Instance name of `suffix`.
+        pub fn name(&self, suffix: &str) -> String {
+            self.names.get(suffix).cloned().unwrap_or_else(|| panic!("instance {suffix} was never started"))
+        }
+
+        pub fn proc(&mut self, suffix: &str) -> &mut DaemonProcess {
+            self.procs.get_mut(suffix).unwrap_or_else(|| panic!("instance {suffix} was never started"))
+        }
+
+        pub fn sigterm(&mut self, suffix: &str) {
+            self.proc(suffix).sigterm();
+        }
+
+        pub fn kill9(&mut self, suffix: &str) {
+            self.proc(suffix).kill9();
+        }
+
+        pub fn sigstop(&mut self, suffix: &str) {
+            let pid = self.proc(suffix).pid();
+            send_signal(pid, "STOP");
+        }
+
+        pub fn sigcont(&mut self, suffix: &str) {
+            let pid = self.proc(suffix).pid();
+            send_signal(pid, "CONT");
+        }
+
+        pub async fn wait_exit(&mut self, suffix: &str, within: Duration) -> ExitStatus {
+            self.proc(suffix).wait_exit(within).await
+        }
+
+        /// Suffixes of the processes still running.
+        pub fn running(&mut self) -> Vec<String> {
+            self.procs.iter_mut().filter_map(|(s, p)| p.is_running().then(|| s.clone())).collect()
+        }
+
+        /// Names of the running instances, sorted (the member set the daemons should see).
+        pub fn running_names(&mut self) -> Vec<String> {
+            let mut v: Vec<String> = self.running().iter().map(|s| self.name(s)).collect();
+            v.sort();
+            v
+        }
+
+        /// Panics (with the log tail) when an instance that should run has exited.
+        pub fn assert_running(&mut self, suffixes: &[&str]) {
+            for s in suffixes {
+                let p = self.proc(s);
+                assert!(p.is_running(), "instance {s} exited unexpectedly; its log:\n{}", p.log_tail(40));
+            }
+        }
+
+        /// SIGTERM to every running instance, then each must exit 0 within `within`.
+        pub async fn stop_all(&mut self, within: Duration) {
+            let running = self.running();
+            for s in &running {
+                self.sigterm(s);
+            }
+            for s in &running {
+                let st = self.wait_exit(s, within).await;
+                assert_eq!(st.code(), Some(0), "instance {s} must exit 0 after SIGTERM, got {st}; log:\n{}", self.proc(s).log_tail(40));
+            }
+        }
+
+        /// Waits until every partition's lease is held by its desired owner among the running
+        /// instances (polling every `poll`); returns the leases and the time it took. Fails early
+        /// when an instance exits.
+        pub async fn wait_settled(
+            &mut self,
+            redis: &mut RedisProbe,
+            prefix: &str,
+            partitions: u32,
+            within: Duration,
+        ) -> (Vec<Option<LeaseValue>>, Duration) {
+            let members = self.running_names();
+            let want = desired_owners(partitions, &members);
+            let started = Instant::now();
+            loop {
+                let leases = redis.leases(prefix, partitions).await;
+                if leases.iter().zip(&want).all(|(l, w)| l.as_ref().is_some_and(|l| &l.name == w)) {
+                    return (leases, started.elapsed());
+                }
+                if started.elapsed() >= within {
+                    let logs: Vec<String> =
+                        self.procs.iter().map(|(s, p)| format!("--- {s}:\n{}", p.log_tail(15))).collect();
+                    panic!(
+                        "leases not settled on their desired owners within {within:?}\nwant: {want:?}\nhave: {:?}\n{}",
+                        leases.iter().map(|l| l.as_ref().map(|l| (l.name.clone(), l.epoch))).collect::<Vec<_>>(),
+                        logs.join("\n")
+                    );
+                }
+                let running = self.running().len();
+                assert_eq!(running, members.len(), "an instance exited while waiting for the leases to settle");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+
+        /// Runs `prefix-batcher --config … status [--json]` and returns its stdout.
+        pub async fn status(&self, json: bool) -> String {
+            let cfg = self.config.clone();
+            tokio::task::spawn_blocking(move || {
+                let mut cmd = bin_command();
+                cmd.arg("--config").arg(&cfg).arg("status");
+                if json {
+                    cmd.arg("--json");
+                }
+                let out = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).output().expect("run status");
+                assert!(out.status.success(), "status failed: {}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+                String::from_utf8(out.stdout).expect("utf-8 status")
+            })
+            .await
+            .unwrap()
+        }
+    }
+
+    /// Polls the leases every `poll` until `done(leases)` holds; returns the leases and when it
+    /// held. Panics after `within`.
+    pub async fn poll_leases(
+        redis: &mut RedisProbe,
+        prefix: &str,
+        partitions: u32,
+        what: &str,
+        within: Duration,
+        poll: Duration,
+        mut done: impl FnMut(&[Option<LeaseValue>]) -> bool,
+    ) -> (Vec<Option<LeaseValue>>, Instant) {
+        let deadline = Instant::now() + within;
+        loop {
+            let leases = redis.leases(prefix, partitions).await;
+            let at = Instant::now();
+            if done(&leases) {
+                return (leases, at);
+            }
+            assert!(at < deadline, "timed out after {within:?} waiting for {what}; leases: {leases:?}");
+            tokio::time::sleep(poll).await;
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Load.
+    // -----------------------------------------------------------------------------------------
+
+    /// Publishes requests to a queue at a steady rate in the background (own connection,
+    /// publisher confirms per slice of 20 ms, results to the results queue).
+    pub struct PacedPublisher {
+        published: Arc<AtomicUsize>,
+        task: JoinHandle<()>,
+        pub total: usize,
+    }
+
+    impl PacedPublisher {
+        pub fn start(queue: String, reqs: Vec<TestRequest>, per_second: u32) -> PacedPublisher {
+            let published = Arc::new(AtomicUsize::new(0));
+            let total = reqs.len();
+            let counter = published.clone();
+            let task = tokio::spawn(async move {
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.expect("publisher connects");
+                let ch = conn.create_channel().await.expect("channel");
+                ch.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select");
+                let slice = Duration::from_millis(20);
+                let started = Instant::now();
+                let mut next = 0usize;
+                let mut tick = tokio::time::interval(slice);
+                while next < reqs.len() {
+                    tick.tick().await;
+                    // Catch up to the schedule (a slow confirm does not lower the rate).
+                    let due = (started.elapsed().as_secs_f64() * f64::from(per_second)) as usize + 1;
+                    let until = due.min(reqs.len()).max(next);
+                    let mut confirms = Vec::new();
+                    for r in &reqs[next..until] {
+                        let c = ch
+                            .basic_publish(
+                                "".into(),
+                                queue.as_str().into(),
+                                BasicPublishOptions { mandatory: true, ..Default::default() },
+                                &r.body,
+                                request_props_to_results(&r.id),
+                            )
+                            .await
+                            .expect("publish request");
+                        confirms.push(c);
+                    }
+                    for c in confirms {
+                        let c = c.await.expect("publisher confirm");
+                        assert!(!c.is_nack(), "broker nacked a request");
+                        assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
+                    }
+                    next = until;
+                    counter.store(next, Ordering::SeqCst);
+                }
+                let _ = conn.close(200, "published".into()).await;
+            });
+            PacedPublisher { published, task, total }
+        }
+
+        /// Requests published and confirmed so far.
+        pub fn published(&self) -> usize {
+            self.published.load(Ordering::SeqCst)
+        }
+
+        /// Waits until at least `n` requests are published.
+        pub async fn wait_published(&self, n: usize, within: Duration) {
+            let deadline = Instant::now() + within;
+            while self.published() < n {
+                assert!(!self.task.is_finished() || self.published() >= n, "the publisher stopped at {}", self.published());
+                assert!(Instant::now() < deadline, "only {} of {n} requests published within {within:?}", self.published());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+
+        /// Waits for the last publish.
+        pub async fn finish(self, within: Duration) {
+            tokio::time::timeout(within, self.task).await.expect("publisher finished in time").expect("publisher did not panic");
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Results.
+    // -----------------------------------------------------------------------------------------
+
+    /// One result as received by the test.
+    #[derive(Debug, Clone)]
+    pub struct Observed {
+        /// Request id (the correlation id).
+        pub id: String,
+        pub partition: u32,
+        /// `x-partition-epoch`.
+        pub epoch: u64,
+        /// `x-instance`.
+        pub instance: String,
+        pub batch_id: String,
+        pub ok: bool,
+        /// Arrival at the test (monotonic).
+        pub at: Instant,
+        /// Order of arrival among distinct results (0-based). Results reach the single results
+        /// queue in the order the broker confirmed them, so this order respects causality: a
+        /// result an owner confirmed before releasing its lease comes before any result of the
+        /// next owner.
+        pub seq: usize,
+    }
+
+    #[derive(Default)]
+    struct LogShared {
+        results: Vec<Observed>,
+        /// `(request id, batch id)` of every result kept: a redelivery to the test (after a
+        /// reconnect) repeats both; a duplicate from the daemons has another batch id.
+        keys: HashSet<(String, String)>,
+        barriers: HashSet<String>,
+        sessions: usize,
+    }
+
+    const BARRIER: &str = "__scale_barrier__";
+
+    /// Collects every result from a durable queue in the background, acking each after
+    /// recording it, and reconnecting (every 200 ms) when the connection fails.
+    pub struct ResultLog {
+        pub queue: String,
+        shared: Arc<Mutex<LogShared>>,
+        stop: CancellationToken,
+        task: JoinHandle<()>,
+    }
+
+    impl ResultLog {
+        pub fn start(queue: &str) -> ResultLog {
+            let shared = Arc::new(Mutex::new(LogShared::default()));
+            let stop = CancellationToken::new();
+            let task = tokio::spawn(collect(queue.to_owned(), shared.clone(), stop.clone()));
+            ResultLog { queue: queue.to_owned(), shared, stop, task }
+        }
+
+        pub fn snapshot(&self) -> Vec<Observed> {
+            self.shared.lock().unwrap().results.clone()
+        }
+
+        pub fn len(&self) -> usize {
+            self.shared.lock().unwrap().results.len()
+        }
+
+        /// Connections the log had to open (1 without broker trouble).
+        pub fn sessions(&self) -> usize {
+            self.shared.lock().unwrap().sessions
+        }
+
+        /// Distinct request ids with a result.
+        pub fn distinct(&self) -> HashSet<String> {
+            self.shared.lock().unwrap().results.iter().map(|o| o.id.clone()).collect()
+        }
+
+        /// Waits until at least `n` results arrived.
+        pub async fn wait_len(&self, n: usize, within: Duration) {
+            let deadline = Instant::now() + within;
+            while self.len() < n {
+                assert!(Instant::now() < deadline, "only {} of {n} results within {within:?}", self.len());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+
+        /// Waits until every id in `ids` has a result.
+        pub async fn wait_all(&self, ids: &HashSet<String>, within: Duration) {
+            let deadline = Instant::now() + within;
+            loop {
+                let have = self.distinct();
+                let missing: Vec<&String> = ids.iter().filter(|i| !have.contains(*i)).collect();
+                if missing.is_empty() {
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "{} of {} requests have no result after {within:?} (e.g. {:?})",
+                    missing.len(),
+                    ids.len(),
+                    &missing[..missing.len().min(10)]
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+
+        /// FIFO barrier: publishes a marker to the queue and waits until it comes back, so every
+        /// result enqueued before this call has been collected.
+        pub async fn barrier(&self) {
+            let tag = format!("{BARRIER}{}", uuid::Uuid::new_v4().simple());
+            let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.expect("connect");
+            let ch = conn.create_channel().await.expect("channel");
+            ch.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select");
+            ch.basic_publish(
+                "".into(),
+                self.queue.as_str().into(),
+                BasicPublishOptions { mandatory: true, ..Default::default() },
+                b"barrier",
+                BasicProperties::default().with_correlation_id(tag.as_str().into()),
+            )
+            .await
+            .expect("publish barrier")
+            .await
+            .expect("barrier confirm");
+            let _ = conn.close(200, "barrier".into()).await;
+            let deadline = Instant::now() + super::DEADLINE;
+            while !self.shared.lock().unwrap().barriers.contains(&tag) {
+                assert!(Instant::now() < deadline, "the barrier did not come back from {}", self.queue);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+
+        /// Stops collecting and returns every result.
+        pub async fn stop(self) -> Vec<Observed> {
+            self.stop.cancel();
+            let _ = self.task.await;
+            let g = self.shared.lock().unwrap();
+            g.results.clone()
+        }
+    }
+
+    async fn collect(queue: String, shared: Arc<Mutex<LogShared>>, stop: CancellationToken) {
+        while !stop.is_cancelled() {
+            let session = async {
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.ok()?;
+                let ch = conn.create_channel().await.ok()?;
+                ch.basic_qos(500, BasicQosOptions::default()).await.ok()?;
+                let tag = format!("scale-log-{}", uuid::Uuid::new_v4().simple());
+                let consumer =
+                    ch.basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default()).await.ok()?;
+                Some((conn, consumer))
+            };
+            let Some((conn, mut consumer)) = session.await else {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(200)) => continue,
+                }
+            };
+            shared.lock().unwrap().sessions += 1;
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => {
+                        let _ = conn.close(200, "done".into()).await;
+                        return;
+                    }
+                    next = consumer.next() => match next {
+                        Some(Ok(d)) => {
+                            record(&shared, &d);
+                            let _ = d.acker.ack(BasicAckOptions::default()).await;
+                        }
+                        _ => break,
+                    },
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
+        }
+    }
+
+    fn record(shared: &Mutex<LogShared>, d: &lapin::message::Delivery) {
+        let at = Instant::now();
+        let correlation = d.properties.correlation_id().as_ref().map(|c| c.as_str().to_owned()).unwrap_or_default();
+        let mut g = shared.lock().unwrap();
+        if correlation.starts_with(BARRIER) {
+            g.barriers.insert(correlation);
+            return;
+        }
+        let headers: HashMap<String, String> = d
+            .properties
+            .headers()
+            .as_ref()
+            .map(|h| h.inner().iter().map(|(k, v)| (k.as_str().to_owned(), header_string(v))).collect())
+            .unwrap_or_default();
+        let r: RequestResult = serde_json::from_slice(&d.data)
+            .unwrap_or_else(|e| panic!("not a result ({e}): {}", String::from_utf8_lossy(&d.data)));
+        if !g.keys.insert((r.id.clone(), r.batch_id.clone())) {
+            return; // redelivered to the test after a reconnect: already recorded
+        }
+        let epoch = headers
+            .get("x-partition-epoch")
+            .and_then(|e| e.parse().ok())
+            .unwrap_or_else(|| panic!("result {} has no numeric x-partition-epoch: {headers:?}", r.id));
+        assert_eq!(headers.get("x-partition").map(String::as_str), Some(r.partition.to_string().as_str()), "x-partition of {}", r.id);
+        let instance = headers.get("x-instance").cloned().unwrap_or_else(|| panic!("result {} has no x-instance header", r.id));
+        let seq = g.results.len();
+        g.results.push(Observed { id: r.id, partition: r.partition, epoch, instance, batch_id: r.batch_id, ok: r.ok, at, seq });
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Analysis.
+    // -----------------------------------------------------------------------------------------
+
+    /// One tenure of the ownership log: partition `partition` under lease epoch `epoch`.
+    #[derive(Debug, Clone)]
+    pub struct Tenure {
+        pub partition: u32,
+        pub epoch: u64,
+        /// Instances that published under this epoch (exactly one, or the lease was broken).
+        pub instances: BTreeSet<String>,
+        pub first_seq: usize,
+        pub last_seq: usize,
+        pub first_at: Instant,
+        pub last_at: Instant,
+        pub results: usize,
+    }
+
+    /// The ownership log: one [`Tenure`] per (partition, epoch), sorted by partition, then epoch.
+    pub fn ownership_log(results: &[Observed]) -> Vec<Tenure> {
+        let mut m: BTreeMap<(u32, u64), Tenure> = BTreeMap::new();
+        for o in results {
+            let t = m.entry((o.partition, o.epoch)).or_insert_with(|| Tenure {
+                partition: o.partition,
+                epoch: o.epoch,
+                instances: BTreeSet::new(),
+                first_seq: o.seq,
+                last_seq: o.seq,
+                first_at: o.at,
+                last_at: o.at,
+                results: 0,
+            });
+            t.instances.insert(o.instance.clone());
+            t.first_seq = t.first_seq.min(o.seq);
+            t.last_seq = t.last_seq.max(o.seq);
+            t.first_at = t.first_at.min(o.at);
+            t.last_at = t.last_at.max(o.at);
+            t.results += 1;
+        }
+        m.into_values().collect()
+    }
+
+    /// Overlaps in the ownership log: two tenures of one partition with different epochs where
+    /// the older epoch published after the newer one's first result (their intervals in arrival
+    /// order intersect, or the older one comes entirely after the newer one).
+    pub fn ownership_overlaps(log: &[Tenure]) -> Vec<(Tenure, Tenure)> {
+        let mut out = Vec::new();
+        for (i, a) in log.iter().enumerate() {
+            for b in &log[i + 1..] {
+                if b.partition != a.partition {
+                    break;
+                }
+                // a.epoch < b.epoch (sorted).
+                if a.last_seq > b.first_seq {
+                    out.push((a.clone(), b.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// The log as text, times in seconds since `t0`.
+    pub fn render_ownership_log(log: &[Tenure], t0: Instant) -> String {
+        let secs = |t: Instant| t.saturating_duration_since(t0).as_secs_f64();
+        let mut out = format!("{:>9} {:>14} {:<34} {:>9} {:>9} {:>7}\n", "partition", "epoch", "instance", "first_s", "last_s", "results");
+        for t in log {
+            let inst: Vec<&str> = t.instances.iter().map(String::as_str).collect();
+            out.push_str(&format!(
+                "{:>9} {:>14} {:<34} {:>9.3} {:>9.3} {:>7}\n",
+                t.partition,
+                t.epoch,
+                inst.join(","),
+                secs(t.first_at),
+                secs(t.last_at),
+                t.results
+            ));
+        }
+        out
+    }
+
+    /// Results per request id: lost ids, failed results, and requests with more than one.
+    pub struct Tally {
+        pub requests: usize,
+        pub results: usize,
+        pub lost: Vec<String>,
+        pub failed: usize,
+        /// Requests with more than one result, with all their results in arrival order.
+        pub duplicated: Vec<(String, Vec<Observed>)>,
+    }
+
+    impl Tally {
+        /// Extra results (beyond one per request).
+        pub fn duplicates(&self) -> usize {
+            self.duplicated.iter().map(|(_, v)| v.len() - 1).sum()
+        }
+    }
+
+    pub fn tally(reqs: &[TestRequest], results: &[Observed]) -> Tally {
+        let mut by: HashMap<&str, Vec<Observed>> = HashMap::new();
+        for o in results {
+            by.entry(o.id.as_str()).or_default().push(o.clone());
+        }
+        let mut lost = Vec::new();
+        let mut duplicated = Vec::new();
+        for r in reqs {
+            match by.get(r.id.as_str()) {
+                None => lost.push(r.id.clone()),
+                Some(v) if v.len() > 1 => duplicated.push((r.id.clone(), v.clone())),
+                _ => {}
+            }
+        }
+        Tally { requests: reqs.len(), results: results.len(), lost, failed: results.iter().filter(|o| !o.ok).count(), duplicated }
     }
 }

@@ -1,0 +1,742 @@
+//! Horizontal scale: several real daemon processes of the built binary against real RabbitMQ and
+//! Redis, with an in-process fake LLM that adds latency so work is in flight when instances join,
+//! leave, crash or stall (issue 3, DESIGN.md §4).
+//!
+//! - a. [`a_three_instances_balance_and_status`]: balance, one consumer per partition, `status`,
+//!   graceful restart (SIGTERM handoff time, stickiness).
+//! - b. [`b_churn_under_load`]: ≥ 5,000 requests while a 4th instance joins, one is SIGTERMed,
+//!   one is `kill -9`ed and restarted: nothing lost, duplicates only from the kill, no two
+//!   instances processing one partition at overlapping times (ownership log from the results).
+//! - c. [`c_redis_outage`] and d. [`d_rabbitmq_restart`]: DISRUPTIVE — they stop Redis for 20 s
+//!   and restart RabbitMQ, which breaks every other test or daemon on the machine. They are
+//!   `#[ignore]`d and also refuse to run unless `PREFIX_BATCHER_DISRUPTIVE_TESTS=1`:
+//!
+//!   ```text
+//!   PREFIX_BATCHER_DISRUPTIVE_TESTS=1 cargo test --test scale -- --ignored --test-threads=1
+//!   ```
+//!
+//!   (run alone: nothing else may use the local RabbitMQ/Redis meanwhile).
+//! - e. [`e_stale_owner_after_sigstop`]: an instance paused longer than its lease TTL stops
+//!   before publishing or acking anything on wake-up; stale publications are counted and must be
+//!   detectable by their older `x-partition-epoch`.
+//! - [`lease_protocol_against_redis`]: the Lua scripts (epochs, compare-and-set, data loss).
+//!
+//! The tests of this file run one at a time (a process-wide lock): they measure handoff times,
+//! and four daemons each on two shared cores are enough load already.
+//!
+//! Lease timings are the test defaults of `TestEnv::raw_config`: lease TTL 3 s, renew deadline
+//! 2 s, renew every 500 ms, member TTL 2 s, settle 200 ms.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::time::Duration;
+
+use common::cluster::*;
+use common::*;
+use prefix_batcher::config::RawConfig;
+use prefix_batcher::fake_llm::FakeLlm;
+use prefix_batcher::lease::{Acquire, LeaseValue, Leases};
+use tokio::time::Instant;
+
+/// Lease TTL of the test configuration (`TestEnv::raw_config`).
+const LEASE_TTL: Duration = Duration::from_secs(3);
+/// Renew deadline of the test configuration.
+const RENEW_DEADLINE: Duration = Duration::from_secs(2);
+/// Environment variable that allows the disruptive tests (c, d) to run.
+const DISRUPTIVE_ENV: &str = "PREFIX_BATCHER_DISRUPTIVE_TESTS";
+
+/// One scale test at a time (an async lock: each test has its own runtime, and a failed test
+/// does not poison it).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The test configuration with `partitions` partitions.
+fn scale_config(env: &TestEnv, llm_url: &str, partitions: u32) -> RawConfig {
+    let mut raw = env.raw_config(llm_url);
+    raw.amqp.partitions = partitions;
+    raw
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.3}s", d.as_secs_f64())
+}
+
+/// For each partition in `parts`, when (after `since`) its first result from an epoch above
+/// `old_epoch[p]` arrived.
+fn first_results_after(results: &[Observed], parts: &BTreeMap<u32, u64>, since: Instant) -> BTreeMap<u32, Duration> {
+    let mut out = BTreeMap::new();
+    for o in results {
+        if let Some(old) = parts.get(&o.partition) {
+            if o.epoch > *old && o.at >= since {
+                out.entry(o.partition).or_insert(o.at - since);
+            }
+        }
+    }
+    out
+}
+
+/// Checks the ownership log: every epoch published by one instance, no overlaps. Returns it.
+fn check_ownership_log(results: &[Observed], t0: Instant, print: bool) -> Vec<Tenure> {
+    let log = ownership_log(results);
+    if print {
+        println!("ownership log ({} tenures):\n{}", log.len(), render_ownership_log(&log, t0));
+    }
+    for t in &log {
+        assert_eq!(t.instances.len(), 1, "partition {} epoch {} was published by several instances: {:?}", t.partition, t.epoch, t.instances);
+    }
+    let overlaps = ownership_overlaps(&log);
+    assert!(
+        overlaps.is_empty(),
+        "{} ownership overlaps (two epochs of one partition processing at once):\n{}",
+        overlaps.len(),
+        overlaps.iter().map(|(a, b)| format!("{a:?}\n  vs {b:?}")).collect::<Vec<_>>().join("\n")
+    );
+    log
+}
+
+// ---------------------------------------------------------------------------------------------
+// a. Balance.
+// ---------------------------------------------------------------------------------------------
+
+/// a. Three instances: every partition is owned by exactly one instance — its desired owner —
+/// each owns P/3 ± 2 (24 partitions: 8 each, the assignment bounds loads), every partition queue
+/// has exactly one consumer, and `status` (table and `--json`) shows members, owner and epoch per
+/// partition, backlog and no unowned partition. Then one instance is restarted gracefully: its
+/// partitions are handed over within 2 s of the SIGTERM, and it gets exactly the same ones back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_instances_balance_and_status() {
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 24;
+    let env = TestEnv::new("bal");
+    let fake = FakeLlm::new().latency(Duration::from_millis(30)).start().await.unwrap();
+    let raw = scale_config(&env, fake.url.as_str(), P);
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut cluster = Cluster::new(&env, raw);
+    for s in ["a", "b", "c"] {
+        cluster.start(&env, s);
+    }
+    let (leases, took) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let owners = held_by(&leases);
+    println!("3 instances settled in {}: {:?}", secs(took), owners.iter().map(|(n, ps)| (n, ps.len())).collect::<Vec<_>>());
+    assert_eq!(owners.len(), 3, "three owners: {owners:?}");
+    for (name, ps) in &owners {
+        let n = ps.len() as i64;
+        assert!((n - i64::from(P / 3)).abs() <= 2, "{name} owns {n} partitions, want {} ± 2", P / 3);
+    }
+    let amqp = Amqp::connect().await;
+    for p in 0..P {
+        let (_, consumers) = amqp.queue_depth(&env.partition_queue(p)).await;
+        assert_eq!(consumers, 1, "partition {p} has {consumers} consumers, want exactly its owner");
+    }
+
+    // Some traffic, so the backlog column has something to show, then `status`.
+    let reqs = completions_workload("bal", 300, 24);
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    let table = cluster.status(false).await;
+    println!("prefix-batcher status (3 instances, under load):\n{table}");
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    let table = cluster.status(false).await;
+    println!("prefix-batcher status (3 instances, idle):\n{table}");
+    for s in ["a", "b", "c"] {
+        assert!(table.contains(&cluster.name(s)), "status must list member {s}:\n{table}");
+    }
+    assert!(table.contains("unowned 0"), "status must report no unowned partition:\n{table}");
+    let json: serde_json::Value = serde_json::from_str(&cluster.status(true).await).expect("status --json is JSON");
+    assert_eq!(json["members"].as_array().unwrap().len(), 3);
+    assert!(json["unowned"].as_array().unwrap().is_empty());
+    let leases_now = redis.leases(&prefix, P).await;
+    for (p, part) in json["partitions"].as_array().unwrap().iter().enumerate() {
+        let l = leases_now[p].as_ref().expect("owned");
+        assert_eq!(part["owner"].as_str(), Some(l.name.as_str()), "status owner of partition {p}");
+        assert_eq!(part["epoch"].as_u64(), Some(l.epoch), "status epoch of partition {p}");
+        assert_eq!(part["desired_owner"], part["owner"], "partition {p} is not on its desired owner");
+        assert_eq!(part["backlog"].as_u64(), Some(0), "partition {p} backlog after all results");
+        assert_eq!(part["consumers"].as_u64(), Some(1));
+    }
+
+    // Graceful restart of b: SIGTERM hands its partitions over (released, not expired), then the
+    // restarted b (same name) gets exactly the same partitions back.
+    let b = cluster.name("b");
+    let b_parts = owners[&b].clone();
+    let t_term = Instant::now();
+    cluster.sigterm("b");
+    let (_, at) = poll_leases(&mut redis, &prefix, P, "b's partitions to move", DEADLINE, Duration::from_millis(10), |ls| {
+        b_parts.iter().all(|p| ls[*p as usize].as_ref().is_some_and(|l| l.name != b))
+    })
+    .await;
+    let handoff = at - t_term;
+    assert_eq!(cluster.wait_exit("b", DEADLINE).await.code(), Some(0), "SIGTERM must exit 0");
+    println!("SIGTERM handoff (idle, {} partitions): {}", b_parts.len(), secs(handoff));
+    assert!(handoff < Duration::from_secs(2), "SIGTERM handoff took {handoff:?}, want < 2 s");
+
+    cluster.start(&env, "b");
+    let (leases, took) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    assert_eq!(held_by(&leases)[&b], b_parts, "the restarted b must get its partitions back");
+    println!("restarted b got its {} partitions back in {}", b_parts.len(), secs(took));
+
+    cluster.stop_all(DEADLINE).await;
+    assert!(redis.keys(&format!("{prefix}:lease:*")).await.is_empty(), "leases left after a graceful stop");
+    assert!(redis.keys(&format!("{prefix}:member:*")).await.is_empty(), "members left after a graceful stop");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// b. Churn.
+// ---------------------------------------------------------------------------------------------
+
+/// b. Churn under load: 5,000 requests at ~110/s; a 4th instance joins, one instance gets
+/// SIGTERM, one gets `kill -9` and is restarted under the same name. At the end every request
+/// has a result; duplicates come only from the kill (their later copy arrived after it, and
+/// there are at most as many as the killed instance could hold unacked); the ownership log
+/// (partition, epoch, instance, first/last result) has no overlap; SIGTERM handoff < 2 s,
+/// kill -9 takeover < lease TTL + 3 s; the restarted instance gets its partitions back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn b_churn_under_load() {
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 24;
+    const N: usize = 5_000;
+    let env = TestEnv::new("churn");
+    let fake = FakeLlm::new().latency(Duration::from_millis(30)).start().await.unwrap();
+    let raw = scale_config(&env, fake.url.as_str(), P);
+    let (input_prefetch, partition_prefetch) = (raw.amqp.input_prefetch as usize, raw.amqp.partition_prefetch as usize);
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut cluster = Cluster::new(&env, raw);
+    for s in ["a", "b", "c"] {
+        cluster.start(&env, s);
+    }
+    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+
+    let t0 = Instant::now();
+    let log = ResultLog::start(&env.results_queue());
+    let reqs = completions_workload("churn", N, 40);
+    let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), 110);
+
+    // 1. A 4th instance joins.
+    publisher.wait_published(800, DEADLINE).await;
+    cluster.start(&env, "d");
+    let (_, join_settle) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    println!("d joined: leases settled on 4 instances in {}", secs(join_settle));
+
+    // 2. SIGTERM b.
+    publisher.wait_published(1_800, DEADLINE).await;
+    let b = cluster.name("b");
+    let leases = redis.leases(&prefix, P).await;
+    let b_parts: BTreeMap<u32, u64> =
+        leases.iter().enumerate().filter_map(|(p, l)| l.as_ref().filter(|l| l.name == b).map(|l| (p as u32, l.epoch))).collect();
+    assert!(!b_parts.is_empty());
+    let t_term = Instant::now();
+    cluster.sigterm("b");
+    let (_, at) = poll_leases(&mut redis, &prefix, P, "b's partitions to get a new owner", DEADLINE, Duration::from_millis(10), |ls| {
+        b_parts.keys().all(|p| ls[*p as usize].as_ref().is_some_and(|l| l.name != b))
+    })
+    .await;
+    let term_takeover = at - t_term;
+    let st = cluster.wait_exit("b", DEADLINE).await;
+    assert_eq!(st.code(), Some(0), "SIGTERM must exit 0; log:\n{}", cluster.proc("b").log_tail(30));
+    let b_exit = t_term.elapsed();
+    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+
+    // 3. kill -9 c, then restart it under the same name.
+    publisher.wait_published(3_000, DEADLINE).await;
+    let c = cluster.name("c");
+    let leases = redis.leases(&prefix, P).await;
+    let c_leases: BTreeMap<u32, LeaseValue> =
+        leases.iter().enumerate().filter_map(|(p, l)| l.clone().filter(|l| l.name == c).map(|l| (p as u32, l))).collect();
+    let c_parts: BTreeSet<u32> = c_leases.keys().copied().collect();
+    let c_epochs: BTreeMap<u32, u64> = c_leases.iter().map(|(p, l)| (*p, l.epoch)).collect();
+    let members_at_kill = cluster.running_names();
+    let t_kill = Instant::now();
+    cluster.kill9("c");
+    let done_at_kill = log.distinct().len();
+    let (_, at) = poll_leases(&mut redis, &prefix, P, "c's partitions to be taken over", DEADLINE, Duration::from_millis(10), |ls| {
+        c_leases.iter().all(|(p, old)| ls[*p as usize].as_ref().is_some_and(|l| l.nonce != old.nonce))
+    })
+    .await;
+    let kill_takeover = at - t_kill;
+    cluster.start(&env, "c");
+    let (leases, sticky_in) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    assert_eq!(cluster.running_names(), members_at_kill);
+    assert_eq!(held_by(&leases).get(&c), Some(&c_parts), "the restarted c must get exactly its partitions back");
+
+    // 4. Everything gets a result; then stop everything gracefully.
+    publisher.finish(Duration::from_secs(120)).await;
+    let all = ids(&reqs);
+    log.wait_all(&all, Duration::from_secs(120)).await;
+    let drained_at = t0.elapsed();
+    cluster.assert_running(&["a", "c", "d"]);
+    cluster.stop_all(DEADLINE).await;
+    log.barrier().await;
+    let results = log.stop().await;
+
+    // Accounting.
+    let t = tally(&reqs, &results);
+    assert!(t.lost.is_empty(), "{} requests lost: {:?}", t.lost.len(), &t.lost[..t.lost.len().min(10)]);
+    assert_eq!(t.failed, 0, "failed results");
+    let mut partition_stage = 0;
+    for (id, copies) in &t.duplicated {
+        for later in &copies[1..] {
+            assert!(later.at > t_kill, "request {id} was duplicated before the kill: {copies:?}");
+        }
+        let first = &copies[0];
+        if first.instance == c && c_epochs.get(&first.partition) == Some(&first.epoch) {
+            partition_stage += 1;
+        }
+        // Every copy is distinguishable by its (partition, epoch) or batch.
+        let keys: HashSet<(u32, u64, &str)> = copies.iter().map(|o| (o.partition, o.epoch, o.batch_id.as_str())).collect();
+        assert_eq!(keys.len(), copies.len(), "request {id}: identical copies {copies:?}");
+    }
+    let bound = input_prefetch + partition_prefetch * c_parts.len();
+    assert!(t.duplicates() <= bound, "{} duplicates, more than the killed instance could hold unacked ({bound})", t.duplicates());
+
+    // The ownership log: no overlaps, one instance per epoch.
+    let own = check_ownership_log(&results, t0, std::env::var_os("SCALE_PRINT_LOG").is_some());
+    let moved = own.iter().map(|t| t.partition).collect::<Vec<_>>().windows(2).filter(|w| w[0] == w[1]).count();
+
+    let term_first = first_results_after(&results, &b_parts, t_term);
+    let kill_first = first_results_after(&results, &c_epochs, t_kill);
+    let max = |m: &BTreeMap<u32, Duration>| m.values().max().copied();
+    println!("churn: {N} requests, {} results, {} distinct, lost {}, duplicates {} ({} from the killed partitions' unacked results, {} from its router), all done {:.1}s after the start",
+        t.results, t.requests - t.lost.len(), t.lost.len(), t.duplicates(), partition_stage, t.duplicated.len() - partition_stage, drained_at.as_secs_f64());
+    println!("churn: 4th instance settled in {}", secs(join_settle));
+    println!(
+        "churn: SIGTERM of b ({} partitions): leases taken over in {} (max), first successor result after {} (max over {} partitions), b exited after {}",
+        b_parts.len(),
+        secs(term_takeover),
+        max(&term_first).map_or("-".into(), secs),
+        term_first.len(),
+        secs(b_exit)
+    );
+    println!(
+        "churn: kill -9 of c ({} partitions, {} requests done at the kill): leases taken over in {} (max), first successor result after {} (max over {} partitions); restarted c got its partitions back {} after its restart",
+        c_parts.len(),
+        done_at_kill,
+        secs(kill_takeover),
+        max(&kill_first).map_or("-".into(), secs),
+        kill_first.len(),
+        secs(sticky_in)
+    );
+    println!("churn: ownership log: {} tenures, {} handovers, 0 overlaps", own.len(), moved);
+    assert!(term_takeover < Duration::from_secs(2), "SIGTERM handoff took {term_takeover:?}, want < 2 s");
+    assert!(kill_takeover < LEASE_TTL + Duration::from_secs(3), "kill -9 takeover took {kill_takeover:?}, want < lease TTL + 3 s");
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// e. Stale owner.
+// ---------------------------------------------------------------------------------------------
+
+/// e. Stale owner: instance a is paused (SIGSTOP) for lease TTL + 2 s while it has LLM calls in
+/// flight (the fake LLM answers after 400 ms). Meanwhile b acquires a's leases and attaches to
+/// a's partition queues as a single-active-consumer standby (a's consumers are still the active
+/// ones: its connection is alive). After SIGCONT, a finds its lease deadline passed and stops
+/// before publishing or acking anything for those partitions; b takes over; a gets its partitions
+/// back once it rejoins. Any stale publication (a result of a's old epoch that arrived after the
+/// SIGCONT) is counted and must be detectable: a newer epoch of the same partition published the
+/// same request. Nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_stale_owner_after_sigstop() {
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 16;
+    const N: usize = 1_000;
+    let env = TestEnv::new("stale");
+    let latency = Duration::from_millis(400);
+    let fake = FakeLlm::new().latency(latency).start().await.unwrap();
+    let mut raw = scale_config(&env, fake.url.as_str(), P);
+    // Slow calls need many in flight: ~20 batches/s per instance × 0.4 s.
+    raw.llm.max_concurrency = 64;
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let amqp = Amqp::connect().await;
+    let mut cluster = Cluster::new(&env, raw);
+    for s in ["a", "b"] {
+        cluster.start(&env, s);
+    }
+    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let t0 = Instant::now();
+    let log = ResultLog::start(&env.results_queue());
+    let reqs = completions_workload("stale", N, 32);
+    let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), 40);
+    log.wait_len(120, DEADLINE).await;
+
+    let a = cluster.name("a");
+    let b = cluster.name("b");
+    let leases = redis.leases(&prefix, P).await;
+    let a_epochs: BTreeMap<u32, u64> =
+        leases.iter().enumerate().filter_map(|(p, l)| l.as_ref().filter(|l| l.name == a).map(|l| (p as u32, l.epoch))).collect();
+    let t_stop = Instant::now();
+    cluster.sigstop("a");
+    let in_flight = fake.calls().iter().filter(|c| c.received_at + latency > t_stop).count();
+
+    // b takes the leases after a's expire; its consumers are standbys behind a's stale ones.
+    let (_, at) = poll_leases(&mut redis, &prefix, P, "b to hold a's leases", Duration::from_secs(10), Duration::from_millis(20), |ls| {
+        a_epochs.keys().all(|p| ls[*p as usize].as_ref().is_some_and(|l| l.name == b))
+    })
+    .await;
+    let lease_takeover = at - t_stop;
+    // Who is the active consumer of a's partition queues now (`rabbitmqctl`, when available:
+    // the AMQP queue.declare-ok count of a quorum queue does not include waiting consumers).
+    let queue_prefix = env.partition_queue_prefix();
+    let consumers = tokio::task::spawn_blocking(move || sac_consumers(&queue_prefix)).await.unwrap();
+    let pause = LEASE_TTL + Duration::from_secs(2);
+    tokio::time::sleep_until(t_stop + pause).await;
+    let (during_pause, during_pause_a) = {
+        let snap = log.snapshot();
+        let d: Vec<&Observed> = snap.iter().filter(|o| o.at > t_stop).collect();
+        (d.len(), d.iter().filter(|o| o.instance == a).count())
+    };
+    let t_cont = Instant::now();
+    cluster.sigcont("a");
+    // The broker fence: b held a's leases for seconds, yet none of its new epochs of a's
+    // partitions published anything before a woke up (its consumers were standbys).
+    let b_during_pause = log
+        .snapshot()
+        .iter()
+        .filter(|o| o.at < t_cont && o.instance == b && a_epochs.get(&o.partition).is_some_and(|e| o.epoch > *e))
+        .count();
+
+    // a rejoins and gets its partitions back.
+    let (leases, back_in) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let a_parts: BTreeSet<u32> = a_epochs.keys().copied().collect();
+    assert_eq!(held_by(&leases).get(&a), Some(&a_parts), "a must get its partitions back after the stall");
+    publisher.finish(Duration::from_secs(120)).await;
+    log.wait_all(&ids(&reqs), Duration::from_secs(120)).await;
+    cluster.assert_running(&["a", "b"]);
+    let a_log = cluster.proc("a").log();
+    cluster.stop_all(DEADLINE).await;
+    log.barrier().await;
+    let results = log.stop().await;
+
+    let t = tally(&reqs, &results);
+    assert!(t.lost.is_empty(), "{} requests lost", t.lost.len());
+    // Stale publications: a result of one of a's pre-pause epochs that arrived after SIGCONT.
+    let stale: Vec<&Observed> =
+        results.iter().filter(|o| o.at > t_cont && o.instance == a && a_epochs.get(&o.partition) == Some(&o.epoch)).collect();
+    let by_id: BTreeMap<&str, Vec<&Observed>> = results.iter().fold(BTreeMap::new(), |mut m, o| {
+        m.entry(o.id.as_str()).or_default().push(o);
+        m
+    });
+    for s in &stale {
+        let newer = by_id[s.id.as_str()].iter().any(|o| o.partition == s.partition && o.epoch > s.epoch);
+        assert!(newer, "stale result {s:?} is not detectable: no newer epoch of partition {} published request {}", s.partition, s.id);
+    }
+    for (id, copies) in &t.duplicated {
+        let keys: HashSet<(u32, u64)> = copies.iter().map(|o| (o.partition, o.epoch)).collect();
+        assert_eq!(keys.len(), copies.len(), "duplicate of {id} not detectable by (partition, epoch): {copies:?}");
+    }
+    let log_tail = check_ownership_log_allowing(&results, &stale, t0);
+    let noticed = a_log.matches("lease deadline passed").count() + a_log.matches("renew deadline passed").count() + a_log.matches("lease lost").count();
+    let not_published = a_log.matches("lease deadline passed; not publishing").count();
+    let (a_active, b_standby) = match &consumers {
+        Some(cs) => (
+            cs.iter().filter(|(q, tag, active)| *active && tag.starts_with(&format!("{a}:")) && a_queue(q, &a_epochs)).count(),
+            cs.iter().filter(|(q, tag, active)| !*active && tag.starts_with(&format!("{b}:")) && a_queue(q, &a_epochs)).count(),
+        ),
+        None => (0, 0),
+    };
+    println!(
+        "stale owner: a paused {} with {in_flight} LLM calls in flight (both instances); b held a's {} leases {} after SIGSTOP; during the pause {}; b published {b_during_pause} results for a's partitions before SIGCONT; a got its partitions back {} after SIGCONT",
+        secs(pause),
+        a_epochs.len(),
+        secs(lease_takeover),
+        if consumers.is_some() {
+            format!("a's stopped consumers were still active on {a_active} of its queues and b's were single-active-consumer standbys on {b_standby}")
+        } else {
+            "rabbitmqctl was not available to list consumers".to_owned()
+        },
+        secs(back_in)
+    );
+    println!(
+        "stale owner: lost {}, duplicates {}, stale publications {}, results received during the pause {} ({} from a, in flight to the broker at the SIGSTOP), a's log: {noticed} lease-expiry lines, {not_published} results dropped unpublished; ownership log {log_tail}",
+        t.lost.len(),
+        t.duplicates(),
+        stale.len(),
+        during_pause,
+        during_pause_a,
+    );
+    assert!(a_log.contains("partition aborted"), "a must have aborted its partitions after the pause; log:\n{a_log}");
+    assert!(in_flight > 0, "no LLM call was in flight at the SIGSTOP; the test proves less than it should");
+    assert_eq!(b_during_pause, 0, "b published for a's partitions while a's consumers were still the active ones");
+    if consumers.is_some() {
+        assert!(b_standby > 0, "b's consumers should have been single-active-consumer standbys during the pause");
+    }
+    assert!(lease_takeover < LEASE_TTL + Duration::from_secs(3));
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// `(queue, consumer tag, active)` of every consumer of the queues starting with `prefix`, from
+/// `rabbitmqctl list_consumers` (`None` when rabbitmqctl is not available).
+fn sac_consumers(prefix: &str) -> Option<Vec<(String, String, bool)>> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["-q", "list_consumers", "queue_name", "consumer_tag", "active"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Some(
+        text.lines()
+            .filter_map(|l| {
+                let mut f = l.split('\t');
+                let (q, tag, active) = (f.next()?, f.next()?, f.next()?);
+                q.starts_with(prefix).then(|| (q.to_owned(), tag.to_owned(), active == "true"))
+            })
+            .collect(),
+    )
+}
+
+/// Whether partition queue `q` (`….NNN`) is one of `parts`.
+fn a_queue(q: &str, parts: &BTreeMap<u32, u64>) -> bool {
+    q.rsplit('.').next().and_then(|n| n.parse::<u32>().ok()).is_some_and(|p| parts.contains_key(&p))
+}
+
+/// The ownership log check of the stale-owner test: overlaps are allowed only where they come
+/// from a counted stale publication.
+fn check_ownership_log_allowing(results: &[Observed], stale: &[&Observed], _t0: Instant) -> String {
+    let log = ownership_log(results);
+    for t in &log {
+        assert_eq!(t.instances.len(), 1, "partition {} epoch {} was published by several instances", t.partition, t.epoch);
+    }
+    let stale_tenures: HashSet<(u32, u64)> = stale.iter().map(|o| (o.partition, o.epoch)).collect();
+    let overlaps = ownership_overlaps(&log);
+    for (a, b) in &overlaps {
+        assert!(
+            stale_tenures.contains(&(a.partition, a.epoch)),
+            "ownership overlap not explained by a counted stale publication: {a:?} vs {b:?}"
+        );
+    }
+    format!("{} tenures, {} overlaps (all from counted stale publications)", log.len(), overlaps.len())
+}
+
+// ---------------------------------------------------------------------------------------------
+// c, d. Disruptive: Redis outage, RabbitMQ restart.
+// ---------------------------------------------------------------------------------------------
+
+fn services(cmd: &str) {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/services");
+    let st = std::process::Command::new(script).arg(cmd).status().unwrap_or_else(|e| panic!("run {script} {cmd}: {e}"));
+    assert!(st.success(), "{script} {cmd} failed: {st}");
+}
+
+async fn services_async(cmd: &'static str) {
+    tokio::task::spawn_blocking(move || services(cmd)).await.unwrap();
+}
+
+/// Brings a service back when the test ends, even when it fails half-way.
+struct Restore(&'static str);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/services");
+        let _ = std::process::Command::new(script).arg(self.0).status();
+    }
+}
+
+fn require_disruptive() {
+    assert!(
+        std::env::var(DISRUPTIVE_ENV).is_ok_and(|v| v == "1"),
+        "this test stops Redis or restarts RabbitMQ for everyone on this machine; run it alone with \
+         {DISRUPTIVE_ENV}=1 cargo test --test scale -- --ignored --test-threads=1"
+    );
+}
+
+/// c. Redis outage: Redis is stopped for 20 s mid-run (it restarts empty: the test Redis has no
+/// persistence). Every instance stops consuming within the renew deadline (all partition queues
+/// lose their consumers, and no result arrives after that until Redis is back); afterwards they
+/// rejoin, re-acquire (with epochs above the old ones even though the counters were lost) and
+/// finish: nothing lost, no ownership overlap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "disruptive: stops the local Redis for 20 s; see the module docs"]
+async fn c_redis_outage() {
+    require_disruptive();
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 16;
+    const N: usize = 3_000;
+    services("up");
+    let env = TestEnv::new("redisout");
+    let fake = FakeLlm::new().latency(Duration::from_millis(30)).start().await.unwrap();
+    let raw = scale_config(&env, fake.url.as_str(), P);
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let amqp = Amqp::connect().await;
+    let mut cluster = Cluster::new(&env, raw);
+    for s in ["a", "b", "c"] {
+        cluster.start(&env, s);
+    }
+    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let t0 = Instant::now();
+    let log = ResultLog::start(&env.results_queue());
+    let reqs = completions_workload("redisout", N, 32);
+    let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), 100);
+    log.wait_len(400, DEADLINE).await;
+
+    let restore = Restore("start-redis");
+    let t_stop = Instant::now(); // before the stop: an upper bound for "stopped within"
+    services_async("stop-redis").await;
+    let stop_took = t_stop.elapsed();
+    // Every partition queue loses its consumer.
+    let mut consumers_gone = None;
+    while t_stop.elapsed() < Duration::from_secs(10) {
+        let mut total = 0;
+        for p in 0..P {
+            total += amqp.queue_depth(&env.partition_queue(p)).await.1;
+        }
+        if total == 0 {
+            consumers_gone = Some(t_stop.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let consumers_gone = consumers_gone.expect("partition consumers still attached 10 s into the Redis outage");
+    tokio::time::sleep_until(t_stop + Duration::from_secs(20)).await;
+    let during: Vec<Observed> = log.snapshot();
+    let last_during = during.iter().map(|o| o.at).max().map(|at| at.saturating_duration_since(t_stop));
+    let late = during.iter().filter(|o| o.at > t_stop + RENEW_DEADLINE + Duration::from_millis(500)).count();
+    services_async("start-redis").await;
+    drop(restore);
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let (_, recovered) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+
+    publisher.finish(Duration::from_secs(120)).await;
+    log.wait_all(&ids(&reqs), Duration::from_secs(120)).await;
+    cluster.assert_running(&["a", "b", "c"]);
+    cluster.stop_all(DEADLINE).await;
+    log.barrier().await;
+    let results = log.stop().await;
+    let t = tally(&reqs, &results);
+    let own = check_ownership_log(&results, t0, false);
+    for (id, copies) in &t.duplicated {
+        let keys: HashSet<(u32, u64)> = copies.iter().map(|o| (o.partition, o.epoch)).collect();
+        assert_eq!(keys.len(), copies.len(), "duplicate of {id} not detectable by (partition, epoch): {copies:?}");
+    }
+    println!(
+        "redis outage: stop-redis took {}; every partition consumer gone {} after the stop began; last result {} after it; {late} results later than the renew deadline + 0.5 s; leases settled {} after Redis came back; lost {}, duplicates {}, {} tenures, 0 overlaps",
+        secs(stop_took),
+        secs(consumers_gone),
+        last_during.map_or("-".into(), secs),
+        secs(recovered),
+        t.lost.len(),
+        t.duplicates(),
+        own.len()
+    );
+    assert!(t.lost.is_empty(), "{} requests lost", t.lost.len());
+    assert!(consumers_gone <= RENEW_DEADLINE + Duration::from_secs(1), "consumers stopped {consumers_gone:?} after the Redis stop, want within the renew deadline");
+    assert_eq!(late, 0, "results published after the renew deadline while Redis was down");
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// d. RabbitMQ restart mid-run: every instance loses its connection, reconnects with backoff,
+/// re-declares its topology, re-acquires its partitions and finishes; requests published before
+/// (some in flight) and after the restart all get a result. Results go to the durable results
+/// queue (an exclusive reply queue would die with the broker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "disruptive: restarts the local RabbitMQ; see the module docs"]
+async fn d_rabbitmq_restart() {
+    require_disruptive();
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 16;
+    services("up");
+    let env = TestEnv::new("mqrestart");
+    // Slower calls than elsewhere, so that most of the first half is still queued or in flight
+    // when the broker goes down.
+    let fake = FakeLlm::new().latency(Duration::from_millis(100)).start().await.unwrap();
+    let raw = scale_config(&env, fake.url.as_str(), P);
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut cluster = Cluster::new(&env, raw);
+    for s in ["a", "b", "c"] {
+        cluster.start(&env, s);
+    }
+    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let t0 = Instant::now();
+    let log = ResultLog::start(&env.results_queue());
+    let reqs = completions_workload("mqrestart", 2_400, 32);
+    let (before, after) = reqs.split_at(1_200);
+
+    PacedPublisher::start(env.input_queue(), before.to_vec(), 1_000).finish(DEADLINE).await;
+    log.wait_len(100, DEADLINE).await;
+    let done_at_restart = log.distinct().len();
+    let restore = Restore("start-rabbitmq");
+    let t_restart = Instant::now();
+    services_async("restart-rabbitmq").await;
+    drop(restore);
+    let restart_took = t_restart.elapsed();
+    let (_, recovered) = cluster.wait_settled(&mut redis, &prefix, P, Duration::from_secs(120)).await;
+    PacedPublisher::start(env.input_queue(), after.to_vec(), 400).finish(DEADLINE).await;
+    log.wait_all(&ids(&reqs), Duration::from_secs(180)).await;
+    cluster.assert_running(&["a", "b", "c"]);
+    let reconnected: Vec<bool> = ["a", "b", "c"].iter().map(|s| cluster.proc(s).log().contains("reconnecting")).collect();
+    cluster.stop_all(DEADLINE).await;
+    log.barrier().await;
+    let sessions = log.sessions();
+    let results = log.stop().await;
+    let t = tally(&reqs, &results);
+    let own = check_ownership_log(&results, t0, false);
+    println!(
+        "rabbitmq restart: {done_at_restart} of 1200 requests done when the restart began; restart took {}; leases settled {} after it; lost {}, duplicates {}, {} tenures, 0 overlaps; result log needed {sessions} connections",
+        secs(restart_took),
+        secs(recovered),
+        t.lost.len(),
+        t.duplicates(),
+        own.len()
+    );
+    assert!(t.lost.is_empty(), "{} requests lost", t.lost.len());
+    assert!(done_at_restart < before.len(), "everything finished before the restart; the test proves less than it should");
+    assert!(reconnected.iter().all(|r| *r), "every instance should have logged its reconnect: {reconnected:?}");
+    assert!(sessions >= 2, "the result log should have had to reconnect");
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lease protocol.
+// ---------------------------------------------------------------------------------------------
+
+/// The lease scripts against the real Redis: acquire/busy/renew/release compare the full
+/// `name:nonce:epoch`; every acquisition (also a re-acquire by the same process) gets a new,
+/// larger epoch; a lost epoch counter (Redis data loss) restarts above the old epochs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_protocol_against_redis() {
+    let env = TestEnv::new("lease");
+    let client = redis::Client::open(REDIS_URL).unwrap();
+    let conn = client.get_connection_manager().await.unwrap();
+    let ttl = Duration::from_secs(3);
+    let t = Duration::from_secs(2);
+    let a = Leases::new(conn.clone(), env.key_prefix(), "a:n1".into(), ttl, t);
+    let a2 = Leases::new(conn.clone(), env.key_prefix(), "a:n2".into(), ttl, t); // a restarted
+    let b = Leases::new(conn.clone(), env.key_prefix(), "b:n3".into(), ttl, t);
+    let mut probe = RedisProbe::connect().await.unwrap();
+
+    let Acquire::Acquired(e1) = a.acquire(7).await.unwrap() else { panic!("free lease not acquired") };
+    assert_eq!(b.acquire(7).await.unwrap(), Acquire::Busy(format!("a:n1:{e1}")));
+    assert_eq!(a2.acquire(7).await.unwrap(), Acquire::Busy(format!("a:n1:{e1}")), "same name, other process: busy");
+    assert!(a.renew(7, e1).await.unwrap());
+    assert!(!b.renew(7, e1).await.unwrap(), "renew compares the holder");
+    assert!(!a.release(7, e1 + 1).await.unwrap(), "release compares the epoch");
+    let pttl: i64 = redis::cmd("PTTL").arg(Leases::lease_key(env.key_prefix(), 7)).query_async(&mut probe.conn).await.unwrap();
+    assert!(pttl > 2_000 && pttl <= 3_000, "lease PTTL {pttl} ms, want the 3 s TTL");
+
+    // Re-acquire by the same process: a new epoch; the old one no longer renews.
+    let Acquire::Acquired(e2) = a.acquire(7).await.unwrap() else { panic!() };
+    assert!(e2 > e1);
+    assert!(!a.renew(7, e1).await.unwrap());
+    assert!(a.renew(7, e2).await.unwrap());
+    assert!(a.release(7, e2).await.unwrap());
+    let Acquire::Acquired(e3) = b.acquire(7).await.unwrap() else { panic!("released lease not acquired") };
+    assert!(e3 > e2);
+
+    // Data loss: the lease and the epoch counter vanish; epochs still grow.
+    probe.del(&Leases::lease_key(env.key_prefix(), 7)).await;
+    probe.del(&Leases::epoch_key(env.key_prefix(), 7)).await;
+    assert!(!b.renew(7, e3).await.unwrap(), "a vanished lease does not renew");
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let Acquire::Acquired(e4) = a2.acquire(7).await.unwrap() else { panic!() };
+    assert!(e4 > e3, "epoch after a lost counter ({e4}) must exceed the old one ({e3})");
+    assert_eq!(probe.get(&Leases::lease_key(env.key_prefix(), 7)).await, Some(format!("a:n2:{e4}")));
+    env.cleanup().await;
+}
