@@ -335,7 +335,8 @@ async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
             Err(e) if e.kind == ErrorKind::Cancelled => return None,
             Err(e) => RequestResult { error: Some(ResultError { kind: e.kind.as_str().to_owned(), message: e.message }), ..base },
         };
-        Some(publish_and_ack(&ctx, &ch, pending, result))
+        let span = info_span!("request", request_id = %result.id, shard = pending.shard);
+        Some(publish_and_ack(&ctx, &ch, pending, result).instrument(span))
     });
     let publishes: Vec<_> = publishes.flatten().collect();
     futures_util::future::join_all(publishes).await;
@@ -391,6 +392,7 @@ async fn publish_and_ack(ctx: &PartitionContext, ch: &Channel, pending: Pending,
         return;
     }
     metrics::requests(stage::PUBLISHER, if result.ok { outcome::PROCESSED } else { outcome::FAILED }, 1);
+    debug!(ok = result.ok, "result published and request acked");
     if let Some(t0) = pending.enqueued_unix_ms {
         metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
     }
