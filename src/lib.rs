@@ -26,6 +26,7 @@
 //! - [`app`]: wiring, reconnects and graceful shutdown.
 //! - [`client`]: the `submit` and `status` commands.
 //! - [`fake_llm`]: an in-process fake OpenAI-compatible server for tests.
+//! - [`simulator`]: an OpenAI-compatible LLM server simulator of vLLM prefix caching and GPU time (benchmarks).
 
 pub mod app;
 pub mod batcher;
@@ -42,4 +43,5 @@ pub mod partition;
 pub mod publisher;
 pub mod request;
 pub mod router;
+pub mod simulator;
 pub mod topology;

@@ -1,0 +1,213 @@
+//! The load driver: publishes requests to an input queue on a schedule (publisher confirms, an
+//! exclusive reply queue), collects one result per request, and records end-to-end latency
+//! (result received − request published, one clock) and the backlog over time (requests
+//! published but not yet answered: queued, buffered, or at the LLM).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use futures_util::StreamExt;
+use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use serde_json::Value;
+use tokio::time::Instant;
+
+/// One request to publish `at` after the start.
+#[derive(Debug, Clone)]
+pub struct Req {
+    pub id: String,
+    pub body: Vec<u8>,
+    pub at: Duration,
+}
+
+/// What one drive measured.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Drive {
+    pub sent: usize,
+    pub results: usize,
+    pub ok: usize,
+    pub failed: usize,
+    pub duplicates: usize,
+    /// First publish → last result, seconds.
+    pub wall_s: f64,
+    pub p50_s: f64,
+    pub p99_s: f64,
+    /// (seconds since start, outstanding requests).
+    pub backlog: Vec<(f64, u64)>,
+    /// Sums over results that carry usage.
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Results without per-request usage.
+    pub usage_missing: usize,
+}
+
+struct State {
+    sent_at: HashMap<String, Instant>,
+    done: HashMap<String, ()>,
+    published: u64,
+    answered: u64,
+    lat: Vec<f64>,
+    ok: usize,
+    failed: usize,
+    dup: usize,
+    prompt: u64,
+    cached: u64,
+    missing_usage: usize,
+    last_result: Option<Instant>,
+}
+
+/// Publishes `reqs` to `queue` (each at its `at`) and waits for all results, at most `timeout`
+/// after the last publish. Samples the backlog every `sample`.
+pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Duration) -> anyhow::Result<Drive> {
+    let conn = Connection::connect(crate::procs::AMQP_URL, ConnectionProperties::default()).await.context("connecting to RabbitMQ")?;
+    let pub_ch = conn.create_channel().await?;
+    pub_ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let sub_ch = conn.create_channel().await?;
+    let reply = sub_ch
+        .queue_declare("".into(), QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() }, FieldTable::default())
+        .await?;
+    let reply = reply.name().to_string();
+    let mut consumer = sub_ch
+        .basic_consume(reply.as_str().into(), "bench".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default())
+        .await?;
+    let total = reqs.len();
+    let state = Arc::new(Mutex::new(State {
+        sent_at: HashMap::with_capacity(total),
+        done: HashMap::with_capacity(total),
+        published: 0,
+        answered: 0,
+        lat: Vec::with_capacity(total),
+        ok: 0,
+        failed: 0,
+        dup: 0,
+        prompt: 0,
+        cached: 0,
+        missing_usage: 0,
+        last_result: None,
+    }));
+    let start = Instant::now();
+
+    // Results.
+    let st = state.clone();
+    let collector = tokio::spawn(async move {
+        while let Some(Ok(d)) = consumer.next().await {
+            let now = Instant::now();
+            let id = d.properties.correlation_id().as_ref().map(|c| c.to_string()).unwrap_or_default();
+            let v: Value = serde_json::from_slice(&d.data).unwrap_or(Value::Null);
+            let mut g = st.lock().unwrap();
+            let Some(&sent) = g.sent_at.get(&id) else { continue };
+            if g.done.insert(id, ()).is_some() {
+                g.dup += 1;
+                continue;
+            }
+            g.answered += 1;
+            g.last_result = Some(now);
+            g.lat.push((now - sent).as_secs_f64());
+            if v["ok"].as_bool() == Some(true) {
+                g.ok += 1;
+            } else {
+                g.failed += 1;
+            }
+            match v.get("usage").filter(|u| u.is_object()) {
+                Some(u) => {
+                    g.prompt += u["prompt_tokens"].as_u64().unwrap_or(0);
+                    g.cached += u["cached_tokens"].as_u64().unwrap_or(0);
+                }
+                None => g.missing_usage += 1,
+            }
+            if g.answered as usize == total {
+                break;
+            }
+        }
+    });
+
+    // Backlog sampler.
+    let st = state.clone();
+    let sampler = tokio::spawn(async move {
+        let mut out = Vec::new();
+        let mut tick = tokio::time::interval(sample);
+        loop {
+            tick.tick().await;
+            let (p, a) = {
+                let g = st.lock().unwrap();
+                (g.published, g.answered)
+            };
+            out.push((start.elapsed().as_secs_f64(), p.saturating_sub(a)));
+            if p as usize == total && a as usize == total {
+                break out;
+            }
+        }
+    });
+
+    // Publisher: confirms are awaited in a separate task so a slow confirm never delays the schedule.
+    let (ctx, mut crx) = tokio::sync::mpsc::channel::<lapin::PublisherConfirm>(4096);
+    let confirmer = tokio::spawn(async move {
+        let mut n = 0usize;
+        while let Some(c) = crx.recv().await {
+            let c = c.await?;
+            if c.is_nack() {
+                bail!("the broker nacked a request");
+            }
+            if c.take_message().is_some() {
+                bail!("a request was unroutable (input queue missing?)");
+            }
+            n += 1;
+        }
+        Ok(n)
+    });
+    let now_s = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+    for r in reqs {
+        tokio::time::sleep_until(start + r.at).await;
+        let props = BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_message_id(r.id.as_str().into())
+            .with_correlation_id(r.id.as_str().into())
+            .with_timestamp(now_s)
+            .with_reply_to(reply.as_str().into());
+        state.lock().unwrap().sent_at.insert(r.id.clone(), Instant::now());
+        let c = pub_ch
+            .basic_publish("".into(), queue.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, &r.body, props)
+            .await?;
+        state.lock().unwrap().published += 1;
+        ctx.send(c).await.ok();
+    }
+    drop(ctx);
+    let confirmed = confirmer.await??;
+    let published_at = Instant::now();
+    let wait = tokio::time::timeout(timeout, collector).await;
+    if wait.is_err() {
+        eprintln!("bench: timed out after {timeout:?} waiting for results");
+    }
+    // Let the sampler see the end (or stop it).
+    let mut backlog = if wait.is_ok() {
+        sampler.await.unwrap_or_default()
+    } else {
+        sampler.abort();
+        Vec::new()
+    };
+    let g = state.lock().unwrap();
+    if backlog.is_empty() {
+        backlog.push((published_at.duration_since(start).as_secs_f64(), g.published - g.answered));
+    }
+    let mut lat = g.lat.clone();
+    lat.sort_by(|a, b| a.total_cmp(b));
+    let _ = conn.close(200, "bench done".into()).await;
+    Ok(Drive {
+        sent: confirmed,
+        results: g.answered as usize,
+        ok: g.ok,
+        failed: g.failed,
+        duplicates: g.dup,
+        wall_s: g.last_result.map(|t| (t - start).as_secs_f64()).unwrap_or(f64::NAN),
+        p50_s: crate::procs::percentile(&lat, 0.5),
+        p99_s: crate::procs::percentile(&lat, 0.99),
+        backlog,
+        prompt_tokens: g.prompt,
+        cached_tokens: g.cached,
+        usage_missing: g.missing_usage,
+    })
+}

@@ -1,0 +1,157 @@
+//! `prefix-batcher-bench`: the benchmark runner (see `bench/README.md`).
+//!
+//! `run` measures, writes `results.json` and regenerates `REPORT.md` and the plots; `report` only
+//! regenerates them from `results.json`; `passthrough` is the minimal consumer that part 3
+//! compares the daemon with (started by `run` as a separate process).
+
+mod data;
+mod driver;
+mod parts;
+mod passthrough;
+mod plots;
+mod procs;
+mod report;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "prefix-batcher-bench", about = "Benchmarks of prefix-batcher: cache effect, scale, overhead, hot prefix.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run benchmarks, write results.json, REPORT.md and the plots.
+    Run {
+        /// Full mode (larger samples, whole Mooncake trace; about 1.5 hours). Default: quick (≤ 15 min).
+        #[arg(long)]
+        full: bool,
+        /// Parts to run, comma separated: cache, scale, overhead, hot.
+        #[arg(long, default_value = "cache,scale,overhead,hot")]
+        parts: String,
+        /// Keep the other parts' results from an existing results.json (to re-run one part).
+        #[arg(long)]
+        merge: bool,
+        /// Data directory (default ../shared/data next to the repository; env PREFIX_BATCHER_DATA).
+        #[arg(long, env = "PREFIX_BATCHER_DATA")]
+        data: Option<PathBuf>,
+        /// Output directory (default bench/).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value_t = 7)]
+        seed: u64,
+    },
+    /// Regenerate REPORT.md and the plots from results.json.
+    Report {
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// The minimal pass-through consumer (internal, started by `run`).
+    #[command(hide = true)]
+    Passthrough {
+        #[arg(long)]
+        name: String,
+        #[arg(long, default_value_t = 256)]
+        input_prefetch: u16,
+        #[arg(long, default_value_t = 64)]
+        mid_prefetch: u16,
+    },
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("bench/ has a parent").to_path_buf()
+}
+
+fn sh(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd).args(args).output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default()
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let root = root();
+    match cli.command {
+        Cmd::Passthrough { name, input_prefetch, mid_prefetch } => passthrough::run(&name, input_prefetch, mid_prefetch).await,
+        Cmd::Report { out } => {
+            let out = out.unwrap_or_else(|| root.join("bench"));
+            let r: report::Results = serde_json::from_slice(&std::fs::read(out.join("results.json")).context("reading results.json")?)?;
+            report::write(&r, &out)?;
+            eprintln!("bench: wrote {}", out.join("REPORT.md").display());
+            Ok(())
+        }
+        Cmd::Run { full, parts, merge, data, out, seed } => {
+            let out = out.unwrap_or_else(|| root.join("bench"));
+            let data = data.unwrap_or_else(|| root.join("../shared/data"));
+            if !data.join("mooncake").exists() || !data.join("bbh-cot").exists() {
+                anyhow::bail!(
+                    "data directory {} does not hold the shared datasets (bbh-cot/, mmlu-5shot/, bfcl-multiturn/, orca-dpo-sample/, mooncake/); pass --data DIR",
+                    data.display()
+                );
+            }
+            let tag = format!("pbb-{}-{:04x}", std::process::id(), fastrand::u16(..));
+            let work = std::env::temp_dir().join(&tag);
+            std::fs::create_dir_all(&work)?;
+            let env = procs::Env {
+                root: root.clone(),
+                daemon_bin: root.join("target/release/prefix-batcher"),
+                simulator_bin: root.join("target/release/llm-simulator"),
+                bench_bin: std::env::current_exe()?,
+                work: work.clone(),
+                tag,
+            };
+            for b in [&env.daemon_bin, &env.simulator_bin] {
+                anyhow::ensure!(b.exists(), "{} is missing: build with `cargo build --release` (bench/run does)", b.display());
+            }
+            eprintln!("bench: logs in {}", work.display());
+            let plan = parts::Plan::new(full, seed);
+            let previous: Option<report::Results> =
+                if merge { std::fs::read(out.join("results.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()) } else { None };
+            let started = Instant::now();
+            let mut results = report::Results {
+                plan: plan.clone(),
+                command: format!("bench/run{}", if full { " --full" } else { "" }),
+                started_utc: sh("date", &["-u", "+%Y-%m-%d %H:%M"]),
+                duration_s: 0.0,
+                machine: procs::machine(),
+                daemon_version: format!("{} (git {})", sh(env.daemon_bin.to_str().unwrap_or_default(), &["--version"]), sh("git", &["-C", root.to_str().unwrap_or("."), "rev-parse", "--short", "HEAD"])),
+                cache: None,
+                scale: None,
+                overhead: None,
+                hot: None,
+            };
+            let want: Vec<&str> = parts.split(',').map(str::trim).collect();
+            if want.contains(&"cache") {
+                results.cache = Some(parts::part_cache(&env, &plan, &data).await?);
+            }
+            if want.contains(&"scale") {
+                results.scale = Some(parts::part_scale(&env, &plan, &data).await?);
+            }
+            if want.contains(&"overhead") {
+                results.overhead = Some(parts::part_overhead(&env, &plan, &data).await?);
+            }
+            if want.contains(&"hot") {
+                results.hot = Some(parts::part_hot(&env, &plan, &data).await?);
+            }
+            results.duration_s = started.elapsed().as_secs_f64();
+            results.machine.load_end = procs::uptime();
+            if let Some(prev) = previous {
+                results.cache = results.cache.or(prev.cache);
+                results.scale = results.scale.or(prev.scale);
+                results.overhead = results.overhead.or(prev.overhead);
+                results.hot = results.hot.or(prev.hot);
+                results.duration_s += prev.duration_s;
+            }
+            std::fs::write(out.join("results.json"), serde_json::to_vec_pretty(&results)?)?;
+            report::write(&results, &out)?;
+            eprintln!("bench: done in {:.1} min; wrote {}", started.elapsed().as_secs_f64() / 60.0, out.join("REPORT.md").display());
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,904 @@
+//! The four benchmarks. Each returns a serialisable result that `report` turns into tables and plots.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::Context;
+use prefix_batcher::keying::{partition_of, prefix_chars, PrefixKey};
+use prefix_batcher::ownership::assignment;
+use prefix_batcher::simulator::CacheModel;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::data::{self, SampleInfo, SampleSize};
+use crate::driver::{drive, Req};
+use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, LlamaServer, SimOpts};
+
+/// Everything that differs between quick and full mode.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Plan {
+    pub mode: String,
+    pub seed: u64,
+    pub datasets: Vec<String>,
+    pub cache_groups: usize,
+    /// Groups of bfcl-multiturn (its prompts are the longest).
+    pub cache_small_groups: usize,
+    pub cache_per_group: usize,
+    pub cache_max_tokens: u64,
+    pub bfcl_system_chars: usize,
+    pub cache_timeout_s: u64,
+    pub scale_keep_one_in: u64,
+    pub scale_speedup: f64,
+    pub scale_ms: Vec<usize>,
+    pub scale_key_blocks: usize,
+    pub scale_key_sweep: Vec<usize>,
+    pub scale_sweep_m: usize,
+    pub scale_partitions: u32,
+    pub scale_sim: SimOpts,
+    pub overhead_burst: usize,
+    pub overhead_rate: f64,
+    pub overhead_secs: f64,
+    pub overhead_reps: usize,
+    pub hot_unit_rps: f64,
+    pub hot_period_s: f64,
+    pub hot_cycles: usize,
+    pub hot_instances: usize,
+    pub hot_shards: Vec<u32>,
+    pub hot_share: f64,
+    pub hot_cold_groups: usize,
+    pub hot_sim: SimOpts,
+    pub hot_max_tokens: u64,
+}
+
+impl Plan {
+    pub fn new(full: bool, seed: u64) -> Plan {
+        let mut p = Plan::sized(full, seed);
+        if std::env::var_os("BENCH_SMOKE").is_some() {
+            // Development smoke test: every part, tiny.
+            p.mode = "smoke".into();
+            p.cache_groups = 2;
+            p.cache_small_groups = 2;
+            p.cache_per_group = 2;
+            p.bfcl_system_chars = 2000;
+            p.scale_keep_one_in = 40;
+            p.scale_ms = vec![1, 2];
+            p.scale_key_sweep = vec![1];
+            p.scale_sweep_m = 2;
+            p.overhead_burst = 500;
+            p.overhead_secs = 2.0;
+            p.overhead_reps = 1;
+            p.hot_period_s = 10.0;
+            p.hot_shards = vec![1, 8];
+        }
+        if let Ok(ds) = std::env::var("BENCH_DATASETS") {
+            p.datasets = ds.split(',').map(String::from).collect();
+        }
+        p
+    }
+
+    fn sized(full: bool, seed: u64) -> Plan {
+        Plan {
+            mode: if full { "full" } else { "quick" }.into(),
+            seed,
+            datasets: ["bbh-cot", "mmlu-5shot", "bfcl-multiturn", "orca-dpo-sample"].map(String::from).to_vec(),
+            cache_groups: if full { 6 } else { 4 },
+            cache_small_groups: if full { 4 } else { 2 },
+            cache_per_group: if full { 8 } else { 3 },
+            cache_max_tokens: 4,
+            bfcl_system_chars: if full { 9000 } else { 4000 },
+            cache_timeout_s: if full { 1800 } else { 300 },
+            scale_keep_one_in: if full { 1 } else { 4 },
+            scale_speedup: if full { 50.0 } else { 200.0 },
+            scale_ms: vec![1, 2, 4, 8],
+            scale_key_blocks: 2,
+            scale_key_sweep: if full { vec![1, 4] } else { vec![1] },
+            scale_sweep_m: 4,
+            scale_partitions: 32,
+            scale_sim: SimOpts {
+                chars_per_token: 4,
+                // Per server: 4096 trace blocks of 512 tokens (2 Mi tokens of KV) for the full trace;
+                // the thinned trace carries 1/keep_one_in of the conversations, so the cache and the
+                // slots shrink by the same factor to keep the same pressure.
+                capacity_blocks: if full { 131_072 } else { 32_768 },
+                prefill_ms_per_token: 0.1,
+                decode_ms_per_token: 2.0,
+                max_concurrency: if full { 4 } else { 1 },
+                speedup: if full { 50.0 } else { 200.0 },
+            },
+            overhead_burst: if full { 20_000 } else { 4_000 },
+            overhead_rate: 200.0,
+            overhead_secs: if full { 30.0 } else { 8.0 },
+            overhead_reps: if full { 5 } else { 3 },
+            hot_unit_rps: 1.0,
+            hot_period_s: if full { 120.0 } else { 40.0 },
+            hot_cycles: if full { 2 } else { 1 },
+            hot_instances: 4,
+            hot_shards: vec![1, 4, 8],
+            hot_share: 0.8,
+            hot_cold_groups: 8,
+            hot_sim: SimOpts {
+                chars_per_token: 4,
+                capacity_blocks: 4096,
+                prefill_ms_per_token: 0.5,
+                decode_ms_per_token: 25.0,
+                max_concurrency: 4,
+                speedup: 1.0,
+            },
+            hot_max_tokens: 8,
+        }
+    }
+}
+
+fn purity(pages: &[String]) -> (f64, u64) {
+    let sum: f64 = pages.iter().map(|p| metric_sum(p, "prefix_batcher_batch_purity_sum")).sum();
+    let count: f64 = pages.iter().map(|p| metric_sum(p, "prefix_batcher_batch_purity_count")).sum();
+    (if count > 0.0 { sum / count } else { f64::NAN }, count as u64)
+}
+
+async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -> Vec<String> {
+    let mut pages = Vec::new();
+    for d in &daemons {
+        pages.push(scrape(http, &d.metrics_url).await.unwrap_or_default());
+    }
+    // SIGTERM to all first, so they drain in parallel.
+    for d in &daemons {
+        // SAFETY: kill(2) on our own, not yet reaped, child.
+        unsafe { libc::kill(d.proc.pid() as i32, libc::SIGTERM) };
+    }
+    for mut d in daemons {
+        let code = d.proc.stop(Duration::from_secs(40));
+        if code != Some(0) {
+            eprintln!("bench: {} exited with {code:?}", d.proc.name);
+        }
+    }
+    pages
+}
+
+/// Runs `f` with a fresh run name; when it fails (e.g. another user of the shared broker restarted
+/// it), cleans up, waits for RabbitMQ and Redis, and tries again, at most 3 times in all.
+async fn attempt<T, Fut>(env: &Env, what: &str, partitions: u32, mut f: impl FnMut(String) -> Fut) -> anyhow::Result<T>
+where
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut last = None;
+    for i in 1..=3 {
+        let run = env.run_name(what);
+        match f(run.clone()).await {
+            Ok(t) => return Ok(t),
+            Err(e) => {
+                eprintln!("bench: {what} run failed (attempt {i} of 3): {e:#}");
+                cleanup(&run, partitions, &[]).await;
+                procs::wait_services(Duration::from_secs(180));
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.expect("at least one attempt"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Cache effect on the real llama-server
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheRow {
+    pub dataset: String,
+    pub cache: String,
+    pub mode: String,
+    pub requests: usize,
+    pub ok: usize,
+    pub wall_s: f64,
+    pub p50_s: f64,
+    pub p99_s: f64,
+    pub cached_ratio: f64,
+    pub prompt_tokens: u64,
+    pub usage_missing: usize,
+    pub purity: f64,
+    pub batches: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheDataset {
+    pub sample: SampleInfo,
+    /// Token-level oracle of the sample in submission order (llama-server's own tokenizer and
+    /// chat template; each prompt reuses its longest common token prefix with any earlier one, at
+    /// most all but its last token).
+    pub oracle: f64,
+    pub tokens: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CacheResults {
+    pub rows: Vec<CacheRow>,
+    pub datasets: Vec<CacheDataset>,
+    pub cache_ram_help: String,
+    pub list_prompts: String,
+}
+
+async fn token_ids(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Vec<u64>> {
+    let text = match body["prompt"].as_str() {
+        Some(p) => p.to_owned(),
+        None => {
+            let v: Value = http.post(format!("{url}/apply-template")).json(&json!({"messages": body["messages"]})).send().await?.json().await?;
+            v["prompt"].as_str().context("/apply-template gave no prompt")?.to_owned()
+        }
+    };
+    let v: Value = http.post(format!("{url}/tokenize")).json(&json!({"content": text, "add_special": true})).send().await?.json().await?;
+    Ok(v["tokens"].as_array().context("/tokenize gave no tokens")?.iter().filter_map(Value::as_u64).collect())
+}
+
+/// Token-level oracle: (hit ratio, total tokens).
+async fn token_oracle(http: &reqwest::Client, url: &str, items: &[data::Item]) -> anyhow::Result<(f64, u64)> {
+    let mut seqs: Vec<Vec<u64>> = Vec::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for it in items {
+        let t = token_ids(http, url, &it.body).await?;
+        let best = seqs.iter().map(|s| s.iter().zip(&t).take_while(|(a, b)| a == b).count()).max().unwrap_or(0);
+        hit += best.min(t.len().saturating_sub(1)) as u64;
+        total += t.len() as u64;
+        seqs.push(t);
+    }
+    Ok((hit as f64 / total.max(1) as f64, total))
+}
+
+/// `llm.list_prompts = false` when this daemon build has the key (one prompt per call, so
+/// llama-server reports usage for every prompt); otherwise the client's own detection is used.
+fn list_prompts_env(env: &Env) -> Vec<(String, String)> {
+    let ok = Command::new(&env.daemon_bin)
+        .arg("--config")
+        .arg(env.work.join("empty.toml"))
+        .arg("check-config")
+        .env("PREFIX_BATCHER__LLM__LIST_PROMPTS", "false")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if ok {
+        vec![("LLM__LIST_PROMPTS".into(), "false".into())]
+    } else {
+        Vec::new()
+    }
+}
+
+pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<CacheResults> {
+    let http = reqwest::Client::new();
+    std::fs::write(env.work.join("empty.toml"), "")?;
+    let list_env = list_prompts_env(env);
+    let list_prompts = if list_env.is_empty() {
+        "llm.list_prompts not in this build: the client sends list prompts until it detects llama.cpp's merged usage, then one prompt per call".to_owned()
+    } else {
+        "llm.list_prompts = false (one prompt per call)".to_owned()
+    };
+    let (bin, _) = {
+        let out = Command::new(env.root.join("scripts/llm-server")).arg("path").stderr(Stdio::null()).output()?;
+        let s = String::from_utf8_lossy(&out.stdout).to_string();
+        let mut l = s.lines();
+        (l.next().unwrap_or("").to_owned(), l.next().unwrap_or("").to_owned())
+    };
+    let help = Command::new(&bin).arg("--help").output().map(|o| String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr)).unwrap_or_default();
+    let cache_ram_help = help.lines().find(|l| l.contains("--cache-ram")).unwrap_or("").trim().to_owned()
+        + " "
+        + help.lines().skip_while(|l| !l.contains("--cache-ram")).nth(1).unwrap_or("").trim();
+
+    let size = SampleSize {
+        groups: plan.cache_groups,
+        per_group: plan.cache_per_group,
+        max_tokens: plan.cache_max_tokens,
+        bfcl_system_chars: plan.bfcl_system_chars,
+        orca_max_chars: 1500,
+        mmlu_max_chars: 8000,
+    };
+    let caches: [(&str, &str); 2] = [("small", "0"), ("host", "8192")];
+    let mut rows = Vec::new();
+    let mut datasets = Vec::new();
+    for ds in &plan.datasets {
+        let groups = if ds == "bfcl-multiturn" { plan.cache_small_groups } else { plan.cache_groups };
+        let (items, info) = data::sample(data_dir, ds, SampleSize { groups, ..size }, plan.seed)?;
+        eprintln!("bench: cache effect: {ds}: {} requests, {} groups", info.requests, info.groups);
+        let mut oracle = None;
+        for (ci, (cache, ram)) in caches.iter().enumerate() {
+            // Alternate the order so neither mode always runs first.
+            let modes = if ci % 2 == 0 { [true, false] } else { [false, true] };
+            for keyed in modes {
+                let want_oracle = oracle.is_none();
+                let (row, o) = attempt(env, "cache", 16, |run| {
+                    cache_run(env, &http, plan, ds, &items, keyed, cache, ram, &list_env, want_oracle, run)
+                })
+                .await?;
+                if o.is_some() {
+                    oracle = o;
+                }
+                rows.push(row);
+            }
+        }
+        let (o, tokens) = oracle.unwrap_or((f64::NAN, 0));
+        datasets.push(CacheDataset { sample: info, oracle: o, tokens });
+    }
+    Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn cache_run(
+    env: &Env,
+    http: &reqwest::Client,
+    plan: &Plan,
+    ds: &str,
+    items: &[data::Item],
+    keyed: bool,
+    cache: &str,
+    ram: &str,
+    list_env: &[(String, String)],
+    want_oracle: bool,
+    run: String,
+) -> anyhow::Result<(CacheRow, Option<(f64, u64)>)> {
+    let t0 = std::time::Instant::now();
+    let srv_args = ["--threads", "1", "--cache-ram", ram];
+    let a = LlamaServer::start(env, "bench-a", &srv_args)?;
+    let b = LlamaServer::start(env, "bench-b", &srv_args)?;
+    let oracle = if want_oracle { Some(token_oracle(http, &a.url, items).await?) } else { None };
+    let mut daemons = Vec::new();
+    for (i, url) in [&a.url, &b.url].into_iter().enumerate() {
+        daemons.push(start_daemon(
+            env,
+            &DaemonOpts {
+                run: run.clone(),
+                instance: format!("{run}-{i}"),
+                partitions: 16,
+                keyed,
+                prefix_chars: 256,
+                shards: 1,
+                max_batch_size: 8,
+                max_batch_wait: "1s".into(),
+                endpoint: url.clone(),
+                llm_max_concurrency: 1,
+                extra: list_env.to_vec(),
+            },
+        )?);
+    }
+    wait_ready(http, &mut daemons, 16, Duration::from_secs(60)).await?;
+    let t_ready = t0.elapsed().as_secs_f64();
+    let reqs: Vec<Req> = items
+        .iter()
+        .map(|it| {
+            let mut body = it.body.clone();
+            body["id"] = Value::String(it.id.clone());
+            Req { id: it.id.clone(), body: serde_json::to_vec(&body).unwrap(), at: Duration::ZERO }
+        })
+        .collect();
+    let d = drive(&format!("{run}.input"), reqs, Duration::from_secs(plan.cache_timeout_s), Duration::from_secs(1)).await?;
+    let t_drive = t0.elapsed().as_secs_f64();
+    let pages = stop_daemons(http, daemons).await;
+    LlamaServer::stop_all(vec![a, b]);
+    cleanup(&run, 16, &[]).await;
+    eprintln!("bench:   (setup {t_ready:.1}s, drive {:.1}s, teardown {:.1}s)", t_drive - t_ready, t0.elapsed().as_secs_f64() - t_drive);
+    anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
+    let (purity, batches) = purity(&pages);
+    let row = CacheRow {
+        dataset: ds.to_owned(),
+        cache: cache.to_owned(),
+        mode: if keyed { "keyed" } else { "off" }.into(),
+        requests: d.sent,
+        ok: d.ok,
+        wall_s: d.wall_s,
+        p50_s: d.p50_s,
+        p99_s: d.p99_s,
+        cached_ratio: d.cached_tokens as f64 / (d.prompt_tokens.max(1)) as f64,
+        prompt_tokens: d.prompt_tokens,
+        usage_missing: d.usage_missing,
+        purity,
+        batches,
+    };
+    eprintln!(
+        "bench:   {ds} cache={cache} {}: wall {:.1}s cached {:.1}% purity {:.2} ok {}/{}",
+        row.mode,
+        row.wall_s,
+        row.cached_ratio * 100.0,
+        row.purity,
+        row.ok,
+        row.requests
+    );
+    Ok((row, oracle))
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Scale with the simulator: Mooncake replay
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScaleRow {
+    pub m: usize,
+    pub mode: String,
+    pub key_blocks: usize,
+    pub requests: usize,
+    pub ok: usize,
+    pub block_hit_ratio: f64,
+    pub token_hit_ratio: f64,
+    pub gpu_s: f64,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    /// Model seconds (wall × speedup).
+    pub span_s: f64,
+    pub p50_s: f64,
+    pub p99_s: f64,
+    pub peak_backlog: u64,
+    /// (model seconds, outstanding requests).
+    pub backlog: Vec<(f64, u64)>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelRow {
+    pub m: usize,
+    pub mode: String,
+    pub key_blocks: usize,
+    pub block_hit_ratio: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ScaleResults {
+    pub rows: Vec<ScaleRow>,
+    pub offline: Vec<ModelRow>,
+    pub trace_requests: usize,
+    pub sample_requests: usize,
+    pub sample_span_s: f64,
+    pub oracle_trace_512: f64,
+    pub oracle_sample_512: f64,
+    pub oracle_sample_16: f64,
+    pub mean_prompt_chars: f64,
+}
+
+fn key_chars(blocks: usize, cpt: usize) -> usize {
+    blocks * data::TRACE_BLOCK_TOKENS as usize * cpt
+}
+
+/// The routing model without broker or time: the daemon's key, partition and rendezvous functions
+/// and one cache model per instance, requests in trace order.
+fn offline_model(prompts: &[String], m: usize, keyed: Option<usize>, sim: &SimOpts, partitions: u32, seed: u64) -> f64 {
+    let members: Vec<String> = (0..m).map(|i| format!("model-{i}")).collect();
+    let owners = assignment(partitions, &members);
+    let p = std::num::NonZeroU32::new(partitions).unwrap();
+    let mut caches: Vec<CacheModel> = (0..m).map(|_| CacheModel::new(sim.chars_per_token, 16, sim.capacity_blocks)).collect();
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let (mut hit, mut total) = (0u64, 0u64);
+    for text in prompts {
+        let part = match keyed {
+            Some(blocks) => partition_of(PrefixKey::of(prefix_chars(text, key_chars(blocks, sim.chars_per_token))), 0, p),
+            None => rng.u32(0..partitions),
+        };
+        let owner = owners[part as usize].unwrap_or(0);
+        let a = caches[owner].admit(text);
+        hit += a.hit_blocks;
+        total += a.blocks;
+    }
+    hit as f64 / total.max(1) as f64
+}
+
+pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<ScaleResults> {
+    let http = reqwest::Client::new();
+    std::fs::write(env.work.join("empty.toml"), "")?;
+    let trace = data::read_mooncake(data_dir)?;
+    let oracle_trace_512 = data::trace_oracle(&trace);
+    let sample = data::thin_conversations(&trace, plan.scale_keep_one_in);
+    let oracle_sample_512 = data::trace_oracle(&sample);
+    let sim = &plan.scale_sim;
+    let mut blocks = HashMap::new();
+    let prompts: Vec<String> = sample.iter().map(|r| data::render_trace(r, sim.chars_per_token, &mut blocks)).collect();
+    drop(blocks);
+    let mean_prompt_chars = prompts.iter().map(|p| p.len() as f64).sum::<f64>() / prompts.len().max(1) as f64;
+    let oracle_sample_16 = {
+        let mut m = CacheModel::new(sim.chars_per_token, 16, usize::MAX);
+        let (mut h, mut t) = (0, 0);
+        for p in &prompts {
+            let a = m.admit(p);
+            h += a.hit_blocks;
+            t += a.blocks;
+        }
+        h as f64 / t.max(1) as f64
+    };
+    let t0 = sample.first().map(|r| r.timestamp_ms).unwrap_or(0);
+    let sample_span_s = sample.last().map(|r| (r.timestamp_ms - t0) as f64 / 1000.0).unwrap_or(0.0);
+    eprintln!(
+        "bench: scale: {} of {} trace requests over {:.0} s, oracle 512-block {:.1}% (full trace {:.1}%), 16-token-block {:.1}%",
+        sample.len(),
+        trace.len(),
+        sample_span_s,
+        oracle_sample_512 * 100.0,
+        oracle_trace_512 * 100.0,
+        oracle_sample_16 * 100.0
+    );
+
+    let mut offline = Vec::new();
+    for &m in &[1usize, 2, 4, 8] {
+        offline.push(ModelRow { m, mode: "off".into(), key_blocks: 0, block_hit_ratio: offline_model(&prompts, m, None, sim, plan.scale_partitions, plan.seed) });
+        for kb in [1usize, 2, 3, 4, 8] {
+            offline.push(ModelRow {
+                m,
+                mode: "keyed".into(),
+                key_blocks: kb,
+                block_hit_ratio: offline_model(&prompts, m, Some(kb), sim, plan.scale_partitions, plan.seed),
+            });
+        }
+    }
+
+    let reqs: Vec<Req> = sample
+        .iter()
+        .zip(&prompts)
+        .enumerate()
+        .map(|(i, (r, p))| {
+            let id = format!("mc-{i}");
+            let body = json!({"id": id, "prompt": p, "params": {"max_tokens": r.output_length.max(1), "temperature": 0}});
+            Req { id, body: serde_json::to_vec(&body).unwrap(), at: Duration::from_secs_f64((r.timestamp_ms - t0) as f64 / 1000.0 / plan.scale_speedup) }
+        })
+        .collect();
+    drop(prompts);
+
+    let mut configs: Vec<(usize, Option<usize>)> = Vec::new();
+    for &m in &plan.scale_ms {
+        configs.push((m, Some(plan.scale_key_blocks)));
+        configs.push((m, None));
+    }
+    for &kb in &plan.scale_key_sweep {
+        configs.push((plan.scale_sweep_m, Some(kb)));
+    }
+    let mut rows = Vec::new();
+    for (m, keyed) in configs {
+        let row = attempt(env, "scale", plan.scale_partitions, |run| scale_run(env, &http, plan, &reqs, m, keyed, run)).await?;
+        rows.push(row);
+    }
+    Ok(ScaleResults {
+        rows,
+        offline,
+        trace_requests: trace.len(),
+        sample_requests: sample.len(),
+        sample_span_s,
+        oracle_trace_512,
+        oracle_sample_512,
+        oracle_sample_16,
+        mean_prompt_chars,
+    })
+}
+
+async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], m: usize, keyed: Option<usize>, run: String) -> anyhow::Result<ScaleRow> {
+    let sim = &plan.scale_sim;
+    let mut sims = Vec::new();
+    for i in 0..m {
+        sims.push(procs::start_simulator(env, &format!("{run}-sim{i}"), sim)?);
+    }
+    let mut daemons = Vec::new();
+    for (i, (_, url)) in sims.iter().enumerate() {
+        daemons.push(start_daemon(
+            env,
+            &DaemonOpts {
+                run: run.clone(),
+                instance: format!("{run}-{i}"),
+                partitions: plan.scale_partitions,
+                keyed: keyed.is_some(),
+                prefix_chars: key_chars(keyed.unwrap_or(plan.scale_key_blocks), sim.chars_per_token),
+                shards: 1,
+                max_batch_size: 8,
+                max_batch_wait: "5ms".into(),
+                endpoint: url.clone(),
+                llm_max_concurrency: 8,
+                extra: vec![("AMQP__MAX_MESSAGE_BYTES".into(), (8 << 20).to_string())],
+            },
+        )?);
+    }
+    wait_ready(http, &mut daemons, plan.scale_partitions, Duration::from_secs(90)).await?;
+    let d = drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(250)).await?;
+    let mut sim_pages = Vec::new();
+    for (_, url) in &sims {
+        sim_pages.push(scrape(http, url).await.unwrap_or_default());
+    }
+    stop_daemons(http, daemons).await;
+    drop(sims);
+    cleanup(&run, plan.scale_partitions, &[]).await;
+    let s = |name: &str| sim_pages.iter().map(|p| metric_sum(p, name)).sum::<f64>();
+    let sp = plan.scale_speedup;
+    let row = ScaleRow {
+        m,
+        mode: if keyed.is_some() { "keyed" } else { "off" }.into(),
+        key_blocks: keyed.unwrap_or(0),
+        requests: d.sent,
+        ok: d.ok,
+        block_hit_ratio: s("simulator_prefix_cache_block_hits_total") / s("simulator_prefix_cache_block_queries_total").max(1.0),
+        token_hit_ratio: s("vllm:prefix_cache_hits_total") / s("vllm:prefix_cache_queries_total").max(1.0),
+        gpu_s: s("simulator_busy_seconds_total"),
+        prefill_s: s("simulator_prefill_seconds_total"),
+        decode_s: s("simulator_decode_seconds_total"),
+        span_s: d.wall_s * sp,
+        p50_s: d.p50_s * sp,
+        p99_s: d.p99_s * sp,
+        peak_backlog: d.backlog.iter().map(|b| b.1).max().unwrap_or(0),
+        backlog: d.backlog.iter().map(|&(t, b)| (t * sp, b)).collect(),
+    };
+    eprintln!(
+        "bench:   M={m} {}{}: block hits {:.1}% GPU {:.0}s (prefill {:.0}s) peak backlog {} ok {}/{}",
+        row.mode,
+        if keyed.is_some() { format!(" ({} blocks)", row.key_blocks) } else { String::new() },
+        row.block_hit_ratio * 100.0,
+        row.gpu_s,
+        row.prefill_s,
+        row.peak_backlog,
+        row.ok,
+        row.requests
+    );
+    anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
+    Ok(row)
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Overhead: daemon vs minimal pass-through, instant fake LLM
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OverheadRep {
+    pub system: String,
+    pub rep: usize,
+    pub throughput_rps: f64,
+    pub cpu_s_per_1000: f64,
+    pub p50_s: f64,
+    pub p99_s: f64,
+    pub ok: usize,
+    pub requests: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OverheadResults {
+    pub reps: Vec<OverheadRep>,
+    /// Peak RSS (VmHWM), kB.
+    pub rss_kb: BTreeMap<String, u64>,
+    pub body_bytes_mean: f64,
+}
+
+fn overhead_requests(prompts: &[String], tag: &str, n: usize, rate: Option<f64>) -> Vec<Req> {
+    (0..n)
+        .map(|i| {
+            let id = format!("{tag}-{i}");
+            let body = json!({"id": id, "prompt": prompts[i % prompts.len()], "params": {"max_tokens": 1}});
+            let at = rate.map(|r| Duration::from_secs_f64(i as f64 / r)).unwrap_or(Duration::ZERO);
+            Req { id, body: serde_json::to_vec(&body).unwrap(), at }
+        })
+        .collect()
+}
+
+pub async fn part_overhead(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<OverheadResults> {
+    let http = reqwest::Client::new();
+    std::fs::write(env.work.join("empty.toml"), "")?;
+    // Realistic bodies: BIG-Bench-Hard prompts of every task, mixed.
+    let size = SampleSize { groups: 27, per_group: 40, max_tokens: 1, bfcl_system_chars: 0, orca_max_chars: 0, mmlu_max_chars: 0 };
+    let (items, _) = data::sample(data_dir, "bbh-cot", size, plan.seed)?;
+    let prompts: Vec<String> = items.iter().map(|i| i.body["prompt"].as_str().unwrap_or("").to_owned()).collect();
+    let body_bytes_mean = prompts.iter().map(|p| p.len() as f64).sum::<f64>() / prompts.len() as f64;
+
+    let mut last = None;
+    for i in 1..=3 {
+        let (run_d, run_p) = (env.run_name("ovh-daemon"), env.run_name("ovh-pass"));
+        let r = overhead_run(env, &http, plan, &prompts, &run_d, &run_p).await;
+        cleanup(&run_d, 16, &[]).await;
+        cleanup(&run_p, 0, &[format!("{run_p}.pt-mid")]).await;
+        match r {
+            Ok((reps, rss_kb)) => return Ok(OverheadResults { reps, rss_kb, body_bytes_mean }),
+            Err(e) => {
+                eprintln!("bench: overhead run failed (attempt {i} of 3): {e:#}");
+                procs::wait_services(Duration::from_secs(180));
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.expect("at least one attempt"))
+}
+
+async fn overhead_run(
+    env: &Env,
+    http: &reqwest::Client,
+    plan: &Plan,
+    prompts: &[String],
+    run_d: &str,
+    run_p: &str,
+) -> anyhow::Result<(Vec<OverheadRep>, BTreeMap<String, u64>)> {
+    let (_fake, fake_url) = procs::start_fake_llm(env)?;
+    let mut daemons = vec![start_daemon(
+        env,
+        &DaemonOpts {
+            run: run_d.to_owned(),
+            instance: format!("{run_d}-0"),
+            partitions: 16,
+            keyed: true,
+            prefix_chars: 256,
+            shards: 8,
+            max_batch_size: 8,
+            max_batch_wait: "10ms".into(),
+            endpoint: fake_url,
+            llm_max_concurrency: 4,
+            extra: vec![],
+        },
+    )?];
+    wait_ready(http, &mut daemons, 16, Duration::from_secs(60)).await?;
+    let mut cmd = Command::new(&env.bench_bin);
+    cmd.args(["passthrough", "--name", run_p, "--input-prefetch", "256", "--mid-prefetch", "64"]);
+    let (mut pass, _) = procs::spawn_until_line("pass-through", cmd, &env.work.join("passthrough.log"), Duration::from_secs(30), "ready")?;
+
+    let mut reps = Vec::new();
+    for rep in 0..plan.overhead_reps {
+        let order: [&str; 2] = if rep % 2 == 0 { ["daemon", "pass-through"] } else { ["pass-through", "daemon"] };
+        for system in order {
+            let (queue, pid) = if system == "daemon" { (format!("{run_d}.input"), daemons[0].proc.pid()) } else { (format!("{run_p}.input"), pass.pid()) };
+            let tag = format!("{}-{rep}", &system[..1]);
+            let (cpu0, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
+            let burst = drive(&queue, overhead_requests(prompts, &format!("{tag}-b"), plan.overhead_burst, None), Duration::from_secs(300), Duration::from_millis(500)).await?;
+            let (cpu1, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
+            let n_lat = (plan.overhead_rate * plan.overhead_secs) as usize;
+            let lat = drive(&queue, overhead_requests(prompts, &format!("{tag}-l"), n_lat, Some(plan.overhead_rate)), Duration::from_secs(120), Duration::from_millis(500)).await?;
+            let r = OverheadRep {
+                system: system.into(),
+                rep,
+                throughput_rps: burst.ok as f64 / burst.wall_s,
+                cpu_s_per_1000: (cpu1 - cpu0) / burst.sent.max(1) as f64 * 1000.0,
+                p50_s: lat.p50_s,
+                p99_s: lat.p99_s,
+                ok: burst.ok + lat.ok,
+                requests: burst.sent + lat.sent,
+            };
+            eprintln!(
+                "bench:   overhead rep {rep} {system}: {:.0} req/s, CPU {:.2}s/1000, latency at {} req/s p50 {:.1}ms p99 {:.1}ms",
+                r.throughput_rps,
+                r.cpu_s_per_1000,
+                plan.overhead_rate,
+                r.p50_s * 1000.0,
+                r.p99_s * 1000.0
+            );
+            reps.push(r);
+        }
+    }
+    let mut rss_kb = BTreeMap::new();
+    rss_kb.insert("daemon".to_owned(), procs::proc_usage(daemons[0].proc.pid()).map(|u| u.1).unwrap_or(0));
+    rss_kb.insert("pass-through".to_owned(), procs::proc_usage(pass.pid()).map(|u| u.1).unwrap_or(0));
+    stop_daemons(http, daemons).await;
+    pass.stop(Duration::from_secs(10));
+    Ok((reps, rss_kb))
+
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Hot prefix under a sine load
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HotRow {
+    pub shards: u32,
+    pub requests: usize,
+    pub ok: usize,
+    pub peak_backlog: u64,
+    pub peak_at_s: f64,
+    pub end_backlog: u64,
+    /// Seconds after the load ended until nothing was outstanding (NaN: not within the run).
+    pub drained_after_s: f64,
+    pub hit_ratio: f64,
+    pub p50_s: f64,
+    pub p99_s: f64,
+    pub backlog: Vec<(f64, u64)>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HotResults {
+    pub rows: Vec<HotRow>,
+    pub load_s: f64,
+    pub requests: usize,
+    pub hot_requests: usize,
+}
+
+/// Arrival times of a rate `unit × (5 + 35 × (1 − cos 2πt/T) / 2)` per second: one request each
+/// time the integral of the rate passes a whole number (deterministic, no Poisson noise).
+pub fn sine_schedule(unit: f64, period: f64, cycles: usize) -> Vec<f64> {
+    let end = period * cycles as f64;
+    let dt = 0.001;
+    let mut out = Vec::new();
+    let (mut t, mut acc) = (0.0, 0.0);
+    while t < end {
+        let rate = unit * (5.0 + 35.0 * (1.0 - (2.0 * std::f64::consts::PI * t / period).cos()) / 2.0);
+        acc += rate * dt;
+        while acc >= 1.0 {
+            acc -= 1.0;
+            out.push(t);
+        }
+        t += dt;
+    }
+    out
+}
+
+pub async fn part_hot(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<HotResults> {
+    let http = reqwest::Client::new();
+    std::fs::write(env.work.join("empty.toml"), "")?;
+    let (hot, cold) = data::hot_prefix_prompts(data_dir, plan.hot_cold_groups, plan.seed)?;
+    let times = sine_schedule(plan.hot_unit_rps, plan.hot_period_s, plan.hot_cycles);
+    let load_s = plan.hot_period_s * plan.hot_cycles as f64;
+    let mut rng = fastrand::Rng::with_seed(plan.seed);
+    let mut hot_requests = 0;
+    let reqs: Vec<Req> = times
+        .iter()
+        .enumerate()
+        .map(|(i, &t)| {
+            let prompt = if rng.f64() < plan.hot_share {
+                hot_requests += 1;
+                &hot[rng.usize(..hot.len())]
+            } else {
+                let g = &cold[rng.usize(..cold.len())];
+                &g[rng.usize(..g.len())]
+            };
+            let id = format!("hot-{i}");
+            let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": plan.hot_max_tokens, "temperature": 0}});
+            Req { id, body: serde_json::to_vec(&body).unwrap(), at: Duration::from_secs_f64(t) }
+        })
+        .collect();
+    eprintln!("bench: hot prefix: {} requests over {load_s:.0} s, {hot_requests} on the hot prefix", reqs.len());
+    let mut rows = Vec::new();
+    for &shards in &plan.hot_shards {
+        let row = attempt(env, "hot", 32, |run| hot_run(env, &http, plan, &reqs, load_s, shards, run)).await?;
+        rows.push(row);
+    }
+    Ok(HotResults { rows, load_s, requests: reqs.len(), hot_requests })
+}
+
+async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], load_s: f64, shards: u32, run: String) -> anyhow::Result<HotRow> {
+    let mut sims = Vec::new();
+    for i in 0..plan.hot_instances {
+        sims.push(procs::start_simulator(env, &format!("{run}-sim{i}"), &plan.hot_sim)?);
+    }
+    let mut daemons = Vec::new();
+    for (i, (_, url)) in sims.iter().enumerate() {
+        daemons.push(start_daemon(
+            env,
+            &DaemonOpts {
+                run: run.clone(),
+                instance: format!("{run}-{i}"),
+                partitions: 32,
+                keyed: true,
+                prefix_chars: 256,
+                shards,
+                max_batch_size: 8,
+                max_batch_wait: "50ms".into(),
+                endpoint: url.clone(),
+                llm_max_concurrency: plan.hot_sim.max_concurrency,
+                extra: vec![],
+            },
+        )?);
+    }
+    wait_ready(http, &mut daemons, 32, Duration::from_secs(60)).await?;
+    let d = drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(500)).await?;
+    let mut pages = Vec::new();
+    for (_, url) in &sims {
+        pages.push(scrape(http, url).await.unwrap_or_default());
+    }
+    stop_daemons(http, daemons).await;
+    drop(sims);
+    cleanup(&run, 32, &[]).await;
+    let s = |name: &str| pages.iter().map(|p| metric_sum(p, name)).sum::<f64>();
+    let (peak_at_s, peak_backlog) = d.backlog.iter().fold((0.0, 0u64), |acc, &(t, b)| if b > acc.1 { (t, b) } else { acc });
+    let end_backlog = d.backlog.iter().filter(|(t, _)| *t <= load_s).last().map(|b| b.1).unwrap_or(0);
+    let drained_after_s = d.backlog.iter().find(|(t, b)| *t >= load_s && *b == 0).map(|(t, _)| t - load_s).unwrap_or(f64::NAN);
+    let row = HotRow {
+        shards,
+        requests: d.sent,
+        ok: d.ok,
+        peak_backlog,
+        peak_at_s,
+        end_backlog,
+        drained_after_s,
+        hit_ratio: s("vllm:prefix_cache_hits_total") / s("vllm:prefix_cache_queries_total").max(1.0),
+        p50_s: d.p50_s,
+        p99_s: d.p99_s,
+        backlog: d.backlog.clone(),
+    };
+    eprintln!(
+        "bench:   shards={shards}: peak backlog {} at {:.0}s, at end {}, hit {:.1}%, p99 {:.1}s",
+        row.peak_backlog,
+        row.peak_at_s,
+        row.end_backlog,
+        row.hit_ratio * 100.0,
+        row.p99_s
+    );
+    anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
+    Ok(row)
+}

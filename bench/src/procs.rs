@@ -1,0 +1,433 @@
+//! Processes the benchmarks run: daemon instances, LLM simulators, the fake LLM, real
+//! llama-servers (through `scripts/llm-server`), the pass-through consumer; plus /proc readings
+//! and cleanup of a run's queues and Redis keys.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use lapin::{Connection, ConnectionProperties};
+
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Paths and names shared by every run of one benchmark invocation.
+#[derive(Debug, Clone)]
+pub struct Env {
+    pub root: PathBuf,
+    pub daemon_bin: PathBuf,
+    pub simulator_bin: PathBuf,
+    pub bench_bin: PathBuf,
+    /// Logs and temp files of this invocation.
+    pub work: PathBuf,
+    /// Unique per invocation: `pbb-{pid}-{random}`.
+    pub tag: String,
+}
+
+impl Env {
+    /// A unique name for one run: used as prefix of every queue and exchange and as Redis key prefix.
+    pub fn run_name(&self, what: &str) -> String {
+        format!("{}-{what}-{:04x}", self.tag, fastrand::u16(..))
+    }
+}
+
+/// A child process that is stopped (SIGTERM, then SIGKILL) when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, wait up to `grace`, then SIGKILL. Returns the exit code when it exited by itself.
+    pub fn stop(&mut self, grace: Duration) -> Option<i32> {
+        if let Ok(Some(st)) = self.child.try_wait() {
+            return st.code();
+        }
+        // SAFETY: kill(2) on the pid of our own child, which has not been reaped yet.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return st.code();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("bench: {} ignored SIGTERM for {grace:?}; killing it", self.name);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        None
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(10));
+    }
+}
+
+/// CPU seconds (user + system) and peak RSS (kB) of a process, from /proc.
+pub fn proc_usage(pid: u32) -> Option<(f64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the parenthesised command name; utime and stime are fields 14 and 15.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = 100.0; // sysconf(_SC_CLK_TCK) is 100 on Linux
+    let cpu = (f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / ticks;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let hwm = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())?;
+    Some((cpu, hwm))
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// Spawns `cmd`, reads the first stdout line (a URL) within `timeout`.
+fn spawn_with_url(name: &str, cmd: Command, log: &Path, timeout: Duration) -> anyhow::Result<(Proc, String)> {
+    spawn_until_line(name, cmd, log, timeout, "http://")
+}
+
+/// Spawns `cmd` and waits for its first stdout line, which must start with `expect`.
+pub fn spawn_until_line(name: &str, mut cmd: Command, log: &Path, timeout: Duration, expect: &str) -> anyhow::Result<(Proc, String)> {
+    let log_file = std::fs::File::create(log)?;
+    cmd.stdout(Stdio::piped()).stderr(log_file).stdin(Stdio::null());
+    let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line.trim().to_owned());
+    });
+    let proc = Proc { name: name.to_owned(), child };
+    match rx.recv_timeout(timeout) {
+        Ok(url) if url.starts_with(expect) => Ok((proc, url)),
+        other => bail!("{name} did not print its URL ({other:?}); see {}", log.display()),
+    }
+}
+
+/// LLM simulator options (see `prefix_batcher::simulator`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct SimOpts {
+    pub chars_per_token: usize,
+    pub capacity_blocks: usize,
+    pub prefill_ms_per_token: f64,
+    pub decode_ms_per_token: f64,
+    pub max_concurrency: usize,
+    pub speedup: f64,
+}
+
+pub fn start_simulator(env: &Env, name: &str, o: &SimOpts) -> anyhow::Result<(Proc, String)> {
+    let mut cmd = Command::new(&env.simulator_bin);
+    cmd.args(["--chars-per-token", &o.chars_per_token.to_string()])
+        .args(["--capacity-blocks", &o.capacity_blocks.to_string()])
+        .args(["--prefill-ms-per-token", &o.prefill_ms_per_token.to_string()])
+        .args(["--decode-ms-per-token", &o.decode_ms_per_token.to_string()])
+        .args(["--max-concurrency", &o.max_concurrency.to_string()])
+        .args(["--speedup", &o.speedup.to_string()]);
+    spawn_with_url(name, cmd, &env.work.join(format!("{name}.log")), Duration::from_secs(20))
+}
+
+pub fn start_fake_llm(env: &Env) -> anyhow::Result<(Proc, String)> {
+    let mut cmd = Command::new(&env.daemon_bin);
+    cmd.args(["fake-llm", "--listen", "127.0.0.1:0"]);
+    spawn_with_url("fake-llm", cmd, &env.work.join("fake-llm.log"), Duration::from_secs(20))
+}
+
+/// A real llama-server through `scripts/llm-server` (fresh: stopped first if running).
+pub struct LlamaServer {
+    root: PathBuf,
+    pub name: String,
+    pub url: String,
+}
+
+impl LlamaServer {
+    pub fn start(env: &Env, name: &str, extra: &[&str]) -> anyhow::Result<Self> {
+        let script = env.root.join("scripts/llm-server");
+        let _ = Command::new(&script).args(["stop", "--name", name]).stderr(Stdio::null()).status();
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(env.work.join("llm-server.log"))?;
+        let out = Command::new(&script)
+            .args(["start", "--name", name, "--"])
+            .args(extra)
+            .stderr(log)
+            .output()
+            .context("running scripts/llm-server")?;
+        if !out.status.success() {
+            bail!("scripts/llm-server start --name {name} failed");
+        }
+        let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        Ok(LlamaServer { root: env.root.clone(), name: name.to_owned(), url })
+    }
+}
+
+impl LlamaServer {
+    /// Stops several servers in parallel.
+    pub fn stop_all(servers: Vec<LlamaServer>) {
+        let stops: Vec<_> = servers
+            .iter()
+            .filter_map(|s| {
+                Command::new(s.root.join("scripts/llm-server")).args(["stop", "--name", &s.name]).stderr(Stdio::null()).spawn().ok()
+            })
+            .collect();
+        for mut c in stops {
+            let _ = c.wait();
+        }
+        drop(servers);
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = Command::new(self.root.join("scripts/llm-server"))
+            .args(["stop", "--name", &self.name])
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+/// One daemon instance's settings (environment overrides; everything else is the default).
+#[derive(Debug, Clone)]
+pub struct DaemonOpts {
+    pub run: String,
+    pub instance: String,
+    pub partitions: u32,
+    pub keyed: bool,
+    pub prefix_chars: usize,
+    pub shards: u32,
+    pub max_batch_size: usize,
+    pub max_batch_wait: String,
+    pub endpoint: String,
+    pub llm_max_concurrency: usize,
+    pub extra: Vec<(String, String)>,
+}
+
+pub struct Daemon {
+    pub proc: Proc,
+    pub metrics_url: String,
+}
+
+pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
+    let port = free_port()?;
+    let empty = env.work.join("empty.toml");
+    if !empty.exists() {
+        std::fs::write(&empty, "")?;
+    }
+    let log = std::fs::File::create(env.work.join(format!("{}-{}.log", o.run, o.instance)))?;
+    let r = &o.run;
+    let mut cmd = Command::new(&env.daemon_bin);
+    cmd.arg("--config").arg(&empty).arg("run");
+    let vars: Vec<(String, String)> = vec![
+        ("INSTANCE__NAME".into(), o.instance.clone()),
+        ("AMQP__INPUT_QUEUE".into(), format!("{r}.input")),
+        ("AMQP__SHARD_EXCHANGE".into(), format!("{r}.shards")),
+        ("AMQP__PARTITION_QUEUE_PREFIX".into(), format!("{r}.partition")),
+        ("AMQP__RESULTS_QUEUE".into(), format!("{r}.results")),
+        ("AMQP__DEAD_LETTER_EXCHANGE".into(), format!("{r}.dlx")),
+        ("AMQP__DEAD_LETTER_QUEUE".into(), format!("{r}.dead-letter")),
+        ("AMQP__PARTITIONS".into(), o.partitions.to_string()),
+        ("AMQP__BACKLOG_POLL_INTERVAL".into(), "1s".into()),
+        ("REDIS__KEY_PREFIX".into(), r.clone()),
+        ("KEYING__MODE".into(), if o.keyed { "prefix" } else { "off" }.into()),
+        ("KEYING__PREFIX_CHARS".into(), o.prefix_chars.to_string()),
+        ("SHARDING__DEFAULT_SHARDS".into(), o.shards.to_string()),
+        ("BATCHING__MAX_BATCH_SIZE".into(), o.max_batch_size.to_string()),
+        ("BATCHING__MAX_BATCH_WAIT".into(), o.max_batch_wait.clone()),
+        ("LLM__ENDPOINTS".into(), o.endpoint.clone()),
+        ("LLM__MAX_CONCURRENCY".into(), o.llm_max_concurrency.to_string()),
+        ("OWNERSHIP__SETTLE_TIME".into(), "500ms".into()),
+        ("HTTP__LISTEN".into(), format!("127.0.0.1:{port}")),
+        ("LOG__LEVEL".into(), "warn".into()),
+    ];
+    for (k, v) in vars.iter().chain(o.extra.iter()) {
+        cmd.env(format!("PREFIX_BATCHER__{k}"), v);
+    }
+    cmd.stdout(Stdio::null()).stderr(log).stdin(Stdio::null());
+    let child = cmd.spawn().context("starting the daemon")?;
+    Ok(Daemon { proc: Proc { name: format!("daemon {}", o.instance), child }, metrics_url: format!("http://127.0.0.1:{port}") })
+}
+
+/// Sums every series of `metric` (exact name, with or without labels) in a Prometheus text page.
+pub fn metric_sum(page: &str, metric: &str) -> f64 {
+    page.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            let base = name.split('{').next()?;
+            (base == metric).then(|| value.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+pub async fn scrape(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
+    Ok(http.get(format!("{base}/metrics")).send().await?.error_for_status()?.text().await?)
+}
+
+/// Waits until every daemon answers /readyz and together they own all partitions.
+pub async fn wait_ready(http: &reqwest::Client, daemons: &mut [Daemon], partitions: u32, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let mut owned = 0.0;
+        let mut ready = 0;
+        for d in daemons.iter_mut() {
+            if let Ok(Some(st)) = d.proc.child.try_wait() {
+                bail!("{} exited with {st} while starting", d.proc.name);
+            }
+            if http.get(format!("{}/readyz", d.metrics_url)).send().await.map(|r| r.status().is_success()).unwrap_or(false) {
+                ready += 1;
+                if let Ok(page) = scrape(http, &d.metrics_url).await {
+                    owned += metric_sum(&page, "prefix_batcher_partitions_owned");
+                }
+            }
+        }
+        // Every instance must own at least one partition (when there are enough), so none is idle.
+        let min_each = daemons.len() <= partitions as usize;
+        let mut each_ok = true;
+        if min_each {
+            for d in daemons.iter() {
+                let o = match scrape(http, &d.metrics_url).await {
+                    Ok(p) => metric_sum(&p, "prefix_batcher_partitions_owned"),
+                    Err(_) => 0.0,
+                };
+                each_ok &= o >= 1.0;
+            }
+        }
+        if ready == daemons.len() && owned as u32 == partitions && each_ok {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("daemons not ready in {timeout:?}: {ready}/{} ready, {owned}/{partitions} partitions owned", daemons.len());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Deletes a run's queues and exchanges, and its Redis keys.
+pub async fn cleanup(run: &str, partitions: u32, extra_queues: &[String]) {
+    let mut queues = vec![format!("{run}.input"), format!("{run}.results"), format!("{run}.dead-letter")];
+    queues.extend((0..=partitions).map(|p| format!("{run}.partition.{p:03}")));
+    queues.extend(extra_queues.iter().cloned());
+    if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
+        let mut ch = conn.create_channel().await.ok();
+        for q in &queues {
+            if ch.is_none() {
+                ch = conn.create_channel().await.ok();
+            }
+            if let Some(c) = &ch {
+                if c.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.is_err() {
+                    ch = None;
+                }
+            }
+        }
+        for x in [format!("{run}.shards"), format!("{run}.dlx"), format!("{run}.pt")] {
+            if ch.is_none() {
+                ch = conn.create_channel().await.ok();
+            }
+            if let Some(c) = &ch {
+                if c.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await.is_err() {
+                    ch = None;
+                }
+            }
+        }
+        let _ = conn.close(200, "bench cleanup".into()).await;
+    }
+    let _ = Command::new("sh")
+        .arg("-c")
+        .arg(format!("redis-cli -h 127.0.0.1 --scan --pattern '{run}:*' | xargs -r redis-cli -h 127.0.0.1 del >/dev/null"))
+        .status();
+}
+
+/// Machine facts for the report.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct Machine {
+    pub nproc: usize,
+    pub cpu_model: String,
+    pub mem_total: String,
+    pub load_start: String,
+    pub load_end: String,
+    pub rabbitmq: String,
+}
+
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+pub fn uptime() -> String {
+    Command::new("uptime").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_else(|_| loadavg())
+}
+
+pub fn machine() -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu_model = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("model name"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, v)| v.trim().to_owned())
+        .unwrap_or_default();
+    let mem_total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().next().map(|l| l.split_whitespace().skip(1).collect::<Vec<_>>().join(" ")))
+        .unwrap_or_default();
+    let rabbitmq = Command::new("dpkg-query")
+        .args(["-W", "-f=${Version}", "rabbitmq-server"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).to_string())
+        .unwrap_or_default();
+    Machine {
+        nproc: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        cpu_model,
+        mem_total,
+        load_start: uptime(),
+        load_end: String::new(),
+        rabbitmq,
+    }
+}
+
+/// Medians and percentiles.
+pub fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+pub fn median(v: &[f64]) -> f64 {
+    let mut s: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    s.sort_by(|a, b| a.total_cmp(b));
+    if s.is_empty() {
+        return f64::NAN;
+    }
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// Waits (up to `timeout`) until `scripts/services status` says RabbitMQ and Redis both answer.
+pub fn wait_services(timeout: Duration) {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default();
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        let ok = Command::new(root.join("scripts/services")).arg("status").stdout(Stdio::null()).stderr(Stdio::null()).status().map(|s| s.success()).unwrap_or(false);
+        if ok {
+            std::thread::sleep(Duration::from_secs(2));
+            return;
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    }
+}
