@@ -74,6 +74,8 @@ async fn real_llama_server_batches_by_prefix_and_reuses_its_cache() {
         })
         .collect();
     let daemon = start_daemon(&raw);
+    let mut redis = RedisProbe::connect().await.unwrap();
+    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
     let amqp = Amqp::connect().await;
     let mut replies = amqp.reply_queue(&format!("{}.replies", env.key_prefix())).await;
     amqp.publish_requests(&env.input_queue(), &reqs, &replies.queue).await;
