@@ -102,8 +102,12 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> anyhow::Result
         if !ids.insert(id.clone()) {
             bail!("duplicate request id {id:?} in the input");
         }
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+        let mut headers = lapin::types::FieldTable::default();
+        headers.insert(crate::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
+        let now = now_ms / 1000;
         let mut props = BasicProperties::default()
+            .with_headers(headers)
             .with_content_type("application/json".into())
             .with_delivery_mode(crate::publisher::PERSISTENT)
             .with_message_id(id.as_str().into())
@@ -180,6 +184,16 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> anyhow::Result
         out.flush()?;
         summary.results = seen.len();
         summary.missing = ids.len() - seen.len();
+        if summary.missing > 0 {
+            let mut missing: Vec<&String> = ids.iter().filter(|i| !seen.contains(*i)).collect();
+            missing.sort();
+            eprintln!(
+                "submit: {} requests without a result after {:?} (a dead-lettered request never gets one: see the dead-letter queue); first: {:?}",
+                summary.missing,
+                opts.timeout,
+                &missing[..missing.len().min(20)]
+            );
+        }
     }
     summary.wall_s = started.elapsed().as_secs_f64();
     let _ = conn.close(200, "done".into()).await;

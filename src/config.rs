@@ -24,7 +24,7 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/prefix-batcher/config.toml";
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file is missing, unreadable, not TOML, has unknown keys or values of the wrong type.
-    #[error("cannot load configuration: {0}")]
+    #[error("cannot load configuration: {}", redact_text(&.0.to_string()))]
     Load(#[source] config::ConfigError),
     /// A value breaks a rule.
     #[error("invalid configuration: `{key}` = {value}: {rule}")]
@@ -577,19 +577,37 @@ fn name(key: &'static str, v: &str) -> Result<String, ConfigError> {
 }
 
 fn secret_url(key: &'static str, v: &str, schemes: &[&str]) -> Result<SecretUrl, ConfigError> {
-    let u = Url::parse(v).map_err(|e| invalid(key, redact_str(v), format!("must be a URL ({e})")))?;
+    let u = Url::parse(v).map_err(|e| {
+        invalid(key, redact_str(v), format!("must be a URL such as {schemes:?}://host:port (percent-encode '/', '#', '@' in passwords; {e})"))
+    })?;
     if !schemes.contains(&u.scheme()) {
-        return Err(invalid(key, SecretUrl(u.clone()).redacted(), format!("scheme must be one of {schemes:?}")));
+        return Err(invalid(key, redact_str(v), format!("scheme must be one of {schemes:?}")));
+    }
+    if u.host_str().is_none_or(str::is_empty) && u.scheme() != "unix" && u.scheme() != "redis+unix" {
+        return Err(invalid(key, redact_str(v), "must name a host (percent-encode '/', '#', '@' in passwords)"));
     }
     Ok(SecretUrl(u))
 }
 
 /// Redacts the password of something that may be a URL but failed to parse as one.
+/// Anything before the last `@` may be credentials, whatever the rest looks like.
 fn redact_str(v: &str) -> String {
     match (v.find("://"), v.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}***{}", &v[..s + 3], &v[at..]),
+        (Some(s), Some(at)) if at > s => format!("{:?}", format!("{}***{}", &v[..s + 3], &v[at..])),
+        (_, Some(at)) => format!("{:?}", format!("***{}", &v[at..])),
         _ => format!("{v:?}"),
     }
+}
+
+/// Redacts credentials from free text (errors of the TOML parser and the `config` crate quote
+/// source lines): `scheme://user:password@` and `api_key = …`.
+pub fn redact_text(text: &str) -> String {
+    static URL_CREDS: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r"([A-Za-z0-9+.-]*:?/*[^\s:/@\x22']*:)[^\s@\x22']*@").expect("valid regex"));
+    static API_KEY: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r"(api_key\s*=\s*).*").expect("valid regex"));
+    let t = URL_CREDS.replace_all(text, "${1}***@");
+    API_KEY.replace_all(&t, "${1}***").into_owned()
 }
 
 /// Default instance name: the hostname, plus `-{INSTANCE}` when the systemd template sets it.
@@ -769,7 +787,7 @@ impl Settings {
         }
         let mut endpoints = Vec::new();
         for e in &l.endpoints {
-            let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http(s) URL ({err})")))?;
+            let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// URL ({err})")))?;
             if u.scheme() != "http" {
                 return Err(invalid(
                     "llm.endpoints",
@@ -938,6 +956,14 @@ mod tests {
         r.amqp.partitions = 64;
         r.amqp.url = "amqp://user:hunter2@ho st".into();
         assert!(!err(&r).contains("hunter2"));
+        for bad in ["amqp//user:hunter2@host:5672/%2f", "user:hunter2@host:5672"] {
+            r.amqp.url = bad.into();
+            let e = err(&r);
+            assert!(!e.contains("hunter2") && e.contains("amqp.url"), "{e}");
+        }
+        assert_eq!(redact_text("2 | url = \"amqp://u:hunter2@h:5672/%2f"), "2 | url = \"amqp://u:***@h:5672/%2f");
+        assert_eq!(redact_text("3 | api_key = sk-hunter2"), "3 | api_key = ***");
+        assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
     }
 
     #[test]

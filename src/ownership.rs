@@ -231,10 +231,14 @@ impl Ownership {
                 self.abort_all();
                 return Err(OwnershipError::ConnectionLost);
             }
-            self.round(&conn, stopping).await;
-            if first {
+            let redis_ok = self.round(&conn, stopping).await;
+            // Ready only with a working Redis: the first round reports it through the callback,
+            // later rounds keep `/readyz` in step with the heartbeat (503 during a Redis outage).
+            if first && redis_ok {
                 first = false;
                 on_first_round();
+            } else if !first && !stopping {
+                metrics::set_ready(redis_ok);
             }
             if stopping && self.owned.is_empty() {
                 self.leave().await;
@@ -243,7 +247,8 @@ impl Ownership {
         }
     }
 
-    async fn round(&mut self, conn: &Arc<Connection>, stopping: bool) {
+    /// One ownership round; returns whether the membership heartbeat reached Redis.
+    async fn round(&mut self, conn: &Arc<Connection>, stopping: bool) -> bool {
         let s = self.settings.clone();
         let me = s.instance_name.as_str();
         let prefix = s.redis.key_prefix.as_str();
@@ -409,6 +414,7 @@ impl Ownership {
             }
         }
         metrics::partitions_owned(self.owned.len());
+        members.is_some()
     }
 
     fn start(&mut self, conn: &Arc<Connection>, p: u32, epoch: u64, sent: Instant) {

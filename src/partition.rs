@@ -253,7 +253,9 @@ async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery) -> Opt
             let key = derive_key(&req, &s.keying).key;
             let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
             let now_ms = unix_ms();
-            let enqueued_unix_ms = props.timestamp().map(|t| t.saturating_mul(1000));
+            // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin)
+            // set header `timestamp_in_ms`; else the AMQP `timestamp`, whole seconds only.
+            let enqueued_unix_ms = header_u64(headers, publisher::HEADER_TIMESTAMP_MS).or_else(|| props.timestamp().map(|t| t.saturating_mul(1000)));
             let queued_ms = enqueued_unix_ms.map_or(0, |t| now_ms.saturating_sub(t));
             Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms })
         }

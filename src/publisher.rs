@@ -25,6 +25,11 @@ pub const HEADER_PREFIX_KEY: &str = "x-prefix-key";
 /// Header set by the router on forwarded requests: the chosen shard.
 pub const HEADER_SHARD: &str = "x-shard";
 
+/// Header with the publish time in Unix milliseconds, the name RabbitMQ's message-timestamp plugin
+/// uses (<https://github.com/rabbitmq/rabbitmq-message-timestamp>); preferred over the AMQP
+/// `timestamp` property, which has whole-second resolution.
+pub const HEADER_TIMESTAMP_MS: &str = "timestamp_in_ms";
+
 /// AMQP delivery mode 2: persistent.
 pub const PERSISTENT: u8 = 2;
 

@@ -20,7 +20,7 @@ pub enum TopologyError {
     #[error("{what} `{name}` exists with other settings than configured ({detail}); delete it or change the configuration")]
     Mismatch { what: &'static str, name: String, detail: String },
     /// The deployment has another partition count.
-    #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (drain the queues and delete them to change it)")]
+    #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{{prefix}}:partitions`)")]
     PartitionCount { existing: String, configured: u32 },
     /// Broker or connection failure.
     #[error("amqp: {0}")]
