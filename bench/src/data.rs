@@ -219,7 +219,7 @@ pub fn thin_conversations(reqs: &[TraceReq], keep_one_in: u64) -> Vec<TraceReq> 
     reqs.iter()
         .filter(|r| {
             let id = r.hash_ids.get(1).or(r.hash_ids.first()).copied().unwrap_or(0);
-            xxhash_mix(id) % keep_one_in == 0
+            xxhash_mix(id).is_multiple_of(keep_one_in)
         })
         .cloned()
         .collect()

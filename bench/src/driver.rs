@@ -23,6 +23,17 @@ pub struct Req {
     pub at: Duration,
 }
 
+/// Aborts background tasks when the drive ends, however it ends.
+struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
+}
+
 /// What one drive measured.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct Drive {
@@ -124,10 +135,11 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
         }
     });
 
-    // Backlog sampler.
+    // Backlog sampler: runs until aborted (by the guard below, also on early errors).
     let st = state.clone();
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let out = samples.clone();
     let sampler = tokio::spawn(async move {
-        let mut out = Vec::new();
         let mut tick = tokio::time::interval(sample);
         loop {
             tick.tick().await;
@@ -135,12 +147,10 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
                 let g = st.lock().unwrap();
                 (g.published, g.answered)
             };
-            out.push((start.elapsed().as_secs_f64(), p.saturating_sub(a)));
-            if p as usize == total && a as usize == total {
-                break out;
-            }
+            out.lock().unwrap().push((start.elapsed().as_secs_f64(), p.saturating_sub(a)));
         }
     });
+    let _guard = AbortOnDrop(vec![sampler.abort_handle(), collector.abort_handle()]);
 
     // Publisher: confirms are awaited in a separate task so a slow confirm never delays the schedule.
     let (ctx, mut crx) = tokio::sync::mpsc::channel::<lapin::PublisherConfirm>(4096);
@@ -177,37 +187,35 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
     }
     drop(ctx);
     let confirmed = confirmer.await??;
-    let published_at = Instant::now();
-    let wait = tokio::time::timeout(timeout, collector).await;
-    if wait.is_err() {
-        eprintln!("bench: timed out after {timeout:?} waiting for results");
+    match tokio::time::timeout(timeout, collector).await {
+        Err(_) => bail!("timed out after {timeout:?} waiting for results"),
+        Ok(Err(e)) => bail!("result collector failed: {e}"),
+        Ok(Ok(())) => {}
     }
-    // Let the sampler see the end (or stop it).
-    let mut backlog = if wait.is_ok() {
-        sampler.await.unwrap_or_default()
-    } else {
-        sampler.abort();
-        Vec::new()
+    let drive = {
+        let g = state.lock().unwrap();
+        if (g.answered as usize) < total {
+            bail!("the result consumer ended after {} of {total} results (connection lost?)", g.answered);
+        }
+        let mut backlog = samples.lock().unwrap().clone();
+        backlog.push((g.last_result.map(|t| (t - start).as_secs_f64()).unwrap_or(0.0), 0));
+        let mut lat = g.lat.clone();
+        lat.sort_by(|a, b| a.total_cmp(b));
+        Drive {
+            sent: confirmed,
+            results: g.answered as usize,
+            ok: g.ok,
+            failed: g.failed,
+            duplicates: g.dup,
+            wall_s: g.last_result.map(|t| (t - start).as_secs_f64()).unwrap_or(f64::NAN),
+            p50_s: crate::procs::percentile(&lat, 0.5),
+            p99_s: crate::procs::percentile(&lat, 0.99),
+            backlog,
+            prompt_tokens: g.prompt,
+            cached_tokens: g.cached,
+            usage_missing: g.missing_usage,
+        }
     };
-    let g = state.lock().unwrap();
-    if backlog.is_empty() {
-        backlog.push((published_at.duration_since(start).as_secs_f64(), g.published - g.answered));
-    }
-    let mut lat = g.lat.clone();
-    lat.sort_by(|a, b| a.total_cmp(b));
     let _ = conn.close(200, "bench done".into()).await;
-    Ok(Drive {
-        sent: confirmed,
-        results: g.answered as usize,
-        ok: g.ok,
-        failed: g.failed,
-        duplicates: g.dup,
-        wall_s: g.last_result.map(|t| (t - start).as_secs_f64()).unwrap_or(f64::NAN),
-        p50_s: crate::procs::percentile(&lat, 0.5),
-        p99_s: crate::procs::percentile(&lat, 0.99),
-        backlog,
-        prompt_tokens: g.prompt,
-        cached_tokens: g.cached,
-        usage_missing: g.missing_usage,
-    })
+    Ok(drive)
 }

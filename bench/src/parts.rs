@@ -104,12 +104,12 @@ impl Plan {
                 capacity_blocks: if full { 131_072 } else { 32_768 },
                 prefill_ms_per_token: 0.1,
                 decode_ms_per_token: 2.0,
-                max_concurrency: if full { 4 } else { 1 },
+                max_concurrency: if full { 8 } else { 2 },
                 speedup: if full { 50.0 } else { 200.0 },
             },
             overhead_burst: if full { 20_000 } else { 4_000 },
             overhead_rate: 200.0,
-            overhead_secs: if full { 30.0 } else { 8.0 },
+            overhead_secs: if full { 30.0 } else { 5.0 },
             overhead_reps: if full { 5 } else { 3 },
             hot_unit_rps: 1.0,
             hot_period_s: if full { 120.0 } else { 40.0 },
@@ -169,8 +169,8 @@ where
             Ok(t) => return Ok(t),
             Err(e) => {
                 eprintln!("bench: {what} run failed (attempt {i} of 3): {e:#}");
-                cleanup(&run, partitions, &[]).await;
                 procs::wait_services(Duration::from_secs(180));
+                cleanup(&run, partitions, &[]).await;
                 last = Some(e);
             }
         }
@@ -279,9 +279,12 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         (l.next().unwrap_or("").to_owned(), l.next().unwrap_or("").to_owned())
     };
     let help = Command::new(&bin).arg("--help").output().map(|o| String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr)).unwrap_or_default();
-    let cache_ram_help = help.lines().find(|l| l.contains("--cache-ram")).unwrap_or("").trim().to_owned()
-        + " "
-        + help.lines().skip_while(|l| !l.contains("--cache-ram")).nth(1).unwrap_or("").trim();
+    let cache_ram_help = {
+        let line = help.lines().find(|l| l.contains("--cache-ram")).unwrap_or("").trim().to_owned()
+            + " "
+            + help.lines().skip_while(|l| !l.contains("--cache-ram")).nth(1).unwrap_or("").trim();
+        line.split("[(more").next().unwrap_or("").split_whitespace().collect::<Vec<_>>().join(" ")
+    };
 
     let size = SampleSize {
         groups: plan.cache_groups,
@@ -336,8 +339,13 @@ async fn cache_run(
 ) -> anyhow::Result<(CacheRow, Option<(f64, u64)>)> {
     let t0 = std::time::Instant::now();
     let srv_args = ["--threads", "1", "--cache-ram", ram];
-    let a = LlamaServer::start(env, "bench-a", &srv_args)?;
-    let b = LlamaServer::start(env, "bench-b", &srv_args)?;
+    // Both servers start in parallel (each takes a second or two).
+    let (a, b) = std::thread::scope(|sc| {
+        let ha = sc.spawn(|| LlamaServer::start(env, "bench-a", &srv_args));
+        let hb = sc.spawn(|| LlamaServer::start(env, "bench-b", &srv_args));
+        (ha.join().expect("llm-server start thread"), hb.join().expect("llm-server start thread"))
+    });
+    let (a, b) = (a?, b?);
     let oracle = if want_oracle { Some(token_oracle(http, &a.url, items).await?) } else { None };
     let mut daemons = Vec::new();
     for (i, url) in [&a.url, &b.url].into_iter().enumerate() {
@@ -345,7 +353,7 @@ async fn cache_run(
             env,
             &DaemonOpts {
                 run: run.clone(),
-                instance: format!("{run}-{i}"),
+                instance: format!("bench-{i}"),
                 partitions: 16,
                 keyed,
                 prefix_chars: 256,
@@ -572,7 +580,7 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
             env,
             &DaemonOpts {
                 run: run.clone(),
-                instance: format!("{run}-{i}"),
+                instance: format!("bench-{i}"),
                 partitions: plan.scale_partitions,
                 keyed: keyed.is_some(),
                 prefix_chars: key_chars(keyed.unwrap_or(plan.scale_key_blocks), sim.chars_per_token),
@@ -638,6 +646,9 @@ pub struct OverheadRep {
     pub rep: usize,
     pub throughput_rps: f64,
     pub cpu_s_per_1000: f64,
+    /// CPU of the instant LLM during the burst (zero for the pass-through, which calls none).
+    #[serde(default)]
+    pub llm_cpu_s_per_1000: f64,
     pub p50_s: f64,
     pub p99_s: f64,
     pub ok: usize,
@@ -676,19 +687,27 @@ pub async fn part_overhead(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::R
     for i in 1..=3 {
         let (run_d, run_p) = (env.run_name("ovh-daemon"), env.run_name("ovh-pass"));
         let r = overhead_run(env, &http, plan, &prompts, &run_d, &run_p).await;
+        if r.is_err() {
+            procs::wait_services(Duration::from_secs(180));
+        }
         cleanup(&run_d, 16, &[]).await;
+        cleanup(&format!("{run_d}w1"), 16, &[]).await;
         cleanup(&run_p, 0, &[format!("{run_p}.pt-mid")]).await;
         match r {
             Ok((reps, rss_kb)) => return Ok(OverheadResults { reps, rss_kb, body_bytes_mean }),
             Err(e) => {
                 eprintln!("bench: overhead run failed (attempt {i} of 3): {e:#}");
-                procs::wait_services(Duration::from_secs(180));
                 last = Some(e);
             }
         }
     }
     Err(last.expect("at least one attempt"))
 }
+
+/// The systems of the overhead comparison.
+pub const DAEMON: &str = "daemon";
+pub const DAEMON_1MS: &str = "daemon, 1 ms wait";
+pub const PASS: &str = "pass-through";
 
 async fn overhead_run(
     env: &Env,
@@ -698,37 +717,55 @@ async fn overhead_run(
     run_d: &str,
     run_p: &str,
 ) -> anyhow::Result<(Vec<OverheadRep>, BTreeMap<String, u64>)> {
-    let (_fake, fake_url) = procs::start_fake_llm(env)?;
-    let mut daemons = vec![start_daemon(
-        env,
-        &DaemonOpts {
-            run: run_d.to_owned(),
-            instance: format!("{run_d}-0"),
-            partitions: 16,
-            keyed: true,
-            prefix_chars: 256,
-            shards: 8,
-            max_batch_size: 8,
-            max_batch_wait: "10ms".into(),
-            endpoint: fake_url,
-            llm_max_concurrency: 4,
-            extra: vec![],
-        },
-    )?];
-    wait_ready(http, &mut daemons, 16, Duration::from_secs(60)).await?;
+    // The instant LLM: the simulator with zero prefill and decode cost (its cache model hashes each
+    // prompt once). `prefix-batcher fake-llm` is not used here: its cache model compares every prompt
+    // with every earlier one, so it slows down as a run goes on (quadratic) and would be measured
+    // instead of the daemon.
+    let instant = SimOpts { chars_per_token: 4, capacity_blocks: 65_536, prefill_ms_per_token: 0.0, decode_ms_per_token: 0.0, max_concurrency: 1024, speedup: 1.0 };
+    let (llm, fake_url) = procs::start_simulator(env, &format!("{run_d}-instant-llm"), &instant)?;
+    // Two daemon deployments: the 10 ms batch wait of the comparison, and 1 ms (the smallest valid
+    // wait) to show the pipeline's own latency apart from the batching wait.
+    let mut daemons = Vec::new();
+    for (run, wait) in [(run_d.to_owned(), "10ms"), (format!("{run_d}w1"), "1ms")] {
+        daemons.push(start_daemon(
+            env,
+            &DaemonOpts {
+                instance: "bench-0".into(),
+                run,
+                partitions: 16,
+                keyed: true,
+                prefix_chars: 256,
+                shards: 8,
+                max_batch_size: 8,
+                max_batch_wait: wait.into(),
+                endpoint: fake_url.clone(),
+                llm_max_concurrency: 4,
+                extra: vec![],
+            },
+        )?);
+    }
+    wait_ready(http, &mut daemons[..1], 16, Duration::from_secs(60)).await?;
+    wait_ready(http, &mut daemons[1..], 16, Duration::from_secs(60)).await?;
     let mut cmd = Command::new(&env.bench_bin);
     cmd.args(["passthrough", "--name", run_p, "--input-prefetch", "256", "--mid-prefetch", "64"]);
     let (mut pass, _) = procs::spawn_until_line("pass-through", cmd, &env.work.join("passthrough.log"), Duration::from_secs(30), "ready")?;
 
     let mut reps = Vec::new();
     for rep in 0..plan.overhead_reps {
-        let order: [&str; 2] = if rep % 2 == 0 { ["daemon", "pass-through"] } else { ["pass-through", "daemon"] };
-        for system in order {
-            let (queue, pid) = if system == "daemon" { (format!("{run_d}.input"), daemons[0].proc.pid()) } else { (format!("{run_p}.input"), pass.pid()) };
-            let tag = format!("{}-{rep}", &system[..1]);
+        let mut order = [DAEMON, DAEMON_1MS, PASS];
+        order.rotate_left(rep % 3);
+        for (si, system) in order.into_iter().enumerate() {
+            let (queue, pid) = match system {
+                DAEMON => (format!("{run_d}.input"), daemons[0].proc.pid()),
+                DAEMON_1MS => (format!("{run_d}w1.input"), daemons[1].proc.pid()),
+                _ => (format!("{run_p}.input"), pass.pid()),
+            };
+            let tag = format!("s{si}-{rep}");
             let (cpu0, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
+            let (llm0, _) = procs::proc_usage(llm.pid()).unwrap_or((0.0, 0));
             let burst = drive(&queue, overhead_requests(prompts, &format!("{tag}-b"), plan.overhead_burst, None), Duration::from_secs(300), Duration::from_millis(500)).await?;
             let (cpu1, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
+            let (llm1, _) = procs::proc_usage(llm.pid()).unwrap_or((0.0, 0));
             let n_lat = (plan.overhead_rate * plan.overhead_secs) as usize;
             let lat = drive(&queue, overhead_requests(prompts, &format!("{tag}-l"), n_lat, Some(plan.overhead_rate)), Duration::from_secs(120), Duration::from_millis(500)).await?;
             let r = OverheadRep {
@@ -736,6 +773,7 @@ async fn overhead_run(
                 rep,
                 throughput_rps: burst.ok as f64 / burst.wall_s,
                 cpu_s_per_1000: (cpu1 - cpu0) / burst.sent.max(1) as f64 * 1000.0,
+                llm_cpu_s_per_1000: (llm1 - llm0) / burst.sent.max(1) as f64 * 1000.0,
                 p50_s: lat.p50_s,
                 p99_s: lat.p99_s,
                 ok: burst.ok + lat.ok,
@@ -753,8 +791,9 @@ async fn overhead_run(
         }
     }
     let mut rss_kb = BTreeMap::new();
-    rss_kb.insert("daemon".to_owned(), procs::proc_usage(daemons[0].proc.pid()).map(|u| u.1).unwrap_or(0));
-    rss_kb.insert("pass-through".to_owned(), procs::proc_usage(pass.pid()).map(|u| u.1).unwrap_or(0));
+    rss_kb.insert(DAEMON.to_owned(), procs::proc_usage(daemons[0].proc.pid()).map(|u| u.1).unwrap_or(0));
+    rss_kb.insert(DAEMON_1MS.to_owned(), procs::proc_usage(daemons[1].proc.pid()).map(|u| u.1).unwrap_or(0));
+    rss_kb.insert(PASS.to_owned(), procs::proc_usage(pass.pid()).map(|u| u.1).unwrap_or(0));
     stop_daemons(http, daemons).await;
     pass.stop(Duration::from_secs(10));
     Ok((reps, rss_kb))
@@ -852,7 +891,7 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
             env,
             &DaemonOpts {
                 run: run.clone(),
-                instance: format!("{run}-{i}"),
+                instance: format!("bench-{i}"),
                 partitions: 32,
                 keyed: true,
                 prefix_chars: 256,
@@ -876,7 +915,7 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
     cleanup(&run, 32, &[]).await;
     let s = |name: &str| pages.iter().map(|p| metric_sum(p, name)).sum::<f64>();
     let (peak_at_s, peak_backlog) = d.backlog.iter().fold((0.0, 0u64), |acc, &(t, b)| if b > acc.1 { (t, b) } else { acc });
-    let end_backlog = d.backlog.iter().filter(|(t, _)| *t <= load_s).last().map(|b| b.1).unwrap_or(0);
+    let end_backlog = d.backlog.iter().rfind(|(t, _)| *t <= load_s).map(|b| b.1).unwrap_or(0);
     let drained_after_s = d.backlog.iter().find(|(t, b)| *t >= load_s && *b == 0).map(|(t, _)| t - load_s).unwrap_or(f64::NAN);
     let row = HotRow {
         shards,

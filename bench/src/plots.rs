@@ -48,7 +48,15 @@ pub fn hot_backlog(r: &HotResults, out: &Path) -> anyhow::Result<()> {
         .y_label_area_size(60)
         .build_cartesian_2d(0f64..t_max, 0f64..y_max)
         .map_err(err)?;
-    chart.configure_mesh().x_desc("seconds since start").y_desc("outstanding requests").draw().map_err(err)?;
+    chart
+        .configure_mesh()
+        .light_line_style(RGBColor(235, 235, 235))
+        .x_desc("seconds since start")
+        .y_desc("outstanding requests")
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.0}"))
+        .draw()
+        .map_err(err)?;
     for (i, row) in r.rows.iter().enumerate() {
         let c = COLORS[i % COLORS.len()];
         chart
@@ -57,12 +65,12 @@ pub fn hot_backlog(r: &HotResults, out: &Path) -> anyhow::Result<()> {
             .label(format!("shards = {}", row.shards))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
     }
-    let grey = RGBColor(120, 120, 120);
+    let grey = RGBColor(60, 60, 60);
     chart
-        .draw_series(std::iter::once(PathElement::new(vec![(r.load_s, 0.0), (r.load_s, y_max)], grey.stroke_width(1))))
+        .draw_series(std::iter::once(PathElement::new(vec![(r.load_s, 0.0), (r.load_s, y_max)], grey.stroke_width(2))))
         .map_err(err)?
         .label("load ends")
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey));
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], grey.stroke_width(2)));
     chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw().map_err(err)?;
     root.present().map_err(err)?;
     Ok(())
@@ -82,8 +90,10 @@ pub fn scale_hits(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Re
         .map_err(err)?;
     chart
         .configure_mesh()
+        .light_line_style(RGBColor(235, 235, 235))
         .x_desc("instances M (one simulated server each)")
         .y_desc("block hit ratio, %")
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .x_label_formatter(&|x| format!("{x:.0}"))
         .draw()
         .map_err(err)?;
@@ -100,6 +110,8 @@ pub fn scale_hits(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Re
     let model = |mode: &str, kb: usize| -> Vec<(f64, f64)> {
         r.offline.iter().filter(|x| x.mode == mode && x.key_blocks == kb).map(|x| (x.m as f64, x.block_hit_ratio * 100.0)).collect()
     };
+    // (label, points, colour, measured?)
+    #[allow(clippy::type_complexity)]
     let lines: [(String, Vec<(f64, f64)>, RGBColor, bool); 4] = [
         (format!("keyed ({key_blocks}-block key), measured"), series("keyed", key_blocks), COLORS[0], true),
         ("off, measured".into(), series("off", 0), COLORS[1], true),
@@ -127,39 +139,47 @@ pub fn scale_hits(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Re
     Ok(())
 }
 
-/// Backlog over (model) time of the Mooncake replay, keyed vs off, per M.
+/// Backlog over (model) time of the Mooncake replay: one panel per M, keyed vs off.
 pub fn scale_backlog(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Result<()> {
-    let root = BitMapBackend::new(out, (1000, 560)).into_drawing_area();
+    let root = BitMapBackend::new(out, (1100, 760)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
-    let rows: Vec<_> = r.rows.iter().filter(|x| x.mode == "off" || x.key_blocks == key_blocks).collect();
-    let t_max = rows.iter().flat_map(|x| x.backlog.last().map(|b| b.0)).fold(1.0, f64::max);
-    let y_max = rows.iter().map(|x| x.peak_backlog).max().unwrap_or(1).max(1) as f64 * 1.1;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Mooncake replay: backlog over trace time (solid keyed, dashed-light off)", ("sans-serif", 20))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0f64..t_max, 0f64..y_max)
-        .map_err(err)?;
-    chart.configure_mesh().x_desc("trace seconds (wall × speed-up)").y_desc("outstanding requests").draw().map_err(err)?;
-    let ms: Vec<usize> = {
-        let mut v: Vec<usize> = rows.iter().map(|x| x.m).collect();
-        v.sort();
-        v.dedup();
-        v
-    };
-    for row in rows {
-        let i = ms.iter().position(|&m| m == row.m).unwrap_or(0);
-        let c = COLORS[i % COLORS.len()];
-        let keyed = row.mode == "keyed";
-        let style = if keyed { c.stroke_width(2) } else { c.mix(0.45).stroke_width(2) };
+    let root = root.titled("Mooncake replay: backlog over trace time (requests published, not yet answered)", ("sans-serif", 20)).map_err(err)?;
+    let mut ms: Vec<usize> = r.rows.iter().map(|x| x.m).collect();
+    ms.sort();
+    ms.dedup();
+    let t_max = r.rows.iter().flat_map(|x| x.backlog.last().map(|b| b.0)).fold(1.0, f64::max);
+    let cols = 2;
+    let rows_n = ms.len().div_ceil(cols).max(1);
+    let panels = root.split_evenly((rows_n, cols));
+    for (panel, m) in panels.iter().zip(&ms) {
+        let rows: Vec<_> = r.rows.iter().filter(|x| x.m == *m && (x.mode == "off" || x.key_blocks == key_blocks)).collect();
+        let y_max = rows.iter().map(|x| x.peak_backlog).max().unwrap_or(1).max(1) as f64 * 1.15;
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("M = {m}"), ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(35)
+            .y_label_area_size(55)
+            .build_cartesian_2d(0f64..t_max, 0f64..y_max)
+            .map_err(err)?;
         chart
-            .draw_series(LineSeries::new(row.backlog.iter().map(|&(t, b)| (t, b as f64)), style))
-            .map_err(err)?
-            .label(format!("M = {} {}", row.m, row.mode))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            .configure_mesh()
+            .light_line_style(RGBColor(235, 235, 235))
+            .x_desc("trace seconds")
+            .y_desc("outstanding")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()
+            .map_err(err)?;
+        for row in rows {
+            let c = if row.mode == "keyed" { COLORS[0] } else { COLORS[1] };
+            chart
+                .draw_series(LineSeries::new(row.backlog.iter().map(|&(t, b)| (t, b as f64)), c.stroke_width(2)))
+                .map_err(err)?
+                .label(if row.mode == "keyed" { format!("keyed ({key_blocks}-block key)") } else { "off".to_owned() })
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        }
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw().map_err(err)?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperLeft).draw().map_err(err)?;
     root.present().map_err(err)?;
     Ok(())
 }
@@ -191,6 +211,7 @@ pub fn cache_ratio(r: &CacheResults, out: &Path) -> anyhow::Result<()> {
             }
         })
         .y_desc("cached prompt tokens, %")
+        .y_label_formatter(&|y| format!("{y:.0}"))
         .draw()
         .map_err(err)?;
     let bars = [("small", "keyed", 0usize), ("small", "off", 1), ("host", "keyed", 2), ("host", "off", 3)];

@@ -139,12 +139,6 @@ pub fn start_simulator(env: &Env, name: &str, o: &SimOpts) -> anyhow::Result<(Pr
     spawn_with_url(name, cmd, &env.work.join(format!("{name}.log")), Duration::from_secs(20))
 }
 
-pub fn start_fake_llm(env: &Env) -> anyhow::Result<(Proc, String)> {
-    let mut cmd = Command::new(&env.daemon_bin);
-    cmd.args(["fake-llm", "--listen", "127.0.0.1:0"]);
-    spawn_with_url("fake-llm", cmd, &env.work.join("fake-llm.log"), Duration::from_secs(20))
-}
-
 /// A real llama-server through `scripts/llm-server` (fresh: stopped first if running).
 pub struct LlamaServer {
     root: PathBuf,

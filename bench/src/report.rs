@@ -111,31 +111,49 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             );
         }
     }
+    let _ = writeln!(s);
+    let _ = writeln!(s, "| measurement | result |");
+    let _ = writeln!(s, "| --- | --- |");
     if let Some(o) = &r.overhead {
-        let (dt, dp50, dp99, _) = overhead_medians(o, "daemon");
-        let (pt, pp50, pp99, _) = overhead_medians(o, "pass-through");
+        let (dt, dp50, dp99, dcpu) = overhead_medians(o, "daemon");
+        let (pt, pp50, pp99, pcpu) = overhead_medians(o, "pass-through");
         let _ = writeln!(
             s,
-            "| overhead: max throughput, daemon vs pass-through (median) | {} req/s | {} req/s (pass-through) | | ratio {} |",
+            "| overhead, instant LLM: max throughput (median of {}) | daemon {} req/s vs pass-through {} req/s: ratio **{}** |",
+            p.overhead_reps,
             num(dt, 0),
             num(pt, 0),
             num(dt / pt, 2)
         );
         let _ = writeln!(
             s,
-            "| overhead: latency p50 / p99 at {} req/s | {} / {} ms | {} / {} ms (pass-through) | | |",
+            "| overhead: end-to-end latency p50 / p99 at {} req/s | daemon {} / {} ms (`max_batch_wait` 10 ms), {} / {} ms (1 ms) vs pass-through {} / {} ms |",
             p.overhead_rate,
             num(dp50 * 1e3, 1),
             num(dp99 * 1e3, 1),
+            num(overhead_medians(o, crate::parts::DAEMON_1MS).1 * 1e3, 1),
+            num(overhead_medians(o, crate::parts::DAEMON_1MS).2 * 1e3, 1),
             num(pp50 * 1e3, 1),
             num(pp99 * 1e3, 1)
+        );
+        let _ = writeln!(
+            s,
+            "| overhead: CPU per 1,000 requests, peak RSS | daemon {} s, {} MiB vs pass-through {} s, {} MiB |",
+            num(dcpu, 2),
+            num(o.rss_kb.get("daemon").copied().unwrap_or(0) as f64 / 1024.0, 0),
+            num(pcpu, 2),
+            num(o.rss_kb.get("pass-through").copied().unwrap_or(0) as f64 / 1024.0, 0)
         );
     }
     if let Some(h) = &r.hot {
         let cell = |sh: u32| {
-            h.rows.iter().find(|x| x.shards == sh).map(|x| format!("peak {} / end {}", x.peak_backlog, x.end_backlog)).unwrap_or_default()
+            h.rows
+                .iter()
+                .find(|x| x.shards == sh)
+                .map(|x| format!("shards = {sh}: peak {} / at load end {} / hits {}", x.peak_backlog, x.end_backlog, pct(x.hit_ratio)))
+                .unwrap_or_default()
         };
-        let _ = writeln!(s, "| hot prefix: backlog, shards = 1 → 8 | {} (8 shards) | {} (1 shard) | | |", cell(8), cell(1));
+        let _ = writeln!(s, "| hot prefix (sine load, slow servers): backlog | {} |", p.hot_shards.iter().map(|&x| cell(x)).collect::<Vec<_>>().join("; "));
     }
     let _ = writeln!(s);
 
@@ -279,6 +297,14 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         let _ = writeln!(s);
         let _ = writeln!(
             s,
+            "Reading it: each server has a fixed cache, so M servers have M times the cache. Keyed routing sends every turn of a \
+             conversation to the same server, so the servers hold disjoint working sets and together behave like one cache M times \
+             larger: the hit ratio climbs towards the oracle as M grows. Off (random partitions) makes every server cache a random \
+             slice of every conversation, so adding servers adds no useful cache, and a conversation's next turn usually lands on a \
+             server that never saw its history. Hits turn into prefill GPU-seconds saved, and so into less queueing when servers are busy.\n"
+        );
+        let _ = writeln!(
+            s,
             "**Routing model** (same replay without broker or clock: the daemon's own key, partition and rendezvous functions and one \
              simulator cache model per instance, requests in trace order), block hit ratio:\n"
         );
@@ -309,15 +335,24 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         // Which key length is best, from the measured sweep and the model.
         let sweep: Vec<_> = sc.rows.iter().filter(|x| x.mode == "keyed" && x.m == p.scale_sweep_m).collect();
         if let Some(best) = sweep.iter().max_by(|a, b| a.block_hit_ratio.total_cmp(&b.block_hit_ratio)) {
-            let list = sweep.iter().map(|x| format!("{} block(s): {}", x.key_blocks, pct(x.block_hit_ratio))).collect::<Vec<_>>().join(", ");
+            let mut sweep = sweep.clone();
+            sweep.sort_by_key(|x| x.key_blocks);
+            let list = sweep.iter().map(|x| format!("{} block(s) {}", x.key_blocks, pct(x.block_hit_ratio))).collect::<Vec<_>>().join(", ");
+            let max_m = ms.iter().copied().max().unwrap_or(1);
+            let model: Vec<_> = sc.offline.iter().filter(|x| x.m == max_m && x.mode == "keyed").collect();
+            let model_list = model.iter().map(|x| format!("{} {}", x.key_blocks, pct(x.block_hit_ratio))).collect::<Vec<_>>().join(", ");
+            let model_best = model.iter().max_by(|a, b| a.block_hit_ratio.total_cmp(&b.block_hit_ratio)).map(|x| x.key_blocks).unwrap_or(0);
             let _ = writeln!(
                 s,
-                "**Prefix-key length** (measured at M = {}): {list}. Best: **{} block(s)**. Every conversation of this trace starts with the \
-                 same block 0 (a shared system prompt), so a 1-block key puts all traffic on one key — one partition, one server: no \
-                 spreading, the other servers idle and the one server's cache thrashed. Two blocks reach the first block that is specific \
-                 to a conversation, so each conversation sticks to one server and its later turns hit its cached history. Longer keys add \
-                 nothing for long prompts and hurt short ones: a first turn shorter than the key puts its unique tail into the key, so the \
-                 next turn of that conversation (which extends the prompt) gets another key and possibly another server.\n",
+                "**Prefix-key length.** Measured at M = {}: {list}. Routing model at M = {max_m}, by key blocks: {model_list}. \
+                 Best measured: **{} block(s)**; best in the model: {model_best}. Why: every conversation of this trace starts with the \
+                 same block 0 (a shared system prompt), so a 1-block key puts all traffic on one key — one partition, one server (with \
+                 1 shard per key): the other servers idle, that one is overloaded and its cache thrashed, no better than M = 1. Two \
+                 blocks reach the first block that is specific to a conversation, so each conversation sticks to one server and its \
+                 later turns hit its cached history. Longer keys gain nothing for long prompts and cost a little on short ones: when a \
+                 first turn is shorter than the key, its unique tail becomes part of the key, so the next turn of that conversation \
+                 (which extends the prompt) gets another key and usually another server. The right length is the shortest one that \
+                 reaches past the prefix every request shares.\n",
                 p.scale_sweep_m,
                 best.key_blocks
             );
@@ -336,23 +371,37 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         let _ = writeln!(s, "## 3. Overhead\n");
         let _ = writeln!(
             s,
-            "Instant fake LLM (`prefix-batcher fake-llm`). **daemon**: one instance, 16 partitions, keyed (`prefix_chars = 256`, 8 shards), \
-             `max_batch_size = 8`, `max_batch_wait = 10ms`, `llm.max_concurrency = 4`. **pass-through**: the minimal consumer in \
+            "Instant LLM: `llm-simulator` with zero prefill and decode cost (answers as soon as it has hashed the prompt). \
+             `prefix-batcher fake-llm` is not used because its cache model compares each prompt with every earlier one: it gets \
+             slower as a run goes on (a first quick run measured the daemon behind it at 1862, 615, then 387 req/s in three \
+             consecutive bursts). **daemon**: one instance, 16 partitions, keyed (`prefix_chars = 256`, 8 shards), \
+             `max_batch_size = 8`, `max_batch_wait = 10ms`, `llm.max_concurrency = 4`; a second deployment with `max_batch_wait = 1ms` \
+             (the smallest valid wait) separates the pipeline's own latency from the batching wait (the default 1 s wait adds up to \
+             1 s at low per-key rates). **pass-through**: the minimal consumer in \
              `bench/src/passthrough.rs`: input queue → confirmed publish through a direct exchange to one quorum single-active-consumer \
              queue → ack; that queue → confirmed publish of a small result to `reply_to` → ack; no parsing, keying, batching or LLM call. \
              Same broker, same quorum queues, same prefetch (256 / 64), publisher confirms on every hop. Requests are BIG-Bench-Hard \
              prompts of all tasks (mean {:.0} bytes). Throughput: {} requests published at once, results counted until the last one \
              (requests/s = results ÷ time from first publish to last result). Latency: {} req/s for {} s, end to end (publish → result \
              received). CPU: user + system seconds of the process (from /proc) during the throughput run ÷ requests × 1000. \
-             {} repetitions, alternating which system goes first; medians.\n",
+             {} repetitions, rotating which system goes first; medians.\n",
             o.body_bytes_mean, p.overhead_burst, p.overhead_rate, p.overhead_secs, p.overhead_reps
         );
         let _ = writeln!(s, "| system | throughput req/s | p50 ms | p99 ms | CPU s / 1000 req | peak RSS MiB |");
         let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: | ---: |");
-        for (name, t, p50, p99, cpu) in [("daemon", dt, dp50, dp99, dcpu), ("pass-through", pt, pp50, pp99, pcpu)] {
+        for name in [crate::parts::DAEMON, crate::parts::DAEMON_1MS, crate::parts::PASS] {
+            if !o.reps.iter().any(|x| x.system == name) {
+                continue;
+            }
+            let (t, p50, p99, cpu) = overhead_medians(o, name);
+            let label = match name {
+                crate::parts::DAEMON => "daemon (`max_batch_wait = 10ms`)".to_owned(),
+                crate::parts::DAEMON_1MS => "daemon (`max_batch_wait = 1ms`)".to_owned(),
+                other => other.to_owned(),
+            };
             let _ = writeln!(
                 s,
-                "| {name} | {} | {} | {} | {} | {} |",
+                "| {label} | {} | {} | {} | {} | {} |",
                 num(t, 0),
                 num(p50 * 1e3, 1),
                 num(p99 * 1e3, 1),
@@ -368,16 +417,17 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             num((dp50 - pp50) * 1e3, 1),
             num((dp99 - pp99) * 1e3, 1)
         );
-        let _ = writeln!(s, "Every repetition:\n\n| rep | system | throughput req/s | CPU s / 1000 | p50 ms | p99 ms | ok / requests |");
-        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(s, "Every repetition (LLM CPU: the instant LLM's own CPU during the burst):\n\n| rep | system | throughput req/s | CPU s / 1000 | LLM CPU s / 1000 | p50 ms | p99 ms | ok / requests |");
+        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
         for x in &o.reps {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} / {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} / {} |",
                 x.rep,
                 x.system,
                 num(x.throughput_rps, 0),
                 num(x.cpu_s_per_1000, 3),
+                num(x.llm_cpu_s_per_1000, 3),
                 num(x.p50_s * 1e3, 1),
                 num(x.p99_s * 1e3, 1),
                 x.ok,
