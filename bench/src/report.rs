@@ -491,7 +491,10 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     let _ = writeln!(
         s,
         "- Quick mode uses small samples on the real server (it prefills roughly 100–250 tokens/s per core here), so part 1's ratios are from \
-         tens of prompts and one run each, not medians; full mode (`bench/run --full`) uses larger samples.\n\
+         tens of prompts and one run each, not medians; full mode (`bench/run --full`) uses larger samples. Keyed results are \
+         deterministic here (same keys, same partitions, same instance names every run), but `off` picks partitions at random, so \
+         its cached ratio and wall time change from run to run by tens of points on such small samples; read part 1's `off` \
+         column as one draw.\n\
          - The simulator is a model, not vLLM: slots do not slow each other down, running requests' blocks can be evicted, and its \
          GPU-seconds are slot-seconds. It is calibrated to nothing; compare keyed and off with each other, not with a real GPU.\n\
          - Latencies in part 2 are wall time × speed-up, so the daemon's own few milliseconds are magnified by the speed-up.\n"
