@@ -73,12 +73,8 @@ async fn real_llama_server_batches_by_prefix_and_reuses_its_cache() {
             TestRequest { id: id.clone(), body: serde_json::to_vec(&body).unwrap(), group: 0 }
         })
         .collect();
-    let daemon = start_daemon(&raw);
-    let mut redis = RedisProbe::connect().await.unwrap();
-    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
-    let amqp = Amqp::connect().await;
-    let mut replies = amqp.reply_queue(&format!("{}.replies", env.key_prefix())).await;
-    amqp.publish_requests(&env.input_queue(), &reqs, &replies.queue).await;
+    let Started { amqp, daemon, results: mut replies, reply } = start_with_replies(&env, &raw).await;
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
     replies.until_all(&ids(&reqs), Duration::from_secs(600)).await;
 
     let results: Vec<_> = replies.received.iter().map(|r| r.result()).collect();

@@ -22,12 +22,7 @@ async fn mixed_load_is_batched_by_prefix_with_one_result_each() {
     let env = TestEnv::new("mixed");
     let fake = FakeLlm::new().latency(Duration::from_millis(20)).start().await.unwrap();
     let raw = env.raw_config(fake.url.as_str());
-    let amqp = Amqp::connect().await;
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
-    let reply = format!("{}.reply", env.name);
-    let mut results = amqp.reply_queue(&reply).await;
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
 
     // The workload. `expect` holds, per request: group, expected key material, the exact prompt
     // text the LLM server sees, and the expected output text.
@@ -179,12 +174,7 @@ async fn bad_inputs_are_dead_lettered_and_the_daemon_keeps_going() {
     let fake = FakeLlm::new().start().await.unwrap();
     let mut raw = env.raw_config(fake.url.as_str());
     raw.amqp.max_message_bytes = 2048;
-    let amqp = Amqp::connect().await;
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
-    let reply = format!("{}.reply", env.name);
-    let mut results = amqp.reply_queue(&reply).await;
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
     let mut dead = amqp.consume(&env.dead_letter_queue()).await;
 
     let too_large = serde_json::to_vec(&json!({"prompt": "x".repeat(3000)})).unwrap();
@@ -247,12 +237,7 @@ async fn llm_server_errors_are_retried() {
     let fake = FakeLlm::new().fail_first(2, 500).start().await.unwrap();
     let mut raw = env.raw_config(fake.url.as_str());
     raw.llm.max_attempts = 4;
-    let amqp = Amqp::connect().await;
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
-    let reply = format!("{}.reply", env.name);
-    let mut results = amqp.reply_queue(&reply).await;
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
 
     let reqs = completions_workload("retry", 24, 3);
     amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
@@ -297,12 +282,7 @@ async fn permanent_llm_failure_fails_each_request_once() {
     let fake = FakeLlm::new().always_fail(500).start().await.unwrap();
     let mut raw = env.raw_config(fake.url.as_str());
     raw.llm.max_attempts = 2;
-    let amqp = Amqp::connect().await;
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
-    let reply = format!("{}.reply", env.name);
-    let mut results = amqp.reply_queue(&reply).await;
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
 
     let reqs = completions_workload("fail", 30, 3);
     amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;

@@ -279,6 +279,27 @@ pub fn start_daemon(raw: &RawConfig) -> Daemon {
     Daemon { instance: raw.instance.name.clone(), stop: Some(tx), task: Some(task) }
 }
 
+/// A daemon started in process, holding every partition's lease, with the test's reply queue.
+pub struct Started {
+    pub amqp: Amqp,
+    pub daemon: Daemon,
+    pub results: Collector,
+    /// Name of the reply queue (`{env.name}.reply`).
+    pub reply: String,
+}
+
+/// Starts `app::run` with `raw`, waits until it holds every partition's lease (so its topology is
+/// declared before anything is published), and opens the reply queue `{env.name}.reply`.
+pub async fn start_with_replies(env: &TestEnv, raw: &RawConfig) -> Started {
+    let amqp = Amqp::connect().await;
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let daemon = start_daemon(raw);
+    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
+    let reply = format!("{}.reply", env.name);
+    let results = amqp.reply_queue(&reply).await;
+    Started { amqp, daemon, results, reply }
+}
+
 impl Daemon {
     /// Signals shutdown and waits (≤ [`DEADLINE`]) for `app::run` to return.
     pub async fn stop(mut self) -> Result<(), AppError> {
