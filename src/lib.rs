@@ -15,7 +15,8 @@
 //! - [`request`]: the message contract — parsing requests, dead-letter reasons, result shape.
 //! - [`keying`]: prefix keys, shards, partitions and rendezvous hashing (pure).
 //! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
-//! - [`topology`]: declares and checks exchanges and queues.
+//! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: AMQP reply codes and
+//!   the classification of broker refusals by reply code.
 //! - [`router`]: consumes the input queue and forwards each request to its partition queue.
 //! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs).
 //! - [`ownership`]: membership, partition assignment and the lifecycle of owned partitions.
@@ -23,15 +24,18 @@
 //! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits).
 //! - [`publisher`]: publishes results and dead letters with publisher confirms.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
-//! - [`app`]: wiring, reconnects and graceful shutdown.
+//! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
+//! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
 //! - [`client`]: the `submit` and `status` commands.
 //! - [`fake_llm`]: an in-process fake OpenAI-compatible server for tests.
 //! - [`simulator`]: an OpenAI-compatible LLM server simulator of vLLM prefix caching and GPU time (benchmarks).
 
+pub mod amqp;
 pub mod app;
 pub mod batcher;
 pub mod client;
 pub mod config;
+pub mod exit;
 pub mod fake_llm;
 pub mod http;
 pub mod keying;
@@ -41,6 +45,7 @@ pub mod metrics;
 pub mod ownership;
 pub mod partition;
 pub mod publisher;
+pub mod readiness;
 pub mod request;
 pub mod router;
 pub mod simulator;
