@@ -39,3 +39,35 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     axum::serve(listener, router(readiness)).with_graceful_shutdown(shutdown).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::readiness::NotReady;
+
+    #[tokio::test]
+    async fn readyz_answers_from_the_readiness_state_and_names_the_reasons() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/readyz", listener.local_addr().unwrap());
+        let readiness = Readiness::new();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, readiness.clone(), async move {
+            let _ = stopped.await;
+        }));
+        let get = || async { reqwest::get(url.as_str()).await.unwrap() };
+
+        readiness.set(NotReady::AmqpDown, true);
+        let r = get().await;
+        assert_eq!(r.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(r.text().await.unwrap(), "not ready: starting, amqp down\n");
+
+        readiness.set(NotReady::Starting, false);
+        readiness.set(NotReady::AmqpDown, false);
+        let r = get().await;
+        assert_eq!(r.status(), reqwest::StatusCode::OK);
+        assert_eq!(r.text().await.unwrap(), "ready\n");
+
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
+    }
+}
