@@ -135,8 +135,11 @@ struct Inner {
     hook: LlmHook,
 }
 
+/// `(item index, result)` for each member of a call group.
+type ItemResults = Vec<(usize, Result<Completion, LlmError>)>;
+
 /// One group's calls, boxed so list, sequential and chat calls fit in one `join_all`.
-type CallFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Vec<(usize, Result<Completion, LlmError>)>> + Send + 'a>>;
+type CallFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ItemResults> + Send + 'a>>;
 
 struct Endpoint {
     /// The base URL without userinfo, query or fragment: the HRW member name and the only form that
@@ -573,13 +576,7 @@ impl LlmClient {
     /// A completions group as one list-prompt call; when that call fails with a request fault (one
     /// prompt too long, an answer that does not demultiplex exactly), the group goes again prompt
     /// by prompt so only the offending prompts fail.
-    async fn run_list(
-        &self,
-        endpoint: usize,
-        items: &[InferenceItem<'_>],
-        group: Group<'_>,
-        cancel: &CancellationToken,
-    ) -> Vec<(usize, Result<Completion, LlmError>)> {
+    async fn run_list(&self, endpoint: usize, items: &[InferenceItem<'_>], group: Group<'_>, cancel: &CancellationToken) -> ItemResults {
         if group.members.len() == 1 {
             return self.run_call(endpoint, items, group, cancel, false).await;
         }
@@ -612,7 +609,7 @@ impl LlmClient {
         items: &[InferenceItem<'_>],
         group: Group<'_>,
         cancel: &CancellationToken,
-    ) -> Vec<(usize, Result<Completion, LlmError>)> {
+    ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
         let _permit = tokio::select! {
             biased;
@@ -636,7 +633,7 @@ impl LlmClient {
         group: Group<'_>,
         cancel: &CancellationToken,
         permit_held: bool,
-    ) -> Vec<(usize, Result<Completion, LlmError>)> {
+    ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
         let n_members = group.members.len();
         let choices_per_prompt = group.choices_per_prompt();
@@ -701,31 +698,22 @@ impl LlmClient {
             };
             let stop_for_split = call.list && error.fault() == Fault::Request;
             let breaker_closed = error.is_server_fault() && !self.available(endpoint);
-            if stop_for_split || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts {
-                if !stop_for_split {
-                    tracing::warn!(
-                        endpoint,
-                        attempt,
-                        items = call.n_items,
-                        kind = error.kind.as_str(),
-                        status = error.status,
-                        error = %error.message,
-                        "LLM call failed; failing its items"
-                    );
-                }
-                return (Err(error), attempt);
+            let give_up = stop_for_split || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts;
+            let delay = (!give_up).then(|| backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max));
+            if !stop_for_split {
+                tracing::warn!(
+                    endpoint,
+                    attempt,
+                    items = call.n_items,
+                    kind = error.kind.as_str(),
+                    status = error.status,
+                    delay_ms = delay.map(|d| d.as_millis() as u64),
+                    error = %error.message,
+                    "LLM call failed; {}",
+                    if give_up { "failing its items" } else { "retrying" }
+                );
             }
-            let delay = backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max);
-            tracing::warn!(
-                endpoint,
-                attempt,
-                items = call.n_items,
-                kind = error.kind.as_str(),
-                status = error.status,
-                delay_ms = delay.as_millis() as u64,
-                error = %error.message,
-                "LLM call failed; retrying"
-            );
+            let Some(delay) = delay else { return (Err(error), attempt) };
             last_error = Some(error);
             tokio::select! {
                 biased;
@@ -1528,16 +1516,6 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_bad_list_answer_goes_again_prompt_by_prompt() {
-        let fake = FakeLlm::new().bad_json_first(1).start().await.unwrap();
-        let client = LlmClient::new(&settings(&fake.url)).unwrap();
-        let results = run(&client, &three_prompts(&Map::new())).await;
-        assert_eq!(fake.call_count(), 4, "one bad list answer, then one call per prompt");
-        let outputs: Vec<Value> = results.into_iter().map(|r| r.unwrap().output).collect();
-        assert_eq!(outputs, [json!("ok:alpha pr"), json!("ok:bravo pr"), json!("ok:charlie ")]);
-    }
-
-    #[tokio::test]
     async fn cancellation_aborts_in_flight_calls_quickly() {
         let fake = FakeLlm::new().latency(Duration::from_secs(60)).start().await.unwrap();
         let client = LlmClient::new(&settings(&fake.url)).unwrap();
@@ -1625,13 +1603,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_list_answer_missing_a_choice_goes_again_prompt_by_prompt() {
-        let fake = FakeLlm::new().omit_choice(1).start().await.unwrap();
-        let client = LlmClient::new(&settings(&fake.url)).unwrap();
-        let results = run(&client, &three_prompts(&Map::new())).await;
-        assert_eq!(fake.call_count(), 4, "the list call is not retried as a whole");
-        let outputs: Vec<Value> = results.into_iter().map(|r| r.unwrap().output).collect();
-        assert_eq!(outputs, [json!("ok:alpha pr"), json!("ok:bravo pr"), json!("ok:charlie ")]);
+    async fn a_bad_or_incomplete_list_answer_goes_again_prompt_by_prompt() {
+        for fake in [FakeLlm::new().omit_choice(1), FakeLlm::new().bad_json_first(1)] {
+            let fake = fake.start().await.unwrap();
+            let client = LlmClient::new(&settings(&fake.url)).unwrap();
+            let results = run(&client, &three_prompts(&Map::new())).await;
+            assert_eq!(fake.call_count(), 4, "the list call is not retried as a whole");
+            let outputs: Vec<Value> = results.into_iter().map(|r| r.unwrap().output).collect();
+            assert_eq!(outputs, [json!("ok:alpha pr"), json!("ok:bravo pr"), json!("ok:charlie ")]);
+        }
     }
 
     #[tokio::test]

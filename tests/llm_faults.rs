@@ -3,7 +3,7 @@
 //! answering `ok: false`), no request may receive another's answer, and the per-endpoint circuit
 //! breaker must fail fast while an endpoint is down and close again after a successful probe.
 
-use std::num::{NonZeroU32, NonZeroUsize};
+use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use prefix_batcher::breaker::{BreakerPolicy, BreakerState};
-use prefix_batcher::config::LlmSettings;
+use prefix_batcher::config::{LlmSettings, RawConfig, Settings};
 use prefix_batcher::llm::{
     call_outcome_label, ClientOptions, Completion, ErrorKind, Fault, InferenceItem, LlmClient, LlmError, LlmEvent, MAX_RESPONSE_BYTES,
 };
@@ -97,19 +97,14 @@ fn error_response(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({"error": {"message": message, "type": "invalid_request_error"}}))).into_response()
 }
 
+/// The default `llm` settings with these endpoints and millisecond backoffs.
 fn settings(urls: &[&Url]) -> LlmSettings {
-    LlmSettings {
-        endpoints: urls.iter().map(|&u| u.clone()).collect(),
-        model: "m".into(),
-        api_key: None,
-        max_concurrency: NonZeroUsize::new(4).unwrap(),
-        request_timeout: Duration::from_secs(10),
-        connect_timeout: Duration::from_secs(2),
-        max_attempts: NonZeroU32::new(3).unwrap(),
-        backoff_initial: Duration::from_millis(1),
-        backoff_max: Duration::from_millis(5),
-        list_prompts: true,
-    }
+    let mut llm = Settings::from_raw(&RawConfig::default()).expect("the defaults are valid").llm;
+    llm.endpoints = urls.iter().map(|&u| u.clone()).collect();
+    llm.max_attempts = NonZeroU32::new(3).unwrap();
+    (llm.backoff_initial, llm.backoff_max) = (Duration::from_millis(1), Duration::from_millis(5));
+    llm.list_prompts = true;
+    llm
 }
 
 /// A client whose events are recorded, with a breaker that opens for `open_time` (then doubles,
