@@ -5,7 +5,7 @@
 //!
 //! - a completions group with `n` ≤ 1 becomes ONE `POST {base}/v1/completions` whose `prompt` is
 //!   the list of the group's prompts (OpenAI completions API: `prompt` may be a list of strings).
-//!   The answer is accepted only when it demultiplexes exactly (see [`demux_completions`]): one
+//!   The answer is accepted only when it demultiplexes exactly (see `demux_completions`): one
 //!   choice per prompt with the indices `0 .. prompts` each once (OpenAI's shape: vLLM, SGLang,
 //!   current llama-server), or older llama-server builds' JSON *array* of one complete
 //!   completion object per prompt. Anything else — a server that ignores `n`, drops or repeats a
