@@ -21,7 +21,8 @@
 //! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs).
 //! - [`ownership`]: membership, partition assignment and the lifecycle of owned partitions.
 //! - [`partition`]: the pipeline of one owned partition.
-//! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits).
+//! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits, fault classes).
+//! - [`breaker`]: the per-endpoint circuit breaker of the LLM client (pure).
 //! - [`publisher`]: publishes results and dead letters with publisher confirms.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
@@ -33,6 +34,7 @@
 pub mod amqp;
 pub mod app;
 pub mod batcher;
+pub mod breaker;
 pub mod client;
 pub mod config;
 pub mod exit;
