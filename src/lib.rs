@@ -25,14 +25,11 @@
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`app`]: wiring, reconnects and graceful shutdown.
 //! - [`client`]: the `submit` and `status` commands.
-//! - [`fake_llm`]: an in-process fake OpenAI-compatible server for tests.
-//! - [`simulator`]: an OpenAI-compatible LLM server simulator of vLLM prefix caching and GPU time (benchmarks).
 
 pub mod app;
 pub mod batcher;
 pub mod client;
 pub mod config;
-pub mod fake_llm;
 pub mod http;
 pub mod keying;
 pub mod lease;
@@ -43,5 +40,4 @@ pub mod partition;
 pub mod publisher;
 pub mod request;
 pub mod router;
-pub mod simulator;
 pub mod topology;

@@ -60,18 +60,6 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run a fake OpenAI-compatible LLM server (for tests and demos without a real server).
-    #[command(hide = true)]
-    FakeLlm {
-        #[arg(long, default_value = "127.0.0.1:0")]
-        listen: String,
-        /// Latency per call.
-        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
-        latency: Duration,
-        /// Extra latency per prompt of a call.
-        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
-        per_prompt_latency: Duration,
-    },
 }
 
 fn config_path(cli: &Cli) -> Option<PathBuf> {
@@ -202,25 +190,6 @@ async fn main() -> ExitCode {
                 }
                 Err(e) => {
                     eprintln!("prefix-batcher status: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Command::FakeLlm { listen, latency, per_prompt_latency } => {
-            let listener = match tokio::net::TcpListener::bind(listen).await {
-                Ok(l) => l,
-                Err(e) => {
-                    eprintln!("prefix-batcher fake-llm: cannot listen on {listen}: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            let addr = listener.local_addr().expect("bound");
-            println!("http://{addr}");
-            let fake = prefix_batcher::fake_llm::FakeLlm::new().latency(*latency).per_prompt_latency(*per_prompt_latency);
-            match fake.serve(listener, signal()).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("prefix-batcher fake-llm: {e}");
                     ExitCode::FAILURE
                 }
             }
