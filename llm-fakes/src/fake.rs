@@ -440,20 +440,10 @@ fn usage_json(t: &PromptTokens, completion_tokens: u64) -> Value {
     openai::usage(t.prompt, t.cached, completion_tokens)
 }
 
-async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let mut req = match openai::request_object(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    let prompts = match openai::completion_prompts(req.remove("prompt")) {
-        Ok(p) => p,
-        Err(r) => return r,
-    };
+async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Result<Response, Response> {
+    let (prompts, mut req) = openai::completion_request(&body)?;
     let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
-    let counts = match admit(&state, "/v1/completions", &headers, model.clone(), prompts.clone(), req).await {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
+    let counts = admit(&state, "/v1/completions", &headers, model.clone(), prompts.clone(), req).await?;
     let cfg = &state.cfg;
     let model = model.unwrap_or_else(|| cfg.model.clone());
     let id = {
@@ -507,25 +497,15 @@ async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body:
             object(choices, usage, Some(timings))
         }
     };
-    Json(answer).into_response()
+    Ok(Json(answer).into_response())
 }
 
-async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let mut req = match openai::request_object(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    let messages = match openai::chat_messages(req.remove("messages")) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
+async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Result<Response, Response> {
+    let (messages, mut req) = openai::chat_request(&body)?;
     let rendered = openai::render_chat(&messages);
     let last = openai::content_text(messages.last().and_then(|m| m.get("content")));
     let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
-    let counts = match admit(&state, "/v1/chat/completions", &headers, model.clone(), vec![rendered], req).await {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
+    let counts = admit(&state, "/v1/chat/completions", &headers, model.clone(), vec![rendered], req).await?;
     let id = {
         let mut g = state.lock();
         g.completions += 1;
@@ -534,7 +514,7 @@ async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, 
     let content = answer_text(&last);
     let completion_tokens = tokens(&content);
     let model = model.unwrap_or_else(|| state.cfg.model.clone());
-    Json(openai::chat_completion(format!("chatcmpl-fake-{id}"), &model, content, usage_json(&counts[0], completion_tokens))).into_response()
+    Ok(Json(openai::chat_completion(format!("chatcmpl-fake-{id}"), &model, content, usage_json(&counts[0], completion_tokens))).into_response())
 }
 
 async fn models(State(state): State<Arc<Shared>>) -> Json<Value> {

@@ -56,39 +56,40 @@ pub fn error_response(status: u16, message: &str, retry_after: Option<u64>) -> R
     response
 }
 
-/// The request body as a JSON object.
-///
-/// # Errors
-/// A finished HTTP 400 answer when the body is not a JSON object.
-pub fn request_object(body: &[u8]) -> Result<Map<String, Value>, Response> {
+fn request_object(body: &[u8]) -> Result<Map<String, Value>, Response> {
     match serde_json::from_slice(body) {
         Ok(Value::Object(m)) => Ok(m),
         _ => Err(error_response(400, "body must be a JSON object", None)),
     }
 }
 
-/// The prompts of a completions request's `prompt` field (a string, or a non-empty list of
-/// strings), in request order.
+/// A `/v1/completions` body: its prompts in request order (`prompt` is a string or a non-empty
+/// list of strings) and every other field (`model`, sampling params, …).
 ///
 /// # Errors
-/// A finished HTTP 400 answer for anything else (token-id prompts included).
-pub fn completion_prompts(prompt: Option<Value>) -> Result<Vec<String>, Response> {
-    match prompt {
-        Some(Value::String(s)) => Ok(vec![s]),
+/// A finished HTTP 400 answer when the body is not a JSON object or `prompt` is anything else
+/// (token-id prompts included).
+pub fn completion_request(body: &[u8]) -> Result<(Vec<String>, Map<String, Value>), Response> {
+    let mut req = request_object(body)?;
+    let prompts = match req.remove("prompt") {
+        Some(Value::String(s)) => vec![s],
         Some(Value::Array(list)) if !list.is_empty() && list.iter().all(Value::is_string) => {
-            Ok(list.into_iter().filter_map(|v| v.as_str().map(str::to_owned)).collect())
+            list.into_iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()
         }
-        _ => Err(error_response(400, "`prompt` must be a string or a non-empty list of strings", None)),
-    }
+        _ => return Err(error_response(400, "`prompt` must be a string or a non-empty list of strings", None)),
+    };
+    Ok((prompts, req))
 }
 
-/// The messages of a chat request's `messages` field.
+/// A `/v1/chat/completions` body: its `messages` and every other field.
 ///
 /// # Errors
-/// A finished HTTP 400 answer unless it is a non-empty list.
-pub fn chat_messages(messages: Option<Value>) -> Result<Vec<Value>, Response> {
-    match messages {
-        Some(Value::Array(m)) if !m.is_empty() => Ok(m),
+/// A finished HTTP 400 answer when the body is not a JSON object or `messages` is not a
+/// non-empty list.
+pub fn chat_request(body: &[u8]) -> Result<(Vec<Value>, Map<String, Value>), Response> {
+    let mut req = request_object(body)?;
+    match req.remove("messages") {
+        Some(Value::Array(m)) if !m.is_empty() => Ok((m, req)),
         _ => Err(error_response(400, "`messages` must be a non-empty list", None)),
     }
 }

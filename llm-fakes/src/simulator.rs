@@ -382,15 +382,8 @@ fn output_text(output_tokens: u64) -> String {
     format!("[simulated {output_tokens} tokens]")
 }
 
-async fn completions(State(state): State<Arc<Shared>>, body: Bytes) -> Response {
-    let mut req = match openai::request_object(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    let prompts = match openai::completion_prompts(req.remove("prompt")) {
-        Ok(p) => p,
-        Err(r) => return r,
-    };
+async fn completions(State(state): State<Arc<Shared>>, body: Bytes) -> Result<Response, Response> {
+    let (prompts, req) = openai::completion_request(&body)?;
     let out = max_tokens(&req, state.cfg.default_max_tokens);
     let admissions = futures_util::future::join_all(prompts.iter().map(|p| run_prompt(&state, p, out))).await;
     let choices: Vec<Value> = (0..prompts.len()).map(|i| openai::completion_choice(i, output_text(out))).collect();
@@ -399,25 +392,18 @@ async fn completions(State(state): State<Arc<Shared>>, body: Bytes) -> Response 
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
     let model = req.get("model").and_then(Value::as_str).unwrap_or(&state.cfg.model);
     let usage = openai::usage(prompt, Some(cached), out * prompts.len() as u64);
-    Json(openai::text_completion(format!("cmpl-sim-{id}"), openai::unix_now(), model, choices, usage)).into_response()
+    Ok(Json(openai::text_completion(format!("cmpl-sim-{id}"), openai::unix_now(), model, choices, usage)).into_response())
 }
 
-async fn chat_completions(State(state): State<Arc<Shared>>, body: Bytes) -> Response {
-    let mut req = match openai::request_object(&body) {
-        Ok(r) => r,
-        Err(r) => return r,
-    };
-    let messages = match openai::chat_messages(req.remove("messages")) {
-        Ok(m) => m,
-        Err(r) => return r,
-    };
+async fn chat_completions(State(state): State<Arc<Shared>>, body: Bytes) -> Result<Response, Response> {
+    let (messages, req) = openai::chat_request(&body)?;
     let rendered = openai::render_chat(&messages);
     let out = max_tokens(&req, state.cfg.default_max_tokens);
     let a = run_prompt(&state, &rendered, out).await;
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
     let model = req.get("model").and_then(Value::as_str).unwrap_or(&state.cfg.model);
     let usage = openai::usage(a.prompt_tokens, Some(a.cached_tokens), out);
-    Json(openai::chat_completion(format!("chatcmpl-sim-{id}"), model, output_text(out), usage)).into_response()
+    Ok(Json(openai::chat_completion(format!("chatcmpl-sim-{id}"), model, output_text(out), usage)).into_response())
 }
 
 async fn models(State(state): State<Arc<Shared>>) -> Json<Value> {
