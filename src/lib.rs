@@ -28,8 +28,6 @@
 //! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
 //! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
 //! - [`client`]: the `submit` and `status` commands.
-//! - [`fake_llm`]: an in-process fake OpenAI-compatible server for tests.
-//! - [`simulator`]: an OpenAI-compatible LLM server simulator of vLLM prefix caching and GPU time (benchmarks).
 
 pub mod amqp;
 pub mod app;
@@ -38,7 +36,6 @@ pub mod breaker;
 pub mod client;
 pub mod config;
 pub mod exit;
-pub mod fake_llm;
 pub mod http;
 pub mod keying;
 pub mod lease;
@@ -50,5 +47,4 @@ pub mod publisher;
 pub mod readiness;
 pub mod request;
 pub mod router;
-pub mod simulator;
 pub mod topology;

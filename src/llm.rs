@@ -1294,7 +1294,7 @@ fn short(v: &Value) -> String {
 mod tests {
     use super::*;
     use crate::config::Secret;
-    use crate::fake_llm::{FakeLlm, ListShape};
+    use llm_fakes::fake::{FakeLlm, ListShape};
     use crate::request::ChatMessage;
     use serde_json::json;
     use std::num::{NonZeroU32, NonZeroUsize};

@@ -60,18 +60,6 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run a fake OpenAI-compatible LLM server (for tests and demos without a real server).
-    #[command(hide = true)]
-    FakeLlm {
-        #[arg(long, default_value = "127.0.0.1:0")]
-        listen: String,
-        /// Latency per call.
-        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
-        latency: Duration,
-        /// Extra latency per prompt of a call.
-        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
-        per_prompt_latency: Duration,
-    },
 }
 
 /// The configuration file: `check-config PATH`, else `--config`, else the default path when it
@@ -143,34 +131,13 @@ async fn signal() {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    match &cli.command {
-        Command::FakeLlm { listen, latency, per_prompt_latency } => {
-            let listener = match tokio::net::TcpListener::bind(listen).await {
-                Ok(l) => l,
-                Err(e) => {
-                    eprintln!("prefix-batcher fake-llm: cannot listen on {listen}: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            let addr = listener.local_addr().expect("bound");
-            println!("http://{addr}");
-            let fake = prefix_batcher::fake_llm::FakeLlm::new().latency(*latency).per_prompt_latency(*per_prompt_latency);
-            match fake.serve(listener, signal()).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("prefix-batcher fake-llm: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+    match load(config_path(&cli).as_deref(), cli.log_format.as_deref()) {
+        Ok(loaded) => {
+            // Tracing starts after the configuration: `log.format` and `log.level` come from it.
+            init_tracing(loaded.settings.log.format, &loaded.settings.log.level);
+            dispatch(&cli.command, loaded).await
         }
-        command => match load(config_path(&cli).as_deref(), cli.log_format.as_deref()) {
-            Ok(loaded) => {
-                // Tracing starts after the configuration: `log.format` and `log.level` come from it.
-                init_tracing(loaded.settings.log.format, &loaded.settings.log.level);
-                dispatch(command, loaded).await
-            }
-            Err(code) => code,
-        },
+        Err(code) => code,
     }
 }
 
@@ -195,7 +162,6 @@ async fn dispatch(command: &Command, loaded: Loaded) -> ExitCode {
             submit(&loaded.settings, &opts).await
         }
         Command::Status { json } => status(&loaded.settings, *json).await,
-        Command::FakeLlm { .. } => unreachable!("fake-llm needs no configuration and runs before it is loaded"),
     }
 }
 

@@ -10,7 +10,7 @@ use common::*;
 use prefix_batcher::app::{self, AppError, Lifecycle};
 use prefix_batcher::config::Settings;
 use prefix_batcher::exit;
-use prefix_batcher::fake_llm::FakeLlm;
+use llm_fakes::fake::FakeLlm;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
