@@ -16,7 +16,8 @@ use tokio::io::AsyncBufReadExt;
 
 use crate::config::Settings;
 use crate::lease::{read_all, LeaseValue, Leases};
-use crate::ownership::{assignment, member_key, read_members};
+use crate::keying::assignment;
+use crate::ownership::{member_key, read_members};
 use crate::request::RequestResult;
 
 /// Options of `submit`.
@@ -220,7 +221,7 @@ pub struct PartitionStatus {
     pub epoch: Option<u64>,
     /// Time until the lease expires unless renewed, in milliseconds.
     pub lease_expires_in_ms: Option<u64>,
-    /// The member the assignment ([`crate::ownership::assignment`]) wants as owner.
+    /// The member the assignment ([`crate::keying::assignment`]) wants as owner.
     pub desired_owner: Option<String>,
     /// Ready messages (backlog); `None` when RabbitMQ could not be asked.
     pub backlog: Option<u32>,

@@ -142,11 +142,6 @@ impl Leases {
         }
     }
 
-    /// `name:nonce` of this process.
-    pub fn holder(&self) -> &str {
-        &self.holder
-    }
-
     /// Redis key of partition `p`'s lease.
     pub fn lease_key(prefix: &str, p: u32) -> String {
         format!("{prefix}:lease:{p}")
