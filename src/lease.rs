@@ -34,10 +34,12 @@
 //! stops; anything it still publishes carries its old epoch in `x-partition-epoch`, which makes it
 //! detectable downstream. The broker adds a last fence: partition queues are single-active-consumer.
 
+use std::sync::Mutex;
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
 use redis::Script;
+use tokio::time::Instant;
 
 /// Acquire: KEYS = [lease, epoch], ARGV = [holder ("name:nonce"), ttl_ms]. (`SET` without `NX`:
 /// the key is absent or ours, checked just before, and a script runs atomically.)
@@ -74,6 +76,60 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 "#;
+
+/// The local view of a lease's validity: consuming and publishing are allowed only before the
+/// deadline (monotonic, [`tokio::time::Instant`], so tests drive it with paused time), which the
+/// owner moves forward to `renew_sent + renew_deadline` after every successful renewal (see the
+/// safety argument above). Once invalidated (lease lost) it stays invalid.
+#[derive(Debug)]
+pub struct LeaseClock {
+    /// `None` once invalidated.
+    valid_until: Mutex<Option<Instant>>,
+}
+
+impl LeaseClock {
+    /// A clock valid until `deadline`.
+    pub fn new(deadline: Instant) -> Self {
+        LeaseClock { valid_until: Mutex::new(Some(deadline)) }
+    }
+
+    fn valid_until(&self) -> Option<Instant> {
+        *self.valid_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Moves the deadline (only forward; no effect once invalidated).
+    pub fn extend_to(&self, deadline: Instant) {
+        let mut v = self.valid_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(d) = v.as_mut() {
+            *d = (*d).max(deadline);
+        }
+    }
+
+    /// Ends validity now, for good: a later [`extend_to`](Self::extend_to) does not revive it.
+    pub fn invalidate(&self) {
+        *self.valid_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
+    /// Whether the lease is still valid: not invalidated and strictly before the deadline.
+    pub fn is_valid(&self) -> bool {
+        self.valid_until().is_some_and(|d| Instant::now() < d)
+    }
+
+    /// The current deadline; `None` once invalidated.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.valid_until()
+    }
+
+    /// Completes when the lease is no longer valid (deadline passed or invalidated). It wakes at
+    /// the current deadline and re-checks, since renewals move the deadline forward meanwhile.
+    pub async fn expired(&self) {
+        // Wake at the deadline, and at least every second: an invalidation does not move the
+        // deadline, and the extra wake-ups cost nothing.
+        while let Some(d) = self.valid_until().filter(|d| Instant::now() < *d) {
+            tokio::time::sleep_until(d.min(Instant::now() + Duration::from_secs(1))).await;
+        }
+    }
+}
 
 /// Lease errors.
 #[derive(Debug, thiserror::Error)]
@@ -237,5 +293,69 @@ mod tests {
         );
         assert_eq!(LeaseValue::parse("garbage"), None);
         assert_eq!(LeaseValue::parse("a:b:notanumber"), None);
+    }
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+
+    #[tokio::test(start_paused = true)]
+    async fn clock_is_valid_until_the_deadline_only() {
+        let clock = LeaseClock::new(Instant::now() + DEADLINE);
+        assert!(clock.is_valid());
+        tokio::time::advance(DEADLINE - Duration::from_millis(1)).await;
+        assert!(clock.is_valid(), "valid 1 ms before the deadline");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!clock.is_valid(), "invalid at the deadline");
+        tokio::time::advance(DEADLINE).await;
+        assert!(!clock.is_valid(), "invalid after the deadline");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewal_moves_the_deadline_forward_only() {
+        let start = Instant::now();
+        let clock = LeaseClock::new(start + DEADLINE);
+        tokio::time::advance(Duration::from_secs(6)).await;
+        clock.extend_to(Instant::now() + DEADLINE); // a renewal sent at t = 6 s
+        clock.extend_to(start + Duration::from_secs(1)); // a late answer to an older renewal
+        assert_eq!(clock.deadline(), Some(start + Duration::from_secs(16)));
+        tokio::time::advance(Duration::from_secs(9)).await; // t = 15 s: past the first deadline
+        assert!(clock.is_valid());
+        tokio::time::advance(Duration::from_secs(1)).await; // t = 16 s
+        assert!(!clock.is_valid());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn invalidation_is_final() {
+        let clock = LeaseClock::new(Instant::now() + DEADLINE);
+        clock.invalidate();
+        assert!(!clock.is_valid());
+        clock.extend_to(Instant::now() + DEADLINE * 2);
+        assert!(!clock.is_valid(), "a renewal must not revive an invalidated lease");
+        assert_eq!(clock.deadline(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_completes_at_the_deadline_and_follows_renewals() {
+        let start = Instant::now();
+        let clock = std::sync::Arc::new(LeaseClock::new(start + DEADLINE));
+        let renewer = clock.clone();
+        let renewal = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            renewer.extend_to(Instant::now() + DEADLINE); // deadline now t = 14 s
+        });
+        clock.expired().await;
+        assert_eq!(Instant::now(), start + Duration::from_secs(14), "expired() completes exactly at the renewed deadline");
+        renewal.await.unwrap();
+
+        let clock = std::sync::Arc::new(LeaseClock::new(Instant::now() + DEADLINE));
+        let t0 = Instant::now();
+        let invalidator = clock.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            invalidator.invalidate();
+        });
+        clock.expired().await;
+        let waited = Instant::now() - t0;
+        assert!(waited >= Duration::from_millis(2500), "expired() before the invalidation: {waited:?}");
+        assert!(waited <= Duration::from_millis(3500), "expired() notices an invalidation within a second: {waited:?}");
     }
 }

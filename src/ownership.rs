@@ -10,7 +10,7 @@
 //!    restarted instance with the same name gets the same partitions back;
 //! 3. renews its leases every `renew_interval` ([`crate::lease`]); a partition whose lease is gone
 //!    (compare failed) or whose renew deadline passed (Redis unreachable) is aborted at once (the
-//!    worker also stops by itself at that deadline, see [`crate::partition::LeaseClock`]);
+//!    worker also stops by itself at that deadline, see [`crate::lease::LeaseClock`]);
 //! 4. hands over partitions it should no longer own — only once the membership view has been
 //!    stable for `settle_time`, so a rolling restart does not thrash — by draining them (flush,
 //!    finish, ack) and then releasing the lease (revoke before assign);
@@ -28,21 +28,22 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lapin::Connection;
 use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Settings;
 use crate::keying::desired_partitions;
-use crate::lease::{Acquire, Leases};
+use crate::lease::{Acquire, LeaseClock, Leases};
 use crate::llm::LlmClient;
 use crate::metrics;
-use crate::partition::{self, LeaseClock, PartitionContext, StopSignals};
+use crate::partition::{self, PartitionContext, StopSignals};
 
 /// Ownership errors that end a session.
 #[derive(Debug, thiserror::Error)]

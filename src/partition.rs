@@ -22,7 +22,6 @@
 //! result with a lower epoch than one already seen for its partition is stale) and `x-instance`
 //! (the instance name), so consumers and tests can build an ownership log from results alone.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -40,6 +39,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
 use crate::keying::{derive_key, PrefixKey};
+use crate::lease::LeaseClock;
 use crate::llm::{ErrorKind, InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, stage};
 use crate::publisher::{self, header_str, header_u64, PublishError, HEADER_PARTITION, HEADER_PARTITION_EPOCH, HEADER_PREFIX_KEY, HEADER_REQUEST_ID, HEADER_SHARD};
@@ -47,60 +47,6 @@ use crate::request::{parse, Envelope, Request, RequestResult, ResultError, Timin
 
 /// Header naming the instance that produced a result.
 pub const HEADER_INSTANCE: &str = "x-instance";
-
-/// The local view of a lease's validity: consuming and publishing are allowed only before
-/// `valid_until` (monotonic), which the owner moves forward to `renew_sent + renew_deadline` after
-/// every successful renewal. Once invalidated (lease lost) it stays invalid.
-#[derive(Debug)]
-pub struct LeaseClock {
-    base: std::time::Instant,
-    valid_until_ms: AtomicU64,
-    revoked: AtomicBool,
-}
-
-impl LeaseClock {
-    /// A clock valid until `deadline`.
-    pub fn new(deadline: std::time::Instant) -> Self {
-        let base = std::time::Instant::now();
-        let c = LeaseClock { base, valid_until_ms: AtomicU64::new(0), revoked: AtomicBool::new(false) };
-        c.extend_to(deadline);
-        c
-    }
-    /// Moves the deadline (only forward).
-    pub fn extend_to(&self, deadline: std::time::Instant) {
-        let ms = deadline.saturating_duration_since(self.base).as_millis() as u64;
-        self.valid_until_ms.fetch_max(ms, Ordering::SeqCst);
-    }
-    /// Ends validity now, for good: a later [`extend_to`](Self::extend_to) does not revive it.
-    pub fn invalidate(&self) {
-        self.revoked.store(true, Ordering::SeqCst);
-        self.valid_until_ms.store(0, Ordering::SeqCst);
-    }
-    /// Whether the lease is still valid.
-    pub fn is_valid(&self) -> bool {
-        !self.revoked.load(Ordering::SeqCst) && (self.base.elapsed().as_millis() as u64) < self.valid_until_ms.load(Ordering::SeqCst)
-    }
-    /// The current deadline (monotonic); in the past once invalid.
-    pub fn deadline(&self) -> std::time::Instant {
-        if self.revoked.load(Ordering::SeqCst) {
-            return self.base;
-        }
-        self.base + std::time::Duration::from_millis(self.valid_until_ms.load(Ordering::SeqCst))
-    }
-    /// Completes when the lease is no longer valid (deadline passed or invalidated). It wakes at
-    /// the current deadline and re-checks, since renewals move the deadline forward meanwhile.
-    pub async fn expired(&self) {
-        loop {
-            if !self.is_valid() {
-                return;
-            }
-            // Wake at the deadline, and at least every second: an invalidation does not move the
-            // deadline forward, and the extra wake-ups cost nothing.
-            let at = self.deadline().min(std::time::Instant::now() + std::time::Duration::from_secs(1));
-            tokio::time::sleep_until(Instant::from_std(at)).await;
-        }
-    }
-}
 
 /// Everything one partition worker needs.
 #[derive(Clone)]
