@@ -37,9 +37,11 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
 use tokio::time::Instant;
+
+use crate::config::RedisSettings;
 
 /// Acquire: KEYS = [lease, epoch], ARGV = [holder ("name:nonce"), ttl_ms]. (`SET` without `NX`:
 /// the key is absent or ours, checked just before, and a script runs atomically.)
@@ -142,6 +144,33 @@ pub enum LeaseError {
     Timeout(Duration),
 }
 
+impl LeaseError {
+    /// Whether Redis answered `READONLY` ([`is_failover`]).
+    pub fn is_failover(&self) -> bool {
+        matches!(self, LeaseError::Redis(e) if is_failover(e))
+    }
+}
+
+/// Whether `e` is Redis's `READONLY` answer: the connection reaches a node that a failover
+/// demoted to replica. redis 1.x's `ConnectionManager` reconnects only on connection errors
+/// (`RedisError::is_unrecoverable_error`), not on this one, so the caller must open a new
+/// connection ([`connect`]) to reach the new primary.
+pub fn is_failover(e: &redis::RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
+}
+
+/// Opens a Redis `ConnectionManager` to `redis.url`: every command and connection attempt bounded
+/// by `redis.command_timeout`, two reconnect retries.
+///
+/// Errors: the URL is invalid or Redis is unreachable.
+pub async fn connect(settings: &RedisSettings) -> Result<ConnectionManager, redis::RedisError> {
+    let cfg = ConnectionManagerConfig::new()
+        .set_response_timeout(Some(settings.command_timeout))
+        .set_connection_timeout(Some(settings.command_timeout))
+        .set_number_of_retries(2);
+    redis::Client::open(settings.url.expose())?.get_connection_manager_with_config(cfg).await
+}
+
 /// Result of an acquire attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Acquire {
@@ -196,6 +225,11 @@ impl Leases {
             renew: std::sync::Arc::new(Script::new(RENEW)),
             release: std::sync::Arc::new(Script::new(RELEASE)),
         }
+    }
+
+    /// Uses `conn` from now on (after a reconnect).
+    pub fn set_connection(&mut self, conn: ConnectionManager) {
+        self.conn = conn;
     }
 
     /// Redis key of partition `p`'s lease.

@@ -13,15 +13,18 @@
 //!
 //! - [`config`]: raw TOML/env configuration and the validated `Settings`.
 //! - [`request`]: the message contract — parsing requests, dead-letter reasons, result shape.
-//! - [`keying`]: prefix keys, shards, partitions and rendezvous hashing (pure).
+//! - [`keying`]: prefix keys, shards, partitions, rendezvous hashing and the partition assignment (pure).
 //! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
 //! - [`topology`]: declares and checks exchanges and queues.
 //! - [`router`]: consumes the input queue and forwards each request to its partition queue.
-//! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs).
-//! - [`ownership`]: membership, partition assignment and the lifecycle of owned partitions.
+//! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs) and the local lease deadline.
+//! - [`membership`]: heartbeats and the live member set (a Redis sorted set).
+//! - [`ownership`]: the ownership round (membership refresh, assignment, renewals, releases,
+//!   acquisitions) and the lifecycle of owned partitions.
 //! - [`partition`]: the pipeline of one owned partition.
 //! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits).
-//! - [`publisher`]: publishes results and dead letters with publisher confirms.
+//! - [`publisher`]: the publisher stage — parse-or-dead-letter, result shaping, confirmed publishes,
+//!   the ack after the effect, and every header name.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`app`]: wiring, reconnects and graceful shutdown.
 //! - [`client`]: the `submit` and `status` commands.
@@ -37,6 +40,7 @@ pub mod http;
 pub mod keying;
 pub mod lease;
 pub mod llm;
+pub mod membership;
 pub mod metrics;
 pub mod ownership;
 pub mod partition;
