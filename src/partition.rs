@@ -40,7 +40,7 @@ use crate::keying::{derive_key, PrefixKey};
 use crate::lease::LeaseClock;
 use crate::llm::{InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, header_u64, unix_ms, Intake, ResultMeta, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
+use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::request::{Request, TimingsMs};
 
 /// Everything one partition worker needs.
@@ -92,35 +92,13 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
 
     let cap = s.batching.channel_capacity.get();
     let (item_tx, item_rx) = mpsc::channel::<(PrefixKey, Pending)>(cap);
-    let (batch_tx, mut batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
+    let (batch_tx, batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
     let cfg = BatchConfig { max_batch_size: s.batching.max_batch_size, max_batch_wait: s.batching.max_batch_wait };
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
 
-    // Executor: one task per batch; the LLM client's per-endpoint semaphore bounds the calls.
-    let exec_ctx = ctx.clone();
-    let exec_ch = ch.clone();
-    let exec_abort = stop.abort.clone();
-    let executor = tokio::spawn(async move {
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut seq = 0u64;
-        loop {
-            tokio::select! {
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-                batch = batch_rx.recv() => match batch {
-                    Some(batch) => {
-                        seq += 1;
-                        let batch_id = format!("{}-{}-{}", exec_ctx.partition, exec_ctx.epoch, seq);
-                        let span = info_span!("batch", partition = exec_ctx.partition, batch_id = %batch_id, key = %batch.key);
-                        tasks.spawn(process_batch(exec_ctx.clone(), exec_ch.clone(), batch, batch_id, exec_abort.clone()).instrument(span));
-                    }
-                    None => break,
-                },
-            }
-        }
-        while tasks.join_next().await.is_some() {}
-    });
+    let executor = tokio::spawn(execute(ctx.clone(), ch.clone(), batch_rx, stop.abort.clone()));
 
     // Intake.
     let keyed = s.keying.mode == KeyingMode::Prefix;
@@ -176,6 +154,28 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
     Ok(())
 }
 
+/// The executor: one task per batch until the batcher's output closes, then waits for them all.
+/// The LLM client's per-endpoint semaphore bounds the concurrent calls.
+async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>, abort: CancellationToken) {
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut seq = 0u64;
+    loop {
+        tokio::select! {
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            batch = batch_rx.recv() => match batch {
+                Some(batch) => {
+                    seq += 1;
+                    let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
+                    let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
+                    tasks.spawn(process_batch(ctx.clone(), ch.clone(), batch, batch_id, abort.clone()).instrument(span));
+                }
+                None => break,
+            },
+        }
+    }
+    while tasks.join_next().await.is_some() {}
+}
+
 /// Parses a delivery from a partition queue. The router validated it already; a message that
 /// still fails (e.g. published straight to a partition queue) is dead-lettered and acked
 /// ([`publisher::parse_or_dead_letter`]), or left unacked while the lease is not valid.
@@ -225,18 +225,11 @@ async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
     }
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
+    let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
     let publishes = batch.items.into_iter().zip(results).filter_map(|(pending, answer)| {
         let batch_wait = flushed.saturating_duration_since(pending.received).as_millis() as u64;
-        let meta = ResultMeta {
-            id: pending.req.id.clone(),
-            prefix_key: pending.key.to_string(),
-            shard: pending.shard,
-            partition: ctx.partition,
-            batch_id: batch_id.clone(),
-            batch_size: n,
-            timings_ms: TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms },
-        };
-        let result = publisher::shape_result(meta, answer)?;
+        let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms };
+        let result = publisher::shape_result(info, pending.req.id.clone(), pending.key.to_string(), pending.shard, timings, answer)?;
         let span = info_span!("request", request_id = %result.id, shard = pending.shard);
         let publish = publisher::publish_result(&ch, &ctx.settings.amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms);
         Some(publish.instrument(span))

@@ -202,38 +202,40 @@ pub async fn parse_or_dead_letter(ch: &Channel, amqp: &AmqpSettings, delivery: D
     Intake::DeadLettered
 }
 
-/// Everything a result carries besides the LLM's answer.
-#[derive(Debug, Clone)]
-pub struct ResultMeta {
-    /// Request id.
-    pub id: String,
-    /// Prefix key, 16 lowercase hex digits.
-    pub prefix_key: String,
-    pub shard: u32,
+/// What the results of one batch share.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchInfo<'a> {
     pub partition: u32,
     /// `{partition}-{epoch}-{sequence}`.
-    pub batch_id: String,
+    pub batch_id: &'a str,
     /// Requests in the batch.
     pub batch_size: usize,
-    pub timings_ms: TimingsMs,
 }
 
-/// Builds the result of one request from its LLM answer. `None` when the call was cancelled
-/// (lease lost): such a request gets no result, it returns to its queue.
-pub fn shape_result(meta: ResultMeta, answer: Result<Completion, LlmError>) -> Option<RequestResult> {
+/// Builds the result of request `id` (prefix key as 16 hex digits, `shard`) from its LLM
+/// answer. `None` when the call was cancelled (lease lost): such a request gets no result, it
+/// returns to its queue.
+pub fn shape_result(
+    batch: BatchInfo<'_>,
+    id: String,
+    prefix_key: String,
+    shard: u32,
+    timings_ms: TimingsMs,
+    answer: Result<Completion, LlmError>,
+) -> Option<RequestResult> {
     let base = RequestResult {
-        id: meta.id,
+        id,
         ok: false,
         output: Value::Null,
         finish_reason: None,
         usage: None,
         model: None,
-        prefix_key: meta.prefix_key,
-        shard: meta.shard,
-        partition: meta.partition,
-        batch_id: meta.batch_id,
-        batch_size: meta.batch_size,
-        timings_ms: meta.timings_ms,
+        prefix_key,
+        shard,
+        partition: batch.partition,
+        batch_id: batch.batch_id.to_owned(),
+        batch_size: batch.batch_size,
+        timings_ms,
         error: None,
     };
     Some(match answer {
