@@ -311,7 +311,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.redis.url))?
         .with_context(|| format!("connecting to {}", settings.redis.url))?;
     let prefix = &settings.redis.key_prefix;
-    let live = read_members(&mut r, prefix, settings.ownership.member_ttl).await?;
+    let live = read_members(&mut r, prefix).await?;
     let p = settings.amqp.partitions.get();
     let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, timeout).await?;
     let mut pipe = redis::pipe();

@@ -3,12 +3,16 @@
 //! # Data layout
 //!
 //! Keys (with `P` = `redis.key_prefix`):
-//! - `P:members` — a sorted set of live member names, each scored with the Redis clock (`TIME`,
-//!   milliseconds) of its last heartbeat. A member is live while its score is in
-//!   `(now - member_ttl, +inf]`; older entries are removed (`ZREMRANGEBYSCORE`) by every heartbeat.
-//!   The set itself expires `member_ttl` after the last heartbeat of anyone, so a cluster that is
-//!   gone leaves nothing behind. Listing the members reads this one key, whatever the size of the
-//!   keyspace (a `SCAN` over a shared Redis with millions of keys takes seconds).
+//! - `P:members` — a sorted set of member names, each scored with the time its heartbeat expires:
+//!   the Redis clock (`TIME`) of its last heartbeat plus that member's own `member_ttl`, in
+//!   milliseconds. A member is live while its score is in `(now, +inf]`, read with
+//!   `ZRANGEBYSCORE`; every heartbeat removes the expired entries (`ZREMRANGEBYSCORE -inf now`).
+//!   Scoring by expiry rather than by heartbeat time keeps each member's own TTL, as a per-member
+//!   key with a TTL would: a reader configured with another `member_ttl` (a rolling config
+//!   change, or `status` run with a different config) sees the same members. The set itself
+//!   expires when the last heartbeat of anyone does, so a cluster that is gone leaves nothing
+//!   behind. Listing the members reads this one key, whatever the size of the keyspace (a `SCAN`
+//!   over a shared Redis with millions of keys takes seconds).
 //! - `P:member:{name}` = the boot nonce of the process heartbeating under `name`, with a TTL of
 //!   `member_ttl`. It tells two processes with the same name apart: a process that leaves removes
 //!   the name only while the nonce is still its own, so a stopping process never removes its
@@ -16,8 +20,8 @@
 //!
 //! Operations, each one atomic Lua script (one round trip, no interleaving,
 //! <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
-//! - heartbeat: set the nonce key, `ZADD` the name with the Redis time, drop expired names, and
-//!   return the live names (sorted);
+//! - heartbeat: set the nonce key, `ZADD` the name with its expiry (Redis time + `member_ttl`),
+//!   drop expired names, and return the live names (sorted);
 //! - leave: if the nonce key is ours (or gone), delete it and `ZREM` the name;
 //! - list (for `status`): the live names and their nonces, read only.
 
@@ -34,12 +38,12 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl)
-redis.call('ZADD', KEYS[1], string.format('%d', now), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now - ttl))
+redis.call('ZADD', KEYS[1], string.format('%d', now + ttl), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))
 if redis.call('PTTL', KEYS[1]) < ttl then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
-local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now - ttl), '+inf')
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf')
 table.sort(names)
 return names
 "#;
@@ -56,13 +60,13 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 "#;
 
-/// List: KEYS = [members], ARGV = [prefix, member_ttl_ms]. Returns `{names, nonces}`, names
+/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces}`, names
 /// sorted, a missing nonce as nil. The nonce keys are built from the names inside the script, as
 /// the names are not known before it runs.
 const LIST: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now - tonumber(ARGV[2])), '+inf')
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf')
 table.sort(names)
 local nonces = {}
 for i, n in ipairs(names) do
@@ -89,7 +93,7 @@ impl MembershipError {
     }
 }
 
-/// Redis key of the member set (sorted set: name → last heartbeat, Redis time in ms).
+/// Redis key of the member set (sorted set: name → heartbeat expiry, Redis time in ms).
 pub fn members_key(prefix: &str) -> String {
     format!("{prefix}:members")
 }
@@ -173,14 +177,11 @@ impl Membership {
     }
 }
 
-/// The live members (sorted by name) with their nonces, read only (for `status`). `member_ttl` is
-/// the daemons' `ownership.member_ttl`.
-pub async fn read_members(conn: &mut ConnectionManager, prefix: &str, member_ttl: Duration) -> Result<Vec<Member>, redis::RedisError> {
-    let (names, nonces): (Vec<String>, Vec<Option<String>>) = Script::new(LIST)
-        .key(members_key(prefix))
-        .arg(prefix)
-        .arg(member_ttl.as_millis() as u64)
-        .invoke_async(conn)
-        .await?;
+/// The live members (sorted by name) with their nonces, read only (for `status`).
+///
+/// Errors: Redis unreachable or answering with an error.
+pub async fn read_members(conn: &mut ConnectionManager, prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
+    let (names, nonces): (Vec<String>, Vec<Option<String>>) =
+        Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
     Ok(names.into_iter().zip(nonces.into_iter().chain(std::iter::repeat(None))).map(|(name, nonce)| Member { name, nonce }).collect())
 }
