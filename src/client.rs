@@ -17,7 +17,8 @@ use tokio::io::AsyncBufReadExt;
 use crate::amqp::REPLY_SUCCESS;
 use crate::config::Settings;
 use crate::lease::{read_all, LeaseValue, Leases};
-use crate::ownership::{assignment, member_key, read_members};
+use crate::keying::assignment;
+use crate::membership::read_members;
 use crate::request::RequestResult;
 
 /// Options of `submit`.
@@ -306,7 +307,7 @@ pub struct PartitionStatus {
     pub epoch: Option<u64>,
     /// Time until the lease expires unless renewed, in milliseconds.
     pub lease_expires_in_ms: Option<u64>,
-    /// The member the assignment ([`crate::ownership::assignment`]) wants as owner.
+    /// The member the assignment ([`crate::keying::assignment`]) wants as owner.
     pub desired_owner: Option<String>,
     /// Ready messages (backlog); `None` when RabbitMQ could not be asked.
     pub backlog: Option<u32>,
@@ -396,15 +397,9 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.redis.url))?
         .with_context(|| format!("connecting to {}", settings.redis.url))?;
     let prefix = &settings.redis.key_prefix;
-    let names = read_members(&mut r, prefix).await?;
+    let live = read_members(&mut r, prefix).await?;
     let p = settings.amqp.partitions.get();
     let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, timeout).await?;
-    let nonces: Vec<Option<String>> = if names.is_empty() {
-        Vec::new()
-    } else {
-        let keys: Vec<String> = names.iter().map(|m| member_key(prefix, m)).collect();
-        redis::cmd("MGET").arg(&keys).query_async(&mut r).await?
-    };
     let mut pipe = redis::pipe();
     for part in 0..p {
         pipe.cmd("PTTL").arg(Leases::lease_key(prefix, part));
@@ -417,12 +412,10 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         Err(e) => (vec![None; p as usize], None, Some(format!("{e:#}"))),
     };
 
+    let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
     let desired = assignment(p, &names);
-    let mut members: Vec<MemberStatus> = names
-        .iter()
-        .zip(nonces)
-        .map(|(name, nonce)| MemberStatus { name: name.clone(), nonce, owned: 0, desired: 0 })
-        .collect();
+    let mut members: Vec<MemberStatus> =
+        live.into_iter().map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0 }).collect();
     let mut stale_owners: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     let mut partitions = Vec::with_capacity(p as usize);
     for part in 0..p {

@@ -23,7 +23,9 @@
 //! # Safety argument
 //!
 //! A holder consumes partition `p` only while `now < t_sent + renew_deadline`, where `t_sent` is
-//! the monotonic time at which it *sent* its last successful acquire/renew. The lease in Redis
+//! the monotonic time at which it *sent* its last successful acquire/renew (taken before the
+//! whole concurrent round of commands is sent, so never later than the real send); [`LeaseClock`]
+//! is that local deadline, checked before every publish and ack. The lease in Redis
 //! lives until at least `t_sent + lease_ttl` measured by Redis (the expiry was set after the send),
 //! so as long as clocks advance at similar rates (Redis uses its own monotonic-ish clock) and
 //! `lease_ttl - renew_deadline` covers the drift and the time between the last local check and a
@@ -34,10 +36,14 @@
 //! stops; anything it still publishes carries its old epoch in `x-partition-epoch`, which makes it
 //! detectable downstream. The broker adds a last fence: partition queues are single-active-consumer.
 
+use std::sync::Mutex;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::Script;
+use tokio::time::Instant;
+
+use crate::config::RedisSettings;
 
 /// Acquire: KEYS = [lease, epoch], ARGV = [holder ("name:nonce"), ttl_ms]. (`SET` without `NX`:
 /// the key is absent or ours, checked just before, and a script runs atomically.)
@@ -75,6 +81,60 @@ end
 return 0
 "#;
 
+/// The local view of a lease's validity: consuming and publishing are allowed only before the
+/// deadline (monotonic, [`tokio::time::Instant`], so tests drive it with paused time), which the
+/// owner moves forward to `renew_sent + renew_deadline` after every successful renewal (see the
+/// safety argument above). Once invalidated (lease lost) it stays invalid.
+#[derive(Debug)]
+pub struct LeaseClock {
+    /// `None` once invalidated.
+    valid_until: Mutex<Option<Instant>>,
+}
+
+impl LeaseClock {
+    /// A clock valid until `deadline`.
+    pub fn new(deadline: Instant) -> Self {
+        LeaseClock { valid_until: Mutex::new(Some(deadline)) }
+    }
+
+    fn valid_until(&self) -> Option<Instant> {
+        *self.valid_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Moves the deadline (only forward; no effect once invalidated).
+    pub fn extend_to(&self, deadline: Instant) {
+        let mut v = self.valid_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(d) = v.as_mut() {
+            *d = (*d).max(deadline);
+        }
+    }
+
+    /// Ends validity now, for good: a later [`extend_to`](Self::extend_to) does not revive it.
+    pub fn invalidate(&self) {
+        *self.valid_until.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
+    /// Whether the lease is still valid: not invalidated and strictly before the deadline.
+    pub fn is_valid(&self) -> bool {
+        self.valid_until().is_some_and(|d| Instant::now() < d)
+    }
+
+    /// The current deadline; `None` once invalidated.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.valid_until()
+    }
+
+    /// Completes when the lease is no longer valid (deadline passed or invalidated). It wakes at
+    /// the current deadline and re-checks, since renewals move the deadline forward meanwhile.
+    pub async fn expired(&self) {
+        // Wake at the deadline, and at least every second: an invalidation does not move the
+        // deadline, and the extra wake-ups cost nothing.
+        while let Some(d) = self.valid_until().filter(|d| Instant::now() < *d) {
+            tokio::time::sleep_until(d.min(Instant::now() + Duration::from_secs(1))).await;
+        }
+    }
+}
+
 /// Lease errors.
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
@@ -84,6 +144,33 @@ pub enum LeaseError {
     /// The command did not answer within `redis.command_timeout`.
     #[error("redis command timed out after {0:?}")]
     Timeout(Duration),
+}
+
+impl LeaseError {
+    /// Whether Redis answered `READONLY` ([`is_failover`]).
+    pub fn is_failover(&self) -> bool {
+        matches!(self, LeaseError::Redis(e) if is_failover(e))
+    }
+}
+
+/// Whether `e` is Redis's `READONLY` answer: the connection reaches a node that a failover
+/// demoted to replica. redis 1.x's `ConnectionManager` reconnects only on connection errors
+/// (`RedisError::is_unrecoverable_error`), not on this one, so the caller must open a new
+/// connection ([`connect`]) to reach the new primary.
+pub fn is_failover(e: &redis::RedisError) -> bool {
+    matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
+}
+
+/// Opens a Redis `ConnectionManager` to `redis.url`: every command and connection attempt bounded
+/// by `redis.command_timeout`, two reconnect retries.
+///
+/// Errors: the URL is invalid or Redis is unreachable.
+pub async fn connect(settings: &RedisSettings) -> Result<ConnectionManager, redis::RedisError> {
+    let cfg = ConnectionManagerConfig::new()
+        .set_response_timeout(Some(settings.command_timeout))
+        .set_connection_timeout(Some(settings.command_timeout))
+        .set_number_of_retries(2);
+    redis::Client::open(settings.url.expose())?.get_connection_manager_with_config(cfg).await
 }
 
 /// Result of an acquire attempt.
@@ -142,9 +229,9 @@ impl Leases {
         }
     }
 
-    /// `name:nonce` of this process.
-    pub fn holder(&self) -> &str {
-        &self.holder
+    /// Uses `conn` from now on (after a reconnect).
+    pub fn set_connection(&mut self, conn: ConnectionManager) {
+        self.conn = conn;
     }
 
     /// Redis key of partition `p`'s lease.
@@ -242,5 +329,69 @@ mod tests {
         );
         assert_eq!(LeaseValue::parse("garbage"), None);
         assert_eq!(LeaseValue::parse("a:b:notanumber"), None);
+    }
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+
+    #[tokio::test(start_paused = true)]
+    async fn clock_is_valid_until_the_deadline_only() {
+        let clock = LeaseClock::new(Instant::now() + DEADLINE);
+        assert!(clock.is_valid());
+        tokio::time::advance(DEADLINE - Duration::from_millis(1)).await;
+        assert!(clock.is_valid(), "valid 1 ms before the deadline");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(!clock.is_valid(), "invalid at the deadline");
+        tokio::time::advance(DEADLINE).await;
+        assert!(!clock.is_valid(), "invalid after the deadline");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn renewal_moves_the_deadline_forward_only() {
+        let start = Instant::now();
+        let clock = LeaseClock::new(start + DEADLINE);
+        tokio::time::advance(Duration::from_secs(6)).await;
+        clock.extend_to(Instant::now() + DEADLINE); // a renewal sent at t = 6 s
+        clock.extend_to(start + Duration::from_secs(1)); // a late answer to an older renewal
+        assert_eq!(clock.deadline(), Some(start + Duration::from_secs(16)));
+        tokio::time::advance(Duration::from_secs(9)).await; // t = 15 s: past the first deadline
+        assert!(clock.is_valid());
+        tokio::time::advance(Duration::from_secs(1)).await; // t = 16 s
+        assert!(!clock.is_valid());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn invalidation_is_final() {
+        let clock = LeaseClock::new(Instant::now() + DEADLINE);
+        clock.invalidate();
+        assert!(!clock.is_valid());
+        clock.extend_to(Instant::now() + DEADLINE * 2);
+        assert!(!clock.is_valid(), "a renewal must not revive an invalidated lease");
+        assert_eq!(clock.deadline(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn expired_completes_at_the_deadline_and_follows_renewals() {
+        let start = Instant::now();
+        let clock = std::sync::Arc::new(LeaseClock::new(start + DEADLINE));
+        let renewer = clock.clone();
+        let renewal = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            renewer.extend_to(Instant::now() + DEADLINE); // deadline now t = 14 s
+        });
+        clock.expired().await;
+        assert_eq!(Instant::now(), start + Duration::from_secs(14), "expired() completes exactly at the renewed deadline");
+        renewal.await.unwrap();
+
+        let clock = std::sync::Arc::new(LeaseClock::new(Instant::now() + DEADLINE));
+        let t0 = Instant::now();
+        let invalidator = clock.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            invalidator.invalidate();
+        });
+        clock.expired().await;
+        let waited = Instant::now() - t0;
+        assert!(waited >= Duration::from_millis(2500), "expired() before the invalidation: {waited:?}");
+        assert!(waited <= Duration::from_millis(3500), "expired() notices an invalidation within a second: {waited:?}");
     }
 }

@@ -13,17 +13,20 @@
 //!
 //! - [`config`]: raw TOML/env configuration and the validated `Settings`.
 //! - [`request`]: the message contract — parsing requests, dead-letter reasons, result shape.
-//! - [`keying`]: prefix keys, shards, partitions and rendezvous hashing (pure).
+//! - [`keying`]: prefix keys, shards, partitions, rendezvous hashing and the partition assignment (pure).
 //! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
 //! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: AMQP reply codes and
 //!   the classification of broker refusals by reply code.
 //! - [`router`]: consumes the input queue and forwards each request to its partition queue.
-//! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs).
-//! - [`ownership`]: membership, partition assignment and the lifecycle of owned partitions.
+//! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs) and the local lease deadline.
+//! - [`membership`]: heartbeats and the live member set (a Redis sorted set).
+//! - [`ownership`]: the ownership round (membership refresh, assignment, renewals, releases,
+//!   acquisitions) and the lifecycle of owned partitions.
 //! - [`partition`]: the pipeline of one owned partition.
 //! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits, fault classes).
 //! - [`breaker`]: the per-endpoint circuit breaker of the LLM client (pure).
-//! - [`publisher`]: publishes results and dead letters with publisher confirms.
+//! - [`publisher`]: the publisher stage — parse-or-dead-letter, result shaping, confirmed publishes,
+//!   the ack after the effect, and every header name.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
 //! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
@@ -40,6 +43,7 @@ pub mod http;
 pub mod keying;
 pub mod lease;
 pub mod llm;
+pub mod membership;
 pub mod metrics;
 pub mod ownership;
 pub mod partition;

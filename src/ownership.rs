@@ -1,48 +1,60 @@
-//! Membership, partition assignment and the lifecycle of owned partitions.
+//! Partition assignment and the lifecycle of owned partitions.
 //!
 //! Every tick (at most 500 ms, at most a third of `renew_interval`, and at once when a partition
-//! worker ends) an instance:
-//! 1. heartbeats its member key `{prefix}:member:{name}` = nonce with TTL `member_ttl`, and reads
-//!    the live members;
-//! 2. computes the desired owner of each partition by rendezvous hashing with bounded loads over
-//!    the member names ([`assignment`]): every instance agrees without a coordinator, each member
-//!    gets ⌊P/M⌋ or ⌈P/M⌉ partitions, few partitions move when a member joins or leaves, and a
+//! worker ends) an instance runs one round of named steps:
+//! 1. membership refresh: heartbeats and reads the live members ([`crate::membership`]);
+//! 2. assignment: the desired owner of each partition by rendezvous hashing with bounded loads
+//!    over the member names ([`crate::keying::assignment`]): every instance agrees without a
+//!    coordinator, each member gets ⌊P/M⌋ or ⌈P/M⌉ partitions, few partitions move when a member joins or leaves, and a
 //!    restarted instance with the same name gets the same partitions back;
-//! 3. renews its leases every `renew_interval` ([`crate::lease`]); a partition whose lease is gone
+//! 3. renewals: renews its leases every `renew_interval` ([`crate::lease`]), all in one concurrent
+//!    round of commands (pipelined on the one multiplexed Redis connection); a partition whose lease is gone
 //!    (compare failed) or whose renew deadline passed (Redis unreachable) is aborted at once (the
-//!    worker also stops by itself at that deadline, see [`crate::partition::LeaseClock`]);
-//! 4. hands over partitions it should no longer own — only once the membership view has been
+//!    worker also stops by itself at that deadline, see [`crate::lease::LeaseClock`]);
+//! 4. releases and handovers: releases the leases of partitions whose worker ended, and hands over
+//!    partitions it should no longer own — only once the membership view has been
 //!    stable for `settle_time`, so a rolling restart does not thrash — by draining them (flush,
 //!    finish, ack) and then releasing the lease (revoke before assign);
-//! 5. acquires free leases of partitions it is the desired owner of, and starts their workers.
+//! 5. acquisitions: acquires (concurrently) the free leases of partitions it is the desired owner
+//!    of, and starts their workers.
 //!    Acquiring a *free* lease does not wait for the view to settle: nobody is working on that
 //!    partition, so waiting would only add latency to a takeover. The exception is an instance
 //!    that was blind (just started, or Redis unreachable for longer than `member_ttl`): it waits
 //!    `settle_time` after its first successful heartbeat, so that after a Redis outage (member
 //!    keys expired or lost) the first instance back does not take every partition.
 //!
-//! On shutdown it first deletes its member key (so the others compute the new assignment while
+//! A Redis `READONLY` answer (a failover demoted the node this connection reaches; the
+//! `ConnectionManager` of redis 1.x reconnects only on connection errors, not on this one) makes
+//! the round open a new connection, which reaches the new primary through the same URL.
+//!
+//! Every partition's drain token is a child of the shutdown token [`Ownership::run`] receives,
+//! so cancelling it drains every partition. Its revoke and abort tokens are per partition: they
+//! must not fire on a graceful shutdown (an abort drops in-flight work).
+//!
+//! On shutdown it first leaves the member set (so the others compute the new assignment while
 //! it drains), stops acquiring, drains every partition (still renewing meanwhile) and releases
 //! each lease the moment its partition is drained, so successors take over at once instead of
 //! waiting out the TTL.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use lapin::Connection;
 use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Settings;
-use crate::keying::hrw_score;
-use crate::lease::{Acquire, Leases};
+use crate::keying::desired_partitions;
+use crate::lease::{self, Acquire, LeaseClock, Leases};
 use crate::llm::LlmClient;
+use crate::membership::Membership;
 use crate::metrics;
-use crate::partition::{self, LeaseClock, PartitionContext, StopSignals};
+use crate::partition::{self, PartitionContext, StopSignals};
 
 /// Ownership errors that end a session.
 #[derive(Debug, thiserror::Error)]
@@ -62,103 +74,11 @@ struct Owned {
     handing_over: bool,
 }
 
-/// Redis key of a member's heartbeat.
-pub fn member_key(prefix: &str, name: &str) -> String {
-    format!("{prefix}:member:{name}")
-}
-
-/// Live member names (sorted), from the heartbeat keys.
-pub async fn read_members(conn: &mut ConnectionManager, prefix: &str) -> Result<Vec<String>, redis::RedisError> {
-    let pattern = format!("{prefix}:member:*");
-    let strip = format!("{prefix}:member:");
-    let mut cursor: u64 = 0;
-    let mut names = BTreeSet::new();
-    loop {
-        let (next, keys): (u64, Vec<String>) =
-            redis::cmd("SCAN").arg(cursor).arg("MATCH").arg(&pattern).arg("COUNT").arg(1000).query_async(conn).await?;
-        names.extend(keys.into_iter().filter_map(|k| k.strip_prefix(&strip).map(str::to_owned)));
-        if next == 0 {
-            return Ok(names.into_iter().collect());
-        }
-        cursor = next;
-    }
-}
-
-/// The desired owner of every partition: rendezvous (HRW) hashing with bounded loads.
-///
-/// Returns, for each partition `0..partitions`, the index into `members` of its desired owner
-/// (`None` only when `members` is empty). Every (partition, member) pair is scored with
-/// [`hrw_score`]; pairs are taken from the highest score down, and a pair is assigned when its
-/// partition is still free and its member still has room. Each member has room for ⌊P/M⌋
-/// partitions, and ⌈P/M⌉ for the first `P mod M` members that ask for one more, so the total
-/// room is exactly `P`: every partition gets an owner and loads differ by at most one.
-///
-/// Why not plain HRW (each partition to its top-scoring member): its load per member is
-/// binomial, with a standard deviation of √(P·(1/M)·(1−1/M)) — 2.3 partitions for P = 24, M = 3
-/// — so one member in three or four deployments owns a third more than its share. Bounding the
-/// loads keeps HRW's properties that matter here: the answer depends only on the set of names
-/// (not their order, not on any coordinator), so every instance computes the same one and a
-/// restarted instance with the same name gets the same partitions back; and a join or leave
-/// moves few partitions (measured for P = 24…64, M = 3…8: 1.2–1.5× the minimum P/M, against
-/// exactly P/M for plain HRW).
-///
-/// Cost: O(P·M·log(P·M)), a few microseconds per tick for P = 64, M = 8.
-pub fn assignment<S: AsRef<str>>(partitions: u32, members: &[S]) -> Vec<Option<usize>> {
-    let mut owner = vec![None; partitions as usize];
-    let m = members.len();
-    if m == 0 {
-        return owner;
-    }
-    let base = partitions as usize / m;
-    let mut extra = partitions as usize % m;
-    let mut pairs: Vec<(u64, u32, usize)> = Vec::with_capacity(partitions as usize * m);
-    for p in 0..partitions {
-        for (i, name) in members.iter().enumerate() {
-            pairs.push((hrw_score(u64::from(p), name.as_ref()), p, i));
-        }
-    }
-    // Highest score first; ties (practically impossible with 64-bit scores) by partition, then
-    // by name, so the order is total and independent of the order of `members`.
-    pairs.sort_unstable_by(|a, b| {
-        b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then_with(|| members[a.2].as_ref().cmp(members[b.2].as_ref()))
-    });
-    let mut load = vec![0usize; m];
-    let mut left = partitions as usize;
-    for (_, p, i) in pairs {
-        if left == 0 {
-            break;
-        }
-        if owner[p as usize].is_some() {
-            continue;
-        }
-        if load[i] < base || (load[i] == base && extra > 0) {
-            if load[i] == base {
-                extra -= 1;
-            }
-            load[i] += 1;
-            owner[p as usize] = Some(i);
-            left -= 1;
-        }
-    }
-    owner
-}
-
-/// Partitions whose desired owner ([`assignment`]) among `members` is `me`.
-pub fn desired_partitions(partitions: u32, members: &[String], me: &str) -> BTreeSet<u32> {
-    assignment(partitions, members)
-        .into_iter()
-        .enumerate()
-        .filter(|(_, o)| o.is_some_and(|i| members[i] == me))
-        .map(|(p, _)| p as u32)
-        .collect()
-}
-
 /// The ownership manager of one session (one AMQP connection).
 pub struct Ownership {
     settings: Arc<Settings>,
-    redis: ConnectionManager,
+    membership: Membership,
     leases: Leases,
-    nonce: String,
     llm: LlmClient,
     owned: BTreeMap<u32, Owned>,
     view: Vec<String>,
@@ -167,31 +87,28 @@ pub struct Ownership {
     /// Signalled by every partition worker when it ends, so a drained partition's lease is
     /// released at once instead of at the next tick (this is most of a SIGTERM handoff's speed).
     worker_done: Arc<Notify>,
-    /// The member key was deleted at the start of the shutdown.
+    /// This instance left the member set at the start of the shutdown.
     left: bool,
     /// When the last heartbeat succeeded.
     last_heartbeat: Option<Instant>,
     /// Set when a heartbeat succeeds after a blind period (start, Redis outage); acquisitions
     /// wait until `settle_time` after it.
     rejoined_at: Option<Instant>,
+    /// Redis answered `READONLY` (failover): open a new connection at the end of the round.
+    reconnect_due: bool,
 }
 
 impl Ownership {
     /// `nonce` is this process's boot nonce.
     pub fn new(settings: Arc<Settings>, redis: ConnectionManager, nonce: String, llm: LlmClient) -> Self {
         let holder = format!("{}:{}", settings.instance_name, nonce);
-        let leases = Leases::new(
-            redis.clone(),
-            &settings.redis.key_prefix,
-            holder,
-            settings.ownership.lease_ttl,
-            settings.redis.command_timeout,
-        );
+        let (prefix, timeout) = (&settings.redis.key_prefix, settings.redis.command_timeout);
+        let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
+        let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout);
         Ownership {
             settings,
-            redis,
+            membership,
             leases,
-            nonce,
             llm,
             owned: BTreeMap::new(),
             view: Vec::new(),
@@ -201,6 +118,7 @@ impl Ownership {
             left: false,
             last_heartbeat: None,
             rejoined_at: None,
+            reconnect_due: false,
         }
     }
 
@@ -210,6 +128,7 @@ impl Ownership {
 
     /// Runs until `shutdown` fires and every partition is drained and released, or until the
     /// connection fails. `on_first_round` is called once, after the first acquisition round.
+    /// Every partition's drain token is a child of `shutdown`.
     pub async fn run(
         &mut self,
         conn: Arc<Connection>,
@@ -231,7 +150,7 @@ impl Ownership {
                 self.abort_all();
                 return Err(OwnershipError::ConnectionLost);
             }
-            let redis_ok = self.round(&conn, stopping).await;
+            let redis_ok = self.round(&conn, &shutdown).await;
             // Ready only with a working Redis: the first round reports it through the callback,
             // later rounds keep `/readyz` in step with the heartbeat (503 during a Redis outage).
             if first && redis_ok {
@@ -248,111 +167,123 @@ impl Ownership {
     }
 
     /// One ownership round; returns whether the membership heartbeat reached Redis.
-    async fn round(&mut self, conn: &Arc<Connection>, stopping: bool) -> bool {
-        let s = self.settings.clone();
-        let me = s.instance_name.as_str();
-        let prefix = s.redis.key_prefix.as_str();
-
-        // 0. Shutdown: leave the member set first, so the others compute the new assignment (and
+    async fn round(&mut self, conn: &Arc<Connection>, shutdown: &CancellationToken) -> bool {
+        let stopping = shutdown.is_cancelled();
+        // Shutdown: leave the member set first, so the others compute the new assignment (and
         // start polling for the leases) while this instance drains.
         if stopping && !self.left {
             self.left = true;
             self.leave().await;
         }
+        let members = if stopping { None } else { self.refresh_membership().await };
+        self.renew_leases().await;
+        self.abort_expired();
+        self.release_finished().await;
+        let desired = self.desired(stopping);
+        self.hand_over(&desired, stopping, members.is_some());
+        if !stopping && members.is_some() && self.settled_after_rejoin() {
+            self.acquire_desired(conn, &desired, shutdown).await;
+        }
+        metrics::partitions_owned(self.owned.len());
+        if self.reconnect_due {
+            self.reconnect_redis().await;
+        }
+        members.is_some()
+    }
 
-        // 1. Heartbeat and membership.
-        let members = if stopping {
-            None
-        } else {
-            let mut r = self.redis.clone();
-            let hb = tokio::time::timeout(s.redis.command_timeout, async {
-                redis::cmd("SET")
-                    .arg(member_key(prefix, me))
-                    .arg(&self.nonce)
-                    .arg("PX")
-                    .arg(s.ownership.member_ttl.as_millis() as u64)
-                    .query_async::<()>(&mut r)
-                    .await?;
-                read_members(&mut r, prefix).await
-            })
-            .await;
-            match hb {
-                Ok(Ok(m)) => Some(m),
-                Ok(Err(e)) => {
-                    warn!(error = %e, "membership heartbeat failed");
-                    None
-                }
-                Err(_) => {
-                    warn!("membership heartbeat timed out");
-                    None
-                }
+    /// Step 1, membership refresh: heartbeat and read the live members (`None` when Redis did not
+    /// answer). Updates the view and the blind/rejoin state.
+    async fn refresh_membership(&mut self) -> Option<Vec<String>> {
+        let members = match self.membership.heartbeat().await {
+            Ok(m) => m,
+            Err(e) => {
+                self.reconnect_due |= e.is_failover();
+                warn!(error = %e, "membership heartbeat failed");
+                return None;
             }
         };
-        if let Some(m) = &members {
-            // Blind until now (first heartbeat of this session, or Redis was unreachable for
-            // longer than member_ttl, so every member key may have expired or been lost with
-            // Redis's data): the others may not have re-announced themselves yet. Wait for the
-            // view to settle before acquiring, or the first instance back takes every partition
-            // and then hands most of them over again.
-            if self.last_heartbeat.is_none_or(|t| t.elapsed() >= s.ownership.member_ttl) {
-                self.rejoined_at = Some(Instant::now());
-            }
-            self.last_heartbeat = Some(Instant::now());
-            if *m != self.view {
-                info!(members = ?m, "membership changed");
-                metrics::rebalanced();
-                self.view = m.clone();
-                self.view_since = Instant::now();
-            }
-            metrics::members(m.len());
+        let s = &self.settings.ownership;
+        // Blind until now (first heartbeat of this session, or Redis was unreachable for longer
+        // than member_ttl, so every heartbeat may have expired or been lost with Redis's data):
+        // the others may not have re-announced themselves yet. Wait for the view to settle
+        // before acquiring, or the first instance back takes every partition and then hands most
+        // of them over again.
+        if self.last_heartbeat.is_none_or(|t| t.elapsed() >= s.member_ttl) {
+            self.rejoined_at = Some(Instant::now());
         }
+        self.last_heartbeat = Some(Instant::now());
+        if members != self.view {
+            info!(members = ?members, "membership changed");
+            metrics::rebalanced();
+            self.view = members.clone();
+            self.view_since = Instant::now();
+        }
+        metrics::members(members.len());
+        Some(members)
+    }
 
-        // 2. Renew.
-        let renew_due = self.last_renew_round.is_none_or(|t| t.elapsed() >= s.ownership.renew_interval);
-        if renew_due && !self.owned.is_empty() {
-            self.last_renew_round = Some(Instant::now());
-            let sent = Instant::now();
-            let checks = self.owned.iter().map(|(p, o)| {
-                let leases = self.leases.clone();
-                let (p, epoch) = (*p, o.epoch);
-                async move { (p, leases.renew(p, epoch).await) }
-            });
-            for (p, res) in futures_util::future::join_all(checks).await {
-                let Some(o) = self.owned.get_mut(&p) else { continue };
-                match res {
-                    Ok(true) => {
-                        metrics::lease_op("renew", "ok");
-                        o.renewed_at = sent;
-                        o.clock.extend_to(sent + s.ownership.renew_deadline);
-                    }
-                    Ok(false) => {
-                        metrics::lease_op("renew", "lost");
-                        warn!(partition = p, epoch = o.epoch, "lease lost (held by another instance); aborting partition");
-                        self.abort(p);
-                    }
-                    Err(e) => {
-                        metrics::lease_op("renew", "error");
-                        warn!(partition = p, error = %e, "lease renewal failed; retrying until the renew deadline");
-                    }
+    /// Step 2, assignment: the partitions this instance should own (none while stopping).
+    fn desired(&self, stopping: bool) -> BTreeSet<u32> {
+        if stopping || self.view.is_empty() {
+            return BTreeSet::new();
+        }
+        desired_partitions(self.settings.amqp.partitions.get(), &self.view, &self.settings.instance_name)
+    }
+
+    /// Step 3, renewals: every `renew_interval`, renew every owned lease, all concurrently (one
+    /// round trip in all on the multiplexed connection, so a slow Redis delays every renewal by
+    /// one command's latency, not by one per partition). A lease found taken is aborted.
+    async fn renew_leases(&mut self) {
+        let s = self.settings.clone();
+        let due = self.last_renew_round.is_none_or(|t| t.elapsed() >= s.ownership.renew_interval);
+        if !due || self.owned.is_empty() {
+            return;
+        }
+        self.last_renew_round = Some(Instant::now());
+        let sent = Instant::now();
+        let leases = &self.leases;
+        let renewals = self.owned.iter().map(|(p, o)| {
+            let (p, epoch) = (*p, o.epoch);
+            async move { (p, leases.renew(p, epoch).await) }
+        });
+        for (p, res) in futures_util::future::join_all(renewals).await {
+            let Some(o) = self.owned.get_mut(&p) else { continue };
+            match res {
+                Ok(true) => {
+                    metrics::lease_op("renew", "ok");
+                    o.renewed_at = sent;
+                    o.clock.extend_to(sent + s.ownership.renew_deadline);
+                }
+                Ok(false) => {
+                    metrics::lease_op("renew", "lost");
+                    warn!(partition = p, epoch = o.epoch, "lease lost (held by another instance); aborting partition");
+                    self.abort(p);
+                }
+                Err(e) => {
+                    metrics::lease_op("renew", "error");
+                    self.reconnect_due |= e.is_failover();
+                    warn!(partition = p, error = %e, "lease renewal failed; retrying until the renew deadline");
                 }
             }
         }
-        // Renew deadline, on the monotonic clock from the send time of the last success.
-        let expired: Vec<u32> = self
-            .owned
-            .iter()
-            .filter(|(_, o)| o.renewed_at.elapsed() >= s.ownership.renew_deadline)
-            .map(|(p, _)| *p)
-            .collect();
+    }
+
+    /// Aborts every partition whose renew deadline (on the monotonic clock, from the send time of
+    /// the last successful acquire/renew) has passed.
+    fn abort_expired(&mut self) {
+        let deadline = self.settings.ownership.renew_deadline;
+        let expired: Vec<u32> = self.owned.iter().filter(|(_, o)| o.renewed_at.elapsed() >= deadline).map(|(p, _)| *p).collect();
         for p in expired {
             warn!(partition = p, "renew deadline passed without a successful renewal; aborting partition");
             metrics::lease_op("renew", "expired");
             self.abort(p);
         }
+    }
 
-        // 3. Reap workers that ended: drained (handoff, shutdown) or failed (channel closed under
-        // them). Their leases are still valid (expired ones were aborted just above), so release
-        // them — concurrently: one slow Redis command must not hold up the others.
+    /// Step 4a, releases: reaps workers that ended — drained (handoff, shutdown) or failed
+    /// (channel closed under them). Their leases are still valid (expired ones were aborted just
+    /// before), so release them, concurrently: one slow Redis command must not hold up the others.
+    async fn release_finished(&mut self) {
         let finished: Vec<u32> = self.owned.iter().filter(|(_, o)| o.task.is_finished()).map(|(p, _)| *p).collect();
         let mut releases = Vec::with_capacity(finished.len());
         for p in finished {
@@ -368,58 +299,72 @@ impl Ownership {
             let this = &*self;
             futures_util::future::join_all(releases.into_iter().map(|(p, epoch)| this.release(p, epoch))).await;
         }
+    }
 
-        // 4. Hand over / drain.
-        let settled = self.view_since.elapsed() >= s.ownership.settle_time;
-        let desired = if stopping || self.view.is_empty() {
-            BTreeSet::new()
-        } else {
-            desired_partitions(s.amqp.partitions.get(), &self.view, me)
-        };
+    /// Step 4b, handovers: drains every partition while stopping; otherwise revokes the partitions
+    /// this instance should no longer own, once the view has been stable for `settle_time`.
+    fn hand_over(&mut self, desired: &BTreeSet<u32>, stopping: bool, heartbeat_ok: bool) {
+        let settled = self.view_since.elapsed() >= self.settings.ownership.settle_time;
         for (p, o) in self.owned.iter_mut() {
             if stopping {
                 if !o.stop.drain.is_cancelled() {
                     o.stop.drain.cancel();
                 }
-            } else if settled && !desired.contains(p) && !o.handing_over && members.is_some() {
+            } else if settled && heartbeat_ok && !desired.contains(p) && !o.handing_over {
                 info!(partition = p, "handing partition over to its desired owner");
                 o.handing_over = true;
                 o.stop.revoke.cancel();
             }
         }
+    }
 
-        // 5. Acquire free leases of desired partitions. Acquiring a free lease is always safe and
-        // nobody works on that partition meanwhile, so this does not wait for the view to settle
-        // (that would add settle_time to every takeover) — except right after this instance was
-        // blind (see step 1).
-        if self.rejoined_at.is_some_and(|t| t.elapsed() >= s.ownership.settle_time) {
+    /// Whether acquisitions may run: always, except within `settle_time` of a rejoin after a
+    /// blind period (see [`Self::refresh_membership`]). Acquiring a free lease is always safe and
+    /// nobody works on that partition meanwhile, so this does not otherwise wait for the view to
+    /// settle (that would add settle_time to every takeover).
+    fn settled_after_rejoin(&mut self) -> bool {
+        if self.rejoined_at.is_some_and(|t| t.elapsed() >= self.settings.ownership.settle_time) {
             self.rejoined_at = None;
         }
-        if !stopping && members.is_some() && self.rejoined_at.is_none() {
-            let wanted: Vec<u32> = desired.iter().copied().filter(|p| !self.owned.contains_key(p)).collect();
-            for p in wanted {
-                let sent = Instant::now();
-                match self.leases.acquire(p).await {
-                    Ok(Acquire::Acquired(epoch)) => {
-                        metrics::lease_op("acquire", "ok");
-                        self.start(conn, p, epoch, sent);
-                    }
-                    Ok(Acquire::Busy(_)) => metrics::lease_op("acquire", "busy"),
-                    Err(e) => {
-                        metrics::lease_op("acquire", "error");
+        self.rejoined_at.is_none()
+    }
+
+    /// Step 5, acquisitions: tries every desired partition not owned yet, all concurrently, and
+    /// starts a worker for each lease acquired.
+    async fn acquire_desired(&mut self, conn: &Arc<Connection>, desired: &BTreeSet<u32>, shutdown: &CancellationToken) {
+        let wanted: Vec<u32> = desired.iter().copied().filter(|p| !self.owned.contains_key(p)).collect();
+        if wanted.is_empty() {
+            return;
+        }
+        let sent = Instant::now();
+        let leases = &self.leases;
+        let attempts = futures_util::future::join_all(wanted.into_iter().map(|p| async move { (p, leases.acquire(p).await) })).await;
+        let mut failed = 0usize;
+        for (p, res) in attempts {
+            match res {
+                Ok(Acquire::Acquired(epoch)) => {
+                    metrics::lease_op("acquire", "ok");
+                    self.start(conn, p, epoch, sent, shutdown);
+                }
+                Ok(Acquire::Busy(_)) => metrics::lease_op("acquire", "busy"),
+                Err(e) => {
+                    metrics::lease_op("acquire", "error");
+                    self.reconnect_due |= e.is_failover();
+                    if failed == 0 {
                         warn!(partition = p, error = %e, "lease acquisition failed");
-                        break;
                     }
+                    failed += 1;
                 }
             }
         }
-        metrics::partitions_owned(self.owned.len());
-        members.is_some()
+        if failed > 1 {
+            warn!(partitions = failed, "lease acquisitions failed this round");
+        }
     }
 
-    fn start(&mut self, conn: &Arc<Connection>, p: u32, epoch: u64, sent: Instant) {
+    fn start(&mut self, conn: &Arc<Connection>, p: u32, epoch: u64, sent: Instant, shutdown: &CancellationToken) {
         let clock = Arc::new(LeaseClock::new(sent + self.settings.ownership.renew_deadline));
-        let stop = StopSignals::default();
+        let stop = StopSignals { drain: shutdown.child_token(), revoke: CancellationToken::new(), abort: CancellationToken::new() };
         let ctx = PartitionContext { partition: p, epoch, settings: self.settings.clone(), llm: self.llm.clone(), lease: clock.clone() };
         let conn = conn.clone();
         let worker_stop = stop.clone();
@@ -479,105 +424,31 @@ impl Ownership {
         metrics::partitions_owned(0);
     }
 
-    /// Deletes this process's member key (only if it is still ours).
-    async fn leave(&self) {
-        let key = member_key(&self.settings.redis.key_prefix, &self.settings.instance_name);
-        let script = redis::Script::new("if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0");
-        let mut r = self.redis.clone();
-        let res: Result<Result<i64, redis::RedisError>, _> =
-            tokio::time::timeout(self.settings.redis.command_timeout, script.key(key).arg(&self.nonce).invoke_async(&mut r)).await;
-        if !matches!(res, Ok(Ok(_))) {
-            warn!("could not delete the member key; it expires after member_ttl");
-        }
-    }
-
-    /// Partitions currently owned, with their epochs.
-    pub fn owned(&self) -> Vec<(u32, u64)> {
-        self.owned.iter().map(|(p, o)| (*p, o.epoch)).collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn names(prefix: &str, n: usize) -> Vec<String> {
-        (0..n).map(|i| format!("{prefix}-{i}")).collect()
-    }
-
-    fn loads(owner: &[Option<usize>], m: usize) -> Vec<usize> {
-        let mut l = vec![0; m];
-        for o in owner {
-            l[o.expect("every partition has an owner")] += 1;
-        }
-        l
-    }
-
-    #[test]
-    fn every_partition_gets_one_owner_and_loads_differ_by_at_most_one() {
-        for p in [1u32, 7, 16, 24, 64, 100] {
-            for m in 1..=9 {
-                let members = names(&format!("host{p}x{m}"), m);
-                let l = loads(&assignment(p, &members), m);
-                assert_eq!(l.iter().sum::<usize>(), p as usize);
-                let (lo, hi) = (*l.iter().min().unwrap(), *l.iter().max().unwrap());
-                assert!(hi - lo <= 1, "P={p} M={m}: loads {l:?}");
-            }
-        }
-        assert!(assignment(8, &Vec::<String>::new()).iter().all(Option::is_none));
-    }
-
-    #[test]
-    fn assignment_depends_on_the_set_of_names_only() {
-        let members = names("node", 5);
-        let mut shuffled = members.clone();
-        shuffled.reverse();
-        shuffled.swap(0, 2);
-        let by_name = |ms: &[String]| -> Vec<String> { assignment(64, ms).into_iter().map(|o| ms[o.unwrap()].clone()).collect() };
-        assert_eq!(by_name(&members), by_name(&shuffled));
-        for me in &members {
-            assert_eq!(desired_partitions(64, &members, me), desired_partitions(64, &shuffled, me));
-        }
-    }
-
-    /// A join or a leave moves few partitions: at most twice the unavoidable share (measured
-    /// 1.2–1.5× on average, see [`assignment`]).
-    #[test]
-    fn join_and_leave_move_few_partitions_and_rejoin_restores() {
-        for (p, m) in [(24u32, 3usize), (32, 4), (64, 3), (64, 8)] {
-            for trial in 0..20 {
-                let before = names(&format!("t{trial}"), m);
-                let mut joined = before.clone();
-                joined.push(format!("t{trial}-new"));
-                let name_of = |ms: &[String]| -> Vec<String> { assignment(p, ms).into_iter().map(|o| ms[o.unwrap()].clone()).collect() };
-                let a = name_of(&before);
-                let b = name_of(&joined);
-                let moved = a.iter().zip(&b).filter(|(x, y)| x != y).count();
-                let ideal = (p as usize).div_ceil(m + 1);
-                assert!(moved <= 2 * ideal, "P={p} M={m}→{}: {moved} moved, ideal {ideal}", m + 1);
-                // Deterministic: the same members give the same answer (a restarted instance
-                // with the same name gets its partitions back).
-                assert_eq!(name_of(&before), a, "deterministic");
-                let left: Vec<String> = before[1..].to_vec();
-                let c = name_of(&left);
-                let moved = a.iter().zip(&c).filter(|(x, y)| x != y).count();
-                let ideal = (p as usize).div_ceil(m);
-                assert!(moved <= 2 * ideal, "P={p} M={m}→{}: {moved} moved, ideal {ideal}", m - 1);
+    /// Leaves the member set ([`Membership::leave`]); on failure the entry expires after
+    /// `member_ttl`.
+    async fn leave(&mut self) {
+        match self.membership.leave().await {
+            Ok(_) => {}
+            Err(e) => {
+                self.reconnect_due |= e.is_failover();
+                warn!(error = %e, "could not leave the member set; this member expires after member_ttl");
             }
         }
     }
 
-    #[test]
-    fn desired_partitions_partition_the_space() {
-        let members = names("m", 3);
-        let mut all = BTreeSet::new();
-        for me in &members {
-            let d = desired_partitions(24, &members, me);
-            assert_eq!(d.len(), 8);
-            assert!(all.is_disjoint(&d));
-            all.extend(d);
+    /// Opens a new Redis connection after a failover (`READONLY`): the old one may still reach
+    /// the demoted node. On failure the next round tries again.
+    async fn reconnect_redis(&mut self) {
+        let r = &self.settings.redis;
+        match tokio::time::timeout(r.command_timeout * 2, lease::connect(r)).await {
+            Ok(Ok(conn)) => {
+                self.reconnect_due = false;
+                self.leases.set_connection(conn.clone());
+                self.membership.set_connection(conn);
+                info!("Redis answered READONLY (failover); reconnected");
+            }
+            Ok(Err(e)) => warn!(error = %e, "Redis reconnect after READONLY failed; retrying next round"),
+            Err(_) => warn!("Redis reconnect after READONLY timed out; retrying next round"),
         }
-        assert_eq!(all.len(), 24);
-        assert!(desired_partitions(24, &members, "stranger").is_empty());
     }
 }

@@ -12,8 +12,8 @@
 //! - `abort` (lease lost): close the channel at once — the broker requeues every unacked
 //!   delivery in order — abort in-flight LLM calls and drop their unpublished results.
 //!
-//! Before publishing any result, and again before acking, the worker checks its local lease
-//! deadline ([`LeaseClock`]); a worker whose lease may have expired (e.g. after a SIGSTOP)
+//! Before publishing any result, and again before acking ([`publisher::publish_result`]), the
+//! worker checks its local lease deadline ([`LeaseClock`]); a worker whose lease may have expired (e.g. after a SIGSTOP)
 //! publishes and acks nothing. The worker also stops by itself at that deadline, like an `abort`,
 //! without waiting for the owner to notice (the owner's loop may be stuck on an unreachable
 //! Redis): consumption stops within the renew deadline whatever happens to the rest.
@@ -22,16 +22,13 @@
 //! result with a lower epoch than one already seen for its partition is stale) and `x-instance`
 //! (the instance name), so consumers and tests can build an ownership log from results alone.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection};
-use serde_json::Value;
+use lapin::{Channel, Connection};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -40,67 +37,11 @@ use tracing::{debug, info, info_span, warn, Instrument};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
 use crate::keying::{derive_key, PrefixKey};
-use crate::llm::{ErrorKind, InferenceItem, LlmClient};
+use crate::lease::LeaseClock;
+use crate::llm::{InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, header_str, header_u64, PublishError, HEADER_PARTITION, HEADER_PARTITION_EPOCH, HEADER_PREFIX_KEY, HEADER_REQUEST_ID, HEADER_SHARD};
-use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs};
-
-/// Header naming the instance that produced a result.
-pub const HEADER_INSTANCE: &str = "x-instance";
-
-/// The local view of a lease's validity: consuming and publishing are allowed only before
-/// `valid_until` (monotonic), which the owner moves forward to `renew_sent + renew_deadline` after
-/// every successful renewal. Once invalidated (lease lost) it stays invalid.
-#[derive(Debug)]
-pub struct LeaseClock {
-    base: std::time::Instant,
-    valid_until_ms: AtomicU64,
-    revoked: AtomicBool,
-}
-
-impl LeaseClock {
-    /// A clock valid until `deadline`.
-    pub fn new(deadline: std::time::Instant) -> Self {
-        let base = std::time::Instant::now();
-        let c = LeaseClock { base, valid_until_ms: AtomicU64::new(0), revoked: AtomicBool::new(false) };
-        c.extend_to(deadline);
-        c
-    }
-    /// Moves the deadline (only forward).
-    pub fn extend_to(&self, deadline: std::time::Instant) {
-        let ms = deadline.saturating_duration_since(self.base).as_millis() as u64;
-        self.valid_until_ms.fetch_max(ms, Ordering::SeqCst);
-    }
-    /// Ends validity now, for good: a later [`extend_to`](Self::extend_to) does not revive it.
-    pub fn invalidate(&self) {
-        self.revoked.store(true, Ordering::SeqCst);
-        self.valid_until_ms.store(0, Ordering::SeqCst);
-    }
-    /// Whether the lease is still valid.
-    pub fn is_valid(&self) -> bool {
-        !self.revoked.load(Ordering::SeqCst) && (self.base.elapsed().as_millis() as u64) < self.valid_until_ms.load(Ordering::SeqCst)
-    }
-    /// The current deadline (monotonic); in the past once invalid.
-    pub fn deadline(&self) -> std::time::Instant {
-        if self.revoked.load(Ordering::SeqCst) {
-            return self.base;
-        }
-        self.base + std::time::Duration::from_millis(self.valid_until_ms.load(Ordering::SeqCst))
-    }
-    /// Completes when the lease is no longer valid (deadline passed or invalidated). It wakes at
-    /// the current deadline and re-checks, since renewals move the deadline forward meanwhile.
-    pub async fn expired(&self) {
-        loop {
-            if !self.is_valid() {
-                return;
-            }
-            // Wake at the deadline, and at least every second: an invalidation does not move the
-            // deadline forward, and the extra wake-ups cost nothing.
-            let at = self.deadline().min(std::time::Instant::now() + std::time::Duration::from_secs(1));
-            tokio::time::sleep_until(Instant::from_std(at)).await;
-        }
-    }
-}
+use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
+use crate::request::{Request, TimingsMs};
 
 /// Everything one partition worker needs.
 #[derive(Clone)]
@@ -135,10 +76,6 @@ struct Pending {
     enqueued_unix_ms: Option<u64>,
 }
 
-fn unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
 /// Runs the partition until stopped. Returns an error when the channel or connection fails.
 pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) -> Result<(), lapin::Error> {
     let s = &ctx.settings;
@@ -155,35 +92,13 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
 
     let cap = s.batching.channel_capacity.get();
     let (item_tx, item_rx) = mpsc::channel::<(PrefixKey, Pending)>(cap);
-    let (batch_tx, mut batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
+    let (batch_tx, batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
     let cfg = BatchConfig { max_batch_size: s.batching.max_batch_size, max_batch_wait: s.batching.max_batch_wait };
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
 
-    // Executor: one task per batch; the LLM client's per-endpoint semaphore bounds the calls.
-    let exec_ctx = ctx.clone();
-    let exec_ch = ch.clone();
-    let exec_abort = stop.abort.clone();
-    let executor = tokio::spawn(async move {
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut seq = 0u64;
-        loop {
-            tokio::select! {
-                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-                batch = batch_rx.recv() => match batch {
-                    Some(batch) => {
-                        seq += 1;
-                        let batch_id = format!("{}-{}-{}", exec_ctx.partition, exec_ctx.epoch, seq);
-                        let span = info_span!("batch", partition = exec_ctx.partition, batch_id = %batch_id, key = %batch.key);
-                        tasks.spawn(process_batch(exec_ctx.clone(), exec_ch.clone(), batch, batch_id, exec_abort.clone()).instrument(span));
-                    }
-                    None => break,
-                },
-            }
-        }
-        while tasks.join_next().await.is_some() {}
-    });
+    let executor = tokio::spawn(execute(ctx.clone(), ch.clone(), batch_rx, stop.abort.clone()));
 
     // Intake.
     let keyed = s.keying.mode == KeyingMode::Prefix;
@@ -239,52 +154,47 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
     Ok(())
 }
 
-/// Parses a delivery from a partition queue. The router validated it already; a message that
-/// still fails (e.g. published straight to a partition queue) is dead-lettered and acked here.
-async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery) -> Option<Pending> {
-    let s = &ctx.settings;
-    let props = &delivery.properties;
-    let headers = props.headers().as_ref();
-    let prefix_header = header_str(headers, HEADER_PREFIX_KEY);
-    let env = Envelope { message_id: props.message_id().as_ref().map(|m| m.as_str()), prefix_key_header: prefix_header.as_deref() };
-    match parse(&delivery.data, &env, s.amqp.max_message_bytes) {
-        Ok(req) => {
-            metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
-            let key = derive_key(&req, &s.keying).key;
-            let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
-            let now_ms = unix_ms();
-            // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin)
-            // set header `timestamp_in_ms`; else the AMQP `timestamp`, whole seconds only.
-            let enqueued_unix_ms = header_u64(headers, publisher::HEADER_TIMESTAMP_MS).or_else(|| props.timestamp().map(|t| t.saturating_mul(1000)));
-            let queued_ms = enqueued_unix_ms.map_or(0, |t| now_ms.saturating_sub(t));
-            Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms })
-        }
-        Err(err) => {
-            warn!(partition = ctx.partition, reason = err.reason(), "dead-lettering request found in a partition queue");
-            if !ctx.lease.is_valid() {
-                return None;
-            }
-            let dl = publisher::dead_letter(
-                ch,
-                &s.amqp.dead_letter_exchange,
-                &delivery.data,
-                props,
-                err.reason(),
-                &err.to_string(),
-                s.amqp.confirm_timeout,
-            )
-            .await;
-            match dl {
-                Ok(()) => {
-                    if delivery.acker.ack(BasicAckOptions::default()).await.is_ok() {
-                        metrics::dead_lettered(err.reason());
-                    }
+/// The executor: one task per batch until the batcher's output closes, then waits for them all.
+/// The LLM client's per-endpoint semaphore bounds the concurrent calls.
+async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>, abort: CancellationToken) {
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut seq = 0u64;
+    loop {
+        tokio::select! {
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            batch = batch_rx.recv() => match batch {
+                Some(batch) => {
+                    seq += 1;
+                    let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
+                    let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
+                    tasks.spawn(process_batch(ctx.clone(), ch.clone(), batch, batch_id, abort.clone()).instrument(span));
                 }
-                Err(e) => warn!(error = %e, "dead-letter publish failed; the message stays unacked"),
-            }
-            None
+                None => break,
+            },
         }
     }
+    while tasks.join_next().await.is_some() {}
+}
+
+/// Parses a delivery from a partition queue. The router validated it already; a message that
+/// still fails (e.g. published straight to a partition queue) is dead-lettered and acked
+/// ([`publisher::parse_or_dead_letter`]), or left unacked while the lease is not valid.
+async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery) -> Option<Pending> {
+    let s = &ctx.settings;
+    let (req, delivery) = match publisher::parse_or_dead_letter(ch, &s.amqp, delivery, Some(&ctx.lease)).await {
+        Intake::Valid(req, delivery) => (req, delivery),
+        Intake::DeadLettered | Intake::Unacked(_) => return None,
+    };
+    metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
+    let headers = delivery.properties.headers().as_ref();
+    let key = derive_key(&req, &s.keying).key;
+    let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
+    // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin) set
+    // header `timestamp_in_ms`; else the AMQP `timestamp`, whole seconds only.
+    let enqueued_unix_ms =
+        header_u64(headers, HEADER_TIMESTAMP_MS).or_else(|| delivery.properties.timestamp().map(|t| t.saturating_mul(1000)));
+    let queued_ms = enqueued_unix_ms.map_or(0, |t| unix_ms().saturating_sub(t));
+    Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms })
 }
 
 /// Runs one batch: LLM call, then one confirmed result per request, then its ack.
@@ -314,88 +224,15 @@ async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
         return; // lease lost: the channel is closing and the broker requeues these requests
     }
 
-    let publishes = batch.items.into_iter().zip(results).map(|(pending, res)| {
+    let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
+    let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
+    let publishes = batch.items.into_iter().zip(results).filter_map(|(pending, answer)| {
         let batch_wait = flushed.saturating_duration_since(pending.received).as_millis() as u64;
         let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms };
-        let base = RequestResult {
-            id: pending.req.id.clone(),
-            ok: false,
-            output: Value::Null,
-            finish_reason: None,
-            usage: None,
-            model: None,
-            prefix_key: pending.key.to_string(),
-            shard: pending.shard,
-            partition: ctx.partition,
-            batch_id: batch_id.clone(),
-            batch_size: n,
-            timings_ms: timings,
-            error: None,
-        };
-        let result = match res {
-            Ok(c) => RequestResult { ok: true, output: c.output, finish_reason: c.finish_reason, usage: c.usage, model: c.model, ..base },
-            Err(e) if e.kind == ErrorKind::Cancelled => return None,
-            Err(e) => RequestResult { error: Some(ResultError { kind: e.kind.as_str().to_owned(), message: e.message }), ..base },
-        };
+        let result = publisher::shape_result(info, pending.req.id.clone(), pending.key.to_string(), pending.shard, timings, answer)?;
         let span = info_span!("request", request_id = %result.id, shard = pending.shard);
-        Some(publish_and_ack(&ctx, &ch, pending, result).instrument(span))
+        let publish = publisher::publish_result(&ch, &ctx.settings.amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms);
+        Some(publish.instrument(span))
     });
-    let publishes: Vec<_> = publishes.flatten().collect();
-    futures_util::future::join_all(publishes).await;
-}
-
-async fn publish_and_ack(ctx: &PartitionContext, ch: &Channel, pending: Pending, result: RequestResult) {
-    let s = &ctx.settings;
-    if !ctx.lease.is_valid() {
-        warn!(partition = ctx.partition, epoch = ctx.epoch, request_id = %result.id, "lease deadline passed; not publishing");
-        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
-        return;
-    }
-    let body = serde_json::to_vec(&result).expect("result serializes");
-    let props = &pending.delivery.properties;
-    let correlation = props.correlation_id().clone().unwrap_or_else(|| result.id.as_str().into());
-    let out_props = BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(publisher::PERSISTENT)
-        .with_correlation_id(correlation)
-        .with_message_id(format!("{}:result", result.id).into())
-        .with_timestamp(unix_ms() / 1000)
-        .with_headers(publisher::headers_with(
-            None,
-            &[
-                (HEADER_REQUEST_ID, result.id.clone()),
-                (HEADER_PARTITION_EPOCH, ctx.epoch.to_string()),
-                (HEADER_PARTITION, ctx.partition.to_string()),
-                (HEADER_INSTANCE, s.instance_name.clone()),
-            ],
-        ));
-    let t = s.amqp.confirm_timeout;
-    let reply_to = props.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
-    let mut published = match &reply_to {
-        Some(rt) => publisher::publish_confirmed(ch, "", rt, &body, out_props.clone(), t).await,
-        None => publisher::publish_confirmed(ch, "", &s.amqp.results_queue, &body, out_props.clone(), t).await,
-    };
-    if let (Err(PublishError::Unroutable { .. }), Some(rt)) = (&published, &reply_to) {
-        warn!(request_id = %result.id, reply_to = %rt, "reply queue does not exist; publishing the result to the results queue");
-        published = publisher::publish_confirmed(ch, "", &s.amqp.results_queue, &body, out_props, t).await;
-    }
-    if let Err(e) = published {
-        warn!(request_id = %result.id, error = %e, "result not confirmed; the request stays unacked and will be redelivered");
-        return;
-    }
-    if !ctx.lease.is_valid() {
-        // Published but not acked: the successor will process it again (a counted duplicate,
-        // detectable by the older x-partition-epoch).
-        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
-        return;
-    }
-    if let Err(e) = pending.delivery.acker.ack(BasicAckOptions::default()).await {
-        warn!(request_id = %result.id, error = %e, "ack failed; the request will be redelivered (duplicate result)");
-        return;
-    }
-    metrics::requests(stage::PUBLISHER, if result.ok { outcome::PROCESSED } else { outcome::FAILED }, 1);
-    debug!(ok = result.ok, "result published and request acked");
-    if let Some(t0) = pending.enqueued_unix_ms {
-        metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
-    }
+    futures_util::future::join_all(publishes.collect::<Vec<_>>()).await;
 }

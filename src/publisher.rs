@@ -1,14 +1,33 @@
-//! Publishing with publisher confirms: results, dead letters and forwarded requests.
+//! The publisher stage: result shaping, publishing with publisher confirms (results, dead
+//! letters, forwarded requests) and the ack that follows.
 //!
 //! Every publish here waits for the broker's confirm (<https://www.rabbitmq.com/docs/confirms>)
-//! before the caller acks the message that caused it: at-least-once end to end. Publishes are
+//! before the message that caused it is acked: at-least-once end to end. Publishes are
 //! `mandatory`, so a message that no queue takes is returned instead of silently dropped.
+//!
+//! - [`parse_or_dead_letter`]: the one intake check of the router and the partition consumers —
+//!   parse a delivery, or dead-letter it (confirmed) and ack it.
+//! - [`shape_result`] + [`publish_result`]: a request's result goes to its `reply_to` queue, or to
+//!   `amqp.results_queue` when it has none or that queue does not exist; the lease is checked
+//!   before the publish and again before the ack, so a worker whose lease may have expired
+//!   publishes and acks nothing (see [`crate::lease`]).
+//!
+//! Every header name the daemon reads or writes is a constant here (`x-…` and `timestamp_in_ms`).
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use lapin::options::BasicPublishOptions;
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
+use serde_json::Value;
+use tracing::{debug, warn};
+
+use crate::config::AmqpSettings;
+use crate::lease::LeaseClock;
+use crate::llm::{Completion, ErrorKind, LlmError};
+use crate::metrics::{self, outcome, stage};
+use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs};
 
 /// Header carrying the dead-letter reason (a stable kind, see [`crate::request::DEAD_LETTER_REASONS`]).
 pub const HEADER_DEATH_REASON: &str = "x-death-reason";
@@ -20,6 +39,8 @@ pub const HEADER_REQUEST_ID: &str = "x-request-id";
 pub const HEADER_PARTITION_EPOCH: &str = "x-partition-epoch";
 /// Header carrying the partition on results.
 pub const HEADER_PARTITION: &str = "x-partition";
+/// Header naming the instance that produced a result.
+pub const HEADER_INSTANCE: &str = "x-instance";
 /// Header of an explicit prefix key on requests.
 pub const HEADER_PREFIX_KEY: &str = "x-prefix-key";
 /// Header set by the router on forwarded requests: the chosen shard.
@@ -132,4 +153,178 @@ pub async fn dead_letter(
     );
     let props = props.clone().with_headers(headers).with_delivery_mode(PERSISTENT);
     publish_confirmed(ch, dead_letter_exchange, "", body, props, timeout).await
+}
+
+/// Now as Unix milliseconds (0 if the system clock is before 1970).
+pub fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// What [`parse_or_dead_letter`] did with a delivery.
+#[derive(Debug)]
+pub enum Intake {
+    /// A valid request, with its delivery still to be acked.
+    Valid(Request, Delivery),
+    /// Invalid: dead-lettered (confirmed) and acked; nothing more to do.
+    DeadLettered,
+    /// Invalid, but the dead letter was not confirmed (or the lease was no longer valid, so
+    /// nothing was published): the delivery is returned unacked for the caller to requeue or drop.
+    Unacked(Delivery),
+}
+
+/// Parses a delivery against the message contract ([`crate::request::parse`], with the
+/// `message_id` property and the `x-prefix-key` header). A request that breaks the contract is
+/// published to `amqp.dead_letter_exchange` with its reason ([`dead_letter`]), and acked once
+/// that publish is confirmed. With `lease`, the dead letter is published only while the lease is
+/// valid.
+pub async fn parse_or_dead_letter(ch: &Channel, amqp: &AmqpSettings, delivery: Delivery, lease: Option<&LeaseClock>) -> Intake {
+    let props = &delivery.properties;
+    let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
+    let env = Envelope { message_id: props.message_id().as_ref().map(|m| m.as_str()), prefix_key_header: prefix_header.as_deref() };
+    let err = match parse(&delivery.data, &env, amqp.max_message_bytes) {
+        Ok(req) => return Intake::Valid(req, delivery),
+        Err(err) => err,
+    };
+    let reason = err.reason();
+    warn!(reason, detail = %err, "dead-lettering request");
+    if lease.is_some_and(|l| !l.is_valid()) {
+        return Intake::Unacked(delivery);
+    }
+    let detail = err.to_string();
+    if let Err(e) = dead_letter(ch, &amqp.dead_letter_exchange, &delivery.data, props, reason, &detail, amqp.confirm_timeout).await {
+        warn!(error = %e, "dead-letter publish not confirmed; the message is not acked");
+        return Intake::Unacked(delivery);
+    }
+    match delivery.acker.ack(BasicAckOptions::default()).await {
+        Ok(_) => metrics::dead_lettered(reason),
+        Err(e) => warn!(error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
+    }
+    Intake::DeadLettered
+}
+
+/// What the results of one batch share.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchInfo<'a> {
+    pub partition: u32,
+    /// `{partition}-{epoch}-{sequence}`.
+    pub batch_id: &'a str,
+    /// Requests in the batch.
+    pub batch_size: usize,
+}
+
+/// Builds the result of request `id` (prefix key as 16 hex digits, `shard`) from its LLM
+/// answer. `None` when the call was cancelled (lease lost): such a request gets no result, it
+/// returns to its queue.
+pub fn shape_result(
+    batch: BatchInfo<'_>,
+    id: String,
+    prefix_key: String,
+    shard: u32,
+    timings_ms: TimingsMs,
+    answer: Result<Completion, LlmError>,
+) -> Option<RequestResult> {
+    let base = RequestResult {
+        id,
+        ok: false,
+        output: Value::Null,
+        finish_reason: None,
+        usage: None,
+        model: None,
+        prefix_key,
+        shard,
+        partition: batch.partition,
+        batch_id: batch.batch_id.to_owned(),
+        batch_size: batch.batch_size,
+        timings_ms,
+        error: None,
+    };
+    Some(match answer {
+        Ok(c) => RequestResult { ok: true, output: c.output, finish_reason: c.finish_reason, usage: c.usage, model: c.model, ..base },
+        Err(e) if e.kind == ErrorKind::Cancelled => return None,
+        Err(e) => RequestResult { error: Some(ResultError { kind: e.kind.as_str().to_owned(), message: e.message }), ..base },
+    })
+}
+
+/// The partition tenure a result is published under.
+#[derive(Debug, Clone, Copy)]
+pub struct Tenure<'a> {
+    pub partition: u32,
+    /// Lease epoch (fencing token), sent as `x-partition-epoch`.
+    pub epoch: u64,
+    /// `instance.name`, sent as `x-instance`.
+    pub instance: &'a str,
+    /// The local lease deadline; nothing is published or acked once it is invalid.
+    pub lease: &'a LeaseClock,
+}
+
+/// Publishes `result` for the request of `delivery` and acks the delivery once the result is
+/// confirmed. The result goes to the request's `reply_to` queue, or to `amqp.results_queue` when
+/// it has none or that queue does not exist (unroutable). It carries `x-request-id`,
+/// `x-partition`, `x-partition-epoch` and `x-instance`. Not acked (so redelivered) when the
+/// publish is not confirmed, and nothing is published or acked once `tenure.lease` is invalid.
+/// `enqueued_unix_ms` (the request's publish time) feeds the end-to-end latency.
+pub async fn publish_result(
+    ch: &Channel,
+    amqp: &AmqpSettings,
+    tenure: Tenure<'_>,
+    delivery: Delivery,
+    result: RequestResult,
+    enqueued_unix_ms: Option<u64>,
+) {
+    if !tenure.lease.is_valid() {
+        warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
+        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
+        return;
+    }
+    let body = serde_json::to_vec(&result).expect("result serializes");
+    let props = &delivery.properties;
+    let out_props = result_props(props, &result.id, tenure);
+    let t = amqp.confirm_timeout;
+    let reply_to = props.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
+    let first = reply_to.as_deref().unwrap_or(&amqp.results_queue);
+    let mut published = publish_confirmed(ch, "", first, &body, out_props.clone(), t).await;
+    if let (Err(PublishError::Unroutable { .. }), Some(rt)) = (&published, &reply_to) {
+        warn!(request_id = %result.id, reply_to = %rt, "reply queue does not exist; publishing the result to the results queue");
+        published = publish_confirmed(ch, "", &amqp.results_queue, &body, out_props, t).await;
+    }
+    if let Err(e) = published {
+        warn!(request_id = %result.id, error = %e, "result not confirmed; the request stays unacked and will be redelivered");
+        return;
+    }
+    if !tenure.lease.is_valid() {
+        // Published but not acked: the successor will process it again (a counted duplicate,
+        // detectable by the older x-partition-epoch).
+        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
+        return;
+    }
+    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+        warn!(request_id = %result.id, error = %e, "ack failed; the request will be redelivered (duplicate result)");
+        return;
+    }
+    metrics::requests(stage::PUBLISHER, if result.ok { outcome::PROCESSED } else { outcome::FAILED }, 1);
+    debug!(ok = result.ok, "result published and request acked");
+    if let Some(t0) = enqueued_unix_ms {
+        metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
+    }
+}
+
+/// Properties of a result: JSON, persistent, the request's correlation id (default: its id), and
+/// the tenure headers.
+fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> BasicProperties {
+    let correlation = request.correlation_id().clone().unwrap_or_else(|| id.into());
+    BasicProperties::default()
+        .with_content_type("application/json".into())
+        .with_delivery_mode(PERSISTENT)
+        .with_correlation_id(correlation)
+        .with_message_id(format!("{id}:result").into())
+        .with_timestamp(unix_ms() / 1000)
+        .with_headers(headers_with(
+            None,
+            &[
+                (HEADER_REQUEST_ID, id.to_owned()),
+                (HEADER_PARTITION_EPOCH, tenure.epoch.to_string()),
+                (HEADER_PARTITION, tenure.partition.to_string()),
+                (HEADER_INSTANCE, tenure.instance.to_owned()),
+            ],
+        ))
 }

@@ -1,7 +1,7 @@
 //! The router: consumes the input queue (competing consumers: every instance runs one), keys each
 //! request and forwards it to its partition queue.
 //!
-//! Per delivery: parse → derive key → pick shard → partition → publish to the shard exchange with
+//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → derive key → pick shard → partition → publish to the shard exchange with
 //! routing key = partition, wait for the confirm → ack the input. Bad input is published to the
 //! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
 //! loop. Deliveries are handled concurrently; `amqp.input_prefetch` bounds how many.
@@ -19,8 +19,7 @@ use tracing::{debug, info, warn};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::{derive_key, partition_of, pick_shard, shards_for};
 use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, headers_with, header_str, HEADER_PREFIX_KEY, HEADER_SHARD};
-use crate::request::{parse, Envelope};
+use crate::publisher::{self, headers_with, Intake, HEADER_SHARD};
 
 /// Where one valid request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -84,56 +83,33 @@ pub async fn run(conn: &Connection, settings: Arc<Settings>, stop: CancellationT
     result
 }
 
+/// Handles one input delivery: parse (or dead-letter), route, forward with a confirm, ack.
+/// A delivery whose forward or dead letter is not confirmed is requeued.
 async fn handle(ch: &Channel, settings: &Settings, delivery: Delivery) {
     let a = &settings.amqp;
-    let props = &delivery.properties;
-    let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
-    let env = Envelope {
-        message_id: props.message_id().as_ref().map(|s| s.as_str()),
-        prefix_key_header: prefix_header.as_deref(),
+    let (req, delivery) = match publisher::parse_or_dead_letter(ch, a, delivery, None).await {
+        Intake::Valid(req, delivery) => (req, delivery),
+        Intake::DeadLettered => return,
+        Intake::Unacked(delivery) => return requeue(delivery).await,
     };
-    let outcome = match parse(&delivery.data, &env, a.max_message_bytes) {
-        Err(err) => {
-            let reason = err.reason();
-            warn!(reason, detail = %err, "dead-lettering request");
-            match publisher::dead_letter(ch, &a.dead_letter_exchange, &delivery.data, props, reason, &err.to_string(), a.confirm_timeout).await {
-                Ok(()) => Ok(Some(reason)),
-                Err(e) => Err(e),
-            }
-        }
-        Ok(req) => {
-            let r = route(&req, settings);
-            debug!(request_id = %r.request_id, key = %r.key_hex, material = %r.key_preview, shard = r.shard, partition = r.partition, "routing");
-            let fwd = forward_props(props, &r);
-            publisher::publish_confirmed(
-                ch,
-                &a.shard_exchange,
-                &AmqpSettings::partition_routing_key(r.partition),
-                &delivery.data,
-                fwd,
-                a.confirm_timeout,
-            )
-            .await
-            .map(|()| None)
-        }
-    };
-    match outcome {
-        Ok(dead) => {
-            if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-                warn!(error = %e, "input ack failed; the broker will redeliver");
-                return;
-            }
-            match dead {
-                Some(reason) => metrics::dead_lettered(reason),
-                None => metrics::requests(stage::ROUTER, outcome::ROUTED, 1),
-            }
-        }
-        Err(e) => {
-            // Not acked: requeue so another attempt (here or on another instance) can succeed.
-            warn!(error = %e, "forwarding failed; requeueing input");
-            let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
-        }
+    let r = route(&req, settings);
+    debug!(request_id = %r.request_id, key = %r.key_hex, material = %r.key_preview, shard = r.shard, partition = r.partition, "routing");
+    let fwd = forward_props(&delivery.properties, &r);
+    let rk = AmqpSettings::partition_routing_key(r.partition);
+    if let Err(e) = publisher::publish_confirmed(ch, &a.shard_exchange, &rk, &delivery.data, fwd, a.confirm_timeout).await {
+        warn!(error = %e, "forwarding failed; requeueing input");
+        return requeue(delivery).await;
     }
+    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+        warn!(error = %e, "input ack failed; the broker will redeliver");
+        return;
+    }
+    metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
+}
+
+/// Not acked: requeue so another attempt (here or on another instance) can succeed.
+async fn requeue(delivery: Delivery) {
+    let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
 }
 
 /// Properties of a forwarded request: the original ones, with `message_id` = request id (so every

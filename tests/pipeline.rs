@@ -11,7 +11,7 @@ use std::time::Duration;
 use common::*;
 use llm_fakes::fake::FakeLlm;
 use prefix_batcher::keying::{partition_of, PrefixKey};
-use prefix_batcher::ownership::desired_partitions;
+use prefix_batcher::keying::desired_partitions;
 use serde_json::{json, Value};
 
 /// 300 requests over 6 prefixes (4 derived completions prefixes, 1 explicit `prefix_key`, 1 chat

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use prefix_batcher::keying::{partition_of, prefix_chars, PrefixKey};
-use prefix_batcher::ownership::assignment;
+use prefix_batcher::keying::assignment;
 use llm_fakes::simulator::CacheModel;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};

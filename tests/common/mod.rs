@@ -850,7 +850,7 @@ pub mod cluster {
 
     /// The desired owner name of every partition among `members` (the daemon's own assignment).
     pub fn desired_owners(partitions: u32, members: &[String]) -> Vec<String> {
-        prefix_batcher::ownership::assignment(partitions, members)
+        prefix_batcher::keying::assignment(partitions, members)
             .into_iter()
             .map(|o| members[o.expect("members is not empty")].clone())
             .collect()

@@ -1,0 +1,187 @@
+//! Membership: which instances are alive, from their heartbeats in Redis.
+//!
+//! # Data layout
+//!
+//! Keys (with `P` = `redis.key_prefix`):
+//! - `P:members` — a sorted set of member names, each scored with the time its heartbeat expires:
+//!   the Redis clock (`TIME`) of its last heartbeat plus that member's own `member_ttl`, in
+//!   milliseconds. A member is live while its score is in `(now, +inf]`, read with
+//!   `ZRANGEBYSCORE`; every heartbeat removes the expired entries (`ZREMRANGEBYSCORE -inf now`).
+//!   Scoring by expiry rather than by heartbeat time keeps each member's own TTL, as a per-member
+//!   key with a TTL would: a reader configured with another `member_ttl` (a rolling config
+//!   change, or `status` run with a different config) sees the same members. The set itself
+//!   expires when the last heartbeat of anyone does, so a cluster that is gone leaves nothing
+//!   behind. Listing the members reads this one key, whatever the size of the keyspace (a `SCAN`
+//!   over a shared Redis with millions of keys takes seconds).
+//! - `P:member:{name}` = the boot nonce of the process heartbeating under `name`, with a TTL of
+//!   `member_ttl`. It tells two processes with the same name apart: a process that leaves removes
+//!   the name only while the nonce is still its own, so a stopping process never removes its
+//!   already-restarted successor; `status` shows the nonce.
+//!
+//! Operations, each one atomic Lua script (one round trip, no interleaving,
+//! <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
+//! - heartbeat: set the nonce key, `ZADD` the name with its expiry (Redis time + `member_ttl`),
+//!   drop expired names, and return the live names (sorted);
+//! - leave: if the nonce key is ours (or gone), delete it and `ZREM` the name;
+//! - list (for `status`): the live names and their nonces, read only.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::Script;
+
+/// Heartbeat: KEYS = [members, member], ARGV = [name, nonce, member_ttl_ms].
+/// Returns the live member names, sorted.
+const HEARTBEAT: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl)
+redis.call('ZADD', KEYS[1], string.format('%d', now + ttl), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))
+if redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf')
+table.sort(names)
+return names
+"#;
+
+/// Leave: KEYS = [members, member], ARGV = [name, nonce]. Returns 1 when removed, 0 when the name
+/// belongs to another process now.
+const LEAVE: &str = r#"
+local cur = redis.call('GET', KEYS[2])
+if cur and cur ~= ARGV[2] then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[1], ARGV[1])
+return 1
+"#;
+
+/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces}`, names
+/// sorted, a missing nonce as nil. The nonce keys are built from the names inside the script, as
+/// the names are not known before it runs.
+const LIST: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf')
+table.sort(names)
+local nonces = {}
+for i, n in ipairs(names) do
+  nonces[i] = redis.call('GET', ARGV[1] .. ':member:' .. n)
+end
+return {names, nonces}
+"#;
+
+/// Membership errors.
+#[derive(Debug, thiserror::Error)]
+pub enum MembershipError {
+    /// Redis unreachable or answered with an error.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// No answer within `redis.command_timeout`.
+    #[error("redis command timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+impl MembershipError {
+    /// Whether Redis answered `READONLY` (a failover, [`crate::lease::is_failover`]).
+    pub fn is_failover(&self) -> bool {
+        matches!(self, MembershipError::Redis(e) if crate::lease::is_failover(e))
+    }
+}
+
+/// Redis key of the member set (sorted set: name → heartbeat expiry, Redis time in ms).
+pub fn members_key(prefix: &str) -> String {
+    format!("{prefix}:members")
+}
+
+/// Redis key holding the boot nonce of the process heartbeating as `name`.
+pub fn member_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}:member:{name}")
+}
+
+/// One live member, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// Stable instance name.
+    pub name: String,
+    /// Boot nonce of the process heartbeating under that name; `None` if its key expired between
+    /// the heartbeat and this read.
+    pub nonce: Option<String>,
+}
+
+/// The heartbeat of one process (`name` + boot `nonce`).
+#[derive(Clone)]
+pub struct Membership {
+    conn: ConnectionManager,
+    prefix: String,
+    name: String,
+    nonce: String,
+    ttl: Duration,
+    timeout: Duration,
+    heartbeat: Arc<Script>,
+    leave: Arc<Script>,
+}
+
+impl Membership {
+    /// `ttl` is `ownership.member_ttl`; `timeout` bounds every command (`redis.command_timeout`).
+    pub fn new(conn: ConnectionManager, prefix: &str, name: &str, nonce: &str, ttl: Duration, timeout: Duration) -> Self {
+        Membership {
+            conn,
+            prefix: prefix.to_owned(),
+            name: name.to_owned(),
+            nonce: nonce.to_owned(),
+            ttl,
+            timeout,
+            heartbeat: Arc::new(Script::new(HEARTBEAT)),
+            leave: Arc::new(Script::new(LEAVE)),
+        }
+    }
+
+    /// Uses `conn` from now on (after a reconnect).
+    pub fn set_connection(&mut self, conn: ConnectionManager) {
+        self.conn = conn;
+    }
+
+    async fn timed<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, MembershipError> {
+        match tokio::time::timeout(self.timeout, f).await {
+            Ok(r) => Ok(r?),
+            Err(_) => Err(MembershipError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Announces this process for another `member_ttl` and returns the live member names,
+    /// sorted (one round trip).
+    pub async fn heartbeat(&self) -> Result<Vec<String>, MembershipError> {
+        let mut conn = self.conn.clone();
+        let mut call = self.heartbeat.prepare_invoke();
+        call.key(members_key(&self.prefix))
+            .key(member_key(&self.prefix, &self.name))
+            .arg(&self.name)
+            .arg(&self.nonce)
+            .arg(self.ttl.as_millis() as u64);
+        self.timed(call.invoke_async(&mut conn)).await
+    }
+
+    /// Removes this process from the member set. `Ok(false)`: the name now belongs to another
+    /// process (a restarted instance), which stays.
+    pub async fn leave(&self) -> Result<bool, MembershipError> {
+        let mut conn = self.conn.clone();
+        let mut call = self.leave.prepare_invoke();
+        call.key(members_key(&self.prefix)).key(member_key(&self.prefix, &self.name)).arg(&self.name).arg(&self.nonce);
+        let n: i64 = self.timed(call.invoke_async(&mut conn)).await?;
+        Ok(n == 1)
+    }
+}
+
+/// The live members (sorted by name) with their nonces, read only (for `status`).
+///
+/// Errors: Redis unreachable or answering with an error.
+pub async fn read_members(conn: &mut ConnectionManager, prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
+    let (names, nonces): (Vec<String>, Vec<Option<String>>) =
+        Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
+    Ok(names.into_iter().zip(nonces.into_iter().chain(std::iter::repeat(None))).map(|(name, nonce)| Member { name, nonce }).collect())
+}

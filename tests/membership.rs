@@ -1,0 +1,66 @@
+//! The membership scripts against the real Redis: the member set is a sorted set scored by Redis
+//! time, listed without scanning the keyspace; a stopping process never removes a restarted
+//! successor with the same name; a silent member drops out after its own `member_ttl`, whatever
+//! the readers' TTL.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use prefix_batcher::membership::{member_key, members_key, read_members, Member, Membership};
+use tokio::time::Instant;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_against_redis() {
+    // Redis only: a unique key prefix, no RabbitMQ resources to clean up.
+    let prefix = &format!("pb-test-members-{:016x}", fastrand::u64(..));
+    let client = redis::Client::open(REDIS_URL).unwrap();
+    let mut conn = client.get_connection_manager().await.unwrap();
+    let (ttl, t) = (Duration::from_secs(30), Duration::from_secs(2));
+    let a = Membership::new(conn.clone(), prefix, "a", "n1", ttl, t);
+    let a2 = Membership::new(conn.clone(), prefix, "a", "n2", ttl, t); // `a` restarted
+    let b = Membership::new(conn.clone(), prefix, "b", "n3", ttl, t);
+    let mut probe = RedisProbe::connect().await.unwrap();
+
+    assert_eq!(b.heartbeat().await.unwrap(), ["b"]);
+    assert_eq!(a.heartbeat().await.unwrap(), ["a", "b"], "sorted live names");
+    let listed = read_members(&mut conn, prefix).await.unwrap();
+    assert_eq!(listed, [Member { name: "a".into(), nonce: Some("n1".into()) }, Member { name: "b".into(), nonce: Some("n3".into()) }]);
+    let kind: String = redis::cmd("TYPE").arg(members_key(prefix)).query_async(&mut probe.conn).await.unwrap();
+    assert_eq!(kind, "zset");
+
+    // A restarted process takes the name over; the old one's leave must not remove it.
+    assert_eq!(a2.heartbeat().await.unwrap(), ["a", "b"]);
+    assert!(!a.leave().await.unwrap(), "leave by a stale nonce");
+    let listed = read_members(&mut conn, prefix).await.unwrap();
+    assert_eq!(listed[0], Member { name: "a".into(), nonce: Some("n2".into()) });
+
+    // A leave removes the name and its nonce key at once.
+    assert!(b.leave().await.unwrap());
+    assert_eq!(a2.heartbeat().await.unwrap(), ["a"]);
+    assert_eq!(probe.get(&member_key(prefix, "b")).await, None);
+
+    // A member that stops heartbeating drops out after its own TTL (shorter than the reader's),
+    // and its entry is removed.
+    let short = Duration::from_millis(300);
+    let c = Membership::new(conn.clone(), prefix, "c", "n4", short, t);
+    let since = Instant::now();
+    assert_eq!(c.heartbeat().await.unwrap(), ["a", "c"]);
+    let deadline = since + DEADLINE;
+    while a2.heartbeat().await.unwrap().contains(&"c".to_owned()) {
+        assert!(Instant::now() < deadline, "silent member still listed after {DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(since.elapsed() >= short - Duration::from_millis(50), "dropped after {:?}, before its TTL", since.elapsed());
+    let score: Option<f64> = redis::cmd("ZSCORE").arg(members_key(prefix)).arg("c").query_async(&mut probe.conn).await.unwrap();
+    assert_eq!(score, None, "expired entry removed by the next heartbeat");
+
+    // The last leave leaves nothing behind.
+    assert!(a2.leave().await.unwrap());
+    assert!(read_members(&mut conn, prefix).await.unwrap().is_empty());
+    let exists: i64 = redis::cmd("EXISTS").arg(members_key(prefix)).query_async(&mut probe.conn).await.unwrap();
+    assert_eq!(exists, 0);
+    let left = probe.keys(&format!("{prefix}:*")).await;
+    assert!(left.is_empty(), "keys left behind: {left:?}");
+}
