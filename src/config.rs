@@ -1057,10 +1057,11 @@ mod tests {
 
     #[test]
     fn buffer_budget_must_hold_the_largest_message() {
-        let mut r = RawConfig::default();
-        r.batching.max_buffered_bytes = 1000;
+        let mut r = RawConfig { batching: RawBatching { max_buffered_bytes: 1000, ..RawBatching::default() }, ..RawConfig::default() };
         let e = err(&r);
-        assert!(e.contains("batching.max_buffered_bytes") && e.contains("1000") && e.contains("amqp.max_message_bytes (4194304)"), "{e}");
+        for part in ["batching.max_buffered_bytes", "= 1000", "amqp.max_message_bytes (4194304)"] {
+            assert!(e.contains(part), "{part} missing: {e}");
+        }
         r.amqp.max_message_bytes = 1000;
         assert_eq!(ok(&r).batching.max_buffered_bytes.get(), 1000);
     }
