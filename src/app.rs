@@ -19,6 +19,10 @@
 //! [`EX_SOFTWARE`]. A drain cut short by a connection failure is an error too
 //! ([`AppError::DrainFailed`], exit [`EX_FAILURE`]): its unfinished requests return to their
 //! queues and may be processed again.
+//!
+//! Broker flow control: [`watch_connection_blocked`] follows each AMQP connection's
+//! `connection.blocked` / `connection.unblocked` notifications and keeps the daemon not ready
+//! (and the `amqp_connection_blocked` gauge at 1) while the broker blocks it.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -28,6 +32,7 @@ use std::time::Duration;
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
+use futures_util::{Stream, StreamExt};
 use lapin::{Connection, ConnectionProperties};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::mpsc;
@@ -312,6 +317,9 @@ impl App {
             }
             Err(e) => return Ok(SessionEnd::Failed(e)),
         };
+        // Aborted when the session ends, however it ends; aborting counts as unblocked.
+        let blocked = tokio::spawn(watch_connection_blocked(&conn, metrics::connection::SESSION, self.readiness.clone()));
+        let _blocked = AbortOnDrop(blocked);
         let session = work.child_token();
         let mut router: RouterTask = {
             let (conn, settings, token) = (conn.clone(), self.settings.clone(), session.child_token());
@@ -468,9 +476,126 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
     }
 }
 
+/// Watches the AMQP connection `conn`, labelled `connection` (a value of [`metrics::connection`]),
+/// for broker flow control. RabbitMQ blocks a connection that publishes while a memory or disk
+/// alarm is in effect (`connection.blocked`, <https://www.rabbitmq.com/docs/connection-blocked>);
+/// publishes and their confirms stall until `connection.unblocked`. While it is blocked: one warn
+/// log with the broker's reason, `amqp_connection_blocked_total` counted once,
+/// `amqp_connection_blocked` at 1, and [`NotReady::ConnectionBlocked`] set through
+/// [`Readiness::set_connection_blocked`] (per connection, so several connections can be watched).
+///
+/// The listener is registered when this is called, so call it right after connecting. The future
+/// ends when the connection's event stream ends; dropping it (or aborting its task) counts as an
+/// unblock, so a closed connection leaves no stale state. Spawn it and abort it when the
+/// connection is done with.
+pub fn watch_connection_blocked(conn: &Connection, connection: &'static str, readiness: Readiness) -> impl Future<Output = ()> + Send + 'static {
+    // Boxed as a `'static` trait object: lapin's opaque stream type names the borrow of `conn`.
+    let events: Pin<Box<dyn Stream<Item = lapin::Event> + Send>> = Box::pin(conn.events_listener());
+    follow_connection_blocked(events, connection, readiness)
+}
+
+async fn follow_connection_blocked(events: impl Stream<Item = lapin::Event> + Send, connection: &'static str, readiness: Readiness) {
+    let mut state = Blocked { connection, readiness, since: None };
+    let mut events = pin!(events);
+    while let Some(event) = events.next().await {
+        match event {
+            lapin::Event::ConnectionBlocked(reason) => state.block(&reason),
+            lapin::Event::ConnectionUnblocked => state.unblock(),
+            _ => {}
+        }
+    }
+}
+
+/// The blocked state of one connection; dropping it unblocks.
+struct Blocked {
+    connection: &'static str,
+    readiness: Readiness,
+    /// When the current block began; `None` while not blocked.
+    since: Option<tokio::time::Instant>,
+}
+
+impl Blocked {
+    fn block(&mut self, reason: &str) {
+        if self.since.is_some() {
+            return;
+        }
+        self.since = Some(tokio::time::Instant::now());
+        warn!(connection = self.connection, reason, "the broker blocked the AMQP connection (resource alarm): publishing stalls until it unblocks");
+        metrics::amqp_connection_blocked(self.connection, true);
+        self.readiness.set_connection_blocked(self.connection, true);
+    }
+
+    fn unblock(&mut self) {
+        let Some(since) = self.since.take() else { return };
+        info!(connection = self.connection, blocked_for = ?since.elapsed(), "the broker unblocked the AMQP connection");
+        metrics::amqp_connection_blocked(self.connection, false);
+        self.readiness.set_connection_blocked(self.connection, false);
+    }
+}
+
+impl Drop for Blocked {
+    fn drop(&mut self) {
+        self.unblock();
+    }
+}
+
+/// Aborts the task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gauge_line(connection: &str) -> String {
+        let text = metrics::render();
+        let prefix = format!("prefix_batcher_amqp_connection_blocked{{connection=\"{connection}\"}} ");
+        text.lines().find(|l| l.starts_with(&prefix)).map(str::to_owned).unwrap_or_default()
+    }
+
+    fn count_line(connection: &str) -> String {
+        let text = metrics::render();
+        let prefix = format!("prefix_batcher_amqp_connection_blocked_total{{connection=\"{connection}\"}} ");
+        text.lines().find(|l| l.starts_with(&prefix)).map(str::to_owned).unwrap_or_default()
+    }
+
+    #[tokio::test]
+    async fn a_blocked_connection_is_not_ready_until_unblocked_or_gone() {
+        let readiness = Readiness::new();
+        readiness.set(NotReady::Starting, false);
+        let (tx, rx) = mpsc::unbounded_channel::<lapin::Event>();
+        let events = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+        let task = tokio::spawn(follow_connection_blocked(events, "test-blocked-a", readiness.clone()));
+        let seen = readiness.subscribe();
+        let wait_for = |ready: bool| {
+            let mut seen = seen.clone();
+            async move {
+                tokio::time::timeout(Duration::from_secs(5), seen.wait_for(|s| s.is_ready() == ready)).await.expect("readiness changed").unwrap();
+            }
+        };
+        tx.send(lapin::Event::ConnectionBlocked("low on memory".into())).unwrap();
+        wait_for(false).await;
+        assert_eq!(readiness.state().reasons().collect::<Vec<_>>(), vec![NotReady::ConnectionBlocked]);
+        assert!(gauge_line("test-blocked-a").ends_with(" 1"), "{}", gauge_line("test-blocked-a"));
+        tx.send(lapin::Event::ConnectionBlocked("low on memory".into())).unwrap(); // a repeat is one block
+        tx.send(lapin::Event::ConnectionUnblocked).unwrap();
+        wait_for(true).await;
+        assert!(gauge_line("test-blocked-a").ends_with(" 0"));
+        assert!(count_line("test-blocked-a").ends_with(" 1"), "{}", count_line("test-blocked-a"));
+        // Blocked again, then the task is aborted (its connection is done with): ready again.
+        tx.send(lapin::Event::ConnectionBlocked("low on disk".into())).unwrap();
+        wait_for(false).await;
+        task.abort();
+        let _ = task.await;
+        assert!(readiness.is_ready(), "{}", readiness.state());
+        assert!(gauge_line("test-blocked-a").ends_with(" 0"));
+        assert!(count_line("test-blocked-a").ends_with(" 2"));
+    }
 
     #[test]
     fn only_a_finished_drain_exits_zero() {

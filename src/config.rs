@@ -160,6 +160,8 @@ pub struct RawAmqp {
     pub reconnect_backoff_initial: String,
     pub reconnect_backoff_max: String,
     pub backlog_poll_interval: String,
+    pub consumer_timeout: String,
+    pub delivery_limit: u32,
 }
 
 impl Default for RawAmqp {
@@ -180,6 +182,8 @@ impl Default for RawAmqp {
             reconnect_backoff_initial: "500ms".into(),
             reconnect_backoff_max: "30s".into(),
             backlog_poll_interval: "5s".into(),
+            consumer_timeout: "30m".into(),
+            delivery_limit: 5,
         }
     }
 }
@@ -270,11 +274,12 @@ pub struct RawBatching {
     pub max_batch_size: usize,
     pub max_batch_wait: String,
     pub channel_capacity: usize,
+    pub max_buffered_bytes: usize,
 }
 
 impl Default for RawBatching {
     fn default() -> Self {
-        RawBatching { max_batch_size: 8, max_batch_wait: "1s".into(), channel_capacity: 64 }
+        RawBatching { max_batch_size: 8, max_batch_wait: "1s".into(), channel_capacity: 64, max_buffered_bytes: 256 << 20 }
     }
 }
 
@@ -292,6 +297,7 @@ pub struct RawLlm {
     pub backoff_initial: String,
     pub backoff_max: String,
     pub list_prompts: bool,
+    pub max_response_bytes: usize,
 }
 
 impl Default for RawLlm {
@@ -307,6 +313,7 @@ impl Default for RawLlm {
             backoff_initial: "500ms".into(),
             backoff_max: "30s".into(),
             list_prompts: true,
+            max_response_bytes: 64 << 20,
         }
     }
 }
@@ -398,6 +405,14 @@ pub struct AmqpSettings {
     pub reconnect_backoff_max: Duration,
     /// How often queue depths (backlog) are read.
     pub backlog_poll_interval: Duration,
+    /// The broker's acknowledgement timeout (RabbitMQ `consumer_timeout`, 30 min by default:
+    /// <https://www.rabbitmq.com/docs/consumers#acknowledgement-timeout>). A delivery held longer
+    /// makes the broker close the channel. [`Settings::longest_hold`] stays within
+    /// [`CONSUMER_TIMEOUT_MARGIN`] of it (checked at load).
+    pub consumer_timeout: Duration,
+    /// Deliveries of one request (the first one included) after which the daemon dead-letters it
+    /// with reason `delivery_limit` instead of processing it again. ≥ 1.
+    pub delivery_limit: NonZeroU32,
 }
 
 impl AmqpSettings {
@@ -485,6 +500,9 @@ pub struct BatchingSettings {
     pub max_batch_wait: Duration,
     /// Capacity of the bounded channels between stages.
     pub channel_capacity: NonZeroUsize,
+    /// Byte budget for request bodies held by this instance (buffered in batches and in flight
+    /// to the LLM), in bytes; ≥ `amqp.max_message_bytes`, so any accepted request fits.
+    pub max_buffered_bytes: NonZeroUsize,
 }
 
 /// `[llm]`, validated.
@@ -507,6 +525,8 @@ pub struct LlmSettings {
     /// per prompt, back to back under one concurrency permit — for servers with per-slot caches
     /// that report usage for the first prompt of a list only (llama.cpp's llama-server).
     pub list_prompts: bool,
+    /// Longest LLM response body read, in bytes; a longer one fails the call as an invalid response.
+    pub max_response_bytes: NonZeroUsize,
 }
 
 /// Log output format.
@@ -639,7 +659,7 @@ impl Settings {
             .map_err(|_| invalid("http.listen", format!("{:?}", r.http.listen), "must be an address such as \"127.0.0.1:9464\""))?;
         let drain_timeout = positive_duration("shutdown.drain_timeout", &r.shutdown.drain_timeout)?;
         let log = log(&r.log)?;
-        Ok(Settings {
+        let settings = Settings {
             instance_name,
             amqp,
             redis,
@@ -651,8 +671,73 @@ impl Settings {
             http_listen,
             drain_timeout,
             log,
-        })
+        };
+        check_consumer_timeout(&settings, &r.amqp.consumer_timeout)?;
+        Ok(settings)
     }
+
+    /// The longest time one delivery can be held before it is acked or nacked, in the worst case the
+    /// configuration allows for one batch served by one HTTP call:
+    ///
+    /// `batching.max_batch_wait`
+    /// \+ `llm.max_attempts` × `llm.request_timeout` (reqwest's timeout covers the whole call,
+    ///   connecting included, so `llm.connect_timeout` is part of it)
+    /// \+ the backoffs between attempts: `llm.backoff_initial` doubling, each capped at `llm.backoff_max`
+    ///   (a `Retry-After` is capped at `llm.backoff_max` too), `max_attempts − 1` times
+    /// \+ 2 × `amqp.confirm_timeout` (the result's publish, then a dead letter or a retry publish).
+    ///
+    /// Not covered: waiting for an LLM concurrency permit, and calls made one prompt after the
+    /// other (`llm.list_prompts = false`, or an endpoint switched to one call per prompt); a runtime
+    /// guard must release deliveries that approach `amqp.consumer_timeout`.
+    pub fn longest_hold(&self) -> Duration {
+        let llm = &self.llm;
+        let attempts = llm.max_attempts.get();
+        let mut backoffs = Duration::ZERO;
+        let mut step = llm.backoff_initial;
+        for _ in 1..attempts {
+            backoffs = backoffs.saturating_add(step.min(llm.backoff_max));
+            step = step.saturating_mul(2);
+        }
+        self.batching
+            .max_batch_wait
+            .saturating_add(llm.request_timeout.saturating_mul(attempts))
+            .saturating_add(backoffs)
+            .saturating_add(self.amqp.confirm_timeout.saturating_mul(2))
+    }
+}
+
+/// Share of `amqp.consumer_timeout` that [`Settings::longest_hold`] may use: the rest is margin for
+/// scheduling, channel backpressure and clock differences with the broker.
+pub const CONSUMER_TIMEOUT_MARGIN: f64 = 0.8;
+
+/// `longest_hold ≤ CONSUMER_TIMEOUT_MARGIN × amqp.consumer_timeout`, or the broker would close the
+/// channel of a consumer that holds a delivery too long (RabbitMQ `consumer_timeout`).
+fn check_consumer_timeout(s: &Settings, raw: &str) -> Result<(), ConfigError> {
+    let hold = s.longest_hold();
+    let allowed = s.amqp.consumer_timeout.mul_f64(CONSUMER_TIMEOUT_MARGIN);
+    if hold <= allowed {
+        return Ok(());
+    }
+    let secs = |d: Duration| format!("{}s", d.as_secs_f64());
+    let (b, l, a) = (&s.batching, &s.llm, &s.amqp);
+    Err(invalid(
+        "amqp.consumer_timeout",
+        format!("{raw:?}"),
+        format!(
+            "the longest hold of a delivery ({}: batching.max_batch_wait {} + llm.max_attempts {} × llm.request_timeout {} \
+             + backoffs from llm.backoff_initial {} capped at llm.backoff_max {} + 2 × amqp.confirm_timeout {}) must be at most \
+             {CONSUMER_TIMEOUT_MARGIN} × amqp.consumer_timeout ({}); raise amqp.consumer_timeout (and the broker's \
+             consumer_timeout) or lower those",
+            secs(hold),
+            secs(b.max_batch_wait),
+            l.max_attempts,
+            secs(l.request_timeout),
+            secs(l.backoff_initial),
+            secs(l.backoff_max),
+            secs(a.confirm_timeout),
+            secs(allowed),
+        ),
+    ))
 }
 
 /// `[instance]`: the name, or the default one (hostname) when empty; never with `:`.
@@ -697,6 +782,8 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
         reconnect_backoff_initial: positive_duration("amqp.reconnect_backoff_initial", &a.reconnect_backoff_initial)?,
         reconnect_backoff_max: positive_duration("amqp.reconnect_backoff_max", &a.reconnect_backoff_max)?,
         backlog_poll_interval: positive_duration("amqp.backlog_poll_interval", &a.backlog_poll_interval)?,
+        consumer_timeout: positive_duration("amqp.consumer_timeout", &a.consumer_timeout)?,
+        delivery_limit: nonzero_u32("amqp.delivery_limit", a.delivery_limit)?,
     };
     if amqp.url.0.scheme() == "amqps" {
         return Err(invalid(
@@ -798,7 +885,8 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32) -> Result<ShardingSettings,
     Ok(sharding)
 }
 
-/// `[batching]`, and `amqp.partition_prefetch` ≥ `max_batch_size` (or batches could never fill).
+/// `[batching]`, `amqp.partition_prefetch` ≥ `max_batch_size` (or batches could never fill) and
+/// `max_buffered_bytes` ≥ `amqp.max_message_bytes`.
 fn batching(b: &RawBatching, amqp: &AmqpSettings) -> Result<BatchingSettings, ConfigError> {
     let max_batch_wait = duration("batching.max_batch_wait", &b.max_batch_wait)?;
     if max_batch_wait.is_zero() {
@@ -812,7 +900,15 @@ fn batching(b: &RawBatching, amqp: &AmqpSettings) -> Result<BatchingSettings, Co
         max_batch_size: nonzero_usize("batching.max_batch_size", b.max_batch_size)?,
         max_batch_wait,
         channel_capacity: nonzero_usize("batching.channel_capacity", b.channel_capacity)?,
+        max_buffered_bytes: nonzero_usize("batching.max_buffered_bytes", b.max_buffered_bytes)?,
     };
+    if batching.max_buffered_bytes.get() < amqp.max_message_bytes {
+        return Err(invalid(
+            "batching.max_buffered_bytes",
+            batching.max_buffered_bytes,
+            format!("must be at least amqp.max_message_bytes ({}), or a request of the largest accepted size could never be buffered", amqp.max_message_bytes),
+        ));
+    }
     if usize::from(amqp.partition_prefetch) < batching.max_batch_size.get() {
         return Err(invalid(
             "amqp.partition_prefetch",
@@ -857,6 +953,7 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
         backoff_initial: positive_duration("llm.backoff_initial", &l.backoff_initial)?,
         backoff_max: positive_duration("llm.backoff_max", &l.backoff_max)?,
         list_prompts: l.list_prompts,
+        max_response_bytes: nonzero_usize("llm.max_response_bytes", l.max_response_bytes)?,
     };
     if llm.backoff_max < llm.backoff_initial {
         return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
@@ -932,6 +1029,44 @@ mod tests {
     }
 
     #[test]
+    fn longest_hold_adds_wait_attempts_backoffs_and_confirms() {
+        let s = ok(&RawConfig::default());
+        // 1 s wait + 4 × 300 s calls + (0.5 + 1 + 2) s backoffs + 2 × 30 s confirms.
+        assert_eq!(s.longest_hold(), Duration::from_millis(1_264_500));
+        assert_eq!(s.amqp.consumer_timeout, Duration::from_secs(30 * 60));
+        let mut r = RawConfig::default();
+        r.llm.max_attempts = 7;
+        r.llm.backoff_max = "3s".into();
+        // Backoffs 0.5, 1, 2, then capped: 3, 3, 3.
+        r.amqp.consumer_timeout = "1h".into();
+        let s = ok(&r);
+        assert_eq!(s.longest_hold(), Duration::from_millis(1_000 + 7 * 300_000 + 12_500 + 60_000));
+    }
+
+    #[test]
+    fn a_hold_past_the_consumer_timeout_margin_is_rejected_naming_the_keys() {
+        let mut r = RawConfig::default();
+        r.amqp.consumer_timeout = "25m".into(); // 0.8 × 1500 s = 1200 s < 1264.5 s
+        let e = err(&r);
+        for part in ["amqp.consumer_timeout", "\"25m\"", "1264.5s", "1200s", "llm.max_attempts 4", "llm.request_timeout 300s", "amqp.confirm_timeout 30s"] {
+            assert!(e.contains(part), "{part} missing: {e}");
+        }
+        r.amqp.consumer_timeout = "27m".into(); // 1296 s ≥ 1264.5 s
+        ok(&r);
+    }
+
+    #[test]
+    fn buffer_budget_must_hold_the_largest_message() {
+        let mut r = RawConfig { batching: RawBatching { max_buffered_bytes: 1000, ..RawBatching::default() }, ..RawConfig::default() };
+        let e = err(&r);
+        for part in ["batching.max_buffered_bytes", "= 1000", "amqp.max_message_bytes (4194304)"] {
+            assert!(e.contains(part), "{part} missing: {e}");
+        }
+        r.amqp.max_message_bytes = 1000;
+        assert_eq!(ok(&r).batching.max_buffered_bytes.get(), 1000);
+    }
+
+    #[test]
     fn lease_timing_rule() {
         let mut r = RawConfig::default();
         r.ownership.renew_deadline = "20s".into();
@@ -959,6 +1094,10 @@ mod tests {
             (|r| r.amqp.url = "http://x".into(), "amqp.url"),
             (|r| r.sharding.rules = vec![RawShardRule { pattern: "(".into(), shards: 2 }], "sharding.rules.pattern"),
             (|r| r.instance.name = "a b".into(), "instance.name"),
+            (|r| r.amqp.delivery_limit = 0, "amqp.delivery_limit"),
+            (|r| r.amqp.consumer_timeout = "0s".into(), "amqp.consumer_timeout"),
+            (|r| r.batching.max_buffered_bytes = 0, "batching.max_buffered_bytes"),
+            (|r| r.llm.max_response_bytes = 0, "llm.max_response_bytes"),
         ];
         for (f, key) in cases {
             let mut r = RawConfig::default();

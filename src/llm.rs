@@ -1311,6 +1311,7 @@ mod tests {
             backoff_initial: Duration::from_millis(1),
             backoff_max: Duration::from_millis(5),
             list_prompts: true,
+            max_response_bytes: NonZeroUsize::new(64 << 20).unwrap(),
         }
     }
 

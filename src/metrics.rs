@@ -140,6 +140,18 @@ static PARTITIONS: LazyLock<IntGauge> = LazyLock::new(|| {
 static BUILD_INFO: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     reg(IntGaugeVec::new(Opts::new("build_info", "Always 1; the version label is the daemon's version."), &["version"]).unwrap())
 });
+static AMQP_BLOCKED_TOTAL: LazyLock<IntCounterVec> = counter_vec!(
+    "amqp_connection_blocked_total",
+    "Times the broker blocked an AMQP connection (connection.blocked: a memory or disk alarm), by connection.",
+    &["connection"]
+);
+static AMQP_BLOCKED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new("amqp_connection_blocked", "1 while the broker blocks the AMQP connection (connection.blocked), else 0."),
+        &["connection"],
+    )
+    .unwrap())
+});
 static READY: LazyLock<Gauge> =
     LazyLock::new(|| reg(Gauge::new("ready", "1 when connected to RabbitMQ and Redis and the first lease round is done.").unwrap()));
 
@@ -164,6 +176,14 @@ pub mod outcome {
     pub const FAILED: &str = "failed";
     /// Dropped unacked because the partition lease was lost (the broker redelivers it).
     pub const REQUEUED: &str = "requeued";
+}
+
+/// Label values of `amqp_connection_blocked{connection}`: which of the daemon's AMQP connections.
+pub mod connection {
+    /// The session's connection (router, partition consumers, publishers).
+    pub const SESSION: &str = "session";
+    /// Every label value, for [`super::init`].
+    pub const ALL: &[&str] = &[SESSION];
 }
 
 /// Creates every metric with its label sets at zero, so dashboards and `promtool` see them from
@@ -207,6 +227,10 @@ pub fn init() {
     LazyLock::force(&PARTITIONS);
     BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
     LazyLock::force(&READY);
+    for c in connection::ALL {
+        AMQP_BLOCKED_TOTAL.with_label_values(&[c]);
+        AMQP_BLOCKED.with_label_values(&[c]);
+    }
 }
 
 /// The deployment's configured partition count `P` (for "partitions without an owner":
@@ -321,6 +345,15 @@ pub fn members(n: usize) {
 /// [`crate::readiness::Readiness`]; this gauge is only written, never read back.
 pub fn set_ready(ready: bool) {
     READY.set(if ready { 1.0 } else { 0.0 });
+}
+
+/// The broker blocked (`true`) or unblocked (`false`) the AMQP connection labelled `connection`
+/// (one of [`connection`]): sets the 0/1 gauge, and counts each block.
+pub fn amqp_connection_blocked(connection: &'static str, blocked: bool) {
+    if blocked {
+        AMQP_BLOCKED_TOTAL.with_label_values(&[connection]).inc();
+    }
+    AMQP_BLOCKED.with_label_values(&[connection]).set(i64::from(blocked));
 }
 
 #[cfg(test)]

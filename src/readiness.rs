@@ -53,6 +53,9 @@ impl fmt::Display for NotReady {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ReadyState {
     reasons: BTreeSet<NotReady>,
+    /// Labels of the AMQP connections the broker currently blocks; [`NotReady::ConnectionBlocked`]
+    /// holds while this is not empty.
+    blocked_connections: BTreeSet<&'static str>,
 }
 
 impl ReadyState {
@@ -98,7 +101,7 @@ impl Default for Readiness {
 impl Readiness {
     /// A new state with [`NotReady::Starting`] set.
     pub fn new() -> Readiness {
-        let state = ReadyState { reasons: BTreeSet::from([NotReady::Starting]) };
+        let state = ReadyState { reasons: BTreeSet::from([NotReady::Starting]), blocked_connections: BTreeSet::new() };
         metrics::set_ready(false);
         Readiness { tx: Arc::new(watch::Sender::new(state)) }
     }
@@ -106,6 +109,23 @@ impl Readiness {
     /// Sets (`holds = true`) or clears a reason; the `ready` gauge follows.
     pub fn set(&self, reason: NotReady, holds: bool) {
         self.tx.send_if_modified(|s| if holds { s.reasons.insert(reason) } else { s.reasons.remove(&reason) });
+        metrics::set_ready(self.tx.borrow().is_ready());
+    }
+
+    /// Records that the broker blocked (`true`) or unblocked (`false`) the AMQP connection
+    /// labelled `connection` (a bounded label such as `"session"`). [`NotReady::ConnectionBlocked`]
+    /// holds while at least one connection is blocked, so one connection's unblock does not hide
+    /// another's block.
+    pub fn set_connection_blocked(&self, connection: &'static str, blocked: bool) {
+        self.tx.send_if_modified(|s| {
+            let changed = if blocked { s.blocked_connections.insert(connection) } else { s.blocked_connections.remove(connection) };
+            if s.blocked_connections.is_empty() {
+                s.reasons.remove(&NotReady::ConnectionBlocked);
+            } else {
+                s.reasons.insert(NotReady::ConnectionBlocked);
+            }
+            changed
+        });
         metrics::set_ready(self.tx.borrow().is_ready());
     }
 
@@ -142,5 +162,20 @@ mod tests {
         assert_eq!(r.state().to_string(), "ready");
         r.set(NotReady::Draining, true);
         assert_eq!(r.state().reasons().collect::<Vec<_>>(), vec![NotReady::Draining]);
+    }
+
+    #[test]
+    fn connection_blocked_holds_while_any_connection_is_blocked() {
+        let r = Readiness::new();
+        r.set(NotReady::Starting, false);
+        r.set_connection_blocked("session", true);
+        r.set_connection_blocked("publish", true);
+        assert_eq!(r.state().to_string(), "not ready: amqp connection blocked");
+        r.set_connection_blocked("session", false);
+        assert!(!r.is_ready(), "the publish connection is still blocked");
+        r.set_connection_blocked("publish", false);
+        assert!(r.is_ready());
+        r.set_connection_blocked("publish", false);
+        assert!(r.is_ready(), "an unblock without a block changes nothing");
     }
 }

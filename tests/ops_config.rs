@@ -162,6 +162,8 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("amqp.reconnect_backoff_initial", "200ms", "\"200ms\""),
         ("amqp.reconnect_backoff_max", "20s", "\"20s\""),
         ("amqp.backlog_poll_interval", "7s", "\"7s\""),
+        ("amqp.consumer_timeout", "40m", "\"40m\""),
+        ("amqp.delivery_limit", "3", "3"),
         ("redis.url", "redis://envuser:envpass@redis.example:6380/2", "\"redis://envuser:***@redis.example:6380/2\""),
         ("redis.key_prefix", "env-prefix", "\"env-prefix\""),
         ("redis.command_timeout", "3s", "\"3s\""),
@@ -177,6 +179,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("batching.max_batch_size", "10", "10"),
         ("batching.max_batch_wait", "300ms", "\"300ms\""),
         ("batching.channel_capacity", "32", "32"),
+        ("batching.max_buffered_bytes", "2000000", "2000000"),
         ("llm.endpoints", "http://a.example:8000,http://b.example:8001", "[\"http://a.example:8000\", \"http://b.example:8001\"]"),
         ("llm.model", "env-model", "\"env-model\""),
         ("llm.api_key", "env-token-123", "\"***\""),
@@ -187,6 +190,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("llm.backoff_initial", "100ms", "\"100ms\""),
         ("llm.backoff_max", "5s", "\"5s\""),
         ("llm.list_prompts", "false", "false"),
+        ("llm.max_response_bytes", "1000000", "1000000"),
         ("http.listen", "0.0.0.0:9999", "\"0.0.0.0:9999\""),
         ("shutdown.drain_timeout", "40s", "\"40s\""),
         ("log.format", "json", "\"json\""),
@@ -255,4 +259,17 @@ api_key = "sk-file-token"
     assert_eq!(code2, Some(0), "check-config rejects its own output:\n{err2}\n--- output was:\n{out}");
     assert_eq!(out2, out, "printing the printed configuration changed it");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A configuration whose longest hold of a delivery comes too close to the broker's
+/// `consumer_timeout` is refused with exit 78, naming the keys and the numbers.
+#[test]
+fn check_config_refuses_a_hold_past_the_consumer_timeout() {
+    let env = [("amqp.consumer_timeout", "10m"), ("llm.request_timeout", "10m"), ("llm.max_attempts", "2")]
+        .map(|(k, v)| (env_name(k), v.to_owned()));
+    let (code, _, err) = check_config(&[], &env);
+    assert_eq!(code, Some(78), "{err}");
+    for part in ["amqp.consumer_timeout", "\"10m\"", "llm.request_timeout 600s", "llm.max_attempts 2", "480s"] {
+        assert!(err.contains(part), "{part} missing from: {err}");
+    }
 }

@@ -306,6 +306,7 @@ fn alerts_cover_the_runbook_and_are_tested() {
         "PrefixBatcherInstanceDown",
         "PrefixBatcherAllInstancesMissing",
         "PrefixBatcherPartitionsUnowned",
+        "PrefixBatcherAmqpConnectionBlocked",
     ] {
         assert!(rules.contains_key(required), "alert {required} missing from prometheus/alerts.yml");
     }
@@ -337,6 +338,18 @@ fn unit(rel: &str) -> BTreeMap<String, Vec<String>> {
 
 fn seconds(v: &str) -> Duration {
     humantime::parse_duration(v).unwrap_or_else(|e| panic!("{v:?}: {e}"))
+}
+
+/// A systemd size (`MemoryMax=`): bytes, or with a base-1024 suffix K, M, G, T.
+fn memory_bytes(v: &str) -> u64 {
+    let (digits, shift) = match v.chars().last() {
+        Some('K') => (&v[..v.len() - 1], 10),
+        Some('M') => (&v[..v.len() - 1], 20),
+        Some('G') => (&v[..v.len() - 1], 30),
+        Some('T') => (&v[..v.len() - 1], 40),
+        _ => (v, 0),
+    };
+    digits.parse::<u64>().unwrap_or_else(|e| panic!("MemoryMax={v}: {e}")) << shift
 }
 
 #[test]
@@ -372,6 +385,9 @@ fn systemd_units_match_the_daemon_contract() {
             assert_eq!(one(k), v, "{rel}: {k}");
         }
         assert_eq!(u["SystemCallFilter"][0], "@system-service", "{rel}");
+        let memory_max = memory_bytes(one("MemoryMax"));
+        let budget = RawConfig::default().batching.max_buffered_bytes as u64;
+        assert!(memory_max >= budget + (64 << 20), "{rel}: MemoryMax= must hold batching.max_buffered_bytes ({budget}) plus the baseline");
         let families = one("RestrictAddressFamilies");
         for f in ["AF_INET", "AF_INET6", "AF_UNIX"] {
             assert!(families.split_whitespace().any(|x| x == f), "{rel}: {f} is needed (AF_UNIX for the notify socket)");
