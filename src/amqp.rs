@@ -5,7 +5,11 @@
 //! (<https://www.rabbitmq.com/resources/specs/amqp0-9-1.pdf>), as generated into
 //! `amq_protocol::protocol::constants` and `AMQPSoftError`.
 
+use std::sync::Arc;
+
+use lapin::options::ConfirmSelectOptions;
 use lapin::protocol::AMQPErrorKind;
+use lapin::{Channel, Connection};
 
 /// `reply-success` (200): the code of a normal `channel.close` / `connection.close`.
 pub const REPLY_SUCCESS: u16 = lapin::protocol::constants::REPLY_SUCCESS;
@@ -23,6 +27,43 @@ pub fn reply_code(e: &lapin::Error) -> Option<u16> {
             AMQPErrorKind::Hard(h) => h.get_id(),
         }),
         _ => None,
+    }
+}
+
+/// The two AMQP connections of a session: consumers (and therefore acks and nacks) use
+/// `consume`, every publish (forwarded requests, results, dead letters) uses `publish`.
+///
+/// RabbitMQ blocks *publishing* connections under a memory or disk alarm
+/// (<https://www.rabbitmq.com/docs/connection-blocked>); a connection that only consumes and acks
+/// is not blocked, so an alarm stalls publishes but never the acks of work already published
+/// (acks free broker memory) nor the consumption of deliveries already on their way.
+#[derive(Clone)]
+pub struct Connections {
+    /// Consumers and their acks.
+    pub consume: Arc<Connection>,
+    /// Publishes with publisher confirms.
+    pub publish: Arc<Connection>,
+}
+
+impl Connections {
+    /// Both connections are open.
+    pub fn connected(&self) -> bool {
+        self.consume.status().connected() && self.publish.status().connected()
+    }
+
+    /// A new channel on the publishing connection, in confirm mode
+    /// (<https://www.rabbitmq.com/docs/confirms>).
+    pub async fn publish_channel(&self) -> Result<Channel, lapin::Error> {
+        let ch = self.publish.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        Ok(ch)
+    }
+
+    /// Closes both connections with `reply-success`; errors are returned from the first that fails.
+    pub async fn close(&self, why: &str) -> Result<(), lapin::Error> {
+        let a = self.consume.close(REPLY_SUCCESS, why.into()).await;
+        let b = self.publish.close(REPLY_SUCCESS, why.into()).await;
+        a.and(b)
     }
 }
 

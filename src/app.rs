@@ -40,10 +40,11 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::amqp::REPLY_SUCCESS;
+use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::Settings;
 use crate::exit::{EX_CONFIG, EX_FAILURE, EX_SOFTWARE};
-use crate::llm::{LlmClient, LlmError};
+use crate::breaker::BreakerState;
+use crate::llm::{call_outcome_label, ClientOptions, LlmClient, LlmError, LlmEvent, LlmHook};
 use crate::metrics;
 use crate::ownership::{Ownership, OwnershipError};
 use crate::readiness::{NotReady, Readiness};
@@ -147,7 +148,7 @@ pub async fn run_with_events(
     shutdown: impl Future<Output = ()> + Send + 'static,
     mut events: impl FnMut(Lifecycle) + Send,
 ) -> Result<(), AppError> {
-    metrics::init();
+    metrics::init(&crate::llm::CALL_OUTCOME_LABELS, settings.llm.endpoints.len());
     let root = CancellationToken::new();
     let _cancel_all_on_return = root.clone().drop_guard();
     let work = root.child_token();
@@ -162,7 +163,12 @@ pub async fn run_with_events(
     let http_token = root.child_token();
     let http = tokio::spawn(crate::http::serve(listener, readiness.clone(), http_token.clone().cancelled_owned()));
 
-    let llm = LlmClient::new(&settings.llm).map_err(AppError::Llm)?;
+    let options = ClientOptions {
+        hook: llm_hook(settings.llm.endpoints.len(), readiness.clone()),
+        max_response_bytes: settings.llm.max_response_bytes.get(),
+        ..ClientOptions::default()
+    };
+    let llm = LlmClient::with_options(&settings.llm, options).map_err(AppError::Llm)?;
     let nonce = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
     let app = App { settings: Arc::new(settings), llm, nonce, readiness };
     let result = app.sessions(&work, &mut events).await;
@@ -170,6 +176,29 @@ pub async fn run_with_events(
     http_token.cancel();
     let _ = http.await;
     result
+}
+
+/// The LLM client's events, mirrored into metrics; the daemon is not ready
+/// ([`NotReady::LlmUnavailable`]) while the circuit breaker of every one of the `endpoints`
+/// endpoints is open (a half-open breaker is probing and counts as available).
+fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
+    let open = std::sync::Mutex::new(vec![false; endpoints]);
+    Arc::new(move |event: &LlmEvent<'_>| match event {
+        LlmEvent::Call { outcome, seconds, .. } => metrics::llm_call(call_outcome_label(*outcome), *seconds),
+        LlmEvent::Tokens { prompt_tokens, cached_tokens } => metrics::llm_tokens(*prompt_tokens, *cached_tokens),
+        LlmEvent::Breaker { endpoint, name, state } => {
+            metrics::llm_circuit(*endpoint, state.as_str());
+            match state {
+                BreakerState::Open => warn!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open: server-wide failures; its partitions pause intake"),
+                _ => info!(endpoint = *endpoint, url = %name, state = state.as_str(), "LLM endpoint circuit"),
+            }
+            let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(slot) = open.get_mut(*endpoint) {
+                *slot = *state == BreakerState::Open;
+            }
+            readiness.set(NotReady::LlmUnavailable, open.iter().all(|o| *o));
+        }
+    })
 }
 
 /// Cancels `token` when `signal` completes; gives up when `root` is cancelled first.
@@ -286,19 +315,32 @@ impl App {
         self.session(r, work, events).await
     }
 
-    /// Opens the AMQP connection and declares the topology; closes the connection again when
+    /// Opens the session's two AMQP connections (see [`Connections`]: consumers and acks on
+    /// one, publishes on the other, named `prefix-batcher {instance}` and
+    /// `prefix-batcher {instance} publish`) and declares the topology; closes them again when
     /// the topology is refused.
-    async fn open(&self, redis: &mut ConnectionManager) -> Result<Arc<Connection>, SessionError> {
+    async fn open(&self, redis: &mut ConnectionManager) -> Result<Connections, SessionError> {
         let s = &self.settings;
-        let props = ConnectionProperties::default().with_connection_name(format!("prefix-batcher {}", s.instance_name).into());
-        let conn = Connection::connect(s.amqp.url.expose(), props).await.map_err(SessionError::Connect)?;
+        let connect = |suffix: &str| {
+            let name = format!("prefix-batcher {}{suffix}", s.instance_name);
+            Connection::connect(s.amqp.url.expose(), ConnectionProperties::default().with_connection_name(name.into()))
+        };
+        let consume = connect("").await.map_err(SessionError::Connect)?;
+        let publish = match connect(" publish").await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = consume.close(REPLY_SUCCESS, "publish connection failed".into()).await;
+                return Err(SessionError::Connect(e));
+            }
+        };
+        let conns = Connections { consume: Arc::new(consume), publish: Arc::new(publish) };
         let meta_key = format!("{}:partitions", s.redis.key_prefix);
-        if let Err(e) = topology::declare(&conn, &s.amqp, redis, &meta_key).await {
-            let _ = conn.close(REPLY_SUCCESS, "topology refused".into()).await;
+        if let Err(e) = topology::declare(&conns.consume, &s.amqp, redis, &meta_key).await {
+            let _ = conns.close("topology refused").await;
             return Err(SessionError::Topology(e));
         }
         info!(partitions = s.amqp.partitions.get(), "topology declared");
-        Ok(Arc::new(conn))
+        Ok(conns)
     }
 
     /// One session: open, run the router, backlog poller and ownership manager until a failure
@@ -309,7 +351,7 @@ impl App {
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Result<SessionEnd, AppError> {
-        let conn = match self.open(&mut redis).await {
+        let conns = match self.open(&mut redis).await {
             Ok(c) => c,
             Err(SessionError::Topology(e)) if e.is_config_error() => {
                 error!(error = %e, "refusing to start");
@@ -318,23 +360,25 @@ impl App {
             Err(e) => return Ok(SessionEnd::Failed(e)),
         };
         // Aborted when the session ends, however it ends; aborting counts as unblocked.
-        let blocked = tokio::spawn(watch_connection_blocked(&conn, metrics::connection::SESSION, self.readiness.clone()));
-        let _blocked = AbortOnDrop(blocked);
+        let _blocked = [
+            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.consume, metrics::connection::CONSUME, self.readiness.clone()))),
+            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.publish, metrics::connection::PUBLISH, self.readiness.clone()))),
+        ];
         let session = work.child_token();
         let mut router: RouterTask = {
-            let (conn, settings, token) = (conn.clone(), self.settings.clone(), session.child_token());
-            tokio::spawn(async move { crate::router::run(&conn, settings, token).await })
+            let (conns, settings, token) = (conns.clone(), self.settings.clone(), session.child_token());
+            tokio::spawn(async move { crate::router::run(&conns, settings, token).await })
         };
-        let mut backlog = tokio::spawn(poll_backlog(conn.clone(), self.settings.clone(), session.child_token()));
+        let mut backlog = tokio::spawn(poll_backlog(conns.consume.clone(), self.settings.clone(), session.child_token()));
         let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone());
-        let (ready_tx, mut ready_rx) = mpsc::unbounded_channel::<()>();
+        let (redis_tx, mut redis_rx) = mpsc::unbounded_channel::<bool>();
         let phase = {
-            let mut own_fut = pin!(own.run(conn.clone(), session.child_token(), move || {
-                let _ = ready_tx.send(());
+            let mut own_fut = pin!(own.run(conns.clone(), session.child_token(), move |ok| {
+                let _ = redis_tx.send(ok);
             }));
-            match self.watch(&conn, own_fut.as_mut(), &mut router, &mut ready_rx, work, events).await {
+            match self.watch(&conns, own_fut.as_mut(), &mut router, &mut redis_rx, work, events).await {
                 Some(e) => Phase::Failed(e),
-                None => Phase::Drained(self.drain(&conn, own_fut, &mut router, &mut backlog, events).await),
+                None => Phase::Drained(self.drain(&conns, own_fut, &mut router, &mut backlog, events).await),
             }
         };
         session.cancel();
@@ -344,11 +388,11 @@ impl App {
                 Ok(SessionEnd::Stopped)
             }
             Phase::Drained(drain) => {
-                hard_stop(&mut own, &router, &backlog, &conn, "drain incomplete").await;
+                hard_stop(&mut own, &router, &backlog, &conns, "drain incomplete").await;
                 drain_verdict(drain, self.settings.drain_timeout).map(|()| SessionEnd::Stopped)
             }
             Phase::Failed(e) => {
-                hard_stop(&mut own, &router, &backlog, &conn, "session failed").await;
+                hard_stop(&mut own, &router, &backlog, &conns, "session failed").await;
                 Ok(SessionEnd::Failed(e))
             }
         }
@@ -358,10 +402,10 @@ impl App {
     /// readiness and liveness on the way.
     async fn watch(
         &self,
-        conn: &Connection,
+        conns: &Connections,
         mut own_fut: Pin<&mut impl Future<Output = Result<(), OwnershipError>>>,
         router: &mut RouterTask,
-        ready_rx: &mut mpsc::UnboundedReceiver<()>,
+        redis_rx: &mut mpsc::UnboundedReceiver<bool>,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Option<SessionError> {
@@ -371,15 +415,22 @@ impl App {
                 r = own_fut.as_mut() => return Some(r.err().map_or(SessionError::OwnershipStopped, SessionError::Ownership)),
                 r = &mut *router => return Some(router_failure(r)),
                 _ = work.cancelled() => return None,
-                Some(()) = ready_rx.recv() => {
-                    for reason in [NotReady::Starting, NotReady::AmqpDown, NotReady::RedisDown] {
-                        self.readiness.set(reason, false);
+                Some(redis_ok) = redis_rx.recv() => {
+                    if !redis_ok {
+                        warn!("membership heartbeat does not reach Redis; not ready");
+                        self.readiness.set(NotReady::RedisDown, true);
+                    } else if self.readiness.state().reasons().any(|r| r == NotReady::Starting) {
+                        for reason in [NotReady::Starting, NotReady::AmqpDown, NotReady::RedisDown] {
+                            self.readiness.set(reason, false);
+                        }
+                        events(Lifecycle::Ready);
+                        info!("ready");
+                    } else {
+                        self.readiness.set(NotReady::RedisDown, false);
                     }
-                    events(Lifecycle::Ready);
-                    info!("ready");
                 }
                 _ = alive.tick() => {
-                    if conn.status().connected() {
+                    if conns.connected() {
                         events(Lifecycle::Alive);
                     }
                 }
@@ -393,7 +444,7 @@ impl App {
     /// are children of the work token).
     async fn drain(
         &self,
-        conn: &Connection,
+        conns: &Connections,
         own_fut: Pin<&mut impl Future<Output = Result<(), OwnershipError>>>,
         router: &mut RouterTask,
         backlog: &mut JoinHandle<()>,
@@ -412,7 +463,7 @@ impl App {
             if let Err(e) = owned {
                 return Drain::Failed(SessionError::Ownership(e));
             }
-            if let Err(e) = conn.close(REPLY_SUCCESS, "shutdown".into()).await {
+            if let Err(e) = conns.close("shutdown").await {
                 warn!(error = %e, "closing the connection after the drain failed; nothing was left unacked");
             }
             Drain::Finished
@@ -424,11 +475,11 @@ impl App {
 /// Hard stop of a session: abort every partition, release its lease and delete the member key
 /// (best effort, each Redis call bounded by `redis.command_timeout`), stop the tasks, close the
 /// connection.
-async fn hard_stop(own: &mut Ownership, router: &RouterTask, backlog: &JoinHandle<()>, conn: &Connection, why: &str) {
+async fn hard_stop(own: &mut Ownership, router: &RouterTask, backlog: &JoinHandle<()>, conns: &Connections, why: &str) {
     own.abort_and_release().await;
     router.abort();
     backlog.abort();
-    let _ = conn.close(REPLY_SUCCESS, why.into()).await;
+    let _ = conns.close(why).await;
 }
 
 fn jitter(d: Duration) -> Duration {

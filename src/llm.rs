@@ -402,7 +402,7 @@ pub fn classify(problem: Problem<'_>) -> ErrorKind {
 impl LlmClient {
     /// [`LlmClient::with_options`] with [`ClientOptions::default`] (events are dropped).
     pub fn new(settings: &LlmSettings) -> Result<Self, LlmError> {
-        Self::with_options(settings, ClientOptions::default())
+        Self::with_options(settings, ClientOptions { max_response_bytes: settings.max_response_bytes.get(), ..ClientOptions::default() })
     }
 
     /// Builds the client: one HTTP connection pool with `llm.connect_timeout` and

@@ -79,6 +79,21 @@ static LLM_DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
 });
 static LLM_REQUESTS: LazyLock<IntCounterVec> =
     counter_vec!("llm_requests_total", "HTTP calls to the LLM server, by outcome.", &["outcome"]);
+static LLM_CIRCUIT_OPEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "llm_circuit_open",
+            "1 while the circuit breaker of LLM endpoint `endpoint` (its index in llm.endpoints) is open or half-open: calls fail fast and the partitions on it pause intake.",
+        ),
+        &["endpoint"],
+    )
+    .unwrap())
+});
+static LLM_CIRCUIT_OPENED: LazyLock<IntCounterVec> = counter_vec!(
+    "llm_circuit_opened_total",
+    "Times the circuit breaker of LLM endpoint `endpoint` (its index in llm.endpoints) opened after server faults.",
+    &["endpoint"]
+);
 static LLM_PROMPT_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new("llm_prompt_tokens_total", "Prompt tokens reported by the LLM server (usage.prompt_tokens).").unwrap())
 });
@@ -180,15 +195,21 @@ pub mod outcome {
 
 /// Label values of `amqp_connection_blocked{connection}`: which of the daemon's AMQP connections.
 pub mod connection {
-    /// The session's connection (router, partition consumers, publishers).
-    pub const SESSION: &str = "session";
+    /// The session's consuming connection (router and partition consumers, their acks).
+    pub const CONSUME: &str = "consume";
+    /// The session's publishing connection (forwarded requests, results, dead letters).
+    pub const PUBLISH: &str = "publish";
     /// Every label value, for [`super::init`].
-    pub const ALL: &[&str] = &[SESSION];
+    pub const ALL: &[&str] = &[CONSUME, PUBLISH];
 }
 
 /// Creates every metric with its label sets at zero, so dashboards and `promtool` see them from
 /// the first scrape.
-pub fn init() {
+///
+/// `llm_outcomes`: every `outcome` label of the LLM call metrics (`crate::llm::CALL_OUTCOME_LABELS`,
+/// passed in so that this module does not depend on the LLM client); `llm_endpoints`: how many
+/// endpoints `llm.endpoints` has.
+pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for r in crate::batcher::FlushReason::ALL {
         BATCHES.with_label_values(&[r.as_str()]);
     }
@@ -208,9 +229,13 @@ pub fn init() {
     for r in crate::request::DEAD_LETTER_REASONS {
         DEAD_LETTERS.with_label_values(&[r]);
     }
-    for o in std::iter::once("ok").chain(crate::llm::ErrorKind::ALL.iter().map(|k| k.as_str())) {
+    for o in llm_outcomes {
         LLM_REQUESTS.with_label_values(&[o]);
         LLM_DURATION.with_label_values(&[o]);
+    }
+    for e in 0..llm_endpoints {
+        LLM_CIRCUIT_OPEN.with_label_values(&[e.to_string().as_str()]);
+        LLM_CIRCUIT_OPENED.with_label_values(&[e.to_string().as_str()]);
     }
     LazyLock::force(&LLM_PROMPT_TOKENS);
     LazyLock::force(&LLM_CACHED_TOKENS);
@@ -270,6 +295,16 @@ pub fn dead_lettered(reason: &'static str) {
 pub fn llm_call(outcome: &'static str, seconds: f64) {
     LLM_REQUESTS.with_label_values(&[outcome]).inc();
     LLM_DURATION.with_label_values(&[outcome]).observe(seconds);
+}
+
+/// The circuit breaker of LLM endpoint `endpoint` (index in `llm.endpoints`) entered `state`
+/// (`closed`, `open` or `half_open`).
+pub fn llm_circuit(endpoint: usize, state: &'static str) {
+    let e = endpoint.to_string();
+    LLM_CIRCUIT_OPEN.with_label_values(&[e.as_str()]).set(i64::from(state != "closed"));
+    if state == "open" {
+        LLM_CIRCUIT_OPENED.with_label_values(&[e.as_str()]).inc();
+    }
 }
 
 /// Token usage reported by one LLM response.
@@ -360,7 +395,7 @@ pub fn amqp_connection_blocked(connection: &'static str, blocked: bool) {
 mod tests {
     #[test]
     fn exposition_has_prefixed_names() {
-        super::init();
+        super::init(&["ok"], 1);
         super::batch_flushed(crate::batcher::FlushReason::Size, 4, 1.0, 0.9);
         let text = super::render();
         for name in [
@@ -377,7 +412,7 @@ mod tests {
 
     #[test]
     fn oldest_buffered_age_grows_between_buffer_changes() {
-        super::init();
+        super::init(&["ok"], 1);
         super::buffer_state(1001, 3, 0.25);
         let later = std::time::Instant::now() + std::time::Duration::from_secs(2);
         super::refresh_oldest_ages(later);

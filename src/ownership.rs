@@ -40,7 +40,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::Connection;
 use redis::aio::ConnectionManager;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -48,6 +47,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::amqp::Connections;
 use crate::config::Settings;
 use crate::keying::desired_partitions;
 use crate::lease::{self, Acquire, LeaseClock, Leases};
@@ -127,15 +127,17 @@ impl Ownership {
     }
 
     /// Runs until `shutdown` fires and every partition is drained and released, or until the
-    /// connection fails. `on_first_round` is called once, after the first acquisition round.
+    /// connection fails. `on_redis` reports whether the membership heartbeat reaches Redis:
+    /// first `true` after the first round that reached it (the instance can be ready), then each
+    /// change (`false` during a Redis outage, `true` when it is back). Not called while stopping.
     /// Every partition's drain token is a child of `shutdown`.
     pub async fn run(
         &mut self,
-        conn: Arc<Connection>,
+        conns: Connections,
         shutdown: CancellationToken,
-        mut on_first_round: impl FnMut(),
+        mut on_redis: impl FnMut(bool),
     ) -> Result<(), OwnershipError> {
-        let mut first = true;
+        let mut reported: Option<bool> = None;
         let mut tick = tokio::time::interval(self.tick_interval());
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let worker_done = self.worker_done.clone();
@@ -146,18 +148,16 @@ impl Ownership {
                 _ = shutdown.cancelled(), if !self.left || !self.owned.values().all(|o| o.stop.drain.is_cancelled()) => {}
             }
             let stopping = shutdown.is_cancelled();
-            if !conn.status().connected() {
+            if !conns.connected() {
                 self.abort_all();
                 return Err(OwnershipError::ConnectionLost);
             }
-            let redis_ok = self.round(&conn, &shutdown).await;
-            // Ready only with a working Redis: the first round reports it through the callback,
-            // later rounds keep `/readyz` in step with the heartbeat (503 during a Redis outage).
-            if first && redis_ok {
-                first = false;
-                on_first_round();
-            } else if !first && !stopping {
-                metrics::set_ready(redis_ok);
+            let redis_ok = self.round(&conns, &shutdown).await;
+            // Ready only with a working Redis: the first round that reaches it is reported, then
+            // every change, so `/readyz` follows the heartbeat (503 during a Redis outage).
+            if !stopping && reported != Some(redis_ok) && (reported.is_some() || redis_ok) {
+                reported = Some(redis_ok);
+                on_redis(redis_ok);
             }
             if stopping && self.owned.is_empty() {
                 self.leave().await;
@@ -167,7 +167,7 @@ impl Ownership {
     }
 
     /// One ownership round; returns whether the membership heartbeat reached Redis.
-    async fn round(&mut self, conn: &Arc<Connection>, shutdown: &CancellationToken) -> bool {
+    async fn round(&mut self, conns: &Connections, shutdown: &CancellationToken) -> bool {
         let stopping = shutdown.is_cancelled();
         // Shutdown: leave the member set first, so the others compute the new assignment (and
         // start polling for the leases) while this instance drains.
@@ -182,7 +182,7 @@ impl Ownership {
         let desired = self.desired(stopping);
         self.hand_over(&desired, stopping, members.is_some());
         if !stopping && members.is_some() && self.settled_after_rejoin() {
-            self.acquire_desired(conn, &desired, shutdown).await;
+            self.acquire_desired(conns, &desired, shutdown).await;
         }
         metrics::partitions_owned(self.owned.len());
         if self.reconnect_due {
@@ -331,7 +331,7 @@ impl Ownership {
 
     /// Step 5, acquisitions: tries every desired partition not owned yet, all concurrently, and
     /// starts a worker for each lease acquired.
-    async fn acquire_desired(&mut self, conn: &Arc<Connection>, desired: &BTreeSet<u32>, shutdown: &CancellationToken) {
+    async fn acquire_desired(&mut self, conns: &Connections, desired: &BTreeSet<u32>, shutdown: &CancellationToken) {
         let wanted: Vec<u32> = desired.iter().copied().filter(|p| !self.owned.contains_key(p)).collect();
         if wanted.is_empty() {
             return;
@@ -344,7 +344,7 @@ impl Ownership {
             match res {
                 Ok(Acquire::Acquired(epoch)) => {
                     metrics::lease_op("acquire", "ok");
-                    self.start(conn, p, epoch, sent, shutdown);
+                    self.start(conns, p, epoch, sent, shutdown);
                 }
                 Ok(Acquire::Busy(_)) => metrics::lease_op("acquire", "busy"),
                 Err(e) => {
@@ -362,15 +362,15 @@ impl Ownership {
         }
     }
 
-    fn start(&mut self, conn: &Arc<Connection>, p: u32, epoch: u64, sent: Instant, shutdown: &CancellationToken) {
+    fn start(&mut self, conns: &Connections, p: u32, epoch: u64, sent: Instant, shutdown: &CancellationToken) {
         let clock = Arc::new(LeaseClock::new(sent + self.settings.ownership.renew_deadline));
         let stop = StopSignals { drain: shutdown.child_token(), revoke: CancellationToken::new(), abort: CancellationToken::new() };
         let ctx = PartitionContext { partition: p, epoch, settings: self.settings.clone(), llm: self.llm.clone(), lease: clock.clone() };
-        let conn = conn.clone();
+        let conns = conns.clone();
         let worker_stop = stop.clone();
         let done = self.worker_done.clone();
         let task = tokio::spawn(async move {
-            let r = partition::run(&conn, ctx, worker_stop).await;
+            let r = partition::run(&conns, ctx, worker_stop).await;
             done.notify_one();
             r
         });

@@ -26,9 +26,11 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection};
+use lapin::Channel;
+
+use crate::amqp::{Connections, REPLY_SUCCESS};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -77,12 +79,12 @@ struct Pending {
 }
 
 /// Runs the partition until stopped. Returns an error when the channel or connection fails.
-pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) -> Result<(), lapin::Error> {
+pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) -> Result<(), lapin::Error> {
     let s = &ctx.settings;
     let p = ctx.partition;
     let queue = s.amqp.partition_queue(p);
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let ch = conns.consume.create_channel().await?;
+    let publish = conns.publish_channel().await?;
     ch.basic_qos(s.amqp.partition_prefetch, BasicQosOptions::default()).await?;
     let tag = format!("{}:p{}:e{}", s.instance_name, p, ctx.epoch);
     let mut consumer = ch
@@ -98,7 +100,7 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
 
-    let executor = tokio::spawn(execute(ctx.clone(), ch.clone(), batch_rx, stop.abort.clone()));
+    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.abort.clone()));
 
     // Intake.
     let keyed = s.keying.mode == KeyingMode::Prefix;
@@ -122,7 +124,7 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
             _ = stop.revoke.cancelled() => break,
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => {
-                    if let Some(pending) = accept(&ctx, &ch, delivery).await {
+                    if let Some(pending) = accept(&ctx, &publish, delivery).await {
                         let bkey = if keyed { pending.key } else { PrefixKey(0) };
                         if item_tx.send((bkey, pending)).await.is_err() {
                             break;
@@ -137,9 +139,11 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
 
     if stop.abort.is_cancelled() || result.is_err() {
         // Lease lost or channel broken: close at once so the broker requeues everything unacked.
-        let _ = ch.close(200, "partition lease lost".into()).await;
-        batcher.abort();
+        // Stop publishing first, so no result goes out after the requeue.
         executor.abort();
+        batcher.abort();
+        let _ = ch.close(REPLY_SUCCESS, "partition lease lost".into()).await;
+        let _ = publish.close(REPLY_SUCCESS, "partition lease lost".into()).await;
         info!(partition = p, epoch = ctx.epoch, "partition aborted; unacked requests return to the queue");
         return result;
     }
@@ -148,7 +152,8 @@ pub async fn run(conn: &Connection, ctx: PartitionContext, stop: StopSignals) ->
     drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
     let _ = batcher.await;
     let _ = executor.await;
-    let _ = ch.close(200, "partition released".into()).await;
+    let _ = ch.close(REPLY_SUCCESS, "partition released".into()).await;
+    let _ = publish.close(REPLY_SUCCESS, "partition released".into()).await;
     metrics::buffer_state(p, 0, 0.0);
     info!(partition = p, epoch = ctx.epoch, "partition drained");
     Ok(())

@@ -113,7 +113,7 @@ impl Readiness {
     }
 
     /// Records that the broker blocked (`true`) or unblocked (`false`) the AMQP connection
-    /// labelled `connection` (a bounded label such as `"session"`). [`NotReady::ConnectionBlocked`]
+    /// labelled `connection` (a bounded label such as `"publish"`). [`NotReady::ConnectionBlocked`]
     /// holds while at least one connection is blocked, so one connection's unblock does not hide
     /// another's block.
     pub fn set_connection_blocked(&self, connection: &'static str, blocked: bool) {

@@ -10,12 +10,13 @@ use std::sync::Arc;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, ConfirmSelectOptions};
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Channel};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::{derive_key, partition_of, pick_shard, shards_for};
 use crate::metrics::{self, outcome, stage};
@@ -47,9 +48,9 @@ pub fn route(req: &crate::request::Request, settings: &Settings) -> Route {
 
 /// Runs the router until `stop` fires or the connection fails. On stop it cancels its consumer
 /// and finishes the deliveries it has (publish, confirm, ack) before returning.
-pub async fn run(conn: &Connection, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
+    let ch = conns.consume.create_channel().await?;
+    let publish = conns.publish_channel().await?;
     ch.basic_qos(settings.amqp.input_prefetch, BasicQosOptions::default()).await?;
     let tag = format!("router-{}", settings.instance_name);
     let mut consumer = ch
@@ -68,7 +69,7 @@ pub async fn run(conn: &Connection, settings: Arc<Settings>, stop: CancellationT
             Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => {
-                    let (ch, settings) = (ch.clone(), settings.clone());
+                    let (ch, settings) = (publish.clone(), settings.clone());
                     inflight.spawn(async move { handle(&ch, &settings, delivery).await });
                 }
                 Some(Err(e)) => break Err(e),
@@ -78,7 +79,8 @@ pub async fn run(conn: &Connection, settings: Arc<Settings>, stop: CancellationT
     };
     let _ = ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
     while inflight.join_next().await.is_some() {}
-    let _ = ch.close(200, "router stopped".into()).await;
+    let _ = ch.close(REPLY_SUCCESS, "router stopped".into()).await;
+    let _ = publish.close(REPLY_SUCCESS, "router stopped".into()).await;
     info!("router stopped");
     result
 }
