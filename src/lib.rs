@@ -28,6 +28,7 @@
 //! - [`publisher`]: the publisher stage — parse-or-dead-letter, result shaping, confirmed publishes,
 //!   the ack after the effect, and every header name.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`redelivery`]: delivery counts and the last error per request (for `delivery_limit`).
 //! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
 //! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
 //! - [`client`]: the `submit` and `status` commands.
@@ -49,6 +50,7 @@ pub mod ownership;
 pub mod partition;
 pub mod publisher;
 pub mod readiness;
+pub mod redelivery;
 pub mod request;
 pub mod router;
 pub mod topology;

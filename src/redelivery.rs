@@ -1,0 +1,89 @@
+//! Redeliveries: how often a request was delivered, and why its last attempt here did not end.
+//!
+//! Quorum queues count the deliveries of every message and put the count in the header
+//! `x-delivery-count` of each redelivery (absent on the first delivery;
+//! <https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling>). The daemon dead-letters a
+//! request whose count reached `amqp.delivery_limit`, with reason `delivery_limit` and the last
+//! error it saw for it, so a poison message (one that crashes a task, or times out the LLM server
+//! on every try) ends in the dead-letter queue with a reason instead of looping.
+//!
+//! The last error is remembered per request id, in this process only, in a bounded table
+//! ([`LAST_FAILURES_CAPACITY`] entries, oldest forgotten first): a redelivery that reaches another
+//! instance is dead-lettered with "last error unknown on this instance".
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{LazyLock, Mutex};
+
+use lapin::types::FieldTable;
+
+use crate::publisher::header_u64;
+
+/// Header in which quorum queues count earlier deliveries of a message.
+pub const HEADER_DELIVERY_COUNT: &str = "x-delivery-count";
+
+/// How many request ids [`note_failure`] remembers.
+pub const LAST_FAILURES_CAPACITY: usize = 10_000;
+
+/// Longest remembered error text, in characters.
+const MAX_ERROR_CHARS: usize = 300;
+
+#[derive(Default)]
+struct LastFailures {
+    by_id: HashMap<String, String>,
+    order: VecDeque<String>,
+}
+
+static LAST_FAILURES: LazyLock<Mutex<LastFailures>> = LazyLock::new(Mutex::default);
+
+/// Earlier deliveries of a message (0 on its first delivery), from [`HEADER_DELIVERY_COUNT`].
+pub fn delivery_count(headers: Option<&FieldTable>) -> u64 {
+    header_u64(headers, HEADER_DELIVERY_COUNT).unwrap_or(0)
+}
+
+/// Remembers why the attempt at request `id` ended without a result (the delivery goes back to
+/// its queue). Bounded: the oldest ids are forgotten first.
+pub fn note_failure(id: &str, error: &str) {
+    let error: String = error.chars().take(MAX_ERROR_CHARS).collect();
+    let mut t = LAST_FAILURES.lock().unwrap_or_else(|p| p.into_inner());
+    if t.by_id.insert(id.to_owned(), error).is_none() {
+        t.order.push_back(id.to_owned());
+        while t.order.len() > LAST_FAILURES_CAPACITY {
+            if let Some(old) = t.order.pop_front() {
+                t.by_id.remove(&old);
+            }
+        }
+    }
+}
+
+/// The last error [`note_failure`] remembered for request `id`.
+pub fn last_failure(id: &str) -> Option<String> {
+    LAST_FAILURES.lock().unwrap_or_else(|p| p.into_inner()).by_id.get(id).cloned()
+}
+
+#[cfg(test)]
+mod tests {
+    use lapin::types::{AMQPValue, ShortString};
+
+    use super::*;
+
+    #[test]
+    fn the_table_is_bounded_and_keeps_the_newest() {
+        note_failure("redelivery-test-first", "timeout");
+        note_failure("redelivery-test-first", "server: 503");
+        assert_eq!(last_failure("redelivery-test-first").as_deref(), Some("server: 503"));
+        for i in 0..LAST_FAILURES_CAPACITY {
+            note_failure(&format!("redelivery-test-{i}"), "x");
+        }
+        assert_eq!(last_failure("redelivery-test-first"), None, "the oldest id is forgotten");
+        assert!(last_failure(&format!("redelivery-test-{}", LAST_FAILURES_CAPACITY - 1)).is_some());
+        assert!(LAST_FAILURES.lock().unwrap().by_id.len() <= LAST_FAILURES_CAPACITY);
+    }
+
+    #[test]
+    fn delivery_count_reads_the_quorum_queue_header() {
+        assert_eq!(delivery_count(None), 0);
+        let mut t = FieldTable::default();
+        t.insert(ShortString::from(HEADER_DELIVERY_COUNT), AMQPValue::LongLongInt(3));
+        assert_eq!(delivery_count(Some(&t)), 3);
+    }
+}
