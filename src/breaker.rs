@@ -11,13 +11,16 @@
 //! - **Open**: calls fail fast, without an HTTP call, for an open time that starts at
 //!   [`BreakerPolicy::open_initial`] and doubles on every reopening without a successful probe in
 //!   between, up to [`BreakerPolicy::open_max`].
-//! - **Half-open**: once the open time is over, exactly ONE call (the probe) goes through; other
-//!   calls still fail fast. The probe's success closes the breaker (and resets the open time),
-//!   its server fault reopens it with the next, longer open time; an abandoned probe (cancelled
-//!   call) lets the next call probe instead.
+//! - **Half-open**: once the open time is over, exactly ONE probe may go ([`Breaker::admit_probe`]):
+//!   a lightweight call the owner of the breaker makes itself, never a real request (a request
+//!   used as a probe would be requeued on failure and its redelivery count would grow with every
+//!   probe of a long outage). Real calls still fail fast. The probe's success closes the breaker
+//!   (and resets the open time), its server fault reopens it with the next, longer open time; an
+//!   abandoned probe (cancelled) frees the probe slot.
 //!
-//! Outcomes of calls admitted before the breaker opened are ignored while it is open or half-open,
-//! so only the probe decides.
+//! [`Breaker::available`] is true only while closed: work resumes once a probe has shown the
+//! endpoint healthy. Outcomes of calls admitted before the breaker opened are ignored while it is
+//! open or half-open, so only the probe decides.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -94,11 +97,8 @@ impl BreakerState {
 pub enum Admission {
     /// The breaker is closed: go ahead.
     Allowed,
-    /// The breaker is half-open and this call is its one probe: go ahead, and report its outcome
-    /// with `probe = true`.
-    Probe,
-    /// Fail fast without calling. `retry_at`: when a probe may go, if known (None while another
-    /// probe is in flight).
+    /// Fail fast without calling. `retry_at`: when a probe may go, if known (None while a probe
+    /// is in flight).
     Rejected { retry_at: Option<Instant> },
 }
 
@@ -106,11 +106,6 @@ impl Admission {
     /// Whether the call may go ahead.
     pub fn allowed(&self) -> bool {
         !matches!(self, Admission::Rejected { .. })
-    }
-
-    /// Whether the call is the half-open probe.
-    pub fn is_probe(&self) -> bool {
-        matches!(self, Admission::Probe)
     }
 }
 
@@ -150,13 +145,10 @@ impl Breaker {
         }
     }
 
-    /// Whether a call made at `now` would be admitted (closed, or a probe is possible).
-    pub fn available(&self, now: Instant) -> bool {
-        match self.state {
-            State::Closed => true,
-            State::Open { until } => now >= until,
-            State::HalfOpen { probe_in_flight } => !probe_in_flight,
-        }
+    /// Whether a call made at `now` would be admitted: only while closed. (`now` is kept for
+    /// symmetry with [`Self::state`].)
+    pub fn available(&self, _now: Instant) -> bool {
+        self.state == State::Closed
     }
 
     /// When an open breaker lets its probe through; `None` unless open.
@@ -167,21 +159,30 @@ impl Breaker {
         }
     }
 
-    /// Decides whether a call starting at `now` may go ahead. Admitting the probe moves the
-    /// breaker to half-open with the probe in flight.
-    pub fn admit(&mut self, now: Instant) -> Admission {
+    /// Decides whether a real call starting at `now` may go ahead: only while closed.
+    pub fn admit(&self, now: Instant) -> Admission {
         match self.state {
             State::Closed => Admission::Allowed,
-            State::Open { until } if now < until => Admission::Rejected { retry_at: Some(until) },
-            State::Open { .. } | State::HalfOpen { probe_in_flight: false } => {
-                self.state = State::HalfOpen { probe_in_flight: true };
-                Admission::Probe
-            }
+            State::Open { until } => Admission::Rejected { retry_at: Some(until) },
+            State::HalfOpen { probe_in_flight: false } => Admission::Rejected { retry_at: Some(now) },
             State::HalfOpen { probe_in_flight: true } => Admission::Rejected { retry_at: None },
         }
     }
 
-    /// Records the outcome of an admitted call (`probe`: it was admitted as [`Admission::Probe`]).
+    /// Takes the one probe slot at `now`: true when the open time is over and no probe is in
+    /// flight (the breaker is then half-open with the probe in flight; report its outcome with
+    /// `probe = true`), false otherwise.
+    pub fn admit_probe(&mut self, now: Instant) -> bool {
+        match self.state {
+            State::Open { until } if now >= until => {}
+            State::HalfOpen { probe_in_flight: false } => {}
+            _ => return false,
+        }
+        self.state = State::HalfOpen { probe_in_flight: true };
+        true
+    }
+
+    /// Records the outcome of an admitted call (`probe`: it was admitted by [`Self::admit_probe`]).
     /// Returns the new state when this outcome changed it.
     pub fn record(&mut self, outcome: Outcome, probe: bool, now: Instant) -> Option<BreakerState> {
         match self.state {
@@ -300,15 +301,18 @@ mod tests {
         tokio::time::advance(Duration::from_millis(999)).await;
         assert!(!b.admit(Instant::now()).allowed());
         tokio::time::advance(Duration::from_millis(1)).await;
-        assert!(b.available(Instant::now()));
+        assert!(!b.available(Instant::now()), "not available before a probe succeeded");
         assert_eq!(b.state(Instant::now()), BreakerState::HalfOpen);
-        assert_eq!(b.admit(Instant::now()), Admission::Probe);
-        assert_eq!(b.admit(Instant::now()), Admission::Rejected { retry_at: None }, "one probe at a time");
+        assert!(!b.admit(Instant::now()).allowed(), "real calls never probe");
+        assert!(b.admit_probe(Instant::now()));
+        assert!(!b.admit_probe(Instant::now()), "one probe at a time");
+        assert_eq!(b.admit(Instant::now()), Admission::Rejected { retry_at: None });
         assert!(!b.available(Instant::now()));
         // A late answer of a call admitted before the opening does not decide.
         assert_eq!(b.record(Outcome::Success, false, Instant::now()), None);
         assert_eq!(b.record(Outcome::Success, true, Instant::now()), Some(BreakerState::Closed));
         assert_eq!(b.admit(Instant::now()), Admission::Allowed);
+        assert!(b.available(Instant::now()));
     }
 
     #[tokio::test(start_paused = true)]
@@ -320,13 +324,13 @@ mod tests {
             let wait = b.open_until().unwrap() - Instant::now();
             waits.push(wait.as_secs());
             tokio::time::advance(wait).await;
-            assert_eq!(b.admit(Instant::now()), Admission::Probe);
+            assert!(b.admit_probe(Instant::now()));
             assert_eq!(b.record(Outcome::ServerFault, true, Instant::now()), Some(BreakerState::Open));
         }
         assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
         // A successful probe resets the doubling.
         tokio::time::advance(Duration::from_secs(30)).await;
-        assert!(b.admit(Instant::now()).is_probe());
+        assert!(b.admit_probe(Instant::now()));
         assert_eq!(b.record(Outcome::RequestFault, true, Instant::now()), Some(BreakerState::Closed));
         trip(&mut b);
         assert_eq!(b.open_until().unwrap() - Instant::now(), Duration::from_secs(1));
@@ -337,10 +341,10 @@ mod tests {
         let mut b = Breaker::new(BreakerPolicy::default());
         trip(&mut b);
         tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(b.admit(Instant::now()).is_probe());
+        assert!(b.admit_probe(Instant::now()));
         assert_eq!(b.record(Outcome::Abandoned, true, Instant::now()), None);
-        assert!(b.available(Instant::now()));
-        assert!(b.admit(Instant::now()).is_probe());
+        assert!(!b.available(Instant::now()));
+        assert!(b.admit_probe(Instant::now()));
         // Outcomes while open are ignored.
         assert_eq!(b.record(Outcome::ServerFault, true, Instant::now()), Some(BreakerState::Open));
         assert_eq!(b.record(Outcome::ServerFault, false, Instant::now()), None);

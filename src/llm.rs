@@ -25,6 +25,15 @@
 //! and retried with exponential backoff and full jitter while the kind is
 //! [retryable](ErrorKind::retryable), attempts remain and the breaker stays closed. While an
 //! endpoint's breaker is open its calls fail fast with [`ErrorKind::Unavailable`] and no HTTP call.
+//!
+//! **Probing.** Real requests never probe a down endpoint: a request used as a probe would be
+//! requeued on failure, and every requeue counts towards its delivery limit. When a breaker opens,
+//! the client starts one prober task for that endpoint: once the open time is over it sends
+//! `GET {base}/v1/models` (which vLLM, SGLang and llama-server all serve) with the bearer token; a
+//! 2xx closes the breaker, a server-fault class (5xx, 401/403/404, 429, timeout, refused
+//! connection) reopens it with a doubled open time. [`LlmClient::available`] is true only while
+//! the breaker is closed, so partitions paused on [`LlmClient::wait_available`] resume only after
+//! a successful probe.
 //! The cancellation token aborts in-flight calls (dropping the request closes the connection) and
 //! ends the batch with [`ErrorKind::Cancelled`] for every unfinished item.
 //!
@@ -51,6 +60,8 @@ use crate::request::{Body, Usage};
 pub const COMPLETIONS_PATH: &str = "v1/completions";
 /// Path of the OpenAI chat completions API, appended to each endpoint's base URL.
 pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
+/// Path of the OpenAI models list, the circuit breaker's half-open probe.
+pub const MODELS_PATH: &str = "v1/models";
 /// Default cap of one LLM response body, in bytes (64 MiB): far above any completion the batcher
 /// asks for, low enough that a broken server cannot exhaust memory.
 pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
@@ -154,6 +165,10 @@ struct Endpoint {
     /// exact usage and the cached-token metrics stay true.
     per_prompt_calls: AtomicBool,
     breaker: Mutex<Breaker>,
+    /// `{base}/v1/models`: the half-open probe ([`LlmClient::probe`]).
+    models: Url,
+    /// A prober task ([`probe_until_closed`]) runs for this endpoint.
+    probing: AtomicBool,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
     /// re-check it.
     changed: watch::Sender<()>,
@@ -493,30 +508,20 @@ impl LlmClient {
         self.inner.endpoints.get(endpoint).map(|ep| lock(&ep.breaker).state(Instant::now()))
     }
 
-    /// Waits until `endpoint` is [available](Self::available): returns `true` then, `false` when
-    /// `cancel` fires first or the index is unknown. Wakes at the end of the open time and on
-    /// every breaker change, so a partition can pause intake while its endpoint is down.
+    /// Waits until `endpoint` is [available](Self::available) (its breaker closed after a
+    /// successful probe): returns `true` then, `false` when `cancel` fires first or the index is
+    /// unknown. Wakes on every breaker change, so a partition can pause intake while its endpoint
+    /// is down.
     pub async fn wait_available(&self, endpoint: usize, cancel: &CancellationToken) -> bool {
         let Some(ep) = self.inner.endpoints.get(endpoint) else { return false };
         let mut changed = ep.changed.subscribe();
         loop {
             changed.borrow_and_update();
-            let until = {
-                let breaker = lock(&ep.breaker);
-                if breaker.available(Instant::now()) {
-                    return true;
-                }
-                breaker.open_until()
-            };
-            let open_time_over = async {
-                match until {
-                    Some(t) => tokio::time::sleep_until(t).await,
-                    None => std::future::pending().await,
-                }
-            };
+            if lock(&ep.breaker).available(Instant::now()) {
+                return true;
+            }
             tokio::select! {
                 _ = cancel.cancelled() => return false,
-                _ = open_time_over => {}
                 r = changed.changed() => if r.is_err() { return false },
             }
         }
@@ -761,25 +766,20 @@ impl LlmClient {
         };
         (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
         let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
-        self.record(call.endpoint, breaker_outcome, admission.is_probe());
+        self.record(call.endpoint, breaker_outcome, false);
         match outcome {
             None => Gate::Cancelled,
             Some(r) => Gate::Attempted(r),
         }
     }
 
-    /// Asks `endpoint`'s breaker to admit a call now; reports a state change.
+    /// Asks `endpoint`'s breaker to admit a real call now (only while closed).
     fn admit(&self, endpoint: usize) -> Admission {
-        let ep = &self.inner.endpoints[endpoint];
-        let admission = lock(&ep.breaker).admit(Instant::now());
-        if admission.is_probe() {
-            tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; sending one probe call");
-            self.breaker_changed(endpoint, BreakerState::HalfOpen);
-        }
-        admission
+        lock(&self.inner.endpoints[endpoint].breaker).admit(Instant::now())
     }
 
-    /// Gives `endpoint`'s breaker a call outcome; reports a state change.
+    /// Gives `endpoint`'s breaker a call outcome; reports a state change, and starts the prober
+    /// when the breaker opened.
     fn record(&self, endpoint: usize, outcome: Outcome, probe: bool) {
         let ep = &self.inner.endpoints[endpoint];
         let changed = lock(&ep.breaker).record(outcome, probe, Instant::now());
@@ -795,6 +795,24 @@ impl LlmClient {
         } else if probe {
             ep.changed.send_replace(()); // an abandoned probe frees the probe slot
         }
+        if changed == Some(BreakerState::Open) && !ep.probing.swap(true, Ordering::AcqRel) {
+            tokio::spawn(probe_until_closed(Arc::downgrade(&self.inner), endpoint));
+        }
+    }
+
+    /// The half-open probe of `endpoint`: `GET {base}/v1/models` (served by vLLM, SGLang and
+    /// llama-server), with the bearer token. A 2xx is a success; otherwise the status or transport
+    /// error is classified like any call ([`classify`]), so 5xx, 401/403/404, 429, timeouts and
+    /// refused connections keep the breaker open.
+    async fn probe(&self, endpoint: usize) -> Outcome {
+        let ep = &self.inner.endpoints[endpoint];
+        let kind = match self.inner.http.get(ep.models.clone()).send().await {
+            Ok(r) if r.status().is_success() => return Outcome::Success,
+            Ok(r) => classify(Problem::Status(r.status().as_u16())),
+            Err(e) => classify(Problem::Transport(&e)),
+        };
+        tracing::info!(endpoint, name = %ep.name, kind = kind.as_str(), "LLM endpoint probe failed; the circuit breaker stays open");
+        kind.breaker_outcome()
     }
 
     fn breaker_changed(&self, endpoint: usize, state: BreakerState) {
@@ -880,6 +898,8 @@ impl Endpoint {
         Ok(Endpoint {
             completions: join(COMPLETIONS_PATH)?,
             chat: join(CHAT_COMPLETIONS_PATH)?,
+            models: join(MODELS_PATH)?,
+            probing: AtomicBool::new(false),
             name,
             permits: Semaphore::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
@@ -893,6 +913,40 @@ impl Endpoint {
 /// every method leaves it consistent).
 fn lock(m: &Mutex<Breaker>) -> std::sync::MutexGuard<'_, Breaker> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The prober of one endpoint, started when its breaker opens: sleeps until the open time is
+/// over, takes the probe slot, probes ([`LlmClient::probe`]) and records the outcome, until the
+/// breaker is closed. Holds only a weak reference between probes, so a dropped client ends it.
+async fn probe_until_closed(inner: std::sync::Weak<Inner>, endpoint: usize) {
+    loop {
+        let Some(client) = inner.upgrade().map(|inner| LlmClient { inner }) else { return };
+        let ep = &client.inner.endpoints[endpoint];
+        let (closed, until) = {
+            let b = lock(&ep.breaker);
+            (b.available(Instant::now()), b.open_until())
+        };
+        if closed {
+            ep.probing.store(false, Ordering::Release);
+            // A reopening between the check and the store found `probing` still set: go on then.
+            if lock(&ep.breaker).available(Instant::now()) || ep.probing.swap(true, Ordering::AcqRel) {
+                return;
+            }
+            continue;
+        }
+        if let Some(until) = until.filter(|&t| t > Instant::now()) {
+            drop(client);
+            tokio::time::sleep_until(until).await;
+            continue;
+        }
+        if !lock(&ep.breaker).admit_probe(Instant::now()) {
+            return; // another prober holds the slot (not started by this client: cannot happen)
+        }
+        tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; probing GET /v1/models");
+        client.breaker_changed(endpoint, BreakerState::HalfOpen);
+        let outcome = client.probe(endpoint).await;
+        client.record(endpoint, outcome, true);
+    }
 }
 
 /// The JSON request body of `group`: its params (with `stream` forced off), `model`, and `prompt`

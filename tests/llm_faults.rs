@@ -4,7 +4,7 @@
 //! breaker must fail fast while an endpoint is down and close again after a successful probe.
 
 use std::num::NonZeroU32;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,6 +28,8 @@ type Handler = dyn Fn(&Value, usize) -> Response + Send + Sync;
 struct Server {
     url: Url,
     bodies: Arc<Mutex<Vec<Value>>>,
+    /// HTTP status of `GET /v1/models` (the circuit breaker's probe), 200 by default.
+    models_status: Arc<AtomicU16>,
     stop: CancellationToken,
 }
 
@@ -47,15 +49,22 @@ impl Server {
                 handler(&body, call)
             }
         };
+        let models_status = Arc::new(AtomicU16::new(200));
+        let status = models_status.clone();
+        let models = move || {
+            let status = StatusCode::from_u16(status.load(Ordering::SeqCst)).unwrap();
+            async move { (status, Json(json!({"object": "list", "data": [{"id": "m", "object": "model"}]}))) }
+        };
         let app = axum::Router::new()
             .route("/v1/completions", axum::routing::post(route.clone()))
-            .route("/v1/chat/completions", axum::routing::post(route));
+            .route("/v1/chat/completions", axum::routing::post(route))
+            .route("/v1/models", axum::routing::get(models));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
         let stop = CancellationToken::new();
         let shutdown = stop.clone().cancelled_owned();
         tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
-        Server { url, bodies, stop }
+        Server { url, bodies, models_status, stop }
     }
 
     fn calls(&self) -> usize {
@@ -224,6 +233,7 @@ async fn an_outage_opens_the_breaker_which_fails_fast_then_a_probe_closes_it() {
         }
     })
     .await;
+    server.models_status.store(503, Ordering::SeqCst);
     let (client, events) = client_with(&[&server.url], MAX_RESPONSE_BYTES, Duration::from_millis(200));
     let reqs = requests(&["p0", "p1"], json!({}));
 
@@ -245,21 +255,27 @@ async fn an_outage_opens_the_breaker_which_fails_fast_then_a_probe_closes_it() {
     assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Unavailable));
     assert_eq!(server.calls(), 5);
 
-    // A paused partition is woken by the end of the open time; cancellation ends the wait too.
+    // Probes fail while /v1/models answers 503: still unavailable after several open times.
     let cancelled = CancellationToken::new();
     cancelled.cancel();
     assert!(!client.wait_available(0, &cancelled).await);
+    let early = tokio::time::timeout(Duration::from_millis(700), client.wait_available(0, &CancellationToken::new())).await;
+    assert!(early.is_err(), "a failed probe keeps the breaker open");
+    // A paused partition is woken by the client's own successful probe (no request is used).
     down.store(false, Ordering::SeqCst);
-    let woke = tokio::time::timeout(Duration::from_secs(5), client.wait_available(0, &CancellationToken::new())).await;
+    server.models_status.store(200, Ordering::SeqCst);
+    let woke = tokio::time::timeout(Duration::from_secs(10), client.wait_available(0, &CancellationToken::new())).await;
     assert_eq!(woke, Ok(true));
+    assert_eq!(client.breaker_state(0), Some(BreakerState::Closed));
+    assert_eq!(server.calls(), 5, "the probes are not completions calls");
 
-    // The probe succeeds and closes the breaker.
     let results = infer(&client, &reqs).await;
     assert_eq!(results.iter().map(output).collect::<Vec<_>>(), ["answer:p0", "answer:p1"]);
-    assert_eq!(client.breaker_state(0), Some(BreakerState::Closed));
     let events = events.lock().unwrap();
     let breaker: Vec<&str> = events.iter().filter(|e| e.starts_with("breaker")).map(String::as_str).collect();
-    assert_eq!(breaker, ["breaker 0 open", "breaker 0 half_open", "breaker 0 closed"]);
+    assert!(breaker.len() >= 5, "{breaker:?}");
+    assert_eq!(breaker[..3], ["breaker 0 open", "breaker 0 half_open", "breaker 0 open"], "the first probe failed");
+    assert_eq!(breaker[breaker.len() - 2..], ["breaker 0 half_open", "breaker 0 closed"]);
     assert_eq!(events.iter().filter(|e| *e == "call 0 server").count(), 5);
     assert_eq!(events.iter().filter(|e| *e == "call 0 unavailable").count(), 1, "the list call failed fast");
     assert!(events.contains(&"call 0 ok".to_owned()));
@@ -268,7 +284,8 @@ async fn an_outage_opens_the_breaker_which_fails_fast_then_a_probe_closes_it() {
 #[tokio::test]
 async fn unauthorized_is_a_server_fault_and_does_not_burn_the_backlog() {
     let server = Server::start(|_, _| error_response(StatusCode::UNAUTHORIZED, "invalid api key")).await;
-    let client = client(&server.url);
+    server.models_status.store(401, Ordering::SeqCst);
+    let (client, _) = client_with(&[&server.url], MAX_RESPONSE_BYTES, Duration::from_millis(50));
     let mut kinds = Vec::new();
     for i in 0..10 {
         let results = infer(&client, &requests(&[&format!("p{i}")], json!({}))).await;
@@ -279,6 +296,10 @@ async fn unauthorized_is_a_server_fault_and_does_not_burn_the_backlog() {
     assert_eq!(kinds[..5], [ErrorKind::EndpointConfig; 5], "not retried: one call each");
     assert_eq!(kinds[5..], [ErrorKind::Unavailable; 5], "then the breaker is open");
     assert_eq!(server.calls(), 5);
+    // Probes meet the same 401: the breaker stays open however long one waits.
+    let waited = tokio::time::timeout(Duration::from_millis(500), client.wait_available(0, &CancellationToken::new())).await;
+    assert!(waited.is_err(), "a probe answered 401 must not close the breaker");
+    assert!(!client.available(0));
 }
 
 #[tokio::test]
