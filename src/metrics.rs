@@ -167,6 +167,48 @@ static AMQP_BLOCKED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )
     .unwrap())
 });
+// Settlement of partition deliveries: panics, unsettled deliveries, refused results, paused intake.
+static TASK_PANICS: LazyLock<IntCounterVec> =
+    counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage; their requests were requeued.", &["stage"]);
+static UNSETTLED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new("unsettled_deliveries", "Deliveries of a partition held by this instance, neither acked nor nacked yet."),
+        &["partition"],
+    )
+    .unwrap())
+});
+static REPLY_TO_REFUSED: LazyLock<IntCounterVec> = counter_vec!(
+    "reply_to_refused_total",
+    "Results refused by their reply_to queue (nacked, unroutable, timeout) and published to the results queue instead.",
+    &["reason"]
+);
+static INTAKE_PAUSED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new("intake_paused", "1 while a partition's intake is paused because no LLM endpoint is available, else 0."),
+        &["partition"],
+    )
+    .unwrap())
+});
+static CONSUMER_RESTARTS: LazyLock<IntCounterVec> = counter_vec!(
+    "consumer_restarts_total",
+    "Partition consumers closed (their deliveries requeued) and reopened, by reason.",
+    &["reason"]
+);
+
+/// Label values of `consumer_restarts_total{reason}`.
+pub mod restart {
+    /// No LLM endpoint is available: intake paused, then resumed.
+    pub const LLM_UNAVAILABLE: &str = "llm_unavailable";
+    /// The oldest unsettled delivery neared `amqp.consumer_timeout`.
+    pub const CONSUMER_TIMEOUT: &str = "consumer_timeout";
+    /// A channel under the partition closed (e.g. a publish refused with 406).
+    pub const CHANNEL_CLOSED: &str = "channel_closed";
+    /// The broker cancelled the consumer or the queue was missing (re-declared).
+    pub const QUEUE_MISSING: &str = "queue_missing";
+    /// Every label value, for [`super::init`].
+    pub const ALL: &[&str] = &[LLM_UNAVAILABLE, CONSUMER_TIMEOUT, CHANNEL_CLOSED, QUEUE_MISSING];
+}
+
 static READY: LazyLock<Gauge> =
     LazyLock::new(|| reg(Gauge::new("ready", "1 when connected to RabbitMQ and Redis and the first lease round is done.").unwrap()));
 
@@ -255,6 +297,17 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for c in connection::ALL {
         AMQP_BLOCKED_TOTAL.with_label_values(&[c]);
         AMQP_BLOCKED.with_label_values(&[c]);
+    }
+    for s in [stage::BATCHER, stage::PUBLISHER] {
+        TASK_PANICS.with_label_values(&[s]);
+    }
+    LazyLock::force(&UNSETTLED);
+    for r in ["nacked", "unroutable", "timeout"] {
+        REPLY_TO_REFUSED.with_label_values(&[r]);
+    }
+    LazyLock::force(&INTAKE_PAUSED);
+    for r in restart::ALL {
+        CONSUMER_RESTARTS.with_label_values(&[r]);
     }
 }
 
@@ -389,6 +442,31 @@ pub fn amqp_connection_blocked(connection: &'static str, blocked: bool) {
         AMQP_BLOCKED_TOTAL.with_label_values(&[connection]).inc();
     }
     AMQP_BLOCKED.with_label_values(&[connection]).set(i64::from(blocked));
+}
+
+/// A task of `stage` panicked; its requests were requeued.
+pub fn task_panicked(stage: &'static str) {
+    TASK_PANICS.with_label_values(&[stage]).inc();
+}
+
+/// Deliveries of `partition` held now, neither acked nor nacked.
+pub fn unsettled_deliveries(partition: u32, n: usize) {
+    UNSETTLED.with_label_values(&[&partition.to_string()]).set(i64::try_from(n).unwrap_or(i64::MAX));
+}
+
+/// A result was refused by its `reply_to` queue (`reason`: `nacked`, `unroutable`, `timeout`).
+pub fn reply_to_refused(reason: &'static str) {
+    REPLY_TO_REFUSED.with_label_values(&[reason]).inc();
+}
+
+/// A partition's intake paused (`true`) or resumed (`false`) on LLM availability.
+pub fn intake_paused(partition: u32, paused: bool) {
+    INTAKE_PAUSED.with_label_values(&[&partition.to_string()]).set(i64::from(paused));
+}
+
+/// A partition's consumer was closed and reopened, for `reason` (one of [`restart`]).
+pub fn consumer_restarted(reason: &'static str) {
+    CONSUMER_RESTARTS.with_label_values(&[reason]).inc();
 }
 
 #[cfg(test)]

@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -96,6 +96,8 @@ pub struct Ownership {
     rejoined_at: Option<Instant>,
     /// Redis answered `READONLY` (failover): open a new connection at the end of the round.
     reconnect_due: bool,
+    /// `batching.max_buffered_bytes`, shared by every partition worker of this instance.
+    buffer_bytes: Arc<Semaphore>,
 }
 
 impl Ownership {
@@ -106,6 +108,7 @@ impl Ownership {
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
         let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout);
         Ownership {
+            buffer_bytes: partition::buffer_budget(&settings),
             settings,
             membership,
             leases,
@@ -365,7 +368,14 @@ impl Ownership {
     fn start(&mut self, conns: &Connections, p: u32, epoch: u64, sent: Instant, shutdown: &CancellationToken) {
         let clock = Arc::new(LeaseClock::new(sent + self.settings.ownership.renew_deadline));
         let stop = StopSignals { drain: shutdown.child_token(), revoke: CancellationToken::new(), abort: CancellationToken::new() };
-        let ctx = PartitionContext { partition: p, epoch, settings: self.settings.clone(), llm: self.llm.clone(), lease: clock.clone() };
+        let ctx = PartitionContext {
+            partition: p,
+            epoch,
+            settings: self.settings.clone(),
+            llm: self.llm.clone(),
+            lease: clock.clone(),
+            buffer_bytes: self.buffer_bytes.clone(),
+        };
         let conns = conns.clone();
         let worker_stop = stop.clone();
         let done = self.worker_done.clone();

@@ -2,7 +2,9 @@
 //!
 //! One instance of this runs per partition whose lease the instance holds. Stages are tasks
 //! joined by bounded channels (`batching.channel_capacity`); the AMQP prefetch
-//! (`amqp.partition_prefetch`) bounds the unacked deliveries.
+//! (`amqp.partition_prefetch`) bounds the unacked deliveries, and one byte budget per instance
+//! (`batching.max_buffered_bytes`, [`PartitionContext::buffer_bytes`]) bounds the request bodies
+//! held: intake waits while it is spent.
 //!
 //! Three ways to stop, chosen by the owner ([`crate::ownership`]):
 //! - `drain` (SIGTERM): stop consuming, flush every buffer (`reason="shutdown"`), finish the
@@ -12,38 +14,72 @@
 //! - `abort` (lease lost): close the channel at once — the broker requeues every unacked
 //!   delivery in order — abort in-flight LLM calls and drop their unpublished results.
 //!
+//! **Consuming sessions.** Within its tenure the worker runs one *consuming session* after
+//! another (a consume channel, a publish channel, a batcher, an executor). A session ends without
+//! ending the partition — its channel is closed, so the broker requeues everything unacked in
+//! order, and a new session starts — when:
+//! - no LLM endpoint of the partition is available (a batch met a server fault and the circuit
+//!   breaker is open, [`crate::llm`]): intake pauses until [`LlmClient::wait_available`], so an
+//!   outage leaves the requests in their queue instead of burning them into `ok: false` results;
+//!   the breaker's own probe, never a request, decides when to resume;
+//! - the oldest unsettled delivery nears RabbitMQ's `consumer_timeout` (0.9 × it): the broker
+//!   would close the channel anyway;
+//! - a channel under the partition closed (e.g. a publish refused with 406), or the queue is gone
+//!   (consume refused with 404, consumer cancelled by the broker): the queue is re-declared
+//!   ([`crate::topology::declare_partition`]).
+//!
+//! **Every delivery is settled.** After the LLM call: a result (or a request fault's `ok: false`
+//! result) is published and the request acked ([`publisher::publish_result`], which requeues when
+//! nothing could be published); a server fault nacks the request with requeue and notes why
+//! ([`crate::redelivery::note_failure`]); a panic in a batch task is caught at the task boundary
+//! and its requests are nacked with requeue, so the delivery limit bounds a poison message.
+//! Everything else ends with the channel's close.
+//!
 //! Before publishing any result, and again before acking ([`publisher::publish_result`]), the
-//! worker checks its local lease deadline ([`LeaseClock`]); a worker whose lease may have expired (e.g. after a SIGSTOP)
-//! publishes and acks nothing. The worker also stops by itself at that deadline, like an `abort`,
-//! without waiting for the owner to notice (the owner's loop may be stuck on an unreachable
-//! Redis): consumption stops within the renew deadline whatever happens to the rest.
+//! worker checks its local lease deadline ([`LeaseClock`]); a worker whose lease may have expired
+//! (e.g. after a SIGSTOP) publishes and acks nothing. The worker also stops by itself at that
+//! deadline, like an `abort`, without waiting for the owner to notice (the owner's loop may be
+//! stuck on an unreachable Redis): consumption stops within the renew deadline whatever happens
+//! to the rest.
 //!
 //! Every result carries `x-partition`, `x-partition-epoch` (the lease epoch, a fencing token: a
 //! result with a lower epoch than one already seen for its partition is stale) and `x-instance`
 //! (the instance name), so consumers and tests can build an ownership log from results alone.
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
+use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::Channel;
-
-use crate::amqp::{Connections, REPLY_SUCCESS};
-use tokio::sync::mpsc;
+use lapin::{Channel, Consumer};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 
+use crate::amqp::{reply_code, Connections, NOT_FOUND, REPLY_SUCCESS};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
 use crate::keying::{derive_key, PrefixKey};
 use crate::lease::LeaseClock;
-use crate::llm::{InferenceItem, LlmClient};
-use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
+use crate::llm::{Fault, InferenceItem, LlmClient};
+use crate::metrics::{self, outcome, restart, stage};
+use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, Settlement, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::request::{Request, TimingsMs};
+
+/// Share of `amqp.consumer_timeout` after which the oldest unsettled delivery makes the worker
+/// requeue everything and start a new consuming session (before the broker closes the channel).
+pub const CONSUMER_TIMEOUT_GUARD: f64 = 0.9;
+
+/// Pause between two consuming sessions that ended on a channel or queue failure, so a broker
+/// that keeps refusing is not hammered.
+const RESTART_PAUSE: Duration = Duration::from_millis(200);
 
 /// Everything one partition worker needs.
 #[derive(Clone)]
@@ -54,6 +90,16 @@ pub struct PartitionContext {
     pub settings: Arc<Settings>,
     pub llm: LlmClient,
     pub lease: Arc<LeaseClock>,
+    /// The instance's budget of buffered request bytes, shared by all its partitions: one permit
+    /// per body byte (`batching.max_buffered_bytes` permits, see [`buffer_budget`]), taken when a
+    /// delivery is accepted and given back when it is settled.
+    pub buffer_bytes: Arc<Semaphore>,
+}
+
+/// The byte budget of [`PartitionContext::buffer_bytes`]: `batching.max_buffered_bytes` permits
+/// (capped at what a tokio semaphore holds).
+pub fn buffer_budget(settings: &Settings) -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(settings.batching.max_buffered_bytes.get().min(Semaphore::MAX_PERMITS)))
 }
 
 /// Stop signals of a worker.
@@ -67,6 +113,21 @@ pub struct StopSignals {
     pub abort: CancellationToken,
 }
 
+impl StopSignals {
+    fn any(&self) -> bool {
+        self.drain.is_cancelled() || self.revoke.is_cancelled() || self.abort.is_cancelled()
+    }
+
+    /// Completes when any stop signal fires.
+    async fn stopped(&self) {
+        tokio::select! {
+            _ = self.drain.cancelled() => {}
+            _ = self.revoke.cancelled() => {}
+            _ = self.abort.cancelled() => {}
+        }
+    }
+}
+
 /// A request waiting in a batch.
 struct Pending {
     delivery: Delivery,
@@ -76,22 +137,197 @@ struct Pending {
     received: Instant,
     queued_ms: u64,
     enqueued_unix_ms: Option<u64>,
+    /// Counts the delivery as unsettled and holds its bytes of the budget until dropped.
+    _held: Held,
 }
 
-/// Runs the partition until stopped. Returns an error when the channel or connection fails.
+/// The deliveries of one partition held in memory, by receive order: for the
+/// `unsettled_deliveries` gauge and the `consumer_timeout` guard.
+struct HeldDeliveries {
+    partition: u32,
+    state: Mutex<(u64, BTreeMap<u64, Instant>)>,
+}
+
+impl HeldDeliveries {
+    fn new(partition: u32) -> Arc<Self> {
+        Arc::new(HeldDeliveries { partition, state: Mutex::new((0, BTreeMap::new())) })
+    }
+
+    fn hold(self: &Arc<Self>, bytes: OwnedSemaphorePermit) -> Held {
+        let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.0 += 1;
+        let seq = s.0;
+        s.1.insert(seq, Instant::now());
+        metrics::unsettled_deliveries(self.partition, s.1.len());
+        Held { owner: self.clone(), seq, _bytes: bytes }
+    }
+
+    /// When the oldest delivery still held was received.
+    fn oldest(&self) -> Option<Instant> {
+        let s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.1.first_key_value().map(|(_, t)| *t)
+    }
+}
+
+/// One held delivery (see [`HeldDeliveries`]); dropped once the delivery is settled or its
+/// channel closed.
+struct Held {
+    owner: Arc<HeldDeliveries>,
+    seq: u64,
+    _bytes: OwnedSemaphorePermit,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut s = self.owner.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.1.remove(&self.seq);
+        metrics::unsettled_deliveries(self.owner.partition, s.1.len());
+    }
+}
+
+/// Why a consuming session must end early; the first reason raised wins. Cancelling `token` also
+/// cancels the session's in-flight LLM calls (it is a child of the abort token).
+struct SessionEnd {
+    token: CancellationToken,
+    reason: Mutex<Option<&'static str>>,
+}
+
+impl SessionEnd {
+    fn new(abort: &CancellationToken) -> Arc<Self> {
+        Arc::new(SessionEnd { token: abort.child_token(), reason: Mutex::new(None) })
+    }
+
+    /// Ends the session for `reason` (one of [`restart`]).
+    fn raise(&self, reason: &'static str) {
+        self.reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(reason);
+        self.token.cancel();
+    }
+
+    fn reason(&self) -> Option<&'static str> {
+        *self.reason.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// How a consuming session ended.
+enum Ended {
+    /// A stop signal ended it (after a drain, or at once for an abort); the partition ends.
+    Stopped,
+    /// Start a new session, for this reason (one of [`restart`]).
+    Restart(&'static str),
+}
+
+/// Runs the partition until stopped, one consuming session after another (see the module
+/// documentation). Returns an error when the AMQP connection fails.
 pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) -> Result<(), lapin::Error> {
+    let p = ctx.partition;
+    let held = HeldDeliveries::new(p);
+    let result = loop {
+        if !endpoint_available(&ctx) && !pause(&ctx, &stop).await {
+            break Ok(());
+        }
+        let reason = match session(conns, &ctx, &stop, &held).await {
+            Ok(Ended::Stopped) => break Ok(()),
+            Ok(Ended::Restart(reason)) => reason,
+            Err(e) if !conns.connected() => break Err(e),
+            Err(e) if reply_code(&e) == Some(NOT_FOUND) => {
+                warn!(partition = p, error = %e, "partition queue not found; declaring it again");
+                restart::QUEUE_MISSING
+            }
+            Err(e) => {
+                warn!(partition = p, error = %e, "partition channel failed; opening a new one");
+                restart::CHANNEL_CLOSED
+            }
+        };
+        metrics::consumer_restarted(reason);
+        if reason == restart::QUEUE_MISSING {
+            if let Err(e) = crate::topology::declare_partition(&conns.consume, &ctx.settings.amqp, p).await {
+                warn!(partition = p, error = %e, "could not declare the partition queue; retrying");
+            }
+        }
+        if reason != restart::LLM_UNAVAILABLE && !stop.any() {
+            tokio::select! {
+                _ = stop.stopped() => {}
+                _ = tokio::time::sleep(RESTART_PAUSE) => {}
+            }
+        }
+        if stop.any() {
+            break Ok(());
+        }
+    };
+    metrics::buffer_state(p, 0, 0.0);
+    metrics::unsettled_deliveries(p, 0);
+    metrics::intake_paused(p, false);
+    result
+}
+
+/// Whether the endpoint serving the partition now ([`LlmClient::endpoint_for`]) is available.
+fn endpoint_available(ctx: &PartitionContext) -> bool {
+    ctx.llm.available(ctx.llm.endpoint_for(ctx.partition))
+}
+
+/// Intake paused: waits until an endpoint of the partition is available (true), or a stop
+/// signal or the lease deadline comes first (false). Nothing is held meanwhile.
+async fn pause(ctx: &PartitionContext, stop: &StopSignals) -> bool {
+    let p = ctx.partition;
+    warn!(partition = p, epoch = ctx.epoch, "no LLM endpoint available; intake paused, requests wait in the queue");
+    metrics::intake_paused(p, true);
+    let expired = ctx.lease.expired();
+    tokio::pin!(expired);
+    let resumed = loop {
+        if endpoint_available(ctx) {
+            break true;
+        }
+        let endpoint = ctx.llm.endpoint_for(p);
+        tokio::select! {
+            _ = stop.stopped() => break false,
+            _ = &mut expired => {
+                warn!(partition = p, epoch = ctx.epoch, "lease deadline passed while paused; stopping the partition");
+                ctx.lease.invalidate();
+                stop.abort.cancel();
+                break false;
+            }
+            _ = ctx.llm.wait_available(endpoint, &stop.abort) => {}
+            // Another endpoint of the ranking may come back first.
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
+    };
+    metrics::intake_paused(p, false);
+    if resumed {
+        info!(partition = p, epoch = ctx.epoch, "LLM endpoint available again; intake resumed");
+    }
+    resumed
+}
+
+/// The tasks and channels of one consuming session.
+struct Session {
+    ch: Channel,
+    publish: Channel,
+    tag: String,
+    batcher: JoinHandle<()>,
+    executor: JoinHandle<()>,
+}
+
+/// One consuming session: opens the channels, consumes until a stop signal or a restart reason,
+/// then ends gracefully (drain, revoke) or at once (abort, restart).
+async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals, held: &Arc<HeldDeliveries>) -> Result<Ended, lapin::Error> {
     let s = &ctx.settings;
     let p = ctx.partition;
     let queue = s.amqp.partition_queue(p);
     let ch = conns.consume.create_channel().await?;
     let publish = conns.publish_channel().await?;
     ch.basic_qos(s.amqp.partition_prefetch, BasicQosOptions::default()).await?;
-    let tag = format!("{}:p{}:e{}", s.instance_name, p, ctx.epoch);
-    let mut consumer = ch
-        .basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
-        .await?;
+    let tag = format!("{}:p{}:e{}:{}", s.instance_name, p, ctx.epoch, uuid::Uuid::new_v4().simple());
+    let consume = ch.basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default());
+    let mut consumer = match consume.await {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = publish.close(REPLY_SUCCESS, "partition consume failed".into()).await;
+            return Err(e);
+        }
+    };
     info!(partition = p, epoch = ctx.epoch, queue = %queue, "partition consuming");
 
+    let end = SessionEnd::new(&stop.abort);
     let cap = s.batching.channel_capacity.get();
     let (item_tx, item_rx) = mpsc::channel::<(PrefixKey, Pending)>(cap);
     let (batch_tx, batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
@@ -99,69 +335,137 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
+    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, end.clone()));
+    let session = Session { ch, publish, tag, batcher, executor };
 
-    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.abort.clone()));
+    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held).await;
+    match ending {
+        Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
+            drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
+            finish(ctx, session).await;
+            Ok(Ended::Stopped)
+        }
+        other => {
+            close_at_once(ctx, session, &end).await;
+            other
+        }
+    }
+}
 
-    // Intake.
+/// Graceful end: no new deliveries, then flush and finish everything buffered and in flight.
+async fn finish(ctx: &PartitionContext, s: Session) {
+    let _ = s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default()).await;
+    let _ = s.batcher.await;
+    let _ = s.executor.await;
+    let _ = s.ch.close(REPLY_SUCCESS, "partition released".into()).await;
+    let _ = s.publish.close(REPLY_SUCCESS, "partition released".into()).await;
+    info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
+}
+
+/// Hard end (lease lost, channel broken, restart): stop publishing first, so no result goes out
+/// after the requeue, then close the channel so the broker requeues everything unacked, in order.
+async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd) {
+    end.token.cancel(); // aborts in-flight LLM calls
+    s.executor.abort();
+    s.batcher.abort();
+    let _ = s.executor.await;
+    let _ = s.batcher.await;
+    let _ = s.ch.close(REPLY_SUCCESS, "partition consumer closed".into()).await;
+    let _ = s.publish.close(REPLY_SUCCESS, "partition consumer closed".into()).await;
+    metrics::buffer_state(ctx.partition, 0, 0.0);
+    info!(partition = ctx.partition, epoch = ctx.epoch, reason = end.reason(), "partition consumer closed; unacked requests return to the queue");
+}
+
+/// The intake loop of a session: accepts deliveries into the batcher until a stop signal, the
+/// lease deadline, a restart reason, or a consumer failure.
+async fn intake(
+    ctx: &PartitionContext,
+    stop: &StopSignals,
+    end: &SessionEnd,
+    consumer: &mut Consumer,
+    publish: &Channel,
+    item_tx: &mpsc::Sender<(PrefixKey, Pending)>,
+    held: &Arc<HeldDeliveries>,
+) -> Result<Ended, lapin::Error> {
+    let s = &ctx.settings;
     let keyed = s.keying.mode == KeyingMode::Prefix;
-    let mut result = Ok(());
-    let lease = ctx.lease.clone();
-    let expired = lease.expired();
+    let expired = ctx.lease.expired();
     tokio::pin!(expired);
+    let guard_limit = s.amqp.consumer_timeout.mul_f64(CONSUMER_TIMEOUT_GUARD);
+    let mut guard = tokio::time::interval((guard_limit / 20).clamp(Duration::from_millis(10), Duration::from_secs(1)));
     loop {
         tokio::select! {
             biased;
-            _ = stop.abort.cancelled() => break,
+            _ = stop.abort.cancelled() => return Ok(Ended::Stopped),
             _ = &mut expired => {
                 // Renew deadline passed and the owner has not aborted us yet: stop on our own, as
                 // an abort (in-flight LLM calls are cancelled through the same token).
-                warn!(partition = p, epoch = ctx.epoch, "lease deadline passed; stopping the partition");
+                warn!(partition = ctx.partition, epoch = ctx.epoch, "lease deadline passed; stopping the partition");
                 ctx.lease.invalidate(); // a late renewal must not revive it for in-flight work
                 stop.abort.cancel();
-                break;
+                return Ok(Ended::Stopped);
             }
-            _ = stop.drain.cancelled() => break,
-            _ = stop.revoke.cancelled() => break,
+            _ = stop.drain.cancelled() => return Ok(Ended::Stopped),
+            _ = stop.revoke.cancelled() => return Ok(Ended::Stopped),
+            _ = end.token.cancelled() => return Ok(Ended::Restart(end.reason().unwrap_or(restart::CHANNEL_CLOSED))),
+            _ = guard.tick() => check_consumer_timeout(ctx, held, guard_limit, end),
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => {
-                    if let Some(pending) = accept(&ctx, &publish, delivery).await {
-                        let bkey = if keyed { pending.key } else { PrefixKey(0) };
-                        if item_tx.send((bkey, pending)).await.is_err() {
-                            break;
-                        }
+                    let Some(pending) = admit(ctx, stop, end, publish, delivery, held).await else { continue };
+                    let bkey = if keyed { pending.key } else { PrefixKey(0) };
+                    if item_tx.send((bkey, pending)).await.is_err() {
+                        return Ok(Ended::Restart(restart::CHANNEL_CLOSED));
                     }
                 }
-                Some(Err(e)) => { result = Err(e); break; }
-                None => break,
+                Some(Err(e)) => return Err(e),
+                None => {
+                    warn!(partition = ctx.partition, "the broker cancelled the partition consumer (queue deleted?)");
+                    return Ok(Ended::Restart(restart::QUEUE_MISSING));
+                }
             },
         }
     }
+}
 
-    if stop.abort.is_cancelled() || result.is_err() {
-        // Lease lost or channel broken: close at once so the broker requeues everything unacked.
-        // Stop publishing first, so no result goes out after the requeue.
-        executor.abort();
-        batcher.abort();
-        let _ = ch.close(REPLY_SUCCESS, "partition lease lost".into()).await;
-        let _ = publish.close(REPLY_SUCCESS, "partition lease lost".into()).await;
-        info!(partition = p, epoch = ctx.epoch, "partition aborted; unacked requests return to the queue");
-        return result;
+/// Ends the session when the oldest unsettled delivery is older than `limit` (0.9 ×
+/// `amqp.consumer_timeout`): the broker would otherwise close the channel itself.
+fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: Duration, end: &SessionEnd) {
+    if let Some(age) = held.oldest().map(|t| t.elapsed()).filter(|age| *age >= limit) {
+        warn!(
+            partition = ctx.partition,
+            age_s = age.as_secs_f64(),
+            consumer_timeout_s = ctx.settings.amqp.consumer_timeout.as_secs_f64(),
+            "a delivery is held close to the broker's consumer_timeout; requeueing and consuming again"
+        );
+        end.raise(restart::CONSUMER_TIMEOUT);
     }
-    // Graceful: no new deliveries, then flush and finish everything buffered and in flight.
-    let _ = ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
-    drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
-    let _ = batcher.await;
-    let _ = executor.await;
-    let _ = ch.close(REPLY_SUCCESS, "partition released".into()).await;
-    let _ = publish.close(REPLY_SUCCESS, "partition released".into()).await;
-    metrics::buffer_state(p, 0, 0.0);
-    info!(partition = p, epoch = ctx.epoch, "partition drained");
-    Ok(())
+}
+
+/// Takes the delivery's bytes from the budget (waiting while it is spent), then parses it
+/// ([`accept`]). `None` when it was dead-lettered, or a stop or restart came first (the delivery is
+/// then dropped unacked, and the channel's close returns it).
+async fn admit(
+    ctx: &PartitionContext,
+    stop: &StopSignals,
+    end: &SessionEnd,
+    publish: &Channel,
+    delivery: Delivery,
+    held: &Arc<HeldDeliveries>,
+) -> Option<Pending> {
+    let budget = ctx.settings.batching.max_buffered_bytes.get().min(Semaphore::MAX_PERMITS);
+    let bytes = u32::try_from(delivery.data.len().clamp(1, budget)).unwrap_or(u32::MAX);
+    let permit = tokio::select! {
+        biased;
+        _ = stop.stopped() => return None,
+        _ = end.token.cancelled() => return None,
+        p = ctx.buffer_bytes.clone().acquire_many_owned(bytes) => p.ok()?,
+    };
+    accept(ctx, publish, delivery, held.hold(permit)).await
 }
 
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
 /// The LLM client's per-endpoint semaphore bounds the concurrent calls.
-async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>, abort: CancellationToken) {
+async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>, end: Arc<SessionEnd>) {
     let mut tasks = tokio::task::JoinSet::new();
     let mut seq = 0u64;
     loop {
@@ -172,7 +476,7 @@ async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receive
                     seq += 1;
                     let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
                     let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
-                    tasks.spawn(process_batch(ctx.clone(), ch.clone(), batch, batch_id, abort.clone()).instrument(span));
+                    tasks.spawn(guarded_batch(ctx.clone(), ch.clone(), batch, batch_id, end.clone()).instrument(span));
                 }
                 None => break,
             },
@@ -181,10 +485,29 @@ async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receive
     while tasks.join_next().await.is_some() {}
 }
 
+/// Runs [`process_batch`] with its panics caught: the requests of a batch whose task panicked are
+/// nacked with requeue (the delivery limit then bounds a poison message), counted in
+/// `task_panics_total{stage="batcher"}`, and logged.
+async fn guarded_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKey, Pending>, batch_id: String, end: Arc<SessionEnd>) {
+    let ackers: Vec<(String, Acker)> = batch.items.iter().map(|p| (p.req.id.clone(), p.delivery.acker.clone())).collect();
+    let Err(panic) = AssertUnwindSafe(process_batch(ctx, ch, batch, batch_id, end)).catch_unwind().await else { return };
+    let message = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-text panic payload".to_owned());
+    error!(panic = %message, requests = ackers.len(), "a batch task panicked; requeueing its requests");
+    metrics::task_panicked(stage::BATCHER);
+    let why = format!("panic: {message}");
+    for (id, acker) in ackers.iter().filter(|(_, a)| a.usable()) {
+        publisher::requeue(acker, id, &why).await;
+    }
+}
+
 /// Parses a delivery from a partition queue. The router validated it already; a message that
 /// still fails (e.g. published straight to a partition queue) is dead-lettered and acked
 /// ([`publisher::parse_or_dead_letter`]), or left unacked while the lease is not valid.
-async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery) -> Option<Pending> {
+async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
     let (req, delivery) = match publisher::parse_or_dead_letter(ch, &s.amqp, delivery, Some(&ctx.lease)).await {
         Intake::Valid(req, delivery) => (req, delivery),
@@ -199,11 +522,13 @@ async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery) -> Opt
     let enqueued_unix_ms =
         header_u64(headers, HEADER_TIMESTAMP_MS).or_else(|| delivery.properties.timestamp().map(|t| t.saturating_mul(1000)));
     let queued_ms = enqueued_unix_ms.map_or(0, |t| unix_ms().saturating_sub(t));
-    Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms })
+    Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms, _held: held })
 }
 
-/// Runs one batch: LLM call, then one confirmed result per request, then its ack.
-async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKey, Pending>, batch_id: String, abort: CancellationToken) {
+/// Runs one batch: LLM call, then per request: a confirmed result and its ack, or (server fault)
+/// a nack with requeue. Ends the session when the endpoint turned unavailable or a channel was
+/// lost.
+async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKey, Pending>, batch_id: String, end: Arc<SessionEnd>) {
     let n = batch.items.len();
     let purity = batcher::purity(batch.items.iter().map(|p| p.key));
     let texts: Vec<std::borrow::Cow<'_, str>> = batch.items.iter().map(|p| p.req.body.text_for_stats()).collect();
@@ -211,7 +536,15 @@ async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
     drop(texts);
     metrics::batch_flushed(batch.reason, n, purity, shared);
     debug!(size = n, reason = batch.reason.as_str(), purity, "batch flushed");
-    if batch.reason == FlushReason::Revoke && abort.is_cancelled() {
+    let cancel = &end.token;
+    if batch.reason == FlushReason::Revoke && cancel.is_cancelled() {
+        return;
+    }
+    let endpoint = ctx.llm.endpoint_for(ctx.partition);
+    if !ctx.llm.available(endpoint) {
+        // Not a single call: the channel's close returns these requests without counting a
+        // failed delivery against them.
+        end.raise(restart::LLM_UNAVAILABLE);
         return;
     }
 
@@ -221,23 +554,42 @@ async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
         .iter()
         .map(|p| InferenceItem { body: &p.req.body, model: p.req.model.as_deref(), params: &p.req.params })
         .collect();
-    let endpoint = ctx.llm.endpoint_for(ctx.partition);
-    let results = ctx.llm.infer(endpoint, &items, &abort).await;
+    let results = ctx.llm.infer(endpoint, &items, cancel).await;
     let llm_ms = flushed.elapsed().as_millis() as u64;
     drop(items);
-    if abort.is_cancelled() {
-        return; // lease lost: the channel is closing and the broker requeues these requests
+    if cancel.is_cancelled() {
+        return; // lease lost or session ending: the channel is closing and the broker requeues these requests
     }
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
-    let publishes = batch.items.into_iter().zip(results).filter_map(|(pending, answer)| {
-        let batch_wait = flushed.saturating_duration_since(pending.received).as_millis() as u64;
-        let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms };
-        let result = publisher::shape_result(info, pending.req.id.clone(), pending.key.to_string(), pending.shard, timings, answer)?;
-        let span = info_span!("request", request_id = %result.id, shard = pending.shard);
-        let publish = publisher::publish_result(&ch, &ctx.settings.amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms);
-        Some(publish.instrument(span))
+    let server_fault = results.iter().any(|r| r.as_ref().is_err_and(|e| e.fault() == Fault::Server));
+    let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
+        let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
+        let ch = &ch;
+        let amqp = &ctx.settings.amqp;
+        async move {
+            let answer = match answer {
+                Err(e) if e.fault() != Fault::Request => {
+                    return publisher::requeue(&pending.delivery.acker, &pending.req.id, &e.to_string()).await;
+                }
+                answer => answer,
+            };
+            let batch_wait = flushed.saturating_duration_since(pending.received).as_millis() as u64;
+            let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms };
+            let (id, key) = (pending.req.id.clone(), pending.key.to_string());
+            match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
+                Some(result) => publisher::publish_result(ch, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
+                None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
+            }
+        }
+        .instrument(span)
     });
-    futures_util::future::join_all(publishes.collect::<Vec<_>>()).await;
+    let settlements = futures_util::future::join_all(settles).await;
+    if settlements.contains(&Settlement::ChannelLost) || !ch.status().connected() {
+        end.raise(restart::CHANNEL_CLOSED);
+    }
+    if server_fault && !endpoint_available(&ctx) {
+        end.raise(restart::LLM_UNAVAILABLE);
+    }
 }

@@ -8,16 +8,18 @@
 //! - [`parse_or_dead_letter`]: the one intake check of the router and the partition consumers —
 //!   parse a delivery, or dead-letter it (confirmed) and ack it.
 //! - [`shape_result`] + [`publish_result`]: a request's result goes to its `reply_to` queue, or to
-//!   `amqp.results_queue` when it has none or that queue does not exist; the lease is checked
-//!   before the publish and again before the ack, so a worker whose lease may have expired
-//!   publishes and acks nothing (see [`crate::lease`]).
+//!   `amqp.results_queue` when it has none or `reply_to` refuses it (then with the headers
+//!   `x-reply-to-refused` and `x-reply-to`); the lease is checked before the publish and again
+//!   before the ack, so a worker whose lease may have expired publishes and acks nothing (see
+//!   [`crate::lease`]). Every delivery ends acked or nacked with requeue ([`Settlement`]).
 //!
 //! Every header name the daemon reads or writes is a constant here (`x-…` and `timestamp_in_ms`).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use lapin::Acker;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicPublishOptions};
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel};
 use serde_json::Value;
@@ -257,11 +259,47 @@ pub struct Tenure<'a> {
     pub lease: &'a LeaseClock,
 }
 
-/// Publishes `result` for the request of `delivery` and acks the delivery once the result is
-/// confirmed. The result goes to the request's `reply_to` queue, or to `amqp.results_queue` when
-/// it has none or that queue does not exist (unroutable). It carries `x-request-id`,
-/// `x-partition`, `x-partition-epoch` and `x-instance`. Not acked (so redelivered) when the
-/// publish is not confirmed, and nothing is published or acked once `tenure.lease` is invalid.
+/// Header on a result that went to `amqp.results_queue` because its `reply_to` refused it: why
+/// (`nacked`, `unroutable` or `timeout`, see [`refusal_reason`]).
+pub const HEADER_REPLY_TO_REFUSED: &str = "x-reply-to-refused";
+/// Header on such a result: the request's original `reply_to`.
+pub const HEADER_REPLY_TO: &str = "x-reply-to";
+
+/// How [`publish_result`] settled a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// Result confirmed, request acked.
+    Acked,
+    /// Request nacked with requeue (the result could not be confirmed anywhere, or the lease is
+    /// no longer valid).
+    Requeued,
+    /// The ack or nack itself failed: the consuming channel is closed, which returns the request
+    /// to its queue.
+    ChannelLost,
+}
+
+/// The `x-reply-to-refused` value of a refused publish: `nacked` (`basic.nack`, e.g. a full
+/// queue with `x-overflow = reject-publish`), `unroutable` (the queue does not exist), `timeout`
+/// (no confirm within `amqp.confirm_timeout`); `None` for a channel or connection failure, which
+/// another queue would meet too.
+pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
+    match e {
+        PublishError::Nacked => Some("nacked"),
+        PublishError::Unroutable { .. } => Some("unroutable"),
+        PublishError::Timeout(_) => Some("timeout"),
+        PublishError::Amqp(_) => None,
+    }
+}
+
+/// Publishes `result` for the request of `delivery` and settles the delivery: acked once the
+/// result is confirmed, else nacked with requeue; never left unsettled.
+///
+/// The result goes to the request's `reply_to` queue, or to `amqp.results_queue` when it has
+/// none. When `reply_to` refuses it (see [`refusal_reason`]) it goes to `amqp.results_queue`
+/// with headers [`HEADER_REPLY_TO_REFUSED`] and [`HEADER_REPLY_TO`]; when that fails too, the
+/// request is nacked with requeue and the error noted ([`crate::redelivery::note_failure`]). It
+/// carries `x-request-id`, `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is
+/// published or acked once `tenure.lease` is invalid (the request is requeued).
 /// `enqueued_unix_ms` (the request's publish time) feeds the end-to-end latency.
 pub async fn publish_result(
     ch: &Channel,
@@ -270,53 +308,100 @@ pub async fn publish_result(
     delivery: Delivery,
     result: RequestResult,
     enqueued_unix_ms: Option<u64>,
-) {
+) -> Settlement {
     if !tenure.lease.is_valid() {
         warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
-        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
-        return;
+        return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
     }
-    let body = serde_json::to_vec(&result).expect("result serializes");
-    let props = &delivery.properties;
-    let out_props = result_props(props, &result.id, tenure);
-    let t = amqp.confirm_timeout;
-    let reply_to = props.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
-    let first = reply_to.as_deref().unwrap_or(&amqp.results_queue);
-    let mut published = publish_confirmed(ch, "", first, &body, out_props.clone(), t).await;
-    if let (Err(PublishError::Unroutable { .. }), Some(rt)) = (&published, &reply_to) {
-        warn!(request_id = %result.id, reply_to = %rt, "reply queue does not exist; publishing the result to the results queue");
-        published = publish_confirmed(ch, "", &amqp.results_queue, &body, out_props, t).await;
-    }
-    if let Err(e) = published {
-        warn!(request_id = %result.id, error = %e, "result not confirmed; the request stays unacked and will be redelivered");
-        return;
+    if let Err(e) = publish_with_fallback(ch, amqp, tenure, &delivery.properties, &result).await {
+        warn!(request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
+        return requeue(&delivery.acker, &result.id, &format!("result not published: {e}")).await;
     }
     if !tenure.lease.is_valid() {
         // Published but not acked: the successor will process it again (a counted duplicate,
         // detectable by the older x-partition-epoch).
-        metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
-        return;
+        return requeue(&delivery.acker, &result.id, "lease deadline passed before the ack").await;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-        warn!(request_id = %result.id, error = %e, "ack failed; the request will be redelivered (duplicate result)");
-        return;
+        warn!(request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
+        return Settlement::ChannelLost;
     }
     metrics::requests(stage::PUBLISHER, if result.ok { outcome::PROCESSED } else { outcome::FAILED }, 1);
     debug!(ok = result.ok, "result published and request acked");
     if let Some(t0) = enqueued_unix_ms {
         metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
     }
+    Settlement::Acked
+}
+
+/// Publishes a result to `reply_to` (or the results queue), then, when `reply_to` refused it, to
+/// the results queue with the refusal headers.
+async fn publish_with_fallback(
+    ch: &Channel,
+    amqp: &AmqpSettings,
+    tenure: Tenure<'_>,
+    request: &BasicProperties,
+    result: &RequestResult,
+) -> Result<(), PublishError> {
+    let body = serde_json::to_vec(result).expect("result serializes");
+    let out_props = result_props(request, &result.id, tenure);
+    let t = amqp.confirm_timeout;
+    let reply_to = request.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
+    let Some(rt) = reply_to else {
+        return publish_confirmed(ch, "", &amqp.results_queue, &body, out_props, t).await;
+    };
+    let e = match publish_confirmed(ch, "", &rt, &body, out_props.clone(), t).await {
+        Ok(()) => return Ok(()),
+        Err(e) => e,
+    };
+    let Some(reason) = refusal_reason(&e) else { return Err(e) };
+    warn!(request_id = %result.id, reply_to = %rt, reason, error = %e, "reply queue refused the result; publishing it to the results queue");
+    metrics::reply_to_refused(reason);
+    let headers = headers_with(out_props.headers().as_ref(), &[(HEADER_REPLY_TO_REFUSED, reason.to_owned()), (HEADER_REPLY_TO, rt)]);
+    publish_confirmed(ch, "", &amqp.results_queue, &body, out_props.with_headers(headers), t).await
+}
+
+/// Nacks the delivery of `acker` with requeue and notes `why` for request `id`
+/// ([`crate::redelivery::note_failure`]).
+pub async fn requeue(acker: &Acker, id: &str, why: &str) -> Settlement {
+    crate::redelivery::note_failure(id, why);
+    metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
+    match acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await {
+        Ok(_) => Settlement::Requeued,
+        Err(e) => {
+            warn!(request_id = %id, error = %e, "nack failed; the closed channel returns the request");
+            Settlement::ChannelLost
+        }
+    }
+}
+
+/// The longest AMQP short string (message ids, correlation ids), in bytes (AMQP 0-9-1 §4.2.5.3).
+pub const MAX_SHORT_STRING: usize = 255;
+
+/// `text` if it fits an AMQP short string together with `suffix`, else its longest prefix on a
+/// character boundary followed by `~`, the 16-hex-digit xxh3 of the whole text, and `suffix`:
+/// unique per text, never longer than [`MAX_SHORT_STRING`] bytes (suffix ≤ 200 bytes).
+pub fn short_string_id(text: &str, suffix: &str) -> String {
+    if text.len() + suffix.len() <= MAX_SHORT_STRING {
+        return format!("{text}{suffix}");
+    }
+    let hash = format!("~{:016x}", xxhash_rust::xxh3::xxh3_64(text.as_bytes()));
+    let mut keep = MAX_SHORT_STRING.saturating_sub(hash.len() + suffix.len());
+    while !text.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    format!("{}{hash}{suffix}", &text[..keep])
 }
 
 /// Properties of a result: JSON, persistent, the request's correlation id (default: its id), and
 /// the tenure headers.
 fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> BasicProperties {
-    let correlation = request.correlation_id().clone().unwrap_or_else(|| id.into());
+    let correlation = request.correlation_id().clone().unwrap_or_else(|| short_string_id(id, "").into());
     BasicProperties::default()
         .with_content_type("application/json".into())
         .with_delivery_mode(PERSISTENT)
         .with_correlation_id(correlation)
-        .with_message_id(format!("{id}:result").into())
+        .with_message_id(short_string_id(id, ":result").into())
         .with_timestamp(unix_ms() / 1000)
         .with_headers(headers_with(
             None,
@@ -327,4 +412,35 @@ fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> Basi
                 (HEADER_INSTANCE, tenure.instance.to_owned()),
             ],
         ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_string_ids_fit_amqp_and_stay_unique() {
+        assert_eq!(short_string_id("req-1", ":result"), "req-1:result");
+        let exact = "a".repeat(MAX_SHORT_STRING - 7);
+        assert_eq!(short_string_id(&exact, ":result"), format!("{exact}:result"));
+        let (long_a, long_b) = (format!("{}a", "é".repeat(200)), format!("{}b", "é".repeat(200)));
+        let (a, b) = (short_string_id(&long_a, ":result"), short_string_id(&long_b, ":result"));
+        for id in [&a, &b] {
+            assert!(id.len() <= MAX_SHORT_STRING, "{} bytes", id.len());
+            assert!(id.ends_with(":result") && id.starts_with("éé"));
+            assert!(ShortString::try_new(id.clone()).is_ok());
+        }
+        assert_ne!(a, b, "the hash keeps ids that share a long prefix apart");
+        assert!(short_string_id(&"x".repeat(10_000), "").len() <= MAX_SHORT_STRING);
+    }
+
+    #[test]
+    fn refusals_are_named_and_channel_failures_are_not() {
+        assert_eq!(refusal_reason(&PublishError::Nacked), Some("nacked"));
+        let unroutable = PublishError::Unroutable { exchange: String::new(), routing_key: "q".into() };
+        assert_eq!(refusal_reason(&unroutable), Some("unroutable"));
+        assert_eq!(refusal_reason(&PublishError::Timeout(Duration::from_secs(1))), Some("timeout"));
+        let closed = PublishError::Amqp(lapin::Error::from(lapin::ErrorKind::InvalidChannelState(lapin::ChannelState::Closed, "test")));
+        assert_eq!(refusal_reason(&closed), None);
+    }
 }

@@ -169,3 +169,16 @@ pub async fn declare(
     }
     Ok(())
 }
+
+/// Declares partition queue `p` with the arguments [`declare`] gives it and binds it to the shard
+/// exchange, idempotently: a partition worker calls it when its queue was deleted under it
+/// (consume refused with 404 `NOT_FOUND`, or the consumer cancelled by the broker).
+pub async fn declare_partition(conn: &Connection, cfg: &AmqpSettings, p: u32) -> Result<(), TopologyError> {
+    let queue = cfg.partition_queue(p);
+    declare_queue(conn, &queue, quorum_args(Some(&cfg.dead_letter_exchange), true)).await?;
+    let ch = conn.create_channel().await?;
+    let (exchange, key) = (cfg.shard_exchange.as_str(), AmqpSettings::partition_routing_key(p));
+    ch.queue_bind(queue.as_str().into(), exchange.into(), key.into(), QueueBindOptions::default(), FieldTable::default()).await?;
+    let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+    Ok(())
+}

@@ -273,13 +273,14 @@ async fn llm_server_errors_are_retried() {
     env.cleanup().await;
 }
 
-/// A server that always answers 500: after `llm.max_attempts` every request gets exactly one
-/// `ok: false` result with `error.kind = "server"`, is acked (nothing left in any queue after the
-/// drain), and nothing is redelivered or retried beyond `max_attempts`.
+/// A server-wide 500 is not the requests' fault: no request gets an `ok: false` result. The
+/// server fails its first 6 calls (the breaker opens after 5 consecutive server faults, the
+/// requests of the failed batches are requeued, intake pauses); once the breaker's own probe
+/// closes it, every request is answered `ok` exactly once, and nothing is left in any queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn permanent_llm_failure_fails_each_request_once() {
+async fn server_wide_llm_failure_requeues_instead_of_failing_requests() {
     let env = TestEnv::new("fail");
-    let fake = FakeLlm::new().always_fail(500).start().await.unwrap();
+    let fake = FakeLlm::new().fail_first(6, 500).start().await.unwrap();
     let mut raw = env.raw_config(fake.url.as_str());
     raw.llm.max_attempts = 2;
     let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
@@ -291,23 +292,13 @@ async fn permanent_llm_failure_fails_each_request_once() {
     results.barrier(&amqp).await;
 
     let by_id = results.by_correlation();
-    let mut batches = BTreeSet::new();
     for r in &reqs {
         let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results (redelivered?)", r.id, got.len());
+        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
         let res = got[0].result();
-        assert!(!res.ok, "request {} cannot be ok against an always-failing server", r.id);
-        let err = res.error.as_ref().unwrap_or_else(|| panic!("failed result {} has no error", r.id));
-        assert_eq!(err.kind, "server", "error kind of {}: {err:?}", r.id);
-        assert_eq!(res.output, Value::Null);
-        batches.insert(res.batch_id.clone());
+        assert!(res.ok, "request {} was answered ok:false for a server fault: {:?}", r.id, res.error);
     }
-    assert_eq!(
-        fake.call_count(),
-        2 * batches.len(),
-        "every batch is tried exactly max_attempts = 2 times ({} batches)",
-        batches.len()
-    );
+    assert!(fake.call_count() >= 6, "the failing calls were made");
     assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
     for p in 0..PARTITIONS {
         assert_eq!(amqp.queue_depth(&env.partition_queue(p)).await.0, 0, "partition {p} still holds requests");

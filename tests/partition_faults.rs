@@ -1,0 +1,321 @@
+//! Faults under an owned partition, against the real RabbitMQ and Redis with the daemon in this
+//! process: every delivery must reach a definite outcome (ack after a confirmed publish, or nack
+//! with requeue), a server-wide LLM failure must pause intake instead of burning the backlog into
+//! `ok: false` results, and one bad request must harm no other.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use common::*;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use llm_fakes::fake::FakeLlm;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// A prompt containing this is refused by [`SwitchableLlm`] with a 400 (a request fault).
+const REJECTED: &str = "REJECT-ME";
+
+/// An OpenAI-style completions server on an OS-chosen port whose every answer (completions and
+/// the `GET /v1/models` probe alike) is HTTP `status` while it is not 200: an outage that can be
+/// switched on and off. While up, it answers 400 to any call with a prompt containing
+/// [`REJECTED`].
+struct SwitchableLlm {
+    url: String,
+    status: Arc<AtomicU16>,
+    /// `POST /v1/completions` calls answered with an error status.
+    failed_calls: Arc<AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl SwitchableLlm {
+    async fn start(status: u16) -> SwitchableLlm {
+        let state = Arc::new(AtomicU16::new(status));
+        let failed_calls = Arc::new(AtomicUsize::new(0));
+        let (s, f) = (state.clone(), failed_calls.clone());
+        let completions = move |Json(body): Json<Value>| {
+            let (status, failed) = (s.load(Ordering::SeqCst), f.clone());
+            async move {
+                if status != 200 {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                    return outage(status);
+                }
+                let prompts = body["prompt"].as_array().cloned().unwrap_or_default();
+                if prompts.iter().any(|p| p.as_str().is_some_and(|p| p.contains(REJECTED))) {
+                    let error = json!({"error": {"message": "prompt too long", "type": "invalid_request_error"}});
+                    return (StatusCode::BAD_REQUEST, Json(error)).into_response();
+                }
+                let choices: Vec<Value> = prompts
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| json!({"index": i, "text": format!("answer:{}", p.as_str().unwrap_or("")), "finish_reason": "stop"}))
+                    .collect();
+                Json(json!({"object": "text_completion", "model": "test-model", "choices": choices})).into_response()
+            }
+        };
+        let s = state.clone();
+        let models = move || {
+            let status = s.load(Ordering::SeqCst);
+            async move { if status != 200 { outage(status) } else { Json(json!({"object": "list", "data": [{"id": "test-model"}]})).into_response() } }
+        };
+        let app = axum::Router::new()
+            .route("/v1/completions", axum::routing::post(completions))
+            .route("/v1/models", axum::routing::get(models));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        let shutdown = stop.clone().cancelled_owned();
+        tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
+        SwitchableLlm { url, status: state, failed_calls, stop }
+    }
+
+    fn set(&self, status: u16) {
+        self.status.store(status, Ordering::SeqCst);
+    }
+}
+
+impl Drop for SwitchableLlm {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn outage(status: u16) -> Response {
+    let status = StatusCode::from_u16(status).unwrap();
+    (status, Json(json!({"error": {"message": "outage", "type": "server_error"}}))).into_response()
+}
+
+/// `n` requests of group `g`, ids `{tag}-{i}`.
+fn one_key(tag: &str, n: usize, g: usize) -> Vec<TestRequest> {
+    (0..n).map(|i| completion(&format!("{tag}-{i}"), g, &format!(" question {i}?"))).collect()
+}
+
+/// Ready messages over every partition queue.
+async fn ready_in_partitions(amqp: &Amqp, env: &TestEnv) -> u32 {
+    let mut ready = 0;
+    for p in 0..PARTITIONS {
+        ready += amqp.queue_depth(&env.partition_queue(p)).await.0;
+    }
+    ready
+}
+
+/// Stops the daemon gracefully, then checks that nothing was left unsettled: a delivery held
+/// unacked would be back in its partition queue once the daemon's channels are closed.
+async fn stop_and_check_nothing_held(daemon: Daemon, amqp: &Amqp, env: &TestEnv) {
+    daemon.stop().await.expect("daemon stops cleanly");
+    assert_eq!(ready_in_partitions(amqp, env).await, 0, "requests left in (or returned to) the partition queues");
+    assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
+}
+
+/// A reply queue that refuses publishes once it holds one message (`x-max-length = 1`,
+/// `x-overflow = reject-publish`) and is never consumed: 70 requests on one key answer into it,
+/// then 10 more on the same key with a normal reply queue. The 10 are answered at once; the 69
+/// refused results go to the results queue with `x-reply-to-refused = nacked` and the original
+/// `x-reply-to`; nothing stays unacked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
+    let env = TestEnv::new("fullreply");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let full = format!("{}.full", env.name);
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(1));
+    args.insert(ShortString::from("x-overflow"), AMQPValue::LongString("reject-publish".into()));
+    let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+    amqp.ch.queue_declare(full.as_str().into(), opts, args).await.expect("declare the full reply queue");
+    let mut diverted = amqp.consume(&env.results_queue()).await;
+
+    let refused = one_key("refused", 70, 0);
+    amqp.publish_requests(&env.input_queue(), &refused, &full).await;
+    let normal = one_key("normal", 10, 0);
+    let started = Instant::now();
+    amqp.publish_requests(&env.input_queue(), &normal, &reply).await;
+    results.until_all(&ids(&normal), Duration::from_secs(30)).await;
+    let answered_in = started.elapsed();
+
+    let refused_ids = ids(&refused);
+    diverted.until("69 refused results", Duration::from_secs(30), |r| {
+        r.iter().filter(|m| refused_ids.contains(&m.correlation_id)).map(|m| &m.correlation_id).collect::<HashSet<_>>().len() >= 69
+    })
+    .await;
+    for m in diverted.received.iter().filter(|m| refused_ids.contains(&m.correlation_id)) {
+        assert_eq!(m.header("x-reply-to-refused"), Some("nacked"), "{:?}", m.headers);
+        assert_eq!(m.header("x-reply-to"), Some(full.as_str()));
+        assert!(m.result().ok);
+    }
+    assert_eq!(amqp.queue_depth(&full).await.0, 1, "the full reply queue holds its one result");
+    eprintln!("full reply queue: the 10 answered in {answered_in:?}; {} refused results diverted", diverted.received.len());
+    stop_and_check_nothing_held(daemon, &amqp, &env).await;
+    diverted.close().await;
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// One request whose id (and AMQP `message_id`) is 250 bytes, plus 7 on the same key: building
+/// the result's message id must not panic (`{id}:result` would exceed an AMQP short string). The 7
+/// are answered; the long one is answered or dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_request_id_harms_no_other_request() {
+    let env = TestEnv::new("longid");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let mut dead = amqp.consume(&env.dead_letter_queue()).await;
+
+    let long_id = format!("long-{}", "x".repeat(245));
+    assert_eq!(long_id.len(), 250);
+    let mut reqs = one_key("short", 7, 1);
+    reqs.insert(3, completion(&long_id, 1, " the long one"));
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    let short: HashSet<String> = reqs.iter().map(|r| r.id.clone()).filter(|i| *i != long_id).collect();
+    results.until_all(&short, Duration::from_secs(30)).await;
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let long_done = loop {
+        let has = |r: &[Received]| r.iter().any(|m| m.correlation_id == long_id);
+        let _ = tokio::time::timeout(Duration::from_millis(200), results.until("the long one", DEADLINE, has)).await;
+        let _ = tokio::time::timeout(Duration::from_millis(200), dead.until("the long one", DEADLINE, has)).await;
+        if has(&results.received) || has(&dead.received) || Instant::now() > deadline {
+            break has(&results.received) || has(&dead.received);
+        }
+    };
+    assert!(long_done, "the request with a 250-byte id was neither answered nor dead-lettered");
+    if let Some(m) = results.received.iter().find(|m| m.correlation_id == long_id) {
+        assert_eq!(m.result().id, long_id);
+    }
+    stop_and_check_nothing_held(daemon, &amqp, &env).await;
+    dead.close().await;
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// 60 requests at 10/s while the LLM server answers 503 to everything (the breaker's probe
+/// included) for 8 s, then recovers: no `ok: false` result, nothing dead-lettered, every request
+/// answered `ok` once the server is back; the requests waited in their queues meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_llm_outage_pauses_intake_and_loses_nothing() {
+    let env = TestEnv::new("outage");
+    let llm = SwitchableLlm::start(503).await;
+    let raw = env.raw_config(&llm.url);
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let mut dead = amqp.consume(&env.dead_letter_queue()).await;
+
+    let reqs = completions_workload("outage", 60, 4);
+    let started = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    for r in &reqs {
+        tick.tick().await;
+        amqp.publish_requests(&env.input_queue(), std::slice::from_ref(r), &reply).await;
+    }
+    // The requests wait in their partition queues (intake paused, nothing held).
+    let waiting = wait_for("the requests to wait in the partition queues", Duration::from_secs(10), || async {
+        ready_in_partitions(&amqp, &env).await >= 55
+    })
+    .await;
+    assert!(waiting);
+    tokio::time::sleep_until(started + Duration::from_secs(8)).await; // the outage lasts 8 s
+    let failed_calls = llm.failed_calls.load(Ordering::SeqCst);
+    llm.set(200);
+    results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    let recovered_in = started.elapsed();
+
+    let not_ok: Vec<&Received> = results.received.iter().filter(|m| !m.result().ok).collect();
+    assert!(not_ok.is_empty(), "{} ok:false results, e.g. {}", not_ok.len(), String::from_utf8_lossy(&not_ok[0].body));
+    dead.barrier(&amqp).await;
+    assert_eq!(dead.received.len(), 1, "dead-lettered during the outage: {:?}", dead.received.first().map(|m| &m.headers));
+    assert!(failed_calls <= 30, "{failed_calls} completions calls during the outage: the backlog was used to probe");
+    eprintln!("outage: 60 answered ok after {recovered_in:?}, 0 ok:false, {failed_calls} failed completions calls");
+    stop_and_check_nothing_held(daemon, &amqp, &env).await;
+    dead.close().await;
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// A server that answers 401 to everything (a wrong token): intake pauses, no `ok: false` result;
+/// once the token is right again (200), every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthorized_pauses_intake_without_failing_requests() {
+    let env = TestEnv::new("unauth");
+    let llm = SwitchableLlm::start(401).await;
+    let raw = env.raw_config(&llm.url);
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let reqs = completions_workload("unauth", 20, 2);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    let waiting = wait_for("all 20 requests to wait in the partition queues", Duration::from_secs(20), || async {
+        ready_in_partitions(&amqp, &env).await == 20
+    })
+    .await;
+    assert!(waiting);
+    results.barrier(&amqp).await;
+    assert_eq!(results.received.len(), 1, "no result while the server refuses the token");
+    llm.set(200);
+    results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    assert!(results.received.iter().filter(|m| ids(&reqs).contains(&m.correlation_id)).all(|m| m.result().ok));
+    stop_and_check_nothing_held(daemon, &amqp, &env).await;
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// A request fault (400 for one prompt) gives exactly that request an `ok: false` result (kind
+/// `rejected`), acked; the other requests of its batch are answered `ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_fault_fails_only_its_request() {
+    let env = TestEnv::new("reqfault");
+    let llm = SwitchableLlm::start(200).await;
+    let raw = env.raw_config(&llm.url);
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let mut reqs = one_key("reqfault", 7, 2);
+    let bad_id = "reqfault-bad".to_owned();
+    reqs.push(completion(&bad_id, 2, &format!(" {REJECTED}")));
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
+    stop_and_check_nothing_held(daemon, &amqp, &env).await;
+    results.barrier(&amqp).await;
+    let by_id = results.by_correlation();
+    for r in &reqs {
+        let got = &by_id[&r.id];
+        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+        let res = got[0].result();
+        if r.id == bad_id {
+            assert!(!res.ok);
+            assert_eq!(res.error.as_ref().map(|e| e.kind.as_str()), Some("rejected"));
+        } else {
+            assert!(res.ok, "{} failed: {:?}", r.id, res.error);
+        }
+    }
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// Polls `cond` every 100 ms until it holds (true) or `within` passes (false, with a message).
+async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() > deadline {
+            eprintln!("timed out after {within:?} waiting for {what}");
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
