@@ -170,30 +170,22 @@ static AMQP_BLOCKED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 // Settlement of partition deliveries: panics, unsettled deliveries, refused results, paused intake.
 static TASK_PANICS: LazyLock<IntCounterVec> =
     counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage; their requests were requeued.", &["stage"]);
-static UNSETTLED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
-    reg(IntGaugeVec::new(
-        Opts::new("unsettled_deliveries", "Deliveries of a partition held by this instance, neither acked nor nacked yet."),
-        &["partition"],
-    )
-    .unwrap())
-});
-static REPLY_TO_REFUSED: LazyLock<IntCounterVec> = counter_vec!(
-    "reply_to_refused_total",
-    "Results refused by their reply_to queue (nacked, unroutable, timeout) and published to the results queue instead.",
-    &["reason"]
-);
-static INTAKE_PAUSED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
-    reg(IntGaugeVec::new(
-        Opts::new("intake_paused", "1 while a partition's intake is paused because no LLM endpoint is available, else 0."),
-        &["partition"],
-    )
-    .unwrap())
-});
-static CONSUMER_RESTARTS: LazyLock<IntCounterVec> = counter_vec!(
-    "consumer_restarts_total",
-    "Partition consumers closed (their deliveries requeued) and reopened, by reason.",
-    &["reason"]
-);
+macro_rules! gauge_vec {
+    ($name:expr, $help:expr, $labels:expr) => {
+        LazyLock::new(|| reg(IntGaugeVec::new(Opts::new($name, $help), $labels).unwrap()))
+    };
+}
+static UNSETTLED: LazyLock<IntGaugeVec> =
+    gauge_vec!("unsettled_deliveries", "Deliveries of a partition held by this instance, neither acked nor nacked yet.", &["partition"]);
+/// Results refused by their `reply_to` queue, by refusal (see `publisher::refusal_reason`).
+static REPLY_TO_REFUSED: LazyLock<IntCounterVec> =
+    counter_vec!("reply_to_refused_total", "Results refused by their reply_to queue and published to the results queue instead.", &["reason"]);
+/// 1 while a partition's intake is paused because no LLM endpoint is available.
+static INTAKE_PAUSED: LazyLock<IntGaugeVec> =
+    gauge_vec!("intake_paused", "1 while a partition's intake is paused because no LLM endpoint is available, else 0.", &["partition"]);
+/// Partition consumers closed and reopened, by [`restart`] reason.
+static CONSUMER_RESTARTS: LazyLock<IntCounterVec> =
+    counter_vec!("consumer_restarts_total", "Partition consumers closed (their deliveries requeued) and reopened, by reason.", &["reason"]);
 
 /// Label values of `consumer_restarts_total{reason}`.
 pub mod restart {

@@ -107,12 +107,27 @@ async fn ready_in_partitions(amqp: &Amqp, env: &TestEnv) -> u32 {
     ready
 }
 
-/// Stops the daemon gracefully, then checks that nothing was left unsettled: a delivery held
-/// unacked would be back in its partition queue once the daemon's channels are closed.
-async fn stop_and_check_nothing_held(daemon: Daemon, amqp: &Amqp, env: &TestEnv) {
+/// Stops the daemon gracefully, then checks that nothing was left unsettled (a delivery held
+/// unacked would be back in its partition queue once the daemon's channels are closed), and
+/// cleans up.
+async fn stop_and_check_nothing_held(env: TestEnv, started: Started, others: Vec<Collector>) {
+    let Started { amqp, daemon, results, .. } = started;
     daemon.stop().await.expect("daemon stops cleanly");
-    assert_eq!(ready_in_partitions(amqp, env).await, 0, "requests left in (or returned to) the partition queues");
+    assert_eq!(ready_in_partitions(&amqp, &env).await, 0, "requests left in (or returned to) the partition queues");
     assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
+    for c in others.into_iter().chain([results]) {
+        c.close().await;
+    }
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// A test namespace and a daemon in it holding every partition, against the LLM at `llm_url`.
+async fn start(test: &str, llm_url: &str) -> (TestEnv, Started) {
+    let env = TestEnv::new(test);
+    let raw = env.raw_config(llm_url);
+    let started = start_with_replies(&env, &raw).await;
+    (env, started)
 }
 
 /// A reply queue that refuses publishes once it holds one message (`x-max-length = 1`,
@@ -122,10 +137,9 @@ async fn stop_and_check_nothing_held(daemon: Daemon, amqp: &Amqp, env: &TestEnv)
 /// `x-reply-to`; nothing stays unacked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
-    let env = TestEnv::new("fullreply");
     let fake = FakeLlm::new().start().await.unwrap();
-    let raw = env.raw_config(fake.url.as_str());
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let (env, mut st) = start("fullreply", fake.url.as_str()).await;
+    let (amqp, reply) = (&st.amqp, st.reply.clone());
     let full = format!("{}.full", env.name);
     let mut args = FieldTable::default();
     args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(1));
@@ -139,7 +153,7 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
     let normal = one_key("normal", 10, 0);
     let started = Instant::now();
     amqp.publish_requests(&env.input_queue(), &normal, &reply).await;
-    results.until_all(&ids(&normal), Duration::from_secs(30)).await;
+    st.results.until_all(&ids(&normal), Duration::from_secs(30)).await;
     let answered_in = started.elapsed();
 
     let refused_ids = ids(&refused);
@@ -154,11 +168,7 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
     }
     assert_eq!(amqp.queue_depth(&full).await.0, 1, "the full reply queue holds its one result");
     eprintln!("full reply queue: the 10 answered in {answered_in:?}; {} refused results diverted", diverted.received.len());
-    stop_and_check_nothing_held(daemon, &amqp, &env).await;
-    diverted.close().await;
-    results.close().await;
-    amqp.close().await;
-    env.cleanup().await;
+    stop_and_check_nothing_held(env, st, vec![diverted]).await;
 }
 
 /// One request whose id (and AMQP `message_id`) is 250 bytes, plus 7 on the same key: building
@@ -166,17 +176,16 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
 /// are answered; the long one is answered or dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_request_id_harms_no_other_request() {
-    let env = TestEnv::new("longid");
     let fake = FakeLlm::new().start().await.unwrap();
-    let raw = env.raw_config(fake.url.as_str());
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
-    let mut dead = amqp.consume(&env.dead_letter_queue()).await;
+    let (env, mut st) = start("longid", fake.url.as_str()).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let results = &mut st.results;
 
     let long_id = format!("long-{}", "x".repeat(245));
     assert_eq!(long_id.len(), 250);
     let mut reqs = one_key("short", 7, 1);
     reqs.insert(3, completion(&long_id, 1, " the long one"));
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     let short: HashSet<String> = reqs.iter().map(|r| r.id.clone()).filter(|i| *i != long_id).collect();
     results.until_all(&short, Duration::from_secs(30)).await;
 
@@ -193,11 +202,7 @@ async fn a_long_request_id_harms_no_other_request() {
     if let Some(m) = results.received.iter().find(|m| m.correlation_id == long_id) {
         assert_eq!(m.result().id, long_id);
     }
-    stop_and_check_nothing_held(daemon, &amqp, &env).await;
-    dead.close().await;
-    results.close().await;
-    amqp.close().await;
-    env.cleanup().await;
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
 /// 60 requests at 10/s while the LLM server answers 503 to everything (the breaker's probe
@@ -205,11 +210,10 @@ async fn a_long_request_id_harms_no_other_request() {
 /// answered `ok` once the server is back; the requests waited in their queues meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_llm_outage_pauses_intake_and_loses_nothing() {
-    let env = TestEnv::new("outage");
     let llm = SwitchableLlm::start(503).await;
-    let raw = env.raw_config(&llm.url);
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
-    let mut dead = amqp.consume(&env.dead_letter_queue()).await;
+    let (env, mut st) = start("outage", &llm.url).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (amqp, reply) = (&st.amqp, st.reply.clone());
 
     let reqs = completions_workload("outage", 60, 4);
     let started = Instant::now();
@@ -227,64 +231,52 @@ async fn an_llm_outage_pauses_intake_and_loses_nothing() {
     tokio::time::sleep_until(started + Duration::from_secs(8)).await; // the outage lasts 8 s
     let failed_calls = llm.failed_calls.load(Ordering::SeqCst);
     llm.set(200);
-    results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
     let recovered_in = started.elapsed();
 
-    let not_ok: Vec<&Received> = results.received.iter().filter(|m| !m.result().ok).collect();
+    let not_ok: Vec<&Received> = st.results.received.iter().filter(|m| !m.result().ok).collect();
     assert!(not_ok.is_empty(), "{} ok:false results, e.g. {}", not_ok.len(), String::from_utf8_lossy(&not_ok[0].body));
-    dead.barrier(&amqp).await;
+    dead.barrier(&st.amqp).await;
     assert_eq!(dead.received.len(), 0, "dead-lettered during the outage: {:?}", dead.received.first().map(|m| &m.headers));
     assert!(failed_calls <= 30, "{failed_calls} completions calls during the outage: the backlog was used to probe");
     eprintln!("outage: 60 answered ok after {recovered_in:?}, 0 ok:false, {failed_calls} failed completions calls");
-    stop_and_check_nothing_held(daemon, &amqp, &env).await;
-    dead.close().await;
-    results.close().await;
-    amqp.close().await;
-    env.cleanup().await;
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
 /// A server that answers 401 to everything (a wrong token): intake pauses, no `ok: false` result;
 /// once the token is right again (200), every request is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unauthorized_pauses_intake_without_failing_requests() {
-    let env = TestEnv::new("unauth");
     let llm = SwitchableLlm::start(401).await;
-    let raw = env.raw_config(&llm.url);
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let (env, mut st) = start("unauth", &llm.url).await;
     let reqs = completions_workload("unauth", 20, 2);
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     let waiting = wait_for("all 20 requests to wait in the partition queues", Duration::from_secs(20), || async {
-        ready_in_partitions(&amqp, &env).await == 20
+        ready_in_partitions(&st.amqp, &env).await == 20
     })
     .await;
     assert!(waiting);
-    results.barrier(&amqp).await;
-    assert_eq!(results.received.len(), 0, "no result while the server refuses the token");
+    st.results.barrier(&st.amqp).await;
+    assert_eq!(st.results.received.len(), 0, "no result while the server refuses the token");
     llm.set(200);
-    results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
-    assert!(results.received.iter().filter(|m| ids(&reqs).contains(&m.correlation_id)).all(|m| m.result().ok));
-    stop_and_check_nothing_held(daemon, &amqp, &env).await;
-    results.close().await;
-    amqp.close().await;
-    env.cleanup().await;
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    assert!(st.results.received.iter().filter(|m| ids(&reqs).contains(&m.correlation_id)).all(|m| m.result().ok));
+    stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
 /// A request fault (400 for one prompt) gives exactly that request an `ok: false` result (kind
 /// `rejected`), acked; the other requests of its batch are answered `ok`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_fault_fails_only_its_request() {
-    let env = TestEnv::new("reqfault");
     let llm = SwitchableLlm::start(200).await;
-    let raw = env.raw_config(&llm.url);
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let (env, mut st) = start("reqfault", &llm.url).await;
     let mut reqs = one_key("reqfault", 7, 2);
     let bad_id = "reqfault-bad".to_owned();
     reqs.push(completion(&bad_id, 2, &format!(" {REJECTED}")));
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
-    results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
-    stop_and_check_nothing_held(daemon, &amqp, &env).await;
-    results.barrier(&amqp).await;
-    let by_id = results.by_correlation();
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    st.results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
+    st.results.barrier(&st.amqp).await;
+    let by_id = st.results.by_correlation();
     for r in &reqs {
         let got = &by_id[&r.id];
         assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
@@ -296,9 +288,8 @@ async fn a_request_fault_fails_only_its_request() {
             assert!(res.ok, "{} failed: {:?}", r.id, res.error);
         }
     }
-    results.close().await;
-    amqp.close().await;
-    env.cleanup().await;
+    drop(by_id);
+    stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
 /// Polls `cond` every 100 ms until it holds (true) or `within` passes (false, with a message).
