@@ -346,7 +346,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
             Ok(Ended::Stopped)
         }
         other => {
-            close_at_once(ctx, session, &end).await;
+            close_at_once(ctx, session, &end, stop.abort.is_cancelled()).await;
             other
         }
     }
@@ -364,7 +364,7 @@ async fn finish(ctx: &PartitionContext, s: Session) {
 
 /// Hard end (lease lost, channel broken, restart): stop publishing first, so no result goes out
 /// after the requeue, then close the channel so the broker requeues everything unacked, in order.
-async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd) {
+async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, aborted: bool) {
     end.token.cancel(); // aborts in-flight LLM calls
     s.executor.abort();
     s.batcher.abort();
@@ -373,7 +373,11 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd) {
     let _ = s.ch.close(REPLY_SUCCESS, "partition consumer closed".into()).await;
     let _ = s.publish.close(REPLY_SUCCESS, "partition consumer closed".into()).await;
     metrics::buffer_state(ctx.partition, 0, 0.0);
-    info!(partition = ctx.partition, epoch = ctx.epoch, reason = end.reason(), "partition consumer closed; unacked requests return to the queue");
+    if aborted {
+        info!(partition = ctx.partition, epoch = ctx.epoch, "partition aborted; unacked requests return to the queue");
+    } else {
+        info!(partition = ctx.partition, epoch = ctx.epoch, reason = end.reason(), "partition consumer closed; unacked requests return to the queue");
+    }
 }
 
 /// The intake loop of a session: accepts deliveries into the batcher until a stop signal, the

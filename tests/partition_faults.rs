@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,6 +17,8 @@ use common::*;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use llm_fakes::fake::FakeLlm;
+use prefix_batcher::config::AmqpSettings;
+use prefix_batcher::topology;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -31,6 +33,8 @@ const REJECTED: &str = "REJECT-ME";
 struct SwitchableLlm {
     url: String,
     status: Arc<AtomicU16>,
+    /// Delay before each completions answer, in milliseconds.
+    delay_ms: Arc<AtomicU64>,
     /// `POST /v1/completions` calls answered with an error status.
     failed_calls: Arc<AtomicUsize>,
     stop: CancellationToken,
@@ -40,10 +44,12 @@ impl SwitchableLlm {
     async fn start(status: u16) -> SwitchableLlm {
         let state = Arc::new(AtomicU16::new(status));
         let failed_calls = Arc::new(AtomicUsize::new(0));
-        let (s, f) = (state.clone(), failed_calls.clone());
+        let delay_ms = Arc::new(AtomicU64::new(0));
+        let (s, f, d) = (state.clone(), failed_calls.clone(), delay_ms.clone());
         let completions = move |Json(body): Json<Value>| {
-            let (status, failed) = (s.load(Ordering::SeqCst), f.clone());
+            let (status, failed, delay) = (s.load(Ordering::SeqCst), f.clone(), d.load(Ordering::SeqCst));
             async move {
+                tokio::time::sleep(Duration::from_millis(delay)).await;
                 if status != 200 {
                     failed.fetch_add(1, Ordering::SeqCst);
                     return outage(status);
@@ -74,7 +80,7 @@ impl SwitchableLlm {
         let stop = CancellationToken::new();
         let shutdown = stop.clone().cancelled_owned();
         tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
-        SwitchableLlm { url, status: state, failed_calls, stop }
+        SwitchableLlm { url, status: state, delay_ms, failed_calls, stop }
     }
 
     fn set(&self, status: u16) {
@@ -289,6 +295,58 @@ async fn a_request_fault_fails_only_its_request() {
         }
     }
     drop(by_id);
+    stop_and_check_nothing_held(env, st, vec![]).await;
+}
+
+/// A batch held longer than 0.9 × `amqp.consumer_timeout` (here: 8 prompts sent one call after
+/// the other, 1 s each, against a 6 s timeout — a hold the config check cannot foresee) is
+/// requeued by closing the consumer and consuming again, before the broker would close the
+/// channel; once the server is fast again, every request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_near_the_consumer_timeout_requeues_and_consumes_again() {
+    let llm = SwitchableLlm::start(200).await;
+    llm.delay_ms.store(1000, Ordering::SeqCst);
+    let env = TestEnv::new("ctimeout");
+    let mut raw = env.raw_config(&llm.url);
+    (raw.amqp.consumer_timeout, raw.amqp.confirm_timeout) = ("6s".into(), "1s".into());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("2s".into(), 1, false);
+    let mut st = start_with_replies(&env, &raw).await;
+    let restarts = || {
+        let text = prefix_batcher::metrics::render();
+        let line = text.lines().find(|l| l.starts_with("prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}"));
+        line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    let before = restarts();
+    let reqs = one_key("ctimeout", 8, 3);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let guarded = wait_for("a consumer_timeout restart", Duration::from_secs(30), || async { restarts() > before }).await;
+    assert!(guarded, "the hold near consumer_timeout was not requeued");
+    llm.delay_ms.store(0, Ordering::SeqCst);
+    st.results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
+    stop_and_check_nothing_held(env, st, vec![]).await;
+}
+
+/// A partition queue deleted under its consumer (the broker cancels the consumer) is declared
+/// again, bound to the shard exchange, and consumed: requests routed to it are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_partition_queue_is_declared_again_and_consumed() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let (env, mut st) = start("redeclare", fake.url.as_str()).await;
+    let queue = env.partition_queue(0);
+    st.amqp.ch.queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default()).await.expect("delete the queue");
+    let back = wait_for("the partition queue to be declared and consumed again", Duration::from_secs(20), || async {
+        topology::queue_exists(&st.amqp.conn, &queue).await.unwrap_or(false) && st.amqp.queue_depth(&queue).await.1 == 1
+    })
+    .await;
+    assert!(back);
+    // Routed through the shard exchange: the binding is back too.
+    let req = completion("redeclare-0", 0, " via the shard exchange");
+    let key = AmqpSettings::partition_routing_key(0);
+    let options = lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() };
+    let publish = st.amqp.ch.basic_publish(env.shard_exchange().as_str().into(), key.as_str().into(), options, &req.body, request_props(&req.id, &st.reply));
+    let confirm = publish.await.expect("publish").await.expect("confirm");
+    assert!(confirm.take_message().is_none(), "partition queue 0 is not bound to the shard exchange");
+    st.results.until_all(&ids(std::slice::from_ref(&req)), Duration::from_secs(30)).await;
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
