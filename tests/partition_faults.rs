@@ -299,17 +299,18 @@ async fn a_request_fault_fails_only_its_request() {
 }
 
 /// A batch held longer than 0.9 × `amqp.consumer_timeout` (here: 8 prompts sent one call after
-/// the other, 1 s each, against a 6 s timeout — a hold the config check cannot foresee) is
+/// the other, 1.5 s each, against a 10 s timeout — a hold the config check cannot foresee) is
 /// requeued by closing the consumer and consuming again, before the broker would close the
 /// channel; once the server is fast again, every request is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_near_the_consumer_timeout_requeues_and_consumes_again() {
     let llm = SwitchableLlm::start(200).await;
-    llm.delay_ms.store(1000, Ordering::SeqCst);
+    llm.delay_ms.store(1500, Ordering::SeqCst);
     let env = TestEnv::new("ctimeout");
     let mut raw = env.raw_config(&llm.url);
-    (raw.amqp.consumer_timeout, raw.amqp.confirm_timeout) = ("6s".into(), "1s".into());
-    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("2s".into(), 1, false);
+    (raw.amqp.consumer_timeout, raw.amqp.confirm_timeout) = ("10s".into(), "1s".into());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("4s".into(), 1, false);
+    raw.llm.max_concurrency = 1; // however the 8 are batched, their calls run one after the other
     let mut st = start_with_replies(&env, &raw).await;
     let restarts = || {
         let text = prefix_batcher::metrics::render();
@@ -319,7 +320,7 @@ async fn a_hold_near_the_consumer_timeout_requeues_and_consumes_again() {
     let before = restarts();
     let reqs = one_key("ctimeout", 8, 3);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    let guarded = wait_for("a consumer_timeout restart", Duration::from_secs(30), || async { restarts() > before }).await;
+    let guarded = wait_for("a consumer_timeout restart", Duration::from_secs(40), || async { restarts() > before }).await;
     assert!(guarded, "the hold near consumer_timeout was not requeued");
     llm.delay_ms.store(0, Ordering::SeqCst);
     st.results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
