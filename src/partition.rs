@@ -510,12 +510,19 @@ async fn guarded_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
 
 /// Parses a delivery from a partition queue. The router validated it already; a message that
 /// still fails (e.g. published straight to a partition queue) is dead-lettered and acked
-/// ([`publisher::parse_or_dead_letter`]), or left unacked while the lease is not valid.
+/// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
     let (req, delivery) = match publisher::parse_or_dead_letter(ch, &s.amqp, delivery, Some(&ctx.lease)).await {
         Intake::Valid(req, delivery) => (req, delivery),
-        Intake::DeadLettered | Intake::Unacked(_) => return None,
+        Intake::DeadLettered => return None,
+        Intake::Unacked(delivery) => {
+            // The dead letter was not confirmed (or the lease is gone): back to the queue now, not
+            // held until the channel closes.
+            let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
+            publisher::requeue(&delivery.acker, &id, "invalid request; its dead letter was not confirmed").await;
+            return None;
+        }
     };
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
     let headers = delivery.properties.headers().as_ref();
