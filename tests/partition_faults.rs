@@ -351,6 +351,23 @@ async fn a_deleted_partition_queue_is_declared_again_and_consumed() {
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
+/// A byte budget of ten small requests for the whole instance (`batching.max_buffered_bytes`):
+/// intake waits for it instead of holding more, and 200 requests over 8 partitions are all
+/// answered (settled requests give their bytes back; nothing deadlocks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_byte_budget_slows_intake_but_loses_nothing() {
+    let fake = FakeLlm::new().latency(Duration::from_millis(20)).start().await.unwrap();
+    let env = TestEnv::new("budget");
+    let mut raw = env.raw_config(fake.url.as_str());
+    (raw.amqp.max_message_bytes, raw.batching.max_buffered_bytes) = (1000, 1000);
+    let mut st = start_with_replies(&env, &raw).await;
+    let reqs = completions_workload("budget", 200, 8);
+    assert!(reqs.iter().all(|r| (80..=120).contains(&r.body.len())), "about ten requests fit the budget");
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    stop_and_check_nothing_held(env, st, vec![]).await;
+}
+
 /// Polls `cond` every 100 ms until it holds (true) or `within` passes (false, with a message).
 async fn wait_for<F, Fut>(what: &str, within: Duration, mut cond: F) -> bool
 where
