@@ -3,12 +3,26 @@
 //! [`run`] takes its shutdown signal as an argument (tests pass their own). It serves HTTP, then
 //! runs *sessions*: one AMQP connection each, with the topology declared, the router and the
 //! ownership manager running. A failed connection ends the session (every partition is aborted
-//! and its lease released) and a new one starts after an exponential backoff. On shutdown, within
-//! ONE deadline (`shutdown.drain_timeout`): the router stops taking input, every partition
-//! flushes, finishes in-flight work, acks and releases its lease, the member key is deleted, the
-//! connection closes.
+//! and its lease released) and a new one starts after an exponential backoff.
+//!
+//! Cancellation is one tree. The root token lives as long as [`run_with_events`]; its children
+//! are the HTTP server's token and the *work* token, which the shutdown signal cancels. Each
+//! session hangs a session token under the work token, and the router, the backlog poller and
+//! the ownership manager get children of that (partition workers are children of the ownership
+//! token). So a shutdown reaches every component at once, and a failed session cancels only
+//! its own subtree.
+//!
+//! On shutdown, within ONE deadline (`shutdown.drain_timeout`) that covers the whole teardown:
+//! the router stops taking input, every partition flushes, finishes in-flight work, acks and
+//! releases its lease, the member key is deleted, the connection closes. Past the deadline only
+//! the hard stop runs (abort every partition, best-effort lease release) and the exit code is
+//! [`EX_SOFTWARE`]. A drain cut short by a connection failure is an error too
+//! ([`AppError::DrainFailed`], exit [`EX_FAILURE`]): its unfinished requests return to their
+//! queues and may be processed again.
 
 use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,41 +30,89 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::amqp::REPLY_SUCCESS;
 use crate::config::Settings;
-use crate::llm::LlmClient;
+use crate::exit::{EX_CONFIG, EX_FAILURE, EX_SOFTWARE};
+use crate::llm::{LlmClient, LlmError};
 use crate::metrics;
-use crate::ownership::Ownership;
+use crate::ownership::{Ownership, OwnershipError};
+use crate::readiness::{NotReady, Readiness};
 use crate::topology::{self, TopologyError};
 
-/// Exit code for a bad configuration (`EX_CONFIG` from sysexits.h).
-pub const EXIT_CONFIG: i32 = 78;
-/// Exit code when the drain deadline was exceeded (`EX_SOFTWARE` from sysexits.h).
-pub const EXIT_DRAIN_TIMEOUT: i32 = 70;
+/// How often [`Lifecycle::Alive`] is reported while the AMQP connection is up.
+pub const ALIVE_PERIOD: Duration = Duration::from_secs(1);
 
-/// Why the daemon stopped with an error.
+/// Why the daemon stopped with an error. [`AppError::exit_code`] maps each to its exit code.
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    /// Configuration or deployment mismatch (exit 78).
+    /// Configuration or deployment mismatch (exit [`EX_CONFIG`]).
     #[error(transparent)]
     Topology(TopologyError),
-    /// The drain did not finish within `shutdown.drain_timeout` (exit 70).
+    /// The drain did not finish within `shutdown.drain_timeout` (exit [`EX_SOFTWARE`]).
     #[error("drain did not finish within {0:?}; unfinished requests return to their queues")]
     DrainTimeout(Duration),
-    /// Anything else (exit 1).
-    #[error("{0}")]
-    Fatal(String),
+    /// The connection failed during the drain (exit [`EX_FAILURE`]).
+    #[error("the drain was cut short ({0}); unfinished requests return to their queues")]
+    DrainFailed(#[source] SessionError),
+    /// `http.listen` cannot be bound (exit [`EX_FAILURE`]).
+    #[error("cannot listen on http.listen {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The LLM client cannot be built (exit [`EX_FAILURE`]).
+    #[error("llm client: {0}")]
+    Llm(#[source] LlmError),
 }
 
 impl AppError {
-    /// The process exit code for this error.
-    pub fn exit_code(&self) -> i32 {
+    /// The process exit code for this error (see [`crate::exit`]).
+    pub fn exit_code(&self) -> u8 {
         match self {
-            AppError::Topology(TopologyError::Mismatch { .. } | TopologyError::PartitionCount { .. }) => EXIT_CONFIG,
-            AppError::DrainTimeout(_) => EXIT_DRAIN_TIMEOUT,
-            _ => 1,
+            AppError::Topology(e) if e.is_config_error() => EX_CONFIG,
+            AppError::DrainTimeout(_) => EX_SOFTWARE,
+            _ => EX_FAILURE,
+        }
+    }
+}
+
+/// Why a session ended early; the session is retried after a backoff (or, during the drain,
+/// the error becomes [`AppError::DrainFailed`]).
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("redis: {0}")]
+    Redis(#[source] redis::RedisError),
+    #[error("amqp connect: {0}")]
+    Connect(#[source] lapin::Error),
+    #[error("topology: {0}")]
+    Topology(#[source] TopologyError),
+    #[error("ownership: {0}")]
+    Ownership(#[source] OwnershipError),
+    /// The ownership manager returned without a shutdown request.
+    #[error("ownership stopped")]
+    OwnershipStopped,
+    #[error("router: {0}")]
+    Router(#[source] lapin::Error),
+    /// The router returned without a shutdown request.
+    #[error("router stopped")]
+    RouterStopped,
+    /// The router task panicked or was cancelled.
+    #[error("router task: {0}")]
+    RouterTask(#[source] tokio::task::JoinError),
+}
+
+impl SessionError {
+    /// The not-ready reason this failure stands for.
+    fn not_ready(&self) -> NotReady {
+        match self {
+            SessionError::Redis(_) => NotReady::RedisDown,
+            _ => NotReady::AmqpDown,
         }
     }
 }
@@ -60,7 +122,7 @@ impl AppError {
 pub enum Lifecycle {
     /// Topology declared and the first lease round done.
     Ready,
-    /// The main loop is alive (sent periodically while healthy).
+    /// The main loop is alive (sent every [`ALIVE_PERIOD`] while the AMQP connection is up).
     Alive,
     /// The drain started.
     Stopping,
@@ -72,37 +134,45 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()> + Send +
 }
 
 /// Runs the daemon until `shutdown` completes, reporting lifecycle events to `events`.
+///
+/// Errors: see [`AppError`]; `Ok(())` only after a complete drain (or a shutdown requested
+/// while no session was running).
 pub async fn run_with_events(
     settings: Settings,
     shutdown: impl Future<Output = ()> + Send + 'static,
     mut events: impl FnMut(Lifecycle) + Send,
 ) -> Result<(), AppError> {
     metrics::init();
-    let settings = Arc::new(settings);
-    let stop = CancellationToken::new();
-    {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            shutdown.await;
-            stop.cancel();
-        });
-    }
+    let root = CancellationToken::new();
+    let _cancel_all_on_return = root.clone().drop_guard();
+    let work = root.child_token();
+    tokio::spawn(cancel_on(shutdown, work.clone(), root.clone()));
 
+    let readiness = Readiness::new();
     let listener = tokio::net::TcpListener::bind(settings.http_listen)
         .await
-        .map_err(|e| AppError::Fatal(format!("cannot listen on http.listen {}: {e}", settings.http_listen)))?;
-    let addr = listener.local_addr().map_err(|e| AppError::Fatal(e.to_string()))?;
+        .map_err(|source| AppError::Listen { addr: settings.http_listen, source })?;
+    let addr = listener.local_addr().map_err(|source| AppError::Listen { addr: settings.http_listen, source })?;
     info!(%addr, instance = %settings.instance_name, "http listening");
-    let http_stop = CancellationToken::new();
-    let http = tokio::spawn(crate::http::serve(listener, http_stop.clone().cancelled_owned()));
+    let http_token = root.child_token();
+    let http = tokio::spawn(crate::http::serve(listener, readiness.clone(), http_token.clone().cancelled_owned()));
 
-    let llm = LlmClient::new(&settings.llm).map_err(|e| AppError::Fatal(format!("llm client: {e}")))?;
+    let llm = LlmClient::new(&settings.llm).map_err(AppError::Llm)?;
     let nonce = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-    let result = sessions(&settings, &llm, &nonce, &stop, &mut events).await;
-    metrics::set_ready(false);
-    http_stop.cancel();
+    let app = App { settings: Arc::new(settings), llm, nonce, readiness };
+    let result = app.sessions(&work, &mut events).await;
+    app.readiness.set(NotReady::Draining, true);
+    http_token.cancel();
     let _ = http.await;
     result
+}
+
+/// Cancels `token` when `signal` completes; gives up when `root` is cancelled first.
+async fn cancel_on(signal: impl Future<Output = ()>, token: CancellationToken, root: CancellationToken) {
+    tokio::select! {
+        _ = signal => token.cancel(),
+        _ = root.cancelled() => {}
+    }
 }
 
 async fn connect_redis(settings: &Settings) -> Result<ConnectionManager, redis::RedisError> {
@@ -118,106 +188,185 @@ enum SessionEnd {
     /// Shutdown requested and the drain finished.
     Stopped,
     /// The connection or a component failed: reconnect.
-    Failed(String),
+    Failed(SessionError),
 }
 
-async fn sessions(
-    settings: &Arc<Settings>,
-    llm: &LlmClient,
-    nonce: &str,
-    stop: &CancellationToken,
-    events: &mut (impl FnMut(Lifecycle) + Send),
-) -> Result<(), AppError> {
-    let mut backoff = settings.amqp.reconnect_backoff_initial;
-    let mut redis: Option<ConnectionManager> = None;
-    loop {
-        if stop.is_cancelled() {
-            return Ok(());
+/// How a session's running phase ended.
+enum Phase {
+    /// A component failed before any shutdown request.
+    Failed(SessionError),
+    /// Shutdown requested; the drain ended so.
+    Drained(Drain),
+}
+
+/// How a drain ended.
+#[derive(Debug)]
+enum Drain {
+    /// Everything flushed, acked and released; the connection closed.
+    Finished,
+    /// The connection failed during the drain.
+    Failed(SessionError),
+    /// `shutdown.drain_timeout` elapsed first.
+    DeadlineExceeded,
+}
+
+/// What a drain's end means for the process: only a finished drain stops it cleanly.
+fn drain_verdict(drain: Drain, timeout: Duration) -> Result<(), AppError> {
+    match drain {
+        Drain::Finished => Ok(()),
+        Drain::Failed(e) => Err(AppError::DrainFailed(e)),
+        Drain::DeadlineExceeded => Err(AppError::DrainTimeout(timeout)),
+    }
+}
+
+type RouterTask = JoinHandle<Result<(), lapin::Error>>;
+
+fn router_failure(r: Result<Result<(), lapin::Error>, tokio::task::JoinError>) -> SessionError {
+    match r {
+        Ok(Ok(())) => SessionError::RouterStopped,
+        Ok(Err(e)) => SessionError::Router(e),
+        Err(e) => SessionError::RouterTask(e),
+    }
+}
+
+/// What every session shares.
+struct App {
+    settings: Arc<Settings>,
+    llm: LlmClient,
+    /// Boot nonce written to the member key, so a restarted process is told from its past self.
+    nonce: String,
+    readiness: Readiness,
+}
+
+impl App {
+    /// Runs sessions until `work` is cancelled, reconnecting with an exponential backoff.
+    async fn sessions(&self, work: &CancellationToken, events: &mut (impl FnMut(Lifecycle) + Send)) -> Result<(), AppError> {
+        let amqp = &self.settings.amqp;
+        let mut backoff = amqp.reconnect_backoff_initial;
+        let mut redis: Option<ConnectionManager> = None;
+        while !work.is_cancelled() {
+            let failure = match self.connect_and_run(&mut redis, work, events).await? {
+                SessionEnd::Stopped => return Ok(()),
+                SessionEnd::Failed(e) => e,
+            };
+            if self.readiness.is_ready() {
+                // The session had been healthy: start the backoff over.
+                backoff = amqp.reconnect_backoff_initial;
+            }
+            self.readiness.set(failure.not_ready(), true);
+            warn!(error = %failure, retry_in = ?backoff, "session ended; reconnecting");
+            tokio::select! {
+                _ = work.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(jitter(backoff)) => {}
+            }
+            backoff = (backoff * 2).min(amqp.reconnect_backoff_max);
         }
-        let end = match &redis {
-            Some(r) => session(settings, llm, nonce, r.clone(), stop, events).await?,
-            None => match connect_redis(settings).await {
-                Ok(r) => {
-                    redis = Some(r.clone());
-                    session(settings, llm, nonce, r, stop, events).await?
-                }
-                Err(e) => SessionEnd::Failed(format!("redis: {e}")),
+        Ok(())
+    }
+
+    /// Connects Redis once (the connection manager reconnects by itself), then runs a session.
+    async fn connect_and_run(
+        &self,
+        redis: &mut Option<ConnectionManager>,
+        work: &CancellationToken,
+        events: &mut (impl FnMut(Lifecycle) + Send),
+    ) -> Result<SessionEnd, AppError> {
+        let r = match redis {
+            Some(r) => r.clone(),
+            None => match connect_redis(&self.settings).await {
+                Ok(r) => redis.insert(r).clone(),
+                Err(e) => return Ok(SessionEnd::Failed(SessionError::Redis(e))),
             },
         };
-        match end {
-            SessionEnd::Stopped => return Ok(()),
-            SessionEnd::Failed(why) => {
-                if metrics::is_ready() {
-                    // The session had been healthy: start the backoff over.
-                    backoff = settings.amqp.reconnect_backoff_initial;
-                }
-                metrics::set_ready(false);
-                warn!(reason = %why, retry_in = ?backoff, "session ended; reconnecting");
+        self.session(r, work, events).await
+    }
+
+    /// Opens the AMQP connection and declares the topology; closes the connection again when
+    /// the topology is refused.
+    async fn open(&self, redis: &mut ConnectionManager) -> Result<Arc<Connection>, SessionError> {
+        let s = &self.settings;
+        let props = ConnectionProperties::default().with_connection_name(format!("prefix-batcher {}", s.instance_name).into());
+        let conn = Connection::connect(s.amqp.url.expose(), props).await.map_err(SessionError::Connect)?;
+        let meta_key = format!("{}:partitions", s.redis.key_prefix);
+        if let Err(e) = topology::declare(&conn, &s.amqp, redis, &meta_key).await {
+            let _ = conn.close(REPLY_SUCCESS, "topology refused".into()).await;
+            return Err(SessionError::Topology(e));
+        }
+        info!(partitions = s.amqp.partitions.get(), "topology declared");
+        Ok(Arc::new(conn))
+    }
+
+    /// One session: open, run the router, backlog poller and ownership manager until a failure
+    /// or the shutdown, then drain or hard-stop.
+    async fn session(
+        &self,
+        mut redis: ConnectionManager,
+        work: &CancellationToken,
+        events: &mut (impl FnMut(Lifecycle) + Send),
+    ) -> Result<SessionEnd, AppError> {
+        let conn = match self.open(&mut redis).await {
+            Ok(c) => c,
+            Err(SessionError::Topology(e)) if e.is_config_error() => {
+                error!(error = %e, "refusing to start");
+                return Err(AppError::Topology(e));
+            }
+            Err(e) => return Ok(SessionEnd::Failed(e)),
+        };
+        let session = work.child_token();
+        let mut router: RouterTask = {
+            let (conn, settings, token) = (conn.clone(), self.settings.clone(), session.child_token());
+            tokio::spawn(async move { crate::router::run(&conn, settings, token).await })
+        };
+        let mut backlog = tokio::spawn(poll_backlog(conn.clone(), self.settings.clone(), session.child_token()));
+        let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone());
+        let (ready_tx, mut ready_rx) = mpsc::unbounded_channel::<()>();
+        let phase = {
+            let mut own_fut = pin!(own.run(conn.clone(), session.child_token(), move || {
+                let _ = ready_tx.send(());
+            }));
+            match self.watch(&conn, own_fut.as_mut(), &mut router, &mut ready_rx, work, events).await {
+                Some(e) => Phase::Failed(e),
+                None => Phase::Drained(self.drain(&conn, own_fut, &mut router, &mut backlog, events).await),
+            }
+        };
+        session.cancel();
+        match phase {
+            Phase::Drained(Drain::Finished) => {
+                info!("drained; bye");
+                Ok(SessionEnd::Stopped)
+            }
+            Phase::Drained(drain) => {
+                hard_stop(&mut own, &router, &backlog, &conn, "drain incomplete").await;
+                drain_verdict(drain, self.settings.drain_timeout).map(|()| SessionEnd::Stopped)
+            }
+            Phase::Failed(e) => {
+                hard_stop(&mut own, &router, &backlog, &conn, "session failed").await;
+                Ok(SessionEnd::Failed(e))
             }
         }
-        tokio::select! {
-            _ = stop.cancelled() => return Ok(()),
-            _ = tokio::time::sleep(jitter(backoff)) => {}
-        }
-        backoff = (backoff * 2).min(settings.amqp.reconnect_backoff_max);
     }
-}
 
-fn jitter(d: Duration) -> Duration {
-    d.mul_f64(0.5 + fastrand::f64() * 0.5)
-}
-
-async fn session(
-    settings: &Arc<Settings>,
-    llm: &LlmClient,
-    nonce: &str,
-    mut redis: ConnectionManager,
-    stop: &CancellationToken,
-    events: &mut (impl FnMut(Lifecycle) + Send),
-) -> Result<SessionEnd, AppError> {
-    let props = ConnectionProperties::default().with_connection_name(format!("prefix-batcher {}", settings.instance_name).into());
-    let conn = match Connection::connect(settings.amqp.url.expose(), props).await {
-        Ok(c) => c,
-        Err(e) => return Ok(SessionEnd::Failed(format!("amqp connect: {e}"))),
-    };
-    let conn = Arc::new(conn);
-    let meta_key = format!("{}:partitions", settings.redis.key_prefix);
-    match topology::declare(&conn, &settings.amqp, &mut redis, &meta_key).await {
-        Ok(()) => {}
-        Err(e @ (TopologyError::Mismatch { .. } | TopologyError::PartitionCount { .. })) => {
-            error!(error = %e, "refusing to start");
-            let _ = conn.close(200, "bad topology".into()).await;
-            return Err(AppError::Topology(e));
-        }
-        Err(e) => return Ok(SessionEnd::Failed(format!("topology: {e}"))),
-    }
-    info!(partitions = settings.amqp.partitions.get(), "topology declared");
-
-    let router_stop = CancellationToken::new();
-    let mut router = {
-        let (conn, settings, rs) = (conn.clone(), settings.clone(), router_stop.clone());
-        tokio::spawn(async move { crate::router::run(&conn, settings, rs).await })
-    };
-    let backlog_stop = CancellationToken::new();
-    let backlog = tokio::spawn(poll_backlog(conn.clone(), settings.clone(), backlog_stop.clone()));
-
-    let mut own = Ownership::new(settings.clone(), redis.clone(), nonce.to_owned(), llm.clone());
-    let own_stop = CancellationToken::new();
-    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
-    let deadline;
-    let outcome = {
-        let own_fut = own.run(conn.clone(), own_stop.clone(), move || {
-            let _ = ready_tx.send(());
-        });
-        tokio::pin!(own_fut);
-        let mut alive = tokio::time::interval(Duration::from_secs(1));
-        let failure = loop {
+    /// Runs until a component fails (`Some`) or the shutdown is requested (`None`), reporting
+    /// readiness and liveness on the way.
+    async fn watch(
+        &self,
+        conn: &Connection,
+        mut own_fut: Pin<&mut impl Future<Output = Result<(), OwnershipError>>>,
+        router: &mut RouterTask,
+        ready_rx: &mut mpsc::UnboundedReceiver<()>,
+        work: &CancellationToken,
+        events: &mut (impl FnMut(Lifecycle) + Send),
+    ) -> Option<SessionError> {
+        let mut alive = tokio::time::interval(ALIVE_PERIOD);
+        loop {
             tokio::select! {
-                r = &mut own_fut => break Some(match r { Ok(()) => "ownership stopped".to_string(), Err(e) => e.to_string() }),
-                r = &mut router => break Some(format!("router stopped: {:?}", r.map(|x| x.map_err(|e| e.to_string())))),
-                _ = stop.cancelled() => break None,
+                r = own_fut.as_mut() => return Some(r.err().map_or(SessionError::OwnershipStopped, SessionError::Ownership)),
+                r = &mut *router => return Some(router_failure(r)),
+                _ = work.cancelled() => return None,
                 Some(()) = ready_rx.recv() => {
-                    metrics::set_ready(true);
+                    for reason in [NotReady::Starting, NotReady::AmqpDown, NotReady::RedisDown] {
+                        self.readiness.set(reason, false);
+                    }
                     events(Lifecycle::Ready);
                     info!("ready");
                 }
@@ -227,56 +376,59 @@ async fn session(
                     }
                 }
             }
+        }
+    }
+
+    /// The graceful drain under ONE deadline covering the whole teardown: the router stops, the
+    /// ownership manager drains every partition, releases the leases and deletes the member key,
+    /// the backlog poller stops, the connection closes. The tokens are already cancelled (they
+    /// are children of the work token).
+    async fn drain(
+        &self,
+        conn: &Connection,
+        own_fut: Pin<&mut impl Future<Output = Result<(), OwnershipError>>>,
+        router: &mut RouterTask,
+        backlog: &mut JoinHandle<()>,
+        events: &mut (impl FnMut(Lifecycle) + Send),
+    ) -> Drain {
+        events(Lifecycle::Stopping);
+        info!(timeout = ?self.settings.drain_timeout, "draining");
+        self.readiness.set(NotReady::Draining, true);
+        let deadline = tokio::time::Instant::now() + self.settings.drain_timeout;
+        let teardown = async {
+            if let Ok(Err(e)) = (&mut *router).await {
+                warn!(error = %e, "router failed during the drain; its unacked input returns to the input queue");
+            }
+            let owned = own_fut.await;
+            let _ = backlog.await;
+            if let Err(e) = owned {
+                return Drain::Failed(SessionError::Ownership(e));
+            }
+            if let Err(e) = conn.close(REPLY_SUCCESS, "shutdown".into()).await {
+                warn!(error = %e, "closing the connection after the drain failed; nothing was left unacked");
+            }
+            Drain::Finished
         };
-        match failure {
-            Some(why) => {
-                router_stop.cancel();
-                Err(why)
-            }
-            None => {
-                // Graceful drain, under one deadline.
-                events(Lifecycle::Stopping);
-                info!(timeout = ?settings.drain_timeout, "draining");
-                metrics::set_ready(false);
-                deadline = tokio::time::Instant::now() + settings.drain_timeout;
-                router_stop.cancel();
-                own_stop.cancel();
-                let drained = tokio::time::timeout_at(deadline, async {
-                    let _ = (&mut router).await;
-                    own_fut.await
-                })
-                .await;
-                Ok(drained)
-            }
-        }
-    };
-    backlog_stop.cancel();
-    let _ = backlog.await;
-    match outcome {
-        Err(why) => {
-            own.abort_and_release().await;
-            router.abort();
-            let _ = conn.close(200, "session failed".into()).await;
-            Ok(SessionEnd::Failed(why))
-        }
-        Ok(Ok(Ok(()))) => {
-            let _ = conn.close(200, "shutdown".into()).await;
-            info!("drained; bye");
-            Ok(SessionEnd::Stopped)
-        }
-        Ok(Ok(Err(e))) => {
-            own.abort_and_release().await;
-            Ok(SessionEnd::Failed(e.to_string()))
-        }
-        Ok(Err(_elapsed)) => {
-            own.abort_and_release().await;
-            router.abort();
-            let _ = conn.close(200, "drain timeout".into()).await;
-            Err(AppError::DrainTimeout(settings.drain_timeout))
-        }
+        tokio::time::timeout_at(deadline, teardown).await.unwrap_or(Drain::DeadlineExceeded)
     }
 }
 
+/// Hard stop of a session: abort every partition, release its lease and delete the member key
+/// (best effort, each Redis call bounded by `redis.command_timeout`), stop the tasks, close the
+/// connection.
+async fn hard_stop(own: &mut Ownership, router: &RouterTask, backlog: &JoinHandle<()>, conn: &Connection, why: &str) {
+    own.abort_and_release().await;
+    router.abort();
+    backlog.abort();
+    let _ = conn.close(REPLY_SUCCESS, why.into()).await;
+}
+
+fn jitter(d: Duration) -> Duration {
+    d.mul_f64(0.5 + fastrand::f64() * 0.5)
+}
+
+/// Reads the input and every partition queue's backlog every `amqp.backlog_poll_interval`
+/// until `stop` is cancelled.
 async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: CancellationToken) {
     let mut tick = tokio::time::interval(settings.amqp.backlog_poll_interval);
     let mut ch: Option<lapin::Channel> = None;
@@ -284,7 +436,7 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
         tokio::select! {
             _ = stop.cancelled() => {
                 if let Some(c) = ch {
-                    let _ = c.close(200, "stopping".into()).await;
+                    let _ = c.close(REPLY_SUCCESS, "stopping".into()).await;
                 }
                 return;
             }
@@ -313,5 +465,31 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_finished_drain_exits_zero() {
+        let t = Duration::from_secs(5);
+        assert!(drain_verdict(Drain::Finished, t).is_ok());
+        let failed = drain_verdict(Drain::Failed(SessionError::Ownership(OwnershipError::ConnectionLost)), t).unwrap_err();
+        assert!(matches!(failed, AppError::DrainFailed(_)), "{failed:?}");
+        assert_eq!(failed.exit_code(), EX_FAILURE);
+        assert!(failed.to_string().contains("amqp connection lost"), "{failed}");
+        let late = drain_verdict(Drain::DeadlineExceeded, t).unwrap_err();
+        assert_eq!(late.exit_code(), EX_SOFTWARE);
+        assert_ne!(EX_FAILURE, 0);
+    }
+
+    #[test]
+    fn config_mismatch_exits_78_other_topology_errors_1() {
+        let e = AppError::Topology(TopologyError::PartitionCount { existing: "8".into(), configured: 4 });
+        assert_eq!(e.exit_code(), EX_CONFIG);
+        let io: lapin::Error = std::io::Error::other("reset").into();
+        assert_eq!(AppError::Topology(TopologyError::Amqp(io)).exit_code(), EX_FAILURE);
     }
 }

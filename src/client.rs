@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
@@ -14,6 +14,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::io::AsyncBufReadExt;
 
+use crate::amqp::REPLY_SUCCESS;
 use crate::config::Settings;
 use crate::lease::{read_all, LeaseValue, Leases};
 use crate::keying::assignment;
@@ -55,158 +56,243 @@ pub struct SubmitSummary {
     pub cached_tokens: u64,
 }
 
+/// Why `submit` failed. Displays name the step; the cause is the `source`.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// RabbitMQ unreachable or refusing the login (the URL is shown with its password redacted).
+    #[error("connecting to {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: lapin::Error,
+    },
+    /// A channel, declare, consume, publish or ack failed.
+    #[error("amqp")]
+    Amqp(#[from] lapin::Error),
+    /// The input file cannot be opened or read.
+    #[error("reading {path}")]
+    Input {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The results file cannot be created or written.
+    #[error("writing {path}")]
+    Output {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Two input lines carry the same `id`.
+    #[error("duplicate request id {0:?} in the input")]
+    DuplicateId(String),
+    /// The broker refused a publish (`basic.nack`).
+    #[error("the broker refused a request (nack)")]
+    Nacked,
+    /// A mandatory publish came back: the queue does not exist.
+    #[error("queue {0:?} does not exist (start the daemon once to declare it)")]
+    NoQueue(String),
+    /// The reply queue's consumer ended before every result arrived.
+    #[error("reply consumer closed")]
+    ReplyConsumerClosed,
+}
+
+/// Where `submit` reads requests from and writes results to.
+fn input_name(opts: &SubmitOptions) -> String {
+    opts.input.as_ref().map_or_else(|| "stdin".to_owned(), |p| p.display().to_string())
+}
+
+fn output_name(opts: &SubmitOptions) -> String {
+    opts.out.as_ref().map_or_else(|| "stdout".to_owned(), |p| p.display().to_string())
+}
+
 /// Publishes every line of the input as one request (lines that are blank are skipped). Each
 /// request gets `message_id` and `correlation_id` = its `id` (or a generated UUID when the line has
 /// none), `timestamp` = now, and `reply_to` = an exclusive reply queue when waiting.
 ///
-/// Errors: connection failures, unreadable input, a publish the broker refuses.
-pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> anyhow::Result<SubmitSummary> {
+/// Errors: connection failures, unreadable input, a duplicate `id`, a publish the broker
+/// refuses, an unwritable output (see [`ClientError`]).
+pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitSummary, ClientError> {
     let conn = Connection::connect(settings.amqp.url.expose(), ConnectionProperties::default())
         .await
-        .with_context(|| format!("connecting to {}", settings.amqp.url))?;
+        .map_err(|source| ClientError::Connect { url: settings.amqp.url.to_string(), source })?;
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let queue = opts.queue.clone().unwrap_or_else(|| settings.amqp.input_queue.clone());
+    let reply = if opts.wait { Some(open_reply_queue(&ch).await?) } else { None };
 
-    let reply_queue = if opts.wait {
-        let q = ch
-            .queue_declare("".into(), QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() }, FieldTable::default())
-            .await?;
-        Some(q.name().to_string())
-    } else {
-        None
-    };
-    let mut consumer = match &reply_queue {
-        Some(q) => Some(ch.basic_consume(q.as_str().into(), "submit".into(), BasicConsumeOptions::default(), FieldTable::default()).await?),
-        None => None,
-    };
-
-    let reader: Box<dyn tokio::io::AsyncBufRead + Unpin + Send> = match &opts.input {
-        Some(p) => Box::new(tokio::io::BufReader::new(
-            tokio::fs::File::open(p).await.with_context(|| format!("opening {}", p.display()))?,
-        )),
-        None => Box::new(tokio::io::BufReader::new(tokio::io::stdin())),
-    };
-    let mut lines = reader.lines();
     let started = Instant::now();
-    let mut ids = HashSet::new();
-    let mut confirms = Vec::new();
-    while let Some(line) = lines.next_line().await? {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let id = match serde_json::from_str::<Value>(&line) {
-            Ok(Value::Object(o)) => o.get("id").and_then(|v| v.as_str().map(str::to_owned).or_else(|| v.as_u64().map(|n| n.to_string()))),
-            _ => None,
-        }
-        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-        if !ids.insert(id.clone()) {
-            bail!("duplicate request id {id:?} in the input");
-        }
-        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
-        let mut headers = lapin::types::FieldTable::default();
-        headers.insert(crate::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
-        let now = now_ms / 1000;
-        let mut props = BasicProperties::default()
-            .with_headers(headers)
-            .with_content_type("application/json".into())
-            .with_delivery_mode(crate::publisher::PERSISTENT)
-            .with_message_id(id.as_str().into())
-            .with_correlation_id(id.as_str().into())
-            .with_timestamp(now);
-        if let Some(q) = &reply_queue {
-            props = props.with_reply_to(q.as_str().into());
-        }
-        let confirm = ch
-            .basic_publish("".into(), queue.as_str().into(), BasicPublishOptions { mandatory: true, ..Default::default() }, line.as_bytes(), props)
-            .await?;
-        confirms.push(confirm);
-        // Bound the confirms in flight.
-        if confirms.len() >= 1000 {
-            for c in confirms.drain(..) {
-                check_confirm(c.await?, &queue)?;
-            }
-        }
-    }
-    for c in confirms.drain(..) {
-        check_confirm(c.await?, &queue)?;
-    }
+    let ids = publish_input(&ch, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
     let mut summary = SubmitSummary { requests: ids.len(), ..Default::default() };
     eprintln!("submit: published {} requests to {queue}", ids.len());
-
-    if let Some(consumer) = consumer.as_mut() {
-        let mut out: Box<dyn Write + Send> = match &opts.out {
-            Some(p) => Box::new(std::io::BufWriter::new(std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?)),
-            None => Box::new(std::io::BufWriter::new(std::io::stdout())),
-        };
-        let mut seen = HashSet::new();
-        let deadline = tokio::time::Instant::now() + opts.timeout;
-        let mut last_progress = Instant::now();
-        while seen.len() < ids.len() {
-            let next = tokio::time::timeout_at(deadline, consumer.next()).await;
-            let delivery = match next {
-                Ok(Some(Ok(d))) => d,
-                Ok(Some(Err(e))) => return Err(e.into()),
-                Ok(None) => bail!("reply consumer closed"),
-                Err(_) => break,
-            };
-            delivery.acker.ack(BasicAckOptions::default()).await?;
-            let key = delivery
-                .properties
-                .correlation_id()
-                .as_ref()
-                .map(|c| c.to_string())
-                .unwrap_or_default();
-            if !ids.contains(&key) {
-                continue;
-            }
-            if !seen.insert(key) {
-                summary.duplicates += 1;
-                continue;
-            }
-            out.write_all(&delivery.data)?;
-            out.write_all(b"\n")?;
-            if let Ok(r) = serde_json::from_slice::<RequestResult>(&delivery.data) {
-                if r.ok {
-                    summary.ok += 1;
-                } else {
-                    summary.failed += 1;
-                }
-                if let Some(u) = r.usage {
-                    summary.prompt_tokens += u.prompt_tokens;
-                    summary.cached_tokens += u.cached_tokens.unwrap_or(0);
-                }
-            }
-            if last_progress.elapsed() >= Duration::from_secs(10) {
-                last_progress = Instant::now();
-                eprintln!("submit: {}/{} results", seen.len(), ids.len());
-            }
-        }
-        out.flush()?;
-        summary.results = seen.len();
-        summary.missing = ids.len() - seen.len();
-        if summary.missing > 0 {
-            let mut missing: Vec<&String> = ids.iter().filter(|i| !seen.contains(*i)).collect();
-            missing.sort();
-            eprintln!(
-                "submit: {} requests without a result after {:?} (a dead-lettered request never gets one: see the dead-letter queue); first: {:?}",
-                summary.missing,
-                opts.timeout,
-                &missing[..missing.len().min(20)]
-            );
-        }
+    if let Some((_, mut consumer)) = reply {
+        collect_results(&mut consumer, &ids, opts, &mut summary).await?;
     }
     summary.wall_s = started.elapsed().as_secs_f64();
-    let _ = conn.close(200, "done".into()).await;
+    let _ = conn.close(REPLY_SUCCESS, "done".into()).await;
     Ok(summary)
 }
 
-fn check_confirm(c: lapin::Confirmation, queue: &str) -> anyhow::Result<()> {
+/// An exclusive, auto-deleted reply queue (server-named) and a consumer on it.
+async fn open_reply_queue(ch: &lapin::Channel) -> Result<(String, lapin::Consumer), ClientError> {
+    let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+    let q = ch.queue_declare("".into(), opts, FieldTable::default()).await?;
+    let name = q.name().to_string();
+    let consumer = ch.basic_consume(name.as_str().into(), "submit".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    Ok((name, consumer))
+}
+
+/// Publishes every non-blank input line to `queue` with publisher confirms (at most 1000
+/// unconfirmed at a time); returns the request ids.
+async fn publish_input(
+    ch: &lapin::Channel,
+    opts: &SubmitOptions,
+    queue: &str,
+    reply_queue: Option<&str>,
+) -> Result<HashSet<String>, ClientError> {
+    let input_error = |source| ClientError::Input { path: input_name(opts), source };
+    let reader: Box<dyn tokio::io::AsyncBufRead + Unpin + Send> = match &opts.input {
+        Some(p) => Box::new(tokio::io::BufReader::new(tokio::fs::File::open(p).await.map_err(input_error)?)),
+        None => Box::new(tokio::io::BufReader::new(tokio::io::stdin())),
+    };
+    let mut lines = reader.lines();
+    let mut ids = HashSet::new();
+    let mut confirms = Vec::new();
+    while let Some(line) = lines.next_line().await.map_err(input_error)? {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let id = request_id(&line);
+        if !ids.insert(id.clone()) {
+            return Err(ClientError::DuplicateId(id));
+        }
+        let publish = BasicPublishOptions { mandatory: true, ..Default::default() };
+        let props = request_properties(&id, reply_queue);
+        confirms.push(ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await?);
+        // Bound the confirms in flight.
+        if confirms.len() >= 1000 {
+            await_confirms(&mut confirms, queue).await?;
+        }
+    }
+    await_confirms(&mut confirms, queue).await?;
+    Ok(ids)
+}
+
+/// The request's `id` (a string or a number), else a new UUID.
+fn request_id(line: &str) -> String {
+    match serde_json::from_str::<Value>(line) {
+        Ok(Value::Object(o)) => o.get("id").and_then(|v| v.as_str().map(str::to_owned).or_else(|| v.as_u64().map(|n| n.to_string()))),
+        _ => None,
+    }
+    .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
+/// Persistent JSON message with `message_id` = `correlation_id` = `id`, `timestamp` (seconds)
+/// and the millisecond timestamp header, and `reply_to` when waiting.
+fn request_properties(id: &str, reply_queue: Option<&str>) -> BasicProperties {
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+    let mut headers = FieldTable::default();
+    headers.insert(crate::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
+    let props = BasicProperties::default()
+        .with_headers(headers)
+        .with_content_type("application/json".into())
+        .with_delivery_mode(crate::publisher::PERSISTENT)
+        .with_message_id(id.into())
+        .with_correlation_id(id.into())
+        .with_timestamp(now_ms / 1000);
+    match reply_queue {
+        Some(q) => props.with_reply_to(q.into()),
+        None => props,
+    }
+}
+
+async fn await_confirms(confirms: &mut Vec<lapin::PublisherConfirm>, queue: &str) -> Result<(), ClientError> {
+    for c in confirms.drain(..) {
+        check_confirm(c.await?, queue)?;
+    }
+    Ok(())
+}
+
+/// Consumes results until every request in `ids` has one or `opts.timeout` elapses; writes each
+/// first result as one JSONL line and counts it into `summary`.
+async fn collect_results(
+    consumer: &mut lapin::Consumer,
+    ids: &HashSet<String>,
+    opts: &SubmitOptions,
+    summary: &mut SubmitSummary,
+) -> Result<(), ClientError> {
+    let output_error = |source| ClientError::Output { path: output_name(opts), source };
+    let mut out: Box<dyn Write + Send> = match &opts.out {
+        Some(p) => Box::new(std::io::BufWriter::new(std::fs::File::create(p).map_err(output_error)?)),
+        None => Box::new(std::io::BufWriter::new(std::io::stdout())),
+    };
+    let mut seen = HashSet::new();
+    let deadline = tokio::time::Instant::now() + opts.timeout;
+    let mut last_progress = Instant::now();
+    while seen.len() < ids.len() {
+        let delivery = match tokio::time::timeout_at(deadline, consumer.next()).await {
+            Ok(Some(d)) => d?,
+            Ok(None) => return Err(ClientError::ReplyConsumerClosed),
+            Err(_) => break,
+        };
+        delivery.acker.ack(BasicAckOptions::default()).await?;
+        let key = delivery.properties.correlation_id().as_ref().map(|c| c.to_string()).unwrap_or_default();
+        if !ids.contains(&key) {
+            continue;
+        }
+        if !seen.insert(key) {
+            summary.duplicates += 1;
+            continue;
+        }
+        out.write_all(&delivery.data).and_then(|()| out.write_all(b"\n")).map_err(output_error)?;
+        tally(summary, &delivery.data);
+        if last_progress.elapsed() >= Duration::from_secs(10) {
+            last_progress = Instant::now();
+            eprintln!("submit: {}/{} results", seen.len(), ids.len());
+        }
+    }
+    out.flush().map_err(output_error)?;
+    summary.results = seen.len();
+    summary.missing = ids.len() - seen.len();
+    report_missing(ids, &seen, opts.timeout);
+    Ok(())
+}
+
+/// Counts one result (`ok`/`failed`, token usage) into `summary`.
+fn tally(summary: &mut SubmitSummary, body: &[u8]) {
+    let Ok(r) = serde_json::from_slice::<RequestResult>(body) else { return };
+    if r.ok {
+        summary.ok += 1;
+    } else {
+        summary.failed += 1;
+    }
+    if let Some(u) = r.usage {
+        summary.prompt_tokens += u.prompt_tokens;
+        summary.cached_tokens += u.cached_tokens.unwrap_or(0);
+    }
+}
+
+/// Names (up to 20 of) the requests without a result on stderr.
+fn report_missing(ids: &HashSet<String>, seen: &HashSet<String>, timeout: Duration) {
+    let mut missing: Vec<&String> = ids.iter().filter(|i| !seen.contains(*i)).collect();
+    if missing.is_empty() {
+        return;
+    }
+    missing.sort();
+    eprintln!(
+        "submit: {} requests without a result after {:?} (a dead-lettered request never gets one: see the dead-letter queue); first: {:?}",
+        missing.len(),
+        timeout,
+        &missing[..missing.len().min(20)]
+    );
+}
+
+fn check_confirm(c: lapin::Confirmation, queue: &str) -> Result<(), ClientError> {
     if c.is_nack() {
-        bail!("the broker refused a request (nack)");
+        return Err(ClientError::Nacked);
     }
     if c.take_message().is_some() {
-        bail!("queue {queue:?} does not exist (start the daemon once to declare it)");
+        return Err(ClientError::NoQueue(queue.to_owned()));
     }
     Ok(())
 }
@@ -294,7 +380,7 @@ async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option
         .await
         .ok()
         .map(|q| q.message_count());
-    let _ = conn.close(200, "status".into()).await;
+    let _ = conn.close(REPLY_SUCCESS, "status".into()).await;
     Ok((depths, input))
 }
 

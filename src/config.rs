@@ -543,11 +543,6 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)
 }
 
-/// Loads and validates.
-pub fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {
-    Settings::from_raw(&load_raw(path)?)
-}
-
 fn duration(key: &'static str, v: &str) -> Result<Duration, ConfigError> {
     humantime::parse_duration(v.trim())
         .map_err(|e| invalid(key, format!("{v:?}"), format!("must be a duration such as \"250ms\" or \"1s\" ({e})")))
@@ -624,212 +619,26 @@ pub fn default_instance_name() -> String {
 }
 
 impl Settings {
-    /// Validates a raw configuration.
+    /// Validates a raw configuration, one section after the other (so the first broken rule is
+    /// reported, in file order).
     ///
     /// Errors: the first broken rule, as [`ConfigError::Invalid`].
     pub fn from_raw(r: &RawConfig) -> Result<Settings, ConfigError> {
-        let instance_name = if r.instance.name.is_empty() {
-            default_instance_name()
-        } else {
-            name("instance.name", &r.instance.name)?
-        };
-        if instance_name.contains(':') {
-            return Err(invalid("instance.name", format!("{instance_name:?}"), "must not contain ':'"));
-        }
-
-        let a = &r.amqp;
-        let partition_prefetch = u16::try_from(a.partition_prefetch)
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| invalid("amqp.partition_prefetch", a.partition_prefetch, "must be 1 to 65535"))?;
-        let input_prefetch = u16::try_from(a.input_prefetch)
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| invalid("amqp.input_prefetch", a.input_prefetch, "must be 1 to 65535"))?;
-        let partitions = nonzero_u32("amqp.partitions", a.partitions)?;
-        if partitions.get() > 1024 {
-            return Err(invalid("amqp.partitions", a.partitions, "must be at most 1024"));
-        }
-        if a.max_message_bytes < 64 {
-            return Err(invalid("amqp.max_message_bytes", a.max_message_bytes, "must be at least 64"));
-        }
-        let amqp = AmqpSettings {
-            url: secret_url("amqp.url", &a.url, &["amqp", "amqps"])?,
-            input_queue: name("amqp.input_queue", &a.input_queue)?,
-            shard_exchange: name("amqp.shard_exchange", &a.shard_exchange)?,
-            partition_queue_prefix: name("amqp.partition_queue_prefix", &a.partition_queue_prefix)?,
-            results_queue: name("amqp.results_queue", &a.results_queue)?,
-            dead_letter_exchange: name("amqp.dead_letter_exchange", &a.dead_letter_exchange)?,
-            dead_letter_queue: name("amqp.dead_letter_queue", &a.dead_letter_queue)?,
-            partitions,
-            input_prefetch,
-            partition_prefetch,
-            max_message_bytes: a.max_message_bytes,
-            confirm_timeout: positive_duration("amqp.confirm_timeout", &a.confirm_timeout)?,
-            reconnect_backoff_initial: positive_duration("amqp.reconnect_backoff_initial", &a.reconnect_backoff_initial)?,
-            reconnect_backoff_max: positive_duration("amqp.reconnect_backoff_max", &a.reconnect_backoff_max)?,
-            backlog_poll_interval: positive_duration("amqp.backlog_poll_interval", &a.backlog_poll_interval)?,
-        };
-        if amqp.url.0.scheme() == "amqps" {
-            return Err(invalid(
-                "amqp.url",
-                amqp.url.redacted(),
-                "amqps (TLS) is not built into this binary; terminate TLS in a local proxy or use amqp",
-            ));
-        }
-
-        let redis = RedisSettings {
-            url: secret_url("redis.url", &r.redis.url, &["redis", "unix", "redis+unix"])?,
-            key_prefix: name("redis.key_prefix", &r.redis.key_prefix)?,
-            command_timeout: positive_duration("redis.command_timeout", &r.redis.command_timeout)?,
-        };
-
-        let o = &r.ownership;
-        let ownership = OwnershipSettings {
-            lease_ttl: positive_duration("ownership.lease_ttl", &o.lease_ttl)?,
-            renew_deadline: positive_duration("ownership.renew_deadline", &o.renew_deadline)?,
-            renew_interval: positive_duration("ownership.renew_interval", &o.renew_interval)?,
-            member_ttl: positive_duration("ownership.member_ttl", &o.member_ttl)?,
-            settle_time: duration("ownership.settle_time", &o.settle_time)?,
-        };
-        if ownership.lease_ttl <= ownership.renew_deadline {
-            return Err(invalid(
-                "ownership.renew_deadline",
-                &o.renew_deadline,
-                format!("must be less than ownership.lease_ttl ({})", o.lease_ttl),
-            ));
-        }
-        if ownership.renew_deadline.as_secs_f64() <= 1.2 * ownership.renew_interval.as_secs_f64() {
-            return Err(invalid(
-                "ownership.renew_interval",
-                &o.renew_interval,
-                format!("1.2 × renew_interval must be less than ownership.renew_deadline ({})", o.renew_deadline),
-            ));
-        }
-        if ownership.member_ttl <= ownership.renew_interval {
-            return Err(invalid(
-                "ownership.member_ttl",
-                &o.member_ttl,
-                format!("must be greater than ownership.renew_interval ({})", o.renew_interval),
-            ));
-        }
-
-        let keying = KeyingSettings {
-            mode: match r.keying.mode.as_str() {
-                "prefix" => KeyingMode::Prefix,
-                "off" => KeyingMode::Off,
-                other => return Err(invalid("keying.mode", format!("{other:?}"), "must be \"prefix\" or \"off\"")),
-            },
-            prefix_chars: nonzero_usize("keying.prefix_chars", r.keying.prefix_chars)?,
-            chat_key: match r.keying.chat_key.as_str() {
-                "system" => ChatKey::System,
-                "system_and_first_user" => ChatKey::SystemAndFirstUser,
-                "rendered" => ChatKey::Rendered,
-                other => {
-                    return Err(invalid(
-                        "keying.chat_key",
-                        format!("{other:?}"),
-                        "must be \"system\", \"system_and_first_user\" or \"rendered\"",
-                    ))
-                }
-            },
-        };
-
-        let s = &r.sharding;
-        let mut keys = HashMap::new();
-        for (k, v) in &s.keys {
-            keys.insert(k.clone(), nonzero_u32("sharding.keys", *v)?);
-        }
-        let mut rules = Vec::new();
-        for rule in &s.rules {
-            let pattern = regex::Regex::new(&rule.pattern)
-                .map_err(|e| invalid("sharding.rules.pattern", format!("{:?}", rule.pattern), format!("must be a regular expression ({e})")))?;
-            rules.push(ShardRule { pattern, shards: nonzero_u32("sharding.rules.shards", rule.shards)? });
-        }
-        let sharding = ShardingSettings { default_shards: nonzero_u32("sharding.default_shards", s.default_shards)?, keys, rules };
-        for (key, n) in std::iter::once(("sharding.default_shards", sharding.default_shards))
-            .chain(sharding.keys.values().map(|n| ("sharding.keys", *n)))
-            .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards", r.shards)))
-        {
-            if n > partitions {
-                return Err(invalid(key, n, format!("must be at most amqp.partitions ({partitions})")));
-            }
-        }
-
-        let b = &r.batching;
-        let max_batch_wait = duration("batching.max_batch_wait", &b.max_batch_wait)?;
-        if max_batch_wait.is_zero() {
-            return Err(invalid(
-                "batching.max_batch_wait",
-                format!("{:?}", b.max_batch_wait),
-                "must be greater than zero (zero means \"never flush\" in some systems and \"always\" in others)",
-            ));
-        }
-        let batching = BatchingSettings {
-            max_batch_size: nonzero_usize("batching.max_batch_size", b.max_batch_size)?,
-            max_batch_wait,
-            channel_capacity: nonzero_usize("batching.channel_capacity", b.channel_capacity)?,
-        };
-        if usize::from(amqp.partition_prefetch) < batching.max_batch_size.get() {
-            return Err(invalid(
-                "amqp.partition_prefetch",
-                amqp.partition_prefetch,
-                format!(
-                    "must be at least batching.max_batch_size ({}), or batches could never fill",
-                    batching.max_batch_size
-                ),
-            ));
-        }
-
-        let l = &r.llm;
-        if l.endpoints.is_empty() {
-            return Err(invalid("llm.endpoints", "[]", "must list at least one base URL"));
-        }
-        let mut endpoints = Vec::new();
-        for e in &l.endpoints {
-            let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// URL ({err})")))?;
-            if u.scheme() != "http" {
-                return Err(invalid(
-                    "llm.endpoints",
-                    format!("{e:?}"),
-                    "must be an http:// URL (TLS is not built into this binary)",
-                ));
-            }
-            if u.password().is_some() || !u.username().is_empty() {
-                return Err(invalid("llm.endpoints", redact_str(e), "must not carry credentials; use llm.api_key"));
-            }
-            endpoints.push(u);
-        }
-        let llm = LlmSettings {
-            endpoints,
-            model: name("llm.model", &l.model)?,
-            api_key: (!l.api_key.is_empty()).then(|| Secret(l.api_key.clone())),
-            max_concurrency: nonzero_usize("llm.max_concurrency", l.max_concurrency)?,
-            request_timeout: positive_duration("llm.request_timeout", &l.request_timeout)?,
-            connect_timeout: positive_duration("llm.connect_timeout", &l.connect_timeout)?,
-            max_attempts: nonzero_u32("llm.max_attempts", l.max_attempts)?,
-            backoff_initial: positive_duration("llm.backoff_initial", &l.backoff_initial)?,
-            backoff_max: positive_duration("llm.backoff_max", &l.backoff_max)?,
-            list_prompts: l.list_prompts,
-        };
-        if llm.backoff_max < llm.backoff_initial {
-            return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
-        }
-
+        let instance_name = instance_name(&r.instance)?;
+        let amqp = amqp(&r.amqp)?;
+        let redis = redis(&r.redis)?;
+        let ownership = ownership(&r.ownership)?;
+        let keying = keying(&r.keying)?;
+        let sharding = sharding(&r.sharding, amqp.partitions)?;
+        let batching = batching(&r.batching, &amqp)?;
+        let llm = llm(&r.llm)?;
         let http_listen = r
             .http
             .listen
             .parse()
             .map_err(|_| invalid("http.listen", format!("{:?}", r.http.listen), "must be an address such as \"127.0.0.1:9464\""))?;
         let drain_timeout = positive_duration("shutdown.drain_timeout", &r.shutdown.drain_timeout)?;
-        let log = LogSettings {
-            format: match r.log.format.as_str() {
-                "pretty" => LogFormat::Pretty,
-                "json" => LogFormat::Json,
-                other => return Err(invalid("log.format", format!("{other:?}"), "must be \"pretty\" or \"json\"")),
-            },
-            level: r.log.level.clone(),
-        };
+        let log = log(&r.log)?;
         Ok(Settings {
             instance_name,
             amqp,
@@ -844,6 +653,227 @@ impl Settings {
             log,
         })
     }
+}
+
+/// `[instance]`: the name, or the default one (hostname) when empty; never with `:`.
+fn instance_name(i: &RawInstance) -> Result<String, ConfigError> {
+    let instance_name = if i.name.is_empty() { default_instance_name() } else { name("instance.name", &i.name)? };
+    if instance_name.contains(':') {
+        return Err(invalid("instance.name", format!("{instance_name:?}"), "must not contain ':'"));
+    }
+    Ok(instance_name)
+}
+
+/// `[amqp]`.
+fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
+    let partition_prefetch = u16::try_from(a.partition_prefetch)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| invalid("amqp.partition_prefetch", a.partition_prefetch, "must be 1 to 65535"))?;
+    let input_prefetch = u16::try_from(a.input_prefetch)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| invalid("amqp.input_prefetch", a.input_prefetch, "must be 1 to 65535"))?;
+    let partitions = nonzero_u32("amqp.partitions", a.partitions)?;
+    if partitions.get() > 1024 {
+        return Err(invalid("amqp.partitions", a.partitions, "must be at most 1024"));
+    }
+    if a.max_message_bytes < 64 {
+        return Err(invalid("amqp.max_message_bytes", a.max_message_bytes, "must be at least 64"));
+    }
+    let amqp = AmqpSettings {
+        url: secret_url("amqp.url", &a.url, &["amqp", "amqps"])?,
+        input_queue: name("amqp.input_queue", &a.input_queue)?,
+        shard_exchange: name("amqp.shard_exchange", &a.shard_exchange)?,
+        partition_queue_prefix: name("amqp.partition_queue_prefix", &a.partition_queue_prefix)?,
+        results_queue: name("amqp.results_queue", &a.results_queue)?,
+        dead_letter_exchange: name("amqp.dead_letter_exchange", &a.dead_letter_exchange)?,
+        dead_letter_queue: name("amqp.dead_letter_queue", &a.dead_letter_queue)?,
+        partitions,
+        input_prefetch,
+        partition_prefetch,
+        max_message_bytes: a.max_message_bytes,
+        confirm_timeout: positive_duration("amqp.confirm_timeout", &a.confirm_timeout)?,
+        reconnect_backoff_initial: positive_duration("amqp.reconnect_backoff_initial", &a.reconnect_backoff_initial)?,
+        reconnect_backoff_max: positive_duration("amqp.reconnect_backoff_max", &a.reconnect_backoff_max)?,
+        backlog_poll_interval: positive_duration("amqp.backlog_poll_interval", &a.backlog_poll_interval)?,
+    };
+    if amqp.url.0.scheme() == "amqps" {
+        return Err(invalid(
+            "amqp.url",
+            amqp.url.redacted(),
+            "amqps (TLS) is not built into this binary; terminate TLS in a local proxy or use amqp",
+        ));
+    }
+    Ok(amqp)
+}
+
+/// `[redis]`.
+fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
+    Ok(RedisSettings {
+        url: secret_url("redis.url", &r.url, &["redis", "unix", "redis+unix"])?,
+        key_prefix: name("redis.key_prefix", &r.key_prefix)?,
+        command_timeout: positive_duration("redis.command_timeout", &r.command_timeout)?,
+    })
+}
+
+/// `[ownership]`: the lease timing rule (see [`OwnershipSettings`]) and member TTL > renew interval.
+fn ownership(o: &RawOwnership) -> Result<OwnershipSettings, ConfigError> {
+    let ownership = OwnershipSettings {
+        lease_ttl: positive_duration("ownership.lease_ttl", &o.lease_ttl)?,
+        renew_deadline: positive_duration("ownership.renew_deadline", &o.renew_deadline)?,
+        renew_interval: positive_duration("ownership.renew_interval", &o.renew_interval)?,
+        member_ttl: positive_duration("ownership.member_ttl", &o.member_ttl)?,
+        settle_time: duration("ownership.settle_time", &o.settle_time)?,
+    };
+    if ownership.lease_ttl <= ownership.renew_deadline {
+        return Err(invalid(
+            "ownership.renew_deadline",
+            &o.renew_deadline,
+            format!("must be less than ownership.lease_ttl ({})", o.lease_ttl),
+        ));
+    }
+    if ownership.renew_deadline.as_secs_f64() <= 1.2 * ownership.renew_interval.as_secs_f64() {
+        return Err(invalid(
+            "ownership.renew_interval",
+            &o.renew_interval,
+            format!("1.2 × renew_interval must be less than ownership.renew_deadline ({})", o.renew_deadline),
+        ));
+    }
+    if ownership.member_ttl <= ownership.renew_interval {
+        return Err(invalid(
+            "ownership.member_ttl",
+            &o.member_ttl,
+            format!("must be greater than ownership.renew_interval ({})", o.renew_interval),
+        ));
+    }
+    Ok(ownership)
+}
+
+/// `[keying]`.
+fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
+    Ok(KeyingSettings {
+        mode: match k.mode.as_str() {
+            "prefix" => KeyingMode::Prefix,
+            "off" => KeyingMode::Off,
+            other => return Err(invalid("keying.mode", format!("{other:?}"), "must be \"prefix\" or \"off\"")),
+        },
+        prefix_chars: nonzero_usize("keying.prefix_chars", k.prefix_chars)?,
+        chat_key: match k.chat_key.as_str() {
+            "system" => ChatKey::System,
+            "system_and_first_user" => ChatKey::SystemAndFirstUser,
+            "rendered" => ChatKey::Rendered,
+            other => {
+                return Err(invalid(
+                    "keying.chat_key",
+                    format!("{other:?}"),
+                    "must be \"system\", \"system_and_first_user\" or \"rendered\"",
+                ))
+            }
+        },
+    })
+}
+
+/// `[sharding]`: every shard count at least 1 and at most `amqp.partitions`.
+fn sharding(s: &RawSharding, partitions: NonZeroU32) -> Result<ShardingSettings, ConfigError> {
+    let mut keys = HashMap::new();
+    for (k, v) in &s.keys {
+        keys.insert(k.clone(), nonzero_u32("sharding.keys", *v)?);
+    }
+    let mut rules = Vec::new();
+    for rule in &s.rules {
+        let pattern = regex::Regex::new(&rule.pattern)
+            .map_err(|e| invalid("sharding.rules.pattern", format!("{:?}", rule.pattern), format!("must be a regular expression ({e})")))?;
+        rules.push(ShardRule { pattern, shards: nonzero_u32("sharding.rules.shards", rule.shards)? });
+    }
+    let sharding = ShardingSettings { default_shards: nonzero_u32("sharding.default_shards", s.default_shards)?, keys, rules };
+    for (key, n) in std::iter::once(("sharding.default_shards", sharding.default_shards))
+        .chain(sharding.keys.values().map(|n| ("sharding.keys", *n)))
+        .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards", r.shards)))
+    {
+        if n > partitions {
+            return Err(invalid(key, n, format!("must be at most amqp.partitions ({partitions})")));
+        }
+    }
+    Ok(sharding)
+}
+
+/// `[batching]`, and `amqp.partition_prefetch` ≥ `max_batch_size` (or batches could never fill).
+fn batching(b: &RawBatching, amqp: &AmqpSettings) -> Result<BatchingSettings, ConfigError> {
+    let max_batch_wait = duration("batching.max_batch_wait", &b.max_batch_wait)?;
+    if max_batch_wait.is_zero() {
+        return Err(invalid(
+            "batching.max_batch_wait",
+            format!("{:?}", b.max_batch_wait),
+            "must be greater than zero (zero means \"never flush\" in some systems and \"always\" in others)",
+        ));
+    }
+    let batching = BatchingSettings {
+        max_batch_size: nonzero_usize("batching.max_batch_size", b.max_batch_size)?,
+        max_batch_wait,
+        channel_capacity: nonzero_usize("batching.channel_capacity", b.channel_capacity)?,
+    };
+    if usize::from(amqp.partition_prefetch) < batching.max_batch_size.get() {
+        return Err(invalid(
+            "amqp.partition_prefetch",
+            amqp.partition_prefetch,
+            format!(
+                "must be at least batching.max_batch_size ({}), or batches could never fill",
+                batching.max_batch_size
+            ),
+        ));
+    }
+    Ok(batching)
+}
+
+/// `[llm]`: http:// endpoints without credentials, backoff_max ≥ backoff_initial.
+fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
+    if l.endpoints.is_empty() {
+        return Err(invalid("llm.endpoints", "[]", "must list at least one base URL"));
+    }
+    let mut endpoints = Vec::new();
+    for e in &l.endpoints {
+        let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// URL ({err})")))?;
+        if u.scheme() != "http" {
+            return Err(invalid(
+                "llm.endpoints",
+                format!("{e:?}"),
+                "must be an http:// URL (TLS is not built into this binary)",
+            ));
+        }
+        if u.password().is_some() || !u.username().is_empty() {
+            return Err(invalid("llm.endpoints", redact_str(e), "must not carry credentials; use llm.api_key"));
+        }
+        endpoints.push(u);
+    }
+    let llm = LlmSettings {
+        endpoints,
+        model: name("llm.model", &l.model)?,
+        api_key: (!l.api_key.is_empty()).then(|| Secret(l.api_key.clone())),
+        max_concurrency: nonzero_usize("llm.max_concurrency", l.max_concurrency)?,
+        request_timeout: positive_duration("llm.request_timeout", &l.request_timeout)?,
+        connect_timeout: positive_duration("llm.connect_timeout", &l.connect_timeout)?,
+        max_attempts: nonzero_u32("llm.max_attempts", l.max_attempts)?,
+        backoff_initial: positive_duration("llm.backoff_initial", &l.backoff_initial)?,
+        backoff_max: positive_duration("llm.backoff_max", &l.backoff_max)?,
+        list_prompts: l.list_prompts,
+    };
+    if llm.backoff_max < llm.backoff_initial {
+        return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
+    }
+    Ok(llm)
+}
+
+/// `[log]`.
+fn log(l: &RawLog) -> Result<LogSettings, ConfigError> {
+    Ok(LogSettings {
+        format: match l.format.as_str() {
+            "pretty" => LogFormat::Pretty,
+            "json" => LogFormat::Json,
+            other => return Err(invalid("log.format", format!("{other:?}"), "must be \"pretty\" or \"json\"")),
+        },
+        level: l.level.clone(),
+    })
 }
 
 /// The raw configuration as TOML with every secret replaced by `***` (for `check-config`).
@@ -964,6 +994,10 @@ mod tests {
         assert_eq!(redact_text("2 | url = \"amqp://u:hunter2@h:5672/%2f"), "2 | url = \"amqp://u:***@h:5672/%2f");
         assert_eq!(redact_text("3 | api_key = sk-hunter2"), "3 | api_key = ***");
         assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
+    }
+
+    fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {
+        Settings::from_raw(&load_raw(path)?)
     }
 
     #[test]

@@ -15,27 +15,30 @@
 //! - [`request`]: the message contract — parsing requests, dead-letter reasons, result shape.
 //! - [`keying`]: prefix keys, shards, partitions, rendezvous hashing and the partition assignment (pure).
 //! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
-//! - [`topology`]: declares and checks exchanges and queues.
+//! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: AMQP reply codes and
+//!   the classification of broker refusals by reply code.
 //! - [`router`]: consumes the input queue and forwards each request to its partition queue.
 //! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs) and the local lease deadline.
 //! - [`membership`]: heartbeats and the live member set (a Redis sorted set).
 //! - [`ownership`]: the ownership round (membership refresh, assignment, renewals, releases,
 //!   acquisitions) and the lifecycle of owned partitions.
 //! - [`partition`]: the pipeline of one owned partition.
-//! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits).
+//! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits, fault classes).
+//! - [`breaker`]: the per-endpoint circuit breaker of the LLM client (pure).
 //! - [`publisher`]: the publisher stage — parse-or-dead-letter, result shaping, confirmed publishes,
 //!   the ack after the effect, and every header name.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
-//! - [`app`]: wiring, reconnects and graceful shutdown.
+//! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
+//! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
 //! - [`client`]: the `submit` and `status` commands.
-//! - [`fake_llm`]: an in-process fake OpenAI-compatible server for tests.
-//! - [`simulator`]: an OpenAI-compatible LLM server simulator of vLLM prefix caching and GPU time (benchmarks).
 
+pub mod amqp;
 pub mod app;
 pub mod batcher;
+pub mod breaker;
 pub mod client;
 pub mod config;
-pub mod fake_llm;
+pub mod exit;
 pub mod http;
 pub mod keying;
 pub mod lease;
@@ -45,7 +48,7 @@ pub mod metrics;
 pub mod ownership;
 pub mod partition;
 pub mod publisher;
+pub mod readiness;
 pub mod request;
 pub mod router;
-pub mod simulator;
 pub mod topology;

@@ -1,57 +1,120 @@
 //! The LLM client: runs one batch against one OpenAI-compatible server (vLLM, SGLang, llama.cpp's
-//! llama-server, TensorRT-LLM, …).
+//! llama-server, TensorRT-LLM, …), and tells request faults from server faults.
 //!
 //! A batch is split into *call groups* of identical (kind, model, params):
 //!
-//! - a completions group becomes ONE `POST {base}/v1/completions` whose `prompt` is the list of the
-//!   group's prompts (OpenAI completions API: `prompt` may be a list of strings). The answer is
-//!   demultiplexed by `choices[].index`. Three response shapes are understood:
-//!   - OpenAI's (vLLM, SGLang): one object, one choice per prompt, `index` = prompt position, and
-//!     `usage` for the whole call;
-//!   - current llama.cpp llama-server's: the same object, but its `usage` and `timings` are those
-//!     of the *first* prompt only (the server merges its per-prompt answers into the first one).
-//!     It is recognised by the top-level `timings` object that only llama.cpp sends. That usage
-//!     goes to the first prompt's item, and since the other prompts' token counts are lost, the
-//!     endpoint is switched to one call per prompt from then on (see [`LlmClient::infer`]);
-//!   - older llama-server builds': a JSON *array* of complete per-prompt completion objects, each
-//!     with its own `usage` and `timings`;
+//! - a completions group with `n` ≤ 1 becomes ONE `POST {base}/v1/completions` whose `prompt` is
+//!   the list of the group's prompts (OpenAI completions API: `prompt` may be a list of strings).
+//!   The answer is accepted only when it demultiplexes exactly (see `demux_completions`): one
+//!   choice per prompt with the indices `0 .. prompts` each once (OpenAI's shape: vLLM, SGLang,
+//!   current llama-server), or older llama-server builds' JSON *array* of one complete
+//!   completion object per prompt. Anything else — a server that ignores `n`, drops or repeats a
+//!   choice — and any request fault of the list call (400, 413, 422, an invalid answer) makes the
+//!   group go again prompt by prompt, so no item ever gets another's text and only the offending
+//!   prompt fails. Current llama-server reports `usage` and `timings` of the *first* prompt only
+//!   in a list answer (recognised by its top-level `timings`): that usage goes to the first item,
+//!   and the endpoint is switched to one call per prompt from then on (see [`LlmClient::infer`]);
+//! - a completions group with `n` > 1 goes one prompt per call (the index arithmetic
+//!   `prompt × n + j` is where servers disagree);
 //! - a chat group becomes one `POST {base}/v1/chat/completions` per item, run concurrently (the chat
 //!   API has no list form).
 //!
-//! Every HTTP call holds one permit of the endpoint's semaphore (`llm.max_concurrency`), is
-//! classified once by [`classify`] into an [`ErrorKind`], counted in `metrics::llm_call` per attempt,
+//! Every HTTP call holds one permit of the endpoint's semaphore (`llm.max_concurrency`), passes the
+//! endpoint's circuit breaker ([`crate::breaker`]), is classified once by [`classify`] into an
+//! [`ErrorKind`] (whose [`Fault`] says whose fault it was), reported to the [`LlmHook`] per attempt,
 //! and retried with exponential backoff and full jitter while the kind is
-//! [retryable](ErrorKind::retryable) and attempts remain. The cancellation token aborts in-flight
-//! calls (dropping the request closes the connection) and ends the batch with
-//! [`ErrorKind::Cancelled`] for every unfinished item.
+//! [retryable](ErrorKind::retryable), attempts remain and the breaker stays closed. While an
+//! endpoint's breaker is open its calls fail fast with [`ErrorKind::Unavailable`] and no HTTP call.
+//! The cancellation token aborts in-flight calls (dropping the request closes the connection) and
+//! ends the batch with [`ErrorKind::Cancelled`] for every unfinished item.
 //!
 //! Logs name endpoints by index and by a credential-free URL, never by the configured URL, and the
 //! bearer token only travels in a header marked sensitive.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::{Map, Value};
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use url::Url;
 
+use crate::breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Outcome};
 use crate::config::LlmSettings;
-use crate::metrics;
 use crate::request::{Body, Usage};
 
 /// Path of the OpenAI completions API, appended to each endpoint's base URL.
 pub const COMPLETIONS_PATH: &str = "v1/completions";
 /// Path of the OpenAI chat completions API, appended to each endpoint's base URL.
 pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
+/// Default cap of one LLM response body, in bytes (64 MiB): far above any completion the batcher
+/// asks for, low enough that a broken server cannot exhaust memory.
+pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
 /// How much of an error response body goes into [`LlmError::message`], in characters.
 const ERROR_BODY_PREVIEW_CHARS: usize = 300;
 
+/// What the client reports, for metrics: given to the [`LlmHook`] as it happens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum LlmEvent<'a> {
+    /// One call attempt ended (or failed fast at the breaker, with `seconds` = 0).
+    /// `outcome`: `Ok(())` or the error's class; its label is [`call_outcome_label`].
+    Call { endpoint: usize, outcome: Result<(), ErrorKind>, seconds: f64 },
+    /// A successful answer's token counts: sums of `usage.prompt_tokens` and of the cached tokens
+    /// over the answer (0 when not reported).
+    Tokens { prompt_tokens: u64, cached_tokens: u64 },
+    /// An endpoint's circuit breaker changed state. `name` is the credential-free base URL.
+    Breaker { endpoint: usize, name: &'a str, state: BreakerState },
+}
+
+/// The callback that receives every [`LlmEvent`]; called inline, so it must be cheap and must not
+/// block (counting a metric is the intended use).
+pub type LlmHook = Arc<dyn Fn(&LlmEvent<'_>) + Send + Sync>;
+
+/// The `outcome` label of a call: `ok` or [`ErrorKind::as_str`].
+pub fn call_outcome_label(outcome: Result<(), ErrorKind>) -> &'static str {
+    match outcome {
+        Ok(()) => "ok",
+        Err(kind) => kind.as_str(),
+    }
+}
+
+/// Every value [`call_outcome_label`] can return, for pre-registering metric labels.
+pub const CALL_OUTCOME_LABELS: [&str; 10] = [
+    "ok",
+    "timeout",
+    "connect",
+    "rate_limited",
+    "server",
+    "endpoint_config",
+    "unavailable",
+    "rejected",
+    "invalid_response",
+    "cancelled",
+];
+
+/// What [`LlmClient::with_options`] takes besides the settings.
+#[derive(Clone)]
+pub struct ClientOptions {
+    /// Receives calls, tokens and breaker changes; [`ClientOptions::default`] drops them.
+    pub hook: LlmHook,
+    /// Larger response bodies fail the call with [`ErrorKind::InvalidResponse`].
+    pub max_response_bytes: usize,
+    /// The rule of every endpoint's circuit breaker.
+    pub breaker: BreakerPolicy,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions { hook: Arc::new(|_| {}), max_response_bytes: MAX_RESPONSE_BYTES, breaker: BreakerPolicy::default() }
+    }
+}
+
 /// A client for a fixed set of OpenAI-compatible endpoints. Cheap to clone (an `Arc` inside);
-/// clones share the HTTP connection pool and the per-endpoint concurrency limits.
+/// clones share the HTTP connection pool, the per-endpoint concurrency limits and breakers.
 #[derive(Clone)]
 pub struct LlmClient {
     inner: Arc<Inner>,
@@ -68,10 +131,15 @@ struct Inner {
     /// `llm.list_prompts`: a completions group goes as one list-prompt call (else one call per
     /// prompt, in order, under one permit).
     list_prompts: bool,
+    max_response_bytes: usize,
+    hook: LlmHook,
 }
 
+/// `(item index, result)` for each member of a call group.
+type ItemResults = Vec<(usize, Result<Completion, LlmError>)>;
+
 /// One group's calls, boxed so list, sequential and chat calls fit in one `join_all`.
-type CallFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Vec<(usize, Result<Completion, LlmError>)>> + Send + 'a>>;
+type CallFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ItemResults> + Send + 'a>>;
 
 struct Endpoint {
     /// The base URL without userinfo, query or fragment: the HRW member name and the only form that
@@ -85,6 +153,10 @@ struct Endpoint {
     /// prompt only: completions groups then go as one call per prompt, so every item gets its own
     /// exact usage and the cached-token metrics stay true.
     per_prompt_calls: AtomicBool,
+    breaker: Mutex<Breaker>,
+    /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
+    /// re-check it.
+    changed: watch::Sender<()>,
 }
 
 impl fmt::Debug for LlmClient {
@@ -117,7 +189,7 @@ pub struct InferenceItem<'a> {
 pub struct Completion {
     /// Completions: the generated text as a JSON string (`choices[i].text`). Chat: the assistant
     /// message object exactly as the server returned it (`choices[0].message`, with `role`,
-    /// `content` and possibly `tool_calls`). With `n` > 1 in params, the first choice of the prompt.
+    /// `content` and possibly `tool_calls`). With `n` > 1 in params, the choice with index 0.
     pub output: Value,
     /// `finish_reason` of the choice (`"stop"`, `"length"`, …) when the server sent one.
     pub finish_reason: Option<String>,
@@ -137,7 +209,7 @@ pub struct Completion {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{kind}: {message}")]
 pub struct LlmError {
-    /// The class, decided once by [`classify`]; drives retries and the metric label.
+    /// The class, decided once by [`classify`]; drives retries, requeueing and the metric label.
     pub kind: ErrorKind,
     /// Human-readable detail (for an HTTP error: the status and the start of the body). Never
     /// contains the endpoint URL or the token.
@@ -158,60 +230,130 @@ impl LlmError {
     fn invalid(message: impl Into<String>) -> Self {
         LlmError::new(ErrorKind::InvalidResponse, message, None)
     }
+
+    fn unavailable(name: &str) -> Self {
+        let message = format!("the circuit breaker of LLM endpoint {name} is open; no call was made");
+        LlmError::new(ErrorKind::Unavailable, message, None)
+    }
+
+    /// Whose fault the failure is: see [`ErrorKind::fault`].
+    pub fn fault(&self) -> Fault {
+        self.kind.fault()
+    }
+
+    /// Whether the endpoint (not the request) failed: the request should be requeued, not
+    /// answered with `ok: false`.
+    pub fn is_server_fault(&self) -> bool {
+        self.kind.is_server_fault()
+    }
+}
+
+/// Whose fault a failure is; the caller's policy follows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Fault {
+    /// The request itself was refused or could not be answered: answer it with `ok: false`.
+    Request,
+    /// The endpoint or its configuration failed: the request is not to blame; requeue it and
+    /// pause intake until [`LlmClient::wait_available`] returns.
+    Server,
+    /// The batch was cancelled (lease lost, shutdown): neither answer nor count the request.
+    Cancelled,
 }
 
 /// The closed set of failure classes. [`ErrorKind::as_str`] is the `kind` of the result's `error`
 /// object and the `outcome` label of `prefix_batcher_llm_requests_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
-    /// `llm.connect_timeout` or `llm.request_timeout` elapsed, or the server answered 408.
+    /// Server fault: `llm.connect_timeout` or `llm.request_timeout` elapsed, or the server
+    /// answered 408.
     Timeout,
-    /// The connection could not be made or broke mid-call.
+    /// Server fault: the connection could not be made (refused) or broke mid-call (reset).
     Connect,
-    /// HTTP 429; `Retry-After` (seconds) is honoured, capped at `llm.backoff_max`.
+    /// Server fault: HTTP 429; `Retry-After` (seconds) is honoured, capped at `llm.backoff_max`.
     RateLimited,
-    /// HTTP 5xx.
+    /// Server fault: HTTP 5xx.
     Server,
-    /// Any other non-success HTTP status (4xx other than 408/429, unfollowed 3xx), or a request
-    /// that could not be built (including an invalid configuration at [`LlmClient::new`]).
+    /// Server fault: HTTP 401, 403 or 404, or an unfollowed 3xx — a wrong token, URL or model,
+    /// which every request would meet; or an invalid configuration at [`LlmClient::new`].
+    EndpointConfig,
+    /// Server fault: the endpoint's circuit breaker is open; the call failed fast, no HTTP call.
+    Unavailable,
+    /// Request fault: HTTP 400, 413, 422 or another 4xx for this prompt alone, or a request that
+    /// could not be built.
     Rejected,
-    /// A 2xx whose body is not JSON or not the expected shape, or a list-prompt answer that has no
-    /// choice for this item.
+    /// Request fault: a 2xx for this prompt alone whose body is not JSON, not the expected shape,
+    /// larger than the response limit, an `error` object, or a choice with
+    /// `finish_reason: "error"`; or, in a list answer, no valid choice for this item.
     InvalidResponse,
     /// The batch's cancellation token fired before the item finished.
     Cancelled,
 }
 
 impl ErrorKind {
-    /// Every kind, for metric initialisation and docs.
-    pub const ALL: [ErrorKind; 7] = [
+    /// Every kind, for docs and tests (metric labels: [`CALL_OUTCOME_LABELS`]).
+    pub const ALL: [ErrorKind; 9] = [
         ErrorKind::Timeout,
         ErrorKind::Connect,
         ErrorKind::RateLimited,
         ErrorKind::Server,
+        ErrorKind::EndpointConfig,
+        ErrorKind::Unavailable,
         ErrorKind::Rejected,
         ErrorKind::InvalidResponse,
         ErrorKind::Cancelled,
     ];
 
     /// The stable machine-readable name: `timeout`, `connect`, `rate_limited`, `server`,
-    /// `rejected`, `invalid_response`, `cancelled`.
+    /// `endpoint_config`, `unavailable`, `rejected`, `invalid_response`, `cancelled`.
     pub fn as_str(&self) -> &'static str {
         match self {
             ErrorKind::Timeout => "timeout",
             ErrorKind::Connect => "connect",
             ErrorKind::RateLimited => "rate_limited",
             ErrorKind::Server => "server",
+            ErrorKind::EndpointConfig => "endpoint_config",
+            ErrorKind::Unavailable => "unavailable",
             ErrorKind::Rejected => "rejected",
             ErrorKind::InvalidResponse => "invalid_response",
             ErrorKind::Cancelled => "cancelled",
         }
     }
 
-    /// Whether another attempt may succeed: everything but [`ErrorKind::Rejected`] (the server
-    /// will refuse the same request again) and [`ErrorKind::Cancelled`].
+    /// Whose fault this class is (DESIGN §5, "Request faults and server faults differ").
+    pub fn fault(&self) -> Fault {
+        match self {
+            ErrorKind::Timeout
+            | ErrorKind::Connect
+            | ErrorKind::RateLimited
+            | ErrorKind::Server
+            | ErrorKind::EndpointConfig
+            | ErrorKind::Unavailable => Fault::Server,
+            ErrorKind::Rejected | ErrorKind::InvalidResponse => Fault::Request,
+            ErrorKind::Cancelled => Fault::Cancelled,
+        }
+    }
+
+    /// Shorthand for `fault() == Fault::Server`.
+    pub fn is_server_fault(&self) -> bool {
+        self.fault() == Fault::Server
+    }
+
+    /// Whether another attempt at once may succeed: timeouts, connection errors, 429, 5xx and
+    /// invalid answers. Not: a refused request (the server will refuse it again), a wrong
+    /// endpoint configuration, an open breaker, a cancelled batch.
     pub fn retryable(&self) -> bool {
-        !matches!(self, ErrorKind::Rejected | ErrorKind::Cancelled)
+        matches!(
+            self,
+            ErrorKind::Timeout | ErrorKind::Connect | ErrorKind::RateLimited | ErrorKind::Server | ErrorKind::InvalidResponse
+        )
+    }
+
+    fn breaker_outcome(&self) -> Outcome {
+        match self.fault() {
+            Fault::Request => Outcome::RequestFault,
+            Fault::Server => Outcome::ServerFault,
+            Fault::Cancelled => Outcome::Abandoned,
+        }
     }
 }
 
@@ -228,22 +370,26 @@ pub enum Problem<'a> {
     Transport(&'a reqwest::Error),
     /// The server answered with this non-2xx status.
     Status(u16),
-    /// A 2xx answer whose body is not JSON or lacks the fields the OpenAI API promises.
+    /// A 2xx answer whose body is not JSON, lacks the fields the OpenAI API promises, carries an
+    /// error, does not demultiplex, or is larger than the limit.
     InvalidBody,
 }
 
-/// The one place that maps a failure to an [`ErrorKind`]; retry policy and metric labels use its
-/// answer, never message text.
+/// The one place that maps a failure to an [`ErrorKind`]; retry policy, requeueing, the breaker
+/// and metric labels use its answer, never message text.
 ///
-/// Statuses: 408 → `Timeout`, 429 → `RateLimited`, 5xx → `Server`, any other → `Rejected`
-/// (redirects are not followed: a POST to a moved API is a configuration error). Transport errors:
-/// timeouts → `Timeout`, decode errors → `InvalidResponse`, builder errors → `Rejected`, anything
-/// else (refused, reset, broken body) → `Connect`.
+/// Statuses: 408 → `Timeout`, 429 → `RateLimited`, 5xx → `Server`, 401/403/404 and 3xx (redirects
+/// are not followed: a POST to a moved API is a configuration error) → `EndpointConfig`, any other
+/// (400, 413, 422, …) → `Rejected`. Transport errors: timeouts → `Timeout`, decode errors →
+/// `InvalidResponse`, builder errors → `Rejected`, anything else (refused, reset, broken body) →
+/// `Connect`.
 pub fn classify(problem: Problem<'_>) -> ErrorKind {
     match problem {
         Problem::Status(408) => ErrorKind::Timeout,
         Problem::Status(429) => ErrorKind::RateLimited,
         Problem::Status(s) if (500..600).contains(&s) => ErrorKind::Server,
+        Problem::Status(401 | 403 | 404) => ErrorKind::EndpointConfig,
+        Problem::Status(s) if (300..400).contains(&s) => ErrorKind::EndpointConfig,
         Problem::Status(_) => ErrorKind::Rejected,
         Problem::InvalidBody => ErrorKind::InvalidResponse,
         Problem::Transport(e) if e.is_timeout() => ErrorKind::Timeout,
@@ -254,43 +400,27 @@ pub fn classify(problem: Problem<'_>) -> ErrorKind {
 }
 
 impl LlmClient {
+    /// [`LlmClient::with_options`] with [`ClientOptions::default`] (events are dropped).
+    pub fn new(settings: &LlmSettings) -> Result<Self, LlmError> {
+        Self::with_options(settings, ClientOptions::default())
+    }
+
     /// Builds the client: one HTTP connection pool with `llm.connect_timeout` and
     /// `llm.request_timeout` (whole call, body included), a default `Authorization: Bearer …`
-    /// header (marked sensitive) when `llm.api_key` is set, and one semaphore of
-    /// `llm.max_concurrency` permits per endpoint.
+    /// header (marked sensitive) when `llm.api_key` is set, and per endpoint one semaphore of
+    /// `llm.max_concurrency` permits and one closed circuit breaker.
     ///
-    /// Errors (kind [`ErrorKind::Rejected`]): no endpoints, an endpoint that is not plain `http`
-    /// (this build has no TLS), a token that is not a valid header value, or an HTTP client that
-    /// cannot be built.
-    pub fn new(settings: &LlmSettings) -> Result<Self, LlmError> {
-        let config_error = |m: String| LlmError::new(ErrorKind::Rejected, m, None);
+    /// Errors (kind [`ErrorKind::EndpointConfig`]): no endpoints, an endpoint that is not plain
+    /// `http` (this build has no TLS), a token that is not a valid header value, or an HTTP client
+    /// that cannot be built.
+    pub fn with_options(settings: &LlmSettings, options: ClientOptions) -> Result<Self, LlmError> {
+        let config_error = |m: String| LlmError::new(ErrorKind::EndpointConfig, m, None);
         if settings.endpoints.is_empty() {
             return Err(config_error("llm.endpoints is empty".into()));
         }
         let mut endpoints = Vec::with_capacity(settings.endpoints.len());
         for (i, base) in settings.endpoints.iter().enumerate() {
-            let name = public_name(base);
-            if base.scheme() != "http" {
-                return Err(config_error(format!(
-                    "llm.endpoints[{i}] = {name}: only http:// is supported (this build has no TLS)"
-                )));
-            }
-            let join = |path: &str| {
-                let mut dir = base.clone();
-                if !dir.path().ends_with('/') {
-                    let p = format!("{}/", dir.path());
-                    dir.set_path(&p);
-                }
-                dir.join(path)
-                    .map_err(|e| config_error(format!("llm.endpoints[{i}] = {name}: cannot append {path}: {e}")))
-            };
-            endpoints.push(Endpoint {
-                completions: join(COMPLETIONS_PATH)?,
-                chat: join(CHAT_COMPLETIONS_PATH)?,
-                name,
-                permits: Semaphore::new(settings.max_concurrency.get()),
-                per_prompt_calls: AtomicBool::new(false),
-            });
+            endpoints.push(Endpoint::new(i, base, settings, options.breaker).map_err(config_error)?);
         }
         let mut headers = HeaderMap::new();
         if let Some(key) = &settings.api_key {
@@ -315,13 +445,10 @@ impl LlmClient {
                 backoff_initial: settings.backoff_initial,
                 backoff_max: settings.backoff_max,
                 list_prompts: settings.list_prompts,
+                max_response_bytes: options.max_response_bytes,
+                hook: options.hook,
             }),
         })
-    }
-
-    /// Number of configured endpoints (≥ 1).
-    pub fn endpoint_count(&self) -> usize {
-        self.inner.endpoints.len()
     }
 
     /// The credential-free base URL of endpoint `index`, for logs and status output.
@@ -329,27 +456,88 @@ impl LlmClient {
         self.inner.endpoints.get(index).map(|e| e.name.as_str())
     }
 
-    /// The endpoint serving a partition: rendezvous (HRW) hashing of the partition number over the
-    /// endpoints' credential-free base URLs ([`crate::keying::hrw_pick`]), so a prefix sticks to one
+    /// The endpoints in rendezvous (HRW) order for a partition ([`crate::keying::hrw_score`] of
+    /// the partition number over the endpoints' credential-free base URLs, ties as in
+    /// [`crate::keying::hrw_pick`]): the first is the partition's home, so a prefix sticks to one
     /// server's cache, and adding or removing a server moves only ~1/N of the partitions.
-    pub fn endpoint_for(&self, partition: u32) -> usize {
+    pub fn endpoint_ranking(&self, partition: u32) -> Vec<usize> {
         let names: Vec<&str> = self.inner.endpoints.iter().map(|e| e.name.as_str()).collect();
-        crate::keying::hrw_pick(u64::from(partition), &names).unwrap_or(0)
+        let mut order: Vec<usize> = (0..names.len()).collect();
+        let score = |i: usize| crate::keying::hrw_score(u64::from(partition), names[i]);
+        order.sort_by(|&a, &b| score(b).cmp(&score(a)).then_with(|| names[a].cmp(names[b])));
+        order
     }
 
-    /// Runs one batch on endpoint `endpoint` (an index below [`Self::endpoint_count`]).
+    /// The endpoint serving a partition now: the first [available](Self::available) endpoint in
+    /// [`Self::endpoint_ranking`] order (the home endpoint while its breaker lets calls through,
+    /// else the next healthy one), or the home endpoint when none is available.
+    pub fn endpoint_for(&self, partition: u32) -> usize {
+        let order = self.endpoint_ranking(partition);
+        order.iter().copied().find(|&i| self.available(i)).unwrap_or(order[0])
+    }
+
+    /// Whether a call to `endpoint` would be let through now: its breaker is closed, or its open
+    /// time is over and no probe is in flight. False for an unknown index.
+    pub fn available(&self, endpoint: usize) -> bool {
+        self.inner.endpoints.get(endpoint).is_some_and(|ep| lock(&ep.breaker).available(Instant::now()))
+    }
+
+    /// Whether any endpoint is [available](Self::available) (for `/readyz`).
+    pub fn any_available(&self) -> bool {
+        (0..self.inner.endpoints.len()).any(|i| self.available(i))
+    }
+
+    /// The state of `endpoint`'s breaker (an open breaker whose open time is over reports
+    /// half-open); `None` for an unknown index.
+    pub fn breaker_state(&self, endpoint: usize) -> Option<BreakerState> {
+        self.inner.endpoints.get(endpoint).map(|ep| lock(&ep.breaker).state(Instant::now()))
+    }
+
+    /// Waits until `endpoint` is [available](Self::available): returns `true` then, `false` when
+    /// `cancel` fires first or the index is unknown. Wakes at the end of the open time and on
+    /// every breaker change, so a partition can pause intake while its endpoint is down.
+    pub async fn wait_available(&self, endpoint: usize, cancel: &CancellationToken) -> bool {
+        let Some(ep) = self.inner.endpoints.get(endpoint) else { return false };
+        let mut changed = ep.changed.subscribe();
+        loop {
+            changed.borrow_and_update();
+            let until = {
+                let breaker = lock(&ep.breaker);
+                if breaker.available(Instant::now()) {
+                    return true;
+                }
+                breaker.open_until()
+            };
+            let open_time_over = async {
+                match until {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = cancel.cancelled() => return false,
+                _ = open_time_over => {}
+                r = changed.changed() => if r.is_err() { return false },
+            }
+        }
+    }
+
+    /// Runs one batch on endpoint `endpoint` (an index below the number of endpoints, usually
+    /// [`Self::endpoint_for`]).
     ///
     /// Completions items sharing (model, params) go as one list-prompt call, unless
-    /// `llm.list_prompts = false` or the endpoint has shown llama-server's merged answer (usage of
-    /// the first prompt only): then the group's prompts go one call each, back to back, under one
-    /// permit. Chat items get one call each, run concurrently within `llm.max_concurrency`.
+    /// `llm.list_prompts = false`, `n` > 1, or the endpoint has shown llama-server's merged answer
+    /// (usage of the first prompt only): then the group's prompts go one call each, back to back,
+    /// under one permit. A list call that fails with a request fault, or whose answer does not
+    /// demultiplex exactly, goes again prompt by prompt. Chat items get one call each, run
+    /// concurrently within `llm.max_concurrency`.
     ///
     /// Returns exactly one result per item, in item order; never panics and never drops an item.
     /// Every item of a failed HTTP call gets that call's last error (after up to `llm.max_attempts`
-    /// attempts); an item whose choice is missing from an otherwise good list-prompt answer gets
-    /// [`ErrorKind::InvalidResponse`]; when `cancel` fires, in-flight calls are aborted and every
-    /// unfinished item gets [`ErrorKind::Cancelled`] at once. An out-of-range endpoint index fails
-    /// every item with [`ErrorKind::Rejected`].
+    /// attempts, fewer when the breaker opens); while the breaker is open, items fail with
+    /// [`ErrorKind::Unavailable`] without a call; when `cancel` fires, in-flight calls are
+    /// aborted and every unfinished item gets [`ErrorKind::Cancelled`] at once. An out-of-range
+    /// endpoint index fails every item with [`ErrorKind::EndpointConfig`].
     pub async fn infer(
         &self,
         endpoint: usize,
@@ -357,15 +545,17 @@ impl LlmClient {
         cancel: &CancellationToken,
     ) -> Vec<Result<Completion, LlmError>> {
         if endpoint >= self.inner.endpoints.len() {
-            let e = LlmError::new(ErrorKind::Rejected, format!("no LLM endpoint with index {endpoint}"), None);
+            let e = LlmError::new(ErrorKind::EndpointConfig, format!("no LLM endpoint with index {endpoint}"), None);
             return items.iter().map(|_| Err(e.clone())).collect();
         }
         let per_prompt = !self.inner.list_prompts || self.inner.endpoints[endpoint].per_prompt_calls.load(Ordering::Relaxed);
         let mut calls: Vec<CallFuture<'_>> = Vec::new();
         for group in group_items(items, &self.inner.model) {
             match group.kind {
-                CallKind::Completions if !per_prompt => calls.push(Box::pin(self.run_call(endpoint, items, group, cancel, false))),
-                CallKind::Completions => calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel))),
+                CallKind::Completions if per_prompt || group.choices_per_prompt() > 1 => {
+                    calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel)))
+                }
+                CallKind::Completions => calls.push(Box::pin(self.run_list(endpoint, items, group, cancel))),
                 CallKind::Chat => {
                     for &member in &group.members {
                         let single = Group { members: vec![member], ..group.clone() };
@@ -383,6 +573,32 @@ impl LlmClient {
             .collect()
     }
 
+    /// A completions group as one list-prompt call; when that call fails with a request fault (one
+    /// prompt too long, an answer that does not demultiplex exactly), the group goes again prompt
+    /// by prompt so only the offending prompts fail.
+    async fn run_list(&self, endpoint: usize, items: &[InferenceItem<'_>], group: Group<'_>, cancel: &CancellationToken) -> ItemResults {
+        if group.members.len() == 1 {
+            return self.run_call(endpoint, items, group, cancel, false).await;
+        }
+        let results = self.run_call(endpoint, items, group.clone(), cancel, false).await;
+        let request_fault = results.iter().find_map(|(_, r)| r.as_ref().err().filter(|e| e.fault() == Fault::Request));
+        // A failed call gives all members the same error; a parsed answer with bad items does not.
+        let whole_call_failed = results.iter().all(|(_, r)| r.is_err());
+        match request_fault {
+            Some(e) if whole_call_failed => {
+                tracing::info!(
+                    endpoint,
+                    items = group.members.len(),
+                    kind = e.kind.as_str(),
+                    status = e.status,
+                    "the list-prompt call failed with a request fault; retrying its prompts one by one"
+                );
+                self.run_sequential(endpoint, items, group, cancel).await
+            }
+            _ => results,
+        }
+    }
+
     /// A completions group as one call per prompt, in order, under ONE permit of the endpoint:
     /// the prompts of a batch reach the server back to back, so a server with per-slot caches
     /// (llama-server) serves them from the slot that holds their shared prefix instead of
@@ -393,7 +609,7 @@ impl LlmClient {
         items: &[InferenceItem<'_>],
         group: Group<'_>,
         cancel: &CancellationToken,
-    ) -> Vec<(usize, Result<Completion, LlmError>)> {
+    ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
         let _permit = tokio::select! {
             biased;
@@ -417,157 +633,174 @@ impl LlmClient {
         group: Group<'_>,
         cancel: &CancellationToken,
         permit_held: bool,
-    ) -> Vec<(usize, Result<Completion, LlmError>)> {
+    ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
-        let mut body = group.params.clone();
-        if body.contains_key("stream") {
-            body.insert("stream".into(), Value::Bool(false));
-            body.remove("stream_options");
-        }
-        body.insert("model".into(), Value::String(group.model.to_owned()));
         let n_members = group.members.len();
-        let (url, choices_per_prompt) = match group.kind {
-            CallKind::Completions => {
-                let prompts = group
-                    .members
-                    .iter()
-                    .map(|&i| match items[i].body {
-                        Body::Completion(p) => Value::String(p.clone()),
-                        Body::Chat(_) => Value::Null, // unreachable: grouped by kind
-                    })
-                    .collect();
-                body.insert("prompt".into(), Value::Array(prompts));
-                let n = group.params.get("n").and_then(Value::as_u64).filter(|&n| n >= 1).unwrap_or(1);
-                (&ep.completions, n)
-            }
-            CallKind::Chat => {
-                let messages = match items[group.members[0]].body {
-                    Body::Chat(m) => m.iter().map(|m| m.raw.clone()).collect(),
-                    Body::Completion(_) => Vec::new(), // unreachable: grouped by kind
-                };
-                body.insert("messages".into(), Value::Array(messages));
-                (&ep.chat, 1)
-            }
-        };
-        let payload = match serde_json::to_vec(&body) {
-            Ok(p) => p,
-            Err(e) => {
-                let e = LlmError::new(ErrorKind::Rejected, format!("cannot serialise the request: {e}"), None);
-                return group.members.iter().map(|&i| (i, Err(e.clone()))).collect();
-            }
+        let choices_per_prompt = group.choices_per_prompt();
+        let (url, payload) = match request_body(items, &group) {
+            Ok(body) => match group.kind {
+                CallKind::Completions => (&ep.completions, body),
+                CallKind::Chat => (&ep.chat, body),
+            },
+            Err(e) => return group.members.iter().map(|&i| (i, Err(e.clone()))).collect(),
         };
         let kind = group.kind;
         let parse = move |v: Value| match kind {
             CallKind::Completions => demux_completions(v, n_members, choices_per_prompt),
             CallKind::Chat => parse_chat(v),
         };
-        let (result, attempts) = self.send_with_retries(endpoint, url, payload, n_members, cancel, parse, permit_held).await;
-        match result {
-            Ok(parsed) => {
-                metrics::llm_tokens(parsed.prompt_tokens, parsed.cached_tokens);
-                if parsed.first_prompt_usage_only && !ep.per_prompt_calls.swap(true, Ordering::Relaxed) {
-                    tracing::info!(
-                        endpoint,
-                        name = %ep.name,
-                        "the LLM server reports usage for the first prompt of a list only (llama-server); \
-                         sending one completions call per prompt to this endpoint from now on"
-                    );
-                }
-                group
-                    .members
-                    .iter()
-                    .zip(parsed.items)
-                    .map(|(&i, r)| {
-                        (
-                            i,
-                            r.map(|mut c| {
-                                c.attempts = attempts;
-                                c
-                            }),
-                        )
-                    })
-                    .collect()
-            }
-            Err(e) => group.members.iter().map(|&i| (i, Err(e.clone()))).collect(),
+        let call = Call { endpoint, url, payload, n_items: n_members, permit_held, list: n_members > 1 };
+        let (result, attempts) = self.send_with_retries(&call, cancel, parse).await;
+        let parsed = match result {
+            Ok(parsed) => parsed,
+            Err(e) => return group.members.iter().map(|&i| (i, Err(e.clone()))).collect(),
+        };
+        (self.inner.hook)(&LlmEvent::Tokens { prompt_tokens: parsed.prompt_tokens, cached_tokens: parsed.cached_tokens });
+        if parsed.first_prompt_usage_only && !ep.per_prompt_calls.swap(true, Ordering::Relaxed) {
+            tracing::info!(
+                endpoint,
+                name = %ep.name,
+                "the LLM server reports usage for the first prompt of a list only (llama-server); \
+                 sending one completions call per prompt to this endpoint from now on"
+            );
         }
+        let with_attempts = |r: Result<Completion, LlmError>| r.map(|c| Completion { attempts, ..c });
+        group.members.iter().zip(parsed.items).map(|(&i, r)| (i, with_attempts(r))).collect()
     }
 
-    /// Sends `payload` to `url` until it succeeds, fails for good, attempts run out or `cancel`
-    /// fires. Returns the parsed answer or the last error, and the number of attempts made.
+    /// Sends `call.payload` until it succeeds, fails for good, attempts run out, the breaker stops
+    /// letting calls through or `cancel` fires. Returns the parsed answer or the last error, and
+    /// the number of HTTP attempts made. A list call returns its first request fault at once (its
+    /// caller retries the prompts one by one).
     async fn send_with_retries(
         &self,
-        endpoint: usize,
-        url: &Url,
-        payload: Vec<u8>,
-        n_items: usize,
+        call: &Call<'_>,
         cancel: &CancellationToken,
         parse: impl Fn(Value) -> Result<Parsed, LlmError>,
-        permit_held: bool,
     ) -> (Result<Parsed, LlmError>, u32) {
-        let ep = &self.inner.endpoints[endpoint];
+        let endpoint = call.endpoint;
         let mut attempt = 0u32;
+        let mut last_error: Option<LlmError> = None;
         loop {
-            let permit = if permit_held {
-                None
-            } else {
-                tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => return (Err(LlmError::cancelled()), attempt),
-                    p = ep.permits.acquire() => Some(p),
-                }
+            let outcome = match self.attempt_through_breaker(call, cancel, &parse).await {
+                Gate::Cancelled => return (Err(LlmError::cancelled()), attempt),
+                // Fail fast: the last real error says more than "unavailable" when there was one.
+                Gate::Closed(e) => return (Err(last_error.unwrap_or(e)), attempt),
+                Gate::Attempted(outcome) => outcome,
             };
             attempt += 1;
-            let started = Instant::now();
-            let outcome = tokio::select! {
-                biased;
-                _ = cancel.cancelled() => None,
-                r = self.attempt(url, payload.clone(), &parse) => Some(r),
-            };
-            drop(permit);
-            let seconds = started.elapsed().as_secs_f64();
             let (error, retry_after) = match outcome {
-                None => {
-                    metrics::llm_call(ErrorKind::Cancelled.as_str(), seconds);
-                    tracing::debug!(endpoint, attempt, "LLM call cancelled");
-                    return (Err(LlmError::cancelled()), attempt);
-                }
-                Some(Ok(parsed)) => {
-                    metrics::llm_call("ok", seconds);
-                    tracing::debug!(endpoint, attempt, items = n_items, seconds, "LLM call succeeded");
+                Ok(parsed) => {
+                    tracing::debug!(endpoint, attempt, items = call.n_items, "LLM call succeeded");
                     return (Ok(parsed), attempt);
                 }
-                Some(Err(failure)) => failure,
+                Err(failure) => failure,
             };
-            metrics::llm_call(error.kind.as_str(), seconds);
-            if !error.kind.retryable() || attempt >= self.inner.max_attempts {
+            let stop_for_split = call.list && error.fault() == Fault::Request;
+            let breaker_closed = error.is_server_fault() && !self.available(endpoint);
+            let give_up = stop_for_split || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts;
+            let delay = (!give_up).then(|| backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max));
+            if !stop_for_split {
                 tracing::warn!(
                     endpoint,
                     attempt,
-                    items = n_items,
+                    items = call.n_items,
                     kind = error.kind.as_str(),
                     status = error.status,
+                    delay_ms = delay.map(|d| d.as_millis() as u64),
                     error = %error.message,
-                    "LLM call failed; failing its items"
+                    "LLM call failed; {}",
+                    if give_up { "failing its items" } else { "retrying" }
                 );
-                return (Err(error), attempt);
             }
-            let delay = backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max);
-            tracing::warn!(
-                endpoint,
-                attempt,
-                items = n_items,
-                kind = error.kind.as_str(),
-                status = error.status,
-                delay_ms = delay.as_millis() as u64,
-                error = %error.message,
-                "LLM call failed; retrying"
-            );
+            let Some(delay) = delay else { return (Err(error), attempt) };
+            last_error = Some(error);
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return (Err(LlmError::cancelled()), attempt),
                 _ = tokio::time::sleep(delay) => {}
             }
         }
+    }
+
+    /// One attempt: takes a permit (unless held), asks the breaker, makes the HTTP call, reports
+    /// its outcome to the breaker and the hook.
+    async fn attempt_through_breaker(
+        &self,
+        call: &Call<'_>,
+        cancel: &CancellationToken,
+        parse: &impl Fn(Value) -> Result<Parsed, LlmError>,
+    ) -> Gate {
+        let ep = &self.inner.endpoints[call.endpoint];
+        let permit = if call.permit_held {
+            None
+        } else {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Gate::Cancelled,
+                p = ep.permits.acquire() => Some(p),
+            }
+        };
+        let admission = self.admit(call.endpoint);
+        if !admission.allowed() {
+            (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: Err(ErrorKind::Unavailable), seconds: 0.0 });
+            return Gate::Closed(LlmError::unavailable(&ep.name));
+        }
+        let started = Instant::now();
+        let outcome = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => None,
+            r = self.attempt(call.url, call.payload.clone(), parse) => Some(r),
+        };
+        drop(permit);
+        let seconds = started.elapsed().as_secs_f64();
+        let kind = match &outcome {
+            None => Err(ErrorKind::Cancelled),
+            Some(Ok(_)) => Ok(()),
+            Some(Err((e, _))) => Err(e.kind),
+        };
+        (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
+        let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
+        self.record(call.endpoint, breaker_outcome, admission.is_probe());
+        match outcome {
+            None => Gate::Cancelled,
+            Some(r) => Gate::Attempted(r),
+        }
+    }
+
+    /// Asks `endpoint`'s breaker to admit a call now; reports a state change.
+    fn admit(&self, endpoint: usize) -> Admission {
+        let ep = &self.inner.endpoints[endpoint];
+        let admission = lock(&ep.breaker).admit(Instant::now());
+        if admission.is_probe() {
+            tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; sending one probe call");
+            self.breaker_changed(endpoint, BreakerState::HalfOpen);
+        }
+        admission
+    }
+
+    /// Gives `endpoint`'s breaker a call outcome; reports a state change.
+    fn record(&self, endpoint: usize, outcome: Outcome, probe: bool) {
+        let ep = &self.inner.endpoints[endpoint];
+        let changed = lock(&ep.breaker).record(outcome, probe, Instant::now());
+        match changed {
+            Some(BreakerState::Open) => {
+                tracing::warn!(endpoint, name = %ep.name, "LLM endpoint circuit breaker opened; its calls fail fast")
+            }
+            Some(BreakerState::Closed) => tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker closed"),
+            _ => {}
+        }
+        if let Some(state) = changed {
+            self.breaker_changed(endpoint, state);
+        } else if probe {
+            ep.changed.send_replace(()); // an abandoned probe frees the probe slot
+        }
+    }
+
+    fn breaker_changed(&self, endpoint: usize, state: BreakerState) {
+        let ep = &self.inner.endpoints[endpoint];
+        (self.inner.hook)(&LlmEvent::Breaker { endpoint, name: &ep.name, state });
+        ep.changed.send_replace(());
     }
 
     /// One HTTP attempt. On failure also returns the server's `Retry-After`, if any.
@@ -592,7 +825,7 @@ impl LlmClient {
             .map_err(transport)?;
         let status = response.status();
         let retry_after = parse_retry_after(response.headers());
-        let bytes = response.bytes().await.map_err(transport)?;
+        let bytes = read_body(response, self.inner.max_response_bytes).await?;
         if !status.is_success() {
             let kind = classify(Problem::Status(status.as_u16()));
             let message = format!("HTTP {status}: {}", preview(&bytes));
@@ -606,6 +839,116 @@ impl LlmClient {
             e.status = Some(status.as_u16());
             (e, None)
         })
+    }
+}
+
+/// One HTTP call's fixed parts, for [`LlmClient::send_with_retries`].
+struct Call<'a> {
+    endpoint: usize,
+    url: &'a Url,
+    payload: Vec<u8>,
+    n_items: usize,
+    /// The caller already holds an endpoint permit.
+    permit_held: bool,
+    /// A list-prompt call of several prompts: its request faults are not retried as a whole.
+    list: bool,
+}
+
+/// How one attempt through the breaker went.
+enum Gate {
+    Cancelled,
+    /// The breaker did not let the call through.
+    Closed(LlmError),
+    Attempted(Result<Parsed, (LlmError, Option<Duration>)>),
+}
+
+impl Endpoint {
+    /// Endpoint `i` of the settings; the error is a config message naming it without credentials.
+    fn new(i: usize, base: &Url, settings: &LlmSettings, policy: BreakerPolicy) -> Result<Self, String> {
+        let name = public_name(base);
+        if base.scheme() != "http" {
+            return Err(format!("llm.endpoints[{i}] = {name}: only http:// is supported (this build has no TLS)"));
+        }
+        let join = |path: &str| {
+            let mut dir = base.clone();
+            if !dir.path().ends_with('/') {
+                let p = format!("{}/", dir.path());
+                dir.set_path(&p);
+            }
+            dir.join(path).map_err(|e| format!("llm.endpoints[{i}] = {name}: cannot append {path}: {e}"))
+        };
+        Ok(Endpoint {
+            completions: join(COMPLETIONS_PATH)?,
+            chat: join(CHAT_COMPLETIONS_PATH)?,
+            name,
+            permits: Semaphore::new(settings.max_concurrency.get()),
+            per_prompt_calls: AtomicBool::new(false),
+            breaker: Mutex::new(Breaker::new(policy)),
+            changed: watch::Sender::new(()),
+        })
+    }
+}
+
+/// Locks a breaker; a poisoned lock is taken over (the breaker's state is valid after any panic,
+/// every method leaves it consistent).
+fn lock(m: &Mutex<Breaker>) -> std::sync::MutexGuard<'_, Breaker> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The JSON request body of `group`: its params (with `stream` forced off), `model`, and `prompt`
+/// (the list of the members' prompts) or `messages` (the one member's).
+fn request_body(items: &[InferenceItem<'_>], group: &Group<'_>) -> Result<Vec<u8>, LlmError> {
+    let mut body = group.params.clone();
+    if body.contains_key("stream") {
+        body.insert("stream".into(), Value::Bool(false));
+        body.remove("stream_options");
+    }
+    body.insert("model".into(), Value::String(group.model.to_owned()));
+    match group.kind {
+        CallKind::Completions => {
+            let prompts = group
+                .members
+                .iter()
+                .map(|&i| match items[i].body {
+                    Body::Completion(p) => Value::String(p.clone()),
+                    Body::Chat(_) => Value::Null, // unreachable: grouped by kind
+                })
+                .collect();
+            body.insert("prompt".into(), Value::Array(prompts));
+        }
+        CallKind::Chat => {
+            let messages = match items[group.members[0]].body {
+                Body::Chat(m) => m.iter().map(|m| m.raw.clone()).collect(),
+                Body::Completion(_) => Vec::new(), // unreachable: grouped by kind
+            };
+            body.insert("messages".into(), Value::Array(messages));
+        }
+    }
+    serde_json::to_vec(&body).map_err(|e| LlmError::new(ErrorKind::Rejected, format!("cannot serialise the request: {e}"), None))
+}
+
+/// Reads a response body chunk by chunk, refusing more than `limit` bytes (also when
+/// `Content-Length` announces more) with [`ErrorKind::InvalidResponse`].
+async fn read_body(mut response: reqwest::Response, limit: usize) -> Result<Vec<u8>, (LlmError, Option<Duration>)> {
+    let status = Some(response.status().as_u16());
+    let too_large = || {
+        let kind = classify(Problem::InvalidBody);
+        (LlmError::new(kind, format!("response body larger than {limit} bytes"), status), None)
+    };
+    if response.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::new();
+    loop {
+        match response.chunk().await {
+            Ok(Some(chunk)) if bytes.len() + chunk.len() > limit => return Err(too_large()),
+            Ok(Some(chunk)) => bytes.extend_from_slice(&chunk),
+            Ok(None) => return Ok(bytes),
+            Err(e) => {
+                let kind = classify(Problem::Transport(&e));
+                return Err((LlmError::new(kind, transport_message(e), status), None));
+            }
+        }
     }
 }
 
@@ -701,7 +1044,7 @@ fn group_items<'a>(items: &[InferenceItem<'a>], default_model: &'a str) -> Vec<G
 }
 
 /// A successfully parsed answer: one result per member, and the call's token totals for metrics.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Parsed {
     items: Vec<Result<Completion, LlmError>>,
     /// Sum of `usage.prompt_tokens` over the answer (0 when not reported).
@@ -710,6 +1053,13 @@ struct Parsed {
     cached_tokens: u64,
     /// The answer was llama-server's merged list answer: its usage covers only the first prompt.
     first_prompt_usage_only: bool,
+}
+
+impl Parsed {
+    fn add_tokens(&mut self, (prompt_tokens, cached_tokens): (u64, u64)) {
+        self.prompt_tokens += prompt_tokens;
+        self.cached_tokens += cached_tokens;
+    }
 }
 
 /// Reads token counts from an OpenAI `usage` object, falling back to llama-server's `timings`
@@ -742,125 +1092,177 @@ fn usage_of(obj: &Value) -> Option<Usage> {
     parse_usage(obj.get("usage"), obj.get("timings"))
 }
 
-/// Demultiplexes a list-prompt completions answer into one result per prompt.
-///
-/// `choices_per_prompt` is the request's `n`: the OpenAI API numbers choices
-/// `prompt_index × n + j`, so the item of a choice is `index / n` and its first choice is kept.
-/// Accepts one OpenAI object or older llama-server's array of per-prompt objects; the choices' own
-/// `index` values are used when they are distinct and in range, else positions. An object with a
-/// top-level `timings` (llama.cpp's merged answer) has the usage of its first choice's prompt only.
-fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Result<Parsed, LlmError> {
-    let (objects, is_array) = match v {
-        Value::Array(a) => (a, true),
-        obj @ Value::Object(_) => (vec![obj], false),
-        other => return Err(LlmError::invalid(format!("expected a JSON object or array, got {}", short(&other)))),
-    };
-    // (object position, choice position in the object, the choice)
-    let mut flat: Vec<(usize, usize, &Value)> = Vec::new();
-    for (o, obj) in objects.iter().enumerate() {
-        match obj.get("choices") {
-            Some(Value::Array(choices)) => flat.extend(choices.iter().enumerate().map(|(c, ch)| (o, c, ch))),
-            _ if is_array => {} // this prompt's choice is missing; reported per item below
-            _ => return Err(LlmError::invalid(format!("response has no `choices` list: {}", short(obj)))),
-        }
-    }
-    let limit = n_items as u64 * choices_per_prompt;
-    let declared: Vec<Option<u64>> = flat.iter().map(|(_, _, ch)| ch.get("index").and_then(Value::as_u64)).collect();
-    let declared_ok = declared.iter().all(|d| d.is_some_and(|d| d < limit)) && {
-        let mut seen: Vec<u64> = declared.iter().flatten().copied().collect();
-        seen.sort_unstable();
-        seen.windows(2).all(|w| w[0] != w[1])
-    };
-    let mut indexed: Vec<(u64, usize, usize, &Value)> = flat
-        .iter()
-        .zip(&declared)
-        .enumerate()
-        .map(|(pos, (&(o, c, ch), d))| {
-            let index = match (declared_ok, is_array) {
-                (true, _) => d.unwrap_or_default(),
-                (false, true) => o as u64 * choices_per_prompt + c as u64,
-                (false, false) => pos as u64,
-            };
-            (index, o, c, ch)
-        })
-        .collect();
-    indexed.sort_by_key(|&(index, _, _, _)| index);
 
-    let mut out: Vec<Option<Result<Completion, LlmError>>> = (0..n_items).map(|_| None).collect();
-    // Which items each object's choices served, to decide whether the object's usage is one item's.
-    let mut items_of_object: Vec<Vec<usize>> = vec![Vec::new(); objects.len()];
-    // The item served by the first choice of a single-object answer.
-    let mut first_choice_item = None;
-    for (index, o, c, choice) in indexed {
-        let item = (index / choices_per_prompt) as usize;
-        if item >= n_items || out[item].is_some() {
-            continue;
-        }
-        items_of_object[o].push(item);
-        if !is_array && c == 0 {
-            first_choice_item = Some(item);
-        }
-        let obj = &objects[o];
-        out[item] = Some(match choice.get("text") {
-            Some(text @ Value::String(_)) => Ok(Completion {
-                output: text.clone(),
-                finish_reason: choice.get("finish_reason").and_then(Value::as_str).map(str::to_owned),
-                usage: usage_of(choice),
-                model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
-                attempts: 0,
-            }),
-            _ => Err(LlmError::invalid(format!("choice {index} has no string `text`"))),
-        });
+impl Group<'_> {
+    /// The request's `n` (choices per prompt), 1 when absent or invalid.
+    fn choices_per_prompt(&self) -> u64 {
+        self.params.get("n").and_then(Value::as_u64).filter(|&n| n >= 1).unwrap_or(1)
     }
-    // An object's usage is an item's own when that object served exactly that one item (each
-    // element of older llama-server's array, or the whole answer of a one-prompt call), or, in
-    // llama.cpp's merged answer, the item of the first choice.
-    let merged = !is_array && objects.first().is_some_and(|o| o.get("timings").is_some_and(Value::is_object));
-    let first_prompt_usage_only = merged && items_of_object.first().is_some_and(|served| served.len() > 1);
-    let (mut prompt_tokens, mut cached_tokens) = (0u64, 0u64);
-    for (o, obj) in objects.iter().enumerate() {
-        let usage = usage_of(obj);
-        match &usage {
-            Some(u) => {
-                prompt_tokens += u.prompt_tokens;
-                cached_tokens += u.cached_tokens.unwrap_or(0);
-            }
-            None => {
-                // No whole-object usage: count what per-choice usage there is.
-                for ch in obj.get("choices").and_then(Value::as_array).into_iter().flatten() {
-                    if let Some(u) = usage_of(ch) {
-                        prompt_tokens += u.prompt_tokens;
-                        cached_tokens += u.cached_tokens.unwrap_or(0);
-                    }
-                }
-            }
-        }
-        let served = &items_of_object[o];
-        let owner = if served.len() == 1 && (is_array || n_items == 1) {
-            Some(served[0])
-        } else if merged {
-            first_choice_item
-        } else {
-            None
-        };
-        if let Some(owner) = owner {
-            if let Some(Some(Ok(c))) = out.get_mut(owner) {
-                if c.usage.is_none() {
-                    c.usage = usage;
-                }
-            }
-        }
-    }
-    let items = out
-        .into_iter()
-        .enumerate()
-        .map(|(i, r)| r.unwrap_or_else(|| Err(LlmError::invalid(format!("the answer has no choice for prompt {i}")))))
-        .collect();
-    Ok(Parsed { items, prompt_tokens, cached_tokens, first_prompt_usage_only })
 }
 
-/// Parses a chat completions answer: output is `choices[0].message`.
+/// Demultiplexes a completions answer for `n_items` prompts into one result per prompt, strictly:
+/// no item may ever receive another prompt's text.
+///
+/// - One prompt: any non-empty `choices` list; the choice with `index` 0 (else the first) is the
+///   item's (with `n` > 1 the OpenAI API numbers a prompt's choices `0 .. n`).
+/// - Several prompts, one object: accepted only when `choices` has exactly
+///   `n_items × choices_per_prompt` entries whose `index` values are exactly
+///   `0 .. n_items × choices_per_prompt`, each once (OpenAI numbers choice `j` of prompt `p` as
+///   `p × n + j`); item `p` takes choice `p × n`. An object with a top-level `timings` (llama.cpp's
+///   merged answer) has the usage of its first choice's prompt only.
+/// - Several prompts, an array (older llama-server): accepted only with exactly one object per
+///   prompt, in prompt order, each a one-prompt answer as above with its own usage.
+///
+/// Errors ([`ErrorKind::InvalidResponse`], failing every item of the call): not an object or
+/// array, an `error` object in the answer, no `choices` list, or an answer that does not
+/// demultiplex exactly. A choice without a string `text` or with `finish_reason: "error"` fails
+/// its own item only.
+fn demux_completions(v: Value, n_items: usize, choices_per_prompt: u64) -> Result<Parsed, LlmError> {
+    match v {
+        Value::Array(objects) => demux_array(&objects, n_items),
+        obj @ Value::Object(_) => {
+            let choices = choices_of(&obj)?;
+            let mut parsed = Parsed::default();
+            parsed.add_tokens(usage_totals(&obj));
+            if n_items == 1 {
+                parsed.items.push(one_prompt_item(&obj, choices));
+                return Ok(parsed);
+            }
+            parsed.items = demux_list_choices(&obj, choices, n_items, choices_per_prompt)?;
+            let merged = obj.get("timings").is_some_and(Value::is_object);
+            if merged {
+                // llama.cpp: the object's usage is that of the first choice's prompt.
+                let first = choices[0].get("index").and_then(Value::as_u64).unwrap_or(0) / choices_per_prompt;
+                if let Some(Ok(c)) = parsed.items.get_mut(first as usize) {
+                    c.usage = c.usage.take().or_else(|| usage_of(&obj));
+                }
+                parsed.first_prompt_usage_only = true;
+            }
+            Ok(parsed)
+        }
+        other => Err(LlmError::invalid(format!("expected a JSON object or array, got {}", short(&other)))),
+    }
+}
+
+/// Older llama-server's list answer: one complete one-prompt answer per prompt. The objects'
+/// choice indices must be all 0 (then the objects are in prompt order) or exactly `0 .. n_items`
+/// each once (then the index is the prompt); anything else does not demultiplex.
+fn demux_array(objects: &[Value], n_items: usize) -> Result<Parsed, LlmError> {
+    if objects.len() != n_items {
+        return Err(LlmError::invalid(format!("list answer has {} objects for {n_items} prompts", objects.len())));
+    }
+    let mut slots: Vec<Option<Result<Completion, LlmError>>> = (0..n_items).map(|_| None).collect();
+    let mut parsed = Parsed::default();
+    let indices: Vec<Option<u64>> = objects
+        .iter()
+        .map(|o| o.get("choices").and_then(|c| c.get(0)).and_then(|c| c.get("index")).and_then(Value::as_u64))
+        .collect();
+    let positional = indices.iter().all(|&i| i == Some(0));
+    for (position, (obj, index)) in objects.iter().zip(&indices).enumerate() {
+        let slot = if positional { Some(position) } else { index.map(|i| i as usize).filter(|&i| i < n_items) };
+        let Some(slot) = slot.filter(|&s| slots[s].is_none()) else {
+            return Err(LlmError::invalid("list answer objects' choice indices are neither all 0 nor 0 .. prompts each once"));
+        };
+        slots[slot] = Some(one_prompt_item(obj, choices_of(obj)?));
+        parsed.add_tokens(usage_totals(obj));
+    }
+    // Every slot is filled: n_items distinct in-range slots for n_items objects.
+    parsed.items = slots.into_iter().map(|s| s.unwrap_or_else(|| Err(LlmError::invalid("no answer object")))).collect();
+    Ok(parsed)
+}
+
+/// The `choices` list of a completions answer object; an `error` object or a missing list fails
+/// the whole answer.
+fn choices_of(obj: &Value) -> Result<&[Value], LlmError> {
+    if let Some(error) = obj.get("error").filter(|e| !e.is_null()) {
+        return Err(LlmError::invalid(format!("the answer carries an error: {}", short(error))));
+    }
+    match obj.get("choices") {
+        Some(Value::Array(choices)) if !choices.is_empty() => Ok(choices),
+        _ => Err(LlmError::invalid(format!("response has no `choices` list: {}", short(obj)))),
+    }
+}
+
+/// The item of a one-prompt answer: the choice with `index` 0, else the first, with the object's
+/// usage, which is the item's own, when the choice has none.
+fn one_prompt_item(obj: &Value, choices: &[Value]) -> Result<Completion, LlmError> {
+    let choice = choices
+        .iter()
+        .find(|c| c.get("index").and_then(Value::as_u64) == Some(0))
+        .unwrap_or(&choices[0]);
+    completion_of(obj, choice, 0).map(|c| Completion { usage: c.usage.or_else(|| usage_of(obj)), ..c })
+}
+
+/// The items of a several-prompt answer object, after checking that its indices are exactly
+/// `0 .. n_items × choices_per_prompt`, each once.
+fn demux_list_choices(
+    obj: &Value,
+    choices: &[Value],
+    n_items: usize,
+    choices_per_prompt: u64,
+) -> Result<Vec<Result<Completion, LlmError>>, LlmError> {
+    let expected = n_items as u64 * choices_per_prompt;
+    let mismatch = |what: String| {
+        LlmError::invalid(format!("list answer does not match its {n_items} prompts × n = {choices_per_prompt}: {what}"))
+    };
+    if choices.len() as u64 != expected {
+        return Err(mismatch(format!("{} choices", choices.len())));
+    }
+    let mut by_index: Vec<Option<&Value>> = vec![None; choices.len()];
+    for choice in choices {
+        let index = choice.get("index").and_then(Value::as_u64).filter(|&i| i < expected);
+        match index {
+            Some(i) if by_index[i as usize].is_none() => by_index[i as usize] = Some(choice),
+            _ => return Err(mismatch(format!("choice index {} missing, repeated or out of range", short(&choice["index"])))),
+        }
+    }
+    let items = (0..n_items)
+        .map(|p| {
+            let index = p as u64 * choices_per_prompt;
+            // Every slot is filled: `expected` distinct in-range indices over `expected` slots.
+            let choice = by_index[index as usize].unwrap_or(&Value::Null);
+            completion_of(obj, choice, index)
+        })
+        .collect();
+    Ok(items)
+}
+
+/// One item's completion from its choice: a string `text` and no `finish_reason: "error"`. Usage
+/// is the choice's own, if it has one.
+fn completion_of(obj: &Value, choice: &Value, index: u64) -> Result<Completion, LlmError> {
+    let finish_reason = choice.get("finish_reason").and_then(Value::as_str).map(str::to_owned);
+    if finish_reason.as_deref() == Some("error") {
+        return Err(LlmError::invalid(format!("choice {index} ended with finish_reason \"error\"")));
+    }
+    match choice.get("text") {
+        Some(text @ Value::String(_)) => Ok(Completion {
+            output: text.clone(),
+            finish_reason,
+            usage: usage_of(choice),
+            model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
+            attempts: 0,
+        }),
+        _ => Err(LlmError::invalid(format!("choice {index} has no string `text`"))),
+    }
+}
+
+/// (prompt tokens, cached tokens) of an answer object for metrics: its `usage`/`timings`, else the
+/// sum of its choices' own.
+fn usage_totals(obj: &Value) -> (u64, u64) {
+    let total = |u: Option<Usage>| u.map(|u| (u.prompt_tokens, u.cached_tokens.unwrap_or(0))).unwrap_or_default();
+    if let Some(u) = usage_of(obj) {
+        return total(Some(u));
+    }
+    let choices = obj.get("choices").and_then(Value::as_array).into_iter().flatten();
+    choices.map(|c| total(usage_of(c))).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+/// Parses a chat completions answer: output is `choices[0].message`. An `error` object or
+/// `finish_reason: "error"` fails it.
 fn parse_chat(v: Value) -> Result<Parsed, LlmError> {
+    if let Some(error) = v.get("error").filter(|e| !e.is_null()) {
+        return Err(LlmError::invalid(format!("the answer carries an error: {}", short(error))));
+    }
     let choice = v
         .get("choices")
         .and_then(Value::as_array)
@@ -870,17 +1272,17 @@ fn parse_chat(v: Value) -> Result<Parsed, LlmError> {
         Some(m @ Value::Object(_)) => m.clone(),
         _ => return Err(LlmError::invalid("`choices[0].message` is missing or not an object")),
     };
+    let finish_reason = choice.get("finish_reason").and_then(Value::as_str).map(str::to_owned);
+    if finish_reason.as_deref() == Some("error") {
+        return Err(LlmError::invalid("choice 0 ended with finish_reason \"error\""));
+    }
     let usage = usage_of(&v);
-    let (prompt_tokens, cached_tokens) =
-        usage.as_ref().map(|u| (u.prompt_tokens, u.cached_tokens.unwrap_or(0))).unwrap_or_default();
-    let completion = Completion {
-        output: message,
-        finish_reason: choice.get("finish_reason").and_then(Value::as_str).map(str::to_owned),
-        usage,
-        model: v.get("model").and_then(Value::as_str).map(str::to_owned),
-        attempts: 0,
-    };
-    Ok(Parsed { items: vec![Ok(completion)], prompt_tokens, cached_tokens, first_prompt_usage_only: false })
+    let completion =
+        Completion { output: message, finish_reason, usage, model: v.get("model").and_then(Value::as_str).map(str::to_owned), attempts: 0 };
+    let mut parsed = Parsed::default();
+            parsed.add_tokens(usage_totals(&v));
+    parsed.items.push(Ok(completion));
+    Ok(parsed)
 }
 
 /// A JSON value cut to 200 characters for error messages.
@@ -892,7 +1294,7 @@ fn short(v: &Value) -> String {
 mod tests {
     use super::*;
     use crate::config::Secret;
-    use crate::fake_llm::{FakeLlm, ListShape};
+    use llm_fakes::fake::{FakeLlm, ListShape};
     use crate::request::ChatMessage;
     use serde_json::json;
     use std::num::{NonZeroU32, NonZeroUsize};
@@ -1084,30 +1486,33 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn client_errors_are_not_retried() {
+    async fn client_errors_are_not_retried_but_isolated_prompt_by_prompt() {
         let fake = FakeLlm::new().always_fail(400).start().await.unwrap();
         let client = LlmClient::new(&settings(&fake.url)).unwrap();
         let results = run(&client, &three_prompts(&Map::new())).await;
-        assert_eq!(fake.call_count(), 1);
+        assert_eq!(fake.call_count(), 4, "the list call, then each prompt once");
         for r in results {
             let e = r.unwrap_err();
             assert_eq!((e.kind, e.status), (ErrorKind::Rejected, Some(400)));
+            assert_eq!(e.fault(), Fault::Request);
         }
+        assert!(client.available(0), "request faults do not open the breaker");
     }
 
     #[tokio::test]
     async fn bad_json_is_retried() {
+        let one = vec![(completion("alpha"), Map::new())];
         let fake = FakeLlm::new().bad_json_first(1).start().await.unwrap();
         let client = LlmClient::new(&settings(&fake.url)).unwrap();
-        let results = run(&client, &three_prompts(&Map::new())).await;
+        let results = run(&client, &one).await;
         assert_eq!(fake.call_count(), 2);
-        assert!(results.iter().all(|r| r.as_ref().unwrap().attempts == 2));
+        assert_eq!(results[0].as_ref().unwrap().attempts, 2);
 
         let fake = FakeLlm::new().bad_json_first(10).start().await.unwrap();
         let client = LlmClient::new(&settings(&fake.url)).unwrap();
-        let results = run(&client, &three_prompts(&Map::new())).await;
+        let results = run(&client, &one).await;
         assert_eq!(fake.call_count(), 3);
-        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::InvalidResponse));
+        assert_eq!(results[0].as_ref().unwrap_err().kind, ErrorKind::InvalidResponse);
     }
 
     #[tokio::test]
@@ -1198,13 +1603,15 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_missing_choice_fails_only_its_item() {
-        let fake = FakeLlm::new().omit_choice(1).start().await.unwrap();
-        let client = LlmClient::new(&settings(&fake.url)).unwrap();
-        let results = run(&client, &three_prompts(&Map::new())).await;
-        assert_eq!(fake.call_count(), 1, "not retried");
-        assert!(results[0].is_ok() && results[2].is_ok());
-        assert_eq!(results[1].as_ref().unwrap_err().kind, ErrorKind::InvalidResponse);
+    async fn a_bad_or_incomplete_list_answer_goes_again_prompt_by_prompt() {
+        for fake in [FakeLlm::new().omit_choice(1), FakeLlm::new().bad_json_first(1)] {
+            let fake = fake.start().await.unwrap();
+            let client = LlmClient::new(&settings(&fake.url)).unwrap();
+            let results = run(&client, &three_prompts(&Map::new())).await;
+            assert_eq!(fake.call_count(), 4, "the list call is not retried as a whole");
+            let outputs: Vec<Value> = results.into_iter().map(|r| r.unwrap().output).collect();
+            assert_eq!(outputs, [json!("ok:alpha pr"), json!("ok:bravo pr"), json!("ok:charlie ")]);
+        }
     }
 
     #[tokio::test]
@@ -1273,9 +1680,9 @@ mod tests {
     #[test]
     fn new_rejects_bad_configuration() {
         let mut s = settings(&Url::parse("https://llm:443").unwrap());
-        assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::Rejected);
+        assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::EndpointConfig);
         s.endpoints.clear();
-        assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::Rejected);
+        assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::EndpointConfig);
     }
 
     #[tokio::test]
@@ -1284,23 +1691,31 @@ mod tests {
         let reqs = three_prompts(&Map::new());
         let results = client.infer(5, &items(&reqs), &CancellationToken::new()).await;
         assert_eq!(results.len(), 3);
-        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Rejected));
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::EndpointConfig));
         assert!(client.infer(0, &[], &CancellationToken::new()).await.is_empty());
     }
 
     #[test]
-    fn statuses_are_classified() {
+    fn statuses_are_classified_into_request_and_server_faults() {
         let c = |s| classify(Problem::Status(s));
-        assert_eq!(c(429), ErrorKind::RateLimited);
-        assert_eq!(c(408), ErrorKind::Timeout);
-        assert_eq!(c(500), ErrorKind::Server);
-        assert_eq!(c(503), ErrorKind::Server);
-        assert_eq!(c(400), ErrorKind::Rejected);
-        assert_eq!(c(404), ErrorKind::Rejected);
-        assert_eq!(c(302), ErrorKind::Rejected);
+        let server = [(429, ErrorKind::RateLimited), (408, ErrorKind::Timeout), (500, ErrorKind::Server), (503, ErrorKind::Server)];
+        let config = [(401, ErrorKind::EndpointConfig), (403, ErrorKind::EndpointConfig), (404, ErrorKind::EndpointConfig)];
+        for (status, kind) in server.into_iter().chain(config).chain([(302, ErrorKind::EndpointConfig)]) {
+            assert_eq!(c(status), kind, "{status}");
+            assert!(kind.is_server_fault(), "{status}");
+        }
+        for status in [400, 413, 422, 409] {
+            assert_eq!(c(status), ErrorKind::Rejected, "{status}");
+            assert_eq!(c(status).fault(), Fault::Request, "{status}");
+        }
         assert_eq!(classify(Problem::InvalidBody), ErrorKind::InvalidResponse);
+        assert_eq!(ErrorKind::InvalidResponse.fault(), Fault::Request);
+        assert_eq!(ErrorKind::Unavailable.fault(), Fault::Server);
+        assert_eq!(ErrorKind::Cancelled.fault(), Fault::Cancelled);
         let retryable: Vec<&str> = ErrorKind::ALL.iter().filter(|k| k.retryable()).map(|k| k.as_str()).collect();
         assert_eq!(retryable, ["timeout", "connect", "rate_limited", "server", "invalid_response"]);
+        let labels: Vec<&str> = std::iter::once(Ok(())).chain(ErrorKind::ALL.map(Err)).map(call_outcome_label).collect();
+        assert_eq!(labels, CALL_OUTCOME_LABELS);
     }
 
     #[test]

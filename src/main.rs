@@ -1,5 +1,6 @@
-//! `prefix-batcher`: tracing → config (exit 78 on a bad one) → run → wait for a signal → drain
-//! with one deadline (exit 70 when exceeded). Under systemd (`Type=notify`) the run reports
+//! `prefix-batcher`: config (exit 78 on a bad one) → tracing → dispatch; `run` runs the daemon
+//! until a signal, then drains with one deadline (exit 70 when exceeded). Every exit code is in
+//! `prefix_batcher::exit`. Under systemd (`Type=notify`) the run reports
 //! READY / WATCHDOG / STOPPING through [`notify`].
 
 mod notify;
@@ -9,8 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use prefix_batcher::app::{self, EXIT_CONFIG};
-use prefix_batcher::client;
+use prefix_batcher::{app, client, exit};
 use prefix_batcher::config::{self, LogFormat, Settings, DEFAULT_CONFIG_PATH};
 
 #[derive(Parser)]
@@ -60,22 +60,16 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Run a fake OpenAI-compatible LLM server (for tests and demos without a real server).
-    #[command(hide = true)]
-    FakeLlm {
-        #[arg(long, default_value = "127.0.0.1:0")]
-        listen: String,
-        /// Latency per call.
-        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
-        latency: Duration,
-        /// Extra latency per prompt of a call.
-        #[arg(long, default_value = "0ms", value_parser = humantime::parse_duration)]
-        per_prompt_latency: Duration,
-    },
 }
 
+/// The configuration file: `check-config PATH`, else `--config`, else the default path when it
+/// exists, else none (defaults and environment only).
 fn config_path(cli: &Cli) -> Option<PathBuf> {
-    match &cli.config {
+    let given = match &cli.command {
+        Command::CheckConfig { path: Some(p) } => Some(p),
+        _ => cli.config.as_ref(),
+    };
+    match given {
         Some(p) => Some(p.clone()),
         None if Path::new(DEFAULT_CONFIG_PATH).exists() => Some(PathBuf::from(DEFAULT_CONFIG_PATH)),
         None => None,
@@ -106,19 +100,24 @@ fn init_tracing(format: LogFormat, level: &str) {
     }
 }
 
-fn load(cli: &Cli, path: Option<&Path>) -> Result<(config::RawConfig, Settings), ExitCode> {
-    let raw = config::load_raw(path).map_err(|e| {
+/// The configuration as read (for `check-config`) and as validated.
+struct Loaded {
+    raw: config::RawConfig,
+    settings: Settings,
+}
+
+/// Loads and validates the configuration at `path` (`None`: defaults and environment only);
+/// `--log-format` overrides `log.format`. On error prints it and returns exit code 78.
+fn load(path: Option<&Path>, log_format: Option<&str>) -> Result<Loaded, ExitCode> {
+    let loaded = config::load_raw(path).and_then(|raw| Ok(Loaded { settings: Settings::from_raw(&raw)?, raw }));
+    let mut loaded = loaded.map_err(|e| {
         eprintln!("prefix-batcher: {e}");
-        ExitCode::from(EXIT_CONFIG as u8)
+        ExitCode::from(exit::EX_CONFIG)
     })?;
-    let mut settings = Settings::from_raw(&raw).map_err(|e| {
-        eprintln!("prefix-batcher: {e}");
-        ExitCode::from(EXIT_CONFIG as u8)
-    })?;
-    if let Some(f) = &cli.log_format {
-        settings.log.format = if f == "json" { LogFormat::Json } else { LogFormat::Pretty };
+    if let Some(f) = log_format {
+        loaded.settings.log.format = if f == "json" { LogFormat::Json } else { LogFormat::Pretty };
     }
-    Ok((raw, settings))
+    Ok(loaded)
 }
 
 async fn signal() {
@@ -132,38 +131,27 @@ async fn signal() {
 #[tokio::main]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    match &cli.command {
-        Command::CheckConfig { path } => {
-            let path = path.clone().or_else(|| config_path(&cli));
-            let (raw, s) = match load(&cli, path.as_deref()) {
-                Ok(x) => x,
-                Err(code) => return code,
-            };
-            println!("# configuration is valid (instance {}, {} partitions)", s.instance_name, s.amqp.partitions);
-            print!("{}", config::redacted_toml(&raw));
-            ExitCode::SUCCESS
+    match load(config_path(&cli).as_deref(), cli.log_format.as_deref()) {
+        Ok(loaded) => {
+            // Tracing starts after the configuration: `log.format` and `log.level` come from it.
+            init_tracing(loaded.settings.log.format, &loaded.settings.log.level);
+            dispatch(&cli.command, loaded).await
         }
-        Command::Run => {
-            let (_, settings) = match load(&cli, config_path(&cli).as_deref()) {
-                Ok(x) => x,
-                Err(code) => return code,
-            };
-            init_tracing(settings.log.format, &settings.log.level);
-            prefix_batcher::metrics::deployment(settings.amqp.partitions.get());
-            let mut notifier = notify::Notifier::from_env();
-            match app::run_with_events(settings, signal(), move |e| notifier.event(e)).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    tracing::error!(error = %e, "stopping");
-                    ExitCode::from(e.exit_code() as u8)
-                }
-            }
+        Err(code) => code,
+    }
+}
+
+/// Runs a command that needs the configuration.
+async fn dispatch(command: &Command, loaded: Loaded) -> ExitCode {
+    match command {
+        Command::Run => run(loaded.settings).await,
+        Command::CheckConfig { .. } => {
+            let s = &loaded.settings;
+            println!("# configuration is valid (instance {}, {} partitions)", s.instance_name, s.amqp.partitions);
+            print!("{}", config::redacted_toml(&loaded.raw));
+            ExitCode::from(exit::EX_OK)
         }
         Command::Submit { file, queue, wait, out, timeout } => {
-            let (_, settings) = match load(&cli, config_path(&cli).as_deref()) {
-                Ok(x) => x,
-                Err(code) => return code,
-            };
             let opts = client::SubmitOptions {
                 input: file.clone().filter(|f| f.as_os_str() != "-"),
                 queue: queue.clone(),
@@ -171,59 +159,60 @@ async fn main() -> ExitCode {
                 out: out.clone(),
                 timeout: *timeout,
             };
-            match client::submit(&settings, &opts).await {
-                Ok(summary) => {
-                    eprintln!("{}", serde_json::to_string(&summary).expect("summary serializes"));
-                    if summary.missing > 0 {
-                        ExitCode::from(3)
-                    } else {
-                        ExitCode::SUCCESS
-                    }
-                }
-                Err(e) => {
-                    eprintln!("prefix-batcher submit: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+            submit(&loaded.settings, &opts).await
         }
-        Command::Status { json } => {
-            let (_, settings) = match load(&cli, config_path(&cli).as_deref()) {
-                Ok(x) => x,
-                Err(code) => return code,
-            };
-            match client::status(&settings).await {
-                Ok(s) if *json => {
-                    println!("{}", serde_json::to_string_pretty(&s).expect("status serializes"));
-                    ExitCode::SUCCESS
-                }
-                Ok(s) => {
-                    print!("{}", client::render_status(&s));
-                    ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("prefix-batcher status: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
-        }
-        Command::FakeLlm { listen, latency, per_prompt_latency } => {
-            let listener = match tokio::net::TcpListener::bind(listen).await {
-                Ok(l) => l,
-                Err(e) => {
-                    eprintln!("prefix-batcher fake-llm: cannot listen on {listen}: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            let addr = listener.local_addr().expect("bound");
-            println!("http://{addr}");
-            let fake = prefix_batcher::fake_llm::FakeLlm::new().latency(*latency).per_prompt_latency(*per_prompt_latency);
-            match fake.serve(listener, signal()).await {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("prefix-batcher fake-llm: {e}");
-                    ExitCode::FAILURE
-                }
-            }
+        Command::Status { json } => status(&loaded.settings, *json).await,
+    }
+}
+
+/// `run`: the daemon until SIGTERM/SIGINT; exit code from [`app::AppError::exit_code`].
+async fn run(settings: Settings) -> ExitCode {
+    prefix_batcher::metrics::deployment(settings.amqp.partitions.get());
+    let mut notifier = notify::Notifier::from_env();
+    match app::run_with_events(settings, signal(), move |e| notifier.event(e)).await {
+        Ok(()) => ExitCode::from(exit::EX_OK),
+        Err(e) => {
+            tracing::error!(error = %e, "stopping");
+            ExitCode::from(e.exit_code())
         }
     }
+}
+
+/// `submit`: exit 3 when some requests got no result.
+async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
+    match client::submit(settings, opts).await {
+        Ok(summary) => {
+            eprintln!("{}", serde_json::to_string(&summary).expect("summary serializes"));
+            ExitCode::from(if summary.missing > 0 { exit::EX_MISSING_RESULTS } else { exit::EX_OK })
+        }
+        Err(e) => {
+            eprintln!("prefix-batcher submit: {}", error_chain(&e));
+            ExitCode::from(exit::EX_FAILURE)
+        }
+    }
+}
+
+/// `status`: a table, or JSON with `--json`.
+async fn status(settings: &Settings, json: bool) -> ExitCode {
+    match client::status(settings).await {
+        Ok(s) if json => println!("{}", serde_json::to_string_pretty(&s).expect("status serializes")),
+        Ok(s) => print!("{}", client::render_status(&s)),
+        Err(e) => {
+            eprintln!("prefix-batcher status: {e:#}");
+            return ExitCode::from(exit::EX_FAILURE);
+        }
+    }
+    ExitCode::from(exit::EX_OK)
+}
+
+/// The error and its sources, `error: cause: cause` (as anyhow prints with `{:#}`).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }

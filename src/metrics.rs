@@ -317,14 +317,10 @@ pub fn members(n: usize) {
     MEMBERS.set(n as i64);
 }
 
-/// Readiness (also served on `/readyz`).
+/// Mirrors readiness into the `ready` gauge. The state itself lives in
+/// [`crate::readiness::Readiness`]; this gauge is only written, never read back.
 pub fn set_ready(ready: bool) {
     READY.set(if ready { 1.0 } else { 0.0 });
-}
-
-/// Current readiness.
-pub fn is_ready() -> bool {
-    READY.get() > 0.5
 }
 
 #[cfg(test)]

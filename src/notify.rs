@@ -36,8 +36,7 @@ pub const ENV_WATCHDOG_USEC: &str = "WATCHDOG_USEC";
 /// When set, the watchdog applies only to the process with this pid.
 pub const ENV_WATCHDOG_PID: &str = "WATCHDOG_PID";
 
-/// How often [`prefix_batcher::app`] emits [`Lifecycle::Alive`] (its session loop ticks every second).
-pub const ALIVE_PERIOD: Duration = Duration::from_secs(1);
+pub use prefix_batcher::app::ALIVE_PERIOD;
 
 /// Why the environment does not describe a usable notify socket.
 #[derive(Debug, thiserror::Error)]

@@ -11,14 +11,22 @@ use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptio
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ExchangeKind};
 
+use crate::amqp::{reply_code, NOT_FOUND, PRECONDITION_FAILED, REPLY_SUCCESS};
 use crate::config::AmqpSettings;
 
-/// Topology errors. A mismatch is a configuration error (exit 78).
+/// Topology errors. [`TopologyError::is_config_error`] tells a configuration or deployment
+/// mismatch (exit 78) from a broker or Redis failure (retried).
 #[derive(Debug, thiserror::Error)]
 pub enum TopologyError {
-    /// An existing queue or exchange has other arguments than configured.
-    #[error("{what} `{name}` exists with other settings than configured ({detail}); delete it or change the configuration")]
-    Mismatch { what: &'static str, name: String, detail: String },
+    /// An existing queue or exchange has other arguments than configured (the broker refused
+    /// the redeclare with reply code 406 `PRECONDITION_FAILED`).
+    #[error("{what} `{name}` exists with other settings than configured ({source}); delete it or change the configuration")]
+    Mismatch {
+        what: &'static str,
+        name: String,
+        #[source]
+        source: lapin::Error,
+    },
     /// The deployment has another partition count.
     #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{{prefix}}:partitions`)")]
     PartitionCount { existing: String, configured: u32 },
@@ -30,9 +38,20 @@ pub enum TopologyError {
     Redis(#[from] redis::RedisError),
 }
 
-fn is_precondition_failed(e: &lapin::Error) -> bool {
-    let s = e.to_string();
-    s.contains("PRECONDITION_FAILED") || s.contains("PreconditionFailed") || s.contains("406")
+impl TopologyError {
+    /// Whether the configuration or the deployment is wrong (retrying cannot help; exit 78).
+    pub fn is_config_error(&self) -> bool {
+        matches!(self, TopologyError::Mismatch { .. } | TopologyError::PartitionCount { .. })
+    }
+}
+
+/// Turns a refused declare into a [`TopologyError`]: 406 `PRECONDITION_FAILED` is a mismatch.
+fn declare_error(what: &'static str, name: &str, e: lapin::Error) -> TopologyError {
+    if reply_code(&e) == Some(PRECONDITION_FAILED) {
+        TopologyError::Mismatch { what, name: name.to_owned(), source: e }
+    } else {
+        e.into()
+    }
 }
 
 fn quorum_args(dlx: Option<&str>, single_active: bool) -> FieldTable {
@@ -57,13 +76,10 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
     let ch = conn.create_channel().await?;
     match ch.queue_declare(name.into(), durable(), args).await {
         Ok(_) => {
-            let _ = ch.close(200, "ok".into()).await;
+            let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
             Ok(())
         }
-        Err(e) if is_precondition_failed(&e) => {
-            Err(TopologyError::Mismatch { what: "queue", name: name.to_owned(), detail: e.to_string() })
-        }
-        Err(e) => Err(e.into()),
+        Err(e) => Err(declare_error("queue", name, e)),
     }
 }
 
@@ -72,28 +88,24 @@ async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) -> 
     let opts = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
     match ch.exchange_declare(name.into(), kind, opts, FieldTable::default()).await {
         Ok(()) => {
-            let _ = ch.close(200, "ok".into()).await;
+            let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
             Ok(())
         }
-        Err(e) if is_precondition_failed(&e) => {
-            Err(TopologyError::Mismatch { what: "exchange", name: name.to_owned(), detail: e.to_string() })
-        }
-        Err(e) => Err(e.into()),
+        Err(e) => Err(declare_error("exchange", name, e)),
     }
 }
 
-/// Whether a queue exists (passive declare on a throwaway channel).
+/// Whether a queue exists (passive declare on a throwaway channel; the broker answers a missing
+/// queue with reply code 404 `NOT_FOUND`).
 pub async fn queue_exists(conn: &Connection, name: &str) -> Result<bool, lapin::Error> {
     let ch = conn.create_channel().await?;
     let opts = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
     match ch.queue_declare(name.into(), opts, FieldTable::default()).await {
         Ok(_) => {
-            let _ = ch.close(200, "ok".into()).await;
+            let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
             Ok(true)
         }
-        Err(e) if e.to_string().contains("NOT_FOUND") || e.to_string().contains("NotFound") || e.to_string().contains("404") => {
-            Ok(false)
-        }
+        Err(e) if reply_code(&e) == Some(NOT_FOUND) => Ok(false),
         Err(e) => Err(e),
     }
 }
@@ -148,7 +160,7 @@ pub async fn declare(
         )
         .await?;
     }
-    let _ = ch.close(200, "ok".into()).await;
+    let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
     // Record P only once everything exists; re-read to catch a concurrent start with another P.
     let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;

@@ -351,7 +351,7 @@ fn systemd_units_match_the_daemon_contract() {
         assert_eq!(one("Type"), "notify", "{rel}");
         assert_eq!(one("NotifyAccess"), "main", "{rel}");
         assert_eq!(one("Restart"), "on-failure", "{rel}");
-        assert_eq!(one("RestartPreventExitStatus"), prefix_batcher::app::EXIT_CONFIG.to_string(), "{rel}: a bad config must not restart-loop");
+        assert_eq!(one("RestartPreventExitStatus"), prefix_batcher::exit::EX_CONFIG.to_string(), "{rel}: a bad config must not restart-loop");
         let watchdog = seconds(one("WatchdogSec"));
         assert!(watchdog >= Duration::from_secs(2), "{rel}: the main loop reports every 1 s, so WatchdogSec must be at least 2 s");
         assert!(seconds(one("TimeoutStopSec")) > drain, "{rel}: TimeoutStopSec must exceed shutdown.drain_timeout ({drain:?})");

@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use prefix_batcher::fake_llm::FakeLlm;
+use llm_fakes::fake::FakeLlm;
 use tokio::time::Instant;
 
 fn rabbitmqctl(args: &[&str]) -> std::process::Output {

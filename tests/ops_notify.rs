@@ -9,7 +9,7 @@ use std::os::unix::net::UnixDatagram;
 use std::time::{Duration, Instant};
 
 use common::*;
-use prefix_batcher::fake_llm::FakeLlm;
+use llm_fakes::fake::FakeLlm;
 
 /// One notification with its arrival time.
 #[derive(Debug)]

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::*;
-use prefix_batcher::fake_llm::FakeLlm;
+use llm_fakes::fake::FakeLlm;
 use prefix_batcher::keying::{partition_of, PrefixKey};
 use prefix_batcher::keying::desired_partitions;
 use serde_json::{json, Value};

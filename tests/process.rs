@@ -7,7 +7,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use common::*;
-use prefix_batcher::fake_llm::FakeLlm;
+use llm_fakes::fake::FakeLlm;
 use tokio::time::Instant;
 
 /// Waits until the process `name` holds every lease; fails early (with its log) if it exits.

@@ -35,7 +35,7 @@ use std::time::Duration;
 use common::cluster::*;
 use common::*;
 use prefix_batcher::config::RawConfig;
-use prefix_batcher::fake_llm::FakeLlm;
+use llm_fakes::fake::FakeLlm;
 use prefix_batcher::lease::{Acquire, LeaseValue, Leases};
 use tokio::time::Instant;
 

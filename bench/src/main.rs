@@ -101,13 +101,17 @@ async fn main() -> anyhow::Result<()> {
             let env = procs::Env {
                 root: root.clone(),
                 daemon_bin: root.join("target/release/prefix-batcher"),
-                simulator_bin: root.join("target/release/llm-simulator"),
+                fakes_bin: root.join("target/release/llm-fakes"),
                 bench_bin: std::env::current_exe()?,
                 work: work.clone(),
                 tag,
             };
-            for b in [&env.daemon_bin, &env.simulator_bin] {
-                anyhow::ensure!(b.exists(), "{} is missing: build with `cargo build --release` (bench/run does)", b.display());
+            for b in [&env.daemon_bin, &env.fakes_bin] {
+                anyhow::ensure!(
+                    b.exists(),
+                    "{} is missing: build with `cargo build --release -p prefix-batcher -p llm-fakes` (bench/run does)",
+                    b.display()
+                );
             }
             eprintln!("bench: logs in {}", work.display());
             let plan = parts::Plan::new(full, seed);

@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use prefix_batcher::keying::{partition_of, prefix_chars, PrefixKey};
 use prefix_batcher::keying::assignment;
-use prefix_batcher::simulator::CacheModel;
+use llm_fakes::simulator::CacheModel;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -718,7 +718,7 @@ async fn overhead_run(
     run_p: &str,
 ) -> anyhow::Result<(Vec<OverheadRep>, BTreeMap<String, u64>)> {
     // The instant LLM: the simulator with zero prefill and decode cost (its cache model hashes each
-    // prompt once). `prefix-batcher fake-llm` is not used here: its cache model compares every prompt
+    // prompt once). The fake LLM (`llm-fakes fake`) is not used here: its cache model compares every prompt
     // with every earlier one, so it slows down as a run goes on (quadratic) and would be measured
     // instead of the daemon.
     let instant = SimOpts { chars_per_token: 4, capacity_blocks: 65_536, prefill_ms_per_token: 0.0, decode_ms_per_token: 0.0, max_concurrency: 1024, speedup: 1.0 };

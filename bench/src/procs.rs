@@ -1,4 +1,4 @@
-//! Processes the benchmarks run: daemon instances, LLM simulators, the fake LLM, real
+//! Processes the benchmarks run: daemon instances, LLM simulators (`llm-fakes simulate`), real
 //! llama-servers (through `scripts/llm-server`), the pass-through consumer; plus /proc readings
 //! and cleanup of a run's queues and Redis keys.
 
@@ -18,7 +18,8 @@ pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 pub struct Env {
     pub root: PathBuf,
     pub daemon_bin: PathBuf,
-    pub simulator_bin: PathBuf,
+    /// The `llm-fakes` binary (its `simulate` subcommand is the LLM simulator).
+    pub fakes_bin: PathBuf,
     pub bench_bin: PathBuf,
     /// Logs and temp files of this invocation.
     pub work: PathBuf,
@@ -117,7 +118,7 @@ pub fn spawn_until_line(name: &str, mut cmd: Command, log: &Path, timeout: Durat
     }
 }
 
-/// LLM simulator options (see `prefix_batcher::simulator`).
+/// LLM simulator options (see `llm_fakes::simulator`).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct SimOpts {
     pub chars_per_token: usize,
@@ -129,8 +130,9 @@ pub struct SimOpts {
 }
 
 pub fn start_simulator(env: &Env, name: &str, o: &SimOpts) -> anyhow::Result<(Proc, String)> {
-    let mut cmd = Command::new(&env.simulator_bin);
-    cmd.args(["--chars-per-token", &o.chars_per_token.to_string()])
+    let mut cmd = Command::new(&env.fakes_bin);
+    cmd.arg("simulate")
+        .args(["--chars-per-token", &o.chars_per_token.to_string()])
         .args(["--capacity-blocks", &o.capacity_blocks.to_string()])
         .args(["--prefill-ms-per-token", &o.prefill_ms_per_token.to_string()])
         .args(["--decode-ms-per-token", &o.decode_ms_per_token.to_string()])

@@ -232,7 +232,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         let _ = writeln!(
             s,
             "The Mooncake conversation trace ({} requests, oracle block hit ratio **{}** over 512-token blocks, as published) is replayed \
-             through M daemon instances, each with one `llm-simulator` (vLLM automatic prefix caching model: 16-token blocks hashed in a chain, \
+             through M daemon instances, each with one simulator (`llm-fakes simulate`: vLLM automatic prefix caching model: 16-token blocks hashed in a chain, \
              {} characters per token, LRU at {} blocks = {} tokens per server, prefill {} ms per uncached token, decode {} ms per output token, \
              {} concurrent request(s) per server). Each hash id is rendered as a deterministic text block of 512 tokens ({} characters); \
              `max_tokens` is the trace's output length. Timestamps are honoured with a speed-up of {}× (the simulator divides its service times \
@@ -371,8 +371,8 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         let _ = writeln!(s, "## 3. Overhead\n");
         let _ = writeln!(
             s,
-            "Instant LLM: `llm-simulator` with zero prefill and decode cost (answers as soon as it has hashed the prompt). \
-             `prefix-batcher fake-llm` is not used because its cache model compares each prompt with every earlier one: it gets \
+            "Instant LLM: the simulator (`llm-fakes simulate`) with zero prefill and decode cost (answers as soon as it has hashed the prompt). \
+             The fake LLM (`llm-fakes fake`) is not used because its cache model compares each prompt with every earlier one: it gets \
              slower as a run goes on (a first quick run measured the daemon behind it at 1862, 615, then 387 req/s in three \
              consecutive bursts). **daemon**: one instance, 16 partitions, keyed (`prefix_chars = 256`, 8 shards), \
              `max_batch_size = 8`, `max_batch_wait = 10ms`, `llm.max_concurrency = 4`; a second deployment with `max_batch_wait = 1ms` \

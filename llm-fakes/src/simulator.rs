@@ -1,5 +1,5 @@
 //! An OpenAI-compatible LLM server **simulator** that models vLLM's automatic prefix caching
-//! (APC), for benchmarks at a scale no CPU can serve for real (`bench/`, binary `llm-simulator`).
+//! (APC), for benchmarks at a scale no CPU can serve for real (`bench/`, `llm-fakes simulate`).
 //! It generates no text: it only accounts for the prefix cache and the time a GPU would spend.
 //!
 //! # Model
@@ -43,17 +43,18 @@ use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
-use serde_json::{json, Value};
+use axum::Json;
+use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
+
+use crate::openai;
 
 /// Default characters per token (English BPE rule of thumb).
 pub const DEFAULT_CHARS_PER_TOKEN: usize = 4;
@@ -107,7 +108,7 @@ impl SimConfig {
 
     /// Tokens of a prompt: `max(1, ceil(chars / chars_per_token))`.
     pub fn prompt_tokens(&self, text: &str) -> u64 {
-        (text.chars().count() as u64).div_ceil(self.chars_per_token.max(1) as u64).max(1)
+        openai::tokens(text, self.chars_per_token)
     }
 }
 
@@ -219,8 +220,7 @@ impl CacheModel {
 
     /// Runs one prompt through the cache (lookup, then insert).
     pub fn admit(&mut self, text: &str) -> Admission {
-        let chars = text.chars().count() as u64;
-        let prompt_tokens = chars.div_ceil(self.chars_per_token as u64).max(1);
+        let prompt_tokens = openai::tokens(text, self.chars_per_token);
         let hashes = block_hashes(text, self.chars_per_token * self.block_tokens);
         // Only blocks that end before the last token can be reused: the last token is computed.
         let lookup_limit = ((prompt_tokens - 1) / self.block_tokens as u64) as usize;
@@ -329,13 +329,7 @@ impl Simulator {
 
     /// Serves HTTP on `listener` until `shutdown` completes.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> io::Result<()> {
-        let app = Router::new()
-            .route("/v1/completions", post(completions))
-            .route("/v1/chat/completions", post(chat_completions))
-            .route("/v1/models", get(models))
-            .route("/health", get(|| async { StatusCode::OK }))
-            .route("/metrics", get(metrics))
-            .with_state(self.shared);
+        let app = openai::routes(post(completions), post(chat_completions), get(models), get(metrics)).with_state(self.shared);
         axum::serve(listener, app).with_graceful_shutdown(shutdown).await
     }
 
@@ -379,32 +373,8 @@ async fn run_prompt(state: &Shared, text: &str, output_tokens: u64) -> Admission
     a
 }
 
-fn error_response(status: StatusCode, message: &str) -> Response {
-    (status, Json(json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}}))).into_response()
-}
-
-fn parse_object(body: &[u8]) -> Option<serde_json::Map<String, Value>> {
-    match serde_json::from_slice(body) {
-        Ok(Value::Object(m)) => Some(m),
-        _ => None,
-    }
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
 fn max_tokens(req: &serde_json::Map<String, Value>, default: u64) -> u64 {
     req.get("max_tokens").or_else(|| req.get("max_completion_tokens")).and_then(Value::as_u64).unwrap_or(default)
-}
-
-fn usage(prompt: u64, cached: u64, completion: u64) -> Value {
-    json!({
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    })
 }
 
 /// The stand-in output text: the simulator generates no language.
@@ -412,83 +382,40 @@ fn output_text(output_tokens: u64) -> String {
     format!("[simulated {output_tokens} tokens]")
 }
 
-async fn completions(State(state): State<Arc<Shared>>, body: Bytes) -> Response {
-    let Some(req) = parse_object(&body) else {
-        return error_response(StatusCode::BAD_REQUEST, "body must be a JSON object");
-    };
-    let prompts: Vec<String> = match req.get("prompt") {
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(list)) if !list.is_empty() && list.iter().all(Value::is_string) => {
-            list.iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()
-        }
-        _ => return error_response(StatusCode::BAD_REQUEST, "`prompt` must be a string or a non-empty list of strings"),
-    };
+async fn completions(State(state): State<Arc<Shared>>, body: Bytes) -> Result<Response, Response> {
+    let (prompts, req) = openai::completion_request(&body)?;
     let out = max_tokens(&req, state.cfg.default_max_tokens);
     let admissions = futures_util::future::join_all(prompts.iter().map(|p| run_prompt(&state, p, out))).await;
-    let choices: Vec<Value> = (0..prompts.len())
-        .map(|i| json!({"index": i, "text": output_text(out), "logprobs": null, "finish_reason": "length"}))
-        .collect();
+    let choices: Vec<Value> = (0..prompts.len()).map(|i| openai::completion_choice(i, output_text(out))).collect();
     let prompt: u64 = admissions.iter().map(|a| a.prompt_tokens).sum();
     let cached: u64 = admissions.iter().map(|a| a.cached_tokens).sum();
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
-    Json(json!({
-        "id": format!("cmpl-sim-{id}"),
-        "object": "text_completion",
-        "created": unix_now(),
-        "model": req.get("model").and_then(Value::as_str).unwrap_or(&state.cfg.model),
-        "choices": choices,
-        "usage": usage(prompt, cached, out * prompts.len() as u64),
-    }))
-    .into_response()
+    let model = req.get("model").and_then(Value::as_str).unwrap_or(&state.cfg.model);
+    let usage = openai::usage(prompt, Some(cached), out * prompts.len() as u64);
+    Ok(Json(openai::text_completion(format!("cmpl-sim-{id}"), openai::unix_now(), model, choices, usage)).into_response())
 }
 
-fn content_text(content: Option<&Value>) -> String {
-    match content {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
-        _ => String::new(),
-    }
-}
-
-async fn chat_completions(State(state): State<Arc<Shared>>, body: Bytes) -> Response {
-    let Some(req) = parse_object(&body) else {
-        return error_response(StatusCode::BAD_REQUEST, "body must be a JSON object");
-    };
-    let Some(Value::Array(messages)) = req.get("messages").filter(|m| m.as_array().is_some_and(|a| !a.is_empty())) else {
-        return error_response(StatusCode::BAD_REQUEST, "`messages` must be a non-empty list");
-    };
-    let mut rendered = String::new();
-    for m in messages {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or("?");
-        rendered.push_str(&format!("<|{role}|>\n{}\n", content_text(m.get("content"))));
-    }
+async fn chat_completions(State(state): State<Arc<Shared>>, body: Bytes) -> Result<Response, Response> {
+    let (messages, req) = openai::chat_request(&body)?;
+    let rendered = openai::render_chat(&messages);
     let out = max_tokens(&req, state.cfg.default_max_tokens);
     let a = run_prompt(&state, &rendered, out).await;
     let id = state.next_id.fetch_add(1, Ordering::Relaxed);
-    Json(json!({
-        "id": format!("chatcmpl-sim-{id}"),
-        "object": "chat.completion",
-        "created": unix_now(),
-        "model": req.get("model").and_then(Value::as_str).unwrap_or(&state.cfg.model),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": output_text(out)}, "finish_reason": "length"}],
-        "usage": usage(a.prompt_tokens, a.cached_tokens, out),
-    }))
-    .into_response()
+    let model = req.get("model").and_then(Value::as_str).unwrap_or(&state.cfg.model);
+    let usage = openai::usage(a.prompt_tokens, Some(a.cached_tokens), out);
+    Ok(Json(openai::chat_completion(format!("chatcmpl-sim-{id}"), model, output_text(out), usage)).into_response())
 }
 
 async fn models(State(state): State<Arc<Shared>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": state.cfg.model, "object": "model", "created": 0, "owned_by": "llm-simulator"}]}))
+    openai::models(&state.cfg.model, "llm-simulator")
 }
 
 async fn metrics(State(state): State<Arc<Shared>>) -> Response {
     let s = Simulator { shared: state.clone() }.stats();
     let m = &state.cfg.model;
     let mut t = String::new();
-    let mut series = |name: &str, kind: &str, help: &str, value: String| {
-        t.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {value}\n"));
-    };
-    series("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.", s.query_tokens.to_string());
-    series("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.", s.hit_tokens.to_string());
+    openai::push_prefix_cache_counters(&mut t, m, s.query_tokens, s.hit_tokens);
+    let mut series = |name: &str, kind: &str, help: &str, value: String| openai::push_series(&mut t, name, kind, help, m, value);
     series("vllm:num_requests_running", "gauge", "Requests holding a slot.", state.running.load(Ordering::Relaxed).to_string());
     series("vllm:num_requests_waiting", "gauge", "Requests waiting for a slot.", state.waiting.load(Ordering::Relaxed).to_string());
     series("simulator_requests_total", "counter", "Prompts served (each prompt of a list counts).", s.requests.to_string());
@@ -499,12 +426,13 @@ async fn metrics(State(state): State<Arc<Shared>>) -> Response {
     series("simulator_prefill_seconds_total", "counter", "Simulated GPU-seconds spent on prefill of uncached tokens.", format!("{:.6}", s.prefill_seconds));
     series("simulator_decode_seconds_total", "counter", "Simulated GPU-seconds spent on decode.", format!("{:.6}", s.decode_seconds));
     series("simulator_busy_seconds_total", "counter", "Simulated GPU-seconds (prefill + decode, model time).", format!("{:.6}", s.prefill_seconds + s.decode_seconds));
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], t).into_response()
+    openai::metrics_response(t)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
     use std::net::Ipv4Addr;
 
     /// 64 characters = one 16-token block at 4 characters per token.

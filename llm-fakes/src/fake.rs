@@ -23,19 +23,21 @@ use std::future::Future;
 use std::io;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::Json;
 use serde_json::{json, Map, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use url::Url;
+
+use crate::openai::{self, error_response};
 
 /// Builder and configuration of a fake server. Every option defaults to "behave well, instantly".
 #[derive(Debug, Clone)]
@@ -314,13 +316,7 @@ async fn serve_shared(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let stop = state.stop.clone();
-    let app = Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/health", get(|| async { StatusCode::OK }))
-        .route("/metrics", get(metrics))
-        .with_state(state);
+    let app = openai::routes(post(completions), post(chat_completions), get(models), get(metrics)).with_state(state);
     let signal = async move {
         tokio::select! {
             _ = shutdown => stop.cancel(),
@@ -332,31 +328,16 @@ async fn serve_shared(
 
 /// Tokens of a text in the fake's model: `max(1, ceil(chars / 4))`.
 fn tokens(text: &str) -> u64 {
-    (text.chars().count() as u64).div_ceil(4).max(1)
+    openai::tokens(text, 4)
 }
 
 fn common_prefix_chars(a: &str, b: &str) -> usize {
     a.chars().zip(b.chars()).take_while(|(x, y)| x == y).count()
 }
 
-fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
-
 /// The deterministic answer text for a prompt.
 fn answer_text(prompt: &str) -> String {
     format!("ok:{}", prompt.chars().take(8).collect::<String>())
-}
-
-fn error_response(status: u16, message: &str, retry_after: Option<u64>) -> Response {
-    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let kind = if code.is_server_error() { "server_error" } else { "invalid_request_error" };
-    let body = Json(json!({"error": {"message": message, "type": kind, "code": status}}));
-    let mut response = (code, body).into_response();
-    if let Some(secs) = retry_after {
-        response.headers_mut().insert(header::RETRY_AFTER, secs.into());
-    }
-    response
 }
 
 /// Per-prompt token accounting of one successful call.
@@ -455,41 +436,14 @@ impl Drop for InFlight<'_> {
     }
 }
 
-fn parse_object(body: &[u8]) -> Option<Map<String, Value>> {
-    match serde_json::from_slice(body) {
-        Ok(Value::Object(m)) => Some(m),
-        _ => None,
-    }
-}
-
 fn usage_json(t: &PromptTokens, completion_tokens: u64) -> Value {
-    let mut usage = json!({
-        "prompt_tokens": t.prompt,
-        "completion_tokens": completion_tokens,
-        "total_tokens": t.prompt + completion_tokens,
-    });
-    if let Some(cached) = t.cached {
-        usage["prompt_tokens_details"] = json!({ "cached_tokens": cached });
-    }
-    usage
+    openai::usage(t.prompt, t.cached, completion_tokens)
 }
 
-async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let Some(mut req) = parse_object(&body) else {
-        return error_response(400, "body must be a JSON object", None);
-    };
-    let prompts: Vec<String> = match req.remove("prompt") {
-        Some(Value::String(s)) => vec![s],
-        Some(Value::Array(list)) if !list.is_empty() && list.iter().all(Value::is_string) => {
-            list.into_iter().filter_map(|v| v.as_str().map(str::to_owned)).collect()
-        }
-        _ => return error_response(400, "`prompt` must be a string or a non-empty list of strings", None),
-    };
+async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Result<Response, Response> {
+    let (prompts, mut req) = openai::completion_request(&body)?;
     let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
-    let counts = match admit(&state, "/v1/completions", &headers, model.clone(), prompts.clone(), req).await {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
+    let counts = admit(&state, "/v1/completions", &headers, model.clone(), prompts.clone(), req).await?;
     let cfg = &state.cfg;
     let model = model.unwrap_or_else(|| cfg.model.clone());
     let id = {
@@ -497,7 +451,7 @@ async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body:
         g.completions += 1;
         g.completions
     };
-    let created = unix_now();
+    let created = openai::unix_now();
     // Per prompt: (choice, usage, llama.cpp timings), in prompt order, the omitted one left out.
     let mut answers: Vec<(Value, Value, Value)> = prompts
         .iter()
@@ -507,7 +461,7 @@ async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body:
         .map(|(i, (p, t))| {
             let text = answer_text(p);
             let completion_tokens = tokens(&text);
-            let choice = json!({"index": i, "text": text, "logprobs": null, "finish_reason": "length"});
+            let choice = openai::completion_choice(i, text);
             let cached = t.cached.unwrap_or(0);
             let timings = json!({"cache_n": cached, "prompt_n": t.prompt - cached, "predicted_n": completion_tokens});
             (choice, usage_json(t, completion_tokens), timings)
@@ -517,14 +471,7 @@ async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body:
         answers.reverse();
     }
     let object = |choices: Vec<Value>, usage: Value, timings: Option<Value>| {
-        let mut o = json!({
-            "id": format!("cmpl-fake-{id}"),
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage,
-        });
+        let mut o = openai::text_completion(format!("cmpl-fake-{id}"), created, &model, choices, usage);
         if let Some(t) = timings {
             o["timings"] = t;
         }
@@ -550,37 +497,15 @@ async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body:
             object(choices, usage, Some(timings))
         }
     };
-    Json(answer).into_response()
+    Ok(Json(answer).into_response())
 }
 
-/// Text of a chat message's `content`: a string, or the `text` parts joined.
-fn content_text(content: Option<&Value>) -> String {
-    match content {
-        Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect(),
-        _ => String::new(),
-    }
-}
-
-async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
-    let Some(mut req) = parse_object(&body) else {
-        return error_response(400, "body must be a JSON object", None);
-    };
-    let messages = match req.remove("messages") {
-        Some(Value::Array(m)) if !m.is_empty() => m,
-        _ => return error_response(400, "`messages` must be a non-empty list", None),
-    };
-    let mut rendered = String::new();
-    for m in &messages {
-        let role = m.get("role").and_then(Value::as_str).unwrap_or("?");
-        rendered.push_str(&format!("<|{role}|>\n{}\n", content_text(m.get("content"))));
-    }
-    let last = content_text(messages.last().and_then(|m| m.get("content")));
+async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Result<Response, Response> {
+    let (messages, mut req) = openai::chat_request(&body)?;
+    let rendered = openai::render_chat(&messages);
+    let last = openai::content_text(messages.last().and_then(|m| m.get("content")));
     let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
-    let counts = match admit(&state, "/v1/chat/completions", &headers, model.clone(), vec![rendered], req).await {
-        Ok(c) => c,
-        Err(r) => return r,
-    };
+    let counts = admit(&state, "/v1/chat/completions", &headers, model.clone(), vec![rendered], req).await?;
     let id = {
         let mut g = state.lock();
         g.completions += 1;
@@ -588,26 +513,12 @@ async fn chat_completions(State(state): State<Arc<Shared>>, headers: HeaderMap, 
     };
     let content = answer_text(&last);
     let completion_tokens = tokens(&content);
-    Json(json!({
-        "id": format!("chatcmpl-fake-{id}"),
-        "object": "chat.completion",
-        "created": unix_now(),
-        "model": model.unwrap_or_else(|| state.cfg.model.clone()),
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": content},
-            "finish_reason": "length",
-        }],
-        "usage": usage_json(&counts[0], completion_tokens),
-    }))
-    .into_response()
+    let model = model.unwrap_or_else(|| state.cfg.model.clone());
+    Ok(Json(openai::chat_completion(format!("chatcmpl-fake-{id}"), &model, content, usage_json(&counts[0], completion_tokens))).into_response())
 }
 
 async fn models(State(state): State<Arc<Shared>>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{"id": state.cfg.model, "object": "model", "created": 0, "owned_by": "fake-llm"}],
-    }))
+    openai::models(&state.cfg.model, "fake-llm")
 }
 
 async fn metrics(State(state): State<Arc<Shared>>) -> Response {
@@ -615,16 +526,9 @@ async fn metrics(State(state): State<Arc<Shared>>) -> Response {
         let g = state.lock();
         (g.cache_queries, g.cache_hits)
     };
-    let model = &state.cfg.model;
-    let text = format!(
-        "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.\n\
-         # TYPE vllm:prefix_cache_queries_total counter\n\
-         vllm:prefix_cache_queries_total{{model_name=\"{model}\"}} {queries}\n\
-         # HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
-         # TYPE vllm:prefix_cache_hits_total counter\n\
-         vllm:prefix_cache_hits_total{{model_name=\"{model}\"}} {hits}\n"
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    let mut text = String::new();
+    openai::push_prefix_cache_counters(&mut text, &state.cfg.model, queries, hits);
+    openai::metrics_response(text)
 }
 
 #[cfg(test)]

@@ -1,0 +1,19 @@
+//! Process exit codes, all in one place.
+//!
+//! Codes 64–78 come from BSD `sysexits.h` (`EX_SOFTWARE`, `EX_CONFIG`); 0 and 1 are the C
+//! `EXIT_SUCCESS` / `EXIT_FAILURE`. The systemd unit names [`EX_CONFIG`] in
+//! `RestartPreventExitStatus`, so a bad configuration does not restart-loop.
+
+/// Success (`EX_OK`, sysexits.h): the daemon drained and stopped, or a command finished.
+pub const EX_OK: u8 = 0;
+/// Any other fatal error (`EXIT_FAILURE`): e.g. the HTTP port cannot be bound, or the AMQP
+/// connection failed during the drain (the drain did not complete, but a longer
+/// `shutdown.drain_timeout` would not have helped, so it is not [`EX_SOFTWARE`]).
+pub const EX_FAILURE: u8 = 1;
+/// `submit --wait`: some requests got no result before `--timeout`.
+pub const EX_MISSING_RESULTS: u8 = 3;
+/// The drain did not finish within `shutdown.drain_timeout` (`EX_SOFTWARE`, sysexits.h:
+/// "an internal software error"); unfinished requests return to their queues.
+pub const EX_SOFTWARE: u8 = 70;
+/// A bad configuration, or a deployment that does not match it (`EX_CONFIG`, sysexits.h).
+pub const EX_CONFIG: u8 = 78;

@@ -1,0 +1,103 @@
+//! Shutdown outcomes of the in-process daemon (`app::run_with_events`): a drain cut short by a
+//! connection failure is an error (exit 1), never a clean stop (exit 0).
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use prefix_batcher::app::{self, AppError, Lifecycle};
+use prefix_batcher::config::Settings;
+use prefix_batcher::exit;
+use llm_fakes::fake::FakeLlm;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+/// Erlang pid of the broker connection whose client-provided name is `name` (RabbitMQ keeps it
+/// in the `connection_name` client property), from `rabbitmqctl list_connections` (one line per
+/// connection: the pid, a tab, the client properties as an Erlang term).
+fn connection_pid(name: &str) -> Option<String> {
+    let out = Command::new("rabbitmqctl")
+        .args(["list_connections", "pid", "client_properties", "-q", "--no-table-headers"])
+        .output()
+        .expect("rabbitmqctl runs");
+    let quoted = format!("\"{name}\"");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find(|line| line.contains("connection_name") && line.contains(&quoted))
+        .and_then(|line| line.split('\t').next())
+        .map(str::to_owned)
+}
+
+/// Closes the daemon's own AMQP connection (found by its name) through the broker.
+async fn close_connection_named(name: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    let pid = loop {
+        if let Some(pid) = connection_pid(name) {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "no broker connection named {name:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let status = Command::new("rabbitmqctl").args(["close_connection", &pid, "test: connection failure during the drain"]).status().unwrap();
+    assert!(status.success(), "rabbitmqctl close_connection {pid} failed");
+}
+
+/// The drain starts with LLM calls in flight (5 s each); the broker then closes the daemon's
+/// connection. The daemon must report the cut-short drain as an error with exit code 1, not
+/// stop with `Ok` (exit 0) as if every request had been finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_failure_during_the_drain_is_an_error() {
+    let env = TestEnv::new("drainfail");
+    let fake = FakeLlm::new().latency(Duration::from_secs(5)).start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.shutdown.drain_timeout = "30s".into();
+    let instance = raw.instance.name.clone();
+    let settings = Settings::from_raw(&raw).unwrap();
+
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let (events_tx, mut events) = mpsc::unbounded_channel::<Lifecycle>();
+    let daemon = tokio::spawn(app::run_with_events(
+        settings,
+        async move {
+            let _ = stop_rx.await;
+        },
+        move |e| {
+            let _ = events_tx.send(e);
+        },
+    ));
+    let mut redis = RedisProbe::connect().await.unwrap();
+    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &instance).await;
+
+    let amqp = Amqp::connect().await;
+    let reply = format!("{}.reply", env.name);
+    let results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("drainfail", 16, 4);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    tokio::time::timeout(DEADLINE, fake.wait_for_calls(1)).await.expect("an LLM call starts");
+
+    stop_tx.send(()).unwrap();
+    let stopping = tokio::time::timeout(DEADLINE, async {
+        while let Some(e) = events.recv().await {
+            if e == Lifecycle::Stopping {
+                return true;
+            }
+        }
+        false
+    });
+    assert!(stopping.await.expect("the drain starts"), "the daemon ended without draining");
+    assert!(!daemon.is_finished(), "the drain finished before the connection could be broken; the test proves nothing");
+    close_connection_named(&format!("prefix-batcher {instance}")).await;
+
+    let outcome = tokio::time::timeout(DEADLINE, daemon).await.expect("the daemon stops").expect("no panic");
+    match outcome {
+        Err(e @ AppError::DrainFailed(_)) => assert_eq!(e.exit_code(), exit::EX_FAILURE, "{e}"),
+        other => panic!("a drain cut short by a connection failure must be AppError::DrainFailed, got {other:?}"),
+    }
+
+    results.close().await;
+    amqp.close().await;
+    fake.shutdown();
+    env.cleanup().await;
+}
