@@ -23,7 +23,9 @@
 //! # Safety argument
 //!
 //! A holder consumes partition `p` only while `now < t_sent + renew_deadline`, where `t_sent` is
-//! the monotonic time at which it *sent* its last successful acquire/renew. The lease in Redis
+//! the monotonic time at which it *sent* its last successful acquire/renew (taken before the
+//! whole concurrent round of commands is sent, so never later than the real send); [`LeaseClock`]
+//! is that local deadline, checked before every publish and ack. The lease in Redis
 //! lives until at least `t_sent + lease_ttl` measured by Redis (the expiry was set after the send),
 //! so as long as clocks advance at similar rates (Redis uses its own monotonic-ish clock) and
 //! `lease_ttl - renew_deadline` covers the drift and the time between the last local check and a
