@@ -318,6 +318,7 @@ impl App {
             tokio::spawn(async move { crate::router::run(&conn, settings, token).await })
         };
         let mut backlog = tokio::spawn(poll_backlog(conn.clone(), self.settings.clone(), session.child_token()));
+        tokio::spawn(crate::splits::run(self.settings.clone(), redis.clone(), session.child_token()));
         let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone());
         let (ready_tx, mut ready_rx) = mpsc::unbounded_channel::<()>();
         let phase = {

@@ -17,32 +17,72 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::config::{AmqpSettings, KeyingMode, Settings};
-use crate::keying::{derive_key, partition_of, pick_shard, shards_for};
+use crate::affinity::{self, RoutedKey};
+use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards};
 use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, headers_with, Intake, HEADER_SHARD};
+use crate::publisher::{self, headers_with, Intake, HEADER_ROUTED_KEY, HEADER_SHARD};
+use crate::splits::Affinity;
 
 /// Where one valid request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub request_id: String,
+    /// Hex of the key the request routes by (its routed level's key).
     pub key_hex: String,
-    /// The first characters of the key material, for logs.
+    /// The key it routes by, with its level; sent as header `x-routed-key`.
+    pub routed: RoutedKey,
+    /// The first characters of the level-0 key material, for logs.
     pub key_preview: String,
     pub shard: u32,
     pub partition: u32,
 }
 
-/// Decides the route of a parsed request (pure apart from the random shard).
+/// Decides the route of a parsed request with the split view of its deployment
+/// ([`Affinity::for_prefix`]); see [`route_in`].
 pub fn route(req: &crate::request::Request, settings: &Settings) -> Route {
+    route_in(req, settings, &Affinity::for_prefix(&settings.redis.key_prefix))
+}
+
+/// Decides the route of a parsed request (no I/O: it reads the local split view; the shard is
+/// random):
+/// - `adaptive`: a key with a static entry (`sharding.keys`, `sharding.rules`) uses it at level
+///   0; any other routes by the shortest level whose key is not split ([`affinity::choose`]),
+///   over the shards of a spread key. The arrival and key hygiene are recorded in `affinity`.
+/// - `prefix` (static): the level-0 key over `shards_for` shards.
+/// - `off`: a random partition.
+pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &Affinity) -> Route {
     let keyed = derive_key(req, &settings.keying);
-    let (shard, partition) = match settings.keying.mode {
+    let level0 = RoutedKey { level: 0, levels: 1, key: keyed.key };
+    let p = settings.amqp.partitions;
+    let (routed, shard, partition) = match settings.keying.mode {
+        KeyingMode::Adaptive => {
+            let fixed = static_shards(&keyed, &settings.sharding);
+            let choice = match fixed {
+                Some(n) => affinity::Choice { routed: level0, shards: n, through: Vec::new() },
+                None => affinity::choose(&affinity.view(), level_count(req), |l| match l {
+                    0 => keyed.key,
+                    l => level_key(req, &settings.keying, l).expect("choose asks only for levels below level_count"),
+                }),
+            };
+            let unsplittable = fixed.is_some() || (choice.routed.is_finest() && choice.shards >= settings.sharding.max_shards);
+            affinity.routed(&choice, keyed.key, keyed.material.chars().count(), unsplittable);
+            let shard = pick_shard(choice.shards);
+            (choice.routed, shard, partition_of(choice.routed.key, shard, p))
+        }
         KeyingMode::Prefix => {
             let shard = pick_shard(shards_for(&keyed, &settings.sharding));
-            (shard, partition_of(keyed.key, shard, settings.amqp.partitions))
+            (level0, shard, partition_of(keyed.key, shard, p))
         }
-        KeyingMode::Off => (0, fastrand::u32(0..settings.amqp.partitions.get())),
+        KeyingMode::Off => (level0, 0, fastrand::u32(0..p.get())),
     };
-    Route { request_id: req.id.clone(), key_hex: keyed.key.to_string(), key_preview: keyed.preview().to_owned(), shard, partition }
+    Route {
+        request_id: req.id.clone(),
+        key_hex: routed.key.to_string(),
+        routed,
+        key_preview: keyed.preview().to_owned(),
+        shard,
+        partition,
+    }
 }
 
 /// Runs the router until `stop` fires or the connection fails. On stop it cancels its consumer
@@ -120,5 +160,6 @@ fn forward_props(props: &BasicProperties, r: &Route) -> BasicProperties {
     if props.correlation_id().is_none() {
         p = p.with_correlation_id(r.request_id.as_str().into());
     }
-    p.with_headers(headers_with(props.headers().as_ref(), &[(HEADER_SHARD, r.shard.to_string())]))
+    let extra = [(HEADER_SHARD, r.shard.to_string()), (HEADER_ROUTED_KEY, r.routed.to_string())];
+    p.with_headers(headers_with(props.headers().as_ref(), &extra))
 }
