@@ -405,6 +405,56 @@ mod tests {
     }
 
     #[test]
+    fn completion_levels_grow_by_four_and_short_prompts_keep_their_key() {
+        let c = kcfg(4, ChatKey::System);
+        let long = format!("abcd{}", "x".repeat(300));
+        let r = req(&format!(r#"{{"prompt":"{long}"}}"#));
+        assert_eq!(level_count(&r), COMPLETION_LEVELS);
+        assert_eq!(level_key(&r, &c, 0), Some(derive_key(&r, &c).key));
+        for (level, chars) in [(1u8, 16usize), (2, 64), (3, 256)] {
+            assert_eq!(level_key(&r, &c, level), Some(PrefixKey::of(&long[..chars])), "level {level}");
+        }
+        assert_eq!(level_key(&r, &c, 4), None);
+        let short = req(r#"{"prompt":"abcdefg"}"#);
+        let (l1, l2) = (level_key(&short, &c, 1), level_key(&short, &c, 2));
+        assert_eq!(l1, Some(PrefixKey::of("abcdefg")));
+        assert_eq!(l1, l2, "shorter than a level: the whole prompt there and deeper");
+    }
+
+    #[test]
+    fn chat_levels_follow_the_conversation() {
+        let c = kcfg(256, ChatKey::System);
+        let turn1 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"}]}"#);
+        let turn2 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"}]}"#);
+        let turn3 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"},{"role":"assistant","content":"a2"},{"role":"user","content":"u3"}]}"#);
+        let other = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"v1"}]}"#);
+        assert_eq!(level_count(&turn1), CHAT_LEVELS);
+        let k = |r: &Request, l| level_key(r, &c, l).unwrap();
+        // Level 0: the system prompt, shared by all.
+        assert!([&turn2, &turn3, &other].iter().all(|r| k(r, 0) == k(&turn1, 0)));
+        // Level 1: the conversation's opening, the same over all its turns.
+        assert!(k(&turn1, 1) == k(&turn2, 1) && k(&turn2, 1) == k(&turn3, 1));
+        assert_ne!(k(&turn1, 1), k(&other, 1));
+        let Body::Chat(msgs) = &turn3.body else { unreachable!() };
+        assert_eq!(k(&turn3, 2), PrefixKey::of(&render_chat(&msgs[..4], usize::MAX)), "streamed hash = hash of the rendering");
+        assert_eq!(k(&turn1, 1), PrefixKey::of("<|system|>\nS\n<|user|>\nu1\n"), "hashes the rendering");
+        // Level 2: through the second user turn.
+        assert_eq!(k(&turn2, 2), k(&turn3, 2));
+        assert_ne!(k(&turn1, 2), k(&turn2, 2));
+        assert_eq!(k(&turn1, 2), k(&turn1, 1), "one user turn: the whole conversation");
+        assert_eq!(level_key(&turn1, &c, 3), None);
+    }
+
+    #[test]
+    fn an_explicit_key_has_one_level() {
+        let c = kcfg(4, ChatKey::System);
+        let r = req(r#"{"prompt":"Hello world","prefix_key":"tenant-1"}"#);
+        assert_eq!(level_count(&r), 1);
+        assert_eq!(level_key(&r, &c, 0), Some(PrefixKey::of("tenant-1")));
+        assert_eq!(level_key(&r, &c, 1), None);
+    }
+
+    #[test]
     fn unknown_message_schema_is_an_error_not_a_shared_key() {
         let err = parse(br#"{"messages":[{"role":"user","content":{"image":1}}]}"#, &Envelope::default(), 1000);
         assert_eq!(err.unwrap_err().reason(), "unknown_message_schema");

@@ -189,6 +189,18 @@ pub struct SyncAnswer {
     pub removed: u64,
 }
 
+/// Where a refresh publishes and reads the split set: [`SplitStore`] (Redis); tests use their own.
+pub trait SplitSync {
+    /// One refresh (see the module doc).
+    fn sync(&self, req: &SyncRequest) -> impl std::future::Future<Output = Result<SyncAnswer, SplitsError>> + Send;
+}
+
+impl SplitSync for SplitStore {
+    fn sync(&self, req: &SyncRequest) -> impl std::future::Future<Output = Result<SyncAnswer, SplitsError>> + Send {
+        self.call(req, false)
+    }
+}
+
 /// The split set in Redis.
 #[derive(Clone)]
 pub struct SplitStore {
@@ -202,11 +214,6 @@ impl SplitStore {
     /// `timeout` bounds every call (`redis.command_timeout`).
     pub fn new(conn: ConnectionManager, prefix: &str, timeout: Duration) -> Self {
         SplitStore { conn, prefix: prefix.to_owned(), timeout, script: Arc::new(Script::new(SYNC)) }
-    }
-
-    /// One refresh (see the module doc). Errors: Redis unreachable, failing or too slow.
-    pub async fn sync(&self, req: &SyncRequest) -> Result<SyncAnswer, SplitsError> {
-        self.call(req, false).await
     }
 
     /// Reads the live split set without changing anything (for `status`).
@@ -378,7 +385,7 @@ impl Affinity {
     /// One refresh at `now`: decides splits and merges, publishes them with the arrival counts,
     /// and replaces the view with the answer. On an error the view stays as it was and the
     /// arrival counts are kept for the next refresh.
-    pub async fn refresh(&self, store: &SplitStore, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
+    pub async fn refresh(&self, store: &impl SplitSync, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
         let view = self.view();
         let hot = lock(&self.inner.load).tick(now, rules, &view);
         let arrivals: Vec<(SplitMember, u64)> = lock(&self.inner.router).arrivals.drain().collect();
@@ -473,4 +480,76 @@ pub fn batch_key(settings: &Settings, partition: u32, req: &Request, headers: Op
         Affinity::for_prefix(&settings.redis.key_prefix).dequeued(partition, routed, Duration::from_millis(queued_ms));
     }
     routed.key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::num::NonZeroU32;
+
+    /// A split set that answers from memory, or fails like an unreachable Redis.
+    #[derive(Default)]
+    struct Memory {
+        set: Mutex<HashMap<SplitMember, f64>>,
+        down: std::sync::atomic::AtomicBool,
+        arrivals: Mutex<u64>,
+    }
+
+    impl SplitSync for Memory {
+        async fn sync(&self, req: &SyncRequest) -> Result<SyncAnswer, SplitsError> {
+            if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(SplitsError::Timeout(Duration::from_secs(2)));
+            }
+            let mut set = lock(&self.set);
+            let mut added = Vec::new();
+            for (m, d) in &req.adds {
+                if set.insert(*m, *d).is_none() {
+                    added.push(*m);
+                }
+            }
+            let removed = req.merges.iter().filter(|m| set.remove(m).is_some()).count() as u64;
+            *lock(&self.arrivals) += req.arrivals.iter().map(|(_, n)| n).sum::<u64>();
+            let records = set
+                .iter()
+                .map(|(m, d)| SplitRecord { member: *m, expires_in_ms: 10_000, drain_rps: Some(*d), arrivals_rps: 100.0 })
+                .collect();
+            Ok(SyncAnswer { records, added, removed })
+        }
+    }
+
+    fn hot_load(a: &Affinity, key: RoutedKey) {
+        for _ in 0..20 {
+            a.dequeued(3, key, Duration::from_secs(5));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hot_key_is_published_and_a_redis_outage_freezes_the_view() {
+        let a = Affinity::default();
+        let store = Memory::default();
+        let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
+        let hot = RoutedKey { level: 0, levels: 4, key: PrefixKey(42) };
+        let t0 = Instant::now();
+        for s in 0..=3 {
+            hot_load(&a, hot);
+            a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.unwrap();
+        }
+        let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
+        assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split));
+        assert!(lock(&store.set).contains_key(&split));
+
+        // Redis down: the refresh fails, the view stays, arrivals are kept for later.
+        store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        let choice = crate::affinity::choose(&a.view(), 4, |l| PrefixKey(42 + u64::from(l)));
+        assert_eq!(choice.routed.level, 1);
+        a.routed(&choice, PrefixKey(42), 300, false);
+        for s in 4..60 {
+            assert!(a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.is_err());
+            assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split), "frozen at {s}s");
+        }
+        store.down.store(false, std::sync::atomic::Ordering::SeqCst);
+        a.refresh(&store, &rules, t0 + Duration::from_secs(60)).await.unwrap();
+        assert_eq!(*lock(&store.arrivals), 1, "the arrival counted during the outage arrives");
+        assert_eq!(a.view().len(), 1, "still hot (100 rps > half of 20 rps): kept");
+    }
 }
