@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
-use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards};
+use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
 use crate::metrics::{self, outcome, stage};
 use crate::publisher::{self, headers_with, Intake, HEADER_ROUTED_KEY, HEADER_SHARD};
 use crate::splits::Affinity;
@@ -65,7 +65,9 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
                 }),
             };
             let unsplittable = fixed.is_some() || (choice.routed.is_finest() && choice.shards >= settings.sharding.max_shards);
-            affinity.routed(&choice, keyed.key, keyed.material.chars().count(), unsplittable);
+            // Explicit keys are names, not prompt text: their length says nothing about caching.
+            let material_chars = if keyed.source == KeySource::Explicit { usize::MAX } else { keyed.material.chars().count() };
+            affinity.routed(&choice, keyed.key, material_chars, unsplittable);
             let shard = pick_shard(choice.shards);
             (choice.routed, shard, partition_of(choice.routed.key, shard, p))
         }
@@ -162,4 +164,71 @@ fn forward_props(props: &BasicProperties, r: &Route) -> BasicProperties {
     }
     let extra = [(HEADER_SHARD, r.shard.to_string()), (HEADER_ROUTED_KEY, r.routed.to_string())];
     p.with_headers(headers_with(props.headers().as_ref(), &extra))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::affinity::{SplitMember, SplitState, SplitView};
+    use crate::config::RawConfig;
+    use crate::keying::{level_key, PrefixKey};
+    use crate::request::{parse, Envelope};
+
+    fn settings(edit: impl FnOnce(&mut RawConfig)) -> Settings {
+        let mut raw = RawConfig::default();
+        raw.keying.prefix_chars = 8;
+        edit(&mut raw);
+        Settings::from_raw(&raw).unwrap()
+    }
+
+    fn req(json: &str) -> crate::request::Request {
+        parse(json.as_bytes(), &Envelope::default(), 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn adaptive_routes_by_the_shortest_unsplit_level_and_static_entries_win() {
+        let s = settings(|r| {
+            r.sharding.keys.insert("tenant-1".into(), 3);
+        });
+        let a = Affinity::default();
+        let r = req(r#"{"prompt":"shared prefix, then the rest of a long prompt"}"#);
+        let first = route_in(&r, &s, &a);
+        assert_eq!((first.routed.level, first.routed.levels, first.shard), (0, 4, 0));
+        assert_eq!(first.routed.key, PrefixKey::of("shared p"));
+
+        a.set_view(SplitView::new([SplitMember { level: 0, key: first.routed.key, state: SplitState::Split }]));
+        let split = route_in(&r, &s, &a);
+        assert_eq!(split.routed.level, 1);
+        assert_eq!(Some(split.routed.key), level_key(&r, &s.keying, 1));
+        assert_eq!(split.key_hex, split.routed.key.to_string());
+        assert_eq!(split.partition, partition_of(split.routed.key, 0, s.amqp.partitions));
+
+        // An explicit key with a static entry keeps its static shards, whatever the view says.
+        let t = req(r#"{"prompt":"x","prefix_key":"tenant-1"}"#);
+        a.set_view(SplitView::new([SplitMember { level: 0, key: PrefixKey::of("tenant-1"), state: SplitState::Spread(NonZeroU32::new(8).unwrap()) }]));
+        for _ in 0..50 {
+            let rt = route_in(&t, &s, &a);
+            assert!(rt.shard < 3 && rt.routed.level == 0, "{rt:?}");
+        }
+    }
+
+    #[test]
+    fn static_and_off_modes_ignore_the_split_view() {
+        let r = req(r#"{"prompt":"shared prefix, then more"}"#);
+        let a = Affinity::default();
+        a.set_view(SplitView::new([SplitMember { level: 0, key: PrefixKey::of("shared p"), state: SplitState::Split }]));
+        let s = settings(|r| {
+            r.keying.mode = "prefix".into();
+            r.sharding.default_shards = 2;
+        });
+        for _ in 0..20 {
+            let rt = route_in(&r, &s, &a);
+            assert_eq!((rt.routed.level, rt.routed.key), (0, PrefixKey::of("shared p")));
+            assert!(rt.shard < 2);
+        }
+        let off = settings(|r| r.keying.mode = "off".into());
+        assert_eq!(route_in(&r, &off, &a).shard, 0);
+    }
 }

@@ -49,7 +49,7 @@ use crate::affinity::{Choice, KeyHygiene, LoadTracker, RoutedKey, SplitLedger, S
 use lapin::types::FieldTable;
 
 use crate::config::{KeyingMode, Settings};
-use crate::keying::{derive_key, level_count, PrefixKey};
+use crate::keying::{derive_key, level_count, static_shards, PrefixKey};
 use crate::publisher::{header_str, HEADER_ROUTED_KEY};
 use crate::request::Request;
 use crate::metrics::{self, keys as kind};
@@ -476,7 +476,10 @@ pub fn batch_key(settings: &Settings, partition: u32, req: &Request, headers: Op
     let routed = header_str(headers, HEADER_ROUTED_KEY).and_then(|h| h.parse::<RoutedKey>().ok()).unwrap_or_else(|| {
         RoutedKey { level: 0, levels: level_count(req), key: derive_key(req, &settings.keying).key }
     });
-    if settings.keying.mode == KeyingMode::Adaptive {
+    // A key with a static entry (routed with one level, like an explicit key) keeps its static
+    // shards: its load is not the split rule's business.
+    let fixed = || routed.levels == 1 && static_shards(&derive_key(req, &settings.keying), &settings.sharding).is_some();
+    if settings.keying.mode == KeyingMode::Adaptive && !fixed() {
         Affinity::for_prefix(&settings.redis.key_prefix).dequeued(partition, routed, Duration::from_millis(queued_ms));
     }
     routed.key
