@@ -424,6 +424,13 @@ async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option
     Ok((depths, input))
 }
 
+/// The split set, busiest key first. Errors: Redis unreachable, failing or too slow.
+async fn hot_keys(r: &redis::aio::ConnectionManager, prefix: &str, timeout: Duration) -> anyhow::Result<Vec<HotKeyStatus>> {
+    let mut hot: Vec<HotKeyStatus> = SplitStore::new(r.clone(), prefix, timeout).read().await?.into_iter().map(HotKeyStatus::from).collect();
+    hot.sort_by(|a, b| b.arrivals_rps.total_cmp(&a.arrivals_rps).then_with(|| a.key.cmp(&b.key)));
+    Ok(hot)
+}
+
 /// Reads members, nonces, leases and their remaining TTLs from Redis, and queue depths and
 /// consumer counts from RabbitMQ (when RabbitMQ is unreachable the rest is still reported, with
 /// `amqp_error` set).
@@ -438,9 +445,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         .with_context(|| format!("connecting to {}", settings.redis.url))?;
     let prefix = &settings.redis.key_prefix;
     let live = read_members(&mut r, prefix).await?;
-    let mut hot_keys: Vec<HotKeyStatus> =
-        SplitStore::new(r.clone(), prefix, timeout).read().await?.into_iter().map(HotKeyStatus::from).collect();
-    hot_keys.sort_by(|a, b| b.arrivals_rps.total_cmp(&a.arrivals_rps).then_with(|| a.key.cmp(&b.key)));
+    let hot_keys = hot_keys(&r, prefix, timeout).await?;
     let p = settings.amqp.partitions.get();
     let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, timeout).await?;
     let mut pipe = redis::pipe();
@@ -497,18 +502,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let moving = partitions.iter().filter(|s| s.note == Some("moving")).map(|s| s.partition).collect();
     let partition_backlog =
         if depths.iter().all(Option::is_some) { Some(depths.iter().flatten().map(|d| u64::from(d.0)).sum()) } else { None };
-    Ok(Status {
-        partition_count: p,
-        members,
-        partitions,
-        unowned,
-        moving,
-        stale_owners,
-        input_backlog,
-        partition_backlog,
-        amqp_error,
-        hot_keys,
-    })
+    Ok(Status { partition_count: p, members, partitions, unowned, moving, stale_owners, input_backlog, partition_backlog, amqp_error, hot_keys })
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {

@@ -929,6 +929,8 @@ mod tests {
         assert_eq!(s.amqp.partitions.get(), 64);
         assert_eq!(s.batching.max_batch_wait, Duration::from_secs(1));
         assert_eq!(s.sharding.default_shards.get(), 8);
+        assert_eq!(s.sharding.max_shards.get(), 8);
+        assert_eq!(s.keying.mode, KeyingMode::Adaptive, "adaptive keying is the default");
         assert_eq!(s.ownership.lease_ttl, Duration::from_secs(15));
         assert_eq!(s.amqp.partition_queue(7), "prefix-batcher.partition.007");
     }

@@ -72,11 +72,12 @@ local t = redis.call('TIME')
 local sec = tonumber(t[1])
 local now = sec * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
+local expiry = string.format('%d', now + ttl)
 local i = 5
 local added = {}
 local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
-  if redis.call('ZADD', KEYS[1], 'NX', now + ttl, ARGV[i]) == 1 then
+  if redis.call('ZADD', KEYS[1], 'NX', expiry, ARGV[i]) == 1 then
     redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
     added[#added + 1] = ARGV[i]
   end
@@ -84,7 +85,7 @@ for _ = 1, n do
 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
-  redis.call('ZADD', KEYS[1], 'XX', 'GT', now + ttl, ARGV[i])
+  redis.call('ZADD', KEYS[1], 'XX', 'GT', expiry, ARGV[i])
   i = i + 1
 end
 local removed = 0
@@ -95,23 +96,24 @@ for _ = 1, n do
   i = i + 1
 end
 n = tonumber(ARGV[i]); i = i + 1
-local akey = ARGV[1] .. ':' .. sec
+local akey = ARGV[1] .. ':' .. string.format('%d', sec)
 for _ = 1, n do
   redis.call('HINCRBY', akey, ARGV[i], ARGV[i + 1])
   i = i + 2
 end
 if n > 0 then redis.call('EXPIRE', akey, 60) end
 if ARGV[4] == '0' then
-  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  local nows = string.format('%d', now)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', nows)) do
     redis.call('HDEL', KEYS[2], m)
   end
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', nows)
   if redis.call('EXISTS', KEYS[1]) == 1 then
     redis.call('PEXPIRE', KEYS[1], ttl)
     redis.call('PEXPIRE', KEYS[2], ttl)
   end
 end
-local live = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf', 'WITHSCORES')
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf', 'WITHSCORES')
 local members, expires, drains, arrivals = {}, {}, {}, {}
 for j = 1, #live, 2 do
   local m = live[j]
@@ -120,7 +122,7 @@ for j = 1, #live, 2 do
   drains[#drains + 1] = redis.call('HGET', KEYS[2], m) or ''
   local sum = 0
   for w = 1, tonumber(ARGV[3]) do
-    sum = sum + tonumber(redis.call('HGET', ARGV[1] .. ':' .. (sec - w), m) or '0')
+    sum = sum + tonumber(redis.call('HGET', ARGV[1] .. ':' .. string.format('%d', sec - w), m) or '0')
   end
   arrivals[#arrivals + 1] = sum
 end
