@@ -217,3 +217,59 @@ async fn routing_goes_on_with_the_last_view_when_redis_is_unreachable() {
     drop(redis);
     env.cleanup().await;
 }
+
+/// A daemon whose one LLM server is slower than the arrivals of one hot key: the key's partition
+/// queues requests for seconds, the key splits by itself, and the requests that arrive after the
+/// split route (and batch) by their own level-1 keys; the split set in Redis holds the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_key_splits_by_itself_and_its_requests_fan_out() {
+    let env = TestEnv::new("affinity-hot");
+    // Drain: 2 calls in flight × 2 requests per batch / 300 ms ≈ 13 requests/s; arrivals 25/s.
+    let fake = FakeLlm::new().latency(Duration::from_millis(300)).start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.batching.max_batch_size = 2;
+    raw.llm.max_concurrency = 2;
+    let settings = Settings::from_raw(&raw).unwrap();
+    let Started { amqp, daemon, results: replies, .. } = start_with_replies(&env, &raw).await;
+    let mut results = amqp.consume(&env.results_queue()).await;
+
+    let head = "One hot shared system prompt....";
+    assert_eq!(head.chars().count(), PREFIX_CHARS);
+    let texts: Vec<String> = (0..240).map(|i| format!("{head} user turn {i:04} {}", "z".repeat(120))).collect();
+    let reqs: Vec<TestRequest> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| TestRequest { id: format!("hot-{i}"), body: json!({ "id": format!("hot-{i}"), "prompt": t }).to_string().into_bytes(), group: 0 })
+        .collect();
+    let level0 = derive_key(&completion(&texts[0]), &settings.keying).key;
+    let publisher = cluster::PacedPublisher::start(env.input_queue(), reqs.clone(), 25);
+    let view = Affinity::for_prefix(env.key_prefix());
+    wait_for("the hot key to split", DEADLINE, || view.view().get(0, level0) == Some(SplitState::Split)).await;
+    let mut r = RedisProbe::connect().await.unwrap();
+    let member = SplitMember { level: 0, key: level0, state: SplitState::Split };
+    let score: Option<f64> =
+        redis::cmd("ZSCORE").arg(splits::splits_key(env.key_prefix())).arg(member.to_string()).query_async(&mut r.conn).await.unwrap();
+    assert!(score.is_some(), "the split is in the shared split set");
+
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    let by_id = results.by_correlation();
+    let (mut at_level0, mut at_level1) = (0, std::collections::HashSet::new());
+    for (i, text) in texts.iter().enumerate() {
+        let key = by_id[&format!("hot-{i}")][0].result().prefix_key;
+        let level1 = PrefixKey::of(prefix_chars(text, PREFIX_CHARS * LEVEL_GROWTH)).to_string();
+        if key == level0.to_string() {
+            at_level0 += 1;
+        } else {
+            assert_eq!(key, level1, "hot-{i} routed by neither its level-0 nor its level-1 key");
+            at_level1.insert(key);
+        }
+    }
+    assert!(at_level0 > 0 && at_level1.len() > 10, "{at_level0} requests at level 0, {} distinct level-1 keys", at_level1.len());
+    drop(publisher);
+
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.close().await;
+    replies.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
