@@ -288,7 +288,8 @@ pub struct HotKey {
     pub median_delay: Duration,
 }
 
-/// Per-partition load at the partition owner: queueing delays and key shares per window.
+/// Per-partition load at the partition owner: queueing delays and key shares per window. A
+/// partition this instance stops owning keeps closing empty windows, which never make a key hot.
 #[derive(Debug, Default)]
 pub struct LoadTracker {
     /// Closed windows (the newest last, at most `delay_windows`) and the open one, per partition.
@@ -303,11 +304,6 @@ impl LoadTracker {
         let (_, open) = self.partitions.entry(partition).or_default();
         open.delays_ms.push(queued.as_millis() as u64);
         *open.keys.entry(routed).or_default() += 1;
-    }
-
-    /// Forgets a partition this instance no longer owns.
-    pub fn release(&mut self, partition: u32) {
-        self.partitions.remove(&partition);
     }
 
     /// Closes the open window when `rules.window` has passed since it opened and returns the

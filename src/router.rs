@@ -1,7 +1,8 @@
 //! The router: consumes the input queue (competing consumers: every instance runs one), keys each
 //! request and forwards it to its partition queue.
 //!
-//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → derive key → pick shard → partition → publish to the shard exchange with
+//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → key ([`route`]: in the default
+//! adaptive mode the shortest key level that is not split) → pick shard → partition → publish to the shard exchange with
 //! routing key = partition, wait for the confirm → ack the input. Bad input is published to the
 //! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
 //! loop. Deliveries are handled concurrently; `amqp.input_prefetch` bounds how many.
@@ -155,8 +156,8 @@ async fn requeue(delivery: Delivery) {
 }
 
 /// Properties of a forwarded request: the original ones, with `message_id` = request id (so every
-/// stage agrees on a generated id), `correlation_id` defaulting to the request id, the shard in a
-/// header, and persistent delivery.
+/// stage agrees on a generated id), `correlation_id` defaulting to the request id, the shard and
+/// the routed key in headers (`x-shard`, `x-routed-key`), and persistent delivery.
 fn forward_props(props: &BasicProperties, r: &Route) -> BasicProperties {
     let mut p = props.clone().with_message_id(r.request_id.as_str().into()).with_delivery_mode(publisher::PERSISTENT);
     if props.correlation_id().is_none() {

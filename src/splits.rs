@@ -379,11 +379,6 @@ impl Affinity {
         lock(&self.inner.load).observe(partition, routed, queued);
     }
 
-    /// Forgets the load of a partition this instance no longer owns.
-    pub fn released(&self, partition: u32) {
-        lock(&self.inner.load).release(partition);
-    }
-
     /// One refresh at `now`: decides splits and merges, publishes them with the arrival counts,
     /// and replaces the view with the answer. On an error the view stays as it was and the
     /// arrival counts are kept for the next refresh.
