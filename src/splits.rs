@@ -325,7 +325,11 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl Affinity {
     /// The handle of the deployment whose Redis keys start with `prefix` (created on first use).
     pub fn for_prefix(prefix: &str) -> Affinity {
-        lock(&HANDLES).entry(prefix.to_owned()).or_default().clone()
+        let mut handles = lock(&HANDLES);
+        match handles.get(prefix) {
+            Some(a) => a.clone(),
+            None => handles.entry(prefix.to_owned()).or_default().clone(),
+        }
     }
 
     /// The current local view (never waits on Redis).
