@@ -482,7 +482,8 @@ pub struct ShardRule {
 pub struct ShardingSettings {
     /// Shards per key in the static `prefix` mode (keys without a table entry or rule).
     pub default_shards: NonZeroU32,
-    /// Adaptive mode: shards a hot finest-level key (or hot explicit key) is spread over.
+    /// Adaptive mode: shards a hot finest-level key (or hot explicit key) is spread over; at most
+    /// `amqp.partitions` (a larger configured value is capped).
     pub max_shards: NonZeroU32,
     pub keys: HashMap<String, NonZeroU32>,
     pub rules: Vec<ShardRule>,
@@ -800,12 +801,13 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32) -> Result<ShardingSettings,
     }
     let sharding = ShardingSettings {
         default_shards: nonzero_u32("sharding.default_shards", s.default_shards)?,
-        max_shards: nonzero_u32("sharding.max_shards", s.max_shards)?,
+        // More shards than partitions spread no further: capped, so lowering `amqp.partitions`
+        // needs no change here.
+        max_shards: nonzero_u32("sharding.max_shards", s.max_shards)?.min(partitions),
         keys,
         rules,
     };
-    for (key, n) in [("sharding.default_shards", sharding.default_shards), ("sharding.max_shards", sharding.max_shards)]
-        .into_iter()
+    for (key, n) in std::iter::once(("sharding.default_shards", sharding.default_shards))
         .chain(sharding.keys.values().map(|n| ("sharding.keys", *n)))
         .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards", r.shards)))
     {
@@ -930,6 +932,9 @@ mod tests {
         assert_eq!(s.batching.max_batch_wait, Duration::from_secs(1));
         assert_eq!(s.sharding.default_shards.get(), 8);
         assert_eq!(s.sharding.max_shards.get(), 8);
+        let mut few = RawConfig::default();
+        (few.amqp.partitions, few.sharding.default_shards) = (4, 4);
+        assert_eq!(ok(&few).sharding.max_shards.get(), 4, "max_shards is capped at amqp.partitions");
         assert_eq!(s.keying.mode, KeyingMode::Adaptive, "adaptive keying is the default");
         assert_eq!(s.ownership.lease_ttl, Duration::from_secs(15));
         assert_eq!(s.amqp.partition_queue(7), "prefix-batcher.partition.007");
@@ -972,7 +977,6 @@ mod tests {
             (|r| r.sharding.default_shards = 0, "sharding.default_shards"),
             (|r| r.sharding.default_shards = 65, "sharding.default_shards"),
             (|r| r.sharding.max_shards = 0, "sharding.max_shards"),
-            (|r| r.sharding.max_shards = 65, "sharding.max_shards"),
             (|r| r.llm.endpoints = vec![], "llm.endpoints"),
             (|r| r.llm.endpoints = vec!["ftp://x".into()], "llm.endpoints"),
             (|r| r.llm.max_attempts = 0, "llm.max_attempts"),
