@@ -45,6 +45,8 @@ pub const HEADER_INSTANCE: &str = "x-instance";
 pub const HEADER_PREFIX_KEY: &str = "x-prefix-key";
 /// Header set by the router on forwarded requests: the chosen shard.
 pub const HEADER_SHARD: &str = "x-shard";
+/// Header set by the router on forwarded requests: the key it routed by, `"{level}/{levels}:{key hex}"` ([`crate::affinity::RoutedKey`]); partitions batch by it.
+pub const HEADER_ROUTED_KEY: &str = "x-routed-key";
 
 /// Header with the publish time in Unix milliseconds, the name RabbitMQ's message-timestamp plugin
 /// uses (<https://github.com/rabbitmq/rabbitmq-message-timestamp>); preferred over the AMQP

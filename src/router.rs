@@ -1,7 +1,8 @@
 //! The router: consumes the input queue (competing consumers: every instance runs one), keys each
 //! request and forwards it to its partition queue.
 //!
-//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → derive key → pick shard → partition → publish to the shard exchange with
+//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → key ([`route`]: in the default
+//! adaptive mode the shortest key level that is not split) → pick shard → partition → publish to the shard exchange with
 //! routing key = partition, wait for the confirm → ack the input. Bad input is published to the
 //! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
 //! loop. Deliveries are handled concurrently; `amqp.input_prefetch` bounds how many.
@@ -18,32 +19,74 @@ use tracing::{debug, info, warn};
 
 use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
-use crate::keying::{derive_key, partition_of, pick_shard, shards_for};
+use crate::affinity::{self, RoutedKey};
+use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
 use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, headers_with, Intake, HEADER_SHARD};
+use crate::publisher::{self, headers_with, Intake, HEADER_ROUTED_KEY, HEADER_SHARD};
+use crate::splits::Affinity;
 
 /// Where one valid request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub request_id: String,
+    /// Hex of the key the request routes by (its routed level's key).
     pub key_hex: String,
-    /// The first characters of the key material, for logs.
+    /// The key it routes by, with its level; sent as header `x-routed-key`.
+    pub routed: RoutedKey,
+    /// The first characters of the level-0 key material, for logs.
     pub key_preview: String,
     pub shard: u32,
     pub partition: u32,
 }
 
-/// Decides the route of a parsed request (pure apart from the random shard).
+/// Decides the route of a parsed request with the split view of its deployment
+/// ([`Affinity::for_prefix`]); see [`route_in`].
 pub fn route(req: &crate::request::Request, settings: &Settings) -> Route {
+    route_in(req, settings, &Affinity::for_prefix(&settings.redis.key_prefix))
+}
+
+/// Decides the route of a parsed request (no I/O: it reads the local split view; the shard is
+/// random):
+/// - `adaptive`: a key with a static entry (`sharding.keys`, `sharding.rules`) uses it at level
+///   0; any other routes by the shortest level whose key is not split ([`affinity::choose`]),
+///   over the shards of a spread key. The arrival and key hygiene are recorded in `affinity`.
+/// - `prefix` (static): the level-0 key over `shards_for` shards.
+/// - `off`: a random partition.
+pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &Affinity) -> Route {
     let keyed = derive_key(req, &settings.keying);
-    let (shard, partition) = match settings.keying.mode {
+    let level0 = RoutedKey { level: 0, levels: 1, key: keyed.key };
+    let p = settings.amqp.partitions;
+    let (routed, shard, partition) = match settings.keying.mode {
+        KeyingMode::Adaptive => {
+            let fixed = static_shards(&keyed, &settings.sharding);
+            let choice = match fixed {
+                Some(n) => affinity::Choice { routed: level0, shards: n, through: Vec::new() },
+                None => affinity::choose(&affinity.view(), level_count(req), |l| match l {
+                    0 => keyed.key,
+                    l => level_key(req, &settings.keying, l).expect("choose asks only for levels below level_count"),
+                }),
+            };
+            let unsplittable = fixed.is_some() || (choice.routed.is_finest() && choice.shards >= settings.sharding.max_shards);
+            // Explicit keys are names, not prompt text: their length says nothing about caching.
+            let material_chars = if keyed.source == KeySource::Explicit { usize::MAX } else { keyed.material.chars().count() };
+            affinity.routed(&choice, keyed.key, material_chars, unsplittable);
+            let shard = pick_shard(choice.shards);
+            (choice.routed, shard, partition_of(choice.routed.key, shard, p))
+        }
         KeyingMode::Prefix => {
             let shard = pick_shard(shards_for(&keyed, &settings.sharding));
-            (shard, partition_of(keyed.key, shard, settings.amqp.partitions))
+            (level0, shard, partition_of(keyed.key, shard, p))
         }
-        KeyingMode::Off => (0, fastrand::u32(0..settings.amqp.partitions.get())),
+        KeyingMode::Off => (level0, 0, fastrand::u32(0..p.get())),
     };
-    Route { request_id: req.id.clone(), key_hex: keyed.key.to_string(), key_preview: keyed.preview().to_owned(), shard, partition }
+    Route {
+        request_id: req.id.clone(),
+        key_hex: routed.key.to_string(),
+        routed,
+        key_preview: keyed.preview().to_owned(),
+        shard,
+        partition,
+    }
 }
 
 /// Runs the router until `stop` fires or the connection fails. On stop it cancels its consumer
@@ -115,12 +158,80 @@ async fn requeue(delivery: Delivery) {
 }
 
 /// Properties of a forwarded request: the original ones, with `message_id` = request id (so every
-/// stage agrees on a generated id), `correlation_id` defaulting to the request id, the shard in a
-/// header, and persistent delivery.
+/// stage agrees on a generated id), `correlation_id` defaulting to the request id, the shard and
+/// the routed key in headers (`x-shard`, `x-routed-key`), and persistent delivery.
 fn forward_props(props: &BasicProperties, r: &Route) -> BasicProperties {
     let mut p = props.clone().with_message_id(r.request_id.as_str().into()).with_delivery_mode(publisher::PERSISTENT);
     if props.correlation_id().is_none() {
         p = p.with_correlation_id(r.request_id.as_str().into());
     }
-    p.with_headers(headers_with(props.headers().as_ref(), &[(HEADER_SHARD, r.shard.to_string())]))
+    let extra = [(HEADER_SHARD, r.shard.to_string()), (HEADER_ROUTED_KEY, r.routed.to_string())];
+    p.with_headers(headers_with(props.headers().as_ref(), &extra))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::affinity::{SplitMember, SplitState, SplitView};
+    use crate::config::RawConfig;
+    use crate::keying::{level_key, PrefixKey};
+    use crate::request::{parse, Envelope};
+
+    fn settings(edit: impl FnOnce(&mut RawConfig)) -> Settings {
+        let mut raw = RawConfig::default();
+        raw.keying.prefix_chars = 8;
+        edit(&mut raw);
+        Settings::from_raw(&raw).unwrap()
+    }
+
+    fn req(json: &str) -> crate::request::Request {
+        parse(json.as_bytes(), &Envelope::default(), 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn adaptive_routes_by_the_shortest_unsplit_level_and_static_entries_win() {
+        let s = settings(|r| {
+            r.sharding.keys.insert("tenant-1".into(), 3);
+        });
+        let a = Affinity::default();
+        let r = req(r#"{"prompt":"shared prefix, then the rest of a long prompt"}"#);
+        let first = route_in(&r, &s, &a);
+        assert_eq!((first.routed.level, first.routed.levels, first.shard), (0, 4, 0));
+        assert_eq!(first.routed.key, PrefixKey::of("shared p"));
+
+        a.set_view(SplitView::new([SplitMember { level: 0, key: first.routed.key, state: SplitState::Split }]));
+        let split = route_in(&r, &s, &a);
+        assert_eq!(split.routed.level, 1);
+        assert_eq!(Some(split.routed.key), level_key(&r, &s.keying, 1));
+        assert_eq!(split.key_hex, split.routed.key.to_string());
+        assert_eq!(split.partition, partition_of(split.routed.key, 0, s.amqp.partitions));
+
+        // An explicit key with a static entry keeps its static shards, whatever the view says.
+        let t = req(r#"{"prompt":"x","prefix_key":"tenant-1"}"#);
+        a.set_view(SplitView::new([SplitMember { level: 0, key: PrefixKey::of("tenant-1"), state: SplitState::Spread(NonZeroU32::new(8).unwrap()) }]));
+        for _ in 0..50 {
+            let rt = route_in(&t, &s, &a);
+            assert!(rt.shard < 3 && rt.routed.level == 0, "{rt:?}");
+        }
+    }
+
+    #[test]
+    fn static_and_off_modes_ignore_the_split_view() {
+        let r = req(r#"{"prompt":"shared prefix, then more"}"#);
+        let a = Affinity::default();
+        a.set_view(SplitView::new([SplitMember { level: 0, key: PrefixKey::of("shared p"), state: SplitState::Split }]));
+        let s = settings(|r| {
+            r.keying.mode = "prefix".into();
+            r.sharding.default_shards = 2;
+        });
+        for _ in 0..20 {
+            let rt = route_in(&r, &s, &a);
+            assert_eq!((rt.routed.level, rt.routed.key), (0, PrefixKey::of("shared p")));
+            assert!(rt.shard < 2);
+        }
+        let off = settings(|r| r.keying.mode = "off".into());
+        assert_eq!(route_in(&r, &off, &a).shard, 0);
+    }
 }
