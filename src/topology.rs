@@ -54,7 +54,31 @@ fn declare_error(what: &'static str, name: &str, e: lapin::Error) -> TopologyErr
     }
 }
 
-fn quorum_args(dlx: Option<&str>, single_active: bool) -> FieldTable {
+/// How many deliveries beyond `amqp.delivery_limit` the broker allows before it dead-letters a
+/// message by itself (see [`input_queue_args`]).
+pub const BROKER_DELIVERY_LIMIT_MARGIN: u32 = 2;
+
+/// Arguments of the input queue: a quorum queue dead-lettering to `amqp.dead_letter_exchange`,
+/// with `x-delivery-limit` = `amqp.delivery_limit` + [`BROKER_DELIVERY_LIMIT_MARGIN`]
+/// (<https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling>). The daemon
+/// dead-letters a request delivered `amqp.delivery_limit` times itself, with reason
+/// `delivery_limit` and its last error; the broker's limit is a backstop for a message the daemon
+/// never gets to handle (its task keeps dying), dead-lettered through the same exchange with the
+/// broker's own `x-death` reason (`delivery_limit`), so nothing is dropped.
+pub fn input_queue_args(cfg: &AmqpSettings) -> FieldTable {
+    quorum_args(Some(&cfg.dead_letter_exchange), false, Some(broker_delivery_limit(cfg)))
+}
+
+/// Arguments of a partition queue: those of [`input_queue_args`], with a single active consumer.
+pub fn partition_queue_args(cfg: &AmqpSettings) -> FieldTable {
+    quorum_args(Some(&cfg.dead_letter_exchange), true, Some(broker_delivery_limit(cfg)))
+}
+
+fn broker_delivery_limit(cfg: &AmqpSettings) -> u32 {
+    cfg.delivery_limit.get().saturating_add(BROKER_DELIVERY_LIMIT_MARGIN)
+}
+
+fn quorum_args(dlx: Option<&str>, single_active: bool, delivery_limit: Option<u32>) -> FieldTable {
     let mut t = FieldTable::default();
     t.insert(ShortString::from("x-queue-type"), AMQPValue::LongString("quorum".into()));
     if single_active {
@@ -62,6 +86,9 @@ fn quorum_args(dlx: Option<&str>, single_active: bool) -> FieldTable {
     }
     if let Some(dlx) = dlx {
         t.insert(ShortString::from("x-dead-letter-exchange"), AMQPValue::LongString(dlx.into()));
+    }
+    if let Some(n) = delivery_limit {
+        t.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(i64::from(n)));
     }
     t
 }
@@ -134,7 +161,7 @@ pub async fn declare(
     }
 
     declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
-    declare_queue(conn, &cfg.dead_letter_queue, quorum_args(None, false)).await?;
+    declare_queue(conn, &cfg.dead_letter_queue, quorum_args(None, false, None)).await?;
     let ch = conn.create_channel().await?;
     ch.queue_bind(
         cfg.dead_letter_queue.as_str().into(),
@@ -145,12 +172,12 @@ pub async fn declare(
     )
     .await?;
 
-    declare_queue(conn, &cfg.input_queue, quorum_args(Some(&cfg.dead_letter_exchange), false)).await?;
-    declare_queue(conn, &cfg.results_queue, quorum_args(None, false)).await?;
+    declare_queue(conn, &cfg.input_queue, input_queue_args(cfg)).await?;
+    declare_queue(conn, &cfg.results_queue, quorum_args(None, false, None)).await?;
     declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
     for part in (0..p).rev() {
         let q = cfg.partition_queue(part);
-        declare_queue(conn, &q, quorum_args(Some(&cfg.dead_letter_exchange), true)).await?;
+        declare_queue(conn, &q, partition_queue_args(cfg)).await?;
         ch.queue_bind(
             q.as_str().into(),
             cfg.shard_exchange.as_str().into(),
