@@ -472,4 +472,45 @@ mod tests {
         assert_eq!(render_chat(&msgs, usize::MAX), "<|user|>\nhéllo\n");
         assert_eq!(render_chat(&msgs, 11), "<|user|>\nhé");
     }
+
+    #[test]
+    fn ids_are_limited_to_max_id_bytes() {
+        let body = |id: &str| format!(r#"{{"id":"{id}","prompt":"hi"}}"#);
+        let at_limit = "a".repeat(MAX_ID_BYTES);
+        assert_eq!(p(&body(&at_limit)).unwrap().id, at_limit);
+        let err = p(&body(&"a".repeat(MAX_ID_BYTES + 1))).unwrap_err();
+        assert_eq!(err.reason(), "invalid_field");
+        assert!(matches!(&err, ParseError::InvalidField { field: "id", .. }), "{err:?}");
+        assert!(err.to_string().contains("201 bytes") && err.to_string().contains("limit of 200"), "{err}");
+        let long = "m".repeat(MAX_ID_BYTES + 1);
+        let env = Envelope { message_id: Some(&long), ..Envelope::default() };
+        let err = parse(br#"{"prompt":"x"}"#, &env, 100).unwrap_err();
+        assert!(matches!(err, ParseError::InvalidField { field: "message_id", .. }), "{err:?}");
+    }
+
+    #[test]
+    fn correlation_id_and_reply_to_are_limited() {
+        let long = "c".repeat(MAX_ID_BYTES + 1);
+        let env = Envelope { correlation_id: Some(&long), ..Envelope::default() };
+        let err = parse(br#"{"prompt":"x"}"#, &env, 100).unwrap_err();
+        assert!(matches!(err, ParseError::InvalidField { field: "correlation_id", .. }), "{err:?}");
+        let queue = "q".repeat(MAX_SHORT_STRING_BYTES);
+        let env = Envelope { correlation_id: Some(&long[..MAX_ID_BYTES]), reply_to: Some(&queue), ..Envelope::default() };
+        assert!(parse(br#"{"prompt":"x"}"#, &env, 100).is_ok());
+    }
+
+    #[test]
+    fn short_string_never_panics() {
+        assert_eq!(short_string("id", "abc", MAX_ID_BYTES).unwrap().as_str(), "abc");
+        let err = short_string("reply_to", &"x".repeat(300), 1000).unwrap_err();
+        assert!(matches!(err, ParseError::InvalidField { field: "reply_to", .. }), "{err:?}");
+        assert!(short_string("id", &"x".repeat(256), usize::MAX).is_err());
+    }
+
+    #[test]
+    fn every_reason_is_listed_once() {
+        let mut seen = std::collections::HashSet::new();
+        assert!(DEAD_LETTER_REASONS.iter().all(|r| seen.insert(*r)));
+        assert!(DEAD_LETTER_REASONS.contains(&REASON_DELIVERY_LIMIT));
+    }
 }

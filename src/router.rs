@@ -235,3 +235,41 @@ fn forward_props(props: &BasicProperties, r: &Route) -> Result<BasicProperties, 
         .with_delivery_mode(publisher::PERSISTENT);
     Ok(if props.correlation_id().is_none() { p.with_correlation_id(id) } else { p })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn route_of(id: &str) -> Route {
+        Route { request_id: id.to_owned(), key_hex: "0".repeat(16), key_preview: String::new(), shard: 1, partition: 5 }
+    }
+
+    #[test]
+    fn forwarded_requests_drop_user_id_and_expiration() {
+        let props = BasicProperties::default().with_user_id("other".into()).with_expiration("5000".into());
+        let p = forward_props(&props, &route_of("r1")).unwrap();
+        assert!(p.user_id().is_none() && p.expiration().is_none());
+        assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some("r1"));
+        assert_eq!(p.correlation_id().as_ref().map(|m| m.as_str()), Some("r1"));
+        assert_eq!(*p.delivery_mode(), Some(publisher::PERSISTENT));
+        let h = p.headers().as_ref();
+        assert_eq!(publisher::header_str(h, publisher::HEADER_ORIGINAL_USER_ID).as_deref(), Some("other"));
+        assert_eq!(publisher::header_str(h, HEADER_SHARD).as_deref(), Some("1"));
+    }
+
+    #[test]
+    fn a_long_request_id_is_an_error_not_a_panic() {
+        let err = forward_props(&BasicProperties::default(), &route_of(&"a".repeat(300))).unwrap_err();
+        assert_eq!(err.reason(), "invalid_field");
+        assert!(forward_props(&BasicProperties::default(), &route_of(&"a".repeat(MAX_ID_BYTES))).is_ok());
+    }
+
+    #[tokio::test]
+    async fn catch_panic_returns_the_message() {
+        assert_eq!(catch_panic(async { 3 }).await, Ok(3));
+        let got = catch_panic(async { panic!("boom {}", 1) }).await;
+        assert_eq!(got, Err::<(), _>("boom 1".to_owned()));
+        let got = catch_panic(async { std::panic::panic_any(5u8) }).await;
+        assert_eq!(got, Err::<(), _>("a panic without a message".to_owned()));
+    }
+}

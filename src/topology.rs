@@ -196,3 +196,22 @@ pub async fn declare(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{RawConfig, Settings};
+
+    #[test]
+    fn input_and_partition_queues_carry_the_broker_delivery_limit() {
+        let mut raw = RawConfig::default();
+        raw.amqp.delivery_limit = 5;
+        let s = Settings::from_raw(&raw).unwrap();
+        for (args, single) in [(input_queue_args(&s.amqp), false), (partition_queue_args(&s.amqp), true)] {
+            let t = args.inner();
+            assert_eq!(t.get("x-delivery-limit"), Some(&AMQPValue::LongLongInt(7)));
+            assert_eq!(t.get("x-dead-letter-exchange"), Some(&AMQPValue::LongString(s.amqp.dead_letter_exchange.as_str().into())));
+            assert_eq!(t.contains_key("x-single-active-consumer"), single);
+        }
+    }
+}
