@@ -9,6 +9,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
@@ -124,7 +125,7 @@ async fn pump(
             Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => {
-                    inflight.spawn(guarded(publish.clone(), settings.clone(), delivery));
+                    inflight.spawn(guarded(publish.clone(), settings.clone(), delivery, stop.clone()));
                 }
                 Some(Err(e)) => return Ended::Closed(Some(e)),
                 None => return Ended::Closed(None),
@@ -155,11 +156,11 @@ impl PublishChannel {
 /// Runs [`handle`] for one delivery. A panic does not leave the delivery unacked: it is
 /// requeued (nack), and its request id remembered with the panic ([`redelivery::note_failure`])
 /// so the delivery limit dead-letters a message that keeps failing, with that error.
-async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery: Delivery) {
+async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery: Delivery, stop: CancellationToken) {
     let acker = delivery.acker.clone();
     let message_id = delivery.properties.message_id().as_ref().map(|m| m.as_str().to_owned());
     let request_id = OnceLock::new();
-    if let Err(panic) = catch_panic(handle(&publish, &settings, delivery, &request_id)).await {
+    if let Err(panic) = catch_panic(handle(&publish, &settings, delivery, &request_id, &stop)).await {
         let id = request_id.get().cloned().or(message_id).unwrap_or_default();
         error!(request_id = %id, panic = %panic, "handling an input delivery panicked; requeueing it");
         redelivery::note_failure(&id, &format!("panic: {panic}"));
@@ -177,9 +178,9 @@ async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
 }
 
 /// Handles one input delivery: parse (or dead-letter), route, forward with a confirm, ack.
-/// A delivery whose forward or dead letter is not confirmed is requeued. The request id goes to
-/// `request_id` once known.
-async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>) {
+/// A delivery whose forward or dead letter is not confirmed is requeued; a failed forward after
+/// [`forward_backoff`] (or at `stop`). The request id goes to `request_id` once known.
+async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
     let ch = match publish.get().await {
         Ok(ch) => ch,
@@ -207,8 +208,13 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     let rk = AmqpSettings::partition_routing_key(r.partition);
     if let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd, a.confirm_timeout).await {
-        warn!(error = %e, "forwarding failed; requeueing input");
+        let wait = forward_backoff(a, redelivery::delivery_count(delivery.properties.headers().as_ref()));
+        warn!(error = %e, retry_in = ?wait, "forwarding failed; requeueing input");
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
         return requeue(delivery).await;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
@@ -221,6 +227,16 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
 /// Not acked: requeue so another attempt (here or on another instance) can succeed.
 async fn requeue(delivery: Delivery) {
     let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
+    metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
+}
+
+/// How long a delivery whose forward failed (broker side: channel closed, unroutable, no
+/// confirm) is held before it is requeued: `amqp.reconnect_backoff_initial` × 2^`earlier
+/// deliveries`, at most `amqp.reconnect_backoff_max`. Every requeue counts towards
+/// `amqp.delivery_limit`, so a broker fault must not use the deliveries up in milliseconds.
+fn forward_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
+    let factor = 1u32 << earlier_deliveries.min(16);
+    a.reconnect_backoff_initial.saturating_mul(factor).min(a.reconnect_backoff_max)
 }
 
 /// Properties of a forwarded request: those of [`publisher::carried_props`] (an allowlist; no
@@ -262,6 +278,16 @@ mod tests {
         let err = forward_props(&BasicProperties::default(), &route_of(&"a".repeat(300))).unwrap_err();
         assert_eq!(err.reason(), "invalid_field");
         assert!(forward_props(&BasicProperties::default(), &route_of(&"a".repeat(MAX_ID_BYTES))).is_ok());
+    }
+
+    #[test]
+    fn forward_backoff_doubles_up_to_the_maximum() {
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.reconnect_backoff_initial = "100ms".into();
+        raw.amqp.reconnect_backoff_max = "1s".into();
+        let a = Settings::from_raw(&raw).unwrap().amqp;
+        let got: Vec<u128> = [0, 1, 3, 4, 99].iter().map(|n| forward_backoff(&a, *n).as_millis()).collect();
+        assert_eq!(got, [100, 200, 800, 1000, 1000]);
     }
 
     #[tokio::test]
