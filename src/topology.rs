@@ -10,6 +10,7 @@
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ExchangeKind};
+use tracing::warn;
 
 use crate::amqp::{reply_code, NOT_FOUND, PRECONDITION_FAILED, REPLY_SUCCESS};
 use crate::config::AmqpSettings;
@@ -54,6 +55,9 @@ fn declare_error(what: &'static str, name: &str, e: lapin::Error) -> TopologyErr
     }
 }
 
+/// Queue argument of a quorum queue's delivery limit.
+const DELIVERY_LIMIT_ARG: &str = "x-delivery-limit";
+
 /// How many deliveries beyond `amqp.delivery_limit` the broker allows before it dead-letters a
 /// message by itself (see [`input_queue_args`]).
 pub const BROKER_DELIVERY_LIMIT_MARGIN: u32 = 2;
@@ -88,7 +92,7 @@ fn quorum_args(dlx: Option<&str>, single_active: bool, delivery_limit: Option<u3
         t.insert(ShortString::from("x-dead-letter-exchange"), AMQPValue::LongString(dlx.into()));
     }
     if let Some(n) = delivery_limit {
-        t.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(i64::from(n)));
+        t.insert(ShortString::from(DELIVERY_LIMIT_ARG), AMQPValue::LongLongInt(i64::from(n)));
     }
     t
 }
@@ -99,7 +103,31 @@ fn durable() -> QueueDeclareOptions {
 
 /// Declares a queue on a fresh channel, so a refusal (which closes the channel) affects nothing
 /// else.
+///
+/// A queue declared by a version without `x-delivery-limit` refuses a redeclare with it (406):
+/// then the declare is repeated without that argument, and accepted with a warning when the queue
+/// matches otherwise (the broker's backstop is then missing unless a `delivery-limit` policy
+/// sets it; docs/operations.md "Upgrading to the broker delivery limit").
 async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
+    let err = match declare_queue_once(conn, name, args.clone()).await {
+        Err(e @ TopologyError::Mismatch { .. }) if args.contains_key(DELIVERY_LIMIT_ARG) => e,
+        other => return other,
+    };
+    let mut without = FieldTable::default();
+    for (k, v) in args.inner().iter().filter(|(k, _)| k.as_str() != DELIVERY_LIMIT_ARG) {
+        without.insert(k.clone(), v.clone());
+    }
+    match declare_queue_once(conn, name, without).await {
+        Ok(()) => {
+            warn!(queue = name, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit");
+            Ok(())
+        }
+        Err(TopologyError::Mismatch { .. }) => Err(err),
+        Err(e) => Err(e),
+    }
+}
+
+async fn declare_queue_once(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
     let ch = conn.create_channel().await?;
     match ch.queue_declare(name.into(), durable(), args).await {
         Ok(_) => {

@@ -258,27 +258,46 @@ async fn a_request_at_the_delivery_limit_is_dead_lettered() {
     f.finish().await;
 }
 
-/// A deployment whose input queue was declared before `x-delivery-limit` existed (RabbitMQ
-/// 3.10): the redeclare is refused with 406, a configuration error (exit 78), naming the queue.
+/// Declares `queue` as a quorum queue dead-lettering to `dlx`, with `x-delivery-limit` when
+/// `delivery_limit` is set.
+async fn declare_quorum(conn: &Connection, queue: &str, dlx: &str, delivery_limit: Option<i64>) {
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-queue-type"), AMQPValue::LongString("quorum".into()));
+    args.insert(ShortString::from("x-dead-letter-exchange"), AMQPValue::LongString(dlx.into()));
+    if let Some(n) = delivery_limit {
+        args.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(n));
+    }
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(queue.into(), durable, args).await.expect("declare the existing queue");
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+/// A deployment whose input queue was declared before `x-delivery-limit` (RabbitMQ 3.10 refuses
+/// the redeclare with it, 406) is accepted: the declare falls back to the queue's arguments. One
+/// declared with another limit (another `amqp.delivery_limit`) is a configuration error (exit
+/// 78) naming the queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_input_queue_without_the_delivery_limit_is_a_mismatch() {
+async fn existing_input_queues_with_and_without_a_delivery_limit() {
     let env = TestEnv::new("oldqueue");
     let settings = Settings::from_raw(&env.raw_config("http://127.0.0.1:9")).unwrap();
     let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.unwrap();
-    let ch = conn.create_channel().await.unwrap();
-    let mut old = FieldTable::default();
-    old.insert(ShortString::from("x-queue-type"), AMQPValue::LongString("quorum".into()));
-    old.insert(ShortString::from("x-dead-letter-exchange"), AMQPValue::LongString(env.dead_letter_exchange().as_str().into()));
-    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
-    ch.queue_declare(env.input_queue().as_str().into(), durable, old).await.expect("declare the old input queue");
     let mut redis = redis::Client::open(REDIS_URL).unwrap().get_connection_manager().await.unwrap();
-    let err = topology::declare(&conn, &settings.amqp, &mut redis, &format!("{}:partitions", env.name))
-        .await
-        .expect_err("the old queue has no x-delivery-limit");
+    let key = format!("{}:partitions", env.name);
+    declare_quorum(&conn, &env.input_queue(), &env.dead_letter_exchange(), None).await;
+    topology::declare(&conn, &settings.amqp, &mut redis, &key).await.expect("a queue without x-delivery-limit is accepted");
+
+    let other = TestEnv::new("otherlimit");
+    let settings = Settings::from_raw(&other.raw_config("http://127.0.0.1:9")).unwrap();
+    let key = format!("{}:partitions", other.name);
+    let limit = i64::from(settings.amqp.delivery_limit.get()) + 5;
+    declare_quorum(&conn, &other.input_queue(), &other.dead_letter_exchange(), Some(limit)).await;
+    let err = topology::declare(&conn, &settings.amqp, &mut redis, &key).await.expect_err("another x-delivery-limit");
     assert!(err.is_config_error(), "{err}");
-    assert!(err.to_string().contains(&env.input_queue()), "{err}");
+    assert!(err.to_string().contains(&other.input_queue()), "{err}");
     let _ = conn.close(200, "done".into()).await;
     env.cleanup().await;
+    other.cleanup().await;
 }
 
 /// `prefix_batcher_requests_total{stage="router",outcome="requeued"}` of this process.
