@@ -58,7 +58,7 @@ pub fn route(req: &crate::request::Request, settings: &Settings) -> Route {
 ///
 /// A channel the broker closes under the router (e.g. 406 `PRECONDITION_FAILED` for one bad
 /// message) does not end it: the publishing channel is reopened by the next delivery that needs
-/// it ([`PublishChannel`]), the consuming channel after `amqp.reconnect_backoff_initial` (its
+/// it, the consuming channel after `amqp.reconnect_backoff_initial` (its
 /// unacked deliveries are requeued by the broker when it closes). Only a failed connection (or a
 /// channel that cannot be reopened) ends the router, and with it the session.
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
