@@ -180,7 +180,8 @@ pub async fn run_with_events(
 
 /// The LLM client's events, mirrored into metrics; the daemon is not ready
 /// ([`NotReady::LlmUnavailable`]) while the circuit breaker of every one of the `endpoints`
-/// endpoints is open (a half-open breaker is probing and counts as available).
+/// endpoints is open or half-open (a half-open breaker is probing with `GET /v1/models`; requests
+/// resume only once it is closed).
 fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
     let open = std::sync::Mutex::new(vec![false; endpoints]);
     Arc::new(move |event: &LlmEvent<'_>| match event {
@@ -194,7 +195,7 @@ fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
             }
             let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(slot) = open.get_mut(*endpoint) {
-                *slot = *state == BreakerState::Open;
+                *slot = *state != BreakerState::Closed;
             }
             readiness.set(NotReady::LlmUnavailable, open.iter().all(|o| *o));
         }
