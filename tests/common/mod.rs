@@ -1237,6 +1237,11 @@ pub mod cluster {
 
     impl PacedPublisher {
         pub fn start(queue: String, reqs: Vec<TestRequest>, per_second: u32) -> PacedPublisher {
+            PacedPublisher::start_replying(queue, reqs, per_second, None)
+        }
+
+        /// Like [`PacedPublisher::start`], with `reply_to` on every request when given.
+        pub fn start_replying(queue: String, reqs: Vec<TestRequest>, per_second: u32, reply_to: Option<String>) -> PacedPublisher {
             let published = Arc::new(AtomicUsize::new(0));
             let total = reqs.len();
             let counter = published.clone();
@@ -1261,7 +1266,10 @@ pub mod cluster {
                                 queue.as_str().into(),
                                 BasicPublishOptions { mandatory: true, ..Default::default() },
                                 &r.body,
-                                request_props_to_results(&r.id),
+                                match &reply_to {
+                                    Some(q) => request_props_to_results(&r.id).with_reply_to(q.as_str().into()),
+                                    None => request_props_to_results(&r.id),
+                                },
                             )
                             .await
                             .expect("publish request");
