@@ -2,11 +2,12 @@
 //! RabbitMQ, a private redis-server, the fake LLM) while one fault happens, for each fault in turn.
 //! Prints one table row per fault:
 //!
-//! `fault | requests | ok | ok:false | lost | duplicates | unacked | recovery s`
+//! `fault | requests | ok | ok:false | lost | duplicates | recovery s | unacked | left | pass | note`
 //!
-//! A fault passes with 0 lost, 0 `ok: false` (every fault here is a server-side one), and no
-//! message left ready or unacked in the deployment's queues once the results are in. Recovery is
-//! the time from the fault's end to the last result.
+//! A fault passes with 0 lost, 0 `ok: false` (every fault here is a server-side one), no message
+//! unacked in the deployment's input and partition queues once the results are in (`unacked`,
+//! daemons running) and none left there after the daemons stopped (`left`). Recovery is the time
+//! from the fault's end to the last result of the requests published before it ended.
 //!
 //! Faults (`PREFIX_BATCHER_FAULTS=name,name,…` selects; default all):
 //! - `llm_refused`: the LLM refuses connections for 30 s.
@@ -105,8 +106,10 @@ struct Row {
     failed: usize,
     lost: usize,
     duplicates: usize,
-    /// Messages still ready or unacked in the input and partition queues at the end.
-    left_in_queues: u64,
+    /// Unacked messages once the results are in (daemons running).
+    unacked: u64,
+    /// Messages ready or unacked after the daemons stopped.
+    left: u64,
     /// Fault end → last result; `None` when the fault has no end (the whole run).
     recovery: Option<Duration>,
     note: String,
@@ -114,27 +117,28 @@ struct Row {
 
 impl Row {
     fn passed(&self) -> bool {
-        self.lost == 0 && self.failed == 0 && self.left_in_queues == 0
+        self.lost == 0 && self.failed == 0 && self.unacked == 0 && self.left == 0
     }
 }
 
 fn render(rows: &[Row]) -> String {
     let mut out = format!(
-        "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>7} | {:>10} | {:<4} | note\n",
-        "fault", "requests", "ok", "ok:false", "lost", "duplicates", "unacked", "recovery s", "pass"
+        "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>10} | {:>7} | {:>4} | {:<4} | note\n",
+        "fault", "requests", "ok", "ok:false", "lost", "duplicates", "recovery s", "unacked", "left", "pass"
     );
     for r in rows {
         let recovery = r.recovery.map_or("-".to_owned(), |d| format!("{:.1}", d.as_secs_f64()));
         out.push_str(&format!(
-            "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>7} | {:>10} | {:<4} | {}\n",
+            "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>10} | {:>7} | {:>4} | {:<4} | {}\n",
             r.fault,
             r.requests,
             r.ok,
             r.failed,
             r.lost,
             r.duplicates,
-            r.left_in_queues,
             recovery,
+            r.unacked,
+            r.left,
             if r.passed() { "yes" } else { "NO" },
             r.note
         ));
@@ -217,6 +221,21 @@ fn unused_partition_group() -> (usize, u32) {
         .expect("some partition is unused by the base workload")
 }
 
+/// What a run measured besides the results.
+struct Measured {
+    /// When the fault ended (`None`: it lasted the whole run).
+    fault_end: Option<Instant>,
+    /// Requests published when the fault ended (the first ones of the workload).
+    published_by_end: usize,
+    /// Unacked messages in the input and partition queues once the results are in, daemons running.
+    unacked: u64,
+    /// Messages ready or unacked in those queues after the daemons stopped.
+    left: u64,
+    /// Ids whose result is in the (rejecting) reply queue.
+    held_by_reply: HashSet<String>,
+    note: String,
+}
+
 async fn run_fault(fault: Fault) -> Row {
     let mut d = deploy(fault).await;
     let late = (fault == Fault::PartitionQueueDeleted).then(unused_partition_group);
@@ -229,17 +248,11 @@ async fn run_fault(fault: Fault) -> Row {
     let publisher = PacedPublisher::start_replying(d.env.input_queue(), reqs.clone(), RATE, reply.clone());
     publisher.wait_published(BEFORE_FAULT, DEADLINE).await;
     let (fault_end, note) = inject(fault, &d, late.map(|(_, p)| p)).await;
+    let published_by_end = if fault_end.is_some() { publisher.published() } else { reqs.len() };
     publisher.finish(DEADLINE * 2).await;
 
-    let all = ids(&reqs);
-    let mut held_by_reply = HashSet::new();
-    let deadline = Instant::now() + RECOVERY_DEADLINE;
-    while Instant::now() < deadline && log.distinct().len() + held_by_reply.len() < all.len() {
-        if let Some(q) = &reply {
-            held_by_reply.extend(reply_queue_ids(q).await);
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    let held_by_reply = wait_results(&log, &ids(&reqs), reply.as_deref()).await;
+    let unacked = queue_messages(&d.env, |_, unacked| unacked).await;
     for daemon in d.daemons.drain(..) {
         if let Err(e) = daemon.stop().await {
             eprintln!("a daemon stopped with an error: {e}");
@@ -247,40 +260,50 @@ async fn run_fault(fault: Fault) -> Row {
     }
     log.barrier().await;
     let results = log.stop().await;
-    let left_in_queues = left_in_queues(&d.env).await;
+    let left = queue_messages(&d.env, |ready, unacked| ready + unacked).await;
     if let Some(q) = &reply {
         delete_queue(q).await;
     }
-    let row = row(fault, &reqs, &results, &held_by_reply, fault_end, left_in_queues, note);
+    let m = Measured { fault_end, published_by_end, unacked, left, held_by_reply, note };
+    let row = row(fault, &reqs, &results, m);
     drop(d.fake);
     drop(d.redis);
     d.env.cleanup().await;
     row
 }
 
-fn row(
-    fault: Fault,
-    reqs: &[TestRequest],
-    results: &[Observed],
-    held_by_reply: &HashSet<String>,
-    fault_end: Option<Instant>,
-    left_in_queues: u64,
-    note: String,
-) -> Row {
+/// Waits (≤ [`RECOVERY_DEADLINE`]) until every id has a result in the results queue or in the
+/// reply queue `reply`; returns the ids found in the reply queue.
+async fn wait_results(log: &ResultLog, all: &HashSet<String>, reply: Option<&str>) -> HashSet<String> {
+    let mut held_by_reply = HashSet::new();
+    let deadline = Instant::now() + RECOVERY_DEADLINE;
+    while Instant::now() < deadline && log.distinct().len() + held_by_reply.len() < all.len() {
+        if let Some(q) = reply {
+            held_by_reply.extend(reply_queue_ids(q).await);
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    held_by_reply
+}
+
+fn row(fault: Fault, reqs: &[TestRequest], results: &[Observed], m: Measured) -> Row {
     let t = tally(reqs, results);
-    let lost = t.lost.iter().filter(|id| !held_by_reply.contains(*id)).count();
-    let last = results.iter().map(|o| o.at).max();
-    let recovery = fault_end.map(|end| last.map_or(Duration::ZERO, |l| l.saturating_duration_since(end)));
+    let lost = t.lost.iter().filter(|id| !m.held_by_reply.contains(*id)).count();
+    // Recovery: fault end → the last result of a request published before the fault ended.
+    let before_end: HashSet<&str> = reqs[..m.published_by_end].iter().map(|r| r.id.as_str()).collect();
+    let last = results.iter().filter(|o| before_end.contains(o.id.as_str())).map(|o| o.at).max();
+    let recovery = m.fault_end.map(|end| last.map_or(Duration::ZERO, |l| l.saturating_duration_since(end)));
     Row {
         fault: fault.name(),
         requests: reqs.len(),
-        ok: results.iter().filter(|o| o.ok).count() + held_by_reply.len(),
+        ok: results.iter().filter(|o| o.ok).count() + m.held_by_reply.len(),
         failed: t.failed,
         lost,
         duplicates: t.duplicates(),
-        left_in_queues,
+        unacked: m.unacked,
+        left: m.left,
         recovery,
-        note,
+        note: m.note,
     }
 }
 
@@ -419,19 +442,19 @@ async fn delete_queue(queue: &str) {
     amqp.close().await;
 }
 
-/// Messages ready or unacked in the input and partition queues, polled until 0 for ≤ 30 s
-/// (the broker's queue statistics lag by up to its collection interval, 5 s by default).
-async fn left_in_queues(env: &TestEnv) -> u64 {
+/// `count(ready, unacked)` summed over the input and partition queues, polled until 0 for
+/// ≤ 30 s (the broker's queue statistics lag by up to its collection interval, 5 s by default).
+async fn queue_messages(env: &TestEnv, count: impl Fn(u64, u64) -> u64) -> u64 {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let mut qs = broker::queues(&env.input_queue());
         qs.extend(broker::queues(&env.partition_queue_prefix()));
-        let left: u64 = qs.iter().map(|(_, ready, unacked)| ready + unacked).sum();
-        if left == 0 || Instant::now() >= deadline {
-            if left > 0 {
-                eprintln!("left in the queues: {:?}", qs.iter().filter(|q| q.1 + q.2 > 0).collect::<Vec<_>>());
+        let n: u64 = qs.iter().map(|(_, ready, unacked)| count(*ready, *unacked)).sum();
+        if n == 0 || Instant::now() >= deadline {
+            if n > 0 {
+                eprintln!("(name, ready, unacked): {:?}", qs.iter().filter(|q| count(q.1, q.2) > 0).collect::<Vec<_>>());
             }
-            return left;
+            return n;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
