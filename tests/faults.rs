@@ -10,11 +10,12 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use common::*;
-use llm_fakes::fake::FakeLlm;
-use prefix_batcher::config::RawConfig;
+use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
+use prefix_batcher::request::RequestResult;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
@@ -30,31 +31,34 @@ fn answer_of(prompt: &str) -> String {
     format!("ok:{}", prompt.chars().take(8).collect::<String>())
 }
 
-/// One shard per key and a long enough batch wait, so requests published together on one key
-/// form one batch (one list call).
-fn one_batch_config(env: &TestEnv, llm_url: &str) -> RawConfig {
-    let mut raw = env.raw_config(llm_url);
+/// Runs one daemon against `fake` with one shard per key and a long enough batch wait (so
+/// requests published together on one key form one batch, one list call), publishes `reqs`,
+/// waits for every result, stops the daemon and cleans up; returns the results by request id.
+async fn results_of(test: &str, fake: &FakeLlmHandle, reqs: &[TestRequest]) -> HashMap<String, RequestResult> {
+    let env = TestEnv::new(test);
+    let mut raw = env.raw_config(fake.url.as_str());
     raw.sharding.default_shards = 1;
     raw.batching.max_batch_wait = "500ms".into();
-    raw
+    assert!(raw.llm.list_prompts, "the fixtures need list prompts");
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    amqp.publish_requests(&env.input_queue(), reqs, &reply).await;
+    results.until_all(&ids(reqs), DEADLINE).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    amqp.close().await;
+    env.cleanup().await;
+    results.received.iter().map(|m| (m.correlation_id.clone(), m.result())).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_ignoring_n_never_gives_a_request_anothers_answer() {
-    let env = TestEnv::new("ignore-n");
     // The fake always answers one choice per prompt (indices 0, 1, 2), whatever `n` asks for.
     let fake = FakeLlm::new().start().await.unwrap();
-    let raw = one_batch_config(&env, fake.url.as_str());
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
     let prompts = ["AAAAAAAA first question", "BBBBBBBB second question", "CCCCCCCC third question"];
     let reqs: Vec<TestRequest> =
         prompts.iter().enumerate().map(|(i, p)| keyed(&format!("n-{i}"), "ignore-n", p, json!({"n": 2, "max_tokens": 4}))).collect();
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
-    results.until_all(&ids(&reqs), DEADLINE).await;
-
-    let by_id = results.by_correlation();
+    let by_id = results_of("ignore-n", &fake, &reqs).await;
     for (r, prompt) in reqs.iter().zip(prompts) {
-        let res = by_id[&r.id][0].result();
+        let res = &by_id[&r.id];
         if res.ok {
             let own = answer_of(prompt);
             let texts: Vec<&str> = match &res.output {
@@ -68,34 +72,21 @@ async fn a_server_ignoring_n_never_gives_a_request_anothers_answer() {
             assert!(!e.message.is_empty(), "failed result {} must say why", r.id);
         }
     }
-    daemon.stop().await.expect("daemon stops cleanly");
-    amqp.close().await;
-    env.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_over_long_prompt_fails_alone() {
-    let env = TestEnv::new("too-long");
     let fake = FakeLlm::new().max_prompt_chars(100).start().await.unwrap();
-    let raw = one_batch_config(&env, fake.url.as_str());
-    assert!(raw.llm.list_prompts, "the fixture needs list prompts");
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
     let short = "SHORTONE a question that fits";
     let long = format!("LONGLONG {}", "x".repeat(200));
     let reqs = vec![keyed("short", "too-long", short, json!({})), keyed("long", "too-long", &long, json!({}))];
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
-    results.until_all(&ids(&reqs), DEADLINE).await;
-
-    let by_id = results.by_correlation();
-    let ok = by_id["short"][0].result();
+    let by_id = results_of("too-long", &fake, &reqs).await;
+    let ok = &by_id["short"];
     assert!(ok.ok, "the short request must be answered: {:?}", ok.error);
     assert_eq!(ok.output, Value::String(answer_of(short)));
-    let failed = by_id["long"][0].result();
+    let failed = &by_id["long"];
     assert!(!failed.ok, "the over-long request must fail");
     assert_eq!(failed.error.as_ref().map(|e| e.kind.as_str()), Some("rejected"), "{:?}", failed.error);
-    daemon.stop().await.expect("daemon stops cleanly");
-    amqp.close().await;
-    env.cleanup().await;
 }
 
 /// Polls `/readyz` on `addr` every 50 ms until `done(status, body)` holds; panics after `within`
