@@ -96,6 +96,8 @@ async fn interrupted() -> &'static str {
     }
 }
 
+/// Runs one subcommand. Longer than 80 lines: the `run` arm is one straight story of a benchmark
+/// invocation (check the data, set up, run the chosen parts, merge, write the report).
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let root = root();
     match cli.command {
