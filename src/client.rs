@@ -1,5 +1,5 @@
 //! The client commands: `submit` (publish JSONL requests and optionally wait for their results)
-//! and `status` (members, partition owners and epochs, backlog).
+//! and `status` (members, partition owners and epochs, backlog, hot keys).
 
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
@@ -19,6 +19,8 @@ use crate::config::Settings;
 use crate::lease::{read_all, LeaseValue, Leases};
 use crate::keying::assignment;
 use crate::membership::read_members;
+use crate::affinity::SplitState;
+use crate::splits::{SplitRecord, SplitStore};
 use crate::request::RequestResult;
 
 /// Options of `submit`.
@@ -332,6 +334,42 @@ pub struct MemberStatus {
     pub desired: usize,
 }
 
+/// One entry of the split set (a hot key) in `status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct HotKeyStatus {
+    /// Key level ([`crate::keying::level_key`]).
+    pub level: u8,
+    /// Key hex.
+    pub key: String,
+    /// `split` (its requests route by their next level) or `spread` (over `shards` shards).
+    pub state: &'static str,
+    pub shards: u32,
+    /// Requests/s routed through it, all instances, over the last few seconds.
+    pub arrivals_rps: f64,
+    /// Requests/s its partition drained when it was split (it merges back below half of it).
+    pub drain_rps: Option<f64>,
+    /// Time until it expires unless an instance refreshes it, in milliseconds.
+    pub expires_in_ms: u64,
+}
+
+impl From<SplitRecord> for HotKeyStatus {
+    fn from(r: SplitRecord) -> Self {
+        let (state, shards) = match r.member.state {
+            SplitState::Split => ("split", 1),
+            SplitState::Spread(n) => ("spread", n.get()),
+        };
+        HotKeyStatus {
+            level: r.member.level,
+            key: r.member.key.to_string(),
+            state,
+            shards,
+            arrivals_rps: r.arrivals_rps,
+            drain_rps: r.drain_rps,
+            expires_in_ms: r.expires_in_ms,
+        }
+    }
+}
+
 /// The answer of `status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Status {
@@ -351,6 +389,8 @@ pub struct Status {
     pub partition_backlog: Option<u64>,
     /// Why the RabbitMQ part is missing, when it is.
     pub amqp_error: Option<String>,
+    /// The split set (adaptive keying): hot keys, busiest first.
+    pub hot_keys: Vec<HotKeyStatus>,
 }
 
 /// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog.
@@ -384,6 +424,13 @@ async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option
     Ok((depths, input))
 }
 
+/// The split set, busiest key first. Errors: Redis unreachable, failing or too slow.
+async fn hot_keys(r: &redis::aio::ConnectionManager, prefix: &str, timeout: Duration) -> anyhow::Result<Vec<HotKeyStatus>> {
+    let mut hot: Vec<HotKeyStatus> = SplitStore::new(r.clone(), prefix, timeout).read().await?.into_iter().map(HotKeyStatus::from).collect();
+    hot.sort_by(|a, b| b.arrivals_rps.total_cmp(&a.arrivals_rps).then_with(|| a.key.cmp(&b.key)));
+    Ok(hot)
+}
+
 /// Reads members, nonces, leases and their remaining TTLs from Redis, and queue depths and
 /// consumer counts from RabbitMQ (when RabbitMQ is unreachable the rest is still reported, with
 /// `amqp_error` set).
@@ -398,6 +445,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         .with_context(|| format!("connecting to {}", settings.redis.url))?;
     let prefix = &settings.redis.key_prefix;
     let live = read_members(&mut r, prefix).await?;
+    let hot_keys = hot_keys(&r, prefix, timeout).await?;
     let p = settings.amqp.partitions.get();
     let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, timeout).await?;
     let mut pipe = redis::pipe();
@@ -454,7 +502,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let moving = partitions.iter().filter(|s| s.note == Some("moving")).map(|s| s.partition).collect();
     let partition_backlog =
         if depths.iter().all(Option::is_some) { Some(depths.iter().flatten().map(|d| u64::from(d.0)).sum()) } else { None };
-    Ok(Status { partition_count: p, members, partitions, unowned, moving, stale_owners, input_backlog, partition_backlog, amqp_error })
+    Ok(Status { partition_count: p, members, partitions, unowned, moving, stale_owners, input_backlog, partition_backlog, amqp_error, hot_keys })
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {
@@ -502,5 +550,21 @@ pub fn render_status(s: &Status) -> String {
         ));
     }
     out.push_str(&format!("\nunowned partitions ({}): {:?}\n", s.unowned.len(), s.unowned));
+    out.push_str(&format!("\nhot keys ({}):\n", s.hot_keys.len()));
+    if !s.hot_keys.is_empty() {
+        out.push_str(&format!("  {:>5}  {:<16}  {:<12} {:>12} {:>12} {:>8}\n", "level", "key", "state", "arrivals/s", "drained/s", "expires"));
+    }
+    for h in &s.hot_keys {
+        let state = if h.state == "spread" { format!("spread x{}", h.shards) } else { h.state.to_owned() };
+        out.push_str(&format!(
+            "  {:>5}  {:<16}  {:<12} {:>12.1} {:>12} {:>7.1}s\n",
+            h.level,
+            h.key,
+            state,
+            h.arrivals_rps,
+            h.drain_rps.map_or("-".to_owned(), |d| format!("{d:.1}")),
+            h.expires_in_ms as f64 / 1000.0
+        ));
+    }
     out
 }

@@ -237,7 +237,7 @@ pub struct RawKeying {
 
 impl Default for RawKeying {
     fn default() -> Self {
-        RawKeying { mode: "prefix".into(), prefix_chars: 256, chat_key: "system".into() }
+        RawKeying { mode: "adaptive".into(), prefix_chars: 256, chat_key: "system".into() }
     }
 }
 
@@ -245,7 +245,10 @@ impl Default for RawKeying {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawSharding {
+    /// Shards per key in the static `keying.mode = "prefix"` only.
     pub default_shards: u32,
+    /// Adaptive mode: the most shards a hot key at its finest level is spread over.
+    pub max_shards: u32,
     /// Explicit key or key hex → shards.
     /// A `BTreeMap`, so `check-config` prints the keys in a stable order (diffable across hosts).
     pub keys: BTreeMap<String, u32>,
@@ -254,7 +257,7 @@ pub struct RawSharding {
 
 impl Default for RawSharding {
     fn default() -> Self {
-        RawSharding { default_shards: 8, keys: BTreeMap::new(), rules: Vec::new() }
+        RawSharding { default_shards: 8, max_shards: 8, keys: BTreeMap::new(), rules: Vec::new() }
     }
 }
 
@@ -450,7 +453,11 @@ pub struct OwnershipSettings {
 /// `keying.mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyingMode {
-    /// Route and batch by prefix key.
+    /// The default: route by the shortest key level that is not split, splitting hot keys and
+    /// merging them back by measured load ([`crate::affinity`]); batch by the routed key.
+    Adaptive,
+    /// Static: route and batch by the level-0 prefix key, spread over a fixed number of shards
+    /// (`sharding.keys`, `sharding.rules`, `sharding.default_shards`).
     Prefix,
     /// A/B baseline: random partition, one mixed batch per partition.
     Off,
@@ -472,7 +479,8 @@ pub enum ChatKey {
 #[derive(Debug, Clone)]
 pub struct KeyingSettings {
     pub mode: KeyingMode,
-    /// Characters (Unicode scalar values) of a completions prompt that form its key.
+    /// Characters (Unicode scalar values) of a completions prompt that form its level-0 key
+    /// (deeper levels are 4×, 16× and 64× longer, see [`crate::keying::level_key`]).
     pub prefix_chars: NonZeroUsize,
     pub chat_key: ChatKey,
 }
@@ -487,7 +495,11 @@ pub struct ShardRule {
 /// `[sharding]`, validated.
 #[derive(Debug, Clone)]
 pub struct ShardingSettings {
+    /// Shards per key in the static `prefix` mode (keys without a table entry or rule).
     pub default_shards: NonZeroU32,
+    /// Adaptive mode: shards a hot finest-level key (or hot explicit key) is spread over; at most
+    /// `amqp.partitions` (a larger configured value is capped).
+    pub max_shards: NonZeroU32,
     pub keys: HashMap<String, NonZeroU32>,
     pub rules: Vec<ShardRule>,
 }
@@ -841,9 +853,10 @@ fn ownership(o: &RawOwnership) -> Result<OwnershipSettings, ConfigError> {
 fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
     Ok(KeyingSettings {
         mode: match k.mode.as_str() {
+            "adaptive" => KeyingMode::Adaptive,
             "prefix" => KeyingMode::Prefix,
             "off" => KeyingMode::Off,
-            other => return Err(invalid("keying.mode", format!("{other:?}"), "must be \"prefix\" or \"off\"")),
+            other => return Err(invalid("keying.mode", format!("{other:?}"), "must be \"adaptive\", \"prefix\" or \"off\"")),
         },
         prefix_chars: nonzero_usize("keying.prefix_chars", k.prefix_chars)?,
         chat_key: match k.chat_key.as_str() {
@@ -873,7 +886,14 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32) -> Result<ShardingSettings,
             .map_err(|e| invalid("sharding.rules.pattern", format!("{:?}", rule.pattern), format!("must be a regular expression ({e})")))?;
         rules.push(ShardRule { pattern, shards: nonzero_u32("sharding.rules.shards", rule.shards)? });
     }
-    let sharding = ShardingSettings { default_shards: nonzero_u32("sharding.default_shards", s.default_shards)?, keys, rules };
+    let sharding = ShardingSettings {
+        default_shards: nonzero_u32("sharding.default_shards", s.default_shards)?,
+        // More shards than partitions spread no further: capped, so lowering `amqp.partitions`
+        // needs no change here.
+        max_shards: nonzero_u32("sharding.max_shards", s.max_shards)?.min(partitions),
+        keys,
+        rules,
+    };
     for (key, n) in std::iter::once(("sharding.default_shards", sharding.default_shards))
         .chain(sharding.keys.values().map(|n| ("sharding.keys", *n)))
         .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards", r.shards)))
@@ -1008,6 +1028,11 @@ mod tests {
         assert_eq!(s.amqp.partitions.get(), 64);
         assert_eq!(s.batching.max_batch_wait, Duration::from_secs(1));
         assert_eq!(s.sharding.default_shards.get(), 8);
+        assert_eq!(s.sharding.max_shards.get(), 8);
+        let mut few = RawConfig::default();
+        (few.amqp.partitions, few.sharding.default_shards) = (4, 4);
+        assert_eq!(ok(&few).sharding.max_shards.get(), 4, "max_shards is capped at amqp.partitions");
+        assert_eq!(s.keying.mode, KeyingMode::Adaptive, "adaptive keying is the default");
         assert_eq!(s.ownership.lease_ttl, Duration::from_secs(15));
         assert_eq!(s.amqp.partition_queue(7), "prefix-batcher.partition.007");
     }
@@ -1086,6 +1111,7 @@ mod tests {
             (|r| r.amqp.partition_prefetch = 70000, "amqp.partition_prefetch"),
             (|r| r.sharding.default_shards = 0, "sharding.default_shards"),
             (|r| r.sharding.default_shards = 65, "sharding.default_shards"),
+            (|r| r.sharding.max_shards = 0, "sharding.max_shards"),
             (|r| r.llm.endpoints = vec![], "llm.endpoints"),
             (|r| r.llm.endpoints = vec!["ftp://x".into()], "llm.endpoints"),
             (|r| r.llm.max_attempts = 0, "llm.max_attempts"),

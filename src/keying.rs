@@ -6,6 +6,20 @@
 //!
 //! - key: `xxh3_64(material, KEY_SEED)` where material is the explicit `prefix_key`, else the chat
 //!   key material, else the first `prefix_chars` characters of the completions prompt.
+//! - key levels ([`level_key`]): the same hash over longer and longer material, from level 0 (the
+//!   key above) to the finest level ([`level_count`]):
+//!
+//!   | request | level 0 | level 1 | level 2 | level 3 |
+//!   | --- | --- | --- | --- | --- |
+//!   | completions | first `prefix_chars` (256) chars | first 4 × `prefix_chars` (1 024) | 16 × (4 096) | 64 × (16 384) |
+//!   | chat | `chat_key` material (default: leading system/developer messages; none → the first `prefix_chars` of the first user message) | through the first user message | through the second user message | — |
+//!   | explicit `prefix_key` | the key | — | — | — |
+//!
+//!   Chat levels are role-tagged renderings ([`render_chat`]) of the leading messages: level 1 is
+//!   the conversation's opening (constant over all its turns, so a conversation keeps one
+//!   partition), level 2 adds the second user turn (it tells apart conversations that open with
+//!   the same template question). Material shorter than a level is used whole at that level and
+//!   deeper, so such requests keep their key when their key is split.
 //! - shard: uniform at random in `0..shards(key)`.
 //! - partition: `xxh3_64(key_le ‖ shard_le, PARTITION_SEED) mod P`.
 //! - rendezvous (HRW) hashing: the winner among members for an item is the member with the highest
@@ -17,7 +31,7 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::num::NonZeroU32;
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 use crate::config::{ChatKey, KeyingSettings, ShardingSettings};
 use crate::request::{render_chat, Body, ChatMessage, Request};
@@ -118,17 +132,80 @@ fn chat_material(msgs: &[ChatMessage], cfg: &KeyingSettings) -> String {
     }
 }
 
+/// Key levels of a completions prompt (level `i` is the first `prefix_chars × 4^i` characters).
+pub const COMPLETION_LEVELS: u8 = 4;
+/// Key levels of a chat request (`chat_key` material; through the first user message; through
+/// the second user message).
+pub const CHAT_LEVELS: u8 = 3;
+/// Growth of the completions key material from one level to the next.
+pub const LEVEL_GROWTH: usize = 4;
+
+/// Number of key levels of `req`: 1 for an explicit key (it cannot be split by content),
+/// [`CHAT_LEVELS`] for chat, [`COMPLETION_LEVELS`] for completions. The finest level is
+/// `level_count - 1`.
+pub fn level_count(req: &Request) -> u8 {
+    match (&req.prefix_key, &req.body) {
+        (Some(_), _) => 1,
+        (None, Body::Chat(_)) => CHAT_LEVELS,
+        (None, Body::Completion(_)) => COMPLETION_LEVELS,
+    }
+}
+
+/// The key of `req` at `level` (see the module doc for the levels); `None` when `level >=`
+/// [`level_count`]. Level 0 equals [`derive_key`]'s key. Completions keys hash a slice of the
+/// prompt and chat keys of level ≥ 1 hash the rendering as it streams, so nothing is allocated
+/// apart from level 0 of chat.
+pub fn level_key(req: &Request, cfg: &KeyingSettings, level: u8) -> Option<PrefixKey> {
+    if level >= level_count(req) {
+        return None;
+    }
+    if let Some(k) = &req.prefix_key {
+        return Some(PrefixKey::of(k));
+    }
+    Some(match (&req.body, level) {
+        (Body::Completion(p), l) => {
+            let chars = cfg.prefix_chars.get().saturating_mul(LEVEL_GROWTH.saturating_pow(u32::from(l)));
+            PrefixKey::of(prefix_chars(p, chars))
+        }
+        (Body::Chat(msgs), 0) => PrefixKey::of(&chat_material(msgs, cfg)),
+        (Body::Chat(msgs), l) => chat_turns_key(msgs, usize::from(l)),
+    })
+}
+
+/// Key of the chat messages up to and including the `users`-th user message (all messages when
+/// there are fewer), hashed as [`render_chat`] would render them.
+fn chat_turns_key(msgs: &[ChatMessage], users: usize) -> PrefixKey {
+    let mut seen = 0;
+    let end = msgs
+        .iter()
+        .position(|m| {
+            seen += usize::from(m.role == "user");
+            seen == users
+        })
+        .map_or(msgs.len(), |i| i + 1);
+    let mut h = Xxh3::with_seed(KEY_SEED);
+    for m in &msgs[..end] {
+        for part in ["<|", m.role.as_str(), "|>\n", m.text.as_str(), "\n"] {
+            h.update(part.as_bytes());
+        }
+    }
+    PrefixKey(h.digest())
+}
+
 /// Number of shards of a key: the per-key table (by explicit key or key hex), then the first
 /// matching pattern rule (matched against the explicit key or the key material), then
 /// `default_shards`.
 pub fn shards_for(k: &KeyedRequest, cfg: &ShardingSettings) -> NonZeroU32 {
+    static_shards(k, cfg).unwrap_or(cfg.default_shards)
+}
+
+/// The static shard count of a key, when the per-key table or a pattern rule names it (the
+/// override of both the static and the adaptive mode); `None` otherwise.
+pub fn static_shards(k: &KeyedRequest, cfg: &ShardingSettings) -> Option<NonZeroU32> {
     if let Some(n) = cfg.keys.get(&k.material).or_else(|| cfg.keys.get(&k.key.to_string())) {
-        return *n;
+        return Some(*n);
     }
-    cfg.rules
-        .iter()
-        .find(|r| r.pattern.is_match(&k.material))
-        .map_or(cfg.default_shards, |r| r.shards)
+    cfg.rules.iter().find(|r| r.pattern.is_match(&k.material)).map(|r| r.shards)
 }
 
 /// Picks a shard uniformly at random in `0..shards`.
@@ -328,6 +405,56 @@ mod tests {
     }
 
     #[test]
+    fn completion_levels_grow_by_four_and_short_prompts_keep_their_key() {
+        let c = kcfg(4, ChatKey::System);
+        let long = format!("abcd{}", "x".repeat(300));
+        let r = req(&format!(r#"{{"prompt":"{long}"}}"#));
+        assert_eq!(level_count(&r), COMPLETION_LEVELS);
+        assert_eq!(level_key(&r, &c, 0), Some(derive_key(&r, &c).key));
+        for (level, chars) in [(1u8, 16usize), (2, 64), (3, 256)] {
+            assert_eq!(level_key(&r, &c, level), Some(PrefixKey::of(&long[..chars])), "level {level}");
+        }
+        assert_eq!(level_key(&r, &c, 4), None);
+        let short = req(r#"{"prompt":"abcdefg"}"#);
+        let (l1, l2) = (level_key(&short, &c, 1), level_key(&short, &c, 2));
+        assert_eq!(l1, Some(PrefixKey::of("abcdefg")));
+        assert_eq!(l1, l2, "shorter than a level: the whole prompt there and deeper");
+    }
+
+    #[test]
+    fn chat_levels_follow_the_conversation() {
+        let c = kcfg(256, ChatKey::System);
+        let turn1 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"}]}"#);
+        let turn2 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"}]}"#);
+        let turn3 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"},{"role":"assistant","content":"a2"},{"role":"user","content":"u3"}]}"#);
+        let other = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"v1"}]}"#);
+        assert_eq!(level_count(&turn1), CHAT_LEVELS);
+        let k = |r: &Request, l| level_key(r, &c, l).unwrap();
+        // Level 0: the system prompt, shared by all.
+        assert!([&turn2, &turn3, &other].iter().all(|r| k(r, 0) == k(&turn1, 0)));
+        // Level 1: the conversation's opening, the same over all its turns.
+        assert!(k(&turn1, 1) == k(&turn2, 1) && k(&turn2, 1) == k(&turn3, 1));
+        assert_ne!(k(&turn1, 1), k(&other, 1));
+        let Body::Chat(msgs) = &turn3.body else { unreachable!() };
+        assert_eq!(k(&turn3, 2), PrefixKey::of(&render_chat(&msgs[..4], usize::MAX)), "streamed hash = hash of the rendering");
+        assert_eq!(k(&turn1, 1), PrefixKey::of("<|system|>\nS\n<|user|>\nu1\n"), "hashes the rendering");
+        // Level 2: through the second user turn.
+        assert_eq!(k(&turn2, 2), k(&turn3, 2));
+        assert_ne!(k(&turn1, 2), k(&turn2, 2));
+        assert_eq!(k(&turn1, 2), k(&turn1, 1), "one user turn: the whole conversation");
+        assert_eq!(level_key(&turn1, &c, 3), None);
+    }
+
+    #[test]
+    fn an_explicit_key_has_one_level() {
+        let c = kcfg(4, ChatKey::System);
+        let r = req(r#"{"prompt":"Hello world","prefix_key":"tenant-1"}"#);
+        assert_eq!(level_count(&r), 1);
+        assert_eq!(level_key(&r, &c, 0), Some(PrefixKey::of("tenant-1")));
+        assert_eq!(level_key(&r, &c, 1), None);
+    }
+
+    #[test]
     fn unknown_message_schema_is_an_error_not_a_shared_key() {
         let err = parse(br#"{"messages":[{"role":"user","content":{"image":1}}]}"#, &Envelope::default(), 1000);
         assert_eq!(err.unwrap_err().reason(), "unknown_message_schema");
@@ -379,6 +506,7 @@ mod tests {
         let n = |v| NonZeroU32::new(v).unwrap();
         let cfg = ShardingSettings {
             default_shards: n(8),
+            max_shards: n(8),
             keys: HashMap::from([("tenant-1".to_string(), n(2))]),
             rules: vec![ShardRule { pattern: regex::Regex::new("^Evaluate").unwrap(), shards: n(3) }],
         };

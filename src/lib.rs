@@ -14,6 +14,9 @@
 //! - [`config`]: raw TOML/env configuration and the validated `Settings`.
 //! - [`request`]: the message contract — parsing requests, dead-letter reasons, result shape.
 //! - [`keying`]: prefix keys, shards, partitions, rendezvous hashing and the partition assignment (pure).
+//! - [`affinity`]: adaptive key granularity — which key level a request routes by, and when a
+//!   hot key splits or a cool one merges back (pure); [`splits`]: the split set shared through
+//!   Redis and each instance's local view of it.
 //! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
 //! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: AMQP reply codes and
 //!   the classification of broker refusals by reply code.
@@ -33,6 +36,7 @@
 //! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
 //! - [`client`]: the `submit` and `status` commands.
 
+pub mod affinity;
 pub mod amqp;
 pub mod app;
 pub mod batcher;
@@ -53,4 +57,5 @@ pub mod readiness;
 pub mod redelivery;
 pub mod request;
 pub mod router;
+pub mod splits;
 pub mod topology;

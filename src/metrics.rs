@@ -170,6 +170,112 @@ static AMQP_BLOCKED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 static READY: LazyLock<Gauge> =
     LazyLock::new(|| reg(Gauge::new("ready", "1 when connected to RabbitMQ and Redis and the first lease round is done.").unwrap()));
 
+// Adaptive key granularity ([`crate::affinity`], [`crate::splits`]). Labels: `level` (a key
+// level, at most 4 values), `rank` (1..5), `kind` (closed sets below). Never the key itself.
+static KEY_SPLITS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new("key_splits", "Keys split (or spread over shards) in this instance's view of the split set, by key level."),
+        &["level"],
+    )
+    .unwrap())
+});
+static KEY_SPLIT_DECISIONS: LazyLock<IntCounterVec> = counter_vec!(
+    "key_split_decisions_total",
+    "Split-set changes this instance made: split (route by the next level), spread (finest level over max_shards), merge.",
+    &["decision"]
+);
+static KEY_MOVES: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new("key_moves_total", "Decision changes (entries added, removed or changed) seen in the split set; each moves a key's traffic.").unwrap())
+});
+static HOT_KEY_SHARE: LazyLock<GaugeVec> = LazyLock::new(|| {
+    reg(GaugeVec::new(
+        Opts::new("hot_key_share", "Share of routed requests carried by the rank-th most frequent routed key, over the last 200 requests."),
+        &["rank"],
+    )
+    .unwrap())
+});
+static UNSPLITTABLE_KEY_SHARE: LazyLock<Gauge> = LazyLock::new(|| {
+    reg(Gauge::new(
+        "unsplittable_key_share",
+        "Share of routed requests carried by the most frequent routed key when it cannot be split further (spread over max_shards, explicit or static key); 0 otherwise.",
+    )
+    .unwrap())
+});
+static KEY_HYGIENE: LazyLock<IntCounterVec> = counter_vec!(
+    "key_hygiene_warnings_total",
+    "Windows of 200 routed requests with a key problem: volatile (>= 95 % distinct keys), short (most material under 64 characters), unsplittable (one key that cannot be split carries >= 50 %).",
+    &["kind"]
+);
+static SPLIT_SYNC_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new("split_sync_failures_total", "Failed refreshes of the split set from Redis (the last view stays in force).").unwrap())
+});
+static SPLIT_VIEW_AGE: LazyLock<Gauge> = LazyLock::new(|| {
+    reg(Gauge::new("split_view_age_seconds", "Time since the split-set view was last refreshed from Redis, at scrape time.").unwrap())
+});
+/// When the split view was last refreshed (for [`SPLIT_VIEW_AGE`] at scrape time).
+static SPLIT_VIEW_SINCE: LazyLock<Mutex<Option<Instant>>> = LazyLock::new(|| Mutex::new(None));
+
+/// Label values of `key_split_decisions_total{decision}` and `key_hygiene_warnings_total{kind}`.
+pub mod keys {
+    pub const SPLIT: &str = "split";
+    pub const SPREAD: &str = "spread";
+    pub const MERGE: &str = "merge";
+    pub const VOLATILE: &str = "volatile";
+    pub const SHORT: &str = "short";
+    pub const UNSPLITTABLE: &str = "unsplittable";
+}
+
+/// The split set was refreshed: entries per level (index = level), and decision changes seen.
+pub fn split_view(per_level: &[usize], moves: usize) {
+    for level in 0..crate::keying::COMPLETION_LEVELS as usize {
+        KEY_SPLITS.with_label_values(&[&level.to_string()]).set(per_level.get(level).copied().unwrap_or(0) as i64);
+    }
+    KEY_MOVES.inc_by(moves as u64);
+    *SPLIT_VIEW_SINCE.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now());
+}
+
+/// This instance changed the split set (`decision` from [`keys`]).
+pub fn split_decision(decision: &'static str) {
+    KEY_SPLIT_DECISIONS.with_label_values(&[decision]).inc();
+}
+
+/// A refresh of the split set failed.
+pub fn split_sync_failed() {
+    SPLIT_SYNC_FAILURES.inc();
+}
+
+/// Shares of the 5 hottest routed keys (largest first) and of the hottest one if unsplittable.
+pub fn hot_keys(top_shares: &[f64], unsplittable_share: f64) {
+    for rank in 0..5 {
+        HOT_KEY_SHARE.with_label_values(&[&(rank + 1).to_string()]).set(top_shares.get(rank).copied().unwrap_or(0.0));
+    }
+    UNSPLITTABLE_KEY_SHARE.set(unsplittable_share);
+}
+
+/// A window of routed requests showed key problem `kind` (from [`keys`]).
+pub fn key_hygiene(kind: &'static str) {
+    KEY_HYGIENE.with_label_values(&[kind]).inc();
+}
+
+fn init_keys() {
+    split_view(&[], 0);
+    *SPLIT_VIEW_SINCE.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    for d in [keys::SPLIT, keys::SPREAD, keys::MERGE] {
+        KEY_SPLIT_DECISIONS.with_label_values(&[d]);
+    }
+    for k in [keys::VOLATILE, keys::SHORT, keys::UNSPLITTABLE] {
+        KEY_HYGIENE.with_label_values(&[k]);
+    }
+    hot_keys(&[], 0.0);
+    LazyLock::force(&SPLIT_SYNC_FAILURES);
+    LazyLock::force(&SPLIT_VIEW_AGE);
+}
+
+fn refresh_split_view_age(now: Instant) {
+    let since = *SPLIT_VIEW_SINCE.lock().unwrap_or_else(|e| e.into_inner());
+    SPLIT_VIEW_AGE.set(since.map_or(0.0, |s| now.saturating_duration_since(s).as_secs_f64()));
+}
+
 /// Label values of `requests_total{stage}`.
 pub mod stage {
     pub const ROUTER: &str = "router";
@@ -256,6 +362,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
         AMQP_BLOCKED_TOTAL.with_label_values(&[c]);
         AMQP_BLOCKED.with_label_values(&[c]);
     }
+    init_keys();
 }
 
 /// The deployment's configured partition count `P` (for "partitions without an owner":
@@ -267,6 +374,7 @@ pub fn deployment(partitions: u32) {
 /// Renders the registry in the Prometheus text exposition format 0.0.4.
 pub fn render() -> String {
     refresh_oldest_ages(Instant::now());
+    refresh_split_view_age(Instant::now());
     let mut buf = Vec::new();
     TextEncoder::new().encode(&REGISTRY.gather(), &mut buf).expect("text encoding cannot fail");
     String::from_utf8(buf).expect("text format is UTF-8")

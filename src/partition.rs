@@ -38,7 +38,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
-use crate::keying::{derive_key, PrefixKey};
+use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
 use crate::llm::{InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, stage};
@@ -103,7 +103,7 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
     let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.abort.clone()));
 
     // Intake.
-    let keyed = s.keying.mode == KeyingMode::Prefix;
+    let keyed = s.keying.mode != KeyingMode::Off;
     let mut result = Ok(());
     let lease = ctx.lease.clone();
     let expired = lease.expired();
@@ -192,13 +192,13 @@ async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery) -> Opt
     };
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
     let headers = delivery.properties.headers().as_ref();
-    let key = derive_key(&req, &s.keying).key;
     let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
     // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin) set
     // header `timestamp_in_ms`; else the AMQP `timestamp`, whole seconds only.
     let enqueued_unix_ms =
         header_u64(headers, HEADER_TIMESTAMP_MS).or_else(|| delivery.properties.timestamp().map(|t| t.saturating_mul(1000)));
     let queued_ms = enqueued_unix_ms.map_or(0, |t| unix_ms().saturating_sub(t));
+    let key = crate::splits::batch_key(s, ctx.partition, &req, headers, queued_ms);
     Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms })
 }
 

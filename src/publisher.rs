@@ -27,7 +27,8 @@ use crate::config::AmqpSettings;
 use crate::lease::LeaseClock;
 use crate::llm::{Completion, ErrorKind, LlmError};
 use crate::metrics::{self, outcome, stage};
-use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs};
+use crate::redelivery::{self, HEADER_DELIVERY_COUNT};
+use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs, REASON_DELIVERY_LIMIT};
 
 /// Header carrying the dead-letter reason (a stable kind, see [`crate::request::DEAD_LETTER_REASONS`]).
 pub const HEADER_DEATH_REASON: &str = "x-death-reason";
@@ -45,6 +46,14 @@ pub const HEADER_INSTANCE: &str = "x-instance";
 pub const HEADER_PREFIX_KEY: &str = "x-prefix-key";
 /// Header set by the router on forwarded requests: the chosen shard.
 pub const HEADER_SHARD: &str = "x-shard";
+/// Header set by the router on forwarded requests: the key it routed by, `"{level}/{levels}:{key hex}"` ([`crate::affinity::RoutedKey`]); partitions batch by it.
+pub const HEADER_ROUTED_KEY: &str = "x-routed-key";
+/// Header keeping the `user_id` property of a forwarded or dead-lettered message (the property
+/// itself is not copied, see [`carried_props`]).
+pub const HEADER_ORIGINAL_USER_ID: &str = "x-original-user-id";
+/// Header keeping the `expiration` property of a forwarded or dead-lettered message (the
+/// property itself is not copied, see [`carried_props`]).
+pub const HEADER_ORIGINAL_EXPIRATION: &str = "x-original-expiration";
 
 /// Header with the publish time in Unix milliseconds, the name RabbitMQ's message-timestamp plugin
 /// uses (<https://github.com/rabbitmq/rabbitmq-message-timestamp>); preferred over the AMQP
@@ -136,8 +145,40 @@ pub fn header_u64(headers: Option<&FieldTable>, name: &str) -> Option<u64> {
     }
 }
 
-/// Publishes a dead letter: the original body and properties, plus `x-death-reason` and
-/// `x-death-detail` headers, to the dead-letter exchange.
+/// The properties a message the daemon republishes (a forwarded request, a dead letter) carries
+/// over from the original: an allowlist, never a blind copy. Copied: `content_type`,
+/// `content_encoding`, `correlation_id`, `reply_to`, `message_id`, `timestamp`, `type`, `app_id`,
+/// `priority`, `delivery_mode` and the headers (without `x-delivery-count`: the next queue counts
+/// its own deliveries), with `extra` added.
+///
+/// Never copied: `user_id`, which RabbitMQ checks against the publishing connection's user (a
+/// mismatch closes the channel with 406 `PRECONDITION_FAILED`,
+/// <https://www.rabbitmq.com/docs/validated-user-id>), and `expiration`, a per-message TTL that
+/// would expire the copy, dead letters included. Their values are kept in the headers
+/// [`HEADER_ORIGINAL_USER_ID`] and [`HEADER_ORIGINAL_EXPIRATION`]. `cluster_id` is dropped.
+pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> BasicProperties {
+    let mut p = BasicProperties::default();
+    macro_rules! copy {
+        ($($get:ident => $with:ident),* $(,)?) => {
+            $( if let Some(v) = props.$get() { p = p.$with(v.clone()); } )*
+        };
+    }
+    copy!(content_type => with_content_type, content_encoding => with_content_encoding, correlation_id => with_correlation_id,
+          reply_to => with_reply_to, message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
+          app_id => with_app_id, priority => with_priority, delivery_mode => with_delivery_mode);
+    let mut headers = FieldTable::default();
+    for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| k.as_str() != HEADER_DELIVERY_COUNT) {
+        headers.insert(k.clone(), v.clone());
+    }
+    let originals = [(HEADER_ORIGINAL_USER_ID, props.user_id()), (HEADER_ORIGINAL_EXPIRATION, props.expiration())];
+    let mut added: Vec<(&str, String)> =
+        originals.iter().filter_map(|(k, v)| v.as_ref().map(|v| (*k, v.as_str().to_owned()))).collect();
+    added.extend(extra.iter().cloned());
+    p.with_headers(headers_with(Some(&headers), &added))
+}
+
+/// Publishes a dead letter: the original body, the properties of [`carried_props`] plus
+/// `x-death-reason` and `x-death-detail` headers, persistent, to the dead-letter exchange.
 pub async fn dead_letter(
     ch: &Channel,
     dead_letter_exchange: &str,
@@ -147,11 +188,8 @@ pub async fn dead_letter(
     detail: &str,
     timeout: Duration,
 ) -> Result<(), PublishError> {
-    let headers = headers_with(
-        props.headers().as_ref(),
-        &[(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())],
-    );
-    let props = props.clone().with_headers(headers).with_delivery_mode(PERSISTENT);
+    let death = [(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
+    let props = carried_props(props, &death).with_delivery_mode(PERSISTENT);
     publish_confirmed(ch, dead_letter_exchange, "", body, props, timeout).await
 }
 
@@ -173,25 +211,51 @@ pub enum Intake {
 }
 
 /// Parses a delivery against the message contract ([`crate::request::parse`], with the
-/// `message_id` property and the `x-prefix-key` header). A request that breaks the contract is
-/// published to `amqp.dead_letter_exchange` with its reason ([`dead_letter`]), and acked once
-/// that publish is confirmed. With `lease`, the dead letter is published only while the lease is
+/// `message_id`, `correlation_id` and `reply_to` properties and the `x-prefix-key` header). A
+/// request that breaks the contract is dead-lettered with its reason ([`dead_letter_and_ack`]).
+/// So is a valid one delivered `amqp.delivery_limit` times or more before (the quorum queue's
+/// `x-delivery-count`, see [`crate::redelivery`]), with reason `delivery_limit` and the last error
+/// this instance saw for it. With `lease`, a dead letter is published only while the lease is
 /// valid.
 pub async fn parse_or_dead_letter(ch: &Channel, amqp: &AmqpSettings, delivery: Delivery, lease: Option<&LeaseClock>) -> Intake {
     let props = &delivery.properties;
     let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
-    let env = Envelope { message_id: props.message_id().as_ref().map(|m| m.as_str()), prefix_key_header: prefix_header.as_deref() };
-    let err = match parse(&delivery.data, &env, amqp.max_message_bytes) {
-        Ok(req) => return Intake::Valid(req, delivery),
-        Err(err) => err,
+    let env = Envelope {
+        message_id: props.message_id().as_ref().map(|m| m.as_str()),
+        prefix_key_header: prefix_header.as_deref(),
+        correlation_id: props.correlation_id().as_ref().map(|c| c.as_str()),
+        reply_to: props.reply_to().as_ref().map(|r| r.as_str()),
     };
-    let reason = err.reason();
-    warn!(reason, detail = %err, "dead-lettering request");
+    let parsed = parse(&delivery.data, &env, amqp.max_message_bytes);
+    let count = redelivery::delivery_count(props.headers().as_ref());
+    let (reason, detail) = match parsed {
+        Ok(req) if count < u64::from(amqp.delivery_limit.get()) => return Intake::Valid(req, delivery),
+        Ok(req) => {
+            let last = redelivery::last_failure(&req.id).unwrap_or_else(|| "unknown on this instance".to_owned());
+            (REASON_DELIVERY_LIMIT, format!("delivered {count} times; last error: {last}"))
+        }
+        Err(err) => (err.reason(), err.to_string()),
+    };
+    dead_letter_and_ack(ch, amqp, delivery, reason, &detail, lease).await
+}
+
+/// Publishes `delivery` to `amqp.dead_letter_exchange` with `reason` and `detail`
+/// ([`dead_letter`]) and acks it once that publish is confirmed; with `lease`, only while the
+/// lease is valid. [`Intake::Unacked`] when nothing was confirmed (the caller requeues).
+pub async fn dead_letter_and_ack(
+    ch: &Channel,
+    amqp: &AmqpSettings,
+    delivery: Delivery,
+    reason: &'static str,
+    detail: &str,
+    lease: Option<&LeaseClock>,
+) -> Intake {
+    warn!(reason, detail, "dead-lettering request");
     if lease.is_some_and(|l| !l.is_valid()) {
         return Intake::Unacked(delivery);
     }
-    let detail = err.to_string();
-    if let Err(e) = dead_letter(ch, &amqp.dead_letter_exchange, &delivery.data, props, reason, &detail, amqp.confirm_timeout).await {
+    let (body, props) = (&delivery.data, &delivery.properties);
+    if let Err(e) = dead_letter(ch, &amqp.dead_letter_exchange, body, props, reason, detail, amqp.confirm_timeout).await {
         warn!(error = %e, "dead-letter publish not confirmed; the message is not acked");
         return Intake::Unacked(delivery);
     }
@@ -327,4 +391,51 @@ fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> Basi
                 (HEADER_INSTANCE, tenure.instance.to_owned()),
             ],
         ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every property an allowed copy keeps.
+    fn allowed() -> BasicProperties {
+        BasicProperties::default()
+            .with_content_type("application/json".into())
+            .with_content_encoding("identity".into())
+            .with_correlation_id("c".into())
+            .with_reply_to("r".into())
+            .with_message_id("m".into())
+            .with_timestamp(7)
+            .with_type("t".into())
+            .with_app_id("a".into())
+            .with_priority(3)
+            .with_delivery_mode(1)
+    }
+
+    /// [`allowed`], the properties never copied, and headers.
+    fn original() -> BasicProperties {
+        let mut h = FieldTable::default();
+        h.insert(ShortString::from(HEADER_DELIVERY_COUNT), AMQPValue::LongLongInt(4));
+        h.insert(ShortString::from(HEADER_PREFIX_KEY), AMQPValue::LongString("k".into()));
+        allowed().with_user_id("someone".into()).with_expiration("5000".into()).with_cluster_id("x".into()).with_headers(h)
+    }
+
+    #[test]
+    fn carried_props_are_an_allowlist() {
+        let p = carried_props(&original(), &[(HEADER_SHARD, "2".to_owned())]);
+        assert_eq!(p.clone().with_headers(FieldTable::default()), allowed().with_headers(FieldTable::default()));
+        let h = p.headers().as_ref();
+        assert_eq!(header_str(h, HEADER_ORIGINAL_USER_ID).as_deref(), Some("someone"));
+        assert_eq!(header_str(h, HEADER_ORIGINAL_EXPIRATION).as_deref(), Some("5000"));
+        assert_eq!(header_str(h, HEADER_PREFIX_KEY).as_deref(), Some("k"));
+        assert_eq!(header_str(h, HEADER_SHARD).as_deref(), Some("2"));
+        assert_eq!(header_u64(h, HEADER_DELIVERY_COUNT), None, "the next queue counts its own deliveries");
+    }
+
+    #[test]
+    fn carried_props_of_a_bare_message_add_no_originals() {
+        let p = carried_props(&BasicProperties::default(), &[]);
+        assert_eq!(p.headers().as_ref().map(|h| h.inner().len()), Some(0));
+        assert!(p.user_id().is_none() && p.expiration().is_none());
+    }
 }

@@ -9,7 +9,8 @@
 //!
 //! The last error is remembered per request id, in this process only, in a bounded table
 //! ([`LAST_FAILURES_CAPACITY`] entries, oldest forgotten first): a redelivery that reaches another
-//! instance is dead-lettered with "last error unknown on this instance".
+//! instance is dead-lettered with the detail "delivered N times; last error: unknown on this instance"
+//! (see [`crate::publisher::parse_or_dead_letter`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{LazyLock, Mutex};

@@ -5,6 +5,7 @@
 //! [`Request`] yields a [`ParseError`] whose [`ParseError::reason`] is the stable, machine-readable
 //! value of the `x-death-reason` header on the dead-lettered message.
 
+use lapin::types::ShortString;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
@@ -119,7 +120,12 @@ impl ParseError {
     }
 }
 
-/// Every value [`ParseError::reason`] can return, for metric initialisation and docs.
+/// Dead-letter reason of a request delivered `amqp.delivery_limit` times or more without an
+/// outcome (see [`crate::redelivery`]).
+pub const REASON_DELIVERY_LIMIT: &str = "delivery_limit";
+
+/// Every dead-letter reason: each value [`ParseError::reason`] can return, and
+/// [`REASON_DELIVERY_LIMIT`]. For metric initialisation and docs.
 pub const DEAD_LETTER_REASONS: &[&str] = &[
     "too_large",
     "invalid_utf8",
@@ -128,7 +134,42 @@ pub const DEAD_LETTER_REASONS: &[&str] = &[
     "both_prompt_and_messages",
     "unknown_message_schema",
     "invalid_field",
+    REASON_DELIVERY_LIMIT,
 ];
+
+/// Longest AMQP short string, in bytes: AMQP 0-9-1 specification, section 4.2.5.3 "Strings"
+/// ("short strings … can carry up to 255 octets of UTF-8 data";
+/// <https://www.rabbitmq.com/resources/specs/amqp0-9-1.pdf>). `message_id`, `correlation_id`,
+/// `reply_to`, queue names and header names are short strings.
+pub const MAX_SHORT_STRING_BYTES: usize = 255;
+
+/// Longest accepted request id and `correlation_id`, in bytes. Below [`MAX_SHORT_STRING_BYTES`]
+/// so that ids derived from it (`{id}:result` and the like, ≤ 55 bytes added) are short strings
+/// too.
+pub const MAX_ID_BYTES: usize = 200;
+
+/// `value` as an AMQP short string, or [`ParseError::InvalidField`] naming `field` when it is
+/// longer than `limit` bytes (or than [`MAX_SHORT_STRING_BYTES`]). Every short string built from
+/// outside input goes through here: lapin's `From<&str>` for `ShortString` panics on more than
+/// 255 bytes.
+pub fn short_string(field: &'static str, value: &str, limit: usize) -> Result<ShortString, ParseError> {
+    check_length(field, value, limit)?;
+    ShortString::try_new(value).map_err(|e| ParseError::InvalidField { field, detail: e.to_string() })
+}
+
+/// Errors with [`ParseError::InvalidField`] when `value` is longer than `limit` bytes.
+fn check_length(field: &'static str, value: &str, limit: usize) -> Result<(), ParseError> {
+    if value.len() <= limit {
+        return Ok(());
+    }
+    Err(ParseError::InvalidField {
+        field,
+        detail: format!(
+            "is {} bytes, more than the limit of {limit} bytes (AMQP short strings hold at most {MAX_SHORT_STRING_BYTES})",
+            value.len()
+        ),
+    })
+}
 
 /// AMQP metadata the parser uses; kept separate from lapin types so parsing stays pure.
 #[derive(Debug, Default, Clone)]
@@ -137,16 +178,23 @@ pub struct Envelope<'a> {
     pub message_id: Option<&'a str>,
     /// AMQP header `x-prefix-key`.
     pub prefix_key_header: Option<&'a str>,
+    /// AMQP `correlation_id` property (at most [`MAX_ID_BYTES`]).
+    pub correlation_id: Option<&'a str>,
+    /// AMQP `reply_to` property (at most [`MAX_SHORT_STRING_BYTES`]).
+    pub reply_to: Option<&'a str>,
 }
 
 /// Parses one message body.
 ///
 /// Errors: see [`ParseError`]; every error is final for that message (it is dead-lettered, never
-/// retried).
+/// retried). The request id (body `id`, else `message_id`) and `correlation_id` may have at most
+/// [`MAX_ID_BYTES`] bytes, `reply_to` at most [`MAX_SHORT_STRING_BYTES`].
 pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Request, ParseError> {
     if body.len() > max_bytes {
         return Err(ParseError::TooLarge { size: body.len(), limit: max_bytes });
     }
+    check_length("correlation_id", env.correlation_id.unwrap_or_default(), MAX_ID_BYTES)?;
+    check_length("reply_to", env.reply_to.unwrap_or_default(), MAX_SHORT_STRING_BYTES)?;
     let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
     let value: Value = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
     let Value::Object(mut obj) = value else {
@@ -168,21 +216,7 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
         }
         (None, Some(m)) => Body::Chat(parse_messages(m)?),
     };
-    let id = match obj.remove("id") {
-        Some(Value::String(s)) if !s.is_empty() => s,
-        Some(Value::Number(n)) => n.to_string(),
-        None | Some(Value::Null) => env
-            .message_id
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
-        Some(other) => {
-            return Err(ParseError::InvalidField {
-                field: "id",
-                detail: format!("expected a non-empty string, got {}", json_type(&other)),
-            })
-        }
-    };
+    let id = request_id(obj.remove("id"), env.message_id)?;
     let model = match obj.remove("model") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s),
@@ -214,6 +248,31 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
         }
     };
     Ok(Request { id, body, model, params, prefix_key })
+}
+
+/// The request id: the body's `id` (a non-empty string or a number), else the AMQP `message_id`,
+/// else a generated UUID v4; at most [`MAX_ID_BYTES`] bytes.
+fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String, ParseError> {
+    Ok(match body_id {
+        Some(Value::String(s)) if !s.is_empty() => {
+            check_length("id", &s, MAX_ID_BYTES)?;
+            s
+        }
+        Some(Value::Number(n)) => n.to_string(),
+        None | Some(Value::Null) => match message_id.filter(|s| !s.is_empty()) {
+            Some(m) => {
+                check_length("message_id", m, MAX_ID_BYTES)?;
+                m.to_owned()
+            }
+            None => uuid::Uuid::new_v4().to_string(),
+        },
+        Some(other) => {
+            return Err(ParseError::InvalidField {
+                field: "id",
+                detail: format!("expected a non-empty string, got {}", json_type(&other)),
+            })
+        }
+    })
 }
 
 fn parse_messages(v: Value) -> Result<Vec<ChatMessage>, ParseError> {
@@ -353,7 +412,7 @@ mod tests {
 
     #[test]
     fn id_falls_back_to_message_id_then_uuid() {
-        let env = Envelope { message_id: Some("mid"), prefix_key_header: Some("hk") };
+        let env = Envelope { message_id: Some("mid"), prefix_key_header: Some("hk"), ..Envelope::default() };
         let r = parse(br#"{"prompt":"x"}"#, &env, 100).unwrap();
         assert_eq!(r.id, "mid");
         assert_eq!(r.prefix_key.as_deref(), Some("hk"));
@@ -364,7 +423,7 @@ mod tests {
 
     #[test]
     fn body_prefix_key_wins_over_header() {
-        let env = Envelope { message_id: None, prefix_key_header: Some("hk") };
+        let env = Envelope { prefix_key_header: Some("hk"), ..Envelope::default() };
         let r = parse(br#"{"prompt":"x","prefix_key":"bk"}"#, &env, 100).unwrap();
         assert_eq!(r.prefix_key.as_deref(), Some("bk"));
     }
@@ -412,5 +471,46 @@ mod tests {
         let msgs = vec![ChatMessage { role: "user".into(), text: "héllo".into(), raw: Value::Null }];
         assert_eq!(render_chat(&msgs, usize::MAX), "<|user|>\nhéllo\n");
         assert_eq!(render_chat(&msgs, 11), "<|user|>\nhé");
+    }
+
+    #[test]
+    fn ids_are_limited_to_max_id_bytes() {
+        let body = |id: &str| format!(r#"{{"id":"{id}","prompt":"hi"}}"#);
+        let at_limit = "a".repeat(MAX_ID_BYTES);
+        assert_eq!(p(&body(&at_limit)).unwrap().id, at_limit);
+        let err = p(&body(&"a".repeat(MAX_ID_BYTES + 1))).unwrap_err();
+        assert_eq!(err.reason(), "invalid_field");
+        assert!(matches!(&err, ParseError::InvalidField { field: "id", .. }), "{err:?}");
+        assert!(err.to_string().contains("201 bytes") && err.to_string().contains("limit of 200"), "{err}");
+        let long = "m".repeat(MAX_ID_BYTES + 1);
+        let env = Envelope { message_id: Some(&long), ..Envelope::default() };
+        let err = parse(br#"{"prompt":"x"}"#, &env, 100).unwrap_err();
+        assert!(matches!(err, ParseError::InvalidField { field: "message_id", .. }), "{err:?}");
+    }
+
+    #[test]
+    fn correlation_id_and_reply_to_are_limited() {
+        let long = "c".repeat(MAX_ID_BYTES + 1);
+        let env = Envelope { correlation_id: Some(&long), ..Envelope::default() };
+        let err = parse(br#"{"prompt":"x"}"#, &env, 100).unwrap_err();
+        assert!(matches!(err, ParseError::InvalidField { field: "correlation_id", .. }), "{err:?}");
+        let queue = "q".repeat(MAX_SHORT_STRING_BYTES);
+        let env = Envelope { correlation_id: Some(&long[..MAX_ID_BYTES]), reply_to: Some(&queue), ..Envelope::default() };
+        assert!(parse(br#"{"prompt":"x"}"#, &env, 100).is_ok());
+    }
+
+    #[test]
+    fn short_string_never_panics() {
+        assert_eq!(short_string("id", "abc", MAX_ID_BYTES).unwrap().as_str(), "abc");
+        let err = short_string("reply_to", &"x".repeat(300), 1000).unwrap_err();
+        assert!(matches!(err, ParseError::InvalidField { field: "reply_to", .. }), "{err:?}");
+        assert!(short_string("id", &"x".repeat(256), usize::MAX).is_err());
+    }
+
+    #[test]
+    fn every_reason_is_listed_once() {
+        let mut seen = std::collections::HashSet::new();
+        assert!(DEAD_LETTER_REASONS.iter().all(|r| seen.insert(*r)));
+        assert!(DEAD_LETTER_REASONS.contains(&REASON_DELIVERY_LIMIT));
     }
 }

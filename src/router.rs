@@ -1,105 +1,263 @@
 //! The router: consumes the input queue (competing consumers: every instance runs one), keys each
 //! request and forwards it to its partition queue.
 //!
-//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → derive key → pick shard → partition → publish to the shard exchange with
+//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → key ([`route`]: in the default
+//! adaptive mode the shortest key level that is not split) → pick shard → partition → publish to the shard exchange with
 //! routing key = partition, wait for the confirm → ack the input. Bad input is published to the
 //! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
 //! loop. Deliveries are handled concurrently; `amqp.input_prefetch` bounds how many.
 
-use std::sync::Arc;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel};
+use lapin::{BasicProperties, Channel, Consumer};
+use tokio::sync::Mutex;
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
-use crate::keying::{derive_key, partition_of, pick_shard, shards_for};
+use crate::affinity::{self, RoutedKey};
+use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
 use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, headers_with, Intake, HEADER_SHARD};
+use crate::publisher::{self, Intake, HEADER_ROUTED_KEY, HEADER_SHARD};
+use crate::redelivery;
+use crate::request::{short_string, ParseError, MAX_ID_BYTES};
+use crate::splits::Affinity;
 
 /// Where one valid request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub request_id: String,
+    /// Hex of the key the request routes by (its routed level's key).
     pub key_hex: String,
-    /// The first characters of the key material, for logs.
+    /// The key it routes by, with its level; sent as header `x-routed-key`.
+    pub routed: RoutedKey,
+    /// The first characters of the level-0 key material, for logs.
     pub key_preview: String,
     pub shard: u32,
     pub partition: u32,
 }
 
-/// Decides the route of a parsed request (pure apart from the random shard).
+/// Decides the route of a parsed request with the split view of its deployment
+/// ([`Affinity::for_prefix`]); see [`route_in`].
 pub fn route(req: &crate::request::Request, settings: &Settings) -> Route {
-    let keyed = derive_key(req, &settings.keying);
-    let (shard, partition) = match settings.keying.mode {
-        KeyingMode::Prefix => {
-            let shard = pick_shard(shards_for(&keyed, &settings.sharding));
-            (shard, partition_of(keyed.key, shard, settings.amqp.partitions))
-        }
-        KeyingMode::Off => (0, fastrand::u32(0..settings.amqp.partitions.get())),
-    };
-    Route { request_id: req.id.clone(), key_hex: keyed.key.to_string(), key_preview: keyed.preview().to_owned(), shard, partition }
+    route_in(req, settings, &Affinity::for_prefix(&settings.redis.key_prefix))
 }
 
-/// Runs the router until `stop` fires or the connection fails. On stop it cancels its consumer
-/// and finishes the deliveries it has (publish, confirm, ack) before returning.
+/// Decides the route of a parsed request (no I/O: it reads the local split view; the shard is
+/// random):
+/// - `adaptive`: a key with a static entry (`sharding.keys`, `sharding.rules`) uses it at level
+///   0; any other routes by the shortest level whose key is not split ([`affinity::choose`]),
+///   over the shards of a spread key. The arrival and key hygiene are recorded in `affinity`.
+/// - `prefix` (static): the level-0 key over `shards_for` shards.
+/// - `off`: a random partition.
+pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &Affinity) -> Route {
+    let keyed = derive_key(req, &settings.keying);
+    let level0 = RoutedKey { level: 0, levels: 1, key: keyed.key };
+    let p = settings.amqp.partitions;
+    let (routed, shard, partition) = match settings.keying.mode {
+        KeyingMode::Adaptive => {
+            let fixed = static_shards(&keyed, &settings.sharding);
+            let choice = match fixed {
+                Some(n) => affinity::Choice { routed: level0, shards: n, through: Vec::new() },
+                None => affinity::choose(&affinity.view(), level_count(req), |l| match l {
+                    0 => keyed.key,
+                    l => level_key(req, &settings.keying, l).expect("choose asks only for levels below level_count"),
+                }),
+            };
+            let unsplittable = fixed.is_some() || (choice.routed.is_finest() && choice.shards >= settings.sharding.max_shards);
+            // Explicit keys are names, not prompt text: their length says nothing about caching.
+            let material_chars = if keyed.source == KeySource::Explicit { usize::MAX } else { keyed.material.chars().count() };
+            affinity.routed(&choice, keyed.key, material_chars, unsplittable);
+            let shard = pick_shard(choice.shards);
+            (choice.routed, shard, partition_of(choice.routed.key, shard, p))
+        }
+        KeyingMode::Prefix => {
+            let shard = pick_shard(shards_for(&keyed, &settings.sharding));
+            (level0, shard, partition_of(keyed.key, shard, p))
+        }
+        KeyingMode::Off => (level0, 0, fastrand::u32(0..p.get())),
+    };
+    Route {
+        request_id: req.id.clone(),
+        key_hex: routed.key.to_string(),
+        routed,
+        key_preview: keyed.preview().to_owned(),
+        shard,
+        partition,
+    }
+}
+
+/// Runs the router until `stop` fires or the consuming connection fails. On stop it cancels its
+/// consumer and finishes the deliveries it has (publish, confirm, ack) before returning.
+///
+/// A channel the broker closes under the router (e.g. 406 `PRECONDITION_FAILED` for one bad
+/// message) does not end it: the publishing channel is reopened by the next delivery that needs
+/// it, the consuming channel after `amqp.reconnect_backoff_initial` (its
+/// unacked deliveries are requeued by the broker when it closes). Only a failed connection (or a
+/// channel that cannot be reopened) ends the router, and with it the session.
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
-    let ch = conns.consume.create_channel().await?;
-    let publish = conns.publish_channel().await?;
-    ch.basic_qos(settings.amqp.input_prefetch, BasicQosOptions::default()).await?;
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), current: Mutex::new(conns.publish_channel().await?) });
     let tag = format!("router-{}", settings.instance_name);
-    let mut consumer = ch
-        .basic_consume(
-            settings.amqp.input_queue.as_str().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
-    info!(queue = %settings.amqp.input_queue, "router consuming");
-    let mut inflight = tokio::task::JoinSet::new();
+    let mut inflight = JoinSet::new();
     let result = loop {
-        tokio::select! {
-            _ = stop.cancelled() => break Ok(()),
-            Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
-            next = consumer.next() => match next {
-                Some(Ok(delivery)) => {
-                    let (ch, settings) = (publish.clone(), settings.clone());
-                    inflight.spawn(async move { handle(&ch, &settings, delivery).await });
+        let (ch, mut consumer) = match consume(conns, &settings, &tag).await {
+            Ok(c) => c,
+            Err(e) => break Err(e),
+        };
+        info!(queue = %settings.amqp.input_queue, "router consuming");
+        match pump(&mut consumer, &publish, &settings, &stop, &mut inflight).await {
+            Ended::Stopped => {
+                let _ = ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+                while inflight.join_next().await.is_some() {}
+                let _ = ch.close(REPLY_SUCCESS, "router stopped".into()).await;
+                break Ok(());
+            }
+            Ended::Closed(e) if stop.is_cancelled() || !conns.consume.status().connected() => break e.map_or(Ok(()), Err),
+            Ended::Closed(e) => {
+                warn!(error = ?e, "the router's consuming channel closed; reopening it");
+                tokio::select! {
+                    _ = stop.cancelled() => break Ok(()),
+                    _ = tokio::time::sleep(settings.amqp.reconnect_backoff_initial) => {}
                 }
-                Some(Err(e)) => break Err(e),
-                None => break Ok(()),
-            },
+            }
         }
     };
-    let _ = ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
     while inflight.join_next().await.is_some() {}
-    let _ = ch.close(REPLY_SUCCESS, "router stopped".into()).await;
-    let _ = publish.close(REPLY_SUCCESS, "router stopped".into()).await;
+    let _ = publish.current.lock().await.close(REPLY_SUCCESS, "router stopped".into()).await;
     info!("router stopped");
     result
 }
 
+/// Opens a consuming channel on the input queue with `amqp.input_prefetch`.
+async fn consume(conns: &Connections, settings: &Settings, tag: &str) -> Result<(Channel, Consumer), lapin::Error> {
+    let ch = conns.consume.create_channel().await?;
+    ch.basic_qos(settings.amqp.input_prefetch, BasicQosOptions::default()).await?;
+    let queue = settings.amqp.input_queue.as_str().into();
+    let consumer = ch.basic_consume(queue, tag.into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    Ok((ch, consumer))
+}
+
+/// How [`pump`] ended.
+enum Ended {
+    /// `stop` fired.
+    Stopped,
+    /// The consumer ended (its channel or connection closed, or the broker cancelled it).
+    Closed(Option<lapin::Error>),
+}
+
+/// Hands every delivery of `consumer` to its own task until `stop` fires or the consumer ends.
+async fn pump(
+    consumer: &mut Consumer,
+    publish: &Arc<PublishChannel>,
+    settings: &Arc<Settings>,
+    stop: &CancellationToken,
+    inflight: &mut JoinSet<()>,
+) -> Ended {
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return Ended::Stopped,
+            Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
+            next = consumer.next() => match next {
+                Some(Ok(delivery)) => {
+                    inflight.spawn(guarded(publish.clone(), settings.clone(), delivery, stop.clone()));
+                }
+                Some(Err(e)) => return Ended::Closed(Some(e)),
+                None => return Ended::Closed(None),
+            },
+        }
+    }
+}
+
+/// The router's confirm-mode publishing channel, shared by its delivery tasks and reopened when
+/// the broker closed it (a closed channel stays closed in AMQP 0-9-1).
+struct PublishChannel {
+    conns: Connections,
+    current: Mutex<Channel>,
+}
+
+impl PublishChannel {
+    /// The open channel, reopening it first when it was closed.
+    async fn get(&self) -> Result<Channel, lapin::Error> {
+        let mut ch = self.current.lock().await;
+        if !ch.status().connected() {
+            warn!("the router's publishing channel was closed; reopening it");
+            *ch = self.conns.publish_channel().await?;
+        }
+        Ok(ch.clone())
+    }
+}
+
+/// Runs [`handle`] for one delivery. A panic does not leave the delivery unacked: it is
+/// requeued (nack), and its request id remembered with the panic ([`redelivery::note_failure`])
+/// so the delivery limit dead-letters a message that keeps failing, with that error.
+async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery: Delivery, stop: CancellationToken) {
+    let acker = delivery.acker.clone();
+    let message_id = delivery.properties.message_id().as_ref().map(|m| m.as_str().to_owned());
+    let request_id = OnceLock::new();
+    if let Err(panic) = catch_panic(handle(&publish, &settings, delivery, &request_id, &stop)).await {
+        let id = request_id.get().cloned().or(message_id).unwrap_or_default();
+        error!(request_id = %id, panic = %panic, "handling an input delivery panicked; requeueing it");
+        redelivery::note_failure(&id, &format!("panic: {panic}"));
+        let _ = acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
+    }
+}
+
+/// Runs `fut`, turning a panic into its message.
+async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
+    AssertUnwindSafe(fut).catch_unwind().await.map_err(|p| match (p.downcast_ref::<&str>(), p.downcast_ref::<String>()) {
+        (Some(s), _) => (*s).to_owned(),
+        (None, Some(s)) => s.clone(),
+        (None, None) => "a panic without a message".to_owned(),
+    })
+}
+
 /// Handles one input delivery: parse (or dead-letter), route, forward with a confirm, ack.
-/// A delivery whose forward or dead letter is not confirmed is requeued.
-async fn handle(ch: &Channel, settings: &Settings, delivery: Delivery) {
+/// A delivery whose forward or dead letter is not confirmed is requeued; a failed forward after
+/// [`forward_backoff`] (or at `stop`). The request id goes to `request_id` once known.
+async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
-    let (req, delivery) = match publisher::parse_or_dead_letter(ch, a, delivery, None).await {
+    let ch = match publish.get().await {
+        Ok(ch) => ch,
+        Err(e) => {
+            warn!(error = %e, "no publishing channel; requeueing input");
+            return requeue(delivery).await;
+        }
+    };
+    let (req, delivery) = match publisher::parse_or_dead_letter(&ch, a, delivery, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
         Intake::Unacked(delivery) => return requeue(delivery).await,
     };
+    let _ = request_id.set(req.id.clone());
     let r = route(&req, settings);
     debug!(request_id = %r.request_id, key = %r.key_hex, material = %r.key_preview, shard = r.shard, partition = r.partition, "routing");
-    let fwd = forward_props(&delivery.properties, &r);
+    let fwd = match forward_props(&delivery.properties, &r) {
+        Ok(p) => p,
+        Err(e) => {
+            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&ch, a, delivery, e.reason(), &e.to_string(), None).await {
+                requeue(delivery).await;
+            }
+            return;
+        }
+    };
     let rk = AmqpSettings::partition_routing_key(r.partition);
-    if let Err(e) = publisher::publish_confirmed(ch, &a.shard_exchange, &rk, &delivery.data, fwd, a.confirm_timeout).await {
-        warn!(error = %e, "forwarding failed; requeueing input");
+    if let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd, a.confirm_timeout).await {
+        let wait = forward_backoff(a, redelivery::delivery_count(delivery.properties.headers().as_ref()));
+        warn!(error = %e, retry_in = ?wait, "forwarding failed; requeueing input");
+        redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
         return requeue(delivery).await;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
@@ -112,15 +270,138 @@ async fn handle(ch: &Channel, settings: &Settings, delivery: Delivery) {
 /// Not acked: requeue so another attempt (here or on another instance) can succeed.
 async fn requeue(delivery: Delivery) {
     let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
+    metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
 }
 
-/// Properties of a forwarded request: the original ones, with `message_id` = request id (so every
-/// stage agrees on a generated id), `correlation_id` defaulting to the request id, the shard in a
-/// header, and persistent delivery.
-fn forward_props(props: &BasicProperties, r: &Route) -> BasicProperties {
-    let mut p = props.clone().with_message_id(r.request_id.as_str().into()).with_delivery_mode(publisher::PERSISTENT);
-    if props.correlation_id().is_none() {
-        p = p.with_correlation_id(r.request_id.as_str().into());
+/// How long a delivery whose forward failed (broker side: channel closed, unroutable, no
+/// confirm) is held before it is requeued: `amqp.reconnect_backoff_initial` × 2^`earlier
+/// deliveries`, at most `amqp.reconnect_backoff_max`. Every requeue counts towards
+/// `amqp.delivery_limit`, so a broker fault must not use the deliveries up in milliseconds.
+fn forward_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
+    let factor = 1u32 << earlier_deliveries.min(16);
+    a.reconnect_backoff_initial.saturating_mul(factor).min(a.reconnect_backoff_max)
+}
+
+/// Properties of a forwarded request: those of [`publisher::carried_props`] (an allowlist; no
+/// `user_id`, no `expiration`), with `message_id` = request id (so every stage agrees on a
+/// generated id), `correlation_id` defaulting to the request id, the shard and the routed key in
+/// headers (`x-shard`, `x-routed-key`), and persistent delivery. Errors when the request id is not a valid short string (longer than
+/// [`MAX_ID_BYTES`]; [`crate::request::parse`] already refuses those).
+fn forward_props(props: &BasicProperties, r: &Route) -> Result<BasicProperties, ParseError> {
+    let id = short_string("id", &r.request_id, MAX_ID_BYTES)?;
+    let p = publisher::carried_props(props, &[(HEADER_SHARD, r.shard.to_string()), (HEADER_ROUTED_KEY, r.routed.to_string())])
+        .with_message_id(id.clone())
+        .with_delivery_mode(publisher::PERSISTENT);
+    Ok(if props.correlation_id().is_none() { p.with_correlation_id(id) } else { p })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::num::NonZeroU32;
+
+    use super::*;
+    use crate::affinity::{SplitMember, SplitState, SplitView};
+    use crate::config::RawConfig;
+    use crate::keying::{level_key, PrefixKey};
+    use crate::request::{parse, Envelope};
+
+    fn settings(edit: impl FnOnce(&mut RawConfig)) -> Settings {
+        let mut raw = RawConfig::default();
+        raw.keying.prefix_chars = 8;
+        edit(&mut raw);
+        Settings::from_raw(&raw).unwrap()
     }
-    p.with_headers(headers_with(props.headers().as_ref(), &[(HEADER_SHARD, r.shard.to_string())]))
+
+    fn req(json: &str) -> crate::request::Request {
+        parse(json.as_bytes(), &Envelope::default(), 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn adaptive_routes_by_the_shortest_unsplit_level_and_static_entries_win() {
+        let s = settings(|r| {
+            r.sharding.keys.insert("tenant-1".into(), 3);
+        });
+        let a = Affinity::default();
+        let r = req(r#"{"prompt":"shared prefix, then the rest of a long prompt"}"#);
+        let first = route_in(&r, &s, &a);
+        assert_eq!((first.routed.level, first.routed.levels, first.shard), (0, 4, 0));
+        assert_eq!(first.routed.key, PrefixKey::of("shared p"));
+
+        a.set_view(SplitView::new([SplitMember { level: 0, key: first.routed.key, state: SplitState::Split }]));
+        let split = route_in(&r, &s, &a);
+        assert_eq!(split.routed.level, 1);
+        assert_eq!(Some(split.routed.key), level_key(&r, &s.keying, 1));
+        assert_eq!(split.key_hex, split.routed.key.to_string());
+        assert_eq!(split.partition, partition_of(split.routed.key, 0, s.amqp.partitions));
+
+        // An explicit key with a static entry keeps its static shards, whatever the view says.
+        let t = req(r#"{"prompt":"x","prefix_key":"tenant-1"}"#);
+        a.set_view(SplitView::new([SplitMember { level: 0, key: PrefixKey::of("tenant-1"), state: SplitState::Spread(NonZeroU32::new(8).unwrap()) }]));
+        for _ in 0..50 {
+            let rt = route_in(&t, &s, &a);
+            assert!(rt.shard < 3 && rt.routed.level == 0, "{rt:?}");
+        }
+    }
+
+    #[test]
+    fn static_and_off_modes_ignore_the_split_view() {
+        let r = req(r#"{"prompt":"shared prefix, then more"}"#);
+        let a = Affinity::default();
+        a.set_view(SplitView::new([SplitMember { level: 0, key: PrefixKey::of("shared p"), state: SplitState::Split }]));
+        let s = settings(|r| {
+            r.keying.mode = "prefix".into();
+            r.sharding.default_shards = 2;
+        });
+        for _ in 0..20 {
+            let rt = route_in(&r, &s, &a);
+            assert_eq!((rt.routed.level, rt.routed.key), (0, PrefixKey::of("shared p")));
+            assert!(rt.shard < 2);
+        }
+        let off = settings(|r| r.keying.mode = "off".into());
+        assert_eq!(route_in(&r, &off, &a).shard, 0);
+    }
+
+    fn route_of(id: &str) -> Route {
+        let routed = RoutedKey { level: 0, levels: 1, key: PrefixKey(0) };
+        Route { request_id: id.to_owned(), key_hex: "0".repeat(16), routed, key_preview: String::new(), shard: 1, partition: 5 }
+    }
+
+    #[test]
+    fn forwarded_requests_drop_user_id_and_expiration() {
+        let props = BasicProperties::default().with_user_id("other".into()).with_expiration("5000".into());
+        let p = forward_props(&props, &route_of("r1")).unwrap();
+        assert!(p.user_id().is_none() && p.expiration().is_none());
+        assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some("r1"));
+        assert_eq!(p.correlation_id().as_ref().map(|m| m.as_str()), Some("r1"));
+        assert_eq!(*p.delivery_mode(), Some(publisher::PERSISTENT));
+        let h = p.headers().as_ref();
+        assert_eq!(publisher::header_str(h, publisher::HEADER_ORIGINAL_USER_ID).as_deref(), Some("other"));
+        assert_eq!(publisher::header_str(h, HEADER_SHARD).as_deref(), Some("1"));
+    }
+
+    #[test]
+    fn a_long_request_id_is_an_error_not_a_panic() {
+        let err = forward_props(&BasicProperties::default(), &route_of(&"a".repeat(300))).unwrap_err();
+        assert_eq!(err.reason(), "invalid_field");
+        assert!(forward_props(&BasicProperties::default(), &route_of(&"a".repeat(MAX_ID_BYTES))).is_ok());
+    }
+
+    #[test]
+    fn forward_backoff_doubles_up_to_the_maximum() {
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.reconnect_backoff_initial = "100ms".into();
+        raw.amqp.reconnect_backoff_max = "1s".into();
+        let a = Settings::from_raw(&raw).unwrap().amqp;
+        let got: Vec<u128> = [0, 1, 3, 4, 99].iter().map(|n| forward_backoff(&a, *n).as_millis()).collect();
+        assert_eq!(got, [100, 200, 800, 1000, 1000]);
+    }
+
+    #[tokio::test]
+    async fn catch_panic_returns_the_message() {
+        assert_eq!(catch_panic(async { 3 }).await, Ok(3));
+        let got = catch_panic(async { panic!("boom {}", 1) }).await;
+        assert_eq!(got, Err::<(), _>("boom 1".to_owned()));
+        let got = catch_panic(async { std::panic::panic_any(5u8) }).await;
+        assert_eq!(got, Err::<(), _>("a panic without a message".to_owned()));
+    }
 }

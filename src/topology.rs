@@ -10,6 +10,7 @@
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ExchangeKind};
+use tracing::warn;
 
 use crate::amqp::{reply_code, NOT_FOUND, PRECONDITION_FAILED, REPLY_SUCCESS};
 use crate::config::AmqpSettings;
@@ -54,7 +55,34 @@ fn declare_error(what: &'static str, name: &str, e: lapin::Error) -> TopologyErr
     }
 }
 
-fn quorum_args(dlx: Option<&str>, single_active: bool) -> FieldTable {
+/// Queue argument of a quorum queue's delivery limit.
+const DELIVERY_LIMIT_ARG: &str = "x-delivery-limit";
+
+/// How many deliveries beyond `amqp.delivery_limit` the broker allows before it dead-letters a
+/// message by itself (see [`input_queue_args`]).
+pub const BROKER_DELIVERY_LIMIT_MARGIN: u32 = 2;
+
+/// Arguments of the input queue: a quorum queue dead-lettering to `amqp.dead_letter_exchange`,
+/// with `x-delivery-limit` = `amqp.delivery_limit` + [`BROKER_DELIVERY_LIMIT_MARGIN`]
+/// (<https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling>). The daemon
+/// dead-letters a request delivered `amqp.delivery_limit` times itself, with reason
+/// `delivery_limit` and its last error; the broker's limit is a backstop for a message the daemon
+/// never gets to handle (its task keeps dying), dead-lettered through the same exchange with the
+/// broker's own `x-death` reason (`delivery_limit`), so nothing is dropped.
+pub fn input_queue_args(cfg: &AmqpSettings) -> FieldTable {
+    quorum_args(Some(&cfg.dead_letter_exchange), false, Some(broker_delivery_limit(cfg)))
+}
+
+/// Arguments of a partition queue: those of [`input_queue_args`], with a single active consumer.
+pub fn partition_queue_args(cfg: &AmqpSettings) -> FieldTable {
+    quorum_args(Some(&cfg.dead_letter_exchange), true, Some(broker_delivery_limit(cfg)))
+}
+
+fn broker_delivery_limit(cfg: &AmqpSettings) -> u32 {
+    cfg.delivery_limit.get().saturating_add(BROKER_DELIVERY_LIMIT_MARGIN)
+}
+
+fn quorum_args(dlx: Option<&str>, single_active: bool, delivery_limit: Option<u32>) -> FieldTable {
     let mut t = FieldTable::default();
     t.insert(ShortString::from("x-queue-type"), AMQPValue::LongString("quorum".into()));
     if single_active {
@@ -62,6 +90,9 @@ fn quorum_args(dlx: Option<&str>, single_active: bool) -> FieldTable {
     }
     if let Some(dlx) = dlx {
         t.insert(ShortString::from("x-dead-letter-exchange"), AMQPValue::LongString(dlx.into()));
+    }
+    if let Some(n) = delivery_limit {
+        t.insert(ShortString::from(DELIVERY_LIMIT_ARG), AMQPValue::LongLongInt(i64::from(n)));
     }
     t
 }
@@ -72,7 +103,31 @@ fn durable() -> QueueDeclareOptions {
 
 /// Declares a queue on a fresh channel, so a refusal (which closes the channel) affects nothing
 /// else.
+///
+/// A queue declared by a version without `x-delivery-limit` refuses a redeclare with it (406):
+/// then the declare is repeated without that argument, and accepted with a warning when the queue
+/// matches otherwise (the broker's backstop is then missing unless a `delivery-limit` policy
+/// sets it; docs/operations.md "Upgrading to the broker delivery limit").
 async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
+    let err = match declare_queue_once(conn, name, args.clone()).await {
+        Err(e @ TopologyError::Mismatch { .. }) if args.contains_key(DELIVERY_LIMIT_ARG) => e,
+        other => return other,
+    };
+    let mut without = FieldTable::default();
+    for (k, v) in args.inner().iter().filter(|(k, _)| k.as_str() != DELIVERY_LIMIT_ARG) {
+        without.insert(k.clone(), v.clone());
+    }
+    match declare_queue_once(conn, name, without).await {
+        Ok(()) => {
+            warn!(queue = name, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit");
+            Ok(())
+        }
+        Err(TopologyError::Mismatch { .. }) => Err(err),
+        Err(e) => Err(e),
+    }
+}
+
+async fn declare_queue_once(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
     let ch = conn.create_channel().await?;
     match ch.queue_declare(name.into(), durable(), args).await {
         Ok(_) => {
@@ -134,7 +189,7 @@ pub async fn declare(
     }
 
     declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
-    declare_queue(conn, &cfg.dead_letter_queue, quorum_args(None, false)).await?;
+    declare_queue(conn, &cfg.dead_letter_queue, quorum_args(None, false, None)).await?;
     let ch = conn.create_channel().await?;
     ch.queue_bind(
         cfg.dead_letter_queue.as_str().into(),
@@ -145,12 +200,12 @@ pub async fn declare(
     )
     .await?;
 
-    declare_queue(conn, &cfg.input_queue, quorum_args(Some(&cfg.dead_letter_exchange), false)).await?;
-    declare_queue(conn, &cfg.results_queue, quorum_args(None, false)).await?;
+    declare_queue(conn, &cfg.input_queue, input_queue_args(cfg)).await?;
+    declare_queue(conn, &cfg.results_queue, quorum_args(None, false, None)).await?;
     declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
     for part in (0..p).rev() {
         let q = cfg.partition_queue(part);
-        declare_queue(conn, &q, quorum_args(Some(&cfg.dead_letter_exchange), true)).await?;
+        declare_queue(conn, &q, partition_queue_args(cfg)).await?;
         ch.queue_bind(
             q.as_str().into(),
             cfg.shard_exchange.as_str().into(),
@@ -168,4 +223,23 @@ pub async fn declare(
         return Err(TopologyError::PartitionCount { existing, configured: p });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{RawConfig, Settings};
+
+    #[test]
+    fn input_and_partition_queues_carry_the_broker_delivery_limit() {
+        let mut raw = RawConfig::default();
+        raw.amqp.delivery_limit = 5;
+        let s = Settings::from_raw(&raw).unwrap();
+        for (args, single) in [(input_queue_args(&s.amqp), false), (partition_queue_args(&s.amqp), true)] {
+            let t = args.inner();
+            assert_eq!(t.get("x-delivery-limit"), Some(&AMQPValue::LongLongInt(7)));
+            assert_eq!(t.get("x-dead-letter-exchange"), Some(&AMQPValue::LongString(s.amqp.dead_letter_exchange.as_str().into())));
+            assert_eq!(t.contains_key("x-single-active-consumer"), single);
+        }
+    }
 }

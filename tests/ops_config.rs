@@ -176,6 +176,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("keying.prefix_chars", "128", "128"),
         ("keying.chat_key", "rendered", "\"rendered\""),
         ("sharding.default_shards", "4", "4"),
+        ("sharding.max_shards", "6", "6"),
         ("batching.max_batch_size", "10", "10"),
         ("batching.max_batch_wait", "300ms", "\"300ms\""),
         ("batching.channel_capacity", "32", "32"),

@@ -288,6 +288,9 @@ fn dashboard_has_the_datasource_input_variables_and_panels() {
         ("lease operations", &["prefix_batcher_lease_operations_total"]),
         ("rebalances", &["prefix_batcher_rebalances_total"]),
         ("dead-letter rate", &["rate(prefix_batcher_dead_letters_total"]),
+        ("split keys per level", &["prefix_batcher_key_splits", "by (level)"]),
+        ("hottest keys' share", &["prefix_batcher_hot_key_share", "by (rank)"]),
+        ("unsplittable key share", &["prefix_batcher_unsplittable_key_share"]),
     ];
     for (what, needles) in required {
         assert!(any(needles), "no dashboard query shows {what} (looked for {needles:?})");
@@ -307,6 +310,7 @@ fn alerts_cover_the_runbook_and_are_tested() {
         "PrefixBatcherAllInstancesMissing",
         "PrefixBatcherPartitionsUnowned",
         "PrefixBatcherAmqpConnectionBlocked",
+        "PrefixBatcherUnsplittableHotKey",
     ] {
         assert!(rules.contains_key(required), "alert {required} missing from prometheus/alerts.yml");
     }

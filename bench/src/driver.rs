@@ -168,15 +168,20 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
         }
         Ok(n)
     });
-    let now_s = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
     for r in reqs {
         tokio::time::sleep_until(start + r.at).await;
+        // The publish time of this request (the daemon measures queueing delay from it: the
+        // adaptive keying's split signal), in milliseconds as the daemon's own `submit` sends it.
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+        let mut headers = FieldTable::default();
+        headers.insert(prefix_batcher::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
         let props = BasicProperties::default()
+            .with_headers(headers)
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
             .with_message_id(r.id.as_str().into())
             .with_correlation_id(r.id.as_str().into())
-            .with_timestamp(now_s)
+            .with_timestamp(now_ms / 1000)
             .with_reply_to(reply.as_str().into());
         state.lock().unwrap().sent_at.insert(r.id.clone(), Instant::now());
         let c = pub_ch

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::data::{self, SampleInfo, SampleSize};
 use crate::driver::{drive, Req};
-use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, LlamaServer, SimOpts};
+use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, Keying, LlamaServer, SimOpts};
 
 /// Everything that differs between quick and full mode.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -355,9 +355,7 @@ async fn cache_run(
                 run: run.clone(),
                 instance: format!("bench-{i}"),
                 partitions: 16,
-                keyed,
-                prefix_chars: 256,
-                shards: 1,
+                keying: if keyed { Keying::Adaptive } else { Keying::Off },
                 max_batch_size: 8,
                 max_batch_wait: "1s".into(),
                 endpoint: url.clone(),
@@ -542,13 +540,19 @@ pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         .collect();
     drop(prompts);
 
-    let mut configs: Vec<(usize, Option<usize>)> = Vec::new();
+    // The daemon's defaults (adaptive keys) and off at every M; the static key-length comparison
+    // (1 shard per key, the key = the first blocks' worth of characters) at the sweep's M.
+    let mut configs: Vec<(usize, ScaleKeying)> = Vec::new();
     for &m in &plan.scale_ms {
-        configs.push((m, Some(plan.scale_key_blocks)));
-        configs.push((m, None));
+        configs.push((m, ScaleKeying::Adaptive));
+        configs.push((m, ScaleKeying::Off));
     }
-    for &kb in &plan.scale_key_sweep {
-        configs.push((plan.scale_sweep_m, Some(kb)));
+    let mut sweep = plan.scale_key_sweep.clone();
+    sweep.push(plan.scale_key_blocks);
+    sweep.sort_unstable();
+    sweep.dedup();
+    for kb in sweep {
+        configs.push((plan.scale_sweep_m, ScaleKeying::Static(kb)));
     }
     let mut rows = Vec::new();
     for (m, keyed) in configs {
@@ -568,7 +572,19 @@ pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     })
 }
 
-async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], m: usize, keyed: Option<usize>, run: String) -> anyhow::Result<ScaleRow> {
+/// Keying of one Mooncake replay run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ScaleKeying {
+    /// The daemon's defaults: adaptive key levels (row mode `keyed`).
+    Adaptive,
+    /// Static comparison: 1 shard per key, key = the first this many trace blocks' worth of
+    /// characters (row mode `static`).
+    Static(usize),
+    /// Random partitions (row mode `off`).
+    Off,
+}
+
+async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], m: usize, keyed: ScaleKeying, run: String) -> anyhow::Result<ScaleRow> {
     let sim = &plan.scale_sim;
     let mut sims = Vec::new();
     for i in 0..m {
@@ -582,9 +598,11 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
                 run: run.clone(),
                 instance: format!("bench-{i}"),
                 partitions: plan.scale_partitions,
-                keyed: keyed.is_some(),
-                prefix_chars: key_chars(keyed.unwrap_or(plan.scale_key_blocks), sim.chars_per_token),
-                shards: 1,
+                keying: match keyed {
+                    ScaleKeying::Adaptive => Keying::Adaptive,
+                    ScaleKeying::Static(blocks) => Keying::Static { prefix_chars: key_chars(blocks, sim.chars_per_token), shards: 1 },
+                    ScaleKeying::Off => Keying::Off,
+                },
                 max_batch_size: 8,
                 max_batch_wait: "5ms".into(),
                 endpoint: url.clone(),
@@ -606,8 +624,13 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
     let sp = plan.scale_speedup;
     let row = ScaleRow {
         m,
-        mode: if keyed.is_some() { "keyed" } else { "off" }.into(),
-        key_blocks: keyed.unwrap_or(0),
+        mode: match keyed {
+            ScaleKeying::Adaptive => "keyed",
+            ScaleKeying::Static(_) => "static",
+            ScaleKeying::Off => "off",
+        }
+        .into(),
+        key_blocks: if let ScaleKeying::Static(kb) = keyed { kb } else { 0 },
         requests: d.sent,
         ok: d.ok,
         block_hit_ratio: s("simulator_prefix_cache_block_hits_total") / s("simulator_prefix_cache_block_queries_total").max(1.0),
@@ -624,7 +647,7 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
     eprintln!(
         "bench:   M={m} {}{}: block hits {:.1}% GPU {:.0}s (prefill {:.0}s) peak backlog {} ok {}/{}",
         row.mode,
-        if keyed.is_some() { format!(" ({} blocks)", row.key_blocks) } else { String::new() },
+        if row.key_blocks > 0 { format!(" ({} blocks)", row.key_blocks) } else { String::new() },
         row.block_hit_ratio * 100.0,
         row.gpu_s,
         row.prefill_s,
@@ -733,9 +756,7 @@ async fn overhead_run(
                 instance: "bench-0".into(),
                 run,
                 partitions: 16,
-                keyed: true,
-                prefix_chars: 256,
-                shards: 8,
+                keying: Keying::Adaptive,
                 max_batch_size: 8,
                 max_batch_wait: wait.into(),
                 endpoint: fake_url.clone(),
@@ -806,6 +827,7 @@ async fn overhead_run(
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct HotRow {
+    /// Static shards per key; 0: the adaptive mode (the default).
     pub shards: u32,
     pub requests: usize,
     pub ok: usize,
@@ -818,6 +840,17 @@ pub struct HotRow {
     pub p50_s: f64,
     pub p99_s: f64,
     pub backlog: Vec<(f64, u64)>,
+}
+
+impl HotRow {
+    /// `adaptive`, or `static, shards = N`.
+    pub fn label(&self) -> String {
+        if self.shards == 0 {
+            "adaptive".to_owned()
+        } else {
+            format!("static, shards = {}", self.shards)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -872,8 +905,9 @@ pub async fn part_hot(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result
         })
         .collect();
     eprintln!("bench: hot prefix: {} requests over {load_s:.0} s, {hot_requests} on the hot prefix", reqs.len());
+    // shards = 0: the daemon's default (adaptive keys); then the static comparison runs.
     let mut rows = Vec::new();
-    for &shards in &plan.hot_shards {
+    for shards in std::iter::once(0).chain(plan.hot_shards.iter().copied()) {
         let row = attempt(env, "hot", 32, |run| hot_run(env, &http, plan, &reqs, load_s, shards, run)).await?;
         rows.push(row);
     }
@@ -893,9 +927,7 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
                 run: run.clone(),
                 instance: format!("bench-{i}"),
                 partitions: 32,
-                keyed: true,
-                prefix_chars: 256,
-                shards,
+                keying: if shards == 0 { Keying::Adaptive } else { Keying::Static { prefix_chars: 256, shards } },
                 max_batch_size: 8,
                 max_batch_wait: "50ms".into(),
                 endpoint: url.clone(),
@@ -931,7 +963,8 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
         backlog: d.backlog.clone(),
     };
     eprintln!(
-        "bench:   shards={shards}: peak backlog {} at {:.0}s, at end {}, hit {:.1}%, p99 {:.1}s",
+        "bench:   {}: peak backlog {} at {:.0}s, at end {}, hit {:.1}%, p99 {:.1}s",
+        row.label(),
         row.peak_backlog,
         row.peak_at_s,
         row.end_backlog,

@@ -62,7 +62,7 @@ pub fn hot_backlog(r: &HotResults, out: &Path) -> anyhow::Result<()> {
         chart
             .draw_series(LineSeries::new(row.backlog.iter().map(|&(t, b)| (t, b as f64)), c.stroke_width(2)))
             .map_err(err)?
-            .label(format!("shards = {}", row.shards))
+            .label(row.label())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
     }
     let grey = RGBColor(60, 60, 60);
@@ -101,7 +101,7 @@ pub fn scale_hits(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Re
         let mut v: Vec<(f64, f64)> = r
             .rows
             .iter()
-            .filter(|x| x.mode == mode && (mode == "off" || x.key_blocks == kb))
+            .filter(|x| x.mode == mode && (mode != "static" || x.key_blocks == kb))
             .map(|x| (x.m as f64, x.block_hit_ratio * 100.0))
             .collect();
         v.sort_by(|a, b| a.0.total_cmp(&b.0));
@@ -113,9 +113,9 @@ pub fn scale_hits(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Re
     // (label, points, colour, measured?)
     #[allow(clippy::type_complexity)]
     let lines: [(String, Vec<(f64, f64)>, RGBColor, bool); 4] = [
-        (format!("keyed ({key_blocks}-block key), measured"), series("keyed", key_blocks), COLORS[0], true),
+        ("keyed (adaptive), measured".into(), series("keyed", 0), COLORS[0], true),
         ("off, measured".into(), series("off", 0), COLORS[1], true),
-        (format!("keyed ({key_blocks}-block key), routing model"), model("keyed", key_blocks), COLORS[0], false),
+        (format!("static {key_blocks}-block key, routing model"), model("keyed", key_blocks), COLORS[0], false),
         ("off, routing model".into(), model("off", 0), COLORS[1], false),
     ];
     for (label, pts, c, solid) in lines {
@@ -140,7 +140,7 @@ pub fn scale_hits(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Re
 }
 
 /// Backlog over (model) time of the Mooncake replay: one panel per M, keyed vs off.
-pub fn scale_backlog(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow::Result<()> {
+pub fn scale_backlog(r: &ScaleResults, out: &Path) -> anyhow::Result<()> {
     let root = BitMapBackend::new(out, (1100, 760)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let root = root.titled("Mooncake replay: backlog over trace time (requests published, not yet answered)", ("sans-serif", 20)).map_err(err)?;
@@ -152,7 +152,7 @@ pub fn scale_backlog(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow:
     let rows_n = ms.len().div_ceil(cols).max(1);
     let panels = root.split_evenly((rows_n, cols));
     for (panel, m) in panels.iter().zip(&ms) {
-        let rows: Vec<_> = r.rows.iter().filter(|x| x.m == *m && (x.mode == "off" || x.key_blocks == key_blocks)).collect();
+        let rows: Vec<_> = r.rows.iter().filter(|x| x.m == *m && x.mode != "static").collect();
         let y_max = rows.iter().map(|x| x.peak_backlog).max().unwrap_or(1).max(1) as f64 * 1.15;
         let mut chart = ChartBuilder::on(panel)
             .caption(format!("M = {m}"), ("sans-serif", 16))
@@ -175,7 +175,7 @@ pub fn scale_backlog(r: &ScaleResults, key_blocks: usize, out: &Path) -> anyhow:
             chart
                 .draw_series(LineSeries::new(row.backlog.iter().map(|&(t, b)| (t, b as f64)), c.stroke_width(2)))
                 .map_err(err)?
-                .label(if row.mode == "keyed" { format!("keyed ({key_blocks}-block key)") } else { "off".to_owned() })
+                .label(if row.mode == "keyed" { "keyed (adaptive)".to_owned() } else { "off".to_owned() })
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
         }
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::UpperRight).draw().map_err(err)?;

@@ -192,15 +192,24 @@ impl Drop for LlamaServer {
     }
 }
 
+/// How a benchmark daemon keys requests (`keying.mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Keying {
+    /// The default: adaptive key levels, with the default `prefix_chars` and `max_shards`.
+    Adaptive,
+    /// The static comparison: `keying.mode = "prefix"` with this key length and shard count.
+    Static { prefix_chars: usize, shards: u32 },
+    /// `keying.mode = "off"`: random partitions, mixed batches.
+    Off,
+}
+
 /// One daemon instance's settings (environment overrides; everything else is the default).
 #[derive(Debug, Clone)]
 pub struct DaemonOpts {
     pub run: String,
     pub instance: String,
     pub partitions: u32,
-    pub keyed: bool,
-    pub prefix_chars: usize,
-    pub shards: u32,
+    pub keying: Keying,
     pub max_batch_size: usize,
     pub max_batch_wait: String,
     pub endpoint: String,
@@ -223,7 +232,7 @@ pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
     let r = &o.run;
     let mut cmd = Command::new(&env.daemon_bin);
     cmd.arg("--config").arg(&empty).arg("run");
-    let vars: Vec<(String, String)> = vec![
+    let mut vars: Vec<(String, String)> = vec![
         ("INSTANCE__NAME".into(), o.instance.clone()),
         ("AMQP__INPUT_QUEUE".into(), format!("{r}.input")),
         ("AMQP__SHARD_EXCHANGE".into(), format!("{r}.shards")),
@@ -234,9 +243,6 @@ pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
         ("AMQP__PARTITIONS".into(), o.partitions.to_string()),
         ("AMQP__BACKLOG_POLL_INTERVAL".into(), "1s".into()),
         ("REDIS__KEY_PREFIX".into(), r.clone()),
-        ("KEYING__MODE".into(), if o.keyed { "prefix" } else { "off" }.into()),
-        ("KEYING__PREFIX_CHARS".into(), o.prefix_chars.to_string()),
-        ("SHARDING__DEFAULT_SHARDS".into(), o.shards.to_string()),
         ("BATCHING__MAX_BATCH_SIZE".into(), o.max_batch_size.to_string()),
         ("BATCHING__MAX_BATCH_WAIT".into(), o.max_batch_wait.clone()),
         ("LLM__ENDPOINTS".into(), o.endpoint.clone()),
@@ -245,6 +251,15 @@ pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
         ("HTTP__LISTEN".into(), format!("127.0.0.1:{port}")),
         ("LOG__LEVEL".into(), "warn".into()),
     ];
+    match o.keying {
+        Keying::Adaptive => vars.push(("KEYING__MODE".into(), "adaptive".into())),
+        Keying::Static { prefix_chars, shards } => vars.extend([
+            ("KEYING__MODE".into(), "prefix".into()),
+            ("KEYING__PREFIX_CHARS".into(), prefix_chars.to_string()),
+            ("SHARDING__DEFAULT_SHARDS".into(), shards.to_string()),
+        ]),
+        Keying::Off => vars.push(("KEYING__MODE".into(), "off".into())),
+    }
     for (k, v) in vars.iter().chain(o.extra.iter()) {
         cmd.env(format!("PREFIX_BATCHER__{k}"), v);
     }

@@ -90,7 +90,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     }
     if let Some(sc) = &r.scale {
         let max_m = sc.rows.iter().map(|x| x.m).max().unwrap_or(0);
-        let k = sc.rows.iter().find(|x| x.m == max_m && x.mode == "keyed" && x.key_blocks == p.scale_key_blocks);
+        let k = sc.rows.iter().find(|x| x.m == max_m && x.mode == "keyed");
         let o = sc.rows.iter().find(|x| x.m == max_m && x.mode == "off");
         if let (Some(k), Some(o)) = (k, o) {
             let _ = writeln!(
@@ -146,14 +146,8 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         );
     }
     if let Some(h) = &r.hot {
-        let cell = |sh: u32| {
-            h.rows
-                .iter()
-                .find(|x| x.shards == sh)
-                .map(|x| format!("shards = {sh}: peak {} / at load end {} / hits {}", x.peak_backlog, x.end_backlog, pct(x.hit_ratio)))
-                .unwrap_or_default()
-        };
-        let _ = writeln!(s, "| hot prefix (sine load, slow servers): backlog | {} |", p.hot_shards.iter().map(|&x| cell(x)).collect::<Vec<_>>().join("; "));
+        let cell = |x: &crate::parts::HotRow| format!("{}: peak {} / at load end {} / hits {}", x.label(), x.peak_backlog, x.end_backlog, pct(x.hit_ratio));
+        let _ = writeln!(s, "| hot prefix (sine load, slow servers): backlog | {} |", h.rows.iter().map(cell).collect::<Vec<_>>().join("; "));
     }
     let _ = writeln!(s);
 
@@ -265,12 +259,14 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         }
         let _ = writeln!(
             s,
-            "Daemons: {} partitions, 1 shard per key, key = the first {} blocks' worth of characters ({} chars), `max_batch_size = 8`, \
-             `max_batch_wait = 5ms` (= {:.1} trace seconds at this speed-up), `llm.max_concurrency = 8`.\n",
+            "Daemons: {} partitions, `max_batch_size = 8`, `max_batch_wait = 5ms` (= {:.1} trace seconds at this speed-up), \
+             `llm.max_concurrency = 8`. Mode `keyed`: the defaults (adaptive key levels, `prefix_chars = 256`). Mode `static` (the \
+             key-length comparison): `keying.mode = \"prefix\"`, 1 shard per key, key = the first N blocks' worth of characters \
+             (the report's reference is {} blocks = {} chars).\n",
             p.scale_partitions,
+            0.005 * p.scale_speedup,
             p.scale_key_blocks,
-            p.scale_key_blocks * 512 * sim.chars_per_token,
-            0.005 * p.scale_speedup
+            p.scale_key_blocks * 512 * sim.chars_per_token
         );
         let _ = writeln!(s, "| M | mode | key blocks | block hits | ÷ oracle | token hits | GPU-s | prefill GPU-s | span s | p50 s | p99 s | peak backlog | ok / requests |");
         let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
@@ -280,7 +276,11 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
                 "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
                 row.m,
                 row.mode,
-                if row.mode == "keyed" { row.key_blocks.to_string() } else { "–".into() },
+                match row.mode.as_str() {
+                    "static" => row.key_blocks.to_string(),
+                    "keyed" => "adaptive".into(),
+                    _ => "–".into(),
+                },
                 pct(row.block_hit_ratio),
                 pct(row.block_hit_ratio / sc.oracle_sample_16),
                 pct(row.token_hit_ratio),
@@ -333,7 +333,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         }
         let _ = writeln!(s);
         // Which key length is best, from the measured sweep and the model.
-        let sweep: Vec<_> = sc.rows.iter().filter(|x| x.mode == "keyed" && x.m == p.scale_sweep_m).collect();
+        let sweep: Vec<_> = sc.rows.iter().filter(|x| x.mode == "static" && x.m == p.scale_sweep_m).collect();
         if let Some(best) = sweep.iter().max_by(|a, b| a.block_hit_ratio.total_cmp(&b.block_hit_ratio)) {
             let mut sweep = sweep.clone();
             sweep.sort_by_key(|x| x.key_blocks);
@@ -511,7 +511,7 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
     }
     if let Some(sc) = &r.scale {
         crate::plots::scale_hits(sc, r.plan.scale_key_blocks, &dir.join("scale_hit_ratio.png"))?;
-        crate::plots::scale_backlog(sc, r.plan.scale_key_blocks, &dir.join("scale_backlog.png"))?;
+        crate::plots::scale_backlog(sc, &dir.join("scale_backlog.png"))?;
         plots.push(("scale_hits", "scale_hit_ratio.png"));
         plots.push(("scale_backlog", "scale_backlog.png"));
     }

@@ -1,0 +1,703 @@
+//! Adaptive granularity: which key level a request routes by, and when a key is split, spread
+//! over shards or merged back. Pure: no I/O, time passed in (`tokio::time::Instant`), tested
+//! under paused time. The shared state in Redis and the background refresh are in
+//! [`crate::splits`].
+//!
+//! # Routing
+//!
+//! Every request has key levels ([`crate::keying::level_key`]), from level 0 (short material,
+//! e.g. a system prompt) to its finest level (long material, e.g. system + first user message).
+//! A request routes by the **shortest level whose key is not split** ([`choose`]): a hot system
+//! prompt fans out by conversation, and each conversation keeps its partition (and so its LLM
+//! server and its cached prefix). A finest-level key that is itself hot (identical long
+//! prefixes: nothing left to tell its requests apart) is **spread** over `sharding.max_shards`
+//! random shards instead, the only case that scatters one prefix over several partitions.
+//!
+//! # When a key splits ([`LoadTracker`])
+//!
+//! The owner of each partition measures, per 1 s window, the queueing delay of the requests it
+//! dequeues (publish → dequeue, the `queued` timing of results) and how many of them each routed
+//! key carried. A key is **hot** when, over the last [`SplitRules::delay_windows`] (3) windows,
+//! - the partition's median queueing delay exceeds `max(2 s, 2 × batching.max_batch_wait)`: one
+//!   batch wait is normal, two mean requests wait for earlier batches, i.e. the partition drains
+//!   slower than its requests arrive;
+//! - the key carried ≥ 50 % of the partition's requests: it is the cause, and moving it helps
+//!   (a partition overloaded by many small keys is not helped by splitting any one of them);
+//! - and the partition dequeued at least 10 requests in those windows (no decision on noise).
+//!
+//! Why queueing delay and not arrival rate × service time: the delay needs no model of the LLM
+//! server (batch size, concurrency, prompt lengths, cache hits all change the service time), it
+//! is measured where the bottleneck is, and it is already known per request. A short spike
+//! (one slow batch) moves the median of 3 s of requests only when it delays most of them.
+//!
+//! A hot key is split (or spread) with its **drain rate** recorded: the requests per second the
+//! partition dequeued while it was hot, i.e. what one partition manages.
+//!
+//! # When a key merges back ([`SplitLedger`])
+//!
+//! Routers count the arrivals of split keys (only of those), summed over all instances through
+//! Redis. A split key merges back when its arrival rate has stayed at or below half its drain
+//! rate for 10 s ([`SplitRules::cool`]) and it has been split for at least 30 s
+//! ([`SplitRules::hold`]). Half: after the merge the one partition then runs at ≤ 50 % of what
+//! it drained, far from the delay that split it (hysteresis). A key whose split was merged back
+//! is not split again within the hold time either, so a key's decision changes at most once per
+//! hold time.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::num::NonZeroU32;
+use std::str::FromStr;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::keying::PrefixKey;
+
+/// The numbers of the split and merge rule. [`SplitRules::new`] gives the documented defaults.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SplitRules {
+    /// Length of one measurement window (1 s).
+    pub window: Duration,
+    /// Windows the delay median and the key shares are taken over (3).
+    pub delay_windows: usize,
+    /// Median queueing delay above which a partition is overloaded: `max(2 s, 2 × max_batch_wait)`.
+    pub delay_threshold: Duration,
+    /// Share of the partition's requests a key must carry to be split (0.5).
+    pub min_share: f64,
+    /// Fewest requests in the delay windows for any decision (10).
+    pub min_requests: u64,
+    /// Least time between two decision changes of one key (30 s).
+    pub hold: Duration,
+    /// How long a split key's arrivals must stay at or below `merge_ratio × drain rate` (10 s).
+    pub cool: Duration,
+    /// Fraction of the drain rate below which a split key is cool (0.5).
+    pub merge_ratio: f64,
+    /// Shards a hot finest-level key is spread over (`sharding.max_shards`).
+    pub max_shards: NonZeroU32,
+}
+
+impl SplitRules {
+    /// The documented defaults for `batching.max_batch_wait` and `sharding.max_shards`.
+    pub fn new(max_batch_wait: Duration, max_shards: NonZeroU32) -> Self {
+        SplitRules {
+            window: Duration::from_secs(1),
+            delay_windows: 3,
+            delay_threshold: Duration::from_secs(2).max(max_batch_wait * 2),
+            min_share: 0.5,
+            min_requests: 10,
+            hold: Duration::from_secs(30),
+            cool: Duration::from_secs(10),
+            merge_ratio: 0.5,
+            max_shards,
+        }
+    }
+}
+
+/// The key a request was routed by: its level, the number of levels it has, and the key.
+/// Travels with the forwarded request as header `x-routed-key` = `"{level}/{levels}:{key hex}"`
+/// (e.g. `"1/3:c934e2bc27728a8a"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RoutedKey {
+    pub level: u8,
+    /// Levels of the request ([`crate::keying::level_count`]); `level + 1 == levels` is the finest.
+    pub levels: u8,
+    pub key: PrefixKey,
+}
+
+impl RoutedKey {
+    /// Whether this is the request's finest level (it can only be spread, not split).
+    pub fn is_finest(&self) -> bool {
+        self.level + 1 >= self.levels
+    }
+}
+
+impl fmt::Display for RoutedKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}:{}", self.level, self.levels, self.key)
+    }
+}
+
+/// A malformed `x-routed-key` or split member.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed routed key {0:?}")]
+pub struct BadKey(pub String);
+
+fn parse_hex(s: &str, whole: &str) -> Result<PrefixKey, BadKey> {
+    u64::from_str_radix(s, 16).map(PrefixKey).map_err(|_| BadKey(whole.to_owned()))
+}
+
+impl FromStr for RoutedKey {
+    type Err = BadKey;
+    fn from_str(s: &str) -> Result<Self, BadKey> {
+        let bad = || BadKey(s.to_owned());
+        let (lv, hex) = s.split_once(':').ok_or_else(bad)?;
+        let (level, levels) = lv.split_once('/').ok_or_else(bad)?;
+        let (level, levels) = (level.parse().map_err(|_| bad())?, levels.parse().map_err(|_| bad())?);
+        if level >= levels {
+            return Err(bad());
+        }
+        Ok(RoutedKey { level, levels, key: parse_hex(hex, s)? })
+    }
+}
+
+/// What the split set says about one (level, key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SplitState {
+    /// Requests route by their next level.
+    Split,
+    /// Requests stay at this level, spread over this many random shards.
+    Spread(NonZeroU32),
+}
+
+/// One entry of the split set. Stored in Redis as member `"{level}:{key hex}"` (split) or
+/// `"{level}:{key hex}:{shards}"` (spread).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SplitMember {
+    pub level: u8,
+    pub key: PrefixKey,
+    pub state: SplitState,
+}
+
+impl fmt::Display for SplitMember {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.state {
+            SplitState::Split => write!(f, "{}:{}", self.level, self.key),
+            SplitState::Spread(n) => write!(f, "{}:{}:{}", self.level, self.key, n),
+        }
+    }
+}
+
+impl FromStr for SplitMember {
+    type Err = BadKey;
+    fn from_str(s: &str) -> Result<Self, BadKey> {
+        let bad = || BadKey(s.to_owned());
+        let mut parts = s.split(':');
+        let level = parts.next().and_then(|l| l.parse().ok()).ok_or_else(bad)?;
+        let key = parse_hex(parts.next().ok_or_else(bad)?, s)?;
+        let state = match parts.next() {
+            None => SplitState::Split,
+            Some(n) => SplitState::Spread(n.parse().map_err(|_| bad())?),
+        };
+        if parts.next().is_some() {
+            return Err(bad());
+        }
+        Ok(SplitMember { level, key, state })
+    }
+}
+
+/// The split set as one instance sees it (its local view, refreshed from Redis).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SplitView {
+    entries: HashMap<(u8, PrefixKey), SplitState>,
+}
+
+impl SplitView {
+    /// A view of `members` (a key listed twice keeps its last state).
+    pub fn new(members: impl IntoIterator<Item = SplitMember>) -> Self {
+        SplitView { entries: members.into_iter().map(|m| ((m.level, m.key), m.state)).collect() }
+    }
+    /// The state of `key` at `level`; `None`: not split.
+    pub fn get(&self, level: u8, key: PrefixKey) -> Option<SplitState> {
+        self.entries.get(&(level, key)).copied()
+    }
+    /// Every entry, in no particular order.
+    pub fn members(&self) -> impl Iterator<Item = SplitMember> + '_ {
+        self.entries.iter().map(|(&(level, key), &state)| SplitMember { level, key, state })
+    }
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    /// Whether nothing is split.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    /// Entries per level (index = level; levels above the last entry are absent).
+    pub fn per_level(&self) -> Vec<usize> {
+        let mut n = Vec::new();
+        for (level, _) in self.entries.keys() {
+            let l = usize::from(*level);
+            if n.len() <= l {
+                n.resize(l + 1, 0);
+            }
+            n[l] += 1;
+        }
+        n
+    }
+    /// Decision changes from `self` to `next`: entries added, removed or changed.
+    pub fn moves_to(&self, next: &SplitView) -> usize {
+        let changed = next.entries.iter().filter(|(k, v)| self.entries.get(k) != Some(v)).count();
+        changed + self.entries.keys().filter(|k| !next.entries.contains_key(k)).count()
+    }
+}
+
+/// Where [`choose`] routes a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    pub routed: RoutedKey,
+    /// Shards to pick from: 1 unless the routed key is spread.
+    pub shards: NonZeroU32,
+    /// The split entries the request passed through (their arrivals are counted for merging),
+    /// the spread routed key included.
+    pub through: Vec<SplitMember>,
+}
+
+/// Routes by the shortest level whose key is not split: level by level from 0, computing each
+/// level's key only when the level before it is split (`key_at(level)`, called for
+/// `level < levels` only). A spread key stays at its level with its shards; the finest level
+/// is never split (a `Split` entry there, which a request with fewer levels than the one that
+/// split it may meet, counts as not split).
+pub fn choose(view: &SplitView, levels: u8, mut key_at: impl FnMut(u8) -> PrefixKey) -> Choice {
+    let one = NonZeroU32::MIN;
+    let levels = levels.max(1);
+    let mut through = Vec::new();
+    for level in 0..levels {
+        let key = key_at(level);
+        let routed = RoutedKey { level, levels, key };
+        match view.get(level, key) {
+            Some(SplitState::Split) if !routed.is_finest() => {
+                through.push(SplitMember { level, key, state: SplitState::Split });
+            }
+            Some(SplitState::Spread(n)) => {
+                through.push(SplitMember { level, key, state: SplitState::Spread(n) });
+                return Choice { routed, shards: n, through };
+            }
+            _ => return Choice { routed, shards: one, through },
+        }
+    }
+    unreachable!("the finest level always returns")
+}
+
+/// One window of one partition's dequeues.
+#[derive(Debug, Default, Clone)]
+struct Window {
+    delays_ms: Vec<u64>,
+    keys: HashMap<RoutedKey, u64>,
+}
+
+/// A key found hot by [`LoadTracker::tick`]: the new split entry to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HotKey {
+    pub partition: u32,
+    pub member: SplitMember,
+    /// Share of the partition's requests the key carried (0..1).
+    pub share: f64,
+    /// Requests per second the partition dequeued over the delay windows.
+    pub drain_rps: f64,
+    /// Median queueing delay of the partition over the delay windows.
+    pub median_delay: Duration,
+}
+
+/// Per-partition load at the partition owner: queueing delays and key shares per window. A
+/// partition this instance stops owning keeps closing empty windows, which never make a key hot.
+#[derive(Debug, Default)]
+pub struct LoadTracker {
+    /// Closed windows (the newest last, at most `delay_windows`) and the open one, per partition.
+    partitions: HashMap<u32, (VecDeque<Window>, Window)>,
+    /// Start of the open window.
+    window_start: Option<Instant>,
+}
+
+impl LoadTracker {
+    /// Records one dequeued request of `partition`, routed by `routed`, that waited `queued`.
+    pub fn observe(&mut self, partition: u32, routed: RoutedKey, queued: Duration) {
+        let (_, open) = self.partitions.entry(partition).or_default();
+        open.delays_ms.push(queued.as_millis() as u64);
+        *open.keys.entry(routed).or_default() += 1;
+    }
+
+    /// Closes the open window when `rules.window` has passed since it opened and returns the
+    /// keys that are hot by the rule of the module doc. A hot finest-level key becomes a spread
+    /// entry with `max_shards`; a key already spread that is hot again is not returned (nothing
+    /// left to do: [`KeyHygiene`] reports it).
+    pub fn tick(&mut self, now: Instant, rules: &SplitRules, view: &SplitView) -> Vec<HotKey> {
+        let start = *self.window_start.get_or_insert(now);
+        if now.saturating_duration_since(start) < rules.window {
+            return Vec::new();
+        }
+        self.window_start = Some(now);
+        let secs = rules.window.as_secs_f64() * rules.delay_windows as f64;
+        let mut hot = Vec::new();
+        for (&partition, (closed, open)) in &mut self.partitions {
+            closed.push_back(std::mem::take(open));
+            while closed.len() > rules.delay_windows {
+                closed.pop_front();
+            }
+            if closed.len() < rules.delay_windows {
+                continue;
+            }
+            let mut delays: Vec<u64> = closed.iter().flat_map(|w| w.delays_ms.iter().copied()).collect();
+            let n = delays.len() as u64;
+            if n < rules.min_requests {
+                continue;
+            }
+            let mid = delays.len() / 2;
+            let median = Duration::from_millis(*delays.select_nth_unstable(mid).1);
+            if median <= rules.delay_threshold {
+                continue;
+            }
+            let mut keys: HashMap<RoutedKey, u64> = HashMap::new();
+            for w in closed.iter() {
+                for (k, c) in &w.keys {
+                    *keys.entry(*k).or_default() += c;
+                }
+            }
+            let Some((&routed, &count)) = keys.iter().max_by_key(|(k, c)| (**c, **k)) else { continue };
+            let share = count as f64 / n as f64;
+            if share < rules.min_share {
+                continue;
+            }
+            let state = if routed.is_finest() { SplitState::Spread(rules.max_shards) } else { SplitState::Split };
+            if matches!(view.get(routed.level, routed.key), Some(SplitState::Spread(_))) {
+                continue;
+            }
+            let member = SplitMember { level: routed.level, key: routed.key, state };
+            hot.push(HotKey { partition, member, share, drain_rps: n as f64 / secs, median_delay: median });
+        }
+        hot
+    }
+}
+
+/// What [`SplitLedger::review`] says about one split entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Keep it (and refresh its expiry).
+    Keep,
+    /// Merge it back: remove it from the split set.
+    Merge,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Tracked {
+    seen_at: Instant,
+    below_since: Option<Instant>,
+}
+
+/// Each instance's memory of the split set over time: when it first saw each entry (the hold
+/// time runs from there), since when each entry has been cool, and when keys last changed (so a
+/// merged key is not split again within the hold time).
+#[derive(Debug, Default)]
+pub struct SplitLedger {
+    tracked: HashMap<(u8, PrefixKey), Tracked>,
+    changed_at: HashMap<(u8, PrefixKey), Instant>,
+}
+
+impl SplitLedger {
+    /// Takes in a refreshed view: new entries start their hold time, vanished ones are recorded
+    /// as changed now.
+    pub fn update(&mut self, now: Instant, view: &SplitView) {
+        self.tracked.retain(|k, _| {
+            let keep = view.entries.contains_key(k);
+            if !keep {
+                self.changed_at.insert(*k, now);
+            }
+            keep
+        });
+        for k in view.entries.keys() {
+            self.tracked.entry(*k).or_insert_with(|| {
+                self.changed_at.insert(*k, now);
+                Tracked { seen_at: now, below_since: None }
+            });
+        }
+    }
+
+    /// Whether `key` at `level` changed decision less than `hold` ago (then it must not change
+    /// again). Also forgets changes older than `hold`.
+    pub fn holding(&mut self, now: Instant, hold: Duration, level: u8, key: PrefixKey) -> bool {
+        self.changed_at.retain(|_, t| now.saturating_duration_since(*t) < hold);
+        self.changed_at.contains_key(&(level, key))
+    }
+
+    /// Reviews one entry of the current view given its recorded drain rate and its current
+    /// arrival rate (requests per second, all instances): merge when split for at least
+    /// `rules.hold` and at or below `merge_ratio × drain_rps` for at least `rules.cool`.
+    pub fn review(&mut self, now: Instant, rules: &SplitRules, member: &SplitMember, drain_rps: f64, arrivals_rps: f64) -> Verdict {
+        let t = self.tracked.entry((member.level, member.key)).or_insert(Tracked { seen_at: now, below_since: None });
+        if arrivals_rps <= rules.merge_ratio * drain_rps {
+            let since = *t.below_since.get_or_insert(now);
+            let held = now.saturating_duration_since(t.seen_at) >= rules.hold;
+            if held && now.saturating_duration_since(since) >= rules.cool {
+                return Verdict::Merge;
+            }
+        } else {
+            t.below_since = None;
+        }
+        Verdict::Keep
+    }
+}
+
+/// Shortest key material a server can cache: one KV-cache block of 16 tokens (vLLM's default
+/// `--block-size`, <https://docs.vllm.ai/en/latest/configuration/engine_args.html>) at about 4
+/// characters per token.
+pub const SHORT_MATERIAL_CHARS: usize = 64;
+/// Requests per [`KeyHygiene`] window.
+pub const HYGIENE_WINDOW: usize = 200;
+/// Share of distinct level-0 keys in a window above which key material looks volatile.
+pub const VOLATILE_DISTINCT: f64 = 0.95;
+/// Share of a window's requests above which a key "carries most of the traffic".
+pub const DOMINANT_SHARE: f64 = 0.5;
+
+/// What [`KeyHygiene`] found over one window of [`HYGIENE_WINDOW`] routed requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HygieneReport {
+    /// Distinct level-0 keys ÷ requests.
+    pub distinct: f64,
+    /// Share of requests whose level-0 material is shorter than [`SHORT_MATERIAL_CHARS`].
+    pub short: f64,
+    /// Shares of the 5 most frequent routed keys, largest first (fewer when fewer keys).
+    pub top_shares: Vec<f64>,
+    /// The routed key with the largest share, when it cannot be split any further (spread over
+    /// `max_shards` already, or a static override), with its share.
+    pub unsplittable: Option<(RoutedKey, f64)>,
+}
+
+impl HygieneReport {
+    /// Nearly every request has its own key: e.g. a timestamp or request id at the start of
+    /// the prompt, so nothing is shared and batching by key does nothing.
+    pub fn volatile(&self) -> bool {
+        self.distinct >= VOLATILE_DISTINCT
+    }
+    /// Most key material is shorter than a cache block: keys group requests that share less
+    /// than the server can reuse.
+    pub fn short_material(&self) -> bool {
+        self.short >= 0.5
+    }
+    /// One key that cannot be split carries most of the traffic.
+    pub fn dominant_unsplittable(&self) -> Option<(RoutedKey, f64)> {
+        self.unsplittable.filter(|(_, s)| *s >= DOMINANT_SHARE)
+    }
+}
+
+/// Key hygiene at the router, per window of [`HYGIENE_WINDOW`] requests.
+#[derive(Debug, Default)]
+pub struct KeyHygiene {
+    level0: HashMap<PrefixKey, u32>,
+    routed: HashMap<RoutedKey, (u32, bool)>,
+    short: u32,
+    n: usize,
+}
+
+impl KeyHygiene {
+    /// Records one routed request; returns the report when this request closes a window.
+    /// `material_chars`: length of its level-0 material; `unsplittable`: whether its routed key
+    /// can be split no further.
+    pub fn observe(&mut self, level0: PrefixKey, material_chars: usize, routed: RoutedKey, unsplittable: bool) -> Option<HygieneReport> {
+        *self.level0.entry(level0).or_default() += 1;
+        let e = self.routed.entry(routed).or_default();
+        e.0 += 1;
+        e.1 = unsplittable;
+        self.short += u32::from(material_chars < SHORT_MATERIAL_CHARS);
+        self.n += 1;
+        if self.n < HYGIENE_WINDOW {
+            return None;
+        }
+        let n = self.n as f64;
+        let mut top: Vec<(RoutedKey, (u32, bool))> = self.routed.drain().collect();
+        top.sort_unstable_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
+        let report = HygieneReport {
+            distinct: self.level0.len() as f64 / n,
+            short: f64::from(self.short) / n,
+            top_shares: top.iter().take(5).map(|(_, (c, _))| f64::from(*c) / n).collect(),
+            unsplittable: top.first().filter(|(_, (_, u))| *u).map(|(k, (c, _))| (*k, f64::from(*c) / n)),
+        };
+        *self = KeyHygiene::default();
+        Some(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> SplitRules {
+        SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap())
+    }
+
+    fn rk(level: u8, levels: u8, key: u64) -> RoutedKey {
+        RoutedKey { level, levels, key: PrefixKey(key) }
+    }
+
+    fn split(level: u8, key: u64) -> SplitMember {
+        SplitMember { level, key: PrefixKey(key), state: SplitState::Split }
+    }
+
+    #[test]
+    fn rule_numbers() {
+        let r = rules();
+        assert_eq!(r.delay_threshold, Duration::from_secs(2));
+        assert_eq!(SplitRules::new(Duration::from_secs(3), r.max_shards).delay_threshold, Duration::from_secs(6));
+    }
+
+    #[test]
+    fn routed_keys_and_members_round_trip() {
+        let k = rk(1, 3, 0xc934e2bc27728a8a);
+        assert_eq!(k.to_string(), "1/3:c934e2bc27728a8a");
+        assert_eq!("1/3:c934e2bc27728a8a".parse::<RoutedKey>(), Ok(k));
+        for bad in ["", "1:ab", "3/3:ab", "x/3:ab", "1/3:zz", "1/3"] {
+            assert!(bad.parse::<RoutedKey>().is_err(), "{bad}");
+        }
+        let m = SplitMember { level: 2, key: PrefixKey(0xab), state: SplitState::Spread(NonZeroU32::new(8).unwrap()) };
+        assert_eq!(m.to_string(), "2:00000000000000ab:8");
+        assert_eq!("2:00000000000000ab:8".parse::<SplitMember>(), Ok(m));
+        assert_eq!("0:ff".parse::<SplitMember>(), Ok(split(0, 0xff)));
+        for bad in ["", "0", "0:ff:0", "0:ff:8:1", "a:ff"] {
+            assert!(bad.parse::<SplitMember>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn routes_by_the_shortest_level_not_split_and_computes_keys_lazily() {
+        let keys = [10u64, 11, 12, 13];
+        let mut asked = Vec::new();
+        let c = choose(&SplitView::default(), 4, |l| {
+            asked.push(l);
+            PrefixKey(keys[usize::from(l)])
+        });
+        assert_eq!((c.routed, c.shards.get(), asked), (rk(0, 4, 10), 1, vec![0]));
+        assert!(c.through.is_empty());
+
+        let view = SplitView::new([split(0, 10), split(1, 11)]);
+        let c = choose(&view, 4, |l| PrefixKey(keys[usize::from(l)]));
+        assert_eq!((c.routed, c.shards.get()), (rk(2, 4, 12), 1));
+        assert_eq!(c.through, vec![split(0, 10), split(1, 11)]);
+
+        // The finest level is spread, never split.
+        let eight = NonZeroU32::new(8).unwrap();
+        let spread = SplitMember { level: 3, key: PrefixKey(13), state: SplitState::Spread(eight) };
+        let view = SplitView::new([split(0, 10), split(1, 11), split(2, 12), spread]);
+        let c = choose(&view, 4, |l| PrefixKey(keys[usize::from(l)]));
+        assert_eq!((c.routed, c.shards), (rk(3, 4, 13), eight));
+        assert_eq!(c.through.len(), 4);
+        let view = SplitView::new([split(0, 10)]);
+        let c = choose(&view, 1, |_| PrefixKey(10));
+        assert_eq!((c.routed, c.shards.get()), (rk(0, 1, 10), 1), "a split entry at a request's finest level");
+    }
+
+    fn feed(t: &mut LoadTracker, p: u32, key: RoutedKey, n: usize, delay_ms: u64) {
+        for _ in 0..n {
+            t.observe(p, key, Duration::from_millis(delay_ms));
+        }
+    }
+
+    /// Drives `secs` windows of load and returns the hot keys of each tick.
+    fn run(t: &mut LoadTracker, secs: u64, mut load: impl FnMut(&mut LoadTracker, u64)) -> Vec<Vec<HotKey>> {
+        let view = SplitView::default();
+        let mut out = Vec::new();
+        let start = Instant::now();
+        t.tick(start, &rules(), &view);
+        for s in 1..=secs {
+            load(t, s);
+            out.push(t.tick(start + Duration::from_secs(s), &rules(), &view));
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn splits_after_sustained_delay() {
+        let mut t = LoadTracker::default();
+        let hot = rk(0, 4, 1);
+        let ticks = run(&mut t, 4, |t, _| {
+            feed(t, 7, hot, 8, 3_000);
+            feed(t, 7, rk(0, 4, 2), 2, 3_000);
+        });
+        assert!(ticks[0].is_empty() && ticks[1].is_empty(), "needs 3 windows");
+        let h = &ticks[2][0];
+        assert_eq!((h.partition, h.member), (7, split(0, 1)));
+        assert!((h.share - 0.8).abs() < 1e-9 && (h.drain_rps - 10.0).abs() < 1e-9, "{h:?}");
+        assert_eq!(h.median_delay, Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_split_on_a_short_spike_a_small_key_or_little_traffic() {
+        let hot = rk(0, 4, 1);
+        // One slow window among fast ones.
+        let ticks = run(&mut LoadTracker::default(), 6, |t, s| feed(t, 1, hot, 10, if s == 3 { 9_000 } else { 100 }));
+        assert!(ticks.iter().all(Vec::is_empty), "{ticks:?}");
+        // Delayed, but no key carries half the partition.
+        let ticks = run(&mut LoadTracker::default(), 4, |t, _| {
+            for k in 0..5 {
+                feed(t, 1, rk(0, 4, k), 4, 5_000);
+            }
+        });
+        assert!(ticks.iter().all(Vec::is_empty));
+        // Too few requests to judge.
+        let ticks = run(&mut LoadTracker::default(), 4, |t, _| feed(t, 1, hot, 3, 5_000));
+        assert!(ticks.iter().all(Vec::is_empty));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hot_finest_key_is_spread_over_max_shards_once() {
+        let mut t = LoadTracker::default();
+        let finest = rk(2, 3, 9);
+        let ticks = run(&mut t, 3, |t, _| feed(t, 4, finest, 10, 4_000));
+        let spread = SplitMember { level: 2, key: PrefixKey(9), state: SplitState::Spread(NonZeroU32::new(8).unwrap()) };
+        assert_eq!(ticks[2][0].member, spread);
+        // Already spread: nothing more to decide.
+        feed(&mut t, 4, finest, 10, 4_000);
+        let later = Instant::now() + Duration::from_secs(10);
+        assert!(t.tick(later, &rules(), &SplitView::new([spread])).is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn merges_only_after_hold_and_cool_time() {
+        let r = rules();
+        let m = split(0, 1);
+        let mut ledger = SplitLedger::default();
+        let t0 = Instant::now();
+        ledger.update(t0, &SplitView::new([m]));
+        assert!(ledger.holding(t0, r.hold, 0, PrefixKey(1)));
+        // Cool from the start, but the hold time (30 s) is not over.
+        for s in 0..30 {
+            assert_eq!(ledger.review(t0 + Duration::from_secs(s), &r, &m, 10.0, 1.0), Verdict::Keep, "{s}s");
+        }
+        assert_eq!(ledger.review(t0 + Duration::from_secs(30), &r, &m, 10.0, 1.0), Verdict::Merge);
+
+        // Hot again for a moment: the cool time restarts.
+        let mut ledger = SplitLedger::default();
+        ledger.update(t0, &SplitView::new([m]));
+        let at = |s| t0 + Duration::from_secs(s);
+        assert_eq!(ledger.review(at(25), &r, &m, 10.0, 5.0), Verdict::Keep);
+        assert_eq!(ledger.review(at(31), &r, &m, 10.0, 6.0), Verdict::Keep, "above half the drain rate");
+        assert_eq!(ledger.review(at(32), &r, &m, 10.0, 2.0), Verdict::Keep);
+        assert_eq!(ledger.review(at(41), &r, &m, 10.0, 2.0), Verdict::Keep);
+        assert_eq!(ledger.review(at(42), &r, &m, 10.0, 2.0), Verdict::Merge);
+
+        // Merged: no new split of that key within the hold time.
+        ledger.update(at(42), &SplitView::default());
+        assert!(ledger.holding(at(60), r.hold, 0, PrefixKey(1)));
+        assert!(!ledger.holding(at(72), r.hold, 0, PrefixKey(1)));
+    }
+
+    #[test]
+    fn view_counts_levels_and_moves() {
+        let a = SplitView::new([split(0, 1), split(1, 2), split(1, 3)]);
+        assert_eq!(a.per_level(), vec![1, 2]);
+        let spread = SplitMember { level: 1, key: PrefixKey(3), state: SplitState::Spread(NonZeroU32::new(4).unwrap()) };
+        let b = SplitView::new([split(0, 1), spread, split(2, 5)]);
+        assert_eq!(a.moves_to(&b), 3, "1:2 removed, 1:3 changed, 2:5 added");
+        assert_eq!(a.moves_to(&a), 0);
+    }
+
+    #[test]
+    fn hygiene_flags_volatile_short_and_dominant_unsplittable_keys() {
+        let mut h = KeyHygiene::default();
+        let mut report = None;
+        for i in 0..HYGIENE_WINDOW as u64 {
+            report = h.observe(PrefixKey(i), 20, rk(0, 4, i), false);
+        }
+        let r = report.unwrap();
+        assert!(r.volatile() && r.short_material() && r.dominant_unsplittable().is_none());
+        assert_eq!(r.top_shares.len(), 5);
+
+        let mut report = None;
+        for i in 0..HYGIENE_WINDOW as u64 {
+            let hot = i % 4 != 0;
+            let routed = if hot { rk(0, 1, 1) } else { rk(0, 4, i) };
+            report = h.observe(routed.key, 300, routed, hot);
+        }
+        let r = report.unwrap();
+        assert!(!r.volatile() && !r.short_material());
+        assert_eq!(r.dominant_unsplittable(), Some((rk(0, 1, 1), 0.75)));
+        assert_eq!(r.top_shares[0], 0.75);
+    }
+}

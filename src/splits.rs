@@ -1,0 +1,559 @@
+//! The shared split set: the adaptive-granularity decisions of [`crate::affinity`], kept in
+//! Redis so that every instance routes alike, and each instance's local view of it.
+//!
+//! # Data layout
+//!
+//! Keys (with `P` = `redis.key_prefix`):
+//! - `P:splits` — a sorted set of [`SplitMember`]s (`"{level}:{key hex}"` split,
+//!   `"{level}:{key hex}:{shards}"` spread), each scored with its expiry: Redis time in ms plus
+//!   [`SPLIT_TTL`]. Every live instance pushes the expiry of every entry it does not merge back
+//!   at each refresh, so an entry lives while any instance runs, and the whole set (the key has
+//!   the same TTL) disappears [`SPLIT_TTL`] after the last instance stops.
+//! - `P:split-drain` — a hash member → the drain rate (requests/s) of the partition when the key
+//!   was split; the merge rule compares arrivals against half of it.
+//! - `P:split-arrivals:{unix second}` — a hash member → requests routed through that split entry
+//!   (counted by the routers, added by each instance at its refresh), expiring after 60 s. The
+//!   arrival rate of an entry is the sum over the last [`RATE_WINDOWS`] complete seconds, all
+//!   instances together.
+//!
+//! # Protocol
+//!
+//! One Lua script per refresh and instance ([`SYNC`], one round trip, atomic), every
+//! [`REFRESH_INTERVAL`]: add the keys this instance found hot (`ZADD NX`: the first instance's
+//! decision and drain rate win), push the expiry of the entries it keeps (`ZADD XX GT`), remove
+//! the entries it merges back, add its arrival counts, drop expired entries, and read the live set
+//! with drain rates and arrival sums (one `ZRANGEBYSCORE`). The answer replaces the local view.
+//!
+//! Routing reads only the local view ([`Affinity::view`]): it never waits on Redis. When Redis is
+//! unreachable the last view stays in force (nothing is dropped because Redis cannot be asked;
+//! entries expire only in Redis, by the clock of Redis) and the arrival counts are kept for the
+//! next successful refresh.
+//!
+//! # Wiring
+//!
+//! The router and the partition consumers of a process reach the handle of their deployment
+//! with [`Affinity::for_prefix`] (one per `redis.key_prefix`, process wide), so neither needs a
+//! new parameter; [`run`] refreshes it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::Script;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::affinity::{Choice, KeyHygiene, LoadTracker, RoutedKey, SplitLedger, SplitMember, SplitRules, SplitState, SplitView, Verdict};
+use lapin::types::FieldTable;
+
+use crate::config::{KeyingMode, Settings};
+use crate::keying::{derive_key, level_count, static_shards, PrefixKey};
+use crate::publisher::{header_str, HEADER_ROUTED_KEY};
+use crate::request::Request;
+use crate::metrics::{self, keys as kind};
+
+/// How often the local view is refreshed (and decisions are published).
+pub const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
+/// Lifetime of a split entry that no instance refreshes.
+pub const SPLIT_TTL: Duration = Duration::from_secs(10);
+/// Complete seconds the arrival rate is averaged over.
+pub const RATE_WINDOWS: u32 = 5;
+/// Least time between two log warnings of the same kind (hygiene, refresh failures).
+const WARN_EVERY: Duration = Duration::from_secs(60);
+
+/// Refresh script. KEYS = [splits, drain]; ARGV = [arrivals key prefix, ttl ms, rate windows,
+/// read only (0|1), then four lists, each its length followed by its items: adds (member,
+/// drain), keeps (member), merges (member), arrivals (member, count)].
+/// Returns `{members, expires in ms, drains, arrival sums, added members, removed count}`.
+pub const SYNC: &str = r#"
+local t = redis.call('TIME')
+local sec = tonumber(t[1])
+local now = sec * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+local expiry = string.format('%d', now + ttl)
+local i = 5
+local added = {}
+local n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  if redis.call('ZADD', KEYS[1], 'NX', expiry, ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+    added[#added + 1] = ARGV[i]
+  end
+  i = i + 2
+end
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  redis.call('ZADD', KEYS[1], 'XX', 'GT', expiry, ARGV[i])
+  i = i + 1
+end
+local removed = 0
+n = tonumber(ARGV[i]); i = i + 1
+for _ = 1, n do
+  removed = removed + redis.call('ZREM', KEYS[1], ARGV[i])
+  redis.call('HDEL', KEYS[2], ARGV[i])
+  i = i + 1
+end
+n = tonumber(ARGV[i]); i = i + 1
+local akey = ARGV[1] .. ':' .. string.format('%d', sec)
+for _ = 1, n do
+  redis.call('HINCRBY', akey, ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+if n > 0 then redis.call('EXPIRE', akey, 60) end
+if ARGV[4] == '0' then
+  local nows = string.format('%d', now)
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', nows)) do
+    redis.call('HDEL', KEYS[2], m)
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', nows)
+  if redis.call('EXISTS', KEYS[1]) == 1 then
+    redis.call('PEXPIRE', KEYS[1], ttl)
+    redis.call('PEXPIRE', KEYS[2], ttl)
+  end
+end
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf', 'WITHSCORES')
+local members, expires, drains, arrivals = {}, {}, {}, {}
+for j = 1, #live, 2 do
+  local m = live[j]
+  members[#members + 1] = m
+  expires[#expires + 1] = tonumber(live[j + 1]) - now
+  drains[#drains + 1] = redis.call('HGET', KEYS[2], m) or ''
+  local sum = 0
+  for w = 1, tonumber(ARGV[3]) do
+    sum = sum + tonumber(redis.call('HGET', ARGV[1] .. ':' .. string.format('%d', sec - w), m) or '0')
+  end
+  arrivals[#arrivals + 1] = sum
+end
+return {members, expires, drains, arrivals, added, removed}
+"#;
+
+/// Errors of the split store.
+#[derive(Debug, thiserror::Error)]
+pub enum SplitsError {
+    /// Redis unreachable or answered with an error.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// No answer within `redis.command_timeout`.
+    #[error("redis command timed out after {0:?}")]
+    Timeout(Duration),
+}
+
+/// Redis key of the split set.
+pub fn splits_key(prefix: &str) -> String {
+    format!("{prefix}:splits")
+}
+
+/// Redis key of the drain rates.
+pub fn drain_key(prefix: &str) -> String {
+    format!("{prefix}:split-drain")
+}
+
+/// Prefix of the per-second arrival hashes (`{this}:{unix second}`).
+pub fn arrivals_key_prefix(prefix: &str) -> String {
+    format!("{prefix}:split-arrivals")
+}
+
+/// One live entry of the split set, as Redis reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SplitRecord {
+    pub member: SplitMember,
+    /// Time until it expires unless refreshed, in milliseconds.
+    pub expires_in_ms: u64,
+    /// Requests/s its partition drained when it was split; `None` if unknown.
+    pub drain_rps: Option<f64>,
+    /// Requests/s routed through it, all instances, over the last [`RATE_WINDOWS`] seconds.
+    pub arrivals_rps: f64,
+}
+
+/// What one refresh publishes.
+#[derive(Debug, Clone, Default)]
+pub struct SyncRequest {
+    /// New entries with their drain rate.
+    pub adds: Vec<(SplitMember, f64)>,
+    /// Entries whose expiry is pushed.
+    pub keeps: Vec<SplitMember>,
+    /// Entries merged back.
+    pub merges: Vec<SplitMember>,
+    /// Arrivals counted since the last refresh.
+    pub arrivals: Vec<(SplitMember, u64)>,
+}
+
+/// The answer of one refresh.
+#[derive(Debug, Clone, Default)]
+pub struct SyncAnswer {
+    /// The live split set.
+    pub records: Vec<SplitRecord>,
+    /// Entries this call added (others may have added the same ones first).
+    pub added: Vec<SplitMember>,
+    /// Entries this call removed.
+    pub removed: u64,
+}
+
+/// Where a refresh publishes and reads the split set: [`SplitStore`] (Redis); tests use their own.
+pub trait SplitSync {
+    /// One refresh (see the module doc).
+    fn sync(&self, req: &SyncRequest) -> impl std::future::Future<Output = Result<SyncAnswer, SplitsError>> + Send;
+}
+
+impl SplitSync for SplitStore {
+    fn sync(&self, req: &SyncRequest) -> impl std::future::Future<Output = Result<SyncAnswer, SplitsError>> + Send {
+        self.call(req, false)
+    }
+}
+
+/// The split set in Redis.
+#[derive(Clone)]
+pub struct SplitStore {
+    conn: ConnectionManager,
+    prefix: String,
+    timeout: Duration,
+    script: Arc<Script>,
+}
+
+impl SplitStore {
+    /// `timeout` bounds every call (`redis.command_timeout`).
+    pub fn new(conn: ConnectionManager, prefix: &str, timeout: Duration) -> Self {
+        SplitStore { conn, prefix: prefix.to_owned(), timeout, script: Arc::new(Script::new(SYNC)) }
+    }
+
+    /// Reads the live split set without changing anything (for `status`).
+    pub async fn read(&self) -> Result<Vec<SplitRecord>, SplitsError> {
+        Ok(self.call(&SyncRequest::default(), true).await?.records)
+    }
+
+    async fn call(&self, req: &SyncRequest, read_only: bool) -> Result<SyncAnswer, SplitsError> {
+        let mut call = self.script.prepare_invoke();
+        call.key(splits_key(&self.prefix)).key(drain_key(&self.prefix));
+        call.arg(arrivals_key_prefix(&self.prefix)).arg(SPLIT_TTL.as_millis() as u64).arg(RATE_WINDOWS).arg(u8::from(read_only));
+        call.arg(req.adds.len());
+        for (m, drain) in &req.adds {
+            call.arg(m.to_string()).arg(format!("{drain:.3}"));
+        }
+        for list in [&req.keeps, &req.merges] {
+            call.arg(list.len());
+            for m in list {
+                call.arg(m.to_string());
+            }
+        }
+        call.arg(req.arrivals.len());
+        for (m, n) in &req.arrivals {
+            call.arg(m.to_string()).arg(*n);
+        }
+        let mut conn = self.conn.clone();
+        type Raw = (Vec<String>, Vec<i64>, Vec<String>, Vec<u64>, Vec<String>, u64);
+        let (members, expires, drains, arrivals, added, removed): Raw =
+            match tokio::time::timeout(self.timeout, call.invoke_async(&mut conn)).await {
+                Ok(r) => r?,
+                Err(_) => return Err(SplitsError::Timeout(self.timeout)),
+            };
+        let records = members
+            .iter()
+            .zip(expires)
+            .zip(drains)
+            .zip(arrivals)
+            .filter_map(|(((m, e), d), a)| {
+                Some(SplitRecord {
+                    member: m.parse().ok()?,
+                    expires_in_ms: e.max(0) as u64,
+                    drain_rps: d.parse().ok(),
+                    arrivals_rps: a as f64 / f64::from(RATE_WINDOWS),
+                })
+            })
+            .collect();
+        Ok(SyncAnswer { records, added: added.iter().filter_map(|m| m.parse().ok()).collect(), removed })
+    }
+}
+
+/// The router's side of a handle: arrivals of split entries and key hygiene.
+#[derive(Default)]
+struct RouterSide {
+    arrivals: HashMap<SplitMember, u64>,
+    hygiene: KeyHygiene,
+    warned: HashMap<&'static str, Instant>,
+}
+
+impl RouterSide {
+    /// Whether a warning of `kind` may be logged now (at most once per [`WARN_EVERY`]).
+    fn may_warn(&mut self, kind: &'static str, now: Instant) -> bool {
+        match self.warned.get(kind) {
+            Some(t) if now.saturating_duration_since(*t) < WARN_EVERY => false,
+            _ => {
+                self.warned.insert(kind, now);
+                true
+            }
+        }
+    }
+}
+
+struct Inner {
+    view: RwLock<Arc<SplitView>>,
+    router: Mutex<RouterSide>,
+    load: Mutex<LoadTracker>,
+    /// The ledger and the last records read, used by the refresh only.
+    refresh: Mutex<(SplitLedger, Vec<SplitRecord>)>,
+}
+
+/// The split state of one deployment in this process: the local view routing reads, the
+/// routers' arrival counts and key hygiene, and the partition owners' load. Cheap to clone (one
+/// `Arc`). See the module doc for how it is shared.
+#[derive(Clone)]
+pub struct Affinity {
+    inner: Arc<Inner>,
+}
+
+impl Default for Affinity {
+    fn default() -> Self {
+        Affinity {
+            inner: Arc::new(Inner {
+                view: RwLock::new(Arc::new(SplitView::default())),
+                router: Mutex::new(RouterSide::default()),
+                load: Mutex::new(LoadTracker::default()),
+                refresh: Mutex::new((SplitLedger::default(), Vec::new())),
+            }),
+        }
+    }
+}
+
+static HANDLES: LazyLock<Mutex<HashMap<String, Affinity>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Affinity {
+    /// The handle of the deployment whose Redis keys start with `prefix` (created on first use).
+    pub fn for_prefix(prefix: &str) -> Affinity {
+        let mut handles = lock(&HANDLES);
+        match handles.get(prefix) {
+            Some(a) => a.clone(),
+            None => handles.entry(prefix.to_owned()).or_default().clone(),
+        }
+    }
+
+    /// The current local view (never waits on Redis).
+    pub fn view(&self) -> Arc<SplitView> {
+        self.inner.view.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Replaces the local view; returns the number of decision changes.
+    pub fn set_view(&self, view: SplitView) -> usize {
+        let mut cur = self.inner.view.write().unwrap_or_else(|e| e.into_inner());
+        let moves = cur.moves_to(&view);
+        *cur = Arc::new(view);
+        moves
+    }
+
+    /// Records a routed request: counts its arrival at every split entry it passed, and feeds
+    /// key hygiene (its level-0 key and material length, and whether its routed key can be
+    /// split no further). Logs a hygiene warning at most once a minute per kind.
+    pub fn routed(&self, choice: &Choice, level0: PrefixKey, material_chars: usize, unsplittable: bool) {
+        let mut r = lock(&self.inner.router);
+        for m in &choice.through {
+            *r.arrivals.entry(*m).or_default() += 1;
+        }
+        let Some(report) = r.hygiene.observe(level0, material_chars, choice.routed, unsplittable) else { return };
+        let dominant = report.dominant_unsplittable();
+        metrics::hot_keys(&report.top_shares, report.unsplittable.map_or(0.0, |(_, s)| s));
+        let now = Instant::now();
+        if report.volatile() {
+            metrics::key_hygiene(kind::VOLATILE);
+            if r.may_warn(kind::VOLATILE, now) {
+                warn!(distinct = report.distinct, "key material looks volatile: nearly every request has its own prefix key, so nothing is batched or cached together (does the prompt start with an id or a timestamp? set keying.prefix_chars or send prefix_key)");
+            }
+        }
+        if report.short_material() {
+            metrics::key_hygiene(kind::SHORT);
+            if r.may_warn(kind::SHORT, now) {
+                warn!(share = report.short, chars = crate::affinity::SHORT_MATERIAL_CHARS, "most key material is shorter than one server cache block (16 tokens): keys group requests that share less than the server can reuse");
+            }
+        }
+        if let Some((key, share)) = dominant {
+            metrics::key_hygiene(kind::UNSPLITTABLE);
+            if r.may_warn(kind::UNSPLITTABLE, now) {
+                warn!(key = %key, share, "one key carries most of the traffic and cannot be split further");
+            }
+        }
+    }
+
+    /// Records a request dequeued by the owner of `partition`, routed by `routed`, after waiting
+    /// `queued` in the queues.
+    pub fn dequeued(&self, partition: u32, routed: RoutedKey, queued: Duration) {
+        lock(&self.inner.load).observe(partition, routed, queued);
+    }
+
+    /// One refresh at `now`: decides splits and merges, publishes them with the arrival counts,
+    /// and replaces the view with the answer. On an error the view stays as it was and the
+    /// arrival counts are kept for the next refresh.
+    pub async fn refresh(&self, store: &impl SplitSync, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
+        let view = self.view();
+        let hot = lock(&self.inner.load).tick(now, rules, &view);
+        let arrivals: Vec<(SplitMember, u64)> = lock(&self.inner.router).arrivals.drain().collect();
+        let mut req = SyncRequest { arrivals, ..SyncRequest::default() };
+        {
+            let (ledger, records) = &mut *lock(&self.inner.refresh);
+            for h in &hot {
+                let (l, k) = (h.member.level, h.member.key);
+                if view.get(l, k) != Some(h.member.state) && !ledger.holding(now, rules.hold, l, k) {
+                    info!(partition = h.partition, key = %h.member, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting");
+                    req.adds.push((h.member, h.drain_rps));
+                }
+            }
+            for r in records.iter() {
+                match ledger.review(now, rules, &r.member, r.drain_rps.unwrap_or(0.0), r.arrivals_rps) {
+                    Verdict::Keep => req.keeps.push(r.member),
+                    Verdict::Merge => req.merges.push(r.member),
+                }
+            }
+        }
+        let answer = match store.sync(&req).await {
+            Ok(a) => a,
+            Err(e) => {
+                let mut r = lock(&self.inner.router);
+                for (m, n) in req.arrivals {
+                    *r.arrivals.entry(m).or_default() += n;
+                }
+                metrics::split_sync_failed();
+                return Err(e);
+            }
+        };
+        for m in &answer.added {
+            metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
+        }
+        for _ in 0..answer.removed {
+            metrics::split_decision(kind::MERGE);
+        }
+        for m in &req.merges {
+            info!(key = %m, "cool key: merging back");
+        }
+        let next = SplitView::new(answer.records.iter().map(|r| r.member));
+        let per_level = next.per_level();
+        {
+            let (ledger, records) = &mut *lock(&self.inner.refresh);
+            ledger.update(now, &next);
+            records.clone_from(&answer.records);
+        }
+        let moves = self.set_view(next);
+        metrics::split_view(&per_level, moves);
+        Ok(answer)
+    }
+}
+
+/// The rule numbers of a deployment ([`SplitRules::new`]).
+pub fn rules(settings: &Settings) -> SplitRules {
+    SplitRules::new(settings.batching.max_batch_wait, settings.sharding.max_shards)
+}
+
+/// Refreshes the deployment's [`Affinity`] every [`REFRESH_INTERVAL`] until `stop` fires.
+/// Redis errors are logged (at most once a minute) and counted; the view stays in force.
+pub async fn run(settings: Arc<Settings>, conn: ConnectionManager, stop: CancellationToken) {
+    let affinity = Affinity::for_prefix(&settings.redis.key_prefix);
+    let store = SplitStore::new(conn, &settings.redis.key_prefix, settings.redis.command_timeout);
+    let rules = rules(&settings);
+    let mut tick = tokio::time::interval(REFRESH_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_warning: Option<Instant> = None;
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            now = tick.tick() => {
+                if let Err(e) = affinity.refresh(&store, &rules, now).await {
+                    if last_warning.is_none_or(|t| now.saturating_duration_since(t) >= WARN_EVERY) {
+                        last_warning = Some(now);
+                        warn!(error = %e, "cannot refresh the split set; routing keeps the last view");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The key a partition batches a request by: the routed key of header `x-routed-key`, else (a
+/// request published straight to a partition queue, or forwarded by an older router) its
+/// level-0 key. In adaptive mode the dequeue (routed key, `queued_ms` in the queues) is recorded
+/// for the split rule.
+pub fn batch_key(settings: &Settings, partition: u32, req: &Request, headers: Option<&FieldTable>, queued_ms: u64) -> PrefixKey {
+    let routed = header_str(headers, HEADER_ROUTED_KEY).and_then(|h| h.parse::<RoutedKey>().ok()).unwrap_or_else(|| {
+        RoutedKey { level: 0, levels: level_count(req), key: derive_key(req, &settings.keying).key }
+    });
+    // A key with a static entry (routed with one level, like an explicit key) keeps its static
+    // shards: its load is not the split rule's business.
+    let fixed = || routed.levels == 1 && static_shards(&derive_key(req, &settings.keying), &settings.sharding).is_some();
+    if settings.keying.mode == KeyingMode::Adaptive && !fixed() {
+        Affinity::for_prefix(&settings.redis.key_prefix).dequeued(partition, routed, Duration::from_millis(queued_ms));
+    }
+    routed.key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::num::NonZeroU32;
+
+    /// A split set that answers from memory, or fails like an unreachable Redis.
+    #[derive(Default)]
+    struct Memory {
+        set: Mutex<HashMap<SplitMember, f64>>,
+        down: std::sync::atomic::AtomicBool,
+        arrivals: Mutex<u64>,
+    }
+
+    impl SplitSync for Memory {
+        async fn sync(&self, req: &SyncRequest) -> Result<SyncAnswer, SplitsError> {
+            if self.down.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(SplitsError::Timeout(Duration::from_secs(2)));
+            }
+            let mut set = lock(&self.set);
+            let mut added = Vec::new();
+            for (m, d) in &req.adds {
+                if set.insert(*m, *d).is_none() {
+                    added.push(*m);
+                }
+            }
+            let removed = req.merges.iter().filter(|m| set.remove(m).is_some()).count() as u64;
+            *lock(&self.arrivals) += req.arrivals.iter().map(|(_, n)| n).sum::<u64>();
+            let records = set
+                .iter()
+                .map(|(m, d)| SplitRecord { member: *m, expires_in_ms: 10_000, drain_rps: Some(*d), arrivals_rps: 100.0 })
+                .collect();
+            Ok(SyncAnswer { records, added, removed })
+        }
+    }
+
+    fn hot_load(a: &Affinity, key: RoutedKey) {
+        for _ in 0..20 {
+            a.dequeued(3, key, Duration::from_secs(5));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hot_key_is_published_and_a_redis_outage_freezes_the_view() {
+        let a = Affinity::default();
+        let store = Memory::default();
+        let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
+        let hot = RoutedKey { level: 0, levels: 4, key: PrefixKey(42) };
+        let t0 = Instant::now();
+        for s in 0..=3 {
+            hot_load(&a, hot);
+            a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.unwrap();
+        }
+        let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
+        assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split));
+        assert!(lock(&store.set).contains_key(&split));
+
+        // Redis down: the refresh fails, the view stays, arrivals are kept for later.
+        store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        let choice = crate::affinity::choose(&a.view(), 4, |l| PrefixKey(42 + u64::from(l)));
+        assert_eq!(choice.routed.level, 1);
+        a.routed(&choice, PrefixKey(42), 300, false);
+        for s in 4..60 {
+            assert!(a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.is_err());
+            assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split), "frozen at {s}s");
+        }
+        store.down.store(false, std::sync::atomic::Ordering::SeqCst);
+        a.refresh(&store, &rules, t0 + Duration::from_secs(60)).await.unwrap();
+        assert_eq!(*lock(&store.arrivals), 1, "the arrival counted during the outage arrives");
+        assert_eq!(a.view().len(), 1, "still hot (100 rps > half of 20 rps): kept");
+    }
+}

@@ -1,0 +1,340 @@
+//! Faults at the intake, against the real RabbitMQ and Redis with a daemon running in this
+//! process and the fake LLM: over-long ids, properties the daemon must not copy (`user_id`,
+//! `expiration`), the delivery limit, and a deployment declared without `x-delivery-limit`.
+//! Each test also checks that the daemon keeps serving other requests on the same AMQP
+//! connections (no session restart).
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::*;
+use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use llm_fakes::fake::FakeLlm;
+use prefix_batcher::config::Settings;
+use prefix_batcher::request::MAX_ID_BYTES;
+use prefix_batcher::topology;
+use serde_json::json;
+use tokio::time::Instant;
+
+fn rabbitmqctl(args: &[&str]) -> std::process::Output {
+    ["rabbitmqctl", "/usr/sbin/rabbitmqctl"]
+        .iter()
+        .find_map(|bin| std::process::Command::new(bin).args(args).output().ok())
+        .expect("rabbitmqctl (scripts/services installs RabbitMQ)")
+}
+
+/// The broker's process ids of the AMQP connections of daemon `instance` (named
+/// `prefix-batcher {instance}` and `prefix-batcher {instance} publish`).
+fn daemon_connections(instance: &str) -> BTreeSet<String> {
+    let out = rabbitmqctl(&["-q", "list_connections", "--no-table-headers", "pid", "client_properties"]);
+    assert!(out.status.success(), "rabbitmqctl list_connections: {}", String::from_utf8_lossy(&out.stderr));
+    let needle = format!("prefix-batcher {instance}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&needle))
+        .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+        .collect()
+}
+
+/// A daemon with its reply queue and a consumer of its dead-letter queue, and the AMQP
+/// connections it had once it held every partition.
+struct Fixture {
+    env: TestEnv,
+    started: Started,
+    dead: Collector,
+    connections: BTreeSet<String>,
+    instance: String,
+}
+
+async fn fixture(test: &str, fake_url: &str) -> Fixture {
+    let env = TestEnv::new(test);
+    let raw = env.raw_config(fake_url);
+    let started = start_with_replies(&env, &raw).await;
+    let connections = daemon_connections(&raw.instance.name);
+    assert_eq!(connections.len(), 2, "the daemon has a consuming and a publishing connection: {connections:?}");
+    let dead = started.amqp.consume(&env.dead_letter_queue()).await;
+    Fixture { env, started, dead, connections, instance: raw.instance.name.clone() }
+}
+
+impl Fixture {
+    /// Publishes `n` ordinary requests and waits for all their results.
+    async fn serves_others(&mut self, tag: &str, n: usize) {
+        let reqs = completions_workload(tag, n, 2);
+        let s = &mut self.started;
+        s.amqp.publish_requests(&self.env.input_queue(), &reqs, &s.reply).await;
+        s.results.until_all(&ids(&reqs), DEADLINE).await;
+    }
+
+    /// The daemon is still running on the AMQP connections it started with; then stops it and
+    /// checks that the input and partition queues are empty (nothing left unacked).
+    async fn finish(self) {
+        let Fixture { env, started, dead, connections, instance } = self;
+        assert!(!started.daemon.is_finished(), "the daemon stopped");
+        assert_eq!(daemon_connections(&instance), connections, "the daemon reconnected (a session restarted)");
+        started.daemon.stop().await.expect("daemon stops cleanly");
+        assert_eq!(started.amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
+        for p in 0..PARTITIONS {
+            assert_eq!(started.amqp.queue_depth(&env.partition_queue(p)).await.0, 0, "partition {p} not empty");
+        }
+        dead.close().await;
+        started.results.close().await;
+        started.amqp.close().await;
+        env.cleanup().await;
+    }
+}
+
+/// The one dead letter with correlation id `cid`.
+fn dead_letter<'a>(dead: &'a Collector, cid: &str) -> &'a Received {
+    let got: Vec<&Received> = dead.received.iter().filter(|m| m.correlation_id == cid).collect();
+    assert_eq!(got.len(), 1, "{cid}: want exactly one dead letter, got {got:?}");
+    got[0]
+}
+
+/// A request id of 300 bytes (which used to panic the router task and stay unacked forever), of
+/// the limit + 1 and a `message_id` of 255 bytes are dead-lettered with reason `invalid_field`
+/// and a detail naming the field and the limit; an id of exactly the limit is served; and the
+/// daemon serves others meanwhile without reconnecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_long_ids_are_dead_lettered_and_routing_goes_on() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("longid", fake.url.as_str()).await;
+    let cases = [
+        ("long-300", json!({"id": "a".repeat(300), "prompt": "hi"}), None, "`id`"),
+        ("long-limit+1", json!({"id": "a".repeat(MAX_ID_BYTES + 1), "prompt": "hi"}), None, "`id`"),
+        ("long-message-id", json!({"prompt": "hi"}), Some("m".repeat(255)), "`message_id`"),
+    ];
+    let at_limit = "b".repeat(MAX_ID_BYTES);
+    let s = &f.started;
+    for (cid, body, message_id) in cases.iter().map(|(c, b, m, _)| (c, b, m)) {
+        let mut props = request_props(cid, &s.reply);
+        if let Some(m) = message_id {
+            props = props.with_message_id(m.as_str().into());
+        }
+        s.amqp.publish(&f.env.input_queue(), &serde_json::to_vec(body).unwrap(), props).await;
+    }
+    let body = serde_json::to_vec(&json!({"id": at_limit, "prompt": "at the limit"})).unwrap();
+    s.amqp.publish(&f.env.input_queue(), &body, request_props("at-limit", &s.reply)).await;
+    f.serves_others("longid", 20).await;
+
+    f.dead.until("the over-long ids' dead letters", DEADLINE, |r| r.len() >= cases.len()).await;
+    for (cid, _, _, field) in &cases {
+        let m = dead_letter(&f.dead, cid);
+        assert_eq!(m.header("x-death-reason"), Some("invalid_field"), "{cid}: {:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains(field) && detail.contains(&format!("limit of {MAX_ID_BYTES}")), "{cid}: detail {detail:?}");
+    }
+    let results = &mut f.started.results;
+    results.until("the result of the id at the limit", DEADLINE, |r| r.iter().any(|m| m.correlation_id == "at-limit")).await;
+    let r = results.received.iter().find(|m| m.correlation_id == "at-limit").unwrap().result();
+    assert!(r.ok && r.id == at_limit, "the id at the limit was not served: {r:?}");
+    f.finish().await;
+}
+
+/// The test's own RabbitMQ user, deleted on drop.
+struct BrokerUser {
+    name: String,
+    password: String,
+}
+
+impl BrokerUser {
+    fn create() -> BrokerUser {
+        let u = BrokerUser { name: format!("pbt-intake-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]), password: uuid::Uuid::new_v4().simple().to_string() };
+        for args in [vec!["add_user", &u.name, &u.password], vec!["set_permissions", "-p", "/", &u.name, ".*", ".*", ".*"]] {
+            let out = rabbitmqctl(&args);
+            assert!(out.status.success(), "rabbitmqctl {}: {}", args[0], String::from_utf8_lossy(&out.stderr));
+        }
+        u
+    }
+}
+
+impl Drop for BrokerUser {
+    fn drop(&mut self) {
+        let _ = rabbitmqctl(&["delete_user", &self.name]);
+    }
+}
+
+/// A request and a malformed message published by another broker user with `user_id` set to
+/// that user: the daemon's copies must not carry `user_id` (RabbitMQ would close the channel
+/// with 406 because it is not the daemon's user), so the request is answered, the malformed one
+/// dead-lettered with the original user in `x-original-user-id`, and the daemon serves others on
+/// the same connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_with_another_users_user_id_are_routed_and_dead_lettered() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("userid", fake.url.as_str()).await;
+    let user = BrokerUser::create();
+    let url = format!("amqp://{}:{}@127.0.0.1:5672/%2f", user.name, user.password);
+    let other = Connection::connect(&url, ConnectionProperties::default()).await.expect("connect as the test user");
+    let ch = other.create_channel().await.unwrap();
+    let s = &f.started;
+    let with_user = |cid: &str| request_props(cid, &s.reply).with_user_id(user.name.as_str().into());
+    let publish = |body: Vec<u8>, props: BasicProperties| {
+        let (ch, q) = (ch.clone(), f.env.input_queue());
+        async move { ch.basic_publish("".into(), q.as_str().into(), Default::default(), &body, props).await.unwrap().await.unwrap() }
+    };
+    for i in 0..3 {
+        let cid = format!("user-ok-{i}");
+        publish(serde_json::to_vec(&json!({"id": cid, "prompt": "from another user"})).unwrap(), with_user(&cid)).await;
+    }
+    publish(br#"{"id": "user-bad"}"#.to_vec(), with_user("user-bad")).await;
+    f.serves_others("userid", 30).await;
+
+    let want: std::collections::HashSet<String> = (0..3).map(|i| format!("user-ok-{i}")).collect();
+    f.started.results.until_all(&want, DEADLINE).await;
+    f.dead.until("the malformed message's dead letter", DEADLINE, |r| !r.is_empty()).await;
+    let m = dead_letter(&f.dead, "user-bad");
+    assert_eq!(m.header("x-death-reason"), Some("missing_prompt"));
+    assert_eq!(m.header("x-original-user-id"), Some(user.name.as_str()));
+    let _ = other.close(200, "done".into()).await;
+    f.finish().await;
+}
+
+/// A malformed message with `expiration` = 1000 ms is dead-lettered without the expiration (kept
+/// in `x-original-expiration`), so it stays in the dead-letter queue past that time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_does_not_inherit_the_expiration() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("expiry");
+    let raw = env.raw_config(fake.url.as_str());
+    let Started { amqp, daemon, results, reply } = start_with_replies(&env, &raw).await;
+    let props = request_props("expiring", &reply).with_expiration("1000".into());
+    amqp.publish(&env.input_queue(), br#"{"id":"x"}"#, props).await;
+    let deadline = Instant::now() + DEADLINE;
+    while amqp.queue_depth(&env.dead_letter_queue()).await.0 == 0 {
+        assert!(Instant::now() < deadline, "no dead letter within {DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Not synchronisation: the assertion is that the dead letter outlives the 1 s expiration the
+    // original carried.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let got = amqp
+        .ch
+        .basic_get(env.dead_letter_queue().as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the dead letter is still in the dead-letter queue");
+    let p = &got.delivery.properties;
+    assert_eq!(*p.expiration(), None, "the dead letter must not carry an expiration");
+    let headers = p.headers().clone().unwrap_or_default();
+    assert_eq!(headers.inner().get("x-original-expiration"), Some(&AMQPValue::LongString("1000".into())));
+    assert_eq!(headers.inner().get("x-death-reason"), Some(&AMQPValue::LongString("missing_prompt".into())));
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// A request arriving at a partition queue with `x-delivery-count` = `amqp.delivery_limit` is
+/// dead-lettered with reason `delivery_limit` (the last error is unknown to this fresh daemon);
+/// one with a count of the limit − 1 is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_at_the_delivery_limit_is_dead_lettered() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("dlimit", fake.url.as_str()).await;
+    let limit = Settings::from_raw(&f.env.raw_config(fake.url.as_str())).unwrap().amqp.delivery_limit.get();
+    let counted = |cid: &str, count: u32| {
+        let mut h = FieldTable::default();
+        h.insert(ShortString::from("x-delivery-count"), AMQPValue::LongLongInt(i64::from(count)));
+        request_props(cid, &f.started.reply).with_headers(h)
+    };
+    for (cid, count) in [("at-limit", limit), ("below-limit", limit - 1)] {
+        let body = serde_json::to_vec(&json!({"id": cid, "prompt": "counted"})).unwrap();
+        f.started.amqp.publish(&f.env.partition_queue(3), &body, counted(cid, count)).await;
+    }
+    f.dead.until("the dead letter at the delivery limit", DEADLINE, |r| !r.is_empty()).await;
+    let m = dead_letter(&f.dead, "at-limit");
+    assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
+    let detail = m.header("x-death-detail").unwrap_or_default();
+    assert!(detail.contains(&format!("delivered {limit} times")) && detail.contains("unknown on this instance"), "{detail:?}");
+    let want = ["below-limit".to_owned()].into_iter().collect();
+    f.started.results.until_all(&want, DEADLINE).await;
+    f.serves_others("dlimit", 10).await;
+    f.started.results.barrier(&f.started.amqp).await;
+    assert!(f.started.results.received.iter().all(|m| m.correlation_id != "at-limit"), "the dead-lettered request got a result");
+    f.finish().await;
+}
+
+/// Declares `queue` as a quorum queue dead-lettering to `dlx`, with `x-delivery-limit` when
+/// `delivery_limit` is set.
+async fn declare_quorum(conn: &Connection, queue: &str, dlx: &str, delivery_limit: Option<i64>) {
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-queue-type"), AMQPValue::LongString("quorum".into()));
+    args.insert(ShortString::from("x-dead-letter-exchange"), AMQPValue::LongString(dlx.into()));
+    if let Some(n) = delivery_limit {
+        args.insert(ShortString::from("x-delivery-limit"), AMQPValue::LongLongInt(n));
+    }
+    let ch = conn.create_channel().await.unwrap();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    ch.queue_declare(queue.into(), durable, args).await.expect("declare the existing queue");
+    let _ = ch.close(200, "ok".into()).await;
+}
+
+/// A deployment whose input queue was declared before `x-delivery-limit` (RabbitMQ 3.10 refuses
+/// the redeclare with it, 406) is accepted: the declare falls back to the queue's arguments. One
+/// declared with another limit (another `amqp.delivery_limit`) is a configuration error (exit
+/// 78) naming the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn existing_input_queues_with_and_without_a_delivery_limit() {
+    let env = TestEnv::new("oldqueue");
+    let settings = Settings::from_raw(&env.raw_config("http://127.0.0.1:9")).unwrap();
+    let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.unwrap();
+    let mut redis = redis::Client::open(REDIS_URL).unwrap().get_connection_manager().await.unwrap();
+    let key = format!("{}:partitions", env.name);
+    declare_quorum(&conn, &env.input_queue(), &env.dead_letter_exchange(), None).await;
+    topology::declare(&conn, &settings.amqp, &mut redis, &key).await.expect("a queue without x-delivery-limit is accepted");
+
+    let other = TestEnv::new("otherlimit");
+    let settings = Settings::from_raw(&other.raw_config("http://127.0.0.1:9")).unwrap();
+    let key = format!("{}:partitions", other.name);
+    let limit = i64::from(settings.amqp.delivery_limit.get()) + 5;
+    declare_quorum(&conn, &other.input_queue(), &other.dead_letter_exchange(), Some(limit)).await;
+    let err = topology::declare(&conn, &settings.amqp, &mut redis, &key).await.expect_err("another x-delivery-limit");
+    assert!(err.is_config_error(), "{err}");
+    assert!(err.to_string().contains(&other.input_queue()), "{err}");
+    let _ = conn.close(200, "done".into()).await;
+    env.cleanup().await;
+    other.cleanup().await;
+}
+
+/// `prefix_batcher_requests_total{stage="router",outcome="requeued"}` of this process.
+fn router_requeues() -> f64 {
+    prefix_batcher::metrics::render()
+        .lines()
+        .find(|l| l.starts_with("prefix_batcher_requests_total{") && l.contains(r#"stage="router""#) && l.contains(r#"outcome="requeued""#))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The broker closes the router's publishing channel (404: the shard exchange was deleted under
+/// the running daemon): the router requeues the deliveries, reopens its channel and forwards
+/// them once the exchange is back, on the same AMQP connections (no session restart, which
+/// would also have redeclared the exchange).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_reopens_a_channel_the_broker_closed() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("reopen", fake.url.as_str()).await;
+    let before = router_requeues();
+    let ch = f.started.amqp.conn.create_channel().await.unwrap();
+    ch.exchange_delete(f.env.shard_exchange().as_str().into(), Default::default()).await.unwrap();
+    let reqs = completions_workload("reopen", 5, 1);
+    f.started.amqp.publish_requests(&f.env.input_queue(), &reqs, &f.started.reply).await;
+    let deadline = Instant::now() + DEADLINE;
+    while router_requeues() <= before {
+        assert!(Instant::now() < deadline, "the router never requeued a failed forward");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+    ch.exchange_declare(f.env.shard_exchange().as_str().into(), lapin::ExchangeKind::Direct, durable, FieldTable::default()).await.unwrap();
+    for p in 0..PARTITIONS {
+        let (q, x, rk) = (f.env.partition_queue(p), f.env.shard_exchange(), p.to_string());
+        ch.queue_bind(q.as_str().into(), x.as_str().into(), rk.as_str().into(), Default::default(), FieldTable::default()).await.unwrap();
+    }
+    f.started.results.until_all(&ids(&reqs), DEADLINE).await;
+    f.serves_others("reopen-after", 10).await;
+    let _ = ch.close(200, "done".into()).await;
+    f.finish().await;
+}
