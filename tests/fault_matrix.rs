@@ -170,14 +170,15 @@ struct Deployment {
     daemons: Vec<Daemon>,
 }
 
-/// Two daemons (`a`, `b`) on a private redis-server, one shard per key (so a key maps to exactly
-/// one partition), both holding leases before anything is published.
+/// Two daemons (`a`, `b`) on a private redis-server, static prefix keys with one shard per key
+/// (so a key maps to exactly one partition), both holding leases before anything is published.
 async fn deploy(fault: Fault) -> Deployment {
     let env = TestEnv::new(&format!("fm-{}", fault.name().replace('_', "-")));
     let redis = RedisServer::start(&env, "redis").await;
     let fake = FakeLlm::new().latency(Duration::from_millis(20)).start().await.unwrap();
     let mut raw = env.raw_config(fake.url.as_str());
     raw.redis.url = redis.url.clone();
+    raw.keying.mode = "prefix".into();
     raw.sharding.default_shards = 1;
     let mut daemons = Vec::new();
     for suffix in ["a", "b"] {

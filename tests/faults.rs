@@ -31,12 +31,14 @@ fn answer_of(prompt: &str) -> String {
     format!("ok:{}", prompt.chars().take(8).collect::<String>())
 }
 
-/// Runs one daemon against `fake` with one shard per key and a long enough batch wait (so
-/// requests published together on one key form one batch, one list call), publishes `reqs`,
-/// waits for every result, stops the daemon and cleans up; returns the results by request id.
+/// Runs one daemon against `fake` with static prefix keys, one shard per key and a long enough
+/// batch wait (so requests published together on one key form one batch, one list call),
+/// publishes `reqs`, waits for every result, stops the daemon and cleans up; returns the results
+/// by request id.
 async fn results_of(test: &str, fake: &FakeLlmHandle, reqs: &[TestRequest]) -> HashMap<String, RequestResult> {
     let env = TestEnv::new(test);
     let mut raw = env.raw_config(fake.url.as_str());
+    raw.keying.mode = "prefix".into();
     raw.sharding.default_shards = 1;
     raw.batching.max_batch_wait = "500ms".into();
     assert!(raw.llm.list_prompts, "the fixtures need list prompts");
