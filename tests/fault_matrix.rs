@@ -2,11 +2,12 @@
 //! RabbitMQ, a private redis-server, the fake LLM) while one fault happens, for each fault in turn.
 //! Prints one table row per fault:
 //!
-//! `fault | requests | ok | ok:false | lost | duplicates | recovery s | unacked | left | pass | note`
+//! `fault | requests | ok | ok:false | lost | duplicates | recovery s | unacked | left | dead | pass | note`
 //!
 //! A fault passes with 0 lost, 0 `ok: false` (every fault here is a server-side one), no message
 //! unacked in the deployment's input and partition queues once the results are in (`unacked`,
-//! daemons running) and none left there after the daemons stopped (`left`). Recovery is the time
+//! daemons running) and none left there after the daemons stopped (`left`); `dead` counts the
+//! dead-letter queue's messages (where a lost request may have gone). Recovery is the time
 //! from the fault's end to the last result of the requests published before it ended.
 //!
 //! Faults (`PREFIX_BATCHER_FAULTS=name,name,…` selects; default all):
@@ -110,6 +111,8 @@ struct Row {
     unacked: u64,
     /// Messages ready or unacked after the daemons stopped.
     left: u64,
+    /// Messages in the dead-letter queue at the end (a lost request may be there).
+    dead_lettered: u64,
     /// Fault end → last result; `None` when the fault has no end (the whole run).
     recovery: Option<Duration>,
     note: String,
@@ -123,13 +126,13 @@ impl Row {
 
 fn render(rows: &[Row]) -> String {
     let mut out = format!(
-        "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>10} | {:>7} | {:>4} | {:<4} | note\n",
-        "fault", "requests", "ok", "ok:false", "lost", "duplicates", "recovery s", "unacked", "left", "pass"
+        "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>10} | {:>7} | {:>4} | {:>4} | {:<4} | note\n",
+        "fault", "requests", "ok", "ok:false", "lost", "duplicates", "recovery s", "unacked", "left", "dead", "pass"
     );
     for r in rows {
         let recovery = r.recovery.map_or("-".to_owned(), |d| format!("{:.1}", d.as_secs_f64()));
         out.push_str(&format!(
-            "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>10} | {:>7} | {:>4} | {:<4} | {}\n",
+            "{:<24} | {:>8} | {:>5} | {:>8} | {:>4} | {:>10} | {:>10} | {:>7} | {:>4} | {:>4} | {:<4} | {}\n",
             r.fault,
             r.requests,
             r.ok,
@@ -139,6 +142,7 @@ fn render(rows: &[Row]) -> String {
             recovery,
             r.unacked,
             r.left,
+            r.dead_lettered,
             if r.passed() { "yes" } else { "NO" },
             r.note
         ));
@@ -232,6 +236,8 @@ struct Measured {
     unacked: u64,
     /// Messages ready or unacked in those queues after the daemons stopped.
     left: u64,
+    /// Messages in the dead-letter queue after the daemons stopped.
+    dead_lettered: u64,
     /// Ids whose result is in the (rejecting) reply queue.
     held_by_reply: HashSet<String>,
     note: String,
@@ -262,10 +268,11 @@ async fn run_fault(fault: Fault) -> Row {
     log.barrier().await;
     let results = log.stop().await;
     let left = queue_messages(&d.env, |ready, unacked| ready + unacked).await;
+    let dead_lettered = broker::queues(&d.env.dead_letter_queue()).iter().map(|(_, ready, unacked)| ready + unacked).sum();
     if let Some(q) = &reply {
         delete_queue(q).await;
     }
-    let m = Measured { fault_end, published_by_end, unacked, left, held_by_reply, note };
+    let m = Measured { fault_end, published_by_end, unacked, left, dead_lettered, held_by_reply, note };
     let row = row(fault, &reqs, &results, m);
     drop(d.fake);
     drop(d.redis);
@@ -303,6 +310,7 @@ fn row(fault: Fault, reqs: &[TestRequest], results: &[Observed], m: Measured) ->
         duplicates: t.duplicates(),
         unacked: m.unacked,
         left: m.left,
+        dead_lettered: m.dead_lettered,
         recovery,
         note: m.note,
     }
