@@ -76,6 +76,29 @@ fn sh(cmd: &str, args: &[&str]) -> String {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // An interrupt drops `run`: its processes stop and its queues and Redis keys are deleted by
+    // their guards ([`procs::Proc`], [`procs::Teardown`]) before the process exits.
+    tokio::select! {
+        r = run(cli) => r,
+        signal = interrupted() => anyhow::bail!("bench: interrupted by {signal}; stopped its processes and deleted its queues and Redis keys"),
+    }
+}
+
+/// Completes on SIGINT or SIGTERM, with the signal's name.
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// Runs one subcommand. Longer than 80 lines: the `run` arm is one straight story of a benchmark
+/// invocation (check the data, set up, run the chosen parts, merge, write the report).
+async fn run(cli: Cli) -> anyhow::Result<()> {
     let root = root();
     match cli.command {
         Cmd::Passthrough { name, input_prefetch, mid_prefetch } => passthrough::run(&name, input_prefetch, mid_prefetch).await,
@@ -113,6 +136,9 @@ async fn main() -> anyhow::Result<()> {
                     b.display()
                 );
             }
+            // Deletes the invocation's queues, exchanges and Redis keys however this ends (an
+            // error, a panic, or an interrupt that drops this future in `main`).
+            let _teardown = procs::Teardown::new(&env.tag);
             eprintln!("bench: logs in {}", work.display());
             let plan = parts::Plan::new(full, seed);
             let previous: Option<report::Results> =

@@ -328,34 +328,78 @@ pub async fn cleanup(run: &str, partitions: u32, extra_queues: &[String]) {
     let mut queues = vec![format!("{run}.input"), format!("{run}.results"), format!("{run}.dead-letter")];
     queues.extend((0..=partitions).map(|p| format!("{run}.partition.{p:03}")));
     queues.extend(extra_queues.iter().cloned());
-    if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
-        let mut ch = conn.create_channel().await.ok();
-        for q in &queues {
-            if ch.is_none() {
-                ch = conn.create_channel().await.ok();
-            }
-            if let Some(c) = &ch {
-                if c.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await.is_err() {
-                    ch = None;
-                }
-            }
+    let exchanges = [format!("{run}.shards"), format!("{run}.dlx"), format!("{run}.pt")];
+    delete_amqp(&queues, &exchanges).await;
+    delete_redis_keys(&format!("{run}:*"));
+}
+
+/// Deletes queues and exchanges (best effort: a missing one is no error; a failed delete closes
+/// its channel, so the next one opens a new channel).
+async fn delete_amqp(queues: &[String], exchanges: &[String]) {
+    let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await else { return };
+    let mut ch = None;
+    for (name, is_queue) in queues.iter().map(|q| (q, true)).chain(exchanges.iter().map(|x| (x, false))) {
+        if ch.is_none() {
+            ch = conn.create_channel().await.ok();
         }
-        for x in [format!("{run}.shards"), format!("{run}.dlx"), format!("{run}.pt")] {
-            if ch.is_none() {
-                ch = conn.create_channel().await.ok();
-            }
-            if let Some(c) = &ch {
-                if c.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await.is_err() {
-                    ch = None;
-                }
-            }
+        let Some(c) = &ch else { continue };
+        let deleted = if is_queue {
+            c.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await.map(drop)
+        } else {
+            c.exchange_delete(name.as_str().into(), ExchangeDeleteOptions::default()).await
+        };
+        if deleted.is_err() {
+            ch = None;
         }
-        let _ = conn.close(200, "bench cleanup".into()).await;
     }
+    let _ = conn.close(200, "bench cleanup".into()).await;
+}
+
+fn delete_redis_keys(pattern: &str) {
     let _ = Command::new("sh")
         .arg("-c")
-        .arg(format!("redis-cli -h 127.0.0.1 --scan --pattern '{run}:*' | xargs -r redis-cli -h 127.0.0.1 del >/dev/null"))
+        .arg(format!("redis-cli -h 127.0.0.1 --scan --pattern '{pattern}' | xargs -r redis-cli -h 127.0.0.1 del >/dev/null"))
         .status();
+}
+
+/// Names starting with `prefix` that `rabbitmqctl list_{what}` shows (`what` = `queues` or
+/// `exchanges`); empty when rabbitmqctl is missing or fails.
+fn broker_names(what: &str, prefix: &str) -> Vec<String> {
+    let out = Command::new("rabbitmqctl").args(["-q", &format!("list_{what}"), "--no-table-headers", "name"]).output();
+    let Some(out) = out.ok().filter(|o| o.status.success()) else { return Vec::new() };
+    String::from_utf8_lossy(&out.stdout).lines().map(str::trim).filter(|n| n.starts_with(prefix)).map(str::to_owned).collect()
+}
+
+/// Deletes everything one benchmark invocation created when dropped (at the end of `main`, on
+/// an error return and on a panic alike): every queue and exchange whose name starts with the
+/// invocation's tag (listed with `rabbitmqctl`), and every Redis key under it. Create it before
+/// the first run and keep it for the whole invocation; the processes of a run are stopped by
+/// their own guards ([`Proc`]) before it drops.
+pub struct Teardown {
+    tag: String,
+}
+
+impl Teardown {
+    pub fn new(tag: &str) -> Teardown {
+        Teardown { tag: tag.to_owned() }
+    }
+}
+
+impl Drop for Teardown {
+    fn drop(&mut self) {
+        let tag = self.tag.clone();
+        // A thread with its own runtime: this may run inside (or after) the main runtime.
+        let _ = std::thread::spawn(move || {
+            let (queues, exchanges) = (broker_names("queues", &tag), broker_names("exchanges", &tag));
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                rt.block_on(async {
+                    let _ = tokio::time::timeout(Duration::from_secs(60), delete_amqp(&queues, &exchanges)).await;
+                });
+            }
+            delete_redis_keys(&format!("{tag}*"));
+        })
+        .join();
+    }
 }
 
 /// Machine facts for the report.

@@ -18,6 +18,14 @@
 //! this server answered before (earlier prompts of the same list included), so tests can observe a
 //! cache effect. Failures and bad JSON come first, in call order (see [`FakeLlm::fail_first`]),
 //! and are not counted in the cache model.
+//!
+//! The fake ignores a request's `n` (choices per prompt): it always answers one choice per
+//! prompt, indices `0..prompts`, like a server that does not implement `n` for list prompts.
+//!
+//! Runtime fault switches on the [`FakeLlmHandle`] (for fault tests of a running pipeline):
+//! [`FakeLlmHandle::set_status`] answers every POST with one HTTP status until switched back,
+//! [`FakeLlmHandle::set_refuse`] closes the listening socket (connections are refused) and later
+//! binds the same address again.
 
 use std::future::Future;
 use std::io;
@@ -54,6 +62,7 @@ pub struct FakeLlm {
     shape: ListShape,
     reverse_choices: bool,
     omit_choice: Option<usize>,
+    max_prompt_chars: Option<usize>,
 }
 
 /// How the fake reports cached prompt tokens.
@@ -98,6 +107,7 @@ impl Default for FakeLlm {
             shape: ListShape::default(),
             reverse_choices: false,
             omit_choice: None,
+            max_prompt_chars: None,
         }
     }
 }
@@ -176,15 +186,22 @@ impl FakeLlm {
         self
     }
 
+    /// A context window of `chars` characters: a call with any prompt longer than that is
+    /// answered HTTP 400 with vLLM's "maximum context length" error, like a real server whose
+    /// context length the prompt exceeds (the whole list fails, not only the long prompt).
+    pub fn max_prompt_chars(mut self, chars: usize) -> Self {
+        self.max_prompt_chars = Some(chars);
+        self
+    }
+
     /// Binds `127.0.0.1:0` and serves in a background task until the handle is dropped or
-    /// [`FakeLlmHandle::shutdown`] is called.
+    /// [`FakeLlmHandle::shutdown`] is called. The handle's fault switches work on this server.
     pub async fn start(self) -> io::Result<FakeLlmHandle> {
         let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
         let addr: SocketAddr = listener.local_addr()?;
         let url = Url::parse(&format!("http://{addr}")).map_err(io::Error::other)?;
         let state = Arc::new(Shared::new(self));
-        let stop = state.stop.clone();
-        tokio::spawn(serve_shared(state.clone(), listener, async move { stop.cancelled().await }));
+        tokio::spawn(serve_switchable(state.clone(), listener, addr));
         Ok(FakeLlmHandle { url, state })
     }
 
@@ -255,6 +272,22 @@ impl FakeLlmHandle {
         (g.cache_queries, g.cache_hits)
     }
 
+    /// While `Some(status)`, every POST is answered with HTTP `status` and an OpenAI-style error
+    /// body (e.g. 503 for an overloaded server, 401 for a revoked API key); `None` switches back
+    /// to the configured behaviour. Calls are recorded with the status they got.
+    pub fn set_status(&self, status: Option<u16>) {
+        self.state.lock().forced_status = status;
+    }
+
+    /// `true`: stops listening and closes every connection (idle ones at once, busy ones after
+    /// their answer), so new connections are refused; `false`: binds the same address again.
+    /// Returns once the server is in the asked state.
+    pub async fn set_refuse(&self, refuse: bool) {
+        self.state.refuse.send_replace(refuse);
+        let mut listening = self.state.listening.subscribe();
+        let _ = listening.wait_for(|&l| l != refuse).await;
+    }
+
     /// Stops the server; pending answers end with HTTP 503.
     pub fn shutdown(self) {
         drop(self)
@@ -280,6 +313,10 @@ struct Shared {
     arrivals: watch::Sender<usize>,
     /// Fired at shutdown: ends pending latencies and the accept loop.
     stop: CancellationToken,
+    /// The refuse switch ([`FakeLlmHandle::set_refuse`]).
+    refuse: watch::Sender<bool>,
+    /// Whether the server currently listens (follows `refuse` once the switch took effect).
+    listening: watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -292,6 +329,8 @@ struct Inner {
     in_flight: usize,
     max_in_flight: usize,
     completions: u64,
+    /// The runtime status switch ([`FakeLlmHandle::set_status`]).
+    forced_status: Option<u16>,
 }
 
 impl Shared {
@@ -301,6 +340,8 @@ impl Shared {
             inner: Mutex::new(Inner::default()),
             arrivals: watch::Sender::new(0),
             stop: CancellationToken::new(),
+            refuse: watch::Sender::new(false),
+            listening: watch::Sender::new(true),
         }
     }
 
@@ -310,20 +351,71 @@ impl Shared {
     }
 }
 
+fn app(state: Arc<Shared>) -> axum::Router {
+    openai::routes(post(completions), post(chat_completions), get(models), get(metrics)).with_state(state)
+}
+
 async fn serve_shared(
     state: Arc<Shared>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let stop = state.stop.clone();
-    let app = openai::routes(post(completions), post(chat_completions), get(models), get(metrics)).with_state(state);
     let signal = async move {
         tokio::select! {
             _ = shutdown => stop.cancel(),
             _ = stop.cancelled() => {}
         }
     };
-    axum::serve(listener, app).with_graceful_shutdown(signal).await
+    axum::serve(listener, app(state)).with_graceful_shutdown(signal).await
+}
+
+/// Serves on `first`, then follows the refuse switch: closes the listener (graceful: busy
+/// connections finish their answer) while refusing, binds `addr` again when switched back, until
+/// the stop token fires.
+async fn serve_switchable(state: Arc<Shared>, first: TcpListener, addr: SocketAddr) {
+    let mut listener = Some(first);
+    loop {
+        let current = match listener.take() {
+            Some(l) => l,
+            None => match rebind(&state, addr).await {
+                Some(l) => l,
+                None => return,
+            },
+        };
+        state.listening.send_replace(true);
+        let (mut refuse, stop) = (state.refuse.subscribe(), state.stop.clone());
+        let signal = async move {
+            tokio::select! {
+                _ = refuse.wait_for(|&r| r) => {}
+                _ = stop.cancelled() => {}
+            }
+        };
+        let _ = axum::serve(current, app(state.clone())).with_graceful_shutdown(signal).await;
+        state.listening.send_replace(false);
+        if state.stop.is_cancelled() {
+            return;
+        }
+    }
+}
+
+/// Waits until the refuse switch is off, then binds `addr` again (retrying every 20 ms while the
+/// port is still in use); `None` at shutdown.
+async fn rebind(state: &Shared, addr: SocketAddr) -> Option<TcpListener> {
+    let mut refuse = state.refuse.subscribe();
+    loop {
+        tokio::select! {
+            r = refuse.wait_for(|&r| !r) => r.ok()?,
+            _ = state.stop.cancelled() => return None,
+        };
+        if let Ok(l) = TcpListener::bind(addr).await {
+            return Some(l);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            _ = state.stop.cancelled() => return None,
+        }
+    }
 }
 
 /// Tokens of a text in the fake's model: `max(1, ceil(chars / 4))`.
@@ -348,8 +440,49 @@ struct PromptTokens {
 
 enum Decision {
     Fail(u16),
+    /// A prompt exceeds [`FakeLlm::max_prompt_chars`]: HTTP 400.
+    TooLong,
     BadJson,
     Answer(Vec<PromptTokens>),
+}
+
+/// The error message of a prompt over the context window (vLLM's wording).
+const CONTEXT_EXCEEDED: &str = "This model's maximum context length is exceeded: reduce the length of the prompt";
+
+/// Decides the fate of the next call (the runtime status switch first, then the builder's
+/// failures in call order, then the context window) and runs the cache model for an answer.
+fn decide(cfg: &FakeLlm, g: &mut Inner, prompts: &[String]) -> Decision {
+    let k = g.calls.len();
+    if let Some(status) = g.forced_status.or(cfg.always_fail) {
+        return Decision::Fail(status);
+    }
+    if k < cfg.fail_first {
+        return Decision::Fail(cfg.fail_status);
+    }
+    if k < cfg.fail_first + cfg.bad_json_first {
+        return Decision::BadJson;
+    }
+    if cfg.max_prompt_chars.is_some_and(|max| prompts.iter().any(|p| p.chars().count() > max)) {
+        return Decision::TooLong;
+    }
+    let mut counts = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let prompt = tokens(p);
+        let lcp = g.seen.iter().map(|s| common_prefix_chars(s, p)).max().unwrap_or(0);
+        let cached = (lcp as u64 / 4).min(prompt);
+        g.cache_queries += prompt;
+        g.cache_hits += cached;
+        g.seen.push(p.clone());
+        counts.push(PromptTokens {
+            prompt,
+            cached: match cfg.cache {
+                CacheReport::LongestPrefix => Some(cached),
+                CacheReport::Zero => Some(0),
+                CacheReport::Omit => None,
+            },
+        });
+    }
+    Decision::Answer(counts)
 }
 
 /// Records the call, decides its fate, runs the cache model and the latency; returns `Err` with a
@@ -366,35 +499,10 @@ async fn admit(
     let n_prompts = prompts.len();
     let (decision, count) = {
         let mut g = state.lock();
-        let k = g.calls.len();
-        let decision = if let Some(status) = cfg.always_fail {
-            Decision::Fail(status)
-        } else if k < cfg.fail_first {
-            Decision::Fail(cfg.fail_status)
-        } else if k < cfg.fail_first + cfg.bad_json_first {
-            Decision::BadJson
-        } else {
-            let mut counts = Vec::with_capacity(n_prompts);
-            for p in &prompts {
-                let prompt = tokens(p);
-                let lcp = g.seen.iter().map(|s| common_prefix_chars(s, p)).max().unwrap_or(0);
-                let cached = (lcp as u64 / 4).min(prompt);
-                g.cache_queries += prompt;
-                g.cache_hits += cached;
-                g.seen.push(p.clone());
-                counts.push(PromptTokens {
-                    prompt,
-                    cached: match cfg.cache {
-                        CacheReport::LongestPrefix => Some(cached),
-                        CacheReport::Zero => Some(0),
-                        CacheReport::Omit => None,
-                    },
-                });
-            }
-            Decision::Answer(counts)
-        };
+        let decision = decide(cfg, &mut g, &prompts);
         let status = match decision {
             Decision::Fail(s) => s,
+            Decision::TooLong => 400,
             _ => 200,
         };
         g.calls.push(RecordedCall {
@@ -422,6 +530,7 @@ async fn admit(
     }
     match decision {
         Decision::Fail(status) => Err(error_response(status, "fake failure", cfg.retry_after)),
+        Decision::TooLong => Err(error_response(400, CONTEXT_EXCEEDED, None)),
         Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
         Decision::Answer(counts) => Ok(counts),
     }
@@ -617,5 +726,45 @@ mod tests {
         assert_eq!(get_text(&url, "/health").await.0, 200);
         tx.send(()).unwrap();
         server.await.unwrap().unwrap();
+    }
+
+    #[tokio::test]
+    async fn runtime_status_switch_fails_every_call_until_switched_back() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        fake.set_status(Some(401));
+        assert_eq!(post(&fake.url, "/v1/completions", json!({"prompt": "a"})).await.0, 401);
+        fake.set_status(Some(503));
+        let (status, v) = post(&fake.url, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]})).await;
+        assert_eq!((status, v["error"]["type"].as_str()), (503, Some("server_error")));
+        fake.set_status(None);
+        assert_eq!(post(&fake.url, "/v1/completions", json!({"prompt": "a"})).await.0, 200);
+        let statuses: Vec<u16> = fake.calls().iter().map(|c| c.status).collect();
+        assert_eq!(statuses, [401, 503, 200]);
+    }
+
+    #[tokio::test]
+    async fn refuse_switch_closes_the_port_and_binds_it_again() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        let client = reqwest::Client::new();
+        let health = fake.url.join("/health").unwrap();
+        assert_eq!(client.get(health.clone()).send().await.unwrap().status().as_u16(), 200, "keeps a pooled connection");
+        fake.set_refuse(true).await;
+        let err = client.get(health.clone()).send().await.expect_err("refused while switched on");
+        assert!(err.is_connect(), "a connect error, got {err:?}");
+        fake.set_refuse(false).await;
+        assert_eq!(client.get(health).send().await.unwrap().status().as_u16(), 200, "same URL after the switch back");
+    }
+
+    #[tokio::test]
+    async fn a_prompt_over_the_context_window_fails_its_whole_call() {
+        let fake = FakeLlm::new().max_prompt_chars(10).start().await.unwrap();
+        let (status, v) = post(&fake.url, "/v1/completions", json!({"prompt": ["short", "far too long a prompt"]})).await;
+        assert_eq!(status, 400);
+        assert!(v["error"]["message"].as_str().unwrap().contains("maximum context length"), "{v}");
+        let (status, v) = post(&fake.url, "/v1/completions", json!({"prompt": ["short", "0123456789"], "n": 2})).await;
+        assert_eq!(status, 200);
+        let indices: Vec<u64> = v["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64().unwrap()).collect();
+        assert_eq!(indices, [0, 1], "n is ignored: one choice per prompt");
+        assert_eq!(fake.calls()[0].status, 400);
     }
 }

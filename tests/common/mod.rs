@@ -9,7 +9,15 @@
 //!   real binary, `run` subcommand, config in a temp TOML file, stderr in a temp log file).
 //! - [`Amqp`]: publishing with publisher confirms; [`Collector`]: consumes results until a
 //!   condition holds, with a deadline.
-//! - [`RedisProbe`]: reads leases and member keys.
+//! - [`RedisProbe`]: reads leases and member keys; [`RedisServer`]: a private, disruptable
+//!   redis-server on a Unix socket (never the shared one).
+//! - [`broker`]: `rabbitmqctl` views of the broker (queue depths, unacked counts, deletes).
+//!
+//! Cleanup is certain: [`TestEnv`]'s `Drop` deletes the namespace's queues, exchanges and Redis
+//! keys when a test panics before [`TestEnv::cleanup`]; a [`Daemon`] dropped on a multi-thread
+//! runtime first waits for its shutdown (so it cannot re-declare a queue after the cleanup), and a
+//! [`DaemonProcess`] or [`RedisServer`] dropped while running is killed. Locals drop in reverse
+//! order, so a `TestEnv` created first is cleaned up last.
 //!
 //! Nothing here sleeps for a fixed time to "let things settle": every wait is on a condition with
 //! a deadline, and fails with a message saying what did not happen.
@@ -152,7 +160,7 @@ impl TestEnv {
 
     /// Deletes every queue and exchange of this test and every Redis key under its prefix.
     pub async fn cleanup(mut self) {
-        cleanup_resources(&self.name).await;
+        cleanup_resources(&self.name, (Vec::new(), Vec::new())).await;
         let _ = std::fs::remove_dir_all(&self.dir);
         self.cleaned = true;
     }
@@ -170,7 +178,9 @@ impl Drop for TestEnv {
         let _ = std::thread::spawn(move || {
             if let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 rt.block_on(async {
-                    let _ = tokio::time::timeout(Duration::from_secs(30), cleanup_resources(&name)).await;
+                    // Also whatever else the namespace holds (names this file does not know).
+                    let listed = broker::names_with_prefix(&format!("{name}."));
+                    let _ = tokio::time::timeout(Duration::from_secs(30), cleanup_resources(&name, listed)).await;
                 });
             }
         })
@@ -178,7 +188,9 @@ impl Drop for TestEnv {
     }
 }
 
-async fn cleanup_resources(name: &str) {
+/// Deletes the namespace's queues and exchanges (the known names plus `listed` = `(queues,
+/// exchanges)`) and its Redis keys.
+async fn cleanup_resources(name: &str, listed: (Vec<String>, Vec<String>)) {
     // Queues: everything a deployment of up to 64 partitions declares (tests use fewer; deleting
     // a queue that does not exist is a no-op in RabbitMQ).
     let mut queues = vec![
@@ -187,6 +199,9 @@ async fn cleanup_resources(name: &str) {
         format!("{name}.dead-letter"),
     ];
     queues.extend((0..=64).map(|p| format!("{name}.partition.{p:03}")));
+    queues.extend(listed.0);
+    let mut exchanges = vec![format!("{name}.shards"), format!("{name}.dlx")];
+    exchanges.extend(listed.1);
     if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
         let mut ch = conn.create_channel().await.ok();
         for q in &queues {
@@ -199,7 +214,7 @@ async fn cleanup_resources(name: &str) {
                 }
             }
         }
-        for x in [format!("{name}.shards"), format!("{name}.dlx")] {
+        for x in exchanges {
             if ch.is_none() {
                 ch = conn.create_channel().await.ok();
             }
@@ -298,6 +313,30 @@ pub async fn start_with_replies(env: &TestEnv, raw: &RawConfig) -> Started {
     let reply = format!("{}.reply", env.name);
     let results = amqp.reply_queue(&reply).await;
     Started { amqp, daemon, results, reply }
+}
+
+impl Drop for Daemon {
+    /// Starts the graceful shutdown and, on a multi-thread runtime, waits (≤ [`DEADLINE`]) for
+    /// `app::run` to return, so the daemon cannot re-declare a queue or rewrite a Redis key after
+    /// the test's cleanup (a test that panics drops its daemon before its [`TestEnv`]). On a
+    /// current-thread runtime the daemon's tasks cannot run again before the runtime is dropped,
+    /// and blocking would deadlock, so it does not wait.
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else { return };
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else { return };
+        if task.is_finished() || handle.runtime_flavor() != tokio::runtime::RuntimeFlavor::MultiThread {
+            return;
+        }
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        handle.spawn(async move {
+            let _ = task.await;
+            let _ = done_tx.send(());
+        });
+        let _ = done_rx.recv_timeout(DEADLINE);
+    }
 }
 
 impl Daemon {
@@ -417,6 +456,34 @@ impl DaemonProcess {
         let lines: Vec<&str> = log.lines().collect();
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
+
+    /// The HTTP address the daemon logged (`http listening addr=…`), waiting ≤ [`DEADLINE`].
+    pub async fn http_addr(&self) -> String {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let log = self.log();
+            if let Some(line) = log.lines().find(|l| l.contains("http listening")) {
+                let addr = line.split("addr=").nth(1).and_then(|s| s.split_whitespace().next());
+                return addr.unwrap_or_else(|| panic!("no addr= in {line}")).to_owned();
+            }
+            assert!(Instant::now() < deadline, "{} logged no 'http listening' line:\n{}", self.label, self.log_tail(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// `GET path` on `addr` (HTTP/1.0): `(status, body)`; status 0 when nothing answers.
+pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else { return (0, String::new()) };
+    let mut resp = String::new();
+    let request = format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n");
+    if s.write_all(request.as_bytes()).await.is_err() || s.read_to_string(&mut resp).await.is_err() {
+        return (0, String::new());
+    }
+    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
 }
 
 impl Drop for DaemonProcess {
@@ -684,6 +751,15 @@ impl Collector {
         }
     }
 
+    /// Collects whatever arrives during `window` (an observation period, for asserting that
+    /// nothing arrives); returns how many messages arrived in it.
+    pub async fn collect_for(&mut self, window: Duration) -> usize {
+        let before = self.received.len();
+        let deadline = Instant::now() + window;
+        while self.next_until(deadline).await {}
+        self.received.len() - before
+    }
+
     /// Collects until every id in `ids` has at least one message.
     pub async fn until_all(&mut self, ids: &HashSet<String>, within: Duration) {
         let deadline = Instant::now() + within;
@@ -802,6 +878,106 @@ impl RedisProbe {
             ls.iter().all(|l| l.as_ref().is_some_and(|l| l.name == name))
         })
         .await
+    }
+}
+
+/// A private redis-server for one test, on a Unix socket in the test's directory (no port to
+/// pick), without persistence, with `DEBUG` enabled (`DEBUG SLEEP` pauses it, `DEBUG POPULATE`
+/// fills it). Killed when dropped.
+pub struct RedisServer {
+    child: Child,
+    pub socket: PathBuf,
+    /// `unix://…` URL for `redis.url`.
+    pub url: String,
+}
+
+impl RedisServer {
+    /// Starts `redis-server` and waits (≤ [`DEADLINE`]) until it answers `PING`.
+    pub async fn start(env: &TestEnv, label: &str) -> RedisServer {
+        let socket = env.dir.join(format!("{label}.sock"));
+        let child = Command::new("redis-server")
+            .args(["--port", "0", "--save", "", "--appendonly", "no", "--enable-debug-command", "yes"])
+            .arg("--unixsocket")
+            .arg(&socket)
+            .stdout(File::create(env.dir.join(format!("{label}.log"))).expect("create redis log"))
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server (is it installed? scripts/services installs it)");
+        let url = format!("unix://{}", socket.display());
+        let server = RedisServer { child, socket, url };
+        let deadline = Instant::now() + DEADLINE;
+        while server.ping().await.is_err() {
+            assert!(Instant::now() < deadline, "redis-server on {} did not answer PING", server.url);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        server
+    }
+
+    /// A connection without response timeout (`DEBUG SLEEP` and `DEBUG POPULATE` take seconds).
+    pub async fn connect(&self) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+        redis::Client::open(self.url.as_str())?.get_multiplexed_async_connection_with_config(&config).await
+    }
+
+    async fn ping(&self) -> redis::RedisResult<String> {
+        redis::cmd("PING").query_async(&mut self.connect().await?).await
+    }
+
+    /// Pauses the server for `secs` seconds (`DEBUG SLEEP` on a connection of its own) in the
+    /// background; the returned task ends when the server answers again.
+    pub async fn pause(&self, secs: f64) -> JoinHandle<()> {
+        let mut c = self.connect().await.expect("connect to the private redis-server");
+        tokio::spawn(async move {
+            let _: redis::RedisResult<String> = redis::cmd("DEBUG").arg("SLEEP").arg(secs).query_async(&mut c).await;
+        })
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// Views and changes of the broker through `rabbitmqctl` (same host as the tests).
+pub mod broker {
+    use std::process::Command;
+
+    /// Runs `rabbitmqctl -q args…`; its stdout, or `None` when it is missing or fails.
+    pub fn rabbitmqctl(args: &[&str]) -> Option<String> {
+        let out = Command::new("rabbitmqctl").arg("-q").args(args).output().ok()?;
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// One queue's counts: `(name, messages_ready, messages_unacknowledged)`.
+    pub type QueueCounts = (String, u64, u64);
+
+    /// Queues whose name starts with `prefix`, with their ready and unacked message counts.
+    pub fn queues(prefix: &str) -> Vec<QueueCounts> {
+        let out = rabbitmqctl(&["list_queues", "--no-table-headers", "name", "messages_ready", "messages_unacknowledged"]).unwrap_or_default();
+        out.lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                let (name, ready, unacked) = (f.next()?, f.next()?.parse().ok()?, f.next()?.parse().ok()?);
+                name.starts_with(prefix).then(|| (name.to_owned(), ready, unacked))
+            })
+            .collect()
+    }
+
+    /// `(queues, exchanges)` whose name starts with `prefix` (empty without rabbitmqctl).
+    pub fn names_with_prefix(prefix: &str) -> (Vec<String>, Vec<String>) {
+        let names = |what: &str| -> Vec<String> {
+            let out = rabbitmqctl(&[what, "--no-table-headers", "name"]).unwrap_or_default();
+            out.lines().map(str::trim).filter(|n| n.starts_with(prefix)).map(str::to_owned).collect()
+        };
+        (names("list_queues"), names("list_exchanges"))
+    }
+
+    /// Deletes queue `name` (with its messages) through `rabbitmqctl delete_queue`.
+    pub fn delete_queue(name: &str) -> bool {
+        rabbitmqctl(&["delete_queue", name]).is_some()
     }
 }
 
@@ -1061,6 +1237,11 @@ pub mod cluster {
 
     impl PacedPublisher {
         pub fn start(queue: String, reqs: Vec<TestRequest>, per_second: u32) -> PacedPublisher {
+            PacedPublisher::start_replying(queue, reqs, per_second, None)
+        }
+
+        /// Like [`PacedPublisher::start`], with `reply_to` on every request when given.
+        pub fn start_replying(queue: String, reqs: Vec<TestRequest>, per_second: u32, reply_to: Option<String>) -> PacedPublisher {
             let published = Arc::new(AtomicUsize::new(0));
             let total = reqs.len();
             let counter = published.clone();
@@ -1085,7 +1266,10 @@ pub mod cluster {
                                 queue.as_str().into(),
                                 BasicPublishOptions { mandatory: true, ..Default::default() },
                                 &r.body,
-                                request_props_to_results(&r.id),
+                                match &reply_to {
+                                    Some(q) => request_props_to_results(&r.id).with_reply_to(q.as_str().into()),
+                                    None => request_props_to_results(&r.id),
+                                },
                             )
                             .await
                             .expect("publish request");

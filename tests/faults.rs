@@ -1,0 +1,210 @@
+//! Observed faults, each reduced to its smallest input, against the real RabbitMQ and Redis and
+//! the fake LLM: the assertion is the correct outcome.
+//!
+//! - A server that ignores `n`: no request ever gets another request's text.
+//! - One over-long prompt in a list: only that request fails (`rejected`), the others are answered.
+//! - An LLM answering 401 to everything: nothing fails, the requests stay queued, `/readyz` says
+//!   why, and all are answered once the server accepts the key again.
+//! - A Redis holding millions of unrelated keys: the daemon is ready within seconds.
+//! - And the test harness itself: a panicking test leaves nothing on the broker or in Redis.
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use common::*;
+use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
+use prefix_batcher::request::RequestResult;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+
+/// A completions request with an explicit prefix key and a prompt of its own (so the fake's answer,
+/// `ok:` + the prompt's first 8 characters, tells whose answer a result carries).
+fn keyed(id: &str, key: &str, prompt: &str, params: Value) -> TestRequest {
+    let body = json!({"id": id, "prompt": prompt, "prefix_key": key, "params": params});
+    TestRequest { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), group: 0 }
+}
+
+/// The fake's answer to `prompt`.
+fn answer_of(prompt: &str) -> String {
+    format!("ok:{}", prompt.chars().take(8).collect::<String>())
+}
+
+/// Runs one daemon against `fake` with static prefix keys, one shard per key and a long enough
+/// batch wait (so requests published together on one key form one batch, one list call),
+/// publishes `reqs`, waits for every result, stops the daemon and cleans up; returns the results
+/// by request id.
+async fn results_of(test: &str, fake: &FakeLlmHandle, reqs: &[TestRequest]) -> HashMap<String, RequestResult> {
+    let env = TestEnv::new(test);
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.keying.mode = "prefix".into();
+    raw.sharding.default_shards = 1;
+    raw.batching.max_batch_wait = "500ms".into();
+    assert!(raw.llm.list_prompts, "the fixtures need list prompts");
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    amqp.publish_requests(&env.input_queue(), reqs, &reply).await;
+    results.until_all(&ids(reqs), DEADLINE).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    amqp.close().await;
+    env.cleanup().await;
+    results.received.iter().map(|m| (m.correlation_id.clone(), m.result())).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_ignoring_n_never_gives_a_request_anothers_answer() {
+    // The fake always answers one choice per prompt (indices 0, 1, 2), whatever `n` asks for.
+    let fake = FakeLlm::new().start().await.unwrap();
+    let prompts = ["AAAAAAAA first question", "BBBBBBBB second question", "CCCCCCCC third question"];
+    let reqs: Vec<TestRequest> =
+        prompts.iter().enumerate().map(|(i, p)| keyed(&format!("n-{i}"), "ignore-n", p, json!({"n": 2, "max_tokens": 4}))).collect();
+    let by_id = results_of("ignore-n", &fake, &reqs).await;
+    for (r, prompt) in reqs.iter().zip(prompts) {
+        let res = &by_id[&r.id];
+        if res.ok {
+            let own = answer_of(prompt);
+            let texts: Vec<&str> = match &res.output {
+                Value::String(s) => vec![s.as_str()],
+                Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+                other => panic!("output of {} is neither text nor a list of texts: {other}", r.id),
+            };
+            assert!(texts.iter().all(|t| *t == own), "request {} ({prompt:?}) got {texts:?}, its own answer is {own:?}", r.id);
+        } else {
+            let e = res.error.as_ref().unwrap_or_else(|| panic!("failed result {} without an error", r.id));
+            assert!(!e.message.is_empty(), "failed result {} must say why", r.id);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_long_prompt_fails_alone() {
+    let fake = FakeLlm::new().max_prompt_chars(100).start().await.unwrap();
+    let short = "SHORTONE a question that fits";
+    let long = format!("LONGLONG {}", "x".repeat(200));
+    let reqs = vec![keyed("short", "too-long", short, json!({})), keyed("long", "too-long", &long, json!({}))];
+    let by_id = results_of("too-long", &fake, &reqs).await;
+    let ok = &by_id["short"];
+    assert!(ok.ok, "the short request must be answered: {:?}", ok.error);
+    assert_eq!(ok.output, Value::String(answer_of(short)));
+    let failed = &by_id["long"];
+    assert!(!failed.ok, "the over-long request must fail");
+    assert_eq!(failed.error.as_ref().map(|e| e.kind.as_str()), Some("rejected"), "{:?}", failed.error);
+}
+
+/// Polls `/readyz` on `addr` every 50 ms until `done(status, body)` holds; panics after `within`
+/// saying `what` did not happen.
+async fn wait_readyz(addr: &str, what: &str, within: Duration, done: impl Fn(u16, &str) -> bool) {
+    let deadline = Instant::now() + within;
+    loop {
+        let (status, body) = http_get(addr, "/readyz").await;
+        if done(status, &body) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for {what}; /readyz: {status} {body:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Messages (ready + unacked) in the deployment's input and partition queues.
+fn queued(env: &TestEnv) -> u64 {
+    let input = broker::queues(&env.input_queue());
+    let partitions = broker::queues(&env.partition_queue_prefix());
+    input.iter().chain(&partitions).map(|(_, ready, unacked)| ready + unacked).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unauthorized_llm_keeps_requests_queued_until_it_accepts_again() {
+    let env = TestEnv::new("llm-401");
+    let fake = FakeLlm::new().start().await.unwrap();
+    fake.set_status(Some(401));
+    let raw = env.raw_config(fake.url.as_str());
+    let daemon = DaemonProcess::run(&env, "a", &raw);
+    let mut redis = RedisProbe::connect().await.unwrap();
+    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
+    let http = daemon.http_addr().await;
+    let amqp = Amqp::connect().await;
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("auth", 50, 4);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+
+    fake.wait_for_calls(1).await;
+    wait_readyz(&http, "/readyz 503 naming the LLM", DEADLINE, |s, b| s == 503 && b.contains("llm endpoints unavailable")).await;
+    let early = results.collect_for(Duration::from_secs(3)).await;
+    assert_eq!(early, 0, "no result while the LLM answers 401: {:?}", results.received.first().map(|m| m.result()));
+    assert_eq!(queued(&env), 50, "every request stays queued (input or partition queues)");
+
+    fake.set_status(None);
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    let failed: Vec<_> = results.received.iter().map(|m| m.result()).filter(|r| !r.ok).collect();
+    assert!(failed.is_empty(), "{} ok:false results after a 401 period, e.g. {:?}", failed.len(), failed.first());
+    wait_readyz(&http, "/readyz 200 after the LLM recovered", DEADLINE, |s, _| s == 200).await;
+    drop(daemon);
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_with_millions_of_keys_does_not_delay_readiness() {
+    let env = TestEnv::new("redis-big");
+    let redis = RedisServer::start(&env, "redis").await;
+    let mut conn = redis.connect().await.unwrap();
+    let _: String = redis::cmd("DEBUG").arg("POPULATE").arg(3_000_000).query_async(&mut conn).await.expect("DEBUG POPULATE");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.redis.url = redis.url.clone();
+
+    let started = Instant::now();
+    let daemon = DaemonProcess::run(&env, "a", &raw);
+    let http = daemon.http_addr().await;
+    let within = Duration::from_secs(20);
+    wait_readyz(&http, "readiness with 3 million unrelated keys", within, |s, _| s == 200).await;
+    eprintln!("ready after {:.1} s with 3 million unrelated Redis keys", started.elapsed().as_secs_f64());
+
+    let amqp = Amqp::connect().await;
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("big", 10, 2);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    assert!(results.received.iter().all(|m| m.result().ok), "every request answered ok");
+    drop(daemon);
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// Runs a test body that starts a daemon, publishes, and panics, on a runtime of `flavor`; returns
+/// the namespace it used.
+fn run_panicking_test(multi_thread: bool) -> String {
+    let (name_tx, name_rx) = std::sync::mpsc::channel();
+    let outcome = std::thread::spawn(move || {
+        let rt = if multi_thread {
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()
+        } else {
+            tokio::runtime::Builder::new_current_thread().enable_all().build()
+        };
+        rt.unwrap().block_on(async move {
+            let env = TestEnv::new("panics");
+            name_tx.send(env.name.clone()).unwrap();
+            let fake = FakeLlm::new().start().await.unwrap();
+            let raw = env.raw_config(fake.url.as_str());
+            let Started { amqp, daemon: _daemon, results: _results, reply } = start_with_replies(&env, &raw).await;
+            amqp.publish_requests(&env.input_queue(), &completions_workload("p", 5, 1), &reply).await;
+            panic!("a failing assertion of some test");
+        })
+    })
+    .join();
+    assert!(outcome.is_err(), "the body panicked");
+    name_rx.recv().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_test_leaves_nothing_behind() {
+    for multi_thread in [true, false] {
+        let name = tokio::task::spawn_blocking(move || run_panicking_test(multi_thread)).await.unwrap();
+        let (queues, exchanges) = broker::names_with_prefix(&format!("{name}."));
+        assert!(queues.is_empty() && exchanges.is_empty(), "left on the broker: {queues:?} {exchanges:?}");
+        let keys = RedisProbe::connect().await.unwrap().keys(&format!("{name}:*")).await;
+        assert!(keys.is_empty(), "left in Redis (multi_thread = {multi_thread}): {keys:?}");
+    }
+}
