@@ -1,10 +1,12 @@
 //! prefix-batcher keeps LLM servers' prefix (KV) caches warm.
 //!
-//! It consumes prompt requests from RabbitMQ, gives each a prefix key, spreads each key over a
-//! bounded number of shards, routes every shard to a partition queue that exactly one instance
-//! owns (Redis leases with epochs, fenced by RabbitMQ single-active-consumer), batches per key
-//! with a flush timeout, calls an OpenAI-compatible LLM server and publishes the results, acking
-//! each request only after its result is confirmed by the broker.
+//! It consumes prompt requests from RabbitMQ, gives each a prefix key at the coarsest level that
+//! is not split (a hot key splits by what follows its prefix, so conversations keep their
+//! server), routes every key to a partition queue that exactly one instance owns (Redis leases
+//! with epochs, fenced by RabbitMQ single-active-consumer), batches per key with a flush timeout,
+//! calls an OpenAI-compatible LLM server and publishes the results, acking each request only
+//! after its result is confirmed by the broker. A server-wide LLM failure pauses intake; only a
+//! request's own fault fails it.
 //!
 //! # Layout
 //!
@@ -18,8 +20,8 @@
 //!   hot key splits or a cool one merges back (pure); [`splits`]: the split set shared through
 //!   Redis and each instance's local view of it.
 //! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
-//! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: AMQP reply codes and
-//!   the classification of broker refusals by reply code.
+//! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: the session's consuming and
+//!   publishing connections, AMQP reply codes and the classification of broker refusals by them.
 //! - [`router`]: consumes the input queue and forwards each request to its partition queue.
 //! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs) and the local lease deadline.
 //! - [`membership`]: heartbeats and the live member set (a Redis sorted set).
@@ -35,6 +37,11 @@
 //! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
 //! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
 //! - [`client`]: the `submit` and `status` commands.
+//!
+//! The binary (`src/main.rs`) reads the configuration once, starts tracing and runs a command;
+//! `notify` (binary only) speaks systemd's `sd_notify` protocol. The test and benchmark doubles
+//! (a fake OpenAI-compatible server and a vLLM prefix-cache simulator) live in the separate
+//! workspace member `llm-fakes`, a dev-dependency only.
 
 pub mod affinity;
 pub mod amqp;

@@ -103,6 +103,8 @@ fn run_bin(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
     (out.status.code(), format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)))
 }
 
+/// Longer than 80 lines on purpose: one scenario read top to bottom (setup, load, the event,
+/// the assertions in the order they happen); split into helpers it would hide its timeline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_logs_carry_batch_spans_and_no_secret_appears_anywhere() {
     let env = TestEnv::new("secrets");

@@ -17,6 +17,9 @@ use serde_json::{json, Value};
 /// 300 requests over 6 prefixes (4 derived completions prefixes, 1 explicit `prefix_key`, 1 chat
 /// system prompt): exactly one ok result each, with the right correlation id, output and
 /// headers; every batch is key-pure, and so is every call the LLM server saw.
+///
+/// Longer than 80 lines on purpose: one scenario read top to bottom (setup, load, the event,
+/// the assertions in the order they happen); split into helpers it would hide its timeline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mixed_load_is_batched_by_prefix_with_one_result_each() {
     let env = TestEnv::new("mixed");
@@ -323,6 +326,9 @@ struct Sample {
 /// consumers or a lease have a foreign holder; each partition's results come from one epoch at a
 /// time (epochs never go back in arrival order); every request gets exactly one result; in the
 /// end every lease is held by its desired owner and both daemons served requests.
+///
+/// Longer than 80 lines on purpose: one scenario read top to bottom (setup, load, the event,
+/// the assertions in the order they happen); split into helpers it would hide its timeline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_daemons_never_share_a_partition() {
     let env = TestEnv::new("two");

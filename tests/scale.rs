@@ -195,6 +195,9 @@ async fn a_three_instances_balance_and_status() {
 /// there are at most as many as the killed instance could hold unacked); the ownership log
 /// (partition, epoch, instance, first/last result) has no overlap; SIGTERM handoff < 2 s,
 /// kill -9 takeover < lease TTL + 3 s; the restarted instance gets its partitions back.
+///
+/// Longer than 80 lines on purpose: one scenario read top to bottom (setup, load, the event,
+/// the assertions in the order they happen); split into helpers it would hide its timeline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn b_churn_under_load() {
     let _serial = SERIAL.lock().await;
@@ -339,6 +342,9 @@ async fn b_churn_under_load() {
 /// back once it rejoins. Any stale publication (a result of a's old epoch that arrived after the
 /// SIGCONT) is counted and must be detectable: a newer epoch of the same partition published the
 /// same request. Nothing is lost.
+///
+/// Longer than 80 lines on purpose: one scenario read top to bottom (setup, load, the event,
+/// the assertions in the order they happen); split into helpers it would hide its timeline.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e_stale_owner_after_sigstop() {
     let _serial = SERIAL.lock().await;
