@@ -180,7 +180,7 @@ pub async fn run_with_events(
 
 /// The LLM client's events, mirrored into metrics; the daemon is not ready
 /// ([`NotReady::LlmUnavailable`]) while the circuit breaker of every one of the `endpoints`
-/// endpoints is open or half-open (a half-open breaker is probing with `GET /v1/models`; requests
+/// endpoints is open or half-open (a half-open breaker is probing with a one-token completion; requests
 /// resume only once it is closed).
 fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
     let open = std::sync::Mutex::new(vec![false; endpoints]);

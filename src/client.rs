@@ -94,6 +94,14 @@ pub enum ClientError {
     /// A mandatory publish came back: the queue does not exist.
     #[error("queue {0:?} does not exist (start the daemon once to declare it)")]
     NoQueue(String),
+    /// An input line's `id` cannot be an AMQP `message_id` (longer than
+    /// [`crate::request::MAX_ID_BYTES`] bytes); the lines before it were published.
+    #[error("input line with request id {id:?}: {source}")]
+    InvalidId {
+        id: String,
+        #[source]
+        source: crate::request::ParseError,
+    },
     /// The reply queue's consumer ended before every result arrived.
     #[error("reply consumer closed")]
     ReplyConsumerClosed,
@@ -169,7 +177,7 @@ async fn publish_input(
             return Err(ClientError::DuplicateId(id));
         }
         let publish = BasicPublishOptions { mandatory: true, ..Default::default() };
-        let props = request_properties(&id, reply_queue);
+        let props = request_properties(&id, reply_queue)?;
         confirms.push(ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await?);
         // Bound the confirms in flight.
         if confirms.len() >= 1000 {
@@ -190,8 +198,11 @@ fn request_id(line: &str) -> String {
 }
 
 /// Persistent JSON message with `message_id` = `correlation_id` = `id`, `timestamp` (seconds)
-/// and the millisecond timestamp header, and `reply_to` when waiting.
-fn request_properties(id: &str, reply_queue: Option<&str>) -> BasicProperties {
+/// and the millisecond timestamp header, and `reply_to` when waiting. Errors when `id` is longer
+/// than [`crate::request::MAX_ID_BYTES`] (the daemon would dead-letter it as `invalid_field`).
+fn request_properties(id: &str, reply_queue: Option<&str>) -> Result<BasicProperties, ClientError> {
+    let id_string = crate::request::short_string("id", id, crate::request::MAX_ID_BYTES)
+        .map_err(|source| ClientError::InvalidId { id: id.chars().take(40).collect(), source })?;
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
     let mut headers = FieldTable::default();
     headers.insert(crate::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
@@ -199,13 +210,13 @@ fn request_properties(id: &str, reply_queue: Option<&str>) -> BasicProperties {
         .with_headers(headers)
         .with_content_type("application/json".into())
         .with_delivery_mode(crate::publisher::PERSISTENT)
-        .with_message_id(id.into())
-        .with_correlation_id(id.into())
+        .with_message_id(id_string.clone())
+        .with_correlation_id(id_string)
         .with_timestamp(now_ms / 1000);
-    match reply_queue {
+    Ok(match reply_queue {
         Some(q) => props.with_reply_to(q.into()),
         None => props,
-    }
+    })
 }
 
 async fn await_confirms(confirms: &mut Vec<lapin::PublisherConfirm>, queue: &str) -> Result<(), ClientError> {
@@ -567,4 +578,22 @@ pub fn render_status(s: &Status) -> String {
         ));
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_ids_become_message_ids_up_to_the_limit() {
+        let ok = "a".repeat(crate::request::MAX_ID_BYTES);
+        let props = request_properties(&ok, Some("replies")).expect("an id at the limit is accepted");
+        assert_eq!(props.message_id().as_ref().map(|m| m.as_str()), Some(ok.as_str()));
+        assert_eq!(props.correlation_id().as_ref().map(|m| m.as_str()), Some(ok.as_str()));
+        let long = "a".repeat(300);
+        match request_properties(&long, None) {
+            Err(ClientError::InvalidId { source, .. }) => assert_eq!(source.reason(), "invalid_field"),
+            other => panic!("a 300-byte id must be refused, got {other:?}"),
+        }
+    }
 }

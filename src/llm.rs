@@ -28,10 +28,13 @@
 //!
 //! **Probing.** Real requests never probe a down endpoint: a request used as a probe would be
 //! requeued on failure, and every requeue counts towards its delivery limit. When a breaker opens,
-//! the client starts one prober task for that endpoint: once the open time is over it sends
-//! `GET {base}/v1/models` (which vLLM, SGLang and llama-server all serve) with the bearer token; a
-//! 2xx closes the breaker, a server-fault class (5xx, 401/403/404, 429, timeout, refused
-//! connection) reopens it with a doubled open time. [`LlmClient::available`] is true only while
+//! the client starts one prober task for that endpoint: once the open time is over it sends a
+//! one-token completion (`POST {base}/v1/completions` with `llm.model`, prompt [`PROBE_PROMPT`],
+//! `max_tokens: 1`) with the bearer token — the path real calls take, so a server that is up but
+//! refuses the token, lacks the model or has a dead engine keeps failing the probe, where
+//! `GET /v1/models` would answer 200. A 2xx closes the breaker, a server-fault class (5xx,
+//! 401/403/404, 429, timeout, refused connection) reopens it with a doubled open time; a request
+//! fault (400/422: the server is up and judged the probe itself) also closes it. [`LlmClient::available`] is true only while
 //! the breaker is closed, so partitions paused on [`LlmClient::wait_available`] resume only after
 //! a successful probe.
 //! The cancellation token aborts in-flight calls (dropping the request closes the connection) and
@@ -60,8 +63,8 @@ use crate::request::{Body, Usage};
 pub const COMPLETIONS_PATH: &str = "v1/completions";
 /// Path of the OpenAI chat completions API, appended to each endpoint's base URL.
 pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
-/// Path of the OpenAI models list, the circuit breaker's half-open probe.
-pub const MODELS_PATH: &str = "v1/models";
+/// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
+pub const PROBE_PROMPT: &str = "ping";
 /// Default cap of one LLM response body, in bytes (64 MiB): far above any completion the batcher
 /// asks for, low enough that a broken server cannot exhaust memory.
 pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
@@ -165,8 +168,6 @@ struct Endpoint {
     /// exact usage and the cached-token metrics stay true.
     per_prompt_calls: AtomicBool,
     breaker: Mutex<Breaker>,
-    /// `{base}/v1/models`: the half-open probe ([`LlmClient::probe`]).
-    models: Url,
     /// A prober task ([`probe_until_closed`]) runs for this endpoint.
     probing: AtomicBool,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
@@ -800,13 +801,14 @@ impl LlmClient {
         }
     }
 
-    /// The half-open probe of `endpoint`: `GET {base}/v1/models` (served by vLLM, SGLang and
-    /// llama-server), with the bearer token. A 2xx is a success; otherwise the status or transport
+    /// The half-open probe of `endpoint`: a one-token completion of [`PROBE_PROMPT`] with
+    /// `llm.model` and the bearer token. A 2xx is a success; otherwise the status or transport
     /// error is classified like any call ([`classify`]), so 5xx, 401/403/404, 429, timeouts and
     /// refused connections keep the breaker open.
     async fn probe(&self, endpoint: usize) -> Outcome {
         let ep = &self.inner.endpoints[endpoint];
-        let kind = match self.inner.http.get(ep.models.clone()).send().await {
+        let body = serde_json::json!({"model": self.inner.model, "prompt": PROBE_PROMPT, "max_tokens": 1});
+        let kind = match self.inner.http.post(ep.completions.clone()).json(&body).send().await {
             Ok(r) if r.status().is_success() => return Outcome::Success,
             Ok(r) => classify(Problem::Status(r.status().as_u16())),
             Err(e) => classify(Problem::Transport(&e)),
@@ -898,7 +900,6 @@ impl Endpoint {
         Ok(Endpoint {
             completions: join(COMPLETIONS_PATH)?,
             chat: join(CHAT_COMPLETIONS_PATH)?,
-            models: join(MODELS_PATH)?,
             probing: AtomicBool::new(false),
             name,
             permits: Semaphore::new(settings.max_concurrency.get()),
@@ -942,7 +943,7 @@ async fn probe_until_closed(inner: std::sync::Weak<Inner>, endpoint: usize) {
         if !lock(&ep.breaker).admit_probe(Instant::now()) {
             return; // another prober holds the slot (not started by this client: cannot happen)
         }
-        tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; probing GET /v1/models");
+        tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; probing with a one-token completion");
         client.breaker_changed(endpoint, BreakerState::HalfOpen);
         let outcome = client.probe(endpoint).await;
         client.record(endpoint, outcome, true);

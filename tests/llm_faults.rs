@@ -28,7 +28,8 @@ type Handler = dyn Fn(&Value, usize) -> Response + Send + Sync;
 struct Server {
     url: Url,
     bodies: Arc<Mutex<Vec<Value>>>,
-    /// HTTP status of `GET /v1/models` (the circuit breaker's probe), 200 by default.
+    /// HTTP status of the circuit breaker's probe (a one-token completion of
+    /// `prefix_batcher::llm::PROBE_PROMPT`, not recorded as a call), 200 by default.
     models_status: Arc<AtomicU16>,
     stop: CancellationToken,
 }
@@ -38,9 +39,15 @@ impl Server {
         let handler: Arc<Handler> = Arc::new(handler);
         let bodies = Arc::new(Mutex::new(Vec::new()));
         let recorded = bodies.clone();
+        let models_status = Arc::new(AtomicU16::new(200));
+        let status = models_status.clone();
         let route = move |Json(body): Json<Value>| {
-            let (handler, recorded) = (handler.clone(), recorded.clone());
+            let (handler, recorded, status) = (handler.clone(), recorded.clone(), status.clone());
             async move {
+                if body["prompt"] == prefix_batcher::llm::PROBE_PROMPT {
+                    let status = StatusCode::from_u16(status.load(Ordering::SeqCst)).unwrap();
+                    return (status, Json(json!({"choices": [{"index": 0, "text": "pong", "finish_reason": "length"}]}))).into_response();
+                }
                 let call = {
                     let mut b = recorded.lock().unwrap();
                     b.push(body.clone());
@@ -49,16 +56,9 @@ impl Server {
                 handler(&body, call)
             }
         };
-        let models_status = Arc::new(AtomicU16::new(200));
-        let status = models_status.clone();
-        let models = move || {
-            let status = StatusCode::from_u16(status.load(Ordering::SeqCst)).unwrap();
-            async move { (status, Json(json!({"object": "list", "data": [{"id": "m", "object": "model"}]}))) }
-        };
         let app = axum::Router::new()
             .route("/v1/completions", axum::routing::post(route.clone()))
-            .route("/v1/chat/completions", axum::routing::post(route))
-            .route("/v1/models", axum::routing::get(models));
+            .route("/v1/chat/completions", axum::routing::post(route));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
         let stop = CancellationToken::new();
@@ -255,7 +255,7 @@ async fn an_outage_opens_the_breaker_which_fails_fast_then_a_probe_closes_it() {
     assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Unavailable));
     assert_eq!(server.calls(), 5);
 
-    // Probes fail while /v1/models answers 503: still unavailable after several open times.
+    // Probes fail while the probe completion answers 503: still unavailable after several open times.
     let cancelled = CancellationToken::new();
     cancelled.cancel();
     assert!(!client.wait_available(0, &cancelled).await);

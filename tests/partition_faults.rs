@@ -27,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 const REJECTED: &str = "REJECT-ME";
 
 /// An OpenAI-style completions server on an OS-chosen port whose every answer (completions and
-/// the `GET /v1/models` probe alike) is HTTP `status` while it is not 200: an outage that can be
+/// the circuit breaker's one-token probe completion alike) is HTTP `status` while it is not 200: an outage that can be
 /// switched on and off. While up, it answers 400 to any call with a prompt containing
 /// [`REJECTED`].
 struct SwitchableLlm {
@@ -67,14 +67,7 @@ impl SwitchableLlm {
                 Json(json!({"object": "text_completion", "model": "test-model", "choices": choices})).into_response()
             }
         };
-        let s = state.clone();
-        let models = move || {
-            let status = s.load(Ordering::SeqCst);
-            async move { if status != 200 { outage(status) } else { Json(json!({"object": "list", "data": [{"id": "test-model"}]})).into_response() } }
-        };
-        let app = axum::Router::new()
-            .route("/v1/completions", axum::routing::post(completions))
-            .route("/v1/models", axum::routing::get(models));
+        let app = axum::Router::new().route("/v1/completions", axum::routing::post(completions));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         let stop = CancellationToken::new();
