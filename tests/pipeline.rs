@@ -405,8 +405,7 @@ async fn two_daemons_never_share_a_partition() {
 
     // Every partition queue has exactly one consumer: its lease holder.
     for p in 0..PARTITIONS {
-        let (_, consumers) = amqp.queue_depth(&env.partition_queue(p)).await;
-        assert_eq!(consumers, 1, "partition {p} has {consumers} consumers after the handover");
+        amqp.wait_consumers(&env.partition_queue(p), 1, Duration::from_secs(10)).await;
     }
     monitor_stop.store(true, std::sync::atomic::Ordering::SeqCst);
     monitor.await.unwrap();

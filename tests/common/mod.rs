@@ -632,6 +632,20 @@ impl Amqp {
         (q.message_count(), q.consumer_count())
     }
 
+    /// Waits until `queue` has exactly `want` consumers (a partition worker holds its lease a
+    /// moment before its consumer is registered); panics naming the queue after `within`.
+    pub async fn wait_consumers(&self, queue: &str, want: u32, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let (_, consumers) = self.queue_depth(queue).await;
+            if consumers == want {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{queue} has {consumers} consumers after {within:?}, want {want}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     pub async fn close(self) {
         let _ = self.conn.close(200, "test done".into()).await;
     }
