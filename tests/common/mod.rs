@@ -315,6 +315,21 @@ pub async fn start_with_replies(env: &TestEnv, raw: &RawConfig) -> Started {
     Started { amqp, daemon, results, reply }
 }
 
+impl Started {
+    /// Publishes `reqs` to the input queue with replies to the reply queue, waits (≤
+    /// [`DEADLINE`]) until each has a result, stops the daemon (it must stop cleanly) and waits
+    /// on a [`Collector::barrier`], so the returned collector holds every result the daemon
+    /// published. Returns the connection and that collector.
+    pub async fn publish_and_drain(self, env: &TestEnv, reqs: &[TestRequest]) -> (Amqp, Collector) {
+        let Started { amqp, daemon, mut results, reply } = self;
+        amqp.publish_requests(&env.input_queue(), reqs, &reply).await;
+        results.until_all(&ids(reqs), DEADLINE).await;
+        daemon.stop().await.expect("daemon stops cleanly");
+        results.barrier(&amqp).await;
+        (amqp, results)
+    }
+}
+
 impl Drop for Daemon {
     /// Starts the graceful shutdown and, on a multi-thread runtime, waits (≤ [`DEADLINE`]) for
     /// `app::run` to return, so the daemon cannot re-declare a queue or rewrite a Redis key after
@@ -797,6 +812,18 @@ impl Collector {
         m
     }
 
+    /// Asserts that every request of `reqs` has exactly one message and that it is an `ok`
+    /// result; a failed one is reported as "request {id} {failure}: {error}".
+    pub fn assert_one_ok_result_each(&self, reqs: &[TestRequest], failure: &str) {
+        let by_id = self.by_correlation();
+        for r in reqs {
+            let got = &by_id[&r.id];
+            assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+            let res = got[0].result();
+            assert!(res.ok, "request {} {failure}: {:?}", r.id, res.error);
+        }
+    }
+
     /// A FIFO barrier: publishes a sentinel to this queue and collects until it arrives, so
     /// everything published to the queue before this call has been received. The sentinel is
     /// not kept.
@@ -1010,7 +1037,10 @@ pub mod cluster {
     use tokio::time::Instant;
     use tokio_util::sync::CancellationToken;
 
-    use super::{bin_command, header_string, write_config, DaemonProcess, RedisProbe, TestEnv, TestRequest, AMQP_URL};
+    use super::{
+        bin_command, completions_workload, header_string, write_config, DaemonProcess, RedisProbe, TestEnv, TestRequest, AMQP_URL,
+        DEADLINE,
+    };
 
     /// Properties of a request whose result goes to the deployment's durable results queue (no
     /// `reply_to`): it survives a RabbitMQ restart, unlike an exclusive reply queue.
@@ -1043,6 +1073,11 @@ pub mod cluster {
         m
     }
 
+    /// Lease epoch per partition held by instance `name`.
+    pub fn epochs_held_by(leases: &[Option<LeaseValue>], name: &str) -> BTreeMap<u32, u64> {
+        leases.iter().enumerate().filter_map(|(p, l)| l.as_ref().filter(|l| l.name == name).map(|l| (p as u32, l.epoch))).collect()
+    }
+
     // -----------------------------------------------------------------------------------------
     // Processes.
     // -----------------------------------------------------------------------------------------
@@ -1070,6 +1105,25 @@ pub mod cluster {
         pub fn new(env: &TestEnv, base: RawConfig) -> Cluster {
             let config = write_config(env, "status", &base);
             Cluster { base, procs: BTreeMap::new(), starts: HashMap::new(), names: BTreeMap::new(), config }
+        }
+
+        /// A deployment of `base` (`base.amqp.partitions` partitions, Redis keys under
+        /// `env.key_prefix()`) with the instances `suffixes` started; returns once every
+        /// partition's lease is held by its desired owner (≤ [`DEADLINE`]), with the leases and
+        /// the time that took.
+        pub async fn start_settled(
+            env: &TestEnv,
+            base: RawConfig,
+            suffixes: &[&str],
+            redis: &mut RedisProbe,
+        ) -> (Cluster, Vec<Option<LeaseValue>>, Duration) {
+            let partitions = base.amqp.partitions;
+            let mut cluster = Cluster::new(env, base);
+            for s in suffixes {
+                cluster.start(env, s);
+            }
+            let (leases, took) = cluster.wait_settled(redis, env.key_prefix(), partitions, DEADLINE).await;
+            (cluster, leases, took)
         }
 
         /// Starts (or restarts) instance `suffix`; its name stays the same across restarts.
@@ -1226,6 +1280,37 @@ pub mod cluster {
     // -----------------------------------------------------------------------------------------
     // Load.
     // -----------------------------------------------------------------------------------------
+
+    /// A completions workload published at a steady rate to the input queue, and the log of the
+    /// results queue.
+    pub struct Load {
+        /// Taken just before the log and the publisher start.
+        pub t0: Instant,
+        pub log: ResultLog,
+        /// Every request of the workload, in publishing order.
+        pub reqs: Vec<TestRequest>,
+        pub publisher: PacedPublisher,
+    }
+
+    impl Load {
+        /// Starts a [`ResultLog`] on `env`'s results queue and a [`PacedPublisher`] of `n`
+        /// requests spread over `groups` prefixes (ids `{tag}-{i}`) at `per_second` to its input
+        /// queue.
+        pub fn start(env: &TestEnv, tag: &str, n: usize, groups: usize, per_second: u32) -> Load {
+            let t0 = Instant::now();
+            let log = ResultLog::start(&env.results_queue());
+            let reqs = completions_workload(tag, n, groups);
+            let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), per_second);
+            Load { t0, log, reqs, publisher }
+        }
+    }
+
+    /// Waits for the publisher's last publish, then for a result of every request in `reqs`
+    /// (≤ 120 s each).
+    pub async fn wait_all_done(publisher: PacedPublisher, log: &ResultLog, reqs: &[TestRequest]) {
+        publisher.finish(Duration::from_secs(120)).await;
+        log.wait_all(&super::ids(reqs), Duration::from_secs(120)).await;
+    }
 
     /// Publishes requests to a queue at a steady rate in the background (own connection,
     /// publisher confirms per slice of 20 ms, results to the results queue).
@@ -1434,6 +1519,15 @@ pub mod cluster {
                 assert!(Instant::now() < deadline, "the barrier did not come back from {}", self.queue);
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+        }
+
+        /// Stops every running instance of `cluster` (each must exit 0 within [`DEADLINE`]), waits
+        /// on a [`barrier`](Self::barrier) so every result they published is collected, then
+        /// stops collecting and returns every result.
+        pub async fn stop_after(self, cluster: &mut Cluster) -> Vec<Observed> {
+            cluster.stop_all(DEADLINE).await;
+            self.barrier().await;
+            self.stop().await
         }
 
         /// Stops collecting and returns every result.
