@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -36,7 +36,7 @@ use lapin::options::{
     QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, PublisherConfirm};
 use prefix_batcher::app::{self, AppError};
 use prefix_batcher::config::{RawConfig, Settings};
 use prefix_batcher::lease::LeaseValue;
@@ -57,6 +57,18 @@ pub const PREFIX_CHARS: usize = 32;
 // ---------------------------------------------------------------------------------------------
 // Test environment: names, config, cleanup.
 // ---------------------------------------------------------------------------------------------
+
+/// `pub fn $name(&self) -> String` returning `{self.name}.{suffix}` for each `$name => suffix`:
+/// the queue and exchange names of a test's deployment.
+macro_rules! namespaced_names {
+    ($($name:ident => $suffix:literal),* $(,)?) => {
+        $(
+            pub fn $name(&self) -> String {
+                format!("{}.{}", self.name, $suffix)
+            }
+        )*
+    };
+}
 
 /// One test's private namespace.
 pub struct TestEnv {
@@ -81,26 +93,17 @@ impl TestEnv {
         format!("{}-{suffix}", self.name)
     }
 
-    pub fn input_queue(&self) -> String {
-        format!("{}.input", self.name)
+    namespaced_names! {
+        input_queue => "input",
+        shard_exchange => "shards",
+        partition_queue_prefix => "partition",
+        results_queue => "results",
+        dead_letter_exchange => "dlx",
+        dead_letter_queue => "dead-letter",
     }
-    pub fn shard_exchange(&self) -> String {
-        format!("{}.shards", self.name)
-    }
-    pub fn partition_queue_prefix(&self) -> String {
-        format!("{}.partition", self.name)
-    }
+
     pub fn partition_queue(&self, p: u32) -> String {
         format!("{}.{:03}", self.partition_queue_prefix(), p)
-    }
-    pub fn results_queue(&self) -> String {
-        format!("{}.results", self.name)
-    }
-    pub fn dead_letter_exchange(&self) -> String {
-        format!("{}.dlx", self.name)
-    }
-    pub fn dead_letter_queue(&self) -> String {
-        format!("{}.dead-letter", self.name)
     }
     /// Redis key prefix.
     pub fn key_prefix(&self) -> &str {
@@ -629,11 +632,7 @@ impl Amqp {
                 .expect("publish request");
             confirms.push(confirm);
         }
-        for c in confirms {
-            let c = c.await.expect("publisher confirm");
-            assert!(!c.is_nack(), "broker nacked a request");
-            assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
-        }
+        assert_requests_confirmed(confirms, queue).await;
     }
 
     /// `(ready messages, consumers)` of a queue (passive declare on a throwaway channel).
@@ -652,17 +651,20 @@ impl Amqp {
     }
 }
 
+/// Waits for the confirms of requests published (mandatory) to `queue`: each must be an ack
+/// without a returned message (a returned one means the queue does not exist).
+async fn assert_requests_confirmed(confirms: Vec<PublisherConfirm>, queue: &str) {
+    for c in confirms {
+        let c = c.await.expect("publisher confirm");
+        assert!(!c.is_nack(), "broker nacked a request");
+        assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
+    }
+}
+
 /// Properties of a test request: JSON, persistent, `message_id` = `correlation_id` = `id`,
 /// `reply_to`, `timestamp` = now.
 pub fn request_props(id: &str, reply_to: &str) -> BasicProperties {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-    BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_message_id(id.into())
-        .with_correlation_id(id.into())
-        .with_reply_to(reply_to.into())
-        .with_timestamp(now)
+    cluster::request_props_to_results(id).with_reply_to(reply_to.into())
 }
 
 /// One message the test received.
@@ -1038,7 +1040,7 @@ pub mod cluster {
     use tokio_util::sync::CancellationToken;
 
     use super::{
-        bin_command, completions_workload, header_string, write_config, DaemonProcess, RedisProbe, TestEnv, TestRequest, AMQP_URL,
+        assert_requests_confirmed, bin_command, completions_workload, header_string, write_config, DaemonProcess, RedisProbe, TestEnv, TestRequest, AMQP_URL,
         DEADLINE,
     };
 
@@ -1360,11 +1362,7 @@ pub mod cluster {
                             .expect("publish request");
                         confirms.push(c);
                     }
-                    for c in confirms {
-                        let c = c.await.expect("publisher confirm");
-                        assert!(!c.is_nack(), "broker nacked a request");
-                        assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
-                    }
+                    assert_requests_confirmed(confirms, &queue).await;
                     next = until;
                     counter.store(next, Ordering::SeqCst);
                 }
