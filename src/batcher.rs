@@ -443,6 +443,13 @@ mod tests {
         Batcher::new(cfg(size, WAIT))
     }
 
+    /// Asserts that `b` buffers nothing: no key, no item, no deadline.
+    fn assert_holds_nothing(b: &Batcher<&'static str, u32>) {
+        assert!(b.is_empty());
+        assert_eq!(b.buffered(), 0);
+        assert_eq!(b.next_deadline(), None);
+    }
+
     // ---- FlushReason ------------------------------------------------------------------------
 
     #[test]
@@ -467,9 +474,7 @@ mod tests {
         assert_eq!(batch.items, [1, 2, 3]);
         assert_eq!(batch.reason, FlushReason::Size);
         assert_eq!(batch.oldest, t0);
-        assert!(b.is_empty());
-        assert_eq!(b.buffered(), 0);
-        assert_eq!(b.next_deadline(), None);
+        assert_holds_nothing(&b);
     }
 
     #[test]
@@ -481,9 +486,7 @@ mod tests {
             assert_eq!(batch.items, [i]);
             assert_eq!(batch.reason, FlushReason::Size);
             assert_eq!(batch.oldest, t0 + MS * i);
-            assert!(b.is_empty());
-            assert_eq!(b.buffered(), 0);
-            assert_eq!(b.next_deadline(), None);
+            assert_holds_nothing(&b);
         }
     }
 

@@ -327,16 +327,30 @@ mod tests {
         parse(json.as_bytes(), &Envelope::default(), 1 << 20).unwrap()
     }
 
+    /// Derives the keys of `same` (two requests that must share a key) and of `other` (which
+    /// must not share it) and returns the derivation of `same[0]`.
+    fn shared_key(c: &KeyingSettings, same: [&str; 2], other: &str) -> KeyedRequest {
+        let a = derive_key(&req(same[0]), c);
+        let b = derive_key(&req(same[1]), c);
+        let d = derive_key(&req(other), c);
+        assert_eq!(a.key, b.key);
+        assert_ne!(a.key, d.key);
+        a
+    }
+
     #[test]
     fn completions_key_uses_first_prefix_chars() {
         let c = kcfg(5, ChatKey::System);
-        let a = derive_key(&req(r#"{"prompt":"Hello world"}"#), &c);
-        let b = derive_key(&req(r#"{"prompt":"Hello there"}"#), &c);
-        let d = derive_key(&req(r#"{"prompt":"Help me"}"#), &c);
-        assert_eq!(a.key, b.key);
+        let a = shared_key(
+            &c,
+            [
+                r#"{"prompt":"Hello world"}"#,
+                r#"{"prompt":"Hello there"}"#,
+            ],
+            r#"{"prompt":"Help me"}"#,
+        );
         assert_eq!(a.material, "Hello");
         assert_eq!(a.source, KeySource::Completion);
-        assert_ne!(a.key, d.key);
     }
 
     #[test]
@@ -363,11 +377,14 @@ mod tests {
     #[test]
     fn chat_system_mode_keys_on_leading_system_and_developer_messages() {
         let c = kcfg(4, ChatKey::System);
-        let a = derive_key(&req(r#"{"messages":[{"role":"system","content":"S1"},{"role":"developer","content":"D"},{"role":"user","content":"q1"}]}"#), &c);
-        let b = derive_key(&req(r#"{"messages":[{"role":"system","content":"S1"},{"role":"developer","content":"D"},{"role":"user","content":"q2"}]}"#), &c);
-        let d = derive_key(&req(r#"{"messages":[{"role":"system","content":"S2"},{"role":"user","content":"q1"}]}"#), &c);
-        assert_eq!(a.key, b.key);
-        assert_ne!(a.key, d.key);
+        let a = shared_key(
+            &c,
+            [
+                r#"{"messages":[{"role":"system","content":"S1"},{"role":"developer","content":"D"},{"role":"user","content":"q1"}]}"#,
+                r#"{"messages":[{"role":"system","content":"S1"},{"role":"developer","content":"D"},{"role":"user","content":"q2"}]}"#,
+            ],
+            r#"{"messages":[{"role":"system","content":"S2"},{"role":"user","content":"q1"}]}"#,
+        );
         assert_eq!(a.source, KeySource::Chat);
         // The whole system prompt counts, not just prefix_chars of it.
         assert_eq!(a.material, "<|system|>\nS1\n<|developer|>\nD\n");
@@ -376,22 +393,28 @@ mod tests {
     #[test]
     fn chat_system_mode_without_system_uses_first_user_prefix() {
         let c = kcfg(4, ChatKey::System);
-        let a = derive_key(&req(r#"{"messages":[{"role":"user","content":"abcdXYZ"}]}"#), &c);
-        let b = derive_key(&req(r#"{"messages":[{"role":"user","content":"abcdQRS"}]}"#), &c);
-        let d = derive_key(&req(r#"{"messages":[{"role":"user","content":"abceQRS"}]}"#), &c);
-        assert_eq!(a.key, b.key);
-        assert_ne!(a.key, d.key);
+        let a = shared_key(
+            &c,
+            [
+                r#"{"messages":[{"role":"user","content":"abcdXYZ"}]}"#,
+                r#"{"messages":[{"role":"user","content":"abcdQRS"}]}"#,
+            ],
+            r#"{"messages":[{"role":"user","content":"abceQRS"}]}"#,
+        );
         assert_eq!(a.material, "<|user|>\nabcd");
     }
 
     #[test]
     fn chat_system_and_first_user_mode() {
         let c = kcfg(4, ChatKey::SystemAndFirstUser);
-        let a = derive_key(&req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"x"}]}"#), &c);
-        let b = derive_key(&req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"y"}]}"#), &c);
-        let d = derive_key(&req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u2"}]}"#), &c);
-        assert_eq!(a.key, b.key);
-        assert_ne!(a.key, d.key);
+        let a = shared_key(
+            &c,
+            [
+                r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"x"}]}"#,
+                r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"y"}]}"#,
+            ],
+            r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u2"}]}"#,
+        );
         assert_eq!(a.material, "<|system|>\nS\n<|user|>\nu1\n");
     }
 

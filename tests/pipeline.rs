@@ -240,21 +240,11 @@ async fn llm_server_errors_are_retried() {
     let fake = FakeLlm::new().fail_first(2, 500).start().await.unwrap();
     let mut raw = env.raw_config(fake.url.as_str());
     raw.llm.max_attempts = 4;
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let started = start_with_replies(&env, &raw).await;
 
     let reqs = completions_workload("retry", 24, 3);
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
-    results.until_all(&ids(&reqs), DEADLINE).await;
-    daemon.stop().await.expect("daemon stops cleanly");
-    results.barrier(&amqp).await;
-
-    let by_id = results.by_correlation();
-    for r in &reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        let res = got[0].result();
-        assert!(res.ok, "request {} failed despite retries: {:?}", r.id, res.error);
-    }
+    let (amqp, results) = started.publish_and_drain(&env, &reqs).await;
+    results.assert_one_ok_result_each(&reqs, "failed despite retries");
     let calls = fake.calls();
     let failed: Vec<_> = calls.iter().filter(|c| c.status != 200).collect();
     assert_eq!(failed.len(), 2, "the fake fails exactly its first 2 calls");
@@ -286,21 +276,11 @@ async fn server_wide_llm_failure_requeues_instead_of_failing_requests() {
     let fake = FakeLlm::new().fail_first(6, 500).start().await.unwrap();
     let mut raw = env.raw_config(fake.url.as_str());
     raw.llm.max_attempts = 2;
-    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let started = start_with_replies(&env, &raw).await;
 
     let reqs = completions_workload("fail", 30, 3);
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
-    results.until_all(&ids(&reqs), DEADLINE).await;
-    daemon.stop().await.expect("daemon stops cleanly");
-    results.barrier(&amqp).await;
-
-    let by_id = results.by_correlation();
-    for r in &reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        let res = got[0].result();
-        assert!(res.ok, "request {} was answered ok:false for a server fault: {:?}", r.id, res.error);
-    }
+    let (amqp, results) = started.publish_and_drain(&env, &reqs).await;
+    results.assert_one_ok_result_each(&reqs, "was answered ok:false for a server fault");
     assert!(fake.call_count() >= 6, "the failing calls were made");
     assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
     for p in 0..PARTITIONS {

@@ -7,8 +7,62 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use common::*;
-use llm_fakes::fake::FakeLlm;
+use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
+use prefix_batcher::config::RawConfig;
 use tokio::time::Instant;
+
+/// A daemon process holding every lease, and the test's reply queue.
+struct ProcessStarted {
+    amqp: Amqp,
+    redis: RedisProbe,
+    daemon: DaemonProcess,
+    results: Collector,
+    /// Name of the reply queue (`{env.name}.reply`).
+    reply: String,
+}
+
+/// Runs the binary with `raw` as process `label`, waits until it holds every lease
+/// ([`wait_ready`]), and opens the reply queue `{env.name}.reply`.
+async fn run_with_replies(env: &TestEnv, raw: &RawConfig, label: &str) -> ProcessStarted {
+    let amqp = Amqp::connect().await;
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut daemon = DaemonProcess::run(env, label, raw);
+    wait_ready(&mut redis, env, &mut daemon, &raw.instance.name).await;
+    let reply = format!("{}.reply", env.name);
+    let results = amqp.reply_queue(&reply).await;
+    ProcessStarted { amqp, redis, daemon, results, reply }
+}
+
+/// A deployment of [`PARTITIONS`] partitions that ran once and stopped: its partition count is
+/// recorded in Redis and its partition queues exist.
+struct Existing {
+    env: TestEnv,
+    /// Keeps the fake LLM serving for the rest of the test.
+    _fake: FakeLlmHandle,
+    raw: RawConfig,
+    redis: RedisProbe,
+}
+
+/// Starts a deployment (in process) for test `test`, waits until it holds every lease, and stops
+/// it (it must stop cleanly).
+async fn existing_deployment(test: &str) -> Existing {
+    let env = TestEnv::new(test);
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    Existing { env, _fake: fake, raw, redis }
+}
+
+/// `raw` with `partitions` partitions, as instance `env.instance(suffix)`.
+fn with_partitions(env: &TestEnv, raw: &RawConfig, partitions: u32, suffix: &str) -> RawConfig {
+    let mut other = raw.clone();
+    other.amqp.partitions = partitions;
+    other.instance.name = env.instance(suffix);
+    other
+}
 
 /// Waits until the process `name` holds every lease; fails early (with its log) if it exits.
 async fn wait_ready(redis: &mut RedisProbe, env: &TestEnv, daemon: &mut DaemonProcess, name: &str) {
@@ -37,13 +91,7 @@ async fn kill_9_mid_run_then_restart_loses_no_request() {
     let env = TestEnv::new("crash");
     let fake = FakeLlm::new().latency(Duration::from_millis(300)).start().await.unwrap();
     let raw = env.raw_config(fake.url.as_str());
-    let name = raw.instance.name.clone();
-    let amqp = Amqp::connect().await;
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let mut first = DaemonProcess::run(&env, "first", &raw);
-    wait_ready(&mut redis, &env, &mut first, &name).await;
-    let reply = format!("{}.reply", env.name);
-    let mut results = amqp.reply_queue(&reply).await;
+    let ProcessStarted { amqp, daemon: mut first, mut results, reply, .. } = run_with_replies(&env, &raw, "first").await;
 
     let reqs = completions_workload("crash", 400, 5);
     let all = ids(&reqs);
@@ -115,14 +163,8 @@ async fn sigterm_drains_releases_and_exits_zero() {
     raw.ownership.renew_deadline = "40s".into();
     raw.ownership.renew_interval = "1s".into();
     raw.ownership.member_ttl = "60s".into();
-    let name = raw.instance.name.clone();
-    let amqp = Amqp::connect().await;
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let mut daemon = DaemonProcess::run(&env, "term", &raw);
-    wait_ready(&mut redis, &env, &mut daemon, &name).await;
+    let ProcessStarted { amqp, mut redis, mut daemon, mut results, reply } = run_with_replies(&env, &raw, "term").await;
     assert_eq!(redis.keys(&format!("{}:member:*", env.key_prefix())).await.len(), 1, "the member key should exist");
-    let reply = format!("{}.reply", env.name);
-    let mut results = amqp.reply_queue(&reply).await;
 
     let reqs = completions_workload("term", 300, 5);
     let all = ids(&reqs);
@@ -167,20 +209,12 @@ async fn sigterm_drains_releases_and_exits_zero() {
 /// found in Redis (recorded count) or on the broker (partition queue P exists).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_partition_count_is_refused_with_78() {
-    let env = TestEnv::new("refuse");
-    let fake = FakeLlm::new().start().await.unwrap();
-    let raw = env.raw_config(fake.url.as_str());
-    let mut redis = RedisProbe::connect().await.unwrap();
     // The existing deployment: P = 8.
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
-    daemon.stop().await.expect("daemon stops cleanly");
+    let Existing { env, _fake, raw, mut redis } = existing_deployment("refuse").await;
     let recorded_key = format!("{}:partitions", env.key_prefix());
     assert_eq!(redis.get(&recorded_key).await.as_deref(), Some("8"), "the deployment records its partition count");
 
-    let mut raw4 = raw.clone();
-    raw4.amqp.partitions = 4;
-    raw4.instance.name = env.instance("four");
+    let raw4 = with_partitions(&env, &raw, 4, "four");
 
     // 1. Redis knows the deployment has 8.
     let mut p = DaemonProcess::run(&env, "p4-redis", &raw4);
@@ -207,19 +241,11 @@ async fn other_partition_count_is_refused_with_78() {
 /// configured instances are refused at their next start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_start_does_not_poison_the_recorded_partition_count() {
-    let env = TestEnv::new("poison");
-    let fake = FakeLlm::new().start().await.unwrap();
-    let raw = env.raw_config(fake.url.as_str());
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
-    daemon.stop().await.expect("daemon stops cleanly");
+    let Existing { env, _fake, raw, mut redis } = existing_deployment("poison").await;
     let recorded_key = format!("{}:partitions", env.key_prefix());
     redis.del(&recorded_key).await; // e.g. Redis restarted without persistence
 
-    let mut raw4 = raw.clone();
-    raw4.amqp.partitions = 4;
-    raw4.instance.name = env.instance("four");
+    let raw4 = with_partitions(&env, &raw, 4, "four");
     let mut p = DaemonProcess::run(&env, "p4", &raw4);
     assert_eq!(p.wait_exit(DEADLINE).await.code(), Some(78));
 
@@ -235,18 +261,10 @@ async fn refused_start_does_not_poison_the_recorded_partition_count() {
 /// Redis record of the count is gone (the broker still shows the deployment's queues).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn larger_partition_count_is_refused_without_the_redis_record() {
-    let env = TestEnv::new("larger");
-    let fake = FakeLlm::new().start().await.unwrap();
-    let raw = env.raw_config(fake.url.as_str());
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), PARTITIONS, &raw.instance.name).await;
-    daemon.stop().await.expect("daemon stops cleanly");
+    let Existing { env, _fake, raw, mut redis } = existing_deployment("larger").await;
     redis.del(&format!("{}:partitions", env.key_prefix())).await;
 
-    let mut raw16 = raw.clone();
-    raw16.amqp.partitions = 16;
-    raw16.instance.name = env.instance("sixteen");
+    let raw16 = with_partitions(&env, &raw, 16, "sixteen");
     let mut p = DaemonProcess::run(&env, "p16", &raw16);
     let deadline = Instant::now() + Duration::from_secs(20);
     let status = loop {

@@ -112,11 +112,7 @@ async fn a_three_instances_balance_and_status() {
     let raw = scale_config(&env, fake.url.as_str(), P);
     let prefix = env.key_prefix().to_owned();
     let mut redis = RedisProbe::connect().await.unwrap();
-    let mut cluster = Cluster::new(&env, raw);
-    for s in ["a", "b", "c"] {
-        cluster.start(&env, s);
-    }
-    let (leases, took) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let (mut cluster, leases, took) = Cluster::start_settled(&env, raw, &["a", "b", "c"], &mut redis).await;
     let owners = held_by(&leases);
     println!("3 instances settled in {}: {:?}", secs(took), owners.iter().map(|(n, ps)| (n, ps.len())).collect::<Vec<_>>());
     assert_eq!(owners.len(), 3, "three owners: {owners:?}");
@@ -208,16 +204,9 @@ async fn b_churn_under_load() {
     let (input_prefetch, partition_prefetch) = (raw.amqp.input_prefetch as usize, raw.amqp.partition_prefetch as usize);
     let prefix = env.key_prefix().to_owned();
     let mut redis = RedisProbe::connect().await.unwrap();
-    let mut cluster = Cluster::new(&env, raw);
-    for s in ["a", "b", "c"] {
-        cluster.start(&env, s);
-    }
-    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let (mut cluster, ..) = Cluster::start_settled(&env, raw, &["a", "b", "c"], &mut redis).await;
 
-    let t0 = Instant::now();
-    let log = ResultLog::start(&env.results_queue());
-    let reqs = completions_workload("churn", N, 40);
-    let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), 110);
+    let Load { t0, log, reqs, publisher } = Load::start(&env, "churn", N, 40, 110);
 
     // 1. A 4th instance joins.
     publisher.wait_published(800, DEADLINE).await;
@@ -229,8 +218,7 @@ async fn b_churn_under_load() {
     publisher.wait_published(1_800, DEADLINE).await;
     let b = cluster.name("b");
     let leases = redis.leases(&prefix, P).await;
-    let b_parts: BTreeMap<u32, u64> =
-        leases.iter().enumerate().filter_map(|(p, l)| l.as_ref().filter(|l| l.name == b).map(|l| (p as u32, l.epoch))).collect();
+    let b_parts = epochs_held_by(&leases, &b);
     assert!(!b_parts.is_empty());
     let t_term = Instant::now();
     cluster.sigterm("b");
@@ -267,14 +255,10 @@ async fn b_churn_under_load() {
     assert_eq!(held_by(&leases).get(&c), Some(&c_parts), "the restarted c must get exactly its partitions back");
 
     // 4. Everything gets a result; then stop everything gracefully.
-    publisher.finish(Duration::from_secs(120)).await;
-    let all = ids(&reqs);
-    log.wait_all(&all, Duration::from_secs(120)).await;
+    wait_all_done(publisher, &log, &reqs).await;
     let drained_at = t0.elapsed();
     cluster.assert_running(&["a", "c", "d"]);
-    cluster.stop_all(DEADLINE).await;
-    log.barrier().await;
-    let results = log.stop().await;
+    let results = log.stop_after(&mut cluster).await;
 
     // Accounting.
     let t = tally(&reqs, &results);
@@ -358,22 +342,14 @@ async fn e_stale_owner_after_sigstop() {
     let prefix = env.key_prefix().to_owned();
     let mut redis = RedisProbe::connect().await.unwrap();
     let amqp = Amqp::connect().await;
-    let mut cluster = Cluster::new(&env, raw);
-    for s in ["a", "b"] {
-        cluster.start(&env, s);
-    }
-    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
-    let t0 = Instant::now();
-    let log = ResultLog::start(&env.results_queue());
-    let reqs = completions_workload("stale", N, 32);
-    let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), 40);
+    let (mut cluster, ..) = Cluster::start_settled(&env, raw, &["a", "b"], &mut redis).await;
+    let Load { t0, log, reqs, publisher } = Load::start(&env, "stale", N, 32, 40);
     log.wait_len(120, DEADLINE).await;
 
     let a = cluster.name("a");
     let b = cluster.name("b");
     let leases = redis.leases(&prefix, P).await;
-    let a_epochs: BTreeMap<u32, u64> =
-        leases.iter().enumerate().filter_map(|(p, l)| l.as_ref().filter(|l| l.name == a).map(|l| (p as u32, l.epoch))).collect();
+    let a_epochs = epochs_held_by(&leases, &a);
     let t_stop = Instant::now();
     cluster.sigstop("a");
     let in_flight = fake.calls().iter().filter(|c| c.received_at + latency > t_stop).count();
@@ -409,13 +385,10 @@ async fn e_stale_owner_after_sigstop() {
     let (leases, back_in) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
     let a_parts: BTreeSet<u32> = a_epochs.keys().copied().collect();
     assert_eq!(held_by(&leases).get(&a), Some(&a_parts), "a must get its partitions back after the stall");
-    publisher.finish(Duration::from_secs(120)).await;
-    log.wait_all(&ids(&reqs), Duration::from_secs(120)).await;
+    wait_all_done(publisher, &log, &reqs).await;
     cluster.assert_running(&["a", "b"]);
     let a_log = cluster.proc("a").log();
-    cluster.stop_all(DEADLINE).await;
-    log.barrier().await;
-    let results = log.stop().await;
+    let results = log.stop_after(&mut cluster).await;
 
     let t = tally(&reqs, &results);
     assert!(t.lost.is_empty(), "{} requests lost", t.lost.len());
@@ -569,15 +542,8 @@ async fn c_redis_outage() {
     let prefix = env.key_prefix().to_owned();
     let mut redis = RedisProbe::connect().await.unwrap();
     let amqp = Amqp::connect().await;
-    let mut cluster = Cluster::new(&env, raw);
-    for s in ["a", "b", "c"] {
-        cluster.start(&env, s);
-    }
-    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
-    let t0 = Instant::now();
-    let log = ResultLog::start(&env.results_queue());
-    let reqs = completions_workload("redisout", N, 32);
-    let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), 100);
+    let (mut cluster, ..) = Cluster::start_settled(&env, raw, &["a", "b", "c"], &mut redis).await;
+    let Load { t0, log, reqs, publisher } = Load::start(&env, "redisout", N, 32, 100);
     log.wait_len(400, DEADLINE).await;
 
     let restore = Restore("start-redis");
@@ -607,12 +573,9 @@ async fn c_redis_outage() {
     let mut redis = RedisProbe::connect().await.unwrap();
     let (_, recovered) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
 
-    publisher.finish(Duration::from_secs(120)).await;
-    log.wait_all(&ids(&reqs), Duration::from_secs(120)).await;
+    wait_all_done(publisher, &log, &reqs).await;
     cluster.assert_running(&["a", "b", "c"]);
-    cluster.stop_all(DEADLINE).await;
-    log.barrier().await;
-    let results = log.stop().await;
+    let results = log.stop_after(&mut cluster).await;
     let t = tally(&reqs, &results);
     let own = check_ownership_log(&results, t0, false);
     for (id, copies) in &t.duplicated {
@@ -654,11 +617,7 @@ async fn d_rabbitmq_restart() {
     let raw = scale_config(&env, fake.url.as_str(), P);
     let prefix = env.key_prefix().to_owned();
     let mut redis = RedisProbe::connect().await.unwrap();
-    let mut cluster = Cluster::new(&env, raw);
-    for s in ["a", "b", "c"] {
-        cluster.start(&env, s);
-    }
-    cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let (mut cluster, ..) = Cluster::start_settled(&env, raw, &["a", "b", "c"], &mut redis).await;
     let t0 = Instant::now();
     let log = ResultLog::start(&env.results_queue());
     let reqs = completions_workload("mqrestart", 2_400, 32);

@@ -28,7 +28,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{
@@ -36,7 +36,7 @@ use lapin::options::{
     QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, PublisherConfirm};
 use prefix_batcher::app::{self, AppError};
 use prefix_batcher::config::{RawConfig, Settings};
 use prefix_batcher::lease::LeaseValue;
@@ -57,6 +57,18 @@ pub const PREFIX_CHARS: usize = 32;
 // ---------------------------------------------------------------------------------------------
 // Test environment: names, config, cleanup.
 // ---------------------------------------------------------------------------------------------
+
+/// `pub fn $name(&self) -> String` returning `{self.name}.{suffix}` for each `$name => suffix`:
+/// the queue and exchange names of a test's deployment.
+macro_rules! namespaced_names {
+    ($($name:ident => $suffix:literal),* $(,)?) => {
+        $(
+            pub fn $name(&self) -> String {
+                format!("{}.{}", self.name, $suffix)
+            }
+        )*
+    };
+}
 
 /// One test's private namespace.
 pub struct TestEnv {
@@ -81,26 +93,17 @@ impl TestEnv {
         format!("{}-{suffix}", self.name)
     }
 
-    pub fn input_queue(&self) -> String {
-        format!("{}.input", self.name)
+    namespaced_names! {
+        input_queue => "input",
+        shard_exchange => "shards",
+        partition_queue_prefix => "partition",
+        results_queue => "results",
+        dead_letter_exchange => "dlx",
+        dead_letter_queue => "dead-letter",
     }
-    pub fn shard_exchange(&self) -> String {
-        format!("{}.shards", self.name)
-    }
-    pub fn partition_queue_prefix(&self) -> String {
-        format!("{}.partition", self.name)
-    }
+
     pub fn partition_queue(&self, p: u32) -> String {
         format!("{}.{:03}", self.partition_queue_prefix(), p)
-    }
-    pub fn results_queue(&self) -> String {
-        format!("{}.results", self.name)
-    }
-    pub fn dead_letter_exchange(&self) -> String {
-        format!("{}.dlx", self.name)
-    }
-    pub fn dead_letter_queue(&self) -> String {
-        format!("{}.dead-letter", self.name)
     }
     /// Redis key prefix.
     pub fn key_prefix(&self) -> &str {
@@ -313,6 +316,21 @@ pub async fn start_with_replies(env: &TestEnv, raw: &RawConfig) -> Started {
     let reply = format!("{}.reply", env.name);
     let results = amqp.reply_queue(&reply).await;
     Started { amqp, daemon, results, reply }
+}
+
+impl Started {
+    /// Publishes `reqs` to the input queue with replies to the reply queue, waits (≤
+    /// [`DEADLINE`]) until each has a result, stops the daemon (it must stop cleanly) and waits
+    /// on a [`Collector::barrier`], so the returned collector holds every result the daemon
+    /// published. Returns the connection and that collector.
+    pub async fn publish_and_drain(self, env: &TestEnv, reqs: &[TestRequest]) -> (Amqp, Collector) {
+        let Started { amqp, daemon, mut results, reply } = self;
+        amqp.publish_requests(&env.input_queue(), reqs, &reply).await;
+        results.until_all(&ids(reqs), DEADLINE).await;
+        daemon.stop().await.expect("daemon stops cleanly");
+        results.barrier(&amqp).await;
+        (amqp, results)
+    }
 }
 
 impl Drop for Daemon {
@@ -614,11 +632,7 @@ impl Amqp {
                 .expect("publish request");
             confirms.push(confirm);
         }
-        for c in confirms {
-            let c = c.await.expect("publisher confirm");
-            assert!(!c.is_nack(), "broker nacked a request");
-            assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
-        }
+        assert_requests_confirmed(confirms, queue).await;
     }
 
     /// `(ready messages, consumers)` of a queue (passive declare on a throwaway channel).
@@ -651,17 +665,20 @@ impl Amqp {
     }
 }
 
+/// Waits for the confirms of requests published (mandatory) to `queue`: each must be an ack
+/// without a returned message (a returned one means the queue does not exist).
+async fn assert_requests_confirmed(confirms: Vec<PublisherConfirm>, queue: &str) {
+    for c in confirms {
+        let c = c.await.expect("publisher confirm");
+        assert!(!c.is_nack(), "broker nacked a request");
+        assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
+    }
+}
+
 /// Properties of a test request: JSON, persistent, `message_id` = `correlation_id` = `id`,
 /// `reply_to`, `timestamp` = now.
 pub fn request_props(id: &str, reply_to: &str) -> BasicProperties {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs();
-    BasicProperties::default()
-        .with_content_type("application/json".into())
-        .with_delivery_mode(2)
-        .with_message_id(id.into())
-        .with_correlation_id(id.into())
-        .with_reply_to(reply_to.into())
-        .with_timestamp(now)
+    cluster::request_props_to_results(id).with_reply_to(reply_to.into())
 }
 
 /// One message the test received.
@@ -809,6 +826,18 @@ impl Collector {
             m.entry(r.correlation_id.clone()).or_default().push(r);
         }
         m
+    }
+
+    /// Asserts that every request of `reqs` has exactly one message and that it is an `ok`
+    /// result; a failed one is reported as "request {id} {failure}: {error}".
+    pub fn assert_one_ok_result_each(&self, reqs: &[TestRequest], failure: &str) {
+        let by_id = self.by_correlation();
+        for r in reqs {
+            let got = &by_id[&r.id];
+            assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+            let res = got[0].result();
+            assert!(res.ok, "request {} {failure}: {:?}", r.id, res.error);
+        }
     }
 
     /// A FIFO barrier: publishes a sentinel to this queue and collects until it arrives, so
@@ -1024,7 +1053,10 @@ pub mod cluster {
     use tokio::time::Instant;
     use tokio_util::sync::CancellationToken;
 
-    use super::{bin_command, header_string, write_config, DaemonProcess, RedisProbe, TestEnv, TestRequest, AMQP_URL};
+    use super::{
+        assert_requests_confirmed, bin_command, completions_workload, header_string, write_config, DaemonProcess, RedisProbe, TestEnv, TestRequest, AMQP_URL,
+        DEADLINE,
+    };
 
     /// Properties of a request whose result goes to the deployment's durable results queue (no
     /// `reply_to`): it survives a RabbitMQ restart, unlike an exclusive reply queue.
@@ -1057,6 +1089,11 @@ pub mod cluster {
         m
     }
 
+    /// Lease epoch per partition held by instance `name`.
+    pub fn epochs_held_by(leases: &[Option<LeaseValue>], name: &str) -> BTreeMap<u32, u64> {
+        leases.iter().enumerate().filter_map(|(p, l)| l.as_ref().filter(|l| l.name == name).map(|l| (p as u32, l.epoch))).collect()
+    }
+
     // -----------------------------------------------------------------------------------------
     // Processes.
     // -----------------------------------------------------------------------------------------
@@ -1084,6 +1121,25 @@ pub mod cluster {
         pub fn new(env: &TestEnv, base: RawConfig) -> Cluster {
             let config = write_config(env, "status", &base);
             Cluster { base, procs: BTreeMap::new(), starts: HashMap::new(), names: BTreeMap::new(), config }
+        }
+
+        /// A deployment of `base` (`base.amqp.partitions` partitions, Redis keys under
+        /// `env.key_prefix()`) with the instances `suffixes` started; returns once every
+        /// partition's lease is held by its desired owner (≤ [`DEADLINE`]), with the leases and
+        /// the time that took.
+        pub async fn start_settled(
+            env: &TestEnv,
+            base: RawConfig,
+            suffixes: &[&str],
+            redis: &mut RedisProbe,
+        ) -> (Cluster, Vec<Option<LeaseValue>>, Duration) {
+            let partitions = base.amqp.partitions;
+            let mut cluster = Cluster::new(env, base);
+            for s in suffixes {
+                cluster.start(env, s);
+            }
+            let (leases, took) = cluster.wait_settled(redis, env.key_prefix(), partitions, DEADLINE).await;
+            (cluster, leases, took)
         }
 
         /// Starts (or restarts) instance `suffix`; its name stays the same across restarts.
@@ -1241,6 +1297,37 @@ pub mod cluster {
     // Load.
     // -----------------------------------------------------------------------------------------
 
+    /// A completions workload published at a steady rate to the input queue, and the log of the
+    /// results queue.
+    pub struct Load {
+        /// Taken just before the log and the publisher start.
+        pub t0: Instant,
+        pub log: ResultLog,
+        /// Every request of the workload, in publishing order.
+        pub reqs: Vec<TestRequest>,
+        pub publisher: PacedPublisher,
+    }
+
+    impl Load {
+        /// Starts a [`ResultLog`] on `env`'s results queue and a [`PacedPublisher`] of `n`
+        /// requests spread over `groups` prefixes (ids `{tag}-{i}`) at `per_second` to its input
+        /// queue.
+        pub fn start(env: &TestEnv, tag: &str, n: usize, groups: usize, per_second: u32) -> Load {
+            let t0 = Instant::now();
+            let log = ResultLog::start(&env.results_queue());
+            let reqs = completions_workload(tag, n, groups);
+            let publisher = PacedPublisher::start(env.input_queue(), reqs.clone(), per_second);
+            Load { t0, log, reqs, publisher }
+        }
+    }
+
+    /// Waits for the publisher's last publish, then for a result of every request in `reqs`
+    /// (≤ 120 s each).
+    pub async fn wait_all_done(publisher: PacedPublisher, log: &ResultLog, reqs: &[TestRequest]) {
+        publisher.finish(Duration::from_secs(120)).await;
+        log.wait_all(&super::ids(reqs), Duration::from_secs(120)).await;
+    }
+
     /// Publishes requests to a queue at a steady rate in the background (own connection,
     /// publisher confirms per slice of 20 ms, results to the results queue).
     pub struct PacedPublisher {
@@ -1289,11 +1376,7 @@ pub mod cluster {
                             .expect("publish request");
                         confirms.push(c);
                     }
-                    for c in confirms {
-                        let c = c.await.expect("publisher confirm");
-                        assert!(!c.is_nack(), "broker nacked a request");
-                        assert!(c.take_message().is_none(), "a request to {queue} was returned: the queue does not exist");
-                    }
+                    assert_requests_confirmed(confirms, &queue).await;
                     next = until;
                     counter.store(next, Ordering::SeqCst);
                 }
@@ -1448,6 +1531,15 @@ pub mod cluster {
                 assert!(Instant::now() < deadline, "the barrier did not come back from {}", self.queue);
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+        }
+
+        /// Stops every running instance of `cluster` (each must exit 0 within [`DEADLINE`]), waits
+        /// on a [`barrier`](Self::barrier) so every result they published is collected, then
+        /// stops collecting and returns every result.
+        pub async fn stop_after(self, cluster: &mut Cluster) -> Vec<Observed> {
+            cluster.stop_all(DEADLINE).await;
+            self.barrier().await;
+            self.stop().await
         }
 
         /// Stops collecting and returns every result.
