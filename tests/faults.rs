@@ -132,7 +132,14 @@ async fn unauthorized_llm_keeps_requests_queued_until_it_accepts_again() {
     wait_readyz(&http, "/readyz 503 naming the LLM", DEADLINE, |s, b| s == 503 && b.contains("llm endpoints unavailable")).await;
     let early = results.collect_for(Duration::from_secs(3)).await;
     assert_eq!(early, 0, "no result while the LLM answers 401: {:?}", results.received.first().map(|m| m.result()));
+    // rabbitmqctl's queue counts lag behind (quorum queue metrics are refreshed every few
+    // seconds): wait for them to show every request, with a deadline.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while queued(&env) != 50 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     assert_eq!(queued(&env), 50, "every request stays queued (input or partition queues)");
+    assert_eq!(results.collect_for(Duration::from_millis(100)).await, 0, "no result while the LLM answers 401");
 
     fake.set_status(None);
     results.until_all(&ids(&reqs), DEADLINE).await;
