@@ -33,6 +33,24 @@
 //! A hot key is split (or spread) with its **drain rate** recorded: the requests per second the
 //! partition dequeued while it was hot, i.e. what one partition manages.
 //!
+//! # When a dominant key splits ([`TrafficShares`])
+//!
+//! Queueing delay finds a key that one partition cannot *drain*. It misses a key that one
+//! partition drains but whose working set one server cannot *cache*: a system prompt shared by
+//! every conversation sends all conversations to one partition, so one server's KV cache holds all
+//! of their histories while the other servers' caches sit idle (the Mooncake conversation trace:
+//! its block 0 is in every request). So each router also counts the keys it routes by, per 1 s
+//! window, and a key is **dominant** when, over the last [`SplitRules::delay_windows`] windows,
+//! - it carried ≥ 50 % of all the requests this router routed,
+//! - it is not its requests' finest level (splitting keeps each conversation together at the
+//!   next level; a finest key has no next level and is spread only when it is slow),
+//! - and the windows hold at least 2 × [`SplitRules::min_requests`] requests.
+//!
+//! A dominant key is split without a drain rate; its merge rule measures against the highest
+//! arrival rate seen since the split instead. When the next level is the same for all its
+//! requests (a system prompt longer than a level), that key is dominant in turn one window later,
+//! so a split walks down the levels to the first one that tells the requests apart.
+//!
 //! # When a key merges back ([`SplitLedger`])
 //!
 //! Routers count the arrivals of split keys (only of those), summed over all instances through
@@ -74,6 +92,8 @@ pub struct SplitRules {
     pub merge_ratio: f64,
     /// Shards a hot finest-level key is spread over (`sharding.max_shards`).
     pub max_shards: NonZeroU32,
+    /// Share of a router's requests above which a key is dominant ([`TrafficShares`], 0.5).
+    pub dominant_share: f64,
 }
 
 impl SplitRules {
@@ -89,6 +109,7 @@ impl SplitRules {
             cool: Duration::from_secs(10),
             merge_ratio: 0.5,
             max_shards,
+            dominant_share: DOMINANT_SHARE,
         }
     }
 }
@@ -358,6 +379,74 @@ impl LoadTracker {
     }
 }
 
+/// A key found dominant by [`TrafficShares::tick`]: the new split entry to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DominantKey {
+    pub member: SplitMember,
+    /// Share of the router's requests the key carried (0..1).
+    pub share: f64,
+    /// Requests the router routed over the windows.
+    pub requests: u64,
+}
+
+/// Whether requests still route by `k` under `view` (not split past it).
+fn routed_by(view: &SplitView, k: &RoutedKey) -> bool {
+    k.is_finest() || view.get(k.level, k.key) != Some(SplitState::Split)
+}
+
+/// Per-router counts of the routed keys, per window, for the dominance rule of the module doc.
+#[derive(Debug, Default)]
+pub struct TrafficShares {
+    /// Closed windows (the newest last, at most `delay_windows`) and the open one.
+    closed: VecDeque<HashMap<RoutedKey, u64>>,
+    open: HashMap<RoutedKey, u64>,
+    window_start: Option<Instant>,
+}
+
+impl TrafficShares {
+    /// Records one request routed by `routed`.
+    pub fn observe(&mut self, routed: RoutedKey) {
+        *self.open.entry(routed).or_default() += 1;
+    }
+
+    /// Closes the open window when `rules.window` has passed since it opened and returns the
+    /// dominant key, if any: a key not in `view` (neither split nor spread) that is not its
+    /// requests' finest level, carrying ≥ `dominant_share` of ≥ 2 × `min_requests` requests over
+    /// the last `delay_windows` windows (fewer windows when they already hold enough requests;
+    /// requests counted under a key split since then are left out).
+    pub fn tick(&mut self, now: Instant, rules: &SplitRules, view: &SplitView) -> Option<DominantKey> {
+        let start = *self.window_start.get_or_insert(now);
+        if now.saturating_duration_since(start) < rules.window {
+            return None;
+        }
+        self.window_start = Some(now);
+        self.closed.push_back(std::mem::take(&mut self.open));
+        while self.closed.len() > rules.delay_windows {
+            self.closed.pop_front();
+        }
+        // Keys split since they were counted route by their next level now: their requests
+        // count again under those keys (so a split walks down the levels one window at a time).
+        let mut keys: HashMap<RoutedKey, u64> = HashMap::new();
+        for w in &self.closed {
+            for (k, c) in w {
+                if routed_by(view, k) {
+                    *keys.entry(*k).or_default() += c;
+                }
+            }
+        }
+        let requests: u64 = keys.values().sum();
+        if requests < 2 * rules.min_requests {
+            return None;
+        }
+        let (&routed, &count) = keys.iter().max_by_key(|(k, c)| (**c, **k))?;
+        let share = count as f64 / requests as f64;
+        if share < rules.dominant_share || routed.is_finest() || view.get(routed.level, routed.key).is_some() {
+            return None;
+        }
+        Some(DominantKey { member: SplitMember { level: routed.level, key: routed.key, state: SplitState::Split }, share, requests })
+    }
+}
+
 /// What [`SplitLedger::review`] says about one split entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -371,6 +460,8 @@ pub enum Verdict {
 struct Tracked {
     seen_at: Instant,
     below_since: Option<Instant>,
+    /// Highest arrival rate reviewed since the entry was first seen (requests/s).
+    peak_rps: f64,
 }
 
 /// Each instance's memory of the split set over time: when it first saw each entry (the hold
@@ -396,7 +487,7 @@ impl SplitLedger {
         for k in view.entries.keys() {
             self.tracked.entry(*k).or_insert_with(|| {
                 self.changed_at.insert(*k, now);
-                Tracked { seen_at: now, below_since: None }
+                Tracked { seen_at: now, below_since: None, peak_rps: 0.0 }
             });
         }
     }
@@ -410,10 +501,14 @@ impl SplitLedger {
 
     /// Reviews one entry of the current view given its recorded drain rate and its current
     /// arrival rate (requests per second, all instances): merge when split for at least
-    /// `rules.hold` and at or below `merge_ratio × drain_rps` for at least `rules.cool`.
+    /// `rules.hold` and at or below `merge_ratio × drain_rps` for at least `rules.cool`. A drain
+    /// rate ≤ 0 (a dominant key, split without one) stands for the highest arrival rate reviewed
+    /// since the split.
     pub fn review(&mut self, now: Instant, rules: &SplitRules, member: &SplitMember, drain_rps: f64, arrivals_rps: f64) -> Verdict {
-        let t = self.tracked.entry((member.level, member.key)).or_insert(Tracked { seen_at: now, below_since: None });
-        if arrivals_rps <= rules.merge_ratio * drain_rps {
+        let t = self.tracked.entry((member.level, member.key)).or_insert(Tracked { seen_at: now, below_since: None, peak_rps: 0.0 });
+        t.peak_rps = t.peak_rps.max(arrivals_rps);
+        let basis = if drain_rps > 0.0 { drain_rps } else { t.peak_rps };
+        if arrivals_rps <= rules.merge_ratio * basis {
             let since = *t.below_since.get_or_insert(now);
             let held = now.saturating_duration_since(t.seen_at) >= rules.hold;
             if held && now.saturating_duration_since(since) >= rules.cool {
@@ -666,6 +761,79 @@ mod tests {
         ledger.update(at(42), &SplitView::default());
         assert!(ledger.holding(at(60), r.hold, 0, PrefixKey(1)));
         assert!(!ledger.holding(at(72), r.hold, 0, PrefixKey(1)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dominant_key_splits_down_to_the_level_that_tells_requests_apart() {
+        let r = rules();
+        let mut shares = TrafficShares::default();
+        let start = Instant::now();
+        let at = |s| start + Duration::from_secs(s);
+        assert_eq!(shares.tick(at(0), &r, &SplitView::default()), None);
+        // 12 of 20 requests on one system prompt: dominant after one window of 20 requests.
+        for i in 0..20u64 {
+            shares.observe(if i < 12 { rk(0, 3, 1) } else { rk(0, 3, 100 + i) });
+        }
+        let d = shares.tick(at(1), &r, &SplitView::default()).expect("dominant");
+        assert_eq!((d.member, d.requests), (split(0, 1), 20));
+        assert!((d.share - 0.6).abs() < 1e-9);
+        // Split: its requests now all route by one level-1 key (a long system prompt) and the
+        // shares of the windows so far make that one dominant too.
+        let view = SplitView::new([split(0, 1)]);
+        for _ in 0..12 {
+            shares.observe(rk(1, 3, 2));
+        }
+        assert_eq!(shares.tick(at(2), &r, &view).map(|d| d.member), Some(split(1, 2)));
+        // At level 2 (the finest) every conversation has its own key: nothing more to split.
+        let view = SplitView::new([split(0, 1), split(1, 2)]);
+        for _ in 0..3 {
+            for c in 0..12 {
+                shares.observe(rk(2, 3, 1000 + c));
+            }
+        }
+        let mut ticks = Vec::new();
+        for s in 3..6 {
+            ticks.push(shares.tick(at(s), &r, &view));
+        }
+        assert!(ticks.iter().all(Option::is_none), "{ticks:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_dominance_below_half_on_little_traffic_or_at_the_finest_level() {
+        let r = rules();
+        let start = Instant::now();
+        let view = SplitView::default();
+        let mut load = |keys: &[RoutedKey], per_key: usize| {
+            let mut shares = TrafficShares::default();
+            shares.tick(start, &r, &view);
+            for k in keys {
+                for _ in 0..per_key {
+                    shares.observe(*k);
+                }
+            }
+            shares.tick(start + Duration::from_secs(1), &r, &view)
+        };
+        assert_eq!(load(&[rk(0, 3, 1), rk(0, 3, 2), rk(0, 3, 3)], 10), None, "a third each");
+        assert_eq!(load(&[rk(0, 3, 1)], 19), None, "too few requests");
+        assert_eq!(load(&[rk(0, 1, 1)], 40), None, "an explicit key has no next level");
+        assert_eq!(load(&[rk(0, 3, 1)], 20).map(|d| d.member), Some(split(0, 1)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dominant_split_merges_when_arrivals_fall_to_half_their_peak() {
+        let r = rules();
+        let m = split(0, 1);
+        let mut ledger = SplitLedger::default();
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        ledger.update(t0, &SplitView::new([m]));
+        for s in 0..35 {
+            assert_eq!(ledger.review(at(s), &r, &m, 0.0, 20.0), Verdict::Keep, "steady at {s}s");
+        }
+        for s in 35..45 {
+            assert_eq!(ledger.review(at(s), &r, &m, 0.0, 10.0), Verdict::Keep, "cooling at {s}s");
+        }
+        assert_eq!(ledger.review(at(45), &r, &m, 0.0, 10.0), Verdict::Merge);
     }
 
     #[test]

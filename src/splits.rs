@@ -45,7 +45,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::affinity::{Choice, KeyHygiene, LoadTracker, RoutedKey, SplitLedger, SplitMember, SplitRules, SplitState, SplitView, Verdict};
+use crate::affinity::{Choice, KeyHygiene, LoadTracker, TrafficShares, RoutedKey, SplitLedger, SplitMember, SplitRules, SplitState, SplitView, Verdict};
 use lapin::types::FieldTable;
 
 use crate::config::{KeyingMode, Settings};
@@ -270,6 +270,7 @@ impl SplitStore {
 #[derive(Default)]
 struct RouterSide {
     arrivals: HashMap<SplitMember, u64>,
+    shares: TrafficShares,
     hygiene: KeyHygiene,
     warned: HashMap<&'static str, Instant>,
 }
@@ -353,6 +354,7 @@ impl Affinity {
         for m in &choice.through {
             *r.arrivals.entry(*m).or_default() += 1;
         }
+        r.shares.observe(choice.routed);
         let Some(report) = r.hygiene.observe(level0, material_chars, choice.routed, unsplittable) else { return };
         let dominant = report.dominant_unsplittable();
         metrics::hot_keys(&report.top_shares, report.unsplittable.map_or(0.0, |(_, s)| s));
@@ -389,7 +391,11 @@ impl Affinity {
     pub async fn refresh(&self, store: &impl SplitSync, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
         let view = self.view();
         let hot = lock(&self.inner.load).tick(now, rules, &view);
-        let arrivals: Vec<(SplitMember, u64)> = lock(&self.inner.router).arrivals.drain().collect();
+        let (arrivals, dominant) = {
+            let mut r = lock(&self.inner.router);
+            let arrivals: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
+            (arrivals, r.shares.tick(now, rules, &view))
+        };
         let mut req = SyncRequest { arrivals, ..SyncRequest::default() };
         {
             let (ledger, records) = &mut *lock(&self.inner.refresh);
@@ -398,6 +404,13 @@ impl Affinity {
                 if view.get(l, k) != Some(h.member.state) && !ledger.holding(now, rules.hold, l, k) {
                     info!(partition = h.partition, key = %h.member, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting");
                     req.adds.push((h.member, h.drain_rps));
+                }
+            }
+            // A dominant key has no drain rate: 0 makes the merge rule use its peak arrival rate.
+            if let Some(d) = dominant.filter(|d| !ledger.holding(now, rules.hold, d.member.level, d.member.key)) {
+                if !req.adds.iter().any(|(m, _)| (m.level, m.key) == (d.member.level, d.member.key)) {
+                    info!(key = %d.member, share = d.share, requests = d.requests, "dominant key: splitting");
+                    req.adds.push((d.member, 0.0));
                 }
             }
             for r in records.iter() {

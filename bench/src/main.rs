@@ -4,6 +4,7 @@
 //! regenerates them from `results.json`; `passthrough` is the minimal consumer that part 3
 //! compares the daemon with (started by `run` as a separate process).
 
+mod chat;
 mod data;
 mod driver;
 mod parts;
@@ -34,7 +35,7 @@ enum Cmd {
         #[arg(long)]
         full: bool,
         /// Parts to run, comma separated: cache, scale, overhead, hot.
-        #[arg(long, default_value = "cache,scale,overhead,hot")]
+        #[arg(long, default_value = "cache,scale,overhead,hot,chat,shift")]
         parts: String,
         /// Keep the other parts' results from an existing results.json (to re-run one part).
         #[arg(long)]
@@ -98,10 +99,12 @@ async fn main() -> anyhow::Result<()> {
             let tag = format!("pbb-{}-{:04x}", std::process::id(), fastrand::u16(..));
             let work = std::env::temp_dir().join(&tag);
             std::fs::create_dir_all(&work)?;
+            // Cargo's rule: `CARGO_TARGET_DIR` when set, else `target/` at the workspace root.
+            let release_dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target")).join("release");
             let env = procs::Env {
                 root: root.clone(),
-                daemon_bin: root.join("target/release/prefix-batcher"),
-                fakes_bin: root.join("target/release/llm-fakes"),
+                daemon_bin: release_dir.join("prefix-batcher"),
+                fakes_bin: release_dir.join("llm-fakes"),
                 bench_bin: std::env::current_exe()?,
                 work: work.clone(),
                 tag,
@@ -129,6 +132,8 @@ async fn main() -> anyhow::Result<()> {
                 scale: None,
                 overhead: None,
                 hot: None,
+                chat: None,
+                shift: None,
             };
             let want: Vec<&str> = parts.split(',').map(str::trim).collect();
             if want.contains(&"cache") {
@@ -143,6 +148,12 @@ async fn main() -> anyhow::Result<()> {
             if want.contains(&"hot") {
                 results.hot = Some(parts::part_hot(&env, &plan, &data).await?);
             }
+            if want.contains(&"chat") {
+                results.chat = Some(chat::part_chat(&env, &plan, &data).await?);
+            }
+            if want.contains(&"shift") {
+                results.shift = Some(chat::part_shift(&env, &plan, &data).await?);
+            }
             results.duration_s = started.elapsed().as_secs_f64();
             results.machine.load_end = procs::uptime();
             if let Some(prev) = previous {
@@ -150,6 +161,8 @@ async fn main() -> anyhow::Result<()> {
                 results.scale = results.scale.or(prev.scale);
                 results.overhead = results.overhead.or(prev.overhead);
                 results.hot = results.hot.or(prev.hot);
+                results.chat = results.chat.or(prev.chat);
+                results.shift = results.shift.or(prev.shift);
                 results.duration_s += prev.duration_s;
             }
             std::fs::write(out.join("results.json"), serde_json::to_vec_pretty(&results)?)?;

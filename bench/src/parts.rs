@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::data::{self, SampleInfo, SampleSize};
 use crate::driver::{drive, Req};
-use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, Keying, LlamaServer, SimOpts};
+use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, Keying, LlamaServer, SimOpts, SplitCounts};
 
 /// Everything that differs between quick and full mode.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -50,6 +50,17 @@ pub struct Plan {
     pub hot_cold_groups: usize,
     pub hot_sim: SimOpts,
     pub hot_max_tokens: u64,
+    /// Part 5: simulated servers (and daemons) of the chat comparison.
+    #[serde(default)]
+    pub chat_m: usize,
+    /// Part 5: bfcl-multiturn conversations.
+    #[serde(default)]
+    pub chat_bfcl_conversations: usize,
+    /// Part 6: constant request rate and length of the hot-key shift load.
+    #[serde(default)]
+    pub shift_rate_rps: f64,
+    #[serde(default)]
+    pub shift_load_s: f64,
 }
 
 impl Plan {
@@ -71,9 +82,14 @@ impl Plan {
             p.overhead_reps = 1;
             p.hot_period_s = 10.0;
             p.hot_shards = vec![1, 8];
+            p.chat_bfcl_conversations = 20;
+            p.shift_load_s = 20.0;
         }
         if let Ok(ds) = std::env::var("BENCH_DATASETS") {
             p.datasets = ds.split(',').map(String::from).collect();
+        }
+        if let Ok(ms) = std::env::var("BENCH_SCALE_MS") {
+            p.scale_ms = ms.split(',').filter_map(|m| m.trim().parse().ok()).collect();
         }
         p
     }
@@ -127,6 +143,10 @@ impl Plan {
                 speedup: 1.0,
             },
             hot_max_tokens: 8,
+            chat_m: 4,
+            chat_bfcl_conversations: if full { 400 } else { 120 },
+            shift_rate_rps: 12.0,
+            shift_load_s: if full { 120.0 } else { 90.0 },
         }
     }
 }
@@ -137,7 +157,7 @@ fn purity(pages: &[String]) -> (f64, u64) {
     (if count > 0.0 { sum / count } else { f64::NAN }, count as u64)
 }
 
-async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -> Vec<String> {
+pub(crate) async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -> Vec<String> {
     let mut pages = Vec::new();
     for d in &daemons {
         pages.push(scrape(http, &d.metrics_url).await.unwrap_or_default());
@@ -158,7 +178,7 @@ async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -> Vec<Strin
 
 /// Runs `f` with a fresh run name; when it fails (e.g. another user of the shared broker restarted
 /// it), cleans up, waits for RabbitMQ and Redis, and tries again, at most 3 times in all.
-async fn attempt<T, Fut>(env: &Env, what: &str, partitions: u32, mut f: impl FnMut(String) -> Fut) -> anyhow::Result<T>
+pub(crate) async fn attempt<T, Fut>(env: &Env, what: &str, partitions: u32, mut f: impl FnMut(String) -> Fut) -> anyhow::Result<T>
 where
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
@@ -432,6 +452,9 @@ pub struct ScaleRow {
     pub peak_backlog: u64,
     /// (model seconds, outstanding requests).
     pub backlog: Vec<(f64, u64)>,
+    /// Adaptive mode's split decisions during the run.
+    #[serde(default)]
+    pub splits: SplitCounts,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -617,7 +640,7 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
     for (_, url) in &sims {
         sim_pages.push(scrape(http, url).await.unwrap_or_default());
     }
-    stop_daemons(http, daemons).await;
+    let splits = SplitCounts::of(&stop_daemons(http, daemons).await);
     drop(sims);
     cleanup(&run, plan.scale_partitions, &[]).await;
     let s = |name: &str| sim_pages.iter().map(|p| metric_sum(p, name)).sum::<f64>();
@@ -643,9 +666,10 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
         p99_s: d.p99_s * sp,
         peak_backlog: d.backlog.iter().map(|b| b.1).max().unwrap_or(0),
         backlog: d.backlog.iter().map(|&(t, b)| (t * sp, b)).collect(),
+        splits,
     };
     eprintln!(
-        "bench:   M={m} {}{}: block hits {:.1}% GPU {:.0}s (prefill {:.0}s) peak backlog {} ok {}/{}",
+        "bench:   M={m} {}{}: block hits {:.1}% GPU {:.0}s (prefill {:.0}s) peak backlog {} ok {}/{} {:?}",
         row.mode,
         if row.key_blocks > 0 { format!(" ({} blocks)", row.key_blocks) } else { String::new() },
         row.block_hit_ratio * 100.0,
@@ -653,7 +677,8 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
         row.prefill_s,
         row.peak_backlog,
         row.ok,
-        row.requests
+        row.requests,
+        row.splits
     );
     anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
     Ok(row)
@@ -840,6 +865,9 @@ pub struct HotRow {
     pub p50_s: f64,
     pub p99_s: f64,
     pub backlog: Vec<(f64, u64)>,
+    /// Adaptive mode's split decisions during the run.
+    #[serde(default)]
+    pub splits: SplitCounts,
 }
 
 impl HotRow {
@@ -942,7 +970,7 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
     for (_, url) in &sims {
         pages.push(scrape(http, url).await.unwrap_or_default());
     }
-    stop_daemons(http, daemons).await;
+    let splits = SplitCounts::of(&stop_daemons(http, daemons).await);
     drop(sims);
     cleanup(&run, 32, &[]).await;
     let s = |name: &str| pages.iter().map(|p| metric_sum(p, name)).sum::<f64>();
@@ -961,15 +989,17 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
         p50_s: d.p50_s,
         p99_s: d.p99_s,
         backlog: d.backlog.clone(),
+        splits,
     };
     eprintln!(
-        "bench:   {}: peak backlog {} at {:.0}s, at end {}, hit {:.1}%, p99 {:.1}s",
+        "bench:   {}: peak backlog {} at {:.0}s, at end {}, hit {:.1}%, p99 {:.1}s {:?}",
         row.label(),
         row.peak_backlog,
         row.peak_at_s,
         row.end_backlog,
         row.hit_ratio * 100.0,
-        row.p99_s
+        row.p99_s,
+        row.splits
     );
     anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
     Ok(row)

@@ -20,6 +20,10 @@ pub struct Results {
     pub scale: Option<ScaleResults>,
     pub overhead: Option<OverheadResults>,
     pub hot: Option<HotResults>,
+    #[serde(default)]
+    pub chat: Option<crate::chat::ChatResults>,
+    #[serde(default)]
+    pub shift: Option<crate::chat::ShiftResults>,
 }
 
 fn pct(x: f64) -> String {
@@ -268,12 +272,12 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             p.scale_key_blocks,
             p.scale_key_blocks * 512 * sim.chars_per_token
         );
-        let _ = writeln!(s, "| M | mode | key blocks | block hits | ÷ oracle | token hits | GPU-s | prefill GPU-s | span s | p50 s | p99 s | peak backlog | ok / requests |");
-        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(s, "| M | mode | key blocks | block hits | ÷ oracle | token hits | GPU-s | prefill GPU-s | span s | p50 s | p99 s | peak backlog | splits | ok / requests |");
+        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");
         for row in &sc.rows {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
                 row.m,
                 row.mode,
                 match row.mode.as_str() {
@@ -290,6 +294,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
                 num(row.p50_s, 1),
                 num(row.p99_s, 1),
                 row.peak_backlog,
+                splits_cell(&row.splits),
                 row.ok,
                 row.requests
             );
@@ -464,13 +469,13 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             p.hot_max_tokens,
             sim.max_concurrency as f64 / (p.hot_max_tokens as f64 * sim.decode_ms_per_token / 1000.0 + 60.0 * sim.prefill_ms_per_token / 1000.0)
         );
-        let _ = writeln!(s, "| shards | peak backlog | at s | backlog at load end | drained after s | token hit ratio | p50 s | p99 s | ok / requests |");
-        let _ = writeln!(s, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(s, "| keying | peak backlog | at s | backlog at load end | drained after s | token hit ratio | p50 s | p99 s | splits | ok / requests |");
+        let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");
         for x in &h.rows {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
-                x.shards,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+                x.label(),
                 x.peak_backlog,
                 num(x.peak_at_s, 0),
                 x.end_backlog,
@@ -478,6 +483,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
                 pct(x.hit_ratio),
                 num(x.p50_s, 2),
                 num(x.p99_s, 2),
+                splits_cell(&x.splits),
                 x.ok,
                 x.requests
             );
@@ -486,6 +492,12 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         if let Some((_, f)) = plots.iter().find(|(k, _)| *k == "hot") {
             let _ = writeln!(s, "![hot prefix backlog]({f})\n");
         }
+    }
+    if let Some(c) = &r.chat {
+        render_chat(&mut s, c);
+    }
+    if let Some(sh) = &r.shift {
+        render_shift(&mut s, sh, p);
     }
     let _ = writeln!(s, "## Caveats\n");
     let _ = writeln!(
@@ -500,6 +512,85 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
          - Latencies in part 2 are wall time × speed-up, so the daemon's own few milliseconds are magnified by the speed-up.\n"
     );
     s
+}
+
+/// `split / spread / merge (moves)` of a run's split decisions; `–` when none were made.
+fn splits_cell(x: &crate::procs::SplitCounts) -> String {
+    if x.splits + x.spreads + x.merges == 0 {
+        "–".into()
+    } else {
+        format!("{} / {} / {} ({})", x.splits, x.spreads, x.merges, x.moves)
+    }
+}
+
+fn render_chat(s: &mut String, c: &crate::chat::ChatResults) {
+    let _ = writeln!(s, "## 5. Multi-turn chat\n");
+    let _ = writeln!(
+        s,
+        "Chat requests (`/v1/chat/completions`) through M = {} daemons with one simulator each (part 2's simulator settings; the \
+         simulator renders messages role-tagged and caches them like a completions prompt), speed-up {}×, times in model seconds. \
+         `adaptive`: the defaults (`keying.mode = \"adaptive\"`, `chat_key = \"system\"`). `prefix`: static, with the given \
+         `chat_key` and `sharding.default_shards`. Oracle: one infinite cache over the same rendering, 16-token blocks. \
+         Splits: split / spread / merge decisions (key moves seen by one instance).\n",
+        c.m, c.speedup
+    );
+    for w in &c.workloads {
+        let _ = writeln!(s, "**{}**: {} requests, {} conversations, oracle **{}**; {}.\n", w.name, w.requests, w.conversations, pct(w.oracle), w.note);
+        let _ = writeln!(s, "| mode | chat_key | shards | token hits | ÷ oracle | ÷ best static | prefill GPU-s | p50 s | p99 s | splits | ok / requests |");
+        let _ = writeln!(s, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |");
+        let rows: Vec<_> = c.rows.iter().filter(|x| x.workload == w.name).collect();
+        let best = rows.iter().filter(|x| x.mode != "adaptive").map(|x| x.token_hit_ratio).fold(f64::NAN, f64::max);
+        for x in rows {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+                x.mode,
+                x.chat_key,
+                if x.shards == 0 { "–".to_string() } else { x.shards.to_string() },
+                pct(x.token_hit_ratio),
+                pct(x.token_hit_ratio / w.oracle),
+                pct(x.token_hit_ratio / best),
+                num(x.prefill_s, 0),
+                num(x.p50_s, 1),
+                num(x.p99_s, 1),
+                splits_cell(&x.splits),
+                x.ok,
+                x.requests
+            );
+        }
+        let _ = writeln!(s);
+    }
+}
+
+fn render_shift(s: &mut String, sh: &crate::chat::ShiftResults, p: &Plan) {
+    let _ = writeln!(s, "## 6. Hot-key shift\n");
+    let _ = writeln!(
+        s,
+        "Part 4's deployment (4 instances, slow simulated servers, the defaults) under a constant {} req/s for {} s: until {} s, {:.0} % of \
+         the requests carry one BIG-Bench-Hard header (the old hot prefix), after it {:.0} % carry another one (the new hot prefix) and the \
+         old one gets none; the rest are spread over {} other headers. Times below are seconds since the start of the load, from the \
+         daemons' split and merge log lines of the two prefixes' key levels.\n",
+        sh.rate_rps, sh.load_s, sh.shift_at_s, p.hot_share * 100.0, p.hot_share * 100.0, p.hot_cold_groups
+    );
+    let first = |prefix: &str, merge: bool| {
+        sh.events.iter().find(|e| e.prefix == prefix && e.what.contains("merging") == merge).map(|e| e.at_s).unwrap_or(f64::NAN)
+    };
+    let _ = writeln!(s, "| measurement | value |");
+    let _ = writeln!(s, "| --- | ---: |");
+    let _ = writeln!(s, "| old prefix: first split at s | {} |", num(first("old", false), 1));
+    let _ = writeln!(s, "| new prefix: first split at s (after the shift) | {} ({}) |", num(first("new", false), 1), num(first("new", false) - sh.shift_at_s, 1));
+    let _ = writeln!(s, "| old prefix: first merge at s (after the shift) | {} ({}) |", num(first("old", true), 1), num(first("old", true) - sh.shift_at_s, 1));
+    let _ = writeln!(s, "| split / spread / merge decisions, key moves (`key_moves_total`, one instance) | {} / {} / {}, {} |", sh.splits.splits, sh.splits.spreads, sh.splits.merges, sh.splits.moves);
+    let _ = writeln!(s, "| results / requests, ok, duplicates | {} / {}, {}, {} |", sh.results, sh.requests, sh.ok, sh.duplicates);
+    let _ = writeln!(s, "| token hit ratio, p50 / p99 s, peak backlog | {}, {} / {}, {} |", pct(sh.token_hit_ratio), num(sh.p50_s, 2), num(sh.p99_s, 2), sh.peak_backlog);
+    let _ = writeln!(s);
+    let _ = writeln!(s, "Every split and merge of the two prefixes:\n");
+    let _ = writeln!(s, "| at s | prefix | entry | decision |");
+    let _ = writeln!(s, "| ---: | --- | --- | --- |");
+    for e in &sh.events {
+        let _ = writeln!(s, "| {} | {} | `{}` | {} |", num(e.at_s, 1), e.prefix, e.member, e.what);
+    }
+    let _ = writeln!(s);
 }
 
 pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
