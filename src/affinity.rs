@@ -44,12 +44,13 @@
 //! - it carried ≥ 50 % of all the requests this router routed,
 //! - it is not its requests' finest level (splitting keeps each conversation together at the
 //!   next level; a finest key has no next level and is spread only when it is slow),
-//! - and the windows hold at least 2 × [`SplitRules::min_requests`] requests.
+//! - and the windows hold at least [`SplitRules::min_requests`] (10) requests.
 //!
 //! A dominant key is split without a drain rate; its merge rule measures against the highest
-//! arrival rate seen since the split instead. When the next level is the same for all its
-//! requests (a system prompt longer than a level), that key is dominant in turn one window later,
-//! so a split walks down the levels to the first one that tells the requests apart.
+//! arrival rate seen since the split instead. The deeper levels that do not tell its requests
+//! apart (one key carries ≥ 50 % of them: a system prompt longer than a level) are split with it
+//! in the same decision ([`choose`] hands the router every deeper level's key), so its requests
+//! route at once by the first level that tells them apart, e.g. the conversation.
 //!
 //! # When a key merges back ([`SplitLedger`])
 //!
@@ -261,13 +262,17 @@ pub struct Choice {
     /// The split entries the request passed through (their arrivals are counted for merging),
     /// the spread routed key included.
     pub through: Vec<SplitMember>,
+    /// The request's keys of the levels below the routed one, in order (empty when the routed
+    /// key is spread or the finest): a dominant key's split looks at them ([`TrafficShares`]).
+    pub deeper: Vec<PrefixKey>,
 }
 
 /// Routes by the shortest level whose key is not split: level by level from 0, computing each
 /// level's key only when the level before it is split (`key_at(level)`, called for
-/// `level < levels` only). A spread key stays at its level with its shards; the finest level
-/// is never split (a `Split` entry there, which a request with fewer levels than the one that
-/// split it may meet, counts as not split).
+/// `level < levels` only), then the keys of the levels below the routed one ([`Choice::deeper`]).
+/// A spread key stays at its level with its shards; the finest level is never split (a `Split`
+/// entry there, which a request with fewer levels than the one that split it may meet, counts
+/// as not split).
 pub fn choose(view: &SplitView, levels: u8, mut key_at: impl FnMut(u8) -> PrefixKey) -> Choice {
     let one = NonZeroU32::MIN;
     let levels = levels.max(1);
@@ -281,9 +286,12 @@ pub fn choose(view: &SplitView, levels: u8, mut key_at: impl FnMut(u8) -> Prefix
             }
             Some(SplitState::Spread(n)) => {
                 through.push(SplitMember { level, key, state: SplitState::Spread(n) });
-                return Choice { routed, shards: n, through };
+                return Choice { routed, shards: n, through, deeper: Vec::new() };
             }
-            _ => return Choice { routed, shards: one, through },
+            _ => {
+                let deeper = (level + 1..levels).map(&mut key_at).collect();
+                return Choice { routed, shards: one, through, deeper };
+            }
         }
     }
     unreachable!("the finest level always returns")
@@ -379,15 +387,21 @@ impl LoadTracker {
     }
 }
 
-/// A key found dominant by [`TrafficShares::tick`]: the new split entry to publish.
+/// A key found dominant by [`TrafficShares::tick`]: the new split entries to publish.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DominantKey {
-    pub member: SplitMember,
+    /// The dominant key, then each deeper level's key that carries ≥ `dominant_share` of its
+    /// requests (the levels that do not tell them apart), down to the level above the first
+    /// one that does (never the finest).
+    pub members: Vec<SplitMember>,
     /// Share of the router's requests the key carried (0..1).
     pub share: f64,
     /// Requests the router routed over the windows.
     pub requests: u64,
 }
+
+/// Routed-key counts of one window: (routed key, the keys of its deeper levels) → requests.
+type ShareWindow = HashMap<(RoutedKey, Vec<PrefixKey>), u64>;
 
 /// Whether requests still route by `k` under `view` (not split past it).
 fn routed_by(view: &SplitView, k: &RoutedKey) -> bool {
@@ -398,22 +412,24 @@ fn routed_by(view: &SplitView, k: &RoutedKey) -> bool {
 #[derive(Debug, Default)]
 pub struct TrafficShares {
     /// Closed windows (the newest last, at most `delay_windows`) and the open one.
-    closed: VecDeque<HashMap<RoutedKey, u64>>,
-    open: HashMap<RoutedKey, u64>,
+    closed: VecDeque<ShareWindow>,
+    open: ShareWindow,
     window_start: Option<Instant>,
 }
 
 impl TrafficShares {
-    /// Records one request routed by `routed`.
-    pub fn observe(&mut self, routed: RoutedKey) {
-        *self.open.entry(routed).or_default() += 1;
+    /// Records one routed request.
+    pub fn observe(&mut self, choice: &Choice) {
+        *self.open.entry((choice.routed, choice.deeper.clone())).or_default() += 1;
     }
 
     /// Closes the open window when `rules.window` has passed since it opened and returns the
     /// dominant key, if any: a key not in `view` (neither split nor spread) that is not its
-    /// requests' finest level, carrying ≥ `dominant_share` of ≥ 2 × `min_requests` requests over
+    /// requests' finest level, carrying ≥ `dominant_share` of ≥ `min_requests` requests over
     /// the last `delay_windows` windows (fewer windows when they already hold enough requests;
-    /// requests counted under a key split since then are left out).
+    /// requests counted under a key split since then are left out). Its deeper levels that do
+    /// not tell its requests apart are split with it, so the requests route at once by the
+    /// first level that does.
     pub fn tick(&mut self, now: Instant, rules: &SplitRules, view: &SplitView) -> Option<DominantKey> {
         let start = *self.window_start.get_or_insert(now);
         if now.saturating_duration_since(start) < rules.window {
@@ -424,18 +440,15 @@ impl TrafficShares {
         while self.closed.len() > rules.delay_windows {
             self.closed.pop_front();
         }
-        // Keys split since they were counted route by their next level now: their requests
-        // count again under those keys (so a split walks down the levels one window at a time).
+        // Keys split since they were counted route by a deeper level now: their requests count
+        // again under those keys.
+        let counted = || self.closed.iter().flatten().filter(|((k, _), _)| routed_by(view, k));
         let mut keys: HashMap<RoutedKey, u64> = HashMap::new();
-        for w in &self.closed {
-            for (k, c) in w {
-                if routed_by(view, k) {
-                    *keys.entry(*k).or_default() += c;
-                }
-            }
+        for ((k, _), c) in counted() {
+            *keys.entry(*k).or_default() += c;
         }
         let requests: u64 = keys.values().sum();
-        if requests < 2 * rules.min_requests {
+        if requests < rules.min_requests {
             return None;
         }
         let (&routed, &count) = keys.iter().max_by_key(|(k, c)| (**c, **k))?;
@@ -443,7 +456,28 @@ impl TrafficShares {
         if share < rules.dominant_share || routed.is_finest() || view.get(routed.level, routed.key).is_some() {
             return None;
         }
-        Some(DominantKey { member: SplitMember { level: routed.level, key: routed.key, state: SplitState::Split }, share, requests })
+        let split = |level: u8, key: PrefixKey| SplitMember { level, key, state: SplitState::Split };
+        let mut members = vec![split(routed.level, routed.key)];
+        // Walk down while one deeper key carries the dominant share of the key's requests.
+        let mut chosen: Vec<PrefixKey> = Vec::new();
+        for depth in 0..usize::from(routed.levels - routed.level - 1) {
+            let level = routed.level + 1 + depth as u8;
+            if level + 1 >= routed.levels {
+                break; // the finest level is routed by, never split
+            }
+            let mut next: HashMap<PrefixKey, u64> = HashMap::new();
+            for ((_, deeper), c) in counted().filter(|((k, d), _)| *k == routed && d.starts_with(&chosen) && d.len() > depth) {
+                *next.entry(deeper[depth]).or_default() += c;
+            }
+            match next.into_iter().max_by_key(|(k, c)| (*c, *k)) {
+                Some((key, c)) if c as f64 >= rules.dominant_share * count as f64 => {
+                    members.push(split(level, key));
+                    chosen.push(key);
+                }
+                _ => break,
+            }
+        }
+        Some(DominantKey { members, share, requests })
     }
 }
 
@@ -641,19 +675,20 @@ mod tests {
     }
 
     #[test]
-    fn routes_by_the_shortest_level_not_split_and_computes_keys_lazily() {
+    fn routes_by_the_shortest_level_not_split_and_hands_over_the_deeper_keys() {
         let keys = [10u64, 11, 12, 13];
         let mut asked = Vec::new();
         let c = choose(&SplitView::default(), 4, |l| {
             asked.push(l);
             PrefixKey(keys[usize::from(l)])
         });
-        assert_eq!((c.routed, c.shards.get(), asked), (rk(0, 4, 10), 1, vec![0]));
+        assert_eq!((c.routed, c.shards.get(), asked), (rk(0, 4, 10), 1, vec![0, 1, 2, 3]), "each level once");
+        assert_eq!(c.deeper, vec![PrefixKey(11), PrefixKey(12), PrefixKey(13)]);
         assert!(c.through.is_empty());
 
         let view = SplitView::new([split(0, 10), split(1, 11)]);
         let c = choose(&view, 4, |l| PrefixKey(keys[usize::from(l)]));
-        assert_eq!((c.routed, c.shards.get()), (rk(2, 4, 12), 1));
+        assert_eq!((c.routed, c.shards.get(), c.deeper.clone()), (rk(2, 4, 12), 1, vec![PrefixKey(13)]));
         assert_eq!(c.through, vec![split(0, 10), split(1, 11)]);
 
         // The finest level is spread, never split.
@@ -663,6 +698,7 @@ mod tests {
         let c = choose(&view, 4, |l| PrefixKey(keys[usize::from(l)]));
         assert_eq!((c.routed, c.shards), (rk(3, 4, 13), eight));
         assert_eq!(c.through.len(), 4);
+        assert!(c.deeper.is_empty());
         let view = SplitView::new([split(0, 10)]);
         let c = choose(&view, 1, |_| PrefixKey(10));
         assert_eq!((c.routed, c.shards.get()), (rk(0, 1, 10), 1), "a split entry at a request's finest level");
@@ -763,39 +799,39 @@ mod tests {
         assert!(!ledger.holding(at(72), r.hold, 0, PrefixKey(1)));
     }
 
+    /// A choice at `routed` with these deeper keys.
+    fn at(routed: RoutedKey, deeper: &[u64]) -> Choice {
+        Choice { routed, shards: NonZeroU32::MIN, through: Vec::new(), deeper: deeper.iter().map(|k| PrefixKey(*k)).collect() }
+    }
+
     #[tokio::test(start_paused = true)]
-    async fn a_dominant_key_splits_down_to_the_level_that_tells_requests_apart() {
+    async fn a_dominant_key_splits_with_the_deeper_levels_that_do_not_tell_its_requests_apart() {
         let r = rules();
         let mut shares = TrafficShares::default();
         let start = Instant::now();
-        let at = |s| start + Duration::from_secs(s);
-        assert_eq!(shares.tick(at(0), &r, &SplitView::default()), None);
-        // 12 of 20 requests on one system prompt: dominant after one window of 20 requests.
+        let at_s = |s| start + Duration::from_secs(s);
+        assert_eq!(shares.tick(at_s(0), &r, &SplitView::default()), None);
+        // 12 of 20 requests on one system prompt, longer than level 1 (one level-1 key), whose
+        // conversations differ at level 2; the other 8 have keys of their own.
         for i in 0..20u64 {
-            shares.observe(if i < 12 { rk(0, 3, 1) } else { rk(0, 3, 100 + i) });
+            shares.observe(&if i < 12 { at(rk(0, 4, 1), &[2, 100 + i % 3, 200 + i]) } else { at(rk(0, 4, 100 + i), &[i, i, i]) });
         }
-        let d = shares.tick(at(1), &r, &SplitView::default()).expect("dominant");
-        assert_eq!((d.member, d.requests), (split(0, 1), 20));
+        let d = shares.tick(at_s(1), &r, &SplitView::default()).expect("dominant");
+        assert_eq!((d.members, d.requests), (vec![split(0, 1), split(1, 2)], 20));
         assert!((d.share - 0.6).abs() < 1e-9);
-        // Split: its requests now all route by one level-1 key (a long system prompt) and the
-        // shares of the windows so far make that one dominant too.
-        let view = SplitView::new([split(0, 1)]);
-        for _ in 0..12 {
-            shares.observe(rk(1, 3, 2));
-        }
-        assert_eq!(shares.tick(at(2), &r, &view).map(|d| d.member), Some(split(1, 2)));
-        // At level 2 (the finest) every conversation has its own key: nothing more to split.
+        // Split: its requests route by their level-2 keys (a third each): nothing more to split.
         let view = SplitView::new([split(0, 1), split(1, 2)]);
-        for _ in 0..3 {
-            for c in 0..12 {
-                shares.observe(rk(2, 3, 1000 + c));
-            }
+        for i in 0..12u64 {
+            shares.observe(&at(rk(2, 4, 100 + i % 3), &[200 + i]));
         }
-        let mut ticks = Vec::new();
-        for s in 3..6 {
-            ticks.push(shares.tick(at(s), &r, &view));
+        assert_eq!(shares.tick(at_s(2), &r, &view), None);
+        // Never down to the finest level: a dominant level-2 key with distinct level-3 keys splits alone.
+        let mut shares = TrafficShares::default();
+        shares.tick(at_s(0), &r, &view);
+        for i in 0..20u64 {
+            shares.observe(&at(rk(2, 4, 7), &[300 + i]));
         }
-        assert!(ticks.iter().all(Option::is_none), "{ticks:?}");
+        assert_eq!(shares.tick(at_s(1), &r, &view).map(|d| d.members), Some(vec![split(2, 7)]));
     }
 
     #[tokio::test(start_paused = true)]
@@ -803,20 +839,20 @@ mod tests {
         let r = rules();
         let start = Instant::now();
         let view = SplitView::default();
-        let mut load = |keys: &[RoutedKey], per_key: usize| {
+        let load = |keys: &[RoutedKey], per_key: usize| {
             let mut shares = TrafficShares::default();
             shares.tick(start, &r, &view);
             for k in keys {
                 for _ in 0..per_key {
-                    shares.observe(*k);
+                    shares.observe(&at(*k, &[]));
                 }
             }
-            shares.tick(start + Duration::from_secs(1), &r, &view)
+            shares.tick(start + Duration::from_secs(1), &r, &view).map(|d| d.members)
         };
         assert_eq!(load(&[rk(0, 3, 1), rk(0, 3, 2), rk(0, 3, 3)], 10), None, "a third each");
-        assert_eq!(load(&[rk(0, 3, 1)], 19), None, "too few requests");
+        assert_eq!(load(&[rk(0, 3, 1)], 9), None, "too few requests");
         assert_eq!(load(&[rk(0, 1, 1)], 40), None, "an explicit key has no next level");
-        assert_eq!(load(&[rk(0, 3, 1)], 20).map(|d| d.member), Some(split(0, 1)));
+        assert_eq!(load(&[rk(0, 3, 1)], 20), Some(vec![split(0, 1)]));
     }
 
     #[tokio::test(start_paused = true)]

@@ -354,7 +354,7 @@ impl Affinity {
         for m in &choice.through {
             *r.arrivals.entry(*m).or_default() += 1;
         }
-        r.shares.observe(choice.routed);
+        r.shares.observe(choice);
         let Some(report) = r.hygiene.observe(level0, material_chars, choice.routed, unsplittable) else { return };
         let dominant = report.dominant_unsplittable();
         metrics::hot_keys(&report.top_shares, report.unsplittable.map_or(0.0, |(_, s)| s));
@@ -407,10 +407,13 @@ impl Affinity {
                 }
             }
             // A dominant key has no drain rate: 0 makes the merge rule use its peak arrival rate.
-            if let Some(d) = dominant.filter(|d| !ledger.holding(now, rules.hold, d.member.level, d.member.key)) {
-                if !req.adds.iter().any(|(m, _)| (m.level, m.key) == (d.member.level, d.member.key)) {
-                    info!(key = %d.member, share = d.share, requests = d.requests, "dominant key: splitting");
-                    req.adds.push((d.member, 0.0));
+            if let Some(d) = dominant.filter(|d| !ledger.holding(now, rules.hold, d.members[0].level, d.members[0].key)) {
+                for m in d.members {
+                    let new = !req.adds.iter().any(|(a, _)| (a.level, a.key) == (m.level, m.key)) && view.get(m.level, m.key).is_none();
+                    if new && !ledger.holding(now, rules.hold, m.level, m.key) {
+                        info!(key = %m, share = d.share, requests = d.requests, "dominant key: splitting");
+                        req.adds.push((m, 0.0));
+                    }
                 }
             }
             for r in records.iter() {
