@@ -12,38 +12,42 @@ use serde_json::{json, Value};
 
 use crate::data::{self, TraceReq};
 use crate::driver::{drive, Drive, Req};
-use crate::parts::{attempt, stop_daemons, Plan};
+use crate::parts::{attempt, hot_or_cold_request, stop_daemons, Plan};
 use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, DaemonOpts, Env, Keying, SimOpts, SplitCounts};
 
 /// One deployment of M daemons, each with one simulator.
-struct SimDeployment<'a> {
-    m: usize,
-    sim: &'a SimOpts,
-    partitions: u32,
-    keying: Keying,
-    max_batch_wait: &'a str,
-    extra: Vec<(String, String)>,
+pub(crate) struct SimDeployment<'a> {
+    pub m: usize,
+    pub sim: &'a SimOpts,
+    pub partitions: u32,
+    pub keying: Keying,
+    pub max_batch_wait: &'a str,
+    pub llm_max_concurrency: usize,
+    pub extra: Vec<(String, String)>,
 }
 
 /// What one run on simulators measured.
-struct SimRun {
-    drive: Drive,
+pub(crate) struct SimRun {
+    pub drive: Drive,
     sim_pages: Vec<String>,
-    splits: SplitCounts,
+    pub splits: SplitCounts,
     /// Wall clock at the start of the drive (log lines are compared with it).
     started: SystemTime,
 }
 
 impl SimRun {
-    fn sim_sum(&self, name: &str) -> f64 {
+    /// A metric summed over the simulators.
+    pub fn sim_sum(&self, name: &str) -> f64 {
         self.sim_pages.iter().map(|p| metric_sum(p, name)).sum()
     }
-    fn token_hit_ratio(&self) -> f64 {
+    pub fn token_hit_ratio(&self) -> f64 {
         self.sim_sum("vllm:prefix_cache_hits_total") / self.sim_sum("vllm:prefix_cache_queries_total").max(1.0)
     }
 }
 
-async fn run_on_sims(env: &Env, http: &reqwest::Client, dep: &SimDeployment<'_>, reqs: &[Req], run: String) -> anyhow::Result<SimRun> {
+/// Starts the deployment, drives `reqs` through it, scrapes, stops and cleans up; fails when
+/// not every request got a result.
+pub(crate) async fn run_on_sims(env: &Env, http: &reqwest::Client, dep: &SimDeployment<'_>, reqs: &[Req], run: String) -> anyhow::Result<SimRun> {
     let mut sims = Vec::new();
     for i in 0..dep.m {
         sims.push(procs::start_simulator(env, &format!("{run}-sim{i}"), dep.sim)?);
@@ -60,7 +64,7 @@ async fn run_on_sims(env: &Env, http: &reqwest::Client, dep: &SimDeployment<'_>,
                 max_batch_size: 8,
                 max_batch_wait: dep.max_batch_wait.into(),
                 endpoint: url.clone(),
-                llm_max_concurrency: dep.sim.max_concurrency.max(4),
+                llm_max_concurrency: dep.llm_max_concurrency,
                 extra: dep.extra.clone(),
             },
         )?);
@@ -231,6 +235,7 @@ pub async fn part_chat(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resul
                 partitions: plan.scale_partitions,
                 keying: if shards == 0 { Keying::Adaptive } else { Keying::Static { prefix_chars: 256, shards } },
                 max_batch_wait: "5ms",
+                llm_max_concurrency: 8,
                 extra: vec![("KEYING__CHAT_KEY".into(), chat_key.into()), ("AMQP__MAX_MESSAGE_BYTES".into(), (8 << 20).to_string())],
             };
             let r = attempt(env, "chat", plan.scale_partitions, |run| run_on_sims(env, &http, &dep, &reqs, run)).await?;
@@ -342,20 +347,12 @@ pub async fn part_shift(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         .map(|i| {
             let t = i as f64 / rate;
             let hot = if t < shift_at { &old } else { &new };
-            let prompt = if rng.f64() < plan.hot_share {
-                &hot[rng.usize(..hot.len())]
-            } else {
-                let g = &cold[rng.usize(..cold.len())];
-                &g[rng.usize(..g.len())]
-            };
-            let id = format!("shift-{i}");
-            let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": plan.hot_max_tokens, "temperature": 0}});
-            Req { id, body: serde_json::to_vec(&body).unwrap(), at: Duration::from_secs_f64(t) }
+            hot_or_cold_request(&mut rng, plan, hot, &cold, &format!("shift-{i}"), t).0
         })
         .collect();
     let watched = [(PrefixKey::of(prefix_chars(&old[0], 256)).to_string(), "old"), (PrefixKey::of(prefix_chars(&new[0], 256)).to_string(), "new")];
     eprintln!("bench: hot-key shift: {n} requests at {rate} req/s over {load_s} s, the hot prefix changes at {shift_at} s");
-    let dep = SimDeployment { m: plan.hot_instances, sim: &plan.hot_sim, partitions: 32, keying: Keying::Adaptive, max_batch_wait: "50ms", extra: Vec::new() };
+    let dep = SimDeployment { m: plan.hot_instances, sim: &plan.hot_sim, partitions: 32, keying: Keying::Adaptive, max_batch_wait: "50ms", llm_max_concurrency: plan.hot_sim.max_concurrency, extra: Vec::new() };
     let mut run_name = String::new();
     let r = attempt(env, "shift", 32, |run| {
         run_name.clone_from(&run);

@@ -611,7 +611,7 @@ fn render_chat(s: &mut String, c: &crate::chat::ChatResults) {
         for x in rows {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 x.mode,
                 x.chat_key,
                 if x.shards == 0 { "–".to_string() } else { x.shards.to_string() },
@@ -622,8 +622,7 @@ fn render_chat(s: &mut String, c: &crate::chat::ChatResults) {
                 num(x.p50_s, 1),
                 num(x.p99_s, 1),
                 splits_cell(&x.splits),
-                x.ok,
-                x.requests
+                format!("{} / {}", x.ok, x.requests)
             );
         }
         let _ = writeln!(s);
