@@ -426,23 +426,23 @@ impl TrafficShares {
     /// Closes the open window when `rules.window` has passed since it opened and returns the
     /// dominant key, if any: a key not in `view` (neither split nor spread) that is not its
     /// requests' finest level, carrying ≥ `dominant_share` of ≥ `min_requests` requests over
-    /// the last `delay_windows` windows (fewer windows when they already hold enough requests;
-    /// requests counted under a key split since then are left out). Its deeper levels that do
+    /// the last `delay_windows` windows and the open one (fewer windows when they already hold
+    /// enough requests; requests counted under a key split since then are left out). Its deeper levels that do
     /// not tell its requests apart are split with it, so the requests route at once by the
     /// first level that does.
     pub fn tick(&mut self, now: Instant, rules: &SplitRules, view: &SplitView) -> Option<DominantKey> {
         let start = *self.window_start.get_or_insert(now);
-        if now.saturating_duration_since(start) < rules.window {
-            return None;
+        if now.saturating_duration_since(start) >= rules.window {
+            self.window_start = Some(now);
+            self.closed.push_back(std::mem::take(&mut self.open));
+            while self.closed.len() > rules.delay_windows {
+                self.closed.pop_front();
+            }
         }
-        self.window_start = Some(now);
-        self.closed.push_back(std::mem::take(&mut self.open));
-        while self.closed.len() > rules.delay_windows {
-            self.closed.pop_front();
-        }
-        // Keys split since they were counted route by a deeper level now: their requests count
-        // again under those keys.
-        let counted = || self.closed.iter().flatten().filter(|((k, _), _)| routed_by(view, k));
+        // The open window counts too, so a key that dominates from the start splits as soon as
+        // `min_requests` arrived. Keys split since they were counted route by a deeper level now:
+        // their requests count again under those keys.
+        let counted = || self.closed.iter().chain(std::iter::once(&self.open)).flatten().filter(|((k, _), _)| routed_by(view, k));
         let mut keys: HashMap<RoutedKey, u64> = HashMap::new();
         for ((k, _), c) in counted() {
             *keys.entry(*k).or_default() += c;
@@ -832,6 +832,21 @@ mod tests {
             shares.observe(&at(rk(2, 4, 7), &[300 + i]));
         }
         assert_eq!(shares.tick(at_s(1), &r, &view).map(|d| d.members), Some(vec![split(2, 7)]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_key_dominating_from_the_start_splits_before_its_first_window_closes() {
+        let r = rules();
+        let mut shares = TrafficShares::default();
+        let start = Instant::now();
+        assert_eq!(shares.tick(start, &r, &SplitView::default()), None);
+        for _ in 0..9 {
+            shares.observe(&at(rk(0, 4, 1), &[2, 3, 4]));
+        }
+        assert_eq!(shares.tick(start + Duration::from_millis(250), &r, &SplitView::default()), None, "9 requests");
+        shares.observe(&at(rk(0, 4, 1), &[2, 3, 4]));
+        let d = shares.tick(start + Duration::from_millis(500), &r, &SplitView::default()).expect("dominant");
+        assert_eq!(d.members, vec![split(0, 1), split(1, 2), split(2, 3)]);
     }
 
     #[tokio::test(start_paused = true)]
