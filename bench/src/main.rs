@@ -34,8 +34,8 @@ enum Cmd {
         /// Full mode (larger samples, whole Mooncake trace; about 1.5 hours). Default: quick (≤ 15 min).
         #[arg(long)]
         full: bool,
-        /// Parts to run, comma separated: cache, scale, overhead, hot.
-        #[arg(long, default_value = "cache,scale,overhead,hot,chat,shift")]
+        /// Parts to run, comma separated: cache, scale, overhead, hot, chat, shift.
+        #[arg(long, default_value = DEFAULT_PARTS)]
         parts: String,
         /// Keep the other parts' results from an existing results.json (to re-run one part).
         #[arg(long)]
@@ -65,6 +65,9 @@ enum Cmd {
         mid_prefetch: u16,
     },
 }
+
+/// Every part, in the order they run.
+const DEFAULT_PARTS: &str = "cache,scale,overhead,hot,chat,shift";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("bench/ has a parent").to_path_buf()
@@ -123,7 +126,12 @@ async fn main() -> anyhow::Result<()> {
             let started = Instant::now();
             let mut results = report::Results {
                 plan: plan.clone(),
-                command: format!("bench/run{}", if full { " --full" } else { "" }),
+                command: format!(
+                    "bench/run{}{}{}",
+                    if full { " --full" } else { "" },
+                    if parts == DEFAULT_PARTS { String::new() } else { format!(" --parts {parts}") },
+                    if merge { " --merge" } else { "" }
+                ),
                 started_utc: sh("date", &["-u", "+%Y-%m-%d %H:%M"]),
                 duration_s: 0.0,
                 machine: procs::machine(),
@@ -164,6 +172,8 @@ async fn main() -> anyhow::Result<()> {
                 results.chat = results.chat.or(prev.chat);
                 results.shift = results.shift.or(prev.shift);
                 results.duration_s += prev.duration_s;
+                // The kept parts came from the earlier command(s).
+                results.command = format!("{}, then {}", prev.command, results.command);
             }
             std::fs::write(out.join("results.json"), serde_json::to_vec_pretty(&results)?)?;
             report::write(&results, &out)?;
