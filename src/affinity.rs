@@ -33,6 +33,25 @@
 //! A hot key is split (or spread) with its **drain rate** recorded: the requests per second the
 //! partition dequeued while it was hot, i.e. what one partition manages.
 //!
+//! # When a dominant key splits ([`TrafficShares`])
+//!
+//! Queueing delay finds a key that one partition cannot *drain*. It misses a key that one
+//! partition drains but whose working set one server cannot *cache*: a system prompt shared by
+//! every conversation sends all conversations to one partition, so one server's KV cache holds all
+//! of their histories while the other servers' caches sit idle (the Mooncake conversation trace:
+//! its block 0 is in every request). So each router also counts the keys it routes by, per 1 s
+//! window, and a key is **dominant** when, over the last [`SplitRules::delay_windows`] windows,
+//! - it carried ≥ 50 % of all the requests this router routed,
+//! - it is not its requests' finest level (splitting keeps each conversation together at the
+//!   next level; a finest key has no next level and is spread only when it is slow),
+//! - and the windows hold at least [`SplitRules::min_requests`] (10) requests.
+//!
+//! A dominant key is split without a drain rate; its merge rule measures against the highest
+//! arrival rate seen since the split instead. The deeper levels that do not tell its requests
+//! apart (one key carries ≥ 50 % of them: a system prompt longer than a level) are split with it
+//! in the same decision ([`choose`] hands the router every deeper level's key), so its requests
+//! route at once by the first level that tells them apart, e.g. the conversation.
+//!
 //! # When a key merges back ([`SplitLedger`])
 //!
 //! Routers count the arrivals of split keys (only of those), summed over all instances through
@@ -74,6 +93,8 @@ pub struct SplitRules {
     pub merge_ratio: f64,
     /// Shards a hot finest-level key is spread over (`sharding.max_shards`).
     pub max_shards: NonZeroU32,
+    /// Share of a router's requests above which a key is dominant ([`TrafficShares`], 0.5).
+    pub dominant_share: f64,
 }
 
 impl SplitRules {
@@ -89,6 +110,7 @@ impl SplitRules {
             cool: Duration::from_secs(10),
             merge_ratio: 0.5,
             max_shards,
+            dominant_share: DOMINANT_SHARE,
         }
     }
 }
@@ -240,13 +262,17 @@ pub struct Choice {
     /// The split entries the request passed through (their arrivals are counted for merging),
     /// the spread routed key included.
     pub through: Vec<SplitMember>,
+    /// The request's keys of the levels below the routed one, in order (empty when the routed
+    /// key is spread or the finest): a dominant key's split looks at them ([`TrafficShares`]).
+    pub deeper: Vec<PrefixKey>,
 }
 
 /// Routes by the shortest level whose key is not split: level by level from 0, computing each
 /// level's key only when the level before it is split (`key_at(level)`, called for
-/// `level < levels` only). A spread key stays at its level with its shards; the finest level
-/// is never split (a `Split` entry there, which a request with fewer levels than the one that
-/// split it may meet, counts as not split).
+/// `level < levels` only), then the keys of the levels below the routed one ([`Choice::deeper`]).
+/// A spread key stays at its level with its shards; the finest level is never split (a `Split`
+/// entry there, which a request with fewer levels than the one that split it may meet, counts
+/// as not split).
 pub fn choose(view: &SplitView, levels: u8, mut key_at: impl FnMut(u8) -> PrefixKey) -> Choice {
     let one = NonZeroU32::MIN;
     let levels = levels.max(1);
@@ -260,9 +286,12 @@ pub fn choose(view: &SplitView, levels: u8, mut key_at: impl FnMut(u8) -> Prefix
             }
             Some(SplitState::Spread(n)) => {
                 through.push(SplitMember { level, key, state: SplitState::Spread(n) });
-                return Choice { routed, shards: n, through };
+                return Choice { routed, shards: n, through, deeper: Vec::new() };
             }
-            _ => return Choice { routed, shards: one, through },
+            _ => {
+                let deeper = (level + 1..levels).map(&mut key_at).collect();
+                return Choice { routed, shards: one, through, deeper };
+            }
         }
     }
     unreachable!("the finest level always returns")
@@ -358,6 +387,100 @@ impl LoadTracker {
     }
 }
 
+/// A key found dominant by [`TrafficShares::tick`]: the new split entries to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DominantKey {
+    /// The dominant key, then each deeper level's key that carries ≥ `dominant_share` of its
+    /// requests (the levels that do not tell them apart), down to the level above the first
+    /// one that does (never the finest).
+    pub members: Vec<SplitMember>,
+    /// Share of the router's requests the key carried (0..1).
+    pub share: f64,
+    /// Requests the router routed over the windows.
+    pub requests: u64,
+}
+
+/// Routed-key counts of one window: (routed key, the keys of its deeper levels) → requests.
+type ShareWindow = HashMap<(RoutedKey, Vec<PrefixKey>), u64>;
+
+/// Whether requests still route by `k` under `view` (not split past it).
+fn routed_by(view: &SplitView, k: &RoutedKey) -> bool {
+    k.is_finest() || view.get(k.level, k.key) != Some(SplitState::Split)
+}
+
+/// Per-router counts of the routed keys, per window, for the dominance rule of the module doc.
+#[derive(Debug, Default)]
+pub struct TrafficShares {
+    /// Closed windows (the newest last, at most `delay_windows`) and the open one.
+    closed: VecDeque<ShareWindow>,
+    open: ShareWindow,
+    window_start: Option<Instant>,
+}
+
+impl TrafficShares {
+    /// Records one routed request.
+    pub fn observe(&mut self, choice: &Choice) {
+        *self.open.entry((choice.routed, choice.deeper.clone())).or_default() += 1;
+    }
+
+    /// Closes the open window when `rules.window` has passed since it opened and returns the
+    /// dominant key, if any: a key not in `view` (neither split nor spread) that is not its
+    /// requests' finest level, carrying ≥ `dominant_share` of ≥ `min_requests` requests over
+    /// the last `delay_windows` windows and the open one (fewer windows when they already hold
+    /// enough requests; requests counted under a key split since then are left out). Its deeper levels that do
+    /// not tell its requests apart are split with it, so the requests route at once by the
+    /// first level that does.
+    pub fn tick(&mut self, now: Instant, rules: &SplitRules, view: &SplitView) -> Option<DominantKey> {
+        let start = *self.window_start.get_or_insert(now);
+        if now.saturating_duration_since(start) >= rules.window {
+            self.window_start = Some(now);
+            self.closed.push_back(std::mem::take(&mut self.open));
+            while self.closed.len() > rules.delay_windows {
+                self.closed.pop_front();
+            }
+        }
+        // The open window counts too, so a key that dominates from the start splits as soon as
+        // `min_requests` arrived. Keys split since they were counted route by a deeper level now:
+        // their requests count again under those keys.
+        let counted = || self.closed.iter().chain(std::iter::once(&self.open)).flatten().filter(|((k, _), _)| routed_by(view, k));
+        let mut keys: HashMap<RoutedKey, u64> = HashMap::new();
+        for ((k, _), c) in counted() {
+            *keys.entry(*k).or_default() += c;
+        }
+        let requests: u64 = keys.values().sum();
+        if requests < rules.min_requests {
+            return None;
+        }
+        let (&routed, &count) = keys.iter().max_by_key(|(k, c)| (**c, **k))?;
+        let share = count as f64 / requests as f64;
+        if share < rules.dominant_share || routed.is_finest() || view.get(routed.level, routed.key).is_some() {
+            return None;
+        }
+        let split = |level: u8, key: PrefixKey| SplitMember { level, key, state: SplitState::Split };
+        let mut members = vec![split(routed.level, routed.key)];
+        // Walk down while one deeper key carries the dominant share of the key's requests.
+        let mut chosen: Vec<PrefixKey> = Vec::new();
+        for depth in 0..usize::from(routed.levels - routed.level - 1) {
+            let level = routed.level + 1 + depth as u8;
+            if level + 1 >= routed.levels {
+                break; // the finest level is routed by, never split
+            }
+            let mut next: HashMap<PrefixKey, u64> = HashMap::new();
+            for ((_, deeper), c) in counted().filter(|((k, d), _)| *k == routed && d.starts_with(&chosen) && d.len() > depth) {
+                *next.entry(deeper[depth]).or_default() += c;
+            }
+            match next.into_iter().max_by_key(|(k, c)| (*c, *k)) {
+                Some((key, c)) if c as f64 >= rules.dominant_share * count as f64 => {
+                    members.push(split(level, key));
+                    chosen.push(key);
+                }
+                _ => break,
+            }
+        }
+        Some(DominantKey { members, share, requests })
+    }
+}
+
 /// What [`SplitLedger::review`] says about one split entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -371,6 +494,8 @@ pub enum Verdict {
 struct Tracked {
     seen_at: Instant,
     below_since: Option<Instant>,
+    /// Highest arrival rate reviewed since the entry was first seen (requests/s).
+    peak_rps: f64,
 }
 
 /// Each instance's memory of the split set over time: when it first saw each entry (the hold
@@ -396,7 +521,7 @@ impl SplitLedger {
         for k in view.entries.keys() {
             self.tracked.entry(*k).or_insert_with(|| {
                 self.changed_at.insert(*k, now);
-                Tracked { seen_at: now, below_since: None }
+                Tracked { seen_at: now, below_since: None, peak_rps: 0.0 }
             });
         }
     }
@@ -410,10 +535,14 @@ impl SplitLedger {
 
     /// Reviews one entry of the current view given its recorded drain rate and its current
     /// arrival rate (requests per second, all instances): merge when split for at least
-    /// `rules.hold` and at or below `merge_ratio × drain_rps` for at least `rules.cool`.
+    /// `rules.hold` and at or below `merge_ratio × drain_rps` for at least `rules.cool`. A drain
+    /// rate ≤ 0 (a dominant key, split without one) stands for the highest arrival rate reviewed
+    /// since the split.
     pub fn review(&mut self, now: Instant, rules: &SplitRules, member: &SplitMember, drain_rps: f64, arrivals_rps: f64) -> Verdict {
-        let t = self.tracked.entry((member.level, member.key)).or_insert(Tracked { seen_at: now, below_since: None });
-        if arrivals_rps <= rules.merge_ratio * drain_rps {
+        let t = self.tracked.entry((member.level, member.key)).or_insert(Tracked { seen_at: now, below_since: None, peak_rps: 0.0 });
+        t.peak_rps = t.peak_rps.max(arrivals_rps);
+        let basis = if drain_rps > 0.0 { drain_rps } else { t.peak_rps };
+        if arrivals_rps <= rules.merge_ratio * basis {
             let since = *t.below_since.get_or_insert(now);
             let held = now.saturating_duration_since(t.seen_at) >= rules.hold;
             if held && now.saturating_duration_since(since) >= rules.cool {
@@ -546,19 +675,20 @@ mod tests {
     }
 
     #[test]
-    fn routes_by_the_shortest_level_not_split_and_computes_keys_lazily() {
+    fn routes_by_the_shortest_level_not_split_and_hands_over_the_deeper_keys() {
         let keys = [10u64, 11, 12, 13];
         let mut asked = Vec::new();
         let c = choose(&SplitView::default(), 4, |l| {
             asked.push(l);
             PrefixKey(keys[usize::from(l)])
         });
-        assert_eq!((c.routed, c.shards.get(), asked), (rk(0, 4, 10), 1, vec![0]));
+        assert_eq!((c.routed, c.shards.get(), asked), (rk(0, 4, 10), 1, vec![0, 1, 2, 3]), "each level once");
+        assert_eq!(c.deeper, vec![PrefixKey(11), PrefixKey(12), PrefixKey(13)]);
         assert!(c.through.is_empty());
 
         let view = SplitView::new([split(0, 10), split(1, 11)]);
         let c = choose(&view, 4, |l| PrefixKey(keys[usize::from(l)]));
-        assert_eq!((c.routed, c.shards.get()), (rk(2, 4, 12), 1));
+        assert_eq!((c.routed, c.shards.get(), c.deeper.clone()), (rk(2, 4, 12), 1, vec![PrefixKey(13)]));
         assert_eq!(c.through, vec![split(0, 10), split(1, 11)]);
 
         // The finest level is spread, never split.
@@ -568,6 +698,7 @@ mod tests {
         let c = choose(&view, 4, |l| PrefixKey(keys[usize::from(l)]));
         assert_eq!((c.routed, c.shards), (rk(3, 4, 13), eight));
         assert_eq!(c.through.len(), 4);
+        assert!(c.deeper.is_empty());
         let view = SplitView::new([split(0, 10)]);
         let c = choose(&view, 1, |_| PrefixKey(10));
         assert_eq!((c.routed, c.shards.get()), (rk(0, 1, 10), 1), "a split entry at a request's finest level");
@@ -666,6 +797,94 @@ mod tests {
         ledger.update(at(42), &SplitView::default());
         assert!(ledger.holding(at(60), r.hold, 0, PrefixKey(1)));
         assert!(!ledger.holding(at(72), r.hold, 0, PrefixKey(1)));
+    }
+
+    /// A choice at `routed` with these deeper keys.
+    fn at(routed: RoutedKey, deeper: &[u64]) -> Choice {
+        Choice { routed, shards: NonZeroU32::MIN, through: Vec::new(), deeper: deeper.iter().map(|k| PrefixKey(*k)).collect() }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dominant_key_splits_with_the_deeper_levels_that_do_not_tell_its_requests_apart() {
+        let r = rules();
+        let mut shares = TrafficShares::default();
+        let start = Instant::now();
+        let at_s = |s| start + Duration::from_secs(s);
+        assert_eq!(shares.tick(at_s(0), &r, &SplitView::default()), None);
+        // 12 of 20 requests on one system prompt, longer than level 1 (one level-1 key), whose
+        // conversations differ at level 2; the other 8 have keys of their own.
+        for i in 0..20u64 {
+            shares.observe(&if i < 12 { at(rk(0, 4, 1), &[2, 100 + i % 3, 200 + i]) } else { at(rk(0, 4, 100 + i), &[i, i, i]) });
+        }
+        let d = shares.tick(at_s(1), &r, &SplitView::default()).expect("dominant");
+        assert_eq!((d.members, d.requests), (vec![split(0, 1), split(1, 2)], 20));
+        assert!((d.share - 0.6).abs() < 1e-9);
+        // Split: its requests route by their level-2 keys (a third each): nothing more to split.
+        let view = SplitView::new([split(0, 1), split(1, 2)]);
+        for i in 0..12u64 {
+            shares.observe(&at(rk(2, 4, 100 + i % 3), &[200 + i]));
+        }
+        assert_eq!(shares.tick(at_s(2), &r, &view), None);
+        // Never down to the finest level: a dominant level-2 key with distinct level-3 keys splits alone.
+        let mut shares = TrafficShares::default();
+        shares.tick(at_s(0), &r, &view);
+        for i in 0..20u64 {
+            shares.observe(&at(rk(2, 4, 7), &[300 + i]));
+        }
+        assert_eq!(shares.tick(at_s(1), &r, &view).map(|d| d.members), Some(vec![split(2, 7)]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_key_dominating_from_the_start_splits_before_its_first_window_closes() {
+        let r = rules();
+        let mut shares = TrafficShares::default();
+        let start = Instant::now();
+        assert_eq!(shares.tick(start, &r, &SplitView::default()), None);
+        for _ in 0..9 {
+            shares.observe(&at(rk(0, 4, 1), &[2, 3, 4]));
+        }
+        assert_eq!(shares.tick(start + Duration::from_millis(250), &r, &SplitView::default()), None, "9 requests");
+        shares.observe(&at(rk(0, 4, 1), &[2, 3, 4]));
+        let d = shares.tick(start + Duration::from_millis(500), &r, &SplitView::default()).expect("dominant");
+        assert_eq!(d.members, vec![split(0, 1), split(1, 2), split(2, 3)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_dominance_below_half_on_little_traffic_or_at_the_finest_level() {
+        let r = rules();
+        let start = Instant::now();
+        let view = SplitView::default();
+        let load = |keys: &[RoutedKey], per_key: usize| {
+            let mut shares = TrafficShares::default();
+            shares.tick(start, &r, &view);
+            for k in keys {
+                for _ in 0..per_key {
+                    shares.observe(&at(*k, &[]));
+                }
+            }
+            shares.tick(start + Duration::from_secs(1), &r, &view).map(|d| d.members)
+        };
+        assert_eq!(load(&[rk(0, 3, 1), rk(0, 3, 2), rk(0, 3, 3)], 10), None, "a third each");
+        assert_eq!(load(&[rk(0, 3, 1)], 9), None, "too few requests");
+        assert_eq!(load(&[rk(0, 1, 1)], 40), None, "an explicit key has no next level");
+        assert_eq!(load(&[rk(0, 3, 1)], 20), Some(vec![split(0, 1)]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dominant_split_merges_when_arrivals_fall_to_half_their_peak() {
+        let r = rules();
+        let m = split(0, 1);
+        let mut ledger = SplitLedger::default();
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        ledger.update(t0, &SplitView::new([m]));
+        for s in 0..35 {
+            assert_eq!(ledger.review(at(s), &r, &m, 0.0, 20.0), Verdict::Keep, "steady at {s}s");
+        }
+        for s in 35..45 {
+            assert_eq!(ledger.review(at(s), &r, &m, 0.0, 10.0), Verdict::Keep, "cooling at {s}s");
+        }
+        assert_eq!(ledger.review(at(45), &r, &m, 0.0, 10.0), Verdict::Merge);
     }
 
     #[test]

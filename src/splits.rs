@@ -45,7 +45,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::affinity::{Choice, KeyHygiene, LoadTracker, RoutedKey, SplitLedger, SplitMember, SplitRules, SplitState, SplitView, Verdict};
+use crate::affinity::{Choice, KeyHygiene, LoadTracker, TrafficShares, RoutedKey, SplitLedger, SplitMember, SplitRules, SplitState, SplitView, Verdict};
 use lapin::types::FieldTable;
 
 use crate::config::{KeyingMode, Settings};
@@ -54,8 +54,9 @@ use crate::publisher::{header_str, HEADER_ROUTED_KEY};
 use crate::request::Request;
 use crate::metrics::{self, keys as kind};
 
-/// How often the local view is refreshed (and decisions are published).
-pub const REFRESH_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the local view is refreshed (and decisions are published): a quarter of the 1 s
+/// measurement window, so a decision reaches every instance within 250 ms.
+pub const REFRESH_INTERVAL: Duration = Duration::from_millis(250);
 /// Lifetime of a split entry that no instance refreshes.
 pub const SPLIT_TTL: Duration = Duration::from_secs(10);
 /// Complete seconds the arrival rate is averaged over.
@@ -270,6 +271,7 @@ impl SplitStore {
 #[derive(Default)]
 struct RouterSide {
     arrivals: HashMap<SplitMember, u64>,
+    shares: TrafficShares,
     hygiene: KeyHygiene,
     warned: HashMap<&'static str, Instant>,
 }
@@ -353,6 +355,7 @@ impl Affinity {
         for m in &choice.through {
             *r.arrivals.entry(*m).or_default() += 1;
         }
+        r.shares.observe(choice);
         let Some(report) = r.hygiene.observe(level0, material_chars, choice.routed, unsplittable) else { return };
         let dominant = report.dominant_unsplittable();
         metrics::hot_keys(&report.top_shares, report.unsplittable.map_or(0.0, |(_, s)| s));
@@ -389,7 +392,11 @@ impl Affinity {
     pub async fn refresh(&self, store: &impl SplitSync, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
         let view = self.view();
         let hot = lock(&self.inner.load).tick(now, rules, &view);
-        let arrivals: Vec<(SplitMember, u64)> = lock(&self.inner.router).arrivals.drain().collect();
+        let (arrivals, dominant) = {
+            let mut r = lock(&self.inner.router);
+            let arrivals: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
+            (arrivals, r.shares.tick(now, rules, &view))
+        };
         let mut req = SyncRequest { arrivals, ..SyncRequest::default() };
         {
             let (ledger, records) = &mut *lock(&self.inner.refresh);
@@ -398,6 +405,16 @@ impl Affinity {
                 if view.get(l, k) != Some(h.member.state) && !ledger.holding(now, rules.hold, l, k) {
                     info!(partition = h.partition, key = %h.member, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting");
                     req.adds.push((h.member, h.drain_rps));
+                }
+            }
+            // A dominant key has no drain rate: 0 makes the merge rule use its peak arrival rate.
+            if let Some(d) = dominant.filter(|d| !ledger.holding(now, rules.hold, d.members[0].level, d.members[0].key)) {
+                for m in d.members {
+                    let new = !req.adds.iter().any(|(a, _)| (a.level, a.key) == (m.level, m.key)) && view.get(m.level, m.key).is_none();
+                    if new && !ledger.holding(now, rules.hold, m.level, m.key) {
+                        info!(key = %m, share = d.share, requests = d.requests, "dominant key: splitting");
+                        req.adds.push((m, 0.0));
+                    }
                 }
             }
             for r in records.iter() {

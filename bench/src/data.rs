@@ -14,7 +14,7 @@ fn open_lines(path: &Path) -> anyhow::Result<Box<dyn BufRead>> {
     Ok(Box::new(BufReader::new(r)))
 }
 
-fn read_jsonl(path: &Path) -> anyhow::Result<Vec<Value>> {
+pub fn read_jsonl(path: &Path) -> anyhow::Result<Vec<Value>> {
     let mut out = Vec::new();
     for line in open_lines(path)?.lines() {
         let line = line?;

@@ -4,6 +4,7 @@
 //! regenerates them from `results.json`; `passthrough` is the minimal consumer that part 3
 //! compares the daemon with (started by `run` as a separate process).
 
+mod chat;
 mod data;
 mod driver;
 mod parts;
@@ -33,8 +34,8 @@ enum Cmd {
         /// Full mode (larger samples, whole Mooncake trace; about 1.5 hours). Default: quick (≤ 15 min).
         #[arg(long)]
         full: bool,
-        /// Parts to run, comma separated: cache, scale, overhead, hot.
-        #[arg(long, default_value = "cache,scale,overhead,hot")]
+        /// Parts to run, comma separated: cache, scale, overhead, hot, chat, shift.
+        #[arg(long, default_value = DEFAULT_PARTS)]
         parts: String,
         /// Keep the other parts' results from an existing results.json (to re-run one part).
         #[arg(long)]
@@ -64,6 +65,9 @@ enum Cmd {
         mid_prefetch: u16,
     },
 }
+
+/// Every part, in the order they run.
+const DEFAULT_PARTS: &str = "cache,scale,overhead,hot,chat,shift";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("bench/ has a parent").to_path_buf()
@@ -121,10 +125,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let tag = format!("pbb-{}-{:04x}", std::process::id(), fastrand::u16(..));
             let work = std::env::temp_dir().join(&tag);
             std::fs::create_dir_all(&work)?;
+            // Cargo's rule: `CARGO_TARGET_DIR` when set, else `target/` at the workspace root.
+            let release_dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target")).join("release");
             let env = procs::Env {
                 root: root.clone(),
-                daemon_bin: root.join("target/release/prefix-batcher"),
-                fakes_bin: root.join("target/release/llm-fakes"),
+                daemon_bin: release_dir.join("prefix-batcher"),
+                fakes_bin: release_dir.join("llm-fakes"),
                 bench_bin: std::env::current_exe()?,
                 work: work.clone(),
                 tag,
@@ -146,7 +152,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let started = Instant::now();
             let mut results = report::Results {
                 plan: plan.clone(),
-                command: format!("bench/run{}", if full { " --full" } else { "" }),
+                command: format!(
+                    "bench/run{}{}{}",
+                    if full { " --full" } else { "" },
+                    if parts == DEFAULT_PARTS { String::new() } else { format!(" --parts {parts}") },
+                    if merge { " --merge" } else { "" }
+                ),
                 started_utc: sh("date", &["-u", "+%Y-%m-%d %H:%M"]),
                 duration_s: 0.0,
                 machine: procs::machine(),
@@ -155,6 +166,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 scale: None,
                 overhead: None,
                 hot: None,
+                chat: None,
+                shift: None,
             };
             let want: Vec<&str> = parts.split(',').map(str::trim).collect();
             if want.contains(&"cache") {
@@ -169,6 +182,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if want.contains(&"hot") {
                 results.hot = Some(parts::part_hot(&env, &plan, &data).await?);
             }
+            if want.contains(&"chat") {
+                results.chat = Some(chat::part_chat(&env, &plan, &data).await?);
+            }
+            if want.contains(&"shift") {
+                results.shift = Some(chat::part_shift(&env, &plan, &data).await?);
+            }
             results.duration_s = started.elapsed().as_secs_f64();
             results.machine.load_end = procs::uptime();
             if let Some(prev) = previous {
@@ -176,7 +195,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 results.scale = results.scale.or(prev.scale);
                 results.overhead = results.overhead.or(prev.overhead);
                 results.hot = results.hot.or(prev.hot);
+                results.chat = results.chat.or(prev.chat);
+                results.shift = results.shift.or(prev.shift);
                 results.duration_s += prev.duration_s;
+                // The kept parts came from the earlier command(s).
+                results.command = format!("{}, then {}", prev.command, results.command);
             }
             std::fs::write(out.join("results.json"), serde_json::to_vec_pretty(&results)?)?;
             report::write(&results, &out)?;

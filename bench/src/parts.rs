@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 
 use crate::data::{self, SampleInfo, SampleSize};
 use crate::driver::{drive, Req};
-use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, Keying, LlamaServer, SimOpts};
+use crate::chat::{run_on_sims, SimDeployment};
+use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, Keying, LlamaServer, SimOpts, SplitCounts};
 
 /// Everything that differs between quick and full mode.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -50,6 +51,17 @@ pub struct Plan {
     pub hot_cold_groups: usize,
     pub hot_sim: SimOpts,
     pub hot_max_tokens: u64,
+    /// Part 5: simulated servers (and daemons) of the chat comparison.
+    #[serde(default)]
+    pub chat_m: usize,
+    /// Part 5: bfcl-multiturn conversations.
+    #[serde(default)]
+    pub chat_bfcl_conversations: usize,
+    /// Part 6: constant request rate and length of the hot-key shift load.
+    #[serde(default)]
+    pub shift_rate_rps: f64,
+    #[serde(default)]
+    pub shift_load_s: f64,
 }
 
 impl Plan {
@@ -71,9 +83,14 @@ impl Plan {
             p.overhead_reps = 1;
             p.hot_period_s = 10.0;
             p.hot_shards = vec![1, 8];
+            p.chat_bfcl_conversations = 20;
+            p.shift_load_s = 20.0;
         }
         if let Ok(ds) = std::env::var("BENCH_DATASETS") {
             p.datasets = ds.split(',').map(String::from).collect();
+        }
+        if let Ok(ms) = std::env::var("BENCH_SCALE_MS") {
+            p.scale_ms = ms.split(',').filter_map(|m| m.trim().parse().ok()).collect();
         }
         p
     }
@@ -127,6 +144,10 @@ impl Plan {
                 speedup: 1.0,
             },
             hot_max_tokens: 8,
+            chat_m: 4,
+            chat_bfcl_conversations: if full { 400 } else { 120 },
+            shift_rate_rps: 12.0,
+            shift_load_s: if full { 120.0 } else { 90.0 },
         }
     }
 }
@@ -137,7 +158,7 @@ fn purity(pages: &[String]) -> (f64, u64) {
     (if count > 0.0 { sum / count } else { f64::NAN }, count as u64)
 }
 
-async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -> Vec<String> {
+pub(crate) async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -> Vec<String> {
     let mut pages = Vec::new();
     for d in &daemons {
         pages.push(scrape(http, &d.metrics_url).await.unwrap_or_default());
@@ -158,7 +179,7 @@ async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -> Vec<Strin
 
 /// Runs `f` with a fresh run name; when it fails (e.g. another user of the shared broker restarted
 /// it), cleans up, waits for RabbitMQ and Redis, and tries again, at most 3 times in all.
-async fn attempt<T, Fut>(env: &Env, what: &str, partitions: u32, mut f: impl FnMut(String) -> Fut) -> anyhow::Result<T>
+pub(crate) async fn attempt<T, Fut>(env: &Env, what: &str, partitions: u32, mut f: impl FnMut(String) -> Fut) -> anyhow::Result<T>
 where
     Fut: std::future::Future<Output = anyhow::Result<T>>,
 {
@@ -432,6 +453,9 @@ pub struct ScaleRow {
     pub peak_backlog: u64,
     /// (model seconds, outstanding requests).
     pub backlog: Vec<(f64, u64)>,
+    /// Adaptive mode's split decisions during the run.
+    #[serde(default)]
+    pub splits: SplitCounts,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -586,41 +610,22 @@ enum ScaleKeying {
 
 async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], m: usize, keyed: ScaleKeying, run: String) -> anyhow::Result<ScaleRow> {
     let sim = &plan.scale_sim;
-    let mut sims = Vec::new();
-    for i in 0..m {
-        sims.push(procs::start_simulator(env, &format!("{run}-sim{i}"), sim)?);
-    }
-    let mut daemons = Vec::new();
-    for (i, (_, url)) in sims.iter().enumerate() {
-        daemons.push(start_daemon(
-            env,
-            &DaemonOpts {
-                run: run.clone(),
-                instance: format!("bench-{i}"),
-                partitions: plan.scale_partitions,
-                keying: match keyed {
-                    ScaleKeying::Adaptive => Keying::Adaptive,
-                    ScaleKeying::Static(blocks) => Keying::Static { prefix_chars: key_chars(blocks, sim.chars_per_token), shards: 1 },
-                    ScaleKeying::Off => Keying::Off,
-                },
-                max_batch_size: 8,
-                max_batch_wait: "5ms".into(),
-                endpoint: url.clone(),
-                llm_max_concurrency: 8,
-                extra: vec![("AMQP__MAX_MESSAGE_BYTES".into(), (8 << 20).to_string())],
-            },
-        )?);
-    }
-    wait_ready(http, &mut daemons, plan.scale_partitions, Duration::from_secs(90)).await?;
-    let d = drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(250)).await?;
-    let mut sim_pages = Vec::new();
-    for (_, url) in &sims {
-        sim_pages.push(scrape(http, url).await.unwrap_or_default());
-    }
-    stop_daemons(http, daemons).await;
-    drop(sims);
-    cleanup(&run, plan.scale_partitions, &[]).await;
-    let s = |name: &str| sim_pages.iter().map(|p| metric_sum(p, name)).sum::<f64>();
+    let dep = SimDeployment {
+        m,
+        sim,
+        partitions: plan.scale_partitions,
+        keying: match keyed {
+            ScaleKeying::Adaptive => Keying::Adaptive,
+            ScaleKeying::Static(blocks) => Keying::Static { prefix_chars: key_chars(blocks, sim.chars_per_token), shards: 1 },
+            ScaleKeying::Off => Keying::Off,
+        },
+        max_batch_wait: "5ms",
+        llm_max_concurrency: 8,
+        extra: vec![("AMQP__MAX_MESSAGE_BYTES".into(), (8 << 20).to_string())],
+    };
+    let r = run_on_sims(env, http, &dep, reqs, run).await?;
+    let (d, splits) = (&r.drive, r.splits);
+    let s = |name: &str| r.sim_sum(name);
     let sp = plan.scale_speedup;
     let row = ScaleRow {
         m,
@@ -643,9 +648,10 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
         p99_s: d.p99_s * sp,
         peak_backlog: d.backlog.iter().map(|b| b.1).max().unwrap_or(0),
         backlog: d.backlog.iter().map(|&(t, b)| (t * sp, b)).collect(),
+        splits,
     };
     eprintln!(
-        "bench:   M={m} {}{}: block hits {:.1}% GPU {:.0}s (prefill {:.0}s) peak backlog {} ok {}/{}",
+        "bench:   M={m} {}{}: block hits {:.1}% GPU {:.0}s (prefill {:.0}s) peak backlog {} ok {}/{} {:?}",
         row.mode,
         if row.key_blocks > 0 { format!(" ({} blocks)", row.key_blocks) } else { String::new() },
         row.block_hit_ratio * 100.0,
@@ -653,7 +659,8 @@ async fn scale_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req],
         row.prefill_s,
         row.peak_backlog,
         row.ok,
-        row.requests
+        row.requests,
+        row.splits
     );
     anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
     Ok(row)
@@ -840,6 +847,9 @@ pub struct HotRow {
     pub p50_s: f64,
     pub p99_s: f64,
     pub backlog: Vec<(f64, u64)>,
+    /// Adaptive mode's split decisions during the run.
+    #[serde(default)]
+    pub splits: SplitCounts,
 }
 
 impl HotRow {
@@ -880,6 +890,20 @@ pub fn sine_schedule(unit: f64, period: f64, cycles: usize) -> Vec<f64> {
     out
 }
 
+/// One request of the hot-prefix workloads, `t` seconds into the load: with probability
+/// `plan.hot_share` a prompt of the `hot` task (then `true`), else one of a random `cold` task.
+pub(crate) fn hot_or_cold_request(rng: &mut fastrand::Rng, plan: &Plan, hot: &[String], cold: &[Vec<String>], id: &str, t: f64) -> (Req, bool) {
+    let on_hot = rng.f64() < plan.hot_share;
+    let prompt = if on_hot {
+        &hot[rng.usize(..hot.len())]
+    } else {
+        let g = &cold[rng.usize(..cold.len())];
+        &g[rng.usize(..g.len())]
+    };
+    let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": plan.hot_max_tokens, "temperature": 0}});
+    (Req { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), at: Duration::from_secs_f64(t) }, on_hot)
+}
+
 pub async fn part_hot(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<HotResults> {
     let http = reqwest::Client::new();
     std::fs::write(env.work.join("empty.toml"), "")?;
@@ -892,16 +916,9 @@ pub async fn part_hot(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result
         .iter()
         .enumerate()
         .map(|(i, &t)| {
-            let prompt = if rng.f64() < plan.hot_share {
-                hot_requests += 1;
-                &hot[rng.usize(..hot.len())]
-            } else {
-                let g = &cold[rng.usize(..cold.len())];
-                &g[rng.usize(..g.len())]
-            };
-            let id = format!("hot-{i}");
-            let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": plan.hot_max_tokens, "temperature": 0}});
-            Req { id, body: serde_json::to_vec(&body).unwrap(), at: Duration::from_secs_f64(t) }
+            let (req, on_hot) = hot_or_cold_request(&mut rng, plan, &hot, &cold, &format!("hot-{i}"), t);
+            hot_requests += usize::from(on_hot);
+            req
         })
         .collect();
     eprintln!("bench: hot prefix: {} requests over {load_s:.0} s, {hot_requests} on the hot prefix", reqs.len());
@@ -915,37 +932,18 @@ pub async fn part_hot(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result
 }
 
 async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], load_s: f64, shards: u32, run: String) -> anyhow::Result<HotRow> {
-    let mut sims = Vec::new();
-    for i in 0..plan.hot_instances {
-        sims.push(procs::start_simulator(env, &format!("{run}-sim{i}"), &plan.hot_sim)?);
-    }
-    let mut daemons = Vec::new();
-    for (i, (_, url)) in sims.iter().enumerate() {
-        daemons.push(start_daemon(
-            env,
-            &DaemonOpts {
-                run: run.clone(),
-                instance: format!("bench-{i}"),
-                partitions: 32,
-                keying: if shards == 0 { Keying::Adaptive } else { Keying::Static { prefix_chars: 256, shards } },
-                max_batch_size: 8,
-                max_batch_wait: "50ms".into(),
-                endpoint: url.clone(),
-                llm_max_concurrency: plan.hot_sim.max_concurrency,
-                extra: vec![],
-            },
-        )?);
-    }
-    wait_ready(http, &mut daemons, 32, Duration::from_secs(60)).await?;
-    let d = drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(500)).await?;
-    let mut pages = Vec::new();
-    for (_, url) in &sims {
-        pages.push(scrape(http, url).await.unwrap_or_default());
-    }
-    stop_daemons(http, daemons).await;
-    drop(sims);
-    cleanup(&run, 32, &[]).await;
-    let s = |name: &str| pages.iter().map(|p| metric_sum(p, name)).sum::<f64>();
+    let dep = SimDeployment {
+        m: plan.hot_instances,
+        sim: &plan.hot_sim,
+        partitions: 32,
+        keying: if shards == 0 { Keying::Adaptive } else { Keying::Static { prefix_chars: 256, shards } },
+        max_batch_wait: "50ms",
+        llm_max_concurrency: plan.hot_sim.max_concurrency,
+        extra: vec![],
+    };
+    let r = run_on_sims(env, http, &dep, reqs, run).await?;
+    let (d, splits) = (&r.drive, r.splits);
+    let s = |name: &str| r.sim_sum(name);
     let (peak_at_s, peak_backlog) = d.backlog.iter().fold((0.0, 0u64), |acc, &(t, b)| if b > acc.1 { (t, b) } else { acc });
     let end_backlog = d.backlog.iter().rfind(|(t, _)| *t <= load_s).map(|b| b.1).unwrap_or(0);
     let drained_after_s = d.backlog.iter().find(|(t, b)| *t >= load_s && *b == 0).map(|(t, _)| t - load_s).unwrap_or(f64::NAN);
@@ -961,15 +959,17 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
         p50_s: d.p50_s,
         p99_s: d.p99_s,
         backlog: d.backlog.clone(),
+        splits,
     };
     eprintln!(
-        "bench:   {}: peak backlog {} at {:.0}s, at end {}, hit {:.1}%, p99 {:.1}s",
+        "bench:   {}: peak backlog {} at {:.0}s, at end {}, hit {:.1}%, p99 {:.1}s {:?}",
         row.label(),
         row.peak_backlog,
         row.peak_at_s,
         row.end_backlog,
         row.hit_ratio * 100.0,
-        row.p99_s
+        row.p99_s,
+        row.splits
     );
     anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
     Ok(row)

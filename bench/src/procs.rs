@@ -249,7 +249,8 @@ pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
         ("LLM__MAX_CONCURRENCY".into(), o.llm_max_concurrency.to_string()),
         ("OWNERSHIP__SETTLE_TIME".into(), "500ms".into()),
         ("HTTP__LISTEN".into(), format!("127.0.0.1:{port}")),
-        ("LOG__LEVEL".into(), "warn".into()),
+        // Split and merge decisions are logged at info.
+        ("LOG__LEVEL".into(), "warn,prefix_batcher::splits=info".into()),
     ];
     match o.keying {
         Keying::Adaptive => vars.push(("KEYING__MODE".into(), "adaptive".into())),
@@ -278,6 +279,33 @@ pub fn metric_sum(page: &str, metric: &str) -> f64 {
             (base == metric).then(|| value.parse::<f64>().ok()).flatten()
         })
         .sum()
+}
+
+/// The value of one exact series (`name{labels}` as the page prints it), summed over `pages`.
+pub fn series_sum(pages: &[String], series: &str) -> f64 {
+    pages
+        .iter()
+        .flat_map(|p| p.lines())
+        .filter_map(|l| l.rsplit_once(' ').filter(|(name, _)| *name == series).and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// Split decisions (split, spread, merge: each made by one instance) and the most decision
+/// changes any one instance saw (`key_moves_total`), from the daemons' metric pages.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
+pub struct SplitCounts {
+    pub splits: u64,
+    pub spreads: u64,
+    pub merges: u64,
+    pub moves: u64,
+}
+
+impl SplitCounts {
+    pub fn of(pages: &[String]) -> SplitCounts {
+        let d = |k: &str| series_sum(pages, &format!("prefix_batcher_key_split_decisions_total{{decision=\"{k}\"}}")) as u64;
+        let moves = pages.iter().map(|p| metric_sum(p, "prefix_batcher_key_moves_total") as u64).max().unwrap_or(0);
+        SplitCounts { splits: d("split"), spreads: d("spread"), merges: d("merge"), moves }
+    }
 }
 
 pub async fn scrape(http: &reqwest::Client, base: &str) -> anyhow::Result<String> {
