@@ -1,5 +1,6 @@
-//! AMQP 0-9-1 reply codes used across the crate, and the classification of a broker refusal by
-//! its reply code (never by its text).
+//! AMQP plumbing shared by every stage: the session's two connections ([`Connections`]), the
+//! reply codes used across the crate and the classification of a broker refusal by its reply code
+//! (never by its text), and header readers ([`header_str`], [`header_u64`]).
 //!
 //! Source of every code: the AMQP 0-9-1 specification, section "Constants"
 //! (<https://www.rabbitmq.com/resources/specs/amqp0-9-1.pdf>), as generated into
@@ -9,6 +10,7 @@ use std::sync::Arc;
 
 use lapin::options::ConfirmSelectOptions;
 use lapin::protocol::AMQPErrorKind;
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection};
 
 /// `reply-success` (200): the code of a normal `channel.close` / `connection.close`.
@@ -64,6 +66,31 @@ impl Connections {
         let a = self.consume.close(REPLY_SUCCESS, why.into()).await;
         let b = self.publish.close(REPLY_SUCCESS, why.into()).await;
         a.and(b)
+    }
+}
+
+/// Reads a string header (long or short string).
+pub fn header_str<'a>(headers: Option<&'a FieldTable>, name: &str) -> Option<std::borrow::Cow<'a, str>> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes())),
+        AMQPValue::ShortString(s) => Some(std::borrow::Cow::Borrowed(s.as_str())),
+        _ => None,
+    }
+}
+
+/// Reads an integer header.
+pub fn header_u64(headers: Option<&FieldTable>, name: &str) -> Option<u64> {
+    match headers?.inner().get(name)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
+        AMQPValue::ShortString(s) => s.as_str().parse().ok(),
+        AMQPValue::LongUInt(n) => Some(u64::from(*n)),
+        AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::ShortInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::ShortShortInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::ShortUInt(n) => Some(u64::from(*n)),
+        AMQPValue::ShortShortUInt(n) => Some(u64::from(*n)),
+        _ => None,
     }
 }
 

@@ -122,30 +122,7 @@ pub fn headers_with(base: Option<&FieldTable>, extra: &[(&str, String)]) -> Fiel
     t
 }
 
-/// Reads a string header (long or short string).
-pub fn header_str<'a>(headers: Option<&'a FieldTable>, name: &str) -> Option<std::borrow::Cow<'a, str>> {
-    match headers?.inner().get(name)? {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes())),
-        AMQPValue::ShortString(s) => Some(std::borrow::Cow::Borrowed(s.as_str())),
-        _ => None,
-    }
-}
-
-/// Reads an integer header.
-pub fn header_u64(headers: Option<&FieldTable>, name: &str) -> Option<u64> {
-    match headers?.inner().get(name)? {
-        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
-        AMQPValue::ShortString(s) => s.as_str().parse().ok(),
-        AMQPValue::LongUInt(n) => Some(u64::from(*n)),
-        AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
-        AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
-        AMQPValue::ShortInt(n) => u64::try_from(*n).ok(),
-        AMQPValue::ShortShortInt(n) => u64::try_from(*n).ok(),
-        AMQPValue::ShortUInt(n) => Some(u64::from(*n)),
-        AMQPValue::ShortShortUInt(n) => Some(u64::from(*n)),
-        _ => None,
-    }
-}
+pub use crate::amqp::{header_str, header_u64};
 
 /// The properties a message the daemon republishes (a forwarded request, a dead letter) carries
 /// over from the original: an allowlist, never a blind copy. Copied: `content_type`,

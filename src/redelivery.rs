@@ -17,7 +17,7 @@ use std::sync::{LazyLock, Mutex};
 
 use lapin::types::FieldTable;
 
-use crate::publisher::header_u64;
+use crate::amqp::header_u64;
 
 /// Header in which quorum queues count earlier deliveries of a message.
 pub const HEADER_DELIVERY_COUNT: &str = "x-delivery-count";
