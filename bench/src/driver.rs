@@ -72,6 +72,9 @@ struct State {
 
 /// Publishes `reqs` to `queue` (each at its `at`) and waits for all results, at most `timeout`
 /// after the last publish. Samples the backlog every `sample`.
+///
+/// Longer than 80 lines on purpose: one event loop (publish on schedule, collect, sample the
+/// backlog) whose branches share the run's state.
 pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Duration) -> anyhow::Result<Drive> {
     let conn = Connection::connect(crate::procs::AMQP_URL, ConnectionProperties::default()).await.context("connecting to RabbitMQ")?;
     let pub_ch = conn.create_channel().await?;

@@ -344,6 +344,9 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts })
 }
 
+/// One cache run: fresh llama-servers and daemons, publish the sample, collect, read the servers'
+/// counters, tear down. Longer than 80 lines on purpose: the steps share a dozen locals and read
+/// in the order they happen; split, each piece would need most of them as arguments.
 #[allow(clippy::too_many_arguments)]
 async fn cache_run(
     env: &Env,
@@ -505,6 +508,8 @@ fn offline_model(prompts: &[String], m: usize, keyed: Option<usize>, sim: &SimOp
     hit as f64 / total.max(1) as f64
 }
 
+/// Part 2 (Mooncake replay by M). Longer than 80 lines on purpose: one loop over M and modes
+/// whose body is the run's sequence (start, replay, collect, record), read top to bottom.
 pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<ScaleResults> {
     let http = reqwest::Client::new();
     std::fs::write(env.work.join("empty.toml"), "")?;
@@ -739,6 +744,8 @@ pub const DAEMON: &str = "daemon";
 pub const DAEMON_1MS: &str = "daemon, 1 ms wait";
 pub const PASS: &str = "pass-through";
 
+/// One overhead repetition (daemon or pass-through). Longer than 80 lines on purpose: burst,
+/// fixed-rate latency and the /proc CPU and RSS readings are one measurement of one process set.
 async fn overhead_run(
     env: &Env,
     http: &reqwest::Client,

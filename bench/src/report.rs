@@ -49,6 +49,8 @@ pub fn overhead_medians(o: &OverheadResults, system: &str) -> (f64, f64, f64, f6
     (m(&|r| r.throughput_rps), m(&|r| r.p50_s), m(&|r| r.p99_s), m(&|r| r.cpu_s_per_1000))
 }
 
+/// Renders REPORT.md. Longer than 80 lines on purpose: it writes the report's Markdown in
+/// reading order, so the code and the document it produces follow the same sequence.
 pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     let mut s = String::new();
     let p = &r.plan;
