@@ -34,7 +34,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use futures_util::{Stream, StreamExt};
 use lapin::{Connection, ConnectionProperties};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -210,15 +210,6 @@ async fn cancel_on(signal: impl Future<Output = ()>, token: CancellationToken, r
     }
 }
 
-async fn connect_redis(settings: &Settings) -> Result<ConnectionManager, redis::RedisError> {
-    let client = redis::Client::open(settings.redis.url.expose())?;
-    let cfg = ConnectionManagerConfig::new()
-        .set_response_timeout(Some(settings.redis.command_timeout))
-        .set_connection_timeout(Some(settings.redis.command_timeout))
-        .set_number_of_retries(2);
-    client.get_connection_manager_with_config(cfg).await
-}
-
 enum SessionEnd {
     /// Shutdown requested and the drain finished.
     Stopped,
@@ -308,7 +299,7 @@ impl App {
     ) -> Result<SessionEnd, AppError> {
         let r = match redis {
             Some(r) => r.clone(),
-            None => match connect_redis(&self.settings).await {
+            None => match crate::lease::connect(&self.settings.redis).await {
                 Ok(r) => redis.insert(r).clone(),
                 Err(e) => return Ok(SessionEnd::Failed(SessionError::Redis(e))),
             },
