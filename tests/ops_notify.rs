@@ -39,22 +39,6 @@ fn count(notes: &[Note], line: &str) -> usize {
     notes.iter().filter(|n| n.text.lines().any(|l| l == line)).count()
 }
 
-/// The address the daemon serves HTTP on, from its log.
-fn http_addr(daemon: &DaemonProcess) -> String {
-    let log = daemon.log();
-    let line = log.lines().find(|l| l.contains("http listening")).unwrap_or_else(|| panic!("no 'http listening' line:\n{log}"));
-    line.split("addr=").nth(1).and_then(|s| s.split_whitespace().next()).unwrap_or_else(|| panic!("no addr in {line}")).to_owned()
-}
-
-fn http_status(addr: &str, path: &str) -> u16 {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect to the daemon's HTTP port");
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ready_then_watchdog_pings_then_stopping() {
     let env = TestEnv::new("notify");
@@ -75,7 +59,7 @@ async fn ready_then_watchdog_pings_then_stopping() {
     // Ready means ready: the member key is written and /readyz answers 200.
     let members = redis.keys(&format!("{}:member:*", env.key_prefix())).await;
     assert_eq!(members, vec![format!("{}:member:{}", env.key_prefix(), raw.instance.name)], "member key at READY");
-    assert_eq!(http_status(&http_addr(&daemon), "/readyz"), 200, "/readyz at READY");
+    assert_eq!(http_get(&daemon.http_addr().await, "/readyz").await.0, 200, "/readyz at READY");
 
     // WATCHDOG_USEC = 2 s: a ping every second (half of it), from the main loop.
     recv_until(&sock, &mut notes, Duration::from_secs(10), &daemon, "three WATCHDOG=1", |n| count(n, "WATCHDOG=1") >= 3);
