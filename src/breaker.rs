@@ -205,6 +205,17 @@ impl Breaker {
         }
     }
 
+    /// Opens a closed breaker at `now` because the endpoint failed a check made outside the call
+    /// path (see [`crate::llm::LlmClient::confirm_server_fault`]): the open time and the probing
+    /// then go as after any opening. Returns the new state when it changed (only from closed).
+    pub fn trip(&mut self, now: Instant) -> Option<BreakerState> {
+        if self.state != State::Closed {
+            return None;
+        }
+        self.open(now);
+        Some(BreakerState::Open)
+    }
+
     fn record_closed(&mut self, outcome: Outcome, now: Instant) -> Option<BreakerState> {
         let fault = match outcome {
             Outcome::Abandoned => return None,
@@ -350,5 +361,19 @@ mod tests {
         assert_eq!(b.record(Outcome::ServerFault, false, Instant::now()), None);
         assert_eq!(b.record(Outcome::Success, false, Instant::now()), None);
         assert_eq!(b.state(Instant::now()), BreakerState::Open);
+    }
+
+    #[test]
+    fn a_failed_check_trips_a_closed_breaker_once_and_probing_follows() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        assert_eq!(b.trip(t0), Some(BreakerState::Open));
+        assert!(!b.available(t0));
+        assert_eq!(b.trip(t0), None, "only a closed breaker trips");
+        assert_eq!(b.open_until(), Some(t0 + Duration::from_secs(1)));
+        assert!(!b.admit_probe(t0));
+        assert!(b.admit_probe(t0 + Duration::from_secs(1)));
+        assert_eq!(b.record(Outcome::Success, true, t0 + Duration::from_secs(1)), Some(BreakerState::Closed));
+        assert!(b.available(t0 + Duration::from_secs(1)));
     }
 }

@@ -782,8 +782,37 @@ impl LlmClient {
     /// Gives `endpoint`'s breaker a call outcome; reports a state change, and starts the prober
     /// when the breaker opened.
     fn record(&self, endpoint: usize, outcome: Outcome, probe: bool) {
+        let changed = lock(&self.inner.endpoints[endpoint].breaker).record(outcome, probe, Instant::now());
+        self.after_record(endpoint, changed, probe);
+    }
+
+    /// Decides whose fault the server faults of a batch on `endpoint` were, before its requests
+    /// are settled: `true` when the endpoint is down (its breaker is open, or it fails a probe now —
+    /// the one-token completion of the half-open probe, see the module doc — which then opens the
+    /// breaker), so the requests must wait for it instead of being charged a delivery; `false`
+    /// when the endpoint answers the probe (or judges it as a request fault), so the fault may be
+    /// the requests' own and the delivery limit applies. An unknown index counts as down.
+    ///
+    /// This is what keeps an outage's first failures, before the breaker's own rule
+    /// ([`BreakerPolicy`]) opens it, from costing the requests deliveries: a server that answers
+    /// 401 to everything fails each batch at once, and without this check the same requests would
+    /// go round the queue several times in a second.
+    pub async fn confirm_server_fault(&self, endpoint: usize) -> bool {
+        if endpoint >= self.inner.endpoints.len() || !self.available(endpoint) {
+            return true;
+        }
+        if self.probe(endpoint).await != Outcome::ServerFault {
+            return false;
+        }
+        let changed = lock(&self.inner.endpoints[endpoint].breaker).trip(Instant::now());
+        self.after_record(endpoint, changed, false);
+        true
+    }
+
+    /// Logs and reports a breaker change (see [`Self::record`]), and starts the prober when the
+    /// breaker opened.
+    fn after_record(&self, endpoint: usize, changed: Option<BreakerState>, probe: bool) {
         let ep = &self.inner.endpoints[endpoint];
-        let changed = lock(&ep.breaker).record(outcome, probe, Instant::now());
         match changed {
             Some(BreakerState::Open) => {
                 tracing::warn!(endpoint, name = %ep.name, "LLM endpoint circuit breaker opened; its calls fail fast")
@@ -813,7 +842,7 @@ impl LlmClient {
             Ok(r) => classify(Problem::Status(r.status().as_u16())),
             Err(e) => classify(Problem::Transport(&e)),
         };
-        tracing::info!(endpoint, name = %ep.name, kind = kind.as_str(), "LLM endpoint probe failed; the circuit breaker stays open");
+        tracing::info!(endpoint, name = %ep.name, kind = kind.as_str(), "LLM endpoint probe failed");
         kind.breaker_outcome()
     }
 

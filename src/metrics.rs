@@ -189,8 +189,6 @@ static CONSUMER_RESTARTS: LazyLock<IntCounterVec> =
 
 /// Label values of `consumer_restarts_total{reason}`.
 pub mod restart {
-    /// No LLM endpoint is available: intake paused, then resumed.
-    pub const LLM_UNAVAILABLE: &str = "llm_unavailable";
     /// The oldest unsettled delivery neared `amqp.consumer_timeout`.
     pub const CONSUMER_TIMEOUT: &str = "consumer_timeout";
     /// A channel under the partition closed (e.g. a publish refused with 406).
@@ -198,7 +196,7 @@ pub mod restart {
     /// The broker cancelled the consumer or the queue was missing (re-declared).
     pub const QUEUE_MISSING: &str = "queue_missing";
     /// Every label value, for [`super::init`].
-    pub const ALL: &[&str] = &[LLM_UNAVAILABLE, CONSUMER_TIMEOUT, CHANNEL_CLOSED, QUEUE_MISSING];
+    pub const ALL: &[&str] = &[CONSUMER_TIMEOUT, CHANNEL_CLOSED, QUEUE_MISSING];
 }
 
 static READY: LazyLock<Gauge> =

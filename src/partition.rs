@@ -14,14 +14,19 @@
 //! - `abort` (lease lost): close the channel at once — the broker requeues every unacked
 //!   delivery in order — abort in-flight LLM calls and drop their unpublished results.
 //!
+//! **LLM outages pause intake.** While no LLM endpoint of the partition is available (the circuit
+//! breakers are open, [`crate::llm`]), the worker takes no new delivery: the requests wait in
+//! their queue (the prefetch is spent), and those already held wait in memory, unacked, for an
+//! endpoint. A batch that meets a server fault asks the endpoint whose fault it was
+//! ([`LlmClient::confirm_server_fault`]); when the endpoint is down its requests wait and go again,
+//! so an outage neither burns requests into `ok: false` results nor charges them deliveries
+//! (quorum queues count every return, a channel's close included). The breaker's own probe, never
+//! a request, decides when to resume.
+//!
 //! **Consuming sessions.** Within its tenure the worker runs one *consuming session* after
 //! another (a consume channel, a publish channel, a batcher, an executor). A session ends without
 //! ending the partition — its channel is closed, so the broker requeues everything unacked in
 //! order, and a new session starts — when:
-//! - no LLM endpoint of the partition is available (a batch met a server fault and the circuit
-//!   breaker is open, [`crate::llm`]): intake pauses until [`LlmClient::wait_available`], so an
-//!   outage leaves the requests in their queue instead of burning them into `ok: false` results;
-//!   the breaker's own probe, never a request, decides when to resume;
 //! - the oldest unsettled delivery nears RabbitMQ's `consumer_timeout` (0.9 × it): the broker
 //!   would close the channel anyway;
 //! - a channel under the partition closed (e.g. a publish refused with 406), or the queue is gone
@@ -30,7 +35,8 @@
 //!
 //! **Every delivery is settled.** After the LLM call: a result (or a request fault's `ok: false`
 //! result) is published and the request acked ([`publisher::publish_result`], which requeues when
-//! nothing could be published); a server fault nacks the request with requeue and notes why
+//! nothing could be published); a server fault of an endpoint that still answers nacks the
+//! request with requeue and notes why
 //! ([`crate::redelivery::note_failure`]); a panic in a batch task is caught at the task boundary
 //! and its requests are nacked with requeue, so the delivery limit bounds a poison message.
 //! Everything else ends with the channel's close.
@@ -244,7 +250,7 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
                 warn!(partition = p, error = %e, "could not declare the partition queue; retrying");
             }
         }
-        if reason != restart::LLM_UNAVAILABLE && !stop.any() {
+        if !stop.any() {
             tokio::select! {
                 _ = stop.stopped() => {}
                 _ = tokio::time::sleep(RESTART_PAUSE) => {}
@@ -335,10 +341,11 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
-    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, end.clone()));
+    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
     let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held).await;
+    metrics::intake_paused(p, false);
     match ending {
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
             drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
@@ -397,7 +404,21 @@ async fn intake(
     tokio::pin!(expired);
     let guard_limit = s.amqp.consumer_timeout.mul_f64(CONSUMER_TIMEOUT_GUARD);
     let mut guard = tokio::time::interval((guard_limit / 20).clamp(Duration::from_millis(10), Duration::from_secs(1)));
+    let mut paused = false;
     loop {
+        // Intake pauses while no endpoint of the partition is available: what is held waits for
+        // it (see `infer_through_outages`), the rest waits in the queue (the prefetch is spent).
+        let endpoint = ctx.llm.endpoint_for(ctx.partition);
+        let unavailable = !ctx.llm.available(endpoint);
+        if unavailable != paused {
+            paused = unavailable;
+            metrics::intake_paused(ctx.partition, paused);
+            if paused {
+                warn!(partition = ctx.partition, epoch = ctx.epoch, "no LLM endpoint available; intake paused, requests wait in the queue");
+            } else {
+                info!(partition = ctx.partition, epoch = ctx.epoch, "LLM endpoint available again; intake resumed");
+            }
+        }
         tokio::select! {
             biased;
             _ = stop.abort.cancelled() => return Ok(Ended::Stopped),
@@ -413,7 +434,10 @@ async fn intake(
             _ = stop.revoke.cancelled() => return Ok(Ended::Stopped),
             _ = end.token.cancelled() => return Ok(Ended::Restart(end.reason().unwrap_or(restart::CHANNEL_CLOSED))),
             _ = guard.tick() => check_consumer_timeout(ctx, held, guard_limit, end),
-            next = consumer.next() => match next {
+            _ = ctx.llm.wait_available(endpoint, &end.token), if paused => {}
+            // Another endpoint of the ranking may come back first.
+            _ = tokio::time::sleep(Duration::from_secs(1)), if paused => {}
+            next = consumer.next(), if !paused => match next {
                 Some(Ok(delivery)) => {
                     let Some(pending) = admit(ctx, stop, end, publish, delivery, held).await else { continue };
                     let bkey = if keyed { pending.key } else { PrefixKey(0) };
@@ -469,7 +493,13 @@ async fn admit(
 
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
 /// The LLM client's per-endpoint semaphore bounds the concurrent calls.
-async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>, end: Arc<SessionEnd>) {
+async fn execute(
+    ctx: PartitionContext,
+    ch: Channel,
+    mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>,
+    stop: StopSignals,
+    end: Arc<SessionEnd>,
+) {
     let mut tasks = tokio::task::JoinSet::new();
     let mut seq = 0u64;
     loop {
@@ -480,7 +510,7 @@ async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receive
                     seq += 1;
                     let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
                     let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
-                    tasks.spawn(guarded_batch(ctx.clone(), ch.clone(), batch, batch_id, end.clone()).instrument(span));
+                    tasks.spawn(guarded_batch(ctx.clone(), ch.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span));
                 }
                 None => break,
             },
@@ -492,9 +522,16 @@ async fn execute(ctx: PartitionContext, ch: Channel, mut batch_rx: mpsc::Receive
 /// Runs [`process_batch`] with its panics caught: the requests of a batch whose task panicked are
 /// nacked with requeue (the delivery limit then bounds a poison message), counted in
 /// `task_panics_total{stage="batcher"}`, and logged.
-async fn guarded_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKey, Pending>, batch_id: String, end: Arc<SessionEnd>) {
+async fn guarded_batch(
+    ctx: PartitionContext,
+    ch: Channel,
+    batch: Batch<PrefixKey, Pending>,
+    batch_id: String,
+    stop: StopSignals,
+    end: Arc<SessionEnd>,
+) {
     let ackers: Vec<(String, Acker)> = batch.items.iter().map(|p| (p.req.id.clone(), p.delivery.acker.clone())).collect();
-    let Err(panic) = AssertUnwindSafe(process_batch(ctx, ch, batch, batch_id, end)).catch_unwind().await else { return };
+    let Err(panic) = AssertUnwindSafe(process_batch(ctx, ch, batch, batch_id, stop, end)).catch_unwind().await else { return };
     let message = panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
@@ -537,9 +574,22 @@ async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery, held: 
 }
 
 /// Runs one batch: LLM call, then per request: a confirmed result and its ack, or (server fault)
-/// a nack with requeue. Ends the session when the endpoint turned unavailable or a channel was
-/// lost.
-async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKey, Pending>, batch_id: String, end: Arc<SessionEnd>) {
+/// a nack with requeue. Ends the session when a channel was lost.
+///
+/// **A server-wide failure is not a request's failure.** The call waits for an available endpoint
+/// ([`wait_for_endpoint`]). When items come back with a server fault,
+/// [`LlmClient::confirm_server_fault`] asks the endpoint (a probe) whose fault it was: if the
+/// endpoint is down, the items wait in memory, unacked, for an endpoint and go again (an outage
+/// costs them no delivery, however long it lasts); if it answers, the fault may be the requests'
+/// own and they are nacked with requeue, so `amqp.delivery_limit` bounds a poison request.
+async fn process_batch(
+    ctx: PartitionContext,
+    ch: Channel,
+    batch: Batch<PrefixKey, Pending>,
+    batch_id: String,
+    stop: StopSignals,
+    end: Arc<SessionEnd>,
+) {
     let n = batch.items.len();
     let purity = batcher::purity(batch.items.iter().map(|p| p.key));
     let texts: Vec<std::borrow::Cow<'_, str>> = batch.items.iter().map(|p| p.req.body.text_for_stats()).collect();
@@ -551,30 +601,19 @@ async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
     if batch.reason == FlushReason::Revoke && cancel.is_cancelled() {
         return;
     }
-    let endpoint = ctx.llm.endpoint_for(ctx.partition);
-    if !ctx.llm.available(endpoint) {
-        // Not a single call: the channel's close returns these requests without counting a
-        // failed delivery against them.
-        end.raise(restart::LLM_UNAVAILABLE);
-        return;
-    }
-
     let flushed = Instant::now();
     let items: Vec<InferenceItem<'_>> = batch
         .items
         .iter()
         .map(|p| InferenceItem { body: &p.req.body, model: p.req.model.as_deref(), params: &p.req.params })
         .collect();
-    let results = ctx.llm.infer(endpoint, &items, cancel).await;
-    let llm_ms = flushed.elapsed().as_millis() as u64;
+    // `None`: stopping, lease lost or session ending. Nothing is settled here; the channel's close
+    // returns these requests.
+    let Some((results, llm_ms)) = infer_through_outages(&ctx, &items, &stop, &end).await else { return };
     drop(items);
-    if cancel.is_cancelled() {
-        return; // lease lost or session ending: the channel is closing and the broker requeues these requests
-    }
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
-    let server_fault = results.iter().any(|r| r.as_ref().is_err_and(|e| e.fault() == Fault::Server));
     let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
         let ch = &ch;
@@ -600,7 +639,86 @@ async fn process_batch(ctx: PartitionContext, ch: Channel, batch: Batch<PrefixKe
     if settlements.contains(&Settlement::ChannelLost) || !ch.status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
-    if server_fault && !endpoint_available(&ctx) {
-        end.raise(restart::LLM_UNAVAILABLE);
+}
+
+/// The LLM answers of `items`, one per item in order, and the time spent in LLM calls (ms). Items
+/// that meet a server fault while their endpoint is down ([`LlmClient::confirm_server_fault`])
+/// wait for an available endpoint and go again. When the endpoint answers the probe instead, the
+/// fault may be one request's own (a prompt that crashes the server fails the list call it
+/// shares with others): several items that failed together go again once, one call each, so only
+/// the offender keeps its server fault. `None` when a stop signal or the session's end comes
+/// first.
+async fn infer_through_outages(
+    ctx: &PartitionContext,
+    items: &[InferenceItem<'_>],
+    stop: &StopSignals,
+    end: &SessionEnd,
+) -> Option<(Vec<Result<crate::llm::Completion, crate::llm::LlmError>>, u64)> {
+    let mut results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = items.iter().map(|_| None).collect();
+    let mut todo: Vec<usize> = (0..items.len()).collect();
+    let mut llm_ms = 0u64;
+    let mut one_by_one = false;
+    loop {
+        let endpoint = wait_for_endpoint(ctx, stop, end).await?;
+        let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
+        let started = Instant::now();
+        let answers = if one_by_one {
+            let calls = call.iter().map(|item| ctx.llm.infer(endpoint, std::slice::from_ref(item), &end.token));
+            futures_util::future::join_all(calls).await.into_iter().flatten().collect()
+        } else {
+            ctx.llm.infer(endpoint, &call, &end.token).await
+        };
+        llm_ms += started.elapsed().as_millis() as u64;
+        if end.token.is_cancelled() {
+            return None;
+        }
+        let server_faults = answers.iter().filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server)).count();
+        let outage = server_faults > 0 && ctx.llm.confirm_server_fault(endpoint).await;
+        // Isolate a possible offender once; an outage resets nothing (the items wait and go again).
+        let isolate = !outage && !one_by_one && server_faults > 1;
+        one_by_one |= isolate;
+        let mut again = Vec::new();
+        for (i, answer) in todo.into_iter().zip(answers) {
+            if (outage || isolate) && answer.as_ref().is_err_and(|e| e.fault() == Fault::Server) {
+                again.push(i);
+            } else {
+                results[i] = Some(answer);
+            }
+        }
+        if again.is_empty() {
+            let results = results.into_iter().map(|r| r.expect("every item was answered")).collect();
+            return Some((results, llm_ms));
+        }
+        if outage {
+            warn!(
+                partition = ctx.partition,
+                endpoint,
+                requests = again.len(),
+                "LLM endpoint down; these requests wait for it in memory, unacked, and are not charged a delivery"
+            );
+        } else {
+            warn!(partition = ctx.partition, endpoint, requests = again.len(), "server fault while the endpoint answers probes; retrying the requests one call each");
+        }
+        todo = again;
+    }
+}
+
+/// The endpoint to call for the partition: the first available one ([`LlmClient::endpoint_for`]),
+/// once there is one. `None` when a stop signal or the session's end (lease lost, restart) comes
+/// first.
+async fn wait_for_endpoint(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd) -> Option<usize> {
+    loop {
+        let endpoint = ctx.llm.endpoint_for(ctx.partition);
+        if ctx.llm.available(endpoint) {
+            return Some(endpoint);
+        }
+        tokio::select! {
+            biased;
+            _ = stop.stopped() => return None,
+            _ = end.token.cancelled() => return None,
+            _ = ctx.llm.wait_available(endpoint, &end.token) => {}
+            // Another endpoint of the ranking may come back first.
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+        }
     }
 }

@@ -26,6 +26,10 @@ use tokio_util::sync::CancellationToken;
 /// A prompt containing this is refused by [`SwitchableLlm`] with a 400 (a request fault).
 const REJECTED: &str = "REJECT-ME";
 
+/// A call with a prompt containing this gets a 500 from [`SwitchableLlm`] (a prompt that crashes
+/// the server: a server fault the probe does not share).
+const POISON: &str = "CRASH-ME";
+
 /// An OpenAI-style completions server on an OS-chosen port whose every answer (completions and
 /// the circuit breaker's one-token probe completion alike) is HTTP `status` while it is not 200: an outage that can be
 /// switched on and off. While up, it answers 400 to any call with a prompt containing
@@ -55,6 +59,10 @@ impl SwitchableLlm {
                     return outage(status);
                 }
                 let prompts = body["prompt"].as_array().cloned().unwrap_or_default();
+                if prompts.iter().any(|p| p.as_str().is_some_and(|p| p.contains(POISON))) {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                    return outage(500);
+                }
                 if prompts.iter().any(|p| p.as_str().is_some_and(|p| p.contains(REJECTED))) {
                     let error = json!({"error": {"message": "prompt too long", "type": "invalid_request_error"}});
                     return (StatusCode::BAD_REQUEST, Json(error)).into_response();
@@ -104,6 +112,14 @@ async fn ready_in_partitions(amqp: &Amqp, env: &TestEnv) -> u32 {
         ready += amqp.queue_depth(&env.partition_queue(p)).await.0;
     }
     ready
+}
+
+/// Messages in the partition queues, ready or delivered and held unacked (from `rabbitmqctl`,
+/// whose quorum-queue counts lag a little: callers wait on them with a deadline).
+fn waiting_in_partitions(env: &TestEnv) -> u64 {
+    let first = env.partition_queue(0);
+    let prefix = first.trim_end_matches(|c: char| c.is_ascii_digit());
+    broker::queues(prefix).iter().map(|(_, ready, unacked)| ready + unacked).sum()
 }
 
 /// Stops the daemon gracefully, then checks that nothing was left unsettled (a delivery held
@@ -206,11 +222,16 @@ async fn a_long_request_id_harms_no_other_request() {
 
 /// 60 requests at 10/s while the LLM server answers 503 to everything (the breaker's probe
 /// included) for 8 s, then recovers: no `ok: false` result, nothing dead-lettered, every request
-/// answered `ok` once the server is back; the requests waited in their queues meanwhile.
+/// answered `ok` once the server is back; the requests waited in their queues (ready, or held
+/// unacked) meanwhile. With `amqp.delivery_limit = 1` a single delivery charged to a request by
+/// the outage would dead-letter it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_llm_outage_pauses_intake_and_loses_nothing() {
     let llm = SwitchableLlm::start(503).await;
-    let (env, mut st) = start("outage", &llm.url).await;
+    let env = TestEnv::new("outage");
+    let mut raw = env.raw_config(&llm.url);
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let (amqp, reply) = (&st.amqp, st.reply.clone());
 
@@ -221,9 +242,9 @@ async fn an_llm_outage_pauses_intake_and_loses_nothing() {
         tick.tick().await;
         amqp.publish_requests(&env.input_queue(), std::slice::from_ref(r), &reply).await;
     }
-    // The requests wait in their partition queues (intake paused, nothing held).
-    let waiting = wait_for("the requests to wait in the partition queues", Duration::from_secs(10), || async {
-        ready_in_partitions(&amqp, &env).await >= 55
+    // The requests wait in their partition queues (intake paused; what was delivered is held).
+    let waiting = wait_for("the requests to wait in the partition queues", Duration::from_secs(20), || async {
+        waiting_in_partitions(&env) >= 55
     })
     .await;
     assert!(waiting);
@@ -242,25 +263,35 @@ async fn an_llm_outage_pauses_intake_and_loses_nothing() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
-/// A server that answers 401 to everything (a wrong token): intake pauses, no `ok: false` result;
-/// once the token is right again (200), every request is answered.
+/// A server that answers 401 to everything (a wrong token, not retried by the client, so every
+/// call fails at once): intake pauses, no `ok: false` result, and no request is charged a
+/// delivery (`amqp.delivery_limit = 1`: one charged delivery would dead-letter it); once the
+/// token is right again (200), every request is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unauthorized_pauses_intake_without_failing_requests() {
     let llm = SwitchableLlm::start(401).await;
-    let (env, mut st) = start("unauth", &llm.url).await;
+    let env = TestEnv::new("unauth");
+    let mut raw = env.raw_config(&llm.url);
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let reqs = completions_workload("unauth", 20, 2);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     let waiting = wait_for("all 20 requests to wait in the partition queues", Duration::from_secs(20), || async {
-        ready_in_partitions(&st.amqp, &env).await == 20
+        waiting_in_partitions(&env) == 20
     })
     .await;
     assert!(waiting);
+    // A few more seconds of outage: the breaker reopens and probes meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     st.results.barrier(&st.amqp).await;
     assert_eq!(st.results.received.len(), 0, "no result while the server refuses the token");
     llm.set(200);
     st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
     assert!(st.results.received.iter().filter(|m| ids(&reqs).contains(&m.correlation_id)).all(|m| m.result().ok));
-    stop_and_check_nothing_held(env, st, vec![]).await;
+    dead.barrier(&st.amqp).await;
+    assert_eq!(dead.received.len(), 0, "dead-lettered: {:?}", dead.received.first().map(|m| &m.headers));
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
 /// A request fault (400 for one prompt) gives exactly that request an `ok: false` result (kind
@@ -289,6 +320,43 @@ async fn a_request_fault_fails_only_its_request() {
     }
     drop(by_id);
     stop_and_check_nothing_held(env, st, vec![]).await;
+}
+
+/// A prompt that crashes the server (500 for any call that carries it, while the probe and every
+/// other call succeed), batched with 7 innocent requests on one key: the 7 are answered `ok` (the
+/// failed list call goes again one prompt per call), and the offender is dead-lettered with
+/// reason `delivery_limit` after `amqp.delivery_limit` = 2 deliveries, its last error in the
+/// detail. Nothing is held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_that_crashes_the_server_is_dead_lettered_alone() {
+    let llm = SwitchableLlm::start(200).await;
+    let env = TestEnv::new("poison");
+    let mut raw = env.raw_config(&llm.url);
+    raw.amqp.delivery_limit = 2;
+    raw.llm.max_attempts = 2;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let mut reqs = one_key("poison", 7, 4);
+    let bad_id = "poison-bad".to_owned();
+    reqs.push(completion(&bad_id, 4, &format!(" {POISON}")));
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let innocent: HashSet<String> = reqs.iter().filter(|r| r.id != bad_id).map(|r| r.id.clone()).collect();
+    st.results.until_all(&innocent, Duration::from_secs(30)).await;
+    dead.until_all(&HashSet::from([bad_id.clone()]), Duration::from_secs(30)).await;
+    st.results.barrier(&st.amqp).await;
+    let by_id = st.results.by_correlation();
+    for id in &innocent {
+        let got = &by_id[id];
+        assert_eq!(got.len(), 1, "request {id} got {} results", got.len());
+        assert!(got[0].result().ok, "{id} failed: {:?}", got[0].result().error);
+    }
+    assert!(!by_id.contains_key(&bad_id), "the offender got a result");
+    drop(by_id);
+    let m = &dead.received[0];
+    assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
+    let detail = m.header("x-death-detail").unwrap_or_default().to_owned();
+    assert!(detail.contains("500"), "the detail names the last error: {detail}");
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
 /// A batch held longer than 0.9 × `amqp.consumer_timeout` (here: 8 prompts sent one call after
