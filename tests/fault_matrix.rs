@@ -13,6 +13,9 @@
 //! Faults (`PREFIX_BATCHER_FAULTS=name,name,…` selects; default all):
 //! - `llm_refused`: the LLM refuses connections for 30 s.
 //! - `llm_503`, `llm_401`: the LLM answers 503 / 401 to everything for 30 s.
+//!
+//!   The three LLM faults run with `amqp.delivery_limit = 1`: an outage must charge no request a
+//!   delivery, so a single charged delivery would dead-letter a request and fail the row.
 //! - `reply_queue_rejects`: every request names a reply queue that holds 1 message and rejects
 //!   the rest (`x-max-length = 1`, `x-overflow = reject-publish`, not consumed); results it rejects
 //!   must reach the results queue. The one it holds counts as delivered.
@@ -184,6 +187,9 @@ async fn deploy(fault: Fault) -> Deployment {
     raw.redis.url = redis.url.clone();
     raw.keying.mode = "prefix".into();
     raw.sharding.default_shards = 1;
+    if matches!(fault, Fault::LlmRefused | Fault::Llm503 | Fault::Llm401) {
+        raw.amqp.delivery_limit = 1;
+    }
     let mut daemons = Vec::new();
     for suffix in ["a", "b"] {
         let mut r = raw.clone();
