@@ -109,6 +109,7 @@ pub struct RawConfig {
     pub sharding: RawSharding,
     pub batching: RawBatching,
     pub llm: RawLlm,
+    pub requests: crate::policy::RawRequests,
     pub http: RawHttp,
     pub shutdown: RawShutdown,
     pub log: RawLog,
@@ -125,6 +126,7 @@ impl Default for RawConfig {
             sharding: RawSharding::default(),
             batching: RawBatching::default(),
             llm: RawLlm::default(),
+            requests: crate::policy::RawRequests::default(),
             http: RawHttp::default(),
             shutdown: RawShutdown::default(),
             log: RawLog::default(),
@@ -377,6 +379,8 @@ pub struct Settings {
     pub sharding: ShardingSettings,
     pub batching: BatchingSettings,
     pub llm: LlmSettings,
+    /// `[requests]`: what a requester may ask.
+    pub requests: crate::policy::RequestPolicy,
     /// Address of `/metrics`, `/healthz`, `/readyz`; port 0 picks a free port.
     pub http_listen: std::net::SocketAddr,
     /// The whole shutdown (flush, in-flight work, release) must end within this; else exit 70.
@@ -569,7 +573,9 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
             .separator("__")
             .try_parsing(true)
             .list_separator(",")
-            .with_list_parse_key("llm.endpoints"),
+            .with_list_parse_key("llm.endpoints")
+            .with_list_parse_key("requests.allowed_params")
+            .with_list_parse_key("requests.models"),
     );
     let cfg = b.build().map_err(ConfigError::Load)?;
     cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)
@@ -664,6 +670,9 @@ impl Settings {
         let sharding = sharding(&r.sharding, amqp.partitions)?;
         let batching = batching(&r.batching, &amqp)?;
         let llm = llm(&r.llm)?;
+        let own_queues = [amqp.input_queue.as_str(), &amqp.results_queue, &amqp.dead_letter_queue];
+        let requests = crate::policy::RequestPolicy::from_raw(&r.requests, &own_queues, &amqp.partition_queue_prefix)
+            .map_err(|e| invalid(e.key, e.value, e.rule))?;
         let http_listen = r
             .http
             .listen
@@ -680,6 +689,7 @@ impl Settings {
             sharding,
             batching,
             llm,
+            requests,
             http_listen,
             drain_timeout,
             log,

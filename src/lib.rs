@@ -33,6 +33,7 @@
 //! - [`publisher`]: the publisher stage — parse-or-dead-letter, result shaping, confirmed publishes,
 //!   the ack after the effect, and every header name.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`policy`]: what a requester may ask (`reply_to`, parameters, models, message counts).
 //! - [`redelivery`]: delivery counts and the last error per request (for `delivery_limit`).
 //! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
 //! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
@@ -59,6 +60,7 @@ pub mod membership;
 pub mod metrics;
 pub mod ownership;
 pub mod partition;
+pub mod policy;
 pub mod publisher;
 pub mod readiness;
 pub mod redelivery;

@@ -550,7 +550,7 @@ async fn guarded_batch(
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
-    let (req, delivery) = match publisher::parse_or_dead_letter(ch, &s.amqp, delivery, Some(&ctx.lease)).await {
+    let (req, delivery) = match publisher::parse_or_dead_letter(ch, &s.amqp, &s.requests, delivery, Some(&ctx.lease)).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return None,
         Intake::Unacked(delivery) => {

@@ -29,6 +29,7 @@ use crate::config::AmqpSettings;
 use crate::lease::LeaseClock;
 use crate::llm::{Completion, ErrorKind, LlmError};
 use crate::metrics::{self, outcome, stage};
+use crate::policy::RequestPolicy;
 use crate::redelivery::{self, HEADER_DELIVERY_COUNT};
 use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs, REASON_DELIVERY_LIMIT};
 
@@ -191,12 +192,19 @@ pub enum Intake {
 
 /// Parses a delivery against the message contract ([`crate::request::parse`], with the
 /// `message_id`, `correlation_id` and `reply_to` properties and the `x-prefix-key` header). A
-/// request that breaks the contract is dead-lettered with its reason ([`dead_letter_and_ack`]).
+/// request that breaks the contract, or the requests policy ([`RequestPolicy::check`]), is
+/// dead-lettered with its reason ([`dead_letter_and_ack`]).
 /// So is a valid one delivered `amqp.delivery_limit` times or more before (the quorum queue's
 /// `x-delivery-count`, see [`crate::redelivery`]), with reason `delivery_limit` and the last error
 /// this instance saw for it. With `lease`, a dead letter is published only while the lease is
 /// valid.
-pub async fn parse_or_dead_letter(ch: &Channel, amqp: &AmqpSettings, delivery: Delivery, lease: Option<&LeaseClock>) -> Intake {
+pub async fn parse_or_dead_letter(
+    ch: &Channel,
+    amqp: &AmqpSettings,
+    policy: &RequestPolicy,
+    delivery: Delivery,
+    lease: Option<&LeaseClock>,
+) -> Intake {
     let props = &delivery.properties;
     let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
     let env = Envelope {
@@ -207,9 +215,10 @@ pub async fn parse_or_dead_letter(ch: &Channel, amqp: &AmqpSettings, delivery: D
     };
     let parsed = parse(&delivery.data, &env, amqp.max_message_bytes);
     let count = redelivery::delivery_count(props.headers().as_ref());
-    let (reason, detail) = match parsed {
-        Ok(req) if count < u64::from(amqp.delivery_limit.get()) => return Intake::Valid(req, delivery),
-        Ok(req) => {
+    let (reason, detail) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
+        Ok((Err((reason, detail)), _)) => (reason, detail),
+        Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Intake::Valid(req, delivery),
+        Ok((Ok(()), req)) => {
             let last = redelivery::last_failure(&req.id).unwrap_or_else(|| "unknown on this instance".to_owned());
             (REASON_DELIVERY_LIMIT, format!("delivered {count} times; last error: {last}"))
         }

@@ -120,12 +120,20 @@ impl ParseError {
     }
 }
 
+/// Dead-letter reason of a request whose `reply_to` the requests policy refuses
+/// ([`crate::policy`]).
+pub const REASON_REPLY_TO_NOT_ALLOWED: &str = "reply_to_not_allowed";
+
+/// Dead-letter reason of a request with a parameter, model or message count outside the requests
+/// policy ([`crate::policy`]).
+pub const REASON_PARAM_NOT_ALLOWED: &str = "param_not_allowed";
+
 /// Dead-letter reason of a request delivered `amqp.delivery_limit` times or more without an
 /// outcome (see [`crate::redelivery`]).
 pub const REASON_DELIVERY_LIMIT: &str = "delivery_limit";
 
-/// Every dead-letter reason: each value [`ParseError::reason`] can return, and
-/// [`REASON_DELIVERY_LIMIT`]. For metric initialisation and docs.
+/// Every dead-letter reason: each value [`ParseError::reason`] can return, the policy's
+/// ([`crate::policy`]) and [`REASON_DELIVERY_LIMIT`]. For metric initialisation and docs.
 pub const DEAD_LETTER_REASONS: &[&str] = &[
     "too_large",
     "invalid_utf8",
@@ -134,6 +142,8 @@ pub const DEAD_LETTER_REASONS: &[&str] = &[
     "both_prompt_and_messages",
     "unknown_message_schema",
     "invalid_field",
+    REASON_REPLY_TO_NOT_ALLOWED,
+    REASON_PARAM_NOT_ALLOWED,
     REASON_DELIVERY_LIMIT,
 ];
 

@@ -232,7 +232,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return requeue(delivery).await;
         }
     };
-    let (req, delivery) = match publisher::parse_or_dead_letter(&ch, a, delivery, None).await {
+    let (req, delivery) = match publisher::parse_or_dead_letter(&ch, a, &settings.requests, delivery, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
         Intake::Unacked(delivery) => return requeue(delivery).await,

@@ -134,6 +134,61 @@ async fn over_long_ids_are_dead_lettered_and_routing_goes_on() {
     f.finish().await;
 }
 
+/// Requests outside the requests policy (`[requests]`) are dead-lettered with their reason and a
+/// detail naming the field, and never reach the LLM server: a `reply_to` naming the daemon's own
+/// dead-letter queue, one matching no allowed pattern, `max_tokens` over the cap, a parameter not
+/// in the allowlist. The daemon serves others meanwhile without reconnecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_outside_the_policy_are_dead_lettered_and_serving_goes_on() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("policy", fake.url.as_str()).await;
+    let (dlq, reply) = (f.env.dead_letter_queue(), f.started.reply.clone());
+    let cases = [
+        ("own-queue", json!({"prompt": "hi"}), dlq.as_str(), "reply_to_not_allowed", "own queues"),
+        ("other-tenant", json!({"prompt": "hi"}), "other-tenant.replies", "reply_to_not_allowed", "reply_to_pattern"),
+        ("max-tokens", json!({"prompt": "hi", "params": {"max_tokens": 1_000_000}}), reply.as_str(), "param_not_allowed", "max_tokens"),
+        ("guided", json!({"prompt": "hi", "params": {"guided_grammar": "x"}}), reply.as_str(), "param_not_allowed", "guided_grammar"),
+    ];
+    let s = &f.started;
+    for (cid, body, reply_to, _, _) in &cases {
+        s.amqp.publish(&f.env.input_queue(), &serde_json::to_vec(body).unwrap(), request_props(cid, reply_to)).await;
+    }
+    f.serves_others("policy", 20).await;
+    f.dead.until("the dead letters of the refused requests", DEADLINE, |r| r.len() >= cases.len()).await;
+    for (cid, _, _, reason, named) in &cases {
+        let m = dead_letter(&f.dead, cid);
+        assert_eq!(m.header("x-death-reason"), Some(*reason), "{cid}: {:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains(named), "{cid}: detail {detail:?} should name {named}");
+    }
+    let served: BTreeSet<String> = fake.calls().into_iter().flat_map(|c| c.prompts).collect();
+    assert!(!served.contains("hi"), "a refused request reached the LLM server");
+    f.finish().await;
+}
+
+/// RabbitMQ's direct reply-to: the requester consumes the pseudo-queue `amq.rabbitmq.reply-to`
+/// (no-ack) and publishes on the same channel with that `reply_to`; the result reaches it with no
+/// reply queue declared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_reach_a_direct_reply_to_requester() {
+    use futures_util::StreamExt;
+    use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
+    let fake = FakeLlm::new().start().await.unwrap();
+    let f = fixture("direct", fake.url.as_str()).await;
+    let ch = f.started.amqp.conn.create_channel().await.unwrap();
+    let opts = BasicConsumeOptions { no_ack: true, ..Default::default() };
+    let mut replies = ch.basic_consume("amq.rabbitmq.reply-to".into(), "direct".into(), opts, FieldTable::default()).await.unwrap();
+    let body = serde_json::to_vec(&json!({"id": "direct-1", "prompt": "direct reply-to?"})).unwrap();
+    let props = request_props("direct-1", "amq.rabbitmq.reply-to");
+    ch.basic_publish("".into(), f.env.input_queue().as_str().into(), BasicPublishOptions::default(), &body, props).await.unwrap();
+    let got = tokio::time::timeout(DEADLINE, replies.next()).await.expect("a result within the deadline").expect("a delivery").unwrap();
+    let result: serde_json::Value = serde_json::from_slice(&got.data).unwrap();
+    assert_eq!(result["id"], "direct-1", "{result}");
+    assert_eq!(result["ok"], true, "{result}");
+    let _ = ch.close(200, "done".into()).await;
+    f.finish().await;
+}
+
 /// The test's own RabbitMQ user, deleted on drop.
 struct BrokerUser {
     name: String,
