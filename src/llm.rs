@@ -1857,3 +1857,75 @@ mod tests {
         assert_eq!(p.items[0].as_ref().unwrap_err().kind, ErrorKind::InvalidResponse);
     }
 }
+
+/// Property-based fuzzing of the answer demultiplexer (`PROPTEST_CASES` cases per target;
+/// `scripts/test` runs a fixed number): whatever a server answers, [`demux_completions`] and
+/// [`parse_chat`] return without panicking, an accepted list answer has exactly one result per
+/// prompt, and no prompt ever gets the text of a choice whose index belongs to another prompt.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+
+    use super::*;
+
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            (0u64..8).prop_map(|n| json!(n)),
+            ".{0,20}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(
+                    prop_oneof![Just("choices".to_owned()), Just("index".to_owned()), Just("text".to_owned()), Just("usage".to_owned()), ".{0,8}"],
+                    inner,
+                    0..6
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// A list answer whose choices carry indices from 0..8 (missing, repeated or out of range
+    /// ones included), each with the text `t{index}`, sometimes with a usage object or an error.
+    fn list_answer() -> impl Strategy<Value = Value> {
+        (prop::collection::vec(0u64..8, 0..10), any::<bool>(), any::<bool>()).prop_map(|(indices, usage, error)| {
+            let choices: Vec<Value> = indices.iter().map(|i| json!({"index": i, "text": format!("t{i}"), "finish_reason": "stop"})).collect();
+            let mut v = json!({"object": "text_completion", "choices": choices});
+            if usage {
+                v["usage"] = json!({"prompt_tokens": 10, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}});
+            }
+            if error {
+                v["error"] = json!({"message": "boom"});
+            }
+            v
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn fuzz_demux_arbitrary_answers(v in any_json(), n_items in 1usize..6, per in 1u64..3) {
+            if let Ok(p) = demux_completions(v.clone(), n_items, per) {
+                prop_assert_eq!(p.items.len(), n_items);
+            }
+            let _ = parse_chat(v);
+        }
+
+        #[test]
+        // From 2 prompts on (one prompt's answer is its own, whatever its choice index).
+        fn fuzz_demux_never_gives_a_prompt_anothers_text(v in list_answer(), n_items in 2usize..6) {
+            if let Ok(p) = demux_completions(v, n_items, 1) {
+                prop_assert_eq!(p.items.len(), n_items);
+                for (i, item) in p.items.iter().enumerate() {
+                    if let Ok(c) = item {
+                        prop_assert_eq!(&c.output, &json!(format!("t{i}")), "prompt {} got another's text", i);
+                    }
+                }
+            }
+        }
+    }
+}

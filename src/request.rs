@@ -524,3 +524,92 @@ mod tests {
         assert!(DEAD_LETTER_REASONS.contains(&REASON_DELIVERY_LIMIT));
     }
 }
+
+/// Property-based fuzzing of [`parse`] (`PROPTEST_CASES` cases per target; `scripts/test` runs a
+/// fixed number): whatever the bytes and properties, it returns, never panics, and what it accepts
+/// keeps the contract's limits.
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+    use serde_json::{json, Value};
+
+    use super::*;
+
+    /// Any JSON value, nested up to a few levels.
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            any::<f64>().prop_map(|f| json!(f)),
+            ".{0,40}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(".{0,12}", inner, 0..6).prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// A request-shaped object: the contract's keys with values of any type, or well-formed ones.
+    fn request_like() -> impl Strategy<Value = Value> {
+        let message = (prop_oneof![Just("system"), Just("user"), Just("assistant"), Just("robot")], any_json(), ".{0,30}")
+            .prop_map(|(role, content, text)| if text.len() % 2 == 0 { json!({"role": role, "content": text}) } else { json!({"role": role, "content": content}) });
+        let key = |name: &'static str, good: BoxedStrategy<Value>| {
+            prop::option::of(prop_oneof![good, any_json()]).prop_map(move |v| v.map(|v| (name, v)))
+        };
+        (
+            key("prompt", ".{0,60}".prop_map(Value::String).boxed()),
+            key("messages", prop::collection::vec(message, 0..5).prop_map(Value::Array).boxed()),
+            key("id", prop_oneof![".{1,250}".prop_map(Value::String), any::<u32>().prop_map(|n| json!(n))].boxed()),
+            key("model", "[a-z]{1,10}".prop_map(Value::String).boxed()),
+            key("params", Just(json!({"max_tokens": 8, "temperature": 0})).boxed()),
+            key("prefix_key", ".{0,20}".prop_map(Value::String).boxed()),
+        )
+            .prop_map(|(a, b, c, d, e, f)| Value::Object([a, b, c, d, e, f].into_iter().flatten().map(|(k, v)| (k.to_owned(), v)).collect()))
+    }
+
+    fn check_accepted(r: &Request) {
+        assert!(!r.id.is_empty() && r.id.len() <= MAX_ID_BYTES, "id {:?}", r.id);
+        if let Body::Chat(msgs) = &r.body {
+            assert!(!msgs.is_empty());
+            assert!(msgs.iter().all(|m| CHAT_ROLES.contains(&m.role.as_str())));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn fuzz_parse_arbitrary_bytes(body in prop::collection::vec(any::<u8>(), 0..512), mid in prop::option::of(".{0,300}"), reply in prop::option::of(".{0,300}")) {
+            let env = Envelope { message_id: mid.as_deref(), reply_to: reply.as_deref(), ..Envelope::default() };
+            if let Ok(r) = parse(&body, &env, 256) {
+                prop_assert!(body.len() <= 256);
+                check_accepted(&r);
+            }
+        }
+
+        #[test]
+        fn fuzz_parse_request_shaped_json(v in request_like(), mid in prop::option::of(".{0,300}"), corr in prop::option::of(".{0,300}")) {
+            let body = serde_json::to_vec(&v).unwrap();
+            let env = Envelope { message_id: mid.as_deref(), correlation_id: corr.as_deref(), ..Envelope::default() };
+            match parse(&body, &env, usize::MAX) {
+                Ok(r) => {
+                    check_accepted(&r);
+                    prop_assert!(corr.as_deref().unwrap_or_default().len() <= MAX_ID_BYTES);
+                }
+                Err(e) => prop_assert!(DEAD_LETTER_REASONS.contains(&e.reason())),
+            }
+        }
+    }
+
+    /// JSON nested far deeper than any request: refused as `invalid_json` by serde_json's
+    /// recursion limit (128 levels), without exhausting the stack.
+    #[test]
+    fn deeply_nested_json_is_refused_without_a_stack_overflow() {
+        let depth = 100_000;
+        let body = format!("{{\"prompt\": \"hi\", \"params\": {{\"x\": {}{}}}}}", "[".repeat(depth), "]".repeat(depth));
+        let err = parse(body.as_bytes(), &Envelope::default(), usize::MAX).unwrap_err();
+        assert_eq!(err.reason(), "invalid_json", "{err}");
+        assert!(err.to_string().contains("recursion limit"), "{err}");
+    }
+}
