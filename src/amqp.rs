@@ -11,7 +11,10 @@ use std::sync::Arc;
 use lapin::options::ConfirmSelectOptions;
 use lapin::protocol::AMQPErrorKind;
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Channel, Connection};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::config::AmqpSettings;
 
 /// `reply-success` (200): the code of a normal `channel.close` / `connection.close`.
 pub const REPLY_SUCCESS: u16 = lapin::protocol::constants::REPLY_SUCCESS;
@@ -19,6 +22,25 @@ pub const REPLY_SUCCESS: u16 = lapin::protocol::constants::REPLY_SUCCESS;
 pub const NOT_FOUND: u16 = 404;
 /// `precondition-failed` (406, soft error): a redeclare with other arguments.
 pub const PRECONDITION_FAILED: u16 = 406;
+
+/// Opens one AMQP connection to `amqp.url` with `props`. Over `amqps://` it uses the link's TLS
+/// files ([`crate::tls`]): the CA bundle is trusted in addition to the system roots (lapin adds
+/// it to them), and the client certificate and key, when set, authenticate the daemon (mutual
+/// TLS; RabbitMQ's `ssl_options.verify = verify_peer`).
+///
+/// Errors: as [`Connection::connect`]; a server certificate that does not verify fails the TLS
+/// handshake (an I/O error naming the certificate problem).
+pub async fn connect(amqp: &AmqpSettings, props: ConnectionProperties) -> lapin::Result<Connection> {
+    crate::tls::install_crypto_provider();
+    if !amqp.tls.is_set() {
+        return Connection::connect(amqp.url.expose(), props).await;
+    }
+    let config = OwnedTLSConfig {
+        identity: amqp.tls.client.as_ref().map(|c| OwnedIdentity::PKCS8 { pem: c.cert_pem.clone(), key: c.key_pem.clone() }),
+        cert_chain: amqp.tls.ca_pem.as_ref().map(|p| String::from_utf8_lossy(p).into_owned()),
+    };
+    Connection::connect_with_config(amqp.url.expose(), props, config, lapin::runtime::default_runtime()?).await
+}
 
 /// The reply code of the `channel.close` or `connection.close` the broker sent, when `e` is
 /// such a refusal; `None` for I/O and client-side errors.

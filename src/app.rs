@@ -315,7 +315,7 @@ impl App {
         let s = &self.settings;
         let connect = |suffix: &str| {
             let name = format!("prefix-batcher {}{suffix}", s.instance_name);
-            Connection::connect(s.amqp.url.expose(), ConnectionProperties::default().with_connection_name(name.into()))
+            crate::amqp::connect(&s.amqp, ConnectionProperties::default().with_connection_name(name.into()))
         };
         let consume = connect("").await.map_err(SessionError::Connect)?;
         let publish = match connect(" publish").await {

@@ -9,7 +9,7 @@ use anyhow::Context;
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{BasicProperties, ConnectionProperties};
 use serde::Serialize;
 use serde_json::Value;
 use tokio::io::AsyncBufReadExt;
@@ -123,7 +123,7 @@ fn output_name(opts: &SubmitOptions) -> String {
 /// Errors: connection failures, unreadable input, a duplicate `id`, a publish the broker
 /// refuses, an unwritable output (see [`ClientError`]).
 pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitSummary, ClientError> {
-    let conn = Connection::connect(settings.amqp.url.expose(), ConnectionProperties::default())
+    let conn = crate::amqp::connect(&settings.amqp, ConnectionProperties::default())
         .await
         .map_err(|source| ClientError::Connect { url: settings.amqp.url.to_string(), source })?;
     let ch = conn.create_channel().await?;
@@ -408,7 +408,7 @@ pub struct Status {
 async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option<(u32, u32)>>, Option<u32>)> {
     let conn = tokio::time::timeout(
         settings.amqp.confirm_timeout,
-        Connection::connect(settings.amqp.url.expose(), ConnectionProperties::default()),
+        crate::amqp::connect(&settings.amqp, ConnectionProperties::default()),
     )
     .await
     .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.amqp.url))?
@@ -448,9 +448,8 @@ async fn hot_keys(r: &redis::aio::ConnectionManager, prefix: &str, timeout: Dura
 ///
 /// Errors: Redis unreachable or answering with an error.
 pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
-    let client = redis::Client::open(settings.redis.url.expose())?;
     let timeout = settings.redis.command_timeout;
-    let mut r = tokio::time::timeout(timeout, client.get_connection_manager())
+    let mut r = tokio::time::timeout(timeout, crate::lease::connect(&settings.redis))
         .await
         .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.redis.url))?
         .with_context(|| format!("connecting to {}", settings.redis.url))?;

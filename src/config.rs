@@ -15,6 +15,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use url::Url;
 
+use crate::tls::{TlsFiles, TlsKeys};
+
 /// Prefix of environment overrides.
 pub const ENV_PREFIX: &str = "PREFIX_BATCHER";
 /// Default config path.
@@ -164,6 +166,9 @@ pub struct RawAmqp {
     pub backlog_poll_interval: String,
     pub consumer_timeout: String,
     pub delivery_limit: u32,
+    pub tls_ca_file: String,
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
 }
 
 impl Default for RawAmqp {
@@ -186,6 +191,9 @@ impl Default for RawAmqp {
             backlog_poll_interval: "5s".into(),
             consumer_timeout: "30m".into(),
             delivery_limit: 5,
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
         }
     }
 }
@@ -197,11 +205,21 @@ pub struct RawRedis {
     pub url: String,
     pub key_prefix: String,
     pub command_timeout: String,
+    pub tls_ca_file: String,
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
 }
 
 impl Default for RawRedis {
     fn default() -> Self {
-        RawRedis { url: "redis://127.0.0.1:6379/".into(), key_prefix: "prefix-batcher".into(), command_timeout: "2s".into() }
+        RawRedis {
+            url: "redis://127.0.0.1:6379/".into(),
+            key_prefix: "prefix-batcher".into(),
+            command_timeout: "2s".into(),
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+        }
     }
 }
 
@@ -303,6 +321,9 @@ pub struct RawLlm {
     pub backoff_max: String,
     pub list_prompts: bool,
     pub max_response_bytes: usize,
+    pub tls_ca_file: String,
+    pub tls_cert_file: String,
+    pub tls_key_file: String,
 }
 
 impl Default for RawLlm {
@@ -319,6 +340,9 @@ impl Default for RawLlm {
             backoff_max: "30s".into(),
             list_prompts: true,
             max_response_bytes: 64 << 20,
+            tls_ca_file: String::new(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
         }
     }
 }
@@ -420,6 +444,8 @@ pub struct AmqpSettings {
     /// Deliveries of one request (the first one included) after which the daemon dead-letters it
     /// with reason `delivery_limit` instead of processing it again. ≥ 1.
     pub delivery_limit: NonZeroU32,
+    /// TLS files for `amqps://` ([`crate::tls`]).
+    pub tls: TlsFiles,
 }
 
 impl AmqpSettings {
@@ -440,6 +466,8 @@ pub struct RedisSettings {
     /// Prefix of every Redis key, e.g. `prefix-batcher:lease:7`.
     pub key_prefix: String,
     pub command_timeout: Duration,
+    /// TLS files for `rediss://` ([`crate::tls`]).
+    pub tls: TlsFiles,
 }
 
 /// `[ownership]`, validated: `lease_ttl > renew_deadline > 1.2 × renew_interval` (the Kubernetes
@@ -543,6 +571,8 @@ pub struct LlmSettings {
     pub list_prompts: bool,
     /// Longest LLM response body read, in bytes; a longer one fails the call as an invalid response.
     pub max_response_bytes: NonZeroUsize,
+    /// TLS files for `https://` endpoints ([`crate::tls`]).
+    pub tls: TlsFiles,
 }
 
 /// Log output format.
@@ -806,23 +836,41 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
         backlog_poll_interval: positive_duration("amqp.backlog_poll_interval", &a.backlog_poll_interval)?,
         consumer_timeout: positive_duration("amqp.consumer_timeout", &a.consumer_timeout)?,
         delivery_limit: nonzero_u32("amqp.delivery_limit", a.delivery_limit)?,
+        tls: tls_files(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file])?,
     };
-    if amqp.url.0.scheme() == "amqps" {
-        return Err(invalid(
-            "amqp.url",
-            amqp.url.redacted(),
-            "amqps (TLS) is not built into this binary; terminate TLS in a local proxy or use amqp",
-        ));
-    }
+    only_with_tls(AMQP_TLS, &amqp.tls, amqp.url.0.scheme() == "amqps", "amqp.url is not amqps://")?;
     Ok(amqp)
 }
 
 /// `[redis]`.
+const AMQP_TLS: TlsKeys = TlsKeys { ca_file: "amqp.tls_ca_file", cert_file: "amqp.tls_cert_file", key_file: "amqp.tls_key_file" };
+const REDIS_TLS: TlsKeys = TlsKeys { ca_file: "redis.tls_ca_file", cert_file: "redis.tls_cert_file", key_file: "redis.tls_key_file" };
+const LLM_TLS: TlsKeys = TlsKeys { ca_file: "llm.tls_ca_file", cert_file: "llm.tls_cert_file", key_file: "llm.tls_key_file" };
+
+/// A link's TLS files ([`crate::tls::load`]), as a configuration error naming the key.
+fn tls_files(keys: TlsKeys, [ca, cert, key]: [&str; 3]) -> Result<TlsFiles, ConfigError> {
+    crate::tls::load(keys, ca, cert, key).map_err(|e| invalid(e.key, e.value, e.rule))
+}
+
+/// TLS files set for a link that does not use TLS are a mistake: refused, naming the key.
+fn only_with_tls(keys: TlsKeys, tls: &TlsFiles, uses_tls: bool, why: &str) -> Result<(), ConfigError> {
+    if uses_tls || !tls.is_set() {
+        return Ok(());
+    }
+    let key = if tls.ca_pem.is_some() { keys.ca_file } else { keys.cert_file };
+    Err(invalid(key, "(set)", format!("is only used over TLS, but {why}")))
+}
+
 fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
     Ok(RedisSettings {
-        url: secret_url("redis.url", &r.url, &["redis", "unix", "redis+unix"])?,
+        url: secret_url("redis.url", &r.url, &["redis", "rediss", "unix", "redis+unix"])?,
         key_prefix: name("redis.key_prefix", &r.key_prefix)?,
         command_timeout: positive_duration("redis.command_timeout", &r.command_timeout)?,
+        tls: tls_files(REDIS_TLS, [&r.tls_ca_file, &r.tls_cert_file, &r.tls_key_file])?,
+    })
+    .and_then(|s| {
+        only_with_tls(REDIS_TLS, &s.tls, s.url.0.scheme() == "rediss", "redis.url is not rediss://")?;
+        Ok(s)
     })
 }
 
@@ -959,13 +1007,9 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
     }
     let mut endpoints = Vec::new();
     for e in &l.endpoints {
-        let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// URL ({err})")))?;
-        if u.scheme() != "http" {
-            return Err(invalid(
-                "llm.endpoints",
-                format!("{e:?}"),
-                "must be an http:// URL (TLS is not built into this binary)",
-            ));
+        let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// or https:// URL ({err})")))?;
+        if u.scheme() != "http" && u.scheme() != "https" {
+            return Err(invalid("llm.endpoints", format!("{e:?}"), "must be an http:// or https:// URL"));
         }
         if u.password().is_some() || !u.username().is_empty() {
             return Err(invalid("llm.endpoints", redact_str(e), "must not carry credentials; use llm.api_key"));
@@ -984,7 +1028,10 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
         backoff_max: positive_duration("llm.backoff_max", &l.backoff_max)?,
         list_prompts: l.list_prompts,
         max_response_bytes: nonzero_usize("llm.max_response_bytes", l.max_response_bytes)?,
+        tls: tls_files(LLM_TLS, [&l.tls_ca_file, &l.tls_cert_file, &l.tls_key_file])?,
     };
+    let https = llm.endpoints.iter().any(|u| u.scheme() == "https");
+    only_with_tls(LLM_TLS, &llm.tls, https, "no llm.endpoints URL is https://")?;
     if llm.backoff_max < llm.backoff_initial {
         return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
     }

@@ -162,15 +162,33 @@ pub fn is_failover(e: &redis::RedisError) -> bool {
 }
 
 /// Opens a Redis `ConnectionManager` to `redis.url`: every command and connection attempt bounded
-/// by `redis.command_timeout`, two reconnect retries.
+/// by `redis.command_timeout`, two reconnect retries. Over `rediss://` it uses the link's TLS
+/// files ([`crate::tls`]): the CA bundle replaces the system roots, and the client certificate
+/// and key, when set, authenticate the daemon (Redis' `tls-auth-clients yes`).
 ///
-/// Errors: the URL is invalid or Redis is unreachable.
+/// Errors: the URL is invalid or Redis is unreachable; a server certificate that does not verify
+/// fails the TLS handshake.
 pub async fn connect(settings: &RedisSettings) -> Result<ConnectionManager, redis::RedisError> {
     let cfg = ConnectionManagerConfig::new()
         .set_response_timeout(Some(settings.command_timeout))
         .set_connection_timeout(Some(settings.command_timeout))
         .set_number_of_retries(2);
-    redis::Client::open(settings.url.expose())?.get_connection_manager_with_config(cfg).await
+    client(settings)?.get_connection_manager_with_config(cfg).await
+}
+
+/// The Redis client of `redis.url` (see [`connect`] for TLS).
+fn client(settings: &RedisSettings) -> Result<redis::Client, redis::RedisError> {
+    if settings.url.expose().starts_with("rediss:") {
+        crate::tls::install_crypto_provider();
+    }
+    if !settings.tls.is_set() {
+        return redis::Client::open(settings.url.expose());
+    }
+    let certs = redis::TlsCertificates {
+        client_tls: settings.tls.client.as_ref().map(|c| redis::ClientTlsConfig { client_cert: c.cert_pem.clone(), client_key: c.key_pem.clone() }),
+        root_cert: settings.tls.ca_pem.clone(),
+    };
+    redis::Client::build_with_tls(settings.url.expose(), certs)
 }
 
 /// Result of an acquire attempt.

@@ -20,6 +20,7 @@
 //!   hot key splits or a cool one merges back (pure); [`splits`]: the split set shared through
 //!   Redis and each instance's local view of it.
 //! - [`batcher`]: per-key batching with size and age flushes (pure), plus batch statistics.
+//! - [`tls`]: TLS files of the three links (one rustls stack, ring provider).
 //! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: the session's consuming and
 //!   publishing connections, AMQP reply codes and the classification of broker refusals by them.
 //! - [`router`]: consumes the input queue and forwards each request to its partition queue.
@@ -67,4 +68,5 @@ pub mod redelivery;
 pub mod request;
 pub mod router;
 pub mod splits;
+pub mod tls;
 pub mod topology;

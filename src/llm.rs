@@ -427,7 +427,7 @@ impl LlmClient {
     /// `llm.max_concurrency` permits and one closed circuit breaker.
     ///
     /// Errors (kind [`ErrorKind::EndpointConfig`]): no endpoints, an endpoint that is not plain
-    /// `http` (this build has no TLS), a token that is not a valid header value, or an HTTP client
+    /// `http` or `https`, unreadable TLS files, a token that is not a valid header value, or an HTTP client
     /// that cannot be built.
     pub fn with_options(settings: &LlmSettings, options: ClientOptions) -> Result<Self, LlmError> {
         let config_error = |m: String| LlmError::new(ErrorKind::EndpointConfig, m, None);
@@ -445,13 +445,25 @@ impl LlmClient {
             value.set_sensitive(true);
             headers.insert(AUTHORIZATION, value);
         }
-        let http = reqwest::Client::builder()
+        crate::tls::install_crypto_provider();
+        let mut builder = reqwest::Client::builder()
             .default_headers(headers)
             .connect_timeout(settings.connect_timeout)
             .timeout(settings.request_timeout)
-            .redirect(reqwest::redirect::Policy::none())
-            .build()
-            .map_err(|e| config_error(format!("cannot build the HTTP client: {}", e.without_url())))?;
+            .redirect(reqwest::redirect::Policy::none());
+        // https:// endpoints: the CA bundle replaces the system roots; the client certificate
+        // and key, when set, authenticate the daemon (mutual TLS).
+        if let Some(pem) = &settings.tls.ca_pem {
+            let certs = reqwest::Certificate::from_pem_bundle(pem)
+                .map_err(|e| config_error(format!("llm.tls_ca_file: {}", e.without_url())))?;
+            builder = builder.tls_certs_only(certs);
+        }
+        if let Some(c) = &settings.tls.client {
+            let identity = reqwest::Identity::from_pem(&[c.cert_pem.as_slice(), b"\n", c.key_pem.as_slice()].concat())
+                .map_err(|e| config_error(format!("llm.tls_cert_file / llm.tls_key_file: {}", e.without_url())))?;
+            builder = builder.identity(identity);
+        }
+        let http = builder.build().map_err(|e| config_error(format!("cannot build the HTTP client: {}", e.without_url())))?;
         Ok(LlmClient {
             inner: Arc::new(Inner {
                 http,
@@ -915,8 +927,8 @@ impl Endpoint {
     /// Endpoint `i` of the settings; the error is a config message naming it without credentials.
     fn new(i: usize, base: &Url, settings: &LlmSettings, policy: BreakerPolicy) -> Result<Self, String> {
         let name = public_name(base);
-        if base.scheme() != "http" {
-            return Err(format!("llm.endpoints[{i}] = {name}: only http:// is supported (this build has no TLS)"));
+        if base.scheme() != "http" && base.scheme() != "https" {
+            return Err(format!("llm.endpoints[{i}] = {name}: only http:// and https:// are supported"));
         }
         let join = |path: &str| {
             let mut dir = base.clone();
@@ -1396,6 +1408,7 @@ mod tests {
             backoff_max: Duration::from_millis(5),
             list_prompts: true,
             max_response_bytes: NonZeroUsize::new(64 << 20).unwrap(),
+            tls: Default::default(),
         }
     }
 

@@ -205,6 +205,27 @@ impl FakeLlm {
         Ok(FakeLlmHandle { url, state })
     }
 
+    /// Like [`Self::start`], over HTTPS: binds `127.0.0.1:0` and serves TLS with the PEM
+    /// certificate chain `cert_pem` and PEM private key `key_pem` (rustls, ring provider). With
+    /// `client_ca_pem`, clients must present a certificate signed by that CA (mutual TLS). The
+    /// handle's URL is `https://localhost:PORT` (the certificate must name `localhost`). A client
+    /// whose handshake fails is dropped; the server goes on. The refuse switch is not supported.
+    ///
+    /// Errors: bad PEM, or the socket cannot be bound.
+    pub async fn start_tls(self, cert_pem: &[u8], key_pem: &[u8], client_ca_pem: Option<&[u8]>) -> io::Result<FakeLlmHandle> {
+        let acceptor = tls_acceptor(cert_pem, key_pem, client_ca_pem)?;
+        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let addr: SocketAddr = listener.local_addr()?;
+        let url = Url::parse(&format!("https://localhost:{}", addr.port())).map_err(io::Error::other)?;
+        let state = Arc::new(Shared::new(self));
+        let stop = state.stop.clone();
+        let app = app(state.clone());
+        tokio::spawn(async move {
+            let _ = axum::serve(TlsListener { tcp: listener, acceptor }, app).with_graceful_shutdown(stop.cancelled_owned()).await;
+        });
+        Ok(FakeLlmHandle { url, state })
+    }
+
     /// Serves on `listener` until `shutdown` completes (for a CLI subcommand or a caller that owns
     /// the socket). Pending answers are cut short at shutdown (HTTP 503).
     pub async fn serve(
@@ -238,7 +259,8 @@ pub struct RecordedCall {
 
 /// A running fake server. Dropping it stops the server.
 pub struct FakeLlmHandle {
-    /// Base URL, `http://127.0.0.1:PORT` (no `/v1`).
+    /// Base URL, `http://127.0.0.1:PORT` (`https://localhost:PORT` from
+    /// [`FakeLlm::start_tls`]; no `/v1`).
     pub url: Url,
     state: Arc<Shared>,
 }
@@ -353,6 +375,58 @@ impl Shared {
 
 fn app(state: Arc<Shared>) -> axum::Router {
     openai::routes(post(completions), post(chat_completions), get(models), get(metrics)).with_state(state)
+}
+
+/// A rustls server configuration (ring provider) for `cert_pem`/`key_pem`, requiring client
+/// certificates signed by `client_ca_pem` when given.
+fn tls_acceptor(cert_pem: &[u8], key_pem: &[u8], client_ca_pem: Option<&[u8]>) -> io::Result<tokio_rustls::TlsAcceptor> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let certs = CertificateDer::pem_slice_iter(cert_pem).collect::<Result<Vec<_>, _>>().map_err(io::Error::other)?;
+    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(io::Error::other)?;
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone()).with_safe_default_protocol_versions().map_err(io::Error::other)?;
+    let builder = match client_ca_pem {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(ca) {
+                roots.add(cert.map_err(io::Error::other)?).map_err(io::Error::other)?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(io::Error::other)?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let config = builder.with_single_cert(certs, key).map_err(io::Error::other)?;
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+}
+
+/// A TCP listener whose connections are TLS-accepted before axum serves them.
+struct TlsListener {
+    tcp: TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl axum::serve::Listener for TlsListener {
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Ok((stream, addr)) = self.tcp.accept().await else { continue };
+            // A failed handshake (wrong CA on the client, no client certificate) drops that
+            // client only.
+            if let Ok(tls) = self.acceptor.accept(stream).await {
+                return (tls, addr);
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
 }
 
 async fn serve_shared(
