@@ -10,9 +10,10 @@
 //!   config file) with a plain AMQP listener and an amqps listener.
 //!
 //! Everything goes away on drop, also when a test panics: servers are stopped (killed when they
-//! do not stop) and their directories deleted. A RabbitMQ node started here reads its stdin from a
-//! pipe of the test process and halts at end-of-file, so it also goes away when the test process
-//! is killed. Ports are chosen by the OS; every wait is on a condition with a deadline.
+//! do not stop) and their directories deleted. When the test process is killed before its
+//! destructors run, an [`ExitGuard`] per server and directory (a `sh` watching a pipe of the test
+//! process) kills the server and deletes the directory. Ports are chosen by the OS; every wait is
+//! on a condition with a deadline.
 
 use std::fs::File;
 use std::net::TcpListener;
@@ -139,6 +140,36 @@ fn reap(child: &mut Child, within: Duration) {
     }
 }
 
+/// Cleanup for a test process that dies without running destructors (e.g. SIGKILLed by a
+/// timeout): a `sh` in a process group of its own (a signal to the test's group does not reach
+/// it) that blocks reading a pipe from this process and, at end-of-file, SIGKILLs `pid` and
+/// deletes `dir`. Dropping the guard disarms it (SIGKILL to the `sh`); its owner cleans up itself.
+struct ExitGuard(Child);
+
+impl ExitGuard {
+    fn new(pid: Option<u32>, dir: &Path) -> ExitGuard {
+        let pid = pid.map(|p| p.to_string()).unwrap_or_default();
+        let script = r#"read -r _; [ -n "$1" ] && kill -9 "$1" 2>/dev/null; rm -rf -- "$2""#;
+        let child = Command::new("sh")
+            .args(["-c", script, "exit-guard", &pid])
+            .arg(dir)
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start sh");
+        ExitGuard(child)
+    }
+}
+
+impl Drop for ExitGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// `(uid, gid)` of the `rabbitmq` system user.
 fn rabbitmq_user() -> (u32, u32) {
     let id = |flag: &str| -> u32 {
@@ -171,6 +202,7 @@ pub struct TlsFiles {
     /// A second self-signed CA (`CN=pbt-other-ca`) that signed nothing here: trusting it alone
     /// must make every handshake with the servers fail.
     pub other_ca_cert: PathBuf,
+    guard: ExitGuard,
 }
 
 impl TlsFiles {
@@ -186,6 +218,7 @@ impl TlsFiles {
             client_cert: dir.join("client.crt"),
             client_key: dir.join("client.key"),
             other_ca_cert: dir.join("other-ca.crt"),
+            guard: ExitGuard::new(None, &dir),
             dir,
         };
         files.self_signed("ca", "pbt-test-ca");
@@ -254,6 +287,7 @@ pub struct TlsRedis {
     ca_cert: PathBuf,
     client_cert: PathBuf,
     client_key: PathBuf,
+    guard: ExitGuard,
 }
 
 impl TlsRedis {
@@ -301,6 +335,7 @@ impl TlsRedis {
             .spawn()
             .expect("start redis-server (is it installed? scripts/services installs it)");
         TlsRedis {
+            guard: ExitGuard::new(Some(child.id()), &dir),
             child,
             dir,
             port,
@@ -385,6 +420,7 @@ pub struct TlsBroker {
     pub dist_port: u16,
     /// Time from the start of the node until both listeners answered.
     pub startup: Duration,
+    guard: ExitGuard,
 }
 
 impl TlsBroker {
@@ -447,7 +483,8 @@ impl TlsBroker {
             .spawn()
             .expect("start rabbitmq-server (is it installed? scripts/services installs it)");
         let stdin = child.stdin.take();
-        TlsBroker { child, stdin, dir, node, amqp_port, amqps_port, dist_port, startup: Duration::ZERO }
+        let guard = ExitGuard::new(Some(child.id()), &dir);
+        TlsBroker { child, stdin, dir, node, amqp_port, amqps_port, dist_port, startup: Duration::ZERO, guard }
     }
 
     /// `amqps://guest:guest@localhost:{amqps_port}/%2f`: the host name the server certificate
