@@ -42,7 +42,7 @@ const BROKER_STOP_DEADLINE: Duration = Duration::from_secs(30);
 /// Days the test certificates are valid.
 const CERT_DAYS: &str = "7";
 
-/// Extensions of the test certificates (RFC 5280 §4.2.1): CAs may sign certificates only; the
+/// Extensions of the test certificates (RFC 5280 §4.2.1): CAs sign certificates and CRLs only; the
 /// server certificate names `localhost` and 127.0.0.1 in its subjectAltName, which is what
 /// clients check (RFC 6125), and both leaves are limited to their role by extendedKeyUsage.
 const OPENSSL_CNF: &str = "\
@@ -125,6 +125,36 @@ async fn wait_ready(child: &mut Child, within: Duration, mut ready: impl AsyncFn
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// A server process started by this module.
+trait Server {
+    fn child(&mut self) -> &mut Child;
+    /// A readiness check owning everything it needs (it runs while the child is borrowed).
+    fn probe(&self) -> impl AsyncFnMut() -> bool + 'static;
+    /// What messages call it (e.g. `TLS redis-server on port 4321`).
+    fn describe(&self) -> String;
+    fn log_tail(&self, n: usize) -> String;
+}
+
+/// Starts a server with `spawn` and waits (≤ `within`) until its probe holds; returns it with
+/// the time that took. A server that exits before is started again, up to 3 times in all: a port
+/// the OS chose may be taken by someone else before the server binds it. Panics with the
+/// server's log when it does not become ready.
+async fn start_server<S: Server>(within: Duration, mut spawn: impl FnMut() -> S) -> (S, Duration) {
+    for attempt in 1..=3 {
+        let mut server = spawn();
+        let probe = server.probe();
+        match wait_ready(server.child(), within, probe).await {
+            Ok(took) => return (server, took),
+            Err(NotReady::Exited(status)) if attempt < 3 => {
+                eprintln!("{} exited ({status}), starting it again:\n{}", server.describe(), server.log_tail(10));
+            }
+            Err(NotReady::Exited(status)) => panic!("{} exited ({status}):\n{}", server.describe(), server.log_tail(30)),
+            Err(NotReady::TimedOut) => panic!("{} was not ready within {within:?}:\n{}", server.describe(), server.log_tail(30)),
+        }
+    }
+    unreachable!("the last attempt returns or panics")
 }
 
 /// Waits (blocking, polling every 50 ms) at most `within` for `child` to exit, then kills it.
@@ -292,23 +322,10 @@ pub struct TlsRedis {
 
 impl TlsRedis {
     /// Starts the server and waits (≤ [`DEADLINE`]) until `redis-cli --tls … PING` (with the
-    /// client certificate) answers `PONG`. A port taken between its choice and the server's bind
-    /// is retried with another one (3 attempts). Panics with the server's log otherwise.
+    /// client certificate) answers `PONG`. A server that exits first (its port was taken) is
+    /// started again on another port (3 attempts). Panics with the server's log otherwise.
     pub async fn start(files: &TlsFiles, auth_clients: bool) -> TlsRedis {
-        for attempt in 1..=3 {
-            let mut server = TlsRedis::spawn(files, auth_clients);
-            let (port, ca, cert, key) = (server.port, server.ca_cert.clone(), server.client_cert.clone(), server.client_key.clone());
-            let ping = async || redis_cli_tls(port, &ca, Some((&cert, &key)), &["PING"]).stdout.starts_with(b"PONG");
-            match wait_ready(&mut server.child, DEADLINE, ping).await {
-                Ok(_) => return server,
-                Err(NotReady::Exited(status)) if attempt < 3 => {
-                    eprintln!("TLS redis-server on port {port} exited ({status}), retrying:\n{}", server.log_tail(5));
-                }
-                Err(NotReady::Exited(status)) => panic!("TLS redis-server exited ({status}):\n{}", server.log_tail(20)),
-                Err(NotReady::TimedOut) => panic!("TLS redis-server on port {port} did not answer PING:\n{}", server.log_tail(20)),
-            }
-        }
-        unreachable!("the last attempt returns or panics")
+        start_server(DEADLINE, || TlsRedis::spawn(files, auth_clients)).await.0
     }
 
     fn spawn(files: &TlsFiles, auth_clients: bool) -> TlsRedis {
@@ -361,6 +378,25 @@ impl TlsRedis {
     /// The last `n` lines of the server's log.
     pub fn log_tail(&self, n: usize) -> String {
         tail(&self.dir.join("redis.log"), n)
+    }
+}
+
+impl Server for TlsRedis {
+    fn child(&mut self) -> &mut Child {
+        &mut self.child
+    }
+
+    fn probe(&self) -> impl AsyncFnMut() -> bool + 'static {
+        let (port, ca, cert, key) = (self.port, self.ca_cert.clone(), self.client_cert.clone(), self.client_key.clone());
+        async move || redis_cli_tls(port, &ca, Some((&cert, &key)), &["PING"]).stdout.starts_with(b"PONG")
+    }
+
+    fn describe(&self) -> String {
+        format!("TLS redis-server on port {}", self.port)
+    }
+
+    fn log_tail(&self, n: usize) -> String {
+        TlsRedis::log_tail(self, n)
     }
 }
 
@@ -426,20 +462,11 @@ pub struct TlsBroker {
 impl TlsBroker {
     /// Starts the node and waits (≤ [`BROKER_START_DEADLINE`]) until an AMQP connection to the
     /// plain port succeeds and the TLS port accepts TCP connections (RabbitMQ opens its listeners
-    /// last in its boot). Panics with the node's log when it exits or times out.
+    /// last in its boot). A node that exits first (e.g. a port was taken) is started again with
+    /// other ports and another name (3 attempts). Panics with the node's log otherwise.
     pub async fn start(files: &TlsFiles) -> TlsBroker {
-        let mut broker = TlsBroker::spawn(files);
-        let (amqp_url, amqps_addr) = (broker.amqp_url(), format!("127.0.0.1:{}", broker.amqps_port));
-        let ready = async || amqp_handshake(&amqp_url).await && tokio::net::TcpStream::connect(&amqps_addr).await.is_ok();
-        match wait_ready(&mut broker.child, BROKER_START_DEADLINE, ready).await {
-            Ok(took) => broker.startup = took,
-            Err(NotReady::Exited(status)) => panic!("RabbitMQ node {} exited ({status}):\n{}", broker.node, broker.log_tail(30)),
-            Err(NotReady::TimedOut) => panic!(
-                "RabbitMQ node {} did not open its listeners within {BROKER_START_DEADLINE:?}:\n{}",
-                broker.node,
-                broker.log_tail(30)
-            ),
-        }
+        let (mut broker, took) = start_server(BROKER_START_DEADLINE, || TlsBroker::spawn(files)).await;
+        broker.startup = took;
         broker
     }
 
@@ -507,6 +534,25 @@ impl TlsBroker {
             return log;
         }
         format!("{}\n{}", tail(&self.dir.join("out.log"), n), tail(&self.dir.join("err.log"), n))
+    }
+}
+
+impl Server for TlsBroker {
+    fn child(&mut self) -> &mut Child {
+        &mut self.child
+    }
+
+    fn probe(&self) -> impl AsyncFnMut() -> bool + 'static {
+        let (amqp_url, amqps_addr) = (self.amqp_url(), format!("127.0.0.1:{}", self.amqps_port));
+        async move || amqp_handshake(&amqp_url).await && tokio::net::TcpStream::connect(&amqps_addr).await.is_ok()
+    }
+
+    fn describe(&self) -> String {
+        format!("RabbitMQ node {} (amqp {}, amqps {})", self.node, self.amqp_port, self.amqps_port)
+    }
+
+    fn log_tail(&self, n: usize) -> String {
+        TlsBroker::log_tail(self, n)
     }
 }
 
