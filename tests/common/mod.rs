@@ -581,9 +581,14 @@ pub struct Amqp {
 
 impl Amqp {
     pub async fn connect() -> Amqp {
-        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        Amqp::connect_to(AMQP_URL).await
+    }
+
+    /// Connects to the broker at `url` (e.g. a private node of [`tls::TlsBroker`]).
+    pub async fn connect_to(url: &str) -> Amqp {
+        let conn = Connection::connect(url, ConnectionProperties::default())
             .await
-            .expect("connect to RabbitMQ on 127.0.0.1:5672 (run scripts/services)");
+            .unwrap_or_else(|e| panic!("connect to RabbitMQ at {url} (run scripts/services): {e}"));
         let ch = conn.create_channel().await.expect("channel");
         ch.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select");
         Amqp { conn, ch }

@@ -1,0 +1,138 @@
+//! The daemon over TLS on all three links — `amqps://` to a private RabbitMQ node with a TLS
+//! listener, `rediss://` to a private redis-server with `tls-auth-clients yes` (mutual TLS), and
+//! an `https://` fake LLM — with a throwaway CA generated for the test ([`common::tls`]); and a
+//! wrong CA on each link, which fails with an error naming the link while the daemon keeps
+//! retrying with backoff.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::tls::{TlsBroker, TlsFiles, TlsRedis};
+use common::*;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
+use prefix_batcher::config::RawConfig;
+use tokio::time::Instant;
+
+fn path(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+/// The HTTPS fake LLM with the test CA's `localhost` server certificate.
+async fn https_fake(files: &TlsFiles) -> FakeLlmHandle {
+    let (cert, key) = (std::fs::read(&files.server_cert).unwrap(), std::fs::read(&files.server_key).unwrap());
+    FakeLlm::new().start_tls(&cert, &key, None).await.expect("start the HTTPS fake LLM")
+}
+
+/// The test configuration with every link over TLS: the broker's amqps port, the TLS Redis with
+/// the client certificate, the HTTPS fake; each link trusts `ca` (the test CA or another one).
+fn tls_config(env: &TestEnv, files: &TlsFiles, broker: &TlsBroker, redis: &TlsRedis, fake: &FakeLlmHandle, ca: [&Path; 3]) -> RawConfig {
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.url = broker.amqps_url();
+    raw.amqp.tls_ca_file = path(ca[0]);
+    raw.redis.url = redis.url();
+    raw.redis.tls_ca_file = path(ca[1]);
+    (raw.redis.tls_cert_file, raw.redis.tls_key_file) = (path(&files.client_cert), path(&files.client_key));
+    raw.llm.tls_ca_file = path(ca[2]);
+    raw
+}
+
+/// Waits until `queue` exists on the broker of `amqp` and has a consumer.
+async fn wait_consumed(amqp: &Amqp, queue: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let ch = amqp.conn.create_channel().await.expect("channel");
+        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+        let consumers = ch.queue_declare(queue.into(), passive, FieldTable::default()).await.map(|q| q.consumer_count()).unwrap_or(0);
+        let _ = ch.close(200, "ok".into()).await;
+        if consumers > 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{queue} is not consumed after {DEADLINE:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// 40 requests over amqps + rediss (mutual TLS) + https: every one answered `ok`, by the HTTPS
+/// fake; the daemon stops cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_main_job_runs_over_amqps_rediss_and_https() {
+    let files = TlsFiles::generate();
+    let broker = TlsBroker::start(&files).await;
+    let redis = TlsRedis::start(&files, true).await;
+    let fake = https_fake(&files).await;
+    let env = TestEnv::new("tls");
+    let ca = files.ca_cert.as_path();
+    let daemon = start_daemon(&tls_config(&env, &files, &broker, &redis, &fake, [ca, ca, ca]));
+    let amqp = Amqp::connect_to(&broker.amqp_url()).await;
+    for p in 0..PARTITIONS {
+        wait_consumed(&amqp, &env.partition_queue(p)).await;
+    }
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("tls", 40, 4);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    assert!(results.received.iter().all(|m| m.result().ok), "a request failed over TLS");
+    assert!(fake.call_count() > 0, "the HTTPS fake was not called");
+    eprintln!("tls: {} requests answered over amqps + rediss (mutual TLS) + https in {} calls", reqs.len(), fake.call_count());
+    daemon.stop().await.expect("the daemon stops cleanly");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// Waits until the log of `d` contains every one of `needles` (case-insensitive); panics with the
+/// log's end after the deadline. The daemon must still be running (it retries, it does not exit).
+async fn wait_log(d: &mut DaemonProcess, needles: &[&str], within: Duration) -> String {
+    let deadline = Instant::now() + within;
+    loop {
+        let log = d.log();
+        let lower = log.to_lowercase();
+        if needles.iter().all(|n| lower.contains(&n.to_lowercase())) {
+            assert!(d.is_running(), "the daemon exited:\n{log}");
+            return log;
+        }
+        assert!(Instant::now() < deadline, "log never showed {needles:?}:\n{}", &log[log.len().saturating_sub(3000)..]);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A CA that did not sign the server's certificate, on each link in turn: the error names the
+/// link and the certificate problem, and the daemon keeps retrying (a CA can be fixed without a
+/// restart of the servers); nothing is answered meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_ca_fails_with_an_error_naming_the_link() {
+    let files = TlsFiles::generate();
+    let broker = TlsBroker::start(&files).await;
+    let redis = TlsRedis::start(&files, true).await;
+    let fake = https_fake(&files).await;
+    let env = TestEnv::new("tlsca");
+    let (good, bad) = (files.ca_cert.as_path(), files.other_ca_cert.as_path());
+    let cases: [(&str, [&Path; 3], &[&str]); 3] = [
+        ("amqp", [bad, good, good], &["amqp connect", "certificate"]),
+        ("redis", [good, bad, good], &["redis", "certificate"]),
+        ("llm", [good, good, bad], &["LLM endpoint", "certificate"]),
+    ];
+    for (link, ca, needles) in cases {
+        let mut raw = tls_config(&env, &files, &broker, &redis, &fake, ca);
+        raw.instance.name = env.instance(link);
+        let mut d = DaemonProcess::run(&env, &format!("wrong-ca-{link}"), &raw);
+        if link == "llm" {
+            // The LLM link is first used by a request.
+            let amqp = Amqp::connect_to(&broker.amqp_url()).await;
+            wait_consumed(&amqp, &env.partition_queue(0)).await;
+            amqp.publish_requests(&env.input_queue(), &completions_workload("tlsca", 4, 1), &format!("{}.reply", env.name)).await;
+            amqp.close().await;
+        }
+        let log = wait_log(&mut d, needles, DEADLINE).await;
+        let line = log.lines().find(|l| l.to_lowercase().contains("certificate")).unwrap_or_default();
+        eprintln!("wrong CA on {link}: {line}");
+        d.kill9();
+    }
+    assert_eq!(fake.calls().iter().filter(|c| c.status == 200 && !c.prompts.iter().any(|p| p == "ping")).count(), 0, "a request was answered through a wrong CA");
+    env.cleanup().await;
+}
