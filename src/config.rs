@@ -843,6 +843,9 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
 }
 
 /// `[redis]`.
+/// Schemes `redis.url` accepts (`rediss`: TLS).
+const REDIS_SCHEMES: &[&str] = &["redis", "rediss", "unix", "redis+unix"];
+
 const AMQP_TLS: TlsKeys = TlsKeys { ca_file: "amqp.tls_ca_file", cert_file: "amqp.tls_cert_file", key_file: "amqp.tls_key_file" };
 const REDIS_TLS: TlsKeys = TlsKeys { ca_file: "redis.tls_ca_file", cert_file: "redis.tls_cert_file", key_file: "redis.tls_key_file" };
 const LLM_TLS: TlsKeys = TlsKeys { ca_file: "llm.tls_ca_file", cert_file: "llm.tls_cert_file", key_file: "llm.tls_key_file" };
@@ -863,7 +866,7 @@ fn only_with_tls(keys: TlsKeys, tls: &TlsFiles, uses_tls: bool, why: &str) -> Re
 
 fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
     Ok(RedisSettings {
-        url: secret_url("redis.url", &r.url, &["redis", "rediss", "unix", "redis+unix"])?,
+        url: secret_url("redis.url", &r.url, REDIS_SCHEMES)?,
         key_prefix: name("redis.key_prefix", &r.key_prefix)?,
         command_timeout: positive_duration("redis.command_timeout", &r.command_timeout)?,
         tls: tls_files(REDIS_TLS, [&r.tls_ca_file, &r.tls_cert_file, &r.tls_key_file])?,
@@ -1054,7 +1057,7 @@ fn log(l: &RawLog) -> Result<LogSettings, ConfigError> {
 pub fn redacted_toml(raw: &RawConfig) -> String {
     let mut r = raw.clone();
     r.amqp.url = secret_url("amqp.url", &r.amqp.url, &["amqp", "amqps"]).map(|u| u.redacted()).unwrap_or_else(|_| redact_str(&r.amqp.url));
-    r.redis.url = secret_url("redis.url", &r.redis.url, &["redis", "unix", "redis+unix"])
+    r.redis.url = secret_url("redis.url", &r.redis.url, REDIS_SCHEMES)
         .map(|u| u.redacted())
         .unwrap_or_else(|_| redact_str(&r.redis.url));
     if !r.llm.api_key.is_empty() {

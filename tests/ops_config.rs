@@ -147,7 +147,7 @@ fn every_documented_environment_variable_overrides_its_key() {
     let values: &[(&str, &str, &str)] = &[
         // (key, environment value, expected in check-config's output)
         ("instance.name", "env-instance", "\"env-instance\""),
-        ("amqp.url", "amqp://envuser:envpass@rabbit.example:5673/%2f", "\"amqp://envuser:***@rabbit.example:5673/%2f\""),
+        ("amqp.url", "amqps://envuser:envpass@rabbit.example:5673/%2f", "\"amqps://envuser:***@rabbit.example:5673/%2f\""),
         ("amqp.input_queue", "env.input", "\"env.input\""),
         ("amqp.shard_exchange", "env.shards", "\"env.shards\""),
         ("amqp.partition_queue_prefix", "env.partition", "\"env.partition\""),
@@ -164,7 +164,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("amqp.backlog_poll_interval", "7s", "\"7s\""),
         ("amqp.consumer_timeout", "40m", "\"40m\""),
         ("amqp.delivery_limit", "3", "3"),
-        ("redis.url", "redis://envuser:envpass@redis.example:6380/2", "\"redis://envuser:***@redis.example:6380/2\""),
+        ("redis.url", "rediss://envuser:envpass@redis.example:6380/2", "\"rediss://envuser:***@redis.example:6380/2\""),
         ("redis.key_prefix", "env-prefix", "\"env-prefix\""),
         ("redis.command_timeout", "3s", "\"3s\""),
         ("ownership.lease_ttl", "20s", "\"20s\""),
@@ -181,7 +181,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("batching.max_batch_wait", "300ms", "\"300ms\""),
         ("batching.channel_capacity", "32", "32"),
         ("batching.max_buffered_bytes", "2000000", "2000000"),
-        ("llm.endpoints", "http://a.example:8000,http://b.example:8001", "[\"http://a.example:8000\", \"http://b.example:8001\"]"),
+        ("llm.endpoints", "https://a.example:8000,http://b.example:8001", "[\"https://a.example:8000\", \"http://b.example:8001\"]"),
         ("llm.model", "env-model", "\"env-model\""),
         ("llm.api_key", "env-token-123", "\"***\""),
         ("llm.max_concurrency", "7", "7"),
@@ -204,16 +204,27 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("log.format", "json", "\"json\""),
         ("log.level", "debug", "\"debug\""),
     ];
+    // The TLS files must exist and parse: a throwaway CA and client certificate.
+    let files = common::tls::TlsFiles::generate();
+    let file = |p: &std::path::Path| (p.to_string_lossy().into_owned(), format!("{:?}", p.to_string_lossy()));
+    let mut values: Vec<(&str, String, String)> = values.iter().map(|(k, v, w)| (*k, v.to_string(), w.to_string())).collect();
+    for section in ["amqp", "redis", "llm"] {
+        for (name, p) in [("tls_ca_file", &files.ca_cert), ("tls_cert_file", &files.client_cert), ("tls_key_file", &files.client_key)] {
+            let key: &'static str = Box::leak(format!("{section}.{name}").into_boxed_str());
+            let (value, want) = file(p);
+            values.push((key, value, want));
+        }
+    }
     let covered: std::collections::BTreeSet<&str> = values.iter().map(|v| v.0).collect();
     for key in keys().keys() {
         assert!(covered.contains(key.as_str()) || FILE_ONLY.contains(&key.as_str()), "no environment override test for `{key}`");
     }
-    let env: Vec<(String, String)> = values.iter().map(|(k, v, _)| (env_name(k), v.to_string())).collect();
+    let env: Vec<(String, String)> = values.iter().map(|(k, v, _)| (env_name(k), v.clone())).collect();
     let (code, out, err) = check_config(&[], &env);
     assert_eq!(code, Some(0), "check-config with every override failed:\n{err}");
     let got = parse_output(&out);
-    for (key, _, want) in values {
-        assert_eq!(got.get(*key).map(String::as_str), Some(*want), "{} did not set `{key}`; output:\n{out}", env_name(key));
+    for (key, _, want) in &values {
+        assert_eq!(got.get(*key), Some(want), "{} did not set `{key}`; output:\n{out}", env_name(key));
     }
     for secret in ["envpass", "env-token-123"] {
         assert!(!out.contains(secret) && !err.contains(secret), "a secret reached check-config's output");
