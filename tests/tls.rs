@@ -11,8 +11,6 @@ use std::time::Duration;
 
 use common::tls::{TlsBroker, TlsFiles, TlsRedis};
 use common::*;
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
 use prefix_batcher::config::RawConfig;
 use tokio::time::Instant;
@@ -40,22 +38,6 @@ fn tls_config(env: &TestEnv, files: &TlsFiles, broker: &TlsBroker, redis: &TlsRe
     raw
 }
 
-/// Waits until `queue` exists on the broker of `amqp` and has a consumer.
-async fn wait_consumed(amqp: &Amqp, queue: &str) {
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        let ch = amqp.conn.create_channel().await.expect("channel");
-        let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-        let consumers = ch.queue_declare(queue.into(), passive, FieldTable::default()).await.map(|q| q.consumer_count()).unwrap_or(0);
-        let _ = ch.close(200, "ok".into()).await;
-        if consumers > 0 {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{queue} is not consumed after {DEADLINE:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// 40 requests over amqps + rediss (mutual TLS) + https: every one answered `ok`, by the HTTPS
 /// fake; the daemon stops cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,7 +51,7 @@ async fn the_main_job_runs_over_amqps_rediss_and_https() {
     let daemon = start_daemon(&tls_config(&env, &files, &broker, &redis, &fake, [ca, ca, ca]));
     let amqp = Amqp::connect_to(&broker.amqp_url()).await;
     for p in 0..PARTITIONS {
-        wait_consumed(&amqp, &env.partition_queue(p)).await;
+        amqp.wait_consumed(&env.partition_queue(p)).await;
     }
     let reply = format!("{}.reply", env.name);
     let mut results = amqp.reply_queue(&reply).await;
@@ -124,7 +106,7 @@ async fn a_wrong_ca_fails_with_an_error_naming_the_link() {
         if link == "llm" {
             // The LLM link is first used by a request.
             let amqp = Amqp::connect_to(&broker.amqp_url()).await;
-            wait_consumed(&amqp, &env.partition_queue(0)).await;
+            amqp.wait_consumed(&env.partition_queue(0)).await;
             amqp.publish_requests(&env.input_queue(), &completions_workload("tlsca", 4, 1), &format!("{}.reply", env.name)).await;
             amqp.close().await;
         }

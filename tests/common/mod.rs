@@ -656,6 +656,23 @@ impl Amqp {
 
     /// Waits until `queue` has exactly `want` consumers (a partition worker holds its lease a
     /// moment before its consumer is registered); panics naming the queue after `within`.
+    /// Waits (≤ [`DEADLINE`]) until `queue` exists on this broker and has a consumer (the daemon
+    /// declared its topology and holds the partition).
+    pub async fn wait_consumed(&self, queue: &str) {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let ch = self.conn.create_channel().await.expect("channel");
+            let passive = QueueDeclareOptions { passive: true, ..Default::default() };
+            let consumers = ch.queue_declare(queue.into(), passive, FieldTable::default()).await.map(|q| q.consumer_count()).unwrap_or(0);
+            let _ = ch.close(200, "ok".into()).await;
+            if consumers > 0 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{queue} is not consumed after {DEADLINE:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub async fn wait_consumers(&self, queue: &str, want: u32, within: Duration) {
         let deadline = Instant::now() + within;
         loop {

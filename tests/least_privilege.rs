@@ -1,0 +1,96 @@
+//! The daemon runs the main job with exactly the least-privilege users of `docs/operations.md`
+//! ("Least privilege"): the test reads the `rabbitmqctl` and `ACL SETUSER` lines from that file,
+//! puts its own prefix in place of `prefix-batcher` (queue, exchange, key and user names alike),
+//! creates the users — a RabbitMQ user on the shared broker, a Redis ACL user on a private
+//! redis-server — and runs 30 requests through a daemon that connects as them. Redis' `ACL LOG`
+//! must stay empty (no command or key was denied).
+
+mod common;
+
+use common::broker::rabbitmqctl;
+use common::*;
+
+/// The lines of `docs/operations.md` that start with `prefix`, with the documented names and
+/// password replaced.
+fn documented(prefix: &str, name: &str, password: &str) -> Vec<String> {
+    let doc = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operations.md")).unwrap();
+    let lines: Vec<String> =
+        doc.lines().filter(|l| l.starts_with(prefix)).map(|l| l.replace("prefix-batcher", name).replace("CHANGE-ME", password)).collect();
+    assert!(!lines.is_empty(), "docs/operations.md has no line starting with {prefix:?}");
+    lines
+}
+
+/// The arguments of a documented shell line (single quotes only, as in the docs).
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut quoted = false;
+    let mut word = String::new();
+    for c in line.chars() {
+        match c {
+            '\'' => quoted = !quoted,
+            ' ' if !quoted => words.extend((!word.is_empty()).then(|| std::mem::take(&mut word))),
+            c => word.push(c),
+        }
+    }
+    words.extend((!word.is_empty()).then_some(word));
+    words
+}
+
+/// Deletes the test's RabbitMQ user on drop.
+struct BrokerUserGuard(String);
+
+impl Drop for BrokerUserGuard {
+    fn drop(&mut self) {
+        let _ = rabbitmqctl(&["delete_user", &self.0]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_main_job_runs_with_the_documented_least_privilege_users() {
+    let env = TestEnv::new("leastpriv");
+    let password = uuid::Uuid::new_v4().simple().to_string();
+    let user = env.name.clone();
+
+    let _guard = BrokerUserGuard(user.clone());
+    for line in documented("rabbitmqctl ", &env.name, &password) {
+        let words = shell_words(&line);
+        let args: Vec<&str> = words[1..].iter().map(String::as_str).collect();
+        assert!(rabbitmqctl(&args).is_some(), "{line} failed");
+    }
+
+    let redis = RedisServer::start(&env, "redis").await;
+    let mut admin = redis.connect().await.expect("connect to the private redis-server");
+    for line in documented("ACL SETUSER ", &env.name, &password) {
+        let mut cmd = redis::cmd("ACL");
+        for w in line.split_whitespace().skip(1) {
+            cmd.arg(w);
+        }
+        let _: () = cmd.query_async(&mut admin).await.unwrap_or_else(|e| panic!("{line}: {e}"));
+    }
+
+    let fake = llm_fakes::fake::FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.url = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
+    raw.redis.url = format!("{}?user={user}&pass={password}", redis.url);
+    let daemon = start_daemon(&raw);
+    let amqp = Amqp::connect().await;
+    for p in 0..PARTITIONS {
+        amqp.wait_consumed(&env.partition_queue(p)).await;
+    }
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("leastpriv", 30, 3);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    assert!(results.received.iter().all(|m| m.result().ok), "a request failed");
+
+    let denied: Vec<redis::Value> = redis::cmd("ACL").arg("LOG").query_async(&mut admin).await.unwrap();
+    assert!(denied.is_empty(), "Redis denied the daemon something: {denied:?}");
+    daemon.stop().await.expect("the daemon stops cleanly");
+    let denied: Vec<redis::Value> = redis::cmd("ACL").arg("LOG").query_async(&mut admin).await.unwrap();
+    assert!(denied.is_empty(), "Redis denied the daemon something while it stopped: {denied:?}");
+    eprintln!("least privilege: {} requests answered with the documented RabbitMQ and Redis users", reqs.len());
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
