@@ -19,14 +19,17 @@ fn path(p: &Path) -> String {
     p.to_string_lossy().into_owned()
 }
 
-/// The HTTPS fake LLM with the test CA's `localhost` server certificate.
+/// The HTTPS fake LLM with the test CA's `localhost` server certificate; it requires a client
+/// certificate signed by the test CA (mutual TLS).
 async fn https_fake(files: &TlsFiles) -> FakeLlmHandle {
     let (cert, key) = (std::fs::read(&files.server_cert).unwrap(), std::fs::read(&files.server_key).unwrap());
-    FakeLlm::new().start_tls(&cert, &key, None).await.expect("start the HTTPS fake LLM")
+    let ca = std::fs::read(&files.ca_cert).unwrap();
+    FakeLlm::new().start_tls(&cert, &key, Some(&ca)).await.expect("start the HTTPS fake LLM")
 }
 
-/// The test configuration with every link over TLS: the broker's amqps port, the TLS Redis with
-/// the client certificate, the HTTPS fake; each link trusts `ca` (the test CA or another one).
+/// The test configuration with every link over TLS: the broker's amqps port, the TLS Redis and
+/// the HTTPS fake with the client certificate (mutual TLS); each link trusts `ca` (the test CA or
+/// another one).
 fn tls_config(env: &TestEnv, files: &TlsFiles, broker: &TlsBroker, redis: &TlsRedis, fake: &FakeLlmHandle, ca: [&Path; 3]) -> RawConfig {
     let mut raw = env.raw_config(fake.url.as_str());
     raw.amqp.url = broker.amqps_url();
@@ -35,11 +38,12 @@ fn tls_config(env: &TestEnv, files: &TlsFiles, broker: &TlsBroker, redis: &TlsRe
     raw.redis.tls_ca_file = path(ca[1]);
     (raw.redis.tls_cert_file, raw.redis.tls_key_file) = (path(&files.client_cert), path(&files.client_key));
     raw.llm.tls_ca_file = path(ca[2]);
+    (raw.llm.tls_cert_file, raw.llm.tls_key_file) = (path(&files.client_cert), path(&files.client_key));
     raw
 }
 
-/// 40 requests over amqps + rediss (mutual TLS) + https: every one answered `ok`, by the HTTPS
-/// fake; the daemon stops cleanly.
+/// 40 requests over amqps + rediss (mutual TLS) + https (mutual TLS): every one answered `ok`, by
+/// the HTTPS fake; the daemon stops cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_main_job_runs_over_amqps_rediss_and_https() {
     let files = TlsFiles::generate();
@@ -60,7 +64,7 @@ async fn the_main_job_runs_over_amqps_rediss_and_https() {
     results.until_all(&ids(&reqs), DEADLINE).await;
     assert!(results.received.iter().all(|m| m.result().ok), "a request failed over TLS");
     assert!(fake.call_count() > 0, "the HTTPS fake was not called");
-    eprintln!("tls: {} requests answered over amqps + rediss (mutual TLS) + https in {} calls", reqs.len(), fake.call_count());
+    eprintln!("tls: {} requests answered over amqps + rediss (mutual TLS) + https (mutual TLS) in {} calls", reqs.len(), fake.call_count());
     daemon.stop().await.expect("the daemon stops cleanly");
     results.close().await;
     amqp.close().await;
