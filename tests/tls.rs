@@ -27,13 +27,15 @@ async fn https_fake(files: &TlsFiles) -> FakeLlmHandle {
     FakeLlm::new().start_tls(&cert, &key, Some(&ca)).await.expect("start the HTTPS fake LLM")
 }
 
-/// The test configuration with every link over TLS: the broker's amqps port, the TLS Redis and
-/// the HTTPS fake with the client certificate (mutual TLS); each link trusts `ca` (the test CA or
-/// another one).
+/// The test configuration with every link over TLS, each with the client certificate (mutual
+/// TLS): the broker's amqps port, the TLS Redis, the HTTPS fake; each link trusts `ca` (the test
+/// CA or another one).
 fn tls_config(env: &TestEnv, files: &TlsFiles, broker: &TlsBroker, redis: &TlsRedis, fake: &FakeLlmHandle, ca: [&Path; 3]) -> RawConfig {
     let mut raw = env.raw_config(fake.url.as_str());
     raw.amqp.url = broker.amqps_url();
     raw.amqp.tls_ca_file = path(ca[0]);
+    // The broker verifies a client certificate when one is presented (`verify_peer`).
+    (raw.amqp.tls_cert_file, raw.amqp.tls_key_file) = (path(&files.client_cert), path(&files.client_key));
     raw.redis.url = redis.url();
     raw.redis.tls_ca_file = path(ca[1]);
     (raw.redis.tls_cert_file, raw.redis.tls_key_file) = (path(&files.client_cert), path(&files.client_key));
@@ -64,7 +66,7 @@ async fn the_main_job_runs_over_amqps_rediss_and_https() {
     results.until_all(&ids(&reqs), DEADLINE).await;
     assert!(results.received.iter().all(|m| m.result().ok), "a request failed over TLS");
     assert!(fake.call_count() > 0, "the HTTPS fake was not called");
-    eprintln!("tls: {} requests answered over amqps + rediss (mutual TLS) + https (mutual TLS) in {} calls", reqs.len(), fake.call_count());
+    eprintln!("tls: {} requests answered over amqps + rediss + https, mutual TLS on all three, in {} calls", reqs.len(), fake.call_count());
     daemon.stop().await.expect("the daemon stops cleanly");
     results.close().await;
     amqp.close().await;
