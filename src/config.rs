@@ -668,7 +668,7 @@ pub fn redact_text(text: &str) -> String {
     static URL_CREDS: std::sync::LazyLock<regex::Regex> =
         std::sync::LazyLock::new(|| regex::Regex::new(r"([A-Za-z0-9+.-]*:?/*[^\s:/@\x22']*:)[^\s@\x22']*@").expect("valid regex"));
     static API_KEY: std::sync::LazyLock<regex::Regex> =
-        std::sync::LazyLock::new(|| regex::Regex::new(r"(api_key\s*=\s*).*").expect("valid regex"));
+        std::sync::LazyLock::new(|| regex::Regex::new(r#"(api_key["']?\s*=\s*).*"#).expect("valid regex"));
     let t = URL_CREDS.replace_all(text, "${1}***@");
     API_KEY.replace_all(&t, "${1}***").into_owned()
 }
@@ -838,7 +838,7 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
         delivery_limit: nonzero_u32("amqp.delivery_limit", a.delivery_limit)?,
         tls: tls_files(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file])?,
     };
-    only_with_tls(AMQP_TLS, &amqp.tls, amqp.url.0.scheme() == "amqps", "amqp.url is not amqps://")?;
+    only_with_tls(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file], amqp.url.0.scheme() == "amqps", "amqp.url is not amqps://")?;
     Ok(amqp)
 }
 
@@ -855,13 +855,17 @@ fn tls_files(keys: TlsKeys, [ca, cert, key]: [&str; 3]) -> Result<TlsFiles, Conf
     crate::tls::load(keys, ca, cert, key).map_err(|e| invalid(e.key, e.value, e.rule))
 }
 
-/// TLS files set for a link that does not use TLS are a mistake: refused, naming the key.
-fn only_with_tls(keys: TlsKeys, tls: &TlsFiles, uses_tls: bool, why: &str) -> Result<(), ConfigError> {
-    if uses_tls || !tls.is_set() {
+/// TLS files set for a link that does not use TLS are a mistake: refused, naming the first key
+/// set and its path.
+fn only_with_tls(keys: TlsKeys, [ca, cert, key]: [&str; 3], uses_tls: bool, why: &str) -> Result<(), ConfigError> {
+    if uses_tls {
         return Ok(());
     }
-    let key = if tls.ca_pem.is_some() { keys.ca_file } else { keys.cert_file };
-    Err(invalid(key, "(set)", format!("is only used over TLS, but {why}")))
+    let set = [(keys.ca_file, ca), (keys.cert_file, cert), (keys.key_file, key)].into_iter().find(|(_, v)| !v.is_empty());
+    match set {
+        None => Ok(()),
+        Some((k, v)) => Err(invalid(k, format!("{v:?}"), format!("is only used over TLS, but {why}"))),
+    }
 }
 
 fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
@@ -872,7 +876,12 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
         tls: tls_files(REDIS_TLS, [&r.tls_ca_file, &r.tls_cert_file, &r.tls_key_file])?,
     })
     .and_then(|s| {
-        only_with_tls(REDIS_TLS, &s.tls, s.url.0.scheme() == "rediss", "redis.url is not rediss://")?;
+        only_with_tls(REDIS_TLS, [&r.tls_ca_file, &r.tls_cert_file, &r.tls_key_file], s.url.0.scheme() == "rediss", "redis.url is not rediss://")?;
+        // The redis crate reads `#insecure` in a rediss:// URL as "skip verification"; this
+        // daemon always verifies.
+        if s.url.0.fragment().is_some() {
+            return Err(invalid("redis.url", s.url.redacted(), "must not have a #fragment (server certificates are always verified)"));
+        }
         Ok(s)
     })
 }
@@ -1034,7 +1043,7 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
         tls: tls_files(LLM_TLS, [&l.tls_ca_file, &l.tls_cert_file, &l.tls_key_file])?,
     };
     let https = llm.endpoints.iter().any(|u| u.scheme() == "https");
-    only_with_tls(LLM_TLS, &llm.tls, https, "no llm.endpoints URL is https://")?;
+    only_with_tls(LLM_TLS, [&l.tls_ca_file, &l.tls_cert_file, &l.tls_key_file], https, "no llm.endpoints URL is https://")?;
     if llm.backoff_max < llm.backoff_initial {
         return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
     }
@@ -1217,6 +1226,7 @@ mod tests {
             assert!(!e.contains("hunter2") && e.contains("amqp.url"), "{e}");
         }
         assert_eq!(redact_text("2 | url = \"amqp://u:hunter2@h:5672/%2f"), "2 | url = \"amqp://u:***@h:5672/%2f");
+        assert!(!redact_text("3 | \"api_key\" = \"hunter2SECRET\" x").contains("hunter2"), "a quoted key is redacted too");
         assert_eq!(redact_text("3 | api_key = sk-hunter2"), "3 | api_key = ***");
         assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
     }

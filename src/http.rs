@@ -54,6 +54,7 @@ mod tests {
         let server = tokio::spawn(serve(listener, readiness.clone(), async move {
             let _ = stopped.await;
         }));
+        crate::tls::install_crypto_provider();
         let get = || async { reqwest::get(url.as_str()).await.unwrap() };
 
         readiness.set(NotReady::AmqpDown, true);

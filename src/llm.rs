@@ -1777,7 +1777,7 @@ mod tests {
 
     #[test]
     fn new_rejects_bad_configuration() {
-        let mut s = settings(&Url::parse("https://llm:443").unwrap());
+        let mut s = settings(&Url::parse("ftp://llm:21").unwrap());
         assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::EndpointConfig);
         s.endpoints.clear();
         assert_eq!(LlmClient::new(&s).unwrap_err().kind, ErrorKind::EndpointConfig);

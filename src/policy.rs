@@ -14,8 +14,9 @@
 //! `reply_to` rule: empty (results go to `amqp.results_queue`), RabbitMQ's direct reply-to
 //! ([`DIRECT_REPLY_TO`], <https://www.rabbitmq.com/docs/direct-reply-to>: the requester consumes
 //! the pseudo-queue and needs no reply queue at all), or a name matching
-//! `requests.reply_to_pattern` (default [`DEFAULT_REPLY_TO_PATTERN`]: server-named queues, as
-//! declared by `prefix-batcher submit` and the usual RPC clients). The daemon's own queues (input,
+//! `requests.reply_to_pattern`, matched against the whole name (default
+//! [`DEFAULT_REPLY_TO_PATTERN`]: server-named queues, as declared by `prefix-batcher submit` and
+//! the usual RPC clients). The daemon's own queues (input,
 //! partition, results and dead-letter queues) are refused whatever the pattern says.
 
 use std::collections::HashSet;
@@ -34,8 +35,9 @@ use crate::request::{Body, Request};
 pub const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
 
 /// Default `requests.reply_to_pattern`: server-named queues (`amq.gen-…`, what a
-/// `queue.declare` with an empty name creates; exclusive to the requester's connection).
-pub const DEFAULT_REPLY_TO_PATTERN: &str = r"^amq\.gen-";
+/// `queue.declare` with an empty name creates; exclusive to the requester's connection). The
+/// pattern must match the whole queue name.
+pub const DEFAULT_REPLY_TO_PATTERN: &str = r"amq\.gen-.*";
 
 /// Default `requests.allowed_params`: the sampling and output parameters of the OpenAI
 /// completions and chat completions APIs, and the common extensions of vLLM, SGLang and
@@ -162,13 +164,19 @@ impl RequestPolicy {
     /// Errors: `requests.reply_to_pattern` that is not a regular expression (Rust `regex` syntax),
     /// an empty parameter or model name, a cap of 0.
     pub fn from_raw(r: &RawRequests, own_queues: &[&str], partition_queue_prefix: &str) -> Result<Self, PolicyError> {
-        let reply_to = Regex::new(&r.reply_to_pattern)
-            .map_err(|e| invalid("requests.reply_to_pattern", format!("{:?}", r.reply_to_pattern), format!("must be a regular expression: {e}")))?;
+        let pattern = &r.reply_to_pattern;
+        if pattern.trim().is_empty() {
+            return Err(invalid("requests.reply_to_pattern", format!("{pattern:?}"), "must not be empty (use \".*\" to allow every queue but the daemon's own)"));
+        }
+        // Matched against the whole name: `myapp\.replies\..*` must not admit `victim.myapp.replies.x`.
+        let reply_to = Regex::new(&format!("^(?:{pattern})$"))
+            .map_err(|e| invalid("requests.reply_to_pattern", format!("{pattern:?}"), format!("must be a regular expression: {e}")))?;
+        // Names are trimmed (`a, b` in an environment variable means `a` and `b`).
         let names = |key: &'static str, list: &[String]| -> Result<Option<HashSet<String>>, PolicyError> {
             if let Some(bad) = list.iter().find(|p| p.trim().is_empty()) {
                 return Err(invalid(key, format!("{bad:?}"), "names must not be empty"));
             }
-            Ok((!list.iter().any(|p| p == "*")).then(|| list.iter().cloned().collect()))
+            Ok((!list.iter().any(|p| p.trim() == "*")).then(|| list.iter().map(|p| p.trim().to_owned()).collect()))
         };
         let allowed_params = names("requests.allowed_params", &r.allowed_params)?;
         let models = if r.models.is_empty() { None } else { names("requests.models", &r.models)? };
@@ -207,11 +215,7 @@ impl RequestPolicy {
         if direct || self.reply_to.is_match(reply_to) {
             return Ok(());
         }
-        Err(format!(
-            "reply_to {:?} matches neither {DIRECT_REPLY_TO} nor requests.reply_to_pattern {:?}",
-            cut(reply_to),
-            self.reply_to.as_str()
-        ))
+        Err(format!("reply_to {:?} matches neither {DIRECT_REPLY_TO} nor requests.reply_to_pattern", cut(reply_to)))
     }
 
     fn check_params(&self, req: &Request) -> Result<(), String> {
@@ -287,9 +291,10 @@ mod tests {
             let e = p.check_reply_to(bad).unwrap_err();
             assert!(e.contains("requests.reply_to_pattern"), "{e}");
         }
-        let p = policy(|r| r.reply_to_pattern = r"^tenant-a\.".into());
+        let p = policy(|r| r.reply_to_pattern = r"tenant-a\..*".into());
         assert!(p.check_reply_to("tenant-a.replies").is_ok());
         assert!(p.check_reply_to("tenant-b.replies").is_err());
+        assert!(p.check_reply_to("x.tenant-a.replies").is_err(), "the pattern matches the whole name");
     }
 
     #[test]
@@ -350,5 +355,8 @@ mod tests {
         assert_eq!(err(RawRequests { reply_to_pattern: "(".into(), ..RawRequests::default() }), "requests.reply_to_pattern");
         assert_eq!(err(RawRequests { max_tokens: 0, ..RawRequests::default() }), "requests.max_tokens");
         assert_eq!(err(RawRequests { allowed_params: vec![" ".into()], ..RawRequests::default() }), "requests.allowed_params");
+        assert_eq!(err(RawRequests { reply_to_pattern: "".into(), ..RawRequests::default() }), "requests.reply_to_pattern");
+        let spaced = RequestPolicy::from_raw(&RawRequests { allowed_params: vec!["max_tokens".into(), " temperature".into()], ..RawRequests::default() }, &OWN, PARTITIONS).unwrap();
+        assert!(spaced.check(&completion(json!({"temperature": 0})), None).is_ok(), "names are trimmed");
     }
 }

@@ -80,40 +80,76 @@ pub struct TlsKeys {
     pub key_file: &'static str,
 }
 
-/// Reads and checks the TLS files of one link (`keys` names its settings): `ca_file` must hold at
-/// least one PEM certificate, `cert_file` at least one PEM certificate and `key_file` one PEM
-/// private key; `cert_file` and `key_file` go together. Empty strings mean "not set".
+/// Reads and checks the TLS files of one link (`keys` names its settings): `ca_file` must hold
+/// PEM certificates that parse as trust anchors, `cert_file` at least one PEM certificate and
+/// `key_file` one unencrypted PEM private key that matches it (checked by building the rustls
+/// client configuration the links will use); `cert_file` and `key_file` go together. Empty
+/// strings mean "not set".
 ///
-/// Errors: an unreadable file, a file without the expected PEM blocks, a certificate without its
-/// key or the reverse — each naming the key and the path.
+/// Errors: an unreadable file, a file without the expected PEM blocks, certificates that do not
+/// parse, a key that does not match its certificate, a certificate without its key or the
+/// reverse — each naming the key and the path, never the file's contents (a value that looks like
+/// PEM text instead of a path is not echoed either).
 pub fn load(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str) -> Result<TlsFiles, TlsFileError> {
-    let err = |key: &'static str, path: &str, rule: String| TlsFileError { key, value: format!("{path:?}"), rule };
-    let read = |key: &'static str, path: &str| std::fs::read(Path::new(path)).map_err(|e| err(key, path, format!("cannot be read: {e}")));
-    let certificates = |name: &'static str, path: &str| -> Result<Vec<u8>, TlsFileError> {
-        let pem = read(name, path)?;
-        let n = CertificateDer::pem_slice_iter(&pem)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| err(name, path, format!("is not a PEM certificate file: {e}")))?
-            .len();
-        if n == 0 {
-            return Err(err(name, path, "holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into()));
+    let ca_pem = if ca_file.is_empty() { None } else { Some(certificates(keys.ca_file, ca_file)?.0) };
+    if let Some(pem) = &ca_pem {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in CertificateDer::pem_slice_iter(pem).flatten() {
+            roots.add(cert).map_err(|e| file_error(keys.ca_file, ca_file, format!("holds a certificate that is not a valid trust anchor ({e})")))?;
         }
-        Ok(pem)
-    };
-    let ca_pem = if ca_file.is_empty() { None } else { Some(certificates(keys.ca_file, ca_file)?) };
+    }
     let client = match (cert_file.is_empty(), key_file.is_empty()) {
         (true, true) => None,
-        (false, true) => return Err(err(keys.key_file, key_file, format!("must be set with {}", keys.cert_file))),
-        (true, false) => return Err(err(keys.cert_file, cert_file, format!("must be set with {}", keys.key_file))),
+        (false, true) => return Err(file_error(keys.key_file, key_file, format!("must be set with {}", keys.cert_file))),
+        (true, false) => return Err(file_error(keys.cert_file, cert_file, format!("must be set with {}", keys.key_file))),
         (false, false) => {
-            let cert_pem = certificates(keys.cert_file, cert_file)?;
+            let (cert_pem, chain) = certificates(keys.cert_file, cert_file)?;
             let key_pem = read(keys.key_file, key_file)?;
-            PrivateKeyDer::from_pem_slice(&key_pem)
-                .map_err(|e| err(keys.key_file, key_file, format!("holds no PEM private key (PKCS#8, PKCS#1 or SEC1): {e}")))?;
+            let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| {
+                let encrypted = String::from_utf8_lossy(&key_pem).contains("ENCRYPTED");
+                let rule = if encrypted {
+                    "holds an encrypted private key; decrypt it (e.g. `openssl pkey -in KEY -out KEY.plain`) and protect the file by its permissions"
+                } else {
+                    "holds no PEM private key (PKCS#8 `BEGIN PRIVATE KEY`, PKCS#1 `BEGIN RSA PRIVATE KEY` or SEC1 `BEGIN EC PRIVATE KEY`, one block with its line breaks)"
+                };
+                file_error(keys.key_file, key_file, rule.to_owned())
+            })?;
+            install_crypto_provider();
+            rustls::ClientConfig::builder()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| file_error(keys.key_file, key_file, format!("does not fit {} ({e})", keys.cert_file)))?;
             Some(ClientIdentity { cert_pem, key_pem })
         }
     };
     Ok(TlsFiles { ca_pem, client })
+}
+
+/// A [`TlsFileError`] for `key` = `path`. A "path" that looks like PEM text (contents pasted
+/// where the path belongs) is not echoed: it may be a private key.
+fn file_error(key: &'static str, path: &str, rule: String) -> TlsFileError {
+    let value = if path.contains("-----") || path.contains('\n') || path.len() > 4096 {
+        "(not a path: it looks like the file's contents; give the path of a file instead)".to_owned()
+    } else {
+        format!("{path:?}")
+    };
+    TlsFileError { key, value, rule }
+}
+
+fn read(key: &'static str, path: &str) -> Result<Vec<u8>, TlsFileError> {
+    std::fs::read(Path::new(path)).map_err(|e| file_error(key, path, format!("cannot be read: {e}")))
+}
+
+/// The PEM text of a certificate file and its certificates; at least one.
+fn certificates(key: &'static str, path: &str) -> Result<(Vec<u8>, Vec<CertificateDer<'static>>), TlsFileError> {
+    let pem = read(key, path)?;
+    let certs = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| file_error(key, path, "is not a PEM certificate file (each block between BEGIN/END CERTIFICATE lines, with its line breaks)".into()))?;
+    if certs.is_empty() {
+        return Err(file_error(key, path, "holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into()));
+    }
+    Ok((pem, certs))
 }
 
 #[cfg(test)]
@@ -153,4 +189,49 @@ mod tests {
         let shown = format!("{t:?}");
         assert!(!shown.contains("SECRET") && shown.contains("key not shown"), "{shown}");
     }
+
+    /// A self-signed certificate and its key, generated with the openssl command line into `dir`.
+    fn self_signed(dir: &Path, name: &str) -> (String, String) {
+        let (cert, key) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
+        let out = std::process::Command::new("openssl")
+            .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1", "-subj", "/CN=t"])
+            .arg("-keyout")
+            .arg(&key)
+            .arg("-out")
+            .arg(&cert)
+            .output()
+            .expect("openssl (installed by scripts/services)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        (cert.to_string_lossy().into_owned(), key.to_string_lossy().into_owned())
+    }
+
+    #[test]
+    fn keys_are_checked_against_their_certificate_and_never_echoed() {
+        let dir = std::env::temp_dir().join(format!("pb-tls-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert_a, key_a) = self_signed(&dir, "a");
+        let (_, key_b) = self_signed(&dir, "b");
+        let ok = load(KEYS, &cert_a, &cert_a, &key_a).expect("a matching pair");
+        assert!(ok.ca_pem.is_some() && ok.client.is_some());
+
+        let e = load(KEYS, "", &cert_a, &key_b).unwrap_err();
+        assert!(e.key == "redis.tls_key_file" && e.rule.contains("does not fit"), "{e:?}");
+
+        let key_text = std::fs::read_to_string(&key_a).unwrap();
+        let body: String = key_text.lines().filter(|l| !l.starts_with("-----")).collect();
+        let oneline = write(&dir, "oneline.key", &key_text.replace('\n', ""));
+        let e = load(KEYS, "", &cert_a, &oneline).unwrap_err();
+        let shown = format!("{} {} {}", e.key, e.value, e.rule);
+        assert!(e.key == "redis.tls_key_file" && !shown.contains(&body[..20]), "the key's contents were echoed: {shown}");
+
+        let e = load(KEYS, "", &cert_a, &key_text).unwrap_err();
+        assert!(!format!("{e:?}").contains("BEGIN") && !format!("{e:?}").contains(&body[..20]), "{e:?}");
+        assert!(e.value.contains("not a path"), "{e:?}");
+
+        let garbage = write(&dir, "garbage.pem", "-----BEGIN CERTIFICATE-----\nAAAAAAAA\n-----END CERTIFICATE-----\n");
+        let e = load(KEYS, &garbage, "", "").unwrap_err();
+        assert!(e.key == "redis.tls_ca_file" && e.rule.contains("not a valid trust anchor"), "{e:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
 }

@@ -79,6 +79,9 @@ fn sh(cmd: &str, args: &[&str]) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    // reqwest has the daemon's `rustls-no-provider` feature in a workspace build: a client needs
+    // a default crypto provider.
+    llm_fakes::install_crypto_provider();
     let cli = Cli::parse();
     // An interrupt drops `run`: its processes stop and its queues and Redis keys are deleted by
     // their guards ([`procs::Proc`], [`procs::Teardown`]) before the process exits.

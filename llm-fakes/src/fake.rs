@@ -719,13 +719,13 @@ mod tests {
     use super::*;
 
     async fn post(url: &Url, path: &str, body: Value) -> (u16, Value) {
-        let r = reqwest::Client::new().post(url.join(path).unwrap()).json(&body).send().await.unwrap();
+        let r = crate::test_client().post(url.join(path).unwrap()).json(&body).send().await.unwrap();
         let status = r.status().as_u16();
         (status, r.json().await.unwrap_or(Value::Null))
     }
 
     async fn get_text(url: &Url, path: &str) -> (u16, String) {
-        let r = reqwest::get(url.join(path).unwrap()).await.unwrap();
+        let r = crate::test_client().get(url.join(path).unwrap()).send().await.unwrap();
         (r.status().as_u16(), r.text().await.unwrap())
     }
 
@@ -776,7 +776,7 @@ mod tests {
     #[tokio::test]
     async fn failures_bad_requests_and_other_routes() {
         let fake = FakeLlm::new().fail_first(1, 503).retry_after(2).bad_json_first(1).start().await.unwrap();
-        let r = reqwest::Client::new().post(fake.url.join("/v1/completions").unwrap()).json(&json!({"prompt": "a"})).send().await.unwrap();
+        let r = crate::test_client().post(fake.url.join("/v1/completions").unwrap()).json(&json!({"prompt": "a"})).send().await.unwrap();
         assert_eq!(r.status().as_u16(), 503);
         assert_eq!(r.headers()[header::RETRY_AFTER], "2");
         let (status, v) = post(&fake.url, "/v1/completions", json!({"prompt": "a"})).await;
@@ -819,7 +819,7 @@ mod tests {
     #[tokio::test]
     async fn refuse_switch_closes_the_port_and_binds_it_again() {
         let fake = FakeLlm::new().start().await.unwrap();
-        let client = reqwest::Client::new();
+        let client = crate::test_client();
         let health = fake.url.join("/health").unwrap();
         assert_eq!(client.get(health.clone()).send().await.unwrap().status().as_u16(), 200, "keeps a pooled connection");
         fake.set_refuse(true).await;

@@ -15,3 +15,20 @@
 pub mod fake;
 pub mod openai;
 pub mod simulator;
+
+/// Installs rustls' ring provider as the process default, once. In a workspace build reqwest
+/// (a dev-dependency here) has the daemon's `rustls-no-provider` feature, so a `reqwest::Client`
+/// needs a default provider; the fakes' own tests and the benchmarks call this first.
+pub fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// A `reqwest::Client` for tests, after [`install_crypto_provider`].
+#[cfg(test)]
+pub(crate) fn test_client() -> reqwest::Client {
+    install_crypto_provider();
+    reqwest::Client::new()
+}

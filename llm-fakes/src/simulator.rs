@@ -521,7 +521,7 @@ mod tests {
             ..SimConfig::default()
         };
         let (sim, url) = start(cfg).await;
-        let http = reqwest::Client::new();
+        let http = crate::test_client();
         let header = block('s').repeat(2);
         let body = json!({"model": "m", "prompt": [header.clone() + "one", header.clone() + "two"], "max_tokens": 5});
         let v: Value = http.post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().json().await.unwrap();
@@ -554,7 +554,7 @@ mod tests {
         // One slot, 0.2 model seconds per request at speedup 10 = 20 ms wall each.
         let cfg = SimConfig { max_concurrency: 1, decode_seconds_per_token: 0.1, speedup: 10.0, ..SimConfig::default() };
         let (_sim, url) = start(cfg).await;
-        let http = reqwest::Client::new();
+        let http = crate::test_client();
         let started = std::time::Instant::now();
         let calls = (0..4).map(|i| {
             let http = http.clone();

@@ -134,7 +134,7 @@ impl TestEnv {
         a.reconnect_backoff_max = "1s".into();
         a.backlog_poll_interval = "1s".into();
         // Results go to the tests' named reply queues (`pbt-…`) and to server-named ones.
-        r.requests.reply_to_pattern = r"^(amq\.gen-|pbt-)".into();
+        r.requests.reply_to_pattern = r"(amq\.gen-|pbt-).*".into();
         r.redis.url = REDIS_URL.into();
         r.redis.key_prefix = self.name.clone();
         r.redis.command_timeout = "2s".into();
