@@ -53,6 +53,8 @@ pub mod breaker;
 pub mod client;
 pub mod config;
 pub mod exit;
+#[cfg(test)]
+mod fuzz_json;
 pub mod http;
 pub mod keying;
 pub mod lease;

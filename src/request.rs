@@ -535,21 +535,8 @@ mod fuzz {
 
     use super::*;
 
-    /// Any JSON value, nested up to a few levels.
     fn any_json() -> impl Strategy<Value = Value> {
-        let leaf = prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::Bool),
-            any::<i64>().prop_map(|n| json!(n)),
-            any::<f64>().prop_map(|f| json!(f)),
-            ".{0,40}".prop_map(Value::String),
-        ];
-        leaf.prop_recursive(4, 48, 6, |inner| {
-            prop_oneof![
-                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-                prop::collection::btree_map(".{0,12}", inner, 0..6).prop_map(|m| Value::Object(m.into_iter().collect())),
-            ]
-        })
+        crate::fuzz_json::any_json(".{0,12}".boxed())
     }
 
     /// A request-shaped object: the contract's keys with values of any type, or well-formed ones.
