@@ -178,9 +178,7 @@ pub async fn connect(settings: &RedisSettings) -> Result<ConnectionManager, redi
 
 /// The Redis client of `redis.url` (see [`connect`] for TLS).
 fn client(settings: &RedisSettings) -> Result<redis::Client, redis::RedisError> {
-    if settings.url.expose().starts_with("rediss:") {
-        crate::tls::install_crypto_provider();
-    }
+    crate::tls::install_crypto_provider();
     if !settings.tls.is_set() {
         return redis::Client::open(settings.url.expose());
     }

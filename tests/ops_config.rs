@@ -208,9 +208,8 @@ fn every_documented_environment_variable_overrides_its_key() {
     let files = common::tls::TlsFiles::generate();
     let file = |p: &std::path::Path| (p.to_string_lossy().into_owned(), format!("{:?}", p.to_string_lossy()));
     let mut values: Vec<(&str, String, String)> = values.iter().map(|(k, v, w)| (*k, v.to_string(), w.to_string())).collect();
-    for section in ["amqp", "redis", "llm"] {
-        for (name, p) in [("tls_ca_file", &files.ca_cert), ("tls_cert_file", &files.client_cert), ("tls_key_file", &files.client_key)] {
-            let key: &'static str = Box::leak(format!("{section}.{name}").into_boxed_str());
+    for keys in [["amqp.tls_ca_file", "amqp.tls_cert_file", "amqp.tls_key_file"], ["redis.tls_ca_file", "redis.tls_cert_file", "redis.tls_key_file"], ["llm.tls_ca_file", "llm.tls_cert_file", "llm.tls_key_file"]] {
+        for (key, p) in keys.into_iter().zip([&files.ca_cert, &files.client_cert, &files.client_key]) {
             let (value, want) = file(p);
             values.push((key, value, want));
         }

@@ -27,6 +27,16 @@ async fn https_fake(files: &TlsFiles) -> FakeLlmHandle {
     FakeLlm::new().start_tls(&cert, &key, Some(&ca)).await.expect("start the HTTPS fake LLM")
 }
 
+/// A fresh throwaway CA with its certificates, and the three TLS servers: a private RabbitMQ
+/// node, a redis-server requiring client certificates, the HTTPS fake LLM.
+async fn servers() -> (TlsFiles, TlsBroker, TlsRedis, FakeLlmHandle) {
+    let files = TlsFiles::generate();
+    let broker = TlsBroker::start(&files).await;
+    let redis = TlsRedis::start(&files, true).await;
+    let fake = https_fake(&files).await;
+    (files, broker, redis, fake)
+}
+
 /// The test configuration with every link over TLS, each with the client certificate (mutual
 /// TLS): the broker's amqps port, the TLS Redis, the HTTPS fake; each link trusts `ca` (the test
 /// CA or another one).
@@ -48,25 +58,14 @@ fn tls_config(env: &TestEnv, files: &TlsFiles, broker: &TlsBroker, redis: &TlsRe
 /// the HTTPS fake; the daemon stops cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_main_job_runs_over_amqps_rediss_and_https() {
-    let files = TlsFiles::generate();
-    let broker = TlsBroker::start(&files).await;
-    let redis = TlsRedis::start(&files, true).await;
-    let fake = https_fake(&files).await;
+    let (files, broker, redis, fake) = servers().await;
     let env = TestEnv::new("tls");
     let ca = files.ca_cert.as_path();
     let daemon = start_daemon(&tls_config(&env, &files, &broker, &redis, &fake, [ca, ca, ca]));
     let amqp = Amqp::connect_to(&broker.amqp_url()).await;
-    for p in 0..PARTITIONS {
-        amqp.wait_consumed(&env.partition_queue(p)).await;
-    }
-    let reply = format!("{}.reply", env.name);
-    let mut results = amqp.reply_queue(&reply).await;
-    let reqs = completions_workload("tls", 40, 4);
-    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
-    results.until_all(&ids(&reqs), DEADLINE).await;
-    assert!(results.received.iter().all(|m| m.result().ok), "a request failed over TLS");
+    let results = amqp.run_main_job(&env, "tls", 40, 4).await;
     assert!(fake.call_count() > 0, "the HTTPS fake was not called");
-    eprintln!("tls: {} requests answered over amqps + rediss + https, mutual TLS on all three, in {} calls", reqs.len(), fake.call_count());
+    eprintln!("tls: 40 requests answered over amqps + rediss + https, mutual TLS on all three, in {} calls", fake.call_count());
     daemon.stop().await.expect("the daemon stops cleanly");
     results.close().await;
     amqp.close().await;
@@ -94,10 +93,7 @@ async fn wait_log(d: &mut DaemonProcess, needles: &[&str], within: Duration) -> 
 /// restart of the servers); nothing is answered meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_ca_fails_with_an_error_naming_the_link() {
-    let files = TlsFiles::generate();
-    let broker = TlsBroker::start(&files).await;
-    let redis = TlsRedis::start(&files, true).await;
-    let fake = https_fake(&files).await;
+    let (files, broker, redis, fake) = servers().await;
     let env = TestEnv::new("tlsca");
     let (good, bad) = (files.ca_cert.as_path(), files.other_ca_cert.as_path());
     let cases: [(&str, [&Path; 3], &[&str]); 3] = [

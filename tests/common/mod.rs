@@ -673,6 +673,24 @@ impl Amqp {
         }
     }
 
+    /// The main job against a daemon on this broker: waits until every partition queue of `env`
+    /// is consumed, opens the reply queue `{env.name}.reply`, publishes `n` completions requests
+    /// over `groups` prefix groups (ids `{tag}-{i}`), waits (≤ [`DEADLINE`]) for all their results
+    /// and asserts each is `ok`. Returns the reply collector (to close).
+    pub async fn run_main_job(&self, env: &TestEnv, tag: &str, n: usize, groups: usize) -> Collector {
+        for p in 0..PARTITIONS {
+            self.wait_consumed(&env.partition_queue(p)).await;
+        }
+        let reply = format!("{}.reply", env.name);
+        let mut results = self.reply_queue(&reply).await;
+        let reqs = completions_workload(tag, n, groups);
+        self.publish_requests(&env.input_queue(), &reqs, &reply).await;
+        results.until_all(&ids(&reqs), DEADLINE).await;
+        let failed: Vec<&Received> = results.received.iter().filter(|m| !m.result().ok).collect();
+        assert!(failed.is_empty(), "{} of {n} requests failed, e.g. {:?}", failed.len(), failed.first().map(|m| m.result()));
+        results
+    }
+
     pub async fn wait_consumers(&self, queue: &str, want: u32, within: Duration) {
         let deadline = Instant::now() + within;
         loop {
