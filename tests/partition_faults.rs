@@ -122,6 +122,17 @@ fn waiting_in_partitions(env: &TestEnv) -> u64 {
     broker::queues(prefix).iter().map(|(_, ready, unacked)| ready + unacked).sum()
 }
 
+/// A daemon with `amqp.delivery_limit = 1` (one delivery charged to a request dead-letters it)
+/// holding every partition, and a consumer of its dead-letter queue.
+async fn start_charging_every_delivery(test: &str, llm_url: &str) -> (TestEnv, Started, Collector) {
+    let env = TestEnv::new(test);
+    let mut raw = env.raw_config(llm_url);
+    raw.amqp.delivery_limit = 1;
+    let started = start_with_replies(&env, &raw).await;
+    let dead = started.amqp.consume(&env.dead_letter_queue()).await;
+    (env, started, dead)
+}
+
 /// Stops the daemon gracefully, then checks that nothing was left unsettled (a delivery held
 /// unacked would be back in its partition queue once the daemon's channels are closed), and
 /// cleans up.
@@ -228,11 +239,7 @@ async fn a_long_request_id_harms_no_other_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_llm_outage_pauses_intake_and_loses_nothing() {
     let llm = SwitchableLlm::start(503).await;
-    let env = TestEnv::new("outage");
-    let mut raw = env.raw_config(&llm.url);
-    raw.amqp.delivery_limit = 1;
-    let mut st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (env, mut st, mut dead) = start_charging_every_delivery("outage", &llm.url).await;
     let (amqp, reply) = (&st.amqp, st.reply.clone());
 
     let reqs = completions_workload("outage", 60, 4);
@@ -270,11 +277,7 @@ async fn an_llm_outage_pauses_intake_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unauthorized_pauses_intake_without_failing_requests() {
     let llm = SwitchableLlm::start(401).await;
-    let env = TestEnv::new("unauth");
-    let mut raw = env.raw_config(&llm.url);
-    raw.amqp.delivery_limit = 1;
-    let mut st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (env, mut st, mut dead) = start_charging_every_delivery("unauth", &llm.url).await;
     let reqs = completions_workload("unauth", 20, 2);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     let waiting = wait_for("all 20 requests to wait in the partition queues", Duration::from_secs(20), || async {
