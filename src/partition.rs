@@ -277,24 +277,13 @@ async fn pause(ctx: &PartitionContext, stop: &StopSignals) -> bool {
     let p = ctx.partition;
     warn!(partition = p, epoch = ctx.epoch, "no LLM endpoint available; intake paused, requests wait in the queue");
     metrics::intake_paused(p, true);
-    let expired = ctx.lease.expired();
-    tokio::pin!(expired);
-    let resumed = loop {
-        if endpoint_available(ctx) {
-            break true;
-        }
-        let endpoint = ctx.llm.endpoint_for(p);
-        tokio::select! {
-            _ = stop.stopped() => break false,
-            _ = &mut expired => {
-                warn!(partition = p, epoch = ctx.epoch, "lease deadline passed while paused; stopping the partition");
-                ctx.lease.invalidate();
-                stop.abort.cancel();
-                break false;
-            }
-            _ = ctx.llm.wait_available(endpoint, &stop.abort) => {}
-            // Another endpoint of the ranking may come back first.
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+    let resumed = tokio::select! {
+        endpoint = wait_for_endpoint(ctx, stop, &stop.abort) => endpoint.is_some(),
+        _ = ctx.lease.expired() => {
+            warn!(partition = p, epoch = ctx.epoch, "lease deadline passed while paused; stopping the partition");
+            ctx.lease.invalidate();
+            stop.abort.cancel();
+            false
         }
     };
     metrics::intake_paused(p, false);
@@ -659,7 +648,7 @@ async fn infer_through_outages(
     let mut llm_ms = 0u64;
     let mut one_by_one = false;
     loop {
-        let endpoint = wait_for_endpoint(ctx, stop, end).await?;
+        let endpoint = wait_for_endpoint(ctx, stop, &end.token).await?;
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
         let started = Instant::now();
         let answers = if one_by_one {
@@ -704,9 +693,9 @@ async fn infer_through_outages(
 }
 
 /// The endpoint to call for the partition: the first available one ([`LlmClient::endpoint_for`]),
-/// once there is one. `None` when a stop signal or the session's end (lease lost, restart) comes
-/// first.
-async fn wait_for_endpoint(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd) -> Option<usize> {
+/// once there is one. `None` when a stop signal or `cancel` (the session's end: lease lost,
+/// restart) comes first.
+async fn wait_for_endpoint(ctx: &PartitionContext, stop: &StopSignals, cancel: &CancellationToken) -> Option<usize> {
     loop {
         let endpoint = ctx.llm.endpoint_for(ctx.partition);
         if ctx.llm.available(endpoint) {
@@ -715,8 +704,8 @@ async fn wait_for_endpoint(ctx: &PartitionContext, stop: &StopSignals, end: &Ses
         tokio::select! {
             biased;
             _ = stop.stopped() => return None,
-            _ = end.token.cancelled() => return None,
-            _ = ctx.llm.wait_available(endpoint, &end.token) => {}
+            _ = cancel.cancelled() => return None,
+            _ = ctx.llm.wait_available(endpoint, cancel) => {}
             // Another endpoint of the ranking may come back first.
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
