@@ -5,16 +5,18 @@
 //! Keys (with `P` = `redis.key_prefix`):
 //! - `P:members` — a sorted set of member names, each scored with the time its heartbeat expires:
 //!   the Redis clock (`TIME`) of its last heartbeat plus that member's own `member_ttl`, in
-//!   milliseconds. A member is live while its score is in `(now, +inf]`, read with
-//!   `ZRANGEBYSCORE`; every heartbeat removes the expired entries (`ZREMRANGEBYSCORE -inf now`).
+//!   milliseconds. A member is live while its score is in `[now, +inf]`, read with
+//!   `ZRANGEBYSCORE`; every heartbeat removes the expired entries (`ZREMRANGEBYSCORE -inf (now`).
+//!   That is the rule Redis applies to a key's own expiry (expired once the clock is past it), so
+//!   an entry and its nonce key below end at the same millisecond.
 //!   Scoring by expiry rather than by heartbeat time keeps each member's own TTL, as a per-member
 //!   key with a TTL would: a reader configured with another `member_ttl` (a rolling config
 //!   change, or `status` run with a different config) sees the same members. The set itself
 //!   expires when the last heartbeat of anyone does, so a cluster that is gone leaves nothing
 //!   behind. Listing the members reads this one key, whatever the size of the keyspace (a `SCAN`
 //!   over a shared Redis with millions of keys takes seconds).
-//! - `P:member:{name}` = the boot nonce of the process heartbeating under `name`, with a TTL of
-//!   `member_ttl`. It tells two processes with the same name apart: a process that leaves removes
+//! - `P:member:{name}` = the boot nonce of the process heartbeating under `name`, expiring at the
+//!   same absolute time as its entry in `P:members` (`SET … PXAT`, Redis ≥ 6.2). It tells two processes with the same name apart: a process that leaves removes
 //!   the name only while the nonce is still its own, so a stopping process never removes its
 //!   already-restarted successor; `status` shows the nonce.
 //!
@@ -37,13 +39,14 @@ const HEARTBEAT: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
-redis.call('SET', KEYS[2], ARGV[2], 'PX', ttl)
-redis.call('ZADD', KEYS[1], string.format('%d', now + ttl), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('%d', now))
+local expiry = string.format('%d', now + ttl)
+redis.call('SET', KEYS[2], ARGV[2], 'PXAT', expiry)
+redis.call('ZADD', KEYS[1], expiry, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
 if redis.call('PTTL', KEYS[1]) < ttl then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
-local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf')
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
 table.sort(names)
 return names
 "#;
@@ -66,7 +69,7 @@ return 1
 const LIST: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('(%d', now), '+inf')
+local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
 table.sort(names)
 local nonces = {}
 for i, n in ipairs(names) do
