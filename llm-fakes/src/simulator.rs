@@ -136,6 +136,12 @@ pub fn block_hashes(text: &str, block_chars: usize) -> Vec<u64> {
 }
 
 /// A prefix cache of chained block hashes with LRU eviction at a capacity in blocks.
+///
+/// Within one prompt the blocks are touched tail first, so the prompt's last blocks are the
+/// first of it to be evicted and its head, which later prompts can still reach, stays longest.
+/// That is vLLM's order: `KVCacheManager.free` returns a finished request's blocks to the free
+/// queue in reverse "so that the tail blocks are evicted first" (vllm/v1/core/kv_cache_manager.py).
+/// A head-first order would evict a chain's first block while its unreachable tail stays cached.
 #[derive(Debug, Default, Clone)]
 pub struct PrefixCache {
     capacity: usize,
@@ -154,14 +160,14 @@ impl PrefixCache {
     }
 
     /// Looks up the longest cached run of leading blocks among the first `lookup_limit` hashes,
-    /// then inserts or touches every hash of `hashes` in order and evicts down to the capacity.
-    /// Returns the number of hit blocks.
+    /// then inserts or touches every hash of `hashes`, last one first (so the first is the most
+    /// recently used), and evicts down to the capacity. Returns the number of hit blocks.
     pub fn lookup_and_insert(&mut self, hashes: &[u64], lookup_limit: usize) -> usize {
         let hits = hashes.iter().take(lookup_limit).take_while(|h| self.blocks.contains_key(h)).count();
         if self.capacity == 0 {
             return hits;
         }
-        for &h in hashes {
+        for &h in hashes.iter().rev() {
             self.tick += 1;
             if let Some(old) = self.blocks.insert(h, self.tick) {
                 self.lru.remove(&old);
@@ -483,6 +489,18 @@ mod tests {
         assert_eq!(c.lookup_and_insert(&[2], 1), 0, "2 was evicted");
         assert_eq!(c.lookup_and_insert(&[1, 4], 2), 2, "inserting 2 evicted 3, the oldest; 1 and 4 stay");
         assert_eq!(c.lookup_and_insert(&[3], 1), 0);
+    }
+
+    #[test]
+    fn a_prompts_tail_is_evicted_before_its_head() {
+        let mut c = PrefixCache::new(3);
+        c.lookup_and_insert(&[1, 2, 3], 3);
+        c.lookup_and_insert(&[7], 1);
+        assert_eq!(c.lookup_and_insert(&[1, 2, 3], 3), 2, "3 (the tail) was evicted, 1 and 2 still hit");
+        let mut c = PrefixCache::new(3);
+        c.lookup_and_insert(&[1, 2, 3], 3);
+        c.lookup_and_insert(&[7, 8], 2);
+        assert_eq!(c.lookup_and_insert(&[1, 2], 2), 1, "the head outlives the rest of its prompt");
     }
 
     #[test]
