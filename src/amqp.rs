@@ -23,23 +23,49 @@ pub const NOT_FOUND: u16 = 404;
 /// `precondition-failed` (406, soft error): a redeclare with other arguments.
 pub const PRECONDITION_FAILED: u16 = 406;
 
-/// Opens one AMQP connection to `amqp.url` with `props`. Over `amqps://` it uses the link's TLS
-/// files ([`crate::tls`]): the CA bundle is trusted in addition to the system roots (lapin adds
-/// it to them), and the client certificate and key, when set, authenticate the daemon (mutual
-/// TLS; RabbitMQ's `ssl_options.verify = verify_peer`).
+/// Opens one AMQP connection to node `node` of [`AmqpSettings::nodes`] (`amqp.urls`, or
+/// `amqp.url`) with `props`. Over `amqps://` it uses the link's TLS files ([`crate::tls`]): the
+/// CA bundle is trusted in addition to the system roots (lapin adds it to them), and the client
+/// certificate and key, when set, authenticate the daemon (mutual TLS; RabbitMQ's
+/// `ssl_options.verify = verify_peer`).
 ///
 /// Errors: as [`Connection::connect`]; a server certificate that does not verify fails the TLS
-/// handshake (an I/O error naming the certificate problem).
-pub async fn connect(amqp: &AmqpSettings, props: ConnectionProperties) -> lapin::Result<Connection> {
+/// handshake (an I/O error naming the certificate problem). Panics when `node` is out of range.
+pub async fn connect_node(amqp: &AmqpSettings, node: usize, props: ConnectionProperties) -> lapin::Result<Connection> {
     crate::tls::install_crypto_provider();
+    let url = amqp.nodes[node].expose();
     if !amqp.tls.is_set() {
-        return Connection::connect(amqp.url.expose(), props).await;
+        return Connection::connect(url, props).await;
     }
     let config = OwnedTLSConfig {
         identity: amqp.tls.client.as_ref().map(|c| OwnedIdentity::PKCS8 { pem: c.cert_pem.clone(), key: c.key_pem.clone() }),
         cert_chain: amqp.tls.ca_pem.as_ref().map(|p| String::from_utf8_lossy(p).into_owned()),
     };
-    Connection::connect_with_config(amqp.url.expose(), props, config, lapin::runtime::default_runtime()?).await
+    Connection::connect_with_config(url, props, config, lapin::runtime::default_runtime()?).await
+}
+
+/// Opens one AMQP connection to the first node of [`AmqpSettings::nodes`] that accepts it, in
+/// their order; returns it with that node's index. For one-off connections (the `submit` and
+/// `status` subcommands); the daemon's sessions pick their node themselves (see
+/// [`next_node`]).
+///
+/// Errors: the last node's error when none accepts the connection.
+pub async fn connect(amqp: &AmqpSettings, props: ConnectionProperties) -> lapin::Result<(Connection, usize)> {
+    let mut last = None;
+    for node in 0..amqp.nodes.len() {
+        match connect_node(amqp, node, props.clone()).await {
+            Ok(c) => return Ok((c, node)),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.expect("amqp.nodes is never empty"))
+}
+
+/// The node a new session tries after a session on node `failed` ended: the next one in
+/// [`AmqpSettings::nodes`] order, wrapping around, so a failed node is tried again only after
+/// every other node (`nodes` = their count, ≥ 1).
+pub fn next_node(failed: usize, nodes: usize) -> usize {
+    (failed + 1) % nodes.max(1)
 }
 
 /// The reply code of the `channel.close` or `connection.close` the broker sent, when `e` is
@@ -132,5 +158,13 @@ mod tests {
         let io: lapin::Error = std::io::Error::other("reset").into();
         assert_eq!(reply_code(&io), None);
         assert_eq!(REPLY_SUCCESS, 200);
+    }
+
+    #[test]
+    fn the_next_node_follows_the_failed_one_and_wraps_around() {
+        assert_eq!(next_node(0, 3), 1);
+        assert_eq!(next_node(1, 3), 2);
+        assert_eq!(next_node(2, 3), 0);
+        assert_eq!(next_node(0, 1), 0);
     }
 }

@@ -114,6 +114,12 @@ pub enum SessionError {
 }
 
 impl SessionError {
+    /// Whether the broker link failed (every failure but Redis's): the next session then tries
+    /// the next broker node.
+    fn amqp_failed(&self) -> bool {
+        !matches!(self, SessionError::Redis(_) | SessionError::Topology(TopologyError::Redis(_)))
+    }
+
     /// The not-ready reason this failure stands for.
     fn not_ready(&self) -> NotReady {
         match self {
@@ -266,12 +272,20 @@ struct App {
 
 impl App {
     /// Runs sessions until `work` is cancelled, reconnecting with an exponential backoff.
+    ///
+    /// The first session connects to the first broker node of `amqp.urls`; after a session whose
+    /// broker link failed, the next one tries the node after it ([`crate::amqp::next_node`]), so
+    /// a lost node is left for the next live one after one backoff.
     async fn sessions(&self, work: &CancellationToken, events: &mut (impl FnMut(Lifecycle) + Send)) -> Result<(), AppError> {
         let amqp = &self.settings.amqp;
         let mut backoff = amqp.reconnect_backoff_initial;
         let mut redis: Option<ConnectionManager> = None;
+        let mut node = 0;
+        metrics::amqp_connected_node(None, amqp.nodes.len());
         while !work.is_cancelled() {
-            let failure = match self.connect_and_run(&mut redis, work, events).await? {
+            let end = self.connect_and_run(&mut redis, node, work, events).await;
+            metrics::amqp_connected_node(None, amqp.nodes.len());
+            let failure = match end? {
                 SessionEnd::Stopped => return Ok(()),
                 SessionEnd::Failed(e) => e,
             };
@@ -280,7 +294,11 @@ impl App {
                 backoff = amqp.reconnect_backoff_initial;
             }
             self.readiness.set(failure.not_ready(), true);
-            warn!(error = %failure, retry_in = ?backoff, "session ended; reconnecting");
+            let failed_node = node;
+            if failure.amqp_failed() {
+                node = crate::amqp::next_node(node, amqp.nodes.len());
+            }
+            warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting");
             tokio::select! {
                 _ = work.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(jitter(backoff)) => {}
@@ -294,6 +312,7 @@ impl App {
     async fn connect_and_run(
         &self,
         redis: &mut Option<ConnectionManager>,
+        node: usize,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Result<SessionEnd, AppError> {
@@ -304,18 +323,18 @@ impl App {
                 Err(e) => return Ok(SessionEnd::Failed(SessionError::Redis(e))),
             },
         };
-        self.session(r, work, events).await
+        self.session(r, node, work, events).await
     }
 
-    /// Opens the session's two AMQP connections (see [`Connections`]: consumers and acks on
-    /// one, publishes on the other, named `prefix-batcher {instance}` and
+    /// Opens the session's two AMQP connections to broker node `node` (see [`Connections`]:
+    /// consumers and acks on one, publishes on the other, named `prefix-batcher {instance}` and
     /// `prefix-batcher {instance} publish`) and declares the topology; closes them again when
     /// the topology is refused.
-    async fn open(&self, redis: &mut ConnectionManager) -> Result<Connections, SessionError> {
+    async fn open(&self, redis: &mut ConnectionManager, node: usize) -> Result<Connections, SessionError> {
         let s = &self.settings;
         let connect = |suffix: &str| {
             let name = format!("prefix-batcher {}{suffix}", s.instance_name);
-            crate::amqp::connect(&s.amqp, ConnectionProperties::default().with_connection_name(name.into()))
+            crate::amqp::connect_node(&s.amqp, node, ConnectionProperties::default().with_connection_name(name.into()))
         };
         let consume = connect("").await.map_err(SessionError::Connect)?;
         let publish = match connect(" publish").await {
@@ -331,7 +350,8 @@ impl App {
             let _ = conns.close("topology refused").await;
             return Err(SessionError::Topology(e));
         }
-        info!(partitions = s.amqp.partitions.get(), "topology declared");
+        info!(partitions = s.amqp.partitions.get(), node, url = %s.amqp.nodes[node], "topology declared");
+        metrics::amqp_connected_node(Some(node), s.amqp.nodes.len());
         Ok(conns)
     }
 
@@ -340,10 +360,11 @@ impl App {
     async fn session(
         &self,
         mut redis: ConnectionManager,
+        node: usize,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Result<SessionEnd, AppError> {
-        let conns = match self.open(&mut redis).await {
+        let conns = match self.open(&mut redis, node).await {
             Ok(c) => c,
             Err(SessionError::Topology(e)) if e.is_config_error() => {
                 error!(error = %e, "refusing to start");

@@ -123,9 +123,9 @@ fn output_name(opts: &SubmitOptions) -> String {
 /// Errors: connection failures, unreadable input, a duplicate `id`, a publish the broker
 /// refuses, an unwritable output (see [`ClientError`]).
 pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitSummary, ClientError> {
-    let conn = crate::amqp::connect(&settings.amqp, ConnectionProperties::default())
+    let (conn, _node) = crate::amqp::connect(&settings.amqp, ConnectionProperties::default())
         .await
-        .map_err(|source| ClientError::Connect { url: settings.amqp.url.to_string(), source })?;
+        .map_err(|source| ClientError::Connect { url: nodes_label(settings), source })?;
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let queue = opts.queue.clone().unwrap_or_else(|| settings.amqp.input_queue.clone());
@@ -310,6 +310,47 @@ fn check_confirm(c: lapin::Confirmation, queue: &str) -> Result<(), ClientError>
     Ok(())
 }
 
+/// The broker nodes for messages: `amqp.url`, or every node of `amqp.urls`, passwords redacted.
+fn nodes_label(settings: &Settings) -> String {
+    settings.amqp.nodes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// One broker node (of `amqp.urls`, or `amqp.url`) in `status`.
+#[derive(Debug, Clone, Serialize)]
+pub struct AmqpNodeStatus {
+    /// Index in `amqp.urls` (the `node` label of `prefix_batcher_amqp_connected_node`).
+    pub node: usize,
+    /// The URL with its password redacted.
+    pub url: String,
+    /// Whether an AMQP connection to it opened within `amqp.confirm_timeout`.
+    pub reachable: bool,
+    /// Why not, when it is not reachable.
+    pub error: Option<String>,
+}
+
+/// Tries an AMQP connection to every broker node (one after the other, each bounded by
+/// `amqp.confirm_timeout`) and closes it again.
+async fn probe_nodes(settings: &Settings) -> Vec<AmqpNodeStatus> {
+    let mut out = Vec::with_capacity(settings.amqp.nodes.len());
+    for (node, url) in settings.amqp.nodes.iter().enumerate() {
+        let attempt = tokio::time::timeout(
+            settings.amqp.confirm_timeout,
+            crate::amqp::connect_node(&settings.amqp, node, ConnectionProperties::default()),
+        )
+        .await;
+        let error = match attempt {
+            Ok(Ok(conn)) => {
+                let _ = conn.close(REPLY_SUCCESS, "status".into()).await;
+                None
+            }
+            Ok(Err(e)) => Some(crate::config::redact_text(&e.to_string())),
+            Err(_) => Some(format!("no connection within {:?}", settings.amqp.confirm_timeout)),
+        };
+        out.push(AmqpNodeStatus { node, url: url.to_string(), reachable: error.is_none(), error });
+    }
+    out
+}
+
 /// One partition in `status`.
 #[derive(Debug, Clone, Serialize)]
 pub struct PartitionStatus {
@@ -400,19 +441,25 @@ pub struct Status {
     pub partition_backlog: Option<u64>,
     /// Why the RabbitMQ part is missing, when it is.
     pub amqp_error: Option<String>,
+    /// The broker node (index in `amqp.urls`) the queue depths were read from: the first
+    /// reachable one.
+    pub amqp_node: Option<usize>,
+    /// Every broker node and whether it accepts connections.
+    pub amqp_nodes: Vec<AmqpNodeStatus>,
     /// The split set (adaptive keying): hot keys, busiest first.
     pub hot_keys: Vec<HotKeyStatus>,
 }
 
-/// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog.
-async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option<(u32, u32)>>, Option<u32>)> {
-    let conn = tokio::time::timeout(
-        settings.amqp.confirm_timeout,
+/// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog, and
+/// the broker node (index in `amqp.urls`) they were read from.
+async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option<(u32, u32)>>, Option<u32>, usize)> {
+    let (conn, node) = tokio::time::timeout(
+        settings.amqp.confirm_timeout * settings.amqp.nodes.len() as u32,
         crate::amqp::connect(&settings.amqp, ConnectionProperties::default()),
     )
     .await
-    .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.amqp.url))?
-    .with_context(|| format!("connecting to {}", settings.amqp.url))?;
+    .map_err(|_| anyhow::anyhow!("timed out connecting to {}", nodes_label(settings)))?
+    .with_context(|| format!("connecting to {}", nodes_label(settings)))?;
     let passive = QueueDeclareOptions { passive: true, ..Default::default() };
     let mut ch = conn.create_channel().await?;
     let mut depths = Vec::with_capacity(p as usize);
@@ -432,7 +479,7 @@ async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option
         .ok()
         .map(|q| q.message_count());
     let _ = conn.close(REPLY_SUCCESS, "status".into()).await;
-    Ok((depths, input))
+    Ok((depths, input, node))
 }
 
 /// The split set, busiest key first. Errors: Redis unreachable, failing or too slow.
@@ -465,10 +512,11 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let pttls: Vec<i64> = pipe.query_async(&mut r).await?;
     let pttls: Vec<Option<u64>> = pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect();
 
-    let (depths, input_backlog, amqp_error) = match queue_depths(settings, p).await {
-        Ok((d, i)) => (d, i, None),
-        Err(e) => (vec![None; p as usize], None, Some(format!("{e:#}"))),
+    let (depths, input_backlog, amqp_error, amqp_node) = match queue_depths(settings, p).await {
+        Ok((d, i, node)) => (d, i, None, Some(node)),
+        Err(e) => (vec![None; p as usize], None, Some(format!("{e:#}")), None),
     };
+    let amqp_nodes = probe_nodes(settings).await;
 
     let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
     let desired = assignment(p, &names);
@@ -512,7 +560,20 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let moving = partitions.iter().filter(|s| s.note == Some("moving")).map(|s| s.partition).collect();
     let partition_backlog =
         if depths.iter().all(Option::is_some) { Some(depths.iter().flatten().map(|d| u64::from(d.0)).sum()) } else { None };
-    Ok(Status { partition_count: p, members, partitions, unowned, moving, stale_owners, input_backlog, partition_backlog, amqp_error, hot_keys })
+    Ok(Status {
+        partition_count: p,
+        members,
+        partitions,
+        unowned,
+        moving,
+        stale_owners,
+        input_backlog,
+        partition_backlog,
+        amqp_error,
+        amqp_node,
+        amqp_nodes,
+        hot_keys,
+    })
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {
@@ -541,6 +602,15 @@ pub fn render_status(s: &Status) -> String {
     ));
     if let Some(e) = &s.amqp_error {
         out.push_str(&format!("RabbitMQ unreachable, backlog unknown: {e}\n"));
+    }
+    out.push_str(&format!("\nRabbitMQ nodes ({}):\n", s.amqp_nodes.len()));
+    for n in &s.amqp_nodes {
+        let state = match (&n.error, s.amqp_node == Some(n.node)) {
+            (None, true) => "reachable (queue depths read here)".to_owned(),
+            (None, false) => "reachable".to_owned(),
+            (Some(e), _) => format!("UNREACHABLE: {e}"),
+        };
+        out.push_str(&format!("  {:>4}  {:<48} {state}\n", n.node, n.url));
     }
     out.push_str(&format!(
         "\n{:>9}  {:<32} {:>14} {:>9} {:>8} {:>9}  {:<32} {}\n",

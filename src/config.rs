@@ -150,6 +150,8 @@ pub struct RawInstance {
 #[serde(deny_unknown_fields, default)]
 pub struct RawAmqp {
     pub url: String,
+    /// The nodes of a RabbitMQ cluster; when not empty it replaces `url`.
+    pub urls: Vec<String>,
     pub input_queue: String,
     pub shard_exchange: String,
     pub partition_queue_prefix: String,
@@ -166,6 +168,7 @@ pub struct RawAmqp {
     pub backlog_poll_interval: String,
     pub consumer_timeout: String,
     pub delivery_limit: u32,
+    pub quorum_initial_group_size: u32,
     pub tls_ca_file: String,
     pub tls_cert_file: String,
     pub tls_key_file: String,
@@ -175,6 +178,7 @@ impl Default for RawAmqp {
     fn default() -> Self {
         RawAmqp {
             url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+            urls: Vec::new(),
             input_queue: "prefix-batcher.input".into(),
             shard_exchange: "prefix-batcher.shards".into(),
             partition_queue_prefix: "prefix-batcher.partition".into(),
@@ -191,6 +195,7 @@ impl Default for RawAmqp {
             backlog_poll_interval: "5s".into(),
             consumer_timeout: "30m".into(),
             delivery_limit: 5,
+            quorum_initial_group_size: DEFAULT_QUORUM_INITIAL_GROUP_SIZE,
             tls_ca_file: String::new(),
             tls_cert_file: String::new(),
             tls_key_file: String::new(),
@@ -412,10 +417,23 @@ pub struct Settings {
     pub log: LogSettings,
 }
 
+/// Default of `amqp.quorum_initial_group_size`: 3 replicas, the size of the smallest cluster that
+/// survives the loss of one node (a quorum queue needs a majority of its replicas,
+/// <https://www.rabbitmq.com/docs/quorum-queues#quorum-requirements>).
+pub const DEFAULT_QUORUM_INITIAL_GROUP_SIZE: u32 = 3;
+
+/// Most nodes `amqp.urls` may list (it bounds the `node` label of `amqp_connected_node`).
+pub const MAX_AMQP_NODES: usize = 16;
+
 /// `[amqp]`, validated.
 #[derive(Debug, Clone)]
 pub struct AmqpSettings {
+    /// The first node of [`AmqpSettings::nodes`] (`amqp.url`, or the first of `amqp.urls`).
     pub url: SecretUrl,
+    /// The broker nodes to connect to, in the order they are tried: `amqp.urls` when set, else
+    /// `[amqp.url]`. Never empty; all of one scheme (`amqp` or `amqps`); at most
+    /// [`MAX_AMQP_NODES`].
+    pub nodes: Vec<SecretUrl>,
     pub input_queue: String,
     pub shard_exchange: String,
     pub partition_queue_prefix: String,
@@ -444,6 +462,10 @@ pub struct AmqpSettings {
     /// Deliveries of one request (the first one included) after which the daemon dead-letters it
     /// with reason `delivery_limit` instead of processing it again. ≥ 1.
     pub delivery_limit: NonZeroU32,
+    /// `x-quorum-initial-group-size` of the queues the daemon declares (replicas of a new quorum
+    /// queue; RabbitMQ caps it at the cluster's node count). `None` (`0` in the configuration):
+    /// the argument is left out and the broker's default applies (every cluster node).
+    pub quorum_initial_group_size: Option<NonZeroU32>,
     /// TLS files for `amqps://` ([`crate::tls`]).
     pub tls: TlsFiles,
 }
@@ -603,6 +625,7 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
             .separator("__")
             .try_parsing(true)
             .list_separator(",")
+            .with_list_parse_key("amqp.urls")
             .with_list_parse_key("llm.endpoints")
             .with_list_parse_key("requests.allowed_params")
             .with_list_parse_key("requests.models"),
@@ -818,8 +841,10 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
     if a.max_message_bytes < 64 {
         return Err(invalid("amqp.max_message_bytes", a.max_message_bytes, "must be at least 64"));
     }
+    let nodes = amqp_nodes(a)?;
     let amqp = AmqpSettings {
-        url: secret_url("amqp.url", &a.url, &["amqp", "amqps"])?,
+        url: nodes[0].clone(),
+        nodes,
         input_queue: name("amqp.input_queue", &a.input_queue)?,
         shard_exchange: name("amqp.shard_exchange", &a.shard_exchange)?,
         partition_queue_prefix: name("amqp.partition_queue_prefix", &a.partition_queue_prefix)?,
@@ -836,10 +861,32 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
         backlog_poll_interval: positive_duration("amqp.backlog_poll_interval", &a.backlog_poll_interval)?,
         consumer_timeout: positive_duration("amqp.consumer_timeout", &a.consumer_timeout)?,
         delivery_limit: nonzero_u32("amqp.delivery_limit", a.delivery_limit)?,
+        quorum_initial_group_size: match a.quorum_initial_group_size {
+            n if n > 1000 => return Err(invalid("amqp.quorum_initial_group_size", n, "must be 0 (leave the argument out) to 1000")),
+            n => NonZeroU32::new(n),
+        },
         tls: tls_files(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file])?,
     };
-    only_with_tls(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file], amqp.url.0.scheme() == "amqps", "amqp.url is not amqps://")?;
+    let tls_rule = if a.urls.is_empty() { "amqp.url is not amqps://" } else { "amqp.urls are not amqps://" };
+    only_with_tls(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file], amqp.url.0.scheme() == "amqps", tls_rule)?;
     Ok(amqp)
+}
+
+/// The broker nodes: `amqp.urls` when set (each validated like `amqp.url`, at most
+/// [`MAX_AMQP_NODES`], one scheme for all), else `amqp.url`.
+fn amqp_nodes(a: &RawAmqp) -> Result<Vec<SecretUrl>, ConfigError> {
+    const SCHEMES: &[&str] = &["amqp", "amqps"];
+    if a.urls.is_empty() {
+        return Ok(vec![secret_url("amqp.url", &a.url, SCHEMES)?]);
+    }
+    if a.urls.len() > MAX_AMQP_NODES {
+        return Err(invalid("amqp.urls", format!("{} URLs", a.urls.len()), format!("must list at most {MAX_AMQP_NODES} nodes")));
+    }
+    let nodes = a.urls.iter().map(|u| secret_url("amqp.urls", u.trim(), SCHEMES)).collect::<Result<Vec<_>, _>>()?;
+    if let Some(odd) = nodes.iter().find(|u| u.0.scheme() != nodes[0].0.scheme()) {
+        return Err(invalid("amqp.urls", odd.redacted(), format!("every URL must have the same scheme as the first ({}://)", nodes[0].0.scheme())));
+    }
+    Ok(nodes)
 }
 
 /// `[redis]`.
@@ -1066,6 +1113,9 @@ fn log(l: &RawLog) -> Result<LogSettings, ConfigError> {
 pub fn redacted_toml(raw: &RawConfig) -> String {
     let mut r = raw.clone();
     r.amqp.url = secret_url("amqp.url", &r.amqp.url, &["amqp", "amqps"]).map(|u| u.redacted()).unwrap_or_else(|_| redact_str(&r.amqp.url));
+    for u in &mut r.amqp.urls {
+        *u = secret_url("amqp.urls", u, &["amqp", "amqps"]).map(|s| s.redacted()).unwrap_or_else(|_| redact_str(u));
+    }
     r.redis.url = secret_url("redis.url", &r.redis.url, REDIS_SCHEMES)
         .map(|u| u.redacted())
         .unwrap_or_else(|_| redact_str(&r.redis.url));
@@ -1229,6 +1279,43 @@ mod tests {
         assert!(!redact_text("3 | \"api_key\" = \"hunter2SECRET\" x").contains("hunter2"), "a quoted key is redacted too");
         assert_eq!(redact_text("3 | api_key = sk-hunter2"), "3 | api_key = ***");
         assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
+    }
+
+    #[test]
+    fn amqp_urls_replace_amqp_url_and_are_validated_like_it() {
+        let mut r = RawConfig::default();
+        let s = ok(&r);
+        assert_eq!(s.amqp.nodes.len(), 1);
+        assert_eq!(s.amqp.nodes[0], s.amqp.url);
+        r.amqp.urls = vec!["amqp://u:hunter2@a:5672/%2f".into(), " amqp://u:hunter2@b:5673/%2f".into()];
+        let s = ok(&r);
+        assert_eq!(s.amqp.nodes.len(), 2);
+        assert_eq!(s.amqp.url.expose(), "amqp://u:hunter2@a:5672/%2f", "the first node replaces amqp.url");
+        assert_eq!(s.amqp.nodes[1].expose(), "amqp://u:hunter2@b:5673/%2f");
+        assert!(!redacted_toml(&r).contains("hunter2"), "{}", redacted_toml(&r));
+        for (bad, rule) in [
+            (vec!["http://a:1".to_owned()], "scheme"),
+            (vec!["amqp://u:hunter2@a:1".to_owned(), "amqps://u:hunter2@b:2".to_owned()], "same scheme"),
+            (vec!["amqp://u:hunter2@ho st".to_owned()], "must be a URL"),
+            (vec!["amqp://a:1".to_owned(); MAX_AMQP_NODES + 1], "at most"),
+        ] {
+            r.amqp.urls = bad;
+            let e = err(&r);
+            assert!(e.contains("amqp.urls") && e.contains(rule) && !e.contains("hunter2"), "{e}");
+        }
+        r.amqp.urls = vec!["amqp://a:1".into()];
+        r.amqp.tls_ca_file = "/nonexistent".into();
+        assert!(err(&r).contains("amqp.urls are not amqps://"), "{}", err(&r));
+    }
+
+    #[test]
+    fn quorum_initial_group_size_zero_leaves_the_argument_out() {
+        let mut r = RawConfig::default();
+        assert_eq!(ok(&r).amqp.quorum_initial_group_size.map(NonZeroU32::get), Some(DEFAULT_QUORUM_INITIAL_GROUP_SIZE));
+        r.amqp.quorum_initial_group_size = 0;
+        assert_eq!(ok(&r).amqp.quorum_initial_group_size, None);
+        r.amqp.quorum_initial_group_size = 1001;
+        assert!(err(&r).contains("amqp.quorum_initial_group_size"));
     }
 
     fn load(path: Option<&Path>) -> Result<Settings, ConfigError> {

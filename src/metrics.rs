@@ -167,6 +167,16 @@ static AMQP_BLOCKED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )
     .unwrap())
 });
+static AMQP_CONNECTED_NODE: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "amqp_connected_node",
+            "1 for the broker node (its index in amqp.urls; 0 for amqp.url) the session's AMQP connections are open to, 0 for the others; all 0 between sessions.",
+        ),
+        &["node"],
+    )
+    .unwrap())
+});
 // Settlement of partition deliveries: panics, unsettled deliveries, refused results, paused intake.
 static TASK_PANICS: LazyLock<IntCounterVec> =
     counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage; their requests were requeued.", &["stage"]);
@@ -540,6 +550,16 @@ pub fn amqp_connection_blocked(connection: &'static str, blocked: bool) {
         AMQP_BLOCKED_TOTAL.with_label_values(&[connection]).inc();
     }
     AMQP_BLOCKED.with_label_values(&[connection]).set(i64::from(blocked));
+}
+
+/// The session's AMQP connections are open to node `connected` (index in `amqp.urls`) of
+/// `nodes`, or to none (`None`, between sessions): sets `amqp_connected_node{node}` to 1 for that
+/// node and 0 for every other (the label values are `0..nodes`, bounded by
+/// `config::MAX_AMQP_NODES`; never a URL).
+pub fn amqp_connected_node(connected: Option<usize>, nodes: usize) {
+    for n in 0..nodes {
+        AMQP_CONNECTED_NODE.with_label_values(&[n.to_string().as_str()]).set(i64::from(connected == Some(n)));
+    }
 }
 
 /// A task of `stage` panicked; its requests were requeued.

@@ -58,6 +58,14 @@ fn declare_error(what: &'static str, name: &str, e: lapin::Error) -> TopologyErr
 /// Queue argument of a quorum queue's delivery limit.
 const DELIVERY_LIMIT_ARG: &str = "x-delivery-limit";
 
+/// Queue argument of a new quorum queue's replica count
+/// (<https://www.rabbitmq.com/docs/quorum-queues#replication-factor>).
+const INITIAL_GROUP_SIZE_ARG: &str = "x-quorum-initial-group-size";
+
+/// Arguments a queue declared by an older version may lack: a redeclare that the broker refuses
+/// (406) is repeated without them (see [`declare_queue`]), most recent first.
+const LATER_ARGS: [&str; 2] = [INITIAL_GROUP_SIZE_ARG, DELIVERY_LIMIT_ARG];
+
 /// How many deliveries beyond `amqp.delivery_limit` the broker allows before it dead-letters a
 /// message by itself (see [`input_queue_args`]).
 pub const BROKER_DELIVERY_LIMIT_MARGIN: u32 = 2;
@@ -69,13 +77,32 @@ pub const BROKER_DELIVERY_LIMIT_MARGIN: u32 = 2;
 /// `delivery_limit` and its last error; the broker's limit is a backstop for a message the daemon
 /// never gets to handle (its task keeps dying), dead-lettered through the same exchange with the
 /// broker's own `x-death` reason (`delivery_limit`), so nothing is dropped.
+///
+/// Every quorum queue the daemon declares also carries `x-quorum-initial-group-size` =
+/// `amqp.quorum_initial_group_size` unless that is 0 (see [`group_size`]).
 pub fn input_queue_args(cfg: &AmqpSettings) -> FieldTable {
-    quorum_args(Some(&cfg.dead_letter_exchange), false, Some(broker_delivery_limit(cfg)))
+    group_size(cfg, quorum_args(Some(&cfg.dead_letter_exchange), false, Some(broker_delivery_limit(cfg))))
 }
 
 /// Arguments of a partition queue: those of [`input_queue_args`], with a single active consumer.
 pub fn partition_queue_args(cfg: &AmqpSettings) -> FieldTable {
-    quorum_args(Some(&cfg.dead_letter_exchange), true, Some(broker_delivery_limit(cfg)))
+    group_size(cfg, quorum_args(Some(&cfg.dead_letter_exchange), true, Some(broker_delivery_limit(cfg))))
+}
+
+/// Arguments of the results and dead-letter queues: quorum queues without a delivery limit.
+pub fn plain_quorum_args(cfg: &AmqpSettings) -> FieldTable {
+    group_size(cfg, quorum_args(None, false, None))
+}
+
+/// Adds `x-quorum-initial-group-size` = `amqp.quorum_initial_group_size` (when not 0): the
+/// replicas a NEW quorum queue gets. RabbitMQ caps it at the number of cluster nodes, so 3 works
+/// on a single node too (one replica); it does not change an existing queue (members are added
+/// with `rabbitmq-queues add_member` or `grow`).
+fn group_size(cfg: &AmqpSettings, mut t: FieldTable) -> FieldTable {
+    if let Some(n) = cfg.quorum_initial_group_size {
+        t.insert(ShortString::from(INITIAL_GROUP_SIZE_ARG), AMQPValue::LongLongInt(i64::from(n.get())));
+    }
+    t
 }
 
 fn broker_delivery_limit(cfg: &AmqpSettings) -> u32 {
@@ -104,27 +131,45 @@ fn durable() -> QueueDeclareOptions {
 /// Declares a queue on a fresh channel, so a refusal (which closes the channel) affects nothing
 /// else.
 ///
-/// A queue declared by a version without `x-delivery-limit` refuses a redeclare with it (406):
-/// then the declare is repeated without that argument, and accepted with a warning when the queue
-/// matches otherwise (the broker's backstop is then missing unless a `delivery-limit` policy
-/// sets it; docs/operations.md "Upgrading to the broker delivery limit").
+/// A queue declared by a version without `x-delivery-limit` or `x-quorum-initial-group-size`
+/// ([`LATER_ARGS`]) refuses a redeclare with them (406 `PRECONDITION_FAILED`, also when the values
+/// would change nothing): then the declare is repeated without the one, then the other, then
+/// both, and accepted with a warning when the queue matches otherwise. Without
+/// `x-delivery-limit` the broker's backstop is missing unless a `delivery-limit` policy sets it
+/// (docs/operations.md "Upgrading to the broker delivery limit"); without
+/// `x-quorum-initial-group-size` nothing changes for an existing queue (the argument only sizes a
+/// new one). A refusal for any other argument is returned as the first [`TopologyError::Mismatch`].
 async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
     let err = match declare_queue_once(conn, name, args.clone()).await {
-        Err(e @ TopologyError::Mismatch { .. }) if args.contains_key(DELIVERY_LIMIT_ARG) => e,
+        Err(e @ TopologyError::Mismatch { .. }) => e,
         other => return other,
     };
-    let mut without = FieldTable::default();
-    for (k, v) in args.inner().iter().filter(|(k, _)| k.as_str() != DELIVERY_LIMIT_ARG) {
-        without.insert(k.clone(), v.clone());
+    let present: Vec<&str> = LATER_ARGS.into_iter().filter(|a| args.contains_key(*a)).collect();
+    // Subsets to leave out, the smallest first: each alone, then all of them.
+    let mut attempts: Vec<Vec<&str>> = present.iter().map(|a| vec![*a]).collect();
+    if present.len() > 1 {
+        attempts.push(present.clone());
     }
-    match declare_queue_once(conn, name, without).await {
-        Ok(()) => {
-            warn!(queue = name, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit");
-            Ok(())
+    for omit in attempts {
+        let mut without = FieldTable::default();
+        for (k, v) in args.inner().iter().filter(|(k, _)| !omit.contains(&k.as_str())) {
+            without.insert(k.clone(), v.clone());
         }
-        Err(TopologyError::Mismatch { .. }) => Err(err),
-        Err(e) => Err(e),
+        match declare_queue_once(conn, name, without).await {
+            Ok(()) => {
+                for arg in &omit {
+                    match *arg {
+                        DELIVERY_LIMIT_ARG => warn!(queue = name, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit"),
+                        _ => warn!(queue = name, argument = *arg, "queue was declared without this argument; accepted as it is (the argument only sizes a new queue; `rabbitmq-queues grow` adds replicas)"),
+                    }
+                }
+                return Ok(());
+            }
+            Err(TopologyError::Mismatch { .. }) => continue,
+            Err(e) => return Err(e),
+        }
     }
+    Err(err)
 }
 
 async fn declare_queue_once(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
@@ -189,7 +234,7 @@ pub async fn declare(
     }
 
     declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
-    declare_queue(conn, &cfg.dead_letter_queue, quorum_args(None, false, None)).await?;
+    declare_queue(conn, &cfg.dead_letter_queue, plain_quorum_args(cfg)).await?;
     let ch = conn.create_channel().await?;
     ch.queue_bind(
         cfg.dead_letter_queue.as_str().into(),
@@ -201,7 +246,7 @@ pub async fn declare(
     .await?;
 
     declare_queue(conn, &cfg.input_queue, input_queue_args(cfg)).await?;
-    declare_queue(conn, &cfg.results_queue, quorum_args(None, false, None)).await?;
+    declare_queue(conn, &cfg.results_queue, plain_quorum_args(cfg)).await?;
     declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
     for part in (0..p).rev() {
         let q = cfg.partition_queue(part);
@@ -253,6 +298,13 @@ mod tests {
             assert_eq!(t.get("x-delivery-limit"), Some(&AMQPValue::LongLongInt(7)));
             assert_eq!(t.get("x-dead-letter-exchange"), Some(&AMQPValue::LongString(s.amqp.dead_letter_exchange.as_str().into())));
             assert_eq!(t.contains_key("x-single-active-consumer"), single);
+            assert_eq!(t.get("x-quorum-initial-group-size"), Some(&AMQPValue::LongLongInt(3)));
+        }
+        assert_eq!(plain_quorum_args(&s.amqp).inner().get("x-quorum-initial-group-size"), Some(&AMQPValue::LongLongInt(3)));
+        raw.amqp.quorum_initial_group_size = 0;
+        let s = Settings::from_raw(&raw).unwrap();
+        for args in [input_queue_args(&s.amqp), partition_queue_args(&s.amqp), plain_quorum_args(&s.amqp)] {
+            assert!(!args.contains_key("x-quorum-initial-group-size"), "0 leaves the argument out");
         }
     }
 }

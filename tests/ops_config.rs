@@ -164,6 +164,12 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("amqp.backlog_poll_interval", "7s", "\"7s\""),
         ("amqp.consumer_timeout", "40m", "\"40m\""),
         ("amqp.delivery_limit", "3", "3"),
+        ("amqp.quorum_initial_group_size", "5", "5"),
+        (
+            "amqp.urls",
+            "amqps://envuser:envpass@r1.example:5671/%2f,amqps://envuser:envpass@r2.example:5671/%2f",
+            "[\"amqps://envuser:***@r1.example:5671/%2f\", \"amqps://envuser:***@r2.example:5671/%2f\"]",
+        ),
         ("redis.url", "rediss://envuser:envpass@redis.example:6380/2", "\"rediss://envuser:***@redis.example:6380/2\""),
         ("redis.key_prefix", "env-prefix", "\"env-prefix\""),
         ("redis.command_timeout", "3s", "\"3s\""),
