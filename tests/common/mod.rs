@@ -1386,11 +1386,17 @@ pub mod cluster {
 
         /// Like [`PacedPublisher::start`], with `reply_to` on every request when given.
         pub fn start_replying(queue: String, reqs: Vec<TestRequest>, per_second: u32, reply_to: Option<String>) -> PacedPublisher {
+            PacedPublisher::start_at(AMQP_URL.to_owned(), queue, reqs, per_second, reply_to)
+        }
+
+        /// Like [`PacedPublisher::start_replying`], on the broker at `url` (e.g. one node of a
+        /// cluster).
+        pub fn start_at(url: String, queue: String, reqs: Vec<TestRequest>, per_second: u32, reply_to: Option<String>) -> PacedPublisher {
             let published = Arc::new(AtomicUsize::new(0));
             let total = reqs.len();
             let counter = published.clone();
             let task = tokio::spawn(async move {
-                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.expect("publisher connects");
+                let conn = Connection::connect(&url, ConnectionProperties::default()).await.expect("publisher connects");
                 let ch = conn.create_channel().await.expect("channel");
                 ch.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select");
                 let slice = Duration::from_millis(20);
@@ -1490,6 +1496,8 @@ pub mod cluster {
     /// recording it, and reconnecting (every 200 ms) when the connection fails.
     pub struct ResultLog {
         pub queue: String,
+        /// The broker it consumes from.
+        pub url: String,
         shared: Arc<Mutex<LogShared>>,
         stop: CancellationToken,
         task: JoinHandle<()>,
@@ -1497,10 +1505,15 @@ pub mod cluster {
 
     impl ResultLog {
         pub fn start(queue: &str) -> ResultLog {
+            ResultLog::start_at(AMQP_URL, queue)
+        }
+
+        /// Like [`ResultLog::start`], on the broker at `url` (e.g. one node of a cluster).
+        pub fn start_at(url: &str, queue: &str) -> ResultLog {
             let shared = Arc::new(Mutex::new(LogShared::default()));
             let stop = CancellationToken::new();
-            let task = tokio::spawn(collect(queue.to_owned(), shared.clone(), stop.clone()));
-            ResultLog { queue: queue.to_owned(), shared, stop, task }
+            let task = tokio::spawn(collect(url.to_owned(), queue.to_owned(), shared.clone(), stop.clone()));
+            ResultLog { queue: queue.to_owned(), url: url.to_owned(), shared, stop, task }
         }
 
         pub fn snapshot(&self) -> Vec<Observed> {
@@ -1554,7 +1567,7 @@ pub mod cluster {
         /// result enqueued before this call has been collected.
         pub async fn barrier(&self) {
             let tag = format!("{BARRIER}{}", uuid::Uuid::new_v4().simple());
-            let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.expect("connect");
+            let conn = Connection::connect(&self.url, ConnectionProperties::default()).await.expect("connect");
             let ch = conn.create_channel().await.expect("channel");
             ch.confirm_select(ConfirmSelectOptions::default()).await.expect("confirm.select");
             ch.basic_publish(
@@ -1594,10 +1607,10 @@ pub mod cluster {
         }
     }
 
-    async fn collect(queue: String, shared: Arc<Mutex<LogShared>>, stop: CancellationToken) {
+    async fn collect(url: String, queue: String, shared: Arc<Mutex<LogShared>>, stop: CancellationToken) {
         while !stop.is_cancelled() {
             let session = async {
-                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default()).await.ok()?;
+                let conn = Connection::connect(&url, ConnectionProperties::default()).await.ok()?;
                 let ch = conn.create_channel().await.ok()?;
                 ch.basic_qos(500, BasicQosOptions::default()).await.ok()?;
                 let tag = format!("scale-log-{}", uuid::Uuid::new_v4().simple());
