@@ -114,6 +114,38 @@ pub async fn publish_confirmed(
     tokio::time::timeout(timeout, fut).await.map_err(|_| PublishError::Timeout(timeout))?
 }
 
+/// Waits between publishes the broker nacked, for [`retry_nacked`]: `amqp.reconnect_backoff_initial`
+/// doubling up to `amqp.reconnect_backoff_max`, for at most `amqp.confirm_timeout` in all.
+pub struct NackRetry {
+    started: tokio::time::Instant,
+    step: Duration,
+}
+
+impl NackRetry {
+    pub fn new(amqp: &AmqpSettings) -> NackRetry {
+        NackRetry { started: tokio::time::Instant::now(), step: amqp.reconnect_backoff_initial }
+    }
+}
+
+/// After a publish that failed with `e`: when the broker nacked it (`basic.nack`) and the budget
+/// of `retry` is not spent, waits the next step and returns `true` (publish again, holding the
+/// delivery); else `false` (requeue it, which uses up one of its `amqp.delivery_limit`
+/// deliveries).
+///
+/// A quorum queue nacks publishes while it has no leader: for the few seconds of a leader
+/// election after the node of its leader is lost
+/// (<https://www.rabbitmq.com/docs/quorum-queues#leader-election>). Retrying in place rides that
+/// out without charging the request's deliveries; a nack is the broker not taking the message,
+/// so the retry adds no copy.
+pub async fn retry_nacked(e: &PublishError, retry: &mut NackRetry, amqp: &AmqpSettings) -> bool {
+    if !matches!(e, PublishError::Nacked) || retry.started.elapsed() + retry.step > amqp.confirm_timeout {
+        return false;
+    }
+    tokio::time::sleep(retry.step).await;
+    retry.step = (retry.step * 2).min(amqp.reconnect_backoff_max);
+    true
+}
+
 /// Copies `headers` and adds `extra` (string values).
 pub fn headers_with(base: Option<&FieldTable>, extra: &[(&str, String)]) -> FieldTable {
     let mut t = base.cloned().unwrap_or_default();
@@ -363,7 +395,13 @@ pub async fn publish_result(
         warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
         return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
     }
-    if let Err(e) = publish_with_fallback(ch, amqp, tenure, &delivery.properties, &result).await {
+    let mut retry = NackRetry::new(amqp);
+    loop {
+        let Err(e) = publish_with_fallback(ch, amqp, tenure, &delivery.properties, &result).await else { break };
+        if tenure.lease.is_valid() && retry_nacked(&e, &mut retry, amqp).await && tenure.lease.is_valid() {
+            debug!(request_id = %result.id, "result nacked by the broker; publishing it again");
+            continue;
+        }
         warn!(request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
         return requeue(&delivery.acker, &result.id, &format!("result not published: {e}")).await;
     }

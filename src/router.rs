@@ -250,7 +250,19 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         }
     };
     let rk = AmqpSettings::partition_routing_key(r.partition);
-    if let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd, a.confirm_timeout).await {
+    let mut retry = publisher::NackRetry::new(a);
+    loop {
+        let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd.clone(), a.confirm_timeout).await else {
+            break;
+        };
+        let again = tokio::select! {
+            _ = stop.cancelled() => false,
+            again = publisher::retry_nacked(&e, &mut retry, a) => again,
+        };
+        if again {
+            debug!(request_id = %r.request_id, partition = r.partition, "forward nacked by the broker; publishing it again");
+            continue;
+        }
         let wait = forward_backoff(a, redelivery::delivery_count(delivery.properties.headers().as_ref()));
         warn!(error = %e, retry_in = ?wait, "forwarding failed; requeueing input");
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));

@@ -289,17 +289,30 @@ async fn connected_node(addr: &str) -> Option<usize> {
 
 /// Broker channels and consumers of the deployment `env`, per instance (by connection name), as
 /// `rabbitmqctl list_connections` / `list_consumers` report them on node `i`.
+///
+/// The test's own consumer (on the results queue) is left out.
 fn broker_usage(c: &RabbitCluster, i: usize, env: &TestEnv) -> String {
-    let conns = c.ctl(i, &["list_connections", "--no-table-headers", "name", "channels", "node"]).unwrap_or_default();
-    let mine: Vec<&str> = conns.lines().filter(|l| l.contains(&env.name)).collect();
-    let channels: u64 = mine.iter().filter_map(|l| l.split('\t').nth(1)?.trim().parse::<u64>().ok()).sum();
+    let conns = c.ctl(i, &["list_connections", "--no-table-headers", "name", "channels", "client_properties"]).unwrap_or_default();
+    let tag = format!("\"connection_name\",\"prefix-batcher {}", env.name);
+    let mut rows = Vec::new();
+    let mut channels = 0u64;
+    for l in conns.lines().filter(|l| l.contains(&tag)) {
+        let mut f = l.split('\t');
+        let (addr, ch, props) = (f.next().unwrap_or_default(), f.next().unwrap_or_default(), f.next().unwrap_or_default());
+        let name = props.split(&tag[..tag.len() - env.name.len()]).nth(1).and_then(|r| r.split('"').next()).unwrap_or_default();
+        channels += ch.trim().parse::<u64>().unwrap_or(0);
+        rows.push(format!("{name:<48} {ch:>3} channels  ({addr})"));
+    }
+    rows.sort();
     let consumers = c.ctl(i, &["list_consumers", "--no-table-headers", "queue_name"]).unwrap_or_default();
-    let consumers = consumers.lines().filter(|l| l.starts_with(&env.name)).count();
+    let consumers: Vec<&str> = consumers.lines().filter(|l| l.starts_with(&env.name) && !l.starts_with(&env.results_queue())).collect();
+    let on_input = consumers.iter().filter(|q| q.starts_with(&env.input_queue())).count();
     format!(
-        "{} connections, {channels} channels, {consumers} consumers for 3 instances ({} partitions):\n  {}",
-        mine.len(),
-        P,
-        mine.join("\n  ")
+        "{} connections, {channels} channels, {} consumers ({on_input} on the input queue, {} on partition queues) for 3 instances and {P} partitions:\n  {}",
+        rows.len(),
+        consumers.len(),
+        consumers.len() - on_input,
+        rows.join("\n  ")
     )
 }
 
@@ -420,15 +433,20 @@ async fn node_loss(c: &RabbitCluster, loss: Loss, tag: &str) -> Report {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let reconnected = t_loss.elapsed();
-    match loss {
-        Loss::Kill => c.restart_missing().await,
-        Loss::StopApp => c.app(target, "start_app").await,
-    }
-    let node_back = t_loss.elapsed();
-
+    // The node comes back while the results flow (a restart takes a while on 2 cores).
+    let back = async {
+        match loss {
+            Loss::Kill => c.restart_missing().await,
+            Loss::StopApp => c.app(target, "start_app").await,
+        }
+        t_loss.elapsed()
+    };
     let before: HashSet<String> = reqs[..published_before].iter().map(|r| r.id.clone()).collect();
-    log.wait_all(&before, Duration::from_secs(120)).await;
-    let backlog_done = t_loss.elapsed();
+    let backlog = async {
+        log.wait_all(&before, Duration::from_secs(120)).await;
+        t_loss.elapsed()
+    };
+    let (node_back, backlog_done) = tokio::join!(back, backlog);
     publisher.finish(Duration::from_secs(120)).await;
     let t_published = Instant::now();
     log.wait_all(&ids(&reqs), Duration::from_secs(120)).await;
