@@ -1303,9 +1303,6 @@ mod tests {
             let e = err(&r);
             assert!(e.contains("amqp.urls") && e.contains(rule) && !e.contains("hunter2"), "{e}");
         }
-        r.amqp.urls = vec!["amqp://a:1".into()];
-        r.amqp.tls_ca_file = "/nonexistent".into();
-        assert!(err(&r).contains("amqp.urls are not amqps://"), "{}", err(&r));
     }
 
     #[test]
