@@ -122,6 +122,7 @@ pub struct NackRetry {
 }
 
 impl NackRetry {
+    /// A budget starting now, first step `amqp.reconnect_backoff_initial`.
     pub fn new(amqp: &AmqpSettings) -> NackRetry {
         NackRetry { started: tokio::time::Instant::now(), step: amqp.reconnect_backoff_initial }
     }
@@ -505,6 +506,28 @@ fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> Basi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn only_nacks_are_retried_in_place_within_the_confirm_timeout() {
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.reconnect_backoff_initial = "100ms".into();
+        raw.amqp.reconnect_backoff_max = "400ms".into();
+        raw.amqp.confirm_timeout = "1s".into();
+        let a = crate::config::Settings::from_raw(&raw).unwrap().amqp;
+        let mut retry = NackRetry::new(&a);
+        let t0 = tokio::time::Instant::now();
+        let mut waits = 0;
+        while retry_nacked(&PublishError::Nacked, &mut retry, &a).await {
+            waits += 1;
+        }
+        // 100 + 200 + 400 ms; the next 400 ms would pass the 1 s budget.
+        assert_eq!(waits, 3);
+        assert_eq!(t0.elapsed(), Duration::from_millis(700));
+        let mut retry = NackRetry::new(&a);
+        assert!(!retry_nacked(&PublishError::Timeout(a.confirm_timeout), &mut retry, &a).await, "a timeout is requeued");
+        let unroutable = PublishError::Unroutable { exchange: "x".into(), routing_key: "1".into() };
+        assert!(!retry_nacked(&unroutable, &mut retry, &a).await, "an unroutable publish is requeued");
+    }
 
     #[test]
     fn short_string_ids_fit_amqp_and_stay_unique() {

@@ -14,7 +14,10 @@
 //!   (`--nocapture`). Run alone: `cargo test --test cluster_rabbit -- --ignored --nocapture`.
 //!
 //! The test's own publisher and result consumer use the node that is never disrupted, so every
-//! loss or duplicate counted is the daemon's.
+//! loss or duplicate counted is the daemon's. Each run deletes its queues and exchanges from the
+//! cluster and its Redis keys; a cluster this test started is stopped (and its data deleted) at
+//! the end, also when it fails; a cluster that was already running is left running, and after a
+//! failure it may keep the failed run's queues (`scripts/cluster rabbit stop` deletes them).
 
 mod common;
 
@@ -433,6 +436,12 @@ async fn node_loss(c: &RabbitCluster, loss: Loss, tag: &str) -> Report {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let reconnected = t_loss.elapsed();
+    // `status` shows the lost node as unreachable (index 0 of the instances' amqp.urls).
+    let table = cluster.status(false).await;
+    let nodes: Vec<&str> = table.lines().skip_while(|l| !l.starts_with("RabbitMQ nodes")).take(4).collect();
+    println!("{tag}: prefix-batcher status after the loss:\n{}", nodes.join("\n"));
+    assert!(nodes.get(1).is_some_and(|l| l.contains("UNREACHABLE")), "status must show node 0 unreachable:\n{table}");
+    assert!(nodes.get(2).is_some_and(|l| l.contains("reachable (queue depths read here)")), "status reads from node 1:\n{table}");
     // The node comes back while the results flow (a restart takes a while on 2 cores).
     let back = async {
         match loss {
