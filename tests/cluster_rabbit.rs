@@ -319,6 +319,20 @@ fn broker_usage(c: &RabbitCluster, i: usize, env: &TestEnv) -> String {
     )
 }
 
+/// Waits until every id in `ids` has a result, at most `within`; returns the ids still without
+/// one.
+async fn wait_results(log: &ResultLog, ids: &HashSet<String>, within: Duration) -> Vec<String> {
+    let deadline = Instant::now() + within;
+    loop {
+        let have = log.distinct();
+        let missing: Vec<String> = ids.iter().filter(|i| !have.contains(*i)).cloned().collect();
+        if missing.is_empty() || Instant::now() >= deadline {
+            return missing;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// What one run measured.
 struct Report {
     loss: Loss,
@@ -375,6 +389,8 @@ async fn node_loss(c: &RabbitCluster, loss: Loss, tag: &str) -> Report {
     let mut raw = env.raw_config(fake.url.as_str());
     raw.amqp.partitions = P;
     raw.amqp.urls = c.urls.clone();
+    // Every request's route and result in the logs, to follow one that goes missing.
+    raw.log.level = "info,prefix_batcher::router=debug,prefix_batcher::publisher=debug".into();
 
     // The topology first (leaders placed by the nodes' queue_leader_locator = balanced), to pick
     // the node leading the most partition queues.
@@ -452,14 +468,28 @@ async fn node_loss(c: &RabbitCluster, loss: Loss, tag: &str) -> Report {
     };
     let before: HashSet<String> = reqs[..published_before].iter().map(|r| r.id.clone()).collect();
     let backlog = async {
-        log.wait_all(&before, Duration::from_secs(120)).await;
+        wait_results(&log, &before, Duration::from_secs(90)).await;
         t_loss.elapsed()
     };
     let (node_back, backlog_done) = tokio::join!(back, backlog);
     publisher.finish(Duration::from_secs(120)).await;
     let t_published = Instant::now();
-    log.wait_all(&ids(&reqs), Duration::from_secs(120)).await;
+    let missing = wait_results(&log, &ids(&reqs), Duration::from_secs(90)).await;
     let (all_done, tail) = (t_loss.elapsed(), t_published.elapsed());
+    if !missing.is_empty() {
+        // Where are they? Queue counts of the deployment on the cluster, before anything stops.
+        let q = c.ctl((target + 2) % 3, &["list_queues", "--no-table-headers", "name", "messages_ready", "messages_unacknowledged", "consumers", "leader"]);
+        let q: Vec<String> = q.unwrap_or_default().lines().filter(|l| l.starts_with(&env.name)).map(str::to_owned).collect();
+        println!("{tag}: {} requests without a result, e.g. {:?}; the deployment's queues (name, ready, unacked, consumers, leader):\n  {}", missing.len(), &missing[..missing.len().min(10)], q.join("\n  "));
+        for s in ["a", "b", "c"] {
+            let log = cluster.proc(s).log();
+            for id in &missing {
+                for l in log.lines().filter(|l| l.contains(&format!("{id} ")) || l.contains(&format!("{id}\""))) {
+                    println!("  {s}: {l}");
+                }
+            }
+        }
+    }
     cluster.assert_running(&["a", "b", "c"]);
 
     cluster.stop_all(DEADLINE).await;
@@ -470,7 +500,12 @@ async fn node_loss(c: &RabbitCluster, loss: Loss, tag: &str) -> Report {
     times.sort();
     let longest_gap = times.windows(2).filter(|w| w[1] >= t_loss).map(|w| w[1] - w[0].max(t_loss)).max().unwrap_or_default();
     c.delete_namespace(&env).await;
-    env.cleanup().await;
+    if t.lost.is_empty() {
+        env.cleanup().await;
+    } else {
+        // Dropped uncleaned: Redis keys are deleted, the daemons' logs are kept (path printed).
+        drop(env);
+    }
     Report {
         loss,
         node: target_name,
