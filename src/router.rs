@@ -194,6 +194,23 @@ impl PublishChannel {
         }
         Ok(ch.clone())
     }
+
+    /// Replaces the channel with a new one when it is still `old` (another task may have
+    /// replaced it already), closes `old`, and returns the channel to publish on.
+    ///
+    /// Called after the broker nacked a publish on `old`: a quorum queue's publisher state for a
+    /// channel can be left with a gap in its sequence numbers by the rejected publish, after which
+    /// later publishes on that channel are confirmed but not enqueued (RabbitMQ 3.10; fixed in
+    /// later versions, rabbitmq-server #14589). A new channel is a new publisher for the queue.
+    async fn renew(&self, old: &Channel) -> Result<Channel, lapin::Error> {
+        let mut ch = self.current.lock().await;
+        if ch.id() == old.id() {
+            warn!("a publish was nacked; replacing the router's publishing channel");
+            *ch = self.conns.publish_channel().await?;
+            let _ = old.close(REPLY_SUCCESS, "publish nacked; replaced".into()).await;
+        }
+        Ok(ch.clone())
+    }
 }
 
 /// Runs [`handle`] for one delivery. A panic does not leave the delivery unacked: it is
@@ -232,6 +249,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return requeue(delivery).await;
         }
     };
+    let mut ch = ch;
     let (req, delivery) = match publisher::parse_or_dead_letter(&ch, a, &settings.requests, delivery, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
@@ -255,6 +273,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd.clone(), a.confirm_timeout).await else {
             break;
         };
+        if matches!(e, publisher::PublishError::Nacked) {
+            match publish.renew(&ch).await {
+                Ok(fresh) => ch = fresh,
+                Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
+            }
+        }
         let again = tokio::select! {
             _ = stop.cancelled() => false,
             again = publisher::retry_nacked(&e, &mut retry, a) => again,
