@@ -137,7 +137,9 @@ impl NackRetry {
 /// election after the node of its leader is lost
 /// (<https://www.rabbitmq.com/docs/quorum-queues#leader-election>). Retrying in place rides that
 /// out without charging the request's deliveries; a nack is the broker not taking the message,
-/// so the retry adds no copy.
+/// so the retry adds no copy. Retry on a NEW channel: after a rejected publish a quorum queue
+/// (RabbitMQ 3.10) can drop later publishes of the same channel while confirming them
+/// (rabbitmq-server #14589); the router replaces its channel before retrying.
 pub async fn retry_nacked(e: &PublishError, retry: &mut NackRetry, amqp: &AmqpSettings) -> bool {
     if !matches!(e, PublishError::Nacked) || retry.started.elapsed() + retry.step > amqp.confirm_timeout {
         return false;
@@ -396,12 +398,12 @@ pub async fn publish_result(
         warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
         return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
     }
-    let mut retry = NackRetry::new(amqp);
-    loop {
-        let Err(e) = publish_with_fallback(ch, amqp, tenure, &delivery.properties, &result).await else { break };
-        if tenure.lease.is_valid() && retry_nacked(&e, &mut retry, amqp).await && tenure.lease.is_valid() {
-            debug!(request_id = %result.id, "result nacked by the broker; publishing it again");
-            continue;
+    if let Err(e) = publish_with_fallback(ch, amqp, tenure, &delivery.properties, &result).await {
+        if matches!(e, PublishError::Nacked) {
+            // A quorum queue that rejected a publish can drop later publishes of the same
+            // channel while confirming them (RabbitMQ 3.10; rabbitmq-server #14589): close the
+            // channel, so the partition reopens its channels (a closed channel restarts it).
+            let _ = ch.close(crate::amqp::REPLY_SUCCESS, "result nacked; replacing the channel".into()).await;
         }
         warn!(request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
         return requeue(&delivery.acker, &result.id, &format!("result not published: {e}")).await;
