@@ -156,10 +156,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let mut results = report::Results {
                 plan: plan.clone(),
                 command: format!(
-                    "bench/run{}{}{}",
+                    "{}bench/run{}{}{} (daemon git {})",
+                    ["BENCH_SCALE_MS", "BENCH_DATASETS"]
+                        .iter()
+                        .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v} ")))
+                        .collect::<String>(),
                     if full { " --full" } else { "" },
                     if parts == DEFAULT_PARTS { String::new() } else { format!(" --parts {parts}") },
-                    if merge { " --merge" } else { "" }
+                    if merge { " --merge" } else { "" },
+                    sh("git", &["-C", root.to_str().unwrap_or("."), "rev-parse", "--short", "HEAD"])
                 ),
                 started_utc: sh("date", &["-u", "+%Y-%m-%d %H:%M"]),
                 duration_s: 0.0,
