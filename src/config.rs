@@ -257,7 +257,7 @@ pub struct RawKeying {
 
 impl Default for RawKeying {
     fn default() -> Self {
-        RawKeying { mode: "adaptive".into(), prefix_chars: 256, chat_key: "opening".into() }
+        RawKeying { mode: "adaptive".into(), prefix_chars: 256, chat_key: "system".into() }
     }
 }
 
@@ -498,11 +498,6 @@ pub enum KeyingMode {
 /// `keying.chat_key`: what key material a chat request yields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChatKey {
-    /// The default: the first `prefix_chars` characters of the conversation's opening, i.e. the
-    /// role-tagged rendering of its messages through the first user message (constant over all
-    /// turns of a conversation). In adaptive mode its deeper levels are 4×, 16× and 64× longer
-    /// cuts of the opening, like a completions prompt's, then the second user turn.
-    Opening,
     /// All leading system/developer messages; without any, the first `prefix_chars` of the first
     /// user message.
     System,
@@ -935,7 +930,6 @@ fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
         },
         prefix_chars: nonzero_usize("keying.prefix_chars", k.prefix_chars)?,
         chat_key: match k.chat_key.as_str() {
-            "opening" => ChatKey::Opening,
             "system" => ChatKey::System,
             "system_and_first_user" => ChatKey::SystemAndFirstUser,
             "rendered" => ChatKey::Rendered,
@@ -943,7 +937,7 @@ fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
                 return Err(invalid(
                     "keying.chat_key",
                     format!("{other:?}"),
-                    "must be \"opening\", \"system\", \"system_and_first_user\" or \"rendered\"",
+                    "must be \"system\", \"system_and_first_user\" or \"rendered\"",
                 ))
             }
         },
