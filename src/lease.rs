@@ -36,12 +36,15 @@
 //! stops; anything it still publishes carries its old epoch in `x-partition-epoch`, which makes it
 //! detectable downstream. The broker adds a last fence: partition queues are single-active-consumer.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::Script;
 use tokio::time::Instant;
+use tracing::{info, warn};
 
 use crate::config::RedisSettings;
 
@@ -56,12 +59,14 @@ if cur then
     return {0, cur}
   end
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  local t = redis.call('TIME')
-  redis.call('SET', KEYS[2], string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
-end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local e = redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[1], ARGV[1] .. ':' .. e, 'PX', ARGV[2])
+if e < now then
+  e = now
+  redis.call('SET', KEYS[2], string.format('%d', e))
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. string.format('%d', e), 'PX', ARGV[2])
 return {e, ''}
 "#;
 
@@ -155,25 +160,266 @@ impl LeaseError {
 
 /// Whether `e` is Redis's `READONLY` answer: the connection reaches a node that a failover
 /// demoted to replica. redis 1.x's `ConnectionManager` reconnects only on connection errors
-/// (`RedisError::is_unrecoverable_error`), not on this one, so the caller must open a new
-/// connection ([`connect`]) to reach the new primary.
+/// (`RedisError::is_unrecoverable_error`), not on this one; [`RedisConn`] then opens a new
+/// connection to the current primary.
 pub fn is_failover(e: &redis::RedisError) -> bool {
     matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
 }
 
-/// Opens a Redis `ConnectionManager` to `redis.url`: every command and connection attempt bounded
-/// by `redis.command_timeout`, two reconnect retries. Over `rediss://` it uses the link's TLS
-/// files ([`crate::tls`]): the CA bundle replaces the system roots, and the client certificate
-/// and key, when set, authenticate the daemon (Redis' `tls-auth-clients yes`).
+/// Whether `e` says the node may be gone (I/O error, refused or dropped connection, timeout): in
+/// Sentinel mode a reason to ask the sentinels for the primary again.
+fn is_link_error(e: &redis::RedisError) -> bool {
+    e.is_io_error() || e.is_connection_refusal() || e.is_connection_dropped() || e.is_timeout() || e.is_unrecoverable_error()
+}
+
+/// The daemon's one Redis connection, shared (cheap [`Clone`]) by leases, membership, split state
+/// and `status`; it implements [`redis::aio::ConnectionLike`], so commands and scripts run on it
+/// as on a `ConnectionManager`.
 ///
-/// Errors: the URL is invalid or Redis is unreachable; a server certificate that does not verify
-/// fails the TLS handshake.
-pub async fn connect(settings: &RedisSettings) -> Result<ConnectionManager, redis::RedisError> {
-    let cfg = ConnectionManagerConfig::new()
-        .set_response_timeout(Some(settings.command_timeout))
-        .set_connection_timeout(Some(settings.command_timeout))
-        .set_number_of_retries(2);
-    client(settings)?.get_connection_manager_with_config(cfg).await
+/// Underneath is a `ConnectionManager` to the current primary: from `redis.url`, or, with
+/// `redis.sentinels`, the address the sentinels report for `redis.sentinel_master` (the redis
+/// crate connects to it and checks that its `ROLE` is master before handing it out). It follows a
+/// failover by itself: a `READONLY` answer (a demoted primary) or, in Sentinel mode, a connection
+/// error or timeout starts one background re-resolution — ask the sentinels (or reopen
+/// `redis.url`), connect, swap the connection in — retried with a backoff from 100 ms doubling to
+/// 5 s until it succeeds. The command that failed still fails (the callers retry on their next
+/// round; an acquire is not replayed blindly). Errors of connections already replaced do not start
+/// another one. Each new primary is logged (`Redis primary`, address only, never credentials).
+#[derive(Clone)]
+pub struct RedisConn {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// The current connection and its generation (incremented by every swap).
+    current: RwLock<(u64, ConnectionManager)>,
+    /// `None` for a connection made from a bare `ConnectionManager` (tests): no re-resolution.
+    resolver: Option<Resolver>,
+    /// `host:port` of the current primary (no credentials).
+    primary: RwLock<String>,
+    /// A re-resolution is running.
+    resolving: AtomicBool,
+}
+
+struct Resolver {
+    settings: RedisSettings,
+    sentinel: Option<tokio::sync::Mutex<SentinelClient>>,
+}
+
+impl From<ConnectionManager> for RedisConn {
+    /// A connection without failover handling (its `ConnectionManager` reconnects to the same
+    /// address on connection errors).
+    fn from(conn: ConnectionManager) -> Self {
+        RedisConn {
+            shared: Arc::new(Shared {
+                current: RwLock::new((0, conn)),
+                resolver: None,
+                primary: RwLock::new(String::new()),
+                resolving: AtomicBool::new(false),
+            }),
+        }
+    }
+}
+
+/// Initial and longest wait between two failed re-resolutions.
+const RESOLVE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
+
+impl RedisConn {
+    /// `host:port` of the primary the connection currently reaches (no credentials; empty for a
+    /// connection made from a bare `ConnectionManager`).
+    pub fn primary(&self) -> String {
+        self.shared.primary.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Whether the primary comes from Redis Sentinel.
+    pub fn is_sentinel(&self) -> bool {
+        self.shared.resolver.as_ref().is_some_and(|r| r.sentinel.is_some())
+    }
+
+    /// The current `ConnectionManager` (for code that needs the concrete type). Errors met on it
+    /// should be passed to [`report`](Self::report).
+    pub fn manager(&self) -> ConnectionManager {
+        self.current().1
+    }
+
+    fn current(&self) -> (u64, ConnectionManager) {
+        self.shared.current.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Tells the connection about an error met on it outside [`redis::aio::ConnectionLike`]:
+    /// starts a re-resolution when the error calls for one (see [`RedisConn`]).
+    pub fn report(&self, e: &redis::RedisError) {
+        let generation = self.current().0;
+        self.on_error(generation, e);
+    }
+
+    fn on_error(&self, generation: u64, e: &redis::RedisError) {
+        let Some(resolver) = &self.shared.resolver else { return };
+        let follow = is_failover(e) || (resolver.sentinel.is_some() && is_link_error(e));
+        if !follow || self.current().0 != generation || self.shared.resolving.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut backoff = RESOLVE_BACKOFF.0;
+            loop {
+                match this.resolve_once().await {
+                    Ok(()) => break,
+                    Err(e) => {
+                        warn!(error = %e, retry_in = ?backoff, "Redis primary not reachable; asking again");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(RESOLVE_BACKOFF.1);
+                    }
+                }
+            }
+            this.shared.resolving.store(false, Ordering::Release);
+        });
+    }
+
+    /// Resolves the primary and connects to it, bounded by twice `redis.command_timeout`; swaps
+    /// the new connection in.
+    async fn resolve_once(&self) -> Result<(), redis::RedisError> {
+        let Some(resolver) = &self.shared.resolver else { return Ok(()) };
+        let limit = resolver.settings.command_timeout * 2;
+        let (addr, conn) = match tokio::time::timeout(limit, resolver.open()).await {
+            Ok(r) => r?,
+            Err(_) => return Err(redis::RedisError::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "primary lookup timed out"))),
+        };
+        {
+            let mut cur = self.shared.current.write().unwrap_or_else(PoisonError::into_inner);
+            *cur = (cur.0 + 1, conn);
+        }
+        let previous = std::mem::replace(&mut *self.shared.primary.write().unwrap_or_else(PoisonError::into_inner), addr.clone());
+        if previous != addr {
+            info!(primary = %addr, previous = %previous, sentinel = resolver.sentinel.is_some(), "Redis primary changed; reconnected");
+        } else {
+            info!(primary = %addr, "reconnected to the Redis primary");
+        }
+        Ok(())
+    }
+}
+
+impl Resolver {
+    /// Finds the primary (sentinels, or `redis.url`) and opens a `ConnectionManager` to it.
+    async fn open(&self) -> Result<(String, ConnectionManager), redis::RedisError> {
+        let s = &self.settings;
+        let client = match &self.sentinel {
+            Some(sc) => sc.lock().await.async_get_client().await?,
+            None => client(s)?,
+        };
+        let addr = client.get_connection_info().addr().to_string();
+        let cfg = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(s.command_timeout))
+            .set_connection_timeout(Some(s.command_timeout))
+            .set_number_of_retries(2);
+        Ok((addr, client.get_connection_manager_with_config(cfg).await?))
+    }
+}
+
+impl redis::aio::ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a redis::Cmd) -> redis::RedisFuture<'a, redis::Value> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.current();
+            let r = conn.req_packed_command(cmd).await;
+            if let Err(e) = &r {
+                self.on_error(generation, e);
+            }
+            r
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        Box::pin(async move {
+            let (generation, mut conn) = self.current();
+            let r = conn.req_packed_commands(pipeline, offset, count).await;
+            if let Err(e) = &r {
+                self.on_error(generation, e);
+            }
+            r
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        self.current().1.get_db()
+    }
+}
+
+/// Opens the daemon's Redis connection ([`RedisConn`]): to `redis.url`, or with
+/// `redis.sentinels` to the primary the sentinels report for `redis.sentinel_master`. Every
+/// command and connection attempt is bounded by `redis.command_timeout`, two reconnect retries.
+/// Over `rediss://` it uses the link's TLS files ([`crate::tls`]): the CA bundle replaces the
+/// system roots, and the client certificate and key, when set, authenticate the daemon (Redis'
+/// `tls-auth-clients yes`); with sentinels the same files serve the `rediss://` sentinels too.
+///
+/// In Sentinel mode `redis.url`'s host and port are not used; its username, password, database
+/// and scheme (`rediss://`: TLS to the primary) are.
+///
+/// Errors: a URL is invalid, or Redis (or every sentinel) is unreachable, or no sentinel knows a
+/// reachable primary; a server certificate that does not verify fails the TLS handshake.
+pub async fn connect(settings: &RedisSettings) -> Result<RedisConn, redis::RedisError> {
+    let resolver = Resolver { settings: settings.clone(), sentinel: sentinel_client(settings)?.map(tokio::sync::Mutex::new) };
+    let (addr, conn) = resolver.open().await?;
+    if let Some(s) = &settings.sentinel {
+        info!(primary = %addr, master = %s.master, sentinels = s.addrs.len(), "Redis primary (from Sentinel)");
+    }
+    Ok(RedisConn {
+        shared: Arc::new(Shared {
+            current: RwLock::new((0, conn)),
+            resolver: Some(resolver),
+            primary: RwLock::new(addr),
+            resolving: AtomicBool::new(false),
+        }),
+    })
+}
+
+/// The redis crate's Sentinel client of `redis.sentinels`, or `None` without sentinels: the
+/// primary gets `redis.url`'s credentials, database, TLS mode and TLS files.
+fn sentinel_client(settings: &RedisSettings) -> Result<Option<SentinelClient>, redis::RedisError> {
+    let Some(sentinel) = &settings.sentinel else { return Ok(None) };
+    crate::tls::install_crypto_provider();
+    let url = redis::IntoConnectionInfo::into_connection_info(settings.url.expose())?;
+    let mut addrs = Vec::new();
+    for a in &sentinel.addrs {
+        addrs.push(redis::IntoConnectionInfo::into_connection_info(a.expose())?);
+    }
+    let mut b = SentinelClientBuilder::new(addrs.iter().map(|a| a.addr().clone()), &sentinel.master, SentinelServerType::Master)?
+        .set_client_to_redis_db(url.redis_settings().db());
+    if let Some(u) = url.redis_settings().username() {
+        b = b.set_client_to_redis_username(u);
+    }
+    if let Some(p) = url.redis_settings().password() {
+        b = b.set_client_to_redis_password(p);
+    }
+    if let Some(first) = addrs.first() {
+        if let Some(u) = first.redis_settings().username() {
+            b = b.set_client_to_sentinel_username(u);
+        }
+        if let Some(p) = first.redis_settings().password() {
+            b = b.set_client_to_sentinel_password(p);
+        }
+    }
+    let tls = settings.url.expose().starts_with("rediss://");
+    if tls {
+        b = b.set_client_to_redis_tls_mode(redis::TlsMode::Secure);
+    }
+    if settings.tls.is_set() {
+        let certs = || redis::TlsCertificates {
+            client_tls: settings.tls.client.as_ref().map(|c| redis::ClientTlsConfig { client_cert: c.cert_pem.clone(), client_key: c.key_pem.clone() }),
+            root_cert: settings.tls.ca_pem.clone(),
+        };
+        if tls {
+            b = b.set_client_to_redis_certificates(certs());
+        }
+        if sentinel.addrs.iter().any(|a| a.expose().starts_with("rediss://")) {
+            b = b.set_client_to_sentinel_certificates(certs());
+        }
+    }
+    b.build().map(Some)
 }
 
 /// The Redis client of `redis.url` (see [`connect`] for TLS).
@@ -220,7 +466,7 @@ impl LeaseValue {
 /// Lease operations for one process (`name:nonce`).
 #[derive(Clone)]
 pub struct Leases {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     holder: String,
     ttl: Duration,
@@ -232,9 +478,9 @@ pub struct Leases {
 
 impl Leases {
     /// `holder` is `name:nonce`.
-    pub fn new(conn: ConnectionManager, prefix: &str, holder: String, ttl: Duration, timeout: Duration) -> Self {
+    pub fn new(conn: impl Into<RedisConn>, prefix: &str, holder: String, ttl: Duration, timeout: Duration) -> Self {
         Leases {
-            conn,
+            conn: conn.into(),
             prefix: prefix.to_owned(),
             holder,
             ttl,
@@ -243,11 +489,6 @@ impl Leases {
             renew: std::sync::Arc::new(Script::new(RENEW)),
             release: std::sync::Arc::new(Script::new(RELEASE)),
         }
-    }
-
-    /// Uses `conn` from now on (after a reconnect).
-    pub fn set_connection(&mut self, conn: ConnectionManager) {
-        self.conn = conn;
     }
 
     /// Redis key of partition `p`'s lease.
@@ -320,7 +561,7 @@ impl Leases {
 
 /// Reads the lease values of partitions `0..partitions`.
 pub async fn read_all(
-    conn: &mut ConnectionManager,
+    conn: &mut (impl redis::aio::ConnectionLike + Send),
     prefix: &str,
     partitions: u32,
     timeout: Duration,
