@@ -180,9 +180,11 @@ fn is_link_error(e: &redis::RedisError) -> bool {
 /// `redis.sentinels`, the address the sentinels report for `redis.sentinel_master` (the redis
 /// crate connects to it and checks that its `ROLE` is master before handing it out). It follows a
 /// failover by itself: a `READONLY` answer (a demoted primary) or, in Sentinel mode, a connection
-/// error or timeout starts one background re-resolution — ask the sentinels (or reopen
+/// error or timeout, or a sentinel naming another primary (asked every [`PRIMARY_CHECK_INTERVAL`]:
+/// after a failover the old primary, when still up, accepts writes until the sentinels demote it,
+/// which takes up to ~10 s, their `INFO` period) starts one background re-resolution — ask the sentinels (or reopen
 /// `redis.url`), connect, swap the connection in — retried with a backoff from 100 ms doubling to
-/// 5 s until it succeeds. The command that failed still fails (the callers retry on their next
+/// 1 s until it succeeds. The command that failed still fails (the callers retry on their next
 /// round; an acquire is not replayed blindly). Errors of connections already replaced do not start
 /// another one. Each new primary is logged (`Redis primary`, address only, never credentials).
 #[derive(Clone)]
@@ -204,7 +206,13 @@ struct Shared {
 struct Resolver {
     settings: RedisSettings,
     sentinel: Option<tokio::sync::Mutex<SentinelClient>>,
+    /// The sentinels (with their credentials), for [`PRIMARY_CHECK_INTERVAL`] checks.
+    sentinel_nodes: Vec<redis::Client>,
 }
+
+/// How often, in Sentinel mode, the connection asks a sentinel which node is the primary
+/// (`SENTINEL GET-MASTER-ADDR-BY-NAME`, answered by the sentinel from memory: no load on Redis).
+pub const PRIMARY_CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
 impl From<ConnectionManager> for RedisConn {
     /// A connection without failover handling (its `ConnectionManager` reconnects to the same
@@ -222,7 +230,7 @@ impl From<ConnectionManager> for RedisConn {
 }
 
 /// Initial and longest wait between two failed re-resolutions.
-const RESOLVE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(5));
+const RESOLVE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(1));
 
 impl RedisConn {
     /// `host:port` of the primary the connection currently reaches (no credentials; empty for a
@@ -256,7 +264,14 @@ impl RedisConn {
     fn on_error(&self, generation: u64, e: &redis::RedisError) {
         let Some(resolver) = &self.shared.resolver else { return };
         let follow = is_failover(e) || (resolver.sentinel.is_some() && is_link_error(e));
-        if !follow || self.current().0 != generation || self.shared.resolving.swap(true, Ordering::AcqRel) {
+        if follow && self.current().0 == generation {
+            self.follow();
+        }
+    }
+
+    /// Starts a background re-resolution unless one is running.
+    fn follow(&self) {
+        if self.shared.resolving.swap(true, Ordering::AcqRel) {
             return;
         }
         let this = self.clone();
@@ -349,6 +364,47 @@ impl redis::aio::ConnectionLike for RedisConn {
     }
 }
 
+/// Every [`PRIMARY_CHECK_INTERVAL`] while `shared` lives: asks the sentinels (the first that
+/// answers) for the primary and starts a re-resolution when it is not the one connected to.
+async fn watch_primary(shared: std::sync::Weak<Shared>) {
+    let mut tick = tokio::time::interval(PRIMARY_CHECK_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut cached: Option<(usize, redis::aio::MultiplexedConnection)> = None;
+    loop {
+        tick.tick().await;
+        let Some(shared) = shared.upgrade() else { return };
+        let conn = RedisConn { shared };
+        let Some(resolver) = &conn.shared.resolver else { return };
+        let Some(master) = resolver.settings.sentinel.as_ref().map(|s| s.master.clone()) else { return };
+        let limit = resolver.settings.command_timeout;
+        let nodes = resolver.sentinel_nodes.len();
+        let start = cached.as_ref().map_or(0, |(i, _)| *i);
+        let mut reported = None;
+        for k in 0..nodes {
+            let i = (start + k) % nodes;
+            let mut c = match cached.take() {
+                Some((j, c)) if j == i => c,
+                _ => match tokio::time::timeout(limit, resolver.sentinel_nodes[i].get_multiplexed_async_connection()).await {
+                    Ok(Ok(c)) => c,
+                    _ => continue,
+                },
+            };
+            let mut cmd = redis::cmd("SENTINEL");
+            cmd.arg("GET-MASTER-ADDR-BY-NAME").arg(&master);
+            if let Ok(Ok(addr)) = tokio::time::timeout(limit, cmd.query_async::<Option<(String, u16)>>(&mut c)).await {
+                cached = Some((i, c));
+                reported = addr;
+                break;
+            }
+        }
+        if let Some((host, port)) = reported {
+            if format!("{host}:{port}") != conn.primary() {
+                conn.follow();
+            }
+        }
+    }
+}
+
 /// Opens the daemon's Redis connection ([`RedisConn`]): to `redis.url`, or with
 /// `redis.sentinels` to the primary the sentinels report for `redis.sentinel_master`. Every
 /// command and connection attempt is bounded by `redis.command_timeout`, two reconnect retries.
@@ -362,19 +418,23 @@ impl redis::aio::ConnectionLike for RedisConn {
 /// Errors: a URL is invalid, or Redis (or every sentinel) is unreachable, or no sentinel knows a
 /// reachable primary; a server certificate that does not verify fails the TLS handshake.
 pub async fn connect(settings: &RedisSettings) -> Result<RedisConn, redis::RedisError> {
-    let resolver = Resolver { settings: settings.clone(), sentinel: sentinel_client(settings)?.map(tokio::sync::Mutex::new) };
+    let sentinel_nodes = match &settings.sentinel {
+        None => Vec::new(),
+        Some(s) => s.addrs.iter().map(|a| client_of(settings, a.expose())).collect::<Result<_, _>>()?,
+    };
+    let resolver = Resolver { settings: settings.clone(), sentinel: sentinel_client(settings)?.map(tokio::sync::Mutex::new), sentinel_nodes };
     let (addr, conn) = resolver.open().await?;
+    let shared = Arc::new(Shared {
+        current: RwLock::new((0, conn)),
+        resolver: Some(resolver),
+        primary: RwLock::new(addr.clone()),
+        resolving: AtomicBool::new(false),
+    });
     if let Some(s) = &settings.sentinel {
         info!(primary = %addr, master = %s.master, sentinels = s.addrs.len(), "Redis primary (from Sentinel)");
+        tokio::spawn(watch_primary(Arc::downgrade(&shared)));
     }
-    Ok(RedisConn {
-        shared: Arc::new(Shared {
-            current: RwLock::new((0, conn)),
-            resolver: Some(resolver),
-            primary: RwLock::new(addr),
-            resolving: AtomicBool::new(false),
-        }),
-    })
+    Ok(RedisConn { shared })
 }
 
 /// The redis crate's Sentinel client of `redis.sentinels`, or `None` without sentinels: the
@@ -424,15 +484,20 @@ fn sentinel_client(settings: &RedisSettings) -> Result<Option<SentinelClient>, r
 
 /// The Redis client of `redis.url` (see [`connect`] for TLS).
 fn client(settings: &RedisSettings) -> Result<redis::Client, redis::RedisError> {
+    client_of(settings, settings.url.expose())
+}
+
+/// A Redis client of `url` with the TLS files of `[redis]` (used for `rediss://` only).
+fn client_of(settings: &RedisSettings, url: &str) -> Result<redis::Client, redis::RedisError> {
     crate::tls::install_crypto_provider();
-    if !settings.tls.is_set() {
-        return redis::Client::open(settings.url.expose());
+    if !settings.tls.is_set() || !url.starts_with("rediss://") {
+        return redis::Client::open(url);
     }
     let certs = redis::TlsCertificates {
         client_tls: settings.tls.client.as_ref().map(|c| redis::ClientTlsConfig { client_cert: c.cert_pem.clone(), client_key: c.key_pem.clone() }),
         root_cert: settings.tls.ca_pem.clone(),
     };
-    redis::Client::build_with_tls(settings.url.expose(), certs)
+    redis::Client::build_with_tls(url, certs)
 }
 
 /// Result of an acquire attempt.
