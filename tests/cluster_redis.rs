@@ -466,3 +466,97 @@ async fn c_redis_commands_per_instance() {
     println!("redis commands/s, one instance, {P} partitions, default timings: idle {idle:.2} ({}); under 100 req/s {busy:.2} ({})", fmt(&idle_per), fmt(&busy_per));
     env.cleanup().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// d. The cost of the epoch rule.
+// ---------------------------------------------------------------------------------------------
+
+/// The acquire script before the `max(INCR, TIME)` rule: `TIME` only when the counter is missing.
+const ACQUIRE_INCR_ONLY: &str = r#"
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  local mine = ARGV[1] .. ':'
+  if string.sub(cur, 1, string.len(mine)) ~= mine then
+    return {0, cur}
+  end
+end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  local t = redis.call('TIME')
+  redis.call('SET', KEYS[2], string.format('%d', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
+end
+local e = redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. e, 'PX', ARGV[2])
+return {e, ''}
+"#;
+
+/// `(mean, p50, p99)` in µs.
+fn latency_summary(mut v: Vec<Duration>) -> (f64, f64, f64) {
+    v.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    let mean = v.iter().map(|d| us(*d)).sum::<f64>() / v.len() as f64;
+    (mean, us(v[v.len() / 2]), us(v[v.len() * 99 / 100]))
+}
+
+/// Server-side `usec_per_call` of `evalsha` on `addr` (after a `CONFIG RESETSTAT`).
+async fn evalsha_usec(addr: &str) -> f64 {
+    let mut c = node(addr).await.unwrap();
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut c).await.unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:")?.split(',').find_map(|kv| kv.strip_prefix("usec_per_call=")?.parse().ok()))
+        .unwrap_or(f64::NAN)
+}
+
+/// The acquire latency (client-side, sequential, one connection) and the primary's CPU time per
+/// script call of three ways to make epochs survive a failover, 3,000 acquisitions each (after
+/// 300 warm-up ones) on a primary with one replica: the counter alone (`INCR`, the old rule,
+/// which a failover can roll back), `max(INCR, TIME)` (this daemon's rule), and `INCR` followed by
+/// `WAIT 1 100` (wait until the replica has the write, up to 100 ms). Prints the numbers for the
+/// docs of [`prefix_batcher::lease`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "measurement: a private Redis Sentinel set; ~15 s"]
+async fn d_epoch_rule_cost() {
+    const N: usize = 3_000;
+    let env = TestEnv::new("sentinel-cost");
+    let set = SentinelSet::start(&env);
+    let primary = set.primary().await;
+    let conn = redis::Client::open(format!("redis://{primary}/")).unwrap().get_connection_manager().await.unwrap();
+    let (ttl, t) = (Duration::from_secs(3), Duration::from_secs(2));
+    let leases = Leases::new(conn.clone(), env.key_prefix(), "a:n1".into(), ttl, t);
+    let old = redis::Script::new(ACQUIRE_INCR_ONLY);
+    let mut c = conn.clone();
+    let mut rows = Vec::new();
+    for variant in ["INCR only", "max(INCR, TIME)", "INCR + WAIT 1 100"] {
+        let mut lat = Vec::with_capacity(N);
+        let _: () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut c).await.unwrap();
+        for i in 0..N + 300 {
+            let p = (i % 8) as u32;
+            let start = std::time::Instant::now();
+            if variant == "max(INCR, TIME)" {
+                let Acquire::Acquired(_) = leases.acquire(p).await.unwrap() else { panic!() };
+            } else {
+                let (e, _): (u64, String) = old
+                    .key(Leases::lease_key(env.key_prefix(), p))
+                    .key(Leases::epoch_key(env.key_prefix(), p))
+                    .arg("a:n1")
+                    .arg(3_000)
+                    .invoke_async(&mut c)
+                    .await
+                    .unwrap();
+                assert!(e > 0);
+                if variant.contains("WAIT") {
+                    let acked: i64 = redis::cmd("WAIT").arg(1).arg(100).query_async(&mut c).await.unwrap();
+                    assert_eq!(acked, 1, "the replica acknowledges");
+                }
+            }
+            if i >= 300 {
+                lat.push(start.elapsed());
+            }
+        }
+        let (mean, p50, p99) = latency_summary(lat);
+        let cpu = evalsha_usec(&primary).await;
+        rows.push(format!("{variant:<18} acquire mean {mean:6.0} µs, p50 {p50:6.0} µs, p99 {p99:6.0} µs; primary CPU {cpu:.2} µs per script call"));
+    }
+    println!("epoch rule cost ({N} sequential acquisitions each, primary with one replica, debug build client):\n  {}", rows.join("\n  "));
+    drop(set);
+    env.cleanup().await;
+}
