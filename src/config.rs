@@ -1128,9 +1128,8 @@ pub fn redacted_toml(raw: &RawConfig) -> String {
     r.redis.url = secret_url("redis.url", &r.redis.url, REDIS_SCHEMES)
         .map(|u| u.redacted())
         .unwrap_or_else(|_| redact_str(&r.redis.url));
-    for s in &mut r.redis.sentinels {
-        let full = if s.contains("://") { s.clone() } else { format!("redis://{s}") };
-        *s = secret_url("redis.sentinels", &full, &["redis", "rediss"]).map(|u| u.redacted()).unwrap_or_else(|_| redact_str(s));
+    for s in r.redis.sentinels.iter_mut().filter(|s| s.contains('@')) {
+        *s = secret_url("redis.sentinels", s, &["redis", "rediss"]).map(|u| u.redacted()).unwrap_or_else(|_| redact_str(s));
     }
     if !r.llm.api_key.is_empty() {
         r.llm.api_key = "***".into();
