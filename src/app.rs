@@ -39,10 +39,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::lease::RedisConn;
 use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::Settings;
 use crate::exit::{EX_CONFIG, EX_FAILURE, EX_SOFTWARE};
+use crate::lease::RedisConn;
 use crate::breaker::BreakerState;
 use crate::llm::{call_outcome_label, ClientOptions, LlmClient, LlmError, LlmEvent, LlmHook};
 use crate::metrics;

@@ -289,11 +289,6 @@ impl RedisConn {
         self.shared.primary.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// Whether the primary comes from Redis Sentinel.
-    pub fn is_sentinel(&self) -> bool {
-        self.shared.resolver.as_ref().is_some_and(|r| r.sentinel.is_some())
-    }
-
     /// The current `ConnectionManager` (for code that needs the concrete type). Errors met on it
     /// should be passed to [`report`](Self::report).
     pub fn manager(&self) -> ConnectionManager {
