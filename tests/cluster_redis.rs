@@ -58,7 +58,9 @@ fn cluster_script() -> PathBuf {
 
 impl SentinelSet {
     fn start(env: &TestEnv) -> SentinelSet {
-        let dir = env.dir.join("redis-sentinel-set");
+        // Not under `env.dir`: `TestEnv::cleanup` deletes that before this set is dropped, and
+        // `stop` needs the pid files.
+        let dir = std::env::temp_dir().join(format!("{}-redis", env.name));
         let out = Command::new(cluster_script())
             .arg("start")
             .env("CLUSTER_REDIS_DIR", &dir)
