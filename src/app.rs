@@ -34,7 +34,6 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use futures_util::{Stream, StreamExt};
 use lapin::{Connection, ConnectionProperties};
-use redis::aio::ConnectionManager;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -43,6 +42,7 @@ use tracing::{error, info, warn};
 use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::Settings;
 use crate::exit::{EX_CONFIG, EX_FAILURE, EX_SOFTWARE};
+use crate::lease::RedisConn;
 use crate::breaker::BreakerState;
 use crate::llm::{call_outcome_label, ClientOptions, LlmClient, LlmError, LlmEvent, LlmHook};
 use crate::metrics;
@@ -269,7 +269,7 @@ impl App {
     async fn sessions(&self, work: &CancellationToken, events: &mut (impl FnMut(Lifecycle) + Send)) -> Result<(), AppError> {
         let amqp = &self.settings.amqp;
         let mut backoff = amqp.reconnect_backoff_initial;
-        let mut redis: Option<ConnectionManager> = None;
+        let mut redis: Option<RedisConn> = None;
         while !work.is_cancelled() {
             let failure = match self.connect_and_run(&mut redis, work, events).await? {
                 SessionEnd::Stopped => return Ok(()),
@@ -293,7 +293,7 @@ impl App {
     /// Connects Redis once (the connection manager reconnects by itself), then runs a session.
     async fn connect_and_run(
         &self,
-        redis: &mut Option<ConnectionManager>,
+        redis: &mut Option<RedisConn>,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Result<SessionEnd, AppError> {
@@ -311,7 +311,7 @@ impl App {
     /// one, publishes on the other, named `prefix-batcher {instance}` and
     /// `prefix-batcher {instance} publish`) and declares the topology; closes them again when
     /// the topology is refused.
-    async fn open(&self, redis: &mut ConnectionManager) -> Result<Connections, SessionError> {
+    async fn open(&self, redis: &RedisConn) -> Result<Connections, SessionError> {
         let s = &self.settings;
         let connect = |suffix: &str| {
             let name = format!("prefix-batcher {}{suffix}", s.instance_name);
@@ -327,7 +327,10 @@ impl App {
         };
         let conns = Connections { consume: Arc::new(consume), publish: Arc::new(publish) };
         let meta_key = format!("{}:partitions", s.redis.key_prefix);
-        if let Err(e) = topology::declare(&conns.consume, &s.amqp, redis, &meta_key).await {
+        if let Err(e) = topology::declare(&conns.consume, &s.amqp, &mut redis.manager(), &meta_key).await {
+            if let topology::TopologyError::Redis(re) = &e {
+                redis.report(re);
+            }
             let _ = conns.close("topology refused").await;
             return Err(SessionError::Topology(e));
         }
@@ -339,11 +342,11 @@ impl App {
     /// or the shutdown, then drain or hard-stop.
     async fn session(
         &self,
-        mut redis: ConnectionManager,
+        redis: RedisConn,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Result<SessionEnd, AppError> {
-        let conns = match self.open(&mut redis).await {
+        let conns = match self.open(&redis).await {
             Ok(c) => c,
             Err(SessionError::Topology(e)) if e.is_config_error() => {
                 error!(error = %e, "refusing to start");

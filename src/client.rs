@@ -402,6 +402,8 @@ pub struct Status {
     pub amqp_error: Option<String>,
     /// The split set (adaptive keying): hot keys, busiest first.
     pub hot_keys: Vec<HotKeyStatus>,
+    /// `host:port` of the Redis primary read (with `redis.sentinels`: as the sentinels report it).
+    pub redis_primary: String,
 }
 
 /// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog.
@@ -436,7 +438,7 @@ async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option
 }
 
 /// The split set, busiest key first. Errors: Redis unreachable, failing or too slow.
-async fn hot_keys(r: &redis::aio::ConnectionManager, prefix: &str, timeout: Duration) -> anyhow::Result<Vec<HotKeyStatus>> {
+async fn hot_keys(r: &crate::lease::RedisConn, prefix: &str, timeout: Duration) -> anyhow::Result<Vec<HotKeyStatus>> {
     let mut hot: Vec<HotKeyStatus> = SplitStore::new(r.clone(), prefix, timeout).read().await?.into_iter().map(HotKeyStatus::from).collect();
     hot.sort_by(|a, b| b.arrivals_rps.total_cmp(&a.arrivals_rps).then_with(|| a.key.cmp(&b.key)));
     Ok(hot)
@@ -512,7 +514,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let moving = partitions.iter().filter(|s| s.note == Some("moving")).map(|s| s.partition).collect();
     let partition_backlog =
         if depths.iter().all(Option::is_some) { Some(depths.iter().flatten().map(|d| u64::from(d.0)).sum()) } else { None };
-    Ok(Status { partition_count: p, members, partitions, unowned, moving, stale_owners, input_backlog, partition_backlog, amqp_error, hot_keys })
+    Ok(Status { partition_count: p, members, partitions, unowned, moving, stale_owners, input_backlog, partition_backlog, amqp_error, hot_keys, redis_primary: r.primary() })
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {
@@ -539,6 +541,7 @@ pub fn render_status(s: &Status) -> String {
         s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
         s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
     ));
+    out.push_str(&format!("Redis primary: {}\n", s.redis_primary));
     if let Some(e) = &s.amqp_error {
         out.push_str(&format!("RabbitMQ unreachable, backlog unknown: {e}\n"));
     }
