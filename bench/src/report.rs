@@ -24,6 +24,8 @@ pub struct Results {
     pub chat: Option<crate::chat::ChatResults>,
     #[serde(default)]
     pub shift: Option<crate::chat::ShiftResults>,
+    #[serde(default)]
+    pub peers: Option<crate::peers::PeersResults>,
 }
 
 fn pct(x: f64) -> String {
@@ -503,6 +505,9 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     if let Some(sh) = &r.shift {
         render_shift(&mut s, sh, p);
     }
+    if let Some(pe) = &r.peers {
+        render_peers(&mut s, pe, plots);
+    }
     let _ = writeln!(s, "## Caveats\n");
     let _ = writeln!(
         s,
@@ -702,6 +707,114 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
         crate::plots::hot_backlog(h, &dir.join("hot_backlog.png"))?;
         plots.push(("hot", "hot_backlog.png"));
     }
+    if let Some(pe) = &r.peers {
+        crate::plots::peers_hits(pe, &dir.join("peers_hit_ratio.png"))?;
+        plots.push(("peers", "peers_hit_ratio.png"));
+    }
     std::fs::write(dir.join("REPORT.md"), render(r, &plots))?;
     Ok(())
 }
+
+/// Part 7: prefix-batcher against the peer routers, one table per workload, and its reading.
+fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str, &str)]) {
+    let _ = writeln!(s, "## 7. Peers: SGLang's and vLLM's routers on the same servers and traffic\n");
+    let _ = writeln!(
+        s,
+        "One load generator, many routes. Each route gets M fresh simulators (part 2's settings: {} blocks of cache, {} slots, {}× \
+         speed-up) and the same chat requests at the same arrival times with the same `max_tokens`. **prefix-batcher (defaults)**: M \
+         daemons (adaptive keying, `llm.max_concurrency = {}`, `max_batch_wait = 5ms`), requests published to RabbitMQ, results \
+         from the reply queue. **Peer routers** ({}, installed by `bench/peers-install` into `.cache/peers-venv`): \
+         `python -m <package>.launch_router --worker-urls … --policy P`, requests sent over HTTP open loop at the arrival times, \
+         at most {} × M in flight (the daemons' bound). `sglang-router round_robin` is the plain baseline. Hit ratios are the \
+         servers' own counters (`vllm:prefix_cache_hits_total ÷ queries_total`, tokens); the oracle is one infinite cache over \
+         the same rendering. Latency: wall-clock milliseconds from arrival to answer (the servers run {}× faster than real time, \
+         so these are mostly the route's own delays and queueing). CPU: the router process's user + system seconds during the \
+         drive per 1,000 requests, and peak RSS (VmHWM), from /proc (prefix-batcher: summed over its M instances; the \
+         peers run one router process).\n",
+        pe.sim.capacity_blocks,
+        pe.sim.max_concurrency,
+        pe.speedup,
+        pe.llm_max_concurrency,
+        pe.versions.join(", "),
+        pe.llm_max_concurrency,
+        pe.speedup
+    );
+    for w in &pe.workloads {
+        let _ = writeln!(s, "### {} — {} requests, oracle {}\n\n{}.\n", w.name, w.requests, pct(w.oracle), w.note);
+        let _ = writeln!(s, "| M | route | token hits | ÷ oracle | prefill GPU-s | p50 ms | p99 ms | router CPU s / 1,000 req | router peak RSS MiB | ok / requests (served) |");
+        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        for x in pe.rows.iter().filter(|x| x.workload == w.name) {
+            if x.error.is_some() && x.ok == 0 {
+                let _ = writeln!(s, "| {} | {} | failed | | | | | | | 0 / {} |", x.m, x.route(), x.requests);
+                continue;
+            }
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} ({}) |",
+                x.m,
+                if x.system == "prefix-batcher" { format!("**{}**", x.route()) } else { x.route() },
+                pct(x.token_hit_ratio),
+                pct(x.token_hit_ratio / w.oracle),
+                num(x.prefill_s, 0),
+                num(x.p50_ms, 0),
+                num(x.p99_ms, 0),
+                num(x.cpu_s_per_1000, 2),
+                num(x.rss_mib, 0),
+                x.ok,
+                x.requests,
+                x.served
+            );
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(s, "{}", peers_facts(pe, &w.name));
+    }
+    let failed: Vec<String> = pe
+        .rows
+        .iter()
+        .filter_map(|x| x.error.as_ref().map(|e| format!("- {} M={} {}: {}", x.workload, x.m, x.route(), e.chars().take(300).collect::<String>())))
+        .collect();
+    if !failed.is_empty() {
+        let _ = writeln!(s, "Routes with failures:\n\n{}\n", failed.join("\n"));
+    }
+    if !pe.unknown_probes.is_empty() {
+        let _ = writeln!(s, "Requests the routers sent that the simulator does not serve (404): `{}`.\n", pe.unknown_probes.join("`, `"));
+    }
+    let _ = writeln!(s, "{}", PEERS_READING);
+    if let Some((_, f)) = plots.iter().find(|(k, _)| *k == "peers") {
+        let _ = writeln!(s, "![hit ratio vs M per route]({f})\n");
+    }
+}
+
+/// Measured facts of one workload's table: per M, the best route by hit ratio and where
+/// prefix-batcher stands.
+fn peers_facts(pe: &crate::peers::PeersResults, workload: &str) -> String {
+    let mut ms: Vec<usize> = pe.rows.iter().filter(|x| x.workload == workload).map(|x| x.m).collect();
+    ms.sort_unstable();
+    ms.dedup();
+    let mut out = Vec::new();
+    for m in ms {
+        let rows: Vec<_> = pe.rows.iter().filter(|x| x.workload == workload && x.m == m && x.error.is_none()).collect();
+        let Some(pb) = rows.iter().find(|x| x.system == "prefix-batcher") else { continue };
+        let Some(best_peer) = rows.iter().filter(|x| x.system != "prefix-batcher").max_by(|a, b| a.token_hit_ratio.total_cmp(&b.token_hit_ratio)) else { continue };
+        let rr = rows.iter().find(|x| x.system == "sglang-router" && x.policy == "round_robin");
+        out.push(format!(
+            "M = {m}: prefix-batcher {} vs the best peer, {} ({}){}; prefill GPU-s {} vs {}; p99 {} ms vs {} ms.",
+            pct(pb.token_hit_ratio),
+            best_peer.route(),
+            pct(best_peer.token_hit_ratio),
+            rr.map(|r| format!(", round-robin {}", pct(r.token_hit_ratio))).unwrap_or_default(),
+            num(pb.prefill_s, 0),
+            num(best_peer.prefill_s, 0),
+            num(pb.p99_ms, 0),
+            num(best_peer.p99_ms, 0),
+        ));
+    }
+    if out.is_empty() {
+        String::new()
+    } else {
+        format!("Measured: {}\n", out.join(" "))
+    }
+}
+
+/// The written reading of part 7 (what the tables show and why).
+const PEERS_READING: &str = "Reading it: TODO";
