@@ -164,6 +164,8 @@ async fn start_router(env: &Env, python: &Path, peer: Peer, policy: &str, worker
 /// One HTTP request of the open-loop driver.
 #[derive(Debug, Clone)]
 struct HttpReq {
+    /// `/v1/chat/completions` or `/v1/completions`.
+    path: &'static str,
     body: Value,
     at: Duration,
 }
@@ -176,11 +178,22 @@ struct HttpDrive {
     p99_s: f64,
     wall_s: f64,
     first_error: Option<String>,
+    /// Sums of the answers' usage (`prompt_tokens`, `prompt_tokens_details.cached_tokens` or
+    /// llama-server's `timings.cache_n`).
+    prompt_tokens: u64,
+    cached_tokens: u64,
 }
 
-/// Sends every request to `url` + `path` at its arrival time (open loop), at most `limit` in
+/// (prompt tokens, cached tokens) of an answer, as the daemon reads them.
+fn usage_tokens(v: &Value) -> (u64, u64) {
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().or_else(|| v["timings"]["cache_n"].as_u64()).unwrap_or(0);
+    (prompt, cached)
+}
+
+/// Sends every request to `url` + its `path` at its arrival time (open loop), at most `limit` in
 /// flight (later arrivals wait for a slot; their latency counts from the arrival).
-async fn http_drive(url: &str, path: &str, reqs: &[HttpReq], limit: usize) -> anyhow::Result<HttpDrive> {
+async fn http_drive(url: &str, reqs: &[HttpReq], limit: usize) -> anyhow::Result<HttpDrive> {
     let http = reqwest::Client::builder().timeout(Duration::from_secs(300)).pool_max_idle_per_host(limit).build()?;
     let sem = Arc::new(tokio::sync::Semaphore::new(limit.max(1)));
     let start = Instant::now();
@@ -188,13 +201,13 @@ async fn http_drive(url: &str, path: &str, reqs: &[HttpReq], limit: usize) -> an
     for r in reqs {
         let arrival = start + r.at;
         tokio::time::sleep_until(arrival).await;
-        let (http, sem, body, target) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{path}"));
+        let (http, sem, body, target) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{}", r.path));
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await.expect("never closed");
             let res = http.post(target).json(&body).send().await;
             let outcome = match res {
                 Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
-                    Ok(v) if v.get("choices").is_some() => Ok(()),
+                    Ok(v) if v.get("choices").is_some() => Ok(usage_tokens(&v)),
                     Ok(v) => Err(format!("answer without choices: {}", v.to_string().chars().take(200).collect::<String>())),
                     Err(e) => Err(format!("unreadable answer: {e}")),
                 },
@@ -208,13 +221,17 @@ async fn http_drive(url: &str, path: &str, reqs: &[HttpReq], limit: usize) -> an
         }));
     }
     let mut lat = Vec::with_capacity(tasks.len());
-    let (mut ok, mut last, mut first_error) = (0, start, None);
+    let (mut ok, mut last, mut first_error, mut prompt_tokens, mut cached_tokens) = (0, start, None, 0, 0);
     for t in tasks {
         let (done, l, outcome) = t.await?;
         last = last.max(done);
         lat.push(l);
         match outcome {
-            Ok(()) => ok += 1,
+            Ok((p, c)) => {
+                ok += 1;
+                prompt_tokens += p;
+                cached_tokens += c;
+            }
             Err(e) => {
                 first_error.get_or_insert(e);
             }
@@ -228,6 +245,8 @@ async fn http_drive(url: &str, path: &str, reqs: &[HttpReq], limit: usize) -> an
         p99_s: procs::percentile(&lat, 0.99),
         wall_s: (last - start).as_secs_f64(),
         first_error,
+        prompt_tokens,
+        cached_tokens,
     })
 }
 
@@ -251,7 +270,7 @@ async fn router_run(
     let workers: Vec<String> = sims.iter().map(|(_, u)| u.clone()).collect();
     let (mut router, url) = start_router(env, python, peer, policy, &workers, &run).await?;
     let (cpu0, _) = procs::proc_usage(router.pid()).unwrap_or((0.0, 0));
-    let d = http_drive(&url, "/v1/chat/completions", reqs, LLM_MAX_CONCURRENCY * m).await?;
+    let d = http_drive(&url, reqs, LLM_MAX_CONCURRENCY * m).await?;
     let (cpu1, rss_kb) = procs::proc_usage(router.pid()).unwrap_or((0.0, 0));
     router.stop(Duration::from_secs(10));
     let http = reqwest::Client::new();
@@ -367,6 +386,7 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         let http_reqs: Vec<HttpReq> = convs
             .iter()
             .map(|(messages, at, max_tokens)| HttpReq {
+                path: "/v1/chat/completions",
                 body: json!({"model": "simulated", "messages": messages, "max_tokens": max_tokens, "temperature": 0}),
                 at: Duration::from_secs_f64(at / speedup),
             })
@@ -437,4 +457,156 @@ fn report_row(r: &PeerRow, oracle: f64) {
         r.renders,
         r.error.as_deref().map(|e| format!(" ERROR {e}")).unwrap_or_default()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Real llama-servers: prefix-batcher's defaults vs SGLang's cache_aware
+// ---------------------------------------------------------------------------------------------
+
+/// One run on 2 real llama-servers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LlamaRow {
+    /// `prefix-batcher (defaults)` or `sglang-router cache_aware`.
+    pub route: String,
+    pub rep: usize,
+    pub requests: usize,
+    pub ok: usize,
+    /// Cached prompt tokens ÷ prompt tokens, from the servers' answers (llama-server's own count).
+    pub cached_ratio: f64,
+    pub prompt_tokens: u64,
+    /// First request sent → last answer, seconds.
+    pub wall_s: f64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LlamaPeers {
+    pub datasets: Vec<String>,
+    pub requests: usize,
+    pub server_args: String,
+    pub rows: Vec<LlamaRow>,
+}
+
+/// The two real servers of one run, fresh (named after the invocation so that no one else's
+/// servers are touched).
+fn llama_pair(env: &Env) -> anyhow::Result<(procs::LlamaServer, procs::LlamaServer)> {
+    let args = ["--threads", "1", "--cache-ram", "0"];
+    let (na, nb) = (format!("{}-pa", env.tag), format!("{}-pb", env.tag));
+    let (a, b) = std::thread::scope(|sc| {
+        let ha = sc.spawn(|| procs::LlamaServer::start(env, &na, &args));
+        let hb = sc.spawn(|| procs::LlamaServer::start(env, &nb, &args));
+        (ha.join().expect("llm-server start thread"), hb.join().expect("llm-server start thread"))
+    });
+    Ok((a?, b?))
+}
+
+/// Part 7b: bbh-cot and mmlu-5shot mixed, on 2 real llama-servers (SmolLM2-135M, `-np 2`, one
+/// thread, `--cache-ram 0`), prefix-batcher's defaults (2 instances, `llm.max_concurrency = 1`,
+/// `max_batch_wait = 1s`, as part 1) vs SGLang's `cache_aware` (at most 1 × 2 requests in
+/// flight), everything sent at once; `reps` repetitions in alternating order.
+pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usize) -> anyhow::Result<LlamaPeers> {
+    let python = install(env)?;
+    let http = reqwest::Client::new();
+    std::fs::write(env.work.join("empty.toml"), "")?;
+    let size = data::SampleSize {
+        groups: plan.cache_groups,
+        per_group: plan.cache_per_group,
+        max_tokens: plan.cache_max_tokens,
+        bfcl_system_chars: plan.bfcl_system_chars,
+        orca_max_chars: 1500,
+        mmlu_max_chars: 8000,
+    };
+    let datasets = vec!["bbh-cot".to_owned(), "mmlu-5shot".to_owned()];
+    let mut items = Vec::new();
+    for ds in &datasets {
+        items.extend(data::sample(data_dir, ds, size, plan.seed)?.0);
+    }
+    fastrand::Rng::with_seed(plan.seed).shuffle(&mut items);
+    eprintln!("bench: peers on llama-server: {} requests ({}), {reps} repetitions", items.len(), datasets.join(" + "));
+    let queued: Vec<crate::driver::Req> = items
+        .iter()
+        .map(|it| {
+            let mut body = it.body.clone();
+            body["id"] = Value::String(it.id.clone());
+            crate::driver::Req { id: it.id.clone(), body: serde_json::to_vec(&body).unwrap(), at: Duration::ZERO }
+        })
+        .collect();
+    let http_reqs: Vec<HttpReq> = items
+        .iter()
+        .map(|it| {
+            let mut body = it.body.clone();
+            let params = body.as_object_mut().and_then(|o| o.remove("params")).unwrap_or(json!({}));
+            for (k, v) in params.as_object().into_iter().flatten() {
+                body[k] = v.clone();
+            }
+            let path = if body.get("messages").is_some() { "/v1/chat/completions" } else { "/v1/completions" };
+            HttpReq { path, body, at: Duration::ZERO }
+        })
+        .collect();
+    let list_env = vec![("LLM__LIST_PROMPTS".to_owned(), "false".to_owned())];
+    let mut rows = Vec::new();
+    for rep in 0..reps {
+        let order = if rep % 2 == 0 { [true, false] } else { [false, true] };
+        for daemon in order {
+            let row = if daemon {
+                let (http, queued, list_env) = (&http, &queued, &list_env);
+                attempt(env, "peers-llama", 16, move |run| async move {
+                    let (a, b) = llama_pair(env)?;
+                    let mut daemons = Vec::new();
+                    for (i, url) in [&a.url, &b.url].into_iter().enumerate() {
+                        daemons.push(procs::start_daemon(
+                            env,
+                            &procs::DaemonOpts {
+                                run: run.clone(),
+                                instance: format!("bench-{i}"),
+                                partitions: 16,
+                                keying: Keying::Adaptive,
+                                max_batch_size: 8,
+                                max_batch_wait: "1s".into(),
+                                endpoint: url.clone(),
+                                llm_max_concurrency: 1,
+                                extra: list_env.clone(),
+                            },
+                        )?);
+                    }
+                    procs::wait_ready(&http, &mut daemons, 16, Duration::from_secs(60)).await?;
+                    let d = crate::driver::drive(&format!("{run}.input"), queued.clone(), Duration::from_secs(plan.cache_timeout_s), Duration::from_secs(1)).await?;
+                    crate::parts::stop_daemons(&http, daemons).await;
+                    procs::LlamaServer::stop_all(vec![a, b]);
+                    procs::cleanup(&run, 16, &[]).await;
+                    anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
+                    Ok(LlamaRow {
+                        route: "prefix-batcher (defaults)".into(),
+                        rep,
+                        requests: d.sent,
+                        ok: d.ok,
+                        cached_ratio: d.cached_tokens as f64 / d.prompt_tokens.max(1) as f64,
+                        prompt_tokens: d.prompt_tokens,
+                        wall_s: d.wall_s,
+                    })
+                })
+                .await?
+            } else {
+                let (a, b) = llama_pair(env)?;
+                let (mut router, url) = start_router(env, &python, PEERS[0], "cache_aware", &[a.url.clone(), b.url.clone()], &env.run_name("peers-llama-sglang")).await?;
+                let d = http_drive(&url, &http_reqs, 2).await?;
+                router.stop(Duration::from_secs(10));
+                procs::LlamaServer::stop_all(vec![a, b]);
+                if let Some(e) = &d.first_error {
+                    eprintln!("bench:   sglang-router on llama-server: {} of {} failed, first: {e}", d.sent - d.ok, d.sent);
+                }
+                LlamaRow {
+                    route: "sglang-router cache_aware".into(),
+                    rep,
+                    requests: d.sent,
+                    ok: d.ok,
+                    cached_ratio: d.cached_tokens as f64 / d.prompt_tokens.max(1) as f64,
+                    prompt_tokens: d.prompt_tokens,
+                    wall_s: d.wall_s,
+                }
+            };
+            eprintln!("bench:   llama rep {rep} {}: cached {:.1}% wall {:.1}s ok {}/{}", row.route, row.cached_ratio * 100.0, row.wall_s, row.ok, row.requests);
+            rows.push(row);
+        }
+    }
+    Ok(LlamaPeers { datasets, requests: items.len(), server_args: "-np 2 --threads 1 --cache-ram 0 (SmolLM2-135M)".into(), rows })
 }

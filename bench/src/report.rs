@@ -26,6 +26,8 @@ pub struct Results {
     pub shift: Option<crate::chat::ShiftResults>,
     #[serde(default)]
     pub peers: Option<crate::peers::PeersResults>,
+    #[serde(default)]
+    pub peers_llama: Option<crate::peers::LlamaPeers>,
 }
 
 fn pct(x: f64) -> String {
@@ -508,6 +510,9 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     if let Some(pe) = &r.peers {
         render_peers(&mut s, pe, plots);
     }
+    if let Some(pl) = &r.peers_llama {
+        render_peers_llama(&mut s, pl);
+    }
     let _ = writeln!(s, "## Caveats\n");
     let _ = writeln!(
         s,
@@ -818,3 +823,40 @@ fn peers_facts(pe: &crate::peers::PeersResults, workload: &str) -> String {
 
 /// The written reading of part 7 (what the tables show and why).
 const PEERS_READING: &str = "Reading it: TODO";
+
+/// Part 7b: medians over the repetitions on the real llama-servers.
+fn render_peers_llama(s: &mut String, pl: &crate::peers::LlamaPeers) {
+    let _ = writeln!(s, "### Real llama-servers: prefix-batcher's defaults vs SGLang's cache_aware\n");
+    let reps = pl.rows.iter().map(|x| x.rep).max().map(|r| r + 1).unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "{} and {} mixed in random order ({} requests, part 1's sample), all sent at once to 2 fresh llama-servers ({}) per run: \
+         prefix-batcher as in part 1 (2 instances, `llm.max_concurrency = 1`, `max_batch_wait = 1s`, adaptive keying) vs \
+         `sglang-router cache_aware` with at most 1 × 2 requests in flight. Cached ratio: the servers' own cached prompt tokens \
+         ÷ prompt tokens (from their answers). Medians of {reps} runs in alternating order; every run in brackets.\n",
+        pl.datasets.first().map(String::as_str).unwrap_or(""),
+        pl.datasets.get(1).map(String::as_str).unwrap_or(""),
+        pl.requests,
+        pl.server_args
+    );
+    let _ = writeln!(s, "| route | cached ratio | wall s | ok / requests |");
+    let _ = writeln!(s, "| --- | ---: | ---: | ---: |");
+    for route in ["prefix-batcher (defaults)", "sglang-router cache_aware"] {
+        let rows: Vec<_> = pl.rows.iter().filter(|x| x.route == route).collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let each = |f: &dyn Fn(&&crate::peers::LlamaRow) -> String| rows.iter().map(f).collect::<Vec<_>>().join(", ");
+        let _ = writeln!(
+            s,
+            "| {route} | {} ({}) | {} ({}) | {} / {} |",
+            pct(median(&rows.iter().map(|x| x.cached_ratio).collect::<Vec<_>>())),
+            each(&|x| pct(x.cached_ratio)),
+            num(median(&rows.iter().map(|x| x.wall_s).collect::<Vec<_>>()), 1),
+            each(&|x| num(x.wall_s, 1)),
+            rows.iter().map(|x| x.ok).sum::<usize>(),
+            rows.iter().map(|x| x.requests).sum::<usize>()
+        );
+    }
+    let _ = writeln!(s);
+}
