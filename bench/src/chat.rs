@@ -44,6 +44,10 @@ impl SimRun {
     pub fn sim_sum(&self, name: &str) -> f64 {
         self.sim_pages.iter().map(|p| metric_sum(p, name)).sum()
     }
+    /// A metric of each simulator, in start order.
+    pub fn per_sim(&self, name: &str) -> Vec<f64> {
+        self.sim_pages.iter().map(|p| metric_sum(p, name)).collect()
+    }
     pub fn token_hit_ratio(&self) -> f64 {
         self.sim_sum("vllm:prefix_cache_hits_total") / self.sim_sum("vllm:prefix_cache_queries_total").max(1.0)
     }

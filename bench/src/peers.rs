@@ -61,6 +61,9 @@ pub struct PeerRow {
     pub ok: usize,
     /// Prompts the servers served (every request reaches exactly one server when equal to `requests`).
     pub served: u64,
+    /// Prompts served by each server (how the route spread the load).
+    #[serde(default)]
+    pub served_per_server: Vec<u64>,
     /// Render calls the servers answered (vLLM's router renders a chat request before routing it).
     #[serde(default)]
     pub renders: u64,
@@ -288,6 +291,7 @@ async fn router_run(
         requests: d.sent,
         ok: d.ok,
         served: sum("simulator_requests_total") as u64,
+        served_per_server: pages.iter().map(|p| metric_sum(p, "simulator_requests_total") as u64).collect(),
         renders: sum("simulator_render_requests_total") as u64,
         token_hit_ratio: sum("vllm:prefix_cache_hits_total") / sum("vllm:prefix_cache_queries_total").max(1.0),
         prefill_s: sum("simulator_prefill_seconds_total"),
@@ -321,6 +325,7 @@ async fn daemon_run(env: &Env, plan: &Plan, sim: &SimOpts, m: usize, workload: &
         requests: r.drive.sent,
         ok: r.drive.ok,
         served: r.sim_sum("simulator_requests_total") as u64,
+        served_per_server: r.per_sim("simulator_requests_total").into_iter().map(|x| x as u64).collect(),
         renders: r.sim_sum("simulator_render_requests_total") as u64,
         token_hit_ratio: r.token_hit_ratio(),
         prefill_s: r.sim_sum("simulator_prefill_seconds_total"),
@@ -359,7 +364,15 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     let sample = data::thin_conversations(&trace, plan.scale_keep_one_in);
     drop(trace);
     let t0 = sample.first().map(|r| r.timestamp_ms).unwrap_or(0);
-    let (mc_msgs, _) = mooncake_chat(&sample, sim.chars_per_token);
+    let (mut mc_msgs, _) = mooncake_chat(&sample, sim.chars_per_token);
+    // A request that adds no new blocks renders as an empty user turn, which SGLang's router
+    // rejects (HTTP 400: "message content cannot be empty"); every route gets "continue" instead.
+    let empty_turns = mc_msgs.iter().filter(|v| v.as_array().and_then(|a| a.last()).is_some_and(|m| m["content"].as_str() == Some(""))).count();
+    for m in mc_msgs.iter_mut().flat_map(|v| v.as_array_mut()).flat_map(|a| a.iter_mut()) {
+        if m["content"].as_str() == Some("") {
+            m["content"] = Value::String("continue".into());
+        }
+    }
     let mooncake: Vec<(Value, f64, u64)> =
         mc_msgs.into_iter().zip(&sample).map(|(m, r)| (m, (r.timestamp_ms - t0) as f64 / 1000.0, r.output_length.max(1))).collect();
     let bfcl: Vec<(Value, f64, u64)> =
@@ -367,7 +380,11 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     let mut workloads = Vec::new();
     let mut rows = Vec::new();
     for (name, convs, note) in [
-        ("mooncake-chat", &mooncake, format!("part 2's Mooncake sample ({} requests) as chat, rendered as part 5 renders it", sample.len())),
+        ("mooncake-chat", &mooncake, format!(
+            "part 2's Mooncake sample ({} requests) as chat, rendered as part 5 renders it, except that the {} empty user turns (a request that adds no block to its conversation) read \"continue\": SGLang's router rejects empty message content",
+            sample.len(),
+            empty_turns
+        )),
         ("bfcl-chat", &bfcl, format!("part 5's {} bfcl-multiturn conversations, turn by turn", plan.chat_bfcl_conversations)),
     ] {
         let oracle = {
@@ -409,6 +426,7 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
                             requests: http_reqs.len(),
                             ok: 0,
                             served: 0,
+                            served_per_server: Vec::new(),
                             renders: 0,
                             token_hit_ratio: 0.0,
                             prefill_s: 0.0,
@@ -440,7 +458,7 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
 
 fn report_row(r: &PeerRow, oracle: f64) {
     eprintln!(
-        "bench:   {} M={} {}: token hits {:.1}% ({:.1}% of oracle) prefill {:.0} GPU-s p50 {:.0} ms p99 {:.0} ms cpu {:.2} s/1000 rss {:.0} MiB ok {}/{} served {} renders {}{}",
+        "bench:   {} M={} {}: token hits {:.1}% ({:.1}% of oracle) prefill {:.0} GPU-s p50 {:.0} ms p99 {:.0} ms cpu {:.2} s/1000 rss {:.0} MiB ok {}/{} served {} {:?} renders {}{}",
         r.workload,
         r.m,
         r.route(),
@@ -454,6 +472,7 @@ fn report_row(r: &PeerRow, oracle: f64) {
         r.ok,
         r.requests,
         r.served,
+        r.served_per_server,
         r.renders,
         r.error.as_deref().map(|e| format!(" ERROR {e}")).unwrap_or_default()
     );

@@ -268,7 +268,7 @@ pub fn peers_hits(r: &crate::peers::PeersResults, out: &Path) -> anyhow::Result<
             .margin(10)
             .x_label_area_size(40)
             .y_label_area_size(55)
-            .build_cartesian_2d((1.5f64..m_max * 1.15).log_scale(), 0f64..100f64)
+            .build_cartesian_2d(1f64..m_max + 1.0, 0f64..100f64)
             .map_err(err)?;
         chart
             .configure_mesh()
@@ -298,7 +298,7 @@ pub fn peers_hits(r: &crate::peers::PeersResults, out: &Path) -> anyhow::Result<
         }
         let o = w.oracle * 100.0;
         let grey = RGBColor(90, 90, 90);
-        chart.draw_series(LineSeries::new(vec![(1.5, o), (m_max * 1.15, o)], grey.stroke_width(1))).map_err(err)?;
+        chart.draw_series(LineSeries::new(vec![(1.0, o), (m_max + 1.0, o)], grey.stroke_width(1))).map_err(err)?;
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerLeft).draw().map_err(err)?;
     }
     root.present().map_err(err)?;

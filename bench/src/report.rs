@@ -746,16 +746,16 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
     );
     for w in &pe.workloads {
         let _ = writeln!(s, "### {} — {} requests, oracle {}\n\n{}.\n", w.name, w.requests, pct(w.oracle), w.note);
-        let _ = writeln!(s, "| M | route | token hits | ÷ oracle | prefill GPU-s | p50 ms | p99 ms | router CPU s / 1,000 req | router peak RSS MiB | ok / requests (served) |");
-        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(s, "| M | route | token hits | ÷ oracle | prefill GPU-s | p50 ms | p99 ms | router CPU s / 1,000 req | router peak RSS MiB | busiest server's share | ok / requests (served) |");
+        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for x in pe.rows.iter().filter(|x| x.workload == w.name) {
             if x.error.is_some() && x.ok == 0 {
-                let _ = writeln!(s, "| {} | {} | failed | | | | | | | 0 / {} |", x.m, x.route(), x.requests);
+                let _ = writeln!(s, "| {} | {} | failed | | | | | | | | 0 / {} |", x.m, x.route(), x.requests);
                 continue;
             }
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} ({}) |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} ({}) |",
                 x.m,
                 if x.system == "prefix-batcher" { format!("**{}**", x.route()) } else { x.route() },
                 pct(x.token_hit_ratio),
@@ -765,6 +765,7 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
                 num(x.p99_ms, 0),
                 num(x.cpu_s_per_1000, 2),
                 num(x.rss_mib, 0),
+                pct(x.served_per_server.iter().copied().max().unwrap_or(0) as f64 / x.served.max(1) as f64),
                 x.ok,
                 x.requests,
                 x.served
