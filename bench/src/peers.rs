@@ -606,6 +606,10 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usi
                 .await?
             } else {
                 let (a, b) = llama_pair(env)?;
+                // The model id the servers report (the router matches a request's `model` to its workers').
+                let models: Value = http.get(format!("{}/v1/models", a.url)).send().await?.json().await?;
+                let model = models["data"][0]["id"].clone();
+                let http_reqs: Vec<HttpReq> = http_reqs.iter().map(|r| HttpReq { body: { let mut b = r.body.clone(); b["model"] = model.clone(); b }, ..r.clone() }).collect();
                 let (mut router, url) = start_router(env, &python, PEERS[0], "cache_aware", &[a.url.clone(), b.url.clone()], &env.run_name("peers-llama-sglang")).await?;
                 let d = http_drive(&url, &http_reqs, 2).await?;
                 router.stop(Duration::from_secs(10));
