@@ -161,7 +161,7 @@ impl Plan {
             chat_bfcl_conversations: if full { 400 } else { 120 },
             shift_rate_rps: 12.0,
             shift_load_s: if full { 120.0 } else { 90.0 },
-            peers_ms: if full { vec![2, 4, 8] } else { vec![4, 8] },
+            peers_ms: vec![2, 4, 8],
             peers_routes: {
                 let sglang: &[&str] = if full { &["cache_aware", "power_of_two", "round_robin", "random"] } else { &["cache_aware", "power_of_two", "round_robin"] };
                 let vllm: &[&str] = if full { &["cache_aware", "consistent_hash", "power_of_two", "round_robin"] } else { &["cache_aware", "consistent_hash"] };
