@@ -785,7 +785,7 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
     if !pe.unknown_probes.is_empty() {
         let _ = writeln!(s, "Requests the routers sent that the simulator does not serve (404): `{}`.\n", pe.unknown_probes.join("`, `"));
     }
-    let _ = writeln!(s, "{}", PEERS_READING);
+    let _ = writeln!(s, "{}", peers_reading(pe));
     if let Some((_, f)) = plots.iter().find(|(k, _)| *k == "peers") {
         let _ = writeln!(s, "![hit ratio vs M per route]({f})\n");
     }
@@ -822,8 +822,64 @@ fn peers_facts(pe: &crate::peers::PeersResults, workload: &str) -> String {
     }
 }
 
-/// The written reading of part 7 (what the tables show and why).
-const PEERS_READING: &str = "Reading it: TODO";
+/// The written reading of part 7: the measured behaviour of each route (single-server routes,
+/// render calls per request) and why each wins where it does.
+fn peers_reading(pe: &crate::peers::PeersResults) -> String {
+    let mut facts = Vec::new();
+    let mut routes: Vec<String> = Vec::new();
+    for x in &pe.rows {
+        if !routes.contains(&x.route()) {
+            routes.push(x.route());
+        }
+    }
+    for route in &routes {
+        let rows: Vec<_> = pe.rows.iter().filter(|x| &x.route() == route && x.error.is_none() && x.served > 0).collect();
+        if !rows.is_empty() && rows.iter().all(|x| x.served_per_server.iter().copied().max().unwrap_or(0) == x.served) {
+            facts.push(format!("`{route}` sent every request of every run to one server"));
+        }
+        let mut renders: Vec<(usize, String)> =
+            rows.iter().filter(|x| x.renders > 0).map(|x| (x.m, format!("{:.1} at M = {}", x.renders as f64 / x.requests.max(1) as f64, x.m))).collect();
+        renders.sort();
+        renders.dedup();
+        if !renders.is_empty() {
+            facts.push(format!("`{route}` made render calls per request: {}", renders.into_iter().map(|r| r.1).collect::<Vec<_>>().join(", ")));
+        }
+    }
+    let facts = if facts.is_empty() { String::new() } else { format!("Measured behaviour: {}.\n\n", facts.join("; ")) };
+    format!("{facts}{PEERS_READING}")
+}
+
+/// The mechanisms behind part 7's tables.
+const PEERS_READING: &str = "Reading it:\n\n\
+- **Load-only policies** (`round_robin`, `power_of_two`) ignore prefixes: their hit ratios fall as M grows (each server sees \
+  1/M of every conversation and of every shared system prompt), which is the cost every cache-aware route is measured against.\n\
+- **Where SGLang's and vLLM's `cache_aware` win: bfcl-chat.** Their approximate radix tree matches a request's whole text \
+  against what each server was sent, so each next turn goes back to the server that holds its conversation and each long \
+  tool-schema system prompt stays on one server; at this load their balance thresholds rarely trip, so they seldom spread. \
+  prefix-batcher keys on the system message (`chat_key = \"system\"`) and its adaptive levels split busy keys over more \
+  instances to spread load: a system prompt that lands on a second instance is prefilled there once more. That is the couple \
+  of points (and the extra prefill GPU-seconds) it gives up on bfcl, in exchange for a lower busiest-server share.\n\
+- **Where prefix-batcher wins: Mooncake at larger M.** Mooncake's working set is larger than one server's cache, so total \
+  cache capacity matters. SGLang's `cache_aware` concentrates traffic (its busiest server takes about 40 % at M = 8 and some \
+  servers get little or nothing: a request whose text matches a server's tree above the match threshold goes to that \
+  server, only a miss goes to the server with the smallest tree, and with a shared first message most requests match \
+  some server) so its busy servers evict more; \
+  prefix-batcher spreads conversations over every instance by key, so its hit ratio climbs with M towards the oracle. \
+  vLLM's `cache_aware` spreads as well and reaches about the same hit ratio, but see its cost below.\n\
+- **vLLM's router renders every chat request on every server** before it routes (`POST /v1/chat/completions/render`, \
+  M calls per request under `cache_aware`, none under `consistent_hash`) and routes on the returned token ids. Its CPU per \
+  request grows with M and on this 2-core machine at Mooncake's ≈ 170 requests/s it saturated: seconds of latency, all in \
+  the router (the simulator answers render at once). On a real deployment each render is a tokenizer run on a GPU server.\n\
+- **vLLM's `consistent_hash`** routes on a session key (`X-Session-ID`, `user`, … headers or fields); this traffic carries \
+  none, and it pinned everything to one server. Its bfcl hit ratio equals the single-cache oracle because one server's cache \
+  holds bfcl's whole working set at this light load; on Mooncake the one cache thrashes and its 2 slots queue. It is a \
+  session-affinity policy, not a prefix one; with session headers it would behave like sticky routing per conversation.\n\
+- **Latency**: prefix-batcher pays two RabbitMQ hops, the 5 ms batch wait and the partition handoff: tens of wall \
+  milliseconds against SGLang's 6–13 ms of HTTP proxying; with real GPUs, whose service times are seconds, both are \
+  small next to the prefill they save or lose. Its M = 8 rows also carry 8 daemons on 2 shared cores.\n\
+- **Router CPU and RSS**: prefix-batcher's numbers are summed over its M processes and include their background work \
+  while idle (lease renewals, backlog polls, metrics); RabbitMQ's and Redis's CPU is not included (a shared broker, not \
+  attributable to one run). The peers are one process each; SGLang's costs well under a CPU-second per 1,000 requests.\n";
 
 /// Part 7b: medians over the repetitions on the real llama-servers.
 fn render_peers_llama(s: &mut String, pl: &crate::peers::LlamaPeers) {
@@ -859,5 +915,14 @@ fn render_peers_llama(s: &mut String, pl: &crate::peers::LlamaPeers) {
             rows.iter().map(|x| x.requests).sum::<usize>()
         );
     }
-    let _ = writeln!(s);
+    let _ = writeln!(
+        s,
+        "\nReading it: with `--cache-ram 0` a llama-server's cache is what its 2 slots last held, so the order of requests \
+         on a server matters as much as the choice of server. prefix-batcher's batches gather the backlog's requests of one \
+         prefix key and send them to one server back to back, so a few-shot header is computed once per batch; the router \
+         can only pick a server for each request in arrival order, and interleaved bbh-cot tasks and mmlu subjects overwrite \
+         each other's slots. The router's ratio also moves from run to run (which server gets a group's first request depends on \
+         timing and tree sizes); the daemon's keyed routing gives the same assignment every run. Fewer cached tokens mean \
+         more prefill, hence the longer wall time.\n"
+    );
 }
