@@ -865,7 +865,9 @@ const PEERS_READING: &str = "Reading it:\n\n\
   server, only a miss goes to the server with the smallest tree, and with a shared first message most requests match \
   some server) so its busy servers evict more; \
   prefix-batcher spreads conversations over every instance by key, so its hit ratio climbs with M towards the oracle. \
-  vLLM's `cache_aware` spreads as well and reaches about the same hit ratio, but see its cost below.\n\
+  At M = 2 and 4 the cache-aware routes are within about a point of each other. vLLM's `cache_aware` spreads as well \
+  and matches prefix-batcher while its router keeps up; once it saturates (below) its hit ratio depends on how far behind \
+  it falls (one run of this part on a less loaded machine measured 37.8 % at M = 8, this one less).\n\
 - **vLLM's router renders every chat request on every server** before it routes (`POST /v1/chat/completions/render`, \
   M calls per request under `cache_aware`, none under `consistent_hash`) and routes on the returned token ids. Its CPU per \
   request grows with M and on this 2-core machine at Mooncake's ≈ 170 requests/s it saturated: seconds of latency, all in \
@@ -875,7 +877,7 @@ const PEERS_READING: &str = "Reading it:\n\n\
   holds bfcl's whole working set at this light load; on Mooncake the one cache thrashes and its 2 slots queue. It is a \
   session-affinity policy, not a prefix one; with session headers it would behave like sticky routing per conversation.\n\
 - **Latency**: prefix-batcher pays two RabbitMQ hops, the 5 ms batch wait and the partition handoff: tens of wall \
-  milliseconds against SGLang's 6–13 ms of HTTP proxying; with real GPUs, whose service times are seconds, both are \
+  milliseconds, about twice SGLang's HTTP proxying or more; with real GPUs, whose service times are seconds, both are \
   small next to the prefill they save or lose. Its M = 8 rows also carry 8 daemons on 2 shared cores.\n\
 - **Router CPU and RSS**: prefix-batcher's numbers are summed over its M processes and include their background work \
   while idle (lease renewals, backlog polls, metrics); RabbitMQ's and Redis's CPU is not included (a shared broker, not \
