@@ -299,7 +299,9 @@ pub fn peers_hits(r: &crate::peers::PeersResults, out: &Path) -> anyhow::Result<
         let o = w.oracle * 100.0;
         let grey = RGBColor(90, 90, 90);
         chart.draw_series(LineSeries::new(vec![(1.0, o), (m_max + 1.0, o)], grey.stroke_width(1))).map_err(err)?;
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(SeriesLabelPosition::LowerLeft).draw().map_err(err)?;
+        // The legend goes where the lines are not: above them when every ratio is low, else below.
+        let pos = if w.oracle < 0.6 { SeriesLabelPosition::UpperLeft } else { SeriesLabelPosition::LowerLeft };
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(pos).draw().map_err(err)?;
     }
     root.present().map_err(err)?;
     Ok(())
