@@ -719,7 +719,7 @@ mod tests {
         let list: Value = http.post(format!("{url}/v1/completions/render")).json(&json!({"prompt": ["a", "b"]})).send().await.unwrap().json().await.unwrap();
         assert_eq!(list.as_array().unwrap().len(), 2);
         let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
-        assert!(metrics.contains("simulator_render_requests_total{model_name=\"simulated\"} 1\n"), "{metrics}");
+        assert!(metrics.contains("simulator_render_requests_total{model_name=\"simulated\"} 2\n"), "{metrics}");
         for path in ["/get_model_info", "/model_info", "/server_info", "/get_server_info", "/get_load", "/health_generate", "/health", "/v1/models"] {
             assert!(http.get(format!("{url}{path}")).send().await.unwrap().status().is_success(), "{path}");
         }
