@@ -735,7 +735,13 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
          the same rendering. Latency: wall-clock milliseconds from arrival to answer (the servers run {}× faster than real time, \
          so these are mostly the route's own delays and queueing). CPU: the router process's user + system seconds during the \
          drive per 1,000 requests, and peak RSS (VmHWM), from /proc (prefix-batcher: summed over its M instances; the \
-         peers run one router process).\n",
+         peers run one router process). \
+         What the routers ask the servers besides the OpenAI endpoints (observed against the simulator): SGLang's router \
+         `GET /health`, and `GET /server_info` and `/model_info` when it registers a worker (it also tries to fetch a \
+         tokenizer for the model id from Hugging Face, which fails here and is ignored); vLLM's router `GET /health` at \
+         start and every 60 s, and under `cache_aware` `POST /v1/chat/completions/render` (`/v1/completions/render` for \
+         completions) on every server for every request. The simulator answers all of them (render: the prompt's token ids \
+         in its own tokenization, no cache effect).\n",
         pe.sim.capacity_blocks,
         pe.sim.max_concurrency,
         pe.speedup,
