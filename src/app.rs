@@ -34,7 +34,6 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use futures_util::{Stream, StreamExt};
 use lapin::{Connection, ConnectionProperties};
-use redis::aio::ConnectionManager;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -43,6 +42,7 @@ use tracing::{error, info, warn};
 use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::Settings;
 use crate::exit::{EX_CONFIG, EX_FAILURE, EX_SOFTWARE};
+use crate::lease::RedisConn;
 use crate::breaker::BreakerState;
 use crate::llm::{call_outcome_label, ClientOptions, LlmClient, LlmError, LlmEvent, LlmHook};
 use crate::metrics;
@@ -279,7 +279,7 @@ impl App {
     async fn sessions(&self, work: &CancellationToken, events: &mut (impl FnMut(Lifecycle) + Send)) -> Result<(), AppError> {
         let amqp = &self.settings.amqp;
         let mut backoff = amqp.reconnect_backoff_initial;
-        let mut redis: Option<ConnectionManager> = None;
+        let mut redis: Option<RedisConn> = None;
         let mut node = 0;
         metrics::amqp_connected_node(None, amqp.nodes.len());
         while !work.is_cancelled() {
@@ -311,7 +311,7 @@ impl App {
     /// Connects Redis once (the connection manager reconnects by itself), then runs a session.
     async fn connect_and_run(
         &self,
-        redis: &mut Option<ConnectionManager>,
+        redis: &mut Option<RedisConn>,
         node: usize,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
@@ -330,7 +330,7 @@ impl App {
     /// consumers and acks on one, publishes on the other, named `prefix-batcher {instance}` and
     /// `prefix-batcher {instance} publish`) and declares the topology; closes them again when
     /// the topology is refused.
-    async fn open(&self, redis: &mut ConnectionManager, node: usize) -> Result<Connections, SessionError> {
+    async fn open(&self, redis: &RedisConn, node: usize) -> Result<Connections, SessionError> {
         let s = &self.settings;
         let connect = |suffix: &str| {
             let name = format!("prefix-batcher {}{suffix}", s.instance_name);
@@ -346,7 +346,10 @@ impl App {
         };
         let conns = Connections { consume: Arc::new(consume), publish: Arc::new(publish) };
         let meta_key = format!("{}:partitions", s.redis.key_prefix);
-        if let Err(e) = topology::declare(&conns.consume, &s.amqp, redis, &meta_key).await {
+        if let Err(e) = topology::declare(&conns.consume, &s.amqp, &mut redis.manager(), &meta_key).await {
+            if let topology::TopologyError::Redis(re) = &e {
+                redis.report(re);
+            }
             let _ = conns.close("topology refused").await;
             return Err(SessionError::Topology(e));
         }
@@ -359,12 +362,12 @@ impl App {
     /// or the shutdown, then drain or hard-stop.
     async fn session(
         &self,
-        mut redis: ConnectionManager,
+        redis: RedisConn,
         node: usize,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Result<SessionEnd, AppError> {
-        let conns = match self.open(&mut redis, node).await {
+        let conns = match self.open(&redis, node).await {
             Ok(c) => c,
             Err(SessionError::Topology(e)) if e.is_config_error() => {
                 error!(error = %e, "refusing to start");

@@ -448,6 +448,8 @@ pub struct Status {
     pub amqp_nodes: Vec<AmqpNodeStatus>,
     /// The split set (adaptive keying): hot keys, busiest first.
     pub hot_keys: Vec<HotKeyStatus>,
+    /// `host:port` of the Redis primary read (with `redis.sentinels`: as the sentinels report it).
+    pub redis_primary: String,
 }
 
 /// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog, and
@@ -483,7 +485,7 @@ async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option
 }
 
 /// The split set, busiest key first. Errors: Redis unreachable, failing or too slow.
-async fn hot_keys(r: &redis::aio::ConnectionManager, prefix: &str, timeout: Duration) -> anyhow::Result<Vec<HotKeyStatus>> {
+async fn hot_keys(r: &crate::lease::RedisConn, prefix: &str, timeout: Duration) -> anyhow::Result<Vec<HotKeyStatus>> {
     let mut hot: Vec<HotKeyStatus> = SplitStore::new(r.clone(), prefix, timeout).read().await?.into_iter().map(HotKeyStatus::from).collect();
     hot.sort_by(|a, b| b.arrivals_rps.total_cmp(&a.arrivals_rps).then_with(|| a.key.cmp(&b.key)));
     Ok(hot)
@@ -573,6 +575,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         amqp_node,
         amqp_nodes,
         hot_keys,
+        redis_primary: r.primary(),
     })
 }
 
@@ -600,6 +603,7 @@ pub fn render_status(s: &Status) -> String {
         s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
         s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
     ));
+    out.push_str(&format!("Redis primary: {}\n", s.redis_primary));
     if let Some(e) = &s.amqp_error {
         out.push_str(&format!("RabbitMQ unreachable, backlog unknown: {e}\n"));
     }

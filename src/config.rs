@@ -213,6 +213,10 @@ pub struct RawRedis {
     pub tls_ca_file: String,
     pub tls_cert_file: String,
     pub tls_key_file: String,
+    /// Redis Sentinel addresses (`host:port`, `redis://[user:pass@]host:port`, or `rediss://…`).
+    pub sentinels: Vec<String>,
+    /// The master name the sentinels monitor.
+    pub sentinel_master: String,
 }
 
 impl Default for RawRedis {
@@ -224,6 +228,8 @@ impl Default for RawRedis {
             tls_ca_file: String::new(),
             tls_cert_file: String::new(),
             tls_key_file: String::new(),
+            sentinels: Vec::new(),
+            sentinel_master: String::new(),
         }
     }
 }
@@ -490,6 +496,20 @@ pub struct RedisSettings {
     pub command_timeout: Duration,
     /// TLS files for `rediss://` ([`crate::tls`]).
     pub tls: TlsFiles,
+    /// `redis.sentinels` + `redis.sentinel_master`: when set, the primary's address comes from
+    /// the sentinels and only the credentials, database and scheme of `url` apply to it.
+    pub sentinel: Option<SentinelSettings>,
+}
+
+/// Redis Sentinel discovery (`redis.sentinels`, `redis.sentinel_master`), validated.
+#[derive(Debug, Clone)]
+pub struct SentinelSettings {
+    /// At least one sentinel, as `redis://` or `rediss://` URLs (a bare `host:port` becomes
+    /// `redis://host:port`). Credentials, when given, must be the same in every entry (the
+    /// redis crate authenticates to all sentinels alike).
+    pub addrs: Vec<SecretUrl>,
+    /// The master name the sentinels monitor (`sentinel monitor <name> …`).
+    pub master: String,
 }
 
 /// `[ownership]`, validated: `lease_ttl > renew_deadline > 1.2 × renew_interval` (the Kubernetes
@@ -627,6 +647,7 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
             .list_separator(",")
             .with_list_parse_key("amqp.urls")
             .with_list_parse_key("llm.endpoints")
+            .with_list_parse_key("redis.sentinels")
             .with_list_parse_key("requests.allowed_params")
             .with_list_parse_key("requests.models"),
     );
@@ -921,6 +942,7 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
         key_prefix: name("redis.key_prefix", &r.key_prefix)?,
         command_timeout: positive_duration("redis.command_timeout", &r.command_timeout)?,
         tls: tls_files(REDIS_TLS, [&r.tls_ca_file, &r.tls_cert_file, &r.tls_key_file])?,
+        sentinel: sentinel(r)?,
     })
     .and_then(|s| {
         only_with_tls(REDIS_TLS, [&r.tls_ca_file, &r.tls_cert_file, &r.tls_key_file], s.url.0.scheme() == "rediss", "redis.url is not rediss://")?;
@@ -931,6 +953,43 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
         }
         Ok(s)
     })
+}
+
+/// `redis.sentinels` and `redis.sentinel_master`: both or neither; each sentinel a `redis://` or
+/// `rediss://` URL or a bare `host:port`, all with the same credentials; `redis.url` must not be
+/// a Unix socket then (the primary is reached over TCP at the address the sentinels report).
+fn sentinel(r: &RawRedis) -> Result<Option<SentinelSettings>, ConfigError> {
+    let listed: Vec<&str> = r.sentinels.iter().map(|s| s.trim()).filter(|s| !s.is_empty()).collect();
+    match (listed.is_empty(), r.sentinel_master.trim().is_empty()) {
+        (true, true) => return Ok(None),
+        (false, true) => {
+            return Err(invalid("redis.sentinel_master", "\"\"", "must name the monitored master when redis.sentinels is set"));
+        }
+        (true, false) => {
+            return Err(invalid("redis.sentinels", "[]", "must list at least one sentinel when redis.sentinel_master is set"));
+        }
+        (false, false) => {}
+    }
+    let master = name("redis.sentinel_master", r.sentinel_master.trim())?;
+    let mut addrs: Vec<SecretUrl> = Vec::new();
+    for s in listed {
+        let full = if s.contains("://") { s.to_owned() } else { format!("redis://{s}") };
+        let u = secret_url("redis.sentinels", &full, &["redis", "rediss"])?;
+        if u.0.port().is_none() {
+            return Err(invalid("redis.sentinels", u.redacted(), "must give the sentinel's port (usually 26379)"));
+        }
+        if let Some(first) = addrs.first() {
+            if (first.0.username(), first.0.password()) != (u.0.username(), u.0.password()) {
+                return Err(invalid("redis.sentinels", u.redacted(), "every sentinel must have the same credentials"));
+            }
+        }
+        addrs.push(u);
+    }
+    let scheme = r.url.split("://").next().unwrap_or_default();
+    if scheme == "unix" || scheme == "redis+unix" {
+        return Err(invalid("redis.url", redact_str(&r.url), "must be redis:// or rediss:// when redis.sentinels is set"));
+    }
+    Ok(Some(SentinelSettings { addrs, master }))
 }
 
 /// `[ownership]`: the lease timing rule (see [`OwnershipSettings`]) and member TTL > renew interval.
@@ -1119,6 +1178,9 @@ pub fn redacted_toml(raw: &RawConfig) -> String {
     r.redis.url = secret_url("redis.url", &r.redis.url, REDIS_SCHEMES)
         .map(|u| u.redacted())
         .unwrap_or_else(|_| redact_str(&r.redis.url));
+    for s in r.redis.sentinels.iter_mut().filter(|s| s.contains('@')) {
+        *s = secret_url("redis.sentinels", s, &["redis", "rediss"]).map(|u| u.redacted()).unwrap_or_else(|_| redact_str(s));
+    }
     if !r.llm.api_key.is_empty() {
         r.llm.api_key = "***".into();
     }
@@ -1243,6 +1305,16 @@ mod tests {
             (|r| r.amqp.consumer_timeout = "0s".into(), "amqp.consumer_timeout"),
             (|r| r.batching.max_buffered_bytes = 0, "batching.max_buffered_bytes"),
             (|r| r.llm.max_response_bytes = 0, "llm.max_response_bytes"),
+            (|r| r.redis.sentinels = vec!["127.0.0.1:26379".into()], "redis.sentinel_master"),
+            (|r| r.redis.sentinel_master = "mymaster".into(), "redis.sentinels"),
+            (|r| {
+                r.redis.sentinels = vec!["127.0.0.1".into()];
+                r.redis.sentinel_master = "mymaster".into();
+            }, "redis.sentinels"),
+            (|r| {
+                r.redis.sentinels = vec!["redis://:a@h:1".into(), "redis://:b@h:2".into()];
+                r.redis.sentinel_master = "mymaster".into();
+            }, "redis.sentinels"),
         ];
         for (f, key) in cases {
             let mut r = RawConfig::default();

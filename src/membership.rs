@@ -30,8 +30,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
 use redis::Script;
+
+use crate::lease::RedisConn;
 
 /// Heartbeat: KEYS = [members, member], ARGV = [name, nonce, member_ttl_ms].
 /// Returns the live member names, sorted.
@@ -119,7 +120,7 @@ pub struct Member {
 /// The heartbeat of one process (`name` + boot `nonce`).
 #[derive(Clone)]
 pub struct Membership {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     name: String,
     nonce: String,
@@ -131,9 +132,9 @@ pub struct Membership {
 
 impl Membership {
     /// `ttl` is `ownership.member_ttl`; `timeout` bounds every command (`redis.command_timeout`).
-    pub fn new(conn: ConnectionManager, prefix: &str, name: &str, nonce: &str, ttl: Duration, timeout: Duration) -> Self {
+    pub fn new(conn: impl Into<RedisConn>, prefix: &str, name: &str, nonce: &str, ttl: Duration, timeout: Duration) -> Self {
         Membership {
-            conn,
+            conn: conn.into(),
             prefix: prefix.to_owned(),
             name: name.to_owned(),
             nonce: nonce.to_owned(),
@@ -142,11 +143,6 @@ impl Membership {
             heartbeat: Arc::new(Script::new(HEARTBEAT)),
             leave: Arc::new(Script::new(LEAVE)),
         }
-    }
-
-    /// Uses `conn` from now on (after a reconnect).
-    pub fn set_connection(&mut self, conn: ConnectionManager) {
-        self.conn = conn;
     }
 
     async fn timed<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, MembershipError> {
@@ -183,7 +179,7 @@ impl Membership {
 /// The live members (sorted by name) with their nonces, read only (for `status`).
 ///
 /// Errors: Redis unreachable or answering with an error.
-pub async fn read_members(conn: &mut ConnectionManager, prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
+pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
     let (names, nonces): (Vec<String>, Vec<Option<String>>) =
         Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
     Ok(names.into_iter().zip(nonces.into_iter().chain(std::iter::repeat(None))).map(|(name, nonce)| Member { name, nonce }).collect())

@@ -23,9 +23,9 @@
 //!    `settle_time` after its first successful heartbeat, so that after a Redis outage (member
 //!    keys expired or lost) the first instance back does not take every partition.
 //!
-//! A Redis `READONLY` answer (a failover demoted the node this connection reaches; the
-//! `ConnectionManager` of redis 1.x reconnects only on connection errors, not on this one) makes
-//! the round open a new connection, which reaches the new primary through the same URL.
+//! A Redis failover (a `READONLY` answer from a demoted primary or, with Redis Sentinel, a lost
+//! primary) is followed by the shared connection itself ([`crate::lease::RedisConn`]): the
+//! commands that failed are retried by the next round on the new primary.
 //!
 //! Every partition's drain token is a child of the shutdown token [`Ownership::run`] receives,
 //! so cancelling it drains every partition. Its revoke and abort tokens are per partition: they
@@ -40,7 +40,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -50,7 +49,7 @@ use tracing::{info, warn};
 use crate::amqp::Connections;
 use crate::config::Settings;
 use crate::keying::desired_partitions;
-use crate::lease::{self, Acquire, LeaseClock, Leases};
+use crate::lease::{Acquire, LeaseClock, Leases, RedisConn};
 use crate::llm::LlmClient;
 use crate::membership::Membership;
 use crate::metrics;
@@ -94,15 +93,13 @@ pub struct Ownership {
     /// Set when a heartbeat succeeds after a blind period (start, Redis outage); acquisitions
     /// wait until `settle_time` after it.
     rejoined_at: Option<Instant>,
-    /// Redis answered `READONLY` (failover): open a new connection at the end of the round.
-    reconnect_due: bool,
     /// `batching.max_buffered_bytes`, shared by every partition worker of this instance.
     buffer_bytes: Arc<Semaphore>,
 }
 
 impl Ownership {
     /// `nonce` is this process's boot nonce.
-    pub fn new(settings: Arc<Settings>, redis: ConnectionManager, nonce: String, llm: LlmClient) -> Self {
+    pub fn new(settings: Arc<Settings>, redis: RedisConn, nonce: String, llm: LlmClient) -> Self {
         let holder = format!("{}:{}", settings.instance_name, nonce);
         let (prefix, timeout) = (&settings.redis.key_prefix, settings.redis.command_timeout);
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
@@ -121,7 +118,6 @@ impl Ownership {
             left: false,
             last_heartbeat: None,
             rejoined_at: None,
-            reconnect_due: false,
         }
     }
 
@@ -188,9 +184,6 @@ impl Ownership {
             self.acquire_desired(conns, &desired, shutdown).await;
         }
         metrics::partitions_owned(self.owned.len());
-        if self.reconnect_due {
-            self.reconnect_redis().await;
-        }
         members.is_some()
     }
 
@@ -200,7 +193,6 @@ impl Ownership {
         let members = match self.membership.heartbeat().await {
             Ok(m) => m,
             Err(e) => {
-                self.reconnect_due |= e.is_failover();
                 warn!(error = %e, "membership heartbeat failed");
                 return None;
             }
@@ -264,7 +256,6 @@ impl Ownership {
                 }
                 Err(e) => {
                     metrics::lease_op("renew", "error");
-                    self.reconnect_due |= e.is_failover();
                     warn!(partition = p, error = %e, "lease renewal failed; retrying until the renew deadline");
                 }
             }
@@ -352,7 +343,6 @@ impl Ownership {
                 Ok(Acquire::Busy(_)) => metrics::lease_op("acquire", "busy"),
                 Err(e) => {
                     metrics::lease_op("acquire", "error");
-                    self.reconnect_due |= e.is_failover();
                     if failed == 0 {
                         warn!(partition = p, error = %e, "lease acquisition failed");
                     }
@@ -440,25 +430,8 @@ impl Ownership {
         match self.membership.leave().await {
             Ok(_) => {}
             Err(e) => {
-                self.reconnect_due |= e.is_failover();
                 warn!(error = %e, "could not leave the member set; this member expires after member_ttl");
             }
-        }
-    }
-
-    /// Opens a new Redis connection after a failover (`READONLY`): the old one may still reach
-    /// the demoted node. On failure the next round tries again.
-    async fn reconnect_redis(&mut self) {
-        let r = &self.settings.redis;
-        match tokio::time::timeout(r.command_timeout * 2, lease::connect(r)).await {
-            Ok(Ok(conn)) => {
-                self.reconnect_due = false;
-                self.leases.set_connection(conn.clone());
-                self.membership.set_connection(conn);
-                info!("Redis answered READONLY (failover); reconnected");
-            }
-            Ok(Err(e)) => warn!(error = %e, "Redis reconnect after READONLY failed; retrying next round"),
-            Err(_) => warn!("Redis reconnect after READONLY timed out; retrying next round"),
         }
     }
 }

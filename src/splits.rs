@@ -39,7 +39,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
 use redis::Script;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -49,6 +48,7 @@ use crate::affinity::{Choice, KeyHygiene, LoadTracker, TrafficShares, RoutedKey,
 use lapin::types::FieldTable;
 
 use crate::config::{KeyingMode, Settings};
+use crate::lease::RedisConn;
 use crate::keying::{derive_key, level_count, static_shards, PrefixKey};
 use crate::publisher::{header_str, HEADER_ROUTED_KEY};
 use crate::request::Request;
@@ -207,7 +207,7 @@ impl SplitSync for SplitStore {
 /// The split set in Redis.
 #[derive(Clone)]
 pub struct SplitStore {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     timeout: Duration,
     script: Arc<Script>,
@@ -215,8 +215,8 @@ pub struct SplitStore {
 
 impl SplitStore {
     /// `timeout` bounds every call (`redis.command_timeout`).
-    pub fn new(conn: ConnectionManager, prefix: &str, timeout: Duration) -> Self {
-        SplitStore { conn, prefix: prefix.to_owned(), timeout, script: Arc::new(Script::new(SYNC)) }
+    pub fn new(conn: impl Into<RedisConn>, prefix: &str, timeout: Duration) -> Self {
+        SplitStore { conn: conn.into(), prefix: prefix.to_owned(), timeout, script: Arc::new(Script::new(SYNC)) }
     }
 
     /// Reads the live split set without changing anything (for `status`).
@@ -464,7 +464,7 @@ pub fn rules(settings: &Settings) -> SplitRules {
 
 /// Refreshes the deployment's [`Affinity`] every [`REFRESH_INTERVAL`] until `stop` fires.
 /// Redis errors are logged (at most once a minute) and counted; the view stays in force.
-pub async fn run(settings: Arc<Settings>, conn: ConnectionManager, stop: CancellationToken) {
+pub async fn run(settings: Arc<Settings>, conn: impl Into<RedisConn>, stop: CancellationToken) {
     let affinity = Affinity::for_prefix(&settings.redis.key_prefix);
     let store = SplitStore::new(conn, &settings.redis.key_prefix, settings.redis.command_timeout);
     let rules = rules(&settings);

@@ -173,6 +173,12 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("redis.url", "rediss://envuser:envpass@redis.example:6380/2", "\"rediss://envuser:***@redis.example:6380/2\""),
         ("redis.key_prefix", "env-prefix", "\"env-prefix\""),
         ("redis.command_timeout", "3s", "\"3s\""),
+        (
+            "redis.sentinels",
+            "redis://:envpass@s1.example:26379,redis://:envpass@s2.example:26380",
+            "[\"redis://:***@s1.example:26379\", \"redis://:***@s2.example:26380\"]",
+        ),
+        ("redis.sentinel_master", "env-master", "\"env-master\""),
         ("ownership.lease_ttl", "20s", "\"20s\""),
         ("ownership.renew_deadline", "12s", "\"12s\""),
         ("ownership.renew_interval", "4s", "\"4s\""),

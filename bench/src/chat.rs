@@ -33,12 +33,20 @@ pub(crate) struct SimRun {
     pub splits: SplitCounts,
     /// Wall clock at the start of the drive (log lines are compared with it).
     started: SystemTime,
+    /// CPU seconds (user + system) the daemons spent during the drive, summed over instances.
+    pub daemon_cpu_s: f64,
+    /// Peak RSS (VmHWM, kB) of the daemons, summed over instances.
+    pub daemon_rss_kb: u64,
 }
 
 impl SimRun {
     /// A metric summed over the simulators.
     pub fn sim_sum(&self, name: &str) -> f64 {
         self.sim_pages.iter().map(|p| metric_sum(p, name)).sum()
+    }
+    /// A metric of each simulator, in start order.
+    pub fn per_sim(&self, name: &str) -> Vec<f64> {
+        self.sim_pages.iter().map(|p| metric_sum(p, name)).collect()
     }
     pub fn token_hit_ratio(&self) -> f64 {
         self.sim_sum("vllm:prefix_cache_hits_total") / self.sim_sum("vllm:prefix_cache_queries_total").max(1.0)
@@ -70,8 +78,13 @@ pub(crate) async fn run_on_sims(env: &Env, http: &reqwest::Client, dep: &SimDepl
         )?);
     }
     wait_ready(http, &mut daemons, dep.partitions, Duration::from_secs(90)).await?;
+    let usage = |daemons: &[procs::Daemon]| -> (f64, u64) {
+        daemons.iter().filter_map(|d| procs::proc_usage(d.proc.pid())).fold((0.0, 0), |(c, r), (c1, r1)| (c + c1, r + r1))
+    };
+    let (cpu0, _) = usage(&daemons);
     let started = SystemTime::now();
     let d = drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(250)).await?;
+    let (cpu1, daemon_rss_kb) = usage(&daemons);
     let mut sim_pages = Vec::new();
     for (_, url) in &sims {
         sim_pages.push(scrape(http, url).await.unwrap_or_default());
@@ -80,7 +93,7 @@ pub(crate) async fn run_on_sims(env: &Env, http: &reqwest::Client, dep: &SimDepl
     drop(sims);
     cleanup(&run, dep.partitions, &[]).await;
     anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
-    Ok(SimRun { drive: d, sim_pages, splits, started })
+    Ok(SimRun { drive: d, sim_pages, splits, started, daemon_cpu_s: cpu1 - cpu0, daemon_rss_kb })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -127,7 +140,7 @@ pub struct ChatResults {
 /// and each request of a conversation adds one user turn holding the text of the blocks it has
 /// that the conversation's previous request had not; a request's messages are the conversation
 /// so far. A conversation is the requests sharing the second block id.
-fn mooncake_chat(sample: &[TraceReq], chars_per_token: usize) -> (Vec<Value>, usize) {
+pub(crate) fn mooncake_chat(sample: &[TraceReq], chars_per_token: usize) -> (Vec<Value>, usize) {
     let block_chars = data::TRACE_BLOCK_TOKENS as usize * chars_per_token;
     let mut texts: HashMap<u64, String> = HashMap::new();
     let mut convs: HashMap<u64, (Vec<Value>, Vec<u64>)> = HashMap::new();
@@ -153,7 +166,7 @@ fn mooncake_chat(sample: &[TraceReq], chars_per_token: usize) -> (Vec<Value>, us
 /// bfcl-multiturn conversations: `conversations` entries drawn at random, each sent turn by turn
 /// (its first request, then each later user turn after an assistant turn), conversations
 /// starting `start_gap_s` apart, turns `turn_gap_s` apart. Returns (messages, seconds) in time order.
-fn bfcl_chat(data_dir: &Path, conversations: usize, start_gap_s: f64, turn_gap_s: f64, seed: u64) -> anyhow::Result<Vec<(Value, f64)>> {
+pub(crate) fn bfcl_chat(data_dir: &Path, conversations: usize, start_gap_s: f64, turn_gap_s: f64, seed: u64) -> anyhow::Result<Vec<(Value, f64)>> {
     let mut rows = data::read_jsonl(&data_dir.join("bfcl-multiturn/bfcl_multi_turn_first_requests.jsonl.gz"))?;
     let mut rng = fastrand::Rng::with_seed(seed);
     rng.shuffle(&mut rows);
@@ -173,7 +186,7 @@ fn bfcl_chat(data_dir: &Path, conversations: usize, start_gap_s: f64, turn_gap_s
 }
 
 /// The simulator's chat rendering (role-tagged), for the oracle.
-fn rendered(messages: &Value) -> String {
+pub(crate) fn rendered(messages: &Value) -> String {
     let mut s = String::new();
     for m in messages.as_array().into_iter().flatten() {
         s.push_str(&format!("<|{}|>\n{}\n", m["role"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or("")));
@@ -181,7 +194,7 @@ fn rendered(messages: &Value) -> String {
     s
 }
 
-fn chat_requests(tag: &str, convs: &[(Value, f64, u64)], speedup: f64) -> Vec<Req> {
+pub(crate) fn chat_requests(tag: &str, convs: &[(Value, f64, u64)], speedup: f64) -> Vec<Req> {
     convs
         .iter()
         .enumerate()

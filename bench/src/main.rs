@@ -9,6 +9,7 @@ mod data;
 mod driver;
 mod parts;
 mod passthrough;
+mod peers;
 mod plots;
 mod procs;
 mod report;
@@ -34,7 +35,7 @@ enum Cmd {
         /// Full mode (larger samples, whole Mooncake trace; about 1.5 hours). Default: quick (≤ 15 min).
         #[arg(long)]
         full: bool,
-        /// Parts to run, comma separated: cache, scale, overhead, hot, chat, shift.
+        /// Parts to run, comma separated: cache, scale, overhead, hot, chat, shift, peers, peers-llama.
         #[arg(long, default_value = DEFAULT_PARTS)]
         parts: String,
         /// Keep the other parts' results from an existing results.json (to re-run one part).
@@ -67,7 +68,7 @@ enum Cmd {
 }
 
 /// Every part, in the order they run.
-const DEFAULT_PARTS: &str = "cache,scale,overhead,hot,chat,shift";
+const DEFAULT_PARTS: &str = "cache,scale,overhead,hot,chat,shift,peers,peers-llama";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("bench/ has a parent").to_path_buf()
@@ -156,10 +157,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let mut results = report::Results {
                 plan: plan.clone(),
                 command: format!(
-                    "bench/run{}{}{}",
+                    "{}bench/run{}{}{} (daemon git {})",
+                    ["BENCH_SCALE_MS", "BENCH_DATASETS"]
+                        .iter()
+                        .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v} ")))
+                        .collect::<String>(),
                     if full { " --full" } else { "" },
                     if parts == DEFAULT_PARTS { String::new() } else { format!(" --parts {parts}") },
-                    if merge { " --merge" } else { "" }
+                    if merge { " --merge" } else { "" },
+                    sh("git", &["-C", root.to_str().unwrap_or("."), "rev-parse", "--short", "HEAD"])
                 ),
                 started_utc: sh("date", &["-u", "+%Y-%m-%d %H:%M"]),
                 duration_s: 0.0,
@@ -171,6 +177,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 hot: None,
                 chat: None,
                 shift: None,
+                peers: None,
+                peers_llama: None,
             };
             let want: Vec<&str> = parts.split(',').map(str::trim).collect();
             if want.contains(&"cache") {
@@ -191,6 +199,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if want.contains(&"shift") {
                 results.shift = Some(chat::part_shift(&env, &plan, &data).await?);
             }
+            if want.contains(&"peers") {
+                results.peers = Some(peers::part_peers(&env, &plan, &data).await?);
+            }
+            if want.contains(&"peers-llama") {
+                results.peers_llama = Some(peers::part_peers_llama(&env, &plan, &data, 3).await?);
+            }
             results.duration_s = started.elapsed().as_secs_f64();
             results.machine.load_end = procs::uptime();
             if let Some(prev) = previous {
@@ -200,6 +214,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 results.hot = results.hot.or(prev.hot);
                 results.chat = results.chat.or(prev.chat);
                 results.shift = results.shift.or(prev.shift);
+                results.peers = results.peers.or(prev.peers);
+                results.peers_llama = results.peers_llama.or(prev.peers_llama);
                 results.duration_s += prev.duration_s;
                 // The kept parts came from the earlier command(s).
                 results.command = format!("{}, then {}", prev.command, results.command);

@@ -62,6 +62,12 @@ pub struct Plan {
     pub shift_rate_rps: f64,
     #[serde(default)]
     pub shift_load_s: f64,
+    /// Part 7: the M of the peer comparison.
+    #[serde(default)]
+    pub peers_ms: Vec<usize>,
+    /// Part 7: (peer router, policy) routes besides prefix-batcher.
+    #[serde(default)]
+    pub peers_routes: Vec<(String, String)>,
 }
 
 impl Plan {
@@ -85,9 +91,16 @@ impl Plan {
             p.hot_shards = vec![1, 8];
             p.chat_bfcl_conversations = 20;
             p.shift_load_s = 20.0;
+            p.peers_ms = vec![2];
         }
         if let Ok(ds) = std::env::var("BENCH_DATASETS") {
             p.datasets = ds.split(',').map(String::from).collect();
+        }
+        if let Ok(ms) = std::env::var("BENCH_PEERS_MS") {
+            p.peers_ms = ms.split(',').filter_map(|m| m.trim().parse().ok()).collect();
+        }
+        if let Ok(routes) = std::env::var("BENCH_PEERS_ROUTES") {
+            p.peers_routes = routes.split(',').filter_map(|r| r.trim().split_once(':')).map(|(a, b)| (a.to_owned(), b.to_owned())).collect();
         }
         if let Ok(ms) = std::env::var("BENCH_SCALE_MS") {
             p.scale_ms = ms.split(',').filter_map(|m| m.trim().parse().ok()).collect();
@@ -148,6 +161,14 @@ impl Plan {
             chat_bfcl_conversations: if full { 400 } else { 120 },
             shift_rate_rps: 12.0,
             shift_load_s: if full { 120.0 } else { 90.0 },
+            peers_ms: vec![2, 4, 8],
+            peers_routes: {
+                let sglang: &[&str] = if full { &["cache_aware", "power_of_two", "round_robin", "random"] } else { &["cache_aware", "power_of_two", "round_robin"] };
+                let vllm: &[&str] = if full { &["cache_aware", "consistent_hash", "power_of_two", "round_robin"] } else { &["cache_aware", "consistent_hash"] };
+                sglang.iter().map(|p| ("sglang-router".to_owned(), (*p).to_owned()))
+                    .chain(vllm.iter().map(|p| ("vllm-router".to_owned(), (*p).to_owned())))
+                    .collect()
+            },
         }
     }
 }

@@ -247,3 +247,62 @@ pub fn cache_ratio(r: &CacheResults, out: &Path) -> anyhow::Result<()> {
     root.present().map_err(err)?;
     Ok(())
 }
+
+/// Part 7: server-side token hit ratio vs M, one line per route, one panel per workload, with
+/// each workload's oracle.
+pub fn peers_hits(r: &crate::peers::PeersResults, out: &Path) -> anyhow::Result<()> {
+    let root = BitMapBackend::new(out, (1200, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let root = root.titled("Same servers, same traffic: server-side prefix-cache token hit ratio vs servers M, per route", ("sans-serif", 20)).map_err(err)?;
+    let panels = root.split_evenly((1, r.workloads.len().max(1)));
+    let mut routes: Vec<String> = Vec::new();
+    for row in &r.rows {
+        if !routes.contains(&row.route()) {
+            routes.push(row.route());
+        }
+    }
+    let m_max = r.rows.iter().map(|x| x.m).max().unwrap_or(8).max(2) as f64;
+    for (panel, w) in panels.iter().zip(&r.workloads) {
+        let mut chart = ChartBuilder::on(panel)
+            .caption(format!("{} (oracle {:.1} %)", w.name, w.oracle * 100.0), ("sans-serif", 16))
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size(55)
+            .build_cartesian_2d(1f64..m_max + 1.0, 0f64..100f64)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .light_line_style(RGBColor(235, 235, 235))
+            .x_desc("servers M")
+            .y_desc("token hit ratio, %")
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .draw()
+            .map_err(err)?;
+        for (i, route) in routes.iter().enumerate() {
+            let mut pts: Vec<(f64, f64)> = r
+                .rows
+                .iter()
+                .filter(|x| x.workload == w.name && &x.route() == route && x.error.is_none())
+                .map(|x| (x.m as f64, x.token_hit_ratio * 100.0))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let c = if i < COLORS.len() { COLORS[i] } else { RGBColor((40 * i % 255) as u8, 120, (70 * i % 255) as u8) };
+            let style = if i == 0 { c.stroke_width(4) } else { c.stroke_width(2) };
+            chart
+                .draw_series(LineSeries::new(pts.clone(), style))
+                .map_err(err)?
+                .label(route.clone())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            chart.draw_series(pts.iter().map(|&p| Circle::new(p, 4, c.filled()))).map_err(err)?;
+        }
+        let o = w.oracle * 100.0;
+        let grey = RGBColor(90, 90, 90);
+        chart.draw_series(LineSeries::new(vec![(1.0, o), (m_max + 1.0, o)], grey.stroke_width(1))).map_err(err)?;
+        // The legend goes where the lines are not: above them when every ratio is low, else below.
+        let pos = if w.oracle < 0.6 { SeriesLabelPosition::UpperLeft } else { SeriesLabelPosition::LowerLeft };
+        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).position(pos).draw().map_err(err)?;
+    }
+    root.present().map_err(err)?;
+    Ok(())
+}

@@ -24,6 +24,10 @@ pub struct Results {
     pub chat: Option<crate::chat::ChatResults>,
     #[serde(default)]
     pub shift: Option<crate::chat::ShiftResults>,
+    #[serde(default)]
+    pub peers: Option<crate::peers::PeersResults>,
+    #[serde(default)]
+    pub peers_llama: Option<crate::peers::LlamaPeers>,
 }
 
 fn pct(x: f64) -> String {
@@ -506,6 +510,12 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     if let Some(sh) = &r.shift {
         render_shift(&mut s, sh, p);
     }
+    if let Some(pe) = &r.peers {
+        render_peers(&mut s, pe, plots);
+    }
+    if let Some(pl) = &r.peers_llama {
+        render_peers_llama(&mut s, pl);
+    }
     let _ = writeln!(s, "## Caveats\n");
     let _ = writeln!(
         s,
@@ -714,6 +724,225 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
         crate::plots::hot_backlog(h, &dir.join("hot_backlog.png"))?;
         plots.push(("hot", "hot_backlog.png"));
     }
+    if let Some(pe) = &r.peers {
+        crate::plots::peers_hits(pe, &dir.join("peers_hit_ratio.png"))?;
+        plots.push(("peers", "peers_hit_ratio.png"));
+    }
     std::fs::write(dir.join("REPORT.md"), render(r, &plots))?;
     Ok(())
+}
+
+/// Part 7: prefix-batcher against the peer routers, one table per workload, and its reading.
+fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str, &str)]) {
+    let _ = writeln!(s, "## 7. Peers: SGLang's and vLLM's routers on the same servers and traffic\n");
+    let _ = writeln!(
+        s,
+        "One load generator, many routes. Each route gets M fresh simulators (part 2's settings: {} blocks of cache, {} slots, {}× \
+         speed-up) and the same chat requests at the same arrival times with the same `max_tokens`. **prefix-batcher (defaults)**: M \
+         daemons (adaptive keying, `llm.max_concurrency = {}`, `max_batch_wait = 5ms`), requests published to RabbitMQ, results \
+         from the reply queue. **Peer routers** ({}, installed by `bench/peers-install` into `.cache/peers-venv`): \
+         `python -m <package>.launch_router --worker-urls … --policy P`, requests sent over HTTP open loop at the arrival times, \
+         at most {} × M in flight (the daemons' bound). `sglang-router round_robin` is the plain baseline. Hit ratios are the \
+         servers' own counters (`vllm:prefix_cache_hits_total ÷ queries_total`, tokens); the oracle is one infinite cache over \
+         the same rendering. Latency: wall-clock milliseconds from arrival to answer (the servers run {}× faster than real time, \
+         so these are mostly the route's own delays and queueing). CPU: the router process's user + system seconds during the \
+         drive per 1,000 requests, and peak RSS (VmHWM), from /proc (prefix-batcher: summed over its M instances; the \
+         peers run one router process). \
+         What the routers ask the servers besides the OpenAI endpoints (observed against the simulator): SGLang's router \
+         `GET /health`, and `GET /server_info` and `/model_info` when it registers a worker (it also tries to fetch a \
+         tokenizer for the model id from Hugging Face, which fails here and is ignored); vLLM's router `GET /health` at \
+         start and every 60 s, and under `cache_aware` `POST /v1/chat/completions/render` (`/v1/completions/render` for \
+         completions) on every server for every request. The simulator answers all of them (render: the prompt's token ids \
+         in its own tokenization, no cache effect).\n",
+        pe.sim.capacity_blocks,
+        pe.sim.max_concurrency,
+        pe.speedup,
+        pe.llm_max_concurrency,
+        pe.versions.join(", "),
+        pe.llm_max_concurrency,
+        pe.speedup
+    );
+    for w in &pe.workloads {
+        let _ = writeln!(s, "### {} — {} requests, oracle {}\n\n{}.\n", w.name, w.requests, pct(w.oracle), w.note);
+        let _ = writeln!(s, "| M | route | token hits | ÷ oracle | prefill GPU-s | p50 ms | p99 ms | router CPU s / 1,000 req | router peak RSS MiB | busiest server's share | ok / requests (served) |");
+        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        for x in pe.rows.iter().filter(|x| x.workload == w.name) {
+            if x.error.is_some() && x.ok == 0 {
+                let _ = writeln!(s, "| {} | {} | failed | | | | | | | | 0 / {} |", x.m, x.route(), x.requests);
+                continue;
+            }
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} ({}) |",
+                x.m,
+                if x.system == "prefix-batcher" { format!("**{}**", x.route()) } else { x.route() },
+                pct(x.token_hit_ratio),
+                pct(x.token_hit_ratio / w.oracle),
+                num(x.prefill_s, 0),
+                num(x.p50_ms, 0),
+                num(x.p99_ms, 0),
+                num(x.cpu_s_per_1000, 2),
+                num(x.rss_mib, 0),
+                pct(x.served_per_server.iter().copied().max().unwrap_or(0) as f64 / x.served.max(1) as f64),
+                x.ok,
+                x.requests,
+                x.served
+            );
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(s, "{}", peers_facts(pe, &w.name));
+    }
+    let failed: Vec<String> = pe
+        .rows
+        .iter()
+        .filter_map(|x| x.error.as_ref().map(|e| format!("- {} M={} {}: {}", x.workload, x.m, x.route(), e.chars().take(300).collect::<String>())))
+        .collect();
+    if !failed.is_empty() {
+        let _ = writeln!(s, "Routes with failures:\n\n{}\n", failed.join("\n"));
+    }
+    if !pe.unknown_probes.is_empty() {
+        let _ = writeln!(s, "Requests the routers sent that the simulator does not serve (404): `{}`.\n", pe.unknown_probes.join("`, `"));
+    }
+    let _ = writeln!(s, "{}", peers_reading(pe));
+    if let Some((_, f)) = plots.iter().find(|(k, _)| *k == "peers") {
+        let _ = writeln!(s, "![hit ratio vs M per route]({f})\n");
+    }
+}
+
+/// Measured facts of one workload's table: per M, the best route by hit ratio and where
+/// prefix-batcher stands.
+fn peers_facts(pe: &crate::peers::PeersResults, workload: &str) -> String {
+    let mut ms: Vec<usize> = pe.rows.iter().filter(|x| x.workload == workload).map(|x| x.m).collect();
+    ms.sort_unstable();
+    ms.dedup();
+    let mut out = Vec::new();
+    for m in ms {
+        let rows: Vec<_> = pe.rows.iter().filter(|x| x.workload == workload && x.m == m && x.error.is_none()).collect();
+        let Some(pb) = rows.iter().find(|x| x.system == "prefix-batcher") else { continue };
+        let Some(best_peer) = rows.iter().filter(|x| x.system != "prefix-batcher").max_by(|a, b| a.token_hit_ratio.total_cmp(&b.token_hit_ratio)) else { continue };
+        let rr = rows.iter().find(|x| x.system == "sglang-router" && x.policy == "round_robin");
+        out.push(format!(
+            "M = {m}: prefix-batcher {} vs the best peer, {} ({}){}; prefill GPU-s {} vs {}; p99 {} ms vs {} ms.",
+            pct(pb.token_hit_ratio),
+            best_peer.route(),
+            pct(best_peer.token_hit_ratio),
+            rr.map(|r| format!(", round-robin {}", pct(r.token_hit_ratio))).unwrap_or_default(),
+            num(pb.prefill_s, 0),
+            num(best_peer.prefill_s, 0),
+            num(pb.p99_ms, 0),
+            num(best_peer.p99_ms, 0),
+        ));
+    }
+    if out.is_empty() {
+        String::new()
+    } else {
+        format!("Measured: {}\n", out.join(" "))
+    }
+}
+
+/// The written reading of part 7: the measured behaviour of each route (single-server routes,
+/// render calls per request) and why each wins where it does.
+fn peers_reading(pe: &crate::peers::PeersResults) -> String {
+    let mut facts = Vec::new();
+    let mut routes: Vec<String> = Vec::new();
+    for x in &pe.rows {
+        if !routes.contains(&x.route()) {
+            routes.push(x.route());
+        }
+    }
+    for route in &routes {
+        let rows: Vec<_> = pe.rows.iter().filter(|x| &x.route() == route && x.error.is_none() && x.served > 0).collect();
+        if !rows.is_empty() && rows.iter().all(|x| x.served_per_server.iter().copied().max().unwrap_or(0) == x.served) {
+            facts.push(format!("`{route}` sent every request of every run to one server"));
+        }
+        let mut renders: Vec<(usize, String)> =
+            rows.iter().filter(|x| x.renders > 0).map(|x| (x.m, format!("{:.1} at M = {}", x.renders as f64 / x.requests.max(1) as f64, x.m))).collect();
+        renders.sort();
+        renders.dedup();
+        if !renders.is_empty() {
+            facts.push(format!("`{route}` made render calls per request: {}", renders.into_iter().map(|r| r.1).collect::<Vec<_>>().join(", ")));
+        }
+    }
+    let facts = if facts.is_empty() { String::new() } else { format!("Measured behaviour: {}.\n\n", facts.join("; ")) };
+    format!("{facts}{PEERS_READING}")
+}
+
+/// The mechanisms behind part 7's tables.
+const PEERS_READING: &str = "Reading it:\n\n\
+- **Load-only policies** (`round_robin`, `power_of_two`) ignore prefixes: their hit ratios fall as M grows (each server sees \
+  1/M of every conversation and of every shared system prompt), which is the cost every cache-aware route is measured against.\n\
+- **Where SGLang's and vLLM's `cache_aware` win: bfcl-chat.** Their approximate radix tree matches a request's whole text \
+  against what each server was sent, so each next turn goes back to the server that holds its conversation and each long \
+  tool-schema system prompt stays on one server; at this load their balance thresholds rarely trip, so they seldom spread. \
+  prefix-batcher keys on the system message (`chat_key = \"system\"`) and its adaptive levels split busy keys over more \
+  instances to spread load: a system prompt that lands on a second instance is prefilled there once more. That is the couple \
+  of points (and the extra prefill GPU-seconds) it gives up on bfcl, in exchange for a lower busiest-server share.\n\
+- **Where prefix-batcher wins: Mooncake at larger M.** Mooncake's working set is larger than one server's cache, so total \
+  cache capacity matters. SGLang's `cache_aware` concentrates traffic (its busiest server takes about 40 % at M = 8 and some \
+  servers get little or nothing: a request whose text matches a server's tree above the match threshold goes to that \
+  server, only a miss goes to the server with the smallest tree, and with a shared first message most requests match \
+  some server) so its busy servers evict more; \
+  prefix-batcher spreads conversations over every instance by key, so its hit ratio climbs with M towards the oracle. \
+  At M = 2 and 4 the cache-aware routes are within about a point of each other. vLLM's `cache_aware` spreads as well \
+  and matches prefix-batcher while its router keeps up; once it saturates (below) its hit ratio depends on how far behind \
+  it falls (one run of this part on a less loaded machine measured 37.8 % at M = 8, this one less).\n\
+- **vLLM's router renders every chat request on every server** before it routes (`POST /v1/chat/completions/render`, \
+  M calls per request under `cache_aware`, none under `consistent_hash`) and routes on the returned token ids. Its CPU per \
+  request grows with M and on this 2-core machine at Mooncake's ≈ 170 requests/s it saturated: seconds of latency, all in \
+  the router (the simulator answers render at once). On a real deployment each render is a tokenizer run on a GPU server.\n\
+- **vLLM's `consistent_hash`** routes on a session key (`X-Session-ID`, `user`, … headers or fields); this traffic carries \
+  none, and it pinned everything to one server. Its bfcl hit ratio equals the single-cache oracle because one server's cache \
+  holds bfcl's whole working set at this light load; on Mooncake the one cache thrashes and its 2 slots queue. It is a \
+  session-affinity policy, not a prefix one; with session headers it would behave like sticky routing per conversation.\n\
+- **Latency**: prefix-batcher pays two RabbitMQ hops, the 5 ms batch wait and the partition handoff: tens of wall \
+  milliseconds, about twice SGLang's HTTP proxying or more; with real GPUs, whose service times are seconds, both are \
+  small next to the prefill they save or lose. Its M = 8 rows also carry 8 daemons on 2 shared cores.\n\
+- **Router CPU and RSS**: prefix-batcher's numbers are summed over its M processes and include their background work \
+  while idle (lease renewals, backlog polls, metrics); RabbitMQ's and Redis's CPU is not included (a shared broker, not \
+  attributable to one run). The peers are one process each; SGLang's costs well under a CPU-second per 1,000 requests.\n";
+
+/// Part 7b: medians over the repetitions on the real llama-servers.
+fn render_peers_llama(s: &mut String, pl: &crate::peers::LlamaPeers) {
+    let _ = writeln!(s, "### Real llama-servers: prefix-batcher's defaults vs SGLang's cache_aware\n");
+    let reps = pl.rows.iter().map(|x| x.rep).max().map(|r| r + 1).unwrap_or(0);
+    let _ = writeln!(
+        s,
+        "{} and {} mixed in random order ({} requests, part 1's sample), all sent at once to 2 fresh llama-servers ({}) per run: \
+         prefix-batcher as in part 1 (2 instances, `llm.max_concurrency = 1`, `max_batch_wait = 1s`, adaptive keying) vs \
+         `sglang-router cache_aware` with at most 1 × 2 requests in flight. Cached ratio: the servers' own cached prompt tokens \
+         ÷ prompt tokens (from their answers). Medians of {reps} runs in alternating order; every run in brackets.\n",
+        pl.datasets.first().map(String::as_str).unwrap_or(""),
+        pl.datasets.get(1).map(String::as_str).unwrap_or(""),
+        pl.requests,
+        pl.server_args
+    );
+    let _ = writeln!(s, "| route | cached ratio | wall s | ok / requests |");
+    let _ = writeln!(s, "| --- | ---: | ---: | ---: |");
+    for route in ["prefix-batcher (defaults)", "sglang-router cache_aware"] {
+        let rows: Vec<_> = pl.rows.iter().filter(|x| x.route == route).collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let each = |f: &dyn Fn(&&crate::peers::LlamaRow) -> String| rows.iter().map(f).collect::<Vec<_>>().join(", ");
+        let _ = writeln!(
+            s,
+            "| {route} | {} ({}) | {} ({}) | {} / {} |",
+            pct(median(&rows.iter().map(|x| x.cached_ratio).collect::<Vec<_>>())),
+            each(&|x| pct(x.cached_ratio)),
+            num(median(&rows.iter().map(|x| x.wall_s).collect::<Vec<_>>()), 1),
+            each(&|x| num(x.wall_s, 1)),
+            rows.iter().map(|x| x.ok).sum::<usize>(),
+            rows.iter().map(|x| x.requests).sum::<usize>()
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nReading it: with `--cache-ram 0` a llama-server's cache is what its 2 slots last held, so the order of requests \
+         on a server matters as much as the choice of server. prefix-batcher's batches gather the backlog's requests of one \
+         prefix key and send them to one server back to back, so a few-shot header is computed once per batch; the router \
+         can only pick a server for each request in arrival order, and interleaved bbh-cot tasks and mmlu subjects overwrite \
+         each other's slots. The router's ratio also moves from run to run (which server gets a group's first request depends on \
+         timing and tree sizes); the daemon's keyed routing gives the same assignment every run. Fewer cached tokens mean \
+         more prefill, hence the longer wall time.\n"
+    );
 }

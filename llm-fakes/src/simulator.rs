@@ -33,7 +33,11 @@
 //! `POST /v1/completions` (`prompt` a string or a list: every prompt is one request with its own
 //! slot; one answer with one choice per prompt and the summed `usage`, as vLLM does),
 //! `POST /v1/chat/completions` (messages rendered as `<|role|>\ncontent\n` each), `GET /v1/models`,
-//! `GET /health`, and `GET /metrics` with vLLM's `vllm:prefix_cache_queries_total` and
+//! `GET /health`, `POST /v1/chat/completions/render` and `/v1/completions/render` (vLLM's
+//! template rendering: the prompt's token ids in the simulator's tokenization, see [`token_ids`];
+//! no cache effect), SGLang's `GET /get_model_info` and `/model_info`, `/get_server_info` and
+//! `/server_info`, `/get_load`, `/health_generate` (the routers' probes; any other path is
+//! answered 404 and logged to stderr), and `GET /metrics` with vLLM's `vllm:prefix_cache_queries_total` and
 //! `vllm:prefix_cache_hits_total` (in tokens), `vllm:num_requests_running`/`_waiting`, and the
 //! simulator's own `simulator_*` series (block counts, evictions, GPU-seconds).
 
@@ -262,6 +266,8 @@ struct Shared {
     running: AtomicU64,
     waiting: AtomicU64,
     next_id: AtomicU64,
+    /// Render requests answered (`simulator_render_requests_total`).
+    renders: AtomicU64,
 }
 
 impl Shared {
@@ -309,6 +315,7 @@ impl Simulator {
                 running: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
                 next_id: AtomicU64::new(0),
+                renders: AtomicU64::new(0),
             }),
         }
     }
@@ -335,7 +342,18 @@ impl Simulator {
 
     /// Serves HTTP on `listener` until `shutdown` completes.
     pub async fn serve(self, listener: TcpListener, shutdown: impl Future<Output = ()> + Send + 'static) -> io::Result<()> {
-        let app = openai::routes(post(completions), post(chat_completions), get(models), get(metrics)).with_state(self.shared);
+        let app = openai::routes(post(completions), post(chat_completions), get(models), get(metrics))
+            .route("/v1/chat/completions/render", post(render_chat_completion))
+            .route("/v1/completions/render", post(render_completion))
+            .route("/health_generate", get(|| async { axum::http::StatusCode::OK }))
+            .route("/get_model_info", get(model_info))
+            .route("/model_info", get(model_info))
+            .route("/get_server_info", get(server_info))
+            .route("/server_info", get(server_info))
+            .route("/get_load", get(load))
+            .route("/get_loads", get(load))
+            .fallback(unknown)
+            .with_state(self.shared);
         axum::serve(listener, app).with_graceful_shutdown(shutdown).await
     }
 
@@ -346,6 +364,32 @@ impl Simulator {
         tokio::spawn(self.serve(listener, std::future::pending()));
         Ok(local)
     }
+}
+
+/// Token ids of a text in the simulator's tokenization: token `i` is characters
+/// `[i·r, (i+1)·r)` (`r = chars_per_token`), and its id is a 31-bit hash of those characters. Equal
+/// texts have equal ids and a text's prefix has a prefix of its ids, so a router that matches
+/// token ids sees the same prefixes as the cache model (which hashes the same characters).
+pub fn token_ids(text: &str, chars_per_token: usize) -> Vec<u32> {
+    let r = chars_per_token.max(1);
+    let mut out = Vec::with_capacity(text.len() / r + 1);
+    let (mut start, mut n) = (0usize, 0usize);
+    for (i, _) in text.char_indices() {
+        if n == r {
+            out.push(token_id(&text.as_bytes()[start..i]));
+            start = i;
+            n = 0;
+        }
+        n += 1;
+    }
+    if n > 0 || out.is_empty() {
+        out.push(token_id(&text.as_bytes()[start..]));
+    }
+    out
+}
+
+fn token_id(bytes: &[u8]) -> u32 {
+    (xxhash_rust::xxh3::xxh3_64(bytes) & 0x7fff_ffff) as u32
 }
 
 /// Runs one prompt: waits for a slot, runs the cache model, holds the slot for the service time.
@@ -412,6 +456,85 @@ async fn chat_completions(State(state): State<Arc<Shared>>, body: Bytes) -> Resu
     Ok(Json(openai::chat_completion(format!("chatcmpl-sim-{id}"), model, output_text(out), usage)).into_response())
 }
 
+/// `POST /v1/chat/completions/render`, as vLLM answers it (its template-rendering endpoint, which
+/// vLLM's router calls before it routes a chat request): the rendered prompt's token ids plus the
+/// request's sampling parameters, in the shape of vLLM's `GenerateRequest` (`request_id`,
+/// `token_ids`, `features`, `sampling_params`, `model`, `stream`). Nothing is computed or cached.
+async fn render_chat_completion(State(state): State<Arc<Shared>>, body: Bytes) -> Result<Response, Response> {
+    let (messages, req) = openai::chat_request(&body)?;
+    state.renders.fetch_add(1, Ordering::Relaxed);
+    let ids = token_ids(&openai::render_chat(&messages), state.cfg.chars_per_token);
+    Ok(Json(rendered_request(&state, &req, ids, "chatcmpl")).into_response())
+}
+
+/// `POST /v1/completions/render`: one rendered request per prompt (a list, as vLLM answers it).
+async fn render_completion(State(state): State<Arc<Shared>>, body: Bytes) -> Result<Response, Response> {
+    let (prompts, req) = openai::completion_request(&body)?;
+    state.renders.fetch_add(1, Ordering::Relaxed);
+    let out: Vec<Value> =
+        prompts.iter().map(|p| rendered_request(&state, &req, token_ids(p, state.cfg.chars_per_token), "cmpl")).collect();
+    Ok(Json(Value::Array(out)).into_response())
+}
+
+fn rendered_request(state: &Shared, req: &serde_json::Map<String, Value>, ids: Vec<u32>, kind: &str) -> Value {
+    let id = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let model = req.get("model").and_then(Value::as_str).unwrap_or(&state.cfg.model);
+    serde_json::json!({
+        "request_id": format!("{kind}-sim-render-{id}"),
+        "token_ids": ids,
+        "features": null,
+        "sampling_params": {
+            "max_tokens": max_tokens(req, state.cfg.default_max_tokens),
+            "temperature": req.get("temperature").cloned().unwrap_or(Value::Null),
+        },
+        "model": model,
+        "stream": req.get("stream").and_then(Value::as_bool).unwrap_or(false),
+    })
+}
+
+/// `GET /get_model_info` (SGLang's model info, probed by SGLang's router).
+async fn model_info(State(state): State<Arc<Shared>>) -> Json<Value> {
+    Json(serde_json::json!({
+        "model_path": state.cfg.model,
+        "tokenizer_path": state.cfg.model,
+        "is_generation": true,
+        "preferred_sampling_params": null,
+        "weight_version": "default",
+        "has_image_understanding": false,
+        "has_audio_understanding": false,
+        "model_type": "simulated",
+        "architectures": ["Simulated"],
+    }))
+}
+
+/// `GET /get_server_info` (SGLang's server info, probed by both routers).
+async fn server_info(State(state): State<Arc<Shared>>) -> Json<Value> {
+    Json(serde_json::json!({
+        "model_path": state.cfg.model,
+        "served_model_name": state.cfg.model,
+        "tokenizer_path": state.cfg.model,
+        "max_total_num_tokens": state.cfg.capacity_blocks.saturating_mul(state.cfg.block_tokens),
+        "page_size": state.cfg.block_tokens,
+        "max_running_requests": state.cfg.max_concurrency,
+        "dp_size": 1,
+        "tp_size": 1,
+        "version": "simulated",
+    }))
+}
+
+/// `GET /get_load`, `/get_loads`: requests running and waiting (SGLang's load report).
+async fn load(State(state): State<Arc<Shared>>) -> Json<Value> {
+    let running = state.running.load(Ordering::Relaxed);
+    let waiting = state.waiting.load(Ordering::Relaxed);
+    Json(serde_json::json!({"load": running + waiting, "num_reqs": running + waiting, "num_running_reqs": running, "num_waiting_reqs": waiting}))
+}
+
+/// Any other path: 404, logged to stderr (so a client's probes show in the simulator's log).
+async fn unknown(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    eprintln!("llm-fakes simulate: 404 {method} {uri}");
+    openai::error_response(404, &format!("no route {method} {}", uri.path()), None)
+}
+
 async fn models(State(state): State<Arc<Shared>>) -> Json<Value> {
     openai::models(&state.cfg.model, "llm-simulator")
 }
@@ -425,6 +548,7 @@ async fn metrics(State(state): State<Arc<Shared>>) -> Response {
     series("vllm:num_requests_running", "gauge", "Requests holding a slot.", state.running.load(Ordering::Relaxed).to_string());
     series("vllm:num_requests_waiting", "gauge", "Requests waiting for a slot.", state.waiting.load(Ordering::Relaxed).to_string());
     series("simulator_requests_total", "counter", "Prompts served (each prompt of a list counts).", s.requests.to_string());
+    series("simulator_render_requests_total", "counter", "Render requests answered (vLLM's /v1/.../render; no cache effect).", state.renders.load(Ordering::Relaxed).to_string());
     series("simulator_prefix_cache_block_queries_total", "counter", "Full KV blocks of served prompts.", s.query_blocks.to_string());
     series("simulator_prefix_cache_block_hits_total", "counter", "Leading KV blocks found in the cache.", s.hit_blocks.to_string());
     series("simulator_prefix_cache_evictions_total", "counter", "KV blocks evicted (LRU).", s.evictions.to_string());
@@ -565,6 +689,41 @@ mod tests {
         assert!(metrics.contains("simulator_busy_seconds_total"), "{metrics}");
         let bad = http.post(format!("{url}/v1/completions")).json(&json!({"prompt": 3})).send().await.unwrap();
         assert_eq!(bad.status().as_u16(), 400);
+    }
+
+    #[test]
+    fn token_ids_follow_the_characters_and_keep_prefixes() {
+        let a = token_ids(&(block('a') + "xyz"), 4);
+        assert_eq!(a.len(), 17, "64 + 3 characters at 4 per token");
+        let b = token_ids(&(block('a') + "xyzw and more"), 4);
+        assert_eq!(a[..16], b[..16], "a shared prefix has shared ids");
+        assert_eq!(token_ids("", 4).len(), 1, "an empty prompt is one token, as `prompt_tokens` counts it");
+        assert!(a.iter().all(|&t| t <= 0x7fff_ffff));
+    }
+
+    #[tokio::test]
+    async fn render_answers_token_ids_without_touching_the_cache_and_probes_answer() {
+        let (sim, url) = start(SimConfig::default()).await;
+        let http = crate::test_client();
+        let messages = json!([{"role": "system", "content": block('s')}, {"role": "user", "content": "hi"}]);
+        let body = json!({"model": "m", "messages": messages, "max_tokens": 7});
+        let v: Value = http.post(format!("{url}/v1/chat/completions/render")).json(&body).send().await.unwrap().json().await.unwrap();
+        let rendered = openai::render_chat(messages.as_array().unwrap());
+        let ids: Vec<u64> = v["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+        assert_eq!(ids, token_ids(&rendered, 4).into_iter().map(u64::from).collect::<Vec<_>>());
+        assert_eq!(ids.len() as u64, SimConfig::default().prompt_tokens(&rendered), "as many ids as the completion would count");
+        assert_eq!(v["sampling_params"]["max_tokens"], 7);
+        assert_eq!(v["model"], "m");
+        let s = sim.stats();
+        assert_eq!((s.requests, s.query_tokens, s.cached_blocks), (0, 0, 0), "rendering computes and caches nothing");
+        let list: Value = http.post(format!("{url}/v1/completions/render")).json(&json!({"prompt": ["a", "b"]})).send().await.unwrap().json().await.unwrap();
+        assert_eq!(list.as_array().unwrap().len(), 2);
+        let metrics = http.get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
+        assert!(metrics.contains("simulator_render_requests_total{model_name=\"simulated\"} 2\n"), "{metrics}");
+        for path in ["/get_model_info", "/model_info", "/server_info", "/get_server_info", "/get_load", "/health_generate", "/health", "/v1/models"] {
+            assert!(http.get(format!("{url}{path}")).send().await.unwrap().status().is_success(), "{path}");
+        }
+        assert_eq!(http.get(format!("{url}/nope")).send().await.unwrap().status().as_u16(), 404);
     }
 
     #[tokio::test]
