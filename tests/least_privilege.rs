@@ -10,12 +10,13 @@ mod common;
 use common::broker::rabbitmqctl;
 use common::*;
 
-/// The lines of `docs/operations.md` that start with `prefix`, with the documented names and
-/// password replaced.
+/// The lines of `docs/operations.md`'s least-privilege section that start with `prefix`, with the
+/// documented names and password replaced.
 fn documented(prefix: &str, name: &str, password: &str) -> Vec<String> {
     let doc = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operations.md")).unwrap();
+    let section = doc.split("\n### ").find(|s| s.starts_with("Least privilege")).expect("docs/operations.md has a \"Least privilege\" section");
     let lines: Vec<String> =
-        doc.lines().filter(|l| l.starts_with(prefix)).map(|l| l.replace("prefix-batcher", name).replace("CHANGE-ME", password)).collect();
+        section.lines().filter(|l| l.starts_with(prefix)).map(|l| l.replace("prefix-batcher", name).replace("CHANGE-ME", password)).collect();
     assert!(!lines.is_empty(), "docs/operations.md has no line starting with {prefix:?}");
     lines
 }
