@@ -5,7 +5,6 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, SystemTime};
 
-use llm_fakes::simulator::CacheModel;
 use prefix_batcher::keying::{prefix_chars, PrefixKey};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -227,16 +226,7 @@ pub async fn part_chat(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resul
         ("mooncake-chat", &mooncake, format!("the {} requests of part 2's sample as chat (block 0 = system message, one user turn per request)", sample.len())),
         ("bfcl-chat", &bfcl, format!("{} random bfcl-multiturn entries, every user turn (assistant turns \"Done.\"), conversations 20 s apart, turns 60 s apart", plan.chat_bfcl_conversations)),
     ] {
-        let oracle = {
-            let mut m = CacheModel::new(sim.chars_per_token, 16, usize::MAX);
-            let (mut h, mut t) = (0, 0);
-            for (msgs, _, _) in convs.iter() {
-                let a = m.admit(&rendered(msgs));
-                h += a.hit_blocks;
-                t += a.blocks;
-            }
-            h as f64 / t.max(1) as f64
-        };
+        let oracle = crate::parts::one_cache_hit_ratio(convs.iter().map(|(msgs, _, _)| rendered(msgs)), sim.chars_per_token, usize::MAX);
         let conversations = if name == "bfcl-chat" { plan.chat_bfcl_conversations } else { mc_convs };
         eprintln!("bench: chat: {name}: {} requests, {conversations} conversations, oracle {:.1}%", convs.len(), oracle * 100.0);
         workloads.push(ChatWorkload { name: name.into(), requests: convs.len(), conversations, oracle, note });

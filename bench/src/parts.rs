@@ -71,6 +71,18 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The sample of part 1 (real llama-server): the same for the peers' llama-server comparison.
+    pub fn cache_sample_size(&self) -> SampleSize {
+        SampleSize {
+            groups: self.cache_groups,
+            per_group: self.cache_per_group,
+            max_tokens: self.cache_max_tokens,
+            bfcl_system_chars: self.bfcl_system_chars,
+            orca_max_chars: 1500,
+            mmlu_max_chars: 8000,
+        }
+    }
+
     pub fn new(full: bool, seed: u64) -> Plan {
         let mut p = Plan::sized(full, seed);
         if std::env::var_os("BENCH_SMOKE").is_some() {
@@ -328,14 +340,7 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         line.split("[(more").next().unwrap_or("").split_whitespace().collect::<Vec<_>>().join(" ")
     };
 
-    let size = SampleSize {
-        groups: plan.cache_groups,
-        per_group: plan.cache_per_group,
-        max_tokens: plan.cache_max_tokens,
-        bfcl_system_chars: plan.bfcl_system_chars,
-        orca_max_chars: 1500,
-        mmlu_max_chars: 8000,
-    };
+    let size = plan.cache_sample_size();
     let caches: [(&str, &str); 2] = [("small", "0"), ("host", "8192")];
     let mut rows = Vec::new();
     let mut datasets = Vec::new();
@@ -529,19 +534,25 @@ fn offline_model(prompts: &[String], m: usize, keyed: Option<usize>, sim: &SimOp
     hit as f64 / total.max(1) as f64
 }
 
+/// Block hit ratio of `prompts`, in order, through one simulator cache of `capacity_blocks`
+/// 16-token blocks (`usize::MAX`: the oracle, an unbounded cache).
+pub fn one_cache_hit_ratio<S: AsRef<str>>(prompts: impl IntoIterator<Item = S>, chars_per_token: usize, capacity_blocks: usize) -> f64 {
+    let mut cache = CacheModel::new(chars_per_token, 16, capacity_blocks);
+    let (mut hit, mut total) = (0u64, 0u64);
+    for text in prompts {
+        let a = cache.admit(text.as_ref());
+        hit += a.hit_blocks;
+        total += a.blocks;
+    }
+    hit as f64 / total.max(1) as f64
+}
+
 /// The capacity ceiling of the routing model: every request through one cache of `m` × the
 /// per-server capacity, with the servers' own LRU eviction. Routing splits that cache into `m`
 /// caches and only chooses which one a request meets, so it does not get above this (a
 /// conversation-affine split comes close); only a better eviction policy than LRU would.
 fn pooled_model(prompts: &[String], m: usize, sim: &SimOpts) -> f64 {
-    let mut cache = CacheModel::new(sim.chars_per_token, 16, sim.capacity_blocks.saturating_mul(m));
-    let (mut hit, mut total) = (0u64, 0u64);
-    for text in prompts {
-        let a = cache.admit(text);
-        hit += a.hit_blocks;
-        total += a.blocks;
-    }
-    hit as f64 / total.max(1) as f64
+    one_cache_hit_ratio(prompts, sim.chars_per_token, sim.capacity_blocks.saturating_mul(m))
 }
 
 /// Part 2 (Mooncake replay by M). Longer than 80 lines on purpose: one loop over M and modes
@@ -558,16 +569,7 @@ pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     let prompts: Vec<String> = sample.iter().map(|r| data::render_trace(r, sim.chars_per_token, &mut blocks)).collect();
     drop(blocks);
     let mean_prompt_chars = prompts.iter().map(|p| p.len() as f64).sum::<f64>() / prompts.len().max(1) as f64;
-    let oracle_sample_16 = {
-        let mut m = CacheModel::new(sim.chars_per_token, 16, usize::MAX);
-        let (mut h, mut t) = (0, 0);
-        for p in &prompts {
-            let a = m.admit(p);
-            h += a.hit_blocks;
-            t += a.blocks;
-        }
-        h as f64 / t.max(1) as f64
-    };
+    let oracle_sample_16 = one_cache_hit_ratio(&prompts, sim.chars_per_token, usize::MAX);
     let t0 = sample.first().map(|r| r.timestamp_ms).unwrap_or(0);
     let sample_span_s = sample.last().map(|r| (r.timestamp_ms - t0) as f64 / 1000.0).unwrap_or(0.0);
     eprintln!(

@@ -20,7 +20,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use llm_fakes::simulator::CacheModel;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -387,16 +386,7 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         )),
         ("bfcl-chat", &bfcl, format!("part 5's {} bfcl-multiturn conversations, turn by turn", plan.chat_bfcl_conversations)),
     ] {
-        let oracle = {
-            let mut c = CacheModel::new(sim.chars_per_token, 16, usize::MAX);
-            let (mut h, mut t) = (0, 0);
-            for (msgs, _, _) in convs.iter() {
-                let a = c.admit(&rendered(msgs));
-                h += a.hit_blocks;
-                t += a.blocks;
-            }
-            h as f64 / t.max(1) as f64
-        };
+        let oracle = crate::parts::one_cache_hit_ratio(convs.iter().map(|(msgs, _, _)| rendered(msgs)), sim.chars_per_token, usize::MAX);
         eprintln!("bench: peers: {name}: {} requests, oracle {:.1}%", convs.len(), oracle * 100.0);
         workloads.push(PeerWorkload { name: name.into(), requests: convs.len(), oracle, note });
         let queued = chat_requests(name, convs, speedup);
@@ -526,14 +516,7 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usi
     let python = install(env)?;
     let http = reqwest::Client::new();
     std::fs::write(env.work.join("empty.toml"), "")?;
-    let size = data::SampleSize {
-        groups: plan.cache_groups,
-        per_group: plan.cache_per_group,
-        max_tokens: plan.cache_max_tokens,
-        bfcl_system_chars: plan.bfcl_system_chars,
-        orca_max_chars: 1500,
-        mmlu_max_chars: 8000,
-    };
+    let size = plan.cache_sample_size();
     let datasets = vec!["bbh-cot".to_owned(), "mmlu-5shot".to_owned()];
     let mut items = Vec::new();
     for ds in &datasets {
