@@ -53,6 +53,22 @@ pub struct Drive {
     pub cached_tokens: u64,
     /// Results without per-request usage.
     pub usage_missing: usize,
+    /// Every result, in arrival order (not serialised: the sums above are what results.json keeps).
+    #[serde(skip)]
+    pub answers: Vec<Answer>,
+}
+
+/// One result of a drive.
+#[derive(Debug, Clone, Default)]
+pub struct Answer {
+    pub id: String,
+    /// Seconds from the drive's start to this result.
+    pub done_s: f64,
+    /// Seconds from this request's publish (or arrival) to its result.
+    pub latency_s: f64,
+    /// Usage of the answer (0 when it carried none).
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
 }
 
 struct State {
@@ -68,6 +84,7 @@ struct State {
     cached: u64,
     missing_usage: usize,
     last_result: Option<Instant>,
+    answers: Vec<Answer>,
 }
 
 /// Publishes `reqs` to `queue` (each at its `at`) and waits for all results, at most `timeout`
@@ -101,6 +118,7 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
         cached: 0,
         missing_usage: 0,
         last_result: None,
+        answers: Vec::with_capacity(total),
     }));
     let start = Instant::now();
 
@@ -113,13 +131,16 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
             let v: Value = serde_json::from_slice(&d.data).unwrap_or(Value::Null);
             let mut g = st.lock().unwrap();
             let Some(&sent) = g.sent_at.get(&id) else { continue };
-            if g.done.insert(id, ()).is_some() {
+            if g.done.insert(id.clone(), ()).is_some() {
                 g.dup += 1;
                 continue;
             }
             g.answered += 1;
             g.last_result = Some(now);
             g.lat.push((now - sent).as_secs_f64());
+            let usage = v.get("usage").filter(|u| u.is_object());
+            let (p, c) = usage.map(|u| (u["prompt_tokens"].as_u64().unwrap_or(0), u["cached_tokens"].as_u64().unwrap_or(0))).unwrap_or((0, 0));
+            g.answers.push(Answer { id: id.clone(), done_s: (now - start).as_secs_f64(), latency_s: (now - sent).as_secs_f64(), prompt_tokens: p, cached_tokens: c });
             if v["ok"].as_bool() == Some(true) {
                 g.ok += 1;
             } else {
@@ -222,6 +243,7 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
             prompt_tokens: g.prompt,
             cached_tokens: g.cached,
             usage_missing: g.missing_usage,
+            answers: g.answers.clone(),
         }
     };
     let _ = conn.close(200, "bench done".into()).await;

@@ -32,12 +32,20 @@ struct Cli {
 enum Cmd {
     /// Run benchmarks, write results.json, REPORT.md and the plots.
     Run {
-        /// Full mode (larger samples, whole Mooncake trace; about 1.5 hours). Default: quick (≤ 15 min).
+        /// Quick mode (the default): every part, small samples (CI-sized).
+        #[arg(long, conflicts_with_all = ["medium", "full"])]
+        quick: bool,
+        /// Medium mode: only the real llama-server parts (cache, peers-llama) with 48 prompts per
+        /// dataset and 3 repetitions (≤ 30 minutes); the other parts are kept from results.json.
+        #[arg(long, conflicts_with = "full")]
+        medium: bool,
+        /// Full mode (larger samples, whole Mooncake trace; about 1.5 hours).
         #[arg(long)]
         full: bool,
-        /// Parts to run, comma separated: cache, scale, overhead, hot, chat, shift, peers, peers-llama.
-        #[arg(long, default_value = DEFAULT_PARTS)]
-        parts: String,
+        /// Parts to run, comma separated: cache, scale, overhead, hot, chat, shift, peers, peers-llama
+        /// (default: all; with --medium: cache,peers-llama).
+        #[arg(long)]
+        parts: Option<String>,
         /// Keep the other parts' results from an existing results.json (to re-run one part).
         #[arg(long)]
         merge: bool,
@@ -69,6 +77,8 @@ enum Cmd {
 
 /// Every part, in the order they run.
 const DEFAULT_PARTS: &str = "cache,scale,overhead,hot,chat,shift,peers,peers-llama";
+/// The parts of medium mode: the ones on real llama-servers.
+const MEDIUM_PARTS: &str = "cache,peers-llama";
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("bench/ has a parent").to_path_buf()
@@ -117,7 +127,24 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             eprintln!("bench: wrote {}", out.join("REPORT.md").display());
             Ok(())
         }
-        Cmd::Run { full, parts, merge, data, out, seed } => {
+        Cmd::Run { quick: _, medium, full, parts, merge, data, out, seed } => {
+            let mode = if full {
+                parts::Mode::Full
+            } else if medium {
+                parts::Mode::Medium
+            } else {
+                parts::Mode::Quick
+            };
+            let default_parts = if medium { MEDIUM_PARTS } else { DEFAULT_PARTS };
+            let parts = parts.unwrap_or_else(|| default_parts.to_owned());
+            let want: Vec<&str> = parts.split(',').map(str::trim).collect();
+            if medium {
+                if let Some(other) = want.iter().find(|p| !MEDIUM_PARTS.split(',').any(|m| m == **p)) {
+                    anyhow::bail!("--medium runs only the real llama-server parts ({MEDIUM_PARTS}), not {other}: run it in quick or full mode");
+                }
+            }
+            // Medium mode measures only the real-server parts: the others are kept from results.json.
+            let merge = merge || medium;
             let out = out.unwrap_or_else(|| root.join("bench"));
             let data = data.unwrap_or_else(|| root.join("../shared/data"));
             if !data.join("mooncake").exists() || !data.join("bbh-cot").exists() {
@@ -150,9 +177,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             // error, a panic, or an interrupt that drops this future in `main`).
             let _teardown = procs::Teardown::new(&env.tag);
             eprintln!("bench: logs in {}", work.display());
-            let plan = parts::Plan::new(full, seed);
             let previous: Option<report::Results> =
                 if merge { std::fs::read(out.join("results.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()) } else { None };
+            let plan = match &previous {
+                // The kept parts are described by the sizes they were measured with.
+                Some(prev) if medium => parts::Plan::medium_over(prev.plan.clone()),
+                _ => parts::Plan::new(mode, seed),
+            };
             let started = Instant::now();
             let mut results = report::Results {
                 plan: plan.clone(),
@@ -162,9 +193,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         .iter()
                         .filter_map(|k| std::env::var(k).ok().map(|v| format!("{k}={v} ")))
                         .collect::<String>(),
-                    if full { " --full" } else { "" },
-                    if parts == DEFAULT_PARTS { String::new() } else { format!(" --parts {parts}") },
-                    if merge { " --merge" } else { "" },
+                    match mode {
+                        parts::Mode::Full => " --full",
+                        parts::Mode::Medium => " --medium",
+                        parts::Mode::Quick => "",
+                    },
+                    if parts == default_parts { String::new() } else { format!(" --parts {parts}") },
+                    if merge && !medium { " --merge" } else { "" },
                     sh("git", &["-C", root.to_str().unwrap_or("."), "rev-parse", "--short", "HEAD"])
                 ),
                 started_utc: sh("date", &["-u", "+%Y-%m-%d %H:%M"]),
@@ -179,9 +214,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 shift: None,
                 peers: None,
                 peers_llama: None,
+                this_run_s: 0.0,
+                kept: Vec::new(),
             };
-            let want: Vec<&str> = parts.split(',').map(str::trim).collect();
-            if want.contains(&"cache") {
+            if plan.llama_off_route && (want.contains(&"cache") || want.contains(&"peers-llama")) {
+                // Part 1's keyed-vs-off comparison and part 7's peer comparison share runs.
+                let pl = peers::part_peers_llama(&env, &plan, &data).await?;
+                if want.contains(&"cache") {
+                    results.cache = Some(parts::cache_from_llama(&pl));
+                }
+                if want.contains(&"peers-llama") {
+                    results.peers_llama = Some(pl);
+                }
+            } else if want.contains(&"cache") {
                 results.cache = Some(parts::part_cache(&env, &plan, &data).await?);
             }
             if want.contains(&"scale") {
@@ -202,12 +247,31 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if want.contains(&"peers") {
                 results.peers = Some(peers::part_peers(&env, &plan, &data).await?);
             }
-            if want.contains(&"peers-llama") {
-                results.peers_llama = Some(peers::part_peers_llama(&env, &plan, &data, 3).await?);
+            if want.contains(&"peers-llama") && !plan.llama_off_route {
+                results.peers_llama = Some(peers::part_peers_llama(&env, &plan, &data).await?);
             }
             results.duration_s = started.elapsed().as_secs_f64();
+            results.this_run_s = results.duration_s;
             results.machine.load_end = procs::uptime();
             if let Some(prev) = previous {
+                let kept = |name: &str, now: bool, before: bool| if !now && before { Some(name.to_owned()) } else { None };
+                results.kept = [
+                    kept("cache", results.cache.is_some(), prev.cache.is_some()),
+                    kept("scale", results.scale.is_some(), prev.scale.is_some()),
+                    kept("overhead", results.overhead.is_some(), prev.overhead.is_some()),
+                    kept("hot", results.hot.is_some(), prev.hot.is_some()),
+                    kept("chat", results.chat.is_some(), prev.chat.is_some()),
+                    kept("shift", results.shift.is_some(), prev.shift.is_some()),
+                    kept("peers", results.peers.is_some(), prev.peers.is_some()),
+                    kept("peers-llama", results.peers_llama.is_some(), prev.peers_llama.is_some()),
+                ]
+                .into_iter()
+                .flatten()
+                .map(|p| {
+                    let mode = prev.kept.iter().find(|(k, _)| *k == p).map(|(_, m)| m.clone()).unwrap_or_else(|| prev.plan.mode.clone());
+                    (p, mode)
+                })
+                .collect();
                 results.cache = results.cache.or(prev.cache);
                 results.scale = results.scale.or(prev.scale);
                 results.overhead = results.overhead.or(prev.overhead);

@@ -17,7 +17,7 @@ use crate::driver::{drive, Req};
 use crate::chat::{run_on_sims, SimDeployment};
 use crate::procs::{self, cleanup, metric_sum, scrape, start_daemon, wait_ready, Daemon, DaemonOpts, Env, Keying, LlamaServer, SimOpts, SplitCounts};
 
-/// Everything that differs between quick and full mode.
+/// Everything that differs between quick, medium and full mode.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Plan {
     pub mode: String,
@@ -68,6 +68,29 @@ pub struct Plan {
     /// Part 7: (peer router, policy) routes besides prefix-batcher.
     #[serde(default)]
     pub peers_routes: Vec<(String, String)>,
+    /// Part 7's real llama-server comparison: repetitions (each with the routes' order rotated).
+    #[serde(default = "three")]
+    pub llama_reps: usize,
+    /// Part 7's real llama-server comparison: also the daemon with `keying.mode = "off"`; part 1
+    /// then takes its keyed-vs-off comparison from these runs instead of running its own.
+    #[serde(default)]
+    pub llama_off_route: bool,
+}
+
+fn three() -> usize {
+    3
+}
+
+/// The size of a benchmark invocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// CI-sized: every part, small samples.
+    Quick,
+    /// The real-server parts (1 and 7's llama-server comparison) with samples large enough to
+    /// trust: 48 prompts per dataset, 3 repetitions, within 30 minutes on 2 cores.
+    Medium,
+    /// Larger samples everywhere, the whole Mooncake trace.
+    Full,
 }
 
 impl Plan {
@@ -83,8 +106,8 @@ impl Plan {
         }
     }
 
-    pub fn new(full: bool, seed: u64) -> Plan {
-        let mut p = Plan::sized(full, seed);
+    pub fn new(mode: Mode, seed: u64) -> Plan {
+        let mut p = Plan::sized(mode, seed);
         if std::env::var_os("BENCH_SMOKE").is_some() {
             // Development smoke test: every part, tiny.
             p.mode = "smoke".into();
@@ -120,8 +143,9 @@ impl Plan {
         p
     }
 
-    fn sized(full: bool, seed: u64) -> Plan {
-        Plan {
+    fn sized(mode: Mode, seed: u64) -> Plan {
+        let full = mode == Mode::Full;
+        let plan = Plan {
             mode: if full { "full" } else { "quick" }.into(),
             seed,
             datasets: ["bbh-cot", "mmlu-5shot", "bfcl-multiturn", "orca-dpo-sample"].map(String::from).to_vec(),
@@ -181,11 +205,35 @@ impl Plan {
                     .chain(vllm.iter().map(|p| ("vllm-router".to_owned(), (*p).to_owned())))
                     .collect()
             },
+            llama_reps: 3,
+            llama_off_route: false,
+        };
+        if mode == Mode::Medium {
+            Plan::medium_over(plan)
+        } else {
+            plan
+        }
+    }
+
+    /// Medium mode over `base` (quick mode's sizes, or those of the results the simulator parts
+    /// are kept from): for the real servers, bbh-cot and mmlu-5shot with 4 groups × 12 prompts
+    /// each, measured keyed, off and through SGLang's router in the same 3 repetitions (small
+    /// cache only).
+    pub fn medium_over(base: Plan) -> Plan {
+        Plan {
+            mode: "medium".into(),
+            datasets: ["bbh-cot", "mmlu-5shot"].map(String::from).to_vec(),
+            cache_groups: 4,
+            cache_per_group: 12,
+            cache_timeout_s: 1200,
+            llama_reps: 3,
+            llama_off_route: true,
+            ..base
         }
     }
 }
 
-fn purity(pages: &[String]) -> (f64, u64) {
+pub(crate) fn purity(pages: &[String]) -> (f64, u64) {
     let sum: f64 = pages.iter().map(|p| metric_sum(p, "prefix_batcher_batch_purity_sum")).sum();
     let count: f64 = pages.iter().map(|p| metric_sum(p, "prefix_batcher_batch_purity_count")).sum();
     (if count > 0.0 { sum / count } else { f64::NAN }, count as u64)
@@ -239,6 +287,9 @@ where
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CacheRow {
     pub dataset: String,
+    /// Repetition (medium mode; quick and full mode run each configuration once).
+    #[serde(default)]
+    pub rep: usize,
     pub cache: String,
     pub mode: String,
     pub requests: usize,
@@ -284,7 +335,7 @@ async fn token_ids(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::R
 }
 
 /// Token-level oracle: (hit ratio, total tokens).
-async fn token_oracle(http: &reqwest::Client, url: &str, items: &[data::Item]) -> anyhow::Result<(f64, u64)> {
+pub(crate) async fn token_oracle(http: &reqwest::Client, url: &str, items: &[data::Item]) -> anyhow::Result<(f64, u64)> {
     let mut seqs: Vec<Vec<u64>> = Vec::new();
     let (mut hit, mut total) = (0u64, 0u64);
     for it in items {
@@ -370,6 +421,53 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts })
 }
 
+/// Part 1 in medium mode: the keyed and off rows of part 7's real llama-server runs (small cache,
+/// the mixed bbh-cot + mmlu-5shot sample), one row per dataset, route and repetition, each
+/// restricted to that dataset's requests; purity and batches are of the whole mixed run.
+pub fn cache_from_llama(pl: &crate::peers::LlamaPeers) -> CacheResults {
+    let mut rows = Vec::new();
+    for r in pl.rows.iter().filter(|r| r.route != crate::peers::LLAMA_SGLANG) {
+        for sh in &r.by_dataset {
+            rows.push(CacheRow {
+                dataset: sh.dataset.clone(),
+                rep: r.rep,
+                cache: "small".into(),
+                mode: if r.route == crate::peers::LLAMA_DAEMON { "keyed" } else { "off" }.into(),
+                requests: sh.requests,
+                ok: sh.requests,
+                wall_s: sh.wall_s,
+                p50_s: sh.p50_s,
+                p99_s: sh.p99_s,
+                cached_ratio: sh.cached_ratio,
+                prompt_tokens: sh.prompt_tokens,
+                usage_missing: 0,
+                purity: r.purity,
+                batches: 0,
+            });
+        }
+    }
+    rows.sort_by(|a, b| (&a.dataset, &a.mode, a.rep).cmp(&(&b.dataset, &b.mode, b.rep)));
+    let datasets = pl
+        .samples
+        .iter()
+        .map(|info| {
+            let (oracle, tokens) = pl.oracle.iter().find(|(n, _, _)| *n == info.dataset).map(|(_, o, t)| (*o, *t)).unwrap_or((f64::NAN, 0));
+            CacheDataset { sample: info.clone(), oracle, tokens }
+        })
+        .collect();
+    CacheResults { rows, datasets, cache_ram_help: String::new(), list_prompts: "llm.list_prompts = false (one prompt per call)".into() }
+}
+
+/// The median of `f` over the rows of one (dataset, cache, mode), with its minimum and maximum;
+/// `None` when there are none.
+pub fn cache_stat(rows: &[CacheRow], dataset: &str, cache: &str, mode: &str, f: impl Fn(&CacheRow) -> f64) -> Option<(f64, f64, f64)> {
+    let v: Vec<f64> = rows.iter().filter(|x| x.dataset == dataset && x.cache == cache && x.mode == mode).map(f).collect();
+    if v.is_empty() {
+        return None;
+    }
+    Some((procs::median(&v), v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(f64::NEG_INFINITY, f64::max)))
+}
+
 /// One cache run: fresh llama-servers and daemons, publish the sample, collect, read the servers'
 /// counters, tear down. Longer than 80 lines on purpose: the steps share a dozen locals and read
 /// in the order they happen; split, each piece would need most of them as arguments.
@@ -434,6 +532,7 @@ async fn cache_run(
     let (purity, batches) = purity(&pages);
     let row = CacheRow {
         dataset: ds.to_owned(),
+        rep: 0,
         cache: cache.to_owned(),
         mode: if keyed { "keyed" } else { "off" }.into(),
         requests: d.sent,

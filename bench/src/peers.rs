@@ -14,6 +14,7 @@
 //! CPU seconds (during the drive) and peak RSS come from /proc of its process (the daemons'
 //! summed over instances).
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
@@ -166,6 +167,8 @@ async fn start_router(env: &Env, python: &Path, peer: Peer, policy: &str, worker
 /// One HTTP request of the open-loop driver.
 #[derive(Debug, Clone)]
 struct HttpReq {
+    /// Names the request in [`HttpDrive::answers`] (may be empty).
+    id: String,
     /// `/v1/chat/completions` or `/v1/completions`.
     path: &'static str,
     body: Value,
@@ -184,6 +187,8 @@ struct HttpDrive {
     /// llama-server's `timings.cache_n`).
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// Every answer, in request order (failed requests count 0 tokens).
+    answers: Vec<crate::driver::Answer>,
 }
 
 /// (prompt tokens, cached tokens) of an answer, as the daemon reads them.
@@ -203,7 +208,7 @@ async fn http_drive(url: &str, reqs: &[HttpReq], limit: usize) -> anyhow::Result
     for r in reqs {
         let arrival = start + r.at;
         tokio::time::sleep_until(arrival).await;
-        let (http, sem, body, target) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{}", r.path));
+        let (http, sem, body, target, id) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{}", r.path), r.id.clone());
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await.expect("never closed");
             let res = http.post(target).json(&body).send().await;
@@ -219,25 +224,29 @@ async fn http_drive(url: &str, reqs: &[HttpReq], limit: usize) -> anyhow::Result
                 }
                 Err(e) => Err(format!("{e}")),
             };
-            (Instant::now(), (Instant::now() - arrival).as_secs_f64(), outcome)
+            (id, Instant::now(), (Instant::now() - arrival).as_secs_f64(), outcome)
         }));
     }
     let mut lat = Vec::with_capacity(tasks.len());
+    let mut answers = Vec::with_capacity(tasks.len());
     let (mut ok, mut last, mut first_error, mut prompt_tokens, mut cached_tokens) = (0, start, None, 0, 0);
     for t in tasks {
-        let (done, l, outcome) = t.await?;
+        let (id, done, l, outcome) = t.await?;
         last = last.max(done);
         lat.push(l);
-        match outcome {
+        let (p, c) = match outcome {
             Ok((p, c)) => {
                 ok += 1;
                 prompt_tokens += p;
                 cached_tokens += c;
+                (p, c)
             }
             Err(e) => {
                 first_error.get_or_insert(e);
+                (0, 0)
             }
-        }
+        };
+        answers.push(crate::driver::Answer { id, done_s: (done - start).as_secs_f64(), latency_s: l, prompt_tokens: p, cached_tokens: c });
     }
     lat.sort_by(|a, b| a.total_cmp(b));
     Ok(HttpDrive {
@@ -249,6 +258,7 @@ async fn http_drive(url: &str, reqs: &[HttpReq], limit: usize) -> anyhow::Result
         first_error,
         prompt_tokens,
         cached_tokens,
+        answers,
     })
 }
 
@@ -393,6 +403,7 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         let http_reqs: Vec<HttpReq> = convs
             .iter()
             .map(|(messages, at, max_tokens)| HttpReq {
+                id: String::new(),
                 path: "/v1/chat/completions",
                 body: json!({"model": "simulated", "messages": messages, "max_tokens": max_tokens, "temperature": 0}),
                 at: Duration::from_secs_f64(at / speedup),
@@ -475,9 +486,12 @@ fn report_row(r: &PeerRow, oracle: f64) {
 /// One run on 2 real llama-servers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LlamaRow {
-    /// `prefix-batcher (defaults)` or `sglang-router cache_aware`.
+    /// One of [`LLAMA_DAEMON`], [`LLAMA_DAEMON_OFF`], [`LLAMA_SGLANG`].
     pub route: String,
     pub rep: usize,
+    /// Position of this route in its repetition's order (0 = ran first).
+    #[serde(default)]
+    pub position: usize,
     pub requests: usize,
     pub ok: usize,
     /// Cached prompt tokens ÷ prompt tokens, from the servers' answers (llama-server's own count).
@@ -485,7 +499,40 @@ pub struct LlamaRow {
     pub prompt_tokens: u64,
     /// First request sent → last answer, seconds.
     pub wall_s: f64,
+    /// Latency (publish or arrival → answer) percentiles over all requests, seconds.
+    #[serde(default = "nan")]
+    pub p50_s: f64,
+    #[serde(default = "nan")]
+    pub p99_s: f64,
+    /// Mean batch purity of the daemons (NaN for the router).
+    #[serde(default = "nan")]
+    pub purity: f64,
+    /// The same measures restricted to each dataset's requests of the mixed run.
+    #[serde(default)]
+    pub by_dataset: Vec<LlamaShare>,
 }
+
+/// One dataset's requests within a mixed run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LlamaShare {
+    pub dataset: String,
+    pub requests: usize,
+    pub cached_ratio: f64,
+    pub prompt_tokens: u64,
+    /// First request sent → this dataset's last answer, seconds.
+    pub wall_s: f64,
+    pub p50_s: f64,
+    pub p99_s: f64,
+}
+
+fn nan() -> f64 {
+    f64::NAN
+}
+
+/// The routes of the real-server comparison, as they appear in [`LlamaRow::route`].
+pub const LLAMA_DAEMON: &str = "prefix-batcher (defaults)";
+pub const LLAMA_DAEMON_OFF: &str = "prefix-batcher (keying off)";
+pub const LLAMA_SGLANG: &str = "sglang-router cache_aware";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LlamaPeers {
@@ -493,6 +540,13 @@ pub struct LlamaPeers {
     pub requests: usize,
     pub server_args: String,
     pub rows: Vec<LlamaRow>,
+    /// Token-level oracle per dataset (its requests in submission order) and of the whole mix
+    /// (`"mixed"`): (name, hit ratio, prompt tokens). Empty when not measured (quick mode).
+    #[serde(default)]
+    pub oracle: Vec<(String, f64, u64)>,
+    /// Per dataset: how its sample was drawn.
+    #[serde(default)]
+    pub samples: Vec<data::SampleInfo>,
 }
 
 /// The two real servers of one run, fresh (named after the invocation so that no one else's
@@ -508,22 +562,79 @@ fn llama_pair(env: &Env) -> anyhow::Result<(procs::LlamaServer, procs::LlamaServ
     Ok((a?, b?))
 }
 
+/// Splits a run's answers by dataset (`dataset_of`: request id → dataset).
+fn shares(answers: &[crate::driver::Answer], dataset_of: &HashMap<String, String>, datasets: &[String]) -> Vec<LlamaShare> {
+    datasets
+        .iter()
+        .map(|ds| {
+            let mine: Vec<_> = answers.iter().filter(|a| dataset_of.get(&a.id) == Some(ds)).collect();
+            let mut lat: Vec<f64> = mine.iter().map(|a| a.latency_s).collect();
+            lat.sort_by(|a, b| a.total_cmp(b));
+            let prompt: u64 = mine.iter().map(|a| a.prompt_tokens).sum();
+            let cached: u64 = mine.iter().map(|a| a.cached_tokens).sum();
+            LlamaShare {
+                dataset: ds.clone(),
+                requests: mine.len(),
+                cached_ratio: cached as f64 / prompt.max(1) as f64,
+                prompt_tokens: prompt,
+                wall_s: mine.iter().map(|a| a.done_s).fold(f64::NAN, f64::max),
+                p50_s: procs::percentile(&lat, 0.5),
+                p99_s: procs::percentile(&lat, 0.99),
+            }
+        })
+        .collect()
+}
+
 /// Part 7b: bbh-cot and mmlu-5shot mixed, on 2 real llama-servers (SmolLM2-135M, `-np 2`, one
 /// thread, `--cache-ram 0`), prefix-batcher's defaults (2 instances, `llm.max_concurrency = 1`,
 /// `max_batch_wait = 1s`, as part 1) vs SGLang's `cache_aware` (at most 1 × 2 requests in
-/// flight), everything sent at once; `reps` repetitions in alternating order.
-pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usize) -> anyhow::Result<LlamaPeers> {
+/// flight), everything sent at once; `plan.llama_reps` repetitions, repetition r starting with
+/// route r mod (number of routes). With `plan.llama_off_route` the daemon with
+/// `keying.mode = "off"` is a third route (medium mode: part 1's keyed-vs-off comparison comes
+/// from these runs) and the token-level oracle is measured.
+///
+/// Longer than 80 lines on purpose: the three routes share the sample, the request bodies and
+/// the servers' set-up, and read in the order a repetition runs them.
+pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<LlamaPeers> {
     let python = install(env)?;
     let http = reqwest::Client::new();
     std::fs::write(env.work.join("empty.toml"), "")?;
     let size = plan.cache_sample_size();
     let datasets = vec!["bbh-cot".to_owned(), "mmlu-5shot".to_owned()];
     let mut items = Vec::new();
+    let mut samples = Vec::new();
     for ds in &datasets {
-        items.extend(data::sample(data_dir, ds, size, plan.seed)?.0);
+        let (its, info) = data::sample(data_dir, ds, size, plan.seed)?;
+        items.extend(its);
+        samples.push(info);
     }
     fastrand::Rng::with_seed(plan.seed).shuffle(&mut items);
-    eprintln!("bench: peers on llama-server: {} requests ({}), {reps} repetitions", items.len(), datasets.join(" + "));
+    let dataset_of: HashMap<String, String> =
+        items.iter().map(|it| (it.id.clone(), if it.id.starts_with("bbh-") { datasets[0].clone() } else { datasets[1].clone() })).collect();
+    let reps = plan.llama_reps.max(1);
+    let mut routes = vec![LLAMA_DAEMON];
+    if plan.llama_off_route {
+        routes.push(LLAMA_DAEMON_OFF);
+    }
+    routes.push(LLAMA_SGLANG);
+    eprintln!("bench: peers on llama-server: {} requests ({}), {} routes, {reps} repetitions", items.len(), datasets.join(" + "), routes.len());
+    let oracle = if plan.llama_off_route {
+        // One server's tokenizer and chat template (they are identical across servers).
+        let (a, b) = llama_pair(env)?;
+        let mut o = Vec::new();
+        for ds in &datasets {
+            let mine: Vec<data::Item> = items.iter().filter(|it| dataset_of.get(&it.id) == Some(ds)).cloned().collect();
+            let (r, t) = crate::parts::token_oracle(&http, &a.url, &mine).await?;
+            o.push((ds.clone(), r, t));
+        }
+        let (r, t) = crate::parts::token_oracle(&http, &a.url, &items).await?;
+        o.push(("mixed".to_owned(), r, t));
+        procs::LlamaServer::stop_all(vec![a, b]);
+        eprintln!("bench:   oracle: {}", o.iter().map(|(n, r, _)| format!("{n} {:.1}%", r * 100.0)).collect::<Vec<_>>().join(", "));
+        o
+    } else {
+        Vec::new()
+    };
     let queued: Vec<crate::driver::Req> = items
         .iter()
         .map(|it| {
@@ -541,16 +652,17 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usi
                 body[k] = v.clone();
             }
             let path = if body.get("messages").is_some() { "/v1/chat/completions" } else { "/v1/completions" };
-            HttpReq { path, body, at: Duration::ZERO }
+            HttpReq { id: it.id.clone(), path, body, at: Duration::ZERO }
         })
         .collect();
     let list_env = vec![("LLM__LIST_PROMPTS".to_owned(), "false".to_owned())];
     let mut rows = Vec::new();
     for rep in 0..reps {
-        let order = if rep % 2 == 0 { [true, false] } else { [false, true] };
-        for daemon in order {
-            let row = if daemon {
-                let (http, queued, list_env) = (&http, &queued, &list_env);
+        for position in 0..routes.len() {
+            let route = routes[(rep + position) % routes.len()];
+            let row = if route != LLAMA_SGLANG {
+                let keying = if route == LLAMA_DAEMON { Keying::Adaptive } else { Keying::Off };
+                let (http, queued, list_env, dataset_of, datasets) = (&http, &queued, &list_env, &dataset_of, &datasets);
                 attempt(env, "peers-llama", 16, move |run| async move {
                     let (a, b) = llama_pair(env)?;
                     let mut daemons = Vec::new();
@@ -561,7 +673,7 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usi
                                 run: run.clone(),
                                 instance: format!("bench-{i}"),
                                 partitions: 16,
-                                keying: Keying::Adaptive,
+                                keying,
                                 max_batch_size: 8,
                                 max_batch_wait: "1s".into(),
                                 endpoint: url.clone(),
@@ -570,20 +682,25 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usi
                             },
                         )?);
                     }
-                    procs::wait_ready(&http, &mut daemons, 16, Duration::from_secs(60)).await?;
+                    procs::wait_ready(http, &mut daemons, 16, Duration::from_secs(60)).await?;
                     let d = crate::driver::drive(&format!("{run}.input"), queued.clone(), Duration::from_secs(plan.cache_timeout_s), Duration::from_secs(1)).await?;
-                    crate::parts::stop_daemons(&http, daemons).await;
+                    let pages = crate::parts::stop_daemons(http, daemons).await;
                     procs::LlamaServer::stop_all(vec![a, b]);
                     procs::cleanup(&run, 16, &[]).await;
                     anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
                     Ok(LlamaRow {
-                        route: "prefix-batcher (defaults)".into(),
+                        route: route.into(),
                         rep,
+                        position,
                         requests: d.sent,
                         ok: d.ok,
                         cached_ratio: d.cached_tokens as f64 / d.prompt_tokens.max(1) as f64,
                         prompt_tokens: d.prompt_tokens,
                         wall_s: d.wall_s,
+                        p50_s: d.p50_s,
+                        p99_s: d.p99_s,
+                        purity: crate::parts::purity(&pages).0,
+                        by_dataset: shares(&d.answers, dataset_of, datasets),
                     })
                 })
                 .await?
@@ -601,18 +718,32 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path, reps: usi
                     eprintln!("bench:   sglang-router on llama-server: {} of {} failed, first: {e}", d.sent - d.ok, d.sent);
                 }
                 LlamaRow {
-                    route: "sglang-router cache_aware".into(),
+                    route: route.into(),
                     rep,
+                    position,
                     requests: d.sent,
                     ok: d.ok,
                     cached_ratio: d.cached_tokens as f64 / d.prompt_tokens.max(1) as f64,
                     prompt_tokens: d.prompt_tokens,
                     wall_s: d.wall_s,
+                    p50_s: d.p50_s,
+                    p99_s: d.p99_s,
+                    purity: f64::NAN,
+                    by_dataset: shares(&d.answers, &dataset_of, &datasets),
                 }
             };
-            eprintln!("bench:   llama rep {rep} {}: cached {:.1}% wall {:.1}s ok {}/{}", row.route, row.cached_ratio * 100.0, row.wall_s, row.ok, row.requests);
+            eprintln!(
+                "bench:   llama rep {rep} {}: cached {:.1}% wall {:.1}s p50 {:.1}s p99 {:.1}s ok {}/{}",
+                row.route,
+                row.cached_ratio * 100.0,
+                row.wall_s,
+                row.p50_s,
+                row.p99_s,
+                row.ok,
+                row.requests
+            );
             rows.push(row);
         }
     }
-    Ok(LlamaPeers { datasets, requests: items.len(), server_args: "-np 2 --threads 1 --cache-ram 0 (SmolLM2-135M)".into(), rows })
+    Ok(LlamaPeers { datasets, requests: items.len(), server_args: "-np 2 --threads 1 --cache-ram 0 (SmolLM2-135M)".into(), rows, oracle, samples })
 }

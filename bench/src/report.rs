@@ -28,6 +28,12 @@ pub struct Results {
     pub peers: Option<crate::peers::PeersResults>,
     #[serde(default)]
     pub peers_llama: Option<crate::peers::LlamaPeers>,
+    /// Seconds of the last invocation alone (`duration_s` sums the merged ones).
+    #[serde(default)]
+    pub this_run_s: f64,
+    /// Parts kept from earlier invocations, with the mode they were measured in.
+    #[serde(default)]
+    pub kept: Vec<(String, String)>,
 }
 
 fn pct(x: f64) -> String {
