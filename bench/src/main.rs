@@ -217,16 +217,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 this_run_s: 0.0,
                 kept: Vec::new(),
             };
-            if plan.llama_off_route && (want.contains(&"cache") || want.contains(&"peers-llama")) {
-                // Part 1's keyed-vs-off comparison and part 7's peer comparison share runs.
-                let pl = peers::part_peers_llama(&env, &plan, &data).await?;
-                if want.contains(&"cache") {
-                    results.cache = Some(parts::cache_from_llama(&pl));
-                }
-                if want.contains(&"peers-llama") {
-                    results.peers_llama = Some(pl);
-                }
-            } else if want.contains(&"cache") {
+            if want.contains(&"cache") {
                 results.cache = Some(parts::part_cache(&env, &plan, &data).await?);
             }
             if want.contains(&"scale") {
@@ -247,7 +238,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if want.contains(&"peers") {
                 results.peers = Some(peers::part_peers(&env, &plan, &data).await?);
             }
-            if want.contains(&"peers-llama") && !plan.llama_off_route {
+            if want.contains(&"peers-llama") {
                 results.peers_llama = Some(peers::part_peers_llama(&env, &plan, &data).await?);
             }
             results.duration_s = started.elapsed().as_secs_f64();

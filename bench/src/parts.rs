@@ -68,17 +68,31 @@ pub struct Plan {
     /// Part 7: (peer router, policy) routes besides prefix-batcher.
     #[serde(default)]
     pub peers_routes: Vec<(String, String)>,
+    /// Part 1: repetitions of every (dataset, cache, mode) run, the order of the modes rotated.
+    #[serde(default = "one")]
+    pub cache_reps: usize,
+    /// Part 1: also the host cache (`--cache-ram 8192`), besides the small one.
+    #[serde(default = "yes")]
+    pub cache_host: bool,
     /// Part 7's real llama-server comparison: repetitions (each with the routes' order rotated).
     #[serde(default = "three")]
     pub llama_reps: usize,
-    /// Part 7's real llama-server comparison: also the daemon with `keying.mode = "off"`; part 1
-    /// then takes its keyed-vs-off comparison from these runs instead of running its own.
+    /// Part 7's real llama-server comparison: also the daemon with `keying.mode = "off"`, a third
+    /// route.
     #[serde(default)]
     pub llama_off_route: bool,
 }
 
 fn three() -> usize {
     3
+}
+
+fn one() -> usize {
+    1
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The size of a benchmark invocation.
@@ -205,6 +219,8 @@ impl Plan {
                     .chain(vllm.iter().map(|p| ("vllm-router".to_owned(), (*p).to_owned())))
                     .collect()
             },
+            cache_reps: 1,
+            cache_host: true,
             llama_reps: 3,
             llama_off_route: false,
         };
@@ -216,9 +232,10 @@ impl Plan {
     }
 
     /// Medium mode over `base` (quick mode's sizes, or those of the results the simulator parts
-    /// are kept from): for the real servers, bbh-cot and mmlu-5shot with 4 groups × 12 prompts
-    /// each, measured keyed, off and through SGLang's router in the same 3 repetitions (small
-    /// cache only).
+    /// are kept from). For the real servers: bbh-cot and mmlu-5shot with 4 groups × 12 prompts
+    /// each; part 1 keyed vs off with the small cache only (the host cache and the other two
+    /// datasets are what does not fit in 30 minutes on 2 cores), 3 repetitions; part 7's
+    /// real-server comparison adds the daemon with keying off as a third route, 3 repetitions.
     pub fn medium_over(base: Plan) -> Plan {
         Plan {
             mode: "medium".into(),
@@ -226,6 +243,8 @@ impl Plan {
             cache_groups: 4,
             cache_per_group: 12,
             cache_timeout_s: 1200,
+            cache_reps: 3,
+            cache_host: false,
             llama_reps: 3,
             llama_off_route: true,
             ..base
@@ -392,70 +411,36 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     };
 
     let size = plan.cache_sample_size();
-    let caches: [(&str, &str); 2] = [("small", "0"), ("host", "8192")];
+    let caches: &[(&str, &str)] = if plan.cache_host { &[("small", "0"), ("host", "8192")] } else { &[("small", "0")] };
     let mut rows = Vec::new();
     let mut datasets = Vec::new();
     for ds in &plan.datasets {
         let groups = if ds == "bfcl-multiturn" { plan.cache_small_groups } else { plan.cache_groups };
         let (items, info) = data::sample(data_dir, ds, SampleSize { groups, ..size }, plan.seed)?;
-        eprintln!("bench: cache effect: {ds}: {} requests, {} groups", info.requests, info.groups);
+        eprintln!("bench: cache effect: {ds}: {} requests, {} groups, {} repetitions", info.requests, info.groups, plan.cache_reps.max(1));
         let mut oracle = None;
-        for (ci, (cache, ram)) in caches.iter().enumerate() {
-            // Alternate the order so neither mode always runs first.
-            let modes = if ci % 2 == 0 { [true, false] } else { [false, true] };
-            for keyed in modes {
-                let want_oracle = oracle.is_none();
-                let (row, o) = attempt(env, "cache", 16, |run| {
-                    cache_run(env, &http, plan, ds, &items, keyed, cache, ram, &list_env, want_oracle, run)
-                })
-                .await?;
-                if o.is_some() {
-                    oracle = o;
+        for rep in 0..plan.cache_reps.max(1) {
+            for (ci, (cache, ram)) in caches.iter().enumerate() {
+                // Rotate the order so neither mode always runs first (across caches and repetitions).
+                let modes = if (ci + rep) % 2 == 0 { [true, false] } else { [false, true] };
+                for keyed in modes {
+                    let want_oracle = oracle.is_none();
+                    let (mut row, o) = attempt(env, "cache", 16, |run| {
+                        cache_run(env, &http, plan, ds, &items, keyed, cache, ram, &list_env, want_oracle, run)
+                    })
+                    .await?;
+                    if o.is_some() {
+                        oracle = o;
+                    }
+                    row.rep = rep;
+                    rows.push(row);
                 }
-                rows.push(row);
             }
         }
         let (o, tokens) = oracle.unwrap_or((f64::NAN, 0));
         datasets.push(CacheDataset { sample: info, oracle: o, tokens });
     }
     Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts })
-}
-
-/// Part 1 in medium mode: the keyed and off rows of part 7's real llama-server runs (small cache,
-/// the mixed bbh-cot + mmlu-5shot sample), one row per dataset, route and repetition, each
-/// restricted to that dataset's requests; purity and batches are of the whole mixed run.
-pub fn cache_from_llama(pl: &crate::peers::LlamaPeers) -> CacheResults {
-    let mut rows = Vec::new();
-    for r in pl.rows.iter().filter(|r| r.route != crate::peers::LLAMA_SGLANG) {
-        for sh in &r.by_dataset {
-            rows.push(CacheRow {
-                dataset: sh.dataset.clone(),
-                rep: r.rep,
-                cache: "small".into(),
-                mode: if r.route == crate::peers::LLAMA_DAEMON { "keyed" } else { "off" }.into(),
-                requests: sh.requests,
-                ok: sh.requests,
-                wall_s: sh.wall_s,
-                p50_s: sh.p50_s,
-                p99_s: sh.p99_s,
-                cached_ratio: sh.cached_ratio,
-                prompt_tokens: sh.prompt_tokens,
-                usage_missing: 0,
-                purity: r.purity,
-                batches: 0,
-            });
-        }
-    }
-    rows.sort_by(|a, b| (&a.dataset, &a.mode, a.rep).cmp(&(&b.dataset, &b.mode, b.rep)));
-    let datasets = pl
-        .samples
-        .iter()
-        .map(|info| {
-            let (oracle, tokens) = pl.oracle.iter().find(|(n, _, _)| *n == info.dataset).map(|(_, o, t)| (*o, *t)).unwrap_or((f64::NAN, 0));
-            CacheDataset { sample: info.clone(), oracle, tokens }
-        })
-        .collect();
-    CacheResults { rows, datasets, cache_ram_help: String::new(), list_prompts: "llm.list_prompts = false (one prompt per call)".into() }
 }
 
 /// The median of `f` over the rows of one (dataset, cache, mode), with its minimum and maximum;

@@ -500,12 +500,12 @@ pub struct LlamaRow {
     /// First request sent → last answer, seconds.
     pub wall_s: f64,
     /// Latency (publish or arrival → answer) percentiles over all requests, seconds.
-    #[serde(default = "nan")]
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
     pub p50_s: f64,
-    #[serde(default = "nan")]
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
     pub p99_s: f64,
     /// Mean batch purity of the daemons (NaN for the router).
-    #[serde(default = "nan")]
+    #[serde(default = "nan", deserialize_with = "nan_if_null")]
     pub purity: f64,
     /// The same measures restricted to each dataset's requests of the mixed run.
     #[serde(default)]
@@ -520,13 +520,21 @@ pub struct LlamaShare {
     pub cached_ratio: f64,
     pub prompt_tokens: u64,
     /// First request sent → this dataset's last answer, seconds.
+    #[serde(deserialize_with = "nan_if_null")]
     pub wall_s: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub p50_s: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub p99_s: f64,
 }
 
 fn nan() -> f64 {
     f64::NAN
+}
+
+/// Reads a measure that may be NaN: serde_json writes NaN as `null`.
+pub(crate) fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
 /// The routes of the real-server comparison, as they appear in [`LlamaRow::route`].

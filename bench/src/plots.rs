@@ -219,13 +219,17 @@ pub fn cache_ratio(r: &CacheResults, out: &Path) -> anyhow::Result<()> {
     let w = 0.8 / bars.len() as f64;
     for (bi, (cache, mode, _)) in bars.iter().enumerate() {
         let c = colors[bi];
+        if !r.rows.iter().any(|x| x.cache == *cache && x.mode == *mode) {
+            continue; // e.g. the host cache in medium mode
+        }
         let rects: Vec<_> = names
             .iter()
             .enumerate()
             .filter_map(|(di, ds)| {
-                let row = r.rows.iter().find(|x| &x.dataset == ds && x.cache == *cache && x.mode == *mode)?;
+                // The median over repetitions (one run in quick and full mode).
+                let (ratio, _, _) = crate::parts::cache_stat(&r.rows, ds, cache, mode, |x| x.cached_ratio)?;
                 let x0 = di as f64 + 0.1 + bi as f64 * w;
-                Some(Rectangle::new([(x0, 0.0), (x0 + w * 0.92, row.cached_ratio * 100.0)], c.filled()))
+                Some(Rectangle::new([(x0, 0.0), (x0 + w * 0.92, ratio * 100.0)], c.filled()))
             })
             .collect();
         let label = format!("{mode}, {} cache", if *cache == "small" { "small (--cache-ram 0)" } else { "host (--cache-ram 8192)" });
