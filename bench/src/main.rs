@@ -181,7 +181,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 if merge { std::fs::read(out.join("results.json")).ok().and_then(|b| serde_json::from_slice(&b).ok()) } else { None };
             let plan = match &previous {
                 // The kept parts are described by the sizes they were measured with.
-                Some(prev) if medium => parts::Plan::medium_over(prev.plan.clone()),
+                Some(prev) if medium => parts::Plan { seed, ..parts::Plan::medium_over(prev.plan.clone()) },
                 _ => parts::Plan::new(mode, seed),
             };
             let started = Instant::now();
