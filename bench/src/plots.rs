@@ -191,7 +191,14 @@ pub fn cache_ratio(r: &CacheResults, out: &Path) -> anyhow::Result<()> {
     let names: Vec<String> = r.datasets.iter().map(|d| d.sample.dataset.clone()).collect();
     let n = names.len().max(1);
     let mut chart = ChartBuilder::on(&root)
-        .caption("Real llama-server (SmolLM2-135M, 2 instances): cached prompt-token ratio", ("sans-serif", 20))
+        .caption(
+            if r.rows.iter().any(|x| x.rep > 0) {
+                "Real llama-server (SmolLM2-135M, 2 instances): cached prompt-token ratio (median; line: min–max)"
+            } else {
+                "Real llama-server (SmolLM2-135M, 2 instances): cached prompt-token ratio"
+            },
+            ("sans-serif", 20),
+        )
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(60)
@@ -217,6 +224,7 @@ pub fn cache_ratio(r: &CacheResults, out: &Path) -> anyhow::Result<()> {
     let bars = [("small", "keyed", 0usize), ("small", "off", 1), ("host", "keyed", 2), ("host", "off", 3)];
     let colors = [COLORS[0], COLORS[1], RGBColor(120, 170, 220), RGBColor(255, 190, 120)];
     let w = 0.8 / bars.len() as f64;
+    let mut all_spreads = Vec::new();
     for (bi, (cache, mode, _)) in bars.iter().enumerate() {
         let c = colors[bi];
         if !r.rows.iter().any(|x| x.cache == *cache && x.mode == *mode) {
@@ -232,6 +240,16 @@ pub fn cache_ratio(r: &CacheResults, out: &Path) -> anyhow::Result<()> {
                 Some(Rectangle::new([(x0, 0.0), (x0 + w * 0.92, ratio * 100.0)], c.filled()))
             })
             .collect();
+        // The spread (min–max) over repetitions, as a line through the bar's middle.
+        let spreads = names
+            .iter()
+            .enumerate()
+            .filter_map(|(di, ds)| {
+                let (_, lo, hi) = crate::parts::cache_stat(&r.rows, ds, cache, mode, |x| x.cached_ratio)?;
+                let xm = di as f64 + 0.1 + bi as f64 * w + w * 0.46;
+                (hi > lo).then(|| PathElement::new(vec![(xm, lo * 100.0), (xm, hi * 100.0)], BLACK.stroke_width(2)))
+            });
+        all_spreads.extend(spreads);
         let label = format!("{mode}, {} cache", if *cache == "small" { "small (--cache-ram 0)" } else { "host (--cache-ram 8192)" });
         chart
             .draw_series(rects)
@@ -239,6 +257,7 @@ pub fn cache_ratio(r: &CacheResults, out: &Path) -> anyhow::Result<()> {
             .label(label)
             .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 16, y + 6)], c.filled()));
     }
+    chart.draw_series(all_spreads).map_err(err)?;
     let black = BLACK;
     chart
         .draw_series(r.datasets.iter().enumerate().map(|(di, d)| {
