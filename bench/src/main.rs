@@ -72,6 +72,12 @@ enum Cmd {
         input_prefetch: u16,
         #[arg(long, default_value_t = 64)]
         mid_prefetch: u16,
+        /// 1: one connection; 2: publishes on a second connection, as the daemon's.
+        #[arg(long, default_value_t = 1)]
+        connections: u8,
+        /// Base URL of an OpenAI-compatible server hop 2 calls per message.
+        #[arg(long)]
+        llm: Option<String>,
     },
 }
 
@@ -119,7 +125,9 @@ async fn interrupted() -> &'static str {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let root = root();
     match cli.command {
-        Cmd::Passthrough { name, input_prefetch, mid_prefetch } => passthrough::run(&name, input_prefetch, mid_prefetch).await,
+        Cmd::Passthrough { name, input_prefetch, mid_prefetch, connections, llm } => {
+            passthrough::run(&name, input_prefetch, mid_prefetch, connections, llm).await
+        }
         Cmd::Report { out } => {
             let out = out.unwrap_or_else(|| root.join("bench"));
             let r: report::Results = serde_json::from_slice(&std::fs::read(out.join("results.json")).context("reading results.json")?)?;
@@ -160,7 +168,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let release_dir = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root.join("target")).join("release");
             let env = procs::Env {
                 root: root.clone(),
-                daemon_bin: release_dir.join("prefix-batcher"),
+                // BENCH_DAEMON_BIN: another build of the daemon, to compare two builds part by part.
+                daemon_bin: std::env::var_os("BENCH_DAEMON_BIN").map(PathBuf::from).unwrap_or_else(|| release_dir.join("prefix-batcher")),
                 fakes_bin: release_dir.join("llm-fakes"),
                 bench_bin: std::env::current_exe()?,
                 work: work.clone(),

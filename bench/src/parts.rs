@@ -187,7 +187,7 @@ impl Plan {
                 max_concurrency: if full { 8 } else { 2 },
                 speedup: if full { 50.0 } else { 200.0 },
             },
-            overhead_burst: if full { 20_000 } else { 4_000 },
+            overhead_burst: if full { 20_000 } else { 10_000 },
             overhead_rate: 200.0,
             overhead_secs: if full { 30.0 } else { 5.0 },
             overhead_reps: if full { 5 } else { 3 },
@@ -850,7 +850,10 @@ pub async fn part_overhead(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::R
         }
         cleanup(&run_d, 16, &[]).await;
         cleanup(&format!("{run_d}w1"), 16, &[]).await;
-        cleanup(&run_p, 0, &[format!("{run_p}.pt-mid")]).await;
+        for (suffix, _, _) in PASS_VARIANTS {
+            let name = format!("{run_p}{suffix}");
+            cleanup(&name, 0, &[format!("{name}.pt-mid")]).await;
+        }
         match r {
             Ok((reps, rss_kb)) => return Ok(OverheadResults { reps, rss_kb, body_bytes_mean }),
             Err(e) => {
@@ -866,6 +869,11 @@ pub async fn part_overhead(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::R
 pub const DAEMON: &str = "daemon";
 pub const DAEMON_1MS: &str = "daemon, 1 ms wait";
 pub const PASS: &str = "pass-through";
+pub const PASS_2CONN: &str = "pass-through, 2 connections";
+pub const PASS_LLM: &str = "pass-through, 2 connections, LLM call";
+/// The pass-through variants: (queue-name suffix, system, calls the LLM), each one step closer to
+/// the daemon (`bench/src/passthrough.rs`).
+const PASS_VARIANTS: [(&str, &str, bool); 3] = [("", PASS, false), ("c2", PASS_2CONN, false), ("llm", PASS_LLM, true)];
 
 /// One overhead repetition (daemon or pass-through). Longer than 80 lines on purpose: burst,
 /// fixed-rate latency and the /proc CPU and RSS readings are one measurement of one process set.
@@ -904,19 +912,35 @@ async fn overhead_run(
     }
     wait_ready(http, &mut daemons[..1], 16, Duration::from_secs(60)).await?;
     wait_ready(http, &mut daemons[1..], 16, Duration::from_secs(60)).await?;
-    let mut cmd = Command::new(&env.bench_bin);
-    cmd.args(["passthrough", "--name", run_p, "--input-prefetch", "256", "--mid-prefetch", "64"]);
-    let (mut pass, _) = procs::spawn_until_line("pass-through", cmd, &env.work.join("passthrough.log"), Duration::from_secs(30), "ready")?;
+    let mut passes = Vec::new();
+    for (suffix, system, calls_llm) in PASS_VARIANTS {
+        let name = format!("{run_p}{suffix}");
+        let mut cmd = Command::new(&env.bench_bin);
+        cmd.args(["passthrough", "--name", &name, "--input-prefetch", "256", "--mid-prefetch", "64"]);
+        if system != PASS {
+            cmd.args(["--connections", "2"]);
+        }
+        if calls_llm {
+            cmd.args(["--llm", &fake_url]);
+        }
+        let log = env.work.join(format!("passthrough{suffix}.log"));
+        let (proc, _) = procs::spawn_until_line("pass-through", cmd, &log, Duration::from_secs(30), "ready")?;
+        passes.push((system, name, proc));
+    }
 
     let mut reps = Vec::new();
     for rep in 0..plan.overhead_reps {
-        let mut order = [DAEMON, DAEMON_1MS, PASS];
-        order.rotate_left(rep % 3);
+        let mut order = [DAEMON, DAEMON_1MS, PASS, PASS_2CONN, PASS_LLM];
+        let systems = order.len();
+        order.rotate_left(rep % systems);
         for (si, system) in order.into_iter().enumerate() {
             let (queue, pid) = match system {
                 DAEMON => (format!("{run_d}.input"), daemons[0].proc.pid()),
                 DAEMON_1MS => (format!("{run_d}w1.input"), daemons[1].proc.pid()),
-                _ => (format!("{run_p}.input"), pass.pid()),
+                _ => {
+                    let (_, name, proc) = passes.iter().find(|p| p.0 == system).expect("every pass-through variant runs");
+                    (format!("{name}.input"), proc.pid())
+                }
             };
             let tag = format!("s{si}-{rep}");
             let (cpu0, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
@@ -951,9 +975,13 @@ async fn overhead_run(
     let mut rss_kb = BTreeMap::new();
     rss_kb.insert(DAEMON.to_owned(), procs::proc_usage(daemons[0].proc.pid()).map(|u| u.1).unwrap_or(0));
     rss_kb.insert(DAEMON_1MS.to_owned(), procs::proc_usage(daemons[1].proc.pid()).map(|u| u.1).unwrap_or(0));
-    rss_kb.insert(PASS.to_owned(), procs::proc_usage(pass.pid()).map(|u| u.1).unwrap_or(0));
+    for (system, _, proc) in &passes {
+        rss_kb.insert((*system).to_owned(), procs::proc_usage(proc.pid()).map(|u| u.1).unwrap_or(0));
+    }
     stop_daemons(http, daemons).await;
-    pass.stop(Duration::from_secs(10));
+    for (_, _, mut proc) in passes {
+        proc.stop(Duration::from_secs(10));
+    }
     Ok((reps, rss_kb))
 
 }

@@ -410,17 +410,22 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
              (the smallest valid wait) separates the pipeline's own latency from the batching wait (the default 1 s wait adds up to \
              1 s at low per-key rates). **pass-through**: the minimal consumer in \
              `bench/src/passthrough.rs`: input queue → confirmed publish through a direct exchange to one quorum single-active-consumer \
-             queue → ack; that queue → confirmed publish of a small result to `reply_to` → ack; no parsing, keying, batching or LLM call. \
+             queue → ack; that queue → confirmed publish of a small result to `reply_to` → ack; no parsing, keying, batching or LLM call; \
+             one connection. **pass-through, 2 connections**: the same, with its publishes on a second connection as the daemon's are \
+             (RabbitMQ blocks publishing connections under an alarm, so consumers and acks get their own; each lapin connection \
+             has its own I/O thread). **pass-through, 2 connections, LLM call**: the same, and hop 2 calls the instant LLM once per \
+             message (`POST /v1/completions`, no batching) and publishes its text: a competing consumer that does the daemon's job \
+             without keying, batching or leases. \
              Same broker, same quorum queues, same prefetch (256 / 64), publisher confirms on every hop. Requests are BIG-Bench-Hard \
              prompts of all tasks (mean {:.0} bytes). Throughput: {} requests published at once, results counted until the last one \
              (requests/s = results ÷ time from first publish to last result). Latency: {} req/s for {} s, end to end (publish → result \
-             received). CPU: user + system seconds of the process (from /proc) during the throughput run ÷ requests × 1000. \
-             {} repetitions, rotating which system goes first; medians.\n",
+             received). CPU: the on-CPU time of the process's threads (`/proc/PID/task/*/schedstat`, nanoseconds) during the \
+             throughput run ÷ requests × 1000. {} repetitions, rotating which system goes first; medians.\n",
             o.body_bytes_mean, p.overhead_burst, p.overhead_rate, p.overhead_secs, p.overhead_reps
         );
         let _ = writeln!(s, "| system | throughput req/s | p50 ms | p99 ms | CPU s / 1000 req | peak RSS MiB |");
         let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: | ---: |");
-        for name in [crate::parts::DAEMON, crate::parts::DAEMON_1MS, crate::parts::PASS] {
+        for name in [crate::parts::DAEMON, crate::parts::DAEMON_1MS, crate::parts::PASS, crate::parts::PASS_2CONN, crate::parts::PASS_LLM] {
             if !o.reps.iter().any(|x| x.system == name) {
                 continue;
             }
@@ -448,6 +453,25 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             num((dp50 - pp50) * 1e3, 1),
             num((dp99 - pp99) * 1e3, 1)
         );
+        let (_, w1p50, w1p99, _) = overhead_medians(o, crate::parts::DAEMON_1MS);
+        let _ = writeln!(s, "Against each baseline (throughput and CPU: the 10 ms deployment; added latency: the 1 ms deployment, less its 1 ms wait):\n");
+        let _ = writeln!(s, "| baseline | throughput ratio | CPU per request ratio | added p50 ms | added p99 ms |");
+        let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
+        for name in [crate::parts::PASS, crate::parts::PASS_2CONN, crate::parts::PASS_LLM] {
+            if !o.reps.iter().any(|x| x.system == name) {
+                continue;
+            }
+            let (bt, bp50, bp99, bcpu) = overhead_medians(o, name);
+            let _ = writeln!(
+                s,
+                "| {name} | {} | {} | {} | {} |",
+                num(dt / bt, 2),
+                num(dcpu / bcpu, 2),
+                num((w1p50 - bp50) * 1e3 - 1.0, 1),
+                num((w1p99 - bp99) * 1e3 - 1.0, 1)
+            );
+        }
+        let _ = writeln!(s);
         let _ = writeln!(s, "Every repetition (LLM CPU: the instant LLM's own CPU during the burst):\n\n| rep | system | throughput req/s | CPU s / 1000 | LLM CPU s / 1000 | p50 ms | p99 ms | ok / requests |");
         let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
         for x in &o.reps {
