@@ -405,7 +405,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             "Instant LLM: the simulator (`llm-fakes simulate`) with zero prefill and decode cost (answers as soon as it has hashed the prompt). \
              The fake LLM (`llm-fakes fake`) is not used because its cache model compares each prompt with every earlier one: it gets \
              slower as a run goes on (a first quick run measured the daemon behind it at 1862, 615, then 387 req/s in three \
-             consecutive bursts). **daemon**: one instance, 16 partitions, keyed (`prefix_chars = 256`, 8 shards), \
+             consecutive bursts). **daemon**: one instance, 16 partitions, adaptive keying (the default), \
              `max_batch_size = 8`, `max_batch_wait = 10ms`, `llm.max_concurrency = 4`; a second deployment with `max_batch_wait = 1ms` \
              (the smallest valid wait) separates the pipeline's own latency from the batching wait (the default 1 s wait adds up to \
              1 s at low per-key rates). **pass-through**: the minimal consumer in \
@@ -420,7 +420,8 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
              prompts of all tasks (mean {:.0} bytes). Throughput: {} requests published at once, results counted until the last one \
              (requests/s = results ÷ time from first publish to last result). Latency: {} req/s for {} s, end to end (publish → result \
              received). CPU: the on-CPU time of the process's threads (`/proc/PID/task/*/schedstat`, nanoseconds) during the \
-             throughput run ÷ requests × 1000. {} repetitions, rotating which system goes first; medians.\n",
+             throughput run ÷ requests × 1000. {} repetitions, rotating which system goes first; medians. Where the daemon's CPU \
+             goes, from a profile of this part: [`PROFILE.md`](PROFILE.md).\n",
             o.body_bytes_mean, p.overhead_burst, p.overhead_rate, p.overhead_secs, p.overhead_reps
         );
         let _ = writeln!(s, "| system | throughput req/s | p50 ms | p99 ms | CPU s / 1000 req | peak RSS MiB |");
