@@ -558,24 +558,26 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         render_peers_llama(&mut s, pl);
     }
     let _ = writeln!(s, "## Caveats\n");
-    if p.mode == "medium" {
+    // Part 1 in medium mode: run by this command, or kept from an earlier medium one.
+    let medium_cache = r.cache.as_ref().filter(|_| p.mode == "medium" || r.kept.iter().any(|(part, mode)| part == "cache" && mode == "medium"));
+    if let Some(c) = medium_cache {
         let _ = writeln!(
             s,
             "- Medium mode: part 1 and the real llama-server comparison use {} prompts per dataset and {} repetitions (medians, spread in \
-             brackets); the simulator parts were kept from the earlier command named in the header and carry that mode's sample sizes. \
+             brackets); the simulator parts carry the sample sizes of the mode that ran them (header). \
              Keyed routing sends each prefix to the same server every run (same keys, same partitions, same instance names), so its \
              cached ratio moves only by a few points (which requests share a batch depends on timing); `off` picks partitions at random \
              and the router's choices depend on timing, so their spreads are wider.",
-            p.cache_groups * p.cache_per_group,
-            p.cache_reps
+            c.rows.first().map_or(0, |x| x.requests),
+            cache_reps(c)
         );
     } else {
         let _ = writeln!(
             s,
             "- Quick mode uses small samples on the real server (it prefills roughly 100–250 tokens/s per core here), so part 1's ratios are from \
              tens of prompts and one run each, not medians; medium mode (`bench/run --medium`) and full mode (`bench/run --full`) use larger \
-             samples. Keyed results are deterministic here (same keys, same partitions, same instance names every run), but `off` picks \
-             partitions at random, so its cached ratio and wall time change from run to run by tens of points on such small samples; read \
+             samples. Keyed routing is the same every run (same keys, same partitions, same instance names; which requests share a batch \
+             depends on timing), but `off` picks partitions at random, so its cached ratio and wall time change from run to run by tens of points on such small samples; read \
              part 1's `off` column as one draw."
         );
     }
