@@ -196,12 +196,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
              any earlier prompt of the sample (at most all but its last token).\n",
             c.cache_ram_help.split_whitespace().collect::<Vec<_>>().join(" ")
         );
-        let _ = writeln!(s, "| dataset | sample | prompt tokens | oracle |");
-        let _ = writeln!(s, "| --- | --- | ---: | ---: |");
-        for d in &c.datasets {
-            let _ = writeln!(s, "| {} | {} | {} | {} |", d.sample.dataset, d.sample.note, d.tokens, pct(d.oracle));
-        }
-        let _ = writeln!(s);
+        oracle_table(&mut s, c);
         let _ = writeln!(s, "| dataset | cache | mode | cached tokens | ÷ oracle | wall s | p50 s | p99 s | mean batch purity | batches | ok / requests |");
         let _ = writeln!(s, "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
         for row in &c.rows {
@@ -610,6 +605,16 @@ fn kept_note(r: &Results) -> String {
     )
 }
 
+/// Part 1's table of samples and their token-level oracles, then a blank line.
+fn oracle_table(s: &mut String, c: &CacheResults) {
+    let _ = writeln!(s, "| dataset | sample | prompt tokens | oracle |");
+    let _ = writeln!(s, "| --- | --- | ---: | ---: |");
+    for d in &c.datasets {
+        let _ = writeln!(s, "| {} | {} | {} | {} |", d.sample.dataset, d.sample.note, d.tokens, pct(d.oracle));
+    }
+    let _ = writeln!(s);
+}
+
 /// Repetitions of part 1 (1 in quick and full mode).
 fn cache_reps(c: &CacheResults) -> usize {
     c.rows.iter().map(|x| x.rep).max().map_or(0, |r| r + 1)
@@ -649,12 +654,7 @@ fn render_cache_reps(s: &mut String, c: &CacheResults, p: &Plan, plots: &[(&str,
         "Oracle: token-level, from llama-server's own tokenizer and chat template: each prompt reuses its longest common token prefix with \
          any earlier prompt of the sample (at most all but its last token).\n"
     );
-    let _ = writeln!(s, "| dataset | sample | prompt tokens | oracle |");
-    let _ = writeln!(s, "| --- | --- | ---: | ---: |");
-    for d in &c.datasets {
-        let _ = writeln!(s, "| {} | {} | {} | {} |", d.sample.dataset, d.sample.note, d.tokens, pct(d.oracle));
-    }
-    let _ = writeln!(s);
+    oracle_table(s, c);
     let _ = writeln!(s, "| dataset | mode | cached tokens | ÷ oracle | wall s | p50 s | p99 s | ok / requests |");
     let _ = writeln!(s, "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     for d in &c.datasets {
