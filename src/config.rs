@@ -741,7 +741,7 @@ impl Settings {
         let redis = redis(&r.redis)?;
         let ownership = ownership(&r.ownership)?;
         let keying = keying(&r.keying)?;
-        let sharding = sharding(&r.sharding, amqp.partitions)?;
+        let sharding = sharding(&r.sharding, amqp.partitions, keying.mode)?;
         let batching = batching(&r.batching, &amqp)?;
         let llm = llm(&r.llm)?;
         let own_queues = [amqp.input_queue.as_str(), &amqp.results_queue, &amqp.dead_letter_queue];
@@ -1050,8 +1050,11 @@ fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
     })
 }
 
-/// `[sharding]`: every shard count at least 1 and at most `amqp.partitions`.
-fn sharding(s: &RawSharding, partitions: NonZeroU32) -> Result<ShardingSettings, ConfigError> {
+/// `[sharding]`: every shard count at least 1 and at most `amqp.partitions`, except the two that
+/// a mode does not use as a table entry: `max_shards`, and `default_shards` outside the static
+/// `prefix` mode (which ignore it). Those are capped at `amqp.partitions`, so lowering
+/// `amqp.partitions` below their defaults (8) needs no other change.
+fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result<ShardingSettings, ConfigError> {
     let mut keys = HashMap::new();
     for (k, v) in &s.keys {
         keys.insert(k.clone(), nonzero_u32("sharding.keys", *v)?);
@@ -1062,8 +1065,9 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32) -> Result<ShardingSettings,
             .map_err(|e| invalid("sharding.rules.pattern", format!("{:?}", rule.pattern), format!("must be a regular expression ({e})")))?;
         rules.push(ShardRule { pattern, shards: nonzero_u32("sharding.rules.shards", rule.shards)? });
     }
+    let default_shards = nonzero_u32("sharding.default_shards", s.default_shards)?;
     let sharding = ShardingSettings {
-        default_shards: nonzero_u32("sharding.default_shards", s.default_shards)?,
+        default_shards: if mode == KeyingMode::Prefix { default_shards } else { default_shards.min(partitions) },
         // More shards than partitions spread no further: capped, so lowering `amqp.partitions`
         // needs no change here.
         max_shards: nonzero_u32("sharding.max_shards", s.max_shards)?.min(partitions),
@@ -1213,6 +1217,17 @@ mod tests {
         let mut few = RawConfig::default();
         (few.amqp.partitions, few.sharding.default_shards) = (4, 4);
         assert_eq!(ok(&few).sharding.max_shards.get(), 4, "max_shards is capped at amqp.partitions");
+        // Fewer partitions than the shard defaults (8), nothing else set: the adaptive and `off`
+        // modes ignore `default_shards`, so it is capped; the static mode uses it, so it is refused.
+        let mut one = RawConfig::default();
+        one.amqp.partitions = 1;
+        let s1 = ok(&one);
+        assert_eq!((s1.sharding.default_shards.get(), s1.sharding.max_shards.get()), (1, 1));
+        one.keying.mode = "off".into();
+        assert_eq!(ok(&one).sharding.default_shards.get(), 1);
+        one.keying.mode = "prefix".into();
+        let e = Settings::from_raw(&one).unwrap_err().to_string();
+        assert!(e.contains("sharding.default_shards") && e.contains("amqp.partitions (1)"), "{e}");
         assert_eq!(s.keying.mode, KeyingMode::Adaptive, "adaptive keying is the default");
         assert_eq!(s.ownership.lease_ttl, Duration::from_secs(15));
         assert_eq!(s.amqp.partition_queue(7), "prefix-batcher.partition.007");
@@ -1291,7 +1306,7 @@ mod tests {
             (|r| r.amqp.partitions = 0, "amqp.partitions"),
             (|r| r.amqp.partition_prefetch = 70000, "amqp.partition_prefetch"),
             (|r| r.sharding.default_shards = 0, "sharding.default_shards"),
-            (|r| r.sharding.default_shards = 65, "sharding.default_shards"),
+            (|r| (r.keying.mode, r.sharding.default_shards) = ("prefix".into(), 65), "sharding.default_shards"),
             (|r| r.sharding.max_shards = 0, "sharding.max_shards"),
             (|r| r.llm.endpoints = vec![], "llm.endpoints"),
             (|r| r.llm.endpoints = vec!["ftp://x".into()], "llm.endpoints"),
