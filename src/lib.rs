@@ -30,7 +30,8 @@
 //!   acquisitions) and the lifecycle of owned partitions.
 //! - [`partition`]: the pipeline of one owned partition.
 //! - [`llm`]: the OpenAI-compatible client (batching, retries, concurrency limits, fault classes).
-//! - [`breaker`]: the per-endpoint circuit breaker of the LLM client (pure).
+//! - [`breaker`]: the per-endpoint circuit breaker of the LLM client (pure); [`permits`]: its
+//!   per-endpoint concurrency permits, handed out continuation first (same prefix key next).
 //! - [`publisher`]: the publisher stage — parse-or-dead-letter, result shaping, confirmed publishes,
 //!   the ack after the effect, and every header name.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
@@ -63,6 +64,7 @@ pub mod membership;
 pub mod metrics;
 pub mod ownership;
 pub mod partition;
+pub mod permits;
 pub mod policy;
 pub mod publisher;
 pub mod readiness;

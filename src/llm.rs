@@ -50,7 +50,9 @@ use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
 use serde_json::{Map, Value};
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::watch;
+
+use crate::permits::KeyedPermits;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use url::Url;
@@ -161,8 +163,9 @@ struct Endpoint {
     name: String,
     completions: Url,
     chat: Url,
-    /// `llm.max_concurrency` permits; one HTTP call (not one item) holds one permit.
-    permits: Semaphore,
+    /// `llm.max_concurrency` permits; one HTTP call (not one item) holds one permit. Handed out
+    /// continuation first ([`crate::permits`]).
+    permits: KeyedPermits,
     /// Set once the endpoint answered a list prompt llama.cpp-style, with the usage of its first
     /// prompt only: completions groups then go as one call per prompt, so every item gets its own
     /// exact usage and the cached-token metrics stay true.
@@ -198,6 +201,9 @@ pub struct InferenceItem<'a> {
     /// always ours; a `stream: true` is turned into `false` (and `stream_options` dropped) because
     /// the batcher needs one whole answer per call.
     pub params: &'a Map<String, Value>,
+    /// The prefix key the batch was formed by (its 64-bit hash), or `None`. Calls of the same key
+    /// get the endpoint's permits one after another ([`crate::permits`]); no other effect.
+    pub prefix_key: Option<u64>,
 }
 
 /// The successful result of one item.
@@ -632,7 +638,7 @@ impl LlmClient {
         let _permit = tokio::select! {
             biased;
             _ = cancel.cancelled() => return group.members.iter().map(|&i| (i, Err(LlmError::cancelled()))).collect(),
-            p = ep.permits.acquire() => p,
+            p = ep.permits.acquire(items[group.members[0]].prefix_key) => p,
         };
         let mut out = Vec::with_capacity(group.members.len());
         for &member in &group.members {
@@ -667,7 +673,8 @@ impl LlmClient {
             CallKind::Completions => demux_completions(v, n_members, choices_per_prompt),
             CallKind::Chat => parse_chat(v),
         };
-        let call = Call { endpoint, url, payload, n_items: n_members, permit_held, list: n_members > 1 };
+        let prefix_key = group.members.first().and_then(|&i| items[i].prefix_key);
+        let call = Call { endpoint, url, payload, n_items: n_members, permit_held, list: n_members > 1, prefix_key };
         let (result, attempts) = self.send_with_retries(&call, cancel, parse).await;
         let parsed = match result {
             Ok(parsed) => parsed,
@@ -756,7 +763,7 @@ impl LlmClient {
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Gate::Cancelled,
-                p = ep.permits.acquire() => Some(p),
+                p = ep.permits.acquire(call.prefix_key) => Some(p),
             }
         };
         let admission = self.admit(call.endpoint);
@@ -913,6 +920,8 @@ struct Call<'a> {
     permit_held: bool,
     /// A list-prompt call of several prompts: its request faults are not retried as a whole.
     list: bool,
+    /// The prefix key of its items, for the permit order.
+    prefix_key: Option<u64>,
 }
 
 /// How one attempt through the breaker went.
@@ -943,7 +952,7 @@ impl Endpoint {
             chat: join(CHAT_COMPLETIONS_PATH)?,
             probing: AtomicBool::new(false),
             name,
-            permits: Semaphore::new(settings.max_concurrency.get()),
+            permits: KeyedPermits::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
             breaker: Mutex::new(Breaker::new(policy)),
             changed: watch::Sender::new(()),
@@ -1428,7 +1437,7 @@ mod tests {
     }
 
     fn items<'a>(reqs: &'a [(Body, Map<String, Value>)]) -> Vec<InferenceItem<'a>> {
-        reqs.iter().map(|(body, params)| InferenceItem { body, model: None, params }).collect()
+        reqs.iter().map(|(body, params)| InferenceItem { body, model: None, params, prefix_key: None }).collect()
     }
 
     async fn run(client: &LlmClient, reqs: &[(Body, Map<String, Value>)]) -> Vec<Result<Completion, LlmError>> {
@@ -1649,7 +1658,7 @@ mod tests {
             (completion("e2"), two.clone()),
         ];
         let mut its = items(&reqs);
-        its.push(InferenceItem { body: &reqs[0].0, model: Some("other"), params: &one });
+        its.push(InferenceItem { body: &reqs[0].0, model: Some("other"), params: &one, prefix_key: None });
         let results = client.infer(0, &its, &CancellationToken::new()).await;
         let outputs: Vec<Value> = results.into_iter().map(|r| r.unwrap().output).collect();
         assert_eq!(

@@ -594,7 +594,7 @@ async fn process_batch(
     let items: Vec<InferenceItem<'_>> = batch
         .items
         .iter()
-        .map(|p| InferenceItem { body: &p.req.body, model: p.req.model.as_deref(), params: &p.req.params })
+        .map(|p| InferenceItem { body: &p.req.body, model: p.req.model.as_deref(), params: &p.req.params, prefix_key: Some(batch.key.0) })
         .collect();
     // `None`: stopping, lease lost or session ending. Nothing is settled here; the channel's close
     // returns these requests.

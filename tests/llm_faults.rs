@@ -149,7 +149,7 @@ fn requests(prompts: &[&str], params: Value) -> Vec<(Body, Map<String, Value>)> 
 }
 
 async fn infer(client: &LlmClient, reqs: &[(Body, Map<String, Value>)]) -> Vec<Result<Completion, LlmError>> {
-    let items: Vec<InferenceItem<'_>> = reqs.iter().map(|(body, params)| InferenceItem { body, model: None, params }).collect();
+    let items: Vec<InferenceItem<'_>> = reqs.iter().map(|(body, params)| InferenceItem { body, model: None, params, prefix_key: None }).collect();
     client.infer(0, &items, &CancellationToken::new()).await
 }
 
@@ -326,7 +326,7 @@ async fn a_down_home_endpoint_fails_over_to_the_next_healthy_one() {
     let partition = (0..64).find(|&p| client.endpoint_ranking(p)[0] == 0).expect("some partition lives on endpoint 0");
     assert_eq!(client.endpoint_for(partition), 0);
     let reqs = requests(&["p0"], json!({}));
-    let items: Vec<InferenceItem<'_>> = reqs.iter().map(|(body, params)| InferenceItem { body, model: None, params }).collect();
+    let items: Vec<InferenceItem<'_>> = reqs.iter().map(|(body, params)| InferenceItem { body, model: None, params, prefix_key: None }).collect();
     for _ in 0..2 {
         client.infer(0, &items, &CancellationToken::new()).await;
     }
