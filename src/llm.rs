@@ -1691,6 +1691,28 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_waiting_batch_of_the_key_that_just_ran_goes_first() {
+        // One permit. Batch a1 runs; b1 then a2 queue behind it. First come first served would
+        // call the server a1, b1, a2 and let b1 overwrite the slot that holds a's prefix.
+        for list_prompts in [true, false] {
+            let fake = FakeLlm::new().latency(Duration::from_millis(50)).start().await.unwrap();
+            let mut s = settings(&fake.url);
+            (s.max_concurrency, s.list_prompts) = (NonZeroUsize::new(1).unwrap(), list_prompts);
+            let client = LlmClient::new(&s).unwrap();
+            let none = Map::new();
+            let (a1, b1, a2) = (completion("a1"), completion("b1"), completion("a2"));
+            let item = |body, key| [InferenceItem { body, model: None, params: &none, prefix_key: Some(key) }];
+            let (ia1, ib1, ia2) = (item(&a1, 1), item(&b1, 2), item(&a2, 1));
+            let cancel = CancellationToken::new();
+            // `join!` polls in order: a1 takes the free permit, then b1 and a2 queue in that order.
+            let (ra1, rb1, ra2) = tokio::join!(client.infer(0, &ia1, &cancel), client.infer(0, &ib1, &cancel), client.infer(0, &ia2, &cancel));
+            assert!(ra1[0].is_ok() && rb1[0].is_ok() && ra2[0].is_ok());
+            let order: Vec<String> = fake.calls().into_iter().flat_map(|c| c.prompts).collect();
+            assert_eq!(order, ["a1", "a2", "b1"], "list_prompts = {list_prompts}");
+        }
+    }
+
+    #[tokio::test]
     async fn chat_items_run_concurrently_up_to_the_endpoint_limit() {
         let fake = FakeLlm::new().latency(Duration::from_millis(100)).start().await.unwrap();
         let mut s = settings(&fake.url);
