@@ -1131,7 +1131,8 @@ fn render_peers_llama(s: &mut String, pl: &crate::peers::LlamaPeers) {
         s,
         "\nReading it: with `--cache-ram 0` a llama-server's cache is what its 2 slots last held, so the order of requests \
          on a server matters as much as the choice of server. prefix-batcher's batches gather the backlog's requests of one \
-         prefix key and send them to one server back to back, so a few-shot header is computed once per batch; the router \
+         prefix key and send them to one server back to back, and a server's next batch is one of the key it just ran whenever one waits \
+         (its LLM permits go continuation first), so a few-shot header is computed about once per group and server; the router \
          can only pick a server for each request in arrival order, and interleaved bbh-cot tasks and mmlu subjects overwrite \
          each other's slots. The router's ratio also moves from run to run (which server gets a group's first request depends on \
          timing and tree sizes); the daemon's keyed routing gives the same assignment every run. Fewer cached tokens mean \
@@ -1230,7 +1231,8 @@ fn render_peers_llama_reps(s: &mut String, pl: &crate::peers::LlamaPeers) {
         s,
         "\nReading it: with `--cache-ram 0` a llama-server's cache is what its 2 slots last held, so the order of requests \
          on a server matters as much as the choice of server. prefix-batcher's batches gather the backlog's requests of one \
-         prefix key and send them to one server back to back, so a few-shot header is computed once per batch; with keying off \
+         prefix key and send them to one server back to back, and a server's next batch is one of the key it just ran whenever one waits \
+         (its LLM permits go continuation first), so a few-shot header is computed about once per group and server; with keying off \
          the daemon still batches, but a batch mixes whatever prefixes its random partition got, so consecutive prompts on a server \
          rarely share a header. The router can only pick a server for each request in arrival order, and interleaved bbh-cot tasks \
          and mmlu subjects overwrite each other's slots. The router's ratio and the `off` ratio move from run to run (timing and \
