@@ -166,7 +166,7 @@ pub(crate) fn mooncake_chat(sample: &[TraceReq], chars_per_token: usize) -> (Vec
 /// (its first request, then each later user turn after an assistant turn), conversations
 /// starting `start_gap_s` apart, turns `turn_gap_s` apart. Returns (messages, seconds) in time order.
 pub(crate) fn bfcl_chat(data_dir: &Path, conversations: usize, start_gap_s: f64, turn_gap_s: f64, seed: u64) -> anyhow::Result<Vec<(Value, f64)>> {
-    let mut rows = data::read_jsonl(&data_dir.join("bfcl-multiturn/bfcl_multi_turn_first_requests.jsonl.gz"))?;
+    let mut rows = data::read_jsonl(&data_dir.join(data::BFCL_FIRST_REQUESTS))?;
     let mut rng = fastrand::Rng::with_seed(seed);
     rng.shuffle(&mut rows);
     let mut out = Vec::new();

@@ -339,6 +339,10 @@ pub struct CacheResults {
     pub datasets: Vec<CacheDataset>,
     pub cache_ram_help: String,
     pub list_prompts: String,
+    /// The model the llama-servers served ([`procs::model_name`] of `scripts/llm-server path`'s
+    /// file); `None` in results measured before it was recorded.
+    #[serde(default)]
+    pub model: Option<String>,
 }
 
 async fn token_ids(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Vec<u64>> {
@@ -396,12 +400,7 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     } else {
         "llm.list_prompts = false (one prompt per call)".to_owned()
     };
-    let (bin, _) = {
-        let out = Command::new(env.root.join("scripts/llm-server")).arg("path").stderr(Stdio::null()).output()?;
-        let s = String::from_utf8_lossy(&out.stdout).to_string();
-        let mut l = s.lines();
-        (l.next().unwrap_or("").to_owned(), l.next().unwrap_or("").to_owned())
-    };
+    let (bin, model) = procs::llama_paths(&env.root)?;
     let help = Command::new(&bin).arg("--help").output().map(|o| String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr)).unwrap_or_default();
     let cache_ram_help = {
         let line = help.lines().find(|l| l.contains("--cache-ram")).unwrap_or("").trim().to_owned()
@@ -440,7 +439,7 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         let (o, tokens) = oracle.unwrap_or((f64::NAN, 0));
         datasets.push(CacheDataset { sample: info, oracle: o, tokens });
     }
-    Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts })
+    Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts, model: Some(procs::model_name(&model)) })
 }
 
 /// The median of `f` over the rows of one (dataset, cache, mode), with its minimum and maximum;

@@ -537,6 +537,9 @@ pub(crate) fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64,
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
+/// The datasets of the real-server comparison, mixed (the first two of part 1).
+pub const LLAMA_DATASETS: &[&str] = &["bbh-cot", "mmlu-5shot"];
+
 /// The routes of the real-server comparison, as they appear in [`LlamaRow::route`].
 pub const LLAMA_DAEMON: &str = "prefix-batcher (defaults)";
 pub const LLAMA_DAEMON_OFF: &str = "prefix-batcher (keying off)";
@@ -555,6 +558,10 @@ pub struct LlamaPeers {
     /// Per dataset: how its sample was drawn.
     #[serde(default)]
     pub samples: Vec<data::SampleInfo>,
+    /// The model the llama-servers served ([`procs::model_name`]); `None` in results measured
+    /// before it was recorded.
+    #[serde(default)]
+    pub model: Option<String>,
 }
 
 /// The two real servers of one run, fresh (named after the invocation so that no one else's
@@ -605,10 +612,11 @@ fn shares(answers: &[crate::driver::Answer], dataset_of: &HashMap<String, String
 /// the servers' set-up, and read in the order a repetition runs them.
 pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<LlamaPeers> {
     let python = install(env)?;
+    let (_, model) = procs::llama_paths(&env.root)?;
     let http = reqwest::Client::new();
     std::fs::write(env.work.join("empty.toml"), "")?;
     let size = plan.cache_sample_size();
-    let datasets = vec!["bbh-cot".to_owned(), "mmlu-5shot".to_owned()];
+    let datasets: Vec<String> = LLAMA_DATASETS.iter().map(|d| (*d).to_owned()).collect();
     let mut items = Vec::new();
     let mut samples = Vec::new();
     for ds in &datasets {
@@ -753,5 +761,5 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow
             rows.push(row);
         }
     }
-    Ok(LlamaPeers { datasets, requests: items.len(), server_args: "-np 2 --threads 1 --cache-ram 0 (SmolLM2-135M)".into(), rows, oracle, samples })
+    Ok(LlamaPeers { datasets, requests: items.len(), server_args: "-np 2 --threads 1 --cache-ram 0 (SmolLM2-135M)".into(), rows, oracle, samples, model: Some(procs::model_name(&model)) })
 }

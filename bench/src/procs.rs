@@ -160,6 +160,34 @@ pub fn start_simulator(env: &Env, name: &str, o: &SimOpts) -> anyhow::Result<(Pr
     spawn_with_url(name, cmd, &env.work.join(format!("{name}.log")), Duration::from_secs(20))
 }
 
+/// The llama-server binary and the model file `scripts/llm-server` serves (its `path` command,
+/// which installs both on first use; its progress goes to stderr).
+pub fn llama_paths(root: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let out = Command::new(root.join("scripts/llm-server"))
+        .arg("path")
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running scripts/llm-server path")?;
+    anyhow::ensure!(out.status.success(), "scripts/llm-server path failed (it installs llama-server and the model): see its messages above");
+    let s = String::from_utf8_lossy(&out.stdout);
+    let mut l = s.lines().map(str::trim);
+    match (l.next(), l.next()) {
+        (Some(bin), Some(model)) if !bin.is_empty() && !model.is_empty() => Ok((PathBuf::from(bin), PathBuf::from(model))),
+        _ => bail!("scripts/llm-server path printed {s:?}, not the server binary and the model (two lines)"),
+    }
+}
+
+/// A model's name for the report, from its file: `SmolLM2-135M-Instruct.Q4_1.gguf` →
+/// `SmolLM2-135M-Instruct Q4_1`.
+pub fn model_name(model: &Path) -> String {
+    let file = model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = file.strip_suffix(".gguf").unwrap_or(&file);
+    match stem.rsplit_once('.') {
+        Some((name, quant)) => format!("{name} {quant}"),
+        None => stem.to_owned(),
+    }
+}
+
 /// A real llama-server through `scripts/llm-server` (fresh: stopped first if running).
 pub struct LlamaServer {
     root: PathBuf,
