@@ -82,7 +82,19 @@ pub(crate) async fn run_on_sims(env: &Env, http: &reqwest::Client, dep: &SimDepl
     };
     let (cpu0, _) = usage(&daemons);
     let started = SystemTime::now();
-    let d = drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(250)).await?;
+    let watch: Vec<procs::Watched> = sims
+        .iter()
+        .enumerate()
+        .map(|(i, (p, _))| p.watched(&env.work.join(format!("{run}-sim{i}.log"))))
+        .chain(daemons.iter().map(procs::Daemon::watched))
+        .collect();
+    let d = match drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(250), &watch).await {
+        Ok(d) => d,
+        Err(e) => {
+            procs::abort_daemons(daemons);
+            return Err(e);
+        }
+    };
     let (cpu1, daemon_rss_kb) = usage(&daemons);
     let mut sim_pages = Vec::new();
     for (_, url) in &sims {
