@@ -210,47 +210,47 @@ async fn http_drive(url: &str, reqs: &[HttpReq], limit: usize, watch: &[procs::W
     let (sent, answered) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
     let progress = || (sent.load(Ordering::Relaxed), answered.load(Ordering::Relaxed));
     let start = Instant::now();
-    let mut tasks = Vec::with_capacity(reqs.len());
-    let mut guard = crate::driver::AbortOnDrop(Vec::with_capacity(reqs.len()));
+    // The requests' tasks are aborted when this ends early (the guard drops with the future).
     let send_all = async {
-    for r in reqs {
-        let arrival = start + r.at;
-        tokio::time::sleep_until(arrival).await;
-        sent.fetch_add(1, Ordering::Relaxed);
-        let answered = answered.clone();
-        let (http, sem, body, target, id) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{}", r.path), r.id.clone());
-        let task = tokio::spawn(async move {
-            let _permit = sem.acquire_owned().await.expect("never closed");
-            let res = http.post(target).json(&body).send().await;
-            let outcome = match res {
-                Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
-                    Ok(v) if v.get("choices").is_some() => Ok(usage_tokens(&v)),
-                    Ok(v) => Err(format!("answer without choices: {}", v.to_string().chars().take(200).collect::<String>())),
-                    Err(e) => Err(format!("unreadable answer: {e}")),
-                },
-                Ok(resp) => {
-                    let status = resp.status();
-                    Err(format!("HTTP {status}: {}", resp.text().await.unwrap_or_default().chars().take(200).collect::<String>()))
-                }
-                Err(e) => Err(format!("{e}")),
-            };
-            answered.fetch_add(1, Ordering::Relaxed);
-            (id, Instant::now(), (Instant::now() - arrival).as_secs_f64(), outcome)
-        });
-        guard.0.push(task.abort_handle());
-        tasks.push(task);
-    }
-    let mut done = Vec::with_capacity(tasks.len());
-    for t in tasks.drain(..) {
-        done.push(t.await?);
-    }
-    anyhow::Ok(done)
+        let mut tasks = Vec::with_capacity(reqs.len());
+        let mut guard = crate::driver::AbortOnDrop(Vec::with_capacity(reqs.len()));
+        for r in reqs {
+            let arrival = start + r.at;
+            tokio::time::sleep_until(arrival).await;
+            sent.fetch_add(1, Ordering::Relaxed);
+            let answered = answered.clone();
+            let (http, sem, body, target, id) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{}", r.path), r.id.clone());
+            let task = tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await.expect("never closed");
+                let res = http.post(target).json(&body).send().await;
+                let outcome = match res {
+                    Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
+                        Ok(v) if v.get("choices").is_some() => Ok(usage_tokens(&v)),
+                        Ok(v) => Err(format!("answer without choices: {}", v.to_string().chars().take(200).collect::<String>())),
+                        Err(e) => Err(format!("unreadable answer: {e}")),
+                    },
+                    Ok(resp) => {
+                        let status = resp.status();
+                        Err(format!("HTTP {status}: {}", resp.text().await.unwrap_or_default().chars().take(200).collect::<String>()))
+                    }
+                    Err(e) => Err(format!("{e}")),
+                };
+                answered.fetch_add(1, Ordering::Relaxed);
+                (id, Instant::now(), (Instant::now() - arrival).as_secs_f64(), outcome)
+            });
+            guard.0.push(task.abort_handle());
+            tasks.push(task);
+        }
+        let mut done = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            done.push(t.await?);
+        }
+        anyhow::Ok(done)
     };
     let done = tokio::select! {
         r = send_all => r?,
         e = crate::driver::watchdog(watch, crate::driver::STALL, reqs.len(), progress) => return Err(e),
     };
-    drop(guard);
     let mut lat = Vec::with_capacity(done.len());
     let mut answers = Vec::with_capacity(done.len());
     let (mut ok, mut last, mut first_error, mut prompt_tokens, mut cached_tokens) = (0, start, None, 0, 0);
