@@ -82,7 +82,19 @@ pub(crate) async fn run_on_sims(env: &Env, http: &reqwest::Client, dep: &SimDepl
     };
     let (cpu0, _) = usage(&daemons);
     let started = SystemTime::now();
-    let d = drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(250)).await?;
+    let watch: Vec<procs::Watched> = sims
+        .iter()
+        .enumerate()
+        .map(|(i, (p, _))| p.watched(&env.work.join(format!("{run}-sim{i}.log"))))
+        .chain(daemons.iter().map(procs::Daemon::watched))
+        .collect();
+    let d = match drive(&format!("{run}.input"), reqs.to_vec(), Duration::from_secs(600), Duration::from_millis(250), &watch).await {
+        Ok(d) => d,
+        Err(e) => {
+            procs::abort_daemons(daemons);
+            return Err(e);
+        }
+    };
     let (cpu1, daemon_rss_kb) = usage(&daemons);
     let mut sim_pages = Vec::new();
     for (_, url) in &sims {
@@ -166,7 +178,7 @@ pub(crate) fn mooncake_chat(sample: &[TraceReq], chars_per_token: usize) -> (Vec
 /// (its first request, then each later user turn after an assistant turn), conversations
 /// starting `start_gap_s` apart, turns `turn_gap_s` apart. Returns (messages, seconds) in time order.
 pub(crate) fn bfcl_chat(data_dir: &Path, conversations: usize, start_gap_s: f64, turn_gap_s: f64, seed: u64) -> anyhow::Result<Vec<(Value, f64)>> {
-    let mut rows = data::read_jsonl(&data_dir.join("bfcl-multiturn/bfcl_multi_turn_first_requests.jsonl.gz"))?;
+    let mut rows = data::read_jsonl(&data_dir.join(data::BFCL_FIRST_REQUESTS))?;
     let mut rng = fastrand::Rng::with_seed(seed);
     rng.shuffle(&mut rows);
     let mut out = Vec::new();

@@ -8,6 +8,78 @@ use std::path::Path;
 use anyhow::{bail, Context};
 use serde_json::{json, Value};
 
+/// bbh-cot: one header per task (tasks that share a header are one prefix group).
+const BBH_HEADERS: &str = "bbh-cot/headers.jsonl";
+/// bbh-cot: the prompts (header + question).
+const BBH_PROMPTS: &str = "bbh-cot/bbh_cot_prompts.jsonl.gz";
+const MMLU_PROMPTS: &str = "mmlu-5shot/mmlu_5shot_test_prompts.jsonl.gz";
+/// bfcl-multiturn: each conversation's first request (its long tool-schema system prompt first).
+pub(crate) const BFCL_FIRST_REQUESTS: &str = "bfcl-multiturn/bfcl_multi_turn_first_requests.jsonl.gz";
+const ORCA_PAIRS: &str = "orca-dpo-sample/orca_dpo_pairs_validation.jsonl";
+const MOONCAKE_TRACE: &str = "mooncake/conversation_trace.jsonl";
+
+/// The datasets of the shared data directory and the files the runner reads of each (paths
+/// relative to the data directory).
+pub const DATASET_FILES: &[(&str, &[&str])] = &[
+    ("bbh-cot", &[BBH_HEADERS, BBH_PROMPTS]),
+    ("mmlu-5shot", &[MMLU_PROMPTS]),
+    ("bfcl-multiturn", &[BFCL_FIRST_REQUESTS]),
+    ("orca-dpo-sample", &[ORCA_PAIRS]),
+    ("mooncake", &[MOONCAKE_TRACE]),
+];
+
+/// The datasets `part` reads; `cache_datasets` are part 1's (the plan's, which depend on the
+/// mode and `BENCH_DATASETS`). Unknown parts read nothing (the arguments are checked first).
+pub fn datasets_of_part(part: &str, cache_datasets: &[String]) -> Vec<String> {
+    let fixed: &[&str] = match part {
+        "cache" => return cache_datasets.to_vec(),
+        "scale" => &["mooncake"],
+        // Overhead samples bbh-cot; hot and shift build their workload from its prompts.
+        "overhead" | "hot" | "shift" => &["bbh-cot"],
+        // The Mooncake trace rendered as chat, and bfcl-multiturn conversations.
+        "chat" | "peers" => &["mooncake", "bfcl-multiturn"],
+        "peers-llama" => crate::peers::LLAMA_DATASETS,
+        _ => &[],
+    };
+    fixed.iter().map(|d| (*d).to_owned()).collect()
+}
+
+/// Checks that `dir` holds every file the `parts` read (`cache_datasets`: part 1's datasets).
+/// Errors: the directory is missing; a dataset is unknown; files are missing (each named with
+/// its dataset and the parts that need it).
+pub fn check_data(dir: &Path, parts: &[&str], cache_datasets: &[String]) -> anyhow::Result<()> {
+    if !dir.is_dir() {
+        bail!(
+            "data directory {} does not exist: pass --data DIR or set PREFIX_BATCHER_DATA (the default is ../shared/data next to the repository)",
+            dir.display()
+        );
+    }
+    // (dataset, parts that read it), in the order of the parts.
+    let mut needed: Vec<(String, Vec<&str>)> = Vec::new();
+    for part in parts {
+        for ds in datasets_of_part(part, cache_datasets) {
+            match needed.iter_mut().find(|(d, _)| *d == ds) {
+                Some((_, ps)) => ps.push(part),
+                None => needed.push((ds, vec![part])),
+            }
+        }
+    }
+    let mut missing = Vec::new();
+    for (ds, ps) in &needed {
+        let Some((_, files)) = DATASET_FILES.iter().find(|(d, _)| d == ds) else {
+            let known: Vec<&str> = DATASET_FILES.iter().map(|(d, _)| *d).collect();
+            bail!("unknown dataset {ds} (for {}; BENCH_DATASETS?): the datasets are {}", ps.join(", "), known.join(", "));
+        };
+        for f in files.iter().map(|f| dir.join(f)).filter(|f| !f.is_file()) {
+            missing.push(format!("{} (dataset {ds}, read by {})", f.display(), ps.join(", ")));
+        }
+    }
+    if !missing.is_empty() {
+        bail!("missing data in {}: {}; pass --data DIR or set PREFIX_BATCHER_DATA", dir.display(), missing.join("; "));
+    }
+    Ok(())
+}
+
 fn open_lines(path: &Path) -> anyhow::Result<Box<dyn BufRead>> {
     let f = std::fs::File::open(path).with_context(|| format!("{} not found: pass --data DIR pointing at the shared data directory", path.display()))?;
     let r: Box<dyn Read> = if path.extension().is_some_and(|e| e == "gz") { Box::new(flate2::read::GzDecoder::new(f)) } else { Box::new(f) };
@@ -86,10 +158,10 @@ pub fn sample(data: &Path, dataset: &str, n: SampleSize, seed: u64) -> anyhow::R
     let (items, note) = match dataset {
         "bbh-cot" => {
             // Tasks that share one header (logical_deduction_*, tracking_shuffled_objects_*) are one group.
-            let headers: Vec<Value> = read_jsonl(&data.join("bbh-cot/headers.jsonl"))?;
+            let headers: Vec<Value> = read_jsonl(&data.join(BBH_HEADERS))?;
             let header_of: BTreeMap<String, String> =
                 headers.iter().map(|h| (h["task"].as_str().unwrap_or("").to_owned(), h["header"].as_str().unwrap_or("").to_owned())).collect();
-            for r in read_jsonl(&data.join("bbh-cot/bbh_cot_prompts.jsonl.gz"))? {
+            for r in read_jsonl(&data.join(BBH_PROMPTS))? {
                 let task = r["task"].as_str().unwrap_or("").to_owned();
                 let group = header_of.get(&task).map(|h| format!("{:016x}", prefix_batcher::keying::PrefixKey::of(h).0)).unwrap_or(task.clone());
                 by_group.entry(group.clone()).or_default().push(Item {
@@ -101,7 +173,7 @@ pub fn sample(data: &Path, dataset: &str, n: SampleSize, seed: u64) -> anyhow::R
             (pick(by_group, n.groups, n.per_group, &mut rng), format!("{} header groups × {} prompts, random order", n.groups, n.per_group))
         }
         "mmlu-5shot" => {
-            for r in read_jsonl(&data.join("mmlu-5shot/mmlu_5shot_test_prompts.jsonl.gz"))? {
+            for r in read_jsonl(&data.join(MMLU_PROMPTS))? {
                 let prompt = r["prompt"].as_str().unwrap_or("");
                 if prompt.chars().count() > n.mmlu_max_chars {
                     continue;
@@ -119,7 +191,7 @@ pub fn sample(data: &Path, dataset: &str, n: SampleSize, seed: u64) -> anyhow::R
             )
         }
         "bfcl-multiturn" => {
-            for r in read_jsonl(&data.join("bfcl-multiturn/bfcl_multi_turn_first_requests.jsonl.gz"))? {
+            for r in read_jsonl(&data.join(BFCL_FIRST_REQUESTS))? {
                 let mut msgs = r["first_turn_messages"].as_array().cloned().unwrap_or_default();
                 let mut group = String::new();
                 for m in msgs.iter_mut() {
@@ -146,7 +218,7 @@ pub fn sample(data: &Path, dataset: &str, n: SampleSize, seed: u64) -> anyhow::R
         }
         "orca-dpo-sample" => {
             let mut all = Vec::new();
-            for (i, r) in read_jsonl(&data.join("orca-dpo-sample/orca_dpo_pairs_validation.jsonl"))?.into_iter().enumerate() {
+            for (i, r) in read_jsonl(&data.join(ORCA_PAIRS))?.into_iter().enumerate() {
                 let msgs = r["input"]["messages"].clone();
                 let chars: usize = msgs.as_array().map(|a| a.iter().map(|m| m["content"].as_str().map_or(0, |s| s.chars().count())).sum()).unwrap_or(0);
                 if chars > n.orca_max_chars {
@@ -181,7 +253,7 @@ pub struct TraceReq {
 }
 
 pub fn read_mooncake(data: &Path) -> anyhow::Result<Vec<TraceReq>> {
-    let rows = read_jsonl(&data.join("mooncake/conversation_trace.jsonl"))?;
+    let rows = read_jsonl(&data.join(MOONCAKE_TRACE))?;
     Ok(rows
         .into_iter()
         .map(|r| TraceReq {
@@ -276,7 +348,7 @@ pub fn render_trace(r: &TraceReq, chars_per_token: usize, cache: &mut std::colle
 /// rest one of `cold` other headers; each gets a real question from its task.
 pub fn hot_prefix_prompts(data: &Path, cold: usize, seed: u64) -> anyhow::Result<(Vec<String>, Vec<Vec<String>>)> {
     let mut by_task: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for r in read_jsonl(&data.join("bbh-cot/bbh_cot_prompts.jsonl.gz"))? {
+    for r in read_jsonl(&data.join(BBH_PROMPTS))? {
         by_task.entry(r["task"].as_str().unwrap_or("").to_owned()).or_default().push(r["prompt"].as_str().unwrap_or("").to_owned());
     }
     // One task per header: drop the tasks that share a header with an earlier one.

@@ -23,8 +23,48 @@ pub struct Req {
     pub at: Duration,
 }
 
+/// Requests outstanding but no new result for this long ends a drive with an error. The slowest
+/// legitimate gap between two results, a daemon's batch of 8 long prompts on a one-thread
+/// llama-server, is under a minute on this 2-core machine (part 1's runs).
+pub const STALL: Duration = Duration::from_secs(180);
+
+/// Completes with a [`crate::procs::Fatal`] error when a process of `watch` is gone, or when
+/// requests are outstanding and no new result came for `stall`; else never. `progress` gives
+/// (requests published or sent, requests answered) of a drive of `total` requests. Checks
+/// every second.
+pub(crate) async fn watchdog(watch: &[crate::procs::Watched], stall: Duration, total: usize, progress: impl Fn() -> (u64, u64)) -> anyhow::Error {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let (mut seen, mut since) = (0u64, Instant::now());
+    loop {
+        tick.tick().await;
+        let (published, answered) = progress();
+        // The stall clock runs only while something is outstanding, from its last result.
+        if answered != seen || published <= answered {
+            (seen, since) = (answered, Instant::now());
+        }
+        let outstanding = published.saturating_sub(answered);
+        if let Some(gone) = watch.iter().find(|w| !w.alive()) {
+            return crate::procs::Fatal(format!(
+                "{} is gone (killed or crashed; its log: {}): {answered} of {total} requests answered, {outstanding} outstanding",
+                gone.what,
+                gone.log.display()
+            ))
+            .into();
+        }
+        if since.elapsed() >= stall {
+            let names: Vec<&str> = watch.iter().map(|w| w.what.as_str()).collect();
+            return crate::procs::Fatal(format!(
+                "no new result for {} s: {answered} of {total} requests answered, {outstanding} outstanding{}",
+                stall.as_secs(),
+                if names.is_empty() { String::new() } else { format!(" (still running: {})", names.join(", ")) }
+            ))
+            .into();
+        }
+    }
+}
+
 /// Aborts background tasks when the drive ends, however it ends.
-struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
+pub(crate) struct AbortOnDrop(pub(crate) Vec<tokio::task::AbortHandle>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -88,11 +128,14 @@ struct State {
 }
 
 /// Publishes `reqs` to `queue` (each at its `at`) and waits for all results, at most `timeout`
-/// after the last publish. Samples the backlog every `sample`.
+/// after the last publish. Samples the backlog every `sample`. Fails early with a
+/// [`crate::procs::Fatal`] error when a process of `watch` (the servers and daemons the requests
+/// depend on) is gone, or when no result came for [`STALL`] while requests were outstanding; the
+/// error says how many requests were answered.
 ///
 /// Longer than 80 lines on purpose: one event loop (publish on schedule, collect, sample the
 /// backlog) whose branches share the run's state.
-pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Duration) -> anyhow::Result<Drive> {
+pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Duration, watch: &[crate::procs::Watched]) -> anyhow::Result<Drive> {
     let conn = Connection::connect(crate::procs::AMQP_URL, ConnectionProperties::default()).await.context("connecting to RabbitMQ")?;
     let pub_ch = conn.create_channel().await?;
     pub_ch.confirm_select(ConfirmSelectOptions::default()).await?;
@@ -192,35 +235,46 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
         }
         Ok(n)
     });
-    for r in reqs {
-        tokio::time::sleep_until(start + r.at).await;
-        // The publish time of this request (the daemon measures queueing delay from it: the
-        // adaptive keying's split signal), in milliseconds as the daemon's own `submit` sends it.
-        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
-        let mut headers = FieldTable::default();
-        headers.insert(prefix_batcher::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
-        let props = BasicProperties::default()
-            .with_headers(headers)
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2)
-            .with_message_id(r.id.as_str().into())
-            .with_correlation_id(r.id.as_str().into())
-            .with_timestamp(now_ms / 1000)
-            .with_reply_to(reply.as_str().into());
-        state.lock().unwrap().sent_at.insert(r.id.clone(), Instant::now());
-        let c = pub_ch
-            .basic_publish("".into(), queue.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, &r.body, props)
-            .await?;
-        state.lock().unwrap().published += 1;
-        ctx.send(c).await.ok();
-    }
-    drop(ctx);
-    let confirmed = confirmer.await??;
-    match tokio::time::timeout(timeout, collector).await {
-        Err(_) => bail!("timed out after {timeout:?} waiting for results"),
-        Ok(Err(e)) => bail!("result collector failed: {e}"),
-        Ok(Ok(())) => {}
-    }
+    let publish_and_collect = async {
+        for r in reqs {
+            tokio::time::sleep_until(start + r.at).await;
+            // The publish time of this request (the daemon measures queueing delay from it: the
+            // adaptive keying's split signal), in milliseconds as the daemon's own `submit` sends it.
+            let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+            let mut headers = FieldTable::default();
+            headers.insert(prefix_batcher::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
+            let props = BasicProperties::default()
+                .with_headers(headers)
+                .with_content_type("application/json".into())
+                .with_delivery_mode(2)
+                .with_message_id(r.id.as_str().into())
+                .with_correlation_id(r.id.as_str().into())
+                .with_timestamp(now_ms / 1000)
+                .with_reply_to(reply.as_str().into());
+            state.lock().unwrap().sent_at.insert(r.id.clone(), Instant::now());
+            let c = pub_ch
+                .basic_publish("".into(), queue.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, &r.body, props)
+                .await?;
+            state.lock().unwrap().published += 1;
+            ctx.send(c).await.ok();
+        }
+        drop(ctx);
+        let confirmed = confirmer.await??;
+        match tokio::time::timeout(timeout, collector).await {
+            Err(_) => bail!("timed out after {timeout:?} waiting for results: {} of {total} answered", state.lock().unwrap().answered),
+            Ok(Err(e)) => bail!("result collector failed: {e}"),
+            Ok(Ok(())) => {}
+        }
+        anyhow::Ok(confirmed)
+    };
+    let progress = || {
+        let g = state.lock().unwrap();
+        (g.published, g.answered)
+    };
+    let confirmed = tokio::select! {
+        r = publish_and_collect => r?,
+        e = watchdog(watch, STALL, total, progress) => return Err(e),
+    };
     let drive = {
         let g = state.lock().unwrap();
         if (g.answered as usize) < total {
@@ -248,4 +302,37 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
     };
     let _ = conn.close(200, "bench done".into()).await;
     Ok(drive)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procs::Watched;
+
+    #[tokio::test]
+    async fn watchdog_reports_a_stall_with_the_answered_count() {
+        let e = tokio::time::timeout(Duration::from_secs(10), watchdog(&[], Duration::from_secs(1), 5, || (5, 2))).await.expect("the stall is reported");
+        assert!(crate::procs::is_fatal(&e));
+        assert!(e.to_string().contains("no new result for 1 s: 2 of 5 requests answered, 3 outstanding"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn watchdog_is_quiet_while_nothing_is_outstanding() {
+        assert!(tokio::time::timeout(Duration::from_millis(2500), watchdog(&[], Duration::from_secs(1), 5, || (3, 3))).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn watchdog_names_a_process_that_is_gone_before_it_is_reaped() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let w = Watched::new("sleeper", child.id(), std::path::Path::new("/dev/null"));
+        assert!(w.alive());
+        child.kill().unwrap();
+        // Not reaped yet: a zombie, which counts as gone.
+        let e = tokio::time::timeout(Duration::from_secs(10), watchdog(std::slice::from_ref(&w), Duration::from_secs(60), 4, || (4, 1)))
+            .await
+            .expect("the dead process is reported");
+        child.wait().unwrap();
+        assert!(!w.alive());
+        assert!(e.to_string().starts_with("sleeper is gone") && e.to_string().contains("1 of 4 requests answered, 3 outstanding"), "{e}");
+    }
 }

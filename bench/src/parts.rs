@@ -278,7 +278,8 @@ pub(crate) async fn stop_daemons(http: &reqwest::Client, daemons: Vec<Daemon>) -
 }
 
 /// Runs `f` with a fresh run name; when it fails (e.g. another user of the shared broker restarted
-/// it), cleans up, waits for RabbitMQ and Redis, and tries again, at most 3 times in all.
+/// it), cleans up, waits for RabbitMQ and Redis, and tries again, at most 3 times in all. A
+/// [`procs::Fatal`] error (a server gone, results stopped) is returned at once, after the cleanup.
 pub(crate) async fn attempt<T, Fut>(env: &Env, what: &str, partitions: u32, mut f: impl FnMut(String) -> Fut) -> anyhow::Result<T>
 where
     Fut: std::future::Future<Output = anyhow::Result<T>>,
@@ -288,6 +289,11 @@ where
         let run = env.run_name(what);
         match f(run.clone()).await {
             Ok(t) => return Ok(t),
+            Err(e) if procs::is_fatal(&e) => {
+                // Another attempt would not cure it (a server is gone, results stopped): stop here.
+                cleanup(&run, partitions, &[]).await;
+                return Err(e);
+            }
             Err(e) => {
                 eprintln!("bench: {what} run failed (attempt {i} of 3): {e:#}");
                 procs::wait_services(Duration::from_secs(180));
@@ -339,6 +345,10 @@ pub struct CacheResults {
     pub datasets: Vec<CacheDataset>,
     pub cache_ram_help: String,
     pub list_prompts: String,
+    /// The model the llama-servers served ([`procs::model_name`] of `scripts/llm-server path`'s
+    /// file); `None` in results measured before it was recorded.
+    #[serde(default)]
+    pub model: Option<String>,
 }
 
 async fn token_ids(http: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<Vec<u64>> {
@@ -388,7 +398,8 @@ fn list_prompts_env(env: &Env) -> Vec<(String, String)> {
 }
 
 pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<CacheResults> {
-    let http = reqwest::Client::new();
+    // Tokenize, readiness and metrics calls: none takes a minute unless the server hangs.
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
     std::fs::write(env.work.join("empty.toml"), "")?;
     let list_env = list_prompts_env(env);
     let list_prompts = if list_env.is_empty() {
@@ -396,12 +407,7 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
     } else {
         "llm.list_prompts = false (one prompt per call)".to_owned()
     };
-    let (bin, _) = {
-        let out = Command::new(env.root.join("scripts/llm-server")).arg("path").stderr(Stdio::null()).output()?;
-        let s = String::from_utf8_lossy(&out.stdout).to_string();
-        let mut l = s.lines();
-        (l.next().unwrap_or("").to_owned(), l.next().unwrap_or("").to_owned())
-    };
+    let (bin, model) = procs::llama_paths(&env.root)?;
     let help = Command::new(&bin).arg("--help").output().map(|o| String::from_utf8_lossy(&o.stdout).to_string() + &String::from_utf8_lossy(&o.stderr)).unwrap_or_default();
     let cache_ram_help = {
         let line = help.lines().find(|l| l.contains("--cache-ram")).unwrap_or("").trim().to_owned()
@@ -440,7 +446,7 @@ pub async fn part_cache(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         let (o, tokens) = oracle.unwrap_or((f64::NAN, 0));
         datasets.push(CacheDataset { sample: info, oracle: o, tokens });
     }
-    Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts })
+    Ok(CacheResults { rows, datasets, cache_ram_help, list_prompts, model: Some(procs::model_name(&model)) })
 }
 
 /// The median of `f` over the rows of one (dataset, cache, mode), with its minimum and maximum;
@@ -472,14 +478,21 @@ async fn cache_run(
 ) -> anyhow::Result<(CacheRow, Option<(f64, u64)>)> {
     let t0 = std::time::Instant::now();
     let srv_args = ["--threads", "1", "--cache-ram", ram];
-    // Both servers start in parallel (each takes a second or two).
+    // Both servers start in parallel (each takes a second or two), named after the invocation so
+    // that no one else's servers are touched.
+    let (na, nb) = (format!("{}-a", env.tag), format!("{}-b", env.tag));
     let (a, b) = std::thread::scope(|sc| {
-        let ha = sc.spawn(|| LlamaServer::start(env, "bench-a", &srv_args));
-        let hb = sc.spawn(|| LlamaServer::start(env, "bench-b", &srv_args));
+        let ha = sc.spawn(|| LlamaServer::start(env, &na, &srv_args));
+        let hb = sc.spawn(|| LlamaServer::start(env, &nb, &srv_args));
         (ha.join().expect("llm-server start thread"), hb.join().expect("llm-server start thread"))
     });
     let (a, b) = (a?, b?);
-    let oracle = if want_oracle { Some(token_oracle(http, &a.url, items).await?) } else { None };
+    let oracle = if want_oracle {
+        let o = token_oracle(http, &a.url, items).await.map_err(|e| procs::blame(e, &[a.watched()]));
+        Some(o.with_context(|| format!("part cache, {ds}: tokenizing the sample on {} for the oracle", a.name))?)
+    } else {
+        None
+    };
     let mut daemons = Vec::new();
     for (i, url) in [&a.url, &b.url].into_iter().enumerate() {
         daemons.push(start_daemon(
@@ -507,7 +520,15 @@ async fn cache_run(
             Req { id: it.id.clone(), body: serde_json::to_vec(&body).unwrap(), at: Duration::ZERO }
         })
         .collect();
-    let d = drive(&format!("{run}.input"), reqs, Duration::from_secs(plan.cache_timeout_s), Duration::from_secs(1)).await?;
+    let watch: Vec<procs::Watched> = [a.watched(), b.watched()].into_iter().chain(daemons.iter().map(Daemon::watched)).collect();
+    let d = match drive(&format!("{run}.input"), reqs, Duration::from_secs(plan.cache_timeout_s), Duration::from_secs(1), &watch).await {
+        Ok(d) => d,
+        Err(e) => {
+            procs::abort_daemons(daemons);
+            LlamaServer::stop_all(vec![a, b]);
+            return Err(e.context(format!("part cache, run {run} ({ds}, {}, {cache} cache): the daemons were answering the sample's requests", if keyed { "keyed" } else { "keying off" })));
+        }
+    };
     let t_drive = t0.elapsed().as_secs_f64();
     let pages = stop_daemons(http, daemons).await;
     LlamaServer::stop_all(vec![a, b]);
@@ -945,11 +966,11 @@ async fn overhead_run(
             let tag = format!("s{si}-{rep}");
             let (cpu0, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
             let (llm0, _) = procs::proc_usage(llm.pid()).unwrap_or((0.0, 0));
-            let burst = drive(&queue, overhead_requests(prompts, &format!("{tag}-b"), plan.overhead_burst, None), Duration::from_secs(300), Duration::from_millis(500)).await?;
+            let burst = drive(&queue, overhead_requests(prompts, &format!("{tag}-b"), plan.overhead_burst, None), Duration::from_secs(300), Duration::from_millis(500), &[]).await?;
             let (cpu1, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
             let (llm1, _) = procs::proc_usage(llm.pid()).unwrap_or((0.0, 0));
             let n_lat = (plan.overhead_rate * plan.overhead_secs) as usize;
-            let lat = drive(&queue, overhead_requests(prompts, &format!("{tag}-l"), n_lat, Some(plan.overhead_rate)), Duration::from_secs(120), Duration::from_millis(500)).await?;
+            let lat = drive(&queue, overhead_requests(prompts, &format!("{tag}-l"), n_lat, Some(plan.overhead_rate)), Duration::from_secs(120), Duration::from_millis(500), &[]).await?;
             let r = OverheadRep {
                 system: system.into(),
                 rep,

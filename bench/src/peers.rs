@@ -199,39 +199,62 @@ fn usage_tokens(v: &Value) -> (u64, u64) {
 }
 
 /// Sends every request to `url` + its `path` at its arrival time (open loop), at most `limit` in
-/// flight (later arrivals wait for a slot; their latency counts from the arrival).
-async fn http_drive(url: &str, reqs: &[HttpReq], limit: usize) -> anyhow::Result<HttpDrive> {
+/// flight (later arrivals wait for a slot; their latency counts from the arrival). Fails early
+/// with a [`procs::Fatal`] error when a process of `watch` is gone or no answer came for
+/// [`crate::driver::STALL`] while requests were outstanding.
+async fn http_drive(url: &str, reqs: &[HttpReq], limit: usize, watch: &[procs::Watched]) -> anyhow::Result<HttpDrive> {
+    use std::sync::atomic::{AtomicU64, Ordering};
     let http = reqwest::Client::builder().timeout(Duration::from_secs(300)).pool_max_idle_per_host(limit).build()?;
     let sem = Arc::new(tokio::sync::Semaphore::new(limit.max(1)));
+    // (requests arrived, requests answered or failed), for the watchdog.
+    let (sent, answered) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let progress = || (sent.load(Ordering::Relaxed), answered.load(Ordering::Relaxed));
     let start = Instant::now();
-    let mut tasks = Vec::with_capacity(reqs.len());
-    for r in reqs {
-        let arrival = start + r.at;
-        tokio::time::sleep_until(arrival).await;
-        let (http, sem, body, target, id) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{}", r.path), r.id.clone());
-        tasks.push(tokio::spawn(async move {
-            let _permit = sem.acquire_owned().await.expect("never closed");
-            let res = http.post(target).json(&body).send().await;
-            let outcome = match res {
-                Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
-                    Ok(v) if v.get("choices").is_some() => Ok(usage_tokens(&v)),
-                    Ok(v) => Err(format!("answer without choices: {}", v.to_string().chars().take(200).collect::<String>())),
-                    Err(e) => Err(format!("unreadable answer: {e}")),
-                },
-                Ok(resp) => {
-                    let status = resp.status();
-                    Err(format!("HTTP {status}: {}", resp.text().await.unwrap_or_default().chars().take(200).collect::<String>()))
-                }
-                Err(e) => Err(format!("{e}")),
-            };
-            (id, Instant::now(), (Instant::now() - arrival).as_secs_f64(), outcome)
-        }));
-    }
-    let mut lat = Vec::with_capacity(tasks.len());
-    let mut answers = Vec::with_capacity(tasks.len());
+    // The requests' tasks are aborted when this ends early (the guard drops with the future).
+    let send_all = async {
+        let mut tasks = Vec::with_capacity(reqs.len());
+        let mut guard = crate::driver::AbortOnDrop(Vec::with_capacity(reqs.len()));
+        for r in reqs {
+            let arrival = start + r.at;
+            tokio::time::sleep_until(arrival).await;
+            sent.fetch_add(1, Ordering::Relaxed);
+            let answered = answered.clone();
+            let (http, sem, body, target, id) = (http.clone(), sem.clone(), r.body.clone(), format!("{url}{}", r.path), r.id.clone());
+            let task = tokio::spawn(async move {
+                let _permit = sem.acquire_owned().await.expect("never closed");
+                let res = http.post(target).json(&body).send().await;
+                let outcome = match res {
+                    Ok(resp) if resp.status().is_success() => match resp.json::<Value>().await {
+                        Ok(v) if v.get("choices").is_some() => Ok(usage_tokens(&v)),
+                        Ok(v) => Err(format!("answer without choices: {}", v.to_string().chars().take(200).collect::<String>())),
+                        Err(e) => Err(format!("unreadable answer: {e}")),
+                    },
+                    Ok(resp) => {
+                        let status = resp.status();
+                        Err(format!("HTTP {status}: {}", resp.text().await.unwrap_or_default().chars().take(200).collect::<String>()))
+                    }
+                    Err(e) => Err(format!("{e}")),
+                };
+                answered.fetch_add(1, Ordering::Relaxed);
+                (id, Instant::now(), (Instant::now() - arrival).as_secs_f64(), outcome)
+            });
+            guard.0.push(task.abort_handle());
+            tasks.push(task);
+        }
+        let mut done = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            done.push(t.await?);
+        }
+        anyhow::Ok(done)
+    };
+    let done = tokio::select! {
+        r = send_all => r?,
+        e = crate::driver::watchdog(watch, crate::driver::STALL, reqs.len(), progress) => return Err(e),
+    };
+    let mut lat = Vec::with_capacity(done.len());
+    let mut answers = Vec::with_capacity(done.len());
     let (mut ok, mut last, mut first_error, mut prompt_tokens, mut cached_tokens) = (0, start, None, 0, 0);
-    for t in tasks {
-        let (id, done, l, outcome) = t.await?;
+    for (id, done, l, outcome) in done {
         last = last.max(done);
         lat.push(l);
         let (p, c) = match outcome {
@@ -282,7 +305,13 @@ async fn router_run(
     let workers: Vec<String> = sims.iter().map(|(_, u)| u.clone()).collect();
     let (mut router, url) = start_router(env, python, peer, policy, &workers, &run).await?;
     let (cpu0, _) = procs::proc_usage(router.pid()).unwrap_or((0.0, 0));
-    let d = http_drive(&url, reqs, LLM_MAX_CONCURRENCY * m).await?;
+    let watch: Vec<procs::Watched> = sims
+        .iter()
+        .enumerate()
+        .map(|(i, (p, _))| p.watched(&env.work.join(format!("{run}-sim{i}.log"))))
+        .chain([router.watched(&env.work.join(format!("{run}.log")))])
+        .collect();
+    let d = http_drive(&url, reqs, LLM_MAX_CONCURRENCY * m, &watch).await?;
     let (cpu1, rss_kb) = procs::proc_usage(router.pid()).unwrap_or((0.0, 0));
     router.stop(Duration::from_secs(10));
     let http = reqwest::Client::new();
@@ -537,6 +566,9 @@ pub(crate) fn nan_if_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64,
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
+/// The datasets of the real-server comparison, mixed (the first two of part 1).
+pub const LLAMA_DATASETS: &[&str] = &["bbh-cot", "mmlu-5shot"];
+
 /// The routes of the real-server comparison, as they appear in [`LlamaRow::route`].
 pub const LLAMA_DAEMON: &str = "prefix-batcher (defaults)";
 pub const LLAMA_DAEMON_OFF: &str = "prefix-batcher (keying off)";
@@ -555,6 +587,10 @@ pub struct LlamaPeers {
     /// Per dataset: how its sample was drawn.
     #[serde(default)]
     pub samples: Vec<data::SampleInfo>,
+    /// The model the llama-servers served ([`procs::model_name`]); `None` in results measured
+    /// before it was recorded.
+    #[serde(default)]
+    pub model: Option<String>,
 }
 
 /// The two real servers of one run, fresh (named after the invocation so that no one else's
@@ -605,10 +641,12 @@ fn shares(answers: &[crate::driver::Answer], dataset_of: &HashMap<String, String
 /// the servers' set-up, and read in the order a repetition runs them.
 pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<LlamaPeers> {
     let python = install(env)?;
-    let http = reqwest::Client::new();
+    let (_, model) = procs::llama_paths(&env.root)?;
+    // Tokenize, readiness and metrics calls: none takes a minute unless the server hangs.
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
     std::fs::write(env.work.join("empty.toml"), "")?;
     let size = plan.cache_sample_size();
-    let datasets = vec!["bbh-cot".to_owned(), "mmlu-5shot".to_owned()];
+    let datasets: Vec<String> = LLAMA_DATASETS.iter().map(|d| (*d).to_owned()).collect();
     let mut items = Vec::new();
     let mut samples = Vec::new();
     for ds in &datasets {
@@ -632,10 +670,10 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow
         let mut o = Vec::new();
         for ds in &datasets {
             let mine: Vec<data::Item> = items.iter().filter(|it| dataset_of.get(&it.id) == Some(ds)).cloned().collect();
-            let (r, t) = crate::parts::token_oracle(&http, &a.url, &mine).await?;
+            let (r, t) = crate::parts::token_oracle(&http, &a.url, &mine).await.map_err(|e| procs::blame(e, &[a.watched()])).with_context(|| format!("part peers-llama: tokenizing {ds} on {} for the oracle", a.name))?;
             o.push((ds.clone(), r, t));
         }
-        let (r, t) = crate::parts::token_oracle(&http, &a.url, &items).await?;
+        let (r, t) = crate::parts::token_oracle(&http, &a.url, &items).await.map_err(|e| procs::blame(e, &[a.watched()])).context("part peers-llama: tokenizing the mix for the oracle")?;
         o.push(("mixed".to_owned(), r, t));
         procs::LlamaServer::stop_all(vec![a, b]);
         eprintln!("bench:   oracle: {}", o.iter().map(|(n, r, _)| format!("{n} {:.1}%", r * 100.0)).collect::<Vec<_>>().join(", "));
@@ -691,7 +729,15 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow
                         )?);
                     }
                     procs::wait_ready(http, &mut daemons, 16, Duration::from_secs(60)).await?;
-                    let d = crate::driver::drive(&format!("{run}.input"), queued.clone(), Duration::from_secs(plan.cache_timeout_s), Duration::from_secs(1)).await?;
+                    let watch: Vec<procs::Watched> = [a.watched(), b.watched()].into_iter().chain(daemons.iter().map(procs::Daemon::watched)).collect();
+                    let d = match crate::driver::drive(&format!("{run}.input"), queued.clone(), Duration::from_secs(plan.cache_timeout_s), Duration::from_secs(1), &watch).await {
+                        Ok(d) => d,
+                        Err(e) => {
+                            procs::abort_daemons(daemons);
+                            procs::LlamaServer::stop_all(vec![a, b]);
+                            return Err(e.context(format!("part peers-llama, run {run} ({route}, repetition {rep}): the daemons were answering the mixed sample's requests")));
+                        }
+                    };
                     let pages = crate::parts::stop_daemons(http, daemons).await;
                     procs::LlamaServer::stop_all(vec![a, b]);
                     procs::cleanup(&run, 16, &[]).await;
@@ -718,8 +764,12 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow
                 let models: Value = http.get(format!("{}/v1/models", a.url)).send().await?.json().await?;
                 let model = models["data"][0]["id"].clone();
                 let http_reqs: Vec<HttpReq> = http_reqs.iter().map(|r| HttpReq { body: { let mut b = r.body.clone(); b["model"] = model.clone(); b }, ..r.clone() }).collect();
-                let (mut router, url) = start_router(env, &python, PEERS[0], "cache_aware", &[a.url.clone(), b.url.clone()], &env.run_name("peers-llama-sglang")).await?;
-                let d = http_drive(&url, &http_reqs, 2).await?;
+                let router_name = env.run_name("peers-llama-sglang");
+                let (mut router, url) = start_router(env, &python, PEERS[0], "cache_aware", &[a.url.clone(), b.url.clone()], &router_name).await?;
+                let watch = [a.watched(), b.watched(), router.watched(&env.work.join(format!("{router_name}.log")))];
+                let d = http_drive(&url, &http_reqs, 2, &watch)
+                    .await
+                    .with_context(|| format!("part peers-llama ({route}, repetition {rep}): the router was sending the mixed sample's requests"))?;
                 router.stop(Duration::from_secs(10));
                 procs::LlamaServer::stop_all(vec![a, b]);
                 if let Some(e) = &d.first_error {
@@ -753,5 +803,5 @@ pub async fn part_peers_llama(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow
             rows.push(row);
         }
     }
-    Ok(LlamaPeers { datasets, requests: items.len(), server_args: "-np 2 --threads 1 --cache-ram 0 (SmolLM2-135M)".into(), rows, oracle, samples })
+    Ok(LlamaPeers { datasets, requests: items.len(), server_args: "-np 2 --threads 1 --cache-ram 0 (SmolLM2-135M)".into(), rows, oracle, samples, model: Some(procs::model_name(&model)) })
 }

@@ -45,6 +45,11 @@ impl Proc {
         self.child.id()
     }
 
+    /// The process as one a drive watches, with the log it writes.
+    pub fn watched(&self, log: &Path) -> Watched {
+        Watched::new(&format!("{} (pid {})", self.name, self.pid()), self.pid(), log)
+    }
+
     /// SIGTERM, wait up to `grace`, then SIGKILL. Returns the exit code when it exited by itself.
     pub fn stop(&mut self, grace: Duration) -> Option<i32> {
         if let Ok(Some(st)) = self.child.try_wait() {
@@ -160,11 +165,42 @@ pub fn start_simulator(env: &Env, name: &str, o: &SimOpts) -> anyhow::Result<(Pr
     spawn_with_url(name, cmd, &env.work.join(format!("{name}.log")), Duration::from_secs(20))
 }
 
+/// The llama-server binary and the model file `scripts/llm-server` serves (its `path` command,
+/// which installs both on first use; its progress goes to stderr).
+pub fn llama_paths(root: &Path) -> anyhow::Result<(PathBuf, PathBuf)> {
+    let out = Command::new(root.join("scripts/llm-server"))
+        .arg("path")
+        .stderr(Stdio::inherit())
+        .output()
+        .context("running scripts/llm-server path")?;
+    anyhow::ensure!(out.status.success(), "scripts/llm-server path failed (it installs llama-server and the model): see its messages above");
+    let s = String::from_utf8_lossy(&out.stdout);
+    let mut l = s.lines().map(str::trim);
+    match (l.next(), l.next()) {
+        (Some(bin), Some(model)) if !bin.is_empty() && !model.is_empty() => Ok((PathBuf::from(bin), PathBuf::from(model))),
+        _ => bail!("scripts/llm-server path printed {s:?}, not the server binary and the model (two lines)"),
+    }
+}
+
+/// A model's name for the report, from its file: `SmolLM2-135M-Instruct.Q4_1.gguf` →
+/// `SmolLM2-135M-Instruct Q4_1`.
+pub fn model_name(model: &Path) -> String {
+    let file = model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    let stem = file.strip_suffix(".gguf").unwrap_or(&file);
+    match stem.rsplit_once('.') {
+        Some((name, quant)) => format!("{name} {quant}"),
+        None => stem.to_owned(),
+    }
+}
+
 /// A real llama-server through `scripts/llm-server` (fresh: stopped first if running).
 pub struct LlamaServer {
     root: PathBuf,
     pub name: String,
     pub url: String,
+    /// The server's pid (`scripts/llm-server` starts it in its own session and writes
+    /// `.cache/llm/NAME.pid`; it is not this process's child, so it is watched through /proc).
+    pub pid: u32,
 }
 
 impl LlamaServer {
@@ -182,7 +218,79 @@ impl LlamaServer {
             bail!("scripts/llm-server start --name {name} failed");
         }
         let url = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-        Ok(LlamaServer { root: env.root.clone(), name: name.to_owned(), url })
+        let pid_file = env.root.join(format!(".cache/llm/{name}.pid"));
+        let pid = std::fs::read_to_string(&pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse().ok())
+            .with_context(|| format!("scripts/llm-server started {name} at {url} but {} holds no pid", pid_file.display()))?;
+        Ok(LlamaServer { root: env.root.clone(), name: name.to_owned(), url, pid })
+    }
+
+    /// The server as a process a drive watches (its log is `.cache/llm/NAME.log`).
+    pub fn watched(&self) -> Watched {
+        Watched::new(&format!("llama-server {} ({}, pid {})", self.name, self.url, self.pid), self.pid, &self.root.join(format!(".cache/llm/{}.log", self.name)))
+    }
+}
+
+/// An error that another attempt would not cure: a process the run depends on is gone, or results
+/// stopped arriving. [`crate::parts::attempt`] does not retry it; the invocation stops.
+#[derive(Debug)]
+pub struct Fatal(pub String);
+
+impl std::fmt::Display for Fatal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Fatal {}
+
+/// Whether `e` or one of its causes is [`Fatal`].
+pub fn is_fatal(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<Fatal>())
+}
+
+/// A process a run depends on, known by pid and start time (so that a reused pid is not taken
+/// for it), with the log to look at when it is gone.
+#[derive(Debug, Clone)]
+pub struct Watched {
+    /// Names it in errors, e.g. `llama-server NAME (URL, pid N)`.
+    pub what: String,
+    pub pid: u32,
+    /// Field 22 of /proc/PID/stat (clock ticks after boot); `None` when it was already gone.
+    started: Option<u64>,
+    pub log: PathBuf,
+}
+
+/// (state, start time) from /proc/PID/stat (fields 3 and 22; proc(5)).
+fn stat_state(pid: u32) -> Option<(char, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: split after it.
+    let rest: Vec<&str> = stat[stat.rfind(')')? + 2..].split_whitespace().collect();
+    Some((rest.first()?.chars().next()?, rest.get(19)?.parse().ok()?))
+}
+
+impl Watched {
+    pub fn new(what: &str, pid: u32, log: &Path) -> Watched {
+        Watched { what: what.to_owned(), pid, started: stat_state(pid).map(|(_, t)| t), log: log.to_path_buf() }
+    }
+
+    /// True while the process runs: /proc/PID exists with the same start time and is not a
+    /// zombie (a child of this process that died stays a zombie until it is reaped).
+    pub fn alive(&self) -> bool {
+        match stat_state(self.pid) {
+            Some((state, started)) => Some(started) == self.started && state != 'Z' && state != 'X',
+            None => false,
+        }
+    }
+}
+
+/// `e` unchanged when every process of `watch` runs; otherwise a [`Fatal`] error that names the
+/// first one that is gone (the likely cause of `e`, which stays in the message).
+pub fn blame(e: anyhow::Error, watch: &[Watched]) -> anyhow::Error {
+    match watch.iter().find(|w| !w.alive()) {
+        Some(w) => anyhow::Error::new(Fatal(format!("{} is gone (killed or crashed; its log: {}); the error was: {e:#}", w.what, w.log.display()))),
+        None => e,
     }
 }
 
@@ -239,6 +347,28 @@ pub struct DaemonOpts {
 pub struct Daemon {
     pub proc: Proc,
     pub metrics_url: String,
+    /// Its stderr (the daemon logs there).
+    pub log: PathBuf,
+}
+
+impl Daemon {
+    /// The daemon as a process a drive watches.
+    pub fn watched(&self) -> Watched {
+        self.proc.watched(&self.log)
+    }
+}
+
+/// Sends SIGTERM to every daemon at once, then waits up to 3 s for each and kills what is left:
+/// the quick stop after a failed drive (their queues are deleted afterwards, so nothing they
+/// leave unacknowledged matters).
+pub fn abort_daemons(daemons: Vec<Daemon>) {
+    for d in &daemons {
+        // SAFETY: kill(2) on our own, not yet reaped, child.
+        unsafe { libc::kill(d.proc.pid() as i32, libc::SIGTERM) };
+    }
+    for mut d in daemons {
+        d.proc.stop(Duration::from_secs(3));
+    }
 }
 
 pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
@@ -247,7 +377,8 @@ pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
     if !empty.exists() {
         std::fs::write(&empty, "")?;
     }
-    let log = std::fs::File::create(env.work.join(format!("{}-{}.log", o.run, o.instance)))?;
+    let log_path = env.work.join(format!("{}-{}.log", o.run, o.instance));
+    let log = std::fs::File::create(&log_path)?;
     let r = &o.run;
     let mut cmd = Command::new(&env.daemon_bin);
     cmd.arg("--config").arg(&empty).arg("run");
@@ -285,7 +416,7 @@ pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
     }
     cmd.stdout(Stdio::null()).stderr(log).stdin(Stdio::null());
     let child = cmd.spawn().context("starting the daemon")?;
-    Ok(Daemon { proc: Proc { name: format!("daemon {}", o.instance), child }, metrics_url: format!("http://127.0.0.1:{port}") })
+    Ok(Daemon { proc: Proc { name: format!("daemon {}", o.instance), child }, metrics_url: format!("http://127.0.0.1:{port}"), log: log_path })
 }
 
 /// Sums every series of `metric` (exact name, with or without labels) in a Prometheus text page.
