@@ -1084,15 +1084,17 @@ const PEERS_READING: &str = "Reading it:\n\n\
   prefix-batcher keys on the system message (`chat_key = \"system\"`) and its adaptive levels split busy keys over more \
   instances to spread load: a system prompt that lands on a second instance is prefilled there once more. That is the couple \
   of points (and the extra prefill GPU-seconds) it gives up on bfcl, in exchange for a lower busiest-server share.\n\
-- **Where prefix-batcher wins: Mooncake at larger M.** Mooncake's working set is larger than one server's cache, so total \
-  cache capacity matters. SGLang's `cache_aware` concentrates traffic (its busiest server takes about 40 % at M = 8 and some \
-  servers get little or nothing: a request whose text matches a server's tree above the match threshold goes to that \
-  server, only a miss goes to the server with the smallest tree, and with a shared first message most requests match \
-  some server) so its busy servers evict more; \
-  prefix-batcher spreads conversations over every instance by key, so its hit ratio climbs with M towards the oracle. \
-  At M = 2 and 4 the cache-aware routes are within about a point of each other. vLLM's `cache_aware` spreads as well \
-  and matches prefix-batcher while its router keeps up; once it saturates (below) its hit ratio depends on how far behind \
-  it falls (one run of this part on a less loaded machine measured 37.8 % at M = 8, this one less).\n\
+- **Mooncake at larger M: prefix-batcher against SGLang's `cache_aware`.** Mooncake's working set is larger than one \
+  server's cache, so total cache capacity matters. SGLang's `cache_aware` concentrates traffic (its busiest server takes about \
+  40 % at M = 8 and some servers get little or nothing: a request whose text matches a server's tree above the match \
+  threshold goes to that server, only a miss goes to the server with the smallest tree, and with a shared first message \
+  most requests match some server) so its busy servers evict more; prefix-batcher spreads conversations over every instance \
+  by key, so its hit ratio climbs with M towards the oracle. At M = 2 and 4 the cache-aware routes are within about a point \
+  of each other. **vLLM's `cache_aware` spreads as well and, while its router keeps up, is within about a point of \
+  prefix-batcher on either side** (the table above): it places each request on the server with the longest cached match, \
+  where prefix-batcher places a conversation by the hash of its level-2 key, without looking at what each server holds. Its \
+  price is latency and CPU (next point); when the router falls behind, its hit ratio falls too (an earlier run of this part \
+  on a busier machine measured 19.8 % at M = 8).\n\
 - **vLLM's router renders every chat request on every server** before it routes (`POST /v1/chat/completions/render`, \
   M calls per request under `cache_aware`, none under `consistent_hash`) and routes on the returned token ids. Its CPU per \
   request grows with M and on this 2-core machine at Mooncake's ≈ 170 requests/s it saturated: seconds of latency, all in \
