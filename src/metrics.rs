@@ -3,7 +3,7 @@
 //!
 //! Names follow the Prometheus naming conventions (<https://prometheus.io/docs/practices/naming/>):
 //! prefix `prefix_batcher_`, `_total` on counters, base units (`_seconds`, ratios in 0..1).
-//! Labels are bounded: `stage`, `outcome`, `reason`, `op`, `queue` come from closed sets and
+//! Labels are bounded: `stage`, `outcome`, `reason`, `op`, `queue`, `order` come from closed sets and
 //! `partition` is bounded by `amqp.partitions`. Never a label per key, request or URL.
 
 use std::collections::HashMap;
@@ -97,6 +97,12 @@ static LLM_CIRCUIT_OPENED: LazyLock<IntCounterVec> = counter_vec!(
 static LLM_PROMPT_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new("llm_prompt_tokens_total", "Prompt tokens reported by the LLM server (usage.prompt_tokens).").unwrap())
 });
+static LLM_PERMIT_HANDOFFS: LazyLock<IntCounterVec> = counter_vec!(
+    "llm_permit_handoffs_total",
+    "LLM calls that waited for an endpoint permit (llm.max_concurrency), by the order they got it in: \
+     continuation (the prefix key of the call that ended, ahead of older calls) or arrival.",
+    &["order"]
+);
 static LLM_CACHED_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new(
         "llm_cached_prompt_tokens_total",
@@ -364,6 +370,9 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     LazyLock::force(&BATCH_SIZE);
     LazyLock::force(&BATCH_PURITY);
     LazyLock::force(&BATCH_SHARED_PREFIX);
+    for order in ["continuation", "arrival"] {
+        LLM_PERMIT_HANDOFFS.with_label_values(&[order]);
+    }
     for (s, o) in [
         (stage::ROUTER, outcome::ROUTED),
         (stage::ROUTER, outcome::DEAD_LETTERED),
@@ -466,6 +475,12 @@ pub fn llm_circuit(endpoint: usize, state: &'static str) {
     if state == "open" {
         LLM_CIRCUIT_OPENED.with_label_values(&[e.as_str()]).inc();
     }
+}
+
+/// A waiting LLM call got an endpoint permit: ahead of older calls as the continuation of the
+/// call that ended (`continuation = true`), or in arrival order. See [`crate::permits`].
+pub fn llm_permit_handoff(continuation: bool) {
+    LLM_PERMIT_HANDOFFS.with_label_values(&[if continuation { "continuation" } else { "arrival" }]).inc();
 }
 
 /// Token usage reported by one LLM response.

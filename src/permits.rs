@@ -13,6 +13,9 @@
 //! that, it goes first whatever the key of the call that ended. So a key whose batches keep coming
 //! delays another key's call by at most [`MAX_PASSES`] calls, never indefinitely.
 //!
+//! Metric: `prefix_batcher_llm_permit_handoffs_total{order}` counts the calls that waited, by
+//! whether they went ahead as a continuation or in arrival order.
+//!
 //! Cancellation: dropping an [`Acquire`] future (a cancelled batch) removes its place in the
 //! queue, or, when a permit was already handed to it, passes that permit on; no permit is lost.
 
@@ -157,6 +160,7 @@ fn release(state: &Mutex<State>, ended: Option<u64>) {
         }
         let w = s.waiters.remove(i).expect("index from next_waiter");
         if w.tx.send(()).is_ok() {
+            crate::metrics::llm_permit_handoff(i > 0);
             return;
         }
     }
