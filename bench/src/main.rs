@@ -139,6 +139,8 @@ fn check_run(a: &RunArgs, root: &Path) -> anyhow::Result<Checked> {
     let merge = a.merge || a.medium;
     let out = a.out.clone().unwrap_or_else(|| root.join("bench"));
     anyhow::ensure!(!out.exists() || out.is_dir(), "--out {} is not a directory", out.display());
+    // Created now, so an --out that cannot be written fails before anything is built or run.
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create --out {}", out.display()))?;
     let results = out.join("results.json");
     let previous: Option<report::Results> = if merge && results.exists() {
         let bytes = std::fs::read(&results).with_context(|| format!("reading {} (to keep the other parts' results)", results.display()))?;
