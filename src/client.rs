@@ -200,7 +200,7 @@ fn request_id(line: &str) -> String {
 /// Persistent JSON message with `message_id` = `correlation_id` = `id`, `timestamp` (seconds)
 /// and the millisecond timestamp header, and `reply_to` when waiting. Errors when `id` is longer
 /// than [`crate::request::MAX_ID_BYTES`] (the daemon would dead-letter it as `invalid_field`).
-fn request_properties(id: &str, reply_queue: Option<&str>) -> Result<BasicProperties, ClientError> {
+pub fn request_properties(id: &str, reply_queue: Option<&str>) -> Result<BasicProperties, ClientError> {
     let id_string = crate::request::short_string("id", id, crate::request::MAX_ID_BYTES)
         .map_err(|source| ClientError::InvalidId { id: id.chars().take(40).collect(), source })?;
     let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;

@@ -5,13 +5,13 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use futures_util::StreamExt;
 use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties};
 use serde_json::Value;
 use tokio::time::Instant;
 
@@ -238,19 +238,9 @@ pub async fn drive(queue: &str, reqs: Vec<Req>, timeout: Duration, sample: Durat
     let publish_and_collect = async {
         for r in reqs {
             tokio::time::sleep_until(start + r.at).await;
-            // The publish time of this request (the daemon measures queueing delay from it: the
-            // adaptive keying's split signal), in milliseconds as the daemon's own `submit` sends it.
-            let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
-            let mut headers = FieldTable::default();
-            headers.insert(prefix_batcher::publisher::HEADER_TIMESTAMP_MS.into(), lapin::types::AMQPValue::LongLongInt(now_ms as i64));
-            let props = BasicProperties::default()
-                .with_headers(headers)
-                .with_content_type("application/json".into())
-                .with_delivery_mode(2)
-                .with_message_id(r.id.as_str().into())
-                .with_correlation_id(r.id.as_str().into())
-                .with_timestamp(now_ms / 1000)
-                .with_reply_to(reply.as_str().into());
+            // The daemon's own `submit` properties, including the publish time it measures
+            // queueing delay from (the adaptive keying's split signal).
+            let props = prefix_batcher::client::request_properties(&r.id, Some(reply.as_str()))?;
             state.lock().unwrap().sent_at.insert(r.id.clone(), Instant::now());
             let c = pub_ch
                 .basic_publish("".into(), queue.into(), BasicPublishOptions { mandatory: true, ..Default::default() }, &r.body, props)
