@@ -105,7 +105,7 @@ impl SplitRules {
             delay_windows: 3,
             delay_threshold: Duration::from_secs(2).max(max_batch_wait * 2),
             min_share: 0.5,
-            min_requests: 10,
+            min_requests: MIN_REQUESTS,
             hold: Duration::from_secs(30),
             cool: Duration::from_secs(10),
             merge_ratio: 0.5,
@@ -408,6 +408,9 @@ fn routed_by(view: &SplitView, k: &RoutedKey) -> bool {
     k.is_finest() || view.get(k.level, k.key) != Some(SplitState::Split)
 }
 
+/// Fewest requests in the measurement windows for any split decision ([`SplitRules::min_requests`]).
+pub const MIN_REQUESTS: u64 = 10;
+
 /// Per-router counts of the routed keys, per window, for the dominance rule of the module doc.
 #[derive(Debug, Default)]
 pub struct TrafficShares {
@@ -415,12 +418,25 @@ pub struct TrafficShares {
     closed: VecDeque<ShareWindow>,
     open: ShareWindow,
     window_start: Option<Instant>,
+    /// Requests observed since the last [`TrafficShares::tick`].
+    since_tick: u64,
+    /// Requests the last tick lacked to reach `min_requests` (`None` before the first tick:
+    /// [`MIN_REQUESTS`]; `Some(0)` when it had enough).
+    short_by: Option<u64>,
 }
 
 impl TrafficShares {
-    /// Records one routed request.
-    pub fn observe(&mut self, choice: &Choice) {
+    /// Records one routed request. Returns `true` once the requests observed since the last
+    /// [`TrafficShares::tick`] make up the `min_requests` that tick lacked (at start: the first
+    /// [`MIN_REQUESTS`] requests): the caller may then tick at once instead of waiting for its
+    /// next refresh, so a key that dominates from the first request splits after
+    /// `min_requests` requests, not after `min_requests` plus a refresh interval of them.
+    /// At most once per tick, and never while the windows already hold enough requests.
+    pub fn observe(&mut self, choice: &Choice) -> bool {
         *self.open.entry((choice.routed, choice.deeper.clone())).or_default() += 1;
+        self.since_tick += 1;
+        let short_by = self.short_by.unwrap_or(MIN_REQUESTS);
+        short_by > 0 && self.since_tick == short_by
     }
 
     /// Closes the open window when `rules.window` has passed since it opened and returns the
@@ -448,6 +464,8 @@ impl TrafficShares {
             *keys.entry(*k).or_default() += c;
         }
         let requests: u64 = keys.values().sum();
+        self.since_tick = 0;
+        self.short_by = Some(rules.min_requests.saturating_sub(requests));
         if requests < rules.min_requests {
             return None;
         }
@@ -847,6 +865,31 @@ mod tests {
         shares.observe(&at(rk(0, 4, 1), &[2, 3, 4]));
         let d = shares.tick(start + Duration::from_millis(500), &r, &SplitView::default()).expect("dominant");
         assert_eq!(d.members, vec![split(0, 1), split(1, 2), split(2, 3)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_requests_a_tick_lacked_ask_once_for_an_early_tick() {
+        let r = rules();
+        let view = SplitView::default();
+        let mut shares = TrafficShares::default();
+        let start = Instant::now();
+        let at_ms = |ms| start + Duration::from_millis(ms);
+        let key = |i: u64| at(rk(0, 3, i), &[]);
+        // Before the first tick: the 10th request asks, and only it.
+        let asks: Vec<u64> = (0..25).filter(|&i| shares.observe(&key(i))).collect();
+        assert_eq!(asks, vec![MIN_REQUESTS - 1]);
+        // A tick that had enough requests: nothing asks until the windows run short again.
+        assert_eq!(shares.tick(at_ms(0), &r, &view), None, "25 keys, none dominant");
+        assert!((0..40).all(|i| !shares.observe(&key(100 + i))));
+        // The windows age out (3 closed windows of 1 s): 0 counted; then a tick with 3 requests
+        // lacks 7, and the 7th request after it asks.
+        for s in 1..=5 {
+            shares.tick(at_ms(s * 1000), &r, &view);
+        }
+        assert!((0..3).all(|i| !shares.observe(&key(200 + i))));
+        assert_eq!(shares.tick(at_ms(5250), &r, &view), None);
+        let asks: Vec<u64> = (0..10).filter(|&i| shares.observe(&key(300 + i))).collect();
+        assert_eq!(asks, vec![6]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -295,6 +295,9 @@ struct Inner {
     load: Mutex<LoadTracker>,
     /// The ledger and the last records read, used by the refresh only.
     refresh: Mutex<(SplitLedger, Vec<SplitRecord>)>,
+    /// Woken when the routers' traffic shares want a refresh before the next interval
+    /// ([`TrafficShares::observe`]).
+    early: tokio::sync::Notify,
 }
 
 /// The split state of one deployment in this process: the local view routing reads, the
@@ -313,6 +316,7 @@ impl Default for Affinity {
                 router: Mutex::new(RouterSide::default()),
                 load: Mutex::new(LoadTracker::default()),
                 refresh: Mutex::new((SplitLedger::default(), Vec::new())),
+                early: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -355,7 +359,9 @@ impl Affinity {
         for m in &choice.through {
             *r.arrivals.entry(*m).or_default() += 1;
         }
-        r.shares.observe(choice);
+        if r.shares.observe(choice) {
+            self.inner.early.notify_one();
+        }
         let Some(report) = r.hygiene.observe(level0, material_chars, choice.routed, unsplittable) else { return };
         let dominant = report.dominant_unsplittable();
         metrics::hot_keys(&report.top_shares, report.unsplittable.map_or(0.0, |(_, s)| s));
@@ -378,6 +384,14 @@ impl Affinity {
                 warn!(key = %key, share, "one key carries most of the traffic and cannot be split further");
             }
         }
+    }
+
+    /// Completes when a refresh is wanted before the next [`REFRESH_INTERVAL`]: the routers
+    /// have routed the [`SplitRules::min_requests`] requests the last refresh lacked for a
+    /// decision (at start: the first 10). A wake-up given while nobody waits is kept for the
+    /// next call.
+    pub async fn early_refresh(&self) {
+        self.inner.early.notified().await
     }
 
     /// Records a request dequeued by the owner of `partition`, routed by `routed`, after waiting
@@ -462,7 +476,9 @@ pub fn rules(settings: &Settings) -> SplitRules {
     SplitRules::new(settings.batching.max_batch_wait, settings.sharding.max_shards)
 }
 
-/// Refreshes the deployment's [`Affinity`] every [`REFRESH_INTERVAL`] until `stop` fires.
+/// Refreshes the deployment's [`Affinity`] every [`REFRESH_INTERVAL`], and at once when
+/// [`Affinity::early_refresh`] asks for it (the first requests of a deployment: a key that
+/// dominates from the start splits after 10 requests), until `stop` fires.
 /// Redis errors are logged (at most once a minute) and counted; the view stays in force.
 pub async fn run(settings: Arc<Settings>, conn: impl Into<RedisConn>, stop: CancellationToken) {
     let affinity = Affinity::for_prefix(&settings.redis.key_prefix);
@@ -472,15 +488,18 @@ pub async fn run(settings: Arc<Settings>, conn: impl Into<RedisConn>, stop: Canc
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_warning: Option<Instant> = None;
     loop {
-        tokio::select! {
+        let now = tokio::select! {
             _ = stop.cancelled() => return,
-            now = tick.tick() => {
-                if let Err(e) = affinity.refresh(&store, &rules, now).await {
-                    if last_warning.is_none_or(|t| now.saturating_duration_since(t) >= WARN_EVERY) {
-                        last_warning = Some(now);
-                        warn!(error = %e, "cannot refresh the split set; routing keeps the last view");
-                    }
-                }
+            now = tick.tick() => now,
+            _ = affinity.early_refresh() => {
+                tick.reset();
+                Instant::now()
+            }
+        };
+        if let Err(e) = affinity.refresh(&store, &rules, now).await {
+            if last_warning.is_none_or(|t| now.saturating_duration_since(t) >= WARN_EVERY) {
+                last_warning = Some(now);
+                warn!(error = %e, "cannot refresh the split set; routing keeps the last view");
             }
         }
     }
@@ -573,4 +592,30 @@ mod tests {
         assert_eq!(*lock(&store.arrivals), 1, "the arrival counted during the outage arrives");
         assert_eq!(a.view().len(), 1, "still hot (100 rps > half of 20 rps): kept");
     }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_first_requests_of_a_dominant_key_ask_for_an_early_refresh_that_splits_it() {
+        let a = Affinity::default();
+        let store = Memory::default();
+        let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
+        let route = |a: &Affinity| {
+            let choice = crate::affinity::choose(&a.view(), 3, |l| PrefixKey(7 + u64::from(l)));
+            a.routed(&choice, PrefixKey(7), 3000, false);
+            choice.routed.level
+        };
+        let asked = |a: &Affinity| {
+            let a = a.clone();
+            async move { tokio::time::timeout(Duration::from_millis(1), a.early_refresh()).await.is_ok() }
+        };
+        for _ in 0..9 {
+            assert_eq!(route(&a), 0);
+        }
+        assert!(!asked(&a).await, "9 requests: no early refresh");
+        route(&a);
+        assert!(asked(&a).await, "the 10th request asks for one");
+        a.refresh(&store, &rules, Instant::now()).await.unwrap();
+        assert_eq!(route(&a), 2, "split at that refresh, with level 1 (one key for all 10): they route by level 2");
+        assert!(!asked(&a).await, "asked once");
+    }
+
 }

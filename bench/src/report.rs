@@ -771,11 +771,11 @@ fn render_scale_adaptive(s: &mut String, sc: &ScaleResults, p: &Plan) {
         "**The defaults (adaptive key levels).** {}. Every request of this trace starts with block 0, so its level-0 key (256 \
          characters) and level-1 key (1,024) are the same for all traffic, and only level 2 (4,096 characters = 2 blocks) tells \
          conversations apart. The queueing-delay rule does not fire here: its threshold is 2 s of wall time, 400 trace seconds at \
-         this speed-up, and no partition queues that long. The dominance rule does: at the first refresh (every 250 ms) after a router \
-         has routed ≥ 10 requests, the level-0 key (100 % of the traffic) is split, together with level 1 (one key for all its \
+         this speed-up, and no partition queues that long. The dominance rule does: at the refresh that a router's 10th request triggers, \
+         the level-0 key (100 % of the traffic) is split, together with level 1 (one key for all its \
          requests), so requests route by level 2 — the static 2-block key's routing — from well under a second of wall time into \
-         the replay (splits column: split decisions / spreads / merges, key moves). Those first requests (about a hundred at \
-         M = 8, i.e. the first ~100 trace seconds at this 200× speed-up) all went to one server, and their conversations continue \
+         the replay (splits column: split decisions / spreads / merges, key moves). Those first requests (10 or more per router: \
+         up to the 10th, or until another instance's decision reaches it at its next 250 ms refresh) all went to one server, and their conversations continue \
          on other servers: the speed-up magnifies this warm-up, which in real time is well under a second. The rest of the gap to the oracle is cache capacity (each server's LRU \
          holds {} blocks): the routing model, which has no warm-up, tops out at the ratios quoted, and even one cache as large as \
          all M together, with the same LRU eviction, stays below the oracle at small M, because the trace's one-off blocks push \
