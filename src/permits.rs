@@ -278,4 +278,224 @@ mod tests {
         drop(again);
         assert_eq!(p.available(), 1);
     }
+
+    /// The state's invariants: at most `n` free permits, none free while calls wait, waiters passed
+    /// over at most [`MAX_PASSES`] times and never more often than an older waiter.
+    fn check_invariants(p: &KeyedPermits, n: usize) -> u32 {
+        let s = lock(&p.state);
+        assert!(s.free <= n, "{} free of {n}", s.free);
+        assert!(s.waiters.is_empty() || s.free == 0, "{} free while {} wait", s.free, s.waiters.len());
+        let mut ahead = MAX_PASSES;
+        for w in &s.waiters {
+            assert!(w.passes <= ahead, "passes {} behind {ahead}", w.passes);
+            ahead = w.passes;
+        }
+        s.waiters.front().map_or(0, |w| w.passes)
+    }
+
+    /// Holds a permit: counts it in `held` (asserting at most `n`) until dropped.
+    struct Held {
+        _permit: Permit,
+        held: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl Held {
+        fn new(permit: Permit, held: &Arc<std::sync::atomic::AtomicUsize>, n: usize) -> Self {
+            let now = held.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+            let held = Held { _permit: permit, held: held.clone() };
+            assert!(now <= n, "{now} permits held at once, of {n}");
+            held
+        }
+    }
+
+    impl Drop for Held {
+        fn drop(&mut self) {
+            self.held.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    /// Waits `units`: under paused time, that many milliseconds; else that many task yields.
+    async fn pause(units: u64, real: bool) {
+        if real {
+            for _ in 0..units {
+                tokio::task::yield_now().await;
+            }
+        } else {
+            tokio::time::sleep(Duration::from_millis(units)).await;
+        }
+    }
+
+    /// `tasks` calls of random keys on `n` permits, each cancelled (or not) in a random way at a
+    /// random point; `real`: on a multi-threaded runtime (yields for time). Checks the invariants
+    /// throughout, then that every permit came back and never more than `n` were held; returns the
+    /// most times a waiting call was passed over.
+    async fn stress(seed: u64, n: usize, tasks: usize, real: bool) -> u32 {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let held = Arc::new(AtomicUsize::new(0));
+        let p = KeyedPermits::new(n);
+        let mut rng = fastrand::Rng::with_seed(seed);
+        // Checks the invariants between any two steps; returns the most passes seen.
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let checker = tokio::spawn({
+            let (p, stop) = (p.clone(), stop.clone());
+            async move {
+                let mut most = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    most = most.max(check_invariants(&p, n));
+                    pause(1, real).await;
+                }
+                most
+            }
+        });
+        let mut handles = Vec::new();
+        let mut aborts = Vec::new();
+        for t in 0..tasks {
+            let (permits, held) = (p.clone(), held.clone());
+            let key = match rng.u8(0..10) {
+                0 => None,
+                k => Some(u64::from(k % 4)),
+            };
+            let (mode, a, b) = (rng.u8(0..8), rng.u64(0..6), rng.u64(0..6));
+            let task = async move {
+                let (p, held) = (permits, &held);
+                pause(a, real).await;
+                match mode {
+                    // Awaited to the end, held, dropped.
+                    0 | 1 => {
+                        let _h = Held::new(p.acquire(key).await, held, n);
+                        pause(b, real).await;
+                    }
+                    // Dropped before the first poll (granted or queued), maybe after a wait.
+                    2 => {
+                        let acquire = p.acquire(key);
+                        pause(b, real).await;
+                        drop(acquire);
+                    }
+                    // Polled once; if queued, dropped later (maybe handed a permit meanwhile).
+                    3 => {
+                        let mut acquire = p.acquire(key);
+                        if let Some(permit) = (&mut acquire).now_or_never() {
+                            let _h = Held::new(permit, held, n);
+                            pause(b, real).await;
+                        } else {
+                            pause(b, real).await;
+                            drop(acquire);
+                        }
+                    }
+                    // Timed out while waiting, or held.
+                    4 => {
+                        let got = if real {
+                            tokio::select! { got = p.acquire(key) => Some(got), _ = pause(b, real) => None }
+                        } else {
+                            tokio::time::timeout(Duration::from_millis(b), p.acquire(key)).await.ok()
+                        };
+                        if let Some(permit) = got {
+                            let _h = Held::new(permit, held, n);
+                            pause(a, real).await;
+                        }
+                    }
+                    // A cancellation that wins ties (as in llm.rs: biased, cancel first).
+                    5 => {
+                        let got = tokio::select! {
+                            biased;
+                            _ = pause(b, real) => None,
+                            got = p.acquire(key) => Some(got),
+                        };
+                        if let Some(permit) = got {
+                            let _h = Held::new(permit, held, n);
+                            pause(a, real).await;
+                        }
+                    }
+                    // A permit held across a panic of its task.
+                    6 if t % 50 == 0 => {
+                        let _h = Held::new(p.acquire(key).await, held, n);
+                        pause(b, real).await;
+                        std::panic::resume_unwind(Box::new("a task of the test panics holding a permit"));
+                    }
+                    // Acquired and held; aborted from outside at a random time (below).
+                    _ => {
+                        let _h = Held::new(p.acquire(key).await, held, n);
+                        pause(b + 100, real).await;
+                    }
+                }
+                check_invariants(&p, n);
+            };
+            let handle = tokio::spawn(task);
+            if mode == 7 {
+                aborts.push((rng.u64(0..12), handle.abort_handle()));
+            }
+            handles.push(handle);
+            if t % 8 == 0 {
+                pause(1, real).await;
+                check_invariants(&p, n);
+            }
+        }
+        for (after, abort) in aborts {
+            pause(after, real).await;
+            abort.abort();
+        }
+        let all = async {
+            for h in handles {
+                if let Err(e) = h.await {
+                    assert!(e.is_cancelled() || e.is_panic(), "{e}");
+                }
+            }
+        };
+        // A lost permit leaves calls waiting forever.
+        tokio::time::timeout(Duration::from_secs(60), all).await.expect("every call ends");
+        stop.store(true, Ordering::SeqCst);
+        let most_passes = checker.await.expect("the invariants held throughout");
+        check_invariants(&p, n);
+        assert_eq!(held.load(Ordering::SeqCst), 0);
+        assert_eq!(p.available(), n, "every permit is back");
+        let again: Vec<Permit> = (0..n).map(|_| p.acquire(Some(0)).now_or_never().expect("a free permit")).collect();
+        assert!(p.acquire(None).now_or_never().is_none(), "no permit beyond {n}");
+        drop(again);
+        assert_eq!(p.available(), n);
+        most_passes
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn random_cancellations_lose_and_duplicate_no_permit() {
+        let mut most_passes = 0;
+        for seed in 0..8 {
+            most_passes = most_passes.max(stress(seed, 1 + (seed as usize % 3), 600, false).await);
+        }
+        assert_eq!(most_passes, MAX_PASSES, "the pass limit was reached and kept");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn random_cancellations_across_threads_lose_and_duplicate_no_permit() {
+        for seed in 100..104 {
+            assert!(stress(seed, 1 + (seed as usize % 3), 1500, true).await <= MAX_PASSES);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_poisoned_state_lock_loses_no_permit() {
+        let p = KeyedPermits::new(2);
+        let state = p.state.clone();
+        let poisoned = std::thread::spawn(move || {
+            let _guard = state.lock();
+            std::panic::resume_unwind(Box::new("poisons the lock"));
+        })
+        .join();
+        assert!(poisoned.is_err() && p.state.is_poisoned());
+        stress_on(&p).await;
+        assert_eq!(p.available(), 2);
+    }
+
+    /// A few acquires, hand-overs and cancellations on `p` (2 permits).
+    async fn stress_on(p: &KeyedPermits) {
+        let a = p.acquire(Some(1)).await;
+        let b = p.acquire(Some(2)).await;
+        let queued = p.acquire(Some(1));
+        let handed = p.acquire(Some(1));
+        drop(queued);
+        drop(a);
+        drop(handed);
+        let c = tokio::time::timeout(Duration::from_secs(1), p.acquire(None)).await.expect("free");
+        drop(b);
+        drop(c);
+    }
 }
