@@ -146,6 +146,11 @@ fn check_run(a: &RunArgs, root: &Path) -> anyhow::Result<Checked> {
         let bytes = std::fs::read(&results).with_context(|| format!("reading {} (to keep the other parts' results)", results.display()))?;
         Some(serde_json::from_slice(&bytes).with_context(|| format!("{} is not a results file of this runner (to keep the other parts' results)", results.display()))?)
     } else {
+        if merge {
+            // Nothing to keep: the report holds only the parts run now. Said before the run, not
+            // after it, so a mistyped --out is noticed in time.
+            eprintln!("bench: no {} to merge with; the report will hold only the parts run now", results.display());
+        }
         None
     };
     let plan = match &previous {
