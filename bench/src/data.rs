@@ -37,7 +37,8 @@ pub fn datasets_of_part(part: &str, cache_datasets: &[String]) -> Vec<String> {
         // Overhead samples bbh-cot; hot and shift build their workload from its prompts.
         "overhead" | "hot" | "shift" => &["bbh-cot"],
         // The Mooncake trace rendered as chat, and bfcl-multiturn conversations.
-        "chat" | "peers" => &["mooncake", "bfcl-multiturn"],
+        "chat" => &["mooncake", "bfcl-multiturn"],
+        "peers" => &["mooncake", "bfcl-multiturn", "bbh-cot"],
         "peers-llama" => crate::peers::LLAMA_DATASETS,
         _ => &[],
     };

@@ -101,6 +101,42 @@ pub struct PeerWorkload {
     /// Token-level oracle (one infinite cache, 16-token blocks, the simulator's chat rendering).
     pub oracle: f64,
     pub note: String,
+    /// Every request arrives at once: the table reports throughput at saturation.
+    #[serde(default)]
+    pub burst: bool,
+}
+
+/// One workload of the part as run: its requests (messages, arrival s, `max_tokens`), the
+/// replay speed-up of the arrival times, the servers, and the M it runs at.
+struct WorkloadRun {
+    name: &'static str,
+    convs: Vec<(Value, f64, u64)>,
+    note: String,
+    speedup: f64,
+    sim: SimOpts,
+    ms: Vec<usize>,
+    burst: bool,
+}
+
+/// Part 4's hot-prefix requests as chat (one user message each: a BIG-Bench-Hard few-shot
+/// prompt, `plan.hot_share` of them on one task's header), at the sine schedule's arrival times
+/// in seconds, or all at 0 with `burst`.
+fn hot_prefix_chat(data_dir: &Path, plan: &Plan, burst: bool) -> anyhow::Result<Vec<(Value, f64, u64)>> {
+    let (hot, cold) = data::hot_prefix_prompts(data_dir, plan.hot_cold_groups, plan.seed)?;
+    let mut rng = fastrand::Rng::with_seed(plan.seed);
+    let times = crate::parts::sine_schedule(plan.hot_unit_rps, plan.hot_period_s, plan.hot_cycles);
+    Ok(times
+        .into_iter()
+        .map(|t| {
+            let prompt = if rng.f64() < plan.hot_share {
+                hot[rng.usize(..hot.len())].clone()
+            } else {
+                let g = &cold[rng.usize(..cold.len())];
+                g[rng.usize(..g.len())].clone()
+            };
+            (json!([{"role": "user", "content": prompt}]), if burst { 0.0 } else { t }, plan.hot_max_tokens)
+        })
+        .collect())
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -415,19 +451,66 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         mc_msgs.into_iter().zip(&sample).map(|(m, r)| (m, (r.timestamp_ms - t0) as f64 / 1000.0, r.output_length.max(1))).collect();
     let bfcl: Vec<(Value, f64, u64)> =
         bfcl_chat(data_dir, plan.chat_bfcl_conversations, 20.0, 60.0, plan.seed)?.into_iter().map(|(m, t)| (m, t, 32)).collect();
+    let hot_servers = format!(
+        "part 4's slow simulated servers ({} slots, prefill {} ms per uncached token, decode {} ms per token, {} blocks of cache), M = {} as in part 4, real time",
+        plan.hot_sim.max_concurrency, plan.hot_sim.prefill_ms_per_token, plan.hot_sim.decode_ms_per_token, plan.hot_sim.capacity_blocks, plan.hot_instances
+    );
+    let hot_share = plan.hot_share * 100.0;
+    let runs = [
+        WorkloadRun {
+            name: "mooncake-chat",
+            convs: mooncake,
+            note: format!(
+                "part 2's Mooncake sample ({} requests) as chat, rendered as part 5 renders it, except that the {} empty user turns (a request that adds no block to its conversation) read \"continue\": SGLang's router rejects empty message content",
+                sample.len(),
+                empty_turns
+            ),
+            speedup,
+            sim: sim.clone(),
+            ms: plan.peers_ms.clone(),
+            burst: false,
+        },
+        WorkloadRun {
+            name: "bfcl-chat",
+            convs: bfcl,
+            note: format!("part 5's {} bfcl-multiturn conversations, turn by turn", plan.chat_bfcl_conversations),
+            speedup,
+            sim: sim.clone(),
+            ms: plan.peers_ms.clone(),
+            burst: false,
+        },
+        WorkloadRun {
+            name: "hot-prefix",
+            convs: hot_prefix_chat(data_dir, plan, false)?,
+            note: format!(
+                "part 4's hot-prefix sine load as chat (one user message per request, {hot_share:.0} % on one BIG-Bench-Hard few-shot header, the rest on 8 others; {} s, {} cycle(s)), on {hot_servers}",
+                plan.hot_period_s * plan.hot_cycles as f64,
+                plan.hot_cycles
+            ),
+            speedup: 1.0,
+            sim: plan.hot_sim.clone(),
+            ms: vec![plan.hot_instances],
+            burst: false,
+        },
+        WorkloadRun {
+            name: "hot-prefix-burst",
+            convs: hot_prefix_chat(data_dir, plan, true)?,
+            note: format!(
+                "the same requests all at once, on {hot_servers}: throughput at saturation = requests ÷ (first arrival → last answer)"
+            ),
+            speedup: 1.0,
+            sim: plan.hot_sim.clone(),
+            ms: vec![plan.hot_instances],
+            burst: true,
+        },
+    ];
     let mut workloads = Vec::new();
     let mut rows = Vec::new();
-    for (name, convs, note) in [
-        ("mooncake-chat", &mooncake, format!(
-            "part 2's Mooncake sample ({} requests) as chat, rendered as part 5 renders it, except that the {} empty user turns (a request that adds no block to its conversation) read \"continue\": SGLang's router rejects empty message content",
-            sample.len(),
-            empty_turns
-        )),
-        ("bfcl-chat", &bfcl, format!("part 5's {} bfcl-multiturn conversations, turn by turn", plan.chat_bfcl_conversations)),
-    ] {
+    for WorkloadRun { name, convs, note, speedup, sim, ms, burst } in &runs {
+        let (name, convs, speedup, sim) = (*name, convs, *speedup, sim);
         let oracle = crate::parts::one_cache_hit_ratio(convs.iter().map(|(msgs, _, _)| rendered(msgs)), sim.chars_per_token, usize::MAX);
         eprintln!("bench: peers: {name}: {} requests, oracle {:.1}%", convs.len(), oracle * 100.0);
-        workloads.push(PeerWorkload { name: name.into(), requests: convs.len(), oracle, note });
+        workloads.push(PeerWorkload { name: name.into(), requests: convs.len(), oracle, note: note.clone(), burst: *burst });
         let queued = chat_requests(name, convs, speedup);
         let http_reqs: Vec<HttpReq> = convs
             .iter()
@@ -438,13 +521,13 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
                 at: Duration::from_secs_f64(at / speedup),
             })
             .collect();
-        for &m in &plan.peers_ms {
-            let row = daemon_run(env, plan, &sim, m, name, &queued).await?;
+        for &m in ms {
+            let row = daemon_run(env, plan, sim, m, name, &queued).await?;
             report_row(&row, oracle);
             rows.push(row);
             for (peer, policy) in &plan.peers_routes {
                 let Some(p) = PEERS.iter().find(|p| p.name == peer) else { bail!("unknown peer {peer}") };
-                let row = match router_run(env, &python, *p, policy, &sim, m, name, &http_reqs).await {
+                let row = match router_run(env, &python, *p, policy, sim, m, name, &http_reqs).await {
                     Ok(row) => row,
                     Err(e) => {
                         eprintln!("bench:   {peer} {policy} M={m} failed: {e:#}");

@@ -277,7 +277,18 @@ pub fn peers_hits(r: &crate::peers::PeersResults, out: &Path) -> anyhow::Result<
     let root = BitMapBackend::new(out, (1200, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let root = root.titled("Same servers, same traffic: server-side prefix-cache token hit ratio vs servers M, per route", ("sans-serif", 20)).map_err(err)?;
-    let panels = root.split_evenly((1, r.workloads.len().max(1)));
+    // A workload run at one M only (the hot-prefix ones) has no line to draw.
+    let workloads: Vec<&crate::peers::PeerWorkload> = r
+        .workloads
+        .iter()
+        .filter(|w| {
+            let mut ms: Vec<usize> = r.rows.iter().filter(|x| x.workload == w.name).map(|x| x.m).collect();
+            ms.sort_unstable();
+            ms.dedup();
+            ms.len() > 1
+        })
+        .collect();
+    let panels = root.split_evenly((1, workloads.len().max(1)));
     let mut routes: Vec<String> = Vec::new();
     for row in &r.rows {
         if !routes.contains(&row.route()) {
@@ -285,7 +296,7 @@ pub fn peers_hits(r: &crate::peers::PeersResults, out: &Path) -> anyhow::Result<
         }
     }
     let m_max = r.rows.iter().map(|x| x.m).max().unwrap_or(8).max(2) as f64;
-    for (panel, w) in panels.iter().zip(&r.workloads) {
+    for (panel, w) in panels.iter().zip(workloads) {
         let mut chart = ChartBuilder::on(panel)
             .caption(format!("{} (oracle {:.1} %)", w.name, w.oracle * 100.0), ("sans-serif", 16))
             .margin(10)

@@ -945,7 +945,7 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
     let _ = writeln!(
         s,
         "One load generator, many routes. Each route gets M fresh simulators (part 2's settings: {} blocks of cache, {} slots, {}× \
-         speed-up) and the same chat requests at the same arrival times with the same `max_tokens`. **prefix-batcher (defaults)**: M \
+         speed-up; the hot-prefix workloads: part 4's slow servers in real time, as their notes say) and the same chat requests at the same arrival times with the same `max_tokens`. **prefix-batcher (defaults)**: M \
          daemons (adaptive keying, `llm.max_concurrency = {}`, `max_batch_wait = 5ms`), requests published to RabbitMQ, results \
          from the reply queue. **Peer routers** ({}, installed by `bench/peers-install` into `.cache/peers-venv`): \
          `python -m <package>.launch_router --worker-urls … --policy P`, requests sent over HTTP open loop at the arrival times, \
@@ -971,16 +971,19 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
     );
     for w in &pe.workloads {
         let _ = writeln!(s, "### {} — {} requests, oracle {}\n\n{}.\n", w.name, w.requests, pct(w.oracle), w.note);
-        let _ = writeln!(s, "| M | route | token hits | ÷ oracle | prefill GPU-s | p50 ms | p99 ms | router CPU s / 1,000 req | router peak RSS MiB | busiest server's share | ok / requests (served) |");
-        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+        // A burst workload measures throughput at saturation: one more column.
+        let (thr_head, thr_rule) = if w.burst { (" throughput req/s |", " ---: |") } else { ("", "") };
+        let _ = writeln!(s, "| M | route | token hits | ÷ oracle | prefill GPU-s | p50 ms | p99 ms |{thr_head} router CPU s / 1,000 req | router peak RSS MiB | busiest server's share | ok / requests (served) |");
+        let _ = writeln!(s, "| ---: | --- | ---: | ---: | ---: | ---: | ---: |{thr_rule} ---: | ---: | ---: | ---: |");
         for x in pe.rows.iter().filter(|x| x.workload == w.name) {
             if x.error.is_some() && x.ok == 0 {
-                let _ = writeln!(s, "| {} | {} | failed | | | | | | | | 0 / {} |", x.m, x.route(), x.requests);
+                let _ = writeln!(s, "| {} | {} | failed | | | | |{} | | | 0 / {} |", x.m, x.route(), if w.burst { " |" } else { "" }, x.requests);
                 continue;
             }
+            let thr = if w.burst { format!(" {} |", num(x.ok as f64 / x.wall_s.max(1e-9), 1)) } else { String::new() };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} ({}) |",
+                "| {} | {} | {} | {} | {} | {} | {} |{thr} {} | {} | {} | {} / {} ({}) |",
                 x.m,
                 if x.system == "prefix-batcher" { format!("**{}**", x.route()) } else { x.route() },
                 pct(x.token_hit_ratio),
@@ -997,7 +1000,7 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
             );
         }
         let _ = writeln!(s);
-        let _ = writeln!(s, "{}", peers_facts(pe, &w.name));
+        let _ = writeln!(s, "{}", peers_facts(pe, &w.name, w.burst));
     }
     let failed: Vec<String> = pe
         .rows
@@ -1018,7 +1021,7 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
 
 /// Measured facts of one workload's table: per M, the best route by hit ratio and where
 /// prefix-batcher stands.
-fn peers_facts(pe: &crate::peers::PeersResults, workload: &str) -> String {
+fn peers_facts(pe: &crate::peers::PeersResults, workload: &str, burst: bool) -> String {
     let mut ms: Vec<usize> = pe.rows.iter().filter(|x| x.workload == workload).map(|x| x.m).collect();
     ms.sort_unstable();
     ms.dedup();
@@ -1028,8 +1031,15 @@ fn peers_facts(pe: &crate::peers::PeersResults, workload: &str) -> String {
         let Some(pb) = rows.iter().find(|x| x.system == "prefix-batcher") else { continue };
         let Some(best_peer) = rows.iter().filter(|x| x.system != "prefix-batcher").max_by(|a, b| a.token_hit_ratio.total_cmp(&b.token_hit_ratio)) else { continue };
         let rr = rows.iter().find(|x| x.system == "sglang-router" && x.policy == "round_robin");
+        let thr = |x: &crate::peers::PeerRow| x.ok as f64 / x.wall_s.max(1e-9);
+        let saturation = if burst {
+            let fastest = rows.iter().filter(|x| x.system != "prefix-batcher").max_by(|a, b| thr(a).total_cmp(&thr(b)));
+            fastest.map(|f| format!("; throughput {} req/s vs the fastest peer, {}, {} req/s", num(thr(pb), 1), f.route(), num(thr(f), 1))).unwrap_or_default()
+        } else {
+            String::new()
+        };
         out.push(format!(
-            "M = {m}: prefix-batcher {} vs the best peer, {} ({}){}; prefill GPU-s {} vs {}; p99 {} ms vs {} ms.",
+            "M = {m}: prefix-batcher {} vs the best peer, {} ({}){}; prefill GPU-s {} vs {}; p99 {} ms vs {} ms{saturation}.",
             pct(pb.token_hit_ratio),
             best_peer.route(),
             pct(best_peer.token_hit_ratio),
@@ -1079,11 +1089,17 @@ const PEERS_READING: &str = "Reading it:\n\n\
 - **Load-only policies** (`round_robin`, `power_of_two`) ignore prefixes: their hit ratios fall as M grows (each server sees \
   1/M of every conversation and of every shared system prompt), which is the cost every cache-aware route is measured against.\n\
 - **Where SGLang's and vLLM's `cache_aware` win: bfcl-chat.** Their approximate radix tree matches a request's whole text \
-  against what each server was sent, so each next turn goes back to the server that holds its conversation and each long \
-  tool-schema system prompt stays on one server; at this load their balance thresholds rarely trip, so they seldom spread. \
-  prefix-batcher keys on the system message (`chat_key = \"system\"`) and its adaptive levels split busy keys over more \
-  instances to spread load: a system prompt that lands on a second instance is prefilled there once more. That is the couple \
-  of points (and the extra prefill GPU-seconds) it gives up on bfcl, in exchange for a lower busiest-server share.\n\
+  against what each server was sent, so each next turn goes back to the server that holds its conversation, and a request \
+  goes to the server that holds the longest beginning of its text; at this load their balance thresholds rarely trip, so \
+  they seldom spread. bfcl's 146 tool-schema system prompts (18–49 KB) share long beginnings: a 1 KB preamble in all of \
+  them, and up to 36 KB between prompts that list the same first tool classes. prefix-batcher keys on the whole system \
+  message (`chat_key = \"system\"`; no bfcl key dominates or queues, so none is split, part 5): two prompts that share \
+  30 KB but differ after it have different keys, land on different servers as often as not, and each server prefills the \
+  shared part. That is the couple of points (and the extra prefill GPU-seconds) it gives up on bfcl, in exchange for a \
+  lower busiest-server share. A key on the first 256 characters (`chat_key = \"rendered\"`, part 5) reaches the peers' \
+  94 % with 1 shard, by putting all of bfcl on one key and so on one server, as `consistent_hash` does here; on the \
+  defaults, a key that carries most of the traffic is split instead, because one server's cache cannot hold the working \
+  set of most traffic (the Mooncake rows).\n\
 - **Mooncake at larger M: prefix-batcher against SGLang's `cache_aware`.** Mooncake's working set is larger than one \
   server's cache, so total cache capacity matters. SGLang's `cache_aware` concentrates traffic (its busiest server takes about \
   40 % at M = 8 and some servers get little or nothing: a request whose text matches a server's tree above the match \
