@@ -412,7 +412,7 @@ fn routed_by(view: &SplitView, k: &RoutedKey) -> bool {
 pub const MIN_REQUESTS: u64 = 10;
 
 /// Per-router counts of the routed keys, per window, for the dominance rule of the module doc.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct TrafficShares {
     /// Closed windows (the newest last, at most `delay_windows`) and the open one.
     closed: VecDeque<ShareWindow>,
@@ -420,9 +420,15 @@ pub struct TrafficShares {
     window_start: Option<Instant>,
     /// Requests observed since the last [`TrafficShares::tick`].
     since_tick: u64,
-    /// Requests the last tick lacked to reach `min_requests` (`None` before the first tick:
-    /// [`MIN_REQUESTS`]; `Some(0)` when it had enough).
-    short_by: Option<u64>,
+    /// Requests the last tick lacked to reach `min_requests` ([`MIN_REQUESTS`] before the first
+    /// tick; 0 when it had enough).
+    short_by: u64,
+}
+
+impl Default for TrafficShares {
+    fn default() -> Self {
+        TrafficShares { closed: VecDeque::new(), open: ShareWindow::default(), window_start: None, since_tick: 0, short_by: MIN_REQUESTS }
+    }
 }
 
 impl TrafficShares {
@@ -435,8 +441,7 @@ impl TrafficShares {
     pub fn observe(&mut self, choice: &Choice) -> bool {
         *self.open.entry((choice.routed, choice.deeper.clone())).or_default() += 1;
         self.since_tick += 1;
-        let short_by = self.short_by.unwrap_or(MIN_REQUESTS);
-        short_by > 0 && self.since_tick == short_by
+        self.short_by > 0 && self.since_tick == self.short_by
     }
 
     /// Closes the open window when `rules.window` has passed since it opened and returns the
@@ -465,7 +470,7 @@ impl TrafficShares {
         }
         let requests: u64 = keys.values().sum();
         self.since_tick = 0;
-        self.short_by = Some(rules.min_requests.saturating_sub(requests));
+        self.short_by = rules.min_requests.saturating_sub(requests);
         if requests < rules.min_requests {
             return None;
         }

@@ -617,5 +617,4 @@ mod tests {
         assert_eq!(route(&a), 2, "split at that refresh, with level 1 (one key for all 10): they route by level 2");
         assert!(!asked(&a).await, "asked once");
     }
-
 }
