@@ -1072,15 +1072,20 @@ pub fn sine_schedule(unit: f64, period: f64, cycles: usize) -> Vec<f64> {
 /// One request of the hot-prefix workloads, `t` seconds into the load: with probability
 /// `plan.hot_share` a prompt of the `hot` task (then `true`), else one of a random `cold` task.
 pub(crate) fn hot_or_cold_request(rng: &mut fastrand::Rng, plan: &Plan, hot: &[String], cold: &[Vec<String>], id: &str, t: f64) -> (Req, bool) {
-    let on_hot = rng.f64() < plan.hot_share;
-    let prompt = if on_hot {
-        &hot[rng.usize(..hot.len())]
-    } else {
-        let g = &cold[rng.usize(..cold.len())];
-        &g[rng.usize(..g.len())]
-    };
+    let (prompt, on_hot) = hot_or_cold_prompt(rng, plan, hot, cold);
     let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": plan.hot_max_tokens, "temperature": 0}});
     (Req { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), at: Duration::from_secs_f64(t) }, on_hot)
+}
+
+/// The prompt of one hot-prefix request: with probability `plan.hot_share` one of the `hot`
+/// task's (then `true`), else one of a random `cold` task's.
+pub(crate) fn hot_or_cold_prompt<'a>(rng: &mut fastrand::Rng, plan: &Plan, hot: &'a [String], cold: &'a [Vec<String>]) -> (&'a str, bool) {
+    if rng.f64() < plan.hot_share {
+        (&hot[rng.usize(..hot.len())], true)
+    } else {
+        let g = &cold[rng.usize(..cold.len())];
+        (&g[rng.usize(..g.len())], false)
+    }
 }
 
 pub async fn part_hot(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<HotResults> {

@@ -85,6 +85,12 @@ pub struct PeerRow {
 }
 
 impl PeerRow {
+    /// Answers per wall second (first arrival → last answer): throughput at saturation when
+    /// every request arrives at once.
+    pub fn throughput(&self) -> f64 {
+        self.ok as f64 / self.wall_s.max(1e-9)
+    }
+
     pub fn route(&self) -> String {
         if self.system == "prefix-batcher" {
             "prefix-batcher (defaults)".into()
@@ -120,21 +126,16 @@ struct WorkloadRun {
 
 /// Part 4's hot-prefix requests as chat (one user message each: a BIG-Bench-Hard few-shot
 /// prompt, `plan.hot_share` of them on one task's header), at the sine schedule's arrival times
-/// in seconds, or all at 0 with `burst`.
-fn hot_prefix_chat(data_dir: &Path, plan: &Plan, burst: bool) -> anyhow::Result<Vec<(Value, f64, u64)>> {
+/// in seconds.
+fn hot_prefix_chat(data_dir: &Path, plan: &Plan) -> anyhow::Result<Vec<(Value, f64, u64)>> {
     let (hot, cold) = data::hot_prefix_prompts(data_dir, plan.hot_cold_groups, plan.seed)?;
     let mut rng = fastrand::Rng::with_seed(plan.seed);
     let times = crate::parts::sine_schedule(plan.hot_unit_rps, plan.hot_period_s, plan.hot_cycles);
     Ok(times
         .into_iter()
         .map(|t| {
-            let prompt = if rng.f64() < plan.hot_share {
-                hot[rng.usize(..hot.len())].clone()
-            } else {
-                let g = &cold[rng.usize(..cold.len())];
-                g[rng.usize(..g.len())].clone()
-            };
-            (json!([{"role": "user", "content": prompt}]), if burst { 0.0 } else { t }, plan.hot_max_tokens)
+            let (prompt, _) = crate::parts::hot_or_cold_prompt(&mut rng, plan, &hot, &cold);
+            (json!([{"role": "user", "content": prompt}]), t, plan.hot_max_tokens)
         })
         .collect())
 }
@@ -150,6 +151,16 @@ pub struct PeersResults {
     pub unknown_probes: Vec<String>,
     pub workloads: Vec<PeerWorkload>,
     pub rows: Vec<PeerRow>,
+}
+
+impl PeersResults {
+    /// The M values `workload` ran at, ascending.
+    pub fn ms(&self, workload: &str) -> Vec<usize> {
+        let mut ms: Vec<usize> = self.rows.iter().filter(|x| x.workload == workload).map(|x| x.m).collect();
+        ms.sort_unstable();
+        ms.dedup();
+        ms
+    }
 }
 
 /// Runs `bench/peers-install` (installs the pinned wheels into `.cache/peers-venv` once) and
@@ -456,6 +467,8 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         plan.hot_sim.max_concurrency, plan.hot_sim.prefill_ms_per_token, plan.hot_sim.decode_ms_per_token, plan.hot_sim.capacity_blocks, plan.hot_instances
     );
     let hot_share = plan.hot_share * 100.0;
+    let hot_sine = hot_prefix_chat(data_dir, plan)?;
+    let hot_burst = hot_sine.iter().map(|(msgs, _, max_tokens)| (msgs.clone(), 0.0, *max_tokens)).collect();
     let runs = [
         WorkloadRun {
             name: "mooncake-chat",
@@ -481,7 +494,7 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         },
         WorkloadRun {
             name: "hot-prefix",
-            convs: hot_prefix_chat(data_dir, plan, false)?,
+            convs: hot_sine,
             note: format!(
                 "part 4's hot-prefix sine load as chat (one user message per request, {hot_share:.0} % on one BIG-Bench-Hard few-shot header, the rest on 8 others; {} s, {} cycle(s)), on {hot_servers}",
                 plan.hot_period_s * plan.hot_cycles as f64,
@@ -494,7 +507,7 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         },
         WorkloadRun {
             name: "hot-prefix-burst",
-            convs: hot_prefix_chat(data_dir, plan, true)?,
+            convs: hot_burst,
             note: format!(
                 "the same requests all at once, on {hot_servers}: throughput at saturation = requests ÷ (first arrival → last answer)"
             ),

@@ -278,16 +278,7 @@ pub fn peers_hits(r: &crate::peers::PeersResults, out: &Path) -> anyhow::Result<
     root.fill(&WHITE).map_err(err)?;
     let root = root.titled("Same servers, same traffic: server-side prefix-cache token hit ratio vs servers M, per route", ("sans-serif", 20)).map_err(err)?;
     // A workload run at one M only (the hot-prefix ones) has no line to draw.
-    let workloads: Vec<&crate::peers::PeerWorkload> = r
-        .workloads
-        .iter()
-        .filter(|w| {
-            let mut ms: Vec<usize> = r.rows.iter().filter(|x| x.workload == w.name).map(|x| x.m).collect();
-            ms.sort_unstable();
-            ms.dedup();
-            ms.len() > 1
-        })
-        .collect();
+    let workloads: Vec<&crate::peers::PeerWorkload> = r.workloads.iter().filter(|w| r.ms(&w.name).len() > 1).collect();
     let panels = root.split_evenly((1, workloads.len().max(1)));
     let mut routes: Vec<String> = Vec::new();
     for row in &r.rows {

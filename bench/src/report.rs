@@ -980,7 +980,7 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
                 let _ = writeln!(s, "| {} | {} | failed | | | | |{} | | | 0 / {} |", x.m, x.route(), if w.burst { " |" } else { "" }, x.requests);
                 continue;
             }
-            let thr = if w.burst { format!(" {} |", num(x.ok as f64 / x.wall_s.max(1e-9), 1)) } else { String::new() };
+            let thr = if w.burst { format!(" {} |", num(x.throughput(), 1)) } else { String::new() };
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {} | {} | {} | {} |{thr} {} | {} | {} | {} / {} ({}) |",
@@ -1022,19 +1022,17 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
 /// Measured facts of one workload's table: per M, the best route by hit ratio and where
 /// prefix-batcher stands.
 fn peers_facts(pe: &crate::peers::PeersResults, workload: &str, burst: bool) -> String {
-    let mut ms: Vec<usize> = pe.rows.iter().filter(|x| x.workload == workload).map(|x| x.m).collect();
-    ms.sort_unstable();
-    ms.dedup();
     let mut out = Vec::new();
-    for m in ms {
+    for m in pe.ms(workload) {
         let rows: Vec<_> = pe.rows.iter().filter(|x| x.workload == workload && x.m == m && x.error.is_none()).collect();
         let Some(pb) = rows.iter().find(|x| x.system == "prefix-batcher") else { continue };
         let Some(best_peer) = rows.iter().filter(|x| x.system != "prefix-batcher").max_by(|a, b| a.token_hit_ratio.total_cmp(&b.token_hit_ratio)) else { continue };
         let rr = rows.iter().find(|x| x.system == "sglang-router" && x.policy == "round_robin");
-        let thr = |x: &crate::peers::PeerRow| x.ok as f64 / x.wall_s.max(1e-9);
         let saturation = if burst {
-            let fastest = rows.iter().filter(|x| x.system != "prefix-batcher").max_by(|a, b| thr(a).total_cmp(&thr(b)));
-            fastest.map(|f| format!("; throughput {} req/s vs the fastest peer, {}, {} req/s", num(thr(pb), 1), f.route(), num(thr(f), 1))).unwrap_or_default()
+            let fastest = rows.iter().filter(|x| x.system != "prefix-batcher").max_by(|a, b| a.throughput().total_cmp(&b.throughput()));
+            fastest
+                .map(|f| format!("; throughput {} req/s vs the fastest peer, {}, {} req/s", num(pb.throughput(), 1), f.route(), num(f.throughput(), 1)))
+                .unwrap_or_default()
         } else {
             String::new()
         };
