@@ -268,7 +268,7 @@ pub struct RawKeying {
 
 impl Default for RawKeying {
     fn default() -> Self {
-        RawKeying { mode: "adaptive".into(), prefix_chars: 256, chat_key: "system".into() }
+        RawKeying { mode: "adaptive".into(), prefix_chars: 256, chat_key: "opening".into() }
     }
 }
 
@@ -540,6 +540,11 @@ pub enum KeyingMode {
 /// `keying.chat_key`: what key material a chat request yields.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ChatKey {
+    /// The default: the first `prefix_chars` characters of the conversation's opening, i.e. the
+    /// role-tagged rendering of its messages through the first user message (constant over all
+    /// turns of a conversation). In adaptive mode its deeper levels are 4×, 16× and 64× longer
+    /// cuts of the opening, like a completions prompt's, then the second user turn.
+    Opening,
     /// All leading system/developer messages; without any, the first `prefix_chars` of the first
     /// user message.
     System,
@@ -1036,6 +1041,7 @@ fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
         },
         prefix_chars: nonzero_usize("keying.prefix_chars", k.prefix_chars)?,
         chat_key: match k.chat_key.as_str() {
+            "opening" => ChatKey::Opening,
             "system" => ChatKey::System,
             "system_and_first_user" => ChatKey::SystemAndFirstUser,
             "rendered" => ChatKey::Rendered,
@@ -1043,7 +1049,7 @@ fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
                 return Err(invalid(
                     "keying.chat_key",
                     format!("{other:?}"),
-                    "must be \"system\", \"system_and_first_user\" or \"rendered\"",
+                    "must be \"opening\", \"system\", \"system_and_first_user\" or \"rendered\"",
                 ))
             }
         },

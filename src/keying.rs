@@ -12,14 +12,17 @@
 //!   | request | level 0 | level 1 | level 2 | level 3 |
 //!   | --- | --- | --- | --- | --- |
 //!   | completions | first `prefix_chars` (256) chars | first 4 × `prefix_chars` (1 024) | 16 × (4 096) | 64 × (16 384) |
-//!   | chat | `chat_key` material (default: leading system/developer messages; none → the first `prefix_chars` of the first user message) | through the first user message | through the second user message | — |
+//!   | chat, `chat_key = "opening"` (default) | first `prefix_chars` chars of the opening | 4 × | 16 × | 64 ×; level 4: through the second user message |
+//!   | chat, other `chat_key` | `chat_key` material | through the first user message | through the second user message | — |
 //!   | explicit `prefix_key` | the key | — | — | — |
 //!
-//!   Chat levels are role-tagged renderings ([`render_chat`]) of the leading messages: level 1 is
-//!   the conversation's opening (constant over all its turns, so a conversation keeps one
-//!   partition), level 2 adds the second user turn (it tells apart conversations that open with
-//!   the same template question). Material shorter than a level is used whole at that level and
-//!   deeper, so such requests keep their key when their key is split.
+//!   Chat levels are role-tagged renderings ([`render_chat`]) of the leading messages. The
+//!   opening is the leading system/developer messages and the first user message: constant over
+//!   all turns of a conversation, so a conversation keeps one partition at every level cut from
+//!   it, and cut by length it groups conversations whose system prompts share a long start. The
+//!   level through the second user turn tells apart conversations that open with the same template
+//!   question. Material shorter than a level is used whole at that level and deeper, so such
+//!   requests keep their key when their key is split.
 //! - shard: uniform at random in `0..shards(key)`.
 //! - partition: `xxh3_64(key_le ‖ shard_le, PARTITION_SEED) mod P`.
 //! - rendezvous (HRW) hashing: the winner among members for an item is the member with the highest
@@ -116,6 +119,7 @@ fn chat_material(msgs: &[ChatMessage], cfg: &KeyingSettings) -> String {
     let n = cfg.prefix_chars.get();
     let leading_system = msgs.iter().take_while(|m| m.role == "system" || m.role == "developer").count();
     match cfg.chat_key {
+        ChatKey::Opening => render_chat(&msgs[..opening_end(msgs)], n),
         ChatKey::Rendered => render_chat(msgs, n),
         ChatKey::System if leading_system > 0 => render_chat(&msgs[..leading_system], usize::MAX),
         ChatKey::SystemAndFirstUser => {
@@ -132,23 +136,41 @@ fn chat_material(msgs: &[ChatMessage], cfg: &KeyingSettings) -> String {
     }
 }
 
+/// End (exclusive index) of a conversation's opening: its leading system/developer messages and
+/// the first user message after them; all messages when there is no user message. Every later
+/// turn of the conversation repeats the opening verbatim.
+fn opening_end(msgs: &[ChatMessage]) -> usize {
+    let leading_system = msgs.iter().take_while(|m| m.role == "system" || m.role == "developer").count();
+    msgs[leading_system..].iter().position(|m| m.role == "user").map_or(msgs.len(), |i| leading_system + i + 1)
+}
+
 /// Key levels of a completions prompt (level `i` is the first `prefix_chars × 4^i` characters).
 pub const COMPLETION_LEVELS: u8 = 4;
-/// Key levels of a chat request (`chat_key` material; through the first user message; through
-/// the second user message).
+/// Key levels of a chat request keyed by its opening (`chat_key = "opening"`, the default): the
+/// first `prefix_chars × 4^i` characters of the rendered opening for `i` in 0..4, then the
+/// conversation through the second user message.
+pub const OPENING_LEVELS: u8 = COMPLETION_LEVELS + 1;
+/// Key levels of a chat request with another `chat_key` (its material; through the first user
+/// message; through the second user message).
 pub const CHAT_LEVELS: u8 = 3;
 /// Growth of the completions key material from one level to the next.
 pub const LEVEL_GROWTH: usize = 4;
 
 /// Number of key levels of `req`: 1 for an explicit key (it cannot be split by content),
-/// [`CHAT_LEVELS`] for chat, [`COMPLETION_LEVELS`] for completions. The finest level is
-/// `level_count - 1`.
-pub fn level_count(req: &Request) -> u8 {
+/// [`OPENING_LEVELS`] for chat keyed by its opening, [`CHAT_LEVELS`] for chat keyed otherwise,
+/// [`COMPLETION_LEVELS`] for completions. The finest level is `level_count - 1`.
+pub fn level_count(req: &Request, cfg: &KeyingSettings) -> u8 {
     match (&req.prefix_key, &req.body) {
         (Some(_), _) => 1,
+        (None, Body::Chat(_)) if cfg.chat_key == ChatKey::Opening => OPENING_LEVELS,
         (None, Body::Chat(_)) => CHAT_LEVELS,
         (None, Body::Completion(_)) => COMPLETION_LEVELS,
     }
+}
+
+/// Characters of level `level`'s material in the character-cut levels: `prefix_chars × 4^level`.
+fn level_chars(cfg: &KeyingSettings, level: u8) -> usize {
+    cfg.prefix_chars.get().saturating_mul(LEVEL_GROWTH.saturating_pow(u32::from(level)))
 }
 
 /// The key of `req` at `level` (see the module doc for the levels); `None` when `level >=`
@@ -156,20 +178,43 @@ pub fn level_count(req: &Request) -> u8 {
 /// prompt and chat keys of level ≥ 1 hash the rendering as it streams, so nothing is allocated
 /// apart from level 0 of chat.
 pub fn level_key(req: &Request, cfg: &KeyingSettings, level: u8) -> Option<PrefixKey> {
-    if level >= level_count(req) {
+    if level >= level_count(req, cfg) {
         return None;
     }
     if let Some(k) = &req.prefix_key {
         return Some(PrefixKey::of(k));
     }
     Some(match (&req.body, level) {
-        (Body::Completion(p), l) => {
-            let chars = cfg.prefix_chars.get().saturating_mul(LEVEL_GROWTH.saturating_pow(u32::from(l)));
-            PrefixKey::of(prefix_chars(p, chars))
+        (Body::Completion(p), l) => PrefixKey::of(prefix_chars(p, level_chars(cfg, l))),
+        (Body::Chat(msgs), l) if cfg.chat_key == ChatKey::Opening && l < COMPLETION_LEVELS => {
+            rendered_prefix_key(&msgs[..opening_end(msgs)], level_chars(cfg, l))
         }
+        (Body::Chat(msgs), l) if cfg.chat_key == ChatKey::Opening => chat_turns_key(msgs, 2),
         (Body::Chat(msgs), 0) => PrefixKey::of(&chat_material(msgs, cfg)),
         (Body::Chat(msgs), l) => chat_turns_key(msgs, usize::from(l)),
     })
+}
+
+/// Key of the first `max_chars` characters of [`render_chat`]`(msgs)`, hashed as it streams
+/// (equal to `PrefixKey::of(&render_chat(msgs, max_chars))` without building the string).
+fn rendered_prefix_key(msgs: &[ChatMessage], max_chars: usize) -> PrefixKey {
+    let mut h = Xxh3::with_seed(KEY_SEED);
+    let mut left = max_chars;
+    'outer: for m in msgs {
+        for part in ["<|", m.role.as_str(), "|>\n", m.text.as_str(), "\n"] {
+            match part.char_indices().nth(left) {
+                Some((cut, _)) => {
+                    h.update(&part.as_bytes()[..cut]);
+                    break 'outer;
+                }
+                None => {
+                    h.update(part.as_bytes());
+                    left -= part.chars().count();
+                }
+            }
+        }
+    }
+    PrefixKey(h.digest())
 }
 
 /// Key of the chat messages up to and including the `users`-th user message (all messages when
@@ -432,7 +477,7 @@ mod tests {
         let c = kcfg(4, ChatKey::System);
         let long = format!("abcd{}", "x".repeat(300));
         let r = req(&format!(r#"{{"prompt":"{long}"}}"#));
-        assert_eq!(level_count(&r), COMPLETION_LEVELS);
+        assert_eq!(level_count(&r, &c), COMPLETION_LEVELS);
         assert_eq!(level_key(&r, &c, 0), Some(derive_key(&r, &c).key));
         for (level, chars) in [(1u8, 16usize), (2, 64), (3, 256)] {
             assert_eq!(level_key(&r, &c, level), Some(PrefixKey::of(&long[..chars])), "level {level}");
@@ -451,7 +496,7 @@ mod tests {
         let turn2 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"}]}"#);
         let turn3 = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"},{"role":"assistant","content":"a2"},{"role":"user","content":"u3"}]}"#);
         let other = req(r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"v1"}]}"#);
-        assert_eq!(level_count(&turn1), CHAT_LEVELS);
+        assert_eq!(level_count(&turn1, &c), CHAT_LEVELS);
         let k = |r: &Request, l| level_key(r, &c, l).unwrap();
         // Level 0: the system prompt, shared by all.
         assert!([&turn2, &turn3, &other].iter().all(|r| k(r, 0) == k(&turn1, 0)));
@@ -469,10 +514,51 @@ mod tests {
     }
 
     #[test]
+    fn opening_levels_cut_the_opening_like_a_prompt_then_add_the_second_turn() {
+        let c = kcfg(4, ChatKey::Opening);
+        // Two conversations whose system prompts share their first 20 characters.
+        let sys_a = format!("{}{}", "t".repeat(20), "alpha tools");
+        let sys_b = format!("{}{}", "t".repeat(20), "beta tools");
+        let chat = |sys: &str, turns: &[&str]| {
+            let mut msgs = vec![serde_json::json!({"role": "system", "content": sys})];
+            for (i, u) in turns.iter().enumerate() {
+                if i > 0 {
+                    msgs.push(serde_json::json!({"role": "assistant", "content": "ok"}));
+                }
+                msgs.push(serde_json::json!({"role": "user", "content": u}));
+            }
+            req(&serde_json::json!({ "messages": msgs }).to_string())
+        };
+        let (a1, a2, a3) = (chat(&sys_a, &["u1"]), chat(&sys_a, &["u1", "u2"]), chat(&sys_a, &["u1", "u2", "u3"]));
+        let b1 = chat(&sys_b, &["u1"]);
+        assert_eq!(level_count(&a1, &c), OPENING_LEVELS);
+        let k = |r: &Request, l| level_key(r, &c, l).unwrap();
+        let opening = "<|system|>\n".to_owned() + &sys_a + "\n<|user|>\nu1\n";
+        for (level, chars) in [(0u8, 4usize), (1, 16), (2, 64), (3, 256)] {
+            let cut: String = opening.chars().take(chars).collect();
+            assert_eq!(k(&a1, level), PrefixKey::of(&cut), "level {level}: the first {chars} characters of the opening");
+            assert!(k(&a2, level) == k(&a1, level) && k(&a3, level) == k(&a1, level), "level {level} is the same over the turns");
+        }
+        assert_eq!(k(&a1, 0), derive_key(&a1, &c).key, "level 0 is the derived key");
+        // Shared system text: one key while the cut stays inside it, two keys once it reaches the difference.
+        assert_eq!(k(&a1, 1), k(&b1, 1));
+        assert_ne!(k(&a1, 2), k(&b1, 2));
+        // The finest level adds the second user turn.
+        assert_eq!(k(&a2, 4), k(&a3, 4));
+        assert_ne!(k(&a1, 4), k(&a2, 4));
+        assert_eq!(level_key(&a1, &c, 5), None);
+        // Multi-byte characters count as one each, and the streamed hash equals the rendered one.
+        let u = chat("ééé", &["ü"]);
+        let Body::Chat(msgs) = &u.body else { unreachable!() };
+        assert_eq!(k(&u, 1), PrefixKey::of(&render_chat(msgs, 16)));
+        assert_eq!(derive_key(&u, &c).material, "<|sy");
+    }
+
+    #[test]
     fn an_explicit_key_has_one_level() {
         let c = kcfg(4, ChatKey::System);
         let r = req(r#"{"prompt":"Hello world","prefix_key":"tenant-1"}"#);
-        assert_eq!(level_count(&r), 1);
+        assert_eq!(level_count(&r, &c), 1);
         assert_eq!(level_key(&r, &c, 0), Some(PrefixKey::of("tenant-1")));
         assert_eq!(level_key(&r, &c, 1), None);
     }

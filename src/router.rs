@@ -68,7 +68,7 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
             let fixed = static_shards(&keyed, &settings.sharding);
             let choice = match fixed {
                 Some(n) => affinity::Choice { routed: level0, shards: n, through: Vec::new(), deeper: Vec::new() },
-                None => affinity::choose(&affinity.view(), level_count(req), |l| match l {
+                None => affinity::choose(&affinity.view(), level_count(req, &settings.keying), |l| match l {
                     0 => keyed.key,
                     l => level_key(req, &settings.keying, l).expect("choose asks only for levels below level_count"),
                 }),

@@ -511,7 +511,7 @@ pub async fn run(settings: Arc<Settings>, conn: impl Into<RedisConn>, stop: Canc
 /// for the split rule.
 pub fn batch_key(settings: &Settings, partition: u32, req: &Request, headers: Option<&FieldTable>, queued_ms: u64) -> PrefixKey {
     let routed = header_str(headers, HEADER_ROUTED_KEY).and_then(|h| h.parse::<RoutedKey>().ok()).unwrap_or_else(|| {
-        RoutedKey { level: 0, levels: level_count(req), key: derive_key(req, &settings.keying).key }
+        RoutedKey { level: 0, levels: level_count(req, &settings.keying), key: derive_key(req, &settings.keying).key }
     });
     // A key with a static entry (routed with one level, like an explicit key) keeps its static
     // shards: its load is not the split rule's business.

@@ -24,7 +24,9 @@ use serde_json::{json, Value};
 async fn mixed_load_is_batched_by_prefix_with_one_result_each() {
     let env = TestEnv::new("mixed");
     let fake = FakeLlm::new().latency(Duration::from_millis(20)).start().await.unwrap();
-    let raw = env.raw_config(fake.url.as_str());
+    let mut raw = env.raw_config(fake.url.as_str());
+    // The chat group shares its system prompt: keyed by it, the group is one prefix.
+    raw.keying.chat_key = "system".into();
     let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
 
     // The workload. `expect` holds, per request: group, expected key material, the exact prompt

@@ -116,7 +116,7 @@ pub struct ChatRow {
     pub workload: String,
     /// `adaptive` (the defaults) or `prefix` (static).
     pub mode: String,
-    /// `keying.chat_key` of a static row (the default, `system`, for adaptive).
+    /// `keying.chat_key` of a static row (the default, `opening`, for adaptive).
     pub chat_key: String,
     /// Static shards per key (0 for adaptive).
     pub shards: u32,
@@ -243,7 +243,7 @@ pub async fn part_chat(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resul
         eprintln!("bench: chat: {name}: {} requests, {conversations} conversations, oracle {:.1}%", convs.len(), oracle * 100.0);
         workloads.push(ChatWorkload { name: name.into(), requests: convs.len(), conversations, oracle, note });
         let reqs = chat_requests(name, convs, plan.scale_speedup);
-        for (chat_key, shards) in std::iter::once(("system", 0)).chain(statics.iter().copied()) {
+        for (chat_key, shards) in std::iter::once(("opening", 0)).chain(statics.iter().copied()) {
             let dep = SimDeployment {
                 m: plan.chat_m,
                 sim,

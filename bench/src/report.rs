@@ -829,7 +829,7 @@ fn render_chat(s: &mut String, c: &crate::chat::ChatResults) {
         s,
         "Chat requests (`/v1/chat/completions`) through M = {} daemons with one simulator each (part 2's simulator settings; the \
          simulator renders messages role-tagged and caches them like a completions prompt), speed-up {}×, times in model seconds. \
-         `adaptive`: the defaults (`keying.mode = \"adaptive\"`, `chat_key = \"system\"`). `prefix`: static, with the given \
+         `adaptive`: the defaults (`keying.mode = \"adaptive\"`, `chat_key = \"opening\"`). `prefix`: static, with the given \
          `chat_key` and `sharding.default_shards`. Oracle: one infinite cache over the same rendering, 16-token blocks. \
          Splits: split / spread / merge decisions (key moves seen by one instance).\n",
         c.m, c.speedup
@@ -867,9 +867,14 @@ fn render_chat(s: &mut String, c: &crate::chat::ChatResults) {
          key for all traffic, i.e. one server with 1 shard, or conversations scattered over 8 partitions with 8 shards. \
          `\"system_and_first_user\"` keys each conversation by its opening, which keeps a conversation on one server in both \
          workloads but splits the conversations that share a system prompt over servers (each server prefills that prompt once). \
-         The defaults route by the system prompt and split it only when it dominates (≥ 50 % of a router's requests) or its \
-         partition queues: the Mooncake system message splits within the first second and its conversations then route by \
-         their opening (level 1); bfcl's system prompts, none dominant, stay whole.\n"
+         The defaults (`chat_key = \"opening\"`) cut each conversation's opening (system prompt and first user message) by \
+         length like a prompt, 256 → 1,024 → 4,096 → 16,384 characters, and split a cut only when it dominates (≥ 50 % of a \
+         router's requests) or its partition queues. In the Mooncake chats the 256- and 1,024-character cuts lie inside the one \
+         system message, so they carry all traffic and split within the first second, and conversations route by the \
+         4,096-character cut, which reaches into their own first turn. In bfcl the short cuts lie inside the instructions that \
+         every tool-use prompt starts with and split as well; the longer cuts group the conversations whose tool schemas begin \
+         alike, so those share one server and its cached schema text, where keying by the whole system prompt would place each \
+         distinct schema set on its own server and prefill their common text on several.\n"
     );
 }
 
