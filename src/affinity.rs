@@ -41,14 +41,24 @@
 //! of their histories while the other servers' caches sit idle (the Mooncake conversation trace:
 //! its block 0 is in every request). So each router also counts the keys it routes by, per 1 s
 //! window, and a key is **dominant** when, over the last [`SplitRules::delay_windows`] windows,
-//! - it carried ≥ 50 % of all the requests this router routed,
+//! - it carried more than 50 % of all the requests this router routed, beyond chance: the
+//!   one-sided 95 % lower bound of its share ([`share_lower_bound`]) is at least 0.5 (5 of 5
+//!   requests, 8 of 10, 14 of 20; a key at 60 % needs about 70 requests, one at 50 % never
+//!   dominates), so a key does not split because light traffic happened to favour it for a
+//!   few seconds;
 //! - it is not its requests' finest level (splitting keeps each conversation together at the
 //!   next level; a finest key has no next level and is spread only when it is slow),
-//! - and the windows hold at least [`SplitRules::min_requests`] (10) requests.
+//! - and the windows hold at least [`SplitRules::dominant_min_requests`] (5) requests.
+//!
+//! Every request routed by a key before it splits may lose its conversation's cached start when
+//! the split moves the conversation's next turn, so the rule decides on as few requests as the
+//! bound allows: a router asks for a refresh at once when it has routed the requests the last
+//! refresh lacked, and again each time as many requests again arrived while a key is dominant as
+//! observed but not yet beyond chance ([`TrafficShares::observe`]).
 //!
 //! A dominant key is split without a drain rate; its merge rule measures against the highest
 //! arrival rate seen since the split instead. The deeper levels that do not tell its requests
-//! apart (one key carries ≥ 50 % of them: a system prompt longer than a level) are split with it
+//! apart (one key carries more than half of them, by the same bound: a system prompt longer than a level) are split with it
 //! in the same decision ([`choose`] hands the router every deeper level's key), so its requests
 //! route at once by the first level that tells them apart, e.g. the conversation.
 //!
@@ -93,8 +103,11 @@ pub struct SplitRules {
     pub merge_ratio: f64,
     /// Shards a hot finest-level key is spread over (`sharding.max_shards`).
     pub max_shards: NonZeroU32,
-    /// Share of a router's requests above which a key is dominant ([`TrafficShares`], 0.5).
+    /// Share of a router's requests above which a key is dominant ([`TrafficShares`], 0.5),
+    /// beyond chance ([`share_lower_bound`]).
     pub dominant_share: f64,
+    /// Fewest requests in the windows for a dominance decision ([`DOMINANT_MIN_REQUESTS`], 5).
+    pub dominant_min_requests: u64,
 }
 
 impl SplitRules {
@@ -111,6 +124,7 @@ impl SplitRules {
             merge_ratio: 0.5,
             max_shards,
             dominant_share: DOMINANT_SHARE,
+            dominant_min_requests: DOMINANT_MIN_REQUESTS,
         }
     }
 }
@@ -408,8 +422,31 @@ fn routed_by(view: &SplitView, k: &RoutedKey) -> bool {
     k.is_finest() || view.get(k.level, k.key) != Some(SplitState::Split)
 }
 
-/// Fewest requests in the measurement windows for any split decision ([`SplitRules::min_requests`]).
+/// Lower bound of the share a key carries, from `count` of `requests` observed: the lower end of
+/// the Wilson score interval at z = 1.645, i.e. a one-sided 95 % bound (E. B. Wilson, "Probable
+/// inference, the law of succession, and statistical inference", JASA 22, 1927). A key whose
+/// observed share is above [`DOMINANT_SHARE`] only by chance, over the few requests of light
+/// traffic, is not dominant: 5 of 5 requests give 0.65 and 8 of 10 give 0.54, but 4 of 5 only
+/// 0.44, 6 of 10 only 0.35 and 100 of 200 0.44.
+pub fn share_lower_bound(count: u64, requests: u64) -> f64 {
+    if requests == 0 {
+        return 0.0;
+    }
+    const Z: f64 = 1.645;
+    let (n, p) = (requests as f64, count as f64 / requests as f64);
+    let z2 = Z * Z;
+    (p + z2 / (2.0 * n) - Z * (p * (1.0 - p) / n + z2 / (4.0 * n * n)).sqrt()) / (1.0 + z2 / n)
+}
+
+/// Fewest requests in the measurement windows for a split by queueing delay ([`SplitRules::min_requests`]).
 pub const MIN_REQUESTS: u64 = 10;
+
+/// Fewest requests in the measurement windows for a split by dominance
+/// ([`SplitRules::dominant_min_requests`]). Fewer than [`MIN_REQUESTS`] because the share must
+/// also be dominant beyond chance ([`share_lower_bound`]): a key that carries every request
+/// splits after 5, and the fewer requests routed by a key that is about to split, the fewer
+/// conversations lose their cached start when it does.
+pub const DOMINANT_MIN_REQUESTS: u64 = 5;
 
 /// Per-router counts of the routed keys, per window, for the dominance rule of the module doc.
 #[derive(Debug)]
@@ -420,24 +457,28 @@ pub struct TrafficShares {
     window_start: Option<Instant>,
     /// Requests observed since the last [`TrafficShares::tick`].
     since_tick: u64,
-    /// Requests the last tick lacked to reach `min_requests` ([`MIN_REQUESTS`] before the first
-    /// tick; 0 when it had enough).
+    /// Requests after which the next early tick is due: those the last tick lacked to reach
+    /// `dominant_min_requests` ([`DOMINANT_MIN_REQUESTS`] before the first tick), or as many as
+    /// the windows held when a key was dominant as observed but not beyond chance; 0 otherwise.
     short_by: u64,
 }
 
 impl Default for TrafficShares {
     fn default() -> Self {
-        TrafficShares { closed: VecDeque::new(), open: ShareWindow::default(), window_start: None, since_tick: 0, short_by: MIN_REQUESTS }
+        TrafficShares { closed: VecDeque::new(), open: ShareWindow::default(), window_start: None, since_tick: 0, short_by: DOMINANT_MIN_REQUESTS }
     }
 }
 
 impl TrafficShares {
     /// Records one routed request. Returns `true` once the requests observed since the last
-    /// [`TrafficShares::tick`] make up the `min_requests` that tick lacked (at start: the first
-    /// [`MIN_REQUESTS`] requests): the caller may then tick at once instead of waiting for its
-    /// next refresh, so a key that dominates from the first request splits after
-    /// `min_requests` requests, not after `min_requests` plus a refresh interval of them.
-    /// At most once per tick, and never while the windows already hold enough requests.
+    /// [`TrafficShares::tick`] make up the `dominant_min_requests` that tick lacked (at start:
+    /// the first [`DOMINANT_MIN_REQUESTS`] requests), or, when that tick found a key dominant as
+    /// observed but not beyond chance, as many requests as the windows held (10, 20, 40, …: a
+    /// burst routed between two refreshes is decided within it): the caller may then tick at
+    /// once instead of waiting for its next refresh, so a key that dominates from the first
+    /// request splits after 5 requests, not after 5 plus a refresh interval of them. At most
+    /// once per tick; at steady load the windows hold more requests than arrive between two
+    /// refreshes, so it does not fire there.
     pub fn observe(&mut self, choice: &Choice) -> bool {
         *self.open.entry((choice.routed, choice.deeper.clone())).or_default() += 1;
         self.since_tick += 1;
@@ -446,7 +487,8 @@ impl TrafficShares {
 
     /// Closes the open window when `rules.window` has passed since it opened and returns the
     /// dominant key, if any: a key not in `view` (neither split nor spread) that is not its
-    /// requests' finest level, carrying ≥ `dominant_share` of ≥ `min_requests` requests over
+    /// requests' finest level, carrying more than `dominant_share` beyond chance
+    /// ([`share_lower_bound`]) of ≥ `dominant_min_requests` requests over
     /// the last `delay_windows` windows and the open one (fewer windows when they already hold
     /// enough requests; requests counted under a key split since then are left out). Its deeper levels that do
     /// not tell its requests apart are split with it, so the requests route at once by the
@@ -461,7 +503,7 @@ impl TrafficShares {
             }
         }
         // The open window counts too, so a key that dominates from the start splits as soon as
-        // `min_requests` arrived. Keys split since they were counted route by a deeper level now:
+        // `dominant_min_requests` arrived. Keys split since they were counted route by a deeper level now:
         // their requests count again under those keys.
         let counted = || self.closed.iter().chain(std::iter::once(&self.open)).flatten().filter(|((k, _), _)| routed_by(view, k));
         let mut keys: HashMap<RoutedKey, u64> = HashMap::new();
@@ -470,13 +512,21 @@ impl TrafficShares {
         }
         let requests: u64 = keys.values().sum();
         self.since_tick = 0;
-        self.short_by = rules.min_requests.saturating_sub(requests);
-        if requests < rules.min_requests {
+        self.short_by = rules.dominant_min_requests.saturating_sub(requests);
+        if requests < rules.dominant_min_requests {
             return None;
         }
         let (&routed, &count) = keys.iter().max_by_key(|(k, c)| (**c, **k))?;
         let share = count as f64 / requests as f64;
-        if share < rules.dominant_share || routed.is_finest() || view.get(routed.level, routed.key).is_some() {
+        if routed.is_finest() || view.get(routed.level, routed.key).is_some() || share <= rules.dominant_share {
+            return None;
+        }
+        if share_lower_bound(count, requests) < rules.dominant_share {
+            // Undecided: dominant as observed, but not beyond chance yet. Ask for another tick as
+            // soon as as many requests again have arrived (10, 20, 40, … requests: a burst routed
+            // between two refreshes is decided within it, and at steady load the windows already
+            // hold more requests than arrive between two refreshes, so this never fires there).
+            self.short_by = requests;
             return None;
         }
         let split = |level: u8, key: PrefixKey| SplitMember { level, key, state: SplitState::Split };
@@ -493,7 +543,7 @@ impl TrafficShares {
                 *next.entry(deeper[depth]).or_default() += c;
             }
             match next.into_iter().max_by_key(|(k, c)| (*c, *k)) {
-                Some((key, c)) if c as f64 >= rules.dominant_share * count as f64 => {
+                Some((key, c)) if share_lower_bound(c, count) >= rules.dominant_share => {
                     members.push(split(level, key));
                     chosen.push(key);
                 }
@@ -834,14 +884,14 @@ mod tests {
         let start = Instant::now();
         let at_s = |s| start + Duration::from_secs(s);
         assert_eq!(shares.tick(at_s(0), &r, &SplitView::default()), None);
-        // 12 of 20 requests on one system prompt, longer than level 1 (one level-1 key), whose
-        // conversations differ at level 2; the other 8 have keys of their own.
+        // 16 of 20 requests on one system prompt, longer than level 1 (one level-1 key), whose
+        // conversations differ at level 2; the other 4 have keys of their own.
         for i in 0..20u64 {
-            shares.observe(&if i < 12 { at(rk(0, 4, 1), &[2, 100 + i % 3, 200 + i]) } else { at(rk(0, 4, 100 + i), &[i, i, i]) });
+            shares.observe(&if i < 16 { at(rk(0, 4, 1), &[2, 100 + i % 3, 200 + i]) } else { at(rk(0, 4, 100 + i), &[i, i, i]) });
         }
         let d = shares.tick(at_s(1), &r, &SplitView::default()).expect("dominant");
         assert_eq!((d.members, d.requests), (vec![split(0, 1), split(1, 2)], 20));
-        assert!((d.share - 0.6).abs() < 1e-9);
+        assert!((d.share - 0.8).abs() < 1e-9);
         // Split: its requests route by their level-2 keys (a third each): nothing more to split.
         let view = SplitView::new([split(0, 1), split(1, 2)]);
         for i in 0..12u64 {
@@ -863,10 +913,10 @@ mod tests {
         let mut shares = TrafficShares::default();
         let start = Instant::now();
         assert_eq!(shares.tick(start, &r, &SplitView::default()), None);
-        for _ in 0..9 {
+        for _ in 0..4 {
             shares.observe(&at(rk(0, 4, 1), &[2, 3, 4]));
         }
-        assert_eq!(shares.tick(start + Duration::from_millis(250), &r, &SplitView::default()), None, "9 requests");
+        assert_eq!(shares.tick(start + Duration::from_millis(250), &r, &SplitView::default()), None, "4 requests");
         shares.observe(&at(rk(0, 4, 1), &[2, 3, 4]));
         let d = shares.tick(start + Duration::from_millis(500), &r, &SplitView::default()).expect("dominant");
         assert_eq!(d.members, vec![split(0, 1), split(1, 2), split(2, 3)]);
@@ -880,21 +930,65 @@ mod tests {
         let start = Instant::now();
         let at_ms = |ms| start + Duration::from_millis(ms);
         let key = |i: u64| at(rk(0, 3, i), &[]);
-        // Before the first tick: the 10th request asks, and only it.
+        // Before the first tick: the 5th request asks, and only it.
         let asks: Vec<u64> = (0..25).filter(|&i| shares.observe(&key(i))).collect();
-        assert_eq!(asks, vec![MIN_REQUESTS - 1]);
+        assert_eq!(asks, vec![DOMINANT_MIN_REQUESTS - 1]);
         // A tick that had enough requests: nothing asks until the windows run short again.
         assert_eq!(shares.tick(at_ms(0), &r, &view), None, "25 keys, none dominant");
         assert!((0..40).all(|i| !shares.observe(&key(100 + i))));
-        // The windows age out (3 closed windows of 1 s): 0 counted; then a tick with 3 requests
-        // lacks 7, and the 7th request after it asks.
+        // The windows age out (3 closed windows of 1 s): 0 counted; then a tick with 2 requests
+        // lacks 3, and the 3rd request after it asks.
         for s in 1..=5 {
             shares.tick(at_ms(s * 1000), &r, &view);
         }
-        assert!((0..3).all(|i| !shares.observe(&key(200 + i))));
+        assert!((0..2).all(|i| !shares.observe(&key(200 + i))));
         assert_eq!(shares.tick(at_ms(5250), &r, &view), None);
         let asks: Vec<u64> = (0..10).filter(|&i| shares.observe(&key(300 + i))).collect();
-        assert_eq!(asks, vec![6]);
+        assert_eq!(asks, vec![2]);
+    }
+
+    #[test]
+    fn the_share_lower_bound_is_wilsons_one_sided_95_percent_bound() {
+        // The Wilson score interval's lower end at z = 1.645.
+        for (count, requests, bound) in [(5, 5, 0.649), (4, 5, 0.435), (8, 10, 0.541), (6, 10, 0.352), (14, 20, 0.516), (100, 200, 0.442), (10, 10, 0.787)] {
+            let b = share_lower_bound(count, requests);
+            assert!((b - bound).abs() < 0.001, "{count} of {requests}: {b}");
+        }
+        assert_eq!(share_lower_bound(0, 0), 0.0);
+        assert!(share_lower_bound(0, 10) < 1e-12);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_share_above_half_by_chance_waits_for_more_requests() {
+        let r = rules();
+        let view = SplitView::default();
+        let start = Instant::now();
+        let at_ms = |ms| start + Duration::from_millis(ms);
+        let obs = |shares: &mut TrafficShares, i: u64, hot: bool| shares.observe(&at(rk(0, 3, if hot { 1 } else { 100 + i }), &[i]));
+        let mut shares = TrafficShares::default();
+        shares.tick(at_ms(0), &r, &view);
+        // 3 of 5 requests on one key, the rest on keys of their own: above half as observed, not
+        // beyond chance (lower bound 0.27). The 5th request asked for the tick.
+        let asks: Vec<u64> = (0..5).filter(|&i| obs(&mut shares, i, i < 3)).collect();
+        assert_eq!(asks, vec![4]);
+        assert_eq!(shares.tick(at_ms(10), &r, &view), None, "3 of 5");
+        // Undecided: the tick asks for another once as many requests again have arrived (a burst
+        // between two refreshes is decided within it). 6 of 10 (0.35): again, after 10 more.
+        let asks: Vec<u64> = (5..10).filter(|&i| obs(&mut shares, i, i < 8)).collect();
+        assert_eq!(asks, vec![9]);
+        assert_eq!(shares.tick(at_ms(20), &r, &view), None, "6 of 10");
+        let asks: Vec<u64> = (10..20).filter(|&i| obs(&mut shares, i, i < 18)).collect();
+        assert_eq!(asks, vec![19]);
+        let d = shares.tick(at_ms(30), &r, &view).expect("14 of 20 (0.70 as observed, 0.52 at least)");
+        assert_eq!((d.members, d.requests), (vec![split(0, 1)], 20));
+        // A key at half of the traffic is not dominant, however many requests: 0.5 as observed
+        // is not above the rule's 0.5 beyond chance; and a decided tick asks for nothing more.
+        let mut shares = TrafficShares::default();
+        shares.tick(at_ms(0), &r, &view);
+        let asks: Vec<u64> = (0..200).filter(|&i| obs(&mut shares, i, i % 2 == 0)).collect();
+        assert_eq!(asks, vec![4]);
+        assert_eq!(shares.tick(at_ms(250), &r, &view), None, "100 of 200");
+        assert!((200..400).all(|i| !obs(&mut shares, i, i % 2 == 0)));
     }
 
     #[tokio::test(start_paused = true)]
@@ -913,7 +1007,8 @@ mod tests {
             shares.tick(start + Duration::from_secs(1), &r, &view).map(|d| d.members)
         };
         assert_eq!(load(&[rk(0, 3, 1), rk(0, 3, 2), rk(0, 3, 3)], 10), None, "a third each");
-        assert_eq!(load(&[rk(0, 3, 1)], 9), None, "too few requests");
+        assert_eq!(load(&[rk(0, 3, 1)], 4), None, "too few requests");
+        assert_eq!(load(&[rk(0, 3, 1), rk(0, 3, 2)], 30), None, "half each");
         assert_eq!(load(&[rk(0, 1, 1)], 40), None, "an explicit key has no next level");
         assert_eq!(load(&[rk(0, 3, 1)], 20), Some(vec![split(0, 1)]));
     }

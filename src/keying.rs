@@ -189,7 +189,7 @@ pub fn level_key(req: &Request, cfg: &KeyingSettings, level: u8) -> Option<Prefi
         (Body::Chat(msgs), l) if cfg.chat_key == ChatKey::Opening && l < COMPLETION_LEVELS => {
             rendered_prefix_key(&msgs[..opening_end(msgs)], level_chars(cfg, l))
         }
-        (Body::Chat(msgs), l) if cfg.chat_key == ChatKey::Opening => chat_turns_key(msgs, 2),
+        (Body::Chat(msgs), _) if cfg.chat_key == ChatKey::Opening => chat_turns_key(msgs, 2),
         (Body::Chat(msgs), 0) => PrefixKey::of(&chat_material(msgs, cfg)),
         (Body::Chat(msgs), l) => chat_turns_key(msgs, usize::from(l)),
     })

@@ -387,9 +387,11 @@ impl Affinity {
     }
 
     /// Completes when a refresh is wanted before the next [`REFRESH_INTERVAL`]: the routers
-    /// have routed the [`SplitRules::min_requests`] requests the last refresh lacked for a
-    /// decision (at start: the first 10). A wake-up given while nobody waits is kept for the
-    /// next call.
+    /// have routed the [`SplitRules::dominant_min_requests`] requests the last refresh lacked for
+    /// a decision (at start: the first 5), or as many requests again as the last refresh saw
+    /// while a key was dominant as observed but not beyond chance
+    /// ([`crate::affinity::TrafficShares::observe`]). A wake-up given while nobody waits is kept
+    /// for the next call.
     pub async fn early_refresh(&self) {
         self.inner.early.notified().await
     }
@@ -478,7 +480,7 @@ pub fn rules(settings: &Settings) -> SplitRules {
 
 /// Refreshes the deployment's [`Affinity`] every [`REFRESH_INTERVAL`], and at once when
 /// [`Affinity::early_refresh`] asks for it (the first requests of a deployment: a key that
-/// dominates from the start splits after 10 requests), until `stop` fires.
+/// carries all of them splits after 5 requests), until `stop` fires.
 /// Redis errors are logged (at most once a minute) and counted; the view stays in force.
 pub async fn run(settings: Arc<Settings>, conn: impl Into<RedisConn>, stop: CancellationToken) {
     let affinity = Affinity::for_prefix(&settings.redis.key_prefix);
@@ -607,14 +609,14 @@ mod tests {
             let a = a.clone();
             async move { tokio::time::timeout(Duration::from_millis(1), a.early_refresh()).await.is_ok() }
         };
-        for _ in 0..9 {
+        for _ in 0..4 {
             assert_eq!(route(&a), 0);
         }
-        assert!(!asked(&a).await, "9 requests: no early refresh");
+        assert!(!asked(&a).await, "4 requests: no early refresh");
         route(&a);
-        assert!(asked(&a).await, "the 10th request asks for one");
+        assert!(asked(&a).await, "the 5th request asks for one");
         a.refresh(&store, &rules, Instant::now()).await.unwrap();
-        assert_eq!(route(&a), 2, "split at that refresh, with level 1 (one key for all 10): they route by level 2");
+        assert_eq!(route(&a), 2, "split at that refresh, with level 1 (one key for all 5): they route by level 2");
         assert!(!asked(&a).await, "asked once");
     }
 }
