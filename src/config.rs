@@ -893,9 +893,51 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
         },
         tls: tls_files(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file])?,
     };
+    if amqp.reconnect_backoff_max < amqp.reconnect_backoff_initial {
+        return Err(invalid(
+            "amqp.reconnect_backoff_max",
+            &a.reconnect_backoff_max,
+            format!("must be at least amqp.reconnect_backoff_initial ({})", a.reconnect_backoff_initial),
+        ));
+    }
+    amqp_names_distinct(&amqp)?;
     let tls_rule = if a.urls.is_empty() { "amqp.url is not amqps://" } else { "amqp.urls are not amqps://" };
     only_with_tls(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file], amqp.url.0.scheme() == "amqps", tls_rule)?;
     Ok(amqp)
+}
+
+/// The daemon's queue and exchange names must not collide: one queue used as two (the input
+/// queue as the dead-letter queue, say) would loop or mix requests with results, a partition
+/// queue named like another queue would be consumed by the wrong stage, and RabbitMQ reserves
+/// the `amq.` prefix for its own exchanges and queues (declaring one is refused with 403
+/// ACCESS_REFUSED; AMQP 0-9-1 `exchange.declare`, `queue.declare`).
+fn amqp_names_distinct(a: &AmqpSettings) -> Result<(), ConfigError> {
+    let queues: [(&'static str, &str); 3] =
+        [("amqp.input_queue", &a.input_queue), ("amqp.results_queue", &a.results_queue), ("amqp.dead_letter_queue", &a.dead_letter_queue)];
+    let exchanges: [(&'static str, &str); 2] = [("amqp.shard_exchange", &a.shard_exchange), ("amqp.dead_letter_exchange", &a.dead_letter_exchange)];
+    for (key, v) in queues.iter().chain(&exchanges).chain([&("amqp.partition_queue_prefix", a.partition_queue_prefix.as_str())]) {
+        if v.starts_with("amq.") {
+            return Err(invalid(key, format!("{v:?}"), "must not start with \"amq.\" (reserved by RabbitMQ)"));
+        }
+    }
+    for group in [&queues[..], &exchanges[..]] {
+        for (i, (key, v)) in group.iter().enumerate() {
+            if let Some((other, _)) = group[..i].iter().find(|(_, w)| w == v) {
+                return Err(invalid(key, format!("{v:?}"), format!("must differ from {other}")));
+            }
+        }
+    }
+    let prefix = format!("{}.", a.partition_queue_prefix);
+    for (key, v) in queues {
+        if v == a.partition_queue_prefix || v.starts_with(&prefix) {
+            return Err(invalid(
+                "amqp.partition_queue_prefix",
+                format!("{:?}", a.partition_queue_prefix),
+                format!("must not name {key} ({v:?}) or a queue under it: partition queues are named {{prefix}}.000, {{prefix}}.001, …"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The broker nodes: `amqp.urls` when set (each validated like `amqp.url`, at most
@@ -1142,6 +1184,11 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
         if u.password().is_some() || !u.username().is_empty() {
             return Err(invalid("llm.endpoints", redact_str(e), "must not carry credentials; use llm.api_key"));
         }
+        if endpoints.contains(&u) {
+            // Two entries for one server would double its share of the calls and split its
+            // circuit breaker in two.
+            return Err(invalid("llm.endpoints", format!("{e:?}"), "must not list one URL twice"));
+        }
         endpoints.push(u);
     }
     let llm = LlmSettings {
@@ -1160,6 +1207,9 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
     };
     let https = llm.endpoints.iter().any(|u| u.scheme() == "https");
     only_with_tls(LLM_TLS, [&l.tls_ca_file, &l.tls_cert_file, &l.tls_key_file], https, "no llm.endpoints URL is https://")?;
+    if llm.request_timeout < Duration::from_millis(1) {
+        return Err(invalid("llm.request_timeout", &l.request_timeout, "must be at least 1ms"));
+    }
     if llm.backoff_max < llm.backoff_initial {
         return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
     }
@@ -1174,8 +1224,37 @@ fn log(l: &RawLog) -> Result<LogSettings, ConfigError> {
             "json" => LogFormat::Json,
             other => return Err(invalid("log.format", format!("{other:?}"), "must be \"pretty\" or \"json\"")),
         },
-        level: l.level.clone(),
+        level: {
+            check_log_filter(&l.level).map_err(|rule| invalid("log.level", format!("{:?}", l.level), rule))?;
+            l.level.clone()
+        },
     })
+}
+
+/// Checks a log filter (`log.level`, `RUST_LOG`): comma-separated directives in
+/// `tracing_subscriber::EnvFilter` syntax, each either a level (`trace`, `debug`, `info`,
+/// `warn`, `error`, `off`) or `target[span{field}]=level`. The syntax itself accepts a bare word
+/// as a target enabled at every level, so a misspelt level such as `"inof"` would silence every
+/// other line; that, an empty directive and anything `EnvFilter` cannot parse are refused.
+/// Errors: the rule broken, naming the directive.
+pub fn check_log_filter(filter: &str) -> Result<(), String> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    let rule = "comma-separated levels (trace, debug, info, warn, error, off) or target=level directives";
+    if filter.trim().is_empty() {
+        return Err(format!("must not be empty: {rule}"));
+    }
+    for d in filter.split(',').map(str::trim) {
+        if d.is_empty() {
+            return Err(format!("has an empty directive: {rule}"));
+        }
+        if !d.contains('=') && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(d)) {
+            return Err(format!("directive {d:?} is neither a level nor target=level: {rule}"));
+        }
+        if let Err(e) = d.parse::<tracing_subscriber::filter::Directive>() {
+            return Err(format!("directive {d:?} does not parse ({e}): {rule}"));
+        }
+    }
+    Ok(())
 }
 
 /// The raw configuration as TOML with every secret replaced by `***` (for `check-config`).
@@ -1237,6 +1316,46 @@ mod tests {
         assert_eq!(s.keying.mode, KeyingMode::Adaptive, "adaptive keying is the default");
         assert_eq!(s.ownership.lease_ttl, Duration::from_secs(15));
         assert_eq!(s.amqp.partition_queue(7), "prefix-batcher.partition.007");
+    }
+
+    #[test]
+    fn log_filters_must_name_levels_or_target_levels() {
+        for good in ["info", "warn,prefix_batcher=debug", "prefix_batcher=debug", "INFO", "debug, lapin=warn", "off"] {
+            assert_eq!(check_log_filter(good), Ok(()), "{good}");
+        }
+        for (bad, says) in [("nonsense!!", "neither a level"), ("inof", "neither a level"), ("info,,=[", "empty directive"), ("", "empty"), ("info,x=[", "does not parse")] {
+            let e = check_log_filter(bad).unwrap_err();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        let mut r = RawConfig::default();
+        r.log.level = "nonsense!!".into();
+        let e = err(&r);
+        assert!(e.contains("log.level") && e.contains("nonsense!!") && e.contains("neither a level"), "{e}");
+    }
+
+    #[test]
+    fn queue_and_exchange_names_must_not_collide_or_use_amq() {
+        let cases: [(&str, fn(&mut RawConfig), &str); 7] = [
+            ("dlq = input", |r| r.amqp.dead_letter_queue = r.amqp.input_queue.clone(), "must differ from amqp.input_queue"),
+            ("results = input", |r| r.amqp.results_queue = r.amqp.input_queue.clone(), "must differ from amqp.input_queue"),
+            ("exchanges", |r| r.amqp.dead_letter_exchange = r.amqp.shard_exchange.clone(), "must differ from amqp.shard_exchange"),
+            ("amq.direct", |r| r.amqp.shard_exchange = "amq.direct".into(), "reserved by RabbitMQ"),
+            ("prefix = input", |r| r.amqp.partition_queue_prefix = r.amqp.input_queue.clone(), "must not name amqp.input_queue"),
+            ("input under prefix", |r| r.amqp.input_queue = "prefix-batcher.partition.001".into(), "must not name amqp.input_queue"),
+            ("reconnect backoff", |r| r.amqp.reconnect_backoff_max = "1ms".into(), "at least amqp.reconnect_backoff_initial"),
+        ];
+        for (name, set, says) in cases {
+            let mut r = RawConfig::default();
+            set(&mut r);
+            let e = err(&r);
+            assert!(e.contains(says), "{name}: {e}");
+        }
+        let mut r = RawConfig::default();
+        r.llm.endpoints = vec!["http://127.0.0.1:8000".into(), "http://127.0.0.1:8000/".into()];
+        assert!(err(&r).contains("must not list one URL twice"));
+        let mut r = RawConfig::default();
+        r.llm.request_timeout = "1ns".into();
+        assert!(err(&r).contains("llm.request_timeout") && err(&r).contains("at least 1ms"));
     }
 
     #[test]

@@ -133,6 +133,14 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     match load(config_path(&cli).as_deref(), cli.log_format.as_deref()) {
         Ok(loaded) => {
+            // RUST_LOG overrides log.level, so it is held to the same rule: a misspelt level there
+            // would otherwise silence the daemon.
+            if let Some(v) = std::env::var("RUST_LOG").ok().filter(|v| !v.is_empty()) {
+                if let Err(rule) = config::check_log_filter(&v) {
+                    eprintln!("prefix-batcher: RUST_LOG = {v:?}: {rule}");
+                    return ExitCode::from(exit::EX_CONFIG);
+                }
+            }
             // Tracing starts after the configuration: `log.format` and `log.level` come from it.
             init_tracing(loaded.settings.log.format, &loaded.settings.log.level);
             dispatch(&cli.command, loaded).await
