@@ -207,6 +207,7 @@ impl Ownership {
             self.rejoined_at = Some(Instant::now());
         }
         self.last_heartbeat = Some(Instant::now());
+        crate::splits::Affinity::for_prefix(&self.settings.redis.key_prefix).set_servers(members.len().max(1) * self.settings.llm.endpoints.len());
         if members != self.view {
             info!(members = ?members, "membership changed");
             metrics::rebalanced();

@@ -36,6 +36,7 @@
 //! new parameter; [`run`] refreshes it.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
@@ -298,6 +299,8 @@ struct Inner {
     /// Woken when the routers' traffic shares want a refresh before the next interval
     /// ([`TrafficShares::observe`]).
     early: tokio::sync::Notify,
+    /// LLM servers the deployment routes to, as far as this instance knows (0: not known yet).
+    servers: AtomicUsize,
 }
 
 /// The split state of one deployment in this process: the local view routing reads, the
@@ -317,6 +320,7 @@ impl Default for Affinity {
                 load: Mutex::new(LoadTracker::default()),
                 refresh: Mutex::new((SplitLedger::default(), Vec::new())),
                 early: tokio::sync::Notify::new(),
+                servers: AtomicUsize::new(0),
             }),
         }
     }
@@ -336,6 +340,16 @@ impl Affinity {
             Some(a) => a.clone(),
             None => handles.entry(prefix.to_owned()).or_default().clone(),
         }
+    }
+
+    /// Records how many LLM servers the deployment routes to: the live members times this
+    /// instance's `llm.endpoints` (the ownership loop calls it after each heartbeat). With one
+    /// server a dominant key is not split ([`TrafficShares`]): every partition ends on that
+    /// server, so a split would spread no load and no cache, and would only break the key's
+    /// batches into one request each. A key that queues is still split (its partition's
+    /// pipeline is the bottleneck, not the server's cache).
+    pub fn set_servers(&self, servers: usize) {
+        self.inner.servers.store(servers, Ordering::Relaxed);
     }
 
     /// The current local view (never waits on Redis).
@@ -411,7 +425,10 @@ impl Affinity {
         let (arrivals, dominant) = {
             let mut r = lock(&self.inner.router);
             let arrivals: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
-            (arrivals, r.shares.tick(now, rules, &view))
+            // The shares tick in any case (their windows keep rolling); with one server known,
+            // a dominant key stays whole (see `set_servers`).
+            let dominant = r.shares.tick(now, rules, &view).filter(|_| self.inner.servers.load(Ordering::Relaxed) != 1);
+            (arrivals, dominant)
         };
         let mut req = SyncRequest { arrivals, ..SyncRequest::default() };
         {
@@ -618,5 +635,26 @@ mod tests {
         a.refresh(&store, &rules, Instant::now()).await.unwrap();
         assert_eq!(route(&a), 2, "split at that refresh, with level 1 (one key for all 5): they route by level 2");
         assert!(!asked(&a).await, "asked once");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn with_one_llm_server_a_dominant_key_stays_whole() {
+        let store = Memory::default();
+        let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
+        let route = |a: &Affinity| {
+            let choice = crate::affinity::choose(&a.view(), 3, |l| PrefixKey(7 + u64::from(l)));
+            a.routed(&choice, PrefixKey(7), 3000, false);
+            choice.routed.level
+        };
+        for (servers, level) in [(1, 0), (2, 2), (0, 2)] {
+            let a = Affinity::default();
+            a.set_servers(servers);
+            for _ in 0..20 {
+                route(&a);
+            }
+            a.refresh(&store, &rules, Instant::now()).await.unwrap();
+            assert_eq!(route(&a), level, "{servers} servers known (0: not yet)");
+            store.set.lock().unwrap().clear();
+        }
     }
 }
