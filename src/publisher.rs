@@ -250,30 +250,63 @@ pub async fn parse_or_dead_letter(
     };
     let parsed = parse(&delivery.data, &env, amqp.max_message_bytes);
     let count = redelivery::delivery_count(props.headers().as_ref());
-    let (reason, detail) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
-        Ok((Err((reason, detail)), _)) => (reason, detail),
+    let (reason, detail, id) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
+        Ok((Err((reason, detail)), req)) => (reason, detail, Some(req.id)),
         Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Intake::Valid(req, delivery),
         Ok((Ok(()), req)) => {
             let last = redelivery::last_failure(&req.id).unwrap_or_else(|| "unknown on this instance".to_owned());
-            (REASON_DELIVERY_LIMIT, format!("delivered {count} times; last error: {last}"))
+            (REASON_DELIVERY_LIMIT, format!("delivered {count} times; last error: {last}"), Some(req.id))
         }
-        Err(err) => (err.reason(), err.to_string()),
+        Err(err) => (err.reason(), err.to_string(), None),
     };
-    dead_letter_and_ack(ch, amqp, delivery, reason, &detail, lease).await
+    dead_letter_and_ack(ch, amqp, delivery, id.as_deref(), reason, &detail, lease).await
+}
+
+/// The longest id (request id, `correlation_id`, `message_id`) a log line carries, in bytes;
+/// longer ones are cut ([`log_id`]).
+pub const MAX_LOGGED_ID_BYTES: usize = 128;
+
+/// `id` for a log field: at most [`MAX_LOGGED_ID_BYTES`] bytes of it, cut on a character boundary
+/// and then marked with `…`, with control characters escaped (an id comes from the requester and
+/// must not break a log line).
+pub fn log_id(id: &str) -> String {
+    let mut keep = id.len().min(MAX_LOGGED_ID_BYTES);
+    while !id.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    let mut out = String::with_capacity(keep + 3);
+    for c in id[..keep].chars() {
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    if keep < id.len() {
+        out.push('…');
+    }
+    out
 }
 
 /// Publishes `delivery` to `amqp.dead_letter_exchange` with `reason` and `detail`
 /// ([`dead_letter`]) and acks it once that publish is confirmed; with `lease`, only while the
 /// lease is valid. [`Intake::Unacked`] when nothing was confirmed (the caller requeues).
+/// `request_id` (when the request was parsed far enough to have one) and the delivery's
+/// `correlation_id` and `message_id` are logged with it, each cut by [`log_id`].
 pub async fn dead_letter_and_ack(
     ch: &Channel,
     amqp: &AmqpSettings,
     delivery: Delivery,
+    request_id: Option<&str>,
     reason: &'static str,
     detail: &str,
     lease: Option<&LeaseClock>,
 ) -> Intake {
-    warn!(reason, detail, "dead-lettering request");
+    let props = &delivery.properties;
+    let request_id = request_id.map(log_id);
+    let correlation_id = props.correlation_id().as_ref().map(|c| log_id(c.as_str()));
+    let message_id = props.message_id().as_ref().map(|m| log_id(m.as_str()));
+    warn!(request_id, correlation_id, message_id, reason, detail, "dead-lettering request");
     if lease.is_some_and(|l| !l.is_valid()) {
         return Intake::Unacked(delivery);
     }
@@ -597,5 +630,20 @@ mod tests {
         let p = carried_props(&BasicProperties::default(), &[]);
         assert_eq!(p.headers().as_ref().map(|h| h.inner().len()), Some(0));
         assert!(p.user_id().is_none() && p.expiration().is_none());
+    }
+
+    #[test]
+    fn logged_ids_are_bounded_on_a_char_boundary_and_escaped() {
+        assert_eq!(log_id("req-1"), "req-1");
+        let exact = "a".repeat(MAX_LOGGED_ID_BYTES);
+        assert_eq!(log_id(&exact), exact);
+        // "x" then 2-byte characters: byte 128 falls inside one, so the cut is at 127.
+        let long = format!("x{}", "é".repeat(200));
+        let cut = log_id(&long);
+        assert!(cut.ends_with('…'), "{cut}");
+        assert!(cut.len() <= MAX_LOGGED_ID_BYTES + '…'.len_utf8(), "{} bytes", cut.len());
+        assert!(long.starts_with(cut.trim_end_matches('…')));
+        assert_eq!(log_id(&"🦀".repeat(100)).chars().filter(|c| *c == '🦀').count(), MAX_LOGGED_ID_BYTES / 4);
+        assert_eq!(log_id("a\nb\u{7}"), "a\\nb\\u{7}");
     }
 }

@@ -261,7 +261,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let fwd = match forward_props(&delivery.properties, &r) {
         Ok(p) => p,
         Err(e) => {
-            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&ch, a, delivery, e.reason(), &e.to_string(), None).await {
+            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&ch, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
                 requeue(delivery).await;
             }
             return;
