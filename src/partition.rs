@@ -62,7 +62,7 @@ use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Consumer};
+use lapin::{Channel, Connection, Consumer};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -330,7 +330,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
-    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone()));
+    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), conns.publish.clone(), batch_rx, stop.clone(), end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
     let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held).await;
@@ -481,10 +481,13 @@ async fn admit(
 }
 
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
+/// Results are published on `ch`; `conn` (its connection) serves the direct reply-to checks
+/// ([`publisher::direct_reply_to_present`]).
 /// The LLM client's per-endpoint semaphore bounds the concurrent calls.
 async fn execute(
     ctx: PartitionContext,
     ch: Channel,
+    conn: Arc<Connection>,
     mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>,
     stop: StopSignals,
     end: Arc<SessionEnd>,
@@ -499,7 +502,7 @@ async fn execute(
                     seq += 1;
                     let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
                     let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
-                    tasks.spawn(guarded_batch(ctx.clone(), ch.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span));
+                    tasks.spawn(guarded_batch(ctx.clone(), ch.clone(), conn.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span));
                 }
                 None => break,
             },
@@ -514,13 +517,14 @@ async fn execute(
 async fn guarded_batch(
     ctx: PartitionContext,
     ch: Channel,
+    conn: Arc<Connection>,
     batch: Batch<PrefixKey, Pending>,
     batch_id: String,
     stop: StopSignals,
     end: Arc<SessionEnd>,
 ) {
     let ackers: Vec<(String, Acker)> = batch.items.iter().map(|p| (p.req.id.clone(), p.delivery.acker.clone())).collect();
-    let Err(panic) = AssertUnwindSafe(process_batch(ctx, ch, batch, batch_id, stop, end)).catch_unwind().await else { return };
+    let Err(panic) = AssertUnwindSafe(process_batch(ctx, ch, conn, batch, batch_id, stop, end)).catch_unwind().await else { return };
     let message = panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
@@ -574,6 +578,7 @@ async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery, held: 
 async fn process_batch(
     ctx: PartitionContext,
     ch: Channel,
+    conn: Arc<Connection>,
     batch: Batch<PrefixKey, Pending>,
     batch_id: String,
     stop: StopSignals,
@@ -605,7 +610,7 @@ async fn process_batch(
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
     let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
-        let ch = &ch;
+        let (ch, conn) = (&ch, &*conn);
         let amqp = &ctx.settings.amqp;
         async move {
             let answer = match answer {
@@ -618,7 +623,7 @@ async fn process_batch(
             let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms };
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
-                Some(result) => publisher::publish_result(ch, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
+                Some(result) => publisher::publish_result(ch, conn, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
                 None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
             }
         }

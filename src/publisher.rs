@@ -3,13 +3,17 @@
 //!
 //! Every publish here waits for the broker's confirm (<https://www.rabbitmq.com/docs/confirms>)
 //! before the message that caused it is acked: at-least-once end to end. Publishes are
-//! `mandatory`, so a message that no queue takes is returned instead of silently dropped.
+//! `mandatory`, so a message that no queue takes is returned instead of silently dropped — with
+//! one exception the broker imposes: a result for a direct reply-to requester
+//! (`amq.rabbitmq.reply-to.…`) is returned even when it was delivered, so such a return is
+//! settled by asking the broker whether the requester is still there ([`publish_result`]).
 //!
 //! - [`parse_or_dead_letter`]: the one intake check of the router and the partition consumers —
 //!   parse a delivery, or dead-letter it (confirmed) and ack it.
 //! - [`shape_result`] + [`publish_result`]: a request's result goes to its `reply_to` queue, or to
 //!   `amqp.results_queue` when it has none or `reply_to` refuses it (then with the headers
-//!   `x-reply-to-refused` and `x-reply-to`); the lease is checked before the publish and again
+//!   `x-reply-to-refused` and `x-reply-to`; for a direct reply-to requester, see
+//!   [`publish_result`]); the lease is checked before the publish and again
 //!   before the ack, so a worker whose lease may have expired publishes and acks nothing (see
 //!   [`crate::lease`]). Every delivery ends acked or nacked with requeue ([`Settlement`]).
 //!
@@ -19,9 +23,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::Acker;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions};
+use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel};
+use lapin::{BasicProperties, Channel, Connection};
 use serde_json::Value;
 use tracing::{debug, warn};
 
@@ -378,10 +382,54 @@ pub struct Tenure<'a> {
 }
 
 /// Header on a result that went to `amqp.results_queue` because its `reply_to` refused it: why
-/// (`nacked`, `unroutable` or `timeout`, see [`refusal_reason`]).
+/// (`nacked`, `unroutable` or `timeout`, see [`refusal_reason`]; [`REFUSED_GONE`] for a direct
+/// reply-to requester that has gone away).
 pub const HEADER_REPLY_TO_REFUSED: &str = "x-reply-to-refused";
 /// Header on such a result: the request's original `reply_to`.
 pub const HEADER_REPLY_TO: &str = "x-reply-to";
+
+/// The `x-reply-to-refused` value of a result whose direct reply-to requester had gone away
+/// (its channel closed or its reply consumer cancelled) when the result was published.
+pub const REFUSED_GONE: &str = "gone";
+
+/// The prefix of the names RabbitMQ gives direct reply-to requesters: a request published with
+/// `reply_to = "amq.rabbitmq.reply-to"` reaches the daemon with `amq.rabbitmq.reply-to.<token>`
+/// (<https://www.rabbitmq.com/docs/direct-reply-to>).
+pub const DIRECT_REPLY_TO_PREFIX: &str = "amq.rabbitmq.reply-to.";
+
+/// Whether `reply_to` names a direct reply-to requester rather than a queue.
+pub fn is_direct_reply_to(reply_to: &str) -> bool {
+    reply_to.starts_with(DIRECT_REPLY_TO_PREFIX)
+}
+
+/// How many direct reply-to checks ([`direct_reply_to_present`]) run at once in this process:
+/// each holds a channel of the publishing connection, whose channels are limited (`channel_max`).
+static DIRECT_REPLY_TO_CHECKS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(32);
+
+/// Whether the direct reply-to requester `name` (`amq.rabbitmq.reply-to.<token>`) is still
+/// there: a passive `queue.declare` of the name, which RabbitMQ answers for such names by checking
+/// that the requester's channel and reply consumer still exist
+/// (<https://www.rabbitmq.com/docs/direct-reply-to>). A failed declare closes its channel, so it
+/// runs on a disposable channel of `conn`, closed afterwards. `Ok(false)` when the broker answers
+/// 404 `NOT_FOUND`; an error (`Amqp`, or `Timeout` after `timeout`) when there is no answer.
+pub async fn direct_reply_to_present(conn: &Connection, name: &str, timeout: Duration) -> Result<bool, PublishError> {
+    let _permit = DIRECT_REPLY_TO_CHECKS.acquire().await.expect("the semaphore is never closed");
+    let check = async {
+        let ch = conn.create_channel().await?;
+        let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+        match ch.queue_declare(name.into(), passive, FieldTable::default()).await {
+            Ok(_) => {
+                let _ = ch.close(crate::amqp::REPLY_SUCCESS, "direct reply-to check".into()).await;
+                Ok(true)
+            }
+            // The broker closed the channel with the 404.
+            Err(e) if crate::amqp::reply_code(&e) == Some(crate::amqp::NOT_FOUND) => Ok(false),
+            Err(e) => Err(PublishError::Amqp(e)),
+        }
+    };
+    // On a timeout the dropped channel is closed by lapin (its last handle).
+    tokio::time::timeout(timeout, check).await.map_err(|_| PublishError::Timeout(timeout))?
+}
 
 /// How [`publish_result`] settled a delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -419,8 +467,22 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// carries `x-request-id`, `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is
 /// published or acked once `tenure.lease` is invalid (the request is requeued).
 /// `enqueued_unix_ms` (the request's publish time) feeds the end-to-end latency.
+///
+/// **Direct reply-to.** A `reply_to` of `amq.rabbitmq.reply-to.<token>` ([`is_direct_reply_to`])
+/// names a requester's channel, not a queue. RabbitMQ delivers a result published to it straight
+/// to that channel, but answers a `mandatory` publish with `basic.return` (`NO_ROUTE`) whether or
+/// not it delivered it: no queue took the message (rabbitmq-server #6124; RabbitMQ 3.x). So a
+/// return for such a name says nothing by itself; it is settled by
+/// [`direct_reply_to_present`] (a passive `queue.declare` of the name on a disposable channel of
+/// `conn`, the check RabbitMQ documents for a requester that may have gone away): requester
+/// present — the result was delivered (it was present when the result was published), done, no
+/// refusal; requester gone — the result went nowhere, so it goes to `amqp.results_queue` with
+/// `x-reply-to-refused` = [`REFUSED_GONE`]. When the check gets no answer the request is requeued
+/// (its result may then reach the requester twice). A requester that takes the result and leaves
+/// before the check also finds a copy in the results queue: a duplicate, never a loss.
 pub async fn publish_result(
     ch: &Channel,
+    conn: &Connection,
     amqp: &AmqpSettings,
     tenure: Tenure<'_>,
     delivery: Delivery,
@@ -431,7 +493,7 @@ pub async fn publish_result(
         warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
         return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
     }
-    if let Err(e) = publish_with_fallback(ch, amqp, tenure, &delivery.properties, &result).await {
+    if let Err(e) = publish_with_fallback(ch, conn, amqp, tenure, &delivery.properties, &result).await {
         if matches!(e, PublishError::Nacked) {
             // A quorum queue that rejected a publish can drop later publishes of the same
             // channel while confirming them (RabbitMQ 3.10; rabbitmq-server #14589): close the
@@ -459,9 +521,11 @@ pub async fn publish_result(
 }
 
 /// Publishes a result to `reply_to` (or the results queue), then, when `reply_to` refused it, to
-/// the results queue with the refusal headers.
+/// the results queue with the refusal headers. A return for a direct reply-to name is settled by
+/// [`direct_reply_to_present`] (see [`publish_result`]).
 async fn publish_with_fallback(
     ch: &Channel,
+    conn: &Connection,
     amqp: &AmqpSettings,
     tenure: Tenure<'_>,
     request: &BasicProperties,
@@ -474,12 +538,21 @@ async fn publish_with_fallback(
     let Some(rt) = reply_to else {
         return publish_confirmed(ch, "", &amqp.results_queue, &body, out_props, t).await;
     };
-    let e = match publish_confirmed(ch, "", &rt, &body, out_props.clone(), t).await {
+    let (reason, why) = match publish_confirmed(ch, "", &rt, &body, out_props.clone(), t).await {
         Ok(()) => return Ok(()),
-        Err(e) => e,
+        Err(PublishError::Unroutable { .. }) if is_direct_reply_to(&rt) => {
+            if direct_reply_to_present(conn, &rt, t).await? {
+                debug!(request_id = %result.id, "result delivered to its direct reply-to requester");
+                return Ok(());
+            }
+            (REFUSED_GONE, "the direct reply-to requester has gone away (its channel or reply consumer no longer exists)".to_owned())
+        }
+        Err(e) => match refusal_reason(&e) {
+            Some(reason) => (reason, e.to_string()),
+            None => return Err(e),
+        },
     };
-    let Some(reason) = refusal_reason(&e) else { return Err(e) };
-    warn!(request_id = %result.id, reply_to = %rt, reason, error = %e, "reply queue refused the result; publishing it to the results queue");
+    warn!(request_id = %result.id, reply_to = %rt, reason, error = %why, "reply queue refused the result; publishing it to the results queue");
     metrics::reply_to_refused(reason);
     let headers = headers_with(out_props.headers().as_ref(), &[(HEADER_REPLY_TO_REFUSED, reason.to_owned()), (HEADER_REPLY_TO, rt)]);
     publish_confirmed(ch, "", &amqp.results_queue, &body, out_props.with_headers(headers), t).await
@@ -578,6 +651,14 @@ mod tests {
         }
         assert_ne!(a, b, "the hash keeps ids that share a long prefix apart");
         assert!(short_string_id(&"x".repeat(10_000), "").len() <= MAX_SHORT_STRING);
+    }
+
+    #[test]
+    fn direct_reply_to_names_are_recognised() {
+        assert!(is_direct_reply_to("amq.rabbitmq.reply-to.g1h2AA1yZXBseUA5NT.PkR2jaa6"));
+        assert!(!is_direct_reply_to("amq.rabbitmq.reply-to"), "the pseudo-queue itself is never a result's destination");
+        assert!(!is_direct_reply_to("amq.gen-abc"));
+        assert!(!is_direct_reply_to("pbt-x.reply"));
     }
 
     #[test]
