@@ -70,8 +70,9 @@ impl Fixture {
     }
 
     /// The daemon is still running on the AMQP connections it started with; then stops it and
-    /// checks that the input and partition queues are empty (nothing left unacked).
-    async fn finish(self) {
+    /// checks that the input and partition queues are empty (nothing left unacked). Returns the
+    /// number of messages in the results queue once the daemon has stopped (nothing consumes it).
+    async fn finish(self) -> u32 {
         let Fixture { env, started, dead, connections, instance } = self;
         assert!(!started.daemon.is_finished(), "the daemon stopped");
         assert_eq!(daemon_connections(&instance), connections, "the daemon reconnected (a session restarted)");
@@ -80,10 +81,12 @@ impl Fixture {
         for p in 0..PARTITIONS {
             assert_eq!(started.amqp.queue_depth(&env.partition_queue(p)).await.0, 0, "partition {p} not empty");
         }
+        let in_results_queue = started.amqp.queue_depth(&env.results_queue()).await.0;
         dead.close().await;
         started.results.close().await;
         started.amqp.close().await;
         env.cleanup().await;
+        in_results_queue
     }
 }
 
@@ -166,26 +169,92 @@ async fn requests_outside_the_policy_are_dead_lettered_and_serving_goes_on() {
     f.finish().await;
 }
 
+/// `prefix_batcher_reply_to_refused_total{reason}` of this process.
+fn reply_to_refusals(reason: &str) -> f64 {
+    let label = format!(r#"reason="{reason}""#);
+    prefix_batcher::metrics::render()
+        .lines()
+        .find(|l| l.starts_with("prefix_batcher_reply_to_refused_total{") && l.contains(&label))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A direct reply-to requester: a channel consuming the pseudo-queue `amq.rabbitmq.reply-to`
+/// (no-ack), which publishes its requests with that `reply_to` on the same channel.
+async fn direct_reply_to_requester(conn: &Connection, tag: &str) -> (lapin::Channel, lapin::Consumer) {
+    use lapin::options::BasicConsumeOptions;
+    let ch = conn.create_channel().await.unwrap();
+    let opts = BasicConsumeOptions { no_ack: true, ..Default::default() };
+    let replies = ch.basic_consume("amq.rabbitmq.reply-to".into(), tag.into(), opts, FieldTable::default()).await.unwrap();
+    (ch, replies)
+}
+
+/// Publishes request `id` on the requester's channel `ch` with `reply_to = "amq.rabbitmq.reply-to"`.
+async fn publish_direct(ch: &lapin::Channel, queue: &str, id: &str) {
+    let body = serde_json::to_vec(&json!({"id": id, "prompt": format!("direct reply-to {id}?")})).unwrap();
+    let props = request_props(id, "amq.rabbitmq.reply-to");
+    ch.basic_publish("".into(), queue.into(), Default::default(), &body, props).await.unwrap();
+}
+
 /// RabbitMQ's direct reply-to: the requester consumes the pseudo-queue `amq.rabbitmq.reply-to`
-/// (no-ack) and publishes on the same channel with that `reply_to`; the result reaches it with no
-/// reply queue declared.
+/// (no-ack) and publishes on the same channel with that `reply_to`; each result reaches it once,
+/// with no reply queue declared. RabbitMQ returns a mandatory publish to a direct reply-to name
+/// even when it delivered it: that return must not count as a refusal, so nothing goes to the
+/// results queue and `reply_to_refused_total{reason="unroutable"}` does not move.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn results_reach_a_direct_reply_to_requester() {
     use futures_util::StreamExt;
-    use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
     let fake = FakeLlm::new().start().await.unwrap();
-    let f = fixture("direct", fake.url.as_str()).await;
-    let ch = f.started.amqp.conn.create_channel().await.unwrap();
-    let opts = BasicConsumeOptions { no_ack: true, ..Default::default() };
-    let mut replies = ch.basic_consume("amq.rabbitmq.reply-to".into(), "direct".into(), opts, FieldTable::default()).await.unwrap();
-    let body = serde_json::to_vec(&json!({"id": "direct-1", "prompt": "direct reply-to?"})).unwrap();
-    let props = request_props("direct-1", "amq.rabbitmq.reply-to");
-    ch.basic_publish("".into(), f.env.input_queue().as_str().into(), BasicPublishOptions::default(), &body, props).await.unwrap();
-    let got = tokio::time::timeout(DEADLINE, replies.next()).await.expect("a result within the deadline").expect("a delivery").unwrap();
-    let result: serde_json::Value = serde_json::from_slice(&got.data).unwrap();
-    assert_eq!(result["id"], "direct-1", "{result}");
-    assert_eq!(result["ok"], true, "{result}");
+    let mut f = fixture("direct", fake.url.as_str()).await;
+    let unroutable_before = reply_to_refusals("unroutable");
+    let (ch, mut replies) = direct_reply_to_requester(&f.started.amqp.conn, "direct").await;
+    let want: BTreeSet<String> = (0..3).map(|i| format!("direct-{i}")).collect();
+    for id in &want {
+        publish_direct(&ch, &f.env.input_queue(), id).await;
+    }
+    let mut got = Vec::new();
+    while got.len() < want.len() {
+        let d = tokio::time::timeout(DEADLINE, replies.next()).await.expect("a result within the deadline").expect("a delivery").unwrap();
+        let result: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+        assert_eq!(result["ok"], true, "{result}");
+        got.push(result["id"].as_str().unwrap().to_owned());
+    }
+    got.sort();
+    assert_eq!(got, want.iter().cloned().collect::<Vec<_>>(), "each result reaches the requester once");
+    f.serves_others("direct-others", 10).await;
+    assert!(tokio::time::timeout(Duration::from_millis(500), replies.next()).await.is_err(), "a second copy reached the requester");
+    let in_results_queue = f.finish().await;
+    assert_eq!(in_results_queue, 0, "a direct reply-to result was also published to the results queue");
+    assert_eq!(reply_to_refusals("unroutable"), unroutable_before, "a delivered direct reply-to result was counted as refused");
     let _ = ch.close(200, "done".into()).await;
+}
+
+/// A direct reply-to requester that leaves (closes its channel) while its request is with the
+/// LLM server: its result is not lost but published to the results queue with
+/// `x-reply-to-refused = gone` and the generated reply name in `x-reply-to`, once, and counted
+/// in `reply_to_refused_total{reason="gone"}`; the daemon keeps serving on the same connections
+/// (the 404 of the check closes only a disposable channel).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_for_a_departed_direct_reply_to_requester_goes_to_the_results_queue() {
+    let fake = FakeLlm::new().latency(Duration::from_millis(1500)).start().await.unwrap();
+    let mut f = fixture("drtgone", fake.url.as_str()).await;
+    let gone_before = reply_to_refusals("gone");
+    let mut results = f.started.amqp.consume(&f.env.results_queue()).await;
+    let (ch, _replies) = direct_reply_to_requester(&f.started.amqp.conn, "drtgone").await;
+    publish_direct(&ch, &f.env.input_queue(), "gone-1").await;
+    tokio::time::timeout(DEADLINE, fake.wait_for_calls(1)).await.expect("the request reaches the LLM server");
+    ch.close(200, "the requester leaves".into()).await.unwrap();
+    results.until("the result of the departed requester", DEADLINE, |r| !r.is_empty()).await;
+    let m = &results.received[0];
+    let result = m.result();
+    assert_eq!((result.id.as_str(), result.ok), ("gone-1", true), "{result:?}");
+    assert_eq!(m.header("x-reply-to-refused"), Some("gone"), "{:?}", m.headers);
+    let reply_to = m.header("x-reply-to").unwrap_or_default();
+    assert!(reply_to.starts_with("amq.rabbitmq.reply-to."), "x-reply-to is the generated name: {reply_to:?}");
+    assert!(reply_to_refusals("gone") >= gone_before + 1.0, "the refusal is counted");
+    f.serves_others("drtgone-others", 10).await;
+    assert_eq!(results.collect_for(Duration::from_millis(300)).await, 0, "a second copy went to the results queue");
+    results.close().await;
     f.finish().await;
 }
 
