@@ -4,10 +4,25 @@
 //!
 //! - **Closed**: every call goes through. Only *server faults* count against the endpoint (a
 //!   request fault means the server answered and judged the request, so it counts as a sign of
-//!   health). The breaker opens after [`BreakerPolicy::consecutive_faults`] server faults in a row,
+//!   health). The rule trips after [`BreakerPolicy::consecutive_faults`] server faults in a row,
 //!   or when the last [`BreakerPolicy::window`] outcomes hold at least
 //!   [`BreakerPolicy::min_calls`] calls of which [`BreakerPolicy::fault_ratio`] or more were server
 //!   faults (a storm of 429s or 5xx interleaved with a few successes).
+//!
+//!   Server faults come in two sorts. A **hard fault** ([`Outcome::ServerFault`]: refused or
+//!   broken connection, timeout, 401/403/404, 429) says the endpoint failed whatever was asked: when
+//!   hard faults alone trip the rule, the breaker opens at once. An **answered fault**
+//!   ([`Outcome::AnsweredFault`]: an HTTP 5xx, or a 2xx that is not a valid completion) may be the
+//!   request's own — a prompt the server cannot handle (llama-server answers 500 "Failed to parse
+//!   tools" to a malformed `tools` param) fails every time it is sent, while every other prompt
+//!   succeeds. When answered faults take part in tripping the rule, the breaker does NOT open:
+//!   it becomes *suspect* and asks its owner for one **verification probe**
+//!   ([`Breaker::take_verification`]; the same lightweight call as the half-open probe). A probe
+//!   that fails confirms the faults and opens the breaker ([`Breaker::verified`]); a probe that
+//!   succeeds refutes them: the answered faults are discounted (they count as request faults from
+//!   then on) and the breaker stays closed. So a handful of poison requests, retried and
+//!   redelivered, never makes a healthy endpoint look down, and a real outage (the probe fails
+//!   too) still opens it, one probe later.
 //! - **Open**: calls fail fast, without an HTTP call, for an open time that starts at
 //!   [`BreakerPolicy::open_initial`] and doubles on every reopening without a successful probe in
 //!   between, up to [`BreakerPolicy::open_max`].
@@ -67,8 +82,13 @@ pub enum Outcome {
     /// The server answered, but refused this request for itself (400, 413, 422, …): the endpoint
     /// is healthy.
     RequestFault,
-    /// The endpoint failed: refused or broken connection, timeout, 5xx, 401/403/404, 429.
+    /// A hard fault: the endpoint failed whatever was asked (refused or broken connection,
+    /// timeout, 401/403/404, 429). Counts towards opening at once.
     ServerFault,
+    /// An answered fault: the server answered with a 5xx, or with a 2xx that is not a valid
+    /// completion. It may be the request's own, so it opens the breaker only once a verification
+    /// probe confirms it (see the module documentation).
+    AnsweredFault,
     /// The call was cancelled before it finished: says nothing about the endpoint.
     Abandoned,
 }
@@ -109,6 +129,15 @@ impl Admission {
     }
 }
 
+/// One outcome in the closed breaker's window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mark {
+    /// A success, a request fault, or a refuted answered fault.
+    Healthy,
+    Hard,
+    Answered,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Closed,
@@ -121,18 +150,33 @@ enum State {
 pub struct Breaker {
     policy: BreakerPolicy,
     state: State,
-    /// Server faults in a row while closed.
+    /// Server faults (hard or answered) in a row while closed.
     consecutive: u32,
-    /// The latest outcomes while closed, `true` = server fault; at most `policy.window` long.
-    recent: VecDeque<bool>,
+    /// How many of the `consecutive` faults were answered faults.
+    consecutive_answered: u32,
+    /// The latest outcomes while closed; at most `policy.window` long.
+    recent: VecDeque<Mark>,
     /// Openings since the breaker was last closed by a successful probe (drives the doubling).
     openings: u32,
+    /// The rule tripped with answered faults: a verification probe is wanted.
+    suspect: bool,
+    /// A verification probe is in flight ([`Self::take_verification`] .. [`Self::verified`]).
+    verifying: bool,
 }
 
 impl Breaker {
     /// A closed breaker.
     pub fn new(policy: BreakerPolicy) -> Self {
-        Breaker { policy, state: State::Closed, consecutive: 0, recent: VecDeque::new(), openings: 0 }
+        Breaker {
+            policy,
+            state: State::Closed,
+            consecutive: 0,
+            consecutive_answered: 0,
+            recent: VecDeque::new(),
+            openings: 0,
+            suspect: false,
+            verifying: false,
+        }
     }
 
     /// The state at `now` (an open breaker whose open time is over reports half-open: the next
@@ -192,7 +236,7 @@ impl Breaker {
                     self.close();
                     Some(BreakerState::Closed)
                 }
-                Outcome::ServerFault => {
+                Outcome::ServerFault | Outcome::AnsweredFault => {
                     self.open(now);
                     Some(BreakerState::Open)
                 }
@@ -216,23 +260,92 @@ impl Breaker {
         Some(BreakerState::Open)
     }
 
+    /// Whether the closed breaker is suspect: answered faults tripped its rule and no probe has
+    /// judged them yet (a verification probe is wanted or in flight).
+    pub fn suspect(&self) -> bool {
+        self.state == State::Closed && (self.suspect || self.verifying)
+    }
+
+    /// Takes the verification slot: true when the closed breaker is suspect and no verification
+    /// probe is in flight. The caller then probes the endpoint and reports the probe's outcome
+    /// with [`Self::verified`] (also when it gave up: [`Outcome::Abandoned`]).
+    pub fn take_verification(&mut self) -> bool {
+        if self.state != State::Closed || !self.suspect || self.verifying {
+            return false;
+        }
+        self.verifying = true;
+        true
+    }
+
+    /// The outcome of the verification probe taken by [`Self::take_verification`]: a server
+    /// fault of either sort confirms the suspicion and opens the breaker (returns the new
+    /// state); a success or request fault refutes it ([`Self::refute`]); an abandoned probe
+    /// leaves the breaker suspect, for the next call's verification. Ignored (apart from freeing
+    /// the slot) when the breaker is no longer closed.
+    pub fn verified(&mut self, outcome: Outcome, now: Instant) -> Option<BreakerState> {
+        self.verifying = false;
+        if self.state != State::Closed {
+            return None;
+        }
+        match outcome {
+            Outcome::ServerFault | Outcome::AnsweredFault => {
+                self.open(now);
+                Some(BreakerState::Open)
+            }
+            Outcome::Success | Outcome::RequestFault => {
+                self.refute();
+                None
+            }
+            Outcome::Abandoned => None,
+        }
+    }
+
+    /// The endpoint answered a probe while closed: its answered faults so far were the requests'
+    /// own. They are discounted (they count as healthy answers from now on), the run of faults
+    /// starts again, and the breaker is no longer suspect. Hard faults in the window stay.
+    pub fn refute(&mut self) {
+        if self.state != State::Closed {
+            return;
+        }
+        for mark in self.recent.iter_mut().filter(|m| **m == Mark::Answered) {
+            *mark = Mark::Healthy;
+        }
+        self.consecutive = 0;
+        self.consecutive_answered = 0;
+        self.suspect = false;
+    }
+
     fn record_closed(&mut self, outcome: Outcome, now: Instant) -> Option<BreakerState> {
-        let fault = match outcome {
+        let mark = match outcome {
             Outcome::Abandoned => return None,
-            Outcome::Success | Outcome::RequestFault => false,
-            Outcome::ServerFault => true,
+            Outcome::Success | Outcome::RequestFault => Mark::Healthy,
+            Outcome::ServerFault => Mark::Hard,
+            Outcome::AnsweredFault => Mark::Answered,
         };
-        self.consecutive = if fault { self.consecutive + 1 } else { 0 };
-        self.recent.push_back(fault);
+        if mark == Mark::Healthy {
+            self.consecutive = 0;
+            self.consecutive_answered = 0;
+        } else {
+            self.consecutive += 1;
+            self.consecutive_answered += u32::from(mark == Mark::Answered);
+        }
+        self.recent.push_back(mark);
         while self.recent.len() > self.policy.window.max(1) {
             self.recent.pop_front();
         }
-        let faults = self.recent.iter().filter(|&&f| f).count();
-        let ratio_trips = self.recent.len() >= self.policy.min_calls.max(1)
-            && faults as f64 >= self.policy.fault_ratio * self.recent.len() as f64;
-        if self.consecutive >= self.policy.consecutive_faults.max(1) || ratio_trips {
+        let hard = self.recent.iter().filter(|&&m| m == Mark::Hard).count();
+        let answered = self.recent.iter().filter(|&&m| m == Mark::Answered).count();
+        let ratio_reached = |faults: usize| {
+            self.recent.len() >= self.policy.min_calls.max(1) && faults as f64 >= self.policy.fault_ratio * self.recent.len() as f64
+        };
+        let run_trips = self.consecutive >= self.policy.consecutive_faults.max(1);
+        let hard_run_trips = run_trips && self.consecutive_answered == 0;
+        if hard_run_trips || ratio_reached(hard) {
             self.open(now);
             return Some(BreakerState::Open);
+        }
+        if run_trips || ratio_reached(hard + answered) {
+            self.suspect = true;
         }
         None
     }
@@ -242,13 +355,16 @@ impl Breaker {
         let wait = self.policy.open_initial.saturating_mul(factor).min(self.policy.open_max);
         self.openings = self.openings.saturating_add(1);
         self.state = State::Open { until: now + wait };
+        self.suspect = false;
     }
 
     fn close(&mut self) {
         self.state = State::Closed;
         self.consecutive = 0;
+        self.consecutive_answered = 0;
         self.recent.clear();
         self.openings = 0;
+        self.suspect = false;
     }
 }
 
@@ -375,5 +491,92 @@ mod tests {
         assert!(b.admit_probe(t0 + Duration::from_secs(1)));
         assert_eq!(b.record(Outcome::Success, true, t0 + Duration::from_secs(1)), Some(BreakerState::Closed));
         assert!(b.available(t0 + Duration::from_secs(1)));
+    }
+    #[test]
+    fn answered_faults_make_it_suspect_and_only_a_failed_verification_opens_it() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        for _ in 0..12 {
+            assert_eq!(b.record(Outcome::AnsweredFault, false, t0), None, "answered faults never open it by themselves");
+        }
+        assert!(b.available(t0) && b.suspect());
+        assert!(b.take_verification());
+        assert!(!b.take_verification(), "one verification probe at a time");
+        assert_eq!(b.record(Outcome::AnsweredFault, false, t0), None);
+        assert_eq!(b.verified(Outcome::ServerFault, t0), Some(BreakerState::Open), "the probe failed too: an outage");
+        assert_eq!(b.open_until(), Some(t0 + Duration::from_secs(1)));
+        assert!(!b.suspect() && !b.take_verification());
+    }
+
+    #[test]
+    fn a_passing_verification_discounts_the_answered_faults() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        for _ in 0..5 {
+            b.record(Outcome::AnsweredFault, false, t0);
+        }
+        assert!(b.take_verification());
+        assert_eq!(b.verified(Outcome::Success, t0), None);
+        assert!(b.available(t0) && !b.suspect(), "refuted: closed and no longer suspect");
+        // The discounted faults no longer count: 4 more answered faults do not make it suspect
+        // (the run starts again, the window holds 5 healthy + 4).
+        for _ in 0..4 {
+            b.record(Outcome::AnsweredFault, false, t0);
+        }
+        assert!(!b.suspect());
+        b.record(Outcome::AnsweredFault, false, t0);
+        assert!(b.suspect(), "5 in a row again: another verification");
+        // An abandoned verification leaves it suspect for the next one.
+        assert!(b.take_verification());
+        assert_eq!(b.verified(Outcome::Abandoned, t0), None);
+        assert!(b.suspect() && b.take_verification());
+        // A request fault answering the probe refutes too.
+        assert_eq!(b.verified(Outcome::RequestFault, t0), None);
+        assert!(!b.suspect());
+    }
+
+    #[test]
+    fn hard_faults_still_open_at_once_and_mixed_runs_are_verified() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        // Answered faults in the run: suspect, not open.
+        for outcome in [Outcome::ServerFault, Outcome::AnsweredFault, Outcome::ServerFault, Outcome::ServerFault, Outcome::ServerFault] {
+            assert_eq!(b.record(outcome, false, t0), None);
+        }
+        assert!(b.available(t0) && b.suspect());
+        assert!(b.take_verification());
+        // Hard faults alone reaching the rule open it, suspect or not, verification in flight or
+        // not: here the ratio over hard faults only, 8 of the 10 latest outcomes.
+        b.record(Outcome::Success, false, t0);
+        for _ in 0..3 {
+            assert_eq!(b.record(Outcome::ServerFault, false, t0), None);
+        }
+        assert_eq!(b.record(Outcome::ServerFault, false, t0), Some(BreakerState::Open));
+        // A verification finishing after the opening only frees its slot.
+        assert!(!b.take_verification());
+        assert_eq!(b.verified(Outcome::Success, t0), None);
+        assert_eq!(b.state(t0), BreakerState::Open);
+    }
+
+    #[test]
+    fn refuting_keeps_the_hard_faults_of_the_window() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        // 10 outcomes: 4 hard faults, 4 answered, 2 successes: 80 % faults, suspect.
+        for outcome in [Outcome::Success, Outcome::Success]
+            .into_iter()
+            .chain([Outcome::ServerFault, Outcome::AnsweredFault].into_iter().cycle().take(8))
+        {
+            assert_eq!(b.record(outcome, false, t0), None);
+        }
+        assert!(b.suspect());
+        b.refute();
+        assert!(!b.suspect());
+        // The 4 hard faults still count: with one success more (4 of 11), 3 more hard faults
+        // reach 50 % (7 of 14), far fewer than the 5 in a row of the run rule.
+        assert_eq!(b.record(Outcome::Success, false, t0), None);
+        assert_eq!(b.record(Outcome::ServerFault, false, t0), None);
+        assert_eq!(b.record(Outcome::ServerFault, false, t0), None);
+        assert_eq!(b.record(Outcome::ServerFault, false, t0), Some(BreakerState::Open));
     }
 }
