@@ -63,6 +63,7 @@ pub struct FakeLlm {
     reverse_choices: bool,
     omit_choice: Option<usize>,
     max_prompt_chars: Option<usize>,
+    fail_marker: Option<(String, u16)>,
 }
 
 /// How the fake reports cached prompt tokens.
@@ -108,6 +109,7 @@ impl Default for FakeLlm {
             reverse_choices: false,
             omit_choice: None,
             max_prompt_chars: None,
+            fail_marker: None,
         }
     }
 }
@@ -191,6 +193,16 @@ impl FakeLlm {
     /// context length the prompt exceeds (the whole list fails, not only the long prompt).
     pub fn max_prompt_chars(mut self, chars: usize) -> Self {
         self.max_prompt_chars = Some(chars);
+        self
+    }
+
+    /// A call with any prompt containing `marker` is answered HTTP `status` with an OpenAI-style
+    /// error body, while every other call (the daemon's probe included) is served normally: a
+    /// prompt the server cannot handle on an otherwise healthy server (llama-server answers 500
+    /// "Failed to parse tools" to a malformed `tools` param). A list call carrying it fails as a
+    /// whole, as on a real server.
+    pub fn fail_prompts_containing(mut self, marker: impl Into<String>, status: u16) -> Self {
+        self.fail_marker = Some((marker.into(), status));
         self
     }
 
@@ -301,6 +313,13 @@ impl FakeLlmHandle {
         self.state.lock().forced_status = status;
     }
 
+    /// While `true`, every POST is answered HTTP 200 with an HTML page instead of a completion
+    /// (a misconfigured gateway or proxy in front of the server); `false` switches back. Calls
+    /// are recorded with status 200. The runtime status switch ([`Self::set_status`]) wins.
+    pub fn set_garbage(&self, garbage: bool) {
+        self.state.lock().garbage = garbage;
+    }
+
     /// `true`: stops listening and closes every connection (idle ones at once, busy ones after
     /// their answer), so new connections are refused; `false`: binds the same address again.
     /// Returns once the server is in the asked state.
@@ -353,6 +372,8 @@ struct Inner {
     completions: u64,
     /// The runtime status switch ([`FakeLlmHandle::set_status`]).
     forced_status: Option<u16>,
+    /// The runtime garbage switch ([`FakeLlmHandle::set_garbage`]).
+    garbage: bool,
 }
 
 impl Shared {
@@ -517,24 +538,35 @@ enum Decision {
     /// A prompt exceeds [`FakeLlm::max_prompt_chars`]: HTTP 400.
     TooLong,
     BadJson,
+    /// [`FakeLlmHandle::set_garbage`]: HTTP 200 with an HTML page.
+    Garbage,
+    /// A prompt contains the [`FakeLlm::fail_prompts_containing`] marker.
+    MarkedFail(u16),
     Answer(Vec<PromptTokens>),
 }
 
 /// The error message of a prompt over the context window (vLLM's wording).
 const CONTEXT_EXCEEDED: &str = "This model's maximum context length is exceeded: reduce the length of the prompt";
 
-/// Decides the fate of the next call (the runtime status switch first, then the builder's
-/// failures in call order, then the context window) and runs the cache model for an answer.
+/// Decides the fate of the next call (the runtime status and garbage switches first, then the
+/// builder's failures in call order, then the failing marker, then the context window) and runs
+/// the cache model for an answer.
 fn decide(cfg: &FakeLlm, g: &mut Inner, prompts: &[String]) -> Decision {
     let k = g.calls.len();
     if let Some(status) = g.forced_status.or(cfg.always_fail) {
         return Decision::Fail(status);
+    }
+    if g.garbage {
+        return Decision::Garbage;
     }
     if k < cfg.fail_first {
         return Decision::Fail(cfg.fail_status);
     }
     if k < cfg.fail_first + cfg.bad_json_first {
         return Decision::BadJson;
+    }
+    if let Some((_, status)) = cfg.fail_marker.as_ref().filter(|(m, _)| prompts.iter().any(|p| p.contains(m.as_str()))) {
+        return Decision::MarkedFail(*status);
     }
     if cfg.max_prompt_chars.is_some_and(|max| prompts.iter().any(|p| p.chars().count() > max)) {
         return Decision::TooLong;
@@ -575,7 +607,7 @@ async fn admit(
         let mut g = state.lock();
         let decision = decide(cfg, &mut g, &prompts);
         let status = match decision {
-            Decision::Fail(s) => s,
+            Decision::Fail(s) | Decision::MarkedFail(s) => s,
             Decision::TooLong => 400,
             _ => 200,
         };
@@ -604,6 +636,12 @@ async fn admit(
     }
     match decision {
         Decision::Fail(status) => Err(error_response(status, "fake failure", cfg.retry_after)),
+        Decision::MarkedFail(status) => Err(error_response(status, "fake failure: this prompt cannot be handled", None)),
+        Decision::Garbage => Err((
+            [(header::CONTENT_TYPE, "text/html")],
+            "<html><body><h1>Welcome to nginx!</h1></body></html>",
+        )
+            .into_response()),
         Decision::TooLong => Err(error_response(400, CONTEXT_EXCEEDED, None)),
         Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
         Decision::Answer(counts) => Ok(counts),
@@ -771,6 +809,23 @@ mod tests {
         let (_, v) = post(&fake.url, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]})).await;
         assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": "ok:hello th"}));
         assert_eq!(fake.calls()[1].prompts, ["<|user|>\nhello there\n"]);
+    }
+
+    #[tokio::test]
+    async fn marked_prompts_fail_alone_and_the_garbage_switch() {
+        let fake = FakeLlm::new().fail_prompts_containing("POISON", 500).start().await.unwrap();
+        assert_eq!(post(&fake.url, "/v1/completions", json!({"prompt": ["fine", "a POISON prompt"]})).await.0, 500);
+        assert_eq!(post(&fake.url, "/v1/completions", json!({"prompt": ["fine"]})).await.0, 200);
+        assert_eq!(post(&fake.url, "/v1/completions", json!({"prompt": "ping", "max_tokens": 1})).await.0, 200);
+        fake.set_garbage(true);
+        let r = crate::test_client().post(fake.url.join("/v1/completions").unwrap()).json(&json!({"prompt": "ping"})).send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        assert!(r.text().await.unwrap().starts_with("<html>"));
+        fake.set_garbage(false);
+        let (status, v) = post(&fake.url, "/v1/completions", json!({"prompt": "ping"})).await;
+        assert_eq!((status, v["choices"][0]["text"].as_str()), (200, Some("ok:ping")));
+        let statuses: Vec<u16> = fake.calls().iter().map(|c| c.status).collect();
+        assert_eq!(statuses, [500, 200, 200, 200, 200]);
     }
 
     #[tokio::test]
