@@ -9,9 +9,9 @@
 //!   choice per prompt with the indices `0 .. prompts` each once (OpenAI's shape: vLLM, SGLang,
 //!   current llama-server), or older llama-server builds' JSON *array* of one complete
 //!   completion object per prompt. Anything else — a server that ignores `n`, drops or repeats a
-//!   choice — and any request fault of the list call (400, 413, 422, an invalid answer) makes the
-//!   group go again prompt by prompt, so no item ever gets another's text and only the offending
-//!   prompt fails. Current llama-server reports `usage` and `timings` of the *first* prompt only
+//!   choice — and any 4xx request fault or invalid answer of the list call (400, 413, 422, a body
+//!   that is not a valid completion) makes the group go again prompt by prompt, so no item ever
+//!   gets another's text and only the offending prompt fails. Current llama-server reports `usage` and `timings` of the *first* prompt only
 //!   in a list answer (recognised by its top-level `timings`): that usage goes to the first item,
 //!   and the endpoint is switched to one call per prompt from then on (see [`LlmClient::infer`]);
 //! - a completions group with `n` > 1 goes one prompt per call (the index arithmetic
@@ -26,17 +26,31 @@
 //! [retryable](ErrorKind::retryable), attempts remain and the breaker stays closed. While an
 //! endpoint's breaker is open its calls fail fast with [`ErrorKind::Unavailable`] and no HTTP call.
 //!
+//! **Answered faults are verified.** An HTTP 5xx or an invalid 2xx answer
+//! ([`ErrorKind::Server`], [`ErrorKind::InvalidResponse`]) is a server fault for the caller (the
+//! request is requeued, never answered `ok: false`), but it may be the request's own: the server
+//! answered, and a prompt it cannot handle fails every time while every other prompt succeeds.
+//! So for the breaker it is an *answered fault* ([`Outcome::AnsweredFault`]): when answered
+//! faults trip the breaker's rule, the call that tripped it sends the probe below at once (a
+//! *verification*) and waits for it; a failing probe opens the breaker, a passing one discounts
+//! the answered faults and the breaker stays closed (see [`crate::breaker`]). Refused or broken
+//! connections, timeouts, 401/403/404 and 429 are hard faults and open it without a probe.
+//!
 //! **Probing.** Real requests never probe a down endpoint: a request used as a probe would be
 //! requeued on failure, and every requeue counts towards its delivery limit. When a breaker opens,
 //! the client starts one prober task for that endpoint: once the open time is over it sends a
 //! one-token completion (`POST {base}/v1/completions` with `llm.model`, prompt [`PROBE_PROMPT`],
 //! `max_tokens: 1`) with the bearer token — the path real calls take, so a server that is up but
 //! refuses the token, lacks the model or has a dead engine keeps failing the probe, where
-//! `GET /v1/models` would answer 200. A 2xx closes the breaker, a server-fault class (5xx,
-//! 401/403/404, 429, timeout, refused connection) reopens it with a doubled open time; a request
-//! fault (400/422: the server is up and judged the probe itself) also closes it. [`LlmClient::available`] is true only while
-//! the breaker is closed, so partitions paused on [`LlmClient::wait_available`] resume only after
-//! a successful probe.
+//! `GET /v1/models` would answer 200. A 2xx whose body is a valid one-prompt completion (JSON with
+//! a non-empty `choices` list whose choice has a string `text`, as real calls are parsed) closes
+//! the breaker; a 2xx with any other body (HTML from a misconfigured gateway, an `error` object,
+//! garbage) and a server-fault class (5xx, 401/403/404, 429, timeout, refused connection) reopen
+//! it with a doubled open time; a request fault (400/422: the server is up and judged the probe
+//! itself) also closes it. [`LlmClient::available`] is true only while the breaker is closed, so
+//! partitions paused on [`LlmClient::wait_available`] resume only after a successful probe. The
+//! same probe serves the verification of answered faults and
+//! [`LlmClient::confirm_server_fault`].
 //! The cancellation token aborts in-flight calls (dropping the request closes the connection) and
 //! ends the batch with [`ErrorKind::Cancelled`] for every unfinished item.
 //!
@@ -273,10 +287,12 @@ impl LlmError {
 /// Whose fault a failure is; the caller's policy follows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Fault {
-    /// The request itself was refused or could not be answered: answer it with `ok: false`.
+    /// The request itself was refused (a 4xx for it alone): answer it with `ok: false`.
     Request,
-    /// The endpoint or its configuration failed: the request is not to blame; requeue it and
-    /// pause intake until [`LlmClient::wait_available`] returns.
+    /// The endpoint or its configuration failed, or the server answered with a 5xx or an invalid
+    /// answer: requeue the request. Whether it is charged a delivery is decided by
+    /// [`LlmClient::confirm_server_fault`]: not while the endpoint is down (then pause intake
+    /// until [`LlmClient::wait_available`] returns), yes when the endpoint answers its probe.
     Server,
     /// The batch was cancelled (lease lost, shutdown): neither answer nor count the request.
     Cancelled,
@@ -293,7 +309,10 @@ pub enum ErrorKind {
     Connect,
     /// Server fault: HTTP 429; `Retry-After` (seconds) is honoured, capped at `llm.backoff_max`.
     RateLimited,
-    /// Server fault: HTTP 5xx.
+    /// Server fault: HTTP 5xx. An *answered* fault: it may be this prompt's own (llama-server
+    /// answers 500 "Failed to parse tools" to a malformed `tools` param), so the breaker counts
+    /// it only once its probe confirms it (module doc, "Answered faults are verified"), and a
+    /// request that keeps meeting it while the probe passes is charged a delivery each time.
     Server,
     /// Server fault: HTTP 401, 403 or 404, or an unfollowed 3xx — a wrong token, URL or model,
     /// which every request would meet; or an invalid configuration at [`LlmClient::new`].
@@ -303,9 +322,14 @@ pub enum ErrorKind {
     /// Request fault: HTTP 400, 413, 422 or another 4xx for this prompt alone, or a request that
     /// could not be built.
     Rejected,
-    /// Request fault: a 2xx for this prompt alone whose body is not JSON, not the expected shape,
-    /// larger than the response limit, an `error` object, or a choice with
-    /// `finish_reason: "error"`; or, in a list answer, no valid choice for this item.
+    /// Server fault, answered like [`ErrorKind::Server`]: a 2xx whose body is not JSON, not the
+    /// expected shape, larger than the response limit, an `error` object, or a choice with
+    /// `finish_reason: "error"`; or, in a list answer, no valid choice for this item. A server
+    /// that answers everything so (a misconfigured gateway's HTML) also fails the probe, which
+    /// validates its answer: the breaker opens and the requests wait, uncharged. One malformed
+    /// answer while the probe passes is charged to its request (requeue; the delivery limit
+    /// bounds it), never turned into an `ok: false` result at once. A list call's invalid answer
+    /// makes its group go again prompt by prompt (a server that cannot demultiplex a list).
     InvalidResponse,
     /// The batch's cancellation token fired before the item finished.
     Cancelled,
@@ -349,10 +373,23 @@ impl ErrorKind {
             | ErrorKind::RateLimited
             | ErrorKind::Server
             | ErrorKind::EndpointConfig
-            | ErrorKind::Unavailable => Fault::Server,
-            ErrorKind::Rejected | ErrorKind::InvalidResponse => Fault::Request,
+            | ErrorKind::Unavailable
+            | ErrorKind::InvalidResponse => Fault::Server,
+            ErrorKind::Rejected => Fault::Request,
             ErrorKind::Cancelled => Fault::Cancelled,
         }
+    }
+
+    /// Whether the server answered, so the fault may be the request's own: a 5xx or an invalid
+    /// 2xx answer. The breaker counts these only once a probe confirms them.
+    pub fn is_answered_fault(&self) -> bool {
+        matches!(self, ErrorKind::Server | ErrorKind::InvalidResponse)
+    }
+
+    /// Whether a failed list-prompt call goes again prompt by prompt: a 4xx refusal or an invalid
+    /// answer, which one prompt may cause (or which a server that cannot demultiplex gives).
+    fn splits_list(&self) -> bool {
+        matches!(self, ErrorKind::Rejected | ErrorKind::InvalidResponse)
     }
 
     /// Shorthand for `fault() == Fault::Server`.
@@ -373,6 +410,7 @@ impl ErrorKind {
     fn breaker_outcome(&self) -> Outcome {
         match self.fault() {
             Fault::Request => Outcome::RequestFault,
+            Fault::Server if self.is_answered_fault() => Outcome::AnsweredFault,
             Fault::Server => Outcome::ServerFault,
             Fault::Cancelled => Outcome::Abandoned,
         }
@@ -598,14 +636,14 @@ impl LlmClient {
     }
 
     /// A completions group as one list-prompt call; when that call fails with a request fault (one
-    /// prompt too long, an answer that does not demultiplex exactly), the group goes again prompt
-    /// by prompt so only the offending prompts fail.
+    /// prompt too long) or an invalid answer (one that does not demultiplex exactly), the group
+    /// goes again prompt by prompt so only the offending prompts fail.
     async fn run_list(&self, endpoint: usize, items: &[InferenceItem<'_>], group: Group<'_>, cancel: &CancellationToken) -> ItemResults {
         if group.members.len() == 1 {
             return self.run_call(endpoint, items, group, cancel, false).await;
         }
         let results = self.run_call(endpoint, items, group.clone(), cancel, false).await;
-        let request_fault = results.iter().find_map(|(_, r)| r.as_ref().err().filter(|e| e.fault() == Fault::Request));
+        let request_fault = results.iter().find_map(|(_, r)| r.as_ref().err().filter(|e| e.kind.splits_list()));
         // A failed call gives all members the same error; a parsed answer with bad items does not.
         let whole_call_failed = results.iter().all(|(_, r)| r.is_err());
         match request_fault {
@@ -615,7 +653,7 @@ impl LlmClient {
                     items = group.members.len(),
                     kind = e.kind.as_str(),
                     status = e.status,
-                    "the list-prompt call failed with a request fault; retrying its prompts one by one"
+                    "the list-prompt call was refused or answered invalidly; retrying its prompts one by one"
                 );
                 self.run_sequential(endpoint, items, group, cancel).await
             }
@@ -695,8 +733,8 @@ impl LlmClient {
 
     /// Sends `call.payload` until it succeeds, fails for good, attempts run out, the breaker stops
     /// letting calls through or `cancel` fires. Returns the parsed answer or the last error, and
-    /// the number of HTTP attempts made. A list call returns its first request fault at once (its
-    /// caller retries the prompts one by one).
+    /// the number of HTTP attempts made. A list call returns its first request fault or invalid
+    /// answer at once (its caller retries the prompts one by one).
     async fn send_with_retries(
         &self,
         call: &Call<'_>,
@@ -721,7 +759,7 @@ impl LlmClient {
                 }
                 Err(failure) => failure,
             };
-            let stop_for_split = call.list && error.fault() == Fault::Request;
+            let stop_for_split = call.list && error.kind.splits_list();
             let breaker_closed = error.is_server_fault() && !self.available(endpoint);
             let give_up = stop_for_split || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts;
             let delay = (!give_up).then(|| backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max));
@@ -749,7 +787,9 @@ impl LlmClient {
     }
 
     /// One attempt: takes a permit (unless held), asks the breaker, makes the HTTP call, reports
-    /// its outcome to the breaker and the hook.
+    /// its outcome to the breaker and the hook. When answered faults made the breaker suspect,
+    /// waits for the verification probe ([`Self::verify`]) before returning, so the retry
+    /// decision sees its verdict.
     async fn attempt_through_breaker(
         &self,
         call: &Call<'_>,
@@ -787,6 +827,15 @@ impl LlmClient {
         (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
         let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
         self.record(call.endpoint, breaker_outcome, false);
+        if breaker_outcome == Outcome::AnsweredFault {
+            if let Some(verification) = self.start_verification(call.endpoint) {
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => {}
+                    _ = verification => {}
+                }
+            }
+        }
         match outcome {
             None => Gate::Cancelled,
             Some(r) => Gate::Attempted(r),
@@ -810,7 +859,9 @@ impl LlmClient {
     /// the one-token completion of the half-open probe, see the module doc — which then opens the
     /// breaker), so the requests must wait for it instead of being charged a delivery; `false`
     /// when the endpoint answers the probe (or judges it as a request fault), so the fault may be
-    /// the requests' own and the delivery limit applies. An unknown index counts as down.
+    /// the requests' own and the delivery limit applies; the breaker then also discounts its
+    /// answered faults ([`Breaker::refute`]), so the requests' own 5xx or invalid answers never
+    /// add up to an opening. An unknown index counts as down.
     ///
     /// This is what keeps an outage's first failures, before the breaker's own rule
     /// ([`BreakerPolicy`]) opens it, from costing the requests deliveries: a server that answers
@@ -821,11 +872,42 @@ impl LlmClient {
             return true;
         }
         if self.probe(endpoint).await != Outcome::ServerFault {
+            lock(&self.inner.endpoints[endpoint].breaker).refute();
             return false;
         }
         let changed = lock(&self.inner.endpoints[endpoint].breaker).trip(Instant::now());
         self.after_record(endpoint, changed, false);
         true
+    }
+
+    /// Starts the verification probe of `endpoint` when its breaker is suspect and none is in
+    /// flight ([`Breaker::take_verification`]); the returned task ends once the verdict is
+    /// recorded. A task, not a future of the caller, so a dropped caller cannot leave the
+    /// verification slot taken.
+    fn start_verification(&self, endpoint: usize) -> Option<tokio::task::JoinHandle<()>> {
+        if !lock(&self.inner.endpoints[endpoint].breaker).take_verification() {
+            return None;
+        }
+        let client = self.clone();
+        Some(tokio::spawn(async move { client.verify(endpoint).await }))
+    }
+
+    /// The verification probe: answered faults tripped the breaker's rule; the probe decides
+    /// whether the endpoint is down (the breaker opens) or they were the requests' own (they are
+    /// discounted, the breaker stays closed).
+    async fn verify(&self, endpoint: usize) {
+        let ep = &self.inner.endpoints[endpoint];
+        tracing::info!(endpoint, name = %ep.name, "answered server faults tripped the circuit breaker's rule; probing before opening it");
+        let outcome = self.probe(endpoint).await;
+        let changed = lock(&ep.breaker).verified(outcome, Instant::now());
+        if changed.is_none() && outcome != Outcome::ServerFault {
+            tracing::info!(
+                endpoint,
+                name = %ep.name,
+                "the LLM endpoint answered the probe; its recent 5xx or invalid answers are counted as the requests' own"
+            );
+        }
+        self.after_record(endpoint, changed, false);
     }
 
     /// Logs and reports a breaker change (see [`Self::record`]), and starts the prober when the
@@ -849,20 +931,33 @@ impl LlmClient {
         }
     }
 
-    /// The half-open probe of `endpoint`: a one-token completion of [`PROBE_PROMPT`] with
-    /// `llm.model` and the bearer token. A 2xx is a success; otherwise the status or transport
-    /// error is classified like any call ([`classify`]), so 5xx, 401/403/404, 429, timeouts and
-    /// refused connections keep the breaker open.
+    /// The probe of `endpoint` (half-open probe, verification, [`Self::confirm_server_fault`]): a
+    /// one-token completion of [`PROBE_PROMPT`] with `llm.model` and the bearer token. A 2xx
+    /// whose body parses as a valid one-prompt completion (the parser of real calls) is a
+    /// success; a 4xx request fault counts as an answer of a healthy server
+    /// ([`Outcome::RequestFault`]); everything else — an invalid 2xx body, 5xx, 401/403/404, 429,
+    /// timeouts, refused connections — is [`Outcome::ServerFault`]: the endpoint failed a check
+    /// that is nobody's request.
     async fn probe(&self, endpoint: usize) -> Outcome {
         let ep = &self.inner.endpoints[endpoint];
         let body = serde_json::json!({"model": self.inner.model, "prompt": PROBE_PROMPT, "max_tokens": 1});
-        let kind = match self.inner.http.post(ep.completions.clone()).json(&body).send().await {
-            Ok(r) if r.status().is_success() => return Outcome::Success,
-            Ok(r) => classify(Problem::Status(r.status().as_u16())),
-            Err(e) => classify(Problem::Transport(&e)),
+        let (kind, detail) = match self.inner.http.post(ep.completions.clone()).json(&body).send().await {
+            Ok(r) if r.status().is_success() => match read_body(r, self.inner.max_response_bytes).await {
+                Ok(bytes) => match valid_probe_answer(&bytes) {
+                    Ok(()) => return Outcome::Success,
+                    Err(e) => (ErrorKind::InvalidResponse, e),
+                },
+                Err((e, _)) => (e.kind, e.message),
+            },
+            Ok(r) => (classify(Problem::Status(r.status().as_u16())), format!("HTTP {}", r.status())),
+            Err(e) => (classify(Problem::Transport(&e)), transport_message(e)),
         };
-        tracing::info!(endpoint, name = %ep.name, kind = kind.as_str(), "LLM endpoint probe failed");
-        kind.breaker_outcome()
+        tracing::info!(endpoint, name = %ep.name, kind = kind.as_str(), error = %detail, "LLM endpoint probe failed");
+        match kind.fault() {
+            Fault::Request => Outcome::RequestFault,
+            Fault::Cancelled => Outcome::Abandoned,
+            Fault::Server => Outcome::ServerFault,
+        }
     }
 
     fn breaker_changed(&self, endpoint: usize, state: BreakerState) {
@@ -907,6 +1002,18 @@ impl LlmClient {
             e.status = Some(status.as_u16());
             (e, None)
         })
+    }
+}
+
+/// Whether a probe's 2xx body is a valid one-prompt completion, by the parser of real calls;
+/// the error says what is wrong with it.
+fn valid_probe_answer(bytes: &[u8]) -> Result<(), String> {
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| format!("response is not JSON ({e}): {}", preview(bytes)))?;
+    let mut parsed = demux_completions(value, 1, 1).map_err(|e| e.message)?;
+    match parsed.items.pop() {
+        Some(Ok(_)) => Ok(()),
+        Some(Err(e)) => Err(e.message),
+        None => Err("no choice in the answer".into()),
     }
 }
 
@@ -1838,7 +1945,9 @@ mod tests {
             assert_eq!(c(status).fault(), Fault::Request, "{status}");
         }
         assert_eq!(classify(Problem::InvalidBody), ErrorKind::InvalidResponse);
-        assert_eq!(ErrorKind::InvalidResponse.fault(), Fault::Request);
+        assert_eq!(ErrorKind::InvalidResponse.fault(), Fault::Server, "answered: verified by the probe, charged when it passes");
+        let answered: Vec<&str> = ErrorKind::ALL.iter().filter(|k| k.is_answered_fault()).map(|k| k.as_str()).collect();
+        assert_eq!(answered, ["server", "invalid_response"]);
         assert_eq!(ErrorKind::Unavailable.fault(), Fault::Server);
         assert_eq!(ErrorKind::Cancelled.fault(), Fault::Cancelled);
         let retryable: Vec<&str> = ErrorKind::ALL.iter().filter(|k| k.retryable()).map(|k| k.as_str()).collect();

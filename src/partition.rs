@@ -574,7 +574,11 @@ async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery, held: 
 /// [`LlmClient::confirm_server_fault`] asks the endpoint (a probe) whose fault it was: if the
 /// endpoint is down, the items wait in memory, unacked, for an endpoint and go again (an outage
 /// costs them no delivery, however long it lasts); if it answers, the fault may be the requests'
-/// own and they are nacked with requeue, so `amqp.delivery_limit` bounds a poison request.
+/// own and they are nacked with requeue, so `amqp.delivery_limit` bounds a poison request. This
+/// holds for a 5xx and for an invalid 2xx answer alike (both are server faults to the partition;
+/// only a 4xx refusal of the request itself gives an `ok: false` result), and such answers of a
+/// healthy server never open the endpoint's breaker (see [`crate::breaker`]): a poison request
+/// is charged, not the other partitions on the endpoint.
 async fn process_batch(
     ctx: PartitionContext,
     ch: Channel,
