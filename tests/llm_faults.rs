@@ -31,6 +31,8 @@ struct Server {
     /// HTTP status of the circuit breaker's probe (a one-token completion of
     /// `prefix_batcher::llm::PROBE_PROMPT`, not recorded as a call), 200 by default.
     models_status: Arc<AtomicU16>,
+    /// While set, the probe is answered 200 with an HTML page instead of a completion.
+    probe_garbage: Arc<AtomicBool>,
     stop: CancellationToken,
 }
 
@@ -41,10 +43,15 @@ impl Server {
         let recorded = bodies.clone();
         let models_status = Arc::new(AtomicU16::new(200));
         let status = models_status.clone();
+        let probe_garbage = Arc::new(AtomicBool::new(false));
+        let garbage = probe_garbage.clone();
         let route = move |Json(body): Json<Value>| {
-            let (handler, recorded, status) = (handler.clone(), recorded.clone(), status.clone());
+            let (handler, recorded, status, garbage) = (handler.clone(), recorded.clone(), status.clone(), garbage.clone());
             async move {
                 if body["prompt"] == prefix_batcher::llm::PROBE_PROMPT {
+                    if garbage.load(Ordering::SeqCst) {
+                        return html_page();
+                    }
                     let status = StatusCode::from_u16(status.load(Ordering::SeqCst)).unwrap();
                     return (status, Json(json!({"choices": [{"index": 0, "text": "pong", "finish_reason": "length"}]}))).into_response();
                 }
@@ -64,7 +71,7 @@ impl Server {
         let stop = CancellationToken::new();
         let shutdown = stop.clone().cancelled_owned();
         tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
-        Server { url, bodies, models_status, stop }
+        Server { url, bodies, models_status, probe_garbage, stop }
     }
 
     fn calls(&self) -> usize {
@@ -100,6 +107,11 @@ fn echo(body: &Value) -> Response {
     let prompts = prompts_of(body);
     let texts: Vec<String> = prompts.iter().map(|p| format!("answer:{p}")).collect();
     answer(&(0..prompts.len()).collect::<Vec<_>>(), &texts)
+}
+
+/// HTTP 200 with an HTML page: a misconfigured gateway in front of the server.
+fn html_page() -> Response {
+    (StatusCode::OK, [("content-type", "text/html")], "<html><body>Welcome to nginx!</body></html>").into_response()
 }
 
 fn error_response(status: StatusCode, message: &str) -> Response {
@@ -388,4 +400,81 @@ async fn oversized_bodies_are_refused() {
     let (client, _) = client_with(&[&sized.url], 1 << 20, LONG);
     let results = infer(&client, &requests(&["p0"], json!({}))).await;
     assert_eq!(output(&results[0]), big, "under the limit");
+}
+
+/// A prompt the server answers 500 on its own (llama-server's "Failed to parse tools"), while
+/// the probe and every other prompt succeed: a server fault for the caller (requeue), but the
+/// breaker never opens for it, however often it is sent; answered faults that trip the rule are
+/// verified by a probe, which refutes them.
+#[tokio::test]
+async fn a_prompt_the_server_fails_alone_never_opens_the_breaker() {
+    let server = Server::start(|body, _| {
+        if prompts_of(body).iter().any(|p| p.contains("POISON")) {
+            error_response(StatusCode::INTERNAL_SERVER_ERROR, "Failed to parse tools")
+        } else {
+            echo(body)
+        }
+    })
+    .await;
+    let (client, events) = client_with(&[&server.url], MAX_RESPONSE_BYTES, LONG);
+    for round in 0..10 {
+        let results = infer(&client, &requests(&["fine", "POISON one"], json!({}))).await;
+        let e = results[1].as_ref().unwrap_err();
+        assert_eq!((e.kind, e.status), (ErrorKind::Server, Some(500)), "round {round}: {e}");
+        assert!(e.is_server_fault());
+        // The list call failed as a whole (a 500 is not split by the client): the partition asks
+        // the endpoint, which answers its probe, so the fault is the requests' own.
+        assert!(results[0].is_err());
+        assert!(!client.confirm_server_fault(0).await, "round {round}: the endpoint answers its probe");
+        assert!(client.available(0), "round {round}: the breaker stays closed");
+        let fine = infer(&client, &requests(&["fine"], json!({}))).await;
+        assert_eq!(output(&fine[0]), "answer:fine");
+    }
+    // Without the partition's check in between: 5 in a row make the breaker suspect; the
+    // verification probe passes and discounts them.
+    for _ in 0..5 {
+        let results = infer(&client, &requests(&["POISON again"], json!({}))).await;
+        assert_eq!(results[0].as_ref().unwrap_err().kind, ErrorKind::Server);
+    }
+    assert!(client.available(0));
+    assert_eq!(server.calls(), 10 * (3 + 1) + 5 * 3, "every attempt was made: nothing failed fast");
+    let events = events.lock().unwrap();
+    assert!(!events.iter().any(|e| e.starts_with("breaker")), "{events:?}");
+}
+
+/// A server (a gateway in front of it) answering every call, the probe included, with HTTP 200
+/// and an HTML page: every item fails with `invalid_response` as a server fault (requeued, never
+/// `ok: false`), the breaker opens after the verification probe fails too, stays open while the
+/// probe gets garbage, and closes once the server answers properly.
+#[tokio::test]
+async fn a_server_answering_200_garbage_is_down_until_it_answers_properly() {
+    let garbage = Arc::new(AtomicBool::new(true));
+    let flag = garbage.clone();
+    let server = Server::start(move |body, _| if flag.load(Ordering::SeqCst) { html_page() } else { echo(body) }).await;
+    server.probe_garbage.store(true, Ordering::SeqCst);
+    let (client, events) = client_with(&[&server.url], MAX_RESPONSE_BYTES, Duration::from_millis(100));
+    let reqs = requests(&["p0", "p1"], json!({}));
+    let results = infer(&client, &reqs).await;
+    for r in &results {
+        let e = r.as_ref().unwrap_err();
+        assert_eq!((e.kind, e.status, e.fault()), (ErrorKind::InvalidResponse, Some(200), Fault::Server), "{e}");
+        assert!(e.message.contains("not JSON"), "{e}");
+    }
+    // The list call (split at once), p0 three times, p1 once: the 5th answered fault makes the
+    // breaker suspect, the verification probe gets garbage too, the breaker opens.
+    assert_eq!(server.calls(), 5);
+    assert!(!client.available(0));
+    assert!(client.confirm_server_fault(0).await, "down: the requests wait, uncharged");
+    let early = tokio::time::timeout(Duration::from_millis(500), client.wait_available(0, &CancellationToken::new())).await;
+    assert!(early.is_err(), "a probe answered with garbage must not close the breaker");
+
+    garbage.store(false, Ordering::SeqCst);
+    server.probe_garbage.store(false, Ordering::SeqCst);
+    let woke = tokio::time::timeout(Duration::from_secs(10), client.wait_available(0, &CancellationToken::new())).await;
+    assert_eq!(woke, Ok(true));
+    let results = infer(&client, &reqs).await;
+    assert_eq!(results.iter().map(output).collect::<Vec<_>>(), ["answer:p0", "answer:p1"]);
+    let events = events.lock().unwrap();
+    assert_eq!(events.iter().filter(|e| *e == "call 0 invalid_response").count(), 5);
+    assert_eq!(events.iter().find(|e| e.starts_with("breaker")).map(String::as_str), Some("breaker 0 open"));
 }

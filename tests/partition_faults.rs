@@ -58,7 +58,12 @@ impl SwitchableLlm {
                     failed.fetch_add(1, Ordering::SeqCst);
                     return outage(status);
                 }
-                let prompts = body["prompt"].as_array().cloned().unwrap_or_default();
+                // A list from the daemon's calls, a string from its probe.
+                let prompts = match &body["prompt"] {
+                    Value::Array(list) => list.clone(),
+                    p @ Value::String(_) => vec![p.clone()],
+                    _ => Vec::new(),
+                };
                 if prompts.iter().any(|p| p.as_str().is_some_and(|p| p.contains(POISON))) {
                     failed.fetch_add(1, Ordering::SeqCst);
                     return outage(500);

@@ -1,0 +1,183 @@
+//! Answered server faults — an HTTP 5xx, or a 2xx that is not a valid completion — against the
+//! real RabbitMQ and Redis, the daemon in this process and the fake LLM:
+//!
+//! - A few prompts the server answers 500 on their own (the server is otherwise healthy: its
+//!   probe and every other prompt succeed): the circuit breaker never opens for them, they are
+//!   charged a delivery each time and dead-lettered after `amqp.delivery_limit`, and every other
+//!   request is answered `ok`.
+//! - A server that answers every call (its probe included) with HTTP 200 and an HTML page for a
+//!   while, then recovers: the breaker opens, no request gets an `ok: false` result or is
+//!   charged a delivery, and all are answered once the server answers properly.
+//!
+//! Both read `prefix_batcher_llm_circuit_opened_total`, a process-wide counter: the tests of this
+//! file run one at a time ([`SERIAL`]).
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use common::*;
+use llm_fakes::fake::FakeLlm;
+use serde_json::json;
+use tokio::time::Instant;
+
+/// Serialises the tests of this file (they compare a process-wide metric before and after).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A prompt containing this is answered HTTP 500 by the fake, alone.
+const POISON: &str = "NU-POISON";
+
+/// `prefix_batcher_llm_circuit_opened_total{endpoint="0"}` now.
+fn circuit_openings() -> f64 {
+    let text = prefix_batcher::metrics::render();
+    let line = text.lines().find(|l| l.starts_with("prefix_batcher_llm_circuit_opened_total{endpoint=\"0\"}"));
+    line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+/// A completions request of group `g` whose prompt carries a malformed `tools` param too (as in
+/// the observed case; the fake ignores it and fails on the prompt's marker).
+fn poison(id: &str, g: usize) -> TestRequest {
+    let prompt = format!("{} {POISON} call a tool", group_prefix(g));
+    let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": 8, "tools": "not a list"}});
+    TestRequest { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), group: g }
+}
+
+/// Stops the daemon gracefully, checks that no request is left in (or returned to) the input
+/// and partition queues, closes the collectors and deletes everything the test created.
+async fn stop_and_check_nothing_held(env: TestEnv, started: Started, others: Vec<Collector>) {
+    let Started { amqp, daemon, results, .. } = started;
+    daemon.stop().await.expect("daemon stops cleanly");
+    let mut ready = 0;
+    for p in 0..PARTITIONS {
+        ready += amqp.queue_depth(&env.partition_queue(p)).await.0;
+    }
+    assert_eq!(ready, 0, "requests left in (or returned to) the partition queues");
+    assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
+    for c in others.into_iter().chain([results]) {
+        c.close().await;
+    }
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// The observed case of 5 poison requests among normal traffic, where the breaker opened 217
+/// times in 4.5 min and the 5 were never dead-lettered: here the breaker does not open at all
+/// (the server answers its probe every time), the 5 are dead-lettered with reason
+/// `delivery_limit` (default limit 5) and the last error (the 500), and the 120 others are
+/// answered `ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_few_poison_500_prompts_are_dead_lettered_and_never_open_the_breaker() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().fail_prompts_containing(POISON, 500).start().await.unwrap();
+    let env = TestEnv::new("nu-poison500");
+    let raw = env.raw_config(fake.url.as_str());
+    assert_eq!(raw.amqp.delivery_limit, 5, "the default delivery limit");
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let opened_before = circuit_openings();
+
+    let normal = completions_workload("nu-normal", 120, 4);
+    let bad: Vec<TestRequest> = (0..5).map(|i| poison(&format!("nu-poison-{i}"), i % 4)).collect();
+    let bad_ids = ids(&bad);
+    // Normal traffic in 6 waves, the poison requests in the first one (each shares its batch
+    // with normal requests of its key).
+    let started = Instant::now();
+    for (wave, chunk) in normal.chunks(20).enumerate() {
+        if wave == 0 {
+            st.amqp.publish_requests(&env.input_queue(), &bad, &st.reply).await;
+        }
+        st.amqp.publish_requests(&env.input_queue(), chunk, &st.reply).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    st.results.until_all(&ids(&normal), Duration::from_secs(60)).await;
+    let normal_in = started.elapsed();
+    dead.until_all(&bad_ids, Duration::from_secs(90)).await;
+    let dead_in = started.elapsed();
+    st.results.barrier(&st.amqp).await;
+
+    let opened = circuit_openings() - opened_before;
+    for m in st.results.received.iter() {
+        assert!(!bad_ids.contains(&m.correlation_id), "a poison request got a result: {}", String::from_utf8_lossy(&m.body));
+        let r = m.result();
+        assert!(r.ok, "{} failed: {:?}", m.correlation_id, r.error);
+    }
+    let answered: HashSet<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).collect();
+    assert_eq!(answered.len(), normal.len());
+    assert_eq!(dead.received.len(), bad.len(), "each poison request is dead-lettered once");
+    for m in &dead.received {
+        assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains("500"), "the detail names the last error: {detail}");
+    }
+    assert_eq!(opened, 0.0, "the breaker opened {opened} times for requests the server fails on their own");
+    let calls = fake.calls();
+    let failed_calls = calls.iter().filter(|c| c.status == 500).count();
+    eprintln!(
+        "poison 500: 120 answered ok in {normal_in:?}, 5 dead-lettered after {dead_in:?}, breaker opened {opened} times, \
+         {failed_calls} of {} calls answered 500",
+        calls.len()
+    );
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
+/// The observed case of a server answering every call with HTTP 200 and a body that is no
+/// completion (a misconfigured gateway's HTML), which turned requests into `ok: false` results
+/// with `invalid_response` while the breaker stayed closed: here the breaker opens (its probe
+/// validates the answer), intake pauses, and with `amqp.delivery_limit = 1` (a single charged
+/// delivery would dead-letter a request) nothing is dead-lettered; once the server answers
+/// properly, every request is answered `ok`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_answering_200_garbage_costs_requests_nothing() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().start().await.unwrap();
+    fake.set_garbage(true);
+    let env = TestEnv::new("nu-garbage200");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let opened_before = circuit_openings();
+
+    let reqs = completions_workload("nu-garbage", 60, 4);
+    let started = Instant::now();
+    for chunk in reqs.chunks(10) {
+        st.amqp.publish_requests(&env.input_queue(), chunk, &st.reply).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The garbage lasts ≥ 6 s, long enough for several probes (open time 1 s, then 2 s, 4 s).
+    let opened = wait_until(Duration::from_secs(20), || circuit_openings() > opened_before).await;
+    assert!(opened, "the breaker never opened while every answer was garbage");
+    tokio::time::sleep_until(started + Duration::from_secs(6)).await;
+    st.results.barrier(&st.amqp).await;
+    let early = st.results.received.len();
+    let garbage_calls = fake.call_count();
+    fake.set_garbage(false);
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    let recovered_in = started.elapsed();
+    st.results.barrier(&st.amqp).await;
+
+    let not_ok: Vec<_> = st.results.received.iter().filter(|m| !m.result().ok).collect();
+    assert!(not_ok.is_empty(), "{} ok:false results, e.g. {}", not_ok.len(), String::from_utf8_lossy(&not_ok[0].body));
+    assert_eq!(early, 0, "no result while every answer was garbage");
+    dead.barrier(&st.amqp).await;
+    assert_eq!(dead.received.len(), 0, "dead-lettered (charged a delivery): {:?}", dead.received.first().map(|m| &m.headers));
+    let openings = circuit_openings() - opened_before;
+    eprintln!(
+        "garbage 200: {garbage_calls} calls (probes included) answered garbage, breaker opened {openings} times, \
+         60 answered ok after {recovered_in:?}"
+    );
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
+/// Polls `cond` every 50 ms until it holds (true) or `within` passes (false).
+async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if cond() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    cond()
+}
