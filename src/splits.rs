@@ -612,16 +612,18 @@ mod tests {
         assert_eq!(a.view().len(), 1, "still hot (100 rps > half of 20 rps): kept");
     }
 
+    /// Routes one request of a 3-level key (level keys 7, 8, 9) through `a`; returns its level.
+    fn route(a: &Affinity) -> u8 {
+        let choice = crate::affinity::choose(&a.view(), 3, |l| PrefixKey(7 + u64::from(l)));
+        a.routed(&choice, PrefixKey(7), 3000, false);
+        choice.routed.level
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_first_requests_of_a_dominant_key_ask_for_an_early_refresh_that_splits_it() {
         let a = Affinity::default();
         let store = Memory::default();
         let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
-        let route = |a: &Affinity| {
-            let choice = crate::affinity::choose(&a.view(), 3, |l| PrefixKey(7 + u64::from(l)));
-            a.routed(&choice, PrefixKey(7), 3000, false);
-            choice.routed.level
-        };
         let asked = |a: &Affinity| {
             let a = a.clone();
             async move { tokio::time::timeout(Duration::from_millis(1), a.early_refresh()).await.is_ok() }
@@ -641,11 +643,6 @@ mod tests {
     async fn with_one_llm_server_a_dominant_key_stays_whole() {
         let store = Memory::default();
         let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
-        let route = |a: &Affinity| {
-            let choice = crate::affinity::choose(&a.view(), 3, |l| PrefixKey(7 + u64::from(l)));
-            a.routed(&choice, PrefixKey(7), 3000, false);
-            choice.routed.level
-        };
         for (servers, level) in [(1, 0), (2, 2), (0, 2)] {
             let a = Affinity::default();
             a.set_servers(servers);
