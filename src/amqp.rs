@@ -24,7 +24,8 @@ pub const NOT_FOUND: u16 = 404;
 pub const PRECONDITION_FAILED: u16 = 406;
 
 /// Opens one AMQP connection to node `node` of [`AmqpSettings::nodes`] (`amqp.urls`, or
-/// `amqp.url`) with `props`. Over `amqps://` it uses the link's TLS files ([`crate::tls`]): the
+/// `amqp.url`) with `props`, asking for the `amqp.heartbeat` timeout
+/// ([`AmqpSettings::connect_url`]). Over `amqps://` it uses the link's TLS files ([`crate::tls`]): the
 /// CA bundle is trusted in addition to the system roots (lapin adds it to them), and the client
 /// certificate and key, when set, authenticate the daemon (mutual TLS; RabbitMQ's
 /// `ssl_options.verify = verify_peer`).
@@ -33,7 +34,8 @@ pub const PRECONDITION_FAILED: u16 = 406;
 /// handshake (an I/O error naming the certificate problem). Panics when `node` is out of range.
 pub async fn connect_node(amqp: &AmqpSettings, node: usize, props: ConnectionProperties) -> lapin::Result<Connection> {
     crate::tls::install_crypto_provider();
-    let url = amqp.nodes[node].expose();
+    let url = amqp.connect_url(node);
+    let url = url.as_str();
     if !amqp.tls.is_set() {
         return Connection::connect(url, props).await;
     }

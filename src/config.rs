@@ -73,6 +73,15 @@ impl SecretUrl {
     pub fn expose(&self) -> &str {
         self.0.as_str()
     }
+    /// The URL with its password and query parameter `key` set to `value` (replacing any
+    /// earlier `key`; `None` leaves the URL as it is), for the place that connects.
+    pub fn with_query_pair(&self, key: &str, value: Option<String>) -> String {
+        let Some(value) = value else { return self.0.to_string() };
+        let mut u = self.0.clone();
+        let kept: Vec<(String, String)> = u.query_pairs().filter(|(k, _)| k != key).map(|(k, v)| (k.into_owned(), v.into_owned())).collect();
+        u.query_pairs_mut().clear().extend_pairs(kept).append_pair(key, &value);
+        u.to_string()
+    }
     /// The URL with the password replaced by `***`.
     pub fn redacted(&self) -> String {
         let mut u = self.0.clone();
@@ -169,6 +178,7 @@ pub struct RawAmqp {
     pub consumer_timeout: String,
     pub delivery_limit: u32,
     pub quorum_initial_group_size: u32,
+    pub heartbeat: String,
     pub tls_ca_file: String,
     pub tls_cert_file: String,
     pub tls_key_file: String,
@@ -196,6 +206,7 @@ impl Default for RawAmqp {
             consumer_timeout: "30m".into(),
             delivery_limit: 5,
             quorum_initial_group_size: DEFAULT_QUORUM_INITIAL_GROUP_SIZE,
+            heartbeat: "10s".into(),
             tls_ca_file: String::new(),
             tls_cert_file: String::new(),
             tls_key_file: String::new(),
@@ -472,11 +483,26 @@ pub struct AmqpSettings {
     /// queue; RabbitMQ caps it at the cluster's node count). `None` (`0` in the configuration):
     /// the argument is left out and the broker's default applies (every cluster node).
     pub quorum_initial_group_size: Option<NonZeroU32>,
+    /// The AMQP heartbeat timeout the daemon asks for, in whole seconds (`amqp.heartbeat`;
+    /// 0: the broker's own, 60 s on RabbitMQ). The connection uses the lower of this and the
+    /// broker's value (lapin's negotiation). RabbitMQ closes a connection that sent nothing for
+    /// about two such intervals (<https://www.rabbitmq.com/docs/heartbeats>), which is what ends
+    /// the single-active-consumer hold of a frozen instance (SIGSTOP, a stalled VM) on its
+    /// partition queues.
+    pub heartbeat: u16,
     /// TLS files for `amqps://` ([`crate::tls`]).
     pub tls: TlsFiles,
 }
 
 impl AmqpSettings {
+    /// The URL of node `node` to connect with: [`AmqpSettings::nodes`]`[node]` with the
+    /// `heartbeat` query parameter (seconds) that lapin reads from the URL, unless
+    /// [`AmqpSettings::heartbeat`] is 0. Contains the password: only for the place that connects.
+    /// Panics when `node` is out of range.
+    pub fn connect_url(&self, node: usize) -> String {
+        self.nodes[node].with_query_pair("heartbeat", (self.heartbeat > 0).then(|| self.heartbeat.to_string()))
+    }
+
     /// Name of partition queue `p`: `{prefix}.{p:03}` (zero padded to at least 3 digits).
     pub fn partition_queue(&self, p: u32) -> String {
         format!("{}.{:03}", self.partition_queue_prefix, p)
@@ -891,6 +917,7 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
             n if n > 1000 => return Err(invalid("amqp.quorum_initial_group_size", n, "must be 0 (leave the argument out) to 1000")),
             n => NonZeroU32::new(n),
         },
+        heartbeat: amqp_heartbeat(&a.heartbeat)?,
         tls: tls_files(AMQP_TLS, [&a.tls_ca_file, &a.tls_cert_file, &a.tls_key_file])?,
     };
     if amqp.reconnect_backoff_max < amqp.reconnect_backoff_initial {
@@ -940,21 +967,46 @@ fn amqp_names_distinct(a: &AmqpSettings) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// `amqp.heartbeat`: whole seconds, 0 to 65535 (the AMQP 0-9-1 `connection.tune` field is a
+/// short, in seconds).
+fn amqp_heartbeat(v: &str) -> Result<u16, ConfigError> {
+    const KEY: &str = "amqp.heartbeat";
+    let d = duration(KEY, v)?;
+    if d.subsec_nanos() != 0 {
+        return Err(invalid(KEY, format!("{v:?}"), "must be whole seconds (the AMQP heartbeat's unit), such as \"10s\", or \"0s\" for the broker's own"));
+    }
+    u16::try_from(d.as_secs()).map_err(|_| invalid(KEY, format!("{v:?}"), "must be at most 65535s"))
+}
+
 /// The broker nodes: `amqp.urls` when set (each validated like `amqp.url`, at most
 /// [`MAX_AMQP_NODES`], one scheme for all), else `amqp.url`.
 fn amqp_nodes(a: &RawAmqp) -> Result<Vec<SecretUrl>, ConfigError> {
     const SCHEMES: &[&str] = &["amqp", "amqps"];
     if a.urls.is_empty() {
-        return Ok(vec![secret_url("amqp.url", &a.url, SCHEMES)?]);
+        return Ok(vec![no_heartbeat_query("amqp.url", secret_url("amqp.url", &a.url, SCHEMES)?)?]);
     }
     if a.urls.len() > MAX_AMQP_NODES {
         return Err(invalid("amqp.urls", format!("{} URLs", a.urls.len()), format!("must list at most {MAX_AMQP_NODES} nodes")));
     }
-    let nodes = a.urls.iter().map(|u| secret_url("amqp.urls", u.trim(), SCHEMES)).collect::<Result<Vec<_>, _>>()?;
+    let nodes = a
+        .urls
+        .iter()
+        .map(|u| no_heartbeat_query("amqp.urls", secret_url("amqp.urls", u.trim(), SCHEMES)?))
+        .collect::<Result<Vec<_>, _>>()?;
     if let Some(odd) = nodes.iter().find(|u| u.0.scheme() != nodes[0].0.scheme()) {
         return Err(invalid("amqp.urls", odd.redacted(), format!("every URL must have the same scheme as the first ({}://)", nodes[0].0.scheme())));
     }
     Ok(nodes)
+}
+
+/// A broker URL may not set the heartbeat in its query (`?heartbeat=N`, which lapin reads):
+/// `amqp.heartbeat` sets it, and two places for one value would leave an operator guessing which
+/// applies.
+fn no_heartbeat_query(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError> {
+    if u.0.query_pairs().any(|(k, _)| k == "heartbeat") {
+        return Err(invalid(key, u.redacted(), "must not set heartbeat in its query: set amqp.heartbeat instead"));
+    }
+    Ok(u)
 }
 
 /// `[redis]`.
@@ -1515,6 +1567,35 @@ mod tests {
             let e = err(&r);
             assert!(e.contains("amqp.urls") && e.contains(rule) && !e.contains("hunter2"), "{e}");
         }
+    }
+
+    #[test]
+    fn amqp_heartbeat_goes_into_the_connect_url_in_whole_seconds() {
+        let mut r = RawConfig::default();
+        let s = ok(&r);
+        assert_eq!(s.amqp.heartbeat, 10);
+        assert_eq!(s.amqp.connect_url(0), "amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=10");
+        r.amqp.url = "amqps://u:p@h:5671/v?frame_max=131072".into();
+        r.amqp.heartbeat = "1m".into();
+        let s = ok(&r);
+        assert_eq!(s.amqp.heartbeat, 60);
+        assert_eq!(s.amqp.connect_url(0), "amqps://u:p@h:5671/v?frame_max=131072&heartbeat=60");
+        assert_eq!(s.amqp.url.redacted(), "amqps://u:***@h:5671/v?frame_max=131072", "logs show the URL as configured");
+        r.amqp.heartbeat = "0s".into();
+        assert_eq!(ok(&r).amqp.connect_url(0), "amqps://u:p@h:5671/v?frame_max=131072", "0: the broker's value");
+        r.amqp.url = "amqp://u:p@h/%2f".into();
+        for (bad, rule) in [("1500ms", "whole seconds"), ("65536s", "at most 65535s"), ("soon", "duration")] {
+            r.amqp.heartbeat = bad.into();
+            let e = err(&r);
+            assert!(e.contains("amqp.heartbeat") && e.contains(bad) && e.contains(rule), "{e}");
+        }
+        r.amqp.heartbeat = "10s".into();
+        r.amqp.url = "amqp://u:hunter2@h/%2f?heartbeat=5".into();
+        let e = err(&r);
+        assert!(e.contains("amqp.url") && e.contains("amqp.heartbeat instead") && !e.contains("hunter2"), "{e}");
+        r.amqp.urls = vec!["amqp://u:hunter2@a/%2f".into(), "amqp://u:hunter2@b/%2f?heartbeat=5".into()];
+        let e = err(&r);
+        assert!(e.contains("amqp.urls") && e.contains("amqp.heartbeat instead") && !e.contains("hunter2"), "{e}");
     }
 
     #[test]

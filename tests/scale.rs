@@ -19,6 +19,9 @@
 //! - e. [`e_stale_owner_after_sigstop`]: an instance paused longer than its lease TTL stops
 //!   before publishing or acking anything on wake-up; stale publications are counted and must be
 //!   detectable by their older `x-partition-epoch`.
+//! - f. [`f_frozen_owner_is_cut_off_by_the_heartbeat`]: an instance paused longer than its
+//!   lease TTL and two AMQP heartbeat intervals loses its partition queues to another instance
+//!   while still paused (the broker closes its silent connections).
 //! - [`lease_protocol_against_redis`]: the Lua scripts (epochs, compare-and-set, data loss).
 //!
 //! The tests of this file run one at a time (a process-wide lock): they measure handoff times,
@@ -445,6 +448,84 @@ async fn e_stale_owner_after_sigstop() {
     }
     assert!(lease_takeover < LEASE_TTL + Duration::from_secs(3));
     amqp.close().await;
+    env.cleanup().await;
+}
+
+/// f. Frozen owner: instance a is paused (SIGSTOP) for longer than the broker waits for its
+/// AMQP heartbeats (`amqp.heartbeat` = 2 s here: RabbitMQ closes a connection silent for about
+/// two intervals). b takes a's leases after the lease TTL, as in e; unlike e, the broker then
+/// closes a's connections, so b's single-active-consumer standbys become the active consumers
+/// and serve a's partitions *while a is still frozen*. With the broker's own 60 s heartbeat a's
+/// requests would wait for the SIGCONT. After it, a reconnects and gets its partitions back.
+/// Nothing is lost; every duplicate is detectable by its (partition, epoch).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f_frozen_owner_is_cut_off_by_the_heartbeat() {
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 8;
+    const N: usize = 600;
+    /// Longest freeze: far above the lease TTL + two heartbeat intervals, far below the broker's
+    /// default heartbeat (60 s, detected after up to 2 intervals).
+    const FREEZE_MAX: Duration = Duration::from_secs(30);
+    let env = TestEnv::new("frozen");
+    let fake = FakeLlm::new().latency(Duration::from_millis(50)).start().await.unwrap();
+    let mut raw = scale_config(&env, fake.url.as_str(), P);
+    raw.amqp.heartbeat = "2s".into();
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let (mut cluster, ..) = Cluster::start_settled(&env, raw, &["a", "b"], &mut redis).await;
+    let Load { log, reqs, publisher, .. } = Load::start(&env, "frozen", N, 16, 40);
+    log.wait_len(40, DEADLINE).await;
+
+    let (a, b) = (cluster.name("a"), cluster.name("b"));
+    let a_epochs = epochs_held_by(&redis.leases(&prefix, P).await, &a);
+    assert!(!a_epochs.is_empty(), "a must own partitions before the freeze");
+    let t_stop = Instant::now();
+    cluster.sigstop("a");
+    // b serves a's partitions under new epochs while a is frozen.
+    let served = |log: &ResultLog| {
+        log.snapshot().iter().filter(|o| o.at > t_stop && o.instance == b && a_epochs.get(&o.partition).is_some_and(|e| o.epoch > *e)).count()
+    };
+    let deadline = t_stop + FREEZE_MAX;
+    while served(&log) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took_over = Instant::now() - t_stop;
+    let b_during_freeze = served(&log);
+    // Let b serve a while longer, then wake a.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    cluster.sigcont("a");
+    let t_cont = Instant::now();
+    println!(
+        "frozen owner: b published {b_during_freeze} results for a's {} partitions {} after a's SIGSTOP (lease TTL {}, heartbeat 2s); a frozen {}",
+        a_epochs.len(),
+        secs(took_over),
+        secs(LEASE_TTL),
+        secs(t_cont - t_stop)
+    );
+    assert!(b_during_freeze > 0, "b never served a's partitions during a {} freeze: a's frozen consumers kept them", secs(FREEZE_MAX));
+
+    let (leases, back_in) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    assert!(held_by(&leases).contains_key(&a), "a must get partitions back after the freeze");
+    wait_all_done(publisher, &log, &reqs).await;
+    cluster.assert_running(&["a", "b"]);
+    let a_log = cluster.proc("a").log();
+    let results = log.stop_after(&mut cluster).await;
+    let t = tally(&reqs, &results);
+    println!(
+        "frozen owner: a settled again {} after SIGCONT; lost {}, duplicates {}",
+        secs(back_in),
+        t.lost.len(),
+        t.duplicates()
+    );
+    assert!(t.lost.is_empty(), "{} requests lost", t.lost.len());
+    for (id, copies) in &t.duplicated {
+        let keys: HashSet<(u32, u64)> = copies.iter().map(|o| (o.partition, o.epoch)).collect();
+        assert_eq!(keys.len(), copies.len(), "duplicate of {id} not detectable by (partition, epoch): {copies:?}");
+    }
+    assert!(
+        a_log.contains("session ended; reconnecting"),
+        "a's broker session must have ended (the broker closed its silent connections):\n{a_log}"
+    );
     env.cleanup().await;
 }
 
