@@ -315,8 +315,10 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             "**Routing model** (same replay without broker or clock: the daemon's own key, partition and rendezvous functions and one \
              simulator cache model per instance, requests in trace order), block hit ratio. The last column is the capacity \
              ceiling: every request through one LRU cache as large as the M servers' caches together. Routing only decides which \
-             of the M caches a request meets, so it does not get above that column; the oracle (an unbounded cache) is above it \
-             whenever the servers' LRU evicts blocks that are used again:\n"
+             of the M caches a request meets; M caches split by routing could beat one shared LRU only by keeping blocks that are \
+             never used again out of the caches that hold the reused ones, which a router cannot know when the request arrives, and \
+             no routing tried here gets above that column. The oracle (an unbounded cache) is above it whenever the servers' LRU \
+             evicts blocks that are used again:\n"
         );
         let kbs: Vec<usize> = {
             let mut v: Vec<usize> = sc.offline.iter().filter(|x| x.mode == "keyed").map(|x| x.key_blocks).collect();
@@ -747,7 +749,7 @@ fn render_scale_adaptive(s: &mut String, sc: &ScaleResults, p: &Plan) {
         let stat = sc.rows.iter().find(|x| x.m == row.m && x.mode == "static" && x.key_blocks == p.scale_key_blocks);
         let ceiling = sc.offline.iter().find(|x| x.m == row.m && x.mode == "pooled").map(|x| {
             format!(
-                "; one LRU cache of M × capacity, the ceiling for any routing over these caches, reaches {} ({} of the oracle)",
+                "; one LRU cache of M × capacity, the capacity ceiling, reaches {} ({} of the oracle)",
                 pct(x.block_hit_ratio),
                 pct(x.block_hit_ratio / sc.oracle_sample_16)
             )
@@ -771,11 +773,12 @@ fn render_scale_adaptive(s: &mut String, sc: &ScaleResults, p: &Plan) {
         "**The defaults (adaptive key levels).** {}. Every request of this trace starts with block 0, so its level-0 key (256 \
          characters) and level-1 key (1,024) are the same for all traffic, and only level 2 (4,096 characters = 2 blocks) tells \
          conversations apart. The queueing-delay rule does not fire here: its threshold is 2 s of wall time, 400 trace seconds at \
-         this speed-up, and no partition queues that long. The dominance rule does: at the refresh that a router's 10th request triggers, \
+         this speed-up, and no partition queues that long. The dominance rule does: at the refresh that a router's 5th request triggers (5 of 5 requests \
+         on one key put the one-sided 95 % lower bound of its share at 0.65, above half), \
          the level-0 key (100 % of the traffic) is split, together with level 1 (one key for all its \
          requests), so requests route by level 2 — the static 2-block key's routing — from well under a second of wall time into \
-         the replay (splits column: split decisions / spreads / merges, key moves). Those first requests (10 or more per router: \
-         up to the 10th, or until another instance's decision reaches it at its next 250 ms refresh) all went to one server, and their conversations continue \
+         the replay (splits column: split decisions / spreads / merges, key moves). Those first requests (5 or more per router: \
+         up to the 5th, or until another instance's decision reaches it at its next 250 ms refresh) all went to one server, and their conversations continue \
          on other servers: the speed-up magnifies this warm-up, which in real time is well under a second. The rest of the gap to the oracle is cache capacity (each server's LRU \
          holds {} blocks): the routing model, which has no warm-up, tops out at the ratios quoted, and even one cache as large as \
          all M together, with the same LRU eviction, stays below the oracle at small M, because the trace's one-off blocks push \
