@@ -4,6 +4,9 @@
 //!
 //! - it reaches `max_batch_size` items ([`FlushReason::Size`], returned by [`Batcher::push`]),
 //! - its *first* item is `max_batch_wait` old ([`FlushReason::Timeout`], [`Batcher::flush_expired`]),
+//! - all buffers together hold `max_buffered` items, the partition's prefetch: no further delivery
+//!   can arrive before some are settled, so every buffer goes ([`FlushReason::Prefetch`],
+//!   [`Batcher::flush_full`]),
 //! - the partition shuts down or is revoked ([`FlushReason::Shutdown`] / [`FlushReason::Revoke`],
 //!   [`Batcher::drain`]).
 //!
@@ -40,6 +43,10 @@ pub enum FlushReason {
     Size,
     /// The key's first buffered item became `max_batch_wait` old.
     Timeout,
+    /// The buffers together held `max_buffered` items (the partition's prefetch): the broker
+    /// sends no further delivery until some are settled, so waiting for `max_batch_wait` could
+    /// only add latency. Every buffer flushes.
+    Prefetch,
     /// The input ended (graceful shutdown): every partial batch is flushed.
     Shutdown,
     /// The partition's lease was lost or handed over: every partial batch is handed back.
@@ -48,18 +55,20 @@ pub enum FlushReason {
 
 impl FlushReason {
     /// Every reason, in label order; for pre-registering metric label values.
-    pub const ALL: [FlushReason; 4] = [
+    pub const ALL: [FlushReason; 5] = [
         FlushReason::Size,
         FlushReason::Timeout,
+        FlushReason::Prefetch,
         FlushReason::Shutdown,
         FlushReason::Revoke,
     ];
 
-    /// The metric label value: `"size"`, `"timeout"`, `"shutdown"` or `"revoke"`.
+    /// The metric label value: `"size"`, `"timeout"`, `"prefetch"`, `"shutdown"` or `"revoke"`.
     pub fn as_str(&self) -> &'static str {
         match self {
             FlushReason::Size => "size",
             FlushReason::Timeout => "timeout",
+            FlushReason::Prefetch => "prefetch",
             FlushReason::Shutdown => "shutdown",
             FlushReason::Revoke => "revoke",
         }
@@ -81,6 +90,13 @@ pub struct BatchConfig {
     /// How long the first item of a buffer may wait before the buffer flushes with
     /// [`FlushReason::Timeout`]. Must be > 0 (a zero wait is rejected at config load).
     pub max_batch_wait: Duration,
+    /// Items all buffers together may hold before every buffer flushes with
+    /// [`FlushReason::Prefetch`]: the partition consumer's prefetch (`amqp.partition_prefetch`,
+    /// AMQP `basic.qos`). When the buffers hold that many deliveries, all unacked, the broker
+    /// sends the consumer nothing more until some are settled, so no buffer can grow and each
+    /// would only wait out `max_batch_wait` (with many distinct keys per partition: at most
+    /// prefetch requests per `max_batch_wait`). `usize::MAX`: no such limit.
+    pub max_buffered: usize,
 }
 
 /// Items of one key flushed together, in arrival order.
@@ -227,6 +243,16 @@ where
         flushed
     }
 
+    /// When the buffers hold at least `max_buffered` items, removes and returns every buffer,
+    /// oldest first, as [`FlushReason::Prefetch`] batches; else nothing. Call it after
+    /// [`Batcher::push`].
+    pub fn flush_full(&mut self) -> Vec<Batch<K, T>> {
+        if self.buffered < self.cfg.max_buffered {
+            return Vec::new();
+        }
+        self.drain(FlushReason::Prefetch)
+    }
+
     /// Removes and returns every buffer, oldest first, each as a batch with `reason` (meant for
     /// [`FlushReason::Shutdown`] and [`FlushReason::Revoke`]). Leaves the batcher empty.
     pub fn drain(&mut self, reason: FlushReason) -> Vec<Batch<K, T>> {
@@ -325,6 +351,7 @@ pub async fn run<K, T>(
                 // Expire first: an item arriving at or after its key's deadline starts a new batch.
                 ready.extend(batcher.flush_expired(now));
                 ready.extend(batcher.push(key, item, now));
+                ready.extend(batcher.flush_full());
                 false
             }
             Event::Deadline => {
@@ -436,6 +463,7 @@ mod tests {
         BatchConfig {
             max_batch_size: NonZeroUsize::new(size).unwrap(),
             max_batch_wait: wait,
+            max_buffered: usize::MAX,
         }
     }
 
@@ -455,10 +483,10 @@ mod tests {
     #[test]
     fn flush_reason_labels_are_stable_and_distinct() {
         let labels: Vec<_> = FlushReason::ALL.iter().map(FlushReason::as_str).collect();
-        assert_eq!(labels, ["size", "timeout", "shutdown", "revoke"]);
+        assert_eq!(labels, ["size", "timeout", "prefetch", "shutdown", "revoke"]);
         assert_eq!(FlushReason::Revoke.to_string(), "revoke");
         let distinct: HashSet<_> = FlushReason::ALL.iter().collect();
-        assert_eq!(distinct.len(), 4);
+        assert_eq!(distinct.len(), 5);
     }
 
     // ---- Batcher: size ----------------------------------------------------------------------
@@ -867,13 +895,17 @@ mod tests {
     }
 
     fn spawn_run(size: usize, wait: Duration) -> Harness {
+        spawn_run_with(cfg(size, wait))
+    }
+
+    fn spawn_run_with(cfg: BatchConfig) -> Harness {
         let (tx, in_rx) = mpsc::channel(64);
         let (out_tx, out) = mpsc::channel(64);
         let revoke = CancellationToken::new();
         let states = States::default();
         let recorded = states.clone();
         let task = tokio::spawn(run(
-            cfg(size, wait),
+            cfg,
             in_rx,
             out_tx,
             revoke.clone(),
@@ -926,6 +958,51 @@ mod tests {
         assert_eq!(batch.items, [1, 2]);
         assert_eq!(batch.reason, FlushReason::Timeout);
         assert_eq!(batch.oldest, t0);
+    }
+
+    #[test]
+    fn every_buffer_flushes_once_the_buffers_hold_the_prefetch() {
+        let mut b = Batcher::new(BatchConfig { max_buffered: 4, ..cfg(8, WAIT) });
+        let t0 = Instant::now();
+        for (i, key) in ["a", "b", "a"].into_iter().enumerate() {
+            assert!(b.push(key, i as u32, t0 + i as u32 * MS).is_none());
+            assert!(b.flush_full().is_empty(), "{} of 4 buffered: not full", i + 1);
+        }
+        assert!(b.push("c", 3, t0 + 3 * MS).is_none());
+        let flushed = b.flush_full();
+        let got: Vec<_> = flushed.iter().map(|x| (x.key, x.items.clone(), x.reason, x.oldest)).collect();
+        assert_eq!(
+            got,
+            [
+                ("a", vec![0, 2], FlushReason::Prefetch, t0),
+                ("b", vec![1], FlushReason::Prefetch, t0 + MS),
+                ("c", vec![3], FlushReason::Prefetch, t0 + 3 * MS),
+            ],
+            "oldest first, every buffer"
+        );
+        assert_eq!((b.buffered(), b.next_deadline()), (0, None));
+        // A size flush takes its items out of the count.
+        let mut b = Batcher::new(BatchConfig { max_buffered: 3, ..cfg(2, WAIT) });
+        assert!(b.push("a", 0, t0).is_none());
+        assert!(b.push("a", 1, t0).is_some_and(|x| x.reason == FlushReason::Size));
+        assert!(b.push("b", 2, t0).is_none() && b.push("c", 3, t0).is_none());
+        assert!(b.flush_full().is_empty(), "2 buffered after the size flush");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn run_flushes_distinct_keys_at_once_when_the_prefetch_is_buffered() {
+        let Harness { tx, mut out, .. } = spawn_run_with(BatchConfig { max_buffered: 3, ..cfg(8, WAIT) });
+        let t0 = Instant::now();
+        for (key, item) in [("a", 1), ("b", 2), ("c", 3)] {
+            tx.send((key, item)).await.unwrap();
+        }
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            let batch = next(&mut out).await;
+            got.push((batch.key, batch.items, batch.reason));
+        }
+        assert_eq!(Instant::now(), t0, "no max_batch_wait when nothing more can arrive");
+        assert_eq!(got, [("a", vec![1], FlushReason::Prefetch), ("b", vec![2], FlushReason::Prefetch), ("c", vec![3], FlushReason::Prefetch)]);
     }
 
     #[tokio::test(start_paused = true)]

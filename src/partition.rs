@@ -326,7 +326,11 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let cap = s.batching.channel_capacity.get();
     let (item_tx, item_rx) = mpsc::channel::<(PrefixKey, Pending)>(cap);
     let (batch_tx, batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
-    let cfg = BatchConfig { max_batch_size: s.batching.max_batch_size, max_batch_wait: s.batching.max_batch_wait };
+    let cfg = BatchConfig {
+        max_batch_size: s.batching.max_batch_size,
+        max_batch_wait: s.batching.max_batch_wait,
+        max_buffered: usize::from(s.amqp.partition_prefetch),
+    };
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));

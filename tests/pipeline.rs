@@ -235,6 +235,36 @@ async fn bad_inputs_are_dead_lettered_and_the_daemon_keeps_going() {
     env.cleanup().await;
 }
 
+/// A partition whose prefetch is all buffered flushes at once. One partition with a prefetch of 4,
+/// batches of up to 4, a 10-minute `max_batch_wait`, and 16 requests with 16 different prefix
+/// keys: each key's buffer holds one request, the broker sends the 5th delivery only after one of
+/// the first 4 is acked, so without the prefetch flush every 4 requests would wait out the
+/// 10 minutes. Every request must be answered (one call each: no two share a key), all before
+/// the first `max_batch_wait` could have run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_whose_prefetch_is_all_buffered_flushes_at_once() {
+    let env = TestEnv::new("prefetch");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.partitions = 1;
+    raw.amqp.partition_prefetch = 4;
+    raw.batching.max_batch_size = 4;
+    raw.batching.max_batch_wait = "10m".into();
+    let started = start_with_replies(&env, &raw).await;
+    let t0 = std::time::Instant::now();
+    let reqs = completions_workload("prefetch", 16, 16);
+    let (amqp, results) = started.publish_and_drain(&env, &reqs).await;
+    let took = t0.elapsed();
+    results.assert_one_ok_result_each(&reqs, "failed");
+    let calls = fake.calls();
+    println!("16 requests with 16 keys, prefetch 4: {} LLM calls, all answered in {took:?}", calls.len());
+    assert!(calls.iter().all(|c| c.prompts.len() == 1), "one key per batch: {:?}", calls.iter().map(|c| c.prompts.len()).collect::<Vec<_>>());
+    assert!(took < Duration::from_secs(600), "requests waited out max_batch_wait");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// Two HTTP 500s followed by success are retried: every request ends ok.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_server_errors_are_retried() {
