@@ -22,6 +22,9 @@
 //! The fake ignores a request's `n` (choices per prompt): it always answers one choice per
 //! prompt, indices `0..prompts`, like a server that does not implement `n` for list prompts.
 //!
+//! Prompts can be marked to fail ([`FakeLlm::fail_prompts_containing`]) or to be slow
+//! ([`FakeLlm::slow_prompts_containing`]) on their own, on an otherwise healthy server.
+//!
 //! Runtime fault switches on the [`FakeLlmHandle`] (for fault tests of a running pipeline):
 //! [`FakeLlmHandle::set_status`] answers every POST with one HTTP status until switched back,
 //! [`FakeLlmHandle::set_refuse`] closes the listening socket (connections are refused) and later
@@ -64,6 +67,7 @@ pub struct FakeLlm {
     omit_choice: Option<usize>,
     max_prompt_chars: Option<usize>,
     fail_marker: Option<(String, u16)>,
+    slow_marker: Option<(String, Duration)>,
 }
 
 /// How the fake reports cached prompt tokens.
@@ -110,6 +114,7 @@ impl Default for FakeLlm {
             omit_choice: None,
             max_prompt_chars: None,
             fail_marker: None,
+            slow_marker: None,
         }
     }
 }
@@ -203,6 +208,17 @@ impl FakeLlm {
     /// whole, as on a real server.
     pub fn fail_prompts_containing(mut self, marker: impl Into<String>, status: u16) -> Self {
         self.fail_marker = Some((marker.into(), status));
+        self
+    }
+
+    /// A call with any prompt containing `marker` waits `delay` longer before it is answered (on
+    /// top of [`latency`](Self::latency)), then is answered normally, while every other call (the
+    /// daemon's probe included) is served at once: a prompt that on its own keeps an otherwise
+    /// healthy server busy beyond the client's timeout (a huge `max_tokens`, a prompt the server
+    /// chokes on). A list call carrying it is slow as a whole, as on a real server. Recorded with
+    /// status 200 on arrival; a client that gives up first just closes the connection.
+    pub fn slow_prompts_containing(mut self, marker: impl Into<String>, delay: Duration) -> Self {
+        self.slow_marker = Some((marker.into(), delay));
         self
     }
 
@@ -603,6 +619,10 @@ async fn admit(
 ) -> Result<Vec<PromptTokens>, Response> {
     let cfg = &state.cfg;
     let n_prompts = prompts.len();
+    let slow = match &cfg.slow_marker {
+        Some((marker, d)) if prompts.iter().any(|p| p.contains(marker.as_str())) => *d,
+        _ => Duration::ZERO,
+    };
     let (decision, count) = {
         let mut g = state.lock();
         let decision = decide(cfg, &mut g, &prompts);
@@ -627,7 +647,7 @@ async fn admit(
     state.arrivals.send_replace(count);
 
     let _in_flight = InFlight(state);
-    let delay = cfg.latency + cfg.per_prompt_latency * n_prompts as u32;
+    let delay = cfg.latency + cfg.per_prompt_latency * n_prompts as u32 + slow;
     if !delay.is_zero() {
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
@@ -826,6 +846,18 @@ mod tests {
         assert_eq!((status, v["choices"][0]["text"].as_str()), (200, Some("ok:ping")));
         let statuses: Vec<u16> = fake.calls().iter().map(|c| c.status).collect();
         assert_eq!(statuses, [500, 200, 200, 200, 200]);
+    }
+
+    #[tokio::test]
+    async fn marked_prompts_are_slow_alone() {
+        let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_millis(300)).start().await.unwrap();
+        let started = tokio::time::Instant::now();
+        let (status, v) = post(&fake.url, "/v1/completions", json!({"prompt": "ping", "max_tokens": 1})).await;
+        assert_eq!((status, v["choices"][0]["text"].as_str()), (200, Some("ok:ping")));
+        assert!(started.elapsed() < Duration::from_millis(300), "unmarked calls are not delayed");
+        let (status, v) = post(&fake.url, "/v1/completions", json!({"prompt": ["fine", "a SLOW prompt"]})).await;
+        assert!(started.elapsed() >= Duration::from_millis(300), "a list call carrying the marker is slow as a whole");
+        assert_eq!((status, v["choices"].as_array().map(Vec::len)), (200, Some(2)), "then answered normally");
     }
 
     #[tokio::test]
