@@ -10,19 +10,23 @@
 //!   faults (a storm of 429s or 5xx interleaved with a few successes).
 //!
 //!   Server faults come in two sorts. A **hard fault** ([`Outcome::ServerFault`]: refused or
-//!   broken connection, timeout, 401/403/404, 429) says the endpoint failed whatever was asked: when
-//!   hard faults alone trip the rule, the breaker opens at once. An **answered fault**
-//!   ([`Outcome::AnsweredFault`]: an HTTP 5xx, or a 2xx that is not a valid completion) may be the
-//!   request's own — a prompt the server cannot handle (llama-server answers 500 "Failed to parse
-//!   tools" to a malformed `tools` param) fails every time it is sent, while every other prompt
-//!   succeeds. When answered faults take part in tripping the rule, the breaker does NOT open:
-//!   it becomes *suspect* and asks its owner for one **verification probe**
+//!   broken connection, a connection not made within `llm.connect_timeout`, 401/403/404, 429)
+//!   says the endpoint failed whatever was asked: when hard faults alone trip the rule, the
+//!   breaker opens at once. A **fault to verify** may be the request's own: an *answered fault*
+//!   ([`Outcome::AnsweredFault`]: an HTTP 5xx, or a 2xx that is not a valid completion — a
+//!   prompt the server cannot handle, as llama-server answers 500 "Failed to parse tools" to a
+//!   malformed `tools` param) or a *request timeout* ([`Outcome::TimedOut`]: the connection was
+//!   made but the answer did not come within `llm.request_timeout`, or HTTP 408 — a prompt with
+//!   a huge `max_tokens`, or one the server chokes on, while every other prompt is answered in
+//!   time). Such a request fails every time it is sent while every other prompt succeeds. When
+//!   faults to verify take part in tripping the rule, the breaker does NOT open: it becomes
+//!   *suspect* and asks its owner for one **verification probe**
 //!   ([`Breaker::take_verification`]; the same lightweight call as the half-open probe). A probe
-//!   that fails confirms the faults and opens the breaker ([`Breaker::verified`]); a probe that
-//!   succeeds refutes them: the answered faults are discounted (they count as request faults from
-//!   then on) and the breaker stays closed. So a handful of poison requests, retried and
-//!   redelivered, never makes a healthy endpoint look down, and a real outage (the probe fails
-//!   too) still opens it, one probe later.
+//!   that fails (a hung server's probe times out too) confirms the faults and opens the breaker
+//!   ([`Breaker::verified`]); a probe that succeeds refutes them: they are discounted (they count
+//!   as request faults from then on) and the breaker stays closed. So a handful of poison
+//!   requests, retried and redelivered, never makes a healthy endpoint look down, and a real
+//!   outage (the probe fails too) still opens it, one probe later.
 //! - **Open**: calls fail fast, without an HTTP call, for an open time that starts at
 //!   [`BreakerPolicy::open_initial`] and doubles on every reopening without a successful probe in
 //!   between, up to [`BreakerPolicy::open_max`].
@@ -82,15 +86,28 @@ pub enum Outcome {
     /// The server answered, but refused this request for itself (400, 413, 422, …): the endpoint
     /// is healthy.
     RequestFault,
-    /// A hard fault: the endpoint failed whatever was asked (refused or broken connection,
+    /// A hard fault: the endpoint failed whatever was asked (refused or broken connection, connect
     /// timeout, 401/403/404, 429). Counts towards opening at once.
     ServerFault,
     /// An answered fault: the server answered with a 5xx, or with a 2xx that is not a valid
     /// completion. It may be the request's own, so it opens the breaker only once a verification
     /// probe confirms it (see the module documentation).
     AnsweredFault,
+    /// A request timeout: the connection was made but the whole answer did not come in time (or
+    /// the server answered 408). It may be the request's own (a huge `max_tokens`, a prompt the
+    /// server chokes on), so like an answered fault it opens the breaker only once a verification
+    /// probe confirms it; a hung server's probe times out too.
+    TimedOut,
     /// The call was cancelled before it finished: says nothing about the endpoint.
     Abandoned,
+}
+
+impl Outcome {
+    /// Whether this server fault may be the request's own, so the breaker verifies it with a
+    /// probe before opening: [`Outcome::AnsweredFault`] and [`Outcome::TimedOut`].
+    pub fn needs_verification(&self) -> bool {
+        matches!(self, Outcome::AnsweredFault | Outcome::TimedOut)
+    }
 }
 
 /// The breaker's state, without its bookkeeping (for metrics and logs).
@@ -132,10 +149,11 @@ impl Admission {
 /// One outcome in the closed breaker's window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mark {
-    /// A success, a request fault, or a refuted answered fault.
+    /// A success, a request fault, or a refuted fault to verify.
     Healthy,
     Hard,
-    Answered,
+    /// An answered fault or a request timeout, not judged by a probe yet.
+    Unconfirmed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,15 +168,15 @@ enum State {
 pub struct Breaker {
     policy: BreakerPolicy,
     state: State,
-    /// Server faults (hard or answered) in a row while closed.
+    /// Server faults (hard or to verify) in a row while closed.
     consecutive: u32,
-    /// How many of the `consecutive` faults were answered faults.
-    consecutive_answered: u32,
+    /// How many of the `consecutive` faults were faults to verify.
+    consecutive_unconfirmed: u32,
     /// The latest outcomes while closed; at most `policy.window` long.
     recent: VecDeque<Mark>,
     /// Openings since the breaker was last closed by a successful probe (drives the doubling).
     openings: u32,
-    /// The rule tripped with answered faults: a verification probe is wanted.
+    /// The rule tripped with faults to verify: a verification probe is wanted.
     suspect: bool,
     /// A verification probe is in flight ([`Self::take_verification`] .. [`Self::verified`]).
     verifying: bool,
@@ -171,7 +189,7 @@ impl Breaker {
             policy,
             state: State::Closed,
             consecutive: 0,
-            consecutive_answered: 0,
+            consecutive_unconfirmed: 0,
             recent: VecDeque::new(),
             openings: 0,
             suspect: false,
@@ -236,7 +254,7 @@ impl Breaker {
                     self.close();
                     Some(BreakerState::Closed)
                 }
-                Outcome::ServerFault | Outcome::AnsweredFault => {
+                Outcome::ServerFault | Outcome::AnsweredFault | Outcome::TimedOut => {
                     self.open(now);
                     Some(BreakerState::Open)
                 }
@@ -260,8 +278,8 @@ impl Breaker {
         Some(BreakerState::Open)
     }
 
-    /// Whether the closed breaker is suspect: answered faults tripped its rule and no probe has
-    /// judged them yet (a verification probe is wanted or in flight).
+    /// Whether the closed breaker is suspect: faults to verify (answered faults, request
+    /// timeouts) tripped its rule and no probe has judged them yet (a verification probe is wanted or in flight).
     pub fn suspect(&self) -> bool {
         self.state == State::Closed && (self.suspect || self.verifying)
     }
@@ -278,7 +296,7 @@ impl Breaker {
     }
 
     /// The outcome of the verification probe taken by [`Self::take_verification`]: a server
-    /// fault of either sort confirms the suspicion and opens the breaker (returns the new
+    /// fault of any sort (a probe that timed out included) confirms the suspicion and opens the breaker (returns the new
     /// state); a success or request fault refutes it ([`Self::refute`]); an abandoned probe
     /// leaves the breaker suspect, for the next call's verification. Ignored (apart from freeing
     /// the slot) when the breaker is no longer closed.
@@ -288,7 +306,7 @@ impl Breaker {
             return None;
         }
         match outcome {
-            Outcome::ServerFault | Outcome::AnsweredFault => {
+            Outcome::ServerFault | Outcome::AnsweredFault | Outcome::TimedOut => {
                 self.open(now);
                 Some(BreakerState::Open)
             }
@@ -300,18 +318,18 @@ impl Breaker {
         }
     }
 
-    /// The endpoint answered a probe while closed: its answered faults so far were the requests'
-    /// own. They are discounted (they count as healthy answers from now on), the run of faults
+    /// The endpoint answered a probe while closed: its answered faults and request timeouts so
+    /// far were the requests' own. They are discounted (they count as healthy answers from now on), the run of faults
     /// starts again, and the breaker is no longer suspect. Hard faults in the window stay.
     pub fn refute(&mut self) {
         if self.state != State::Closed {
             return;
         }
-        for mark in self.recent.iter_mut().filter(|m| **m == Mark::Answered) {
+        for mark in self.recent.iter_mut().filter(|m| **m == Mark::Unconfirmed) {
             *mark = Mark::Healthy;
         }
         self.consecutive = 0;
-        self.consecutive_answered = 0;
+        self.consecutive_unconfirmed = 0;
         self.suspect = false;
     }
 
@@ -320,31 +338,31 @@ impl Breaker {
             Outcome::Abandoned => return None,
             Outcome::Success | Outcome::RequestFault => Mark::Healthy,
             Outcome::ServerFault => Mark::Hard,
-            Outcome::AnsweredFault => Mark::Answered,
+            Outcome::AnsweredFault | Outcome::TimedOut => Mark::Unconfirmed,
         };
         if mark == Mark::Healthy {
             self.consecutive = 0;
-            self.consecutive_answered = 0;
+            self.consecutive_unconfirmed = 0;
         } else {
             self.consecutive += 1;
-            self.consecutive_answered += u32::from(mark == Mark::Answered);
+            self.consecutive_unconfirmed += u32::from(mark == Mark::Unconfirmed);
         }
         self.recent.push_back(mark);
         while self.recent.len() > self.policy.window.max(1) {
             self.recent.pop_front();
         }
         let hard = self.recent.iter().filter(|&&m| m == Mark::Hard).count();
-        let answered = self.recent.iter().filter(|&&m| m == Mark::Answered).count();
+        let unconfirmed = self.recent.iter().filter(|&&m| m == Mark::Unconfirmed).count();
         let ratio_reached = |faults: usize| {
             self.recent.len() >= self.policy.min_calls.max(1) && faults as f64 >= self.policy.fault_ratio * self.recent.len() as f64
         };
         let run_trips = self.consecutive >= self.policy.consecutive_faults.max(1);
-        let hard_run_trips = run_trips && self.consecutive_answered == 0;
+        let hard_run_trips = run_trips && self.consecutive_unconfirmed == 0;
         if hard_run_trips || ratio_reached(hard) {
             self.open(now);
             return Some(BreakerState::Open);
         }
-        if run_trips || ratio_reached(hard + answered) {
+        if run_trips || ratio_reached(hard + unconfirmed) {
             self.suspect = true;
         }
         None
@@ -361,7 +379,7 @@ impl Breaker {
     fn close(&mut self) {
         self.state = State::Closed;
         self.consecutive = 0;
-        self.consecutive_answered = 0;
+        self.consecutive_unconfirmed = 0;
         self.recent.clear();
         self.openings = 0;
         self.suspect = false;
@@ -578,5 +596,62 @@ mod tests {
         assert_eq!(b.record(Outcome::ServerFault, false, t0), None);
         assert_eq!(b.record(Outcome::ServerFault, false, t0), None);
         assert_eq!(b.record(Outcome::ServerFault, false, t0), Some(BreakerState::Open));
+    }
+
+    #[test]
+    fn request_timeouts_are_verified_before_opening_and_a_passing_probe_discounts_them() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        // A poison prompt timing out again and again (retries, redeliveries), now and then a
+        // normal call's success: the breaker never opens, a probe refutes every suspicion.
+        let mut verifications = 0;
+        for i in 0..200 {
+            let outcome = if i % 7 == 6 { Outcome::Success } else { Outcome::TimedOut };
+            assert_eq!(b.record(outcome, false, t0), None, "call {i}: request timeouts never open it by themselves");
+            if b.take_verification() {
+                verifications += 1;
+                assert_eq!(b.verified(Outcome::Success, t0), None, "the endpoint answers its probe");
+            }
+            assert!(b.available(t0), "call {i}");
+        }
+        assert!(verifications > 0, "timeouts tripped the rule and were verified");
+        // Timeouts and answered faults make one run: 5 in a row make it suspect.
+        for outcome in [Outcome::TimedOut, Outcome::AnsweredFault, Outcome::TimedOut, Outcome::AnsweredFault] {
+            assert_eq!(b.record(outcome, false, t0), None);
+        }
+        b.refute();
+        assert!(!b.suspect());
+        for _ in 0..4 {
+            b.record(Outcome::TimedOut, false, t0);
+        }
+        assert!(!b.suspect(), "4 in a row after a refutation");
+        b.record(Outcome::TimedOut, false, t0);
+        assert!(b.suspect() && b.available(t0));
+    }
+
+    #[test]
+    fn a_hung_server_whose_probe_times_out_too_opens_it() {
+        let t0 = Instant::now();
+        // Every call times out, and so does the verification probe (the client reports a failed
+        // probe as a server fault; a timed-out outcome opens it as well).
+        for probe in [Outcome::ServerFault, Outcome::TimedOut] {
+            let mut b = Breaker::new(BreakerPolicy::default());
+            for _ in 0..5 {
+                assert_eq!(b.record(Outcome::TimedOut, false, t0), None);
+            }
+            assert!(b.suspect() && b.take_verification());
+            assert_eq!(b.verified(probe, t0), Some(BreakerState::Open), "{probe:?}");
+            assert!(!b.available(t0));
+            // The half-open probe times out too: it reopens, with the doubled open time.
+            let t1 = t0 + Duration::from_secs(1);
+            assert!(b.admit_probe(t1));
+            assert_eq!(b.record(probe, true, t1), Some(BreakerState::Open));
+            assert_eq!(b.open_until(), Some(t1 + Duration::from_secs(2)));
+        }
+        // Hard faults (refused connections, connect timeouts) still open it at once.
+        let mut b = Breaker::new(BreakerPolicy::default());
+        assert_eq!(trip(&mut b), Some(BreakerState::Open));
+        assert!(Outcome::TimedOut.needs_verification() && Outcome::AnsweredFault.needs_verification());
+        assert!(!Outcome::ServerFault.needs_verification() && !Outcome::RequestFault.needs_verification());
     }
 }

@@ -26,15 +26,27 @@
 //! [retryable](ErrorKind::retryable), attempts remain and the breaker stays closed. While an
 //! endpoint's breaker is open its calls fail fast with [`ErrorKind::Unavailable`] and no HTTP call.
 //!
-//! **Answered faults are verified.** An HTTP 5xx or an invalid 2xx answer
-//! ([`ErrorKind::Server`], [`ErrorKind::InvalidResponse`]) is a server fault for the caller (the
-//! request is requeued, never answered `ok: false`), but it may be the request's own: the server
-//! answered, and a prompt it cannot handle fails every time while every other prompt succeeds.
-//! So for the breaker it is an *answered fault* ([`Outcome::AnsweredFault`]): when answered
-//! faults trip the breaker's rule, the call that tripped it sends the probe below at once (a
+//! **Answered faults and request timeouts are verified.** An HTTP 5xx or an invalid 2xx answer
+//! ([`ErrorKind::Server`], [`ErrorKind::InvalidResponse`]) and a request timeout
+//! ([`ErrorKind::Timeout`]: the connection was made but the whole answer did not come within
+//! `llm.request_timeout`, or HTTP 408) are server faults for the caller (the request is
+//! requeued, never answered `ok: false`), but they may be the request's own: a prompt the server
+//! cannot handle fails every time, and a prompt with a huge `max_tokens` (or one the server
+//! chokes on) outlasts the timeout every time, while every other prompt succeeds. So for the
+//! breaker they are faults to verify ([`Outcome::AnsweredFault`], [`Outcome::TimedOut`]): when
+//! they trip the breaker's rule, the call that tripped it sends the probe below at once (a
 //! *verification*) and waits for it; a failing probe opens the breaker, a passing one discounts
-//! the answered faults and the breaker stays closed (see [`crate::breaker`]). Refused or broken
-//! connections, timeouts, 401/403/404 and 429 are hard faults and open it without a probe.
+//! them and the breaker stays closed (see [`crate::breaker`]). Refused or broken connections,
+//! connections not made within `llm.connect_timeout` (reqwest reports those as connect errors,
+//! [`ErrorKind::Connect`]), 401/403/404 and 429 are hard faults and open it without a probe.
+//!
+//! A *hung* server (it accepts connections but never answers) times out every call and the
+//! probe too, so it still opens the breaker: the probe is limited to
+//! min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`] = 30 s), so a hung server is seen down at most
+//! one probe limit after its calls' timeouts trip the rule: with the defaults 300 s + 30 s after
+//! calls start hanging when 5 calls time out in a row (e.g. 5 in flight). A single batch alone
+//! meets `llm.max_attempts` timeouts (4 × 300 s plus backoffs with the defaults), then the
+//! partition's probe ([`LlmClient::confirm_server_fault`], 30 s more) opens the breaker.
 //!
 //! **Probing.** Real requests never probe a down endpoint: a request used as a probe would be
 //! requeued on failure, and every requeue counts towards its delivery limit. When a breaker opens,
@@ -46,7 +58,8 @@
 //! a non-empty `choices` list whose choice has a string `text`, as real calls are parsed) closes
 //! the breaker; a 2xx with any other body (HTML from a misconfigured gateway, an `error` object,
 //! garbage) and a server-fault class (5xx, 401/403/404, 429, timeout, refused connection) reopen
-//! it with a doubled open time; a request fault (400/422: the server is up and judged the probe
+//! it with a doubled open time; the probe gets min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`])
+//! (it asks for one token: a healthy server answers it in far less than a real completion); a request fault (400/422: the server is up and judged the probe
 //! itself) also closes it. [`LlmClient::available`] is true only while the breaker is closed, so
 //! partitions paused on [`LlmClient::wait_available`] resume only after a successful probe. The
 //! same probe serves the verification of answered faults and
@@ -81,6 +94,10 @@ pub const COMPLETIONS_PATH: &str = "v1/completions";
 pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
 /// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
 pub const PROBE_PROMPT: &str = "ping";
+/// The longest a probe may take: a probe is limited to min(`llm.request_timeout`, this). A
+/// one-token completion answers in far less on a healthy server, even a busy one; a hung server
+/// fails it this long after it was sent (not one whole `llm.request_timeout`, 300 s by default).
+pub const PROBE_TIMEOUT_MAX: Duration = Duration::from_secs(30);
 /// Default cap of one LLM response body, in bytes (64 MiB): far above any completion the batcher
 /// asks for, low enough that a broken server cannot exhaust memory.
 pub const MAX_RESPONSE_BYTES: usize = 64 * 1024 * 1024;
@@ -161,6 +178,8 @@ struct Inner {
     /// `llm.list_prompts`: a completions group goes as one list-prompt call (else one call per
     /// prompt, in order, under one permit).
     list_prompts: bool,
+    /// The time limit of a probe: min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`]).
+    probe_timeout: Duration,
     max_response_bytes: usize,
     hook: LlmHook,
 }
@@ -302,10 +321,14 @@ pub enum Fault {
 /// object and the `outcome` label of `prefix_batcher_llm_requests_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
-    /// Server fault: `llm.connect_timeout` or `llm.request_timeout` elapsed, or the server
-    /// answered 408.
+    /// Server fault: the connection was made but `llm.request_timeout` elapsed before the whole
+    /// answer came, or the server answered 408. Verified like [`ErrorKind::Server`]: it may be
+    /// this prompt's own (a huge `max_tokens`, a prompt the server chokes on), so the breaker
+    /// counts it only once its probe confirms it (a hung server's probe times out too), and a
+    /// request that keeps timing out while the probe passes is charged a delivery each time.
     Timeout,
-    /// Server fault: the connection could not be made (refused) or broke mid-call (reset).
+    /// Server fault: the connection could not be made (refused, or not within
+    /// `llm.connect_timeout`) or broke mid-call (reset). A hard fault.
     Connect,
     /// Server fault: HTTP 429; `Retry-After` (seconds) is honoured, capped at `llm.backoff_max`.
     RateLimited,
@@ -386,6 +409,12 @@ impl ErrorKind {
         matches!(self, ErrorKind::Server | ErrorKind::InvalidResponse)
     }
 
+    /// Whether the breaker verifies this server fault with a probe before opening, because it
+    /// may be the request's own: an answered fault, or a request timeout.
+    pub fn is_verified_fault(&self) -> bool {
+        self.is_answered_fault() || *self == ErrorKind::Timeout
+    }
+
     /// Whether a failed list-prompt call goes again prompt by prompt: a 4xx refusal or an invalid
     /// answer, which one prompt may cause (or which a server that cannot demultiplex gives).
     fn splits_list(&self) -> bool {
@@ -407,9 +436,11 @@ impl ErrorKind {
         )
     }
 
+    /// How the breaker sees a call that failed with this kind.
     fn breaker_outcome(&self) -> Outcome {
         match self.fault() {
             Fault::Request => Outcome::RequestFault,
+            Fault::Server if *self == ErrorKind::Timeout => Outcome::TimedOut,
             Fault::Server if self.is_answered_fault() => Outcome::AnsweredFault,
             Fault::Server => Outcome::ServerFault,
             Fault::Cancelled => Outcome::Abandoned,
@@ -440,9 +471,12 @@ pub enum Problem<'a> {
 ///
 /// Statuses: 408 → `Timeout`, 429 → `RateLimited`, 5xx → `Server`, 401/403/404 and 3xx (redirects
 /// are not followed: a POST to a moved API is a configuration error) → `EndpointConfig`, any other
-/// (400, 413, 422, …) → `Rejected`. Transport errors: timeouts → `Timeout`, decode errors →
-/// `InvalidResponse`, builder errors → `Rejected`, anything else (refused, reset, broken body) →
-/// `Connect`.
+/// (400, 413, 422, …) → `Rejected`. Transport errors: connect errors (refused, unreachable, or
+/// `llm.connect_timeout` elapsed: reqwest reports a connect timeout as both `is_connect()` and
+/// `is_timeout()`, and it is a connect failure, a hard fault) → `Connect`; other timeouts
+/// (`llm.request_timeout` elapsed, while waiting for the answer or reading its body; also while
+/// still connecting when `llm.connect_timeout` ≥ `llm.request_timeout`) → `Timeout`; decode errors → `InvalidResponse`, builder errors → `Rejected`, anything else
+/// (reset, broken body) → `Connect`.
 pub fn classify(problem: Problem<'_>) -> ErrorKind {
     match problem {
         Problem::Status(408) => ErrorKind::Timeout,
@@ -452,6 +486,7 @@ pub fn classify(problem: Problem<'_>) -> ErrorKind {
         Problem::Status(s) if (300..400).contains(&s) => ErrorKind::EndpointConfig,
         Problem::Status(_) => ErrorKind::Rejected,
         Problem::InvalidBody => ErrorKind::InvalidResponse,
+        Problem::Transport(e) if e.is_connect() => ErrorKind::Connect,
         Problem::Transport(e) if e.is_timeout() => ErrorKind::Timeout,
         Problem::Transport(e) if e.is_decode() => ErrorKind::InvalidResponse,
         Problem::Transport(e) if e.is_builder() => ErrorKind::Rejected,
@@ -517,6 +552,7 @@ impl LlmClient {
                 backoff_initial: settings.backoff_initial,
                 backoff_max: settings.backoff_max,
                 list_prompts: settings.list_prompts,
+                probe_timeout: settings.request_timeout.min(PROBE_TIMEOUT_MAX),
                 max_response_bytes: options.max_response_bytes,
                 hook: options.hook,
             }),
@@ -787,7 +823,8 @@ impl LlmClient {
     }
 
     /// One attempt: takes a permit (unless held), asks the breaker, makes the HTTP call, reports
-    /// its outcome to the breaker and the hook. When answered faults made the breaker suspect,
+    /// its outcome to the breaker and the hook. When faults to verify (answered faults, request
+    /// timeouts) made the breaker suspect,
     /// waits for the verification probe ([`Self::verify`]) before returning, so the retry
     /// decision sees its verdict.
     async fn attempt_through_breaker(
@@ -827,7 +864,7 @@ impl LlmClient {
         (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
         let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
         self.record(call.endpoint, breaker_outcome, false);
-        if breaker_outcome == Outcome::AnsweredFault {
+        if breaker_outcome.needs_verification() {
             if let Some(verification) = self.start_verification(call.endpoint) {
                 tokio::select! {
                     biased;
@@ -860,8 +897,8 @@ impl LlmClient {
     /// breaker), so the requests must wait for it instead of being charged a delivery; `false`
     /// when the endpoint answers the probe (or judges it as a request fault), so the fault may be
     /// the requests' own and the delivery limit applies; the breaker then also discounts its
-    /// answered faults ([`Breaker::refute`]), so the requests' own 5xx or invalid answers never
-    /// add up to an opening. An unknown index counts as down.
+    /// answered faults and request timeouts ([`Breaker::refute`]), so the requests' own 5xx,
+    /// invalid answers or timeouts never add up to an opening. An unknown index counts as down.
     ///
     /// This is what keeps an outage's first failures, before the breaker's own rule
     /// ([`BreakerPolicy`]) opens it, from costing the requests deliveries: a server that answers
@@ -892,19 +929,25 @@ impl LlmClient {
         Some(tokio::spawn(async move { client.verify(endpoint).await }))
     }
 
-    /// The verification probe: answered faults tripped the breaker's rule; the probe decides
+    /// The verification probe: answered faults or request timeouts tripped the breaker's rule;
+    /// the probe decides
     /// whether the endpoint is down (the breaker opens) or they were the requests' own (they are
     /// discounted, the breaker stays closed).
     async fn verify(&self, endpoint: usize) {
         let ep = &self.inner.endpoints[endpoint];
-        tracing::info!(endpoint, name = %ep.name, "answered server faults tripped the circuit breaker's rule; probing before opening it");
+        tracing::info!(
+            endpoint,
+            name = %ep.name,
+            "server faults that may be the requests' own (5xx, invalid answers, request timeouts) tripped the circuit breaker's rule; \
+             probing before opening it"
+        );
         let outcome = self.probe(endpoint).await;
         let changed = lock(&ep.breaker).verified(outcome, Instant::now());
         if changed.is_none() && outcome != Outcome::ServerFault {
             tracing::info!(
                 endpoint,
                 name = %ep.name,
-                "the LLM endpoint answered the probe; its recent 5xx or invalid answers are counted as the requests' own"
+                "the LLM endpoint answered the probe; its recent 5xx, invalid answers or request timeouts are counted as the requests' own"
             );
         }
         self.after_record(endpoint, changed, false);
@@ -932,7 +975,8 @@ impl LlmClient {
     }
 
     /// The probe of `endpoint` (half-open probe, verification, [`Self::confirm_server_fault`]): a
-    /// one-token completion of [`PROBE_PROMPT`] with `llm.model` and the bearer token. A 2xx
+    /// one-token completion of [`PROBE_PROMPT`] with `llm.model` and the bearer token, limited to
+    /// min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`]). A 2xx
     /// whose body parses as a valid one-prompt completion (the parser of real calls) is a
     /// success; a 4xx request fault counts as an answer of a healthy server
     /// ([`Outcome::RequestFault`]); everything else — an invalid 2xx body, 5xx, 401/403/404, 429,
@@ -941,7 +985,8 @@ impl LlmClient {
     async fn probe(&self, endpoint: usize) -> Outcome {
         let ep = &self.inner.endpoints[endpoint];
         let body = serde_json::json!({"model": self.inner.model, "prompt": PROBE_PROMPT, "max_tokens": 1});
-        let (kind, detail) = match self.inner.http.post(ep.completions.clone()).json(&body).send().await {
+        let request = self.inner.http.post(ep.completions.clone()).json(&body).timeout(self.inner.probe_timeout);
+        let (kind, detail) = match request.send().await {
             Ok(r) if r.status().is_success() => match read_body(r, self.inner.max_response_bytes).await {
                 Ok(bytes) => match valid_probe_answer(&bytes) {
                     Ok(()) => return Outcome::Success,
@@ -1876,6 +1921,121 @@ mod tests {
         assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout));
     }
 
+    /// A listener that accepts connections and never answers: a hung server.
+    async fn hung_listener() -> (Url, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+            }
+        });
+        (url, task)
+    }
+
+    /// A listener whose accept queue is full and that never accepts: the kernel drops further
+    /// SYNs, so a connection cannot be made (as with an unreachable host). Returns the
+    /// connections that fill the queue (keep them alive).
+    async fn full_backlog_listener() -> (Url, tokio::net::TcpListener, Vec<tokio::net::TcpStream>) {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let listener = socket.listen(0).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut fill = Vec::new();
+        // Backlog 0 holds one or two connections, depending on the kernel; fill until a connect hangs.
+        for _ in 0..8 {
+            match tokio::time::timeout(Duration::from_millis(200), tokio::net::TcpStream::connect(addr)).await {
+                Ok(Ok(s)) => fill.push(s),
+                _ => break,
+            }
+        }
+        (Url::parse(&format!("http://{addr}")).unwrap(), listener, fill)
+    }
+
+    #[tokio::test]
+    async fn a_connect_timeout_is_a_connect_failure_and_a_request_timeout_a_timeout() {
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_millis(100))
+            .timeout(Duration::from_millis(400))
+            .build()
+            .unwrap();
+        let (url, _listener, _fill) = full_backlog_listener().await;
+        let e = http.post(url.join(COMPLETIONS_PATH).unwrap()).body("{}").send().await.unwrap_err();
+        assert!(e.is_connect() && e.is_timeout(), "reqwest reports a connect timeout as both: {e:?}");
+        assert_eq!(classify(Problem::Transport(&e)), ErrorKind::Connect, "the server is not reachable: a hard fault");
+        let (url, hung) = hung_listener().await;
+        let e = http.post(url.join(COMPLETIONS_PATH).unwrap()).body("{}").send().await.unwrap_err();
+        assert!(e.is_timeout() && !e.is_connect(), "{e:?}");
+        assert_eq!(classify(Problem::Transport(&e)), ErrorKind::Timeout, "connected, no answer in time: verified");
+        hung.abort();
+    }
+
+    /// A prompt that on its own outlasts `llm.request_timeout` on a healthy server (every other
+    /// call, the probe included, is answered at once): its calls fail with `timeout`, a server
+    /// fault, but the breaker never opens; the timeouts that trip its rule are verified by a
+    /// probe, which refutes them.
+    #[tokio::test]
+    async fn a_prompt_that_times_out_alone_never_opens_the_breaker() {
+        let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts) = (Duration::from_millis(150), NonZeroU32::new(2).unwrap());
+        let client = LlmClient::new(&s).unwrap();
+        for round in 0..4 {
+            let results = run(&client, &[(completion("a SLOW prompt"), Map::new())]).await;
+            let e = results[0].as_ref().unwrap_err();
+            assert_eq!((e.kind, e.fault()), (ErrorKind::Timeout, Fault::Server), "round {round}: {e}");
+            assert_eq!(client.breaker_state(0), Some(BreakerState::Closed), "round {round}");
+            let fine = run(&client, &[(completion("fine"), Map::new())]).await;
+            assert_eq!(fine[0].as_ref().unwrap().output, json!("ok:fine"), "round {round}");
+        }
+        let calls = fake.calls();
+        let probes = calls.iter().filter(|c| c.prompts == [PROBE_PROMPT]).count();
+        let slow = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
+        assert_eq!(slow, 8, "every attempt was made: nothing failed fast");
+        assert!(probes >= 1, "the timeouts tripped the rule and were verified ({probes} probes)");
+    }
+
+    /// A hung server: every call times out, the probe too. The timeouts make the breaker
+    /// suspect; the verification probe, limited to min(request_timeout, PROBE_TIMEOUT_MAX), times
+    /// out as well and the breaker opens; the partition's own check confirms the outage.
+    #[tokio::test]
+    async fn a_hung_server_times_out_its_probe_too_and_opens_the_breaker() {
+        let fake = FakeLlm::new().latency(Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts) = (Duration::from_millis(150), NonZeroU32::new(3).unwrap());
+        let client = LlmClient::new(&s).unwrap();
+        let reqs = three_prompts(&Map::new());
+        // 3 attempts, then 2 more: the 5th timeout in a row makes the breaker suspect; the call
+        // waits for the verification probe, which times out too: open, no 3rd attempt.
+        for _ in 0..2 {
+            let results = run(&client, &reqs).await;
+            assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout), "{results:?}");
+        }
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
+        assert!(client.confirm_server_fault(0).await, "down: the requests wait, uncharged");
+        let calls = fake.calls();
+        let probes: Vec<_> = calls.iter().filter(|c| c.prompts == [PROBE_PROMPT]).collect();
+        assert_eq!((calls.len() - probes.len(), probes.len()), (5, 1), "5 timed-out calls, 1 verification probe");
+        let results = run(&client, &reqs).await;
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Unavailable), "open: fail fast");
+        assert_eq!(fake.call_count(), 6, "no call while open");
+
+        // The partition's check alone (fewer than 5 timeouts, as a single batch meets): its
+        // probe times out and trips the breaker.
+        let client = LlmClient::new(&s).unwrap();
+        let results = run(&client, &reqs).await;
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout));
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Closed), "3 timeouts: not yet");
+        let started = Instant::now();
+        assert!(client.confirm_server_fault(0).await);
+        assert!(started.elapsed() < Duration::from_secs(5), "the probe is bounded by the request timeout");
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
+        assert_eq!(client.inner.probe_timeout, Duration::from_millis(150));
+        s.request_timeout = Duration::from_secs(300);
+        assert_eq!(LlmClient::new(&s).unwrap().inner.probe_timeout, PROBE_TIMEOUT_MAX, "capped");
+    }
+
     #[tokio::test]
     async fn bearer_token_is_sent_but_never_shown() {
         let fake = FakeLlm::new().start().await.unwrap();
@@ -1948,6 +2108,24 @@ mod tests {
         assert_eq!(ErrorKind::InvalidResponse.fault(), Fault::Server, "answered: verified by the probe, charged when it passes");
         let answered: Vec<&str> = ErrorKind::ALL.iter().filter(|k| k.is_answered_fault()).map(|k| k.as_str()).collect();
         assert_eq!(answered, ["server", "invalid_response"]);
+        let verified: Vec<&str> = ErrorKind::ALL.iter().filter(|k| k.is_verified_fault()).map(|k| k.as_str()).collect();
+        assert_eq!(verified, ["timeout", "server", "invalid_response"]);
+        let outcomes: Vec<(&str, Outcome)> = ErrorKind::ALL.iter().map(|k| (k.as_str(), k.breaker_outcome())).collect();
+        assert_eq!(
+            outcomes,
+            [
+                ("timeout", Outcome::TimedOut),
+                ("connect", Outcome::ServerFault),
+                ("rate_limited", Outcome::ServerFault),
+                ("server", Outcome::AnsweredFault),
+                ("endpoint_config", Outcome::ServerFault),
+                ("unavailable", Outcome::ServerFault),
+                ("rejected", Outcome::RequestFault),
+                ("invalid_response", Outcome::AnsweredFault),
+                ("cancelled", Outcome::Abandoned),
+            ],
+            "408 and request timeouts are verified; 401/403/404, 429 and connect failures are hard"
+        );
         assert_eq!(ErrorKind::Unavailable.fault(), Fault::Server);
         assert_eq!(ErrorKind::Cancelled.fault(), Fault::Cancelled);
         let retryable: Vec<&str> = ErrorKind::ALL.iter().filter(|k| k.retryable()).map(|k| k.as_str()).collect();
