@@ -8,6 +8,9 @@
 //! - A server that answers every call (its probe included) with HTTP 200 and an HTML page for a
 //!   while, then recovers: the breaker opens, no request gets an `ok: false` result or is
 //!   charged a delivery, and all are answered once the server answers properly.
+//! - A few prompts that on their own keep the server busy beyond `llm.request_timeout` (the
+//!   server is otherwise healthy): request timeouts are verified like answered faults, so the
+//!   breaker never opens for them and they are dead-lettered after `amqp.delivery_limit`.
 //!
 //! Both read `prefix_batcher_llm_circuit_opened_total`, a process-wide counter: the tests of this
 //! file run one at a time ([`SERIAL`]).
@@ -28,6 +31,11 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// A prompt containing this is answered HTTP 500 by the fake, alone.
 const POISON: &str = "NU-POISON";
 
+/// A prompt containing this is answered by the fake only after [`SLOW_DELAY`], far beyond the
+/// test's `llm.request_timeout`.
+const SLOW: &str = "NU-SLOW";
+const SLOW_DELAY: Duration = Duration::from_secs(20);
+
 /// `prefix_batcher_llm_circuit_opened_total{endpoint="0"}` now.
 fn circuit_openings() -> f64 {
     let text = prefix_batcher::metrics::render();
@@ -40,6 +48,14 @@ fn circuit_openings() -> f64 {
 fn poison(id: &str, g: usize) -> TestRequest {
     let prompt = format!("{} {POISON} call a tool", group_prefix(g));
     let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": 8, "tools": "not a list"}});
+    TestRequest { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), group: g }
+}
+
+/// A completions request of group `g` whose prompt the fake answers only after [`SLOW_DELAY`]
+/// (as a prompt with a huge `max_tokens` would keep a real server busy).
+fn slow(id: &str, g: usize) -> TestRequest {
+    let prompt = format!("{} {SLOW} write a very long story", group_prefix(g));
+    let body = json!({"id": id, "prompt": prompt, "params": {"max_tokens": 30000}});
     TestRequest { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), group: g }
 }
 
@@ -116,6 +132,68 @@ async fn a_few_poison_500_prompts_are_dead_lettered_and_never_open_the_breaker()
     eprintln!(
         "poison 500: 120 answered ok in {normal_in:?}, 5 dead-lettered after {dead_in:?}, breaker opened {opened} times, \
          {failed_calls} of {} calls answered 500",
+        calls.len()
+    );
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
+/// The new-user case of a few prompts that on their own outlast `llm.request_timeout` on a
+/// healthy server, which opened the breaker again and again (a timeout was a hard fault) and
+/// paused intake for every request of the endpoint: here the breaker does not open at all (the
+/// server answers its probe, fast, every time), the 3 slow requests are dead-lettered with
+/// reason `delivery_limit` and the last error (a timeout), and the 60 others are answered `ok`.
+/// A 400 ms request timeout, 2 attempts and a delivery limit of 3 keep it short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_few_poison_timeout_prompts_are_dead_lettered_and_never_open_the_breaker() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().slow_prompts_containing(SLOW, SLOW_DELAY).start().await.unwrap();
+    let env = TestEnv::new("nu-poisontimeout");
+    let mut raw = env.raw_config(fake.url.as_str());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.amqp.delivery_limit) = ("400ms".into(), 2, 3);
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let opened_before = circuit_openings();
+
+    let normal = completions_workload("nu-normal", 60, 4);
+    let bad: Vec<TestRequest> = (0..3).map(|i| slow(&format!("nu-slow-{i}"), i % 4)).collect();
+    let bad_ids = ids(&bad);
+    // Normal traffic in 4 waves, the slow requests in the first one (each shares its batch with
+    // normal requests of its key).
+    let started = Instant::now();
+    for (wave, chunk) in normal.chunks(15).enumerate() {
+        if wave == 0 {
+            st.amqp.publish_requests(&env.input_queue(), &bad, &st.reply).await;
+        }
+        st.amqp.publish_requests(&env.input_queue(), chunk, &st.reply).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    st.results.until_all(&ids(&normal), Duration::from_secs(60)).await;
+    let normal_in = started.elapsed();
+    dead.until_all(&bad_ids, Duration::from_secs(90)).await;
+    let dead_in = started.elapsed();
+    st.results.barrier(&st.amqp).await;
+
+    let opened = circuit_openings() - opened_before;
+    for m in st.results.received.iter() {
+        assert!(!bad_ids.contains(&m.correlation_id), "a slow request got a result: {}", String::from_utf8_lossy(&m.body));
+        let r = m.result();
+        assert!(r.ok, "{} failed: {:?}", m.correlation_id, r.error);
+    }
+    let answered: HashSet<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).collect();
+    assert_eq!(answered.len(), normal.len());
+    assert_eq!(dead.received.len(), bad.len(), "each slow request is dead-lettered once");
+    for m in &dead.received {
+        assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains("timeout"), "the detail names the last error: {detail}");
+    }
+    assert_eq!(opened, 0.0, "the breaker opened {opened} times for requests that time out on their own");
+    let calls = fake.calls();
+    let slow_calls = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains(SLOW))).count();
+    let probes = calls.iter().filter(|c| c.prompts == [prefix_batcher::llm::PROBE_PROMPT]).count();
+    eprintln!(
+        "poison timeouts: 60 answered ok in {normal_in:?}, 3 dead-lettered after {dead_in:?}, breaker opened {opened} times, \
+         {slow_calls} of {} calls timed out, {probes} probes",
         calls.len()
     );
     stop_and_check_nothing_held(env, st, vec![dead]).await;
