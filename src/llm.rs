@@ -71,7 +71,7 @@
 //! bearer token only travels in a header marked sensitive.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -258,6 +258,10 @@ pub struct Completion {
     pub model: Option<String>,
     /// HTTP attempts used by the call that served this item, 1 ..= `llm.max_attempts`.
     pub attempts: u32,
+    /// How long the call that served this item waited for one of the endpoint's
+    /// `llm.max_concurrency` permits, all its attempts together (for a batch sent prompt by
+    /// prompt under one permit: that permit's wait). Not part of the HTTP time.
+    pub permit_wait: Duration,
 }
 
 /// Why an item failed. The same error is given to every item of the failed HTTP call.
@@ -657,7 +661,7 @@ impl LlmClient {
                 CallKind::Chat => {
                     for &member in &group.members {
                         let single = Group { members: vec![member], ..group.clone() };
-                        calls.push(Box::pin(self.run_call(endpoint, items, single, cancel, false)));
+                        calls.push(Box::pin(self.run_call(endpoint, items, single, cancel, None)));
                     }
                 }
             }
@@ -676,9 +680,9 @@ impl LlmClient {
     /// goes again prompt by prompt so only the offending prompts fail.
     async fn run_list(&self, endpoint: usize, items: &[InferenceItem<'_>], group: Group<'_>, cancel: &CancellationToken) -> ItemResults {
         if group.members.len() == 1 {
-            return self.run_call(endpoint, items, group, cancel, false).await;
+            return self.run_call(endpoint, items, group, cancel, None).await;
         }
-        let results = self.run_call(endpoint, items, group.clone(), cancel, false).await;
+        let results = self.run_call(endpoint, items, group.clone(), cancel, None).await;
         let request_fault = results.iter().find_map(|(_, r)| r.as_ref().err().filter(|e| e.kind.splits_list()));
         // A failed call gives all members the same error; a parsed answer with bad items does not.
         let whole_call_failed = results.iter().all(|(_, r)| r.is_err());
@@ -709,29 +713,32 @@ impl LlmClient {
         cancel: &CancellationToken,
     ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
+        let asked = Instant::now();
         let _permit = tokio::select! {
             biased;
             _ = cancel.cancelled() => return group.members.iter().map(|&i| (i, Err(LlmError::cancelled()))).collect(),
             p = ep.permits.acquire(items[group.members[0]].prefix_key) => p,
         };
+        let waited = asked.elapsed();
         let mut out = Vec::with_capacity(group.members.len());
         for &member in &group.members {
             let single = Group { members: vec![member], ..group.clone() };
-            out.extend(self.run_call(endpoint, items, single, cancel, true).await);
+            out.extend(self.run_call(endpoint, items, single, cancel, Some(waited)).await);
         }
         out
     }
 
     /// One HTTP call (with retries) for `group`; returns `(item index, result)` for every member.
-    /// `permit_held`: the caller already holds an endpoint permit for this call.
+    /// `held`: `Some(its wait)` when the caller already holds an endpoint permit for this call.
     async fn run_call(
         &self,
         endpoint: usize,
         items: &[InferenceItem<'_>],
         group: Group<'_>,
         cancel: &CancellationToken,
-        permit_held: bool,
+        held: Option<Duration>,
     ) -> ItemResults {
+        let (permit_held, held_wait) = (held.is_some(), held.unwrap_or_default());
         let ep = &self.inner.endpoints[endpoint];
         let n_members = group.members.len();
         let choices_per_prompt = group.choices_per_prompt();
@@ -748,7 +755,7 @@ impl LlmClient {
             CallKind::Chat => parse_chat(v),
         };
         let prefix_key = group.members.first().and_then(|&i| items[i].prefix_key);
-        let call = Call { endpoint, url, payload, n_items: n_members, permit_held, list: n_members > 1, prefix_key };
+        let call = Call { endpoint, url, payload, n_items: n_members, permit_held, list: n_members > 1, prefix_key, permit_wait_us: AtomicU64::new(0) };
         let (result, attempts) = self.send_with_retries(&call, cancel, parse).await;
         let parsed = match result {
             Ok(parsed) => parsed,
@@ -763,7 +770,8 @@ impl LlmClient {
                  sending one completions call per prompt to this endpoint from now on"
             );
         }
-        let with_attempts = |r: Result<Completion, LlmError>| r.map(|c| Completion { attempts, ..c });
+        let permit_wait = held_wait + Duration::from_micros(call.permit_wait_us.load(Ordering::Relaxed));
+        let with_attempts = |r: Result<Completion, LlmError>| r.map(|c| Completion { attempts, permit_wait, ..c });
         group.members.iter().zip(parsed.items).map(|(&i, r)| (i, with_attempts(r))).collect()
     }
 
@@ -837,11 +845,14 @@ impl LlmClient {
         let permit = if call.permit_held {
             None
         } else {
-            tokio::select! {
+            let asked = Instant::now();
+            let permit = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Gate::Cancelled,
-                p = ep.permits.acquire(call.prefix_key) => Some(p),
-            }
+                p = ep.permits.acquire(call.prefix_key) => p,
+            };
+            call.permit_wait_us.fetch_add(asked.elapsed().as_micros().try_into().unwrap_or(u64::MAX), Ordering::Relaxed);
+            Some(permit)
         };
         let admission = self.admit(call.endpoint);
         if !admission.allowed() {
@@ -1074,6 +1085,9 @@ struct Call<'a> {
     list: bool,
     /// The prefix key of its items, for the permit order.
     prefix_key: Option<u64>,
+    /// Time its attempts waited for an endpoint permit, in microseconds (added up by
+    /// [`LlmClient::attempt_through_breaker`]).
+    permit_wait_us: AtomicU64,
 }
 
 /// How one attempt through the breaker went.
@@ -1498,6 +1512,7 @@ fn completion_of(obj: &Value, choice: &Value, index: u64) -> Result<Completion, 
             usage: usage_of(choice),
             model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
             attempts: 0,
+            permit_wait: Duration::ZERO,
         }),
         _ => Err(LlmError::invalid(format!("choice {index} has no string `text`"))),
     }
@@ -1535,7 +1550,7 @@ fn parse_chat(v: Value) -> Result<Parsed, LlmError> {
     }
     let usage = usage_of(&v);
     let completion =
-        Completion { output: message, finish_reason, usage, model: v.get("model").and_then(Value::as_str).map(str::to_owned), attempts: 0 };
+        Completion { output: message, finish_reason, usage, model: v.get("model").and_then(Value::as_str).map(str::to_owned), attempts: 0, permit_wait: Duration::ZERO };
     let mut parsed = Parsed::default();
             parsed.add_tokens(usage_totals(&v));
     parsed.items.push(Ok(completion));
@@ -1861,6 +1876,11 @@ mod tests {
             assert!(ra1[0].is_ok() && rb1[0].is_ok() && ra2[0].is_ok());
             let order: Vec<String> = fake.calls().into_iter().flat_map(|c| c.prompts).collect();
             assert_eq!(order, ["a1", "a2", "b1"], "list_prompts = {list_prompts}");
+            // Each waited for the permit while the calls before it ran (50 ms each).
+            let wait = |r: &[Result<Completion, LlmError>]| r[0].as_ref().unwrap().permit_wait;
+            let (wa1, wa2, wb1) = (wait(&ra1), wait(&ra2), wait(&rb1));
+            assert!(wa1 < Duration::from_millis(50), "a1 found the permit free: {wa1:?}");
+            assert!(wa2 >= Duration::from_millis(50) && wb1 >= Duration::from_millis(100), "a2 {wa2:?}, b1 {wb1:?}");
         }
     }
 

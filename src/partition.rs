@@ -628,7 +628,8 @@ async fn process_batch(
                 answer => answer,
             };
             let batch_wait = flushed.saturating_duration_since(pending.received).as_millis() as u64;
-            let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms };
+            let llm_wait = answer.as_ref().map_or(0, |c| c.permit_wait.as_millis() as u64);
+            let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
                 Some(result) => publisher::publish_result(ch, conn, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,

@@ -364,8 +364,13 @@ pub struct TimingsMs {
     pub queued: u64,
     /// Time the request waited in its batch buffer.
     pub batch_wait: u64,
-    /// Duration of the LLM call that served it, retries included.
+    /// Duration of the LLM call(s) of its batch, retries included, less `llm_wait`.
     pub llm: u64,
+    /// Time its LLM call waited for one of the endpoint's `llm.max_concurrency` permits before
+    /// it was sent (all attempts together): the daemon's own queueing in front of a busy server.
+    /// 0 in a failed result. Absent in results of older versions (read as 0).
+    #[serde(default)]
+    pub llm_wait: u64,
 }
 
 /// The error object of a failed result.
