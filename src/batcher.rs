@@ -7,6 +7,8 @@
 //! - all buffers together hold `max_buffered` items, the partition's prefetch: no further delivery
 //!   can arrive before some are settled, so every buffer goes ([`FlushReason::Prefetch`],
 //!   [`Batcher::flush_full`]),
+//! - the instance's byte budget is spent (the driver's `budget_spent` signal): every buffer goes
+//!   ([`FlushReason::ByteBudget`]),
 //! - the partition shuts down or is revoked ([`FlushReason::Shutdown`] / [`FlushReason::Revoke`],
 //!   [`Batcher::drain`]).
 //!
@@ -32,7 +34,7 @@ use std::hash::Hash;
 use std::num::NonZeroUsize;
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -47,6 +49,9 @@ pub enum FlushReason {
     /// sends no further delivery until some are settled, so waiting for `max_batch_wait` could
     /// only add latency. Every buffer flushes.
     Prefetch,
+    /// The instance's byte budget for held requests (`batching.max_buffered_bytes`) was spent:
+    /// no partition accepts a delivery until bytes are given back, so every buffer flushes.
+    ByteBudget,
     /// The input ended (graceful shutdown): every partial batch is flushed.
     Shutdown,
     /// The partition's lease was lost or handed over: every partial batch is handed back.
@@ -55,20 +60,23 @@ pub enum FlushReason {
 
 impl FlushReason {
     /// Every reason, in label order; for pre-registering metric label values.
-    pub const ALL: [FlushReason; 5] = [
+    pub const ALL: [FlushReason; 6] = [
         FlushReason::Size,
         FlushReason::Timeout,
         FlushReason::Prefetch,
+        FlushReason::ByteBudget,
         FlushReason::Shutdown,
         FlushReason::Revoke,
     ];
 
-    /// The metric label value: `"size"`, `"timeout"`, `"prefetch"`, `"shutdown"` or `"revoke"`.
+    /// The metric label value: `"size"`, `"timeout"`, `"prefetch"`, `"byte_budget"`, `"shutdown"`
+    /// or `"revoke"`.
     pub fn as_str(&self) -> &'static str {
         match self {
             FlushReason::Size => "size",
             FlushReason::Timeout => "timeout",
             FlushReason::Prefetch => "prefetch",
+            FlushReason::ByteBudget => "byte_budget",
             FlushReason::Shutdown => "shutdown",
             FlushReason::Revoke => "revoke",
         }
@@ -302,6 +310,7 @@ where
 enum Event<K, T> {
     Item((K, T)),
     Deadline,
+    BudgetSpent,
     InputClosed,
     Revoked,
 }
@@ -331,6 +340,7 @@ pub async fn run<K, T>(
     mut input: mpsc::Receiver<(K, T)>,
     out: mpsc::Sender<Batch<K, T>>,
     revoke: CancellationToken,
+    mut budget_spent: watch::Receiver<u64>,
     mut on_state: impl FnMut(usize, Option<Duration>),
 ) where
     K: Eq + Hash + Clone,
@@ -342,6 +352,7 @@ pub async fn run<K, T>(
             biased;
             () = revoke.cancelled() => Event::Revoked,
             () = sleep_until_some(deadline) => Event::Deadline,
+            Ok(()) = budget_spent.changed() => Event::BudgetSpent,
             received = input.recv() => received.map_or(Event::InputClosed, Event::Item),
         };
         let now = Instant::now();
@@ -356,6 +367,10 @@ pub async fn run<K, T>(
             }
             Event::Deadline => {
                 ready.extend(batcher.flush_expired(now));
+                false
+            }
+            Event::BudgetSpent => {
+                ready.extend(batcher.drain(FlushReason::ByteBudget));
                 false
             }
             Event::InputClosed => {
@@ -483,10 +498,10 @@ mod tests {
     #[test]
     fn flush_reason_labels_are_stable_and_distinct() {
         let labels: Vec<_> = FlushReason::ALL.iter().map(FlushReason::as_str).collect();
-        assert_eq!(labels, ["size", "timeout", "prefetch", "shutdown", "revoke"]);
+        assert_eq!(labels, ["size", "timeout", "prefetch", "byte_budget", "shutdown", "revoke"]);
         assert_eq!(FlushReason::Revoke.to_string(), "revoke");
         let distinct: HashSet<_> = FlushReason::ALL.iter().collect();
-        assert_eq!(distinct.len(), 5);
+        assert_eq!(distinct.len(), 6);
     }
 
     // ---- Batcher: size ----------------------------------------------------------------------
@@ -892,6 +907,8 @@ mod tests {
         revoke: CancellationToken,
         states: States,
         task: tokio::task::JoinHandle<()>,
+        /// The byte budget's "spent" signal the driver watches.
+        spent: watch::Sender<u64>,
     }
 
     fn spawn_run(size: usize, wait: Duration) -> Harness {
@@ -904,11 +921,13 @@ mod tests {
         let revoke = CancellationToken::new();
         let states = States::default();
         let recorded = states.clone();
+        let spent = watch::Sender::new(0);
         let task = tokio::spawn(run(
             cfg,
             in_rx,
             out_tx,
             revoke.clone(),
+            spent.subscribe(),
             move |n, age| recorded.lock().unwrap().push((n, age)),
         ));
         Harness {
@@ -917,6 +936,7 @@ mod tests {
             revoke,
             states,
             task,
+            spent,
         }
     }
 
@@ -1006,6 +1026,26 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn run_flushes_every_buffer_when_the_byte_budget_is_spent() {
+        let Harness { tx, mut out, spent, .. } = spawn_run(8, WAIT);
+        let t0 = Instant::now();
+        for (key, item) in [("a", 1), ("b", 2), ("a", 3)] {
+            tx.send((key, item)).await.unwrap();
+        }
+        tokio::time::sleep(10 * MS).await;
+        assert!(out.try_recv().is_err(), "nothing due yet");
+        spent.send_modify(|n| *n += 1);
+        let (a, b) = (next(&mut out).await, next(&mut out).await);
+        assert_eq!(Instant::now(), t0 + 10 * MS, "at once, not at max_batch_wait");
+        assert_eq!((a.key, a.items, a.reason), ("a", vec![1, 3], FlushReason::ByteBudget));
+        assert_eq!((b.key, b.items, b.reason), ("b", vec![2], FlushReason::ByteBudget));
+        // The driver goes on: the next item waits for its own deadline again.
+        tx.send(("c", 4)).await.unwrap();
+        let c = next(&mut out).await;
+        assert_eq!((c.key, c.reason, Instant::now()), ("c", FlushReason::Timeout, t0 + 10 * MS + WAIT));
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn run_keeps_keys_apart_with_independent_deadlines() {
         let Harness { tx, mut out, .. } = spawn_run(2, WAIT);
         let t0 = Instant::now();
@@ -1064,6 +1104,7 @@ mod tests {
             revoke,
             states,
             task,
+            ..
         } = spawn_run(3, WAIT);
         let mut sent = Vec::new();
         for i in 0..20u32 {
@@ -1112,7 +1153,7 @@ mod tests {
                 .unwrap();
         }
         revoke.cancel();
-        run(cfg(3, WAIT), in_rx, out_tx, revoke, |_, _| {}).await;
+        run(cfg(3, WAIT), in_rx, out_tx, revoke, watch::channel(0).1, |_, _| {}).await;
         let mut batches = Vec::new();
         while let Some(batch) = out.recv().await {
             batches.push((batch.key, batch.items, batch.reason));
@@ -1137,6 +1178,7 @@ mod tests {
             revoke,
             states,
             task,
+            ..
         } = spawn_run(10, WAIT);
         let t0 = Instant::now();
         tx.send(("a", 1)).await.unwrap();

@@ -40,7 +40,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -94,7 +94,7 @@ pub struct Ownership {
     /// wait until `settle_time` after it.
     rejoined_at: Option<Instant>,
     /// `batching.max_buffered_bytes`, shared by every partition worker of this instance.
-    buffer_bytes: Arc<Semaphore>,
+    buffer_budget: partition::BufferBudget,
 }
 
 impl Ownership {
@@ -105,7 +105,7 @@ impl Ownership {
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
         let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout);
         Ownership {
-            buffer_bytes: partition::buffer_budget(&settings),
+            buffer_budget: partition::BufferBudget::new(&settings),
             settings,
             membership,
             leases,
@@ -365,7 +365,7 @@ impl Ownership {
             settings: self.settings.clone(),
             llm: self.llm.clone(),
             lease: clock.clone(),
-            buffer_bytes: self.buffer_bytes.clone(),
+            buffer_budget: self.buffer_budget.clone(),
         };
         let conns = conns.clone();
         let worker_stop = stop.clone();

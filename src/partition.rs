@@ -3,8 +3,9 @@
 //! One instance of this runs per partition whose lease the instance holds. Stages are tasks
 //! joined by bounded channels (`batching.channel_capacity`); the AMQP prefetch
 //! (`amqp.partition_prefetch`) bounds the unacked deliveries, and one byte budget per instance
-//! (`batching.max_buffered_bytes`, [`PartitionContext::buffer_bytes`]) bounds the request bodies
-//! held: intake waits while it is spent.
+//! (`batching.max_buffered_bytes`, [`PartitionContext::buffer_budget`]) bounds the request bodies
+//! held: intake waits while it is spent, and every batcher of the instance then flushes what it
+//! holds (`reason="byte_budget"`), since no buffer can grow until bytes are given back.
 //!
 //! Three ways to stop, chosen by the owner ([`crate::ownership`]):
 //! - `drain` (SIGTERM): stop consuming, flush every buffer (`reason="shutdown"`), finish the
@@ -96,16 +97,50 @@ pub struct PartitionContext {
     pub settings: Arc<Settings>,
     pub llm: LlmClient,
     pub lease: Arc<LeaseClock>,
-    /// The instance's budget of buffered request bytes, shared by all its partitions: one permit
-    /// per body byte (`batching.max_buffered_bytes` permits, see [`buffer_budget`]), taken when a
-    /// delivery is accepted and given back when it is settled.
-    pub buffer_bytes: Arc<Semaphore>,
+    /// The instance's budget of buffered request bytes, shared by all its partitions.
+    pub buffer_budget: BufferBudget,
 }
 
-/// The byte budget of [`PartitionContext::buffer_bytes`]: `batching.max_buffered_bytes` permits
-/// (capped at what a tokio semaphore holds).
-pub fn buffer_budget(settings: &Settings) -> Arc<Semaphore> {
-    Arc::new(Semaphore::new(settings.batching.max_buffered_bytes.get().min(Semaphore::MAX_PERMITS)))
+/// The instance's budget of buffered request bytes (`batching.max_buffered_bytes`), shared by all
+/// its partition workers, and the signal that it is spent.
+#[derive(Clone)]
+pub struct BufferBudget {
+    /// One permit per body byte (capped at what a tokio semaphore holds), taken when a delivery
+    /// is accepted and given back when it is settled.
+    bytes: Arc<Semaphore>,
+    /// Bumped each time an intake finds the budget spent and has to wait. Every batcher of the
+    /// instance watches it and flushes all it holds ([`FlushReason::ByteBudget`]): while the
+    /// budget is spent no delivery is accepted, so a buffer could only wait out
+    /// `max_batch_wait`, holding bytes that a batch in flight would give back sooner.
+    spent: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl BufferBudget {
+    /// A full budget of `batching.max_buffered_bytes`.
+    pub fn new(settings: &Settings) -> Self {
+        BufferBudget {
+            bytes: Arc::new(Semaphore::new(settings.batching.max_buffered_bytes.get().min(Semaphore::MAX_PERMITS))),
+            spent: Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
+    }
+
+    /// Takes `bytes` (1 ..= the budget) of the budget, waiting while it is spent; before such a
+    /// wait, signals every batcher to flush. `None` when the semaphore was closed (never done).
+    async fn take(&self, bytes: u32) -> Option<OwnedSemaphorePermit> {
+        match self.bytes.clone().try_acquire_many_owned(bytes) {
+            Ok(permit) => Some(permit),
+            Err(tokio::sync::TryAcquireError::Closed) => None,
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                self.spent.send_modify(|n| *n = n.wrapping_add(1));
+                self.bytes.clone().acquire_many_owned(bytes).await.ok()
+            }
+        }
+    }
+
+    /// The "budget spent" signal for a batcher ([`batcher::run`]).
+    pub fn spent_signal(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.spent.subscribe()
+    }
 }
 
 /// Stop signals of a worker.
@@ -331,7 +366,8 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
         max_batch_wait: s.batching.max_batch_wait,
         max_buffered: usize::from(s.amqp.partition_prefetch),
     };
-    let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), move |n, age| {
+    let spent = ctx.buffer_budget.spent_signal();
+    let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
     let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), conns.publish.clone(), batch_rx, stop.clone(), end.clone()));
@@ -479,7 +515,7 @@ async fn admit(
         biased;
         _ = stop.stopped() => return None,
         _ = end.token.cancelled() => return None,
-        p = ctx.buffer_bytes.clone().acquire_many_owned(bytes) => p.ok()?,
+        p = ctx.buffer_budget.take(bytes) => p?,
     };
     accept(ctx, publish, delivery, held.hold(permit)).await
 }

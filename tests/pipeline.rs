@@ -265,6 +265,41 @@ async fn a_partition_whose_prefetch_is_all_buffered_flushes_at_once() {
     env.cleanup().await;
 }
 
+/// A spent byte budget flushes every buffer at once. One partition, a prefetch of 64, a
+/// 10-minute `max_batch_wait`, and a `batching.max_buffered_bytes` that holds 4 of the 16
+/// requests (16 prefix keys): once 4 are buffered the intake waits for bytes that only a flushed
+/// batch gives back, so without the flush every 4 requests would wait out the 10 minutes. With
+/// it, all but the last few are answered within seconds; those last ones, with no request behind
+/// them to spend the budget, wait for their `max_batch_wait` as usual, and the graceful stop
+/// flushes them (`reason="shutdown"`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spent_byte_budget_flushes_the_buffers_at_once() {
+    let env = TestEnv::new("budget");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let reqs = completions_workload("budget", 16, 16);
+    let largest = reqs.iter().map(|r| r.body.len()).max().unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.partitions = 1;
+    raw.amqp.max_message_bytes = largest;
+    raw.batching.max_buffered_bytes = 4 * largest + largest / 2;
+    raw.batching.max_batch_wait = "10m".into();
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    // Without the flush, no request would be answered for 10 minutes: the first 4 fill the budget.
+    results.until("12 of 16 results", DEADLINE, |r| r.len() >= 12).await;
+    let early = results.distinct_of(&ids(&reqs));
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    results.barrier(&amqp).await;
+    results.assert_one_ok_result_each(&reqs, "failed");
+    let calls = fake.calls();
+    println!("16 requests with 16 keys, a byte budget of 4.5 requests: {early} answered before the stop; {} LLM calls", calls.len());
+    assert!(calls.iter().all(|c| c.prompts.len() == 1), "one key per batch");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// Two HTTP 500s followed by success are retried: every request ends ok.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_server_errors_are_retried() {
