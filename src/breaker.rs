@@ -180,6 +180,11 @@ pub struct Breaker {
     suspect: bool,
     /// A verification probe is in flight ([`Self::take_verification`] .. [`Self::verified`]).
     verifying: bool,
+    /// When the first call of the request timeouts not yet judged by a probe was sent
+    /// ([`Self::timed_out_call_sent`]; else when that timeout was recorded).
+    timeouts_since: Option<Instant>,
+    /// When a real call (not a probe) was last answered: a success or a request fault.
+    last_answer: Option<Instant>,
 }
 
 impl Breaker {
@@ -194,6 +199,8 @@ impl Breaker {
             openings: 0,
             suspect: false,
             verifying: false,
+            timeouts_since: None,
+            last_answer: None,
         }
     }
 
@@ -248,7 +255,7 @@ impl Breaker {
     /// Returns the new state when this outcome changed it.
     pub fn record(&mut self, outcome: Outcome, probe: bool, now: Instant) -> Option<BreakerState> {
         match self.state {
-            State::Closed => self.record_closed(outcome, now),
+            State::Closed => self.record_closed(outcome, probe, now),
             State::HalfOpen { .. } if probe => match outcome {
                 Outcome::Success | Outcome::RequestFault => {
                     self.close();
@@ -310,12 +317,39 @@ impl Breaker {
                 self.open(now);
                 Some(BreakerState::Open)
             }
-            Outcome::Success | Outcome::RequestFault => {
-                self.refute();
-                None
-            }
+            Outcome::Success | Outcome::RequestFault => self.probe_passed(now),
             Outcome::Abandoned => None,
         }
+    }
+
+    /// Tells the closed breaker when a call that is about to be recorded as
+    /// [`Outcome::TimedOut`] was sent: a real call answered after that instant shows the server
+    /// doing real work while the timed-out one ran ([`Self::probe_passed`]).
+    pub fn timed_out_call_sent(&mut self, sent: Instant) {
+        if self.state == State::Closed {
+            self.timeouts_since = Some(self.timeouts_since.map_or(sent, |t| t.min(sent)));
+        }
+    }
+
+    /// A probe of the closed endpoint passed (a success or a request fault). Its faults to verify
+    /// were the requests' own ([`Self::refute`], returns `None`) unless request timeouts are
+    /// among them and no real call was answered since the first of them was sent: the server then answers
+    /// a one-token probe but does no real work in time (overloaded, or too slow for
+    /// `llm.request_timeout`), which is the server's fault, and the breaker opens (returns the new
+    /// state). A poison request that times out among normal traffic is refuted, because the other
+    /// calls are answered meanwhile.
+    pub fn probe_passed(&mut self, now: Instant) -> Option<BreakerState> {
+        if self.state != State::Closed {
+            return None;
+        }
+        if let Some(since) = self.timeouts_since {
+            if self.last_answer.is_none_or(|answered| answered < since) {
+                self.open(now);
+                return Some(BreakerState::Open);
+            }
+        }
+        self.refute();
+        None
     }
 
     /// The endpoint answered a probe while closed: its answered faults and request timeouts so
@@ -331,15 +365,21 @@ impl Breaker {
         self.consecutive = 0;
         self.consecutive_unconfirmed = 0;
         self.suspect = false;
+        self.timeouts_since = None;
     }
 
-    fn record_closed(&mut self, outcome: Outcome, now: Instant) -> Option<BreakerState> {
+    fn record_closed(&mut self, outcome: Outcome, probe: bool, now: Instant) -> Option<BreakerState> {
         let mark = match outcome {
             Outcome::Abandoned => return None,
             Outcome::Success | Outcome::RequestFault => Mark::Healthy,
             Outcome::ServerFault => Mark::Hard,
             Outcome::AnsweredFault | Outcome::TimedOut => Mark::Unconfirmed,
         };
+        if mark == Mark::Healthy && !probe {
+            self.last_answer = Some(now);
+        } else if outcome == Outcome::TimedOut && self.timeouts_since.is_none() {
+            self.timeouts_since = Some(now);
+        }
         if mark == Mark::Healthy {
             self.consecutive = 0;
             self.consecutive_unconfirmed = 0;
@@ -374,6 +414,7 @@ impl Breaker {
         self.openings = self.openings.saturating_add(1);
         self.state = State::Open { until: now + wait };
         self.suspect = false;
+        self.timeouts_since = None;
     }
 
     fn close(&mut self) {
@@ -603,10 +644,11 @@ mod tests {
         let mut b = Breaker::new(BreakerPolicy::default());
         let t0 = Instant::now();
         // A poison prompt timing out again and again (retries, redeliveries), now and then a
-        // normal call's success: the breaker never opens, a probe refutes every suspicion.
+        // normal call's success (the first call too): the breaker never opens, a probe refutes
+        // every suspicion.
         let mut verifications = 0;
         for i in 0..200 {
-            let outcome = if i % 7 == 6 { Outcome::Success } else { Outcome::TimedOut };
+            let outcome = if i % 7 == 0 { Outcome::Success } else { Outcome::TimedOut };
             assert_eq!(b.record(outcome, false, t0), None, "call {i}: request timeouts never open it by themselves");
             if b.take_verification() {
                 verifications += 1;
@@ -627,6 +669,49 @@ mod tests {
         assert!(!b.suspect(), "4 in a row after a refutation");
         b.record(Outcome::TimedOut, false, t0);
         assert!(b.suspect() && b.available(t0));
+    }
+
+    #[test]
+    fn a_server_whose_real_calls_all_time_out_opens_it_though_it_answers_the_probe() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        // Only timeouts since they began: the probe's one token proves no real work was done.
+        let mut b = Breaker::new(BreakerPolicy::default());
+        assert_eq!(b.record(Outcome::Success, false, t0), None);
+        for i in 1..=5 {
+            assert_eq!(b.record(Outcome::TimedOut, false, t0 + i * ms), None);
+        }
+        assert!(b.take_verification());
+        assert_eq!(b.verified(Outcome::Success, t0 + 6 * ms), Some(BreakerState::Open));
+        // The same through the partition's check (`LlmClient::confirm_server_fault`).
+        let mut b = Breaker::new(BreakerPolicy::default());
+        b.record(Outcome::TimedOut, false, t0);
+        assert_eq!(b.probe_passed(t0 + ms), Some(BreakerState::Open));
+        // A real call answered after the first timeout: the timeouts were the requests' own.
+        let mut b = Breaker::new(BreakerPolicy::default());
+        for i in 0..5 {
+            b.record(Outcome::TimedOut, false, t0 + i * 2 * ms);
+            b.record(Outcome::Success, false, t0 + (i * 2 + 1) * ms);
+        }
+        assert_eq!(b.probe_passed(t0 + 20 * ms), None);
+        assert!(b.available(t0 + 20 * ms));
+        // What counts is when the timed-out call was sent: an answer while it ran refutes.
+        let mut b = Breaker::new(BreakerPolicy::default());
+        b.record(Outcome::Success, false, t0 + 5 * ms);
+        b.timed_out_call_sent(t0);
+        b.record(Outcome::TimedOut, false, t0 + 400 * ms);
+        assert_eq!(b.probe_passed(t0 + 401 * ms), None, "answered while the timed-out call ran");
+        b.timed_out_call_sent(t0 + 10 * ms);
+        b.record(Outcome::TimedOut, false, t0 + 410 * ms);
+        assert_eq!(b.probe_passed(t0 + 411 * ms), Some(BreakerState::Open), "nothing answered since it was sent");
+        // A passing probe is not a real answer, and answered faults alone are still refuted.
+        let mut b = Breaker::new(BreakerPolicy::default());
+        b.record(Outcome::TimedOut, false, t0);
+        b.record(Outcome::Success, true, t0 + ms);
+        assert_eq!(b.probe_passed(t0 + 2 * ms), Some(BreakerState::Open));
+        let mut b = Breaker::new(BreakerPolicy::default());
+        b.record(Outcome::AnsweredFault, false, t0);
+        assert_eq!(b.probe_passed(t0 + ms), None);
     }
 
     #[test]

@@ -40,6 +40,12 @@
 //! connections not made within `llm.connect_timeout` (reqwest reports those as connect errors,
 //! [`ErrorKind::Connect`]), 401/403/404 and 429 are hard faults and open it without a probe.
 //!
+//! A server that answers the one-token probe but no real call in time (overloaded, or a
+//! `llm.request_timeout` too short for its model) is not given the benefit of the doubt: a
+//! passing probe discounts request timeouts only when a real call on the endpoint was answered
+//! after the first of them was sent ([`Breaker::probe_passed`]); otherwise the breaker opens
+//! and the requests wait for the endpoint, uncharged.
+//!
 //! A *hung* server (it accepts connections but never answers) times out every call and the
 //! probe too, so it still opens the breaker: the probe is limited to
 //! min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`] = 30 s), so a hung server is seen down at most
@@ -874,6 +880,9 @@ impl LlmClient {
         };
         (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
         let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
+        if breaker_outcome == Outcome::TimedOut {
+            lock(&ep.breaker).timed_out_call_sent(started);
+        }
         self.record(call.endpoint, breaker_outcome, false);
         if breaker_outcome.needs_verification() {
             if let Some(verification) = self.start_verification(call.endpoint) {
@@ -920,8 +929,12 @@ impl LlmClient {
             return true;
         }
         if self.probe(endpoint).await != Outcome::ServerFault {
-            lock(&self.inner.endpoints[endpoint].breaker).refute();
-            return false;
+            let changed = lock(&self.inner.endpoints[endpoint].breaker).probe_passed(Instant::now());
+            if changed.is_none() {
+                return false;
+            }
+            self.after_record(endpoint, changed, false);
+            return true;
         }
         let changed = lock(&self.inner.endpoints[endpoint].breaker).trip(Instant::now());
         self.after_record(endpoint, changed, false);
@@ -2014,6 +2027,33 @@ mod tests {
         let slow = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
         assert_eq!(slow, 8, "every attempt was made: nothing failed fast");
         assert!(probes >= 1, "the timeouts tripped the rule and were verified ({probes} probes)");
+    }
+
+    /// A server too slow for every real call but quick to answer the one-token probe (overloaded,
+    /// or an `llm.request_timeout` too short for its model): the timeouts are the server's, not
+    /// the requests'. The breaker opens, so the requests wait for the endpoint uncharged, instead
+    /// of being charged a delivery each round until every one of them is dead-lettered.
+    #[tokio::test]
+    async fn a_server_too_slow_for_every_real_call_opens_the_breaker_though_it_answers_the_probe() {
+        let fake = FakeLlm::new().slow_prompts_containing("question", Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts) = (Duration::from_millis(150), NonZeroU32::new(2).unwrap());
+        let ask = |i: usize| [(completion(&format!("question {i}")), Map::new())];
+        // The partition's check after one failed batch.
+        let client = LlmClient::new(&s).unwrap();
+        let results = run(&client, &ask(0)).await;
+        assert_eq!(results[0].as_ref().unwrap_err().kind, ErrorKind::Timeout);
+        assert!(client.confirm_server_fault(0).await, "down, though the probe passed: no real call was answered");
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
+        // The breaker's own rule: the 5th timeout in a row makes it suspect, its verification
+        // probe passes, and it opens all the same.
+        let client = LlmClient::new(&s).unwrap();
+        for i in 0..3 {
+            run(&client, &ask(i)).await;
+        }
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
+        let probes = fake.calls().iter().filter(|c| c.prompts == [PROBE_PROMPT] && c.status == 200).count();
+        assert!(probes >= 2, "both verdicts came from passing probes ({probes})");
     }
 
     /// A hung server: every call times out, the probe too. The timeouts make the breaker

@@ -141,8 +141,9 @@ async fn a_few_poison_500_prompts_are_dead_lettered_and_never_open_the_breaker()
 /// healthy server, which opened the breaker again and again (a timeout was a hard fault) and
 /// paused intake for every request of the endpoint: here the breaker does not open at all (the
 /// server answers its probe, fast, every time), the 3 slow requests are dead-lettered with
-/// reason `delivery_limit` and the last error (a timeout), and the 60 others are answered `ok`.
-/// A 400 ms request timeout, 2 attempts and a delivery limit of 3 keep it short.
+/// reason `delivery_limit` and the last error (a timeout), and the normal requests sent
+/// meanwhile are answered `ok`. A 400 ms request timeout, 2 attempts and a delivery limit of 3
+/// keep it short.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_few_poison_timeout_prompts_are_dead_lettered_and_never_open_the_breaker() {
     let _serial = SERIAL.lock().await;
@@ -154,23 +155,25 @@ async fn a_few_poison_timeout_prompts_are_dead_lettered_and_never_open_the_break
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let opened_before = circuit_openings();
 
-    let normal = completions_workload("nu-normal", 60, 4);
     let bad: Vec<TestRequest> = (0..3).map(|i| slow(&format!("nu-slow-{i}"), i % 4)).collect();
     let bad_ids = ids(&bad);
-    // Normal traffic in 4 waves, the slow requests in the first one (each shares its batch with
-    // normal requests of its key).
+    // The slow requests first, then normal traffic of the same keys (so they share batches) in
+    // waves of 5 every 300 ms until the slow ones are dead-lettered: steady traffic, whose
+    // answers show the probe's verdict right (without any, only timeouts since they began, the
+    // breaker takes the server for too slow and opens: see the breaker's `probe_passed`).
     let started = Instant::now();
-    for (wave, chunk) in normal.chunks(15).enumerate() {
-        if wave == 0 {
-            st.amqp.publish_requests(&env.input_queue(), &bad, &st.reply).await;
-        }
-        st.amqp.publish_requests(&env.input_queue(), chunk, &st.reply).await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    st.amqp.publish_requests(&env.input_queue(), &bad, &st.reply).await;
+    let mut normal: Vec<TestRequest> = Vec::new();
+    while dead.distinct_of(&bad_ids) < bad.len() {
+        assert!(started.elapsed() < Duration::from_secs(90), "the slow requests were not dead-lettered within 90 s");
+        let wave = completions_workload(&format!("nu-normal-{}", normal.len() / 5), 5, 4);
+        st.amqp.publish_requests(&env.input_queue(), &wave, &st.reply).await;
+        normal.extend(wave);
+        dead.collect_for(Duration::from_millis(300)).await;
     }
+    let dead_in = started.elapsed();
     st.results.until_all(&ids(&normal), Duration::from_secs(60)).await;
     let normal_in = started.elapsed();
-    dead.until_all(&bad_ids, Duration::from_secs(90)).await;
-    let dead_in = started.elapsed();
     st.results.barrier(&st.amqp).await;
 
     let opened = circuit_openings() - opened_before;
@@ -192,8 +195,9 @@ async fn a_few_poison_timeout_prompts_are_dead_lettered_and_never_open_the_break
     let slow_calls = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains(SLOW))).count();
     let probes = calls.iter().filter(|c| c.prompts == [prefix_batcher::llm::PROBE_PROMPT]).count();
     eprintln!(
-        "poison timeouts: 60 answered ok in {normal_in:?}, 3 dead-lettered after {dead_in:?}, breaker opened {opened} times, \
+        "poison timeouts: {} answered ok in {normal_in:?}, 3 dead-lettered after {dead_in:?}, breaker opened {opened} times, \
          {slow_calls} of {} calls timed out, {probes} probes",
+        normal.len(),
         calls.len()
     );
     stop_and_check_nothing_held(env, st, vec![dead]).await;
