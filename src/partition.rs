@@ -647,7 +647,10 @@ async fn process_batch(
         .collect();
     // `None`: stopping, lease lost or session ending. Nothing is settled here; the channel's close
     // returns these requests.
-    let Some((results, llm_ms)) = infer_through_outages(&ctx, &items, &stop, &end).await else { return };
+    let Some(results) = infer_through_outages(&ctx, &items, &stop, &end).await else { return };
+    // From the flush to the answers: the calls, their retries and any wait for an endpoint
+    // through an outage (`timings_ms.llm`, less each request's permit wait).
+    let llm_ms = flushed.elapsed().as_millis() as u64;
     drop(items);
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
@@ -680,7 +683,7 @@ async fn process_batch(
     }
 }
 
-/// The LLM answers of `items`, one per item in order, and the time spent in LLM calls (ms). Items
+/// The LLM answers of `items`, one per item in order. Items
 /// that meet a server fault while their endpoint is down ([`LlmClient::confirm_server_fault`])
 /// wait for an available endpoint and go again. When the endpoint answers the probe instead, the
 /// fault may be one request's own (a prompt that crashes the server fails the list call it
@@ -692,22 +695,19 @@ async fn infer_through_outages(
     items: &[InferenceItem<'_>],
     stop: &StopSignals,
     end: &SessionEnd,
-) -> Option<(Vec<Result<crate::llm::Completion, crate::llm::LlmError>>, u64)> {
+) -> Option<Vec<Result<crate::llm::Completion, crate::llm::LlmError>>> {
     let mut results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = items.iter().map(|_| None).collect();
     let mut todo: Vec<usize> = (0..items.len()).collect();
-    let mut llm_ms = 0u64;
     let mut one_by_one = false;
     loop {
         let endpoint = wait_for_endpoint(ctx, stop, &end.token).await?;
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
-        let started = Instant::now();
         let answers = if one_by_one {
             let calls = call.iter().map(|item| ctx.llm.infer(endpoint, std::slice::from_ref(item), &end.token));
             futures_util::future::join_all(calls).await.into_iter().flatten().collect()
         } else {
             ctx.llm.infer(endpoint, &call, &end.token).await
         };
-        llm_ms += started.elapsed().as_millis() as u64;
         if end.token.is_cancelled() {
             return None;
         }
@@ -726,7 +726,7 @@ async fn infer_through_outages(
         }
         if again.is_empty() {
             let results = results.into_iter().map(|r| r.expect("every item was answered")).collect();
-            return Some((results, llm_ms));
+            return Some(results);
         }
         if outage {
             warn!(

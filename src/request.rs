@@ -364,7 +364,8 @@ pub struct TimingsMs {
     pub queued: u64,
     /// Time the request waited in its batch buffer.
     pub batch_wait: u64,
-    /// Duration of the LLM call(s) of its batch, retries included, less `llm_wait`.
+    /// From its batch's flush to the LLM's answers: the call(s), their retries, and any wait for
+    /// an available endpoint through an LLM outage; less `llm_wait`.
     pub llm: u64,
     /// Time its LLM call waited for one of the endpoint's `llm.max_concurrency` permits before
     /// it was sent (all attempts together): the daemon's own queueing in front of a busy server.
