@@ -370,6 +370,11 @@ pub async fn run<K, T>(
                 false
             }
             Event::BudgetSpent => {
+                // Items already on their way (sent before the intake found the budget spent) hold
+                // bytes too: they go with the rest.
+                while let Ok((key, item)) = input.try_recv() {
+                    ready.extend(batcher.push(key, item, now));
+                }
                 ready.extend(batcher.drain(FlushReason::ByteBudget));
                 false
             }
@@ -1034,11 +1039,13 @@ mod tests {
         }
         tokio::time::sleep(10 * MS).await;
         assert!(out.try_recv().is_err(), "nothing due yet");
+        // An item still in the channel when the signal comes goes too.
         spent.send_modify(|n| *n += 1);
+        tx.send(("b", 5)).await.unwrap();
         let (a, b) = (next(&mut out).await, next(&mut out).await);
         assert_eq!(Instant::now(), t0 + 10 * MS, "at once, not at max_batch_wait");
         assert_eq!((a.key, a.items, a.reason), ("a", vec![1, 3], FlushReason::ByteBudget));
-        assert_eq!((b.key, b.items, b.reason), ("b", vec![2], FlushReason::ByteBudget));
+        assert_eq!((b.key, b.items, b.reason), ("b", vec![2, 5], FlushReason::ByteBudget));
         // The driver goes on: the next item waits for its own deadline again.
         tx.send(("c", 4)).await.unwrap();
         let c = next(&mut out).await;
