@@ -165,6 +165,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("amqp.consumer_timeout", "40m", "\"40m\""),
         ("amqp.delivery_limit", "3", "3"),
         ("amqp.quorum_initial_group_size", "5", "5"),
+        ("amqp.heartbeat", "20s", "\"20s\""),
         (
             "amqp.urls",
             "amqps://envuser:envpass@r1.example:5671/%2f,amqps://envuser:envpass@r2.example:5671/%2f",
