@@ -372,9 +372,7 @@ pub async fn run<K, T>(
             Event::BudgetSpent => {
                 // Items already on their way (sent before the intake found the budget spent) hold
                 // bytes too: they go with the rest.
-                while let Ok((key, item)) = input.try_recv() {
-                    ready.extend(batcher.push(key, item, now));
-                }
+                push_queued(&mut batcher, &mut input, now, &mut ready);
                 ready.extend(batcher.drain(FlushReason::ByteBudget));
                 false
             }
@@ -384,9 +382,7 @@ pub async fn run<K, T>(
             }
             Event::Revoked => {
                 input.close();
-                while let Ok((key, item)) = input.try_recv() {
-                    ready.extend(batcher.push(key, item, now));
-                }
+                push_queued(&mut batcher, &mut input, now, &mut ready);
                 ready.extend(batcher.drain(FlushReason::Revoke));
                 for batch in &mut ready {
                     batch.reason = FlushReason::Revoke;
@@ -404,6 +400,17 @@ pub async fn run<K, T>(
         if last {
             return;
         }
+    }
+}
+
+/// Pushes every item already waiting in `input` (without waiting for more), adding the size
+/// batches they fill to `ready`.
+fn push_queued<K, T>(batcher: &mut Batcher<K, T>, input: &mut mpsc::Receiver<(K, T)>, now: Instant, ready: &mut Vec<Batch<K, T>>)
+where
+    K: Eq + Hash + Clone,
+{
+    while let Ok((key, item)) = input.try_recv() {
+        ready.extend(batcher.push(key, item, now));
     }
 }
 

@@ -59,6 +59,25 @@ fn slow(id: &str, g: usize) -> TestRequest {
     TestRequest { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), group: g }
 }
 
+/// Every `normal` request got one `ok` result and no `bad` one did; each `bad` request was
+/// dead-lettered once with reason `delivery_limit` and a detail naming its last error (`error`).
+fn assert_answered_and_dead_lettered(results: &Collector, dead: &Collector, normal: &[TestRequest], bad: &[TestRequest], error: &str) {
+    let bad_ids = ids(bad);
+    for m in results.received.iter() {
+        assert!(!bad_ids.contains(&m.correlation_id), "a bad request got a result: {}", String::from_utf8_lossy(&m.body));
+        let r = m.result();
+        assert!(r.ok, "{} failed: {:?}", m.correlation_id, r.error);
+    }
+    let answered: HashSet<&str> = results.received.iter().map(|m| m.correlation_id.as_str()).collect();
+    assert_eq!(answered.len(), normal.len());
+    assert_eq!(dead.received.len(), bad.len(), "each bad request is dead-lettered once");
+    for m in &dead.received {
+        assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains(error), "the detail names the last error: {detail}");
+    }
+}
+
 /// Stops the daemon gracefully, checks that no request is left in (or returned to) the input
 /// and partition queues, closes the collectors and deletes everything the test created.
 async fn stop_and_check_nothing_held(env: TestEnv, started: Started, others: Vec<Collector>) {
@@ -113,19 +132,7 @@ async fn a_few_poison_500_prompts_are_dead_lettered_and_never_open_the_breaker()
     st.results.barrier(&st.amqp).await;
 
     let opened = circuit_openings() - opened_before;
-    for m in st.results.received.iter() {
-        assert!(!bad_ids.contains(&m.correlation_id), "a poison request got a result: {}", String::from_utf8_lossy(&m.body));
-        let r = m.result();
-        assert!(r.ok, "{} failed: {:?}", m.correlation_id, r.error);
-    }
-    let answered: HashSet<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).collect();
-    assert_eq!(answered.len(), normal.len());
-    assert_eq!(dead.received.len(), bad.len(), "each poison request is dead-lettered once");
-    for m in &dead.received {
-        assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
-        let detail = m.header("x-death-detail").unwrap_or_default();
-        assert!(detail.contains("500"), "the detail names the last error: {detail}");
-    }
+    assert_answered_and_dead_lettered(&st.results, &dead, &normal, &bad, "500");
     assert_eq!(opened, 0.0, "the breaker opened {opened} times for requests the server fails on their own");
     let calls = fake.calls();
     let failed_calls = calls.iter().filter(|c| c.status == 500).count();
@@ -177,19 +184,7 @@ async fn a_few_poison_timeout_prompts_are_dead_lettered_and_never_open_the_break
     st.results.barrier(&st.amqp).await;
 
     let opened = circuit_openings() - opened_before;
-    for m in st.results.received.iter() {
-        assert!(!bad_ids.contains(&m.correlation_id), "a slow request got a result: {}", String::from_utf8_lossy(&m.body));
-        let r = m.result();
-        assert!(r.ok, "{} failed: {:?}", m.correlation_id, r.error);
-    }
-    let answered: HashSet<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).collect();
-    assert_eq!(answered.len(), normal.len());
-    assert_eq!(dead.received.len(), bad.len(), "each slow request is dead-lettered once");
-    for m in &dead.received {
-        assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
-        let detail = m.header("x-death-detail").unwrap_or_default();
-        assert!(detail.contains("timeout"), "the detail names the last error: {detail}");
-    }
+    assert_answered_and_dead_lettered(&st.results, &dead, &normal, &bad, "timeout");
     assert_eq!(opened, 0.0, "the breaker opened {opened} times for requests that time out on their own");
     let calls = fake.calls();
     let slow_calls = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains(SLOW))).count();
