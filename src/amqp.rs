@@ -12,7 +12,7 @@ use lapin::options::ConfirmSelectOptions;
 use lapin::protocol::AMQPErrorKind;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connect, Connection, ConnectionProperties};
 
 use crate::config::AmqpSettings;
 
@@ -25,7 +25,7 @@ pub const PRECONDITION_FAILED: u16 = 406;
 
 /// Opens one AMQP connection to node `node` of [`AmqpSettings::nodes`] (`amqp.urls`, or
 /// `amqp.url`) with `props`, asking for the `amqp.heartbeat` timeout
-/// ([`AmqpSettings::connect_url`]). Over `amqps://` it uses the link's TLS files ([`crate::tls`]): the
+/// ([`AmqpSettings::connect_uri`]). Over `amqps://` it uses the link's TLS files ([`crate::tls`]): the
 /// CA bundle is trusted in addition to the system roots (lapin adds it to them), and the client
 /// certificate and key, when set, authenticate the daemon (mutual TLS; RabbitMQ's
 /// `ssl_options.verify = verify_peer`).
@@ -34,16 +34,15 @@ pub const PRECONDITION_FAILED: u16 = 406;
 /// handshake (an I/O error naming the certificate problem). Panics when `node` is out of range.
 pub async fn connect_node(amqp: &AmqpSettings, node: usize, props: ConnectionProperties) -> lapin::Result<Connection> {
     crate::tls::install_crypto_provider();
-    let url = amqp.connect_url(node);
-    let url = url.as_str();
+    let uri = amqp.connect_uri(node);
     if !amqp.tls.is_set() {
-        return Connection::connect(url, props).await;
+        return uri.connect(props).await;
     }
     let config = OwnedTLSConfig {
         identity: amqp.tls.client.as_ref().map(|c| OwnedIdentity::PKCS8 { pem: c.cert_pem.clone(), key: c.key_pem.clone() }),
         cert_chain: amqp.tls.ca_pem.as_ref().map(|p| String::from_utf8_lossy(p).into_owned()),
     };
-    Connection::connect_with_config(url, props, config, lapin::runtime::default_runtime()?).await
+    uri.connect_with_config(props, config, lapin::runtime::default_runtime()?).await
 }
 
 /// Opens one AMQP connection to the first node of [`AmqpSettings::nodes`] that accepts it, in

@@ -140,6 +140,11 @@ pub enum Lifecycle {
     Stopping,
 }
 
+/// The lowest AMQP heartbeat timeout RabbitMQ advises, in seconds ("values within the 5 to 20
+/// seconds range are optimal", <https://www.rabbitmq.com/docs/heartbeats>); a lower
+/// `amqp.heartbeat` is allowed, with a warning at startup.
+pub const MIN_ADVISED_HEARTBEAT_SECS: u16 = 5;
+
 /// Runs the daemon until `shutdown` completes. See [`run_with_events`].
 pub async fn run(settings: Settings, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), AppError> {
     run_with_events(settings, shutdown, |_| {}).await
@@ -166,6 +171,12 @@ pub async fn run_with_events(
         .map_err(|source| AppError::Listen { addr: settings.http_listen, source })?;
     let addr = listener.local_addr().map_err(|source| AppError::Listen { addr: settings.http_listen, source })?;
     info!(%addr, instance = %settings.instance_name, "http listening");
+    if (1..MIN_ADVISED_HEARTBEAT_SECS).contains(&settings.amqp.heartbeat) {
+        warn!(
+            heartbeat_secs = settings.amqp.heartbeat,
+            "amqp.heartbeat is below the 5 s RabbitMQ advises: a busy host or network may see healthy connections closed (https://www.rabbitmq.com/docs/heartbeats)"
+        );
+    }
     let http_token = root.child_token();
     let http = tokio::spawn(crate::http::serve(listener, readiness.clone(), http_token.clone().cancelled_owned()));
 

@@ -503,6 +503,18 @@ impl AmqpSettings {
         self.nodes[node].with_query_pair("heartbeat", (self.heartbeat > 0).then(|| self.heartbeat.to_string()))
     }
 
+    /// [`AmqpSettings::connect_url`] as the AMQP client reads it. An IPv6 literal host
+    /// (`amqp://u:p@[2001:db8::5]:5672/%2f`) is kept: lapin's own URL parser takes only domain
+    /// names and would connect to `localhost` instead. Contains the password.
+    /// Panics when `node` is out of range (the URL was checked at load).
+    pub fn connect_uri(&self, node: usize) -> lapin::uri::AMQPUri {
+        let mut uri: lapin::uri::AMQPUri = self.connect_url(node).parse().expect("broker URL checked at load");
+        if let Some(url::Host::Ipv6(ip)) = self.nodes[node].0.host() {
+            uri.authority.host = ip.to_string();
+        }
+        uri
+    }
+
     /// Name of partition queue `p`: `{prefix}.{p:03}` (zero padded to at least 3 digits).
     pub fn partition_queue(&self, p: u32) -> String {
         format!("{}.{:03}", self.partition_queue_prefix, p)
@@ -979,11 +991,14 @@ fn amqp_heartbeat(v: &str) -> Result<u16, ConfigError> {
 }
 
 /// The broker nodes: `amqp.urls` when set (each validated like `amqp.url`, at most
-/// [`MAX_AMQP_NODES`], one scheme for all), else `amqp.url`.
+/// [`MAX_AMQP_NODES`], one scheme for all), else `amqp.url`. `amqp.url` is validated even when
+/// `amqp.urls` replaces it, so a typo in it fails at startup, not on the day `amqp.urls` is
+/// emptied.
 fn amqp_nodes(a: &RawAmqp) -> Result<Vec<SecretUrl>, ConfigError> {
     const SCHEMES: &[&str] = &["amqp", "amqps"];
+    let url = broker_url("amqp.url", secret_url("amqp.url", &a.url, SCHEMES)?)?;
     if a.urls.is_empty() {
-        return Ok(vec![no_heartbeat_query("amqp.url", secret_url("amqp.url", &a.url, SCHEMES)?)?]);
+        return Ok(vec![url]);
     }
     if a.urls.len() > MAX_AMQP_NODES {
         return Err(invalid("amqp.urls", format!("{} URLs", a.urls.len()), format!("must list at most {MAX_AMQP_NODES} nodes")));
@@ -991,7 +1006,7 @@ fn amqp_nodes(a: &RawAmqp) -> Result<Vec<SecretUrl>, ConfigError> {
     let nodes = a
         .urls
         .iter()
-        .map(|u| no_heartbeat_query("amqp.urls", secret_url("amqp.urls", u.trim(), SCHEMES)?))
+        .map(|u| broker_url("amqp.urls", secret_url("amqp.urls", u.trim(), SCHEMES)?))
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(odd) = nodes.iter().find(|u| u.0.scheme() != nodes[0].0.scheme()) {
         return Err(invalid("amqp.urls", odd.redacted(), format!("every URL must have the same scheme as the first ({}://)", nodes[0].0.scheme())));
@@ -999,12 +1014,33 @@ fn amqp_nodes(a: &RawAmqp) -> Result<Vec<SecretUrl>, ConfigError> {
     Ok(nodes)
 }
 
-/// A broker URL may not set the heartbeat in its query (`?heartbeat=N`, which lapin reads):
-/// `amqp.heartbeat` sets it, and two places for one value would leave an operator guessing which
-/// applies.
-fn no_heartbeat_query(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError> {
-    if u.0.query_pairs().any(|(k, _)| k == "heartbeat") {
-        return Err(invalid(key, u.redacted(), "must not set heartbeat in its query: set amqp.heartbeat instead"));
+/// The query parameters the AMQP client (lapin's `AMQPUri`) reads from a broker URL, less
+/// `heartbeat`, which [`AmqpSettings::heartbeat`] sets. It ignores any other parameter, so
+/// another one is a typo, and is refused.
+pub const AMQP_URL_QUERY_PARAMETERS: [&str; 4] = ["frame_max", "channel_max", "connection_timeout", "auth_mechanism"];
+
+/// Checks a broker URL as the AMQP client will read it, so that a bad one stops startup instead
+/// of every connection attempt:
+/// - no `heartbeat` query parameter: `amqp.heartbeat` sets it, and two places for one value would
+///   leave an operator guessing which applies;
+/// - no query parameter outside [`AMQP_URL_QUERY_PARAMETERS`] (the client would ignore it);
+/// - the values parse as the client parses them (integers; a SASL mechanism name).
+fn broker_url(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError> {
+    for (k, _) in u.0.query_pairs() {
+        if k == "heartbeat" {
+            return Err(invalid(key, u.redacted(), "must not set heartbeat in its query: set amqp.heartbeat instead"));
+        }
+        if !AMQP_URL_QUERY_PARAMETERS.contains(&k.as_ref()) {
+            return Err(invalid(
+                key,
+                u.redacted(),
+                format!("query parameter {k:?} is not one the AMQP client reads ({})", AMQP_URL_QUERY_PARAMETERS.join(", ")),
+            ));
+        }
+    }
+    if let Err(e) = u.0.as_str().parse::<lapin::uri::AMQPUri>() {
+        let e = redact_text(&e);
+        return Err(invalid(key, u.redacted(), format!("the AMQP client cannot read it: {e}")));
     }
     Ok(u)
 }
@@ -1593,9 +1629,54 @@ mod tests {
         r.amqp.url = "amqp://u:hunter2@h/%2f?heartbeat=5".into();
         let e = err(&r);
         assert!(e.contains("amqp.url") && e.contains("amqp.heartbeat instead") && !e.contains("hunter2"), "{e}");
+        r.amqp.url = "amqp://u:hunter2@h/%2f".into();
         r.amqp.urls = vec!["amqp://u:hunter2@a/%2f".into(), "amqp://u:hunter2@b/%2f?heartbeat=5".into()];
         let e = err(&r);
         assert!(e.contains("amqp.urls") && e.contains("amqp.heartbeat instead") && !e.contains("hunter2"), "{e}");
+    }
+
+    #[test]
+    fn broker_urls_are_checked_as_the_amqp_client_reads_them() {
+        let mut r = RawConfig::default();
+        r.amqp.url = "amqp://u:hunter2@h/%2f?frame_max=131072&channel_max=64&connection_timeout=5000&auth_mechanism=plain".into();
+        ok(&r);
+        for (bad, rule) in [
+            ("amqp://u:hunter2@h/%2f?frame_max=abc", "cannot read it: invalid digit"),
+            ("amqp://u:hunter2@h/%2f?channel_max=70000", "cannot read it"),
+            ("amqp://u:hunter2@h/%2f?auth_mechanism=kerberos", "Invalid SASL mechanism"),
+            ("amqp://u:hunter2@h/%2f?heartbeats=5", "\"heartbeats\" is not one the AMQP client reads"),
+            ("amqp://u:hunter2@h/%2f?connection_timout=5000", "frame_max, channel_max, connection_timeout, auth_mechanism"),
+        ] {
+            r.amqp.url = bad.into();
+            let e = err(&r);
+            assert!(e.contains("amqp.url") && e.contains(rule) && !e.contains("hunter2"), "{bad}: {e}");
+            r.amqp.url = "amqp://u:hunter2@h/%2f".into();
+            r.amqp.urls = vec!["amqp://u:hunter2@a/%2f".into(), bad.into()];
+            let e = err(&r);
+            assert!(e.contains("amqp.urls") && e.contains(rule) && !e.contains("hunter2"), "{bad}: {e}");
+            r.amqp.urls.clear();
+        }
+        // amqp.url is checked even while amqp.urls replaces it.
+        r.amqp.urls = vec!["amqp://u:hunter2@a/%2f".into()];
+        r.amqp.url = "amqp://u:hunter2@ho st".into();
+        assert!(err(&r).contains("amqp.url"));
+    }
+
+    #[test]
+    fn an_ipv6_broker_host_is_kept_for_the_amqp_client() {
+        let mut r = RawConfig::default();
+        r.amqp.url = "amqp://u:p@[2001:db8::5]:5673/%2f".into();
+        let uri = ok(&r).amqp.connect_uri(0);
+        // lapin's own parser gives "localhost" here (it reads only domain names).
+        assert_eq!(uri.authority.host, "2001:db8::5");
+        assert_eq!((uri.authority.port, uri.query.heartbeat), (5673, Some(10)));
+        r.amqp.url = "amqp://u:p@10.1.2.3/%2f".into();
+        let uri = ok(&r).amqp.connect_uri(0);
+        assert_eq!((uri.authority.host.as_str(), uri.authority.port), ("10.1.2.3", 5672));
+        r.amqp.url = "amqps://u:p@rabbit.example/v?frame_max=131072".into();
+        let uri = ok(&r).amqp.connect_uri(0);
+        assert_eq!((uri.authority.host.as_str(), uri.authority.port, uri.vhost.as_str()), ("rabbit.example", 5671, "v"));
+        assert_eq!((uri.query.frame_max, uri.authority.userinfo.password.as_str()), (Some(131072), "p"));
     }
 
     #[test]
