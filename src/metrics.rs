@@ -194,6 +194,11 @@ macro_rules! gauge_vec {
 static UNSETTLED: LazyLock<IntGaugeVec> =
     gauge_vec!("unsettled_deliveries", "Deliveries of a partition held by this instance, neither acked nor nacked yet.", &["partition"]);
 /// Results refused by their `reply_to` queue, by refusal (see `publisher::refusal_reason`).
+static QUEUES_REDECLARED: LazyLock<IntCounterVec> = counter_vec!(
+    "queues_redeclared_total",
+    "Destinations of the daemon (dead_letter: the dead-letter exchange and queue; results: the results queue) found deleted at run time by a publish, and declared again.",
+    &["queue"]
+);
 static REPLY_TO_REFUSED: LazyLock<IntCounterVec> =
     counter_vec!("reply_to_refused_total", "Results refused by their reply_to queue and published to the results queue instead.", &["reason"]);
 /// 1 while a partition's intake is paused because no LLM endpoint is available.
@@ -420,6 +425,9 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for r in ["nacked", "unroutable", "timeout"] {
         REPLY_TO_REFUSED.with_label_values(&[r]);
     }
+    for d in crate::publisher::OwnDestination::ALL {
+        QUEUES_REDECLARED.with_label_values(&[d.label()]);
+    }
     LazyLock::force(&INTAKE_PAUSED);
     for r in restart::ALL {
         CONSUMER_RESTARTS.with_label_values(&[r]);
@@ -590,6 +598,12 @@ pub fn unsettled_deliveries(partition: u32, n: usize) {
 /// A result was refused by its `reply_to` queue (`reason`: `nacked`, `unroutable`, `timeout`).
 pub fn reply_to_refused(reason: &'static str) {
     REPLY_TO_REFUSED.with_label_values(&[reason]).inc();
+}
+
+/// A destination of the daemon (`queue`: [`crate::publisher::OwnDestination::label`]) was found
+/// deleted by a publish and declared again.
+pub fn queue_redeclared(queue: &'static str) {
+    QUEUES_REDECLARED.with_label_values(&[queue]).inc();
 }
 
 /// A partition's intake paused (`true`) or resumed (`false`) on LLM availability.

@@ -373,7 +373,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), conns.publish.clone(), batch_rx, stop.clone(), end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
-    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held).await;
+    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &conns.publish, &item_tx, held).await;
     metrics::intake_paused(p, false);
     match ending {
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
@@ -424,6 +424,7 @@ async fn intake(
     end: &SessionEnd,
     consumer: &mut Consumer,
     publish: &Channel,
+    publish_conn: &Connection,
     item_tx: &mpsc::Sender<(PrefixKey, Pending)>,
     held: &Arc<HeldDeliveries>,
 ) -> Result<Ended, lapin::Error> {
@@ -468,7 +469,7 @@ async fn intake(
             _ = tokio::time::sleep(Duration::from_secs(1)), if paused => {}
             next = consumer.next(), if !paused => match next {
                 Some(Ok(delivery)) => {
-                    let Some(pending) = admit(ctx, stop, end, publish, delivery, held).await else { continue };
+                    let Some(pending) = admit(ctx, stop, end, (publish, publish_conn), delivery, held).await else { continue };
                     let bkey = if keyed { pending.key } else { PrefixKey(0) };
                     if item_tx.send((bkey, pending)).await.is_err() {
                         return Ok(Ended::Restart(restart::CHANNEL_CLOSED));
@@ -505,7 +506,7 @@ async fn admit(
     ctx: &PartitionContext,
     stop: &StopSignals,
     end: &SessionEnd,
-    publish: &Channel,
+    publish: (&Channel, &Connection),
     delivery: Delivery,
     held: &Arc<HeldDeliveries>,
 ) -> Option<Pending> {
@@ -581,16 +582,23 @@ async fn guarded_batch(
 /// Parses a delivery from a partition queue. The router validated it already; a message that
 /// still fails (e.g. published straight to a partition queue) is dead-lettered and acked
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
-async fn accept(ctx: &PartitionContext, ch: &Channel, delivery: Delivery, held: Held) -> Option<Pending> {
+async fn accept(ctx: &PartitionContext, (ch, conn): (&Channel, &Connection), delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
-    let (req, delivery) = match publisher::parse_or_dead_letter(ch, &s.amqp, &s.requests, delivery, Some(&ctx.lease)).await {
+    let (req, delivery) = match publisher::parse_or_dead_letter(ch, conn, &s.amqp, &s.requests, delivery, Some(&ctx.lease)).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return None,
         Intake::Unacked(delivery) => {
-            // The dead letter was not confirmed (or the lease is gone): back to the queue now, not
-            // held until the channel closes.
+            // The dead letter was not confirmed (or the lease is gone): back to the queue, not
+            // held until the channel closes. While the lease holds, after a backoff
+            // (`redelivery::requeue_backoff`), so that a broker fault does not use up the
+            // request's deliveries in milliseconds; the intake goes on meanwhile.
             let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
-            publisher::requeue(&delivery.acker, &id, "invalid request; its dead letter was not confirmed").await;
+            let earlier = crate::redelivery::delivery_count(delivery.properties.headers().as_ref());
+            let wait = if ctx.lease.is_valid() { crate::redelivery::requeue_backoff(&s.amqp, earlier) } else { Duration::ZERO };
+            tokio::spawn(async move {
+                tokio::time::sleep(wait).await;
+                publisher::requeue(&delivery.acker, &id, "invalid request; its dead letter was not confirmed").await;
+            });
             return None;
         }
     };

@@ -197,19 +197,103 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
 }
 
 /// Publishes a dead letter: the original body, the properties of [`carried_props`] plus
-/// `x-death-reason` and `x-death-detail` headers, persistent, to the dead-letter exchange.
+/// `x-death-reason` and `x-death-detail` headers, persistent, to the dead-letter exchange
+/// ([`publish_own`]: declared again on `conn` when it or its queue was deleted).
 pub async fn dead_letter(
     ch: &Channel,
-    dead_letter_exchange: &str,
+    conn: &Connection,
+    amqp: &AmqpSettings,
     body: &[u8],
     props: &BasicProperties,
     reason: &str,
     detail: &str,
-    timeout: Duration,
 ) -> Result<(), PublishError> {
     let death = [(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
     let props = carried_props(props, &death).with_delivery_mode(PERSISTENT);
-    publish_confirmed(ch, dead_letter_exchange, "", body, props, timeout).await
+    publish_own(ch, conn, amqp, OwnDestination::DeadLetter, body, props).await
+}
+
+/// Where the daemon itself sends messages, and declares at startup: a publish may find them
+/// deleted at run time ([`publish_own`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnDestination {
+    /// `amqp.dead_letter_exchange`, and `amqp.dead_letter_queue` bound to it.
+    DeadLetter,
+    /// `amqp.results_queue`, through the default exchange.
+    Results,
+}
+
+impl OwnDestination {
+    /// Every destination, for the metric's label values.
+    pub const ALL: [OwnDestination; 2] = [OwnDestination::DeadLetter, OwnDestination::Results];
+
+    /// The `queue` label of `prefix_batcher_queues_redeclared_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            OwnDestination::DeadLetter => "dead_letter",
+            OwnDestination::Results => "results",
+        }
+    }
+}
+
+/// Publishes to one of the daemon's own destinations and waits for the confirm
+/// ([`publish_confirmed`], `amqp.confirm_timeout`). When the broker says the destination is
+/// missing (the publish came back unroutable: no queue is bound; or the channel was closed with
+/// 404 `NOT_FOUND`: the exchange is gone), someone deleted it while the daemon ran: it is declared
+/// again on `conn` ([`crate::topology::declare_dead_letter`], [`crate::topology::declare_results`];
+/// counted in `prefix_batcher_queues_redeclared_total{queue}`) and, while `ch` is still open, the
+/// message is published once more. Without this, the daemon would requeue the message it could
+/// not place until the broker's own delivery limit dead-lettered it into an exchange with no
+/// queue, which drops it.
+///
+/// Errors: the last publish's error; the first one's when the declaration failed (also logged),
+/// or `ch` was closed by the failed publish (the caller requeues; its next attempt, on a new
+/// channel, finds the destination declared).
+pub async fn publish_own(
+    ch: &Channel,
+    conn: &Connection,
+    amqp: &AmqpSettings,
+    dest: OwnDestination,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<(), PublishError> {
+    let (exchange, routing_key) = match dest {
+        OwnDestination::DeadLetter => (amqp.dead_letter_exchange.as_str(), ""),
+        OwnDestination::Results => ("", amqp.results_queue.as_str()),
+    };
+    let first = publish_confirmed(ch, exchange, routing_key, body, props.clone(), amqp.confirm_timeout).await;
+    let missing = match &first {
+        Err(PublishError::Unroutable { .. }) => true,
+        Err(PublishError::Amqp(e)) => crate::amqp::reply_code(e) == Some(crate::amqp::NOT_FOUND),
+        _ => false,
+    };
+    if !missing {
+        return first;
+    }
+    let declare = async {
+        match dest {
+            OwnDestination::DeadLetter => crate::topology::declare_dead_letter(conn, amqp).await,
+            OwnDestination::Results => crate::topology::declare_results(conn, amqp).await,
+        }
+    };
+    match tokio::time::timeout(amqp.confirm_timeout, declare).await {
+        Ok(Ok(())) => {
+            warn!(queue = dest.label(), exchange, routing_key, "a destination of the daemon was missing (deleted while it ran); declared it again");
+            metrics::queue_redeclared(dest.label());
+        }
+        Ok(Err(e)) => {
+            warn!(queue = dest.label(), error = %e, "a destination of the daemon is missing and cannot be declared again");
+            return first;
+        }
+        Err(_) => {
+            warn!(queue = dest.label(), timeout = ?amqp.confirm_timeout, "a destination of the daemon is missing; declaring it again got no answer");
+            return first;
+        }
+    }
+    if !ch.status().connected() {
+        return first;
+    }
+    publish_confirmed(ch, exchange, routing_key, body, props, amqp.confirm_timeout).await
 }
 
 /// Now as Unix milliseconds (0 if the system clock is before 1970).
@@ -239,6 +323,7 @@ pub enum Intake {
 /// valid.
 pub async fn parse_or_dead_letter(
     ch: &Channel,
+    conn: &Connection,
     amqp: &AmqpSettings,
     policy: &RequestPolicy,
     delivery: Delivery,
@@ -263,7 +348,7 @@ pub async fn parse_or_dead_letter(
         }
         Err(err) => (err.reason(), err.to_string(), None),
     };
-    dead_letter_and_ack(ch, amqp, delivery, id.as_deref(), reason, &detail, lease).await
+    dead_letter_and_ack(ch, conn, amqp, delivery, id.as_deref(), reason, &detail, lease).await
 }
 
 /// The longest id (request id, `correlation_id`, `message_id`) a log line carries, in bytes;
@@ -297,8 +382,10 @@ pub fn log_id(id: &str) -> String {
 /// lease is valid. [`Intake::Unacked`] when nothing was confirmed (the caller requeues).
 /// `request_id` (when the request was parsed far enough to have one) and the delivery's
 /// `correlation_id` and `message_id` are logged with it, each cut by [`log_id`].
+#[allow(clippy::too_many_arguments)]
 pub async fn dead_letter_and_ack(
     ch: &Channel,
+    conn: &Connection,
     amqp: &AmqpSettings,
     delivery: Delivery,
     request_id: Option<&str>,
@@ -315,7 +402,7 @@ pub async fn dead_letter_and_ack(
         return Intake::Unacked(delivery);
     }
     let (body, props) = (&delivery.data, &delivery.properties);
-    if let Err(e) = dead_letter(ch, &amqp.dead_letter_exchange, body, props, reason, detail, amqp.confirm_timeout).await {
+    if let Err(e) = dead_letter(ch, conn, amqp, body, props, reason, detail).await {
         warn!(error = %e, "dead-letter publish not confirmed; the message is not acked");
         return Intake::Unacked(delivery);
     }
@@ -536,7 +623,7 @@ async fn publish_with_fallback(
     let t = amqp.confirm_timeout;
     let reply_to = request.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
     let Some(rt) = reply_to else {
-        return publish_confirmed(ch, "", &amqp.results_queue, &body, out_props, t).await;
+        return publish_own(ch, conn, amqp, OwnDestination::Results, &body, out_props).await;
     };
     let (reason, why) = match publish_confirmed(ch, "", &rt, &body, out_props.clone(), t).await {
         Ok(()) => return Ok(()),
@@ -555,7 +642,7 @@ async fn publish_with_fallback(
     warn!(request_id = %result.id, reply_to = %rt, reason, error = %why, "reply queue refused the result; publishing it to the results queue");
     metrics::reply_to_refused(reason);
     let headers = headers_with(out_props.headers().as_ref(), &[(HEADER_REPLY_TO_REFUSED, reason.to_owned()), (HEADER_REPLY_TO, rt)]);
-    publish_confirmed(ch, "", &amqp.results_queue, &body, out_props.with_headers(headers), t).await
+    publish_own(ch, conn, amqp, OwnDestination::Results, &body, out_props.with_headers(headers)).await
 }
 
 /// Nacks the delivery of `acker` with requeue and notes `why` for request `id`

@@ -15,9 +15,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{LazyLock, Mutex};
 
+use std::time::Duration;
+
 use lapin::types::FieldTable;
 
 use crate::amqp::header_u64;
+use crate::config::AmqpSettings;
 
 /// Header in which quorum queues count earlier deliveries of a message.
 pub const HEADER_DELIVERY_COUNT: &str = "x-delivery-count";
@@ -35,6 +38,16 @@ struct LastFailures {
 }
 
 static LAST_FAILURES: LazyLock<Mutex<LastFailures>> = LazyLock::new(Mutex::default);
+
+/// How long a delivery whose publish the broker did not confirm (a forward or a dead letter:
+/// channel closed, unroutable, nacked, no confirm) is held before it is requeued:
+/// `amqp.reconnect_backoff_initial` × 2^`earlier_deliveries`, at most
+/// `amqp.reconnect_backoff_max`. Every requeue counts towards `amqp.delivery_limit` (and the
+/// broker's own limit), so a broker fault must not use the deliveries up in milliseconds.
+pub fn requeue_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
+    let factor = 1u32 << earlier_deliveries.min(16);
+    a.reconnect_backoff_initial.saturating_mul(factor).min(a.reconnect_backoff_max)
+}
 
 /// Earlier deliveries of a message (0 on its first delivery), from [`HEADER_DELIVERY_COUNT`].
 pub fn delivery_count(headers: Option<&FieldTable>) -> u64 {

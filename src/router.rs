@@ -10,7 +10,6 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
@@ -239,7 +238,7 @@ async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
 
 /// Handles one input delivery: parse (or dead-letter), route, forward with a confirm, ack.
 /// A delivery whose forward or dead letter is not confirmed is requeued; a failed forward after
-/// [`forward_backoff`] (or at `stop`). The request id goes to `request_id` once known.
+/// [`redelivery::requeue_backoff`] (or at `stop`). The request id goes to `request_id` once known.
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
     let ch = match publish.get().await {
@@ -250,10 +249,11 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         }
     };
     let mut ch = ch;
-    let (req, delivery) = match publisher::parse_or_dead_letter(&ch, a, &settings.requests, delivery, None).await {
+    let conn = &publish.conns.publish;
+    let (req, delivery) = match publisher::parse_or_dead_letter(&ch, conn, a, &settings.requests, delivery, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
-        Intake::Unacked(delivery) => return requeue(delivery).await,
+        Intake::Unacked(delivery) => return requeue_after_backoff(a, delivery, stop).await,
     };
     let _ = request_id.set(req.id.clone());
     let r = route(&req, settings);
@@ -261,8 +261,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let fwd = match forward_props(&delivery.properties, &r) {
         Ok(p) => p,
         Err(e) => {
-            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&ch, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
-                requeue(delivery).await;
+            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&ch, conn, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
+                requeue_after_backoff(a, delivery, stop).await;
             }
             return;
         }
@@ -287,14 +287,9 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             debug!(request_id = %r.request_id, partition = r.partition, "forward nacked by the broker; publishing it again");
             continue;
         }
-        let wait = forward_backoff(a, redelivery::delivery_count(delivery.properties.headers().as_ref()));
-        warn!(error = %e, retry_in = ?wait, "forwarding failed; requeueing input");
+        warn!(error = %e, "forwarding failed; requeueing input after a backoff");
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            _ = tokio::time::sleep(wait) => {}
-        }
-        return requeue(delivery).await;
+        return requeue_after_backoff(a, delivery, stop).await;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         warn!(error = %e, "input ack failed; the broker will redeliver");
@@ -303,19 +298,24 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
 }
 
+/// A delivery whose forward or dead letter the broker did not confirm (channel closed,
+/// unroutable, nacked, no confirm): held for [`redelivery::requeue_backoff`], then requeued (at
+/// once when `stop` fires), so that a broker fault does not use up the request's deliveries in
+/// milliseconds.
+async fn requeue_after_backoff(a: &AmqpSettings, delivery: Delivery, stop: &CancellationToken) {
+    let wait = redelivery::requeue_backoff(a, redelivery::delivery_count(delivery.properties.headers().as_ref()));
+    debug!(retry_in = ?wait, "holding an input delivery before requeueing it");
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = tokio::time::sleep(wait) => {}
+    }
+    requeue(delivery).await
+}
+
 /// Not acked: requeue so another attempt (here or on another instance) can succeed.
 async fn requeue(delivery: Delivery) {
     let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
     metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
-}
-
-/// How long a delivery whose forward failed (broker side: channel closed, unroutable, no
-/// confirm) is held before it is requeued: `amqp.reconnect_backoff_initial` × 2^`earlier
-/// deliveries`, at most `amqp.reconnect_backoff_max`. Every requeue counts towards
-/// `amqp.delivery_limit`, so a broker fault must not use the deliveries up in milliseconds.
-fn forward_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
-    let factor = 1u32 << earlier_deliveries.min(16);
-    a.reconnect_backoff_initial.saturating_mul(factor).min(a.reconnect_backoff_max)
 }
 
 /// Properties of a forwarded request: those of [`publisher::carried_props`] (an allowlist; no
@@ -423,12 +423,12 @@ mod tests {
     }
 
     #[test]
-    fn forward_backoff_doubles_up_to_the_maximum() {
+    fn requeue_backoff_doubles_up_to_the_maximum() {
         let mut raw = crate::config::RawConfig::default();
         raw.amqp.reconnect_backoff_initial = "100ms".into();
         raw.amqp.reconnect_backoff_max = "1s".into();
         let a = Settings::from_raw(&raw).unwrap().amqp;
-        let got: Vec<u128> = [0, 1, 3, 4, 99].iter().map(|n| forward_backoff(&a, *n).as_millis()).collect();
+        let got: Vec<u128> = [0, 1, 3, 4, 99].iter().map(|n| redelivery::requeue_backoff(&a, *n).as_millis()).collect();
         assert_eq!(got, [100, 200, 800, 1000, 1000]);
     }
 

@@ -29,8 +29,8 @@ pub enum TopologyError {
         source: lapin::Error,
     },
     /// The deployment has another partition count.
-    #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{{prefix}}:partitions`)")]
-    PartitionCount { existing: String, configured: u32 },
+    #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{redis_key}`)")]
+    PartitionCount { existing: String, configured: u32, redis_key: String },
     /// Broker or connection failure.
     #[error("amqp: {0}")]
     Amqp(#[from] lapin::Error),
@@ -222,32 +222,22 @@ pub async fn declare(
     // Partition count first: nothing is declared for a deployment we would refuse to run.
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
-        return Err(TopologyError::PartitionCount { existing, configured: p });
+        return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
     }
     // Partition queues are declared from P-1 down to 0, so "queue 0 exists" means the whole set
     // exists: a missing queue P-1 then reveals a smaller deployment, an existing queue P a larger one.
     if queue_exists(conn, &cfg.partition_queue(p)).await? {
-        return Err(TopologyError::PartitionCount { existing: format!("more than {p}"), configured: p });
+        return Err(TopologyError::PartitionCount { existing: format!("more than {p}"), configured: p, redis_key: redis_key.to_owned() });
     }
     if queue_exists(conn, &cfg.partition_queue(0)).await? && !queue_exists(conn, &cfg.partition_queue(p - 1)).await? {
-        return Err(TopologyError::PartitionCount { existing: format!("fewer than {p}"), configured: p });
+        return Err(TopologyError::PartitionCount { existing: format!("fewer than {p}"), configured: p, redis_key: redis_key.to_owned() });
     }
 
-    declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
-    declare_queue(conn, &cfg.dead_letter_queue, plain_quorum_args(cfg)).await?;
-    let ch = conn.create_channel().await?;
-    ch.queue_bind(
-        cfg.dead_letter_queue.as_str().into(),
-        cfg.dead_letter_exchange.as_str().into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await?;
-
+    declare_dead_letter(conn, cfg).await?;
     declare_queue(conn, &cfg.input_queue, input_queue_args(cfg)).await?;
-    declare_queue(conn, &cfg.results_queue, plain_quorum_args(cfg)).await?;
+    declare_results(conn, cfg).await?;
     declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
+    let ch = conn.create_channel().await?;
     for part in (0..p).rev() {
         let q = cfg.partition_queue(part);
         declare_queue(conn, &q, partition_queue_args(cfg)).await?;
@@ -265,9 +255,28 @@ pub async fn declare(
     let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
-        return Err(TopologyError::PartitionCount { existing, configured: p });
+        return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
     }
     Ok(())
+}
+
+/// Declares the dead-letter exchange (fanout) and the dead-letter queue, and binds the queue to
+/// the exchange, idempotently: at startup ([`declare`]), and when a dead letter finds them missing
+/// at run time (someone deleted the queue or the exchange; [`crate::publisher::dead_letter_and_ack`]).
+pub async fn declare_dead_letter(conn: &Connection, cfg: &AmqpSettings) -> Result<(), TopologyError> {
+    declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
+    declare_queue(conn, &cfg.dead_letter_queue, plain_quorum_args(cfg)).await?;
+    let ch = conn.create_channel().await?;
+    let (queue, exchange) = (cfg.dead_letter_queue.as_str(), cfg.dead_letter_exchange.as_str());
+    ch.queue_bind(queue.into(), exchange.into(), "".into(), QueueBindOptions::default(), FieldTable::default()).await?;
+    let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+    Ok(())
+}
+
+/// Declares the results queue (`amqp.results_queue`), idempotently: at startup ([`declare`]),
+/// and when a result finds it missing at run time ([`crate::publisher::publish_result`]).
+pub async fn declare_results(conn: &Connection, cfg: &AmqpSettings) -> Result<(), TopologyError> {
+    declare_queue(conn, &cfg.results_queue, plain_quorum_args(cfg)).await
 }
 
 /// Declares partition queue `p` with the arguments [`declare`] gives it and binds it to the shard

@@ -462,3 +462,135 @@ async fn the_router_reopens_a_channel_the_broker_closed() {
     let _ = ch.close(200, "done".into()).await;
     f.finish().await;
 }
+
+/// `prefix_batcher_queues_redeclared_total{queue}` of this process.
+fn redeclared(queue: &str) -> f64 {
+    let label = format!(r#"queue="{queue}""#);
+    prefix_batcher::metrics::render()
+        .lines()
+        .find(|l| l.starts_with("prefix_batcher_queues_redeclared_total{") && l.contains(&label))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Publishes a body that is not JSON, with correlation id `cid`, to the input queue.
+async fn publish_junk(amqp: &Amqp, env: &TestEnv, cid: &str) {
+    amqp.publish(&env.input_queue(), b"not json", BasicProperties::default().with_correlation_id(cid.into())).await;
+}
+
+/// Ready messages of `queue`, `None` while it does not exist.
+async fn depth_if_present(amqp: &Amqp, queue: &str) -> Option<u32> {
+    let ch = amqp.conn.create_channel().await.expect("channel");
+    let q = ch.queue_declare(queue.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await.ok()?;
+    let _ = ch.close(200, "ok".into()).await;
+    Some(q.message_count())
+}
+
+/// Waits (≤ [`DEADLINE`]) until `queue` exists and holds `want` ready messages.
+async fn wait_depth(amqp: &Amqp, queue: &str, want: u32, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        let got = depth_if_present(amqp, queue).await;
+        if got == Some(want) {
+            return;
+        }
+        assert!(t0.elapsed() < DEADLINE, "{what}: {queue} holds {got:?} messages after {DEADLINE:?}, want {want}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Takes every ready message of `queue` (basic.get, acked) and returns their `x-death-reason`
+/// headers by correlation id.
+async fn take_all(amqp: &Amqp, queue: &str) -> Vec<(String, Option<String>)> {
+    let mut out = Vec::new();
+    while let Some(m) = amqp.ch.basic_get(queue.into(), BasicGetOptions { no_ack: true }).await.expect("basic.get") {
+        let cid = m.delivery.properties.correlation_id().as_ref().map(|c| c.to_string()).unwrap_or_default();
+        let reason = m
+            .delivery
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get("x-death-reason").cloned())
+            .and_then(|v| match v {
+                AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                _ => None,
+            });
+        out.push((cid, reason));
+    }
+    out.sort();
+    out
+}
+
+/// The daemon's own destinations deleted while it runs (an operator's cleanup, a policy, a
+/// broker restored from an old definitions file). Before, a dead letter came back unroutable, the
+/// invalid request was requeued at once until the broker's delivery limit dead-lettered it into
+/// an exchange with no queue, which dropped it: 10 of 10 invalid requests were lost, and results
+/// without a `reply_to` were published nowhere and charged to the requests. Now each is declared
+/// again by the publish that finds it missing, and nothing is lost:
+/// - the dead-letter queue deleted: 3 invalid requests are in the declared-again queue with
+///   reason `invalid_json`;
+/// - the dead-letter exchange deleted (the publish closes the channel with 404): 2 more, after
+///   the backoff and a new channel;
+/// - the results queue deleted: 3 results without `reply_to` are in the declared-again queue.
+///
+/// Each is counted in `prefix_batcher_queues_redeclared_total{queue}`, the daemon keeps serving on
+/// the same connections, and no queue is left holding anything unacked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dead_letter_and_results_queues_are_declared_again_when_deleted_while_running() {
+    use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("owndest");
+    let raw = env.raw_config(fake.url.as_str());
+    let mut started = start_with_replies(&env, &raw).await;
+    let connections = daemon_connections(&raw.instance.name);
+    let (dlq, dlx, results) = (env.dead_letter_queue(), env.dead_letter_exchange(), env.results_queue());
+    let (dead_before, results_before) = (redeclared("dead_letter"), redeclared("results"));
+
+    // 1. The dead-letter queue is deleted.
+    started.amqp.ch.queue_delete(dlq.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    for cid in ["dlq-1", "dlq-2", "dlq-3"] {
+        publish_junk(&started.amqp, &env, cid).await;
+    }
+    wait_depth(&started.amqp, &dlq, 3, "invalid requests after the dead-letter queue was deleted").await;
+    let got = take_all(&started.amqp, &dlq).await;
+    let want: Vec<(String, Option<String>)> = ["dlq-1", "dlq-2", "dlq-3"].iter().map(|c| (c.to_string(), Some("invalid_json".into()))).collect();
+    assert_eq!(got, want);
+    assert!(redeclared("dead_letter") >= dead_before + 1.0, "the declaration is counted");
+
+    // 2. The dead-letter exchange is deleted (its binding goes with it).
+    started.amqp.ch.exchange_delete(dlx.as_str().into(), ExchangeDeleteOptions::default()).await.unwrap();
+    let dead_mid = redeclared("dead_letter");
+    for cid in ["dlx-1", "dlx-2"] {
+        publish_junk(&started.amqp, &env, cid).await;
+    }
+    wait_depth(&started.amqp, &dlq, 2, "invalid requests after the dead-letter exchange was deleted").await;
+    let got = take_all(&started.amqp, &dlq).await;
+    let want: Vec<(String, Option<String>)> = ["dlx-1", "dlx-2"].iter().map(|c| (c.to_string(), Some("invalid_json".into()))).collect();
+    assert_eq!(got, want);
+    assert!(redeclared("dead_letter") >= dead_mid + 1.0, "the declaration is counted");
+
+    // 3. The results queue is deleted; requests without reply_to put their results there.
+    started.amqp.ch.queue_delete(results.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
+    for id in ["res-1", "res-2", "res-3"] {
+        let body = serde_json::to_vec(&json!({"id": id, "prompt": format!("no reply_to {id}")})).unwrap();
+        started.amqp.publish(&env.input_queue(), &body, BasicProperties::default().with_correlation_id(id.into())).await;
+    }
+    wait_depth(&started.amqp, &results, 3, "results without reply_to after the results queue was deleted").await;
+    assert!(redeclared("results") >= results_before + 1.0, "the declaration is counted");
+
+    // Still serving, on the same connections; nothing left unacked.
+    let reqs = completions_workload("owndest", 10, 2);
+    started.amqp.publish_requests(&env.input_queue(), &reqs, &started.reply).await;
+    started.results.until_all(&ids(&reqs), DEADLINE).await;
+    assert_eq!(daemon_connections(&raw.instance.name), connections, "the daemon reconnected (a session restarted)");
+    started.daemon.stop().await.expect("daemon stops cleanly");
+    assert_eq!(started.amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
+    for p in 0..PARTITIONS {
+        assert_eq!(started.amqp.queue_depth(&env.partition_queue(p)).await.0, 0, "partition {p} not empty");
+    }
+    assert_eq!(started.amqp.queue_depth(&dlq).await.0, 0, "a dead letter too many");
+    assert_eq!(started.amqp.queue_depth(&results).await.0, 3, "a result too many");
+    started.results.close().await;
+    started.amqp.close().await;
+    env.cleanup().await;
+}
