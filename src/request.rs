@@ -257,32 +257,55 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
             })
         }
     };
+    // What is left is ignored (room for publishers' own fields), except a sampling parameter
+    // put at the top level instead of in `params`: ignoring it would run the request with the
+    // server's default (`max_tokens` above all), silently.
+    if let Some(name) = crate::policy::DEFAULT_ALLOWED_PARAMS.iter().find(|n| obj.contains_key(**n)) {
+        return Err(ParseError::InvalidField {
+            field: name,
+            detail: format!("is a sampling parameter: it goes in `params` (`{{\"params\": {{\"{name}\": …}}}}`); at the top level it would be ignored"),
+        });
+    }
     Ok(Request { id, body, model, params, prefix_key })
 }
 
 /// The request id: the body's `id` (a non-empty string or a number), else the AMQP `message_id`,
-/// else a generated UUID v4; at most [`MAX_ID_BYTES`] bytes.
+/// else a generated UUID v4; at most [`MAX_ID_BYTES`] bytes, and no control characters
+/// ([`check_no_control`]).
 fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String, ParseError> {
     Ok(match body_id {
         Some(Value::String(s)) if !s.is_empty() => {
             check_length("id", &s, MAX_ID_BYTES)?;
+            check_no_control("id", &s)?;
             s
         }
         Some(Value::Number(n)) => n.to_string(),
         None | Some(Value::Null) => match message_id.filter(|s| !s.is_empty()) {
             Some(m) => {
                 check_length("message_id", m, MAX_ID_BYTES)?;
+                check_no_control("message_id", m)?;
                 m.to_owned()
             }
             None => uuid::Uuid::new_v4().to_string(),
         },
         Some(other) => {
-            return Err(ParseError::InvalidField {
-                field: "id",
-                detail: format!("expected a non-empty string, got {}", json_type(&other)),
-            })
+            let got = if other == Value::String(String::new()) { "an empty string" } else { json_type(&other) };
+            return Err(ParseError::InvalidField { field: "id", detail: format!("expected a non-empty string or a number, got {got}") });
         }
     })
+}
+
+/// A request id may not hold control characters (Unicode category Cc: U+0000–U+001F,
+/// U+007F–U+009F): it is copied into result headers and log lines, where a line feed or an
+/// escape sequence would forge or garble them.
+fn check_no_control(field: &'static str, value: &str) -> Result<(), ParseError> {
+    match value.chars().find(|c| c.is_control()) {
+        None => Ok(()),
+        Some(c) => Err(ParseError::InvalidField {
+            field,
+            detail: format!("contains the control character U+{:04X}; ids may not hold control characters", u32::from(c)),
+        }),
+    }
 }
 
 fn parse_messages(v: Value) -> Result<Vec<ChatMessage>, ParseError> {
@@ -490,6 +513,46 @@ mod tests {
     }
 
     #[test]
+    fn ids_with_control_characters_and_empty_ids_are_refused() {
+        for (body, mid, field, detail) in [
+            (r#"{"id":"a\nINFO forged line","prompt":"hi"}"#, None, "id", "U+000A"),
+            (r#"{"id":"bell\u0007","prompt":"hi"}"#, None, "id", "U+0007"),
+            (r#"{"id":"nul\u0000","prompt":"hi"}"#, None, "id", "U+0000"),
+            (r#"{"id":"c1\u009b","prompt":"hi"}"#, None, "id", "U+009B"),
+            (r#"{"prompt":"hi"}"#, Some("mid\r"), "message_id", "U+000D"),
+            (r#"{"id":"","prompt":"hi"}"#, None, "id", "got an empty string"),
+            (r#"{"id":[1],"prompt":"hi"}"#, None, "id", "got a list"),
+        ] {
+            let env = Envelope { message_id: mid.as_deref(), ..Envelope::default() };
+            let err = parse(body.as_bytes(), &env, 1000).unwrap_err();
+            match &err {
+                ParseError::InvalidField { field: f, detail: d } => assert!(*f == field && d.contains(detail), "{body}: {err}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        // Other characters are fine: non-ASCII, emoji, spaces, quotes.
+        for id in ["héllo wörld", "🦀-42", r#"a \"quoted\" id"#, r"no-break\u00a0space"] {
+            let body = format!(r#"{{"id":"{id}","prompt":"hi"}}"#);
+            assert!(p(&body).is_ok(), "{body}");
+        }
+        assert_eq!(p(r#"{"id":12345,"prompt":"hi"}"#).unwrap().id, "12345", "a number is an id too");
+    }
+
+    #[test]
+    fn a_sampling_parameter_at_the_top_level_is_refused_other_fields_are_ignored() {
+        for name in ["max_tokens", "temperature", "stop", "seed"] {
+            let body = format!(r#"{{"prompt":"hi","{name}":8}}"#);
+            let err = p(&body).unwrap_err();
+            match &err {
+                ParseError::InvalidField { field, detail } => assert!(*field == name && detail.contains("goes in `params`"), "{err}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+        let r = p(r#"{"prompt":"hi","metadata":{"team":"a"},"trace_id":"t-1","params":{"max_tokens":8}}"#).unwrap();
+        assert_eq!(r.params.get("max_tokens"), Some(&serde_json::json!(8)));
+    }
+
+    #[test]
     fn ids_are_limited_to_max_id_bytes() {
         let body = |id: &str| format!(r#"{{"id":"{id}","prompt":"hi"}}"#);
         let at_limit = "a".repeat(MAX_ID_BYTES);
@@ -565,6 +628,7 @@ mod fuzz {
 
     fn check_accepted(r: &Request) {
         assert!(!r.id.is_empty() && r.id.len() <= MAX_ID_BYTES, "id {:?}", r.id);
+        assert!(!r.id.chars().any(char::is_control), "id {:?}", r.id);
         if let Body::Chat(msgs) = &r.body {
             assert!(!msgs.is_empty());
             assert!(msgs.iter().all(|m| CHAT_ROLES.contains(&m.role.as_str())));
