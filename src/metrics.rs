@@ -196,7 +196,7 @@ static UNSETTLED: LazyLock<IntGaugeVec> =
 /// Results refused by their `reply_to` queue, by refusal (see `publisher::refusal_reason`).
 static QUEUES_REDECLARED: LazyLock<IntCounterVec> = counter_vec!(
     "queues_redeclared_total",
-    "Destinations of the daemon (dead_letter: the dead-letter exchange and queue; results: the results queue) found deleted at run time by a publish, and declared again.",
+    "Destinations of the daemon (dead_letter: the dead-letter exchange and queue; results: the results queue; partition: the shard exchange and a partition queue) found deleted at run time by a publish, and declared again.",
     &["queue"]
 );
 static REPLY_TO_REFUSED: LazyLock<IntCounterVec> =
@@ -425,8 +425,8 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for r in ["nacked", "unroutable", "timeout"] {
         REPLY_TO_REFUSED.with_label_values(&[r]);
     }
-    for d in crate::publisher::OwnDestination::ALL {
-        QUEUES_REDECLARED.with_label_values(&[d.label()]);
+    for d in crate::publisher::OwnDestination::LABELS {
+        QUEUES_REDECLARED.with_label_values(&[d]);
     }
     LazyLock::force(&INTAKE_PAUSED);
     for r in restart::ALL {

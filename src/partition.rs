@@ -370,10 +370,11 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
-    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), conns.publish.clone(), batch_rx, stop.clone(), end.clone()));
+    let out = PublishOn { ch: publish.clone(), conn: conns.publish.clone(), serial: Arc::new(tokio::sync::Mutex::new(())) };
+    let executor = tokio::spawn(execute(ctx.clone(), out.clone(), batch_rx, stop.clone(), end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
-    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &conns.publish, &item_tx, held).await;
+    let ending = intake(ctx, stop, &end, &mut consumer, &out, &item_tx, held).await;
     metrics::intake_paused(p, false);
     match ending {
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
@@ -423,8 +424,7 @@ async fn intake(
     stop: &StopSignals,
     end: &SessionEnd,
     consumer: &mut Consumer,
-    publish: &Channel,
-    publish_conn: &Connection,
+    out: &PublishOn,
     item_tx: &mpsc::Sender<(PrefixKey, Pending)>,
     held: &Arc<HeldDeliveries>,
 ) -> Result<Ended, lapin::Error> {
@@ -469,7 +469,7 @@ async fn intake(
             _ = tokio::time::sleep(Duration::from_secs(1)), if paused => {}
             next = consumer.next(), if !paused => match next {
                 Some(Ok(delivery)) => {
-                    let Some(pending) = admit(ctx, stop, end, (publish, publish_conn), delivery, held).await else { continue };
+                    let Some(pending) = admit(ctx, stop, end, out, delivery, held).await else { continue };
                     let bkey = if keyed { pending.key } else { PrefixKey(0) };
                     if item_tx.send((bkey, pending)).await.is_err() {
                         return Ok(Ended::Restart(restart::CHANNEL_CLOSED));
@@ -506,7 +506,7 @@ async fn admit(
     ctx: &PartitionContext,
     stop: &StopSignals,
     end: &SessionEnd,
-    publish: (&Channel, &Connection),
+    out: &PublishOn,
     delivery: Delivery,
     held: &Arc<HeldDeliveries>,
 ) -> Option<Pending> {
@@ -518,7 +518,25 @@ async fn admit(
         _ = end.token.cancelled() => return None,
         p = ctx.buffer_budget.take(bytes) => p?,
     };
-    accept(ctx, publish, delivery, held.hold(permit)).await
+    accept(ctx, out, delivery, held.hold(permit)).await
+}
+
+/// A partition session's publishing channel (confirm mode), its connection (for the direct
+/// reply-to checks and for declaring a deleted destination again), and the lock that lets one
+/// publish at a time go out on it.
+///
+/// One at a time because a `basic.return` carries no delivery tag (AMQP 0-9-1): lapin gives a
+/// returned message to whichever publisher confirm it completes next, and when the broker acks
+/// several publishes with one `multiple` ack, that can be another publish's confirm. A result
+/// whose `reply_to` queue does not exist was then taken as delivered and acked (lost), and its
+/// neighbour sent to the results queue twice: 8 of 3,000 in a new-user test. With one publish in
+/// flight per channel the return always meets its own confirm. The cost is one confirm round
+/// trip per result on a partition (the partitions still publish in parallel).
+#[derive(Clone)]
+struct PublishOn {
+    ch: Channel,
+    conn: Arc<Connection>,
+    serial: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
@@ -527,8 +545,7 @@ async fn admit(
 /// The LLM client's per-endpoint semaphore bounds the concurrent calls.
 async fn execute(
     ctx: PartitionContext,
-    ch: Channel,
-    conn: Arc<Connection>,
+    out: PublishOn,
     mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>,
     stop: StopSignals,
     end: Arc<SessionEnd>,
@@ -543,7 +560,7 @@ async fn execute(
                     seq += 1;
                     let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
                     let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
-                    tasks.spawn(guarded_batch(ctx.clone(), ch.clone(), conn.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span));
+                    tasks.spawn(guarded_batch(ctx.clone(), out.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span));
                 }
                 None => break,
             },
@@ -557,15 +574,14 @@ async fn execute(
 /// `task_panics_total{stage="batcher"}`, and logged.
 async fn guarded_batch(
     ctx: PartitionContext,
-    ch: Channel,
-    conn: Arc<Connection>,
+    out: PublishOn,
     batch: Batch<PrefixKey, Pending>,
     batch_id: String,
     stop: StopSignals,
     end: Arc<SessionEnd>,
 ) {
     let ackers: Vec<(String, Acker)> = batch.items.iter().map(|p| (p.req.id.clone(), p.delivery.acker.clone())).collect();
-    let Err(panic) = AssertUnwindSafe(process_batch(ctx, ch, conn, batch, batch_id, stop, end)).catch_unwind().await else { return };
+    let Err(panic) = AssertUnwindSafe(process_batch(ctx, out, batch, batch_id, stop, end)).catch_unwind().await else { return };
     let message = panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())
@@ -582,9 +598,13 @@ async fn guarded_batch(
 /// Parses a delivery from a partition queue. The router validated it already; a message that
 /// still fails (e.g. published straight to a partition queue) is dead-lettered and acked
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
-async fn accept(ctx: &PartitionContext, (ch, conn): (&Channel, &Connection), delivery: Delivery, held: Held) -> Option<Pending> {
+async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
-    let (req, delivery) = match publisher::parse_or_dead_letter(ch, conn, &s.amqp, &s.requests, delivery, Some(&ctx.lease)).await {
+    let intake = {
+        let _one_at_a_time = out.serial.lock().await;
+        publisher::parse_or_dead_letter(&out.ch, &out.conn, &s.amqp, &s.requests, delivery, Some(&ctx.lease)).await
+    };
+    let (req, delivery) = match intake {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return None,
         Intake::Unacked(delivery) => {
@@ -629,8 +649,7 @@ async fn accept(ctx: &PartitionContext, (ch, conn): (&Channel, &Connection), del
 /// is charged, not the other partitions on the endpoint.
 async fn process_batch(
     ctx: PartitionContext,
-    ch: Channel,
-    conn: Arc<Connection>,
+    out: PublishOn,
     batch: Batch<PrefixKey, Pending>,
     batch_id: String,
     stop: StopSignals,
@@ -665,7 +684,7 @@ async fn process_batch(
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
     let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
-        let (ch, conn) = (&ch, &*conn);
+        let (ch, conn, serial) = (&out.ch, &*out.conn, &*out.serial);
         let amqp = &ctx.settings.amqp;
         async move {
             let answer = match answer {
@@ -679,14 +698,17 @@ async fn process_batch(
             let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
-                Some(result) => publisher::publish_result(ch, conn, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
+                Some(result) => {
+                    let _one_at_a_time = serial.lock().await;
+                    publisher::publish_result(ch, conn, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await
+                }
                 None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
             }
         }
         .instrument(span)
     });
     let settlements = futures_util::future::join_all(settles).await;
-    if settlements.contains(&Settlement::ChannelLost) || !ch.status().connected() {
+    if settlements.contains(&Settlement::ChannelLost) || !out.ch.status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }

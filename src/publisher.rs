@@ -214,41 +214,82 @@ pub async fn dead_letter(
 }
 
 /// Where the daemon itself sends messages, and declares at startup: a publish may find them
-/// deleted at run time ([`publish_own`]).
+/// deleted at run time ([`publish_own`], [`declare_again`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OwnDestination {
     /// `amqp.dead_letter_exchange`, and `amqp.dead_letter_queue` bound to it.
     DeadLetter,
     /// `amqp.results_queue`, through the default exchange.
     Results,
+    /// The shard exchange, and partition queue `p` bound to it (a forward's route).
+    Partition(u32),
 }
 
 impl OwnDestination {
-    /// Every destination, for the metric's label values.
-    pub const ALL: [OwnDestination; 2] = [OwnDestination::DeadLetter, OwnDestination::Results];
+    /// Every label value of `prefix_batcher_queues_redeclared_total{queue}`.
+    pub const LABELS: [&'static str; 3] = ["dead_letter", "results", "partition"];
 
     /// The `queue` label of `prefix_batcher_queues_redeclared_total`.
     pub fn label(self) -> &'static str {
         match self {
-            OwnDestination::DeadLetter => "dead_letter",
-            OwnDestination::Results => "results",
+            OwnDestination::DeadLetter => Self::LABELS[0],
+            OwnDestination::Results => Self::LABELS[1],
+            OwnDestination::Partition(_) => Self::LABELS[2],
         }
     }
 }
 
-/// Publishes to one of the daemon's own destinations and waits for the confirm
+/// Whether a failed publish says its destination is missing: it came back unroutable (no queue
+/// is bound for it), or the broker closed the channel with 404 `NOT_FOUND` (the exchange is gone).
+pub fn says_missing(e: &PublishError) -> bool {
+    match e {
+        PublishError::Unroutable { .. } => true,
+        PublishError::Amqp(e) => crate::amqp::reply_code(e) == Some(crate::amqp::NOT_FOUND),
+        _ => false,
+    }
+}
+
+/// Declares `dest` again on `conn` after a publish found it missing ([`says_missing`]): someone
+/// deleted it while the daemon ran ([`crate::topology::declare_dead_letter`],
+/// [`crate::topology::declare_results`], [`crate::topology::declare_route`]). Waits at most
+/// `amqp.confirm_timeout`. Logs the outcome and counts a success in
+/// `prefix_batcher_queues_redeclared_total{queue}`. Returns whether it was declared.
+pub async fn declare_again(conn: &Connection, amqp: &AmqpSettings, dest: OwnDestination) -> bool {
+    let declare = async {
+        match dest {
+            OwnDestination::DeadLetter => crate::topology::declare_dead_letter(conn, amqp).await,
+            OwnDestination::Results => crate::topology::declare_results(conn, amqp).await,
+            OwnDestination::Partition(p) => crate::topology::declare_route(conn, amqp, p).await,
+        }
+    };
+    match tokio::time::timeout(amqp.confirm_timeout, declare).await {
+        Ok(Ok(())) => {
+            warn!(queue = dest.label(), ?dest, "a destination of the daemon was missing (deleted while it ran); declared it again");
+            metrics::queue_redeclared(dest.label());
+            true
+        }
+        Ok(Err(e)) => {
+            warn!(queue = dest.label(), ?dest, error = %e, "a destination of the daemon is missing and cannot be declared again");
+            false
+        }
+        Err(_) => {
+            warn!(queue = dest.label(), ?dest, timeout = ?amqp.confirm_timeout, "a destination of the daemon is missing; declaring it again got no answer");
+            false
+        }
+    }
+}
+
+/// Publishes to the dead-letter exchange or the results queue and waits for the confirm
 /// ([`publish_confirmed`], `amqp.confirm_timeout`). When the broker says the destination is
-/// missing (the publish came back unroutable: no queue is bound; or the channel was closed with
-/// 404 `NOT_FOUND`: the exchange is gone), someone deleted it while the daemon ran: it is declared
-/// again on `conn` ([`crate::topology::declare_dead_letter`], [`crate::topology::declare_results`];
-/// counted in `prefix_batcher_queues_redeclared_total{queue}`) and, while `ch` is still open, the
-/// message is published once more. Without this, the daemon would requeue the message it could
-/// not place until the broker's own delivery limit dead-lettered it into an exchange with no
-/// queue, which drops it.
+/// missing ([`says_missing`]), someone deleted it while the daemon ran: it is declared again on
+/// `conn` ([`declare_again`]) and, while `ch` is still open, the message is published once more.
+/// Without this, the daemon would requeue the message it could not place until the broker's own
+/// delivery limit dead-lettered it into an exchange with no queue, which drops it.
 ///
-/// Errors: the last publish's error; the first one's when the declaration failed (also logged),
-/// or `ch` was closed by the failed publish (the caller requeues; its next attempt, on a new
-/// channel, finds the destination declared).
+/// Errors: the last publish's error; the first one's when the declaration failed, or `ch` was
+/// closed by the failed publish (the caller requeues; its next attempt, on a new channel, finds
+/// the destination declared). Panics on [`OwnDestination::Partition`] (forwards have their own
+/// loop, in the router).
 pub async fn publish_own(
     ch: &Channel,
     conn: &Connection,
@@ -260,37 +301,14 @@ pub async fn publish_own(
     let (exchange, routing_key) = match dest {
         OwnDestination::DeadLetter => (amqp.dead_letter_exchange.as_str(), ""),
         OwnDestination::Results => ("", amqp.results_queue.as_str()),
+        OwnDestination::Partition(_) => unreachable!("forwards are published by the router"),
     };
     let first = publish_confirmed(ch, exchange, routing_key, body, props.clone(), amqp.confirm_timeout).await;
-    let missing = match &first {
-        Err(PublishError::Unroutable { .. }) => true,
-        Err(PublishError::Amqp(e)) => crate::amqp::reply_code(e) == Some(crate::amqp::NOT_FOUND),
-        _ => false,
-    };
-    if !missing {
-        return first;
+    match &first {
+        Err(e) if says_missing(e) => {}
+        _ => return first,
     }
-    let declare = async {
-        match dest {
-            OwnDestination::DeadLetter => crate::topology::declare_dead_letter(conn, amqp).await,
-            OwnDestination::Results => crate::topology::declare_results(conn, amqp).await,
-        }
-    };
-    match tokio::time::timeout(amqp.confirm_timeout, declare).await {
-        Ok(Ok(())) => {
-            warn!(queue = dest.label(), exchange, routing_key, "a destination of the daemon was missing (deleted while it ran); declared it again");
-            metrics::queue_redeclared(dest.label());
-        }
-        Ok(Err(e)) => {
-            warn!(queue = dest.label(), error = %e, "a destination of the daemon is missing and cannot be declared again");
-            return first;
-        }
-        Err(_) => {
-            warn!(queue = dest.label(), timeout = ?amqp.confirm_timeout, "a destination of the daemon is missing; declaring it again got no answer");
-            return first;
-        }
-    }
-    if !ch.status().connected() {
+    if !declare_again(conn, amqp, dest).await || !ch.status().connected() {
         return first;
     }
     publish_confirmed(ch, exchange, routing_key, body, props, amqp.confirm_timeout).await

@@ -269,10 +269,21 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     let rk = AmqpSettings::partition_routing_key(r.partition);
     let mut retry = publisher::NackRetry::new(a);
+    let mut declared_again = false;
     loop {
         let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd.clone(), a.confirm_timeout).await else {
             break;
         };
+        // The shard exchange or the partition queue was deleted while the daemon ran: declare the
+        // route again (once per delivery) instead of charging the request a delivery per attempt
+        // until `amqp.delivery_limit` dead-letters it. When the failed publish closed the channel
+        // (404 for the exchange), the requeue below goes again on a new one.
+        if !declared_again && publisher::says_missing(&e) {
+            declared_again = true;
+            if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await && ch.status().connected() {
+                continue;
+            }
+        }
         if matches!(e, publisher::PublishError::Nacked) {
             match publish.renew(&ch).await {
                 Ok(fresh) => ch = fresh,

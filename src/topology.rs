@@ -279,6 +279,14 @@ pub async fn declare_results(conn: &Connection, cfg: &AmqpSettings) -> Result<()
     declare_queue(conn, &cfg.results_queue, plain_quorum_args(cfg)).await
 }
 
+/// Declares the shard exchange and partition queue `p`, bound to it, idempotently: when a
+/// forward finds its route missing at run time (the exchange or the queue was deleted; the
+/// router, through [`crate::publisher::declare_again`]).
+pub async fn declare_route(conn: &Connection, cfg: &AmqpSettings, p: u32) -> Result<(), TopologyError> {
+    declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
+    declare_partition(conn, cfg, p).await
+}
+
 /// Declares partition queue `p` with the arguments [`declare`] gives it and binds it to the shard
 /// exchange, idempotently: a partition worker calls it when its queue was deleted under it
 /// (consume refused with 404 `NOT_FOUND`, or the consumer cancelled by the broker).

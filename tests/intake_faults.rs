@@ -594,3 +594,29 @@ async fn the_dead_letter_and_results_queues_are_declared_again_when_deleted_whil
     started.amqp.close().await;
     env.cleanup().await;
 }
+
+/// The shard exchange deleted while the daemon runs (its bindings to every partition queue go
+/// with it). Before, every forward failed (404 closed the router's channel) and was requeued,
+/// charged a delivery each time, until `amqp.delivery_limit` dead-lettered it: a broker-side
+/// fault charged to the requests. Now the first forward that finds the route missing declares
+/// the exchange and its partition's queue and binding again
+/// (`queues_redeclared_total{queue="partition"}`), and every request is answered once, none
+/// dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_shard_exchange_is_declared_again_and_no_request_is_charged() {
+    use lapin::options::ExchangeDeleteOptions;
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("shardx", fake.url.as_str()).await;
+    let before = redeclared("partition");
+    let exchange = f.env.shard_exchange();
+    f.started.amqp.ch.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await.unwrap();
+    let reqs = completions_workload("shardx", 40, 8);
+    let s = &mut f.started;
+    s.amqp.publish_requests(&f.env.input_queue(), &reqs, &s.reply).await;
+    s.results.until_all(&ids(&reqs), DEADLINE).await;
+    s.results.assert_one_ok_result_each(&reqs, "after the shard exchange was deleted");
+    assert!(f.dead.received.is_empty(), "dead-lettered: {:?}", f.dead.received);
+    assert!(redeclared("partition") >= before + 1.0, "the declaration is counted");
+    f.serves_others("shardx-others", 10).await;
+    f.finish().await;
+}
