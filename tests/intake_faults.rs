@@ -169,14 +169,20 @@ async fn requests_outside_the_policy_are_dead_lettered_and_serving_goes_on() {
     f.finish().await;
 }
 
-/// `prefix_batcher_reply_to_refused_total{reason}` of this process.
-fn reply_to_refusals(reason: &str) -> f64 {
-    let label = format!(r#"reason="{reason}""#);
+/// The value of counter `prefix_batcher_{metric}` with `label = "value"` in this process (0
+/// before its first increment).
+fn counter(metric: &str, label: &str, value: &str) -> f64 {
+    let (start, label) = (format!("prefix_batcher_{metric}{{"), format!(r#"{label}="{value}""#));
     prefix_batcher::metrics::render()
         .lines()
-        .find(|l| l.starts_with("prefix_batcher_reply_to_refused_total{") && l.contains(&label))
+        .find(|l| l.starts_with(&start) && l.contains(&label))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// `prefix_batcher_reply_to_refused_total{reason}` of this process.
+fn reply_to_refusals(reason: &str) -> f64 {
+    counter("reply_to_refused_total", "reason", reason)
 }
 
 /// A direct reply-to requester: a channel consuming the pseudo-queue `amq.rabbitmq.reply-to`
@@ -465,12 +471,7 @@ async fn the_router_reopens_a_channel_the_broker_closed() {
 
 /// `prefix_batcher_queues_redeclared_total{queue}` of this process.
 fn redeclared(queue: &str) -> f64 {
-    let label = format!(r#"queue="{queue}""#);
-    prefix_batcher::metrics::render()
-        .lines()
-        .find(|l| l.starts_with("prefix_batcher_queues_redeclared_total{") && l.contains(&label))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
+    counter("queues_redeclared_total", "queue", queue)
 }
 
 /// Publishes a body that is not JSON, with correlation id `cid`, to the input queue.
