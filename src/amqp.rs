@@ -7,6 +7,7 @@
 //! `amq_protocol::protocol::constants` and `AMQPSoftError`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use lapin::options::ConfirmSelectOptions;
 use lapin::protocol::AMQPErrorKind;
@@ -30,19 +31,50 @@ pub const PRECONDITION_FAILED: u16 = 406;
 /// certificate and key, when set, authenticate the daemon (mutual TLS; RabbitMQ's
 /// `ssl_options.verify = verify_peer`).
 ///
+/// The whole opening (TCP, TLS, the AMQP handshake up to `connection.open-ok`) must finish
+/// within the URL's `connection_timeout` query parameter (milliseconds, as in RabbitMQ's URI
+/// query parameters, <https://www.rabbitmq.com/docs/uri-query-parameters>), or
+/// [`DEFAULT_CONNECT_TIMEOUT`] without one. lapin reads that parameter but does not apply it, so
+/// a server that accepts TCP and never answers (a wrong port, a hung broker, a firewall that
+/// swallows packets) would otherwise hold the caller forever.
+///
 /// Errors: as [`Connection::connect`]; a server certificate that does not verify fails the TLS
-/// handshake (an I/O error naming the certificate problem). Panics when `node` is out of range.
+/// handshake (an I/O error naming the certificate problem); an opening that takes longer than
+/// the timeout is an I/O error of kind `TimedOut` naming the limit. Panics when `node` is out of
+/// range.
 pub async fn connect_node(amqp: &AmqpSettings, node: usize, props: ConnectionProperties) -> lapin::Result<Connection> {
     crate::tls::install_crypto_provider();
     let uri = amqp.connect_uri(node);
-    if !amqp.tls.is_set() {
-        return uri.connect(props).await;
-    }
-    let config = OwnedTLSConfig {
-        identity: amqp.tls.client.as_ref().map(|c| OwnedIdentity::PKCS8 { pem: c.cert_pem.clone(), key: c.key_pem.clone() }),
-        cert_chain: amqp.tls.ca_pem.as_ref().map(|p| String::from_utf8_lossy(p).into_owned()),
+    let limit = connect_timeout(&uri);
+    let open = async move {
+        if !amqp.tls.is_set() {
+            return uri.connect(props).await;
+        }
+        let config = OwnedTLSConfig {
+            identity: amqp.tls.client.as_ref().map(|c| OwnedIdentity::PKCS8 { pem: c.cert_pem.clone(), key: c.key_pem.clone() }),
+            cert_chain: amqp.tls.ca_pem.as_ref().map(|p| String::from_utf8_lossy(p).into_owned()),
+        };
+        uri.connect_with_config(props, config, lapin::runtime::default_runtime()?).await
     };
-    uri.connect_with_config(props, config, lapin::runtime::default_runtime()?).await
+    match tokio::time::timeout(limit, open).await {
+        Ok(r) => r,
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the broker did not complete the AMQP handshake within {limit:?} (connection_timeout)"),
+        ))),
+    }
+}
+
+/// How long opening a connection may take when the broker URL sets no `connection_timeout`:
+/// 30 s, three times RabbitMQ's own `handshake_timeout` (10 s,
+/// <https://www.rabbitmq.com/docs/networking#tuning-handshake-timeout>), after which a live
+/// broker has already closed a handshake it could not finish.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The opening limit of `uri`: its `connection_timeout` (milliseconds), or
+/// [`DEFAULT_CONNECT_TIMEOUT`].
+pub fn connect_timeout(uri: &lapin::uri::AMQPUri) -> Duration {
+    uri.query.connection_timeout.map_or(DEFAULT_CONNECT_TIMEOUT, Duration::from_millis)
 }
 
 /// Opens one AMQP connection to the first node of [`AmqpSettings::nodes`] that accepts it, in

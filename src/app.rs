@@ -329,9 +329,10 @@ impl App {
     ) -> Result<SessionEnd, AppError> {
         let r = match redis {
             Some(r) => r.clone(),
-            None => match crate::lease::connect(&self.settings.redis).await {
-                Ok(r) => redis.insert(r).clone(),
-                Err(e) => return Ok(SessionEnd::Failed(SessionError::Redis(e))),
+            None => match work.run_until_cancelled(crate::lease::connect(&self.settings.redis)).await {
+                None => return Ok(SessionEnd::Stopped),
+                Some(Ok(r)) => redis.insert(r).clone(),
+                Some(Err(e)) => return Ok(SessionEnd::Failed(SessionError::Redis(e))),
             },
         };
         self.session(r, node, work, events).await
@@ -378,7 +379,13 @@ impl App {
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Result<SessionEnd, AppError> {
-        let conns = match self.open(&redis, node).await {
+        // Opening waits for the broker (up to the connect timeout per connection, see
+        // `amqp::connect_node`): a shutdown requested meanwhile ends it at once.
+        let opened = tokio::select! {
+            _ = work.cancelled() => return Ok(SessionEnd::Stopped),
+            opened = self.open(&redis, node) => opened,
+        };
+        let conns = match opened {
             Ok(c) => c,
             Err(SessionError::Topology(e)) if e.is_config_error() => {
                 error!(error = %e, "refusing to start");

@@ -516,7 +516,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
 
     let (depths, input_backlog, amqp_error, amqp_node) = match queue_depths(settings, p).await {
         Ok((d, i, node)) => (d, i, None, Some(node)),
-        Err(e) => (vec![None; p as usize], None, Some(format!("{e:#}")), None),
+        Err(e) => (vec![None; p as usize], None, Some(error_text(&e)), None),
     };
     let amqp_nodes = probe_nodes(settings).await;
 
@@ -651,6 +651,24 @@ pub fn render_status(s: &Status) -> String {
         ));
     }
     out
+}
+
+
+/// `e` and its causes, `error: cause: cause`, leaving out a cause whose text the line already
+/// holds (lapin's I/O error prints its source's text, which then follows it again).
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 #[cfg(test)]

@@ -1038,9 +1038,15 @@ fn broker_url(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError>
             ));
         }
     }
-    if let Err(e) = u.0.as_str().parse::<lapin::uri::AMQPUri>() {
-        let e = redact_text(&e);
-        return Err(invalid(key, u.redacted(), format!("the AMQP client cannot read it: {e}")));
+    match u.0.as_str().parse::<lapin::uri::AMQPUri>() {
+        Err(e) => {
+            let e = redact_text(&e);
+            return Err(invalid(key, u.redacted(), format!("the AMQP client cannot read it: {e}")));
+        }
+        Ok(uri) if uri.query.connection_timeout == Some(0) => {
+            return Err(invalid(key, u.redacted(), "connection_timeout must be at least 1 (milliseconds allowed for opening a connection)"));
+        }
+        Ok(_) => {}
     }
     Ok(u)
 }
@@ -1646,6 +1652,7 @@ mod tests {
             ("amqp://u:hunter2@h/%2f?auth_mechanism=kerberos", "Invalid SASL mechanism"),
             ("amqp://u:hunter2@h/%2f?heartbeats=5", "\"heartbeats\" is not one the AMQP client reads"),
             ("amqp://u:hunter2@h/%2f?connection_timout=5000", "frame_max, channel_max, connection_timeout, auth_mechanism"),
+            ("amqp://u:hunter2@h/%2f?connection_timeout=0", "connection_timeout must be at least 1"),
         ] {
             r.amqp.url = bad.into();
             let e = err(&r);

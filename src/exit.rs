@@ -12,6 +12,9 @@ pub const EX_OK: u8 = 0;
 pub const EX_FAILURE: u8 = 1;
 /// `submit --wait`: some requests got no result before `--timeout`.
 pub const EX_MISSING_RESULTS: u8 = 3;
+/// `status`: the table was printed from Redis, but no RabbitMQ node answered, so the backlog
+/// and consumer columns are unknown (`EX_UNAVAILABLE`, sysexits.h: "a service is unavailable").
+pub const EX_UNAVAILABLE: u8 = 69;
 /// The drain did not finish within `shutdown.drain_timeout` (`EX_SOFTWARE`, sysexits.h:
 /// "an internal software error"); unfinished requests return to their queues.
 pub const EX_SOFTWARE: u8 = 70;

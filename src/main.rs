@@ -202,13 +202,21 @@ async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
 
 /// `status`: a table, or JSON with `--json`.
 async fn status(settings: &Settings, json: bool) -> ExitCode {
-    match client::status(settings).await {
-        Ok(s) if json => println!("{}", serde_json::to_string_pretty(&s).expect("status serializes")),
-        Ok(s) => print!("{}", client::render_status(&s)),
+    let s = match client::status(settings).await {
+        Ok(s) => s,
         Err(e) => {
             eprintln!("prefix-batcher status: {e:#}");
             return ExitCode::from(exit::EX_FAILURE);
         }
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s).expect("status serializes"));
+    } else {
+        print!("{}", client::render_status(&s));
+    }
+    if s.amqp_error.is_some() {
+        // The table came from Redis alone: a script must not read it as healthy.
+        return ExitCode::from(exit::EX_UNAVAILABLE);
     }
     ExitCode::from(exit::EX_OK)
 }

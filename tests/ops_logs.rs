@@ -261,6 +261,12 @@ async fn errors_name_the_problem_but_never_a_secret() {
     let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__URL", &bad_redis)]);
     assert_ne!(code, Some(0), "status with a wrong password must fail: {out}");
     assert_no_secret("status's error", &out, &secrets);
+    // RabbitMQ refusing the login: the table from Redis is printed, and the exit code says the
+    // backlog is unknown.
+    let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__AMQP__URL", &bad_amqp)]);
+    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_UNAVAILABLE)), "status without RabbitMQ: {out}");
+    assert!(out.contains("RabbitMQ unreachable, backlog unknown"), "{out}");
+    assert_no_secret("status's RabbitMQ error", &out, &secrets);
 
     drop(creds);
     env.cleanup().await;

@@ -101,3 +101,68 @@ async fn connection_failure_during_the_drain_is_an_error() {
     fake.shutdown();
     env.cleanup().await;
 }
+
+/// A TCP server that accepts connections and never sends a byte (a wrong port, a hung broker):
+/// its address, and the number of connections it has accepted so far.
+async fn silent_server() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(socket);
+        }
+    });
+    (addr, accepted)
+}
+
+/// A broker that accepts TCP and never speaks AMQP: each opening gives up after the URL's
+/// `connection_timeout` and the daemon tries again (before, the first opening waited forever,
+/// without a log line); and a SIGTERM while an opening waits (here with the 30 s default) stops
+/// the daemon at once instead of being ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_that_never_answers_times_out_and_a_shutdown_still_stops_the_daemon() {
+    use std::sync::atomic::Ordering;
+    let env = TestEnv::new("silentbroker");
+    let (addr, accepted) = silent_server().await;
+
+    let mut raw = env.raw_config("http://127.0.0.1:9/v1");
+    raw.amqp.url = format!("amqp://guest:guest@{addr}/%2f?connection_timeout=300");
+    raw.amqp.reconnect_backoff_initial = "50ms".into();
+    raw.amqp.reconnect_backoff_max = "100ms".into();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let daemon = tokio::spawn(app::run(Settings::from_raw(&raw).unwrap(), async move {
+        let _ = stop_rx.await;
+    }));
+    let deadline = Instant::now() + DEADLINE;
+    while accepted.load(Ordering::SeqCst) < 3 {
+        assert!(Instant::now() < deadline, "the daemon never gave up an opening: {} connections", accepted.load(Ordering::SeqCst));
+        assert!(!daemon.is_finished(), "the daemon stopped by itself");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop_tx.send(()).unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(5), daemon).await.expect("stops within 5 s of the shutdown").expect("no panic");
+    assert!(outcome.is_ok(), "a shutdown while no session runs is a clean stop: {outcome:?}");
+
+    // The default limit (30 s): the shutdown arrives while the opening waits.
+    let (addr, accepted) = silent_server().await;
+    raw.amqp.url = format!("amqp://guest:guest@{addr}/%2f");
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let daemon = tokio::spawn(app::run(Settings::from_raw(&raw).unwrap(), async move {
+        let _ = stop_rx.await;
+    }));
+    let deadline = Instant::now() + DEADLINE;
+    while accepted.load(Ordering::SeqCst) < 1 {
+        assert!(Instant::now() < deadline, "the daemon never connected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stopped_at = Instant::now();
+    stop_tx.send(()).unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(5), daemon).await.expect("stops within 5 s of the shutdown, not after the 30 s opening limit").expect("no panic");
+    assert!(outcome.is_ok(), "{outcome:?}");
+    assert!(stopped_at.elapsed() < Duration::from_secs(5));
+    env.cleanup().await;
+}
