@@ -51,6 +51,10 @@ pub struct SubmitSummary {
     pub duplicates: usize,
     /// Requests without a result when the wait ended.
     pub missing: usize,
+    /// The wait was ended by SIGINT (Ctrl-C) or SIGTERM before every result arrived. The results
+    /// received so far are written and counted; results that come later go to
+    /// `amqp.results_queue`, because the reply queue goes with the connection.
+    pub interrupted: bool,
     /// From the first publish to the last result (or to the last confirm without `--wait`).
     pub wall_s: f64,
     /// Sums over results that carry per-request usage.
@@ -242,8 +246,16 @@ async fn collect_results(
     let mut seen = HashSet::new();
     let deadline = tokio::time::Instant::now() + opts.timeout;
     let mut last_progress = Instant::now();
+    let mut interrupt = std::pin::pin!(interrupted());
     while seen.len() < ids.len() {
-        let delivery = match tokio::time::timeout_at(deadline, consumer.next()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout_at(deadline, consumer.next()) => next,
+            () = &mut interrupt => {
+                summary.interrupted = true;
+                break;
+            }
+        };
+        let delivery = match next {
             Ok(Some(d)) => d?,
             Ok(None) => return Err(ClientError::ReplyConsumerClosed),
             Err(_) => break,
@@ -267,8 +279,33 @@ async fn collect_results(
     out.flush().map_err(output_error)?;
     summary.results = seen.len();
     summary.missing = ids.len() - seen.len();
+    if summary.interrupted {
+        eprintln!(
+            "submit: interrupted with {} of {} results; the rest will go to the results queue (the reply queue closes with this connection)",
+            seen.len(),
+            ids.len()
+        );
+    }
     report_missing(ids, &seen, opts.timeout);
     Ok(())
+}
+
+/// Completes on SIGINT (Ctrl-C) or SIGTERM, so `submit --wait` can write what it has and print
+/// its summary instead of being killed with results acked but not yet written. Never completes
+/// when the handlers cannot be installed.
+async fn interrupted() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => if r.is_err() { std::future::pending::<()>().await },
+        () = term => {}
+    }
 }
 
 /// Counts one result (`ok`/`failed`, token usage) into `summary`.

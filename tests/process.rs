@@ -325,3 +325,74 @@ async fn check_config_accepts_the_example_and_rejects_a_zero_batch_wait() {
     assert!(p.log().contains("batching.max_batch_wait"));
     env.cleanup().await;
 }
+
+/// `submit --wait` ended by SIGINT (Ctrl-C) or SIGTERM: the results that arrived are written,
+/// the summary says `interrupted` and how many are missing, and the exit code is 3. Before,
+/// the signal killed the process: results already acked but still in its output buffer were
+/// lost, and there was no summary. Nobody consumes the input queue here; the test answers two
+/// requests itself through their `reply_to`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
+    use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let env = TestEnv::new("submitint");
+    let amqp = Amqp::connect().await;
+    let queue = env.input_queue();
+    amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let raw = env.raw_config("http://127.0.0.1:9/v1");
+    let cfg = write_config(&env, "submit", &raw);
+
+    for signal in ["-INT", "-TERM"] {
+        let input = env.dir.join("requests.jsonl");
+        let lines: String = (0..5).map(|i| format!("{{\"id\":\"int{i}\",\"prompt\":\"hello {i}\"}}\n")).collect();
+        std::fs::write(&input, lines).unwrap();
+        let out = env.dir.join("results.jsonl");
+        let mut cmd = bin_command();
+        cmd.arg("--config").arg(&cfg).args(["submit", "--wait", "--timeout", "10m", "--queue", &queue, "--file"]).arg(&input).arg("--out").arg(&out);
+        let mut submit = DaemonProcess::spawn(&env, &format!("submit{signal}"), cmd);
+
+        // Answer the first two requests as the daemon would.
+        let mut answered = 0;
+        let mut reply_to = String::new();
+        let deadline = Instant::now() + DEADLINE;
+        while answered < 2 {
+            assert!(Instant::now() < deadline, "submit published nothing: {}", submit.log());
+            let Some(msg) = amqp.ch.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap() else {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                continue;
+            };
+            let props = &msg.delivery.properties;
+            let id = props.correlation_id().as_ref().unwrap().to_string();
+            reply_to = props.reply_to().as_ref().unwrap().to_string();
+            let body = format!("{{\"id\":\"{id}\",\"ok\":true,\"text\":\"hi\"}}");
+            amqp.publish(&reply_to, body.as_bytes(), request_props(&id, &reply_to)).await;
+            answered += 1;
+        }
+        // Wait until submit has taken and acked both (the reply queue is empty), then signal.
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let counts = broker::queues(&reply_to);
+            if counts.iter().any(|(name, ready, unacked)| *name == reply_to && *ready == 0 && *unacked == 0) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "submit did not take its results: {counts:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let ok = std::process::Command::new("kill").arg(signal).arg(submit.pid().to_string()).status().unwrap().success();
+        assert!(ok);
+        let status = submit.wait_exit(Duration::from_secs(10)).await;
+        let log = submit.log();
+        assert_eq!(status.code(), Some(3), "{signal}: {log}");
+        let written = std::fs::read_to_string(&out).unwrap();
+        assert_eq!(written.lines().count(), 2, "{signal}: both results received before the signal are written: {written:?}");
+        let summary: serde_json::Value = serde_json::from_str(log.lines().last().unwrap()).unwrap_or_else(|e| panic!("{signal}: no summary ({e}): {log}"));
+        assert_eq!(summary["interrupted"], true, "{signal}: {summary}");
+        assert_eq!(summary["results"], 2, "{signal}: {summary}");
+        assert_eq!(summary["missing"], 3, "{signal}: {summary}");
+        assert!(log.contains("interrupted with 2 of 5 results"), "{signal}: {log}");
+        // The three unanswered requests are still in the input queue.
+        let _ = amqp.ch.queue_purge(queue.as_str().into(), Default::default()).await;
+    }
+    amqp.close().await;
+    env.cleanup().await;
+}
