@@ -331,7 +331,7 @@ async fn pause(ctx: &PartitionContext, stop: &StopSignals) -> bool {
 /// The tasks and channels of one consuming session.
 struct Session {
     ch: Channel,
-    publish: Channel,
+    publish: PublishOn,
     tag: String,
     batcher: JoinHandle<()>,
     executor: JoinHandle<()>,
@@ -344,14 +344,20 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let p = ctx.partition;
     let queue = s.amqp.partition_queue(p);
     let ch = conns.consume.create_channel().await?;
-    let publish = conns.publish_channel().await?;
+    let publish = match PublishPool::open(conns, PUBLISH_CHANNELS).await {
+        Ok(p) => Arc::new(p),
+        Err(e) => {
+            let _ = ch.close(REPLY_SUCCESS, "partition publish channels failed".into()).await;
+            return Err(e);
+        }
+    };
     ch.basic_qos(s.amqp.partition_prefetch, BasicQosOptions::default()).await?;
     let tag = format!("{}:p{}:e{}:{}", s.instance_name, p, ctx.epoch, uuid::Uuid::new_v4().simple());
     let consume = ch.basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default());
     let mut consumer = match consume.await {
         Ok(c) => c,
         Err(e) => {
-            let _ = publish.close(REPLY_SUCCESS, "partition consume failed".into()).await;
+            publish.close("partition consume failed").await;
             return Err(e);
         }
     };
@@ -370,7 +376,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
-    let out = PublishOn { ch: publish.clone(), conn: conns.publish.clone(), serial: Arc::new(tokio::sync::Mutex::new(())) };
+    let out = publish.clone();
     let executor = tokio::spawn(execute(ctx.clone(), out.clone(), batch_rx, stop.clone(), end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
@@ -395,7 +401,7 @@ async fn finish(ctx: &PartitionContext, s: Session) {
     let _ = s.batcher.await;
     let _ = s.executor.await;
     let _ = s.ch.close(REPLY_SUCCESS, "partition released".into()).await;
-    let _ = s.publish.close(REPLY_SUCCESS, "partition released".into()).await;
+    s.publish.close("partition released").await;
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }
 
@@ -408,7 +414,7 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, abo
     let _ = s.executor.await;
     let _ = s.batcher.await;
     let _ = s.ch.close(REPLY_SUCCESS, "partition consumer closed".into()).await;
-    let _ = s.publish.close(REPLY_SUCCESS, "partition consumer closed".into()).await;
+    s.publish.close("partition consumer closed").await;
     metrics::buffer_state(ctx.partition, 0, 0.0);
     if aborted {
         info!(partition = ctx.partition, epoch = ctx.epoch, "partition aborted; unacked requests return to the queue");
@@ -521,27 +527,95 @@ async fn admit(
     accept(ctx, out, delivery, held.hold(permit)).await
 }
 
-/// A partition session's publishing channel (confirm mode), its connection (for the direct
-/// reply-to checks and for declaring a deleted destination again), and the lock that lets one
-/// publish at a time go out on it.
+/// How many publishing channels a partition session opens ([`PublishPool`]): up to this many
+/// results (or dead letters) of one partition wait for their confirms at once.
+pub const PUBLISH_CHANNELS: usize = 4;
+
+/// A partition session's publishing channels (confirm mode), each carrying at most one
+/// unconfirmed publish at a time, and their connection (for the direct reply-to checks and for
+/// declaring a deleted destination again).
 ///
-/// One at a time because a `basic.return` carries no delivery tag (AMQP 0-9-1): lapin gives a
-/// returned message to whichever publisher confirm it completes next, and when the broker acks
-/// several publishes with one `multiple` ack, that can be another publish's confirm. A result
-/// whose `reply_to` queue does not exist was then taken as delivered and acked (lost), and its
-/// neighbour sent to the results queue twice: 8 of 3,000 in a new-user test. With one publish in
-/// flight per channel the return always meets its own confirm. The cost is one confirm round
-/// trip per result on a partition (the partitions still publish in parallel).
-#[derive(Clone)]
-struct PublishOn {
-    ch: Channel,
+/// One publish per channel at a time because a `basic.return` carries no delivery tag (AMQP
+/// 0-9-1): lapin gives a returned message to whichever publisher confirm it completes next, and
+/// when the broker acks several publishes with one `multiple` ack, that can be another publish's
+/// confirm. A result whose `reply_to` queue does not exist was then taken as delivered and acked
+/// (lost), and its neighbour sent to the results queue twice: 8 of 3,000 in a new-user test.
+/// With one publish in flight per channel the return always meets its own confirm; with
+/// [`PUBLISH_CHANNELS`] channels a partition still has that many publishes in flight.
+struct PublishPool {
+    channels: Vec<Channel>,
+    /// Indexes into `channels` of the channels no publish holds.
+    free: std::sync::Mutex<Vec<usize>>,
+    /// One permit per free channel.
+    permits: Semaphore,
     conn: Arc<Connection>,
-    serial: Arc<tokio::sync::Mutex<()>>,
+}
+
+type PublishOn = Arc<PublishPool>;
+
+impl PublishPool {
+    /// Opens `n` confirm-mode channels on the publishing connection; closes those already open
+    /// when one fails.
+    async fn open(conns: &Connections, n: usize) -> Result<PublishPool, lapin::Error> {
+        let mut channels = Vec::with_capacity(n);
+        for _ in 0..n {
+            match conns.publish_channel().await {
+                Ok(ch) => channels.push(ch),
+                Err(e) => {
+                    for ch in &channels {
+                        let _ = ch.close(REPLY_SUCCESS, "partition publish channels failed".into()).await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(PublishPool { free: std::sync::Mutex::new((0..n).collect()), permits: Semaphore::new(n), channels, conn: conns.publish.clone() })
+    }
+
+    /// A channel for one publish (and its confirm); waits while every channel is taken.
+    async fn take(&self) -> PooledChannel<'_> {
+        let permit = self.permits.acquire().await.expect("the pool's semaphore is never closed");
+        let index = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop().expect("a permit means a free channel");
+        PooledChannel { pool: self, index, _permit: permit }
+    }
+
+    /// Whether every channel is still open (a closed one restarts the session).
+    fn all_connected(&self) -> bool {
+        self.channels.iter().all(|ch| ch.status().connected())
+    }
+
+    async fn close(&self, why: &str) {
+        for ch in &self.channels {
+            let _ = ch.close(REPLY_SUCCESS, why.into()).await;
+        }
+    }
+}
+
+/// A channel of a [`PublishPool`], given back when dropped.
+struct PooledChannel<'a> {
+    pool: &'a PublishPool,
+    index: usize,
+    _permit: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl std::ops::Deref for PooledChannel<'_> {
+    type Target = Channel;
+    fn deref(&self) -> &Channel {
+        &self.pool.channels[self.index]
+    }
+}
+
+impl Drop for PooledChannel<'_> {
+    fn drop(&mut self) {
+        // Runs before the permit is released (fields drop after this), so a permit always finds
+        // a free index.
+        self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.index);
+    }
 }
 
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
-/// Results are published on `ch`; `conn` (its connection) serves the direct reply-to checks
-/// ([`publisher::direct_reply_to_present`]).
+/// Results are published on the channels of `out` ([`PublishPool`]); its connection serves the
+/// direct reply-to checks ([`publisher::direct_reply_to_present`]).
 /// The LLM client's per-endpoint semaphore bounds the concurrent calls.
 async fn execute(
     ctx: PartitionContext,
@@ -600,9 +674,13 @@ async fn guarded_batch(
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
-    let intake = {
-        let _one_at_a_time = out.serial.lock().await;
-        publisher::parse_or_dead_letter(&out.ch, &out.conn, &s.amqp, &s.requests, delivery, Some(&ctx.lease)).await
+    let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery) {
+        Ok(req) => Intake::Valid(req, delivery),
+        Err(r) => {
+            let ch = out.take().await;
+            let id = r.request_id.as_deref();
+            publisher::dead_letter_and_ack(&ch, &out.conn, &s.amqp, delivery, id, r.reason, &r.detail, Some(&ctx.lease)).await
+        }
     };
     let (req, delivery) = match intake {
         Intake::Valid(req, delivery) => (req, delivery),
@@ -684,7 +762,7 @@ async fn process_batch(
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
     let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
-        let (ch, conn, serial) = (&out.ch, &*out.conn, &*out.serial);
+        let pool = &*out;
         let amqp = &ctx.settings.amqp;
         async move {
             let answer = match answer {
@@ -699,8 +777,8 @@ async fn process_batch(
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
                 Some(result) => {
-                    let _one_at_a_time = serial.lock().await;
-                    publisher::publish_result(ch, conn, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await
+                    let ch = pool.take().await;
+                    publisher::publish_result(&ch, &pool.conn, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await
                 }
                 None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
             }
@@ -708,7 +786,7 @@ async fn process_batch(
         .instrument(span)
     });
     let settlements = futures_util::future::join_all(settles).await;
-    if settlements.contains(&Settlement::ChannelLost) || !out.ch.status().connected() {
+    if settlements.contains(&Settlement::ChannelLost) || !out.all_connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }

@@ -347,6 +347,25 @@ pub async fn parse_or_dead_letter(
     delivery: Delivery,
     lease: Option<&LeaseClock>,
 ) -> Intake {
+    match check_delivery(amqp, policy, &delivery) {
+        Ok(req) => Intake::Valid(req, delivery),
+        Err(r) => dead_letter_and_ack(ch, conn, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease).await,
+    }
+}
+
+/// Why [`check_delivery`] refused a delivery: the dead-letter reason (one of
+/// [`crate::request::DEAD_LETTER_REASONS`]), its detail, and the request id when the request was
+/// parsed far enough to have one.
+#[derive(Debug)]
+pub struct Refusal {
+    pub reason: &'static str,
+    pub detail: String,
+    pub request_id: Option<String>,
+}
+
+/// The checks of [`parse_or_dead_letter`] without the dead letter: the request, or why it must
+/// be dead-lettered. Publishes nothing, so a caller can take a channel only when it needs one.
+pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &Delivery) -> Result<Request, Refusal> {
     let props = &delivery.properties;
     let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
     let env = Envelope {
@@ -357,16 +376,16 @@ pub async fn parse_or_dead_letter(
     };
     let parsed = parse(&delivery.data, &env, amqp.max_message_bytes);
     let count = redelivery::delivery_count(props.headers().as_ref());
-    let (reason, detail, id) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
+    let (reason, detail, request_id) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
         Ok((Err((reason, detail)), req)) => (reason, detail, Some(req.id)),
-        Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Intake::Valid(req, delivery),
+        Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Ok(req),
         Ok((Ok(()), req)) => {
             let last = redelivery::last_failure(&req.id).unwrap_or_else(|| "unknown on this instance".to_owned());
             (REASON_DELIVERY_LIMIT, format!("delivered {count} times; last error: {last}"), Some(req.id))
         }
         Err(err) => (err.reason(), err.to_string(), None),
     };
-    dead_letter_and_ack(ch, conn, amqp, delivery, id.as_deref(), reason, &detail, lease).await
+    Err(Refusal { reason, detail, request_id })
 }
 
 /// The longest id (request id, `correlation_id`, `message_id`) a log line carries, in bytes;
