@@ -150,6 +150,122 @@ impl Connections {
     }
 }
 
+/// Confirm-mode channels on a publishing connection, each lent to one publish at a time and
+/// given back when its confirm is in; opened as needed, up to `max` at once.
+///
+/// One publish per channel at a time because a `basic.return` carries no delivery tag (AMQP
+/// 0-9-1, <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin gives a
+/// returned message to whichever publisher confirm on the channel it completes next, and when
+/// the broker acks several publishes with one `multiple` ack, that can be another publish's
+/// confirm. A result whose `reply_to` queue did not exist was then taken as delivered and acked
+/// (lost), and its neighbour sent to the results queue twice (8 of 3,000 in a test). With one
+/// publish in flight per channel a return always meets its own confirm, and `max` channels
+/// still carry `max` publishes at once.
+///
+/// A channel found closed (the broker closed it, or the holder closed it after a nack) is
+/// dropped from the pool, and [`PublishPool::lost_a_channel`] says so; the next [`take`]
+/// that finds no free channel opens a new one.
+///
+/// [`take`]: PublishPool::take
+pub struct PublishPool {
+    conn: Arc<Connection>,
+    free: std::sync::Mutex<Vec<Channel>>,
+    /// Every channel opened and not yet found closed (for [`PublishPool::close`]).
+    opened: std::sync::Mutex<Vec<Channel>>,
+    /// One permit per publish that may hold a channel.
+    permits: tokio::sync::Semaphore,
+    lost: std::sync::atomic::AtomicBool,
+}
+
+impl PublishPool {
+    /// A pool of at most `max` (≥ 1) channels on `conn`; none is opened yet.
+    pub fn new(conn: Arc<Connection>, max: usize) -> PublishPool {
+        PublishPool {
+            conn,
+            free: std::sync::Mutex::new(Vec::new()),
+            opened: std::sync::Mutex::new(Vec::new()),
+            permits: tokio::sync::Semaphore::new(max.max(1)),
+            lost: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The publishing connection.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// A channel for one publish and its confirm: a free open one, else a new one. Waits while
+    /// `max` channels are lent.
+    ///
+    /// Errors: opening a channel failed (the connection is closed, or `channel_max` reached).
+    pub async fn take(&self) -> Result<PooledChannel<'_>, lapin::Error> {
+        let permit = self.permits.acquire().await.expect("the pool's semaphore is never closed");
+        loop {
+            let found = lock(&self.free).pop();
+            match found {
+                Some(ch) if ch.status().connected() => return Ok(PooledChannel { pool: self, ch: Some(ch), _permit: permit }),
+                Some(ch) => self.forget(&ch),
+                None => break,
+            }
+        }
+        let ch = self.conn.create_channel().await?;
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        lock(&self.opened).push(ch.clone());
+        Ok(PooledChannel { pool: self, ch: Some(ch), _permit: permit })
+    }
+
+    /// Whether a channel of the pool was found closed since the pool was made.
+    pub fn lost_a_channel(&self) -> bool {
+        self.lost.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Closes every open channel of the pool with `reply-success`.
+    pub async fn close(&self, why: &str) {
+        let channels = std::mem::take(&mut *lock(&self.opened));
+        lock(&self.free).clear();
+        for ch in channels {
+            let _ = ch.close(REPLY_SUCCESS, why.into()).await;
+        }
+    }
+
+    fn forget(&self, ch: &Channel) {
+        self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.opened).retain(|c| c.id() != ch.id());
+    }
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A channel lent by a [`PublishPool`] (dereferences to it); given back when dropped, or
+/// dropped from the pool when it is closed by then.
+pub struct PooledChannel<'a> {
+    pool: &'a PublishPool,
+    ch: Option<Channel>,
+    _permit: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl std::ops::Deref for PooledChannel<'_> {
+    type Target = Channel;
+    fn deref(&self) -> &Channel {
+        self.ch.as_ref().expect("present until dropped")
+    }
+}
+
+impl Drop for PooledChannel<'_> {
+    fn drop(&mut self) {
+        // Runs before the permit is released (fields drop after this), so a permit that finds
+        // no free channel may open one.
+        let Some(ch) = self.ch.take() else { return };
+        if ch.status().connected() {
+            lock(&self.pool.free).push(ch);
+        } else {
+            self.pool.forget(&ch);
+        }
+    }
+}
+
 /// Reads a string header (long or short string).
 pub fn header_str<'a>(headers: Option<&'a FieldTable>, name: &str) -> Option<std::borrow::Cow<'a, str>> {
     match headers?.inner().get(name)? {

@@ -63,14 +63,14 @@ use lapin::Acker;
 use lapin::message::Delivery;
 use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
-use lapin::{Channel, Connection, Consumer};
+use lapin::{Channel, Consumer};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::amqp::{reply_code, Connections, NOT_FOUND, REPLY_SUCCESS};
+use crate::amqp::{reply_code, Connections, PublishPool, NOT_FOUND, REPLY_SUCCESS};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
 use crate::keying::PrefixKey;
@@ -344,13 +344,12 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let p = ctx.partition;
     let queue = s.amqp.partition_queue(p);
     let ch = conns.consume.create_channel().await?;
-    let publish = match PublishPool::open(conns, PUBLISH_CHANNELS).await {
-        Ok(p) => Arc::new(p),
-        Err(e) => {
-            let _ = ch.close(REPLY_SUCCESS, "partition publish channels failed".into()).await;
-            return Err(e);
-        }
-    };
+    // One channel at once, so that a session on a broken connection fails here.
+    let publish = Arc::new(PublishPool::new(conns.publish.clone(), PUBLISH_CHANNELS));
+    if let Err(e) = publish.take().await {
+        let _ = ch.close(REPLY_SUCCESS, "partition publish channel failed".into()).await;
+        return Err(e);
+    }
     ch.basic_qos(s.amqp.partition_prefetch, BasicQosOptions::default()).await?;
     let tag = format!("{}:p{}:e{}:{}", s.instance_name, p, ctx.epoch, uuid::Uuid::new_v4().simple());
     let consume = ch.basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default());
@@ -527,91 +526,15 @@ async fn admit(
     accept(ctx, out, delivery, held.hold(permit)).await
 }
 
-/// How many publishing channels a partition session opens ([`PublishPool`]): up to this many
-/// results (or dead letters) of one partition wait for their confirms at once.
+/// How many publishing channels a partition session may hold ([`PublishPool`]): up to this many
+/// results (or dead letters) of one partition wait for their publisher confirms at once. Opened
+/// as needed: a partition at light load uses one.
 pub const PUBLISH_CHANNELS: usize = 4;
 
-/// A partition session's publishing channels (confirm mode), each carrying at most one
-/// unconfirmed publish at a time, and their connection (for the direct reply-to checks and for
-/// declaring a deleted destination again).
-///
-/// One publish per channel at a time because a `basic.return` carries no delivery tag (AMQP
-/// 0-9-1): lapin gives a returned message to whichever publisher confirm it completes next, and
-/// when the broker acks several publishes with one `multiple` ack, that can be another publish's
-/// confirm. A result whose `reply_to` queue does not exist was then taken as delivered and acked
-/// (lost), and its neighbour sent to the results queue twice: 8 of 3,000 in a new-user test.
-/// With one publish in flight per channel the return always meets its own confirm; with
-/// [`PUBLISH_CHANNELS`] channels a partition still has that many publishes in flight.
-struct PublishPool {
-    channels: Vec<Channel>,
-    /// Indexes into `channels` of the channels no publish holds.
-    free: std::sync::Mutex<Vec<usize>>,
-    /// One permit per free channel.
-    permits: Semaphore,
-    conn: Arc<Connection>,
-}
-
+/// A partition session's publishing channels (see [`PublishPool`] for why each carries one
+/// publish at a time) and their connection, which also serves the direct reply-to checks and
+/// declares a deleted destination again.
 type PublishOn = Arc<PublishPool>;
-
-impl PublishPool {
-    /// Opens `n` confirm-mode channels on the publishing connection; closes those already open
-    /// when one fails.
-    async fn open(conns: &Connections, n: usize) -> Result<PublishPool, lapin::Error> {
-        let mut channels = Vec::with_capacity(n);
-        for _ in 0..n {
-            match conns.publish_channel().await {
-                Ok(ch) => channels.push(ch),
-                Err(e) => {
-                    for ch in &channels {
-                        let _ = ch.close(REPLY_SUCCESS, "partition publish channels failed".into()).await;
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(PublishPool { free: std::sync::Mutex::new((0..n).collect()), permits: Semaphore::new(n), channels, conn: conns.publish.clone() })
-    }
-
-    /// A channel for one publish (and its confirm); waits while every channel is taken.
-    async fn take(&self) -> PooledChannel<'_> {
-        let permit = self.permits.acquire().await.expect("the pool's semaphore is never closed");
-        let index = self.free.lock().unwrap_or_else(|p| p.into_inner()).pop().expect("a permit means a free channel");
-        PooledChannel { pool: self, index, _permit: permit }
-    }
-
-    /// Whether every channel is still open (a closed one restarts the session).
-    fn all_connected(&self) -> bool {
-        self.channels.iter().all(|ch| ch.status().connected())
-    }
-
-    async fn close(&self, why: &str) {
-        for ch in &self.channels {
-            let _ = ch.close(REPLY_SUCCESS, why.into()).await;
-        }
-    }
-}
-
-/// A channel of a [`PublishPool`], given back when dropped.
-struct PooledChannel<'a> {
-    pool: &'a PublishPool,
-    index: usize,
-    _permit: tokio::sync::SemaphorePermit<'a>,
-}
-
-impl std::ops::Deref for PooledChannel<'_> {
-    type Target = Channel;
-    fn deref(&self) -> &Channel {
-        &self.pool.channels[self.index]
-    }
-}
-
-impl Drop for PooledChannel<'_> {
-    fn drop(&mut self) {
-        // Runs before the permit is released (fields drop after this), so a permit always finds
-        // a free index.
-        self.pool.free.lock().unwrap_or_else(|p| p.into_inner()).push(self.index);
-    }
-}
 
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
 /// Results are published on the channels of `out` ([`PublishPool`]); its connection serves the
@@ -676,11 +599,16 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
     let s = &ctx.settings;
     let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery) {
         Ok(req) => Intake::Valid(req, delivery),
-        Err(r) => {
-            let ch = out.take().await;
-            let id = r.request_id.as_deref();
-            publisher::dead_letter_and_ack(&ch, &out.conn, &s.amqp, delivery, id, r.reason, &r.detail, Some(&ctx.lease)).await
-        }
+        Err(r) => match out.take().await {
+            Ok(ch) => {
+                let id = r.request_id.as_deref();
+                publisher::dead_letter_and_ack(&ch, out.connection(), &s.amqp, delivery, id, r.reason, &r.detail, Some(&ctx.lease)).await
+            }
+            Err(e) => {
+                warn!(partition = ctx.partition, error = %e, "no publishing channel for a dead letter");
+                Intake::Unacked(delivery)
+            }
+        },
     };
     let (req, delivery) = match intake {
         Intake::Valid(req, delivery) => (req, delivery),
@@ -776,17 +704,20 @@ async fn process_batch(
             let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
-                Some(result) => {
-                    let ch = pool.take().await;
-                    publisher::publish_result(&ch, &pool.conn, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await
-                }
+                Some(result) => match pool.take().await {
+                    Ok(ch) => publisher::publish_result(&ch, pool.connection(), amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
+                    Err(e) => {
+                        publisher::requeue(&pending.delivery.acker, &pending.req.id, &format!("no publishing channel: {e}")).await;
+                        Settlement::ChannelLost
+                    }
+                },
                 None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
             }
         }
         .instrument(span)
     });
     let settlements = futures_util::future::join_all(settles).await;
-    if settlements.contains(&Settlement::ChannelLost) || !out.all_connected() {
+    if settlements.contains(&Settlement::ChannelLost) || out.lost_a_channel() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }
