@@ -151,7 +151,8 @@ impl Connections {
 }
 
 /// Confirm-mode channels on a publishing connection, each lent to one publish at a time and
-/// given back when its confirm is in; opened as needed, up to `max` at once.
+/// given back when its confirm is in; opened as needed, up to `max` at once. Each partition
+/// session publishes its results and dead letters through one ([`crate::partition`]).
 ///
 /// One publish per channel at a time because a `basic.return` carries no delivery tag (AMQP
 /// 0-9-1, <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin gives a
@@ -160,7 +161,10 @@ impl Connections {
 /// confirm. A result whose `reply_to` queue did not exist was then taken as delivered and acked
 /// (lost), and its neighbour sent to the results queue twice (8 of 3,000 in a test). With one
 /// publish in flight per channel a return always meets its own confirm, and `max` channels
-/// still carry `max` publishes at once.
+/// still carry `max` publishes at once. The price: a channel with one publish in flight gets
+/// one confirm frame per publish, where a busy shared channel gets one `multiple` ack for many
+/// (a pool of 32 for the router's forwards cost a third of the daemon's throughput on the
+/// overhead bench, so the router keeps one shared channel).
 ///
 /// A channel found closed (the broker closed it, or the holder closed it after a nack) is
 /// dropped from the pool, and [`PublishPool::lost_a_channel`] says so; the next [`take`]

@@ -1,7 +1,7 @@
 //! The router: consumes the input queue (competing consumers: every instance runs one), keys each
 //! request and forwards it to its partition queue.
 //!
-//! Per delivery: parse ([`publisher::check_delivery`], or dead-letter) → key ([`route`]: in the default
+//! Per delivery: parse ([`publisher::parse_or_dead_letter`]) → key ([`route`]: in the default
 //! adaptive mode the shortest key level that is not split) → pick shard → partition → publish to the shard exchange with
 //! routing key = partition, wait for the confirm → ack the input. Bad input is published to the
 //! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
@@ -16,11 +16,12 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Consumer};
+use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::amqp::{Connections, PublishPool, REPLY_SUCCESS};
+use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
@@ -103,9 +104,7 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 /// unacked deliveries are requeued by the broker when it closes). Only a failed connection (or a
 /// channel that cannot be reopened) ends the router, and with it the session.
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
-    let publish = Arc::new(PublishPool::new(conns.publish.clone(), ROUTER_PUBLISH_CHANNELS));
-    // One channel at once, so that a router on a broken connection fails here.
-    drop(publish.take().await?);
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), current: Mutex::new(conns.publish_channel().await?) });
     let tag = format!("router-{}", settings.instance_name);
     let mut inflight = JoinSet::new();
     let result = loop {
@@ -132,7 +131,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
         }
     };
     while inflight.join_next().await.is_some() {}
-    publish.close("router stopped").await;
+    let _ = publish.current.lock().await.close(REPLY_SUCCESS, "router stopped".into()).await;
     info!("router stopped");
     result
 }
@@ -157,7 +156,7 @@ enum Ended {
 /// Hands every delivery of `consumer` to its own task until `stop` fires or the consumer ends.
 async fn pump(
     consumer: &mut Consumer,
-    publish: &Arc<PublishPool>,
+    publish: &Arc<PublishChannel>,
     settings: &Arc<Settings>,
     stop: &CancellationToken,
     inflight: &mut JoinSet<()>,
@@ -177,16 +176,46 @@ async fn pump(
     }
 }
 
-/// How many publishing channels the router may hold ([`PublishPool`]: one unconfirmed publish
-/// per channel, so that a return always meets its own confirm): up to this many forwards (or
-/// dead letters) wait for their publisher confirms at once, of the `amqp.input_prefetch`
-/// deliveries the router holds. Opened as needed.
-pub const ROUTER_PUBLISH_CHANNELS: usize = 32;
+/// The router's confirm-mode publishing channel, shared by its delivery tasks and reopened when
+/// the broker closed it (a closed channel stays closed in AMQP 0-9-1).
+struct PublishChannel {
+    conns: Connections,
+    current: Mutex<Channel>,
+}
+
+impl PublishChannel {
+    /// The open channel, reopening it first when it was closed.
+    async fn get(&self) -> Result<Channel, lapin::Error> {
+        let mut ch = self.current.lock().await;
+        if !ch.status().connected() {
+            warn!("the router's publishing channel was closed; reopening it");
+            *ch = self.conns.publish_channel().await?;
+        }
+        Ok(ch.clone())
+    }
+
+    /// Replaces the channel with a new one when it is still `old` (another task may have
+    /// replaced it already), closes `old`, and returns the channel to publish on.
+    ///
+    /// Called after the broker nacked a publish on `old`: a quorum queue's publisher state for a
+    /// channel can be left with a gap in its sequence numbers by the rejected publish, after which
+    /// later publishes on that channel are confirmed but not enqueued (RabbitMQ 3.10; fixed in
+    /// later versions, rabbitmq-server #14589). A new channel is a new publisher for the queue.
+    async fn renew(&self, old: &Channel) -> Result<Channel, lapin::Error> {
+        let mut ch = self.current.lock().await;
+        if ch.id() == old.id() {
+            warn!("a publish was nacked; replacing the router's publishing channel");
+            *ch = self.conns.publish_channel().await?;
+            let _ = old.close(REPLY_SUCCESS, "publish nacked; replaced".into()).await;
+        }
+        Ok(ch.clone())
+    }
+}
 
 /// Runs [`handle`] for one delivery. A panic does not leave the delivery unacked: it is
 /// requeued (nack), and its request id remembered with the panic ([`redelivery::note_failure`])
 /// so the delivery limit dead-letters a message that keeps failing, with that error.
-async fn guarded(publish: Arc<PublishPool>, settings: Arc<Settings>, delivery: Delivery, stop: CancellationToken) {
+async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery: Delivery, stop: CancellationToken) {
     let acker = delivery.acker.clone();
     let message_id = delivery.properties.message_id().as_ref().map(|m| m.as_str().to_owned());
     let request_id = OnceLock::new();
@@ -210,58 +239,55 @@ async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
 /// Handles one input delivery: parse (or dead-letter), route, forward with a confirm, ack.
 /// A delivery whose forward or dead letter is not confirmed is requeued; a failed forward after
 /// [`redelivery::requeue_backoff`] (or at `stop`). The request id goes to `request_id` once known.
-/// Each publish takes a channel of `publish` for itself and gives it back once confirmed.
-async fn handle(publish: &PublishPool, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
+async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
-    let conn = publish.connection();
-    let req = match publisher::check_delivery(a, &settings.requests, &delivery) {
-        Ok(req) => req,
-        Err(refusal) => {
-            let id = refusal.request_id.as_deref();
-            return dead_letter_or_requeue(publish, a, delivery, id, refusal.reason, &refusal.detail, stop).await;
+    let ch = match publish.get().await {
+        Ok(ch) => ch,
+        Err(e) => {
+            warn!(error = %e, "no publishing channel; requeueing input");
+            return requeue(delivery).await;
         }
+    };
+    let mut ch = ch;
+    let conn = &publish.conns.publish;
+    let (req, delivery) = match publisher::parse_or_dead_letter(&ch, conn, a, &settings.requests, delivery, None).await {
+        Intake::Valid(req, delivery) => (req, delivery),
+        Intake::DeadLettered => return,
+        Intake::Unacked(delivery) => return requeue_after_backoff(a, delivery, stop).await,
     };
     let _ = request_id.set(req.id.clone());
     let r = route(&req, settings);
     debug!(request_id = %r.request_id, key = %r.key_hex, material = %r.key_preview, shard = r.shard, partition = r.partition, "routing");
     let fwd = match forward_props(&delivery.properties, &r) {
         Ok(p) => p,
-        Err(e) => return dead_letter_or_requeue(publish, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), stop).await,
+        Err(e) => {
+            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&ch, conn, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
+                requeue_after_backoff(a, delivery, stop).await;
+            }
+            return;
+        }
     };
     let rk = AmqpSettings::partition_routing_key(r.partition);
     let mut retry = publisher::NackRetry::new(a);
     let mut declared_again = false;
     loop {
-        let e = {
-            let ch = match publish.take().await {
-                Ok(ch) => ch,
-                Err(e) => {
-                    warn!(error = %e, "no publishing channel; requeueing input after a backoff");
-                    return requeue_after_backoff(a, delivery, stop).await;
-                }
-            };
-            let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd.clone(), a.confirm_timeout).await else {
-                break;
-            };
-            if matches!(e, publisher::PublishError::Nacked) {
-                // A quorum queue's publisher state for a channel can be left with a gap in its
-                // sequence numbers by the rejected publish, after which later publishes on that
-                // channel are confirmed but not enqueued (RabbitMQ 3.10; fixed in later versions,
-                // rabbitmq-server #14589). Closed, the pool drops it; a new channel is a new
-                // publisher for the queue.
-                warn!("a forward was nacked; replacing its publishing channel");
-                let _ = ch.close(REPLY_SUCCESS, "publish nacked; replaced".into()).await;
-            }
-            e
+        let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd.clone(), a.confirm_timeout).await else {
+            break;
         };
         // The shard exchange or the partition queue was deleted while the daemon ran: declare the
         // route again (once per delivery) instead of charging the request a delivery per attempt
         // until `amqp.delivery_limit` dead-letters it. When the failed publish closed the channel
-        // (404 for the exchange), the pool opens another for the next attempt.
+        // (404 for the exchange), the requeue below goes again on a new one.
         if !declared_again && publisher::says_missing(&e) {
             declared_again = true;
-            if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await && conn.status().connected() {
+            if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await && ch.status().connected() {
                 continue;
+            }
+        }
+        if matches!(e, publisher::PublishError::Nacked) {
+            match publish.renew(&ch).await {
+                Ok(fresh) => ch = fresh,
+                Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
             }
         }
         let again = tokio::select! {
@@ -281,29 +307,6 @@ async fn handle(publish: &PublishPool, settings: &Settings, delivery: Delivery, 
         return;
     }
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
-}
-
-/// Dead-letters an input delivery on a channel of `publish` ([`publisher::dead_letter_and_ack`]);
-/// when that is not confirmed (or no channel opens), requeues it after a backoff.
-async fn dead_letter_or_requeue(
-    publish: &PublishPool,
-    a: &AmqpSettings,
-    delivery: Delivery,
-    request_id: Option<&str>,
-    reason: &'static str,
-    detail: &str,
-    stop: &CancellationToken,
-) {
-    let intake = match publish.take().await {
-        Ok(ch) => publisher::dead_letter_and_ack(&ch, publish.connection(), a, delivery, request_id, reason, detail, None).await,
-        Err(e) => {
-            warn!(error = %e, "no publishing channel for a dead letter");
-            Intake::Unacked(delivery)
-        }
-    };
-    if let Intake::Unacked(delivery) = intake {
-        requeue_after_backoff(a, delivery, stop).await;
-    }
 }
 
 /// A delivery whose forward or dead letter the broker did not confirm (channel closed,

@@ -430,18 +430,39 @@ async fn existing_input_queues_with_and_without_a_delivery_limit() {
     other.cleanup().await;
 }
 
+/// `prefix_batcher_requests_total{stage="router",outcome="requeued"}` of this process.
+fn router_requeues() -> f64 {
+    prefix_batcher::metrics::render()
+        .lines()
+        .find(|l| l.starts_with("prefix_batcher_requests_total{") && l.contains(r#"stage="router""#) && l.contains(r#"outcome="requeued""#))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// The broker closes the router's publishing channel (404: the shard exchange was deleted under
-/// the running daemon): the router declares the route again and forwards on a new channel of
-/// its pool, on the same AMQP connections (no session restart), without requeueing anything.
-/// Before the pool, the closed channel made every forward in flight fail and be requeued.
+/// the running daemon): the router requeues the deliveries, reopens its channel and forwards
+/// them once the exchange is back, on the same AMQP connections (no session restart, which
+/// would also have redeclared the exchange).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_reopens_a_channel_the_broker_closed() {
     let fake = FakeLlm::new().start().await.unwrap();
     let mut f = fixture("reopen", fake.url.as_str()).await;
+    let before = router_requeues();
     let ch = f.started.amqp.conn.create_channel().await.unwrap();
     ch.exchange_delete(f.env.shard_exchange().as_str().into(), Default::default()).await.unwrap();
     let reqs = completions_workload("reopen", 5, 1);
     f.started.amqp.publish_requests(&f.env.input_queue(), &reqs, &f.started.reply).await;
+    let deadline = Instant::now() + DEADLINE;
+    while router_requeues() <= before {
+        assert!(Instant::now() < deadline, "the router never requeued a failed forward");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+    ch.exchange_declare(f.env.shard_exchange().as_str().into(), lapin::ExchangeKind::Direct, durable, FieldTable::default()).await.unwrap();
+    for p in 0..PARTITIONS {
+        let (q, x, rk) = (f.env.partition_queue(p), f.env.shard_exchange(), p.to_string());
+        ch.queue_bind(q.as_str().into(), x.as_str().into(), rk.as_str().into(), Default::default(), FieldTable::default()).await.unwrap();
+    }
     f.started.results.until_all(&ids(&reqs), DEADLINE).await;
     f.serves_others("reopen-after", 10).await;
     let _ = ch.close(200, "done".into()).await;
