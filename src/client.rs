@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use futures_util::StreamExt;
-use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, ConnectionProperties};
 use serde::Serialize;
@@ -139,17 +139,20 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitS
     let ids = publish_input(&ch, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
     let mut summary = SubmitSummary { requests: ids.len(), ..Default::default() };
     eprintln!("submit: published {} requests to {queue}", ids.len());
-    if let Some((_, mut consumer)) = reply {
-        collect_results(&mut consumer, &ids, opts, &mut summary).await?;
+    if let Some((name, mut consumer)) = reply {
+        let reply = ReplyQueue { conn: &conn, ch: &ch, name: &name };
+        collect_results(&reply, &mut consumer, &ids, opts, &mut summary).await?;
     }
     summary.wall_s = started.elapsed().as_secs_f64();
     let _ = conn.close(REPLY_SUCCESS, "done".into()).await;
     Ok(summary)
 }
 
-/// An exclusive, auto-deleted reply queue (server-named) and a consumer on it.
+/// An exclusive reply queue (server-named; it goes with the connection) and a consumer on it.
+/// Not auto-delete: an interrupted wait cancels its consumer and then still reads what the queue
+/// holds ([`rescue_results`]).
 async fn open_reply_queue(ch: &lapin::Channel) -> Result<(String, lapin::Consumer), ClientError> {
-    let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+    let opts = QueueDeclareOptions { exclusive: true, ..Default::default() };
     let q = ch.queue_declare("".into(), opts, FieldTable::default()).await?;
     let name = q.name().to_string();
     let consumer = ch.basic_consume(name.as_str().into(), "submit".into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
@@ -233,6 +236,7 @@ async fn await_confirms(confirms: &mut Vec<lapin::PublisherConfirm>, queue: &str
 /// Consumes results until every request in `ids` has one or `opts.timeout` elapses; writes each
 /// first result as one JSONL line and counts it into `summary`.
 async fn collect_results(
+    reply: &ReplyQueue<'_>,
     consumer: &mut lapin::Consumer,
     ids: &HashSet<String>,
     opts: &SubmitOptions,
@@ -261,20 +265,14 @@ async fn collect_results(
             Err(_) => break,
         };
         delivery.acker.ack(BasicAckOptions::default()).await?;
-        let key = delivery.properties.correlation_id().as_ref().map(|c| c.to_string()).unwrap_or_default();
-        if !ids.contains(&key) {
-            continue;
-        }
-        if !seen.insert(key) {
-            summary.duplicates += 1;
-            continue;
-        }
-        out.write_all(&delivery.data).and_then(|()| out.write_all(b"\n")).map_err(output_error)?;
-        tally(summary, &delivery.data);
+        take_result(&delivery, ids, &mut seen, &mut out, summary).map_err(output_error)?;
         if last_progress.elapsed() >= Duration::from_secs(10) {
             last_progress = Instant::now();
             eprintln!("submit: {}/{} results", seen.len(), ids.len());
         }
+    }
+    if summary.interrupted {
+        rescue_results(reply, ids, &mut seen, &mut out, summary, &output_error).await?;
     }
     out.flush().map_err(output_error)?;
     summary.results = seen.len();
@@ -286,7 +284,69 @@ async fn collect_results(
             ids.len()
         );
     }
-    report_missing(ids, &seen, opts.timeout);
+    let when = if summary.interrupted { "when interrupted".to_owned() } else { format!("after {:?}", opts.timeout) };
+    report_missing(ids, &seen, &when);
+    Ok(())
+}
+
+/// `submit`'s reply queue: its connection, the channel consuming it, and its name.
+struct ReplyQueue<'a> {
+    conn: &'a lapin::Connection,
+    ch: &'a lapin::Channel,
+    name: &'a str,
+}
+
+/// Writes the result in `delivery` when it answers one of `ids` for the first time, and counts
+/// it into `summary` (a repeat counts as a duplicate; a stranger is skipped).
+fn take_result(
+    delivery: &lapin::message::Delivery,
+    ids: &HashSet<String>,
+    seen: &mut HashSet<String>,
+    out: &mut Box<dyn Write + Send>,
+    summary: &mut SubmitSummary,
+) -> std::io::Result<()> {
+    let key = delivery.properties.correlation_id().as_ref().map(|c| c.to_string()).unwrap_or_default();
+    if !ids.contains(&key) {
+        return Ok(());
+    }
+    if !seen.insert(key) {
+        summary.duplicates += 1;
+        return Ok(());
+    }
+    out.write_all(&delivery.data).and_then(|()| out.write_all(b"\n"))?;
+    tally(summary, &delivery.data);
+    Ok(())
+}
+
+/// After an interrupted wait: the results already in the reply queue (or delivered to the
+/// consumer and not yet read) are written too, then the queue is deleted, so that every later
+/// result goes to `amqp.results_queue` and none is destroyed with the queue.
+///
+/// Closing the consuming channel returns its unread deliveries to the queue; the queue is then
+/// read to the end and deleted only if empty (`if-empty`), reading again when a result arrived in
+/// between (the failed delete closes its channel with 406, so each round uses a new one).
+async fn rescue_results(
+    reply: &ReplyQueue<'_>,
+    ids: &HashSet<String>,
+    seen: &mut HashSet<String>,
+    out: &mut Box<dyn Write + Send>,
+    summary: &mut SubmitSummary,
+    output_error: &dyn Fn(std::io::Error) -> ClientError,
+) -> Result<(), ClientError> {
+    let _ = reply.ch.close(REPLY_SUCCESS, "interrupted".into()).await;
+    for _ in 0..100 {
+        let ch = reply.conn.create_channel().await?;
+        while let Some(msg) = ch.basic_get(reply.name.into(), BasicGetOptions::default()).await? {
+            take_result(&msg.delivery, ids, seen, out, summary).map_err(output_error)?;
+            msg.delivery.acker.ack(BasicAckOptions::default()).await?;
+        }
+        match ch.queue_delete(reply.name.into(), QueueDeleteOptions { if_empty: true, ..Default::default() }).await {
+            Ok(_) => return Ok(()),
+            Err(e) if crate::amqp::reply_code(&e) == Some(crate::amqp::PRECONDITION_FAILED) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    eprintln!("submit: results kept arriving while the reply queue was being deleted; giving up after 100 rounds");
     Ok(())
 }
 
@@ -323,16 +383,16 @@ fn tally(summary: &mut SubmitSummary, body: &[u8]) {
 }
 
 /// Names (up to 20 of) the requests without a result on stderr.
-fn report_missing(ids: &HashSet<String>, seen: &HashSet<String>, timeout: Duration) {
+fn report_missing(ids: &HashSet<String>, seen: &HashSet<String>, when: &str) {
     let mut missing: Vec<&String> = ids.iter().filter(|i| !seen.contains(*i)).collect();
     if missing.is_empty() {
         return;
     }
     missing.sort();
     eprintln!(
-        "submit: {} requests without a result after {:?} (a dead-lettered request never gets one: see the dead-letter queue); first: {:?}",
+        "submit: {} requests without a result {} (a dead-lettered request never gets one: see the dead-letter queue); first: {:?}",
         missing.len(),
-        timeout,
+        when,
         &missing[..missing.len().min(20)]
     );
 }

@@ -221,13 +221,18 @@ async fn status(settings: &Settings, json: bool) -> ExitCode {
     ExitCode::from(exit::EX_OK)
 }
 
-/// The error and its sources, `error: cause: cause` (as anyhow prints with `{:#}`).
+/// The error and its sources, `error: cause: cause` (as anyhow prints with `{:#}`), leaving out
+/// a cause whose text the line already holds.
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
+        // lapin's I/O error prints its source's text, which would then follow it again.
+        let part = s.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
         source = s.source();
     }
     text

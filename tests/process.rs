@@ -329,8 +329,9 @@ async fn check_config_accepts_the_example_and_rejects_a_zero_batch_wait() {
 /// `submit --wait` ended by SIGINT (Ctrl-C) or SIGTERM: the results that arrived are written,
 /// the summary says `interrupted` and how many are missing, and the exit code is 3. Before,
 /// the signal killed the process: results already acked but still in its output buffer were
-/// lost, and there was no summary. Nobody consumes the input queue here; the test answers two
-/// requests itself through their `reply_to`.
+/// lost, and there was no summary; and results still in the reply queue went with it. Nobody
+/// consumes the input queue here; the test answers three requests itself through their
+/// `reply_to`, the third right before the signal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     use lapin::options::{BasicGetOptions, QueueDeclareOptions};
@@ -378,18 +379,31 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
             assert!(Instant::now() < deadline, "submit did not take its results: {counts:?}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        // A third result goes into the reply queue right before the signal: whether submit has
+        // read it by then or not, it must reach the output file, not vanish with the queue.
+        let msg = loop {
+            if let Some(m) = amqp.ch.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap() {
+                break m;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let id = msg.delivery.properties.correlation_id().as_ref().unwrap().to_string();
+        let body = format!("{{\"id\":\"{id}\",\"ok\":true,\"text\":\"hi\"}}");
+        amqp.publish(&reply_to, body.as_bytes(), request_props(&id, &reply_to)).await;
         let ok = std::process::Command::new("kill").arg(signal).arg(submit.pid().to_string()).status().unwrap().success();
         assert!(ok);
         let status = submit.wait_exit(Duration::from_secs(10)).await;
         let log = submit.log();
         assert_eq!(status.code(), Some(3), "{signal}: {log}");
         let written = std::fs::read_to_string(&out).unwrap();
-        assert_eq!(written.lines().count(), 2, "{signal}: both results received before the signal are written: {written:?}");
+        assert_eq!(written.lines().count(), 3, "{signal}: the results sent before the signal are written: {written:?}");
         let summary: serde_json::Value = serde_json::from_str(log.lines().last().unwrap()).unwrap_or_else(|e| panic!("{signal}: no summary ({e}): {log}"));
         assert_eq!(summary["interrupted"], true, "{signal}: {summary}");
-        assert_eq!(summary["results"], 2, "{signal}: {summary}");
-        assert_eq!(summary["missing"], 3, "{signal}: {summary}");
-        assert!(log.contains("interrupted with 2 of 5 results"), "{signal}: {log}");
+        assert_eq!(summary["results"], 3, "{signal}: {summary}");
+        assert_eq!(summary["missing"], 2, "{signal}: {summary}");
+        assert!(log.contains("interrupted with 3 of 5 results"), "{signal}: {log}");
+        assert!(log.contains("without a result when interrupted"), "{signal}: {log}");
+        assert!(broker::queues(&reply_to).is_empty(), "the reply queue is deleted");
         // The three unanswered requests are still in the input queue.
         let _ = amqp.ch.queue_purge(queue.as_str().into(), Default::default()).await;
     }
