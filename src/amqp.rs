@@ -137,9 +137,7 @@ impl Connections {
     /// A new channel on the publishing connection, in confirm mode
     /// (<https://www.rabbitmq.com/docs/confirms>).
     pub async fn publish_channel(&self) -> Result<Channel, lapin::Error> {
-        let ch = self.publish.create_channel().await?;
-        ch.confirm_select(ConfirmSelectOptions::default()).await?;
-        Ok(ch)
+        confirm_channel(&self.publish).await
     }
 
     /// Closes both connections with `reply-success`; errors are returned from the first that fails.
@@ -148,6 +146,13 @@ impl Connections {
         let b = self.publish.close(REPLY_SUCCESS, why.into()).await;
         a.and(b)
     }
+}
+
+/// A new channel on `conn`, in confirm mode (<https://www.rabbitmq.com/docs/confirms>).
+async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error> {
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    Ok(ch)
 }
 
 /// Confirm-mode channels on a publishing connection, each lent to one publish at a time and
@@ -212,8 +217,7 @@ impl PublishPool {
                 None => break,
             }
         }
-        let ch = self.conn.create_channel().await?;
-        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+        let ch = confirm_channel(&self.conn).await?;
         lock(&self.opened).push(ch.clone());
         Ok(PooledChannel { pool: self, ch: Some(ch), _permit: permit })
     }

@@ -52,8 +52,8 @@ pub struct SubmitSummary {
     /// Requests without a result when the wait ended.
     pub missing: usize,
     /// The wait was ended by SIGINT (Ctrl-C) or SIGTERM before every result arrived. The results
-    /// received so far are written and counted; results that come later go to
-    /// `amqp.results_queue`, because the reply queue goes with the connection.
+    /// received so far, and those already in the reply queue, are written and counted; the reply
+    /// queue is then deleted, so results that come later go to `amqp.results_queue`.
     pub interrupted: bool,
     /// From the first publish to the last result (or to the last confirm without `--wait`).
     pub wall_s: f64,
@@ -279,7 +279,7 @@ async fn collect_results(
     summary.missing = ids.len() - seen.len();
     if summary.interrupted {
         eprintln!(
-            "submit: interrupted with {} of {} results; the rest will go to the results queue (the reply queue closes with this connection)",
+            "submit: interrupted with {} of {} results; the rest will go to the results queue (the reply queue is deleted)",
             seen.len(),
             ids.len()
         );
@@ -613,7 +613,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
 
     let (depths, input_backlog, amqp_error, amqp_node) = match queue_depths(settings, p).await {
         Ok((d, i, node)) => (d, i, None, Some(node)),
-        Err(e) => (vec![None; p as usize], None, Some(error_text(&e)), None),
+        Err(e) => (vec![None; p as usize], None, Some(error_text(e.as_ref())), None),
     };
     let amqp_nodes = probe_nodes(settings).await;
 
@@ -750,12 +750,12 @@ pub fn render_status(s: &Status) -> String {
     out
 }
 
-
-/// `e` and its causes, `error: cause: cause`, leaving out a cause whose text the line already
-/// holds (lapin's I/O error prints its source's text, which then follows it again).
-fn error_text(e: &anyhow::Error) -> String {
+/// `e` and its causes, `error: cause: cause` (as anyhow prints with `{:#}`), leaving out a cause
+/// whose text the line already holds (lapin's I/O error prints its source's text, which then
+/// follows it again).
+pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = String::new();
-    for cause in e.chain() {
+    for cause in std::iter::successors(Some(e), |c| c.source()) {
         let part = cause.to_string();
         if text.contains(&part) {
             continue;

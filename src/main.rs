@@ -194,7 +194,7 @@ async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
             ExitCode::from(if summary.missing > 0 { exit::EX_MISSING_RESULTS } else { exit::EX_OK })
         }
         Err(e) => {
-            eprintln!("prefix-batcher submit: {}", error_chain(&e));
+            eprintln!("prefix-batcher submit: {}", client::error_text(&e));
             ExitCode::from(exit::EX_FAILURE)
         }
     }
@@ -221,19 +221,3 @@ async fn status(settings: &Settings, json: bool) -> ExitCode {
     ExitCode::from(exit::EX_OK)
 }
 
-/// The error and its sources, `error: cause: cause` (as anyhow prints with `{:#}`), leaving out
-/// a cause whose text the line already holds.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        // lapin's I/O error prints its source's text, which would then follow it again.
-        let part = s.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        source = s.source();
-    }
-    text
-}

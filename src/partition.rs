@@ -375,11 +375,10 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     }));
-    let out = publish.clone();
-    let executor = tokio::spawn(execute(ctx.clone(), out.clone(), batch_rx, stop.clone(), end.clone()));
+    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
-    let ending = intake(ctx, stop, &end, &mut consumer, &out, &item_tx, held).await;
+    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held).await;
     metrics::intake_paused(p, false);
     match ending {
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
