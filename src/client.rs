@@ -195,10 +195,16 @@ async fn publish_input(
     Ok(ids)
 }
 
-/// The request's `id` (a string or a number), else a new UUID.
+/// The request's `id` (a string, or an integer in the 64-bit range as the daemon reads it), else a
+/// new UUID. A number the daemon refuses (see [`crate::request::parse`]) also gets a UUID; the
+/// daemon then dead-letters that request with the reason.
 fn request_id(line: &str) -> String {
     match serde_json::from_str::<Value>(line) {
-        Ok(Value::Object(o)) => o.get("id").and_then(|v| v.as_str().map(str::to_owned).or_else(|| v.as_u64().map(|n| n.to_string()))),
+        Ok(Value::Object(o)) => o.get("id").and_then(|v| match v {
+            Value::String(s) => Some(s.clone()),
+            Value::Number(n) if n.is_i64() || n.is_u64() => Some(n.to_string()),
+            _ => None,
+        }),
         _ => None,
     }
     .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
@@ -783,5 +789,18 @@ mod tests {
             Err(ClientError::InvalidId { source, .. }) => assert_eq!(source.reason(), "invalid_field"),
             other => panic!("a 300-byte id must be refused, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn a_line_id_is_read_as_the_daemon_reads_it() {
+        let env = crate::request::Envelope::default();
+        for line in [r#"{"id":"abc","prompt":"p"}"#, r#"{"id":42,"prompt":"p"}"#, r#"{"id":-7,"prompt":"p"}"#, r#"{"id":18446744073709551615,"prompt":"p"}"#] {
+            let daemon = crate::request::parse(line.as_bytes(), &env, 1000).unwrap().id;
+            assert_eq!(request_id(line), daemon, "{line}");
+        }
+        // A number the daemon refuses gets a fresh UUID (so two such lines are not duplicates).
+        let a = request_id(r#"{"id":1e2,"prompt":"p"}"#);
+        let b = request_id(r#"{"id":1e2,"prompt":"p"}"#);
+        assert!(uuid::Uuid::parse_str(&a).is_ok() && a != b, "{a} {b}");
     }
 }

@@ -198,12 +198,14 @@ pub struct Envelope<'a> {
 ///
 /// Errors: see [`ParseError`]; every error is final for that message (it is dead-lettered, never
 /// retried). The request id (body `id`, else `message_id`) and `correlation_id` may have at most
-/// [`MAX_ID_BYTES`] bytes, `reply_to` at most [`MAX_SHORT_STRING_BYTES`].
+/// [`MAX_ID_BYTES`] bytes and no control characters, `reply_to` at most
+/// [`MAX_SHORT_STRING_BYTES`].
 pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Request, ParseError> {
     if body.len() > max_bytes {
         return Err(ParseError::TooLarge { size: body.len(), limit: max_bytes });
     }
     check_length("correlation_id", env.correlation_id.unwrap_or_default(), MAX_ID_BYTES)?;
+    check_no_control("correlation_id", env.correlation_id.unwrap_or_default())?;
     check_length("reply_to", env.reply_to.unwrap_or_default(), MAX_SHORT_STRING_BYTES)?;
     let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
     let value: Value = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
@@ -269,9 +271,14 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     Ok(Request { id, body, model, params, prefix_key })
 }
 
-/// The request id: the body's `id` (a non-empty string or a number), else the AMQP `message_id`,
-/// else a generated UUID v4; at most [`MAX_ID_BYTES`] bytes, and no control characters
-/// ([`check_no_control`]).
+/// The request id: the body's `id` (a non-empty string, or an integer from -2^63 to 2^64 − 1
+/// written in decimal), else the AMQP `message_id`, else a generated UUID v4; at most
+/// [`MAX_ID_BYTES`] bytes, and no control characters ([`check_no_control`]).
+///
+/// A number outside that range, or with a fraction or an exponent (`1e2`, `1.5`), is refused:
+/// serde_json (like JavaScript's `JSON.parse`) reads it as an `f64`, which keeps 53 bits, so
+/// distinct ids would collide (`123456789012345678901234567890` and `…891` both read as
+/// `1.2345678901234568e29`).
 fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String, ParseError> {
     Ok(match body_id {
         Some(Value::String(s)) if !s.is_empty() => {
@@ -279,7 +286,15 @@ fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String
             check_no_control("id", &s)?;
             s
         }
-        Some(Value::Number(n)) => n.to_string(),
+        Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
+        Some(Value::Number(n)) => {
+            return Err(ParseError::InvalidField {
+                field: "id",
+                detail: format!(
+                    "the number {n} is not an integer in the 64-bit range (-2^63 to 2^64-1): JSON parsers round such numbers, so two ids could become one; send it as a string"
+                ),
+            })
+        }
         None | Some(Value::Null) => match message_id.filter(|s| !s.is_empty()) {
             Some(m) => {
                 check_length("message_id", m, MAX_ID_BYTES)?;
@@ -536,6 +551,49 @@ mod tests {
             assert!(p(&body).is_ok(), "{body}");
         }
         assert_eq!(p(r#"{"id":12345,"prompt":"hi"}"#).unwrap().id, "12345", "a number is an id too");
+    }
+
+    #[test]
+    fn a_numeric_id_is_kept_exactly_or_refused() {
+        // Integers across the whole 64-bit range keep every digit.
+        for id in ["0", "-1", "9007199254740993", "18446744073709551615", "-9223372036854775808"] {
+            let body = format!(r#"{{"id":{id},"prompt":"hi"}}"#);
+            assert_eq!(p(&body).unwrap().id, id, "{body}");
+        }
+        // Observed: these became floats, and the first two the same id. Each is now refused,
+        // with a reason that says what to do.
+        for id in [
+            "123456789012345678901234567890",
+            "123456789012345678901234567891",
+            "18446744073709551616",
+            "-9223372036854775809",
+            "1e2",
+            "1.5",
+            "100.0",
+        ] {
+            let body = format!(r#"{{"id":{id},"prompt":"hi"}}"#);
+            match p(&body).unwrap_err() {
+                ParseError::InvalidField { field: "id", detail } => {
+                    assert!(detail.contains("64-bit") && detail.contains("as a string"), "{body}: {detail}")
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_correlation_id_with_a_control_character_is_refused() {
+        for cid in ["a\r\nX-Forged: 1", "tab\there", "nul\u{0}", "esc\u{1b}[31m", "c1\u{85}"] {
+            let env = Envelope { correlation_id: Some(cid), ..Envelope::default() };
+            match parse(br#"{"prompt":"hi"}"#, &env, 1000).unwrap_err() {
+                ParseError::InvalidField { field: "correlation_id", detail } => {
+                    assert!(detail.contains("control character"), "{cid:?}: {detail}")
+                }
+                other => panic!("{cid:?}: {other:?}"),
+            }
+        }
+        let env = Envelope { correlation_id: Some("héllo 🦀 \"q\""), ..Envelope::default() };
+        assert!(parse(br#"{"prompt":"hi"}"#, &env, 1000).is_ok());
     }
 
     #[test]
