@@ -149,7 +149,7 @@ impl Connections {
 }
 
 /// A new channel on `conn`, in confirm mode (<https://www.rabbitmq.com/docs/confirms>).
-async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error> {
+pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error> {
     let ch = conn.create_channel().await?;
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     Ok(ch)
@@ -159,17 +159,21 @@ async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error> {
 /// given back when its confirm is in; opened as needed, up to `max` at once. Each partition
 /// session publishes its results and dead letters through one ([`crate::partition`]).
 ///
-/// One publish per channel at a time because a `basic.return` carries no delivery tag (AMQP
-/// 0-9-1, <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin gives a
-/// returned message to whichever publisher confirm on the channel it completes next, and when
-/// the broker acks several publishes with one `multiple` ack, that can be another publish's
-/// confirm. A result whose `reply_to` queue did not exist was then taken as delivered and acked
-/// (lost), and its neighbour sent to the results queue twice (8 of 3,000 in a test). With one
-/// publish in flight per channel a return always meets its own confirm, and `max` channels
-/// still carry `max` publishes at once. The price: a channel with one publish in flight gets
-/// one confirm frame per publish, where a busy shared channel gets one `multiple` ack for many
-/// (a pool of 32 for the router's forwards cost a third of the daemon's throughput on the
-/// overhead bench, so the router keeps one shared channel).
+/// One publish per channel at a time, for two reasons:
+/// - A `basic.return` carries no delivery tag (AMQP 0-9-1,
+///   <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin gives a
+///   returned message to whichever publisher confirm on the channel it completes next, and
+///   under a `multiple` ack that can be another publish's (8 of 3,000 results went astray in a
+///   test). [`crate::publisher::publish_confirmed`] now recognises such a return and places it
+///   again, but with one publish in flight a return always meets its own confirm.
+/// - After the broker nacks a publish, a RabbitMQ 3.10 quorum queue can drop the channel's
+///   later publishes while confirming them (rabbitmq-server #14589). With one publish in flight
+///   no later publish is already on the way, and the holder closes the nacked channel.
+///
+/// `max` channels still carry `max` publishes at once. The price: a channel with one publish in
+/// flight gets one confirm frame per publish, where a busy shared channel gets one `multiple`
+/// ack for many (a pool of 32 for the router's forwards cost a third of the daemon's throughput
+/// on the overhead bench, so the router keeps one shared channel, replaced after a nack).
 ///
 /// A channel found closed (the broker closed it, or the holder closed it after a nack) is
 /// dropped from the pool, and [`PublishPool::lost_a_channel`] says so; the next [`take`]

@@ -22,7 +22,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::Acker;
-use lapin::message::Delivery;
+use lapin::message::{BasicReturnMessage, Delivery};
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
@@ -87,35 +87,186 @@ pub enum PublishError {
     Timeout(Duration),
 }
 
-/// Publishes one message and waits for its confirm. The channel must be in confirm mode.
+/// Publishes one message (`mandatory`) and waits for its confirm, at most
+/// `amqp.confirm_timeout`. `ch` must be in confirm mode.
+///
+/// **Returns on a shared channel.** A `basic.return` names no delivery tag (AMQP 0-9-1
+/// §1.8.3.9), and lapin hands a returned message to the next confirm it completes on the
+/// channel. When the broker acks several publishes with one `multiple` ack, lapin completes
+/// their confirms in hash-map order, so the return can reach another publish's confirm. A
+/// return is therefore compared with this publish ([`is_own_return`]: exchange, routing key,
+/// `message_id`, body):
+/// - its own makes this publish [`PublishError::Unroutable`];
+/// - another publish's is placed again by this call ([`place_returned`]), and this publish's
+///   own outcome is the confirm's.
+///
+/// Each return reaches exactly one confirm, so every returned message is either reported to its
+/// own publisher or placed again by the one that received it.
 pub async fn publish_confirmed(
+    ch: &Channel,
+    conn: &Connection,
+    amqp: &AmqpSettings,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<(), PublishError> {
+    let (own, other) = publish_once(ch, exchange, routing_key, body, props, amqp.confirm_timeout).await;
+    if let Some(other) = other {
+        place_returned(ch, conn, amqp, other).await;
+    }
+    own
+}
+
+/// One publish and its confirm: this publish's outcome, and another publish's returned message
+/// when the confirm carried one (see [`publish_confirmed`]).
+async fn publish_once(
     ch: &Channel,
     exchange: &str,
     routing_key: &str,
     body: &[u8],
     props: BasicProperties,
     timeout: Duration,
-) -> Result<(), PublishError> {
+) -> (Result<(), PublishError>, Option<BasicReturnMessage>) {
+    let message_id = props.message_id().clone();
     let fut = async {
-        let confirm = ch
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() },
-                body,
-                props,
-            )
-            .await?
-            .await?;
-        if confirm.is_nack() {
-            return Err(PublishError::Nacked);
-        }
-        if confirm.take_message().is_some() {
-            return Err(PublishError::Unroutable { exchange: exchange.to_owned(), routing_key: routing_key.to_owned() });
-        }
+        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+        ch.basic_publish(exchange.into(), routing_key.into(), options, body, props).await?.await
+    };
+    let confirm = match tokio::time::timeout(timeout, fut).await {
+        Err(_) => return (Err(PublishError::Timeout(timeout)), None),
+        Ok(Err(e)) => return (Err(PublishError::Amqp(e)), None),
+        Ok(Ok(confirm)) => confirm,
+    };
+    let nacked = confirm.is_nack();
+    let (own_returned, other) = match confirm.take_message() {
+        None => (false, None),
+        Some(m) if is_own_return(&m, exchange, routing_key, message_id.as_ref(), body) => (true, None),
+        Some(m) => (false, Some(m)),
+    };
+    let own = if nacked {
+        Err(PublishError::Nacked)
+    } else if own_returned {
+        Err(PublishError::Unroutable { exchange: exchange.to_owned(), routing_key: routing_key.to_owned() })
+    } else {
         Ok(())
     };
-    tokio::time::timeout(timeout, fut).await.map_err(|_| PublishError::Timeout(timeout))?
+    (own, other)
+}
+
+/// Whether `returned` is the message published to `exchange` with `routing_key`, `message_id`
+/// and `body` (a message returned to the confirm of another publish is not, see
+/// [`publish_confirmed`]). Two publishes of the very same message are the same for this
+/// purpose: either may take the return.
+pub fn is_own_return(
+    returned: &BasicReturnMessage,
+    exchange: &str,
+    routing_key: &str,
+    message_id: Option<&ShortString>,
+    body: &[u8],
+) -> bool {
+    let d = &returned.delivery;
+    d.exchange.as_str() == exchange
+        && d.routing_key.as_str() == routing_key
+        && d.properties.message_id().as_ref() == message_id
+        && d.data == body
+}
+
+/// How many times [`place_returned`] publishes one returned message before it gives up on it.
+const PLACE_RETURNED_ATTEMPTS: u32 = 3;
+
+/// Places a message that came back on another publish's confirm ([`publish_confirmed`]) where
+/// its own publisher would have put it after the return:
+/// - a forward (to `amqp.shard_exchange`): back to `amqp.input_queue`, where the router routes it
+///   again and declares a deleted partition route again;
+/// - a dead letter (to `amqp.dead_letter_exchange`): to the dead-letter exchange again, after
+///   declaring its queue again;
+/// - a result (default exchange): to `amqp.results_queue` with `x-reply-to-refused: unroutable`
+///   and `x-reply-to` (as [`publish_result`] does), or, when it was already for the results
+///   queue, there again after declaring it again. A result for a direct reply-to requester that
+///   is still there was delivered (RabbitMQ returns those anyway) and is left alone.
+///
+/// Published with a confirm on `ch` while it is open, else on a new channel of `conn`, up to
+/// [`PLACE_RETURNED_ATTEMPTS`] times with the reconnect backoff between them. A message that
+/// still cannot be placed is logged as an error with its `message_id`: it is lost, since its
+/// own publisher has taken it as delivered.
+pub async fn place_returned(ch: &Channel, conn: &Connection, amqp: &AmqpSettings, first: BasicReturnMessage) {
+    let mut work = vec![first];
+    while let Some(m) = work.pop() {
+        let d = &m.delivery;
+        let message_id = d.properties.message_id().as_ref().map(|s| log_id(s.as_str())).unwrap_or_default();
+        warn!(message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm; placing it again");
+        let Some((exchange, routing_key, props, redeclare)) = returned_destination(conn, amqp, d).await else {
+            continue;
+        };
+        let mut placed = false;
+        let mut wait = amqp.reconnect_backoff_initial;
+        for attempt in 1..=PLACE_RETURNED_ATTEMPTS {
+            let (own, other) = if ch.status().connected() {
+                publish_once(ch, &exchange, &routing_key, &d.data, props.clone(), amqp.confirm_timeout).await
+            } else {
+                match crate::amqp::confirm_channel(conn).await {
+                    Ok(fresh) => {
+                        let out = publish_once(&fresh, &exchange, &routing_key, &d.data, props.clone(), amqp.confirm_timeout).await;
+                        let _ = fresh.close(crate::amqp::REPLY_SUCCESS, "returned message placed".into()).await;
+                        out
+                    }
+                    Err(e) => (Err(PublishError::Amqp(e)), None),
+                }
+            };
+            work.extend(other);
+            match own {
+                Ok(()) => {
+                    placed = true;
+                    break;
+                }
+                Err(e) => {
+                    warn!(message_id, attempt, error = %e, "placing a returned message failed");
+                    if let (true, Some(dest)) = (says_missing(&e), redeclare) {
+                        declare_again(conn, amqp, dest).await;
+                    }
+                    if attempt < PLACE_RETURNED_ATTEMPTS {
+                        tokio::time::sleep(wait).await;
+                        wait = (wait * 2).min(amqp.reconnect_backoff_max);
+                    }
+                }
+            }
+        }
+        if !placed {
+            tracing::error!(message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm could not be placed again: lost");
+        }
+    }
+}
+
+/// Where [`place_returned`] publishes returned delivery `d`: exchange, routing key, properties,
+/// and what to declare again when that is missing; `None` for a direct reply-to result whose
+/// requester is still there (delivered).
+async fn returned_destination(
+    conn: &Connection,
+    amqp: &AmqpSettings,
+    d: &Delivery,
+) -> Option<(String, String, BasicProperties, Option<OwnDestination>)> {
+    let (exchange, routing_key) = (d.exchange.as_str(), d.routing_key.as_str());
+    if exchange == amqp.shard_exchange {
+        return Some((String::new(), amqp.input_queue.clone(), d.properties.clone(), None));
+    }
+    if exchange == amqp.dead_letter_exchange {
+        return Some((exchange.to_owned(), routing_key.to_owned(), d.properties.clone(), Some(OwnDestination::DeadLetter)));
+    }
+    let results = || (String::new(), amqp.results_queue.clone());
+    if routing_key == amqp.results_queue {
+        let (e, rk) = results();
+        return Some((e, rk, d.properties.clone(), Some(OwnDestination::Results)));
+    }
+    if is_direct_reply_to(routing_key) && matches!(direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await, Ok(true)) {
+        return None;
+    }
+    let headers = headers_with(
+        d.properties.headers().as_ref(),
+        &[(HEADER_REPLY_TO_REFUSED, "unroutable".to_owned()), (HEADER_REPLY_TO, routing_key.to_owned())],
+    );
+    let (e, rk) = results();
+    Some((e, rk, d.properties.clone().with_headers(headers), Some(OwnDestination::Results)))
 }
 
 /// Waits between publishes the broker nacked, for [`retry_nacked`]: `amqp.reconnect_backoff_initial`
@@ -303,7 +454,7 @@ pub async fn publish_own(
         OwnDestination::Results => ("", amqp.results_queue.as_str()),
         OwnDestination::Partition(_) => unreachable!("forwards are published by the router"),
     };
-    let first = publish_confirmed(ch, exchange, routing_key, body, props.clone(), amqp.confirm_timeout).await;
+    let first = publish_confirmed(ch, conn, amqp, exchange, routing_key, body, props.clone()).await;
     match &first {
         Err(e) if says_missing(e) => {}
         _ => return first,
@@ -311,7 +462,7 @@ pub async fn publish_own(
     if !declare_again(conn, amqp, dest).await || !ch.status().connected() {
         return first;
     }
-    publish_confirmed(ch, exchange, routing_key, body, props, amqp.confirm_timeout).await
+    publish_confirmed(ch, conn, amqp, exchange, routing_key, body, props).await
 }
 
 /// Now as Unix milliseconds (0 if the system clock is before 1970).
@@ -662,7 +813,7 @@ async fn publish_with_fallback(
     let Some(rt) = reply_to else {
         return publish_own(ch, conn, amqp, OwnDestination::Results, &body, out_props).await;
     };
-    let (reason, why) = match publish_confirmed(ch, "", &rt, &body, out_props.clone(), t).await {
+    let (reason, why) = match publish_confirmed(ch, conn, amqp, "", &rt, &body, out_props.clone()).await {
         Ok(()) => return Ok(()),
         Err(PublishError::Unroutable { .. }) if is_direct_reply_to(&rt) => {
             if direct_reply_to_present(conn, &rt, t).await? {

@@ -271,7 +271,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let mut retry = publisher::NackRetry::new(a);
     let mut declared_again = false;
     loop {
-        let Err(e) = publisher::publish_confirmed(&ch, &a.shard_exchange, &rk, &delivery.data, fwd.clone(), a.confirm_timeout).await else {
+        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &delivery.data, fwd.clone()).await else {
             break;
         };
         // The shard exchange or the partition queue was deleted while the daemon ran: declare the

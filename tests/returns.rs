@@ -46,3 +46,93 @@ async fn results_for_a_missing_reply_queue_reach_the_results_queue_exactly_once(
     started.amqp.close().await;
     env.cleanup().await;
 }
+
+/// Many forwards in flight on one shared confirm channel (as the router publishes), half of them
+/// to a partition whose binding is missing (returned), half to a bound partition queue. A
+/// `basic.return` names no delivery tag, and under a `multiple` ack lapin may hand it to another
+/// publish's confirm: before the fix, that publish was reported unroutable (its message was
+/// delivered, and would be forwarded twice) and the returned message's own publisher was told
+/// it was delivered (its request acked: lost). Now every returned forward is either reported
+/// to its own publisher or placed again in the input queue by the publish that received it, and
+/// no delivered one is reported returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_return_on_a_shared_channel_reaches_its_own_publisher_or_is_placed_again() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::BasicProperties;
+    use prefix_batcher::config::{AmqpSettings, Settings};
+    use prefix_batcher::publisher::{publish_confirmed, PublishError};
+    use std::collections::HashSet;
+    use std::sync::Arc;
+
+    let env = TestEnv::new("sharedret");
+    let settings = Settings::from_raw(&env.raw_config("http://127.0.0.1:9")).expect("valid test config");
+    let a = Arc::new(settings.amqp.clone());
+    let amqp = Amqp::connect().await;
+    // The input queue and partition 1's route; partition 0 has no queue bound.
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    amqp.ch.queue_declare(a.input_queue.as_str().into(), durable, prefix_batcher::topology::input_queue_args(&a)).await.expect("input queue");
+    prefix_batcher::topology::declare_route(&amqp.conn, &a, 1).await.expect("partition 1 route");
+    let conn = Arc::new(lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default()).await.expect("connect"));
+    let ch = prefix_batcher::amqp::confirm_channel(&conn).await.expect("confirm channel");
+
+    let n = 2000;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (ch, conn, a) = (ch.clone(), conn.clone(), a.clone());
+        tasks.spawn(async move {
+            let (id, p) = (format!("fwd-{i}"), (i % 2) as u32);
+            let props = BasicProperties::default().with_message_id(id.as_str().into()).with_correlation_id(id.as_str().into());
+            let body = format!(r#"{{"id":"{id}","prompt":"p"}}"#);
+            let rk = AmqpSettings::partition_routing_key(p);
+            let out = publish_confirmed(&ch, &conn, &a, &a.shard_exchange, &rk, body.as_bytes(), props).await;
+            (id, p, out)
+        });
+    }
+    let (mut returned, mut delivered_p0, mut delivered_p1) = (HashSet::new(), HashSet::new(), HashSet::new());
+    let mut wrong = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        let (id, p, out) = joined.expect("publish task");
+        match (p, out) {
+            (0, Err(PublishError::Unroutable { .. })) => assert!(returned.insert(id)),
+            (0, Ok(())) => assert!(delivered_p0.insert(id)),
+            (1, Ok(())) => assert!(delivered_p1.insert(id)),
+            (_, other) => wrong.push(format!("{id}: {other:?}")),
+        }
+    }
+    assert!(wrong.is_empty(), "publishes with a wrong outcome (a bound partition reported returned, or an error): {wrong:?}");
+
+    // Every partition-0 forward reported as delivered must be in the input queue (placed again
+    // by the publish that received its return), once; none reported returned may be there.
+    let in_input = drain_ids(&amqp, &a.input_queue).await;
+    let lost: Vec<&String> = delivered_p0.iter().filter(|id| !in_input.contains(*id)).collect();
+    let doubled: Vec<&String> = returned.iter().filter(|id| in_input.contains(*id)).collect();
+    assert!(lost.is_empty(), "returned forwards taken as delivered and placed nowhere (lost): {lost:?}");
+    assert!(doubled.is_empty(), "returned forwards both reported and placed again: {doubled:?}");
+    assert_eq!(in_input.len(), delivered_p0.len(), "only returned forwards go back to the input queue");
+    let in_p1 = drain_ids(&amqp, &env.partition_queue(1)).await;
+    assert_eq!(in_p1, delivered_p1, "every forward to the bound partition is in its queue once");
+    eprintln!(
+        "{n} forwards: {} returns met their own confirm, {} were placed again by another publish",
+        returned.len(),
+        delivered_p0.len()
+    );
+    let _ = ch.close(200, "done".into()).await;
+    let _ = conn.close(200, "done".into()).await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// Reads `queue` to the end (auto-ack) and returns the correlation ids it held; panics on a
+/// duplicate.
+async fn drain_ids(amqp: &Amqp, queue: &str) -> std::collections::HashSet<String> {
+    let want = amqp.queue_depth(queue).await.0 as usize;
+    let mut c = amqp.consume(queue).await;
+    c.until(&format!("{want} messages"), DEADLINE, |r| r.len() >= want).await;
+    c.collect_for(Duration::from_millis(200)).await;
+    let mut ids = std::collections::HashSet::new();
+    for r in &c.received {
+        assert!(ids.insert(r.correlation_id.clone()), "{} twice in {queue}", r.correlation_id);
+    }
+    c.close().await;
+    ids
+}
