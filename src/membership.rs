@@ -35,8 +35,11 @@ use redis::Script;
 use crate::lease::RedisConn;
 
 /// Heartbeat: KEYS = [members, member], ARGV = [name, nonce, member_ttl_ms].
-/// Returns the live member names, sorted.
+/// Returns `{names, previous}`: the live member names, sorted, and the nonce the name's key held
+/// before when it was another process's (else `false`, read as nil).
 const HEARTBEAT: &str = r#"
+local prev = redis.call('GET', KEYS[2])
+if prev == ARGV[2] then prev = false end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -49,7 +52,7 @@ if redis.call('PTTL', KEYS[1]) < ttl then
 end
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
 table.sort(names)
-return names
+return {names, prev}
 "#;
 
 /// Leave: KEYS = [members, member], ARGV = [name, nonce]. Returns 1 when removed, 0 when the name
@@ -117,6 +120,18 @@ pub struct Member {
     pub nonce: Option<String>,
 }
 
+/// What one heartbeat read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// The live member names, sorted.
+    pub members: Vec<String>,
+    /// The boot nonce that the name's key held before this heartbeat when it was not this
+    /// process's: a previous process under the same name (restarted within `member_ttl`), or,
+    /// when it comes back on later heartbeats, another live process using the same
+    /// `instance.name`.
+    pub previous_nonce: Option<String>,
+}
+
 /// The heartbeat of one process (`name` + boot `nonce`).
 #[derive(Clone)]
 pub struct Membership {
@@ -153,8 +168,9 @@ impl Membership {
     }
 
     /// Announces this process for another `member_ttl` and returns the live member names,
-    /// sorted (one round trip).
-    pub async fn heartbeat(&self) -> Result<Vec<String>, MembershipError> {
+    /// sorted, with the nonce of another process that held the name until this heartbeat (one
+    /// round trip).
+    pub async fn heartbeat(&self) -> Result<Heartbeat, MembershipError> {
         let mut conn = self.conn.clone();
         let mut call = self.heartbeat.prepare_invoke();
         call.key(members_key(&self.prefix))
@@ -162,7 +178,8 @@ impl Membership {
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(self.ttl.as_millis() as u64);
-        self.timed(call.invoke_async(&mut conn)).await
+        let (members, previous_nonce): (Vec<String>, Option<String>) = self.timed(call.invoke_async(&mut conn)).await?;
+        Ok(Heartbeat { members, previous_nonce })
     }
 
     /// Removes this process from the member set. `Ok(false)`: the name now belongs to another

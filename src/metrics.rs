@@ -153,6 +153,13 @@ static LEASE_OPS: LazyLock<IntCounterVec> = counter_vec!(
 static REBALANCES: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new("rebalances_total", "Changes of the desired partition assignment seen by this instance.").unwrap())
 });
+static NAME_CONFLICTS: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "instance_name_conflicts_total",
+        "Heartbeats that found this instance's name taken over by another live process (instance.name must be unique).",
+    )
+    .unwrap())
+});
 static MEMBERS: LazyLock<IntGauge> =
     LazyLock::new(|| reg(IntGauge::new("members", "Live instances seen in the membership set.").unwrap()));
 static PARTITIONS: LazyLock<IntGauge> = LazyLock::new(|| {
@@ -410,6 +417,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
         LEASE_OPS.with_label_values(&[op, "ok"]);
     }
     LazyLock::force(&REBALANCES);
+    LazyLock::force(&NAME_CONFLICTS);
     LazyLock::force(&MEMBERS);
     LazyLock::force(&PARTITIONS);
     BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
@@ -553,6 +561,12 @@ pub fn lease_op(op: &'static str, outcome: &'static str) {
 /// The desired assignment changed.
 pub fn rebalanced() {
     REBALANCES.inc();
+}
+
+/// A heartbeat found this instance's name held by another live process
+/// ([`crate::ownership`]).
+pub fn instance_name_conflict() {
+    NAME_CONFLICTS.inc();
 }
 
 /// Live members seen.

@@ -55,6 +55,9 @@ use crate::membership::Membership;
 use crate::metrics;
 use crate::partition::{self, PartitionContext, StopSignals};
 
+/// How often a continuing instance-name conflict is logged ([`Ownership::note_name_conflict`]).
+const NAME_CONFLICT_LOG_INTERVAL: Duration = Duration::from_secs(60);
+
 /// Ownership errors that end a session.
 #[derive(Debug, thiserror::Error)]
 pub enum OwnershipError {
@@ -90,6 +93,8 @@ pub struct Ownership {
     left: bool,
     /// When the last heartbeat succeeded.
     last_heartbeat: Option<Instant>,
+    /// When a name conflict was last logged ([`Ownership::note_name_conflict`]).
+    name_conflict_logged: Option<Instant>,
     /// Set when a heartbeat succeeds after a blind period (start, Redis outage); acquisitions
     /// wait until `settle_time` after it.
     rejoined_at: Option<Instant>,
@@ -117,6 +122,7 @@ impl Ownership {
             worker_done: Arc::new(Notify::new()),
             left: false,
             last_heartbeat: None,
+            name_conflict_logged: None,
             rejoined_at: None,
         }
     }
@@ -190,13 +196,15 @@ impl Ownership {
     /// Step 1, membership refresh: heartbeat and read the live members (`None` when Redis did not
     /// answer). Updates the view and the blind/rejoin state.
     async fn refresh_membership(&mut self) -> Option<Vec<String>> {
-        let members = match self.membership.heartbeat().await {
-            Ok(m) => m,
+        let beat = match self.membership.heartbeat().await {
+            Ok(b) => b,
             Err(e) => {
                 warn!(error = %e, "membership heartbeat failed");
                 return None;
             }
         };
+        self.note_name_conflict(beat.previous_nonce.as_deref());
+        let members = beat.members;
         let s = &self.settings.ownership;
         // Blind until now (first heartbeat of this session, or Redis was unreachable for longer
         // than member_ttl, so every heartbeat may have expired or been lost with Redis's data):
@@ -216,6 +224,31 @@ impl Ownership {
         }
         metrics::members(members.len());
         Some(members)
+    }
+
+    /// Reports another process heartbeating under this instance's name (`previous`: its boot
+    /// nonce, found in the name's key by this heartbeat). On the first heartbeat of a session it
+    /// is the previous process of a restart, which is expected; on a later one, the name's key
+    /// was overwritten since the last heartbeat, so another live process uses the same
+    /// `instance.name`. The two then share one place in the assignment: each tries to hold the
+    /// same partitions, leases let only one of them, and the other does no partition work.
+    /// Logged at most once a minute, and counted in
+    /// `prefix_batcher_instance_name_conflicts_total`.
+    fn note_name_conflict(&mut self, previous: Option<&str>) {
+        let Some(other) = previous else { return };
+        if self.last_heartbeat.is_none() {
+            info!(instance = %self.settings.instance_name, previous_nonce = %other, "took over the instance name from a previous process");
+            return;
+        }
+        metrics::instance_name_conflict();
+        if self.name_conflict_logged.is_none_or(|t| t.elapsed() >= NAME_CONFLICT_LOG_INTERVAL) {
+            self.name_conflict_logged = Some(Instant::now());
+            warn!(
+                instance = %self.settings.instance_name,
+                other_nonce = %other,
+                "another process is heartbeating with this instance.name: names must be unique per deployment; while both run, one of them does no partition work"
+            );
+        }
     }
 
     /// Step 2, assignment: the partitions this instance should own (none while stopping).

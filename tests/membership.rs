@@ -23,22 +23,27 @@ async fn membership_against_redis() {
     let b = Membership::new(conn.clone(), prefix, "b", "n3", ttl, t);
     let mut probe = RedisProbe::connect().await.unwrap();
 
-    assert_eq!(b.heartbeat().await.unwrap(), ["b"]);
-    assert_eq!(a.heartbeat().await.unwrap(), ["a", "b"], "sorted live names");
+    assert_eq!(b.heartbeat().await.unwrap().members, ["b"]);
+    assert_eq!(a.heartbeat().await.unwrap().members, ["a", "b"], "sorted live names");
     let listed = read_members(&mut conn, prefix).await.unwrap();
     assert_eq!(listed, [Member { name: "a".into(), nonce: Some("n1".into()) }, Member { name: "b".into(), nonce: Some("n3".into()) }]);
     let kind: String = redis::cmd("TYPE").arg(members_key(prefix)).query_async(&mut probe.conn).await.unwrap();
     assert_eq!(kind, "zset");
 
-    // A restarted process takes the name over; the old one's leave must not remove it.
-    assert_eq!(a2.heartbeat().await.unwrap(), ["a", "b"]);
+    // A heartbeat reports no other process while the name's key holds its own nonce.
+    assert_eq!(a.heartbeat().await.unwrap().previous_nonce, None);
+    // A restarted process takes the name over, and its heartbeat names the previous process;
+    // the old one's leave must not remove it.
+    let taken = a2.heartbeat().await.unwrap();
+    assert_eq!((taken.members, taken.previous_nonce), (vec!["a".to_owned(), "b".to_owned()], Some("n1".to_owned())));
+    assert_eq!(a2.heartbeat().await.unwrap().previous_nonce, None, "its own nonce from then on");
     assert!(!a.leave().await.unwrap(), "leave by a stale nonce");
     let listed = read_members(&mut conn, prefix).await.unwrap();
     assert_eq!(listed[0], Member { name: "a".into(), nonce: Some("n2".into()) });
 
     // A leave removes the name and its nonce key at once.
     assert!(b.leave().await.unwrap());
-    assert_eq!(a2.heartbeat().await.unwrap(), ["a"]);
+    assert_eq!(a2.heartbeat().await.unwrap().members, ["a"]);
     assert_eq!(probe.get(&member_key(prefix, "b")).await, None);
 
     // A member that stops heartbeating drops out after its own TTL (shorter than the reader's),
@@ -46,15 +51,26 @@ async fn membership_against_redis() {
     let short = Duration::from_millis(300);
     let c = Membership::new(conn.clone(), prefix, "c", "n4", short, t);
     let since = Instant::now();
-    assert_eq!(c.heartbeat().await.unwrap(), ["a", "c"]);
+    assert_eq!(c.heartbeat().await.unwrap().members, ["a", "c"]);
     let deadline = since + DEADLINE;
-    while a2.heartbeat().await.unwrap().contains(&"c".to_owned()) {
+    while a2.heartbeat().await.unwrap().members.contains(&"c".to_owned()) {
         assert!(Instant::now() < deadline, "silent member still listed after {DEADLINE:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(since.elapsed() >= short - Duration::from_millis(50), "dropped after {:?}, before its TTL", since.elapsed());
     let score: Option<f64> = redis::cmd("ZSCORE").arg(members_key(prefix)).arg("c").query_async(&mut probe.conn).await.unwrap();
     assert_eq!(score, None, "expired entry removed by the next heartbeat");
+
+    // Two live processes with one name: each heartbeat finds the other's nonce (the daemon
+    // reports it as a name conflict after its first heartbeat).
+    let d1 = Membership::new(conn.clone(), prefix, "d", "n5", ttl, t);
+    let d2 = Membership::new(conn.clone(), prefix, "d", "n6", ttl, t);
+    assert_eq!(d1.heartbeat().await.unwrap().previous_nonce, None);
+    for _ in 0..2 {
+        assert_eq!(d2.heartbeat().await.unwrap().previous_nonce.as_deref(), Some("n5"));
+        assert_eq!(d1.heartbeat().await.unwrap().previous_nonce.as_deref(), Some("n6"));
+    }
+    assert!(d1.leave().await.unwrap());
 
     // The last leave leaves nothing behind.
     assert!(a2.leave().await.unwrap());

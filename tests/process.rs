@@ -107,6 +107,9 @@ async fn kill_9_mid_run_then_restart_loses_no_request() {
     results.until_all(&all, DEADLINE).await;
     let recovered_in = killed_at.elapsed();
     assert!(second.is_running(), "the restarted daemon died; its log:\n{}", second.log_tail(40));
+    // A restart under the same name takes the name over quietly: no name conflict.
+    assert!(second.log().contains("took over the instance name from a previous process"), "{}", second.log_tail(40));
+    assert!(!second.log().contains("another process is heartbeating"), "a restart reported as a name conflict:\n{}", second.log_tail(40));
     second.sigterm();
     let status = second.wait_exit(DEADLINE).await;
     assert!(status.success(), "SIGTERM must exit 0, got {status}; log:\n{}", second.log_tail(40));
@@ -201,6 +204,38 @@ async fn sigterm_drains_releases_and_exits_zero() {
 
     results.close().await;
     amqp.close().await;
+    env.cleanup().await;
+}
+
+/// Two live processes with one `instance.name` (a copied unit or configuration): each finds the
+/// other's nonce in the name's member key, so a warning names the conflict, the counter rises,
+/// and both still stop cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_with_one_instance_name_are_reported() {
+    let env = TestEnv::new("samename");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut one = DaemonProcess::run(&env, "one", &raw);
+    let mut two = DaemonProcess::run(&env, "two", &raw);
+    let warning = "another process is heartbeating with this instance.name";
+    let deadline = Instant::now() + DEADLINE;
+    while !(one.log().contains(warning) && two.log().contains(warning)) {
+        assert!(one.is_running() && two.is_running(), "a daemon died:\n{}\n{}", one.log_tail(20), two.log_tail(20));
+        assert!(Instant::now() < deadline, "no name conflict reported by both within {DEADLINE:?}:\n{}\n{}", one.log_tail(20), two.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (_, metrics) = http_get(&one.http_addr().await, "/metrics").await;
+    let conflicts: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("prefix_batcher_instance_name_conflicts_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no conflict counter in /metrics"));
+    assert!(conflicts >= 1.0, "conflicts counted: {conflicts}");
+    for d in [&mut one, &mut two] {
+        d.sigterm();
+        let status = d.wait_exit(DEADLINE).await;
+        assert!(status.success(), "SIGTERM must exit 0, got {status}; log:\n{}", d.log_tail(40));
+    }
     env.cleanup().await;
 }
 
