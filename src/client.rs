@@ -431,11 +431,11 @@ pub struct AmqpNodeStatus {
     pub error: Option<String>,
 }
 
-/// Tries an AMQP connection to every broker node (one after the other, each bounded by
+/// Tries an AMQP connection to every broker node (all at once, each bounded by
 /// `amqp.confirm_timeout`) and closes it again.
 async fn probe_nodes(settings: &Settings) -> Vec<AmqpNodeStatus> {
-    let mut out = Vec::with_capacity(settings.amqp.nodes.len());
-    for (node, url) in settings.amqp.nodes.iter().enumerate() {
+    // Every node at once: a cluster with silent nodes costs one timeout, not one per node.
+    let probes = settings.amqp.nodes.iter().enumerate().map(|(node, url)| async move {
         let attempt = tokio::time::timeout(
             settings.amqp.confirm_timeout,
             crate::amqp::connect_node(&settings.amqp, node, ConnectionProperties::default()),
@@ -449,9 +449,9 @@ async fn probe_nodes(settings: &Settings) -> Vec<AmqpNodeStatus> {
             Ok(Err(e)) => Some(crate::config::redact_text(&e.to_string())),
             Err(_) => Some(format!("no connection within {:?}", settings.amqp.confirm_timeout)),
         };
-        out.push(AmqpNodeStatus { node, url: url.to_string(), reachable: error.is_none(), error });
-    }
-    out
+        AmqpNodeStatus { node, url: url.to_string(), reachable: error.is_none(), error }
+    });
+    futures_util::future::join_all(probes).await
 }
 
 /// One partition in `status`.
@@ -617,11 +617,13 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let pttls: Vec<i64> = pipe.query_async(&mut r).await?;
     let pttls: Vec<Option<u64>> = pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect();
 
-    let (depths, input_backlog, amqp_error, amqp_node) = match queue_depths(settings, p).await {
+    // Both open their own connections: run them together, so a silent broker costs one
+    // `connection_timeout`, not two.
+    let (depths, amqp_nodes) = tokio::join!(queue_depths(settings, p), probe_nodes(settings));
+    let (depths, input_backlog, amqp_error, amqp_node) = match depths {
         Ok((d, i, node)) => (d, i, None, Some(node)),
         Err(e) => (vec![None; p as usize], None, Some(error_text(e.as_ref())), None),
     };
-    let amqp_nodes = probe_nodes(settings).await;
 
     let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
     let desired = assignment(p, &names);
