@@ -203,7 +203,7 @@ impl PublishPool {
     }
 
     /// The publishing connection.
-    pub fn connection(&self) -> &Connection {
+    pub fn connection(&self) -> &Arc<Connection> {
         &self.conn
     }
 

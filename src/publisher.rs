@@ -19,6 +19,7 @@
 //!
 //! Every header name the daemon reads or writes is a constant here (`x-…` and `timestamp_in_ms`).
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::Acker;
@@ -97,61 +98,116 @@ pub enum PublishError {
 /// return is therefore compared with this publish ([`is_own_return`]: exchange, routing key,
 /// `message_id`, body):
 /// - its own makes this publish [`PublishError::Unroutable`];
-/// - another publish's is placed again by this call ([`place_returned`]), and this publish's
-///   own outcome is the confirm's.
+/// - another publish's is placed again ([`place_returned`]) before this call returns, and this
+///   publish's own outcome is the confirm's.
 ///
 /// Each return reaches exactly one confirm, so every returned message is either reported to its
-/// own publisher or placed again by the one that received it.
+/// own publisher or placed again by the one that received it. For that, the publish and its
+/// confirm run in a task of their own, which outlives this call when the call gives up
+/// (`amqp.confirm_timeout`, or the caller is dropped): a confirm that comes later may still
+/// carry another publish's return, and dropping it would leave that message with lapin, lost,
+/// since its own publisher was told it was delivered. The task waits for such a late confirm
+/// at most [`LATE_CONFIRM_WAIT_FACTOR`] × `amqp.confirm_timeout` (at least
+/// [`LATE_CONFIRM_MIN_WAIT`]); a closed channel ends the wait at once. `conn` opens a channel
+/// for a placement when `ch` is closed, and declares a missing destination again.
 pub async fn publish_confirmed(
     ch: &Channel,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     exchange: &str,
     routing_key: &str,
     body: &[u8],
     props: BasicProperties,
 ) -> Result<(), PublishError> {
-    let (own, other) = publish_once(ch, exchange, routing_key, body, props, amqp.confirm_timeout).await;
-    if let Some(other) = other {
-        place_returned(ch, conn, amqp, other).await;
-    }
-    own
+    publish_once(ch, Some(conn), amqp, exchange, routing_key, body, props).await
 }
 
-/// One publish and its confirm: this publish's outcome, and another publish's returned message
-/// when the confirm carried one (see [`publish_confirmed`]).
+/// How long a publish's task ([`publish_confirmed`]) waits for a confirm after its caller gave
+/// up, as a multiple of `amqp.confirm_timeout`, and at least [`LATE_CONFIRM_MIN_WAIT`].
+const LATE_CONFIRM_WAIT_FACTOR: u32 = 10;
+/// See [`LATE_CONFIRM_WAIT_FACTOR`].
+const LATE_CONFIRM_MIN_WAIT: Duration = Duration::from_secs(60);
+
+/// The message a publish sent, to tell its own return from another's ([`is_own_return`]).
+struct OwnPublish {
+    exchange: String,
+    routing_key: String,
+    message_id: Option<ShortString>,
+    body: Vec<u8>,
+}
+
+/// [`publish_confirmed`]; without `conn`, a placement on a closed `ch` is given up (logged).
 async fn publish_once(
     ch: &Channel,
+    conn: Option<&Arc<Connection>>,
+    amqp: &AmqpSettings,
     exchange: &str,
     routing_key: &str,
     body: &[u8],
     props: BasicProperties,
-    timeout: Duration,
-) -> (Result<(), PublishError>, Option<BasicReturnMessage>) {
-    let message_id = props.message_id().clone();
-    let fut = async {
+) -> Result<(), PublishError> {
+    let timeout = amqp.confirm_timeout;
+    let own = OwnPublish {
+        exchange: exchange.to_owned(),
+        routing_key: routing_key.to_owned(),
+        message_id: props.message_id().clone(),
+        body: body.to_vec(),
+    };
+    let (tx, mut rx) = tokio::sync::oneshot::channel();
+    let (task_ch, task_conn, task_amqp) = (ch.clone(), conn.cloned(), amqp.clone());
+    tokio::spawn(async move {
+        let wait = (task_amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        ch.basic_publish(exchange.into(), routing_key.into(), options, body, props).await?.await
-    };
-    let confirm = match tokio::time::timeout(timeout, fut).await {
-        Err(_) => return (Err(PublishError::Timeout(timeout)), None),
-        Ok(Err(e)) => return (Err(PublishError::Amqp(e)), None),
-        Ok(Ok(confirm)) => confirm,
-    };
-    let nacked = confirm.is_nack();
-    let (own_returned, other) = match confirm.take_message() {
-        None => (false, None),
-        Some(m) if is_own_return(&m, exchange, routing_key, message_id.as_ref(), body) => (true, None),
-        Some(m) => (false, Some(m)),
-    };
-    let own = if nacked {
-        Err(PublishError::Nacked)
-    } else if own_returned {
-        Err(PublishError::Unroutable { exchange: exchange.to_owned(), routing_key: routing_key.to_owned() })
-    } else {
-        Ok(())
-    };
-    (own, other)
+        let publish = async {
+            let confirm = task_ch.basic_publish(own.exchange.as_str().into(), own.routing_key.as_str().into(), options, &own.body, props).await?;
+            confirm.await
+        };
+        let outcome = match tokio::time::timeout(wait, publish).await {
+            Err(_) => Err(PublishError::Timeout(wait)),
+            Ok(Err(e)) => Err(PublishError::Amqp(e)),
+            Ok(Ok(confirm)) => {
+                let nacked = confirm.is_nack();
+                let own_returned = match confirm.take_message() {
+                    None => false,
+                    Some(m) if is_own_return(&m, &own.exchange, &own.routing_key, own.message_id.as_ref(), &own.body) => true,
+                    Some(other) => {
+                        place_returned_in_task(task_ch.clone(), task_conn.clone(), task_amqp.clone(), other).await;
+                        false
+                    }
+                };
+                if nacked {
+                    Err(PublishError::Nacked)
+                } else if own_returned {
+                    Err(PublishError::Unroutable { exchange: own.exchange.clone(), routing_key: own.routing_key.clone() })
+                } else {
+                    Ok(())
+                }
+            }
+        };
+        let _ = tx.send(outcome);
+    });
+    match tokio::time::timeout(timeout, &mut rx).await {
+        Ok(Ok(outcome)) => outcome,
+        // The task ended without an outcome: it panicked.
+        Ok(Err(_)) => Err(PublishError::Timeout(timeout)),
+        Err(_) => {
+            // Closed first, so that an outcome sent just now is read here, not lost.
+            rx.close();
+            rx.try_recv().unwrap_or(Err(PublishError::Timeout(timeout)))
+        }
+    }
+}
+
+/// [`place_returned`] with owned arguments, for a publish's own task. Boxed as a `Send` future: a
+/// placement publishes through [`publish_once`], whose task may place again, and the compiler
+/// cannot prove that cycle `Send` otherwise.
+fn place_returned_in_task(
+    ch: Channel,
+    conn: Option<Arc<Connection>>,
+    amqp: AmqpSettings,
+    m: BasicReturnMessage,
+) -> futures_util::future::BoxFuture<'static, ()> {
+    Box::pin(async move { place_returned(&ch, conn.as_ref(), &amqp, m).await })
 }
 
 /// Whether `returned` is the message published to `exchange` with `routing_key`, `message_id`
@@ -174,75 +230,78 @@ pub fn is_own_return(
 
 /// How many times [`place_returned`] publishes one returned message before it gives up on it.
 const PLACE_RETURNED_ATTEMPTS: u32 = 3;
+/// The shortest confirm wait of a [`place_returned`] publish: `amqp.confirm_timeout`, but at
+/// least this. The message exists only in this process by then, so a very short configured
+/// timeout must not give it up.
+const PLACE_RETURNED_MIN_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Places a message that came back on another publish's confirm ([`publish_confirmed`]) where
 /// its own publisher would have put it after the return:
 /// - a forward (to `amqp.shard_exchange`): back to `amqp.input_queue`, where the router routes it
 ///   again and declares a deleted partition route again;
 /// - a dead letter (to `amqp.dead_letter_exchange`): to the dead-letter exchange again, after
-///   declaring its queue again;
+///   declaring its queue again when that is missing;
 /// - a result (default exchange): to `amqp.results_queue` with `x-reply-to-refused: unroutable`
 ///   and `x-reply-to` (as [`publish_result`] does), or, when it was already for the results
-///   queue, there again after declaring it again. A result for a direct reply-to requester that
-///   is still there was delivered (RabbitMQ returns those anyway) and is left alone.
+///   queue, there again. A result for a direct reply-to requester that is still there was
+///   delivered (RabbitMQ returns those anyway) and is left alone.
 ///
-/// Published with a confirm on `ch` while it is open, else on a new channel of `conn`, up to
-/// [`PLACE_RETURNED_ATTEMPTS`] times with the reconnect backoff between them. A message that
+/// Without `conn`, nothing is declared again, a closed `ch` ends the attempts, and a direct
+/// reply-to result goes to the results queue unasked (at worst a second copy).
+///
+/// Published with a confirm (waiting `amqp.confirm_timeout`, at least
+/// [`PLACE_RETURNED_MIN_TIMEOUT`]) on `ch` while it is open, else on a new channel of `conn`, up
+/// to [`PLACE_RETURNED_ATTEMPTS`] times with the reconnect backoff between them. A message that
 /// still cannot be placed is logged as an error with its `message_id`: it is lost, since its
 /// own publisher has taken it as delivered.
-pub async fn place_returned(ch: &Channel, conn: &Connection, amqp: &AmqpSettings, first: BasicReturnMessage) {
-    let mut work = vec![first];
-    while let Some(m) = work.pop() {
-        let d = &m.delivery;
-        let message_id = d.properties.message_id().as_ref().map(|s| log_id(s.as_str())).unwrap_or_default();
-        warn!(message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm; placing it again");
-        let Some((exchange, routing_key, props, redeclare)) = returned_destination(conn, amqp, d).await else {
-            continue;
+pub async fn place_returned(ch: &Channel, conn: Option<&Arc<Connection>>, amqp: &AmqpSettings, m: BasicReturnMessage) {
+    let mut settings = amqp.clone();
+    settings.confirm_timeout = settings.confirm_timeout.max(PLACE_RETURNED_MIN_TIMEOUT);
+    let amqp = &settings;
+    let d = &m.delivery;
+    let message_id = d.properties.message_id().as_ref().map(|s| log_id(s.as_str())).unwrap_or_default();
+    warn!(message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm; placing it again");
+    let Some((exchange, routing_key, props, redeclare)) = returned_destination(conn, amqp, d).await else {
+        return;
+    };
+    let mut wait = amqp.reconnect_backoff_initial;
+    for attempt in 1..=PLACE_RETURNED_ATTEMPTS {
+        let own = if ch.status().connected() {
+            publish_once(ch, conn, amqp, &exchange, &routing_key, &d.data, props.clone()).await
+        } else if let Some(conn) = conn {
+            match crate::amqp::confirm_channel(conn).await {
+                Ok(fresh) => {
+                    let out = publish_once(&fresh, Some(conn), amqp, &exchange, &routing_key, &d.data, props.clone()).await;
+                    let _ = fresh.close(crate::amqp::REPLY_SUCCESS, "returned message placed".into()).await;
+                    out
+                }
+                Err(e) => Err(PublishError::Amqp(e)),
+            }
+        } else {
+            break; // The channel is closed and there is no connection to open another on.
         };
-        let mut placed = false;
-        let mut wait = amqp.reconnect_backoff_initial;
-        for attempt in 1..=PLACE_RETURNED_ATTEMPTS {
-            let (own, other) = if ch.status().connected() {
-                publish_once(ch, &exchange, &routing_key, &d.data, props.clone(), amqp.confirm_timeout).await
-            } else {
-                match crate::amqp::confirm_channel(conn).await {
-                    Ok(fresh) => {
-                        let out = publish_once(&fresh, &exchange, &routing_key, &d.data, props.clone(), amqp.confirm_timeout).await;
-                        let _ = fresh.close(crate::amqp::REPLY_SUCCESS, "returned message placed".into()).await;
-                        out
-                    }
-                    Err(e) => (Err(PublishError::Amqp(e)), None),
+        match own {
+            Ok(()) => return,
+            Err(e) => {
+                warn!(message_id, attempt, error = %e, "placing a returned message failed");
+                if let (true, Some(dest), Some(conn)) = (says_missing(&e), redeclare, conn) {
+                    declare_again(conn, amqp, dest).await;
                 }
-            };
-            work.extend(other);
-            match own {
-                Ok(()) => {
-                    placed = true;
-                    break;
-                }
-                Err(e) => {
-                    warn!(message_id, attempt, error = %e, "placing a returned message failed");
-                    if let (true, Some(dest)) = (says_missing(&e), redeclare) {
-                        declare_again(conn, amqp, dest).await;
-                    }
-                    if attempt < PLACE_RETURNED_ATTEMPTS {
-                        tokio::time::sleep(wait).await;
-                        wait = (wait * 2).min(amqp.reconnect_backoff_max);
-                    }
+                if attempt < PLACE_RETURNED_ATTEMPTS {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(amqp.reconnect_backoff_max);
                 }
             }
         }
-        if !placed {
-            tracing::error!(message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm could not be placed again: lost");
-        }
     }
+    tracing::error!(message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm could not be placed again: lost");
 }
 
 /// Where [`place_returned`] publishes returned delivery `d`: exchange, routing key, properties,
 /// and what to declare again when that is missing; `None` for a direct reply-to result whose
 /// requester is still there (delivered).
 async fn returned_destination(
-    conn: &Connection,
+    conn: Option<&Arc<Connection>>,
     amqp: &AmqpSettings,
     d: &Delivery,
 ) -> Option<(String, String, BasicProperties, Option<OwnDestination>)> {
@@ -258,8 +317,10 @@ async fn returned_destination(
         let (e, rk) = results();
         return Some((e, rk, d.properties.clone(), Some(OwnDestination::Results)));
     }
-    if is_direct_reply_to(routing_key) && matches!(direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await, Ok(true)) {
-        return None;
+    if let (true, Some(conn)) = (is_direct_reply_to(routing_key), conn) {
+        if matches!(direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await, Ok(true)) {
+            return None;
+        }
     }
     let headers = headers_with(
         d.properties.headers().as_ref(),
@@ -352,7 +413,7 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
 /// ([`publish_own`]: declared again on `conn` when it or its queue was deleted).
 pub async fn dead_letter(
     ch: &Channel,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     body: &[u8],
     props: &BasicProperties,
@@ -443,7 +504,7 @@ pub async fn declare_again(conn: &Connection, amqp: &AmqpSettings, dest: OwnDest
 /// loop, in the router).
 pub async fn publish_own(
     ch: &Channel,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     dest: OwnDestination,
     body: &[u8],
@@ -492,7 +553,7 @@ pub enum Intake {
 /// valid.
 pub async fn parse_or_dead_letter(
     ch: &Channel,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     policy: &RequestPolicy,
     delivery: Delivery,
@@ -573,7 +634,7 @@ pub fn log_id(id: &str) -> String {
 #[allow(clippy::too_many_arguments)]
 pub async fn dead_letter_and_ack(
     ch: &Channel,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     delivery: Delivery,
     request_id: Option<&str>,
@@ -757,7 +818,7 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// before the check also finds a copy in the results queue: a duplicate, never a loss.
 pub async fn publish_result(
     ch: &Channel,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     tenure: Tenure<'_>,
     delivery: Delivery,
@@ -800,7 +861,7 @@ pub async fn publish_result(
 /// [`direct_reply_to_present`] (see [`publish_result`]).
 async fn publish_with_fallback(
     ch: &Channel,
-    conn: &Connection,
+    conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     tenure: Tenure<'_>,
     request: &BasicProperties,

@@ -57,6 +57,47 @@ async fn results_for_a_missing_reply_queue_reach_the_results_queue_exactly_once(
 /// no delivered one is reported returned.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_return_on_a_shared_channel_reaches_its_own_publisher_or_is_placed_again() {
+    let out = shared_channel_returns("sharedret", "10s", "10s").await;
+    assert_eq!(out.timed_out, 0, "no confirm should take 10 s here");
+    assert_eq!(out.placed_twice, 0, "without timeouts nothing is placed twice");
+    eprintln!("2000 forwards: {} returns met their own confirm, {} were placed again by another publish", out.returned, out.placed);
+}
+
+/// The same with a confirm timeout so short (5 ms) for the forwards to the bound partition that
+/// they give up on their confirm. A confirm that comes after its publish gave up may still
+/// carry another publish's return: the publish's own task waits for it and places that message
+/// again, instead of leaving it with lapin (lost, since its own publisher was told it was
+/// delivered). With the confirm dropped on a timeout, this test failed 4 runs of 4 (20 ms);
+/// with only the confirm (not the send) handed to a task, 2 of 3 (5 ms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_return_on_a_confirm_that_came_too_late_is_placed_again() {
+    let out = shared_channel_returns("lateret", "10s", "5ms").await;
+    assert!(out.timed_out > 0, "no publish timed out; the test proves nothing");
+    eprintln!(
+        "2000 forwards: {} timed out, {} returns met their own confirm, {} delivered-and-returned ones were placed again ({} of them twice)",
+        out.timed_out, out.returned, out.placed, out.placed_twice
+    );
+}
+
+/// What [`shared_channel_returns`] counted.
+struct SharedChannelOutcome {
+    /// Partition-0 publishes reported unroutable to their own publisher.
+    returned: usize,
+    /// Partition-0 publishes reported delivered: each was placed again in the input queue.
+    placed: usize,
+    /// Publishes whose confirm did not come within the timeout (their callers requeue).
+    timed_out: usize,
+    /// Messages in the input queue twice: a placement retried after its own confirm timed out
+    /// (at least once, as every retry after a timeout).
+    placed_twice: usize,
+}
+
+/// Publishes 2,000 forwards concurrently on one confirm channel, alternating a bound partition
+/// (1, `amqp.confirm_timeout` = `bound_confirm_timeout`) and one with no queue bound (0,
+/// `confirm_timeout`), and
+/// checks that no message is lost: every forward reported delivered is in its partition queue
+/// or (partition 0) was placed again in the input queue; none reported returned is there too.
+async fn shared_channel_returns(test: &str, confirm_timeout: &str, bound_confirm_timeout: &str) -> SharedChannelOutcome {
     use lapin::options::QueueDeclareOptions;
     use lapin::BasicProperties;
     use prefix_batcher::config::{AmqpSettings, Settings};
@@ -64,9 +105,13 @@ async fn every_return_on_a_shared_channel_reaches_its_own_publisher_or_is_placed
     use std::collections::HashSet;
     use std::sync::Arc;
 
-    let env = TestEnv::new("sharedret");
-    let settings = Settings::from_raw(&env.raw_config("http://127.0.0.1:9")).expect("valid test config");
+    let env = TestEnv::new(test);
+    let mut raw = env.raw_config("http://127.0.0.1:9");
+    raw.amqp.confirm_timeout = confirm_timeout.into();
+    let settings = Settings::from_raw(&raw).expect("valid test config");
     let a = Arc::new(settings.amqp.clone());
+    raw.amqp.confirm_timeout = bound_confirm_timeout.into();
+    let a_bound = Arc::new(Settings::from_raw(&raw).expect("valid test config").amqp);
     let amqp = Amqp::connect().await;
     // The input queue and partition 1's route; partition 0 has no queue bound.
     let durable = QueueDeclareOptions { durable: true, ..Default::default() };
@@ -78,9 +123,9 @@ async fn every_return_on_a_shared_channel_reaches_its_own_publisher_or_is_placed
     let n = 2000;
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..n {
-        let (ch, conn, a) = (ch.clone(), conn.clone(), a.clone());
+        let (id, p) = (format!("fwd-{i}"), (i % 2) as u32);
+        let (ch, conn, a) = (ch.clone(), conn.clone(), if p == 1 { a_bound.clone() } else { a.clone() });
         tasks.spawn(async move {
-            let (id, p) = (format!("fwd-{i}"), (i % 2) as u32);
             let props = BasicProperties::default().with_message_id(id.as_str().into()).with_correlation_id(id.as_str().into());
             let body = format!(r#"{{"id":"{id}","prompt":"p"}}"#);
             let rk = AmqpSettings::partition_routing_key(p);
@@ -88,7 +133,7 @@ async fn every_return_on_a_shared_channel_reaches_its_own_publisher_or_is_placed
             (id, p, out)
         });
     }
-    let (mut returned, mut delivered_p0, mut delivered_p1) = (HashSet::new(), HashSet::new(), HashSet::new());
+    let (mut returned, mut delivered_p0, mut delivered_p1, mut timed_out) = (HashSet::new(), HashSet::new(), HashSet::new(), HashSet::new());
     let mut wrong = Vec::new();
     while let Some(joined) = tasks.join_next().await {
         let (id, p, out) = joined.expect("publish task");
@@ -96,30 +141,40 @@ async fn every_return_on_a_shared_channel_reaches_its_own_publisher_or_is_placed
             (0, Err(PublishError::Unroutable { .. })) => assert!(returned.insert(id)),
             (0, Ok(())) => assert!(delivered_p0.insert(id)),
             (1, Ok(())) => assert!(delivered_p1.insert(id)),
+            (_, Err(PublishError::Timeout(_))) => assert!(timed_out.insert(id)),
             (_, other) => wrong.push(format!("{id}: {other:?}")),
         }
     }
     assert!(wrong.is_empty(), "publishes with a wrong outcome (a bound partition reported returned, or an error): {wrong:?}");
 
-    // Every partition-0 forward reported as delivered must be in the input queue (placed again
-    // by the publish that received its return), once; none reported returned may be there.
-    let in_input = drain_ids(&amqp, &a.input_queue).await;
-    let lost: Vec<&String> = delivered_p0.iter().filter(|id| !in_input.contains(*id)).collect();
+    // Every partition-0 forward reported as delivered must reach the input queue (placed again
+    // by the publish that received its return, perhaps after that one gave up), once; none
+    // reported returned may be there.
+    let mut input = amqp.consume(&a.input_queue).await;
+    input.until("every partition-0 forward reported delivered", DEADLINE, |r| {
+        let got: HashSet<&str> = r.iter().map(|m| m.correlation_id.as_str()).collect();
+        delivered_p0.iter().all(|id| got.contains(id.as_str()))
+    })
+    .await;
+    input.collect_for(Duration::from_millis(500)).await;
+    let mut in_input = HashSet::new();
+    let mut placed_twice = 0;
+    for m in &input.received {
+        placed_twice += usize::from(!in_input.insert(m.correlation_id.clone()));
+    }
+    input.close().await;
     let doubled: Vec<&String> = returned.iter().filter(|id| in_input.contains(*id)).collect();
-    assert!(lost.is_empty(), "returned forwards taken as delivered and placed nowhere (lost): {lost:?}");
     assert!(doubled.is_empty(), "returned forwards both reported and placed again: {doubled:?}");
-    assert_eq!(in_input.len(), delivered_p0.len(), "only returned forwards go back to the input queue");
+    let strays: Vec<&String> = in_input.iter().filter(|id| !delivered_p0.contains(*id) && !timed_out.contains(*id)).collect();
+    assert!(strays.is_empty(), "only returned forwards go back to the input queue: {strays:?}");
     let in_p1 = drain_ids(&amqp, &env.partition_queue(1)).await;
-    assert_eq!(in_p1, delivered_p1, "every forward to the bound partition is in its queue once");
-    eprintln!(
-        "{n} forwards: {} returns met their own confirm, {} were placed again by another publish",
-        returned.len(),
-        delivered_p0.len()
-    );
+    let missing_p1: Vec<&String> = delivered_p1.iter().filter(|id| !in_p1.contains(*id)).collect();
+    assert!(missing_p1.is_empty(), "forwards to the bound partition reported delivered and not in its queue: {missing_p1:?}");
     let _ = ch.close(200, "done".into()).await;
     let _ = conn.close(200, "done".into()).await;
     amqp.close().await;
     env.cleanup().await;
+    SharedChannelOutcome { returned: returned.len(), placed: delivered_p0.len(), timed_out: timed_out.len(), placed_twice }
 }
 
 /// Reads `queue` to the end (auto-ack) and returns the correlation ids it held; panics on a
