@@ -454,14 +454,21 @@ impl App {
                     if !redis_ok {
                         warn!("membership heartbeat does not reach Redis; not ready");
                         self.readiness.set(NotReady::RedisDown, true);
-                    } else if self.readiness.state().reasons().any(|r| r == NotReady::Starting) {
+                    } else {
+                        // A heartbeat from a running session: RabbitMQ and Redis both answer. This
+                        // clears what a failed session set (`amqp down` or `redis down`) as well
+                        // as `starting`.
+                        let starting = self.readiness.state().reasons().any(|r| r == NotReady::Starting);
+                        let was_ready = self.readiness.is_ready();
                         for reason in [NotReady::Starting, NotReady::AmqpDown, NotReady::RedisDown] {
                             self.readiness.set(reason, false);
                         }
-                        events(Lifecycle::Ready);
-                        info!("ready");
-                    } else {
-                        self.readiness.set(NotReady::RedisDown, false);
+                        if starting {
+                            events(Lifecycle::Ready);
+                            info!("ready");
+                        } else if !was_ready && self.readiness.is_ready() {
+                            info!("ready again");
+                        }
                     }
                 }
                 _ = alive.tick() => {

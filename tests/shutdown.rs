@@ -166,3 +166,44 @@ async fn a_broker_that_never_answers_times_out_and_a_shutdown_still_stops_the_da
     assert!(stopped_at.elapsed() < Duration::from_secs(5));
     env.cleanup().await;
 }
+
+/// After the broker closes the daemon's connection, the daemon reconnects and `/readyz` says
+/// ready again. It used to stay at 503 `not ready: amqp down` for good: only the first start
+/// cleared that reason, so a load balancer or a readiness probe took a working instance out of
+/// service after any reconnect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_comes_back_after_a_reconnect() {
+    let env = TestEnv::new("readyagain");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut daemon = DaemonProcess::run(&env, "ready", &raw);
+    let addr = daemon.http_addr().await;
+    let wait_for = |want: u16, what: &'static str| {
+        let addr = addr.clone();
+        async move {
+            let deadline = Instant::now() + DEADLINE;
+            loop {
+                let (status, body) = http_get(&addr, "/readyz").await;
+                if status == want {
+                    return body;
+                }
+                assert!(Instant::now() < deadline, "/readyz never answered {want} ({what}); last {status} {body}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    wait_for(200, "after the start").await;
+    close_connection_named(&format!("prefix-batcher {}", raw.instance.name)).await;
+    let deadline = Instant::now() + DEADLINE;
+    while !daemon.log().contains("session ended; reconnecting") {
+        assert!(Instant::now() < deadline, "the closed connection ended no session:\n{}", daemon.log_tail(30));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_for(200, "after the reconnect").await;
+    assert!(daemon.log().contains("ready again"), "{}", daemon.log_tail(30));
+    daemon.sigterm();
+    let status = daemon.wait_exit(DEADLINE).await;
+    assert!(status.success(), "SIGTERM must exit 0, got {status}; log:\n{}", daemon.log_tail(40));
+    fake.shutdown();
+    env.cleanup().await;
+}
