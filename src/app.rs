@@ -111,6 +111,10 @@ pub enum SessionError {
     /// The router task panicked or was cancelled.
     #[error("router task: {0}")]
     RouterTask(#[source] tokio::task::JoinError),
+    /// One of the session's AMQP connections closed (the broker closed it, e.g. after a hard
+    /// error such as `INTERNAL_ERROR`), found by the session's once-a-second check.
+    #[error("an amqp connection of the session closed ({0})")]
+    ConnectionClosed(&'static str),
 }
 
 impl SessionError {
@@ -472,9 +476,15 @@ impl App {
                     }
                 }
                 _ = alive.tick() => {
-                    if conns.connected() {
-                        events(Lifecycle::Alive);
+                    // A closed connection ends the session at once: the router would otherwise
+                    // keep consuming with a dead publishing connection and requeue every request.
+                    if !conns.consume.status().connected() {
+                        return Some(SessionError::ConnectionClosed(metrics::connection::CONSUME));
                     }
+                    if !conns.publish.status().connected() {
+                        return Some(SessionError::ConnectionClosed(metrics::connection::PUBLISH));
+                    }
+                    events(Lifecycle::Alive);
                 }
             }
         }

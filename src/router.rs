@@ -244,8 +244,11 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let ch = match publish.get().await {
         Ok(ch) => ch,
         Err(e) => {
-            warn!(error = %e, "no publishing channel; requeueing input");
-            return requeue(delivery).await;
+            // Held for the requeue backoff: requeued at once, a delivery comes straight back,
+            // and every request would use up its deliveries (`amqp.delivery_limit`) in
+            // milliseconds while the publishing connection is down; the session ends meanwhile.
+            warn!(error = %e, "no publishing channel; requeueing input after a backoff");
+            return requeue_after_backoff(&settings.amqp, delivery, stop).await;
         }
     };
     let mut ch = ch;

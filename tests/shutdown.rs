@@ -207,3 +207,58 @@ async fn readiness_comes_back_after_a_reconnect() {
     fake.shutdown();
     env.cleanup().await;
 }
+
+/// The broker closes the daemon's publishing connection under load, with requests still
+/// arriving: the session ends and reconnects, and every request still gets an ok result, none
+/// dead-lettered (with `amqp.delivery_limit = 2`, a requeue loop would show at once).
+///
+/// What it guards: a new-user test saw the router keep consuming after its publishing
+/// connection had failed with a hard error (`INTERNAL_ERROR`, from a partition queue deleted
+/// under a publish), requeue each input delivery at once (489 requeues in 222 ms), and so
+/// dead-letter valid requests with `delivery_limit`. Now a delivery that finds no publishing
+/// channel is held for the requeue backoff, and the session checks both connections every
+/// second. This test closes the connection with `rabbitmqctl close_connection`, which the old
+/// code also survived here (2 runs of 2): the hard-error race itself is not reproduced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_publishing_connection_ends_the_session_and_loses_nothing() {
+    let env = TestEnv::new("pubclosed");
+    let fake = FakeLlm::new().latency(Duration::from_millis(50)).start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    // Two deliveries per request: a requeue loop shows at once.
+    raw.amqp.delivery_limit = 2;
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let reqs = completions_workload("pubclosed", 600, 8);
+    amqp.publish_requests(&env.input_queue(), &reqs[..100], &reply).await;
+    results.until("50 results before the close", DEADLINE, |r| r.len() >= 50).await;
+    // The rest arrive while the connection is closed and the session comes back: the router
+    // has input deliveries to handle then.
+    let (input, rest, to) = (env.input_queue(), reqs[100..].to_vec(), reply.clone());
+    let feeder = tokio::spawn(async move {
+        let feed = Amqp::connect().await;
+        for chunk in rest.chunks(20) {
+            feed.publish_requests(&input, chunk, &to).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        feed.close().await;
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    close_connection_named(&format!("prefix-batcher {} publish", raw.instance.name)).await;
+    feeder.await.expect("the feeder publishes");
+    let dead_letters = amqp.consume(&env.dead_letter_queue()).await;
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    results.barrier(&amqp).await;
+    let by_id = results.by_correlation();
+    let failed: Vec<&str> = reqs.iter().filter(|r| !by_id[&r.id].iter().any(|m| m.result().ok)).map(|r| r.id.as_str()).collect();
+    assert!(failed.is_empty(), "requests without an ok result: {failed:?}");
+    let mut dead_letters = dead_letters;
+    dead_letters.collect_for(Duration::from_millis(300)).await;
+    assert!(dead_letters.received.is_empty(), "{} requests were dead-lettered (their deliveries used up while the publishing connection was down), e.g. {:?}", dead_letters.received.len(), dead_letters.received[0].headers);
+    let duplicates: usize = by_id.values().map(|v| v.len() - 1).sum();
+    println!("publishing connection closed under load: {} requests, {duplicates} duplicate results", reqs.len());
+    daemon.stop().await.expect("daemon stops cleanly");
+    dead_letters.close().await;
+    results.close().await;
+    amqp.close().await;
+    fake.shutdown();
+    env.cleanup().await;
+}
