@@ -109,6 +109,16 @@ pub enum ClientError {
     /// The reply queue's consumer ended before every result arrived.
     #[error("reply consumer closed")]
     ReplyConsumerClosed,
+    /// An input line was refused ([`ClientError::DuplicateId`], [`ClientError::InvalidId`])
+    /// after the lines before it were published: `line` is 1-based, `published` counts the
+    /// requests already published (they will be processed; resubmitting them makes duplicates).
+    #[error("input line {line}: {source}; the {published} requests before it were published")]
+    AtLine {
+        line: usize,
+        published: usize,
+        #[source]
+        source: Box<ClientError>,
+    },
 }
 
 /// Where `submit` reads requests from and writes results to.
@@ -175,16 +185,20 @@ async fn publish_input(
     let mut lines = reader.lines();
     let mut ids = HashSet::new();
     let mut confirms = Vec::new();
+    let mut number = 0;
     while let Some(line) = lines.next_line().await.map_err(input_error)? {
+        number += 1;
         if line.trim().is_empty() {
             continue;
         }
+        let at_line = |source| ClientError::AtLine { line: number, published: ids.len(), source: Box::new(source) };
         let id = request_id(&line);
-        if !ids.insert(id.clone()) {
-            return Err(ClientError::DuplicateId(id));
+        if ids.contains(&id) {
+            return Err(at_line(ClientError::DuplicateId(id)));
         }
         let publish = BasicPublishOptions { mandatory: true, ..Default::default() };
-        let props = request_properties(&id, reply_queue)?;
+        let props = request_properties(&id, reply_queue).map_err(at_line)?;
+        ids.insert(id.clone());
         confirms.push(ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await?);
         // Bound the confirms in flight.
         if confirms.len() >= 1000 {

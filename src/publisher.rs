@@ -929,7 +929,7 @@ pub fn short_string_id(text: &str, suffix: &str) -> String {
 /// Properties of a result: JSON, persistent, the request's correlation id (default: its id), and
 /// the tenure headers.
 fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> BasicProperties {
-    let correlation = request.correlation_id().clone().unwrap_or_else(|| short_string_id(id, "").into());
+    let correlation = request.correlation_id().clone().filter(|c| !c.as_str().is_empty()).unwrap_or_else(|| short_string_id(id, "").into());
     BasicProperties::default()
         .with_content_type("application/json".into())
         .with_delivery_mode(PERSISTENT)

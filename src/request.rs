@@ -204,8 +204,6 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     if body.len() > max_bytes {
         return Err(ParseError::TooLarge { size: body.len(), limit: max_bytes });
     }
-    check_length("correlation_id", env.correlation_id.unwrap_or_default(), MAX_ID_BYTES)?;
-    check_no_control("correlation_id", env.correlation_id.unwrap_or_default())?;
     check_length("reply_to", env.reply_to.unwrap_or_default(), MAX_SHORT_STRING_BYTES)?;
     let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
     let value: Value = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
@@ -229,6 +227,9 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
         (None, Some(m)) => Body::Chat(parse_messages(m)?),
     };
     let id = request_id(obj.remove("id"), env.message_id)?;
+    // After the id: `submit` copies the id into `correlation_id`, so a bad id is named as such.
+    check_length("correlation_id", env.correlation_id.unwrap_or_default(), MAX_ID_BYTES)?;
+    check_no_control("correlation_id", env.correlation_id.unwrap_or_default())?;
     let model = match obj.remove("model") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s),
@@ -291,7 +292,7 @@ fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String
             return Err(ParseError::InvalidField {
                 field: "id",
                 detail: format!(
-                    "the number {n} is not an integer in the 64-bit range (-2^63 to 2^64-1): JSON parsers round such numbers, so two ids could become one; send it as a string"
+                    "a numeric id must be an integer from -2^63 to 2^64-1 without fraction or exponent; this one reads as the float {n}, and JSON parsers round such numbers, so two ids could become one: send it as a string"
                 ),
             })
         }
@@ -574,7 +575,7 @@ mod tests {
             let body = format!(r#"{{"id":{id},"prompt":"hi"}}"#);
             match p(&body).unwrap_err() {
                 ParseError::InvalidField { field: "id", detail } => {
-                    assert!(detail.contains("64-bit") && detail.contains("as a string"), "{body}: {detail}")
+                    assert!(detail.contains("-2^63 to 2^64-1") && detail.contains("as a string"), "{body}: {detail}")
                 }
                 other => panic!("{body}: {other:?}"),
             }
@@ -594,6 +595,12 @@ mod tests {
         }
         let env = Envelope { correlation_id: Some("héllo 🦀 \"q\""), ..Envelope::default() };
         assert!(parse(br#"{"prompt":"hi"}"#, &env, 1000).is_ok());
+        // `submit` copies the id into `correlation_id`: the id is named, not its copy.
+        let env = Envelope { correlation_id: Some("a\u{1}b"), ..Envelope::default() };
+        match parse(br#"{"id":"a\u0001b","prompt":"hi"}"#, &env, 1000).unwrap_err() {
+            ParseError::InvalidField { field, .. } => assert_eq!(field, "id"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

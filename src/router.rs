@@ -342,7 +342,8 @@ fn forward_props(props: &BasicProperties, r: &Route) -> Result<BasicProperties, 
     let p = publisher::carried_props(props, &[(HEADER_SHARD, r.shard.to_string()), (HEADER_ROUTED_KEY, r.routed.to_string())])
         .with_message_id(id.clone())
         .with_delivery_mode(publisher::PERSISTENT);
-    Ok(if props.correlation_id().is_none() { p.with_correlation_id(id) } else { p })
+    // An empty `correlation_id` counts as none: a requester cannot match a result by it.
+    Ok(if props.correlation_id().as_ref().is_none_or(|c| c.as_str().is_empty()) { p.with_correlation_id(id) } else { p })
 }
 
 #[cfg(test)]
@@ -424,6 +425,9 @@ mod tests {
         assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some("r1"));
         assert_eq!(p.correlation_id().as_ref().map(|m| m.as_str()), Some("r1"));
         assert_eq!(*p.delivery_mode(), Some(publisher::PERSISTENT));
+        let empty = BasicProperties::default().with_correlation_id("".into());
+        let p_empty = forward_props(&empty, &route_of("r2")).unwrap();
+        assert_eq!(p_empty.correlation_id().as_ref().map(|m| m.as_str()), Some("r2"), "an empty correlation_id counts as none");
         let h = p.headers().as_ref();
         assert_eq!(publisher::header_str(h, publisher::HEADER_ORIGINAL_USER_ID).as_deref(), Some("other"));
         assert_eq!(publisher::header_str(h, HEADER_SHARD).as_deref(), Some("1"));

@@ -445,3 +445,33 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     amqp.close().await;
     env.cleanup().await;
 }
+
+/// `submit` refuses a duplicate id or an id too long for a `message_id` partway through its
+/// input: the message names the line and says how many requests before it were published
+/// (they will be processed; resubmitting the file would duplicate them). It exits 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_input_line_names_its_number_and_what_was_published() {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    let env = TestEnv::new("submitline");
+    let amqp = Amqp::connect().await;
+    let queue = env.input_queue();
+    amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let cfg = write_config(&env, "submit", &env.raw_config("http://127.0.0.1:9"));
+    let long = "L".repeat(201);
+    let cases = [
+        ("dup", "{\"id\":\"a\",\"prompt\":\"1\"}\n\n{\"id\":\"b\",\"prompt\":\"2\"}\n{\"id\":\"a\",\"prompt\":\"3\"}\n".to_owned(), "input line 4: duplicate request id \"a\" in the input; the 2 requests before it were published"),
+        ("long", format!("{{\"id\":\"c\",\"prompt\":\"1\"}}\n{{\"id\":\"{long}\",\"prompt\":\"2\"}}\n"), "input line 2: input line with request id"),
+    ];
+    for (label, lines, want) in cases {
+        let input = env.dir.join(format!("{label}.jsonl"));
+        std::fs::write(&input, lines).unwrap();
+        let out = bin_command().arg("--config").arg(&cfg).args(["submit", "--queue", &queue, "--file"]).arg(&input).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{label}: {stderr}");
+        assert!(stderr.contains(want), "{label}: {stderr}");
+    }
+    assert_eq!(amqp.queue_depth(&queue).await.0, 3, "2 + 1 requests were published before the refused lines");
+    amqp.close().await;
+    env.cleanup().await;
+}
