@@ -416,6 +416,10 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, abo
     metrics::buffer_state(ctx.partition, 0, 0.0);
     if aborted {
         info!(partition = ctx.partition, epoch = ctx.epoch, "partition aborted; unacked requests return to the queue");
+    } else if end.reason() == Some(restart::QUEUE_MISSING) {
+        // The broker deleted the queue's messages with it, the ones this worker held unacked
+        // included: nothing returns.
+        warn!(partition = ctx.partition, epoch = ctx.epoch, "partition queue was deleted; the requests it held, unacked ones included, were deleted with it");
     } else {
         info!(partition = ctx.partition, epoch = ctx.epoch, reason = end.reason(), "partition consumer closed; unacked requests return to the queue");
     }
