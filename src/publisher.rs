@@ -88,6 +88,20 @@ pub enum PublishError {
     Timeout(Duration),
 }
 
+/// How long a publish's task ([`publish_confirmed`]) waits for a confirm after its caller gave
+/// up, as a multiple of `amqp.confirm_timeout`, and at least [`LATE_CONFIRM_MIN_WAIT`].
+const LATE_CONFIRM_WAIT_FACTOR: u32 = 10;
+/// See [`LATE_CONFIRM_WAIT_FACTOR`].
+const LATE_CONFIRM_MIN_WAIT: Duration = Duration::from_secs(60);
+
+/// The message a publish sent, to tell its own return from another's ([`is_own_return`]).
+struct OwnPublish {
+    exchange: String,
+    routing_key: String,
+    message_id: Option<ShortString>,
+    body: Vec<u8>,
+}
+
 /// Publishes one message (`mandatory`) and waits for its confirm, at most
 /// `amqp.confirm_timeout`. `ch` must be in confirm mode.
 ///
@@ -119,33 +133,6 @@ pub async fn publish_confirmed(
     body: &[u8],
     props: BasicProperties,
 ) -> Result<(), PublishError> {
-    publish_once(ch, Some(conn), amqp, exchange, routing_key, body, props).await
-}
-
-/// How long a publish's task ([`publish_confirmed`]) waits for a confirm after its caller gave
-/// up, as a multiple of `amqp.confirm_timeout`, and at least [`LATE_CONFIRM_MIN_WAIT`].
-const LATE_CONFIRM_WAIT_FACTOR: u32 = 10;
-/// See [`LATE_CONFIRM_WAIT_FACTOR`].
-const LATE_CONFIRM_MIN_WAIT: Duration = Duration::from_secs(60);
-
-/// The message a publish sent, to tell its own return from another's ([`is_own_return`]).
-struct OwnPublish {
-    exchange: String,
-    routing_key: String,
-    message_id: Option<ShortString>,
-    body: Vec<u8>,
-}
-
-/// [`publish_confirmed`]; without `conn`, a placement on a closed `ch` is given up (logged).
-async fn publish_once(
-    ch: &Channel,
-    conn: Option<&Arc<Connection>>,
-    amqp: &AmqpSettings,
-    exchange: &str,
-    routing_key: &str,
-    body: &[u8],
-    props: BasicProperties,
-) -> Result<(), PublishError> {
     let timeout = amqp.confirm_timeout;
     let own = OwnPublish {
         exchange: exchange.to_owned(),
@@ -154,7 +141,7 @@ async fn publish_once(
         body: body.to_vec(),
     };
     let (tx, mut rx) = tokio::sync::oneshot::channel();
-    let (task_ch, task_conn, task_amqp) = (ch.clone(), conn.cloned(), amqp.clone());
+    let (task_ch, task_conn, task_amqp) = (ch.clone(), conn.clone(), amqp.clone());
     tokio::spawn(async move {
         let wait = (task_amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
         let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
@@ -199,15 +186,10 @@ async fn publish_once(
 }
 
 /// [`place_returned`] with owned arguments, for a publish's own task. Boxed as a `Send` future: a
-/// placement publishes through [`publish_once`], whose task may place again, and the compiler
+/// placement publishes through [`publish_confirmed`], whose task may place again, and the compiler
 /// cannot prove that cycle `Send` otherwise.
-fn place_returned_in_task(
-    ch: Channel,
-    conn: Option<Arc<Connection>>,
-    amqp: AmqpSettings,
-    m: BasicReturnMessage,
-) -> futures_util::future::BoxFuture<'static, ()> {
-    Box::pin(async move { place_returned(&ch, conn.as_ref(), &amqp, m).await })
+fn place_returned_in_task(ch: Channel, conn: Arc<Connection>, amqp: AmqpSettings, m: BasicReturnMessage) -> futures_util::future::BoxFuture<'static, ()> {
+    Box::pin(async move { place_returned(&ch, &conn, &amqp, m).await })
 }
 
 /// Whether `returned` is the message published to `exchange` with `routing_key`, `message_id`
@@ -246,15 +228,12 @@ const PLACE_RETURNED_MIN_TIMEOUT: Duration = Duration::from_secs(1);
 ///   queue, there again. A result for a direct reply-to requester that is still there was
 ///   delivered (RabbitMQ returns those anyway) and is left alone.
 ///
-/// Without `conn`, nothing is declared again, a closed `ch` ends the attempts, and a direct
-/// reply-to result goes to the results queue unasked (at worst a second copy).
-///
 /// Published with a confirm (waiting `amqp.confirm_timeout`, at least
 /// [`PLACE_RETURNED_MIN_TIMEOUT`]) on `ch` while it is open, else on a new channel of `conn`, up
 /// to [`PLACE_RETURNED_ATTEMPTS`] times with the reconnect backoff between them. A message that
 /// still cannot be placed is logged as an error with its `message_id`: it is lost, since its
 /// own publisher has taken it as delivered.
-pub async fn place_returned(ch: &Channel, conn: Option<&Arc<Connection>>, amqp: &AmqpSettings, m: BasicReturnMessage) {
+pub async fn place_returned(ch: &Channel, conn: &Arc<Connection>, amqp: &AmqpSettings, m: BasicReturnMessage) {
     let mut settings = amqp.clone();
     settings.confirm_timeout = settings.confirm_timeout.max(PLACE_RETURNED_MIN_TIMEOUT);
     let amqp = &settings;
@@ -267,24 +246,22 @@ pub async fn place_returned(ch: &Channel, conn: Option<&Arc<Connection>>, amqp: 
     let mut wait = amqp.reconnect_backoff_initial;
     for attempt in 1..=PLACE_RETURNED_ATTEMPTS {
         let own = if ch.status().connected() {
-            publish_once(ch, conn, amqp, &exchange, &routing_key, &d.data, props.clone()).await
-        } else if let Some(conn) = conn {
+            publish_confirmed(ch, conn, amqp, &exchange, &routing_key, &d.data, props.clone()).await
+        } else {
             match crate::amqp::confirm_channel(conn).await {
                 Ok(fresh) => {
-                    let out = publish_once(&fresh, Some(conn), amqp, &exchange, &routing_key, &d.data, props.clone()).await;
+                    let out = publish_confirmed(&fresh, conn, amqp, &exchange, &routing_key, &d.data, props.clone()).await;
                     let _ = fresh.close(crate::amqp::REPLY_SUCCESS, "returned message placed".into()).await;
                     out
                 }
                 Err(e) => Err(PublishError::Amqp(e)),
             }
-        } else {
-            break; // The channel is closed and there is no connection to open another on.
         };
         match own {
             Ok(()) => return,
             Err(e) => {
                 warn!(message_id, attempt, error = %e, "placing a returned message failed");
-                if let (true, Some(dest), Some(conn)) = (says_missing(&e), redeclare, conn) {
+                if let (true, Some(dest)) = (says_missing(&e), redeclare) {
                     declare_again(conn, amqp, dest).await;
                 }
                 if attempt < PLACE_RETURNED_ATTEMPTS {
@@ -301,7 +278,7 @@ pub async fn place_returned(ch: &Channel, conn: Option<&Arc<Connection>>, amqp: 
 /// and what to declare again when that is missing; `None` for a direct reply-to result whose
 /// requester is still there (delivered).
 async fn returned_destination(
-    conn: Option<&Arc<Connection>>,
+    conn: &Connection,
     amqp: &AmqpSettings,
     d: &Delivery,
 ) -> Option<(String, String, BasicProperties, Option<OwnDestination>)> {
@@ -317,10 +294,8 @@ async fn returned_destination(
         let (e, rk) = results();
         return Some((e, rk, d.properties.clone(), Some(OwnDestination::Results)));
     }
-    if let (true, Some(conn)) = (is_direct_reply_to(routing_key), conn) {
-        if matches!(direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await, Ok(true)) {
-            return None;
-        }
+    if is_direct_reply_to(routing_key) && matches!(direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await, Ok(true)) {
+        return None;
     }
     let headers = headers_with(
         d.properties.headers().as_ref(),
