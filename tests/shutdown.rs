@@ -212,7 +212,7 @@ async fn readiness_comes_back_after_a_reconnect() {
 /// arriving: the session ends and reconnects, and every request still gets an ok result, none
 /// dead-lettered (with `amqp.delivery_limit = 2`, a requeue loop would show at once).
 ///
-/// What it guards: a new-user test saw the router keep consuming after its publishing
+/// What it guards: under load, the router was seen to keep consuming after its publishing
 /// connection had failed with a hard error (`INTERNAL_ERROR`, from a partition queue deleted
 /// under a publish), requeue each input delivery at once (489 requeues in 222 ms), and so
 /// dead-letter valid requests with `delivery_limit`. Now a delivery that finds no publishing
