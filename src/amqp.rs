@@ -23,6 +23,12 @@ pub const REPLY_SUCCESS: u16 = lapin::protocol::constants::REPLY_SUCCESS;
 pub const NOT_FOUND: u16 = 404;
 /// `precondition-failed` (406, soft error): a redeclare with other arguments.
 pub const PRECONDITION_FAILED: u16 = 406;
+/// AMQP 0-9-1 reply code 403 `ACCESS_REFUSED`: a login refused at `connection.open` (wrong user or
+/// password), or an operation the user has no permission for.
+pub const ACCESS_REFUSED: u16 = 403;
+/// AMQP 0-9-1 reply code 530 `NOT_ALLOWED`: RabbitMQ's answer to a `connection.open` for a vhost
+/// that does not exist or that the user may not use.
+pub const NOT_ALLOWED: u16 = 530;
 
 /// Opens one AMQP connection to node `node` of [`AmqpSettings::nodes`] (`amqp.urls`, or
 /// `amqp.url`) with `props`, asking for the `amqp.heartbeat` timeout

@@ -27,6 +27,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -75,6 +76,12 @@ pub enum AppError {
     /// The LLM client cannot be built (exit [`EX_FAILURE`]).
     #[error("llm client: {0}")]
     Llm(#[source] LlmError),
+    /// Before any session started, every broker node refused the daemon's login or vhost, or
+    /// Redis refused its credentials (exit [`EX_CONFIG`]). The text names the configuration key
+    /// (see [`SessionError::access_refused`]). Once a session has started, the same refusal is
+    /// logged at error level and retried instead (credentials being rotated).
+    #[error("{0}")]
+    AccessRefused(String),
 }
 
 impl AppError {
@@ -82,6 +89,7 @@ impl AppError {
     pub fn exit_code(&self) -> u8 {
         match self {
             AppError::Topology(e) if e.is_config_error() => EX_CONFIG,
+            AppError::AccessRefused(_) => EX_CONFIG,
             AppError::DrainTimeout(_) => EX_SOFTWARE,
             _ => EX_FAILURE,
         }
@@ -124,6 +132,36 @@ impl SessionError {
         !matches!(self, SessionError::Redis(_) | SessionError::Topology(TopologyError::Redis(_)))
     }
 
+    /// When this failure is a refusal of the daemon's credentials, what to tell the operator: a
+    /// sentence naming the configuration key that holds them, without the password.
+    ///
+    /// Refusals: broker node `node` answered `connection.open` with 403 `ACCESS_REFUSED` (the
+    /// login: user or password) or 530 `NOT_ALLOWED` (RabbitMQ: the vhost does not exist or the
+    /// user may not use it), AMQP 0-9-1 `connection.close`; or Redis refused the password or
+    /// user (`WRONGPASS`, `NOAUTH`; the redis crate's `AuthenticationFailed`) or a command for
+    /// lack of permission (`NOPERM`, Redis ACL).
+    pub fn access_refused(&self, settings: &Settings, node: usize) -> Option<String> {
+        let amqp = &settings.amqp;
+        let key = if amqp.nodes.len() > 1 { "amqp.urls" } else { "amqp.url" };
+        let url = amqp.nodes.get(node).map(ToString::to_string).unwrap_or_default();
+        match self {
+            SessionError::Connect(e) => match crate::amqp::reply_code(e) {
+                Some(crate::amqp::ACCESS_REFUSED) => Some(format!(
+                    "RabbitMQ node {node} ({url}) refused the login (403 ACCESS_REFUSED): check the user and password in {key} (the broker said: {e})"
+                )),
+                Some(crate::amqp::NOT_ALLOWED) => Some(format!(
+                    "RabbitMQ node {node} ({url}) refused the vhost (530 NOT_ALLOWED): the vhost in {key} does not exist or its user has no permissions on it; see rabbitmqctl list_vhosts and list_user_permissions (the broker said: {e})"
+                )),
+                _ => None,
+            },
+            SessionError::Redis(e) | SessionError::Topology(TopologyError::Redis(e)) if redis_refused(e) => Some(format!(
+                "Redis ({}) refused the daemon's credentials or a command: check the user and password in redis.url, and that the user's ACL allows the daemon's commands on the keys under redis.key_prefix (docs/operations.md, Least privilege) (Redis said: {e})",
+                settings.redis.url,
+            )),
+            _ => None,
+        }
+    }
+
     /// The not-ready reason this failure stands for.
     fn not_ready(&self) -> NotReady {
         match self {
@@ -131,6 +169,12 @@ impl SessionError {
             _ => NotReady::AmqpDown,
         }
     }
+}
+
+/// Whether Redis refused the daemon's credentials (`WRONGPASS`, `NOAUTH`; the redis crate's
+/// `AuthenticationFailed`) or a command for lack of permission (`NOPERM`).
+fn redis_refused(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
 }
 
 /// Events reported to the service manager (systemd `sd_notify`); see [`run_with_events`].
@@ -191,7 +235,7 @@ pub async fn run_with_events(
     };
     let llm = LlmClient::with_options(&settings.llm, options).map_err(AppError::Llm)?;
     let nonce = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-    let app = App { settings: Arc::new(settings), llm, nonce, readiness };
+    let app = App { settings: Arc::new(settings), llm, nonce, readiness, opened: AtomicBool::new(false) };
     let result = app.sessions(&work, &mut events).await;
     app.readiness.set(NotReady::Draining, true);
     http_token.cancel();
@@ -283,6 +327,9 @@ struct App {
     /// Boot nonce written to the member key, so a restarted process is told from its past self.
     nonce: String,
     readiness: Readiness,
+    /// Whether a session has opened its connections and declared the topology: from then on a
+    /// refused login is retried (credentials being rotated), before it stops the daemon.
+    opened: AtomicBool,
 }
 
 impl App {
@@ -296,6 +343,8 @@ impl App {
         let mut backoff = amqp.reconnect_backoff_initial;
         let mut redis: Option<RedisConn> = None;
         let mut node = 0;
+        // Broker nodes that refused the login before any session opened.
+        let mut refused_nodes = std::collections::BTreeSet::new();
         metrics::amqp_connected_node(None, amqp.nodes.len());
         while !work.is_cancelled() {
             let end = self.connect_and_run(&mut redis, node, work, events).await;
@@ -309,11 +358,27 @@ impl App {
                 backoff = amqp.reconnect_backoff_initial;
             }
             self.readiness.set(failure.not_ready(), true);
+            let refused = failure.access_refused(&self.settings, node);
+            if let Some(why) = &refused {
+                let everywhere = match failure {
+                    SessionError::Connect(_) => {
+                        refused_nodes.insert(node);
+                        refused_nodes.len() == amqp.nodes.len()
+                    }
+                    _ => true,
+                };
+                if everywhere && !self.opened.load(Ordering::Relaxed) {
+                    return Err(AppError::AccessRefused(why.clone()));
+                }
+            }
             let failed_node = node;
             if failure.amqp_failed() {
                 node = crate::amqp::next_node(node, amqp.nodes.len());
             }
-            warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting");
+            match &refused {
+                Some(why) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
+                None => warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting"),
+            }
             tokio::select! {
                 _ = work.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(jitter(backoff)) => {}
@@ -370,6 +435,7 @@ impl App {
             return Err(SessionError::Topology(e));
         }
         info!(partitions = s.amqp.partitions.get(), node, url = %s.amqp.nodes[node], "topology declared");
+        self.opened.store(true, Ordering::Relaxed);
         metrics::amqp_connected_node(Some(node), s.amqp.nodes.len());
         Ok(conns)
     }

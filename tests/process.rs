@@ -320,6 +320,58 @@ async fn larger_partition_count_is_refused_without_the_redis_record() {
     env.cleanup().await;
 }
 
+/// Credentials the broker or Redis refuses stop the startup with exit 78 and a message naming
+/// the configuration key, without the password: a wrong AMQP password (403 ACCESS_REFUSED), a
+/// vhost that does not exist (530 NOT_ALLOWED), a wrong Redis password. Before, the daemon
+/// retried each of them for ever with a warning. With `amqp.urls`, one refusing node is not
+/// enough: the daemon goes on to the next node and starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_stop_the_startup_with_78() {
+    let env = TestEnv::new("refused");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    const WRONG: &str = "pbt-wrong-password-5c1e";
+    let wrong_login = AMQP_URL.replacen("guest:guest@", &format!("guest:{WRONG}@"), 1);
+    assert_ne!(wrong_login, AMQP_URL, "the test's AMQP URL has the guest user");
+    let (base, _vhost) = AMQP_URL.rsplit_once('/').unwrap();
+    let cases = [
+        ("amqp-password", "amqp.url", "403 ACCESS_REFUSED", {
+            let mut r = raw.clone();
+            r.amqp.url = wrong_login.clone();
+            r
+        }),
+        ("amqp-vhost", "amqp.url", "530 NOT_ALLOWED", {
+            let mut r = raw.clone();
+            r.amqp.url = format!("{base}/{}-no-such-vhost", env.name);
+            r
+        }),
+        ("redis-password", "redis.url", "refused the daemon's credentials", {
+            let mut r = raw.clone();
+            r.redis.url = REDIS_URL.replacen("redis://", &format!("redis://:{WRONG}@"), 1);
+            r
+        }),
+    ];
+    for (label, key, says, bad) in cases {
+        let mut p = DaemonProcess::run(&env, label, &bad);
+        let status = p.wait_exit(DEADLINE).await;
+        let log = p.log();
+        assert_eq!(status.code(), Some(78), "{label}: want exit 78 (EX_CONFIG), got {status}; log:\n{log}");
+        assert!(log.contains(key) && log.contains(says), "{label}: the message must name {key} and say {says:?}; log:\n{log}");
+        assert!(!log.contains(WRONG), "{label}: the password must not reach the log:\n{log}");
+    }
+
+    // Two nodes, the first refusing the login: the daemon starts on the second.
+    let mut two = raw.clone();
+    two.amqp.urls = vec![wrong_login, AMQP_URL.to_owned()];
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut p = DaemonProcess::run(&env, "second-node", &two);
+    wait_ready(&mut redis, &env, &mut p, &two.instance.name).await;
+    assert!(p.log().contains("403 ACCESS_REFUSED"), "node 0's refusal is logged; log:\n{}", p.log_tail(20));
+    p.sigterm();
+    assert_eq!(p.wait_exit(DEADLINE).await.code(), Some(0), "log:\n{}", p.log_tail(20));
+    env.cleanup().await;
+}
+
 /// `check-config` accepts the documented example and rejects a zero `max_batch_wait` with 78,
 /// naming the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
