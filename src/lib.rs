@@ -58,6 +58,7 @@ pub mod exit;
 mod fuzz_json;
 pub mod http;
 pub mod keying;
+pub mod log_limit;
 pub mod lease;
 pub mod llm;
 pub mod membership;

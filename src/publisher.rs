@@ -29,6 +29,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Connection};
 use serde_json::Value;
 use tracing::{debug, warn};
+use crate::log_limit::LogLimit;
 
 use crate::config::AmqpSettings;
 use crate::lease::LeaseClock;
@@ -210,6 +211,17 @@ pub fn is_own_return(
         && d.data == body
 }
 
+/// Per-request warnings of this module, each kind within its own [`LogLimit`] (at most
+/// [`crate::log_limit::BURST`] lines per minute at `WARN`, the rest at `DEBUG`).
+static RETURN_PLACED_LOG: LogLimit = LogLimit::new();
+static RETURN_PLACE_FAILED_LOG: LogLimit = LogLimit::new();
+static DEAD_LETTER_LOG: LogLimit = LogLimit::new();
+static DEAD_LETTER_FAILED_LOG: LogLimit = LogLimit::new();
+static RESULT_FAILED_LOG: LogLimit = LogLimit::new();
+static REPLY_REFUSED_LOG: LogLimit = LogLimit::new();
+/// Failed acks and nacks (the channel closed: every delivery it held fails the same way).
+static ACK_FAILED_LOG: LogLimit = LogLimit::new();
+
 /// How many times [`place_returned`] publishes one returned message before it gives up on it.
 const PLACE_RETURNED_ATTEMPTS: u32 = 3;
 /// The shortest confirm wait of a [`place_returned`] publish: `amqp.confirm_timeout`, but at
@@ -239,7 +251,7 @@ pub async fn place_returned(ch: &Channel, conn: &Arc<Connection>, amqp: &AmqpSet
     let amqp = &settings;
     let d = &m.delivery;
     let message_id = d.properties.message_id().as_ref().map(|s| log_id(s.as_str())).unwrap_or_default();
-    warn!(message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm; placing it again");
+    crate::warn_limited!(RETURN_PLACED_LOG, message_id, exchange = %d.exchange, routing_key = %d.routing_key, "a message returned to another publish's confirm; placing it again");
     let Some((exchange, routing_key, props, redeclare)) = returned_destination(conn, amqp, d).await else {
         return;
     };
@@ -260,7 +272,7 @@ pub async fn place_returned(ch: &Channel, conn: &Arc<Connection>, amqp: &AmqpSet
         match own {
             Ok(()) => return,
             Err(e) => {
-                warn!(message_id, attempt, error = %e, "placing a returned message failed");
+                crate::warn_limited!(RETURN_PLACE_FAILED_LOG, message_id, attempt, error = %e, "placing a returned message failed");
                 if let (true, Some(dest)) = (says_missing(&e), redeclare) {
                     declare_again(conn, amqp, dest).await;
                 }
@@ -621,18 +633,18 @@ pub async fn dead_letter_and_ack(
     let request_id = request_id.map(log_id);
     let correlation_id = props.correlation_id().as_ref().map(|c| log_id(c.as_str()));
     let message_id = props.message_id().as_ref().map(|m| log_id(m.as_str()));
-    warn!(request_id, correlation_id, message_id, reason, detail, "dead-lettering request");
+    crate::warn_limited!(DEAD_LETTER_LOG, request_id, correlation_id, message_id, reason, detail, "dead-lettering request");
     if lease.is_some_and(|l| !l.is_valid()) {
         return Intake::Unacked(delivery);
     }
     let (body, props) = (&delivery.data, &delivery.properties);
     if let Err(e) = dead_letter(ch, conn, amqp, body, props, reason, detail).await {
-        warn!(error = %e, "dead-letter publish not confirmed; the message is not acked");
+        crate::warn_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead-letter publish not confirmed; the message is not acked");
         return Intake::Unacked(delivery);
     }
     match delivery.acker.ack(BasicAckOptions::default()).await {
         Ok(_) => metrics::dead_lettered(reason),
-        Err(e) => warn!(error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
+        Err(e) => crate::warn_limited!(ACK_FAILED_LOG, error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
     }
     Intake::DeadLettered
 }
@@ -811,7 +823,7 @@ pub async fn publish_result(
             // channel, so the partition reopens its channels (a closed channel restarts it).
             let _ = ch.close(crate::amqp::REPLY_SUCCESS, "result nacked; replacing the channel".into()).await;
         }
-        warn!(request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
+        crate::warn_limited!(RESULT_FAILED_LOG, request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
         return requeue(&delivery.acker, &result.id, &format!("result not published: {e}")).await;
     }
     if !tenure.lease.is_valid() {
@@ -820,7 +832,7 @@ pub async fn publish_result(
         return requeue(&delivery.acker, &result.id, "lease deadline passed before the ack").await;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-        warn!(request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
+        crate::warn_limited!(ACK_FAILED_LOG, request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
         return Settlement::ChannelLost;
     }
     metrics::requests(stage::PUBLISHER, if result.ok { outcome::PROCESSED } else { outcome::FAILED }, 1);
@@ -863,7 +875,7 @@ async fn publish_with_fallback(
             None => return Err(e),
         },
     };
-    warn!(request_id = %result.id, reply_to = %rt, reason, error = %why, "reply queue refused the result; publishing it to the results queue");
+    crate::warn_limited!(REPLY_REFUSED_LOG, request_id = %result.id, reply_to = %rt, reason, error = %why, "reply queue refused the result; publishing it to the results queue");
     metrics::reply_to_refused(reason);
     let headers = headers_with(out_props.headers().as_ref(), &[(HEADER_REPLY_TO_REFUSED, reason.to_owned()), (HEADER_REPLY_TO, rt)]);
     publish_own(ch, conn, amqp, OwnDestination::Results, &body, out_props.with_headers(headers)).await
@@ -877,7 +889,7 @@ pub async fn requeue(acker: &Acker, id: &str, why: &str) -> Settlement {
     match acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await {
         Ok(_) => Settlement::Requeued,
         Err(e) => {
-            warn!(request_id = %id, error = %e, "nack failed; the closed channel returns the request");
+            crate::warn_limited!(ACK_FAILED_LOG, request_id = %id, error = %e, "nack failed; the closed channel returns the request");
             Settlement::ChannelLost
         }
     }

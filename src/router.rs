@@ -20,6 +20,7 @@ use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
+use crate::log_limit::LogLimit;
 
 use crate::amqp::{Connections, REPLY_SUCCESS};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
@@ -212,6 +213,12 @@ impl PublishChannel {
     }
 }
 
+/// Per-delivery warnings of the router, each kind within its own [`LogLimit`] (at most
+/// [`crate::log_limit::BURST`] lines per minute at `WARN`, the rest at `DEBUG`).
+static NO_CHANNEL_LOG: LogLimit = LogLimit::new();
+static FORWARD_FAILED_LOG: LogLimit = LogLimit::new();
+static ACK_FAILED_LOG: LogLimit = LogLimit::new();
+
 /// Runs [`handle`] for one delivery. A panic does not leave the delivery unacked: it is
 /// requeued (nack), and its request id remembered with the panic ([`redelivery::note_failure`])
 /// so the delivery limit dead-letters a message that keeps failing, with that error.
@@ -247,7 +254,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             // Held for the requeue backoff: requeued at once, a delivery comes straight back,
             // and every request would use up its deliveries (`amqp.delivery_limit`) in
             // milliseconds while the publishing connection is down; the session ends meanwhile.
-            warn!(error = %e, "no publishing channel; requeueing input after a backoff");
+            crate::warn_limited!(NO_CHANNEL_LOG, error = %e, "no publishing channel; requeueing input after a backoff");
             return requeue_after_backoff(&settings.amqp, delivery, stop).await;
         }
     };
@@ -301,12 +308,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             debug!(request_id = %r.request_id, partition = r.partition, "forward nacked by the broker; publishing it again");
             continue;
         }
-        warn!(error = %e, "forwarding failed; requeueing input after a backoff");
+        crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, "forwarding failed; requeueing input after a backoff");
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
         return requeue_after_backoff(a, delivery, stop).await;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-        warn!(error = %e, "input ack failed; the broker will redeliver");
+        crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
         return;
     }
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);

@@ -372,6 +372,37 @@ async fn refused_credentials_stop_the_startup_with_78() {
     env.cleanup().await;
 }
 
+/// A flood of malformed requests is dead-lettered in full, and its per-request warning reaches
+/// the log at most `log_limit::BURST` times a minute (the rest go to `DEBUG`): before, every one
+/// of them was a `WARN` line, and journald drops lines of a unit over its rate limit, the
+/// important ones included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_malformed_requests_is_dead_lettered_in_full_and_logged_within_the_burst() {
+    const N: usize = 200;
+    let env = TestEnv::new("flood");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut started = run_with_replies(&env, &raw, "flood").await;
+    let mut dead = started.amqp.consume(&env.dead_letter_queue()).await;
+    for i in 0..N {
+        let props = lapin::BasicProperties::default().with_message_id(format!("flood-{i}").into());
+        started.amqp.publish(&env.input_queue(), format!("not json {i}").as_bytes(), props).await;
+    }
+    dead.until("every malformed request dead-lettered", DEADLINE, |got| got.len() >= N).await;
+    let log = started.daemon.log();
+    let warned = log.lines().filter(|l| l.contains("WARN") && l.contains("dead-lettering request")).count();
+    assert_eq!(
+        warned,
+        prefix_batcher::log_limit::BURST as usize,
+        "{N} malformed requests within a minute: want {} WARN lines of them; log tail:\n{}",
+        prefix_batcher::log_limit::BURST,
+        started.daemon.log_tail(20)
+    );
+    started.daemon.sigterm();
+    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0));
+    env.cleanup().await;
+}
+
 /// `check-config` accepts the documented example and rejects a zero `max_batch_wait` with 78,
 /// naming the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
