@@ -622,7 +622,7 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
             // (`redelivery::requeue_backoff`), so that a broker fault does not use up the
             // request's deliveries in milliseconds; the intake goes on meanwhile.
             let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
-            let earlier = crate::redelivery::delivery_count(delivery.properties.headers().as_ref());
+            let earlier = crate::redelivery::delivery_count(delivery.redelivered, delivery.properties.headers().as_ref());
             let wait = if ctx.lease.is_valid() { crate::redelivery::requeue_backoff(&s.amqp, earlier) } else { Duration::ZERO };
             tokio::spawn(async move {
                 tokio::time::sleep(wait).await;

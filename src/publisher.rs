@@ -574,7 +574,7 @@ pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &De
         reply_to: props.reply_to().as_ref().map(|r| r.as_str()),
     };
     let parsed = parse(&delivery.data, &env, amqp.max_message_bytes);
-    let count = redelivery::delivery_count(props.headers().as_ref());
+    let count = redelivery::delivery_count(delivery.redelivered, props.headers().as_ref());
     let (reason, detail, request_id) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
         Ok((Err((reason, detail)), req)) => (reason, detail, Some(req.id)),
         Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Ok(req),

@@ -49,8 +49,15 @@ pub fn requeue_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
     a.reconnect_backoff_initial.saturating_mul(factor).min(a.reconnect_backoff_max)
 }
 
-/// Earlier deliveries of a message (0 on its first delivery), from [`HEADER_DELIVERY_COUNT`].
-pub fn delivery_count(headers: Option<&FieldTable>) -> u64 {
+/// Earlier deliveries of a message, from [`HEADER_DELIVERY_COUNT`]; 0 on its first delivery
+/// (`redelivered` false: AMQP 0-9-1 `basic.deliver`), whatever that header says then. A quorum
+/// queue sets the header only on a redelivery and passes a publisher's own through on the first,
+/// so a publisher must not be able to make its request look delivered many times (dead-lettered
+/// with `delivery_limit` at once).
+pub fn delivery_count(redelivered: bool, headers: Option<&FieldTable>) -> u64 {
+    if !redelivered {
+        return 0;
+    }
     header_u64(headers, HEADER_DELIVERY_COUNT).unwrap_or(0)
 }
 
@@ -95,9 +102,10 @@ mod tests {
 
     #[test]
     fn delivery_count_reads_the_quorum_queue_header() {
-        assert_eq!(delivery_count(None), 0);
+        assert_eq!(delivery_count(true, None), 0);
         let mut t = FieldTable::default();
         t.insert(ShortString::from(HEADER_DELIVERY_COUNT), AMQPValue::LongLongInt(3));
-        assert_eq!(delivery_count(Some(&t)), 3);
+        assert_eq!(delivery_count(true, Some(&t)), 3);
+        assert_eq!(delivery_count(false, Some(&t)), 0, "a first delivery has no earlier one, whatever the publisher set");
     }
 }

@@ -324,7 +324,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
 /// once when `stop` fires), so that a broker fault does not use up the request's deliveries in
 /// milliseconds.
 async fn requeue_after_backoff(a: &AmqpSettings, delivery: Delivery, stop: &CancellationToken) {
-    let wait = redelivery::requeue_backoff(a, redelivery::delivery_count(delivery.properties.headers().as_ref()));
+    let wait = redelivery::requeue_backoff(a, redelivery::delivery_count(delivery.redelivered, delivery.properties.headers().as_ref()));
     debug!(retry_in = ?wait, "holding an input delivery before requeueing it");
     tokio::select! {
         _ = stop.cancelled() => {}

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use llm_fakes::fake::FakeLlm;
@@ -358,34 +358,74 @@ async fn a_dead_letter_does_not_inherit_the_expiration() {
     env.cleanup().await;
 }
 
-/// A request arriving at a partition queue with `x-delivery-count` = `amqp.delivery_limit` is
-/// dead-lettered with reason `delivery_limit` (the last error is unknown to this fresh daemon);
-/// one with a count of the limit − 1 is served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_at_the_delivery_limit_is_dead_lettered() {
-    let fake = FakeLlm::new().start().await.unwrap();
-    let mut f = fixture("dlimit", fake.url.as_str()).await;
-    let limit = Settings::from_raw(&f.env.raw_config(fake.url.as_str())).unwrap().amqp.delivery_limit.get();
-    let counted = |cid: &str, count: u32| {
-        let mut h = FieldTable::default();
-        h.insert(ShortString::from("x-delivery-count"), AMQPValue::LongLongInt(i64::from(count)));
-        request_props(cid, &f.started.reply).with_headers(h)
-    };
-    for (cid, count) in [("at-limit", limit), ("below-limit", limit - 1)] {
-        let body = serde_json::to_vec(&json!({"id": cid, "prompt": "counted"})).unwrap();
-        f.started.amqp.publish(&f.env.partition_queue(3), &body, counted(cid, count)).await;
+/// Takes `queue`'s first message with `basic.get` and returns it with a `basic.nack` (requeue)
+/// `times` times, so that the quorum queue counts that many earlier deliveries
+/// (`x-delivery-count`). Panics unless every get returns message `cid`.
+async fn redeliver(amqp: &Amqp, queue: &str, cid: &str, times: u32) {
+    for n in 0..times {
+        let deadline = Instant::now() + DEADLINE;
+        let got = loop {
+            // A returned message is back in the queue a moment after its nack.
+            if let Some(m) = amqp.ch.basic_get(queue.into(), BasicGetOptions::default()).await.expect("basic.get") {
+                break m;
+            }
+            assert!(Instant::now() < deadline, "{queue}: no message to get (delivery {n} of {cid})");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        let id = got.delivery.properties.correlation_id().as_ref().map(|c| c.to_string());
+        assert_eq!(id.as_deref(), Some(cid), "{queue}: the only message is {cid}");
+        let count = prefix_batcher::redelivery::delivery_count(got.delivery.redelivered, got.delivery.properties.headers().as_ref());
+        assert_eq!(count, u64::from(n), "{queue}: {cid} counted {count} earlier deliveries at its delivery {n}");
+        got.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.expect("nack");
     }
-    f.dead.until("the dead letter at the delivery limit", DEADLINE, |r| !r.is_empty()).await;
-    let m = dead_letter(&f.dead, "at-limit");
+}
+
+/// The delivery limit counts real redeliveries. A request the input queue delivered
+/// `amqp.delivery_limit` times before is dead-lettered by the router with reason
+/// `delivery_limit` (the last error is unknown to this fresh daemon); one it delivered the
+/// limit − 1 times is served. A publisher's own `x-delivery-count` header on a
+/// first delivery (1,000 here) counts nothing: the request is served (it was dead-lettered at
+/// once before, since the quorum queue passes that header through until a redelivery sets it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_delivery_limit_counts_real_redeliveries_only() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("dlimit");
+    let raw = env.raw_config(fake.url.as_str());
+    let limit = Settings::from_raw(&raw).unwrap().amqp.delivery_limit.get();
+    // The deployment's queues exist; its daemon is stopped while the test redelivers.
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    let mut dead = amqp.consume(&env.dead_letter_queue()).await;
+    let body = |cid: &str| serde_json::to_vec(&json!({"id": cid, "prompt": "counted"})).unwrap();
+
+    // One request at a time: `basic.get` takes a queue's head, and a returned message stays there.
+    amqp.publish(&env.input_queue(), &body("at-limit"), request_props("at-limit", &reply)).await;
+    redeliver(&amqp, &env.input_queue(), "at-limit", limit).await;
+    let daemon = start_daemon(&raw);
+    dead.until("the dead letter at the delivery limit", DEADLINE, |r| !r.is_empty()).await;
+    let m = dead_letter(&dead, "at-limit");
     assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
     let detail = m.header("x-death-detail").unwrap_or_default();
     assert!(detail.contains(&format!("delivered {limit} times")) && detail.contains("unknown on this instance"), "{detail:?}");
-    let want = ["below-limit".to_owned()].into_iter().collect();
-    f.started.results.until_all(&want, DEADLINE).await;
-    f.serves_others("dlimit", 10).await;
-    f.started.results.barrier(&f.started.amqp).await;
-    assert!(f.started.results.received.iter().all(|m| m.correlation_id != "at-limit"), "the dead-lettered request got a result");
-    f.finish().await;
+    daemon.stop().await.expect("daemon stops cleanly");
+
+    amqp.publish(&env.input_queue(), &body("below-limit"), request_props("below-limit", &reply)).await;
+    redeliver(&amqp, &env.input_queue(), "below-limit", limit - 1).await;
+    let mut h = FieldTable::default();
+    h.insert(ShortString::from("x-delivery-count"), AMQPValue::LongLongInt(1000));
+    amqp.publish(&env.input_queue(), &body("publisher-set"), request_props("publisher-set", &reply).with_headers(h)).await;
+    let daemon = start_daemon(&raw);
+    let want = ["below-limit".to_owned(), "publisher-set".to_owned()].into_iter().collect();
+    results.until_all(&want, DEADLINE).await;
+    results.barrier(&amqp).await;
+    assert!(results.received.iter().all(|m| m.correlation_id != "at-limit"), "the dead-lettered request got a result");
+    dead.barrier(&amqp).await;
+    assert_eq!(dead.received.len(), 1, "only the request at the limit is dead-lettered: {:?}", dead.received);
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.close().await;
+    dead.close().await;
+    amqp.close().await;
+    env.cleanup().await;
 }
 
 /// Declares `queue` as a quorum queue dead-lettering to `dlx`, with `x-delivery-limit` when
