@@ -106,11 +106,16 @@ pub enum ClientError {
         #[source]
         source: crate::request::ParseError,
     },
+    /// An input line is a request the daemon would dead-letter (the same checks as the daemon's
+    /// intake: [`crate::request::parse`] and `requests.*`, [`crate::policy::RequestPolicy`]), with
+    /// the dead-letter reason and its detail.
+    #[error("the daemon would dead-letter this request with reason {reason}: {detail}")]
+    InvalidRequest { reason: &'static str, detail: String },
     /// The reply queue's consumer ended before every result arrived.
     #[error("reply consumer closed")]
     ReplyConsumerClosed,
-    /// An input line was refused ([`ClientError::DuplicateId`], [`ClientError::InvalidId`])
-    /// after the lines before it were published: `line` is 1-based, `published` counts the
+    /// An input line was refused ([`ClientError::DuplicateId`], [`ClientError::InvalidId`],
+    /// [`ClientError::InvalidRequest`]) after the lines before it were published: `line` is 1-based, `published` counts the
     /// requests already published (they will be processed; resubmitting them makes duplicates).
     #[error("input line {line}: {source}; the {published} requests before it were published")]
     AtLine {
@@ -146,7 +151,7 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitS
     let reply = if opts.wait { Some(open_reply_queue(&ch).await?) } else { None };
 
     let started = Instant::now();
-    let ids = publish_input(&ch, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
+    let ids = publish_input(&ch, settings, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
     let mut summary = SubmitSummary { requests: ids.len(), ..Default::default() };
     eprintln!("submit: published {} requests to {queue}", ids.len());
     if let Some((name, mut consumer)) = reply {
@@ -170,9 +175,11 @@ async fn open_reply_queue(ch: &lapin::Channel) -> Result<(String, lapin::Consume
 }
 
 /// Publishes every non-blank input line to `queue` with publisher confirms (at most 1000
-/// unconfirmed at a time); returns the request ids.
+/// unconfirmed at a time); returns the request ids. Each line is checked first as the daemon
+/// will check it ([`check_line`]): the first line it would dead-letter stops the input there.
 async fn publish_input(
     ch: &lapin::Channel,
+    settings: &Settings,
     opts: &SubmitOptions,
     queue: &str,
     reply_queue: Option<&str>,
@@ -198,6 +205,7 @@ async fn publish_input(
         }
         let publish = BasicPublishOptions { mandatory: true, ..Default::default() };
         let props = request_properties(&id, reply_queue).map_err(at_line)?;
+        check_line(settings, &line, &id, reply_queue).map_err(at_line)?;
         ids.insert(id.clone());
         confirms.push(ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await?);
         // Bound the confirms in flight.
@@ -209,9 +217,20 @@ async fn publish_input(
     Ok(ids)
 }
 
+/// Checks input `line` as the daemon's intake will check the request `submit` publishes from it
+/// (`message_id` = `correlation_id` = `id`, `reply_to`): the message contract
+/// ([`crate::request::parse`], `amqp.max_message_bytes`) and the requests policy (`requests.*`).
+/// Errors: [`ClientError::InvalidRequest`] with the reason the daemon would dead-letter it with.
+fn check_line(settings: &Settings, line: &str, id: &str, reply_queue: Option<&str>) -> Result<(), ClientError> {
+    let env = crate::request::Envelope { message_id: Some(id), prefix_key_header: None, correlation_id: Some(id), reply_to: reply_queue };
+    let req = crate::request::parse(line.as_bytes(), &env, settings.amqp.max_message_bytes)
+        .map_err(|e| ClientError::InvalidRequest { reason: e.reason(), detail: e.to_string() })?;
+    settings.requests.check(&req, reply_queue).map_err(|(reason, detail)| ClientError::InvalidRequest { reason, detail })
+}
+
 /// The request's `id` (a string, or an integer in the 64-bit range as the daemon reads it), else a
-/// new UUID. A number the daemon refuses (see [`crate::request::parse`]) also gets a UUID; the
-/// daemon then dead-letters that request with the reason.
+/// new UUID. A number the daemon refuses (see [`crate::request::parse`]) also gets a UUID here;
+/// [`check_line`] then refuses the line.
 fn request_id(line: &str) -> String {
     match serde_json::from_str::<Value>(line) {
         Ok(Value::Object(o)) => o.get("id").and_then(|v| match v {

@@ -529,8 +529,9 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     env.cleanup().await;
 }
 
-/// `submit` refuses a duplicate id or an id too long for a `message_id` partway through its
-/// input: the message names the line and says how many requests before it were published
+/// `submit` refuses a duplicate id, an id too long for a `message_id`, and a line the daemon
+/// would dead-letter (not JSON, an id that is a float or holds a control character, no prompt)
+/// partway through its input: the message names the line, the reason and says how many requests before it were published
 /// (they will be processed; resubmitting the file would duplicate them). It exits 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_input_line_names_its_number_and_what_was_published() {
@@ -545,6 +546,11 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
     let cases = [
         ("dup", "{\"id\":\"a\",\"prompt\":\"1\"}\n\n{\"id\":\"b\",\"prompt\":\"2\"}\n{\"id\":\"a\",\"prompt\":\"3\"}\n".to_owned(), "input line 4: duplicate request id \"a\" in the input; the 2 requests before it were published"),
         ("long", format!("{{\"id\":\"c\",\"prompt\":\"1\"}}\n{{\"id\":\"{long}\",\"prompt\":\"2\"}}\n"), "input line 2: input line with request id"),
+        // Lines the daemon would dead-letter: refused before they are published.
+        ("not-json", "{\"id\":\"d\",\"prompt\":\"1\"}\nnot json\n".to_owned(), "input line 2: the daemon would dead-letter this request with reason invalid_json"),
+        ("float-id", "{\"id\":1e2,\"prompt\":\"1\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason invalid_field: invalid field `id`: a numeric id must be an integer"),
+        ("control", "{\"id\":\"bell\\u0007\",\"prompt\":\"1\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason invalid_field"),
+        ("no-prompt", "{\"id\":\"e\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason missing_prompt"),
     ];
     for (label, lines, want) in cases {
         let input = env.dir.join(format!("{label}.jsonl"));
@@ -554,7 +560,7 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
         assert_eq!(out.status.code(), Some(1), "{label}: {stderr}");
         assert!(stderr.contains(want), "{label}: {stderr}");
     }
-    assert_eq!(amqp.queue_depth(&queue).await.0, 3, "2 + 1 requests were published before the refused lines");
+    assert_eq!(amqp.queue_depth(&queue).await.0, 4, "2 + 1 + 1 requests were published before the refused lines");
     amqp.close().await;
     env.cleanup().await;
 }
