@@ -736,7 +736,21 @@ fn secret_url(key: &'static str, v: &str, schemes: &[&str]) -> Result<SecretUrl,
     if u.host_str().is_none_or(str::is_empty) && u.scheme() != "unix" && u.scheme() != "redis+unix" {
         return Err(invalid(key, redact_str(v), "must name a host (percent-encode '/', '#', '@' in passwords)"));
     }
-    Ok(SecretUrl(u))
+    let u = SecretUrl(u);
+    for (part, text) in [("user", u.0.username()), ("password", u.0.password().unwrap_or_default())] {
+        if !percent_escapes_are_whole(text) {
+            return Err(invalid(key, u.redacted(), format!("its {part} has a '%' that does not start a percent-escape of two hex digits (write '%' itself as %25)")));
+        }
+    }
+    Ok(u)
+}
+
+/// Whether every `%` in `text` starts a percent-escape (`%` and two hex digits, RFC 3986 §2.1).
+/// Clients decode the user and password of a URL; a stray `%` is left as is by some and refused
+/// by others, so the login would fail with a password that looks right in the file.
+fn percent_escapes_are_whole(text: &str) -> bool {
+    let b = text.as_bytes();
+    b.iter().enumerate().filter(|(_, c)| **c == b'%').all(|(i, _)| b.len() > i + 2 && b[i + 1].is_ascii_hexdigit() && b[i + 2].is_ascii_hexdigit())
 }
 
 /// Redacts the password of something that may be a URL but failed to parse as one.
@@ -906,6 +920,18 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
         return Err(invalid("amqp.max_message_bytes", a.max_message_bytes, "must be at least 64"));
     }
     let nodes = amqp_nodes(a)?;
+    for (i, node) in nodes.iter().enumerate() {
+        let channel_max = node.expose().parse::<lapin::uri::AMQPUri>().ok().and_then(|uri| uri.query.channel_max);
+        let needed = channels_needed(partitions.get());
+        if channel_max.is_some_and(|c| c != 0 && u32::from(c) < needed) {
+            let key = if a.urls.is_empty() { "amqp.url" } else { "amqp.urls" };
+            return Err(invalid(
+                key,
+                node.redacted(),
+                format!("channel_max must be 0 (the broker's) or at least {needed}: one connection holds up to {} channels per partition it owns, and amqp.partitions = {partitions} (node {i})", crate::partition::PUBLISH_CHANNELS),
+            ));
+        }
+    }
     let amqp = AmqpSettings {
         url: nodes[0].clone(),
         nodes,
@@ -1019,13 +1045,31 @@ fn amqp_nodes(a: &RawAmqp) -> Result<Vec<SecretUrl>, ConfigError> {
 /// another one is a typo, and is refused.
 pub const AMQP_URL_QUERY_PARAMETERS: [&str; 4] = ["frame_max", "channel_max", "connection_timeout", "auth_mechanism"];
 
+/// AMQP 0-9-1 `frame-min-size`: the smallest `frame_max` a peer may propose, in bytes.
+pub const AMQP_FRAME_MIN_SIZE: u32 = 4096;
+
+/// Channels one AMQP connection of a session may hold at once, for `partitions` partitions all
+/// owned by the instance: the publishing connection carries up to
+/// [`crate::partition::PUBLISH_CHANNELS`] per partition, plus 16 for the router, topology
+/// declarations and backlog polls. A `channel_max` below this fails partitions at runtime.
+pub fn channels_needed(partitions: u32) -> u32 {
+    partitions.saturating_mul(crate::partition::PUBLISH_CHANNELS as u32).saturating_add(16)
+}
+
 /// Checks a broker URL as the AMQP client will read it, so that a bad one stops startup instead
 /// of every connection attempt:
 /// - no `heartbeat` query parameter: `amqp.heartbeat` sets it, and two places for one value would
 ///   leave an operator guessing which applies;
 /// - no query parameter outside [`AMQP_URL_QUERY_PARAMETERS`] (the client would ignore it);
-/// - the values parse as the client parses them (integers; a SASL mechanism name).
+/// - the values parse as the client parses them (integers; a SASL mechanism name);
+/// - `frame_max` is 0 (the broker's) or at least 4096, AMQP 0-9-1's `frame-min-size` (RabbitMQ
+///   closes a connection that proposes less);
+/// - the vhost is one path segment: a `/` inside it is written `%2f` (the AMQP URI
+///   specification, <https://www.rabbitmq.com/docs/uri-spec>).
 fn broker_url(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError> {
+    if u.0.path().trim_start_matches('/').contains('/') {
+        return Err(invalid(key, u.redacted(), "the vhost is one path segment: write a '/' inside it as %2f (vhost / is amqp://host/%2f)"));
+    }
     for (k, _) in u.0.query_pairs() {
         if k == "heartbeat" {
             return Err(invalid(key, u.redacted(), "must not set heartbeat in its query: set amqp.heartbeat instead"));
@@ -1045,6 +1089,9 @@ fn broker_url(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError>
         }
         Ok(uri) if uri.query.connection_timeout == Some(0) => {
             return Err(invalid(key, u.redacted(), "connection_timeout must be at least 1 (milliseconds allowed for opening a connection)"));
+        }
+        Ok(uri) if uri.query.frame_max.is_some_and(|f| f != 0 && f < AMQP_FRAME_MIN_SIZE) => {
+            return Err(invalid(key, u.redacted(), format!("frame_max must be 0 (the broker's) or at least {AMQP_FRAME_MIN_SIZE} (AMQP 0-9-1 frame-min-size)")));
         }
         Ok(_) => {}
     }
@@ -1644,7 +1691,11 @@ mod tests {
     #[test]
     fn broker_urls_are_checked_as_the_amqp_client_reads_them() {
         let mut r = RawConfig::default();
-        r.amqp.url = "amqp://u:hunter2@h/%2f?frame_max=131072&channel_max=64&connection_timeout=5000&auth_mechanism=plain".into();
+        r.amqp.url = "amqp://u:hunter2@h/%2f?frame_max=131072&channel_max=272&connection_timeout=5000&auth_mechanism=plain".into();
+        ok(&r);
+        r.amqp.url = "amqp://u:hunter2@h/%2f?frame_max=0&channel_max=0".into();
+        ok(&r);
+        r.amqp.url = "amqp://u:hunter2@h/a%2fb?frame_max=4096".into();
         ok(&r);
         for (bad, rule) in [
             ("amqp://u:hunter2@h/%2f?frame_max=abc", "cannot read it: invalid digit"),
@@ -1653,6 +1704,13 @@ mod tests {
             ("amqp://u:hunter2@h/%2f?heartbeats=5", "\"heartbeats\" is not one the AMQP client reads"),
             ("amqp://u:hunter2@h/%2f?connection_timout=5000", "frame_max, channel_max, connection_timeout, auth_mechanism"),
             ("amqp://u:hunter2@h/%2f?connection_timeout=0", "connection_timeout must be at least 1"),
+            ("amqp://u:hunter2@h/%2f?frame_max=1", "frame_max must be 0 (the broker's) or at least 4096"),
+            ("amqp://u:hunter2@h/%2f?channel_max=1", "channel_max must be 0 (the broker's) or at least 272"),
+            ("amqp://u:hunter2@h/%2f?channel_max=271", "at least 272"),
+            ("amqp://u:hunter2@h/a/b", "write a '/' inside it as %2f"),
+            ("amqp://u:hunter2%ZZ@h/%2f", "its password has a '%' that does not start a percent-escape"),
+            ("amqp://u:hunter2%2@h/%2f", "its password has a '%' that does not start a percent-escape"),
+            ("amqp://u%G1:hunter2@h/%2f", "its user has a '%'"),
         ] {
             r.amqp.url = bad.into();
             let e = err(&r);
