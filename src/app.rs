@@ -635,7 +635,10 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
         // most needs to see. Dashboards take `max by (partition)` over instances.
         for p in 0..settings.amqp.partitions.get() {
             match c.queue_declare(settings.amqp.partition_queue(p).as_str().into(), opts, FieldTable::default()).await {
-                Ok(q) => metrics::partition_backlog(p, q.message_count()),
+                Ok(q) => {
+                metrics::partition_backlog(p, q.message_count());
+                crate::partition::observe_queue(&settings.amqp.partition_queue(p), q.message_count(), q.consumer_count());
+            }
                 Err(_) => {
                     ch = None;
                     break;

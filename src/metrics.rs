@@ -215,6 +215,14 @@ static INTAKE_PAUSED: LazyLock<IntGaugeVec> =
 static CONSUMER_RESTARTS: LazyLock<IntCounterVec> =
     counter_vec!("consumer_restarts_total", "Partition consumers closed (their deliveries requeued) and reopened, by reason.", &["reason"]);
 
+static PARTITION_OTHER_CONSUMER: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "partition_other_consumer_total",
+        "Stalls of an owned partition that persisted after its consumer was restarted: its queue held ready requests for the stall window and this instance received nothing; most likely another consumer is active on the queue (another deployment on the same queue names, or a stray client).",
+    )
+    .unwrap())
+});
+
 /// Label values of `consumer_restarts_total{reason}`.
 pub mod restart {
     /// The oldest unsettled delivery neared `amqp.consumer_timeout`.
@@ -223,8 +231,11 @@ pub mod restart {
     pub const CHANNEL_CLOSED: &str = "channel_closed";
     /// The broker cancelled the consumer or the queue was missing (re-declared).
     pub const QUEUE_MISSING: &str = "queue_missing";
+    /// The consumer received nothing for the stall window while its queue held ready requests
+    /// ([`crate::partition::stall_window`]).
+    pub const STALLED: &str = "stalled";
     /// Every label value, for [`super::init`].
-    pub const ALL: &[&str] = &[CONSUMER_TIMEOUT, CHANNEL_CLOSED, QUEUE_MISSING];
+    pub const ALL: &[&str] = &[CONSUMER_TIMEOUT, CHANNEL_CLOSED, QUEUE_MISSING, STALLED];
 }
 
 static READY: LazyLock<Gauge> =
@@ -418,6 +429,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     }
     LazyLock::force(&REBALANCES);
     LazyLock::force(&NAME_CONFLICTS);
+    LazyLock::force(&PARTITION_OTHER_CONSUMER);
     LazyLock::force(&MEMBERS);
     LazyLock::force(&PARTITIONS);
     BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
@@ -626,6 +638,12 @@ pub fn intake_paused(partition: u32, paused: bool) {
 }
 
 /// A partition's consumer was closed and reopened, for `reason` (one of [`restart`]).
+/// A partition's consumer starved for the stall window again after a stall restart: most likely
+/// another consumer is active on its queue ([`crate::partition`]).
+pub fn partition_other_consumer() {
+    PARTITION_OTHER_CONSUMER.inc();
+}
+
 pub fn consumer_restarted(reason: &'static str) {
     CONSUMER_RESTARTS.with_label_values(&[reason]).inc();
 }

@@ -187,11 +187,13 @@ struct Pending {
 struct HeldDeliveries {
     partition: u32,
     state: Mutex<(u64, BTreeMap<u64, Instant>)>,
+    /// Stall restarts in a row ([`check_stall`]); a delivery sets it back to 0.
+    stalls: std::sync::atomic::AtomicU32,
 }
 
 impl HeldDeliveries {
     fn new(partition: u32) -> Arc<Self> {
-        Arc::new(HeldDeliveries { partition, state: Mutex::new((0, BTreeMap::new())) })
+        Arc::new(HeldDeliveries { partition, state: Mutex::new((0, BTreeMap::new())), stalls: Default::default() })
     }
 
     fn hold(self: &Arc<Self>, bytes: OwnedSemaphorePermit) -> Held {
@@ -443,6 +445,8 @@ async fn intake(
     let guard_limit = s.amqp.consumer_timeout.mul_f64(CONSUMER_TIMEOUT_GUARD);
     let mut guard = tokio::time::interval((guard_limit / 20).clamp(Duration::from_millis(10), Duration::from_secs(1)));
     let mut paused = false;
+    // Last time the consumer received or held a delivery, or was paused (see `check_stall`).
+    let mut idle_since = Instant::now();
     loop {
         // Intake pauses while no endpoint of the partition is available: what is held waits for
         // it (see `infer_through_outages`), the rest waits in the queue (the prefetch is spent).
@@ -471,12 +475,21 @@ async fn intake(
             _ = stop.drain.cancelled() => return Ok(Ended::Stopped),
             _ = stop.revoke.cancelled() => return Ok(Ended::Stopped),
             _ = end.token.cancelled() => return Ok(Ended::Restart(end.reason().unwrap_or(restart::CHANNEL_CLOSED))),
-            _ = guard.tick() => check_consumer_timeout(ctx, held, guard_limit, end),
+            _ = guard.tick() => {
+                check_consumer_timeout(ctx, held, guard_limit, end);
+                if paused {
+                    idle_since = Instant::now();
+                } else {
+                    check_stall(ctx, held, &mut idle_since, end);
+                }
+            }
             _ = ctx.llm.wait_available(endpoint, &end.token), if paused => {}
             // Another endpoint of the ranking may come back first.
             _ = tokio::time::sleep(Duration::from_secs(1)), if paused => {}
             next = consumer.next(), if !paused => match next {
                 Some(Ok(delivery)) => {
+                    idle_since = Instant::now();
+                    held.stalls.store(0, std::sync::atomic::Ordering::Relaxed);
                     let Some(pending) = admit(ctx, stop, end, out, delivery, held).await else { continue };
                     let bkey = if keyed { pending.key } else { PrefixKey(0) };
                     if item_tx.send((bkey, pending)).await.is_err() {
@@ -489,6 +502,115 @@ async fn intake(
                     return Ok(Ended::Restart(restart::QUEUE_MISSING));
                 }
             },
+        }
+    }
+}
+
+/// What the backlog poller last saw of one partition queue ([`observe_queue`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueObservation {
+    /// Ready messages (passive `queue.declare`: `message-count`).
+    pub ready: u32,
+    /// Consumers, active and waiting (`consumer-count`; a single-active-consumer queue counts
+    /// its waiting ones too).
+    pub consumers: u32,
+    /// When it was seen.
+    pub at: Instant,
+    /// Since when the queue has held ready messages at every poll; `None` when it had none.
+    pub ready_since: Option<Instant>,
+}
+
+/// The last [`QueueObservation`] of every partition queue this process polled, by queue name
+/// (at most the partitions of the deployments this process serves).
+static QUEUE_OBSERVATIONS: std::sync::LazyLock<Mutex<std::collections::HashMap<String, QueueObservation>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Records what a poll of partition queue `queue` saw (called by the backlog poller every
+/// `amqp.backlog_poll_interval`, for every partition queue).
+pub fn observe_queue(queue: &str, ready: u32, consumers: u32) {
+    let now = Instant::now();
+    let mut all = QUEUE_OBSERVATIONS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let ready_since = match all.get(queue) {
+        _ if ready == 0 => None,
+        Some(QueueObservation { ready_since: Some(t), .. }) => Some(*t),
+        _ => Some(now),
+    };
+    all.insert(queue.to_owned(), QueueObservation { ready, consumers, at: now, ready_since });
+}
+
+fn observation(queue: &str) -> Option<QueueObservation> {
+    QUEUE_OBSERVATIONS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(queue).copied()
+}
+
+/// How long a partition owner may receive nothing while its queue holds ready requests before
+/// [`check_stall`] acts: 2 × `amqp.heartbeat` + 10 s, at least 30 s. A frozen previous owner's
+/// consumer stays the single active consumer until the broker's heartbeat check closes its
+/// connection (about two heartbeat intervals; 60 s when `amqp.heartbeat` = 0 leaves it to
+/// RabbitMQ's default), and a releasing owner cancels its consumer before it drains.
+pub fn stall_window(settings: &Settings) -> Duration {
+    let heartbeat = match settings.amqp.heartbeat {
+        0 => 60,
+        h => u64::from(h),
+    };
+    Duration::from_secs(2 * heartbeat + 10).max(Duration::from_secs(30))
+}
+
+/// What [`stall_verdict`] concludes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stall {
+    /// Nothing to do.
+    No,
+    /// The queue held ready requests for the whole window and this consumer received nothing.
+    /// Either the consumer is stuck (the broker may count deliveries as unacked on it that this
+    /// process never got), or another consumer is the queue's single active consumer (a
+    /// passive declare counts only the active one, so the two look alike). Restarting the
+    /// session cures the first (closing the channel returns what it held) and is harmless in the
+    /// second; a stall that persists after a restart is most likely the second.
+    Starved { ready: u32 },
+}
+
+/// The stall decision (pure): at `now`, a consumer that has received nothing and held nothing
+/// since `idle_since`, and the queue's last observation `obs`. A stall needs a fresh
+/// observation (within `fresh`) of ready messages, held by the queue since `window` ago or
+/// earlier while the consumer was idle all that time.
+fn stall_verdict(now: Instant, idle_since: Instant, obs: Option<QueueObservation>, window: Duration, fresh: Duration) -> Stall {
+    let Some(o) = obs else { return Stall::No };
+    let Some(ready_since) = o.ready_since else { return Stall::No };
+    if o.ready == 0 || now.saturating_duration_since(o.at) > fresh {
+        return Stall::No;
+    }
+    if now.saturating_duration_since(ready_since.max(idle_since)) < window {
+        return Stall::No;
+    }
+    Stall::Starved { ready: o.ready }
+}
+
+/// The stall check of an intake loop, once per guard tick: restarts the session when its
+/// consumer starved for the window (see [`Stall`]); a stall that persists after such a restart
+/// is also counted in `prefix_batcher_partition_other_consumer_total` and its warning says what
+/// most likely holds the queue. `idle_since` is when the consumer last received a delivery or
+/// held one.
+fn check_stall(ctx: &PartitionContext, held: &HeldDeliveries, idle_since: &mut Instant, end: &SessionEnd) {
+    let now = Instant::now();
+    if held.oldest().is_some() {
+        *idle_since = now;
+        return;
+    }
+    let s = &ctx.settings;
+    let queue = s.amqp.partition_queue(ctx.partition);
+    let window = stall_window(s);
+    match stall_verdict(now, *idle_since, observation(&queue), window, 3 * s.amqp.backlog_poll_interval) {
+        Stall::No => {}
+        Stall::Starved { ready } => {
+            let idle_s = now.duration_since(*idle_since).as_secs_f64();
+            let in_a_row = held.stalls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if in_a_row == 1 {
+                warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, ready, idle_s, "the partition consumer received nothing while its queue held ready requests; restarting it (the broker returns whatever it counted as delivered to it)");
+            } else {
+                warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, ready, idle_s, restarts = in_a_row - 1, "this instance owns the partition but still receives nothing after restarting its consumer: most likely another consumer is active on its queue (another deployment with the same queue names, or a stray client; rabbitmqctl list_consumers shows it); restarting again");
+                metrics::partition_other_consumer();
+            }
+            end.raise(restart::STALLED);
         }
     }
 }
@@ -801,5 +923,68 @@ async fn wait_for_endpoint(ctx: &PartitionContext, stop: &StopSignals, cancel: &
             // Another endpoint of the ranking may come back first.
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WINDOW: Duration = Duration::from_secs(30);
+    const FRESH: Duration = Duration::from_secs(3);
+
+    fn seen(at: Instant, ready: u32, consumers: u32, ready_since: Option<Instant>) -> Option<QueueObservation> {
+        Some(QueueObservation { ready, consumers, at, ready_since })
+    }
+
+    #[test]
+    fn a_consumer_that_gets_nothing_from_a_queue_with_ready_requests_is_restarted_after_the_window() {
+        let t0 = Instant::now();
+        let now = t0 + WINDOW;
+        let obs = seen(now - Duration::from_secs(1), 7, 1, Some(t0));
+        assert_eq!(stall_verdict(now, t0, obs, WINDOW, FRESH), Stall::Starved { ready: 7 });
+        assert_eq!(stall_verdict(now - Duration::from_millis(1), t0, obs, WINDOW, FRESH), Stall::No, "not before the window");
+        // Idle for longer, but the requests have been ready for less than the window.
+        let recent = seen(now - Duration::from_secs(1), 7, 1, Some(t0 + Duration::from_secs(5)));
+        assert_eq!(stall_verdict(now, t0 - Duration::from_secs(100), recent, WINDOW, FRESH), Stall::No);
+        // Ready for long, but the consumer received something 5 s ago.
+        assert_eq!(stall_verdict(now, t0 + Duration::from_secs(5), obs, WINDOW, FRESH), Stall::No);
+        // No consumer at all on the queue (ours is gone): starved too.
+        assert_eq!(stall_verdict(now, t0, seen(now, 7, 0, Some(t0)), WINDOW, FRESH), Stall::Starved { ready: 7 });
+    }
+
+    #[test]
+    fn an_empty_queue_a_stale_poll_or_no_poll_is_no_stall() {
+        let t0 = Instant::now();
+        let now = t0 + 10 * WINDOW;
+        assert_eq!(stall_verdict(now, t0, None, WINDOW, FRESH), Stall::No, "never polled");
+        assert_eq!(stall_verdict(now, t0, seen(now, 0, 1, None), WINDOW, FRESH), Stall::No, "nothing ready");
+        let stale = seen(now - FRESH - Duration::from_millis(1), 5, 1, Some(t0));
+        assert_eq!(stall_verdict(now, t0, stale, WINDOW, FRESH), Stall::No, "the poller has not seen the queue lately");
+    }
+
+    #[test]
+    fn observations_keep_when_the_queue_started_holding_ready_requests() {
+        let q = format!("stall-test-{}", uuid::Uuid::new_v4().simple());
+        observe_queue(&q, 4, 1);
+        let first = observation(&q).unwrap();
+        assert_eq!(first.ready_since, Some(first.at));
+        observe_queue(&q, 9, 1);
+        assert_eq!(observation(&q).unwrap().ready_since, first.ready_since, "still ready since the first poll");
+        observe_queue(&q, 0, 1);
+        assert_eq!(observation(&q).unwrap().ready_since, None);
+        observe_queue(&q, 1, 1);
+        assert!(observation(&q).unwrap().ready_since.is_some_and(|t| t >= first.at));
+    }
+
+    #[test]
+    fn the_window_outlasts_a_frozen_owner() {
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.heartbeat = "10s".into();
+        assert_eq!(stall_window(&Settings::from_raw(&raw).unwrap()), Duration::from_secs(30));
+        raw.amqp.heartbeat = "20s".into();
+        assert_eq!(stall_window(&Settings::from_raw(&raw).unwrap()), Duration::from_secs(50));
+        raw.amqp.heartbeat = "0s".into();
+        assert_eq!(stall_window(&Settings::from_raw(&raw).unwrap()), Duration::from_secs(130));
     }
 }

@@ -403,6 +403,51 @@ async fn a_flood_of_malformed_requests_is_dead_lettered_in_full_and_logged_withi
     env.cleanup().await;
 }
 
+/// A stray consumer that took a partition queue before its owner (single active consumer: the
+/// owner's consumer then waits, and receives nothing) starves the owner: after one stall window
+/// the owner restarts its consumer (a stuck consumer would be cured by that), and when the next
+/// window passes without a delivery it says that another consumer most likely holds the queue,
+/// naming it, and counts `prefix_batcher_partition_other_consumer_total`. Before, nothing said
+/// why the partition's requests did not come back. When the stray consumer leaves, the owner
+/// serves every request, the one the stray consumer held included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_consumer_on_an_owned_partition_queue_is_reported() {
+    use lapin::options::{BasicConsumeOptions, BasicQosOptions};
+    use lapin::types::FieldTable;
+    let Existing { env, _fake, raw, redis: _ } = existing_deployment("stray").await;
+    let queue = env.partition_queue(0);
+    let stray = Amqp::connect().await;
+    stray.ch.basic_qos(1, BasicQosOptions::default()).await.unwrap();
+    let _held = stray.ch.basic_consume(queue.as_str().into(), "stray".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut started = run_with_replies(&env, &raw, "owner").await;
+    let ids: HashSet<String> = (0..5).map(|i| format!("stray-{i}")).collect();
+    for id in &ids {
+        let body = serde_json::to_vec(&serde_json::json!({"id": id, "prompt": "waiting for its owner"})).unwrap();
+        started.amqp.publish(&queue, &body, request_props(id, &started.reply)).await;
+    }
+    let settings = prefix_batcher::config::Settings::from_raw(&raw).unwrap();
+    let within = 2 * prefix_batcher::partition::stall_window(&settings) + Duration::from_secs(20);
+    let deadline = Instant::now() + within;
+    while !started.daemon.log().contains("another consumer is active on its queue") {
+        assert!(Instant::now() < deadline, "no report of the stray consumer within {within:?}; log:\n{}", started.daemon.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let line = started.daemon.log().lines().find(|l| l.contains("another consumer")).unwrap().to_owned();
+    assert!(line.contains(&queue) && line.contains("restarts=1"), "the warning names the queue and the restart before it: {line}");
+    assert!(started.daemon.log().contains("reason=\"stalled\""), "the first stall restarted the consumer");
+    let (_, metrics) = http_get(&started.daemon.http_addr().await, "/metrics").await;
+    assert!(metrics.lines().any(|l| l.starts_with("prefix_batcher_partition_other_consumer_total ") && !l.ends_with(" 0")), "the counter counts it");
+    assert!(started.results.received.is_empty(), "the owner received nothing while the stray consumer was active");
+
+    stray.close().await;
+    started.results.until_all(&ids, DEADLINE).await;
+    started.daemon.sigterm();
+    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0));
+    started.results.close().await;
+    started.amqp.close().await;
+    env.cleanup().await;
+}
+
 /// `check-config` accepts the documented example and rejects a zero `max_batch_wait` with 78,
 /// naming the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
