@@ -327,8 +327,9 @@ struct App {
     /// Boot nonce written to the member key, so a restarted process is told from its past self.
     nonce: String,
     readiness: Readiness,
-    /// Whether a session has opened its connections and declared the topology: from then on a
-    /// refused login is retried (credentials being rotated), before it stops the daemon.
+    /// Whether a session has opened its connections and declared the topology. Until then, a
+    /// refused login stops the daemon ([`AppError::AccessRefused`]); from then on it is retried
+    /// (credentials being rotated).
     opened: AtomicBool,
 }
 
