@@ -117,13 +117,22 @@ pub enum ClientError {
     /// An input line was refused ([`ClientError::DuplicateId`], [`ClientError::InvalidId`],
     /// [`ClientError::InvalidRequest`]) after the lines before it were published: `line` is 1-based, `published` counts the
     /// requests already published (they will be processed; resubmitting them makes duplicates).
-    #[error("input line {line}: {source}; the {published} requests before it were published")]
+    #[error("input line {line}: {source}; {} before it", published_text(*.published))]
     AtLine {
         line: usize,
         published: usize,
         #[source]
         source: Box<ClientError>,
     },
+}
+
+/// "the N requests … were published", for [`ClientError::AtLine`].
+fn published_text(n: usize) -> String {
+    match n {
+        0 => "no request was published".to_owned(),
+        1 => "the 1 request was published".to_owned(),
+        n => format!("the {n} requests were published"),
+    }
 }
 
 /// Where `submit` reads requests from and writes results to.
@@ -189,23 +198,33 @@ async fn publish_input(
         Some(p) => Box::new(tokio::io::BufReader::new(tokio::fs::File::open(p).await.map_err(input_error)?)),
         None => Box::new(tokio::io::BufReader::new(tokio::io::stdin())),
     };
-    let mut lines = reader.lines();
+    // Lines as bytes: a line that is not UTF-8 is a request the daemon would dead-letter
+    // (`invalid_utf8`), named with its number like any other refused line.
+    let mut lines = reader.split(b'\n');
     let mut ids = HashSet::new();
     let mut confirms = Vec::new();
     let mut number = 0;
-    while let Some(line) = lines.next_line().await.map_err(input_error)? {
+    while let Some(bytes) = lines.next_segment().await.map_err(input_error)? {
         number += 1;
+        let at_line = |source| ClientError::AtLine { line: number, published: ids.len(), source: Box::new(source) };
+        let line = match String::from_utf8(bytes) {
+            Ok(l) => l,
+            Err(e) => {
+                let e = crate::request::ParseError::InvalidUtf8(e.utf8_error().to_string());
+                return Err(at_line(ClientError::InvalidRequest { reason: e.reason(), detail: e.to_string() }));
+            }
+        };
+        let line = line.strip_suffix('\r').unwrap_or(&line);
         if line.trim().is_empty() {
             continue;
         }
-        let at_line = |source| ClientError::AtLine { line: number, published: ids.len(), source: Box::new(source) };
-        let id = request_id(&line);
+        let id = request_id(line);
         if ids.contains(&id) {
             return Err(at_line(ClientError::DuplicateId(id)));
         }
         let publish = BasicPublishOptions { mandatory: true, ..Default::default() };
         let props = request_properties(&id, reply_queue).map_err(at_line)?;
-        check_line(settings, &line, &id, reply_queue).map_err(at_line)?;
+        check_line(settings, line, &id, reply_queue).map_err(at_line)?;
         ids.insert(id.clone());
         confirms.push(ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await?);
         // Bound the confirms in flight.

@@ -1067,17 +1067,24 @@ pub fn channels_needed(partitions: u32) -> u32 {
 /// - the vhost is one path segment: a `/` inside it is written `%2f` (the AMQP URI
 ///   specification, <https://www.rabbitmq.com/docs/uri-spec>).
 fn broker_url(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError> {
-    if u.0.path().trim_start_matches('/').contains('/') {
+    let vhost = u.0.path().strip_prefix('/');
+    if vhost.is_some_and(|v| v.contains('/')) {
         return Err(invalid(key, u.redacted(), "the vhost is one path segment: write a '/' inside it as %2f (vhost / is amqp://host/%2f)"));
+    }
+    if vhost == Some("") {
+        return Err(invalid(key, u.redacted(), "the vhost is empty (a path of only '/'); vhost / is amqp://host/%2f, or leave the path out"));
     }
     for (k, _) in u.0.query_pairs() {
         if k == "heartbeat" {
             return Err(invalid(key, u.redacted(), "must not set heartbeat in its query: set amqp.heartbeat instead"));
         }
         if !AMQP_URL_QUERY_PARAMETERS.contains(&k.as_ref()) {
+            // Without the query: the value of an unknown parameter may be a secret.
+            let mut shown = u.0.clone();
+            shown.set_query(None);
             return Err(invalid(
                 key,
-                u.redacted(),
+                format!("{} (query not shown)", SecretUrl(shown).redacted()),
                 format!("query parameter {k:?} is not one the AMQP client reads ({})", AMQP_URL_QUERY_PARAMETERS.join(", ")),
             ));
         }
@@ -1708,6 +1715,9 @@ mod tests {
             ("amqp://u:hunter2@h/%2f?channel_max=1", "channel_max must be 0 (the broker's) or at least 272"),
             ("amqp://u:hunter2@h/%2f?channel_max=271", "at least 272"),
             ("amqp://u:hunter2@h/a/b", "write a '/' inside it as %2f"),
+            ("amqp://u:hunter2@h//", "write a '/' inside it as %2f"),
+            ("amqp://u:hunter2@h/", "the vhost is empty"),
+            ("amqp://u:hunter2@h/%2f?password=hunter2", "query parameter \"password\" is not one the AMQP client reads"),
             ("amqp://u:hunter2%ZZ@h/%2f", "its password has a '%' that does not start a percent-escape"),
             ("amqp://u:hunter2%2@h/%2f", "its password has a '%' that does not start a percent-escape"),
             ("amqp://u%G1:hunter2@h/%2f", "its user has a '%'"),

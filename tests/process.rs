@@ -589,7 +589,7 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
     let cfg = write_config(&env, "submit", &env.raw_config("http://127.0.0.1:9"));
     let long = "L".repeat(201);
     let cases = [
-        ("dup", "{\"id\":\"a\",\"prompt\":\"1\"}\n\n{\"id\":\"b\",\"prompt\":\"2\"}\n{\"id\":\"a\",\"prompt\":\"3\"}\n".to_owned(), "input line 4: duplicate request id \"a\" in the input; the 2 requests before it were published"),
+        ("dup", "{\"id\":\"a\",\"prompt\":\"1\"}\n\n{\"id\":\"b\",\"prompt\":\"2\"}\n{\"id\":\"a\",\"prompt\":\"3\"}\n".to_owned(), "input line 4: duplicate request id \"a\" in the input; the 2 requests were published before it"),
         ("long", format!("{{\"id\":\"c\",\"prompt\":\"1\"}}\n{{\"id\":\"{long}\",\"prompt\":\"2\"}}\n"), "input line 2: input line with request id"),
         // Lines the daemon would dead-letter: refused before they are published.
         ("not-json", "{\"id\":\"d\",\"prompt\":\"1\"}\nnot json\n".to_owned(), "input line 2: the daemon would dead-letter this request with reason invalid_json"),
@@ -597,6 +597,13 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
         ("control", "{\"id\":\"bell\\u0007\",\"prompt\":\"1\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason invalid_field"),
         ("no-prompt", "{\"id\":\"e\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason missing_prompt"),
     ];
+    let mut not_utf8 = b"{\"id\":\"f\",\"prompt\":\"1\"}\r\n{\"id\":\"g\",\"prompt\":\"".to_vec();
+    not_utf8.extend_from_slice(b"\xff\"}\n");
+    let cases = cases.into_iter().map(|(label, lines, want)| (label, lines.into_bytes(), want)).chain([(
+        "not-utf8",
+        not_utf8,
+        "input line 2: the daemon would dead-letter this request with reason invalid_utf8",
+    )]);
     for (label, lines, want) in cases {
         let input = env.dir.join(format!("{label}.jsonl"));
         std::fs::write(&input, lines).unwrap();
@@ -605,7 +612,7 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
         assert_eq!(out.status.code(), Some(1), "{label}: {stderr}");
         assert!(stderr.contains(want), "{label}: {stderr}");
     }
-    assert_eq!(amqp.queue_depth(&queue).await.0, 4, "2 + 1 + 1 requests were published before the refused lines");
+    assert_eq!(amqp.queue_depth(&queue).await.0, 5, "2 + 1 + 1 + 1 requests were published before the refused lines");
     amqp.close().await;
     env.cleanup().await;
 }
