@@ -344,8 +344,8 @@ impl App {
         let mut backoff = amqp.reconnect_backoff_initial;
         let mut redis: Option<RedisConn> = None;
         let mut node = 0;
-        // Broker nodes that refused the login before any session opened.
-        let mut refused_nodes = std::collections::BTreeSet::new();
+        // Broker nodes that refused the login or vhost before any session opened, with why.
+        let mut refused_nodes = std::collections::BTreeMap::new();
         metrics::amqp_connected_node(None, amqp.nodes.len());
         while !work.is_cancelled() {
             let end = self.connect_and_run(&mut redis, node, work, events).await;
@@ -363,13 +363,18 @@ impl App {
             if let Some(why) = &refused {
                 let everywhere = match failure {
                     SessionError::Connect(_) => {
-                        refused_nodes.insert(node);
+                        refused_nodes.insert(node, why.clone());
                         refused_nodes.len() == amqp.nodes.len()
                     }
                     _ => true,
                 };
                 if everywhere && !self.opened.load(Ordering::Relaxed) {
-                    return Err(AppError::AccessRefused(why.clone()));
+                    // Every node's refusal: with amqp.urls they may differ (one password, one vhost).
+                    let all = match failure {
+                        SessionError::Connect(_) => refused_nodes.into_values().collect::<Vec<_>>().join("; "),
+                        _ => why.clone(),
+                    };
+                    return Err(AppError::AccessRefused(all));
                 }
             }
             let failed_node = node;

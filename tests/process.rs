@@ -360,6 +360,16 @@ async fn refused_credentials_stop_the_startup_with_78() {
         assert!(!log.contains(WRONG), "{label}: the password must not reach the log:\n{log}");
     }
 
+    // Two nodes that both refuse, each its own way: exit 78 naming both refusals.
+    let mut both = raw.clone();
+    both.amqp.urls = vec![wrong_login.clone(), format!("{base}/{}-no-such-vhost", env.name)];
+    let mut p = DaemonProcess::run(&env, "both-nodes", &both);
+    let status = p.wait_exit(DEADLINE).await;
+    let log = p.log();
+    assert_eq!(status.code(), Some(78), "both nodes refusing: want exit 78, got {status}; log:\n{log}");
+    let stop = log.lines().find(|l| l.contains("stopping")).unwrap_or_else(|| panic!("no stopping line; log:\n{log}"));
+    assert!(stop.contains("node 0") && stop.contains("403 ACCESS_REFUSED") && stop.contains("node 1") && stop.contains("530 NOT_ALLOWED"), "the message names both nodes' refusals: {stop}");
+
     // Two nodes, the first refusing the login: the daemon starts on the second.
     let mut two = raw.clone();
     two.amqp.urls = vec![wrong_login, AMQP_URL.to_owned()];
