@@ -643,7 +643,7 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
             match c.queue_declare(settings.amqp.partition_queue(p).as_str().into(), opts, FieldTable::default()).await {
                 Ok(q) => {
                 metrics::partition_backlog(p, q.message_count());
-                crate::partition::observe_queue(&settings.amqp.partition_queue(p), q.message_count(), q.consumer_count());
+                crate::partition::observe_queue(&settings.amqp.partition_queue(p), q.message_count());
             }
                 Err(_) => {
                     ch = None;

@@ -511,9 +511,6 @@ async fn intake(
 pub struct QueueObservation {
     /// Ready messages (passive `queue.declare`: `message-count`).
     pub ready: u32,
-    /// Consumers, active and waiting (`consumer-count`; a single-active-consumer queue counts
-    /// its waiting ones too).
-    pub consumers: u32,
     /// When it was seen.
     pub at: Instant,
     /// Since when the queue has held ready messages at every poll; `None` when it had none.
@@ -527,7 +524,7 @@ static QUEUE_OBSERVATIONS: std::sync::LazyLock<Mutex<std::collections::HashMap<S
 
 /// Records what a poll of partition queue `queue` saw (called by the backlog poller every
 /// `amqp.backlog_poll_interval`, for every partition queue).
-pub fn observe_queue(queue: &str, ready: u32, consumers: u32) {
+pub fn observe_queue(queue: &str, ready: u32) {
     let now = Instant::now();
     let mut all = QUEUE_OBSERVATIONS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let ready_since = match all.get(queue) {
@@ -535,7 +532,7 @@ pub fn observe_queue(queue: &str, ready: u32, consumers: u32) {
         Some(QueueObservation { ready_since: Some(t), .. }) => Some(*t),
         _ => Some(now),
     };
-    all.insert(queue.to_owned(), QueueObservation { ready, consumers, at: now, ready_since });
+    all.insert(queue.to_owned(), QueueObservation { ready, at: now, ready_since });
 }
 
 fn observation(queue: &str) -> Option<QueueObservation> {
@@ -933,24 +930,24 @@ mod tests {
     const WINDOW: Duration = Duration::from_secs(30);
     const FRESH: Duration = Duration::from_secs(3);
 
-    fn seen(at: Instant, ready: u32, consumers: u32, ready_since: Option<Instant>) -> Option<QueueObservation> {
-        Some(QueueObservation { ready, consumers, at, ready_since })
+    fn seen(at: Instant, ready: u32, ready_since: Option<Instant>) -> Option<QueueObservation> {
+        Some(QueueObservation { ready, at, ready_since })
     }
 
     #[test]
     fn a_consumer_that_gets_nothing_from_a_queue_with_ready_requests_is_restarted_after_the_window() {
         let t0 = Instant::now();
         let now = t0 + WINDOW;
-        let obs = seen(now - Duration::from_secs(1), 7, 1, Some(t0));
+        let obs = seen(now - Duration::from_secs(1), 7, Some(t0));
         assert_eq!(stall_verdict(now, t0, obs, WINDOW, FRESH), Stall::Starved { ready: 7 });
         assert_eq!(stall_verdict(now - Duration::from_millis(1), t0, obs, WINDOW, FRESH), Stall::No, "not before the window");
         // Idle for longer, but the requests have been ready for less than the window.
-        let recent = seen(now - Duration::from_secs(1), 7, 1, Some(t0 + Duration::from_secs(5)));
+        let recent = seen(now - Duration::from_secs(1), 7, Some(t0 + Duration::from_secs(5)));
         assert_eq!(stall_verdict(now, t0 - Duration::from_secs(100), recent, WINDOW, FRESH), Stall::No);
         // Ready for long, but the consumer received something 5 s ago.
         assert_eq!(stall_verdict(now, t0 + Duration::from_secs(5), obs, WINDOW, FRESH), Stall::No);
-        // No consumer at all on the queue (ours is gone): starved too.
-        assert_eq!(stall_verdict(now, t0, seen(now, 7, 0, Some(t0)), WINDOW, FRESH), Stall::Starved { ready: 7 });
+        // An observation taken at this very instant counts too.
+        assert_eq!(stall_verdict(now, t0, seen(now, 7, Some(t0)), WINDOW, FRESH), Stall::Starved { ready: 7 });
     }
 
     #[test]
@@ -958,22 +955,22 @@ mod tests {
         let t0 = Instant::now();
         let now = t0 + 10 * WINDOW;
         assert_eq!(stall_verdict(now, t0, None, WINDOW, FRESH), Stall::No, "never polled");
-        assert_eq!(stall_verdict(now, t0, seen(now, 0, 1, None), WINDOW, FRESH), Stall::No, "nothing ready");
-        let stale = seen(now - FRESH - Duration::from_millis(1), 5, 1, Some(t0));
+        assert_eq!(stall_verdict(now, t0, seen(now, 0, None), WINDOW, FRESH), Stall::No, "nothing ready");
+        let stale = seen(now - FRESH - Duration::from_millis(1), 5, Some(t0));
         assert_eq!(stall_verdict(now, t0, stale, WINDOW, FRESH), Stall::No, "the poller has not seen the queue lately");
     }
 
     #[test]
     fn observations_keep_when_the_queue_started_holding_ready_requests() {
         let q = format!("stall-test-{}", uuid::Uuid::new_v4().simple());
-        observe_queue(&q, 4, 1);
+        observe_queue(&q, 4);
         let first = observation(&q).unwrap();
         assert_eq!(first.ready_since, Some(first.at));
-        observe_queue(&q, 9, 1);
+        observe_queue(&q, 9);
         assert_eq!(observation(&q).unwrap().ready_since, first.ready_since, "still ready since the first poll");
-        observe_queue(&q, 0, 1);
+        observe_queue(&q, 0);
         assert_eq!(observation(&q).unwrap().ready_since, None);
-        observe_queue(&q, 1, 1);
+        observe_queue(&q, 1);
         assert!(observation(&q).unwrap().ready_since.is_some_and(|t| t >= first.at));
     }
 
