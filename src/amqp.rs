@@ -77,6 +77,55 @@ pub async fn connect_node(amqp: &AmqpSettings, node: usize, props: ConnectionPro
 /// broker has already closed a handshake it could not finish.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long the daemon waits for the broker's answer to a method outside a publish: opening a
+/// channel, `confirm.select`, `basic.qos`, `basic.consume`, `queue.declare`, `exchange.declare`,
+/// `queue.bind`, `basic.cancel`: 30 s (closes wait [`CLOSE_TIMEOUT`]).
+///
+/// A live broker answers these in milliseconds. lapin notices a dead connection by its
+/// heartbeats (nothing read for 2 × `amqp.heartbeat`) or by a socket error, but not every way a
+/// connection can stop answering, and a method it waits on has no deadline of its own. Without
+/// one, a partition worker waiting on a close would hold its lease (so its partition) for ever,
+/// and a session waiting on one would never reconnect. 30 s is three heartbeat intervals at the
+/// default `amqp.heartbeat` (10 s), longer than lapin's own detection of a silent broker.
+pub const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `rpc`, or, when the broker has not answered within [`RPC_TIMEOUT`], an I/O error of kind
+/// `TimedOut` naming `what` (for example `"channel.close"`). A connection whose broker does not
+/// answer is broken: callers treat the error like any other connection failure.
+pub async fn answered<T>(what: &str, rpc: impl std::future::Future<Output = lapin::Result<T>>) -> lapin::Result<T> {
+    within(RPC_TIMEOUT, what, rpc).await
+}
+
+/// [`answered`] with the limit `limit`.
+pub async fn within<T>(limit: Duration, what: &str, rpc: impl std::future::Future<Output = lapin::Result<T>>) -> lapin::Result<T> {
+    match tokio::time::timeout(limit, rpc).await {
+        Ok(r) => r,
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the broker did not answer {what} within {limit:?}"),
+        ))),
+    }
+}
+
+/// How long closing a channel or a connection waits for the broker's close-ok: 5 s. A live
+/// broker answers a close at once (it requeues the channel's unacked deliveries as it does); a
+/// close is often sent because the connection is already in doubt, and the work after it
+/// (reconnecting, releasing the partition's lease) should not wait the whole [`RPC_TIMEOUT`].
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Closes `ch` with `reply-success` and the reason `why`, waiting at most [`CLOSE_TIMEOUT`] for
+/// the broker's close-ok. Errors: as [`Channel::close`], or the timeout ([`within`]).
+pub async fn close_channel(ch: &Channel, why: &str) -> lapin::Result<()> {
+    within(CLOSE_TIMEOUT, "channel.close", ch.close(REPLY_SUCCESS, why.into())).await
+}
+
+/// Closes `conn` with `reply-success` and the reason `why`, waiting at most [`CLOSE_TIMEOUT`]
+/// for the broker's close-ok; after that the daemon stops waiting and drops its handle. Errors:
+/// as [`Connection::close`] (a connection already closed is an error), or the timeout.
+pub async fn close_connection(conn: &Connection, why: &str) -> lapin::Result<()> {
+    within(CLOSE_TIMEOUT, "connection.close", conn.close(REPLY_SUCCESS, why.into())).await
+}
+
 /// The opening limit of `uri`: its `connection_timeout` (milliseconds), or
 /// [`DEFAULT_CONNECT_TIMEOUT`].
 pub fn connect_timeout(uri: &lapin::uri::AMQPUri) -> Duration {
@@ -146,18 +195,20 @@ impl Connections {
         confirm_channel(&self.publish).await
     }
 
-    /// Closes both connections with `reply-success`; errors are returned from the first that fails.
+    /// Closes both connections with `reply-success`, at once, each waiting at most
+    /// [`CLOSE_TIMEOUT`] for its close-ok ([`close_connection`]); errors are returned from the
+    /// first that fails.
     pub async fn close(&self, why: &str) -> Result<(), lapin::Error> {
-        let a = self.consume.close(REPLY_SUCCESS, why.into()).await;
-        let b = self.publish.close(REPLY_SUCCESS, why.into()).await;
+        let (a, b) = tokio::join!(close_connection(&self.consume, why), close_connection(&self.publish, why));
         a.and(b)
     }
 }
 
 /// A new channel on `conn`, in confirm mode (<https://www.rabbitmq.com/docs/confirms>).
+/// Each step waits at most [`RPC_TIMEOUT`] for the broker's answer.
 pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error> {
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let ch = answered("channel.open", conn.create_channel()).await?;
+    answered("confirm.select", ch.confirm_select(ConfirmSelectOptions::default())).await?;
     Ok(ch)
 }
 
@@ -237,13 +288,12 @@ impl PublishPool {
         self.lost.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Closes every open channel of the pool with `reply-success`.
+    /// Closes every open channel of the pool with `reply-success`, at once, each waiting at most
+    /// [`CLOSE_TIMEOUT`] for its close-ok.
     pub async fn close(&self, why: &str) {
         let channels = std::mem::take(&mut *lock(&self.opened));
         lock(&self.free).clear();
-        for ch in channels {
-            let _ = ch.close(REPLY_SUCCESS, why.into()).await;
-        }
+        futures_util::future::join_all(channels.iter().map(|ch| close_channel(ch, why))).await;
     }
 
     fn forget(&self, ch: &Channel) {

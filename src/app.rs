@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use crate::amqp::{Connections, REPLY_SUCCESS};
+use crate::amqp::Connections;
 use crate::config::Settings;
 use crate::exit::{EX_CONFIG, EX_FAILURE, EX_SOFTWARE};
 use crate::lease::RedisConn;
@@ -123,6 +123,14 @@ pub enum SessionError {
     /// error such as `INTERNAL_ERROR`), found by the session's once-a-second check.
     #[error("an amqp connection of the session closed ({0})")]
     ConnectionClosed(&'static str),
+    /// The broker stopped answering on the consuming connection while lapin still held it open:
+    /// the backlog poller's passive `queue.declare` got no answer within
+    /// [`crate::amqp::RPC_TIMEOUT`].
+    #[error("the broker stopped answering: {0}")]
+    BrokerSilent(#[source] lapin::Error),
+    /// The backlog poller task panicked or was cancelled.
+    #[error("backlog poller task: {0}")]
+    BacklogTask(#[source] tokio::task::JoinError),
 }
 
 impl SessionError {
@@ -311,6 +319,8 @@ fn drain_verdict(drain: Drain, timeout: Duration) -> Result<(), AppError> {
 }
 
 type RouterTask = JoinHandle<Result<(), lapin::Error>>;
+/// The backlog poller's task ([`poll_backlog`]).
+type BacklogTask = JoinHandle<Result<(), lapin::Error>>;
 
 fn router_failure(r: Result<Result<(), lapin::Error>, tokio::task::JoinError>) -> SessionError {
     match r {
@@ -427,7 +437,7 @@ impl App {
         let publish = match connect(" publish").await {
             Ok(c) => c,
             Err(e) => {
-                let _ = consume.close(REPLY_SUCCESS, "publish connection failed".into()).await;
+                let _ = crate::amqp::close_connection(&consume, "publish connection failed").await;
                 return Err(SessionError::Connect(e));
             }
         };
@@ -487,7 +497,7 @@ impl App {
             let mut own_fut = pin!(own.run(conns.clone(), session.child_token(), move |ok| {
                 let _ = redis_tx.send(ok);
             }));
-            match self.watch(&conns, own_fut.as_mut(), &mut router, &mut redis_rx, work, events).await {
+            match self.watch(&conns, own_fut.as_mut(), &mut router, &mut backlog, &mut redis_rx, work, events).await {
                 Some(e) => Phase::Failed(e),
                 None => Phase::Drained(self.drain(&conns, own_fut, &mut router, &mut backlog, events).await),
             }
@@ -516,6 +526,7 @@ impl App {
         conns: &Connections,
         mut own_fut: Pin<&mut impl Future<Output = Result<(), OwnershipError>>>,
         router: &mut RouterTask,
+        backlog: &mut BacklogTask,
         redis_rx: &mut mpsc::UnboundedReceiver<bool>,
         work: &CancellationToken,
         events: &mut (impl FnMut(Lifecycle) + Send),
@@ -523,9 +534,17 @@ impl App {
         let mut alive = tokio::time::interval(ALIVE_PERIOD);
         loop {
             tokio::select! {
+                // A shutdown first: the tasks below end on it too (their tokens are children of
+                // `work`), and that is not a failure.
+                biased;
+                _ = work.cancelled() => return None,
                 r = own_fut.as_mut() => return Some(r.err().map_or(SessionError::OwnershipStopped, SessionError::Ownership)),
                 r = &mut *router => return Some(router_failure(r)),
-                _ = work.cancelled() => return None,
+                r = &mut *backlog => return Some(match r {
+                    Ok(Ok(())) => SessionError::BrokerSilent(lapin::Error::from(std::io::Error::other("the backlog poller stopped"))),
+                    Ok(Err(e)) => SessionError::BrokerSilent(e),
+                    Err(e) => SessionError::BacklogTask(e),
+                }),
                 Some(redis_ok) = redis_rx.recv() => {
                     if !redis_ok {
                         warn!("membership heartbeat does not reach Redis; not ready");
@@ -571,7 +590,7 @@ impl App {
         conns: &Connections,
         own_fut: Pin<&mut impl Future<Output = Result<(), OwnershipError>>>,
         router: &mut RouterTask,
-        backlog: &mut JoinHandle<()>,
+        backlog: &mut BacklogTask,
         events: &mut (impl FnMut(Lifecycle) + Send),
     ) -> Drain {
         events(Lifecycle::Stopping);
@@ -599,7 +618,7 @@ impl App {
 /// Hard stop of a session: abort every partition, release its lease and delete the member key
 /// (best effort, each Redis call bounded by `redis.command_timeout`), stop the tasks, close the
 /// connection.
-async fn hard_stop(own: &mut Ownership, router: &RouterTask, backlog: &JoinHandle<()>, conns: &Connections, why: &str) {
+async fn hard_stop(own: &mut Ownership, router: &RouterTask, backlog: &BacklogTask, conns: &Connections, why: &str) {
     own.abort_and_release().await;
     router.abort();
     backlog.abort();
@@ -612,27 +631,45 @@ fn jitter(d: Duration) -> Duration {
 
 /// Reads the input and every partition queue's backlog every `amqp.backlog_poll_interval`
 /// until `stop` is cancelled.
-async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: CancellationToken) {
+///
+/// It is also the session's check that the broker still answers on the consuming connection:
+/// each poll is a round trip, and one that gets no answer within [`crate::amqp::RPC_TIMEOUT`]
+/// ends the poller with the timeout error, which ends the session
+/// ([`SessionError::BrokerSilent`]). lapin finds most dead connections itself (socket errors,
+/// missing heartbeats); this catches the rest, such as a connection it still reports open after
+/// the process was frozen. The consuming connection never publishes, so RabbitMQ never blocks it
+/// under a memory or disk alarm and its answers do not stop for that. A refused declare (a queue
+/// deleted under the daemon) only reopens the channel at the next poll.
+async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
     let mut tick = tokio::time::interval(settings.amqp.backlog_poll_interval);
     let mut ch: Option<lapin::Channel> = None;
+    let silent = |e: lapin::Error| if is_timeout(&e) { Err(e) } else { Ok(()) };
     loop {
         tokio::select! {
             _ = stop.cancelled() => {
                 if let Some(c) = ch {
-                    let _ = c.close(REPLY_SUCCESS, "stopping".into()).await;
+                    let _ = crate::amqp::close_channel(&c, "stopping").await;
                 }
-                return;
+                return Ok(());
             }
             _ = tick.tick() => {}
         }
         if ch.is_none() {
-            ch = conn.create_channel().await.ok();
+            match crate::amqp::answered("channel.open", conn.create_channel()).await {
+                Ok(c) => ch = Some(c),
+                Err(e) => {
+                    silent(e)?;
+                    continue;
+                }
+            }
         }
         let Some(c) = &ch else { continue };
         let opts = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-        match c.queue_declare(settings.amqp.input_queue.as_str().into(), opts, FieldTable::default()).await {
+        let declare = |queue: &str| crate::amqp::answered("queue.declare", c.queue_declare(queue.into(), opts, FieldTable::default()));
+        match declare(&settings.amqp.input_queue).await {
             Ok(q) => metrics::input_backlog(q.message_count()),
-            Err(_) => {
+            Err(e) => {
+                silent(e)?;
                 ch = None;
                 continue;
             }
@@ -640,18 +677,25 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
         // Every partition, owned here or not: an unowned partition's backlog is what an operator
         // most needs to see. Dashboards take `max by (partition)` over instances.
         for p in 0..settings.amqp.partitions.get() {
-            match c.queue_declare(settings.amqp.partition_queue(p).as_str().into(), opts, FieldTable::default()).await {
+            let queue = settings.amqp.partition_queue(p);
+            match declare(&queue).await {
                 Ok(q) => {
-                metrics::partition_backlog(p, q.message_count());
-                crate::partition::observe_queue(&settings.amqp.partition_queue(p), q.message_count());
-            }
-                Err(_) => {
+                    metrics::partition_backlog(p, q.message_count());
+                    crate::partition::observe_queue(&queue, q.message_count());
+                }
+                Err(e) => {
+                    silent(e)?;
                     ch = None;
                     break;
                 }
             }
         }
     }
+}
+
+/// Whether `e` is an I/O error of kind `TimedOut` (as [`crate::amqp::answered`] makes).
+fn is_timeout(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::IOError(io) if io.kind() == std::io::ErrorKind::TimedOut)
 }
 
 /// Watches the AMQP connection `conn`, labelled `connection` (a value of [`metrics::connection`]),

@@ -70,7 +70,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::amqp::{reply_code, Connections, PublishPool, NOT_FOUND, REPLY_SUCCESS};
+use crate::amqp::{answered, close_channel, reply_code, Connections, PublishPool, NOT_FOUND};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
 use crate::keying::PrefixKey;
@@ -345,19 +345,20 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let s = &ctx.settings;
     let p = ctx.partition;
     let queue = s.amqp.partition_queue(p);
-    let ch = conns.consume.create_channel().await?;
+    let ch = answered("channel.open", conns.consume.create_channel()).await?;
     // One channel at once, so that a session on a broken connection fails here.
     let publish = Arc::new(PublishPool::new(conns.publish.clone(), PUBLISH_CHANNELS));
     if let Err(e) = publish.take().await {
-        let _ = ch.close(REPLY_SUCCESS, "partition publish channel failed".into()).await;
+        let _ = close_channel(&ch, "partition publish channel failed").await;
         return Err(e);
     }
-    ch.basic_qos(s.amqp.partition_prefetch, BasicQosOptions::default()).await?;
+    answered("basic.qos", ch.basic_qos(s.amqp.partition_prefetch, BasicQosOptions::default())).await?;
     let tag = format!("{}:p{}:e{}:{}", s.instance_name, p, ctx.epoch, uuid::Uuid::new_v4().simple());
     let consume = ch.basic_consume(queue.as_str().into(), tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default());
-    let mut consumer = match consume.await {
+    let mut consumer = match answered("basic.consume", consume).await {
         Ok(c) => c,
         Err(e) => {
+            let _ = close_channel(&ch, "partition consume failed").await;
             publish.close("partition consume failed").await;
             return Err(e);
         }
@@ -397,10 +398,10 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
 
 /// Graceful end: no new deliveries, then flush and finish everything buffered and in flight.
 async fn finish(ctx: &PartitionContext, s: Session) {
-    let _ = s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default()).await;
+    let _ = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await;
     let _ = s.batcher.await;
     let _ = s.executor.await;
-    let _ = s.ch.close(REPLY_SUCCESS, "partition released".into()).await;
+    let _ = close_channel(&s.ch, "partition released").await;
     s.publish.close("partition released").await;
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }
@@ -413,7 +414,7 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, abo
     s.batcher.abort();
     let _ = s.executor.await;
     let _ = s.batcher.await;
-    let _ = s.ch.close(REPLY_SUCCESS, "partition consumer closed".into()).await;
+    let _ = close_channel(&s.ch, "partition consumer closed").await;
     s.publish.close("partition consumer closed").await;
     metrics::buffer_state(ctx.partition, 0, 0.0);
     if aborted {

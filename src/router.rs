@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use crate::log_limit::LogLimit;
 
-use crate::amqp::{Connections, REPLY_SUCCESS};
+use crate::amqp::{answered, close_channel, Connections};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
@@ -116,9 +116,9 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
         info!(queue = %settings.amqp.input_queue, "router consuming");
         match pump(&mut consumer, &publish, &settings, &stop, &mut inflight).await {
             Ended::Stopped => {
-                let _ = ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default()).await;
+                let _ = answered("basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
                 while inflight.join_next().await.is_some() {}
-                let _ = ch.close(REPLY_SUCCESS, "router stopped".into()).await;
+                let _ = close_channel(&ch, "router stopped").await;
                 break Ok(());
             }
             Ended::Closed(e) if stop.is_cancelled() || !conns.consume.status().connected() => break e.map_or(Ok(()), Err),
@@ -132,17 +132,18 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
         }
     };
     while inflight.join_next().await.is_some() {}
-    let _ = publish.current.lock().await.close(REPLY_SUCCESS, "router stopped".into()).await;
+    let publishing = publish.current.lock().await.clone();
+    let _ = close_channel(&publishing, "router stopped").await;
     info!("router stopped");
     result
 }
 
 /// Opens a consuming channel on the input queue with `amqp.input_prefetch`.
 async fn consume(conns: &Connections, settings: &Settings, tag: &str) -> Result<(Channel, Consumer), lapin::Error> {
-    let ch = conns.consume.create_channel().await?;
-    ch.basic_qos(settings.amqp.input_prefetch, BasicQosOptions::default()).await?;
+    let ch = answered("channel.open", conns.consume.create_channel()).await?;
+    answered("basic.qos", ch.basic_qos(settings.amqp.input_prefetch, BasicQosOptions::default())).await?;
     let queue = settings.amqp.input_queue.as_str().into();
-    let consumer = ch.basic_consume(queue, tag.into(), BasicConsumeOptions::default(), FieldTable::default()).await?;
+    let consumer = answered("basic.consume", ch.basic_consume(queue, tag.into(), BasicConsumeOptions::default(), FieldTable::default())).await?;
     Ok((ch, consumer))
 }
 
@@ -207,7 +208,7 @@ impl PublishChannel {
         if ch.id() == old.id() {
             warn!("a publish was nacked; replacing the router's publishing channel");
             *ch = self.conns.publish_channel().await?;
-            let _ = old.close(REPLY_SUCCESS, "publish nacked; replaced".into()).await;
+            let _ = close_channel(old, "publish nacked; replaced").await;
         }
         Ok(ch.clone())
     }

@@ -12,7 +12,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Connection, ExchangeKind};
 use tracing::warn;
 
-use crate::amqp::{reply_code, NOT_FOUND, PRECONDITION_FAILED, REPLY_SUCCESS};
+use crate::amqp::{answered, close_channel, reply_code, NOT_FOUND, PRECONDITION_FAILED};
 use crate::config::AmqpSettings;
 
 /// Topology errors. [`TopologyError::is_config_error`] tells a configuration or deployment
@@ -173,10 +173,10 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
 }
 
 async fn declare_queue_once(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
-    let ch = conn.create_channel().await?;
-    match ch.queue_declare(name.into(), durable(), args).await {
+    let ch = answered("channel.open", conn.create_channel()).await?;
+    match answered("queue.declare", ch.queue_declare(name.into(), durable(), args)).await {
         Ok(_) => {
-            let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+            let _ = close_channel(&ch, "ok").await;
             Ok(())
         }
         Err(e) => Err(declare_error("queue", name, e)),
@@ -184,11 +184,11 @@ async fn declare_queue_once(conn: &Connection, name: &str, args: FieldTable) -> 
 }
 
 async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) -> Result<(), TopologyError> {
-    let ch = conn.create_channel().await?;
+    let ch = answered("channel.open", conn.create_channel()).await?;
     let opts = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
-    match ch.exchange_declare(name.into(), kind, opts, FieldTable::default()).await {
+    match answered("exchange.declare", ch.exchange_declare(name.into(), kind, opts, FieldTable::default())).await {
         Ok(()) => {
-            let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+            let _ = close_channel(&ch, "ok").await;
             Ok(())
         }
         Err(e) => Err(declare_error("exchange", name, e)),
@@ -198,11 +198,11 @@ async fn declare_exchange(conn: &Connection, name: &str, kind: ExchangeKind) -> 
 /// Whether a queue exists (passive declare on a throwaway channel; the broker answers a missing
 /// queue with reply code 404 `NOT_FOUND`).
 pub async fn queue_exists(conn: &Connection, name: &str) -> Result<bool, lapin::Error> {
-    let ch = conn.create_channel().await?;
+    let ch = answered("channel.open", conn.create_channel()).await?;
     let opts = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-    match ch.queue_declare(name.into(), opts, FieldTable::default()).await {
+    match answered("queue.declare", ch.queue_declare(name.into(), opts, FieldTable::default())).await {
         Ok(_) => {
-            let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+            let _ = close_channel(&ch, "ok").await;
             Ok(true)
         }
         Err(e) if reply_code(&e) == Some(NOT_FOUND) => Ok(false),
@@ -237,20 +237,20 @@ pub async fn declare(
     declare_queue(conn, &cfg.input_queue, input_queue_args(cfg)).await?;
     declare_results(conn, cfg).await?;
     declare_exchange(conn, &cfg.shard_exchange, ExchangeKind::Direct).await?;
-    let ch = conn.create_channel().await?;
+    let ch = answered("channel.open", conn.create_channel()).await?;
     for part in (0..p).rev() {
         let q = cfg.partition_queue(part);
         declare_queue(conn, &q, partition_queue_args(cfg)).await?;
-        ch.queue_bind(
+        let bind = ch.queue_bind(
             q.as_str().into(),
             cfg.shard_exchange.as_str().into(),
             AmqpSettings::partition_routing_key(part).into(),
             QueueBindOptions::default(),
             FieldTable::default(),
-        )
-        .await?;
+        );
+        answered("queue.bind", bind).await?;
     }
-    let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+    let _ = close_channel(&ch, "ok").await;
     // Record P only once everything exists; re-read to catch a concurrent start with another P.
     let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
@@ -266,10 +266,10 @@ pub async fn declare(
 pub async fn declare_dead_letter(conn: &Connection, cfg: &AmqpSettings) -> Result<(), TopologyError> {
     declare_exchange(conn, &cfg.dead_letter_exchange, ExchangeKind::Fanout).await?;
     declare_queue(conn, &cfg.dead_letter_queue, plain_quorum_args(cfg)).await?;
-    let ch = conn.create_channel().await?;
+    let ch = answered("channel.open", conn.create_channel()).await?;
     let (queue, exchange) = (cfg.dead_letter_queue.as_str(), cfg.dead_letter_exchange.as_str());
-    ch.queue_bind(queue.into(), exchange.into(), "".into(), QueueBindOptions::default(), FieldTable::default()).await?;
-    let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+    answered("queue.bind", ch.queue_bind(queue.into(), exchange.into(), "".into(), QueueBindOptions::default(), FieldTable::default())).await?;
+    let _ = close_channel(&ch, "ok").await;
     Ok(())
 }
 
@@ -293,10 +293,10 @@ pub async fn declare_route(conn: &Connection, cfg: &AmqpSettings, p: u32) -> Res
 pub async fn declare_partition(conn: &Connection, cfg: &AmqpSettings, p: u32) -> Result<(), TopologyError> {
     let queue = cfg.partition_queue(p);
     declare_queue(conn, &queue, partition_queue_args(cfg)).await?;
-    let ch = conn.create_channel().await?;
+    let ch = answered("channel.open", conn.create_channel()).await?;
     let (exchange, key) = (cfg.shard_exchange.as_str(), AmqpSettings::partition_routing_key(p));
     ch.queue_bind(queue.as_str().into(), exchange.into(), key.into(), QueueBindOptions::default(), FieldTable::default()).await?;
-    let _ = ch.close(REPLY_SUCCESS, "ok".into()).await;
+    let _ = close_channel(&ch, "ok").await;
     Ok(())
 }
 

@@ -626,3 +626,126 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
     amqp.close().await;
     env.cleanup().await;
 }
+
+/// A TCP proxy to the test broker that can turn the connections open through it into dead ones
+/// that look alive: [`ZombieProxy::kill_open_connections`] closes their broker side (the broker
+/// drops the connection, requeues its unacked deliveries and frees its consumers), swallows
+/// whatever the client sends, and sends the client an AMQP heartbeat frame every second. The
+/// client's AMQP library then sees a connection that is open and beating, on which no method is
+/// ever answered. Connections made later pass through untouched.
+struct ZombieProxy {
+    addr: std::net::SocketAddr,
+    generation: std::sync::Arc<tokio::sync::watch::Sender<u64>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ZombieProxy {
+    async fn start(upstream: &'static str) -> ZombieProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let generation = std::sync::Arc::new(tokio::sync::watch::channel(0u64).0);
+        let gen = generation.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { continue };
+                let mut killed = gen.subscribe();
+                let born = *killed.borrow_and_update();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let mut killed_too = killed.clone();
+                    let up = async {
+                        tokio::select! {
+                            _ = tokio::io::copy(&mut cr, &mut sw) => {}
+                            _ = killed_too.wait_for(|g| *g > born) => {}
+                        }
+                    };
+                    let down = async {
+                        tokio::select! {
+                            _ = tokio::io::copy(&mut sr, &mut cw) => {}
+                            _ = killed.wait_for(|g| *g > born) => {}
+                        }
+                    };
+                    tokio::join!(up, down);
+                    if *killed.borrow() == born {
+                        return; // closed normally
+                    }
+                    // The broker side closes; the client side stays open, swallows what the
+                    // client sends and gets a heartbeat frame (AMQP 0-9-1 §4.2.7: type 8,
+                    // channel 0, size 0, frame-end 0xCE) every second.
+                    drop((sr, sw));
+                    let heartbeat = [8u8, 0, 0, 0, 0, 0, 0, 0xCE];
+                    let mut beat = tokio::time::interval(Duration::from_secs(1));
+                    let mut buf = [0u8; 4096];
+                    loop {
+                        tokio::select! {
+                            n = cr.read(&mut buf) => if !matches!(n, Ok(n) if n > 0) { return },
+                            _ = beat.tick() => if cw.write_all(&heartbeat).await.is_err() { return },
+                        }
+                    }
+                });
+            }
+        });
+        ZombieProxy { addr, generation, task }
+    }
+
+    /// Turns every connection open now into a zombie.
+    fn kill_open_connections(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+}
+
+impl Drop for ZombieProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A broker connection that stays open and beating but answers nothing (here: its broker side is
+/// gone behind a proxy that keeps sending heartbeats) ends the session within the backlog poll
+/// interval + `RPC_TIMEOUT` (30 s), and the daemon reconnects and serves again. Before, nothing
+/// noticed: lapin reported both connections open, every task waited on an answer for ever, and
+/// the daemon served nothing until it was restarted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_connection_that_answers_nothing_ends_the_session() {
+    let env = TestEnv::new("zombie");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let proxy = ZombieProxy::start("127.0.0.1:5672").await;
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    raw.amqp.heartbeat = "2s".into();
+    let mut started = run_with_replies(&env, &raw, "zombie").await;
+    let input = env.input_queue();
+    let ask = |id: &str| serde_json::to_vec(&serde_json::json!({"id": id, "prompt": format!("zombie connection {id}")})).unwrap();
+    let before: HashSet<String> = ["zombie-before".to_owned()].into();
+    started.amqp.publish(&input, &ask("zombie-before"), request_props("zombie-before", &started.reply)).await;
+    started.results.until_all(&before, DEADLINE).await;
+
+    proxy.kill_open_connections();
+    let killed_at = Instant::now();
+    let within = prefix_batcher::amqp::RPC_TIMEOUT + Duration::from_secs(30);
+    let ended = loop {
+        let log = started.daemon.log();
+        if let Some(line) = log.lines().find(|l| l.contains("session ended; reconnecting")) {
+            break line.to_owned();
+        }
+        assert!(
+            Instant::now() < killed_at + within,
+            "the session did not end within {within:?} of its connections going silent; log:\n{}",
+            started.daemon.log_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    println!("zombie connections: the session ended {:.1} s after they went silent: {ended}", killed_at.elapsed().as_secs_f64());
+    assert!(ended.contains("the broker stopped answering") && ended.contains("did not answer"), "the reason names the silence: {ended}");
+
+    let after: HashSet<String> = ["zombie-after".to_owned()].into();
+    started.amqp.publish(&input, &ask("zombie-after"), request_props("zombie-after", &started.reply)).await;
+    started.results.until_all(&after, DEADLINE).await;
+    started.daemon.sigterm();
+    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0), "log:\n{}", started.daemon.log_tail(30));
+    started.results.close().await;
+    started.amqp.close().await;
+    env.cleanup().await;
+}
