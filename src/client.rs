@@ -215,6 +215,9 @@ async fn publish_input(
             }
         };
         let line = line.strip_suffix('\r').unwrap_or(&line);
+        // A byte order mark opening the file (editors on Windows write one) is not part of the
+        // first request.
+        let line = if number == 1 { line.strip_prefix('\u{feff}').unwrap_or(line) } else { line };
         if line.trim().is_empty() {
             continue;
         }

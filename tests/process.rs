@@ -606,6 +606,9 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
         ("float-id", "{\"id\":1e2,\"prompt\":\"1\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason invalid_field: invalid field `id`: a numeric id must be an integer"),
         ("control", "{\"id\":\"bell\\u0007\",\"prompt\":\"1\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason invalid_field"),
         ("no-prompt", "{\"id\":\"e\"}\n".to_owned(), "input line 1: the daemon would dead-letter this request with reason missing_prompt"),
+        // A byte order mark opening the file is not part of line 1, whose id is read: line 2
+        // repeats it.
+        ("bom", "\u{feff}{\"id\":\"h\",\"prompt\":\"1\"}\n{\"id\":\"h\",\"prompt\":\"2\"}\n".to_owned(), "input line 2: duplicate request id \"h\" in the input; the 1 request was published before it"),
     ];
     let mut not_utf8 = b"{\"id\":\"f\",\"prompt\":\"1\"}\r\n{\"id\":\"g\",\"prompt\":\"".to_vec();
     not_utf8.extend_from_slice(b"\xff\"}\n");
@@ -622,7 +625,7 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
         assert_eq!(out.status.code(), Some(1), "{label}: {stderr}");
         assert!(stderr.contains(want), "{label}: {stderr}");
     }
-    assert_eq!(amqp.queue_depth(&queue).await.0, 5, "2 + 1 + 1 + 1 requests were published before the refused lines");
+    assert_eq!(amqp.queue_depth(&queue).await.0, 6, "2 + 1 + 1 + 1 + 1 requests were published before the refused lines");
     amqp.close().await;
     env.cleanup().await;
 }
