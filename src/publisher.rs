@@ -617,7 +617,8 @@ pub fn log_id(id: &str) -> String {
 /// ([`dead_letter`]) and acks it once that publish is confirmed; with `lease`, only while the
 /// lease is valid. [`Intake::Unacked`] when nothing was confirmed (the caller requeues).
 /// `request_id` (when the request was parsed far enough to have one) and the delivery's
-/// `correlation_id` and `message_id` are logged with it, each cut by [`log_id`].
+/// `correlation_id`, `message_id` and `app_id` are logged with it, each cut by [`log_id`], and
+/// the body's size in bytes.
 #[allow(clippy::too_many_arguments)]
 pub async fn dead_letter_and_ack(
     ch: &Channel,
@@ -633,7 +634,10 @@ pub async fn dead_letter_and_ack(
     let request_id = request_id.map(log_id);
     let correlation_id = props.correlation_id().as_ref().map(|c| log_id(c.as_str()));
     let message_id = props.message_id().as_ref().map(|m| log_id(m.as_str()));
-    crate::warn_limited!(DEAD_LETTER_LOG, request_id, correlation_id, message_id, reason, detail, "dead-lettering request");
+    // For a message with no id at all: who published it (when it says) and its size.
+    let app_id = props.app_id().as_ref().map(|a| log_id(a.as_str()));
+    let bytes = delivery.data.len();
+    crate::warn_limited!(DEAD_LETTER_LOG, request_id, correlation_id, message_id, app_id, bytes, reason, detail, "dead-lettering request");
     if lease.is_some_and(|l| !l.is_valid()) {
         return Intake::Unacked(delivery);
     }

@@ -394,12 +394,21 @@ async fn a_flood_of_malformed_requests_is_dead_lettered_in_full_and_logged_withi
     let raw = env.raw_config(fake.url.as_str());
     let mut started = run_with_replies(&env, &raw, "flood").await;
     let mut dead = started.amqp.consume(&env.dead_letter_queue()).await;
-    for i in 0..N {
+    // First one with no id at all: its line names the publisher's app_id and the body's size.
+    let anonymous = lapin::BasicProperties::default().with_app_id("legacy-publisher".into());
+    started.amqp.publish(&env.input_queue(), b"not json at all", anonymous).await;
+    for i in 1..N {
         let props = lapin::BasicProperties::default().with_message_id(format!("flood-{i}").into());
         started.amqp.publish(&env.input_queue(), format!("not json {i}").as_bytes(), props).await;
     }
     dead.until("every malformed request dead-lettered", DEADLINE, |got| got.len() >= N).await;
     let log = started.daemon.log();
+    assert!(
+        log.lines().any(|l| l.contains("dead-lettering request") && l.contains("app_id=\"legacy-publisher\"") && l.contains("bytes=15")),
+        "the id-less message's line names its app_id and size; log tail:\n{}",
+        started.daemon.log_tail(20)
+    );
+    assert!(log.lines().any(|l| l.contains("dead-lettering request") && l.contains("message_id=\"flood-1\"") && l.contains("bytes=10")));
     let warned = log.lines().filter(|l| l.contains("WARN") && l.contains("dead-lettering request")).count();
     assert_eq!(
         warned,
