@@ -390,7 +390,15 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
             Ok(Ended::Stopped)
         }
         other => {
-            close_at_once(ctx, session, &end, stop.abort.is_cancelled()).await;
+            // The intake's own restart reason (a cancel by the broker returns `queue_missing`
+            // without raising it; a 404 is the queue gone too, as `run` reads it), else the one
+            // raised elsewhere.
+            let reason = match &other {
+                Ok(Ended::Restart(r)) => Some(*r),
+                Err(e) if reply_code(e) == Some(NOT_FOUND) => Some(restart::QUEUE_MISSING),
+                _ => None,
+            };
+            close_at_once(ctx, session, &end, stop.abort.is_cancelled(), reason.or(end.reason())).await;
             other
         }
     }
@@ -406,9 +414,10 @@ async fn finish(ctx: &PartitionContext, s: Session) {
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }
 
-/// Hard end (lease lost, channel broken, restart): stop publishing first, so no result goes out
-/// after the requeue, then close the channel so the broker requeues everything unacked, in order.
-async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, aborted: bool) {
+/// Hard end (lease lost, channel broken, restart for `reason`, one of [`restart`]): stop
+/// publishing first, so no result goes out after the requeue, then close the channel so the
+/// broker requeues everything unacked, in order.
+async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, aborted: bool, reason: Option<&'static str>) {
     end.token.cancel(); // aborts in-flight LLM calls
     s.executor.abort();
     s.batcher.abort();
@@ -419,12 +428,12 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, abo
     metrics::buffer_state(ctx.partition, 0, 0.0);
     if aborted {
         info!(partition = ctx.partition, epoch = ctx.epoch, "partition aborted; unacked requests return to the queue");
-    } else if end.reason() == Some(restart::QUEUE_MISSING) {
+    } else if reason == Some(restart::QUEUE_MISSING) {
         // The broker deleted the queue's messages with it, the ones this worker held unacked
         // included: nothing returns.
         warn!(partition = ctx.partition, epoch = ctx.epoch, "partition queue was deleted; the requests it held, unacked ones included, were deleted with it");
     } else {
-        info!(partition = ctx.partition, epoch = ctx.epoch, reason = end.reason(), "partition consumer closed; unacked requests return to the queue");
+        info!(partition = ctx.partition, epoch = ctx.epoch, reason, "partition consumer closed; unacked requests return to the queue");
     }
 }
 

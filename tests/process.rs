@@ -761,3 +761,38 @@ async fn a_broker_connection_that_answers_nothing_ends_the_session() {
     started.amqp.close().await;
     env.cleanup().await;
 }
+
+/// A partition queue deleted while its worker holds a request: the broker deletes the unacked
+/// request with the queue, and the log says so. Before, the broker's cancel of the consumer was
+/// followed by `partition consumer closed; unacked requests return to the queue`, with no reason:
+/// an operator was told the request would come back when it was gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_queue_deleted_under_a_held_request_is_logged_as_deleting_it() {
+    use lapin::options::QueueDeleteOptions;
+    let env = TestEnv::new("qdel");
+    let fake = FakeLlm::new().latency(Duration::from_secs(5)).start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut started = run_with_replies(&env, &raw, "qdel").await;
+    let queue = env.partition_queue(0);
+    let body = serde_json::to_vec(&serde_json::json!({"id": "qdel-held", "prompt": "held while its queue is deleted"})).unwrap();
+    started.amqp.publish(&queue, &body, request_props("qdel-held", &started.reply)).await;
+    let deadline = Instant::now() + DEADLINE;
+    while started.amqp.queue_depth(&queue).await.0 > 0 {
+        assert!(Instant::now() < deadline, "the worker never took the request");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.amqp.ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.expect("delete the partition queue");
+    let deadline = Instant::now() + DEADLINE;
+    let wrong = |log: &str| log.lines().any(|l| l.contains("partition=0") && l.contains("unacked requests return to the queue"));
+    while !started.daemon.log().contains("partition queue was deleted; the requests it held, unacked ones included, were deleted with it") {
+        assert!(!wrong(&started.daemon.log()), "the log says the deleted request returns; log:\n{}", started.daemon.log_tail(20));
+        assert!(Instant::now() < deadline, "no log line about the deleted requests; log:\n{}", started.daemon.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!wrong(&started.daemon.log()), "the log says the deleted request returns; log:\n{}", started.daemon.log_tail(20));
+    started.daemon.sigterm();
+    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0), "log:\n{}", started.daemon.log_tail(20));
+    started.results.close().await;
+    started.amqp.close().await;
+    env.cleanup().await;
+}
