@@ -105,7 +105,7 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 /// unacked deliveries are requeued by the broker when it closes). Only a failed connection (or a
 /// channel that cannot be reopened) ends the router, and with it the session.
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
-    let publish = Arc::new(PublishChannel { conns: conns.clone(), current: Mutex::new(conns.publish_channel().await?) });
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), current: Mutex::new(conns.publish_channel().await?), lost: CancellationToken::new() });
     let tag = format!("router-{}", settings.instance_name);
     let mut inflight = JoinSet::new();
     let result = loop {
@@ -121,6 +121,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
                 let _ = close_channel(&ch, "router stopped").await;
                 break Ok(());
             }
+            Ended::Closed(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
             Ended::Closed(e) if stop.is_cancelled() || !conns.consume.status().connected() => break e.map_or(Ok(()), Err),
             Ended::Closed(e) => {
                 warn!(error = ?e, "the router's consuming channel closed; reopening it");
@@ -166,6 +167,9 @@ async fn pump(
     loop {
         tokio::select! {
             _ = stop.cancelled() => return Ended::Stopped,
+            // A delivery found the publishing connection closed: end at once, so the session
+            // reconnects, instead of every delivery finding it closed in turn.
+            _ = publish.lost.cancelled() => return Ended::Closed(None),
             Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => {
@@ -178,11 +182,19 @@ async fn pump(
     }
 }
 
+/// The error the router ends with when its publishing connection has closed (the session then
+/// reconnects).
+fn publishing_connection_closed() -> lapin::Error {
+    lapin::Error::from(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the publishing connection closed"))
+}
+
 /// The router's confirm-mode publishing channel, shared by its delivery tasks and reopened when
 /// the broker closed it (a closed channel stays closed in AMQP 0-9-1).
 struct PublishChannel {
     conns: Connections,
     current: Mutex<Channel>,
+    /// Cancelled when a delivery found the publishing connection itself closed.
+    lost: CancellationToken,
 }
 
 impl PublishChannel {
@@ -190,6 +202,10 @@ impl PublishChannel {
     async fn get(&self) -> Result<Channel, lapin::Error> {
         let mut ch = self.current.lock().await;
         if !ch.status().connected() {
+            if !self.conns.publish.status().connected() {
+                self.lost.cancel();
+                return Err(publishing_connection_closed());
+            }
             warn!("the router's publishing channel was closed; reopening it");
             *ch = self.conns.publish_channel().await?;
         }
