@@ -49,7 +49,7 @@ use tracing::{info, warn};
 use crate::amqp::Connections;
 use crate::config::Settings;
 use crate::keying::desired_partitions;
-use crate::lease::{Acquire, LeaseClock, Leases, RedisConn};
+use crate::lease::{Acquire, LeaseClock, LeaseValue, Leases, RedisConn};
 use crate::llm::LlmClient;
 use crate::membership::Membership;
 use crate::metrics;
@@ -100,6 +100,11 @@ pub struct Ownership {
     rejoined_at: Option<Instant>,
     /// `batching.max_buffered_bytes`, shared by every partition worker of this instance.
     buffer_budget: partition::BufferBudget,
+    /// This process's boot nonce.
+    nonce: String,
+    /// Partitions whose lease was found held by this instance's previous process, logged once
+    /// each ([`Ownership::note_previous_holder`]).
+    waiting_on_previous: std::collections::BTreeSet<u32>,
 }
 
 impl Ownership {
@@ -124,6 +129,8 @@ impl Ownership {
             last_heartbeat: None,
             name_conflict_logged: None,
             rejoined_at: None,
+            nonce,
+            waiting_on_previous: Default::default(),
         }
     }
 
@@ -374,7 +381,10 @@ impl Ownership {
                     metrics::lease_op("acquire", "ok");
                     self.start(conns, p, epoch, sent, shutdown);
                 }
-                Ok(Acquire::Busy(_)) => metrics::lease_op("acquire", "busy"),
+                Ok(Acquire::Busy(holder)) => {
+                    metrics::lease_op("acquire", "busy");
+                    self.note_previous_holder(p, &holder);
+                }
                 Err(e) => {
                     metrics::lease_op("acquire", "error");
                     if failed == 0 {
@@ -387,6 +397,23 @@ impl Ownership {
         if failed > 1 {
             warn!(partitions = failed, "lease acquisitions failed this round");
         }
+    }
+
+    /// Logs once per partition (and session) that the lease of partition `p`, which this instance
+    /// should own, is held by a previous process under this instance's name (`holder`: the lease
+    /// value `name:nonce:epoch`): after a restart within `ownership.lease_ttl` of a crash, nobody
+    /// consumes the partition until that lease expires, and without this line the wait is silent.
+    fn note_previous_holder(&mut self, p: u32, holder: &str) {
+        let Some(v) = LeaseValue::parse(holder) else { return };
+        if v.name != self.settings.instance_name || v.nonce == self.nonce || !self.waiting_on_previous.insert(p) {
+            return;
+        }
+        info!(
+            partition = p,
+            previous_nonce = %v.nonce,
+            lease_ttl = ?self.settings.ownership.lease_ttl,
+            "the partition's lease is still held by a previous process of this instance; waiting for it to expire (at most lease_ttl)"
+        );
     }
 
     fn start(&mut self, conns: &Connections, p: u32, epoch: u64, sent: Instant, shutdown: &CancellationToken) {

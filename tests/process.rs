@@ -110,6 +110,8 @@ async fn kill_9_mid_run_then_restart_loses_no_request() {
     // A restart under the same name takes the name over quietly: no name conflict.
     assert!(second.log().contains("took over the instance name from a previous process"), "{}", second.log_tail(40));
     assert!(!second.log().contains("another process is heartbeating"), "a restart reported as a name conflict:\n{}", second.log_tail(40));
+    // Its wait for the killed process's leases is said, not silent.
+    assert!(second.log().contains("lease is still held by a previous process of this instance"), "{}", second.log_tail(40));
     second.sigterm();
     let status = second.wait_exit(DEADLINE).await;
     assert!(status.success(), "SIGTERM must exit 0, got {status}; log:\n{}", second.log_tail(40));
