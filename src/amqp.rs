@@ -64,11 +64,19 @@ pub async fn connect_node(amqp: &AmqpSettings, node: usize, props: ConnectionPro
     };
     match tokio::time::timeout(limit, open).await {
         Ok(r) => r,
-        Err(_) => Err(lapin::Error::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("the broker did not complete the AMQP handshake within {limit:?} (connection_timeout)"),
-        ))),
+        Err(_) => Err(timed_out(format!("the broker did not complete the AMQP handshake within {limit:?} (connection_timeout)"))),
     }
+}
+
+/// An I/O error of kind `TimedOut` saying `what` waited too long (see [`is_timeout`]).
+fn timed_out(what: String) -> lapin::Error {
+    lapin::Error::from(std::io::Error::new(std::io::ErrorKind::TimedOut, what))
+}
+
+/// Whether `e` is an I/O error of kind `TimedOut`, as [`connect_node`] and [`answered`] make when
+/// the broker does not answer in time.
+pub fn is_timeout(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::IOError(io) if io.kind() == std::io::ErrorKind::TimedOut)
 }
 
 /// How long opening a connection may take when the broker URL sets no `connection_timeout`:
@@ -100,10 +108,7 @@ pub async fn answered<T>(what: &str, rpc: impl std::future::Future<Output = lapi
 pub async fn within<T>(limit: Duration, what: &str, rpc: impl std::future::Future<Output = lapin::Result<T>>) -> lapin::Result<T> {
     match tokio::time::timeout(limit, rpc).await {
         Ok(r) => r,
-        Err(_) => Err(lapin::Error::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("the broker did not answer {what} within {limit:?}"),
-        ))),
+        Err(_) => Err(timed_out(format!("the broker did not answer {what} within {limit:?}"))),
     }
 }
 

@@ -643,7 +643,7 @@ fn jitter(d: Duration) -> Duration {
 async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
     let mut tick = tokio::time::interval(settings.amqp.backlog_poll_interval);
     let mut ch: Option<lapin::Channel> = None;
-    let silent = |e: lapin::Error| if is_timeout(&e) { Err(e) } else { Ok(()) };
+    let silent = |e: lapin::Error| if crate::amqp::is_timeout(&e) { Err(e) } else { Ok(()) };
     loop {
         tokio::select! {
             _ = stop.cancelled() => {
@@ -691,11 +691,6 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
             }
         }
     }
-}
-
-/// Whether `e` is an I/O error of kind `TimedOut` (as [`crate::amqp::answered`] makes).
-fn is_timeout(e: &lapin::Error) -> bool {
-    matches!(e.kind(), lapin::ErrorKind::IOError(io) if io.kind() == std::io::ErrorKind::TimedOut)
 }
 
 /// Watches the AMQP connection `conn`, labelled `connection` (a value of [`metrics::connection`]),

@@ -33,6 +33,18 @@ async fn run_with_replies(env: &TestEnv, raw: &RawConfig, label: &str) -> Proces
     ProcessStarted { amqp, redis, daemon, results, reply }
 }
 
+impl ProcessStarted {
+    /// SIGTERM: the daemon must drain and exit 0 (else the assertion shows its log's tail). Then
+    /// closes the reply queue's consumer and the test's connection, and deletes what `env` made.
+    async fn stop_and_clean_up(mut self, env: TestEnv) {
+        self.daemon.sigterm();
+        assert_eq!(self.daemon.wait_exit(DEADLINE).await.code(), Some(0), "log:\n{}", self.daemon.log_tail(30));
+        self.results.close().await;
+        self.amqp.close().await;
+        env.cleanup().await;
+    }
+}
+
 /// A deployment of [`PARTITIONS`] partitions that ran once and stopped: its partition count is
 /// recorded in Redis and its partition queues exist.
 struct Existing {
@@ -394,7 +406,7 @@ async fn a_flood_of_malformed_requests_is_dead_lettered_in_full_and_logged_withi
     let env = TestEnv::new("flood");
     let fake = FakeLlm::new().start().await.unwrap();
     let raw = env.raw_config(fake.url.as_str());
-    let mut started = run_with_replies(&env, &raw, "flood").await;
+    let started = run_with_replies(&env, &raw, "flood").await;
     let mut dead = started.amqp.consume(&env.dead_letter_queue()).await;
     // First one with no id at all: its line names the publisher's app_id and the body's size.
     let anonymous = lapin::BasicProperties::default().with_app_id("legacy-publisher".into());
@@ -419,9 +431,7 @@ async fn a_flood_of_malformed_requests_is_dead_lettered_in_full_and_logged_withi
         prefix_batcher::log_limit::BURST,
         started.daemon.log_tail(20)
     );
-    started.daemon.sigterm();
-    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0));
-    env.cleanup().await;
+    started.stop_and_clean_up(env).await;
 }
 
 /// A stray consumer that took a partition queue before its owner (single active consumer: the
@@ -462,11 +472,7 @@ async fn a_stray_consumer_on_an_owned_partition_queue_is_reported() {
 
     stray.close().await;
     started.results.until_all(&ids, DEADLINE).await;
-    started.daemon.sigterm();
-    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0));
-    started.results.close().await;
-    started.amqp.close().await;
-    env.cleanup().await;
+    started.stop_and_clean_up(env).await;
 }
 
 /// `check-config` accepts the documented example and rejects a zero `max_batch_wait` with 78,
@@ -757,11 +763,7 @@ async fn a_broker_connection_that_answers_nothing_ends_the_session() {
     let after: HashSet<String> = ["zombie-after".to_owned()].into();
     started.amqp.publish(&input, &ask("zombie-after"), request_props("zombie-after", &started.reply)).await;
     started.results.until_all(&after, DEADLINE).await;
-    started.daemon.sigterm();
-    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0), "log:\n{}", started.daemon.log_tail(30));
-    started.results.close().await;
-    started.amqp.close().await;
-    env.cleanup().await;
+    started.stop_and_clean_up(env).await;
 }
 
 /// A partition queue deleted while its worker holds a request: the broker deletes the unacked
@@ -774,7 +776,7 @@ async fn a_partition_queue_deleted_under_a_held_request_is_logged_as_deleting_it
     let env = TestEnv::new("qdel");
     let fake = FakeLlm::new().latency(Duration::from_secs(5)).start().await.unwrap();
     let raw = env.raw_config(fake.url.as_str());
-    let mut started = run_with_replies(&env, &raw, "qdel").await;
+    let started = run_with_replies(&env, &raw, "qdel").await;
     let queue = env.partition_queue(0);
     let body = serde_json::to_vec(&serde_json::json!({"id": "qdel-held", "prompt": "held while its queue is deleted"})).unwrap();
     started.amqp.publish(&queue, &body, request_props("qdel-held", &started.reply)).await;
@@ -792,9 +794,5 @@ async fn a_partition_queue_deleted_under_a_held_request_is_logged_as_deleting_it
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(!wrong(&started.daemon.log()), "the log says the deleted request returns; log:\n{}", started.daemon.log_tail(20));
-    started.daemon.sigterm();
-    assert_eq!(started.daemon.wait_exit(DEADLINE).await.code(), Some(0), "log:\n{}", started.daemon.log_tail(20));
-    started.results.close().await;
-    started.amqp.close().await;
-    env.cleanup().await;
+    started.stop_and_clean_up(env).await;
 }
