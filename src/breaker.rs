@@ -185,6 +185,9 @@ pub struct Breaker {
     timeouts_since: Option<Instant>,
     /// When a real call (not a probe) was last answered: a success or a request fault.
     last_answer: Option<Instant>,
+    /// When the breaker last left the closed state (its first opening since it was last
+    /// closed); `None` while closed.
+    down_since: Option<Instant>,
 }
 
 impl Breaker {
@@ -201,7 +204,15 @@ impl Breaker {
             verifying: false,
             timeouts_since: None,
             last_answer: None,
+            down_since: None,
         }
+    }
+
+    /// Since when the endpoint has been unavailable without a break: the first opening since
+    /// the breaker was last closed (reopenings after failed probes do not move it). `None` while
+    /// closed.
+    pub fn down_since(&self) -> Option<Instant> {
+        self.down_since
     }
 
     /// The state at `now` (an open breaker whose open time is over reports half-open: the next
@@ -413,12 +424,14 @@ impl Breaker {
         let wait = self.policy.open_initial.saturating_mul(factor).min(self.policy.open_max);
         self.openings = self.openings.saturating_add(1);
         self.state = State::Open { until: now + wait };
+        self.down_since.get_or_insert(now);
         self.suspect = false;
         self.timeouts_since = None;
     }
 
     fn close(&mut self) {
         self.state = State::Closed;
+        self.down_since = None;
         self.consecutive = 0;
         self.consecutive_unconfirmed = 0;
         self.recent.clear();
@@ -504,7 +517,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn failed_probes_double_the_open_time_up_to_the_cap() {
         let mut b = Breaker::new(BreakerPolicy::default());
+        assert_eq!(b.down_since(), None);
         trip(&mut b);
+        let opened = Instant::now();
         let mut waits = Vec::new();
         for _ in 0..7 {
             let wait = b.open_until().unwrap() - Instant::now();
@@ -514,11 +529,15 @@ mod tests {
             assert_eq!(b.record(Outcome::ServerFault, true, Instant::now()), Some(BreakerState::Open));
         }
         assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(b.down_since(), Some(opened), "down since the first opening, whatever the reopenings");
         // A successful probe resets the doubling.
         tokio::time::advance(Duration::from_secs(30)).await;
         assert!(b.admit_probe(Instant::now()));
         assert_eq!(b.record(Outcome::RequestFault, true, Instant::now()), Some(BreakerState::Closed));
+        assert_eq!(b.down_since(), None, "closed: not down");
+        tokio::time::advance(Duration::from_secs(5)).await;
         trip(&mut b);
+        assert_eq!(b.down_since(), Some(Instant::now()), "a new outage starts its own time");
         assert_eq!(b.open_until().unwrap() - Instant::now(), Duration::from_secs(1));
     }
 

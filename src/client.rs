@@ -542,6 +542,9 @@ pub struct MemberStatus {
     pub owned: usize,
     /// Partitions the assignment gives it.
     pub desired: usize,
+    /// Every LLM endpoint of it has been down for `ownership.llm_down_hand_over_after`: the
+    /// assignment gives it nothing while another member's LLM is up.
+    pub llm_down: bool,
 }
 
 /// One entry of the split set (a hot key) in `status`.
@@ -681,9 +684,16 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     };
 
     let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
-    let desired = assignment(p, &names);
-    let mut members: Vec<MemberStatus> =
-        live.into_iter().map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0 }).collect();
+    let down: Vec<String> = live.iter().filter(|m| m.llm_down).map(|m| m.name.clone()).collect();
+    let assignable = crate::membership::assignable(&names, &down);
+    let desired: Vec<Option<usize>> = assignment(p, &assignable)
+        .into_iter()
+        .map(|o| o.and_then(|i| names.iter().position(|n| *n == assignable[i])))
+        .collect();
+    let mut members: Vec<MemberStatus> = live
+        .into_iter()
+        .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down })
+        .collect();
     let mut stale_owners: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     let mut partitions = Vec::with_capacity(p as usize);
     for part in 0..p {
@@ -750,7 +760,8 @@ pub fn render_status(s: &Status) -> String {
     out.push_str(&format!("members ({}):\n", s.members.len()));
     out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}\n", "name", "nonce", "owns", "desired"));
     for m in &s.members {
-        out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
+        let down = if m.llm_down { "  (LLM down: its partitions go to the others)" } else { "" };
+        out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}{down}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
     }
     for (name, ps) in &s.stale_owners {
         out.push_str(&format!("  {name:<40} (not a live member; still holds {} lease(s) until they expire)\n", ps.len()));

@@ -254,6 +254,7 @@ pub struct RawOwnership {
     pub renew_interval: String,
     pub member_ttl: String,
     pub settle_time: String,
+    pub llm_down_hand_over_after: String,
 }
 
 impl Default for RawOwnership {
@@ -264,6 +265,7 @@ impl Default for RawOwnership {
             renew_interval: "3s".into(),
             member_ttl: "10s".into(),
             settle_time: "2s".into(),
+            llm_down_hand_over_after: "60s".into(),
         }
     }
 }
@@ -560,6 +562,11 @@ pub struct OwnershipSettings {
     pub renew_interval: Duration,
     pub member_ttl: Duration,
     pub settle_time: Duration,
+    /// When every LLM endpoint of this instance has been down (circuit breakers open) for this
+    /// long, the instance flags itself in the member set and its partitions move to the members
+    /// whose LLM is up, until an endpoint answers its probe again
+    /// ([`crate::membership::assignable`]). Zero: never; the partitions wait for the endpoint.
+    pub llm_down_hand_over_after: Duration,
 }
 
 /// `keying.mode`.
@@ -1195,6 +1202,7 @@ fn ownership(o: &RawOwnership) -> Result<OwnershipSettings, ConfigError> {
         renew_interval: positive_duration("ownership.renew_interval", &o.renew_interval)?,
         member_ttl: positive_duration("ownership.member_ttl", &o.member_ttl)?,
         settle_time: duration("ownership.settle_time", &o.settle_time)?,
+        llm_down_hand_over_after: duration("ownership.llm_down_hand_over_after", &o.llm_down_hand_over_after)?,
     };
     if ownership.lease_ttl <= ownership.renew_deadline {
         return Err(invalid(

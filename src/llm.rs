@@ -605,6 +605,19 @@ impl LlmClient {
         (0..self.inner.endpoints.len()).any(|i| self.available(i))
     }
 
+    /// How long every endpoint has been down without a break (each breaker open or half-open
+    /// since [`crate::breaker::Breaker::down_since`]): the time since the last of them went down;
+    /// `None` while any endpoint is available.
+    pub fn all_down_for(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let mut latest: Option<Instant> = None;
+        for ep in self.inner.endpoints.iter() {
+            let since = lock(&ep.breaker).down_since()?;
+            latest = Some(latest.map_or(since, |l| l.max(since)));
+        }
+        latest.map(|t| now.saturating_duration_since(t))
+    }
+
     /// The state of `endpoint`'s breaker (an open breaker whose open time is over reports
     /// half-open); `None` for an unknown index.
     pub fn breaker_state(&self, endpoint: usize) -> Option<BreakerState> {

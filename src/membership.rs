@@ -34,9 +34,11 @@ use redis::Script;
 
 use crate::lease::RedisConn;
 
-/// Heartbeat: KEYS = [members, member], ARGV = [name, nonce, member_ttl_ms].
-/// Returns `{names, previous}`: the live member names, sorted, and the nonce the name's key held
-/// before when it was another process's (else `false`, read as nil).
+/// Heartbeat: KEYS = [members, member, member's LLM-down flag], ARGV = [name, nonce,
+/// member_ttl_ms, llm_down ("1" or "0"), key prefix].
+/// Returns `{names, previous, down}`: the live member names, sorted; the nonce the name's key held
+/// before when it was another process's (else `false`, read as nil); and the live members whose
+/// LLM-down flag is set, sorted. The flag expires with the heartbeat.
 const HEARTBEAT: &str = r#"
 local prev = redis.call('GET', KEYS[2])
 if prev == ARGV[2] then prev = false end
@@ -45,6 +47,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
 local expiry = string.format('%d', now + ttl)
 redis.call('SET', KEYS[2], ARGV[2], 'PXAT', expiry)
+if ARGV[4] == '1' then
+  redis.call('SET', KEYS[3], '1', 'PXAT', expiry)
+else
+  redis.call('DEL', KEYS[3])
+end
 redis.call('ZADD', KEYS[1], expiry, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
 if redis.call('PTTL', KEYS[1]) < ttl then
@@ -52,34 +59,43 @@ if redis.call('PTTL', KEYS[1]) < ttl then
 end
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
 table.sort(names)
-return {names, prev}
+local down = {}
+for _, n in ipairs(names) do
+  if redis.call('EXISTS', ARGV[5] .. ':member_llm_down:' .. n) == 1 then
+    table.insert(down, n)
+  end
+end
+return {names, prev, down}
 "#;
 
-/// Leave: KEYS = [members, member], ARGV = [name, nonce]. Returns 1 when removed, 0 when the name
-/// belongs to another process now.
+/// Leave: KEYS = [members, member, member's LLM-down flag], ARGV = [name, nonce]. Returns 1 when
+/// removed, 0 when the name belongs to another process now.
 const LEAVE: &str = r#"
 local cur = redis.call('GET', KEYS[2])
 if cur and cur ~= ARGV[2] then
   return 0
 end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[3])
 redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 "#;
 
-/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces}`, names
-/// sorted, a missing nonce as nil. The nonce keys are built from the names inside the script, as
-/// the names are not known before it runs.
+/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down}`, names
+/// sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down flag is set. The nonce
+/// and flag keys are built from the names inside the script, as the names are not known before
+/// it runs.
 const LIST: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
 table.sort(names)
 local nonces = {}
+local down = {}
 for i, n in ipairs(names) do
   nonces[i] = redis.call('GET', ARGV[1] .. ':member:' .. n)
+  down[i] = redis.call('EXISTS', ARGV[1] .. ':member_llm_down:' .. n)
 end
-return {names, nonces}
+return {names, nonces, down}
 "#;
 
 /// Membership errors.
@@ -110,6 +126,26 @@ pub fn member_key(prefix: &str, name: &str) -> String {
     format!("{prefix}:member:{name}")
 }
 
+/// The Redis key of a member's LLM-down flag: set by its heartbeats while every LLM endpoint of
+/// that instance has been down for `ownership.llm_down_hand_over_after`, with the heartbeat's
+/// expiry. Built from the names inside the scripts too (`HEARTBEAT`, `LIST`).
+pub fn member_llm_down_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}:member_llm_down:{name}")
+}
+
+/// The members that partitions are assigned to ([`crate::keying::assignment`]): the live
+/// members whose LLM is not down, or all live members when every one of them is down (then no
+/// instance can serve, and moving partitions would only return held requests to their queues).
+/// `members` and `llm_down` are sorted; so is the result.
+pub fn assignable(members: &[String], llm_down: &[String]) -> Vec<String> {
+    let up: Vec<String> = members.iter().filter(|m| llm_down.binary_search(m).is_err()).cloned().collect();
+    if up.is_empty() {
+        members.to_vec()
+    } else {
+        up
+    }
+}
+
 /// One live member, as `status` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -118,6 +154,8 @@ pub struct Member {
     /// Boot nonce of the process heartbeating under that name; `None` if its key expired between
     /// the heartbeat and this read.
     pub nonce: Option<String>,
+    /// Its LLM-down flag is set ([`member_llm_down_key`]).
+    pub llm_down: bool,
 }
 
 /// What one heartbeat read.
@@ -130,6 +168,8 @@ pub struct Heartbeat {
     /// when it comes back on later heartbeats, another live process using the same
     /// `instance.name`.
     pub previous_nonce: Option<String>,
+    /// The live members whose LLM-down flag is set ([`member_llm_down_key`]), sorted.
+    pub llm_down: Vec<String>,
 }
 
 /// The heartbeat of one process (`name` + boot `nonce`).
@@ -167,19 +207,23 @@ impl Membership {
         }
     }
 
-    /// Announces this process for another `member_ttl` and returns the live member names,
-    /// sorted, with the nonce of another process that held the name until this heartbeat (one
-    /// round trip).
-    pub async fn heartbeat(&self) -> Result<Heartbeat, MembershipError> {
+    /// Announces this process for another `member_ttl`, with its LLM-down flag set or cleared
+    /// (`llm_down`), and returns the live member names, sorted, with the nonce of another process
+    /// that held the name until this heartbeat and the members whose LLM is down (one round trip).
+    pub async fn heartbeat(&self, llm_down: bool) -> Result<Heartbeat, MembershipError> {
         let mut conn = self.conn.clone();
         let mut call = self.heartbeat.prepare_invoke();
         call.key(members_key(&self.prefix))
             .key(member_key(&self.prefix, &self.name))
+            .key(member_llm_down_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce)
-            .arg(self.ttl.as_millis() as u64);
-        let (members, previous_nonce): (Vec<String>, Option<String>) = self.timed(call.invoke_async(&mut conn)).await?;
-        Ok(Heartbeat { members, previous_nonce })
+            .arg(self.ttl.as_millis() as u64)
+            .arg(if llm_down { "1" } else { "0" })
+            .arg(&self.prefix);
+        let (members, previous_nonce, llm_down): (Vec<String>, Option<String>, Vec<String>) =
+            self.timed(call.invoke_async(&mut conn)).await?;
+        Ok(Heartbeat { members, previous_nonce, llm_down })
     }
 
     /// Removes this process from the member set. `Ok(false)`: the name now belongs to another
@@ -187,7 +231,11 @@ impl Membership {
     pub async fn leave(&self) -> Result<bool, MembershipError> {
         let mut conn = self.conn.clone();
         let mut call = self.leave.prepare_invoke();
-        call.key(members_key(&self.prefix)).key(member_key(&self.prefix, &self.name)).arg(&self.name).arg(&self.nonce);
+        call.key(members_key(&self.prefix))
+            .key(member_key(&self.prefix, &self.name))
+            .key(member_llm_down_key(&self.prefix, &self.name))
+            .arg(&self.name)
+            .arg(&self.nonce);
         let n: i64 = self.timed(call.invoke_async(&mut conn)).await?;
         Ok(n == 1)
     }
@@ -197,7 +245,33 @@ impl Membership {
 ///
 /// Errors: Redis unreachable or answering with an error.
 pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
-    let (names, nonces): (Vec<String>, Vec<Option<String>>) =
+    let (names, nonces, down): (Vec<String>, Vec<Option<String>>, Vec<i64>) =
         Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
-    Ok(names.into_iter().zip(nonces.into_iter().chain(std::iter::repeat(None))).map(|(name, nonce)| Member { name, nonce }).collect())
+    let mut nonces = nonces.into_iter();
+    let mut down = down.into_iter();
+    Ok(names
+        .into_iter()
+        .map(|name| Member { name, nonce: nonces.next().flatten(), llm_down: down.next() == Some(1) })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn partitions_go_to_the_members_whose_llm_is_up_unless_none_is() {
+        let members = names(&["a", "b", "c"]);
+        assert_eq!(assignable(&members, &[]), members);
+        assert_eq!(assignable(&members, &names(&["b"])), names(&["a", "c"]));
+        assert_eq!(assignable(&members, &names(&["a", "c"])), names(&["b"]));
+        assert_eq!(assignable(&members, &members), members, "all down: nobody could serve, nothing moves");
+        // A flag of a name that is no longer a member changes nothing.
+        assert_eq!(assignable(&names(&["a"]), &names(&["z"])), names(&["a"]));
+        assert!(assignable(&[], &[]).is_empty());
+    }
 }

@@ -162,6 +162,13 @@ static NAME_CONFLICTS: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 static MEMBERS: LazyLock<IntGauge> =
     LazyLock::new(|| reg(IntGauge::new("members", "Live instances seen in the membership set.").unwrap()));
+static MEMBERS_LLM_DOWN: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "members_llm_down",
+        "Live instances flagged as having every LLM endpoint down for ownership.llm_down_hand_over_after; their partitions go to the others.",
+    )
+    .unwrap())
+});
 static PARTITIONS: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new("partitions", "Configured partition count P (amqp.partitions); the same on every instance of a deployment.").unwrap())
 });
@@ -431,6 +438,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     LazyLock::force(&NAME_CONFLICTS);
     LazyLock::force(&PARTITION_OTHER_CONSUMER);
     LazyLock::force(&MEMBERS);
+    LazyLock::force(&MEMBERS_LLM_DOWN);
     LazyLock::force(&PARTITIONS);
     BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
     LazyLock::force(&READY);
@@ -584,6 +592,11 @@ pub fn instance_name_conflict() {
 /// Live members seen.
 pub fn members(n: usize) {
     MEMBERS.set(n as i64);
+}
+
+/// Live members flagged LLM-down ([`crate::membership::member_llm_down_key`]).
+pub fn members_llm_down(n: usize) {
+    MEMBERS_LLM_DOWN.set(n as i64);
 }
 
 /// Mirrors readiness into the `ready` gauge. The state itself lives in

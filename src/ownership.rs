@@ -4,7 +4,10 @@
 //! worker ends) an instance runs one round of named steps:
 //! 1. membership refresh: heartbeats and reads the live members ([`crate::membership`]);
 //! 2. assignment: the desired owner of each partition by rendezvous hashing with bounded loads
-//!    over the member names ([`crate::keying::assignment`]): every instance agrees without a
+//!    over the member names ([`crate::keying::assignment`]); over those whose LLM is up when
+//!    some are flagged down ([`crate::membership::assignable`]; an instance flags itself when
+//!    every LLM endpoint of its own has been down for `ownership.llm_down_hand_over_after`, so
+//!    a dead or misconfigured server does not hold its share of the keys): every instance agrees without a
 //!    coordinator, each member gets ⌊P/M⌋ or ⌈P/M⌉ partitions, few partitions move when a member joins or leaves, and a
 //!    restarted instance with the same name gets the same partitions back;
 //! 3. renewals: renews its leases every `renew_interval` ([`crate::lease`]), all in one concurrent
@@ -105,6 +108,8 @@ pub struct Ownership {
     /// Partitions whose lease was found held by this instance's previous process, logged once
     /// each ([`Ownership::note_previous_holder`]).
     waiting_on_previous: std::collections::BTreeSet<u32>,
+    /// The LLM-down flag of the last heartbeat ([`Ownership::llm_down`]).
+    flagged_llm_down: bool,
 }
 
 impl Ownership {
@@ -131,6 +136,7 @@ impl Ownership {
             rejoined_at: None,
             nonce,
             waiting_on_previous: Default::default(),
+            flagged_llm_down: false,
         }
     }
 
@@ -203,7 +209,8 @@ impl Ownership {
     /// Step 1, membership refresh: heartbeat and read the live members (`None` when Redis did not
     /// answer). Updates the view and the blind/rejoin state.
     async fn refresh_membership(&mut self) -> Option<Vec<String>> {
-        let beat = match self.membership.heartbeat().await {
+        let llm_down = self.llm_down();
+        let beat = match self.membership.heartbeat(llm_down).await {
             Ok(b) => b,
             Err(e) => {
                 warn!(error = %e, "membership heartbeat failed");
@@ -211,7 +218,8 @@ impl Ownership {
             }
         };
         self.note_name_conflict(beat.previous_nonce.as_deref());
-        let members = beat.members;
+        self.note_llm_down(llm_down);
+        let members = crate::membership::assignable(&beat.members, &beat.llm_down);
         let s = &self.settings.ownership;
         // Blind until now (first heartbeat of this session, or Redis was unreachable for longer
         // than member_ttl, so every heartbeat may have expired or been lost with Redis's data):
@@ -224,13 +232,38 @@ impl Ownership {
         self.last_heartbeat = Some(Instant::now());
         crate::splits::Affinity::for_prefix(&self.settings.redis.key_prefix).set_servers(members.len().max(1) * self.settings.llm.endpoints.len());
         if members != self.view {
-            info!(members = ?members, "membership changed");
+            info!(members = ?members, llm_down = ?beat.llm_down, "membership changed");
             metrics::rebalanced();
             self.view = members.clone();
             self.view_since = Instant::now();
         }
-        metrics::members(members.len());
+        metrics::members(beat.members.len());
+        metrics::members_llm_down(beat.llm_down.len());
         Some(members)
+    }
+
+    /// Whether this instance's heartbeat flags its LLM as down: every endpoint has been down
+    /// for `ownership.llm_down_hand_over_after` (never when that is zero). The flag goes with
+    /// the first heartbeat after an endpoint's breaker closes again.
+    fn llm_down(&self) -> bool {
+        let after = self.settings.ownership.llm_down_hand_over_after;
+        !after.is_zero() && self.llm.all_down_for().is_some_and(|d| d >= after)
+    }
+
+    /// Logs a change of this instance's LLM-down flag.
+    fn note_llm_down(&mut self, down: bool) {
+        if down == self.flagged_llm_down {
+            return;
+        }
+        self.flagged_llm_down = down;
+        if down {
+            warn!(
+                after_s = self.settings.ownership.llm_down_hand_over_after.as_secs_f64(),
+                "every LLM endpoint of this instance has been down for llm_down_hand_over_after: flagged in the member set, so its partitions move to the instances whose LLM is up (while there is one) until an endpoint answers its probe"
+            );
+        } else {
+            info!("an LLM endpoint of this instance answers again: flag cleared; the assignment takes this instance back");
+        }
     }
 
     /// Reports another process heartbeating under this instance's name (`previous`: its boot

@@ -1,14 +1,14 @@
 //! The membership scripts against the real Redis: the member set is a sorted set scored by Redis
 //! time, listed without scanning the keyspace; a stopping process never removes a restarted
 //! successor with the same name; a silent member drops out after its own `member_ttl`, whatever
-//! the readers' TTL.
+//! the readers' TTL; a member's LLM-down flag is seen by every other member and goes with it.
 
 mod common;
 
 use std::time::Duration;
 
 use common::*;
-use prefix_batcher::membership::{member_key, members_key, read_members, Member, Membership};
+use prefix_batcher::membership::{assignable, member_key, member_llm_down_key, members_key, read_members, Member, Membership};
 use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -23,37 +23,52 @@ async fn membership_against_redis() {
     let b = Membership::new(conn.clone(), prefix, "b", "n3", ttl, t);
     let mut probe = RedisProbe::connect().await.unwrap();
 
-    assert_eq!(b.heartbeat().await.unwrap().members, ["b"]);
-    assert_eq!(a.heartbeat().await.unwrap().members, ["a", "b"], "sorted live names");
+    assert_eq!(b.heartbeat(false).await.unwrap().members, ["b"]);
+    assert_eq!(a.heartbeat(false).await.unwrap().members, ["a", "b"], "sorted live names");
     let listed = read_members(&mut conn, prefix).await.unwrap();
-    assert_eq!(listed, [Member { name: "a".into(), nonce: Some("n1".into()) }, Member { name: "b".into(), nonce: Some("n3".into()) }]);
+    assert_eq!(listed, [Member { name: "a".into(), nonce: Some("n1".into()), llm_down: false }, Member { name: "b".into(), nonce: Some("n3".into()), llm_down: false }]);
     let kind: String = redis::cmd("TYPE").arg(members_key(prefix)).query_async(&mut probe.conn).await.unwrap();
     assert_eq!(kind, "zset");
 
     // A heartbeat reports no other process while the name's key holds its own nonce.
-    assert_eq!(a.heartbeat().await.unwrap().previous_nonce, None);
+    assert_eq!(a.heartbeat(false).await.unwrap().previous_nonce, None);
     // A restarted process takes the name over, and its heartbeat names the previous process;
     // the old one's leave must not remove it.
-    let taken = a2.heartbeat().await.unwrap();
+    let taken = a2.heartbeat(false).await.unwrap();
     assert_eq!((taken.members, taken.previous_nonce), (vec!["a".to_owned(), "b".to_owned()], Some("n1".to_owned())));
-    assert_eq!(a2.heartbeat().await.unwrap().previous_nonce, None, "its own nonce from then on");
+    assert_eq!(a2.heartbeat(false).await.unwrap().previous_nonce, None, "its own nonce from then on");
     assert!(!a.leave().await.unwrap(), "leave by a stale nonce");
     let listed = read_members(&mut conn, prefix).await.unwrap();
-    assert_eq!(listed[0], Member { name: "a".into(), nonce: Some("n2".into()) });
+    assert_eq!(listed[0], Member { name: "a".into(), nonce: Some("n2".into()), llm_down: false });
 
-    // A leave removes the name and its nonce key at once.
+    // A member whose LLM is down says so with its heartbeat; every heartbeat and the listing
+    // report it, and its next heartbeat without the flag clears it.
+    let beat = b.heartbeat(true).await.unwrap();
+    assert_eq!((beat.members.clone(), beat.llm_down.clone()), (vec!["a".to_owned(), "b".to_owned()], vec!["b".to_owned()]));
+    assert_eq!(a2.heartbeat(false).await.unwrap().llm_down, ["b"], "another member's heartbeat sees the flag");
+    assert!(read_members(&mut conn, prefix).await.unwrap()[1].llm_down);
+    let flag_ttl: i64 = redis::cmd("PTTL").arg(member_llm_down_key(prefix, "b")).query_async(&mut probe.conn).await.unwrap();
+    assert!(flag_ttl > 0 && flag_ttl <= ttl.as_millis() as i64, "the flag expires with the heartbeat: PTTL {flag_ttl}");
+    assert_eq!(assignable(&beat.members, &beat.llm_down), ["a"], "partitions go to the members whose LLM is up");
+    assert_eq!(assignable(&beat.members, &beat.members), ["a", "b"], "all down: all keep their partitions");
+    assert!(b.heartbeat(false).await.unwrap().llm_down.is_empty());
+    assert_eq!(probe.get(&member_llm_down_key(prefix, "b")).await, None);
+
+    // A leave removes the name, its nonce key and its flag at once.
+    assert!(b.heartbeat(true).await.unwrap().llm_down == ["b"]);
     assert!(b.leave().await.unwrap());
-    assert_eq!(a2.heartbeat().await.unwrap().members, ["a"]);
+    assert_eq!(a2.heartbeat(false).await.unwrap().members, ["a"]);
     assert_eq!(probe.get(&member_key(prefix, "b")).await, None);
+    assert_eq!(probe.get(&member_llm_down_key(prefix, "b")).await, None);
 
     // A member that stops heartbeating drops out after its own TTL (shorter than the reader's),
     // and its entry is removed.
     let short = Duration::from_millis(300);
     let c = Membership::new(conn.clone(), prefix, "c", "n4", short, t);
     let since = Instant::now();
-    assert_eq!(c.heartbeat().await.unwrap().members, ["a", "c"]);
+    assert_eq!(c.heartbeat(false).await.unwrap().members, ["a", "c"]);
     let deadline = since + DEADLINE;
-    while a2.heartbeat().await.unwrap().members.contains(&"c".to_owned()) {
+    while a2.heartbeat(false).await.unwrap().members.contains(&"c".to_owned()) {
         assert!(Instant::now() < deadline, "silent member still listed after {DEADLINE:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -65,10 +80,10 @@ async fn membership_against_redis() {
     // reports it as a name conflict after its first heartbeat).
     let d1 = Membership::new(conn.clone(), prefix, "d", "n5", ttl, t);
     let d2 = Membership::new(conn.clone(), prefix, "d", "n6", ttl, t);
-    assert_eq!(d1.heartbeat().await.unwrap().previous_nonce, None);
+    assert_eq!(d1.heartbeat(false).await.unwrap().previous_nonce, None);
     for _ in 0..2 {
-        assert_eq!(d2.heartbeat().await.unwrap().previous_nonce.as_deref(), Some("n5"));
-        assert_eq!(d1.heartbeat().await.unwrap().previous_nonce.as_deref(), Some("n6"));
+        assert_eq!(d2.heartbeat(false).await.unwrap().previous_nonce.as_deref(), Some("n5"));
+        assert_eq!(d1.heartbeat(false).await.unwrap().previous_nonce.as_deref(), Some("n6"));
     }
     assert!(d1.leave().await.unwrap());
 

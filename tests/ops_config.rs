@@ -185,6 +185,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("ownership.renew_interval", "4s", "\"4s\""),
         ("ownership.member_ttl", "11s", "\"11s\""),
         ("ownership.settle_time", "3s", "\"3s\""),
+        ("ownership.llm_down_hand_over_after", "90s", "\"90s\""),
         ("keying.mode", "off", "\"off\""),
         ("keying.prefix_chars", "128", "128"),
         ("keying.chat_key", "rendered", "\"rendered\""),

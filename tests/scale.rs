@@ -22,6 +22,9 @@
 //! - f. [`f_frozen_owner_is_cut_off_by_the_heartbeat`]: an instance paused longer than its
 //!   lease TTL and two AMQP heartbeat intervals loses its partition queues to another instance
 //!   while still paused (the broker closes its silent connections).
+//! - g. [`g_an_instance_whose_llm_is_down_hands_its_partitions_over`]: an instance whose every
+//!   LLM endpoint stays down hands its partitions to the instance whose server answers, and takes
+//!   them back when its server is back.
 //! - [`lease_protocol_against_redis`]: the Lua scripts (epochs, compare-and-set, data loss).
 //!
 //! The tests of this file run one at a time (a process-wide lock): they measure handoff times,
@@ -40,6 +43,7 @@ use common::*;
 use prefix_batcher::config::RawConfig;
 use llm_fakes::fake::FakeLlm;
 use prefix_batcher::lease::{Acquire, LeaseValue, Leases};
+use prefix_batcher::request::RequestResult;
 use tokio::time::Instant;
 
 /// Lease TTL of the test configuration (`TestEnv::raw_config`).
@@ -526,6 +530,83 @@ async fn f_frozen_owner_is_cut_off_by_the_heartbeat() {
         a_log.contains("session ended; reconnecting"),
         "a's broker session must have ended (the broker closed its silent connections):\n{a_log}"
     );
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// g. An instance whose LLM is down.
+// ---------------------------------------------------------------------------------------------
+
+/// g. Two instances, each with its own LLM server; b's server refuses every connection. Once
+/// every endpoint of b has been down for `ownership.llm_down_hand_over_after` (2 s here), b flags
+/// itself in the member set, hands its partitions over, and a serves every request, b's included
+/// (before, b kept its partitions with their intake paused, and their requests waited for b's
+/// server however long it stayed down). When b's server is back, b's probe closes its breaker,
+/// the flag goes and b gets its partitions back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 8;
+    let env = TestEnv::new("llmdown");
+    let fake_a = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
+    let fake_b = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
+    let mut raw = scale_config(&env, fake_a.url.as_str(), P);
+    raw.ownership.llm_down_hand_over_after = "2s".into();
+    let mut raw_b = raw.clone();
+    raw_b.llm.endpoints = vec![fake_b.url.as_str().trim_end_matches('/').to_owned()];
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut cluster = Cluster::new(&env, raw);
+    cluster.start(&env, "a");
+    cluster.start_with(&env, "b", raw_b);
+    let (leases, _) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let (a, b) = (cluster.name("a"), cluster.name("b"));
+    let b_parts = held_by(&leases).get(&b).cloned().unwrap_or_default();
+    assert!(!b_parts.is_empty(), "b owns no partition to hand over: {leases:?}");
+
+    // b's server goes away; requests for every partition, b's included.
+    fake_b.set_refuse(true).await;
+    let amqp = Amqp::connect().await;
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("llmdown", 200, 40);
+    let t0 = Instant::now();
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    let served = t0.elapsed();
+    let got: Vec<(String, RequestResult, String)> =
+        results.received.iter().map(|r| (r.correlation_id.clone(), r.result(), r.header("x-instance").unwrap_or("").to_owned())).collect();
+    let distinct: HashSet<&String> = got.iter().map(|(id, ..)| id).collect();
+    assert_eq!((got.len(), distinct.len()), (reqs.len(), reqs.len()), "one result per request, no duplicate");
+    let failed: Vec<&String> = got.iter().filter(|(_, r, _)| !r.ok).map(|(id, ..)| id).collect();
+    assert!(failed.is_empty(), "a server outage is not the requests' fault: {failed:?}");
+    let by_b = got.iter().filter(|(.., i)| *i == b).count();
+    assert_eq!(by_b, 0, "b has no server: every result comes from a");
+    println!("b's server down: {} requests answered by a in {}", reqs.len(), secs(served));
+
+    let leases = redis.leases(&prefix, P).await;
+    assert_eq!(held_by(&leases).get(&a).map(|ps| ps.len()), Some(P as usize), "a holds every partition: {leases:?}");
+    let table = cluster.status(false).await;
+    println!("prefix-batcher status (b's server down):\n{table}");
+    let b_row = table.lines().find(|l| l.contains(&b)).unwrap_or_else(|| panic!("status lists b:\n{table}"));
+    assert!(b_row.contains("LLM down"), "status flags b: {b_row}");
+    assert!(cluster.proc("b").log().contains("every LLM endpoint of this instance has been down"), "b logs why it hands over");
+
+    // b's server is back: the flag goes and b gets its partitions back.
+    fake_b.set_refuse(false).await;
+    let t_back = Instant::now();
+    let (leases, _) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    println!("b's server back: b holds its {} partitions again after {}", held_by(&leases)[&b].len(), secs(t_back.elapsed()));
+    assert!(cluster.proc("b").log().contains("answers again"), "b logs that it takes its partitions back");
+    let more = completions_workload("llmback", 100, 40);
+    amqp.publish_requests(&env.input_queue(), &more, &reply).await;
+    results.until_all(&ids(&more), DEADLINE).await;
+    let by_b = results.received.iter().filter(|r| r.correlation_id.starts_with("llmback") && r.header("x-instance") == Some(b.as_str())).count();
+    assert!(by_b > 0, "b serves its partitions again");
+
+    cluster.stop_all(DEADLINE).await;
+    results.close().await;
+    amqp.close().await;
     env.cleanup().await;
 }
 

@@ -1187,9 +1187,15 @@ pub mod cluster {
 
         /// Starts (or restarts) instance `suffix`; its name stays the same across restarts.
         pub fn start(&mut self, env: &TestEnv, suffix: &str) {
+            let raw = self.base.clone();
+            self.start_with(env, suffix, raw);
+        }
+
+        /// [`Cluster::start`] with a configuration of its own (`raw`, its instance name set
+        /// here), e.g. another LLM endpoint.
+        pub fn start_with(&mut self, env: &TestEnv, suffix: &str, mut raw: RawConfig) {
             let n = self.starts.entry(suffix.to_owned()).or_default();
             *n += 1;
-            let mut raw = self.base.clone();
             raw.instance.name = env.instance(suffix);
             self.names.insert(suffix.to_owned(), raw.instance.name.clone());
             let label = format!("{suffix}-{n}");
