@@ -892,6 +892,9 @@ pub const DAEMON_1MS: &str = "daemon, 1 ms wait";
 pub const PASS: &str = "pass-through";
 pub const PASS_2CONN: &str = "pass-through, 2 connections";
 pub const PASS_LLM: &str = "pass-through, 2 connections, LLM call";
+/// A second build of the daemon (`BENCH_DAEMON_BIN_B`), deployed like [`DAEMON`] and measured in
+/// the same rotation, to compare two builds side by side in one run.
+pub const DAEMON_B: &str = "daemon B (BENCH_DAEMON_BIN_B)";
 /// The pass-through variants: (queue-name suffix, system, calls the LLM), each one step closer to
 /// the daemon (`bench/src/passthrough.rs`).
 const PASS_VARIANTS: [(&str, &str, bool); 3] = [("", PASS, false), ("c2", PASS_2CONN, false), ("llm", PASS_LLM, true)];
@@ -931,8 +934,26 @@ async fn overhead_run(
             },
         )?);
     }
-    wait_ready(http, &mut daemons[..1], 16, Duration::from_secs(60)).await?;
-    wait_ready(http, &mut daemons[1..], 16, Duration::from_secs(60)).await?;
+    // BENCH_DAEMON_BIN_B: another build, deployed like the 10 ms daemon, measured in the same
+    // rotation (its rows are in results.json; the report's tables leave it out).
+    let bin_b = std::env::var_os("BENCH_DAEMON_BIN_B").map(std::path::PathBuf::from);
+    if let Some(bin) = &bin_b {
+        let o = DaemonOpts {
+            instance: "bench-0".into(),
+            run: format!("{run_d}b"),
+            partitions: 16,
+            keying: Keying::Adaptive,
+            max_batch_size: 8,
+            max_batch_wait: "10ms".into(),
+            endpoint: fake_url.clone(),
+            llm_max_concurrency: 4,
+            extra: vec![],
+        };
+        daemons.push(procs::start_daemon_bin(env, &o, bin)?);
+    }
+    for i in 0..daemons.len() {
+        wait_ready(http, &mut daemons[i..=i], 16, Duration::from_secs(60)).await?;
+    }
     let mut passes = Vec::new();
     for (suffix, system, calls_llm) in PASS_VARIANTS {
         let name = format!("{run_p}{suffix}");
@@ -951,13 +972,17 @@ async fn overhead_run(
 
     let mut reps = Vec::new();
     for rep in 0..plan.overhead_reps {
-        let mut order = [DAEMON, DAEMON_1MS, PASS, PASS_2CONN, PASS_LLM];
+        let mut order = vec![DAEMON, DAEMON_1MS, PASS, PASS_2CONN, PASS_LLM];
+        if bin_b.is_some() {
+            order.insert(1, DAEMON_B);
+        }
         let systems = order.len();
         order.rotate_left(rep % systems);
         for (si, system) in order.into_iter().enumerate() {
             let (queue, pid) = match system {
                 DAEMON => (format!("{run_d}.input"), daemons[0].proc.pid()),
                 DAEMON_1MS => (format!("{run_d}w1.input"), daemons[1].proc.pid()),
+                DAEMON_B => (format!("{run_d}b.input"), daemons[2].proc.pid()),
                 _ => {
                     let (_, name, proc) = passes.iter().find(|p| p.0 == system).expect("every pass-through variant runs");
                     (format!("{name}.input"), proc.pid())
@@ -996,6 +1021,9 @@ async fn overhead_run(
     let mut rss_kb = BTreeMap::new();
     rss_kb.insert(DAEMON.to_owned(), procs::proc_usage(daemons[0].proc.pid()).map(|u| u.1).unwrap_or(0));
     rss_kb.insert(DAEMON_1MS.to_owned(), procs::proc_usage(daemons[1].proc.pid()).map(|u| u.1).unwrap_or(0));
+    if let Some(d) = daemons.get(2) {
+        rss_kb.insert(DAEMON_B.to_owned(), procs::proc_usage(d.proc.pid()).map(|u| u.1).unwrap_or(0));
+    }
     for (system, _, proc) in &passes {
         rss_kb.insert((*system).to_owned(), procs::proc_usage(proc.pid()).map(|u| u.1).unwrap_or(0));
     }

@@ -372,6 +372,11 @@ pub fn abort_daemons(daemons: Vec<Daemon>) {
 }
 
 pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
+    start_daemon_bin(env, o, &env.daemon_bin)
+}
+
+/// [`start_daemon`] with another build of the daemon (`bin`).
+pub fn start_daemon_bin(env: &Env, o: &DaemonOpts, bin: &std::path::Path) -> anyhow::Result<Daemon> {
     let port = free_port()?;
     let empty = env.work.join("empty.toml");
     if !empty.exists() {
@@ -380,7 +385,7 @@ pub fn start_daemon(env: &Env, o: &DaemonOpts) -> anyhow::Result<Daemon> {
     let log_path = env.work.join(format!("{}-{}.log", o.run, o.instance));
     let log = std::fs::File::create(&log_path)?;
     let r = &o.run;
-    let mut cmd = Command::new(&env.daemon_bin);
+    let mut cmd = Command::new(bin);
     cmd.arg("--config").arg(&empty).arg("run");
     let mut vars: Vec<(String, String)> = vec![
         ("INSTANCE__NAME".into(), o.instance.clone()),
