@@ -38,7 +38,7 @@ use lapin::{Connection, ConnectionProperties};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::amqp::Connections;
 use crate::config::Settings;
@@ -261,12 +261,17 @@ fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
         LlmEvent::Call { outcome, seconds, .. } => metrics::llm_call(call_outcome_label(*outcome), *seconds),
         LlmEvent::Tokens { prompt_tokens, cached_tokens } => metrics::llm_tokens(*prompt_tokens, *cached_tokens),
         LlmEvent::Breaker { endpoint, name, state } => {
-            metrics::llm_circuit(*endpoint, state.as_str());
+            let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
+            // Open again without having closed: a failed probe reopened it, in the same outage.
+            let reopened = *state == BreakerState::Open && open.get(*endpoint).copied().unwrap_or(false);
+            metrics::llm_circuit(*endpoint, state.as_str(), reopened);
             match state {
+                BreakerState::Open if reopened => {
+                    debug!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open again after a failed probe")
+                }
                 BreakerState::Open => warn!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open: server-wide failures; its partitions pause intake"),
                 _ => info!(endpoint = *endpoint, url = %name, state = state.as_str(), "LLM endpoint circuit"),
             }
-            let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(slot) = open.get_mut(*endpoint) {
                 *slot = *state != BreakerState::Closed;
             }

@@ -753,6 +753,17 @@ fn opt<T: ToString>(v: Option<T>) -> String {
     v.map_or_else(|| "-".to_owned(), |v| v.to_string())
 }
 
+/// The note `status` puts after a member flagged LLM-down: whether the assignment gave its
+/// partitions to the others, or left them with it because no other member's LLM is up
+/// ([`crate::membership::assignable`]). Empty for a member that is not flagged.
+fn llm_down_note(m: &MemberStatus) -> &'static str {
+    match (m.llm_down, m.desired) {
+        (false, _) => "",
+        (true, 0) => "  (LLM down: its partitions go to the others)",
+        (true, _) => "  (LLM down; no other member's LLM is up, so it keeps its partitions)",
+    }
+}
+
 /// Renders `status` as a human table.
 pub fn render_status(s: &Status) -> String {
     let mut out = String::new();
@@ -760,7 +771,7 @@ pub fn render_status(s: &Status) -> String {
     out.push_str(&format!("members ({}):\n", s.members.len()));
     out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}\n", "name", "nonce", "owns", "desired"));
     for m in &s.members {
-        let down = if m.llm_down { "  (LLM down: its partitions go to the others)" } else { "" };
+        let down = llm_down_note(m);
         out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}{down}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
     }
     for (name, ps) in &s.stale_owners {
@@ -845,6 +856,15 @@ pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flagged_member_is_said_to_keep_its_partitions_only_when_the_assignment_gives_it_some() {
+        let member = |llm_down: bool, desired: usize| MemberStatus { name: "a".into(), nonce: None, owned: 0, desired, llm_down };
+        assert_eq!(llm_down_note(&member(false, 8)), "");
+        assert!(llm_down_note(&member(true, 0)).contains("go to the others"));
+        // A lone member, or every member flagged: the assignment still counts it.
+        assert!(llm_down_note(&member(true, 16)).contains("keeps its partitions"));
+    }
 
     #[test]
     fn request_ids_become_message_ids_up_to_the_limit() {

@@ -706,6 +706,9 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
 }
 
 fn duration(key: &'static str, v: &str) -> Result<Duration, ConfigError> {
+    if v.trim().starts_with('-') {
+        return Err(invalid(key, format!("{v:?}"), "must not be negative: a duration such as \"250ms\" or \"1s\""));
+    }
     humantime::parse_duration(v.trim())
         .map_err(|e| invalid(key, format!("{v:?}"), format!("must be a duration such as \"250ms\" or \"1s\" ({e})")))
 }
@@ -1579,6 +1582,14 @@ mod tests {
     }
 
     #[test]
+    fn a_negative_duration_is_refused_as_negative() {
+        let mut r = RawConfig::default();
+        r.ownership.llm_down_hand_over_after = "-5s".into();
+        let e = err(&r);
+        assert!(e.contains("ownership.llm_down_hand_over_after") && e.contains("\"-5s\"") && e.contains("must not be negative"), "{e}");
+    }
+
+    #[test]
     fn bad_values_name_key_value_and_rule() {
         let cases: Vec<(fn(&mut RawConfig), &str)> = vec![
             (|r| r.keying.mode = "fast".into(), "keying.mode"),
@@ -1599,6 +1610,7 @@ mod tests {
             (|r| r.instance.name = "a b".into(), "instance.name"),
             (|r| r.amqp.delivery_limit = 0, "amqp.delivery_limit"),
             (|r| r.amqp.consumer_timeout = "0s".into(), "amqp.consumer_timeout"),
+            (|r| r.ownership.llm_down_hand_over_after = "later".into(), "ownership.llm_down_hand_over_after"),
             (|r| r.batching.max_buffered_bytes = 0, "batching.max_buffered_bytes"),
             (|r| r.llm.max_response_bytes = 0, "llm.max_response_bytes"),
             (|r| r.redis.sentinels = vec!["127.0.0.1:26379".into()], "redis.sentinel_master"),

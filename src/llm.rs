@@ -995,6 +995,11 @@ impl LlmClient {
     fn after_record(&self, endpoint: usize, changed: Option<BreakerState>, probe: bool) {
         let ep = &self.inner.endpoints[endpoint];
         match changed {
+            // A failed probe reopens it: the probe's own line (`LLM endpoint probe failed`) says
+            // so, and a WARN line per probe of a long outage would only repeat the first.
+            Some(BreakerState::Open) if probe => {
+                tracing::debug!(endpoint, name = %ep.name, "LLM endpoint circuit breaker reopened after a failed probe")
+            }
             Some(BreakerState::Open) => {
                 tracing::warn!(endpoint, name = %ep.name, "LLM endpoint circuit breaker opened; its calls fail fast")
             }

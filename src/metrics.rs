@@ -91,7 +91,7 @@ static LLM_CIRCUIT_OPEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 });
 static LLM_CIRCUIT_OPENED: LazyLock<IntCounterVec> = counter_vec!(
     "llm_circuit_opened_total",
-    "Times the circuit breaker of LLM endpoint `endpoint` (its index in llm.endpoints) opened after server faults.",
+    "Times the circuit breaker of LLM endpoint `endpoint` (its index in llm.endpoints) opened after server faults: once per outage (a failed probe that reopens it is not counted again).",
     &["endpoint"]
 );
 static LLM_PROMPT_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
@@ -504,11 +504,12 @@ pub fn llm_call(outcome: &'static str, seconds: f64) {
 }
 
 /// The circuit breaker of LLM endpoint `endpoint` (index in `llm.endpoints`) entered `state`
-/// (`closed`, `open` or `half_open`).
-pub fn llm_circuit(endpoint: usize, state: &'static str) {
+/// (`closed`, `open` or `half_open`); `reopened`: it opened again without having closed (a failed
+/// probe), which `llm_circuit_opened_total` does not count again.
+pub fn llm_circuit(endpoint: usize, state: &'static str, reopened: bool) {
     let e = endpoint.to_string();
     LLM_CIRCUIT_OPEN.with_label_values(&[e.as_str()]).set(i64::from(state != "closed"));
-    if state == "open" {
+    if state == "open" && !reopened {
         LLM_CIRCUIT_OPENED.with_label_values(&[e.as_str()]).inc();
     }
 }

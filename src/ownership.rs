@@ -218,8 +218,8 @@ impl Ownership {
             }
         };
         self.note_name_conflict(beat.previous_nonce.as_deref());
-        self.note_llm_down(llm_down);
         let members = crate::membership::assignable(&beat.members, &beat.llm_down);
+        self.note_llm_down(llm_down, members.contains(&self.settings.instance_name));
         let s = &self.settings.ownership;
         // Blind until now (first heartbeat of this session, or Redis was unreachable for longer
         // than member_ttl, so every heartbeat may have expired or been lost with Redis's data):
@@ -250,16 +250,23 @@ impl Ownership {
         !after.is_zero() && self.llm.all_down_for().is_some_and(|d| d >= after)
     }
 
-    /// Logs a change of this instance's LLM-down flag.
-    fn note_llm_down(&mut self, down: bool) {
+    /// Logs a change of this instance's LLM-down flag (`assigned`: the assignment still counts
+    /// this instance, because no other member's LLM is up).
+    fn note_llm_down(&mut self, down: bool, assigned: bool) {
         if down == self.flagged_llm_down {
             return;
         }
         self.flagged_llm_down = down;
-        if down {
+        let after_s = self.settings.ownership.llm_down_hand_over_after.as_secs_f64();
+        if down && assigned {
             warn!(
-                after_s = self.settings.ownership.llm_down_hand_over_after.as_secs_f64(),
-                "every LLM endpoint of this instance has been down for llm_down_hand_over_after: flagged in the member set, so its partitions move to the instances whose LLM is up (while there is one) until an endpoint answers its probe"
+                after_s,
+                "every LLM endpoint of this instance has been down for llm_down_hand_over_after: flagged in the member set; no other member's LLM is up, so it keeps its partitions (they move once another member's LLM is up)"
+            );
+        } else if down {
+            warn!(
+                after_s,
+                "every LLM endpoint of this instance has been down for llm_down_hand_over_after: flagged in the member set, so its partitions move to the instances whose LLM is up until an endpoint answers its probe"
             );
         } else {
             info!("an LLM endpoint of this instance answers again: flag cleared; the assignment takes this instance back");

@@ -589,7 +589,7 @@ async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
     let table = cluster.status(false).await;
     println!("prefix-batcher status (b's server down):\n{table}");
     let b_row = table.lines().find(|l| l.contains(&b)).unwrap_or_else(|| panic!("status lists b:\n{table}"));
-    assert!(b_row.contains("LLM down"), "status flags b: {b_row}");
+    assert!(b_row.contains("LLM down: its partitions go to the others"), "status flags b: {b_row}");
     assert!(cluster.proc("b").log().contains("every LLM endpoint of this instance has been down"), "b logs why it hands over");
 
     // b's server is back: the flag goes and b gets its partitions back.
