@@ -260,18 +260,16 @@ fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
     Arc::new(move |event: &LlmEvent<'_>| match event {
         LlmEvent::Call { outcome, seconds, .. } => metrics::llm_call(call_outcome_label(*outcome), *seconds),
         LlmEvent::Tokens { prompt_tokens, cached_tokens } => metrics::llm_tokens(*prompt_tokens, *cached_tokens),
-        LlmEvent::Breaker { endpoint, name, state } => {
-            let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
-            // Open again without having closed: a failed probe reopened it, in the same outage.
-            let reopened = *state == BreakerState::Open && open.get(*endpoint).copied().unwrap_or(false);
-            metrics::llm_circuit(*endpoint, state.as_str(), reopened);
+        LlmEvent::Breaker { endpoint, name, state, reopened } => {
+            metrics::llm_circuit(*endpoint, state.as_str(), *reopened);
             match state {
-                BreakerState::Open if reopened => {
+                BreakerState::Open if *reopened => {
                     debug!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open again after a failed probe")
                 }
                 BreakerState::Open => warn!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open: server-wide failures; its partitions pause intake"),
                 _ => info!(endpoint = *endpoint, url = %name, state = state.as_str(), "LLM endpoint circuit"),
             }
+            let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(slot) = open.get_mut(*endpoint) {
                 *slot = *state != BreakerState::Closed;
             }

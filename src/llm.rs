@@ -120,7 +120,10 @@ pub enum LlmEvent<'a> {
     /// over the answer (0 when not reported).
     Tokens { prompt_tokens: u64, cached_tokens: u64 },
     /// An endpoint's circuit breaker changed state. `name` is the credential-free base URL.
-    Breaker { endpoint: usize, name: &'a str, state: BreakerState },
+    ///
+    /// `reopened`: it went to open again from a failed half-open probe, without having closed (the
+    /// same outage; the first opening of an outage has `false`).
+    Breaker { endpoint: usize, name: &'a str, state: BreakerState, reopened: bool },
 }
 
 /// The callback that receives every [`LlmEvent`]; called inline, so it must be cheap and must not
@@ -1007,7 +1010,7 @@ impl LlmClient {
             _ => {}
         }
         if let Some(state) = changed {
-            self.breaker_changed(endpoint, state);
+            self.breaker_changed(endpoint, state, probe && state == BreakerState::Open);
         } else if probe {
             ep.changed.send_replace(()); // an abandoned probe frees the probe slot
         }
@@ -1047,9 +1050,9 @@ impl LlmClient {
         }
     }
 
-    fn breaker_changed(&self, endpoint: usize, state: BreakerState) {
+    fn breaker_changed(&self, endpoint: usize, state: BreakerState, reopened: bool) {
         let ep = &self.inner.endpoints[endpoint];
-        (self.inner.hook)(&LlmEvent::Breaker { endpoint, name: &ep.name, state });
+        (self.inner.hook)(&LlmEvent::Breaker { endpoint, name: &ep.name, state, reopened });
         ep.changed.send_replace(());
     }
 
@@ -1191,7 +1194,7 @@ async fn probe_until_closed(inner: std::sync::Weak<Inner>, endpoint: usize) {
             return; // another prober holds the slot (not started by this client: cannot happen)
         }
         tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; probing with a one-token completion");
-        client.breaker_changed(endpoint, BreakerState::HalfOpen);
+        client.breaker_changed(endpoint, BreakerState::HalfOpen, false);
         let outcome = client.probe(endpoint).await;
         client.record(endpoint, outcome, true);
     }
