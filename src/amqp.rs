@@ -15,6 +15,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::{Channel, Connect, Connection, ConnectionProperties};
 
+use tracing::warn;
+
 use crate::config::AmqpSettings;
 
 /// `reply-success` (200): the code of a normal `channel.close` / `connection.close`.
@@ -217,51 +219,154 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error>
     Ok(ch)
 }
 
-/// Confirm-mode channels on a publishing connection, each lent to one publish at a time and
-/// given back when its confirm is in; opened as needed, up to `max` at once. Each partition
-/// session publishes its results and dead letters through one ([`crate::partition`]).
+/// A confirm-mode channel shared by concurrent publishes, with **ordered settlement**: a publish
+/// counts as delivered only when its own confirm is an ack *and* every publish sent before it on
+/// the channel has settled without a failure. The router forwards through one; each partition
+/// session publishes its results and dead letters through one ([`crate::partition`]). Cloning
+/// gives another handle to the same channel and the same order.
 ///
-/// One publish per channel at a time, for two reasons:
-/// - A `basic.return` carries no delivery tag (AMQP 0-9-1,
-///   <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin gives a
-///   returned message to whichever publisher confirm on the channel it completes next, and
-///   under a `multiple` ack that can be another publish's (8 of 3,000 results went astray in a
-///   test). [`crate::publisher::publish_confirmed`] now recognises such a return and places it
-///   again, but with one publish in flight a return always meets its own confirm.
-/// - After the broker nacks a publish, a RabbitMQ 3.10 quorum queue can drop the channel's
-///   later publishes while confirming them (rabbitmq-server #14589). With one publish in flight
-///   no later publish is already on the way, and the holder closes the nacked channel.
+/// Why the order matters:
+/// - After the broker nacks a publish, a RabbitMQ 3.10 quorum queue can drop the channel's later
+///   publishes while confirming them (rabbitmq-server #14589). So a publish that was sent after a
+///   failed one (nacked, or no confirm within `amqp.confirm_timeout`, or the channel failed) is
+///   reported as [`crate::publisher::PublishError::AfterFailed`], whatever its own confirm said,
+///   and its caller publishes it again or requeues the request: a possible duplicate, never a
+///   loss. Confirms can come out of order (several queues; lapin completes the confirms of one
+///   `multiple` ack in hash-map order), so each publish waits until all earlier ones have settled.
+/// - lapin numbers a publish (its delivery tag, for the confirm) and queues its frames under two
+///   different locks (lapin 4.12, `Channel::basic_publish`: `before_basic_publish`, then
+///   `send_method_frame_with_body`). Two tasks publishing at once on two threads can interleave
+///   there, and each would then receive the other's confirm. [`ConfirmChannel::send`] does both
+///   under one lock of its own, in the first poll of `basic_publish`, before its first await.
 ///
-/// `max` channels still carry `max` publishes at once. The price: a channel with one publish in
-/// flight gets one confirm frame per publish, where a busy shared channel gets one `multiple`
-/// ack for many (a pool of 32 for the router's forwards cost a third of the daemon's throughput
-/// on the overhead bench, so the router keeps one shared channel, replaced after a nack).
+/// A `basic.return` carries no delivery tag (AMQP 0-9-1,
+/// <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin hands a returned
+/// message to the next confirm it completes on the channel, which can be another publish's;
+/// [`crate::publisher::publish_confirmed`] recognises that and places the message again.
 ///
-/// A channel found closed (the broker closed it, or the holder closed it after a nack) is
-/// dropped from the pool, and [`PublishPool::lost_a_channel`] says so; the next [`take`]
-/// that finds no free channel opens a new one.
-///
-/// [`take`]: PublishPool::take
-pub struct PublishPool {
-    conn: Arc<Connection>,
-    free: std::sync::Mutex<Vec<Channel>>,
-    /// Every channel opened and not yet found closed (for [`PublishPool::close`]).
-    opened: std::sync::Mutex<Vec<Channel>>,
-    /// One permit per publish that may hold a channel.
-    permits: tokio::sync::Semaphore,
-    lost: std::sync::atomic::AtomicBool,
+/// One shared channel instead of one channel per publish in flight: the broker acks a busy
+/// channel's publishes with one `multiple` ack for many, and fewer frames and wake-ups cost less
+/// CPU per request (`bench/PROFILE.md`).
+#[derive(Clone)]
+pub struct ConfirmChannel {
+    ch: Channel,
+    order: Arc<PublishOrder>,
 }
 
-impl PublishPool {
-    /// A pool of at most `max` (≥ 1) channels on `conn`; none is opened yet.
-    pub fn new(conn: Arc<Connection>, max: usize) -> PublishPool {
-        PublishPool {
-            conn,
-            free: std::sync::Mutex::new(Vec::new()),
-            opened: std::sync::Mutex::new(Vec::new()),
-            permits: tokio::sync::Semaphore::new(max.max(1)),
-            lost: std::sync::atomic::AtomicBool::new(false),
+/// The numbering and settlement state of a [`ConfirmChannel`]'s publishes.
+#[derive(Default)]
+struct PublishOrder {
+    /// The next publish's number; locked while a publish is numbered and its frames queued.
+    next: std::sync::Mutex<u64>,
+    settled: std::sync::Mutex<Settled>,
+}
+
+#[derive(Default)]
+struct Settled {
+    /// Every publish numbered below this has settled.
+    below: u64,
+    /// Publishes at or above `below` that have settled (out of order).
+    ahead: std::collections::BTreeSet<u64>,
+    /// The lowest number of a publish that failed.
+    first_failed: Option<u64>,
+    /// Publishes waiting for all publishes before them to settle, by number.
+    waiting: std::collections::BTreeMap<u64, tokio::sync::oneshot::Sender<()>>,
+}
+
+impl ConfirmChannel {
+    /// Wraps `ch`, which must be in confirm mode ([`confirm_channel`]) and must not be published
+    /// on except through this wrapper.
+    pub fn new(ch: Channel) -> ConfirmChannel {
+        ConfirmChannel { ch, order: Arc::new(PublishOrder::default()) }
+    }
+
+    /// A new confirm-mode channel on `conn` ([`confirm_channel`]), wrapped.
+    pub async fn open(conn: &Connection) -> Result<ConfirmChannel, lapin::Error> {
+        Ok(ConfirmChannel::new(confirm_channel(conn).await?))
+    }
+
+    /// The underlying channel.
+    pub fn channel(&self) -> &Channel {
+        &self.ch
+    }
+
+    /// Sends one publish: numbers it and queues its frames in the same order (see the type's
+    /// doc). Returns its [`PublishTicket`], to settle it with once its outcome is known, and the
+    /// rest of `basic_publish` (waiting until the frames are written), which resolves to the
+    /// publisher confirm to wait for.
+    pub async fn send(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        options: lapin::options::BasicPublishOptions,
+        body: Arc<[u8]>,
+        properties: lapin::BasicProperties,
+    ) -> (PublishTicket, futures_util::future::BoxFuture<'static, Result<lapin::PublisherConfirm, lapin::Error>>) {
+        use std::task::Poll;
+        let ch = self.ch.clone();
+        let (exchange, routing_key) = (lapin::types::ShortString::from(exchange), lapin::types::ShortString::from(routing_key));
+        let mut publish: futures_util::future::BoxFuture<'static, _> =
+            Box::pin(async move { ch.basic_publish(exchange, routing_key, options, &body[..], properties).await });
+        let mut first = None;
+        let seq = std::future::poll_fn(|cx| {
+            let mut next = lock(&self.order.next);
+            let seq = *next;
+            *next += 1;
+            if let Poll::Ready(r) = publish.as_mut().poll(cx) {
+                first = Some(r);
+            }
+            Poll::Ready(seq)
+        })
+        .await;
+        let ticket = PublishTicket { order: self.order.clone(), seq, settled: false };
+        match first {
+            Some(r) => (ticket, Box::pin(std::future::ready(r))),
+            None => (ticket, publish),
         }
+    }
+
+    /// Whether a publish on this channel failed: every later one is then
+    /// [`crate::publisher::PublishError::AfterFailed`], so the channel must be replaced
+    /// ([`SharedConfirmChannel::get`] does).
+    pub fn has_failed(&self) -> bool {
+        lock(&self.order.settled).first_failed.is_some()
+    }
+
+    /// Whether every publish sent on this channel has settled.
+    pub fn drained(&self) -> bool {
+        let next = *lock(&self.order.next);
+        lock(&self.order.settled).below >= next
+    }
+}
+
+impl std::ops::Deref for ConfirmChannel {
+    type Target = Channel;
+    fn deref(&self) -> &Channel {
+        &self.ch
+    }
+}
+
+/// A publishing connection's current [`ConfirmChannel`], shared by every task that publishes on
+/// it, and replaced by a new one when it was closed or a publish on it failed (nack, no confirm:
+/// later publishes on it would all be [`crate::publisher::PublishError::AfterFailed`]). A
+/// replaced channel that is still open is closed once the publishes in flight on it have
+/// settled, or after `grace` at the latest. The router forwards through one, and each partition session
+/// publishes its results and dead letters through one.
+pub struct SharedConfirmChannel {
+    conn: Arc<Connection>,
+    current: tokio::sync::Mutex<Option<ConfirmChannel>>,
+    grace: Duration,
+    /// Who publishes here, for the log (`router`, `partition 3`).
+    owner: String,
+}
+
+/// How often a replaced [`SharedConfirmChannel`] channel is checked for publishes in flight.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+impl SharedConfirmChannel {
+    /// No channel is opened yet; `owner` names the publisher in the log.
+    pub fn new(conn: Arc<Connection>, grace: Duration, owner: String) -> SharedConfirmChannel {
+        SharedConfirmChannel { conn, current: tokio::sync::Mutex::new(None), grace, owner }
     }
 
     /// The publishing connection.
@@ -269,74 +374,123 @@ impl PublishPool {
         &self.conn
     }
 
-    /// A channel for one publish and its confirm: a free open one, else a new one. Waits while
-    /// `max` channels are lent.
-    ///
-    /// Errors: opening a channel failed (the connection is closed, or `channel_max` reached).
-    pub async fn take(&self) -> Result<PooledChannel<'_>, lapin::Error> {
-        let permit = self.permits.acquire().await.expect("the pool's semaphore is never closed");
-        loop {
-            let found = lock(&self.free).pop();
-            match found {
-                Some(ch) if ch.status().connected() => return Ok(PooledChannel { pool: self, ch: Some(ch), _permit: permit }),
-                Some(ch) => self.forget(&ch),
-                None => break,
+    /// The channel to publish on: the current one while it is open and no publish on it failed,
+    /// else a new one. Errors: opening a channel failed (the connection is closed, or
+    /// `channel_max` reached).
+    pub async fn get(&self) -> Result<ConfirmChannel, lapin::Error> {
+        let mut current = self.current.lock().await;
+        match current.as_ref() {
+            Some(ch) if ch.status().connected() && !ch.has_failed() => return Ok(ch.clone()),
+            Some(ch) if ch.status().connected() => {
+                warn!(owner = %self.owner, "a publish on the publishing channel failed; replacing the channel");
+                let (old, grace) = (ch.clone(), self.grace);
+                tokio::spawn(async move {
+                    let _ = tokio::time::timeout(grace, async {
+                        while !old.drained() {
+                            tokio::time::sleep(DRAIN_POLL).await;
+                        }
+                    })
+                    .await;
+                    let _ = close_channel(&old, "a publish failed; replaced").await;
+                });
+            }
+            Some(_) => warn!(owner = %self.owner, "the publishing channel was closed; reopening it"),
+            None => {}
+        }
+        *current = None;
+        let ch = ConfirmChannel::open(&self.conn).await?;
+        *current = Some(ch.clone());
+        Ok(ch)
+    }
+
+    /// Closes the current channel with `reply-success` ([`close_channel`]).
+    pub async fn close(&self, why: &str) {
+        let ch = self.current.lock().await.take();
+        if let Some(ch) = ch {
+            let _ = close_channel(&ch, why).await;
+        }
+    }
+}
+
+/// One publish's place in its [`ConfirmChannel`]'s order. Settle it with
+/// [`PublishTicket::settle`]; dropped unsettled, it counts as failed.
+pub struct PublishTicket {
+    order: Arc<PublishOrder>,
+    seq: u64,
+    settled: bool,
+}
+
+/// What [`PublishTicket::settle`] found about the publishes before it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Earlier {
+    /// Every earlier publish on the channel settled without a failure.
+    AllDelivered,
+    /// An earlier publish failed: this one may have been dropped although confirmed.
+    OneFailed,
+    /// The earlier publishes did not all settle within the wait.
+    Unsettled,
+}
+
+impl PublishTicket {
+    /// Records this publish's outcome (`failed`: nacked, unconfirmed, or the channel failed;
+    /// a `basic.return` is not a failure), then waits, at most `wait`, until every earlier
+    /// publish on the channel has settled, and says how they went.
+    pub async fn settle(mut self, failed: bool, wait: Duration) -> Earlier {
+        self.settled = true;
+        let rx = mark(&self.order, self.seq, failed);
+        if let Some(rx) = rx {
+            if tokio::time::timeout(wait, rx).await.is_err() {
+                return Earlier::Unsettled;
             }
         }
-        let ch = confirm_channel(&self.conn).await?;
-        lock(&self.opened).push(ch.clone());
-        Ok(PooledChannel { pool: self, ch: Some(ch), _permit: permit })
+        match lock(&self.order.settled).first_failed {
+            Some(f) if f < self.seq => Earlier::OneFailed,
+            _ => Earlier::AllDelivered,
+        }
     }
+}
 
-    /// Whether a channel of the pool was found closed since the pool was made.
-    pub fn lost_a_channel(&self) -> bool {
-        self.lost.load(std::sync::atomic::Ordering::Relaxed)
+impl Drop for PublishTicket {
+    fn drop(&mut self) {
+        if !self.settled {
+            mark(&self.order, self.seq, true);
+        }
     }
+}
 
-    /// Closes every open channel of the pool with `reply-success`, at once, each waiting at most
-    /// [`CLOSE_TIMEOUT`] for its close-ok.
-    pub async fn close(&self, why: &str) {
-        let channels = std::mem::take(&mut *lock(&self.opened));
-        lock(&self.free).clear();
-        futures_util::future::join_all(channels.iter().map(|ch| close_channel(ch, why))).await;
+/// Marks publish `seq` settled; returns a receiver to wait on while earlier ones are not.
+fn mark(order: &PublishOrder, seq: u64, failed: bool) -> Option<tokio::sync::oneshot::Receiver<()>> {
+    let mut s = lock(&order.settled);
+    if failed {
+        s.first_failed = Some(s.first_failed.map_or(seq, |f| f.min(seq)));
     }
-
-    fn forget(&self, ch: &Channel) {
-        self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
-        lock(&self.opened).retain(|c| c.id() != ch.id());
+    if seq == s.below {
+        s.below += 1;
+        loop {
+            let below = s.below;
+            if !s.ahead.remove(&below) {
+                break;
+            }
+            s.below += 1;
+        }
+        let below = s.below;
+        let still = s.waiting.split_off(&below);
+        for (_, tx) in std::mem::replace(&mut s.waiting, still) {
+            let _ = tx.send(());
+        }
+    } else if seq > s.below {
+        s.ahead.insert(seq);
     }
+    if s.below > seq {
+        return None;
+    }
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    s.waiting.insert(seq, tx);
+    Some(rx)
 }
 
 fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A channel lent by a [`PublishPool`] (dereferences to it); given back when dropped, or
-/// dropped from the pool when it is closed by then.
-pub struct PooledChannel<'a> {
-    pool: &'a PublishPool,
-    ch: Option<Channel>,
-    _permit: tokio::sync::SemaphorePermit<'a>,
-}
-
-impl std::ops::Deref for PooledChannel<'_> {
-    type Target = Channel;
-    fn deref(&self) -> &Channel {
-        self.ch.as_ref().expect("present until dropped")
-    }
-}
-
-impl Drop for PooledChannel<'_> {
-    fn drop(&mut self) {
-        // Runs before the permit is released (fields drop after this), so a permit that finds
-        // no free channel may open one.
-        let Some(ch) = self.ch.take() else { return };
-        if ch.status().connected() {
-            lock(&self.pool.free).push(ch);
-        } else {
-            self.pool.forget(&ch);
-        }
-    }
 }
 
 /// Reads a string header (long or short string).
@@ -380,6 +534,65 @@ mod tests {
         let io: lapin::Error = std::io::Error::other("reset").into();
         assert_eq!(reply_code(&io), None);
         assert_eq!(REPLY_SUCCESS, 200);
+    }
+
+    fn tickets(n: u64) -> Vec<PublishTicket> {
+        let order = Arc::new(PublishOrder::default());
+        *lock(&order.next) = n;
+        (0..n).map(|seq| PublishTicket { order: order.clone(), seq, settled: false }).collect()
+    }
+
+    const WAIT: Duration = Duration::from_secs(5);
+
+    #[tokio::test(start_paused = true)]
+    async fn publishes_settled_in_order_are_delivered_without_waiting() {
+        let mut t = tickets(3).into_iter();
+        for _ in 0..3 {
+            let ticket = t.next().unwrap();
+            assert_eq!(futures_util::FutureExt::now_or_never(ticket.settle(false, WAIT)), Some(Earlier::AllDelivered));
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_confirm_that_comes_first_waits_for_the_publishes_before_it() {
+        let mut t = tickets(3);
+        let (t2, t1, t0) = (t.pop().unwrap(), t.pop().unwrap(), t.pop().unwrap());
+        let later = tokio::spawn(t2.settle(false, WAIT));
+        let middle = tokio::spawn(t1.settle(false, WAIT));
+        tokio::task::yield_now().await;
+        assert!(!later.is_finished() && !middle.is_finished(), "publish 0 has not settled yet");
+        assert_eq!(t0.settle(false, WAIT).await, Earlier::AllDelivered);
+        assert_eq!(later.await.unwrap(), Earlier::AllDelivered);
+        assert_eq!(middle.await.unwrap(), Earlier::AllDelivered);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_publish_after_a_failed_one_is_not_delivered_even_when_acked_first() {
+        let mut t = tickets(3);
+        let (t2, t1, t0) = (t.pop().unwrap(), t.pop().unwrap(), t.pop().unwrap());
+        let after = tokio::spawn(t1.settle(false, WAIT));
+        tokio::task::yield_now().await;
+        // Publish 0 is nacked after publish 1's ack arrived.
+        assert_eq!(t0.settle(true, WAIT).await, Earlier::AllDelivered, "nothing before publish 0 failed");
+        assert_eq!(after.await.unwrap(), Earlier::OneFailed);
+        assert_eq!(t2.settle(false, WAIT).await, Earlier::OneFailed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_ticket_dropped_unsettled_counts_as_failed() {
+        let mut t = tickets(2);
+        let (t1, t0) = (t.pop().unwrap(), t.pop().unwrap());
+        drop(t0);
+        assert_eq!(t1.settle(false, WAIT).await, Earlier::OneFailed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn earlier_publishes_that_never_settle_end_the_wait() {
+        let mut t = tickets(2);
+        let (t1, _t0) = (t.pop().unwrap(), t.pop().unwrap());
+        let started = tokio::time::Instant::now();
+        assert_eq!(t1.settle(false, WAIT).await, Earlier::Unsettled);
+        assert_eq!(started.elapsed(), WAIT);
     }
 
     #[test]

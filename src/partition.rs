@@ -70,7 +70,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::amqp::{answered, close_channel, reply_code, Connections, PublishPool, NOT_FOUND};
+use crate::amqp::{answered, close_channel, reply_code, Connections, SharedConfirmChannel, NOT_FOUND};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
 use crate::keying::PrefixKey;
@@ -347,8 +347,8 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let queue = s.amqp.partition_queue(p);
     let ch = answered("channel.open", conns.consume.create_channel()).await?;
     // One channel at once, so that a session on a broken connection fails here.
-    let publish = Arc::new(PublishPool::new(conns.publish.clone(), PUBLISH_CHANNELS));
-    if let Err(e) = publish.take().await {
+    let publish = Arc::new(SharedConfirmChannel::new(conns.publish.clone(), s.amqp.confirm_timeout * 2, format!("partition {p}")));
+    if let Err(e) = publish.get().await {
         let _ = close_channel(&ch, "partition publish channel failed").await;
         return Err(e);
     }
@@ -658,18 +658,19 @@ async fn admit(
     accept(ctx, out, delivery, held.hold(permit)).await
 }
 
-/// How many publishing channels a partition session may hold ([`PublishPool`]): up to this many
-/// results (or dead letters) of one partition wait for their publisher confirms at once. Opened
-/// as needed: a partition at light load uses one.
+/// How many channels of the publishing connection a partition may hold at once, for the
+/// `channel_max` check: its shared publishing channel, a replaced one until it closes (at most
+/// 2 × `amqp.confirm_timeout` later) and short-lived ones for placing returned messages and
+/// checking direct reply-to requesters.
 pub const PUBLISH_CHANNELS: usize = 4;
 
-/// A partition session's publishing channels (see [`PublishPool`] for why each carries one
-/// publish at a time) and their connection, which also serves the direct reply-to checks and
-/// declares a deleted destination again.
-type PublishOn = Arc<PublishPool>;
+/// A partition session's publishing channel (shared by its publishes, replaced after a failed
+/// one: [`SharedConfirmChannel`]) and its connection, which also serves the direct reply-to
+/// checks and declares a deleted destination again.
+type PublishOn = Arc<SharedConfirmChannel>;
 
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
-/// Results are published on the channels of `out` ([`PublishPool`]); its connection serves the
+/// Results are published on the channel of `out` ([`SharedConfirmChannel`]); its connection serves the
 /// direct reply-to checks ([`publisher::direct_reply_to_present`]).
 /// The LLM client's per-endpoint semaphore bounds the concurrent calls.
 async fn execute(
@@ -731,16 +732,7 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
     let s = &ctx.settings;
     let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery) {
         Ok(req) => Intake::Valid(req, delivery),
-        Err(r) => match out.take().await {
-            Ok(ch) => {
-                let id = r.request_id.as_deref();
-                publisher::dead_letter_and_ack(&ch, out.connection(), &s.amqp, delivery, id, r.reason, &r.detail, Some(&ctx.lease)).await
-            }
-            Err(e) => {
-                warn!(partition = ctx.partition, error = %e, "no publishing channel for a dead letter");
-                Intake::Unacked(delivery)
-            }
-        },
+        Err(r) => publisher::dead_letter_and_ack(out, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await,
     };
     let (req, delivery) = match intake {
         Intake::Valid(req, delivery) => (req, delivery),
@@ -836,20 +828,15 @@ async fn process_batch(
             let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
-                Some(result) => match pool.take().await {
-                    Ok(ch) => publisher::publish_result(&ch, pool.connection(), amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
-                    Err(e) => {
-                        publisher::requeue(&pending.delivery.acker, &pending.req.id, &format!("no publishing channel: {e}")).await;
-                        Settlement::ChannelLost
-                    }
-                },
+                Some(result) => publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
                 None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
             }
         }
         .instrument(span)
     });
     let settlements = futures_util::future::join_all(settles).await;
-    if settlements.contains(&Settlement::ChannelLost) || out.lost_a_channel() {
+    // A closed publishing connection fails every publish: end the session, which reconnects.
+    if settlements.contains(&Settlement::ChannelLost) || !out.connection().status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }

@@ -26,11 +26,12 @@ use lapin::Acker;
 use lapin::message::{BasicReturnMessage, Delivery};
 use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Connection};
+use lapin::{BasicProperties, Connection};
 use serde_json::Value;
 use tracing::{debug, warn};
 use crate::log_limit::LogLimit;
 
+use crate::amqp::{ConfirmChannel, Earlier, SharedConfirmChannel};
 use crate::config::AmqpSettings;
 use crate::lease::LeaseClock;
 use crate::llm::{Completion, ErrorKind, LlmError};
@@ -87,6 +88,12 @@ pub enum PublishError {
     /// No confirm within `amqp.confirm_timeout`.
     #[error("no publisher confirm within {0:?}")]
     Timeout(Duration),
+    /// Confirmed, but an earlier publish on the same channel failed (or did not settle in time),
+    /// after which a RabbitMQ 3.10 quorum queue may drop the channel's later publishes while
+    /// confirming them (rabbitmq-server #14589); see [`crate::amqp::ConfirmChannel`]. Publish
+    /// again on a new channel, or requeue.
+    #[error("an earlier publish on the channel failed, so the broker may have dropped this one")]
+    AfterFailed,
 }
 
 /// How long a publish's task ([`publish_confirmed`]) waits for a confirm after its caller gave
@@ -100,11 +107,13 @@ struct OwnPublish {
     exchange: String,
     routing_key: String,
     message_id: Option<ShortString>,
-    body: Vec<u8>,
+    body: Arc<[u8]>,
 }
 
-/// Publishes one message (`mandatory`) and waits for its confirm, at most
-/// `amqp.confirm_timeout`. `ch` must be in confirm mode.
+/// Publishes one message (`mandatory`) on `ch` and waits for its confirm, at most
+/// `amqp.confirm_timeout`, then for the publishes sent before it on `ch` to settle (at most as
+/// long again): it is delivered only when they were too ([`ConfirmChannel`]; otherwise
+/// [`PublishError::AfterFailed`]).
 ///
 /// **Returns on a shared channel.** A `basic.return` names no delivery tag (AMQP 0-9-1
 /// §1.8.3.9), and lapin hands a returned message to the next confirm it completes on the
@@ -113,8 +122,8 @@ struct OwnPublish {
 /// return is therefore compared with this publish ([`is_own_return`]: exchange, routing key,
 /// `message_id`, body):
 /// - its own makes this publish [`PublishError::Unroutable`];
-/// - another publish's is placed again ([`place_returned`]) before this call returns, and this
-///   publish's own outcome is the confirm's.
+/// - another publish's is placed again ([`place_returned`], on a channel of its own) before this
+///   call returns, and this publish's own outcome is the confirm's.
 ///
 /// Each return reaches exactly one confirm, so every returned message is either reported to its
 /// own publisher or placed again by the one that received it. For that, the publish and its
@@ -123,10 +132,10 @@ struct OwnPublish {
 /// carry another publish's return, and dropping it would leave that message with lapin, lost,
 /// since its own publisher was told it was delivered. The task waits for such a late confirm
 /// at most [`LATE_CONFIRM_WAIT_FACTOR`] × `amqp.confirm_timeout` (at least
-/// [`LATE_CONFIRM_MIN_WAIT`]); a closed channel ends the wait at once. `conn` opens a channel
-/// for a placement when `ch` is closed, and declares a missing destination again.
+/// [`LATE_CONFIRM_MIN_WAIT`]); a closed channel ends the wait at once. `conn` opens the channel
+/// of a placement, and declares a missing destination again.
 pub async fn publish_confirmed(
-    ch: &Channel,
+    ch: &ConfirmChannel,
     conn: &Arc<Connection>,
     amqp: &AmqpSettings,
     exchange: &str,
@@ -139,17 +148,15 @@ pub async fn publish_confirmed(
         exchange: exchange.to_owned(),
         routing_key: routing_key.to_owned(),
         message_id: props.message_id().clone(),
-        body: body.to_vec(),
+        body: Arc::from(body),
     };
+    let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
+    let (ticket, sent) = ch.send(exchange, routing_key, options, own.body.clone(), props).await;
     let (tx, mut rx) = tokio::sync::oneshot::channel();
-    let (task_ch, task_conn, task_amqp) = (ch.clone(), conn.clone(), amqp.clone());
+    let (task_conn, task_amqp) = (conn.clone(), amqp.clone());
     tokio::spawn(async move {
         let wait = (task_amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
-        let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-        let publish = async {
-            let confirm = task_ch.basic_publish(own.exchange.as_str().into(), own.routing_key.as_str().into(), options, &own.body, props).await?;
-            confirm.await
-        };
+        let publish = async { sent.await?.await };
         let outcome = match tokio::time::timeout(wait, publish).await {
             Err(_) => Err(PublishError::Timeout(wait)),
             Ok(Err(e)) => Err(PublishError::Amqp(e)),
@@ -159,7 +166,7 @@ pub async fn publish_confirmed(
                     None => false,
                     Some(m) if is_own_return(&m, &own.exchange, &own.routing_key, own.message_id.as_ref(), &own.body) => true,
                     Some(other) => {
-                        place_returned_in_task(task_ch.clone(), task_conn.clone(), task_amqp.clone(), other).await;
+                        place_returned_in_task(task_conn.clone(), task_amqp.clone(), other).await;
                         false
                     }
                 };
@@ -174,7 +181,7 @@ pub async fn publish_confirmed(
         };
         let _ = tx.send(outcome);
     });
-    match tokio::time::timeout(timeout, &mut rx).await {
+    let outcome = match tokio::time::timeout(timeout, &mut rx).await {
         Ok(Ok(outcome)) => outcome,
         // The task ended without an outcome: it panicked.
         Ok(Err(_)) => Err(PublishError::Timeout(timeout)),
@@ -183,14 +190,20 @@ pub async fn publish_confirmed(
             rx.close();
             rx.try_recv().unwrap_or(Err(PublishError::Timeout(timeout)))
         }
+    };
+    // A return is no failure of the channel: the message reached no queue.
+    let failed = matches!(outcome, Err(PublishError::Nacked | PublishError::Timeout(_) | PublishError::Amqp(_) | PublishError::AfterFailed));
+    match ticket.settle(failed, timeout).await {
+        Earlier::AllDelivered => outcome,
+        Earlier::OneFailed | Earlier::Unsettled => outcome.and(Err(PublishError::AfterFailed)),
     }
 }
 
 /// [`place_returned`] with owned arguments, for a publish's own task. Boxed as a `Send` future: a
 /// placement publishes through [`publish_confirmed`], whose task may place again, and the compiler
 /// cannot prove that cycle `Send` otherwise.
-fn place_returned_in_task(ch: Channel, conn: Arc<Connection>, amqp: AmqpSettings, m: BasicReturnMessage) -> futures_util::future::BoxFuture<'static, ()> {
-    Box::pin(async move { place_returned(&ch, &conn, &amqp, m).await })
+fn place_returned_in_task(conn: Arc<Connection>, amqp: AmqpSettings, m: BasicReturnMessage) -> futures_util::future::BoxFuture<'static, ()> {
+    Box::pin(async move { place_returned(&conn, &amqp, m).await })
 }
 
 /// Whether `returned` is the message published to `exchange` with `routing_key`, `message_id`
@@ -241,11 +254,13 @@ const PLACE_RETURNED_MIN_TIMEOUT: Duration = Duration::from_secs(1);
 ///   delivered (RabbitMQ returns those anyway) and is left alone.
 ///
 /// Published with a confirm (waiting `amqp.confirm_timeout`, at least
-/// [`PLACE_RETURNED_MIN_TIMEOUT`]) on `ch` while it is open, else on a new channel of `conn`, up
-/// to [`PLACE_RETURNED_ATTEMPTS`] times with the reconnect backoff between them. A message that
-/// still cannot be placed is logged as an error with its `message_id`: it is lost, since its
-/// own publisher has taken it as delivered.
-pub async fn place_returned(ch: &Channel, conn: &Arc<Connection>, amqp: &AmqpSettings, m: BasicReturnMessage) {
+/// [`PLACE_RETURNED_MIN_TIMEOUT`]) on a new channel of `conn`, closed afterwards, up to
+/// [`PLACE_RETURNED_ATTEMPTS`] times with the reconnect backoff between them. Not on the channel
+/// the return came on: the publish that received it settles only after this placement, and a
+/// placement on the same channel would wait for that publish to settle ([`ConfirmChannel`]).
+/// A message that still cannot be placed is logged as an error with its `message_id`: it is
+/// lost, since its own publisher has taken it as delivered.
+pub async fn place_returned(conn: &Arc<Connection>, amqp: &AmqpSettings, m: BasicReturnMessage) {
     let mut settings = amqp.clone();
     settings.confirm_timeout = settings.confirm_timeout.max(PLACE_RETURNED_MIN_TIMEOUT);
     let amqp = &settings;
@@ -257,17 +272,13 @@ pub async fn place_returned(ch: &Channel, conn: &Arc<Connection>, amqp: &AmqpSet
     };
     let mut wait = amqp.reconnect_backoff_initial;
     for attempt in 1..=PLACE_RETURNED_ATTEMPTS {
-        let own = if ch.status().connected() {
-            publish_confirmed(ch, conn, amqp, &exchange, &routing_key, &d.data, props.clone()).await
-        } else {
-            match crate::amqp::confirm_channel(conn).await {
-                Ok(fresh) => {
-                    let out = publish_confirmed(&fresh, conn, amqp, &exchange, &routing_key, &d.data, props.clone()).await;
-                    let _ = fresh.close(crate::amqp::REPLY_SUCCESS, "returned message placed".into()).await;
-                    out
-                }
-                Err(e) => Err(PublishError::Amqp(e)),
+        let own = match ConfirmChannel::open(conn).await {
+            Ok(fresh) => {
+                let out = publish_confirmed(&fresh, conn, amqp, &exchange, &routing_key, &d.data, props.clone()).await;
+                let _ = crate::amqp::close_channel(&fresh, "returned message placed").await;
+                out
             }
+            Err(e) => Err(PublishError::Amqp(e)),
         };
         match own {
             Ok(()) => return,
@@ -331,8 +342,9 @@ impl NackRetry {
     }
 }
 
-/// After a publish that failed with `e`: when the broker nacked it (`basic.nack`) and the budget
-/// of `retry` is not spent, waits the next step and returns `true` (publish again, holding the
+/// After a publish that failed with `e`: when the broker nacked it (`basic.nack`), or it followed
+/// a failed publish on its channel ([`PublishError::AfterFailed`]: it may or may not have been
+/// taken, so the retry may add a copy), and the budget of `retry` is not spent, waits the next step and returns `true` (publish again, holding the
 /// delivery); else `false` (requeue it, which uses up one of its `amqp.delivery_limit`
 /// deliveries).
 ///
@@ -342,9 +354,10 @@ impl NackRetry {
 /// out without charging the request's deliveries; a nack is the broker not taking the message,
 /// so the retry adds no copy. Retry on a NEW channel: after a rejected publish a quorum queue
 /// (RabbitMQ 3.10) can drop later publishes of the same channel while confirming them
-/// (rabbitmq-server #14589); the router replaces its channel before retrying.
+/// (rabbitmq-server #14589); the router's next channel is a new one
+/// ([`crate::amqp::SharedConfirmChannel`]).
 pub async fn retry_nacked(e: &PublishError, retry: &mut NackRetry, amqp: &AmqpSettings) -> bool {
-    if !matches!(e, PublishError::Nacked) || retry.started.elapsed() + retry.step > amqp.confirm_timeout {
+    if !matches!(e, PublishError::Nacked | PublishError::AfterFailed) || retry.started.elapsed() + retry.step > amqp.confirm_timeout {
         return false;
     }
     tokio::time::sleep(retry.step).await;
@@ -399,8 +412,7 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
 /// `x-death-reason` and `x-death-detail` headers, persistent, to the dead-letter exchange
 /// ([`publish_own`]: declared again on `conn` when it or its queue was deleted).
 pub async fn dead_letter(
-    ch: &Channel,
-    conn: &Arc<Connection>,
+    out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     body: &[u8],
     props: &BasicProperties,
@@ -409,7 +421,7 @@ pub async fn dead_letter(
 ) -> Result<(), PublishError> {
     let death = [(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
     let props = carried_props(props, &death).with_delivery_mode(PERSISTENT);
-    publish_own(ch, conn, amqp, OwnDestination::DeadLetter, body, props).await
+    publish_own(out, amqp, OwnDestination::DeadLetter, body, props).await
 }
 
 /// Where the daemon itself sends messages, and declares at startup: a publish may find them
@@ -490,8 +502,7 @@ pub async fn declare_again(conn: &Connection, amqp: &AmqpSettings, dest: OwnDest
 /// the destination declared). Panics on [`OwnDestination::Partition`] (forwards have their own
 /// loop, in the router).
 pub async fn publish_own(
-    ch: &Channel,
-    conn: &Arc<Connection>,
+    out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     dest: OwnDestination,
     body: &[u8],
@@ -502,15 +513,41 @@ pub async fn publish_own(
         OwnDestination::Results => ("", amqp.results_queue.as_str()),
         OwnDestination::Partition(_) => unreachable!("forwards are published by the router"),
     };
-    let first = publish_confirmed(ch, conn, amqp, exchange, routing_key, body, props.clone()).await;
+    let first = publish_on(out, amqp, exchange, routing_key, body, props.clone()).await;
     match &first {
         Err(e) if says_missing(e) => {}
         _ => return first,
     }
-    if !declare_again(conn, amqp, dest).await || !ch.status().connected() {
+    if !declare_again(out.connection(), amqp, dest).await {
         return first;
     }
-    publish_confirmed(ch, conn, amqp, exchange, routing_key, body, props).await
+    publish_on(out, amqp, exchange, routing_key, body, props).await
+}
+
+/// How many times [`publish_on`] publishes a message again that was
+/// [`PublishError::AfterFailed`].
+const AFTER_FAILED_ATTEMPTS: u32 = 3;
+
+/// [`publish_confirmed`] on the current channel of `out` ([`SharedConfirmChannel::get`]); a
+/// publish that was [`PublishError::AfterFailed`] goes again on the channel that replaced it, up
+/// to [`AFTER_FAILED_ATTEMPTS`] times (the broker may then hold it twice: a duplicate, never a
+/// loss). Errors: as [`publish_confirmed`], or no channel could be opened.
+pub async fn publish_on(
+    out: &SharedConfirmChannel,
+    amqp: &AmqpSettings,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<(), PublishError> {
+    let mut again = 0;
+    loop {
+        let ch = out.get().await?;
+        match publish_confirmed(&ch, out.connection(), amqp, exchange, routing_key, body, props.clone()).await {
+            Err(PublishError::AfterFailed) if again < AFTER_FAILED_ATTEMPTS => again += 1,
+            outcome => return outcome,
+        }
+    }
 }
 
 /// Now as Unix milliseconds (0 if the system clock is before 1970).
@@ -539,8 +576,7 @@ pub enum Intake {
 /// this instance saw for it. With `lease`, a dead letter is published only while the lease is
 /// valid.
 pub async fn parse_or_dead_letter(
-    ch: &Channel,
-    conn: &Arc<Connection>,
+    out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     policy: &RequestPolicy,
     delivery: Delivery,
@@ -548,7 +584,7 @@ pub async fn parse_or_dead_letter(
 ) -> Intake {
     match check_delivery(amqp, policy, &delivery) {
         Ok(req) => Intake::Valid(req, delivery),
-        Err(r) => dead_letter_and_ack(ch, conn, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease).await,
+        Err(r) => dead_letter_and_ack(out, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease).await,
     }
 }
 
@@ -621,8 +657,7 @@ pub fn log_id(id: &str) -> String {
 /// the body's size in bytes.
 #[allow(clippy::too_many_arguments)]
 pub async fn dead_letter_and_ack(
-    ch: &Channel,
-    conn: &Arc<Connection>,
+    out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     delivery: Delivery,
     request_id: Option<&str>,
@@ -642,7 +677,7 @@ pub async fn dead_letter_and_ack(
         return Intake::Unacked(delivery);
     }
     let (body, props) = (&delivery.data, &delivery.properties);
-    if let Err(e) = dead_letter(ch, conn, amqp, body, props, reason, detail).await {
+    if let Err(e) = dead_letter(out, amqp, body, props, reason, detail).await {
         crate::warn_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead-letter publish not confirmed; the message is not acked");
         return Intake::Unacked(delivery);
     }
@@ -780,7 +815,7 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
         PublishError::Nacked => Some("nacked"),
         PublishError::Unroutable { .. } => Some("unroutable"),
         PublishError::Timeout(_) => Some("timeout"),
-        PublishError::Amqp(_) => None,
+        PublishError::Amqp(_) | PublishError::AfterFailed => None,
     }
 }
 
@@ -808,8 +843,7 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// (its result may then reach the requester twice). A requester that takes the result and leaves
 /// before the check also finds a copy in the results queue: a duplicate, never a loss.
 pub async fn publish_result(
-    ch: &Channel,
-    conn: &Arc<Connection>,
+    out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     tenure: Tenure<'_>,
     delivery: Delivery,
@@ -820,13 +854,11 @@ pub async fn publish_result(
         warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
         return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
     }
-    if let Err(e) = publish_with_fallback(ch, conn, amqp, tenure, &delivery.properties, &result).await {
-        if matches!(e, PublishError::Nacked) {
-            // A quorum queue that rejected a publish can drop later publishes of the same
-            // channel while confirming them (RabbitMQ 3.10; rabbitmq-server #14589): close the
-            // channel, so the partition reopens its channels (a closed channel restarts it).
-            let _ = ch.close(crate::amqp::REPLY_SUCCESS, "result nacked; replacing the channel".into()).await;
-        }
+    if let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await {
+        // After a nack the partition's next publish goes on a new channel
+        // ([`crate::amqp::SharedConfirmChannel`]): a quorum queue that rejected a publish can
+        // drop later publishes of the same channel while confirming them (RabbitMQ 3.10;
+        // rabbitmq-server #14589).
         crate::warn_limited!(RESULT_FAILED_LOG, request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
         return requeue(&delivery.acker, &result.id, &format!("result not published: {e}")).await;
     }
@@ -851,8 +883,7 @@ pub async fn publish_result(
 /// the results queue with the refusal headers. A return for a direct reply-to name is settled by
 /// [`direct_reply_to_present`] (see [`publish_result`]).
 async fn publish_with_fallback(
-    ch: &Channel,
-    conn: &Arc<Connection>,
+    out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     tenure: Tenure<'_>,
     request: &BasicProperties,
@@ -863,12 +894,12 @@ async fn publish_with_fallback(
     let t = amqp.confirm_timeout;
     let reply_to = request.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
     let Some(rt) = reply_to else {
-        return publish_own(ch, conn, amqp, OwnDestination::Results, &body, out_props).await;
+        return publish_own(out, amqp, OwnDestination::Results, &body, out_props).await;
     };
-    let (reason, why) = match publish_confirmed(ch, conn, amqp, "", &rt, &body, out_props.clone()).await {
+    let (reason, why) = match publish_on(out, amqp, "", &rt, &body, out_props.clone()).await {
         Ok(()) => return Ok(()),
         Err(PublishError::Unroutable { .. }) if is_direct_reply_to(&rt) => {
-            if direct_reply_to_present(conn, &rt, t).await? {
+            if direct_reply_to_present(out.connection(), &rt, t).await? {
                 debug!(request_id = %result.id, "result delivered to its direct reply-to requester");
                 return Ok(());
             }
@@ -882,7 +913,7 @@ async fn publish_with_fallback(
     crate::warn_limited!(REPLY_REFUSED_LOG, request_id = %result.id, reply_to = %rt, reason, error = %why, "reply queue refused the result; publishing it to the results queue");
     metrics::reply_to_refused(reason);
     let headers = headers_with(out_props.headers().as_ref(), &[(HEADER_REPLY_TO_REFUSED, reason.to_owned()), (HEADER_REPLY_TO, rt)]);
-    publish_own(ch, conn, amqp, OwnDestination::Results, &body, out_props.with_headers(headers)).await
+    publish_own(out, amqp, OwnDestination::Results, &body, out_props.with_headers(headers)).await
 }
 
 /// Nacks the delivery of `acker` with requeue and notes `why` for request `id`

@@ -16,13 +16,12 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Consumer};
-use tokio::sync::Mutex;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use crate::log_limit::LogLimit;
 
-use crate::amqp::{answered, close_channel, Connections};
+use crate::amqp::{answered, close_channel, ConfirmChannel, Connections, SharedConfirmChannel};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
@@ -105,7 +104,9 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 /// unacked deliveries are requeued by the broker when it closes). Only a failed connection (or a
 /// channel that cannot be reopened) ends the router, and with it the session.
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
-    let publish = Arc::new(PublishChannel { conns: conns.clone(), current: Mutex::new(conns.publish_channel().await?), lost: CancellationToken::new() });
+    let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
+    shared.get().await?;
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new() });
     let tag = format!("router-{}", settings.instance_name);
     let mut inflight = JoinSet::new();
     let result = loop {
@@ -133,8 +134,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
         }
     };
     while inflight.join_next().await.is_some() {}
-    let publishing = publish.current.lock().await.clone();
-    let _ = close_channel(&publishing, "router stopped").await;
+    publish.shared.close("router stopped").await;
     info!("router stopped");
     result
 }
@@ -188,45 +188,24 @@ fn publishing_connection_closed() -> lapin::Error {
     lapin::Error::from(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the publishing connection closed"))
 }
 
-/// The router's confirm-mode publishing channel, shared by its delivery tasks and reopened when
-/// the broker closed it (a closed channel stays closed in AMQP 0-9-1).
+/// The router's confirm-mode publishing channel, shared by its delivery tasks, reopened when
+/// the broker closed it (a closed channel stays closed in AMQP 0-9-1) and replaced after a
+/// failed publish ([`SharedConfirmChannel`]).
 struct PublishChannel {
     conns: Connections,
-    current: Mutex<Channel>,
+    shared: SharedConfirmChannel,
     /// Cancelled when a delivery found the publishing connection itself closed.
     lost: CancellationToken,
 }
 
 impl PublishChannel {
-    /// The open channel, reopening it first when it was closed.
-    async fn get(&self) -> Result<Channel, lapin::Error> {
-        let mut ch = self.current.lock().await;
-        if !ch.status().connected() {
-            if !self.conns.publish.status().connected() {
-                self.lost.cancel();
-                return Err(publishing_connection_closed());
-            }
-            warn!("the router's publishing channel was closed; reopening it");
-            *ch = self.conns.publish_channel().await?;
+    /// The channel to publish on ([`SharedConfirmChannel::get`]).
+    async fn get(&self) -> Result<ConfirmChannel, lapin::Error> {
+        if !self.conns.publish.status().connected() {
+            self.lost.cancel();
+            return Err(publishing_connection_closed());
         }
-        Ok(ch.clone())
-    }
-
-    /// Replaces the channel with a new one when it is still `old` (another task may have
-    /// replaced it already), closes `old`, and returns the channel to publish on.
-    ///
-    /// Called after the broker nacked a publish on `old`: a quorum queue's publisher state for a
-    /// channel can be left with a gap in its sequence numbers by the rejected publish, after which
-    /// later publishes on that channel are confirmed but not enqueued (RabbitMQ 3.10; fixed in
-    /// later versions, rabbitmq-server #14589). A new channel is a new publisher for the queue.
-    async fn renew(&self, old: &Channel) -> Result<Channel, lapin::Error> {
-        let mut ch = self.current.lock().await;
-        if ch.id() == old.id() {
-            warn!("a publish was nacked; replacing the router's publishing channel");
-            *ch = self.conns.publish_channel().await?;
-            let _ = close_channel(old, "publish nacked; replaced").await;
-        }
-        Ok(ch.clone())
+        self.shared.get().await
     }
 }
 
@@ -277,7 +256,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     let mut ch = ch;
     let conn = &publish.conns.publish;
-    let (req, delivery) = match publisher::parse_or_dead_letter(&ch, conn, a, &settings.requests, delivery, None).await {
+    let (req, delivery) = match publisher::parse_or_dead_letter(&publish.shared, a, &settings.requests, delivery, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
         Intake::Unacked(delivery) => return requeue_after_backoff(a, delivery, stop).await,
@@ -288,7 +267,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let fwd = match forward_props(&delivery.properties, &r) {
         Ok(p) => p,
         Err(e) => {
-            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&ch, conn, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
+            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.shared, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
                 requeue_after_backoff(a, delivery, stop).await;
             }
             return;
@@ -311,8 +290,10 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
                 continue;
             }
         }
-        if matches!(e, publisher::PublishError::Nacked) {
-            match publish.renew(&ch).await {
+        // After a nack (or a publish after a failed one) the channel is replaced: a quorum
+        // queue may drop its later publishes (see `ConfirmChannel`).
+        if ch.has_failed() {
+            match publish.get().await {
                 Ok(fresh) => ch = fresh,
                 Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
             }
