@@ -354,6 +354,9 @@ impl std::ops::Deref for ConfirmChannel {
 /// publishes its results and dead letters through one.
 pub struct SharedConfirmChannel {
     conn: Arc<Connection>,
+    /// The channel in use; read without waiting by every publish.
+    healthy: std::sync::Mutex<Option<ConfirmChannel>>,
+    /// Held while the channel is replaced, so that one task replaces it.
     current: tokio::sync::Mutex<Option<ConfirmChannel>>,
     grace: Duration,
     /// Who publishes here, for the log (`router`, `partition 3`).
@@ -366,7 +369,7 @@ const DRAIN_POLL: Duration = Duration::from_millis(20);
 impl SharedConfirmChannel {
     /// No channel is opened yet; `owner` names the publisher in the log.
     pub fn new(conn: Arc<Connection>, grace: Duration, owner: String) -> SharedConfirmChannel {
-        SharedConfirmChannel { conn, current: tokio::sync::Mutex::new(None), grace, owner }
+        SharedConfirmChannel { conn, healthy: std::sync::Mutex::new(None), current: tokio::sync::Mutex::new(None), grace, owner }
     }
 
     /// The publishing connection.
@@ -378,6 +381,9 @@ impl SharedConfirmChannel {
     /// else a new one. Errors: opening a channel failed (the connection is closed, or
     /// `channel_max` reached).
     pub async fn get(&self) -> Result<ConfirmChannel, lapin::Error> {
+        if let Some(ch) = lock(&self.healthy).as_ref().filter(|ch| ch.status().connected() && !ch.has_failed()) {
+            return Ok(ch.clone());
+        }
         let mut current = self.current.lock().await;
         match current.as_ref() {
             Some(ch) if ch.status().connected() && !ch.has_failed() => return Ok(ch.clone()),
@@ -398,13 +404,16 @@ impl SharedConfirmChannel {
             None => {}
         }
         *current = None;
+        *lock(&self.healthy) = None;
         let ch = ConfirmChannel::open(&self.conn).await?;
         *current = Some(ch.clone());
+        *lock(&self.healthy) = Some(ch.clone());
         Ok(ch)
     }
 
     /// Closes the current channel with `reply-success` ([`close_channel`]).
     pub async fn close(&self, why: &str) {
+        lock(&self.healthy).take();
         let ch = self.current.lock().await.take();
         if let Some(ch) = ch {
             let _ = close_channel(&ch, why).await;

@@ -1200,36 +1200,62 @@ async fn probe_until_closed(inner: std::sync::Weak<Inner>, endpoint: usize) {
     }
 }
 
-/// The JSON request body of `group`: its params (with `stream` forced off), `model`, and `prompt`
-/// (the list of the members' prompts) or `messages` (the one member's).
+/// The JSON request body of `group`: its params (with `stream` forced off and `stream_options`
+/// left out when `stream` is given), `model`, and `prompt` (the list of the members' prompts) or
+/// `messages` (the one member's). Written straight from the requests ([`RequestBody`]), without
+/// copying the prompts into a JSON tree first.
 fn request_body(items: &[InferenceItem<'_>], group: &Group<'_>) -> Result<Vec<u8>, LlmError> {
-    let mut body = group.params.clone();
-    if body.contains_key("stream") {
-        body.insert("stream".into(), Value::Bool(false));
-        body.remove("stream_options");
-    }
-    body.insert("model".into(), Value::String(group.model.to_owned()));
-    match group.kind {
-        CallKind::Completions => {
-            let prompts = group
-                .members
-                .iter()
-                .map(|&i| match items[i].body {
-                    Body::Completion(p) => Value::String(p.clone()),
-                    Body::Chat(_) => Value::Null, // unreachable: grouped by kind
-                })
-                .collect();
-            body.insert("prompt".into(), Value::Array(prompts));
+    serde_json::to_vec(&RequestBody { items, group }).map_err(|e| LlmError::new(ErrorKind::Rejected, format!("cannot serialise the request: {e}"), None))
+}
+
+/// The keys of a call's body that the daemon writes itself; the same keys in a request's `params`
+/// are left out.
+const OWN_BODY_KEYS: [&str; 4] = ["model", "prompt", "messages", "stream"];
+
+/// Serialises [`request_body`].
+struct RequestBody<'a, 'b> {
+    items: &'a [InferenceItem<'b>],
+    group: &'a Group<'b>,
+}
+
+impl serde::Serialize for RequestBody<'_, '_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let (items, group) = (self.items, self.group);
+        let stream = group.params.contains_key("stream");
+        let mut map = serializer.serialize_map(None)?;
+        for (k, v) in group.params {
+            if OWN_BODY_KEYS.contains(&k.as_str()) || (stream && k == "stream_options") {
+                continue;
+            }
+            map.serialize_entry(k, v)?;
         }
-        CallKind::Chat => {
-            let messages = match items[group.members[0]].body {
-                Body::Chat(m) => m.iter().map(|m| m.raw.clone()).collect(),
-                Body::Completion(_) => Vec::new(), // unreachable: grouped by kind
-            };
-            body.insert("messages".into(), Value::Array(messages));
+        if stream {
+            map.serialize_entry("stream", &false)?;
         }
+        map.serialize_entry("model", group.model)?;
+        match group.kind {
+            CallKind::Completions => {
+                let prompts: Vec<&str> = group
+                    .members
+                    .iter()
+                    .filter_map(|&i| match items[i].body {
+                        Body::Completion(p) => Some(p.as_str()),
+                        Body::Chat(_) => None, // unreachable: grouped by kind
+                    })
+                    .collect();
+                map.serialize_entry("prompt", &prompts)?;
+            }
+            CallKind::Chat => {
+                let messages: Vec<&Value> = match items[group.members[0]].body {
+                    Body::Chat(m) => m.iter().map(|m| &m.raw).collect(),
+                    Body::Completion(_) => Vec::new(), // unreachable: grouped by kind
+                };
+                map.serialize_entry("messages", &messages)?;
+            }
+        }
+        map.end()
     }
-    serde_json::to_vec(&body).map_err(|e| LlmError::new(ErrorKind::Rejected, format!("cannot serialise the request: {e}"), None))
 }
 
 /// Reads a response body chunk by chunk, refusing more than `limit` bytes (also when
