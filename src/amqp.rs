@@ -361,6 +361,8 @@ pub struct SharedConfirmChannel {
     grace: Duration,
     /// Who publishes here, for the log (`router`, `partition 3`).
     owner: String,
+    /// Set when a channel was found closed, or a new one could not be opened.
+    lost: std::sync::atomic::AtomicBool,
 }
 
 /// How often a replaced [`SharedConfirmChannel`] channel is checked for publishes in flight.
@@ -369,12 +371,26 @@ const DRAIN_POLL: Duration = Duration::from_millis(20);
 impl SharedConfirmChannel {
     /// No channel is opened yet; `owner` names the publisher in the log.
     pub fn new(conn: Arc<Connection>, grace: Duration, owner: String) -> SharedConfirmChannel {
-        SharedConfirmChannel { conn, healthy: std::sync::Mutex::new(None), current: tokio::sync::Mutex::new(None), grace, owner }
+        SharedConfirmChannel {
+            conn,
+            healthy: std::sync::Mutex::new(None),
+            current: tokio::sync::Mutex::new(None),
+            grace,
+            owner,
+            lost: std::sync::atomic::AtomicBool::new(false),
+        }
     }
 
     /// The publishing connection.
     pub fn connection(&self) -> &Arc<Connection> {
         &self.conn
+    }
+
+    /// Whether a channel was found closed (by the broker, or with its connection), or a new one
+    /// could not be opened, since this was made. A channel replaced after a failed publish does
+    /// not count.
+    pub fn lost_a_channel(&self) -> bool {
+        self.lost.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The channel to publish on: the current one while it is open and no publish on it failed,
@@ -400,12 +416,15 @@ impl SharedConfirmChannel {
                     let _ = close_channel(&old, "a publish failed; replaced").await;
                 });
             }
-            Some(_) => warn!(owner = %self.owner, "the publishing channel was closed; reopening it"),
+            Some(_) => {
+                self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
+                warn!(owner = %self.owner, "the publishing channel was closed; reopening it");
+            }
             None => {}
         }
         *current = None;
         *lock(&self.healthy) = None;
-        let ch = ConfirmChannel::open(&self.conn).await?;
+        let ch = ConfirmChannel::open(&self.conn).await.inspect_err(|_| self.lost.store(true, std::sync::atomic::Ordering::Relaxed))?;
         *current = Some(ch.clone());
         *lock(&self.healthy) = Some(ch.clone());
         Ok(ch)

@@ -835,8 +835,10 @@ async fn process_batch(
         .instrument(span)
     });
     let settlements = futures_util::future::join_all(settles).await;
-    // A closed publishing connection fails every publish: end the session, which reconnects.
-    if settlements.contains(&Settlement::ChannelLost) || !out.connection().status().connected() {
+    // A publishing channel found closed, or a closed publishing connection, fails the publishes
+    // after it: end the session, which consumes again (or reconnects), instead of requeueing
+    // every delivery until its delivery limit.
+    if settlements.contains(&Settlement::ChannelLost) || out.lost_a_channel() || !out.connection().status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }
