@@ -196,12 +196,6 @@ impl Connections {
         self.consume.status().connected() && self.publish.status().connected()
     }
 
-    /// A new channel on the publishing connection, in confirm mode
-    /// (<https://www.rabbitmq.com/docs/confirms>).
-    pub async fn publish_channel(&self) -> Result<Channel, lapin::Error> {
-        confirm_channel(&self.publish).await
-    }
-
     /// Closes both connections with `reply-success`, at once, each waiting at most
     /// [`CLOSE_TIMEOUT`] for its close-ok ([`close_connection`]); errors are returned from the
     /// first that fails.
@@ -355,9 +349,9 @@ impl std::ops::Deref for ConfirmChannel {
 pub struct SharedConfirmChannel {
     conn: Arc<Connection>,
     /// The channel in use; read without waiting by every publish.
-    healthy: std::sync::Mutex<Option<ConfirmChannel>>,
+    current: std::sync::Mutex<Option<ConfirmChannel>>,
     /// Held while the channel is replaced, so that one task replaces it.
-    current: tokio::sync::Mutex<Option<ConfirmChannel>>,
+    replacing: tokio::sync::Mutex<()>,
     grace: Duration,
     /// Who publishes here, for the log (`router`, `partition 3`).
     owner: String,
@@ -373,8 +367,8 @@ impl SharedConfirmChannel {
     pub fn new(conn: Arc<Connection>, grace: Duration, owner: String) -> SharedConfirmChannel {
         SharedConfirmChannel {
             conn,
-            healthy: std::sync::Mutex::new(None),
-            current: tokio::sync::Mutex::new(None),
+            current: std::sync::Mutex::new(None),
+            replacing: tokio::sync::Mutex::new(()),
             grace,
             owner,
             lost: std::sync::atomic::AtomicBool::new(false),
@@ -397,15 +391,19 @@ impl SharedConfirmChannel {
     /// else a new one. Errors: opening a channel failed (the connection is closed, or
     /// `channel_max` reached).
     pub async fn get(&self) -> Result<ConfirmChannel, lapin::Error> {
-        if let Some(ch) = lock(&self.healthy).as_ref().filter(|ch| ch.status().connected() && !ch.has_failed()) {
-            return Ok(ch.clone());
+        if let Some(ch) = self.usable() {
+            return Ok(ch);
         }
-        let mut current = self.current.lock().await;
-        match current.as_ref() {
-            Some(ch) if ch.status().connected() && !ch.has_failed() => return Ok(ch.clone()),
-            Some(ch) if ch.status().connected() => {
+        let _replacing = self.replacing.lock().await;
+        // Another task may have replaced it meanwhile.
+        if let Some(ch) = self.usable() {
+            return Ok(ch);
+        }
+        let old = lock(&self.current).take();
+        match old {
+            Some(old) if old.status().connected() => {
                 warn!(owner = %self.owner, "a publish on the publishing channel failed; replacing the channel");
-                let (old, grace) = (ch.clone(), self.grace);
+                let grace = self.grace;
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(grace, async {
                         while !old.drained() {
@@ -422,18 +420,20 @@ impl SharedConfirmChannel {
             }
             None => {}
         }
-        *current = None;
-        *lock(&self.healthy) = None;
         let ch = ConfirmChannel::open(&self.conn).await.inspect_err(|_| self.lost.store(true, std::sync::atomic::Ordering::Relaxed))?;
-        *current = Some(ch.clone());
-        *lock(&self.healthy) = Some(ch.clone());
+        *lock(&self.current) = Some(ch.clone());
         Ok(ch)
+    }
+
+    /// The current channel while it is open and no publish on it failed.
+    fn usable(&self) -> Option<ConfirmChannel> {
+        lock(&self.current).as_ref().filter(|ch| ch.status().connected() && !ch.has_failed()).cloned()
     }
 
     /// Closes the current channel with `reply-success` ([`close_channel`]).
     pub async fn close(&self, why: &str) {
-        lock(&self.healthy).take();
-        let ch = self.current.lock().await.take();
+        let _replacing = self.replacing.lock().await;
+        let ch = lock(&self.current).take();
         if let Some(ch) = ch {
             let _ = close_channel(&ch, why).await;
         }
