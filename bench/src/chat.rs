@@ -235,7 +235,7 @@ pub async fn part_chat(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resul
     let statics: Vec<(&str, u32)> =
         ["system", "system_and_first_user", "rendered"].into_iter().flat_map(|k| [(k, 1), (k, 8)]).collect();
     for (name, convs, note) in [
-        ("mooncake-chat", &mooncake, format!("the {} requests of part 2's sample as chat (block 0 = system message, one user turn per request)", sample.len())),
+        ("mooncake-chat", &mooncake, format!("the {} requests of part 2's sample in {} mode as chat (block 0 = system message, one user turn per request)", sample.len(), plan.mode)),
         ("bfcl-chat", &bfcl, format!("{} random bfcl-multiturn entries, every user turn (assistant turns \"Done.\"), conversations 20 s apart, turns 60 s apart", plan.chat_bfcl_conversations)),
     ] {
         let oracle = crate::parts::one_cache_hit_ratio(convs.iter().map(|(msgs, _, _)| rendered(msgs)), sim.chars_per_token, usize::MAX);

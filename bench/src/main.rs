@@ -298,6 +298,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 peers_llama: None,
                 this_run_s: 0.0,
                 kept: Vec::new(),
+                // Every part run now is measured with this command's plan.
+                part_plans: want.iter().map(|part| ((*part).to_owned(), plan.clone())).collect(),
             };
             if want.contains(&"cache") {
                 results.cache = Some(parts::part_cache(&env, &plan, &data).await?);
@@ -341,10 +343,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .into_iter()
                 .flatten()
                 .map(|p| {
-                    let mode = prev.kept.iter().find(|(k, _)| *k == p).map(|(_, m)| m.clone()).unwrap_or_else(|| prev.plan.mode.clone());
+                    let mode = prev.kept.iter().find(|(k, _)| *k == p).map(|(_, m)| m.clone()).unwrap_or_else(|| prev.plan_of(&p).mode.clone());
                     (p, mode)
                 })
                 .collect();
+                for (part, _) in &results.kept {
+                    results.part_plans.insert(part.clone(), prev.plan_of(part).clone());
+                }
                 results.cache = results.cache.or(prev.cache);
                 results.scale = results.scale.or(prev.scale);
                 results.overhead = results.overhead.or(prev.overhead);

@@ -611,6 +611,21 @@ pub struct ScaleResults {
     pub oracle_sample_512: f64,
     pub oracle_sample_16: f64,
     pub mean_prompt_chars: f64,
+    /// Distinct blocks of the sample (16-token blocks, by chained hash).
+    #[serde(default)]
+    pub distinct_blocks: u64,
+    /// Of those, the blocks that are cached once and never looked up again.
+    #[serde(default)]
+    pub never_reused_blocks: u64,
+    /// Of those, the blocks of conversations that have only one request.
+    #[serde(default)]
+    pub never_reused_single_request: u64,
+    /// Conversations of the sample (by their second block id, as sampled), and how many have
+    /// only one request.
+    #[serde(default)]
+    pub conversations: usize,
+    #[serde(default)]
+    pub single_request_conversations: usize,
 }
 
 fn key_chars(blocks: usize, cpt: usize) -> usize {
@@ -660,6 +675,149 @@ fn pooled_model(prompts: &[String], m: usize, sim: &SimOpts) -> f64 {
     one_cache_hit_ratio(prompts, sim.chars_per_token, sim.capacity_blocks.saturating_mul(m))
 }
 
+/// Every block look-up and insert of a replay through one simulator cache, in order, with each
+/// access's next use: the input of the eviction bounds ([`BlockTrace::optimal_eviction`],
+/// [`BlockTrace::lru_admitting_reused`]), which show what the servers' eviction, not routing,
+/// leaves on the table.
+struct BlockTrace {
+    /// Block ids (dense, one per distinct chained block hash), request after request.
+    blocks: Vec<u32>,
+    /// Whether the access is a look-up that can hit (a block that ends before the prompt's last
+    /// token, as in [`CacheModel::admit`]); the others are only inserted.
+    lookup: Vec<bool>,
+    /// Index of the next access to the same block that is a look-up (`usize::MAX`: none).
+    next_lookup: Vec<usize>,
+    /// Where each request's accesses start in `blocks`, and the end.
+    starts: Vec<usize>,
+}
+
+impl BlockTrace {
+    fn new(prompts: &[String], chars_per_token: usize) -> Self {
+        let block_tokens = 16usize;
+        let (mut blocks, mut lookup, mut starts) = (Vec::new(), Vec::new(), Vec::with_capacity(prompts.len() + 1));
+        let mut ids: HashMap<u64, u32> = HashMap::new();
+        for text in prompts {
+            starts.push(blocks.len());
+            let hashes = llm_fakes::simulator::block_hashes(text, chars_per_token * block_tokens);
+            let tokens = llm_fakes::openai::tokens(text, chars_per_token);
+            let limit = ((tokens - 1) / block_tokens as u64) as usize;
+            for (j, h) in hashes.iter().enumerate() {
+                let next = ids.len() as u32;
+                blocks.push(*ids.entry(*h).or_insert(next));
+                lookup.push(j < limit);
+            }
+        }
+        starts.push(blocks.len());
+        let mut next_lookup = vec![usize::MAX; blocks.len()];
+        let mut seen = vec![usize::MAX; ids.len()];
+        for i in (0..blocks.len()).rev() {
+            let b = blocks[i] as usize;
+            next_lookup[i] = seen[b];
+            if lookup[i] {
+                seen[b] = i;
+            }
+        }
+        BlockTrace { blocks, lookup, next_lookup, starts }
+    }
+
+    /// Per request: the blocks it is the first to bring and that no later look-up uses.
+    fn never_reused_per_request(&self) -> Vec<u64> {
+        let mut seen = vec![false; self.blocks.iter().map(|&b| b as usize + 1).max().unwrap_or(0)];
+        self.starts
+            .windows(2)
+            .map(|w| {
+                (w[0]..w[1])
+                    .filter(|&i| {
+                        let first = !std::mem::replace(&mut seen[self.blocks[i] as usize], true);
+                        first && self.next_lookup[i] == usize::MAX
+                    })
+                    .count() as u64
+            })
+            .collect()
+    }
+
+    fn distinct_blocks(&self) -> u64 {
+        self.blocks.iter().map(|&b| u64::from(b) + 1).max().unwrap_or(0)
+    }
+
+    fn total(&self) -> u64 {
+        self.blocks.len() as u64
+    }
+
+    /// Block hit ratio with optimal eviction (Belady's rule: on a miss, drop the cached block
+    /// whose next look-up is furthest away, or do not cache the new one if its own is) in one
+    /// cache of `capacity` blocks. A hit is counted for every cached block a look-up finds, not
+    /// only for the leading run of a chain, so this is an upper bound on every eviction and
+    /// admission policy and on every routing over caches of `capacity` blocks in all.
+    fn optimal_eviction(&self, capacity: usize) -> f64 {
+        use std::collections::BinaryHeap;
+        let mut cached: HashMap<u32, usize> = HashMap::new();
+        let mut heap: BinaryHeap<(usize, u32)> = BinaryHeap::new();
+        let mut hits = 0u64;
+        for (i, &b) in self.blocks.iter().enumerate() {
+            let next = self.next_lookup[i];
+            if let Some(at) = cached.get_mut(&b) {
+                hits += u64::from(self.lookup[i]);
+                *at = next;
+                heap.push((next, b));
+                continue;
+            }
+            if next == usize::MAX || capacity == 0 {
+                continue;
+            }
+            if cached.len() >= capacity {
+                // The furthest next use among the cached blocks (stale heap entries skipped).
+                let furthest = loop {
+                    let &(at, v) = heap.peek().expect("a full cache has heap entries");
+                    if cached.get(&v) == Some(&at) {
+                        break (at, v);
+                    }
+                    heap.pop();
+                };
+                if furthest.0 <= next {
+                    continue;
+                }
+                heap.pop();
+                cached.remove(&furthest.1);
+            }
+            cached.insert(b, next);
+            heap.push((next, b));
+        }
+        hits as f64 / self.total().max(1) as f64
+    }
+
+    /// Block hit ratio of the simulator's LRU cache of `capacity` blocks (leading runs only, as
+    /// the server counts them) if it admitted only the blocks that a later look-up uses: what
+    /// the cache loses to blocks that are never used again.
+    fn lru_admitting_reused(&self, capacity: usize) -> f64 {
+        // The simulator's `PrefixCache` order: look up the leading run, then touch or insert
+        // the prompt's blocks last one first, then evict the least recently used.
+        let mut last_use: HashMap<u32, u64> = HashMap::new();
+        let mut lru: BTreeMap<u64, u32> = BTreeMap::new();
+        let (mut tick, mut hits) = (0u64, 0u64);
+        for w in self.starts.windows(2) {
+            let range = w[0]..w[1];
+            hits += range.clone().take_while(|&i| self.lookup[i] && last_use.contains_key(&self.blocks[i])).count() as u64;
+            for i in range.rev() {
+                let b = self.blocks[i];
+                if !last_use.contains_key(&b) && self.next_lookup[i] == usize::MAX {
+                    continue;
+                }
+                tick += 1;
+                if let Some(old) = last_use.insert(b, tick) {
+                    lru.remove(&old);
+                }
+                lru.insert(tick, b);
+            }
+            while last_use.len() > capacity {
+                let Some((_, b)) = lru.pop_first() else { break };
+                last_use.remove(&b);
+            }
+        }
+        hits as f64 / self.total().max(1) as f64
+    }
+}
+
 /// Part 2 (Mooncake replay by M). Longer than 80 lines on purpose: one loop over M and modes
 /// whose body is the run's sequence (start, replay, collect, record), read top to bottom.
 pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Result<ScaleResults> {
@@ -687,10 +845,29 @@ pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         oracle_sample_16 * 100.0
     );
 
+    // What eviction, not routing, leaves on the table: optimal eviction and an LRU that admits
+    // only reused blocks, each with the M servers' capacity in one cache; and where the blocks
+    // that are never used again come from.
+    let block_trace = BlockTrace::new(&prompts, sim.chars_per_token);
+    let never_reused = block_trace.never_reused_per_request();
+    let conversation_of = |r: &data::TraceReq| r.hash_ids.get(1).or(r.hash_ids.first()).copied().unwrap_or(0);
+    let mut requests_per_conversation: HashMap<u64, usize> = HashMap::new();
+    for r in &sample {
+        *requests_per_conversation.entry(conversation_of(r)).or_default() += 1;
+    }
+    let never_reused_blocks: u64 = never_reused.iter().sum();
+    let distinct_blocks = block_trace.distinct_blocks();
+    let never_reused_single_request: u64 =
+        sample.iter().zip(&never_reused).filter(|(r, _)| requests_per_conversation[&conversation_of(r)] == 1).map(|(_, n)| n).sum();
+    let conversations = requests_per_conversation.len();
+    let single_request_conversations = requests_per_conversation.values().filter(|&&n| n == 1).count();
     let mut offline = Vec::new();
     for &m in &[1usize, 2, 4, 8] {
         offline.push(ModelRow { m, mode: "off".into(), key_blocks: 0, block_hit_ratio: offline_model(&prompts, m, None, sim, plan.scale_partitions, plan.seed) });
         offline.push(ModelRow { m, mode: "pooled".into(), key_blocks: 0, block_hit_ratio: pooled_model(&prompts, m, sim) });
+        let capacity = sim.capacity_blocks.saturating_mul(m);
+        offline.push(ModelRow { m, mode: "pooled-admit-reused".into(), key_blocks: 0, block_hit_ratio: block_trace.lru_admitting_reused(capacity) });
+        offline.push(ModelRow { m, mode: "pooled-optimal".into(), key_blocks: 0, block_hit_ratio: block_trace.optimal_eviction(capacity) });
         for kb in [1usize, 2, 3, 4, 8] {
             offline.push(ModelRow {
                 m,
@@ -700,6 +877,7 @@ pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
             });
         }
     }
+    drop(block_trace);
 
     let reqs: Vec<Req> = sample
         .iter()
@@ -742,6 +920,11 @@ pub async fn part_scale(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
         oracle_sample_512,
         oracle_sample_16,
         mean_prompt_chars,
+        distinct_blocks,
+        never_reused_blocks,
+        never_reused_single_request,
+        conversations,
+        single_request_conversations,
     })
 }
 
@@ -1185,4 +1368,52 @@ async fn hot_run(env: &Env, http: &reqwest::Client, plan: &Plan, reqs: &[Req], l
     );
     anyhow::ensure!(d.results == d.sent, "{} of {} results arrived", d.results, d.sent);
     Ok(row)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One character per token, so a block is 16 characters.
+    fn prompt(c: char, blocks: usize) -> String {
+        // One character more than the blocks, so every full block can be looked up.
+        std::iter::repeat_n(c, blocks * 16 + 1).collect()
+    }
+
+    #[test]
+    fn the_eviction_bounds_keep_out_what_is_never_used_again() {
+        // X, then Y (never used again), then X: a 2-block LRU loses X to Y; optimal eviction
+        // and an LRU that admits only reused blocks keep X and hit both of its blocks.
+        let prompts = vec![prompt('x', 2), prompt('y', 2), prompt('x', 2)];
+        let trace = BlockTrace::new(&prompts, 1);
+        assert_eq!(trace.total(), 6);
+        assert_eq!(trace.distinct_blocks(), 4);
+        assert_eq!(trace.never_reused_per_request(), vec![0, 2, 0], "only Y's blocks are never looked up again");
+        assert_eq!(one_cache_hit_ratio(&prompts, 1, 2), 0.0);
+        assert_eq!(trace.lru_admitting_reused(2), 2.0 / 6.0);
+        assert_eq!(trace.optimal_eviction(2), 2.0 / 6.0);
+        assert_eq!(trace.optimal_eviction(0), 0.0);
+    }
+
+    #[test]
+    fn optimal_eviction_lies_between_lru_and_the_unbounded_cache() {
+        // Conversations that extend their own prompts, interleaved, through small caches.
+        let mut rng = fastrand::Rng::with_seed(3);
+        let mut histories: Vec<String> = (0..12).map(|i| format!("{:>16}", format!("conversation {i}"))).collect();
+        let mut prompts = Vec::new();
+        for _ in 0..300 {
+            let h = &mut histories[rng.usize(0..12)];
+            h.extend(std::iter::repeat_n(char::from(b'a' + rng.u8(0..26)), rng.usize(8..40)));
+            prompts.push(h.clone());
+        }
+        let trace = BlockTrace::new(&prompts, 1);
+        let unbounded = one_cache_hit_ratio(&prompts, 1, usize::MAX);
+        assert_eq!(trace.optimal_eviction(usize::MAX), unbounded, "an unbounded cache evicts nothing");
+        for capacity in [4, 16, 64, 256] {
+            let lru = one_cache_hit_ratio(&prompts, 1, capacity);
+            let optimal = trace.optimal_eviction(capacity);
+            assert!(lru <= optimal && optimal <= unbounded, "capacity {capacity}: LRU {lru}, optimal {optimal}, unbounded {unbounded}");
+        }
+        assert!(one_cache_hit_ratio(&prompts, 1, 16) < trace.optimal_eviction(16), "this load leaves LRU room to lose");
+    }
 }

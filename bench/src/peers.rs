@@ -474,7 +474,8 @@ pub async fn part_peers(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::Resu
             name: "mooncake-chat",
             convs: mooncake,
             note: format!(
-                "part 2's Mooncake sample ({} requests) as chat, rendered as part 5 renders it, except that the {} empty user turns (a request that adds no block to its conversation) read \"continue\": SGLang's router rejects empty message content",
+                "part 2's Mooncake sample in {} mode ({} requests) as chat, rendered as part 5 renders it, except that the {} empty user turns (a request that adds no block to its conversation) read \"continue\": SGLang's router rejects empty message content",
+                plan.mode,
                 sample.len(),
                 empty_turns
             ),

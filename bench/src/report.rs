@@ -1,5 +1,6 @@
 //! `bench/REPORT.md` from the results of one invocation (`bench/results.json`).
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::path::Path;
 
@@ -34,6 +35,18 @@ pub struct Results {
     /// Parts kept from earlier invocations, with the mode they were measured in.
     #[serde(default)]
     pub kept: Vec<(String, String)>,
+    /// The plan each part was measured with, by part name (`plan` is the last command's): a
+    /// merge can keep parts measured in another mode than the one it runs.
+    #[serde(default)]
+    pub part_plans: BTreeMap<String, Plan>,
+}
+
+impl Results {
+    /// The plan `part` was measured with: its own entry, else the run's (results written before
+    /// parts kept their plans, whose merges never mixed the sizes of a part's plan).
+    pub fn plan_of(&self, part: &str) -> &Plan {
+        self.part_plans.get(part).unwrap_or(&self.plan)
+    }
 }
 
 fn pct(x: f64) -> String {
@@ -63,7 +76,7 @@ pub fn overhead_medians(o: &OverheadResults, system: &str) -> (f64, f64, f64, f6
 /// reading order, so the code and the document it produces follow the same sequence.
 pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     let mut s = String::new();
-    let p = &r.plan;
+    let p = r.plan_of("overhead");
     let _ = writeln!(s, "# prefix-batcher benchmarks\n");
     let _ = writeln!(s, "{} {}\n", header(r), "Raw numbers: [`results.json`](results.json). How to run and what each part does: [`README.md`](README.md).");
     let m = &r.machine;
@@ -161,6 +174,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     let _ = writeln!(s);
 
     // ------------------------------------------------------------------ 1
+    let p = r.plan_of("cache");
     if let Some(c) = r.cache.as_ref().filter(|c| cache_reps(c) > 1) {
         render_cache_reps(&mut s, c, p, plots);
     } else if let Some(c) = &r.cache {
@@ -226,6 +240,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     }
 
     // ------------------------------------------------------------------ 2
+    let p = r.plan_of("scale");
     if let Some(sc) = &r.scale {
         let sim = &p.scale_sim;
         let _ = writeln!(s, "## 2. Cache effect at scale: Mooncake replay on the LLM simulator\n");
@@ -313,11 +328,15 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         let _ = writeln!(
             s,
             "**Routing model** (same replay without broker or clock: the daemon's own key, partition and rendezvous functions and one \
-             simulator cache model per instance, requests in trace order), block hit ratio. The last column is the capacity \
-             ceiling: every request through one LRU cache as large as the M servers' caches together. Routing only decides which \
+             simulator cache model per instance, requests in trace order), block hit ratio. The last three columns put every \
+             request through one cache as large as the M servers' caches together: with the servers' LRU eviction (the capacity \
+             ceiling of routing over LRU servers), with that LRU admitting only the blocks that a later request looks up, and with \
+             optimal eviction (Belady's rule: drop the block used again furthest in the future; every cached block a look-up finds \
+             counts, so this bounds every eviction policy and every routing over that much cache). Routing only decides which \
              of the M caches a request meets; M caches split by routing could beat one shared LRU only by keeping blocks that are \
              never used again out of the caches that hold the reused ones, which a router cannot know when the request arrives, and \
-             no routing tried here gets above that column. The oracle (an unbounded cache) is above it whenever the servers' LRU \
+             no routing tried here gets more than a few tenths of a point above the LRU column (partitions that happen to hold \
+             fewer one-off blocks). The oracle (an unbounded cache) is above it whenever the servers' LRU \
              evicts blocks that are used again:\n"
         );
         let kbs: Vec<usize> = {
@@ -330,8 +349,8 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         for kb in &kbs {
             let _ = write!(s, " keyed, {kb}-block key |");
         }
-        let _ = writeln!(s, " one cache of M × capacity |");
-        let _ = writeln!(s, "| ---: | ---: |{} ---: |", " ---: |".repeat(kbs.len()));
+        let _ = writeln!(s, " one cache of M × capacity, LRU | same, LRU admitting only reused blocks | same, optimal eviction |");
+        let _ = writeln!(s, "| ---: | ---: |{} ---: | ---: | ---: |", " ---: |".repeat(kbs.len()));
         let mut ms: Vec<usize> = sc.offline.iter().map(|x| x.m).collect();
         ms.sort();
         ms.dedup();
@@ -341,9 +360,23 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
             for kb in &kbs {
                 let _ = write!(s, " {} |", get("keyed", *kb));
             }
-            let _ = writeln!(s, " {} |", get("pooled", 0));
+            let _ = writeln!(s, " {} | {} | {} |", get("pooled", 0), get("pooled-admit-reused", 0), get("pooled-optimal", 0));
         }
         let _ = writeln!(s);
+        if sc.never_reused_blocks > 0 {
+            let _ = writeln!(
+                s,
+                "Where the LRU's loss comes from: {} of the sample's {} distinct blocks are cached once and never looked up again, and {} of \
+                 those belong to conversations of a single request ({} of the {} conversations). Such a request looks like the first \
+                 turn of any conversation when it arrives, so no router can tell which blocks to keep out; a server that did not \
+                 cache them would reach the \"admitting only reused blocks\" column.\n",
+                sc.never_reused_blocks,
+                sc.distinct_blocks,
+                pct(sc.never_reused_single_request as f64 / sc.never_reused_blocks as f64),
+                sc.single_request_conversations,
+                sc.conversations
+            );
+        }
         // Which key length is best, from the measured sweep and the model.
         let sweep: Vec<_> = sc.rows.iter().filter(|x| x.mode == "static" && x.m == p.scale_sweep_m).collect();
         if let Some(best) = sweep.iter().max_by(|a, b| a.block_hit_ratio.total_cmp(&b.block_hit_ratio)) {
@@ -378,6 +411,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     }
 
     // ------------------------------------------------------------------ 3
+    let p = r.plan_of("overhead");
     if let Some(o) = &r.overhead {
         let (dt, dp50, dp99, dcpu) = overhead_medians(o, "daemon");
         let (pt, pp50, pp99, pcpu) = overhead_medians(o, "pass-through");
@@ -476,6 +510,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     }
 
     // ------------------------------------------------------------------ 4
+    let p = r.plan_of("hot");
     if let Some(h) = &r.hot {
         let sim = &p.hot_sim;
         let _ = writeln!(s, "## 4. Hot prefix\n");
@@ -528,20 +563,20 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
         }
     }
     if let Some(c) = &r.chat {
-        render_chat(&mut s, c);
+        render_chat(&mut s, c, r.plan_of("chat"));
     }
     if let Some(sh) = &r.shift {
-        render_shift(&mut s, sh, p);
+        render_shift(&mut s, sh, r.plan_of("shift"));
     }
     if let Some(pe) = &r.peers {
-        render_peers(&mut s, pe, plots);
+        render_peers(&mut s, pe, r.plan_of("peers"), plots);
     }
     if let Some(pl) = &r.peers_llama {
         render_peers_llama(&mut s, pl);
     }
     let _ = writeln!(s, "## Caveats\n");
     // Part 1 in medium mode: run by this command, or kept from an earlier medium one.
-    let medium_cache = r.cache.as_ref().filter(|_| p.mode == "medium" || r.kept.iter().any(|(part, mode)| part == "cache" && mode == "medium"));
+    let medium_cache = r.cache.as_ref().filter(|_| r.plan_of("cache").mode == "medium" || r.kept.iter().any(|(part, mode)| part == "cache" && mode == "medium"));
     if let Some(c) = medium_cache {
         let _ = writeln!(
             s,
@@ -747,9 +782,15 @@ fn render_scale_adaptive(s: &mut String, sc: &ScaleResults, p: &Plan) {
     for row in sc.rows.iter().filter(|x| x.mode == "keyed") {
         let model_best = sc.offline.iter().filter(|x| x.m == row.m && x.mode == "keyed").map(|x| x.block_hit_ratio).fold(f64::NAN, f64::max);
         let stat = sc.rows.iter().find(|x| x.m == row.m && x.mode == "static" && x.key_blocks == p.scale_key_blocks);
+        let optimal = sc
+            .offline
+            .iter()
+            .find(|x| x.m == row.m && x.mode == "pooled-optimal")
+            .map(|x| format!(", and with optimal eviction {} of the oracle", pct(x.block_hit_ratio / sc.oracle_sample_16)))
+            .unwrap_or_default();
         let ceiling = sc.offline.iter().find(|x| x.m == row.m && x.mode == "pooled").map(|x| {
             format!(
-                "; one LRU cache of M × capacity, the capacity ceiling, reaches {} ({} of the oracle)",
+                "; one LRU cache of M × capacity, the capacity ceiling of routing over LRU servers, reaches {} ({} of the oracle){optimal}",
                 pct(x.block_hit_ratio),
                 pct(x.block_hit_ratio / sc.oracle_sample_16)
             )
@@ -772,18 +813,20 @@ fn render_scale_adaptive(s: &mut String, sc: &ScaleResults, p: &Plan) {
         s,
         "**The defaults (adaptive key levels).** {}. Every request of this trace starts with block 0, so its level-0 key (256 \
          characters) and level-1 key (1,024) are the same for all traffic, and only level 2 (4,096 characters = 2 blocks) tells \
-         conversations apart. The queueing-delay rule does not fire here: its threshold is 2 s of wall time, 400 trace seconds at \
+         conversations apart. The queueing-delay rule does not fire here: its threshold is 2 s of wall time, {:.0} trace seconds at \
          this speed-up, and no partition queues that long. The dominance rule does: at the refresh that a router's 5th request triggers (5 of 5 requests \
          on one key put the one-sided 95 % lower bound of its share at 0.65, above half), \
          the level-0 key (100 % of the traffic) is split, together with level 1 (one key for all its \
          requests), so requests route by level 2 — the static 2-block key's routing — from well under a second of wall time into \
          the replay (splits column: split decisions / spreads / merges, key moves). Those first requests (5 or more per router: \
          up to the 5th, or until another instance's decision reaches it at its next 250 ms refresh) all went to one server, and their conversations continue \
-         on other servers: the speed-up magnifies this warm-up, which in real time is well under a second. The rest of the gap to the oracle is cache capacity (each server's LRU \
-         holds {} blocks): the routing model, which has no warm-up, tops out at the ratios quoted, and even one cache as large as \
+         on other servers: the speed-up magnifies this warm-up, which in real time is well under a second. The rest of the gap to the oracle is what the servers' LRU eviction \
+         loses at this capacity (each server holds {} blocks): the routing model, which has no warm-up, tops out at the ratios quoted, and even one cache as large as \
          all M together, with the same LRU eviction, stays below the oracle at small M, because the trace's one-off blocks push \
-         out blocks that a later turn needs. Only the servers' eviction policy could close that part of the gap, not routing.\n",
+         out blocks that a later turn needs. Only the servers' eviction or admission policy could close that part of the gap, not \
+         routing: the same total capacity holds what later turns need when the blocks used again furthest ahead go first.\n",
         lines.join("; "),
+        2.0 * p.scale_speedup,
         p.scale_sim.capacity_blocks
     );
 }
@@ -826,16 +869,17 @@ fn splits_cell(x: &crate::procs::SplitCounts) -> String {
     }
 }
 
-fn render_chat(s: &mut String, c: &crate::chat::ChatResults) {
+fn render_chat(s: &mut String, c: &crate::chat::ChatResults, p: &Plan) {
     let _ = writeln!(s, "## 5. Multi-turn chat\n");
     let _ = writeln!(
         s,
-        "Chat requests (`/v1/chat/completions`) through M = {} daemons with one simulator each (part 2's simulator settings; the \
-         simulator renders messages role-tagged and caches them like a completions prompt), speed-up {}×, times in model seconds. \
+        "Chat requests (`/v1/chat/completions`) through M = {} daemons with one simulator each (part 2's simulator settings in {} mode: {} blocks of \
+         cache, {} slots; the simulator renders messages role-tagged and caches them like a completions prompt), speed-up {}×, \
+         times in model seconds. \
          `adaptive`: the defaults (`keying.mode = \"adaptive\"`, `chat_key = \"opening\"`). `prefix`: static, with the given \
          `chat_key` and `sharding.default_shards`. Oracle: one infinite cache over the same rendering, 16-token blocks. \
          Splits: split / spread / merge decisions (key moves seen by one instance).\n",
-        c.m, c.speedup
+        c.m, p.mode, p.scale_sim.capacity_blocks, p.scale_sim.max_concurrency, c.speedup
     );
     for w in &c.workloads {
         let _ = writeln!(s, "**{}**: {} requests, {} conversations, oracle **{}**; {}.\n", w.name, w.requests, w.conversations, pct(w.oracle), w.note);
@@ -948,11 +992,11 @@ pub fn write(r: &Results, dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Part 7: prefix-batcher against the peer routers, one table per workload, and its reading.
-fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str, &str)]) {
+fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, p: &Plan, plots: &[(&str, &str)]) {
     let _ = writeln!(s, "## 7. Peers: SGLang's and vLLM's routers on the same servers and traffic\n");
     let _ = writeln!(
         s,
-        "One load generator, many routes. Each route gets M fresh simulators (part 2's settings: {} blocks of cache, {} slots, {}× \
+        "One load generator, many routes. Each route gets M fresh simulators (part 2's settings in {} mode: {} blocks of cache, {} slots, {}× \
          speed-up; the hot-prefix workloads: part 4's slow servers in real time, as their notes say) and the same chat requests at the same arrival times with the same `max_tokens`. **prefix-batcher (defaults)**: M \
          daemons (adaptive keying, `llm.max_concurrency = {}`, `max_batch_wait = 5ms`), requests published to RabbitMQ, results \
          from the reply queue. **Peer routers** ({}, installed by `bench/peers-install` into `.cache/peers-venv`): \
@@ -969,6 +1013,7 @@ fn render_peers(s: &mut String, pe: &crate::peers::PeersResults, plots: &[(&str,
          start and every 60 s, and under `cache_aware` `POST /v1/chat/completions/render` (`/v1/completions/render` for \
          completions) on every server for every request. The simulator answers all of them (render: the prompt's token ids \
          in its own tokenization, no cache effect).\n",
+        p.mode,
         pe.sim.capacity_blocks,
         pe.sim.max_concurrency,
         pe.speedup,
