@@ -6,6 +6,7 @@
 //! (<https://www.rabbitmq.com/resources/specs/amqp0-9-1.pdf>), as generated into
 //! `amq_protocol::protocol::constants` and `AMQPSoftError`.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -356,7 +357,7 @@ pub struct SharedConfirmChannel {
     /// Who publishes here, for the log (`router`, `partition 3`).
     owner: String,
     /// Set when a channel was found closed, or a new one could not be opened.
-    lost: std::sync::atomic::AtomicBool,
+    lost: AtomicBool,
 }
 
 /// How often a replaced [`SharedConfirmChannel`] channel is checked for publishes in flight.
@@ -371,7 +372,7 @@ impl SharedConfirmChannel {
             replacing: tokio::sync::Mutex::new(()),
             grace,
             owner,
-            lost: std::sync::atomic::AtomicBool::new(false),
+            lost: AtomicBool::new(false),
         }
     }
 
@@ -384,7 +385,7 @@ impl SharedConfirmChannel {
     /// could not be opened, since this was made. A channel replaced after a failed publish does
     /// not count.
     pub fn lost_a_channel(&self) -> bool {
-        self.lost.load(std::sync::atomic::Ordering::Relaxed)
+        self.lost.load(Ordering::Relaxed)
     }
 
     /// The channel to publish on: the current one while it is open and no publish on it failed,
@@ -415,12 +416,12 @@ impl SharedConfirmChannel {
                 });
             }
             Some(_) => {
-                self.lost.store(true, std::sync::atomic::Ordering::Relaxed);
+                self.lost.store(true, Ordering::Relaxed);
                 warn!(owner = %self.owner, "the publishing channel was closed; reopening it");
             }
             None => {}
         }
-        let ch = ConfirmChannel::open(&self.conn).await.inspect_err(|_| self.lost.store(true, std::sync::atomic::Ordering::Relaxed))?;
+        let ch = ConfirmChannel::open(&self.conn).await.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
         *lock(&self.current) = Some(ch.clone());
         Ok(ch)
     }
