@@ -154,8 +154,9 @@ fn check_run(a: &RunArgs, root: &Path) -> anyhow::Result<Checked> {
         None
     };
     let plan = match &previous {
-        // The kept parts are described by the sizes they were measured with.
-        Some(prev) if a.medium => parts::Plan { seed: a.seed, ..parts::Plan::medium_over(prev.plan.clone()) },
+        // Medium mode's sizes over those the real-server parts were last measured with (each kept
+        // part is described by its own plan, `Results::plan_of`).
+        Some(prev) if a.medium => parts::Plan { seed: a.seed, ..parts::Plan::medium_over(prev.plan_of("cache").clone()) },
         _ => parts::Plan::new(mode, a.seed),
     };
     let data = a.data.clone().unwrap_or_else(|| root.join("../shared/data"));
