@@ -1369,6 +1369,23 @@ mod tests {
     }
 
     #[test]
+    fn each_part_is_described_by_the_plan_it_was_measured_with() {
+        let mut r = results("bench/run --parts hot, then bench/run --full --parts scale --merge", 1800.0, 600.0, &[("hot", "quick")]);
+        let quick = crate::parts::Plan::new(crate::parts::Mode::Quick, 7);
+        let full = crate::parts::Plan::new(crate::parts::Mode::Full, 7);
+        assert_ne!((quick.hot_period_s, quick.hot_cycles), (full.hot_period_s, full.hot_cycles), "the modes differ in part 4");
+        let sine = |p: &Plan| format!("T = {} s, {} cycle(s)", p.hot_period_s, p.hot_cycles);
+        // The last command's plan is full mode; part 4 kept its quick plan.
+        r.plan = full.clone();
+        r.part_plans = [("hot".to_owned(), quick.clone()), ("scale".to_owned(), full.clone())].into();
+        let text = render(&r, &[]);
+        assert!(text.contains(&sine(&quick)) && !text.contains(&sine(&full)), "part 4 is described by its own plan");
+        // Results written before parts kept their plans: every part has the run's plan.
+        r.part_plans.clear();
+        assert!(render(&r, &[]).contains(&sine(&full)));
+    }
+
+    #[test]
     fn the_model_comes_from_the_results_when_recorded() {
         let mut c = results("bench/run", 1.0, 1.0, &[]).cache.expect("the committed results have part 1");
         c.model = None;
