@@ -689,6 +689,8 @@ struct BlockTrace {
     next_lookup: Vec<usize>,
     /// Where each request's accesses start in `blocks`, and the end.
     starts: Vec<usize>,
+    /// Distinct blocks (the ids in `blocks` are `0..distinct`).
+    distinct: usize,
 }
 
 impl BlockTrace {
@@ -717,12 +719,12 @@ impl BlockTrace {
                 seen[b] = i;
             }
         }
-        BlockTrace { blocks, lookup, next_lookup, starts }
+        BlockTrace { blocks, lookup, next_lookup, starts, distinct: ids.len() }
     }
 
     /// Per request: the blocks it is the first to bring and that no later look-up uses.
     fn never_reused_per_request(&self) -> Vec<u64> {
-        let mut seen = vec![false; self.blocks.iter().map(|&b| b as usize + 1).max().unwrap_or(0)];
+        let mut seen = vec![false; self.distinct];
         self.starts
             .windows(2)
             .map(|w| {
@@ -737,7 +739,7 @@ impl BlockTrace {
     }
 
     fn distinct_blocks(&self) -> u64 {
-        self.blocks.iter().map(|&b| u64::from(b) + 1).max().unwrap_or(0)
+        self.distinct as u64
     }
 
     fn total(&self) -> u64 {
