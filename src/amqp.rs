@@ -216,18 +216,27 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error>
 
 /// A confirm-mode channel shared by concurrent publishes, with **ordered settlement**: a publish
 /// counts as delivered only when its own confirm is an ack *and* every publish sent before it on
-/// the channel has settled without a failure. The router forwards through one; each partition
-/// session publishes its results and dead letters through one ([`crate::partition`]). Cloning
-/// gives another handle to the same channel and the same order.
+/// the channel has settled, none of those to the same destination (exchange and routing key)
+/// with a failure. The router forwards through one; each partition session publishes its results
+/// and dead letters through one ([`crate::partition`]). Cloning gives another handle to the same
+/// channel and the same order.
 ///
 /// Why the order matters:
 /// - After the broker nacks a publish, a RabbitMQ 3.10 quorum queue can drop the channel's later
-///   publishes while confirming them (rabbitmq-server #14589). So a publish that was sent after a
-///   failed one (nacked, or no confirm within `amqp.confirm_timeout`, or the channel failed) is
-///   reported as [`crate::publisher::PublishError::AfterFailed`], whatever its own confirm said,
-///   and its caller publishes it again or requeues the request: a possible duplicate, never a
-///   loss. Confirms can come out of order (several queues; lapin completes the confirms of one
+///   publishes to it while confirming them (rabbitmq-server #14589). So a publish that was sent
+///   after a failed one to the same destination (nacked, or no confirm within
+///   `amqp.confirm_timeout`, or the channel failed) is reported as
+///   [`crate::publisher::PublishError::AfterFailed`], whatever its own confirm said, and its
+///   caller publishes it again or requeues the request: a possible duplicate, never a loss.
+///   Confirms can come out of order (several queues; lapin completes the confirms of one
 ///   `multiple` ack in hash-map order), so each publish waits until all earlier ones have settled.
+/// - The rule is per destination because the defect is per queue: a channel keeps one enqueue
+///   sequence per quorum queue it publishes to. A destination is the exchange and routing key,
+///   which name one set of queues in this daemon's topology (the default exchange: the queue of
+///   that name; the shard exchange: one partition queue; the dead-letter exchange: its queue).
+///   So a reply queue that refuses results (`x-overflow = reject-publish`) does not make the
+///   results and dead letters published behind them on the same channel go again (which would
+///   duplicate them).
 /// - lapin numbers a publish (its delivery tag, for the confirm) and queues its frames under two
 ///   different locks (lapin 4.12, `Channel::basic_publish`: `before_basic_publish`, then
 ///   `send_method_frame_with_body`). Two tasks publishing at once on two threads can interleave
@@ -262,8 +271,8 @@ struct Settled {
     below: u64,
     /// Publishes at or above `below` that have settled (out of order).
     ahead: std::collections::BTreeSet<u64>,
-    /// The lowest number of a publish that failed.
-    first_failed: Option<u64>,
+    /// For each destination ([`destination`]) with a failed publish, the lowest number of one.
+    failed: std::collections::HashMap<u64, u64>,
     /// Publishes waiting for all publishes before them to settle, by number.
     waiting: std::collections::BTreeMap<u64, tokio::sync::oneshot::Sender<()>>,
 }
@@ -299,6 +308,7 @@ impl ConfirmChannel {
     ) -> (PublishTicket, futures_util::future::BoxFuture<'static, Result<lapin::PublisherConfirm, lapin::Error>>) {
         use std::task::Poll;
         let ch = self.ch.clone();
+        let dest = destination(exchange, routing_key);
         let (exchange, routing_key) = (lapin::types::ShortString::from(exchange), lapin::types::ShortString::from(routing_key));
         let mut publish: futures_util::future::BoxFuture<'static, _> =
             Box::pin(async move { ch.basic_publish(exchange, routing_key, options, &body[..], properties).await });
@@ -313,18 +323,18 @@ impl ConfirmChannel {
             Poll::Ready(seq)
         })
         .await;
-        let ticket = PublishTicket { order: self.order.clone(), seq, settled: false };
+        let ticket = PublishTicket { order: self.order.clone(), seq, dest, settled: false };
         match first {
             Some(r) => (ticket, Box::pin(std::future::ready(r))),
             None => (ticket, publish),
         }
     }
 
-    /// Whether a publish on this channel failed: every later one is then
+    /// Whether a publish on this channel failed: every later one to its destination is then
     /// [`crate::publisher::PublishError::AfterFailed`], so the channel must be replaced
     /// ([`SharedConfirmChannel::get`] does).
     pub fn has_failed(&self) -> bool {
-        lock(&self.order.settled).first_failed.is_some()
+        !lock(&self.order.settled).failed.is_empty()
     }
 
     /// Whether every publish sent on this channel has settled.
@@ -446,7 +456,19 @@ impl SharedConfirmChannel {
 pub struct PublishTicket {
     order: Arc<PublishOrder>,
     seq: u64,
+    /// Its destination ([`destination`]).
+    dest: u64,
     settled: bool,
+}
+
+/// A publish's destination for ordered settlement: `xxh3_64` of the exchange and routing key
+/// (see [`ConfirmChannel`]). Two destinations that collide only make a publish go again.
+fn destination(exchange: &str, routing_key: &str) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&(exchange.len() as u64).to_le_bytes());
+    h.update(exchange.as_bytes());
+    h.update(routing_key.as_bytes());
+    h.digest()
 }
 
 /// What [`PublishTicket::settle`] found about the publishes before it.
@@ -454,7 +476,8 @@ pub struct PublishTicket {
 pub enum Earlier {
     /// Every earlier publish on the channel settled without a failure.
     AllDelivered,
-    /// An earlier publish failed: this one may have been dropped although confirmed.
+    /// An earlier publish to the same destination failed: this one may have been dropped
+    /// although confirmed.
     OneFailed,
     /// The earlier publishes did not all settle within the wait.
     Unsettled,
@@ -463,17 +486,17 @@ pub enum Earlier {
 impl PublishTicket {
     /// Records this publish's outcome (`failed`: nacked, unconfirmed, or the channel failed;
     /// a `basic.return` is not a failure), then waits, at most `wait`, until every earlier
-    /// publish on the channel has settled, and says how they went.
+    /// publish on the channel has settled, and says how those to its destination went.
     pub async fn settle(mut self, failed: bool, wait: Duration) -> Earlier {
         self.settled = true;
-        let rx = mark(&self.order, self.seq, failed);
+        let rx = mark(&self.order, self.seq, self.dest, failed);
         if let Some(rx) = rx {
             if tokio::time::timeout(wait, rx).await.is_err() {
                 return Earlier::Unsettled;
             }
         }
-        match lock(&self.order.settled).first_failed {
-            Some(f) if f < self.seq => Earlier::OneFailed,
+        match lock(&self.order.settled).failed.get(&self.dest) {
+            Some(&f) if f < self.seq => Earlier::OneFailed,
             _ => Earlier::AllDelivered,
         }
     }
@@ -482,16 +505,18 @@ impl PublishTicket {
 impl Drop for PublishTicket {
     fn drop(&mut self) {
         if !self.settled {
-            mark(&self.order, self.seq, true);
+            mark(&self.order, self.seq, self.dest, true);
         }
     }
 }
 
-/// Marks publish `seq` settled; returns a receiver to wait on while earlier ones are not.
-fn mark(order: &PublishOrder, seq: u64, failed: bool) -> Option<tokio::sync::oneshot::Receiver<()>> {
+/// Marks publish `seq` to `dest` settled; returns a receiver to wait on while earlier ones are
+/// not.
+fn mark(order: &PublishOrder, seq: u64, dest: u64, failed: bool) -> Option<tokio::sync::oneshot::Receiver<()>> {
     let mut s = lock(&order.settled);
     if failed {
-        s.first_failed = Some(s.first_failed.map_or(seq, |f| f.min(seq)));
+        let first = s.failed.entry(dest).or_insert(seq);
+        *first = (*first).min(seq);
     }
     if seq == s.below {
         s.below += 1;
@@ -565,10 +590,16 @@ mod tests {
         assert_eq!(REPLY_SUCCESS, 200);
     }
 
+    /// `n` publishes numbered 0.., all to one destination.
     fn tickets(n: u64) -> Vec<PublishTicket> {
+        tickets_to(&vec![destination("", "q"); n as usize])
+    }
+
+    /// One publish per entry of `dests`, numbered 0.., to that destination.
+    fn tickets_to(dests: &[u64]) -> Vec<PublishTicket> {
         let order = Arc::new(PublishOrder::default());
-        *lock(&order.next) = n;
-        (0..n).map(|seq| PublishTicket { order: order.clone(), seq, settled: false }).collect()
+        *lock(&order.next) = dests.len() as u64;
+        dests.iter().enumerate().map(|(seq, &dest)| PublishTicket { order: order.clone(), seq: seq as u64, dest, settled: false }).collect()
     }
 
     const WAIT: Duration = Duration::from_secs(5);
@@ -605,6 +636,29 @@ mod tests {
         assert_eq!(t0.settle(true, WAIT).await, Earlier::AllDelivered, "nothing before publish 0 failed");
         assert_eq!(after.await.unwrap(), Earlier::OneFailed);
         assert_eq!(t2.settle(false, WAIT).await, Earlier::OneFailed);
+    }
+
+    /// A reply queue that refuses results (`x-overflow = reject-publish`) nacks them; the
+    /// results queue and dead-letter publishes behind them on the channel are delivered, not
+    /// published again (which duplicated them), while a later publish to the refusing queue
+    /// still goes again.
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_publish_taints_only_later_publishes_to_its_own_destination() {
+        let (reply, results, dlx) = (destination("", "reply-a"), destination("", "results"), destination("dlx", ""));
+        let mut t = tickets_to(&[reply, results, dlx, reply, results]).into_iter();
+        let (t0, t1, t2, t3, t4) = (t.next().unwrap(), t.next().unwrap(), t.next().unwrap(), t.next().unwrap(), t.next().unwrap());
+        assert_eq!(t0.settle(true, WAIT).await, Earlier::AllDelivered);
+        assert_eq!(t1.settle(false, WAIT).await, Earlier::AllDelivered);
+        assert_eq!(t2.settle(false, WAIT).await, Earlier::AllDelivered);
+        assert_eq!(t3.settle(false, WAIT).await, Earlier::OneFailed, "behind a failed publish to the same queue");
+        assert_eq!(t4.settle(false, WAIT).await, Earlier::AllDelivered);
+    }
+
+    #[test]
+    fn destinations_differ_by_exchange_and_routing_key() {
+        assert_ne!(destination("", "ab"), destination("a", "b"));
+        assert_ne!(destination("", "a"), destination("", "b"));
+        assert_eq!(destination("x", "k"), destination("x", "k"));
     }
 
     #[tokio::test(start_paused = true)]

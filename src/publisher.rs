@@ -88,11 +88,11 @@ pub enum PublishError {
     /// No confirm within `amqp.confirm_timeout`.
     #[error("no publisher confirm within {0:?}")]
     Timeout(Duration),
-    /// Confirmed, but an earlier publish on the same channel failed (or did not settle in time),
-    /// after which a RabbitMQ 3.10 quorum queue may drop the channel's later publishes while
-    /// confirming them (rabbitmq-server #14589); see [`crate::amqp::ConfirmChannel`]. Publish
-    /// again on a new channel, or requeue.
-    #[error("an earlier publish on the channel failed, so the broker may have dropped this one")]
+    /// Confirmed, but an earlier publish to the same destination on the same channel failed (or
+    /// an earlier publish did not settle in time), after which a RabbitMQ 3.10 quorum queue may
+    /// drop the channel's later publishes to it while confirming them (rabbitmq-server #14589);
+    /// see [`crate::amqp::ConfirmChannel`]. Publish again on a new channel, or requeue.
+    #[error("an earlier publish to the same destination on the channel failed, so the broker may have dropped this one")]
     AfterFailed,
 }
 

@@ -202,6 +202,54 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
     stop_and_check_nothing_held(env, st, vec![diverted]).await;
 }
 
+/// A reply queue that holds 100 results and refuses the rest (`x-max-length = 100`,
+/// `x-overflow = reject-publish`, never consumed), for 500 requests on 16 keys, so many results
+/// are in flight on each partition's publishing channel when the refusals start. Every request
+/// has exactly one result: the first 100 in the reply queue, the other 400 diverted to the
+/// results queue. (A refused result used to make the results queue publishes behind it on the
+/// same channel go again although the broker had taken them: 8 duplicates in 500.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_queue_refusing_under_load_duplicates_nothing() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let (env, st) = start("fullload", fake.url.as_str()).await;
+    let amqp = &st.amqp;
+    let full = format!("{}.full", env.name);
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(100));
+    args.insert(ShortString::from("x-overflow"), AMQPValue::LongString("reject-publish".into()));
+    let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+    amqp.ch.queue_declare(full.as_str().into(), opts, args).await.expect("declare the full reply queue");
+    let mut diverted = amqp.consume(&env.results_queue()).await;
+
+    let reqs = completions_workload("fullload", 500, 16);
+    let all = ids(&reqs);
+    amqp.publish_requests(&env.input_queue(), &reqs, &full).await;
+    diverted.until("400 diverted results", Duration::from_secs(60), |r| {
+        r.iter().filter(|m| all.contains(&m.correlation_id)).map(|m| &m.correlation_id).collect::<HashSet<_>>().len() >= 400
+    })
+    .await;
+    // Every publish has settled once the requests are acked; then nothing more can arrive.
+    let settled = wait_for("every request acked", Duration::from_secs(30), || async { waiting_in_partitions(&env) == 0 }).await;
+    assert!(settled);
+    diverted.barrier(amqp).await;
+    let mut held = amqp.consume(&full).await;
+    held.until("the 100 held results", Duration::from_secs(30), |r| r.len() >= 100).await;
+
+    let mut copies: std::collections::HashMap<&str, usize> = Default::default();
+    for m in held.received.iter().chain(diverted.received.iter()).filter(|m| all.contains(&m.correlation_id)) {
+        *copies.entry(m.correlation_id.as_str()).or_default() += 1;
+    }
+    let duplicated: Vec<_> = copies.iter().filter(|(_, &n)| n > 1).collect();
+    assert_eq!(copies.len(), 500, "requests with a result");
+    assert!(duplicated.is_empty(), "{} requests have more than one result, e.g. {:?}", duplicated.len(), duplicated.first());
+    assert_eq!(held.received.len(), 100);
+    for m in diverted.received.iter().filter(|m| all.contains(&m.correlation_id)) {
+        assert_eq!(m.header("x-reply-to-refused"), Some("nacked"), "{:?}", m.headers);
+    }
+    eprintln!("reply queue refusing under load: 100 held, {} diverted, 0 duplicates", copies.len() - held.received.len());
+    stop_and_check_nothing_held(env, st, vec![diverted, held]).await;
+}
+
 /// One request whose id (and AMQP `message_id`) is 250 bytes, plus 7 on the same key: building
 /// the result's message id must not panic (`{id}:result` would exceed an AMQP short string). The 7
 /// are answered; the long one is answered or dead-lettered.
