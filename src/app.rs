@@ -147,7 +147,8 @@ impl SessionError {
     /// login: user or password) or 530 `NOT_ALLOWED` (RabbitMQ: the vhost does not exist or the
     /// user may not use it), AMQP 0-9-1 `connection.close`; or Redis refused the password or
     /// user (`WRONGPASS`, `NOAUTH`; the redis crate's `AuthenticationFailed`) or a command for
-    /// lack of permission (`NOPERM`, Redis ACL).
+    /// lack of permission (`NOPERM`, Redis ACL), or the database of `redis.url` does not exist
+    /// (`ERR DB index is out of range`).
     pub fn access_refused(&self, settings: &Settings, node: usize) -> Option<String> {
         let amqp = &settings.amqp;
         let key = if amqp.nodes.len() > 1 { "amqp.urls" } else { "amqp.url" };
@@ -166,6 +167,10 @@ impl SessionError {
                 "Redis ({}) refused the daemon's credentials or a command: check the user and password in redis.url, and that the user's ACL allows the daemon's commands on the keys under redis.key_prefix (docs/operations.md, Least privilege) (Redis said: {e})",
                 settings.redis.url,
             )),
+            SessionError::Redis(e) | SessionError::Topology(TopologyError::Redis(e)) if redis_no_such_database(e) => Some(format!(
+                "Redis ({}) has no such database: the number after the last / of redis.url must be below the server's `databases` setting (16 by default) (Redis said: {e})",
+                settings.redis.url,
+            )),
             _ => None,
         }
     }
@@ -177,6 +182,12 @@ impl SessionError {
             _ => NotReady::AmqpDown,
         }
     }
+}
+
+/// Whether Redis refused the `SELECT` of the database in `redis.url` (`ERR DB index is out of
+/// range`: the number is not below the server's `databases` setting).
+fn redis_no_such_database(e: &redis::RedisError) -> bool {
+    e.to_string().contains("DB index is out of range")
 }
 
 /// Whether Redis refused the daemon's credentials (`WRONGPASS`, `NOAUTH`; the redis crate's

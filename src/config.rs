@@ -30,11 +30,11 @@ pub enum ConfigError {
     Load(#[source] config::ConfigError),
     /// A value breaks a rule.
     #[error("invalid configuration: `{key}` = {value}: {rule}")]
-    Invalid { key: &'static str, value: String, rule: String },
+    Invalid { key: String, value: String, rule: String },
 }
 
-fn invalid(key: &'static str, value: impl fmt::Display, rule: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid { key, value: value.to_string(), rule: rule.into() }
+fn invalid(key: &str, value: impl fmt::Display, rule: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.to_owned(), value: value.to_string(), rule: rule.into() }
 }
 
 /// A secret string. `Debug` and `Display` print `***`, so it cannot reach logs by accident.
@@ -702,7 +702,83 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
             .with_list_parse_key("requests.models"),
     );
     let cfg = b.build().map_err(ConfigError::Load)?;
+    let merged: serde_json::Value = cfg.clone().try_deserialize().map_err(ConfigError::Load)?;
+    check_value_types(&merged)?;
     cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)
+}
+
+/// The kind of value a key takes, where the `config` crate would otherwise convert silently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ValueKind {
+    /// A whole number: `config` rounds a float (`partitions = 8.5` became 9) and reads `true` as 1.
+    Integer,
+    /// `true` or `false`: `config` reads `1`, `"1"`, `"yes"` or `"on"` as `true`.
+    Boolean,
+}
+
+/// Refuses a value of the wrong kind for an integer or boolean key, instead of letting the
+/// `config` crate round or convert it. `merged` is the file and the environment merged, as JSON;
+/// each key's kind is that of its default ([`RawConfig::default`]), and `sharding.keys.*` and
+/// `sharding.rules[].shards` are integers. A string is accepted where it is exactly an integer
+/// (`"8"`) or `"true"`/`"false"` (environment variables are strings). Errors: the first wrong
+/// value, as [`ConfigError::Invalid`] naming the key (`sharding.rules[0].shards`) and the value.
+fn check_value_types(merged: &serde_json::Value) -> Result<(), ConfigError> {
+    let defaults = serde_json::to_value(RawConfig::default()).expect("the defaults serialize");
+    check_kinds(merged, Some(&defaults), "")
+}
+
+fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, path: &str) -> Result<(), ConfigError> {
+    use serde_json::Value as J;
+    let integer = J::from(1u32);
+    let rule = serde_json::json!({ "pattern": "", "shards": 1u32 });
+    match value {
+        J::Object(fields) => {
+            for (k, v) in fields {
+                let child = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                let d = if path == "sharding.keys" { Some(&integer) } else { default.and_then(|d| d.get(k)) };
+                check_kinds(v, d, &child)?;
+            }
+            Ok(())
+        }
+        J::Array(items) => {
+            let template = if path == "sharding.rules" { Some(&rule) } else { default.and_then(|d| d.get(0)) };
+            for (i, v) in items.iter().enumerate() {
+                check_kinds(v, template, &format!("{path}[{i}]"))?;
+            }
+            Ok(())
+        }
+        leaf => match default.and_then(kind_of) {
+            Some(ValueKind::Integer) if !is_integer(leaf) => {
+                Err(invalid(path, leaf, "must be a whole number (a fraction would be rounded, true/false read as 1/0)"))
+            }
+            Some(ValueKind::Boolean) if !is_boolean(leaf) => Err(invalid(path, leaf, "must be true or false")),
+            _ => Ok(()),
+        },
+    }
+}
+
+fn kind_of(default: &serde_json::Value) -> Option<ValueKind> {
+    match default {
+        serde_json::Value::Number(n) if n.is_u64() || n.is_i64() => Some(ValueKind::Integer),
+        serde_json::Value::Bool(_) => Some(ValueKind::Boolean),
+        _ => None,
+    }
+}
+
+fn is_integer(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Number(n) => n.is_u64() || n.is_i64(),
+        serde_json::Value::String(s) => s.parse::<i128>().is_ok(),
+        _ => false,
+    }
+}
+
+fn is_boolean(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Bool(_) => true,
+        serde_json::Value::String(s) => s == "true" || s == "false",
+        _ => false,
+    }
 }
 
 fn duration(key: &'static str, v: &str) -> Result<Duration, ConfigError> {
@@ -1156,8 +1232,25 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
         if s.url.0.fragment().is_some() {
             return Err(invalid("redis.url", s.url.redacted(), "must not have a #fragment (server certificates are always verified)"));
         }
+        redis_database(&s.url)?;
         Ok(s)
     })
+}
+
+/// The database number of a `redis://` or `rediss://` URL is its path (`/0`, `/3`; empty: 0),
+/// which the redis crate parses as a number when it connects; anything else (`/abc`, `/-1`) is
+/// refused here instead of failing every connection attempt. Whether the number exists (below
+/// the server's `databases` setting, 16 by default) only the server knows: the first `SELECT`
+/// stops startup ([`crate::app::SessionError::access_refused`]).
+fn redis_database(url: &SecretUrl) -> Result<(), ConfigError> {
+    if !matches!(url.0.scheme(), "redis" | "rediss") {
+        return Ok(());
+    }
+    let path = url.0.path().trim_matches('/');
+    if path.is_empty() || path.parse::<u32>().is_ok() {
+        return Ok(());
+    }
+    Err(invalid("redis.url", url.redacted(), format!("the path must be a database number such as /0 (found {path:?})")))
 }
 
 /// `redis.sentinels` and `redis.sentinel_master`: both or neither; each sentinel a `redis://` or
@@ -1661,6 +1754,21 @@ mod tests {
         assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
     }
 
+    /// `redis://host/abc` used to pass `check-config` and fail every connection attempt.
+    #[test]
+    fn redis_url_path_must_be_a_database_number() {
+        let mut r = RawConfig::default();
+        for good in ["redis://h:6379", "redis://h:6379/", "redis://:pw@h:6379/3", "rediss://h:6380/15", "unix:///run/redis.sock"] {
+            r.redis.url = good.into();
+            ok(&r);
+        }
+        for bad in ["redis://:hunter2@h:6379/abc", "redis://h:6379/-1", "redis://h:6379/1/2"] {
+            r.redis.url = bad.into();
+            let e = err(&r);
+            assert!(e.contains("redis.url") && e.contains("database number") && !e.contains("hunter2"), "{e}");
+        }
+    }
+
     #[test]
     fn amqp_urls_replace_amqp_url_and_are_validated_like_it() {
         let mut r = RawConfig::default();
@@ -1803,5 +1911,33 @@ mod tests {
         assert!(e.contains("max_batch_sise"), "{e}");
         std::fs::write(&path, "[batchin]\n").unwrap();
         assert!(load(Some(&path)).is_err());
+    }
+
+    /// Values the `config` crate used to convert silently (`partitions = 8.5` ran with 9
+    /// partitions, `max_batch_size = true` with 1) stop startup naming the key and the value.
+    #[test]
+    fn integer_and_boolean_keys_refuse_values_of_another_kind() {
+        let dir = std::env::temp_dir().join(format!("pb-cfg-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("c.toml");
+        let refused = [
+            ("[amqp]\npartitions = 8.5\n", "`amqp.partitions` = 8.5: must be a whole number"),
+            ("[batching]\nmax_batch_size = true\n", "`batching.max_batch_size` = true: must be a whole number"),
+            ("[keying]\nprefix_chars = 1e3\n", "`keying.prefix_chars` = 1000.0: must be a whole number"),
+            ("[llm]\nlist_prompts = 1\n", "`llm.list_prompts` = 1: must be true or false"),
+            ("[llm]\nlist_prompts = \"no\"\n", "`llm.list_prompts` = \"no\": must be true or false"),
+            ("[sharding.keys]\nabc = 2.5\n", "`sharding.keys.abc` = 2.5: must be a whole number"),
+            ("[[sharding.rules]]\npattern = \"x\"\nshards = 1.5\n", "`sharding.rules[0].shards` = 1.5: must be a whole number"),
+        ];
+        for (toml, want) in refused {
+            std::fs::write(&path, toml).unwrap();
+            let e = load(Some(&path)).unwrap_err().to_string();
+            assert!(e.contains(want), "{toml:?}: {e}");
+        }
+        std::fs::write(&path, "[amqp]\npartitions = \"12\"\n[llm]\nlist_prompts = \"false\"\n[sharding.keys]\nabc = 2\n").unwrap();
+        let s = load(Some(&path)).unwrap();
+        assert_eq!(s.amqp.partitions.get(), 12);
+        assert!(!s.llm.list_prompts);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -336,7 +336,8 @@ async fn larger_partition_count_is_refused_without_the_redis_record() {
 
 /// Credentials the broker or Redis refuses stop the startup with exit 78 and a message naming
 /// the configuration key, without the password: a wrong AMQP password (403 ACCESS_REFUSED), a
-/// vhost that does not exist (530 NOT_ALLOWED), a wrong Redis password. Before, the daemon
+/// vhost that does not exist (530 NOT_ALLOWED), a wrong Redis password, a Redis database the
+/// server does not have. Before, the daemon
 /// retried each of them for ever with a warning. With `amqp.urls`, one refusing node is not
 /// enough: the daemon goes on to the next node and starts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,6 +363,12 @@ async fn refused_credentials_stop_the_startup_with_78() {
         ("redis-password", "redis.url", "refused the daemon's credentials", {
             let mut r = raw.clone();
             r.redis.url = REDIS_URL.replacen("redis://", &format!("redis://:{WRONG}@"), 1);
+            r
+        }),
+        // A database the server does not have (16 by default) used to be retried for ever.
+        ("redis-database", "redis.url", "has no such database", {
+            let mut r = raw.clone();
+            r.redis.url = format!("{}/99", REDIS_URL.trim_end_matches('/'));
             r
         }),
     ];
