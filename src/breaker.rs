@@ -37,6 +37,18 @@
 //!   (and resets the open time), its server fault reopens it with the next, longer open time; an
 //!   abandoned probe (cancelled) frees the probe slot.
 //!
+//! **A probe that passes while real calls keep failing** does not clear the endpoint: a server
+//! that answers the one-token probe but 5xx (or an invalid answer) to every real call (a broken
+//! model for real prompt lengths, a gateway that routes only short calls) would otherwise have
+//! every request charged a delivery until its delivery limit dead-letters the whole backlog. So
+//! when answered faults came from at least [`DISTINCT_FAULTY_CALLS`] different calls (different
+//! bodies: retries of one call count once) and no real call has been answered since the first of
+//! them, a passing probe opens the breaker instead ([`Breaker::probe_passed`]); the requests then
+//! wait for the endpoint, uncharged. While that holds, a probe that closes the breaker does not
+//! reset the doubling of the open time, so the endpoint is tried at most every
+//! [`BreakerPolicy::open_max`] once the doubling reaches it. One poison request (or two) alone
+//! is still refuted: its retries and redeliveries are one call body.
+//!
 //! [`Breaker::available`] is true only while closed: work resumes once a probe has shown the
 //! endpoint healthy. Outcomes of calls admitted before the breaker opened are ignored while it is
 //! open or half-open, so only the probe decides.
@@ -77,6 +89,11 @@ impl Default for BreakerPolicy {
         }
     }
 }
+
+/// How many different calls (by body) answered with a fault, with no real call answered since
+/// the first of them, make a passing probe open the breaker instead of refuting them (see the
+/// module documentation).
+pub const DISTINCT_FAULTY_CALLS: usize = 3;
 
 /// The outcome of one admitted call, as the breaker sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,6 +202,9 @@ pub struct Breaker {
     timeouts_since: Option<Instant>,
     /// When a real call (not a probe) was last answered: a success or a request fault.
     last_answer: Option<Instant>,
+    /// Fingerprints of the different real calls answered with a fault since a real call was
+    /// last answered ([`Self::answered_fault_call`]); at most [`DISTINCT_FAULTY_CALLS`].
+    faulty_calls: Vec<u64>,
     /// When the breaker last left the closed state (its first opening since it was last
     /// closed); `None` while closed.
     down_since: Option<Instant>,
@@ -204,8 +224,23 @@ impl Breaker {
             verifying: false,
             timeouts_since: None,
             last_answer: None,
+            faulty_calls: Vec::new(),
             down_since: None,
         }
+    }
+
+    /// Tells the breaker the fingerprint of a real call (a hash of its body) that is about to be
+    /// recorded as [`Outcome::AnsweredFault`]: see [`Self::probe_passed`].
+    pub fn answered_fault_call(&mut self, fingerprint: u64) {
+        if self.state == State::Closed && self.faulty_calls.len() < DISTINCT_FAULTY_CALLS && !self.faulty_calls.contains(&fingerprint) {
+            self.faulty_calls.push(fingerprint);
+        }
+    }
+
+    /// Whether real calls keep failing although probes pass: answered faults from
+    /// [`DISTINCT_FAULTY_CALLS`] different calls and no real call answered since.
+    fn probes_unrepresentative(&self) -> bool {
+        self.faulty_calls.len() >= DISTINCT_FAULTY_CALLS
     }
 
     /// Since when the endpoint has been unavailable without a break: the first opening since
@@ -348,10 +383,16 @@ impl Breaker {
     /// a one-token probe but does no real work in time (overloaded, or too slow for
     /// `llm.request_timeout`), which is the server's fault, and the breaker opens (returns the new
     /// state). A poison request that times out among normal traffic is refuted, because the other
-    /// calls are answered meanwhile.
+    /// calls are answered meanwhile. Likewise it opens when answered faults came from
+    /// [`DISTINCT_FAULTY_CALLS`] different real calls and no real call was answered since (the
+    /// server answers the probe but fails real work; see the module documentation).
     pub fn probe_passed(&mut self, now: Instant) -> Option<BreakerState> {
         if self.state != State::Closed {
             return None;
+        }
+        if self.probes_unrepresentative() {
+            self.open(now);
+            return Some(BreakerState::Open);
         }
         if let Some(since) = self.timeouts_since {
             if self.last_answer.is_none_or(|answered| answered < since) {
@@ -388,6 +429,7 @@ impl Breaker {
         };
         if mark == Mark::Healthy && !probe {
             self.last_answer = Some(now);
+            self.faulty_calls.clear();
         } else if outcome == Outcome::TimedOut && self.timeouts_since.is_none() {
             self.timeouts_since = Some(now);
         }
@@ -435,7 +477,11 @@ impl Breaker {
         self.consecutive = 0;
         self.consecutive_unconfirmed = 0;
         self.recent.clear();
-        self.openings = 0;
+        // A probe that passes while real calls keep failing is no recovery: the open time keeps
+        // doubling.
+        if !self.probes_unrepresentative() {
+            self.openings = 0;
+        }
         self.suspect = false;
     }
 }
@@ -584,6 +630,62 @@ mod tests {
         assert_eq!(b.verified(Outcome::ServerFault, t0), Some(BreakerState::Open), "the probe failed too: an outage");
         assert_eq!(b.open_until(), Some(t0 + Duration::from_secs(1)));
         assert!(!b.suspect() && !b.take_verification());
+    }
+
+    /// Records `n` answered faults of the real call with body fingerprint `call`.
+    fn answered_faults(b: &mut Breaker, call: u64, n: usize, now: Instant) {
+        for _ in 0..n {
+            b.answered_fault_call(call);
+            b.record(Outcome::AnsweredFault, false, now);
+        }
+    }
+
+    /// A server that answers the one-token probe but 500 to every real call: once three
+    /// different calls failed with no real call answered since, the passing probe opens the
+    /// breaker (before, every request was charged deliveries until it was dead-lettered), and a
+    /// probe that closes it again does not reset the doubling open time.
+    #[test]
+    fn a_passing_probe_opens_when_different_real_calls_all_fail() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        answered_faults(&mut b, 1, 3, t0);
+        answered_faults(&mut b, 2, 2, t0);
+        assert!(b.take_verification());
+        assert_eq!(b.verified(Outcome::Success, t0), None, "two different calls: refuted");
+        answered_faults(&mut b, 3, 1, t0);
+        assert_eq!(b.probe_passed(t0), Some(BreakerState::Open), "three different calls, none answered");
+        assert_eq!(b.open_until(), Some(t0 + Duration::from_secs(1)));
+        let t1 = t0 + Duration::from_secs(1);
+        assert!(b.admit_probe(t1));
+        assert_eq!(b.record(Outcome::Success, true, t1), Some(BreakerState::Closed));
+        // The real calls still fail: the next passing probe opens it at once, for twice as long.
+        answered_faults(&mut b, 4, 1, t1);
+        assert_eq!(b.probe_passed(t1), Some(BreakerState::Open));
+        assert_eq!(b.open_until(), Some(t1 + Duration::from_secs(2)));
+        // A real call answered clears it: the endpoint works again.
+        let t2 = t1 + Duration::from_secs(2);
+        assert!(b.admit_probe(t2));
+        b.record(Outcome::Success, true, t2);
+        b.record(Outcome::Success, false, t2);
+        answered_faults(&mut b, 5, 1, t2);
+        assert_eq!(b.probe_passed(t2), None);
+    }
+
+    /// One poison request, retried and redelivered, is one call body: however often it fails,
+    /// a passing probe refutes it, and a real call answered in between starts the count again.
+    #[test]
+    fn one_poison_request_alone_never_opens_it() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        for _ in 0..10 {
+            answered_faults(&mut b, 7, 5, t0);
+            assert_eq!(b.probe_passed(t0), None);
+        }
+        answered_faults(&mut b, 8, 1, t0);
+        b.record(Outcome::Success, false, t0);
+        answered_faults(&mut b, 9, 1, t0);
+        assert_eq!(b.probe_passed(t0), None, "7 and 8 were before the answered call");
+        assert!(b.available(t0));
     }
 
     #[test]

@@ -46,6 +46,10 @@
 //! after the first of them was sent ([`Breaker::probe_passed`]); otherwise the breaker opens
 //! and the requests wait for the endpoint, uncharged.
 //!
+//! Likewise a server that answers the probe but 5xx or an invalid answer to every real call: once
+//! answered faults came from [`crate::breaker::DISTINCT_FAULTY_CALLS`] different calls with no
+//! real call answered since, a passing probe opens the breaker instead of discounting them.
+//!
 //! A *hung* server (it accepts connections but never answers) times out every call and the
 //! probe too, so it still opens the breaker: the probe is limited to
 //! min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`] = 30 s), so a hung server is seen down at most
@@ -898,6 +902,9 @@ impl LlmClient {
         let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
         if breaker_outcome == Outcome::TimedOut {
             lock(&ep.breaker).timed_out_call_sent(started);
+        }
+        if breaker_outcome == Outcome::AnsweredFault {
+            lock(&ep.breaker).answered_fault_call(xxhash_rust::xxh3::xxh3_64(&call.payload));
         }
         self.record(call.endpoint, breaker_outcome, false);
         if breaker_outcome.needs_verification() {

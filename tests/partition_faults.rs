@@ -41,6 +41,8 @@ struct SwitchableLlm {
     delay_ms: Arc<AtomicU64>,
     /// `POST /v1/completions` calls answered with an error status.
     failed_calls: Arc<AtomicUsize>,
+    /// While set, every call but the daemon's one-token probe (prompt `ping`) gets a 500.
+    probe_only: Arc<std::sync::atomic::AtomicBool>,
     stop: CancellationToken,
 }
 
@@ -49,9 +51,11 @@ impl SwitchableLlm {
         let state = Arc::new(AtomicU16::new(status));
         let failed_calls = Arc::new(AtomicUsize::new(0));
         let delay_ms = Arc::new(AtomicU64::new(0));
-        let (s, f, d) = (state.clone(), failed_calls.clone(), delay_ms.clone());
+        let probe_only = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (s, f, d, po) = (state.clone(), failed_calls.clone(), delay_ms.clone(), probe_only.clone());
         let completions = move |Json(body): Json<Value>| {
             let (status, failed, delay) = (s.load(Ordering::SeqCst), f.clone(), d.load(Ordering::SeqCst));
+            let probe_only = po.load(Ordering::SeqCst);
             async move {
                 tokio::time::sleep(Duration::from_millis(delay)).await;
                 if status != 200 {
@@ -64,7 +68,8 @@ impl SwitchableLlm {
                     p @ Value::String(_) => vec![p.clone()],
                     _ => Vec::new(),
                 };
-                if prompts.iter().any(|p| p.as_str().is_some_and(|p| p.contains(POISON))) {
+                let probe = prompts.len() == 1 && prompts[0].as_str() == Some(prefix_batcher::llm::PROBE_PROMPT);
+                if (probe_only && !probe) || prompts.iter().any(|p| p.as_str().is_some_and(|p| p.contains(POISON))) {
                     failed.fetch_add(1, Ordering::SeqCst);
                     return outage(500);
                 }
@@ -86,7 +91,7 @@ impl SwitchableLlm {
         let stop = CancellationToken::new();
         let shutdown = stop.clone().cancelled_owned();
         tokio::spawn(async move { axum::serve(listener, app).with_graceful_shutdown(shutdown).await });
-        SwitchableLlm { url, status: state, delay_ms, failed_calls, stop }
+        SwitchableLlm { url, status: state, delay_ms, failed_calls, probe_only, stop }
     }
 
     fn set(&self, status: u16) {
@@ -320,6 +325,38 @@ async fn an_llm_outage_pauses_intake_and_loses_nothing() {
     assert_eq!(dead.received.len(), 0, "dead-lettered during the outage: {:?}", dead.received.first().map(|m| &m.headers));
     assert!(failed_calls <= 30, "{failed_calls} completions calls during the outage: the backlog was used to probe");
     eprintln!("outage: 60 answered ok after {recovered_in:?}, 0 ok:false, {failed_calls} failed completions calls");
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
+/// A server that answers the daemon's one-token probe but 500 to every real call, for 8 s, then
+/// recovers: 40 requests on 8 keys with `amqp.delivery_limit = 3` and one attempt per call. The
+/// probe passing does not make the failures the requests' own once different calls all failed:
+/// the breaker opens, the requests wait uncharged, and every one is answered `ok` after the
+/// recovery; nothing is dead-lettered. (Before, all 40 were dead-lettered with reason
+/// `delivery_limit` within seconds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_answers_only_the_probe_pauses_intake() {
+    let llm = SwitchableLlm::start(200).await;
+    llm.probe_only.store(true, Ordering::SeqCst);
+    let env = TestEnv::new("probeonly");
+    let mut raw = env.raw_config(&llm.url);
+    (raw.amqp.delivery_limit, raw.llm.max_attempts) = (3, 1);
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let reqs = completions_workload("probeonly", 40, 8);
+    let started = Instant::now();
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    tokio::time::sleep_until(started + Duration::from_secs(8)).await;
+    let failed_calls = llm.failed_calls.load(Ordering::SeqCst);
+    dead.barrier(&st.amqp).await;
+    assert_eq!(dead.received.len(), 0, "dead-lettered while only the probe was answered: {:?}", dead.received.first().map(|m| &m.headers));
+    llm.probe_only.store(false, Ordering::SeqCst);
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    let not_ok = st.results.received.iter().filter(|m| !m.result().ok).count();
+    assert_eq!(not_ok, 0, "ok:false results");
+    dead.barrier(&st.amqp).await;
+    assert_eq!(dead.received.len(), 0);
+    eprintln!("probe-only server: 40 answered ok after {:?}, 0 dead-lettered, {failed_calls} failed real calls", started.elapsed());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
