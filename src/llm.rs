@@ -2042,6 +2042,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_connect_timeout_is_a_connect_failure_and_a_request_timeout_a_timeout() {
+        // A bare reqwest client needs the process's rustls provider, which another test may not
+        // have installed yet (this test alone, or first).
+        crate::tls::install_crypto_provider();
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_millis(100))
             .timeout(Duration::from_millis(400))

@@ -194,6 +194,78 @@ pub struct Envelope<'a> {
     pub reply_to: Option<&'a str>,
 }
 
+/// A JSON value like [`serde_json::Value`], except that an object with a key twice is an error
+/// (`duplicate key "id" at line 1 column 17`) instead of keeping the last one silently: which
+/// `id`, `prompt` or `max_tokens` a requester meant cannot be known. RFC 8259 §4 leaves such
+/// objects to the implementation ("the names within an object SHOULD be unique").
+struct StrictJson(Value);
+
+/// Longest part of a duplicate key quoted in the error, in characters.
+const DUPLICATE_KEY_SHOWN: usize = 64;
+
+impl<'de> serde::Deserialize<'de> for StrictJson {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StrictVisitor).map(StrictJson)
+    }
+}
+
+struct StrictVisitor;
+
+impl<'de> serde::de::Visitor<'de> for StrictVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+        while let Some(StrictJson(v)) = seq.next_element()? {
+            items.push(v);
+        }
+        Ok(Value::Array(items))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut obj = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if obj.contains_key(&key) {
+                let shown: String = key.chars().take(DUPLICATE_KEY_SHOWN).collect();
+                let more = if shown.len() < key.len() { "…" } else { "" };
+                return Err(serde::de::Error::custom(format_args!("duplicate key {shown:?}{more}")));
+            }
+            let StrictJson(v) = map.next_value()?;
+            obj.insert(key, v);
+        }
+        Ok(Value::Object(obj))
+    }
+}
+
 /// Parses one message body.
 ///
 /// Errors: see [`ParseError`]; every error is final for that message (it is dead-lettered, never
@@ -206,7 +278,7 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     }
     check_length("reply_to", env.reply_to.unwrap_or_default(), MAX_SHORT_STRING_BYTES)?;
     let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
-    let value: Value = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
+    let StrictJson(value) = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
     let Value::Object(mut obj) = value else {
         return Err(ParseError::InvalidJson(format!("expected an object, got {}", json_type(&value))));
     };
@@ -733,5 +805,30 @@ mod fuzz {
         let err = parse(body.as_bytes(), &Envelope::default(), usize::MAX).unwrap_err();
         assert_eq!(err.reason(), "invalid_json", "{err}");
         assert!(err.to_string().contains("recursion limit"), "{err}");
+    }
+
+    /// A key given twice, at the top or nested, used to keep its last value silently (which
+    /// `id` or `max_tokens` was meant cannot be known): now `invalid_json` naming the key.
+    #[test]
+    fn a_key_given_twice_is_refused_naming_it() {
+        let p = |body: &str| parse(body.as_bytes(), &Envelope::default(), usize::MAX);
+        for (body, key) in [
+            (r#"{"id":"a","prompt":"x","id":"b"}"#, "\"id\""),
+            (r#"{"prompt":"x","params":{"max_tokens":5,"max_tokens":50000}}"#, "\"max_tokens\""),
+            (r#"{"messages":[{"role":"user","content":"a","role":"system"}]}"#, "\"role\""),
+        ] {
+            let err = p(body).unwrap_err();
+            assert_eq!(err.reason(), "invalid_json", "{body}: {err}");
+            assert!(err.to_string().contains(&format!("duplicate key {key}")), "{body}: {err}");
+        }
+        let long = "k".repeat(500);
+        let err = p(&format!(r#"{{"prompt":"x","{long}":1,"{long}":2}}"#)).unwrap_err();
+        assert!(err.to_string().len() < 200, "the key is shortened: {err}");
+        // Numbers, nulls, nesting and escapes read as serde_json reads them.
+        let r = p(r#"{"prompt":"a\u00e9","params":{"temperature":0.5,"n":1,"stop":null,"logit_bias":{"1":-1}}}"#).unwrap();
+        assert_eq!(r.params["temperature"], serde_json::json!(0.5));
+        assert_eq!(r.params["logit_bias"]["1"], serde_json::json!(-1));
+        assert!(r.params["stop"].is_null());
+        assert_eq!(r.body, Body::Completion("a\u{e9}".into()));
     }
 }
