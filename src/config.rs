@@ -686,6 +686,10 @@ pub struct LogSettings {
 /// environment.
 pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     let mut b = config::Config::builder();
+    if let Some(p) = path.filter(|p| p.is_dir()) {
+        // The config crate would say "not found" for a directory.
+        return Err(invalid("--config", format!("{:?}", p.display().to_string()), "is a directory; give the path of a TOML file"));
+    }
     if let Some(p) = path {
         b = b.add_source(config::File::from(p).format(config::FileFormat::Toml).required(true));
     }
@@ -1436,6 +1440,23 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
         if u.password().is_some() || !u.username().is_empty() {
             return Err(invalid("llm.endpoints", redact_str(e), "must not carry credentials; use llm.api_key"));
         }
+        // Shown without its query, which may hold a token.
+        let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
+        let shown = format!("{:?}", format!("{}://{}{port}{}", u.scheme(), u.host_str().unwrap_or_default(), u.path()));
+        if u.query().is_some() || u.fragment().is_some() {
+            return Err(invalid(
+                "llm.endpoints",
+                shown,
+                "must not have a ?query or #fragment: it is a base URL the daemon appends v1/completions to; a token goes in llm.api_key",
+            ));
+        }
+        if u.path().trim_end_matches('/').ends_with("/v1") {
+            return Err(invalid(
+                "llm.endpoints",
+                shown,
+                "must be the server's base URL without /v1: the daemon appends v1/completions and v1/chat/completions itself",
+            ));
+        }
         if endpoints.contains(&u) {
             // Two entries for one server would double its share of the calls and split its
             // circuit breaker in two.
@@ -1583,6 +1604,27 @@ mod tests {
         r.log.level = "nonsense!!".into();
         let e = err(&r);
         assert!(e.contains("log.level") && e.contains("nonsense!!") && e.contains("neither a level"), "{e}");
+    }
+
+    /// An endpoint with `/v1` (the daemon would call `/v1/v1/completions`, a 404 that opens the
+    /// breaker for ever) or with a query (often a token, which the error must not print) is
+    /// refused with the rule.
+    #[test]
+    fn llm_endpoints_are_base_urls_without_v1_or_query() {
+        let mut r = RawConfig::default();
+        for (bad, rule) in [
+            ("http://h:8000/v1", "without /v1"),
+            ("http://h:8000/v1/", "without /v1"),
+            ("https://gw/openai/v1", "without /v1"),
+            ("http://h:8000/?key=hunter2", "must not have a ?query"),
+            ("http://h:8000/#x", "must not have a ?query"),
+        ] {
+            r.llm.endpoints = vec![bad.into()];
+            let e = err(&r);
+            assert!(e.contains("llm.endpoints") && e.contains(rule) && !e.contains("hunter2"), "{bad}: {e}");
+        }
+        r.llm.endpoints = vec!["http://h:8000/openai".into(), "http://h:8001/".into()];
+        ok(&r);
     }
 
     #[test]
@@ -1911,6 +1953,8 @@ mod tests {
         assert!(e.contains("max_batch_sise"), "{e}");
         std::fs::write(&path, "[batchin]\n").unwrap();
         assert!(load(Some(&path)).is_err());
+        let e = load(Some(&dir)).unwrap_err().to_string();
+        assert!(e.contains("is a directory") && e.contains("--config"), "{e}");
     }
 
     /// Values the `config` crate used to convert silently (`partitions = 8.5` ran with 9
