@@ -21,7 +21,7 @@ use crate::config::AmqpSettings;
 pub enum TopologyError {
     /// An existing queue or exchange has other arguments than configured (the broker refused
     /// the redeclare with reply code 406 `PRECONDITION_FAILED`).
-    #[error("{what} `{name}` exists with other settings than configured ({source}); delete it or change the configuration")]
+    #[error("{what} `{name}` exists with other settings than configured ({source}){}; delete it or change the configuration", configured_by(&source.to_string()))]
     Mismatch {
         what: &'static str,
         name: String,
@@ -44,6 +44,25 @@ impl TopologyError {
     pub fn is_config_error(&self) -> bool {
         matches!(self, TopologyError::Mismatch { .. } | TopologyError::PartitionCount { .. })
     }
+}
+
+/// The configuration keys behind each queue argument the daemon declares, by the argument's name
+/// as RabbitMQ quotes it in a 406 refusal (`inequivalent arg 'x-delivery-limit' for queue …`).
+const ARGUMENT_KEYS: [(&str, &str); 5] = [
+    ("x-delivery-limit", "amqp.delivery_limit (the queue argument is amqp.delivery_limit + 2)"),
+    ("x-quorum-initial-group-size", "amqp.quorum_initial_group_size"),
+    ("x-dead-letter-exchange", "amqp.dead_letter_exchange"),
+    ("x-single-active-consumer", "no key (partition queues always have a single active consumer)"),
+    ("x-queue-type", "no key (the daemon's queues are quorum queues)"),
+];
+
+/// `": set by KEY"` for the argument a broker refusal names ([`ARGUMENT_KEYS`]), else nothing.
+fn configured_by(refusal: &str) -> String {
+    ARGUMENT_KEYS
+        .iter()
+        .find(|(arg, _)| refusal.contains(&format!("'{arg}'")))
+        .map(|(_, key)| format!(": set by {key}"))
+        .unwrap_or_default()
 }
 
 /// Turns a refused declare into a [`TopologyError`]: 406 `PRECONDITION_FAILED` is a mismatch.
@@ -304,6 +323,17 @@ pub async fn declare_partition(conn: &Connection, cfg: &AmqpSettings, p: u32) ->
 mod tests {
     use super::*;
     use crate::config::{RawConfig, Settings};
+
+    /// A refusal names the configuration key behind the argument (a changed
+    /// `amqp.delivery_limit` used to print only the broker's `x-delivery-limit`).
+    #[test]
+    fn a_mismatch_names_the_key_behind_the_argument() {
+        let refusal = "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'q' in vhost '/': received '7' but current is '6'";
+        assert_eq!(configured_by(refusal), ": set by amqp.delivery_limit (the queue argument is amqp.delivery_limit + 2)");
+        assert!(configured_by("inequivalent arg 'x-dead-letter-exchange' for queue").contains("amqp.dead_letter_exchange"));
+        assert_eq!(configured_by("inequivalent arg 'x-max-length' for queue"), "");
+        assert_eq!(BROKER_DELIVERY_LIMIT_MARGIN, 2, "the text above says + 2");
+    }
 
     #[test]
     fn input_and_partition_queues_carry_the_broker_delivery_limit() {
