@@ -545,6 +545,9 @@ pub struct MemberStatus {
     /// Every LLM endpoint of it has been down for `ownership.llm_down_hand_over_after`: the
     /// assignment gives it nothing while another member's LLM is up.
     pub llm_down: bool,
+    /// Another live process heartbeats under the same name (within the last minute): while
+    /// both run, one of them does no partition work.
+    pub name_conflict: bool,
 }
 
 /// One entry of the split set (a hot key) in `status`.
@@ -692,7 +695,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         .collect();
     let mut members: Vec<MemberStatus> = live
         .into_iter()
-        .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down })
+        .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict })
         .collect();
     let mut stale_owners: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     let mut partitions = Vec::with_capacity(p as usize);
@@ -772,13 +775,14 @@ pub fn render_status(s: &Status) -> String {
     out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}\n", "name", "nonce", "owns", "desired"));
     for m in &s.members {
         let down = llm_down_note(m);
-        out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}{down}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
+        let conflict = if m.name_conflict { "  (NAME CONFLICT: another process heartbeats with this instance.name; names must be unique)" } else { "" };
+        out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}{down}{conflict}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
     }
     for (name, ps) in &s.stale_owners {
         out.push_str(&format!("  {name:<40} (not a live member; still holds {} lease(s) until they expire)\n", ps.len()));
     }
     out.push_str(&format!(
-        "\npartitions: {}, owned {owned}, unowned {}, moving {}; backlog: input {}, partitions {}\n",
+        "\npartitions: {}, owned {owned}, unowned {}, moving {}; backlog (ready messages; deliveries held by owners are in prefix_batcher_unsettled_deliveries): input {}, partitions {}\n",
         s.partition_count,
         s.unowned.len(),
         s.moving.len(),
@@ -859,7 +863,7 @@ mod tests {
 
     #[test]
     fn a_flagged_member_is_said_to_keep_its_partitions_only_when_the_assignment_gives_it_some() {
-        let member = |llm_down: bool, desired: usize| MemberStatus { name: "a".into(), nonce: None, owned: 0, desired, llm_down };
+        let member = |llm_down: bool, desired: usize| MemberStatus { name: "a".into(), nonce: None, owned: 0, desired, llm_down, name_conflict: false };
         assert_eq!(llm_down_note(&member(false, 8)), "");
         assert!(llm_down_note(&member(true, 0)).contains("go to the others"));
         // A lone member, or every member flagged: the assignment still counts it.

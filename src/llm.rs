@@ -47,8 +47,9 @@
 //! and the requests wait for the endpoint, uncharged.
 //!
 //! Likewise a server that answers the probe but 5xx or an invalid answer to every real call: once
-//! answered faults came from [`crate::breaker::DISTINCT_FAULTY_CALLS`] different calls with no
-//! real call answered since, a passing probe opens the breaker instead of discounting them.
+//! answered faults came from [`crate::breaker::DISTINCT_FAULTY_CALLS`] different one-prompt calls
+//! with no real call answered since, a passing probe opens the breaker instead of discounting
+//! them.
 //!
 //! A *hung* server (it accepts connections but never answers) times out every call and the
 //! probe too, so it still opens the breaker: the probe is limited to
@@ -903,7 +904,10 @@ impl LlmClient {
         if breaker_outcome == Outcome::TimedOut {
             lock(&ep.breaker).timed_out_call_sent(started);
         }
-        if breaker_outcome == Outcome::AnsweredFault {
+        // Only one-prompt calls: which prompt of a failed list call was at fault is unknown, and
+        // the combinations that a few poison requests form in their batches would count as
+        // many different calls (a failed list call goes again prompt by prompt anyway).
+        if breaker_outcome == Outcome::AnsweredFault && call.n_items == 1 {
             lock(&ep.breaker).answered_fault_call(xxhash_rust::xxh3::xxh3_64(&call.payload));
         }
         self.record(call.endpoint, breaker_outcome, false);

@@ -19,13 +19,15 @@
 //!   same absolute time as its entry in `P:members` (`SET … PXAT`, Redis ≥ 6.2). It tells two processes with the same name apart: a process that leaves removes
 //!   the name only while the nonce is still its own, so a stopping process never removes its
 //!   already-restarted successor; `status` shows the nonce.
+//! - `P:member_llm_down:{name}` and `P:member_name_conflict:{name}`: flags set by a member's
+//!   heartbeats ([`member_llm_down_key`], [`member_name_conflict_key`]).
 //!
 //! Operations, each one atomic Lua script (one round trip, no interleaving,
 //! <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
 //! - heartbeat: set the nonce key, `ZADD` the name with its expiry (Redis time + `member_ttl`),
 //!   drop expired names, and return the live names (sorted);
 //! - leave: if the nonce key is ours (or gone), delete it and `ZREM` the name;
-//! - list (for `status`): the live names and their nonces, read only.
+//! - list (for `status`): the live names, their nonces and flags, read only.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,8 +36,10 @@ use redis::Script;
 
 use crate::lease::RedisConn;
 
-/// Heartbeat: KEYS = [members, member, member's LLM-down flag], ARGV = [name, nonce,
-/// member_ttl_ms, llm_down ("1" or "0"), key prefix].
+/// Heartbeat: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag],
+/// ARGV = [name, nonce, member_ttl_ms, llm_down ("1" or "0"), key prefix, name_conflict ("1" or
+/// "0")]. A name-conflict "1" sets that flag for [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to
+/// expire.
 /// Returns `{names, previous, down}`: the live member names, sorted; the nonce the name's key held
 /// before when it was another process's (else `false`, read as nil); and the live members whose
 /// LLM-down flag is set, sorted. The flag expires with the heartbeat.
@@ -51,6 +55,9 @@ if ARGV[4] == '1' then
   redis.call('SET', KEYS[3], '1', 'PXAT', expiry)
 else
   redis.call('DEL', KEYS[3])
+end
+if ARGV[6] == '1' then
+  redis.call('SET', KEYS[4], '1', 'PX', ARGV[7])
 end
 redis.call('ZADD', KEYS[1], expiry, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
@@ -68,20 +75,21 @@ end
 return {names, prev, down}
 "#;
 
-/// Leave: KEYS = [members, member, member's LLM-down flag], ARGV = [name, nonce]. Returns 1 when
-/// removed, 0 when the name belongs to another process now.
+/// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag], ARGV =
+/// [name, nonce]. Returns 1 when removed, 0 when the name belongs to another process now.
 const LEAVE: &str = r#"
 local cur = redis.call('GET', KEYS[2])
 if cur and cur ~= ARGV[2] then
   return 0
 end
-redis.call('DEL', KEYS[2], KEYS[3])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
 redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 "#;
 
-/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down}`, names
-/// sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down flag is set. The nonce
+/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down, conflicts}`, names
+/// sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down flag is set,
+/// `conflicts[i]` 1 when its name-conflict flag is. The nonce
 /// and flag keys are built from the names inside the script, as the names are not known before
 /// it runs.
 const LIST: &str = r#"
@@ -91,11 +99,13 @@ local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+i
 table.sort(names)
 local nonces = {}
 local down = {}
+local conflicts = {}
 for i, n in ipairs(names) do
   nonces[i] = redis.call('GET', ARGV[1] .. ':member:' .. n)
   down[i] = redis.call('EXISTS', ARGV[1] .. ':member_llm_down:' .. n)
+  conflicts[i] = redis.call('EXISTS', ARGV[1] .. ':member_name_conflict:' .. n)
 end
-return {names, nonces, down}
+return {names, nonces, down, conflicts}
 "#;
 
 /// Membership errors.
@@ -133,6 +143,17 @@ pub fn member_llm_down_key(prefix: &str, name: &str) -> String {
     format!("{prefix}:member_llm_down:{name}")
 }
 
+/// The Redis key of a member's name-conflict flag: set by the heartbeats of a process that found
+/// another live process heartbeating under its `instance.name`, for [`NAME_CONFLICT_FLAG_TTL`]
+/// each time, so `status` can show it. Built from the names inside `LIST` too.
+pub fn member_name_conflict_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}:member_name_conflict:{name}")
+}
+
+/// How long one heartbeat's name-conflict flag lasts: a conflict shows in `status` for up to
+/// this long after the heartbeat that last reported it.
+pub const NAME_CONFLICT_FLAG_TTL: Duration = Duration::from_secs(60);
+
 /// The members that partitions are assigned to ([`crate::keying::assignment`]): the live
 /// members whose LLM is not down, or all live members when every one of them is down (then no
 /// instance can serve, and moving partitions would only return held requests to their queues).
@@ -156,6 +177,8 @@ pub struct Member {
     pub nonce: Option<String>,
     /// Its LLM-down flag is set ([`member_llm_down_key`]).
     pub llm_down: bool,
+    /// Another live process heartbeats under the same name ([`member_name_conflict_key`]).
+    pub name_conflict: bool,
 }
 
 /// What one heartbeat read.
@@ -211,16 +234,25 @@ impl Membership {
     /// (`llm_down`), and returns the live member names, sorted, with the nonce of another process
     /// that held the name until this heartbeat and the members whose LLM is down (one round trip).
     pub async fn heartbeat(&self, llm_down: bool) -> Result<Heartbeat, MembershipError> {
+        self.heartbeat_flagging(llm_down, false).await
+    }
+
+    /// [`Self::heartbeat`], also setting this name's conflict flag when `name_conflict`
+    /// ([`member_name_conflict_key`]).
+    pub async fn heartbeat_flagging(&self, llm_down: bool, name_conflict: bool) -> Result<Heartbeat, MembershipError> {
         let mut conn = self.conn.clone();
         let mut call = self.heartbeat.prepare_invoke();
         call.key(members_key(&self.prefix))
             .key(member_key(&self.prefix, &self.name))
             .key(member_llm_down_key(&self.prefix, &self.name))
+            .key(member_name_conflict_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(self.ttl.as_millis() as u64)
             .arg(if llm_down { "1" } else { "0" })
-            .arg(&self.prefix);
+            .arg(&self.prefix)
+            .arg(if name_conflict { "1" } else { "0" })
+            .arg(NAME_CONFLICT_FLAG_TTL.as_millis() as u64);
         let (members, previous_nonce, llm_down): (Vec<String>, Option<String>, Vec<String>) =
             self.timed(call.invoke_async(&mut conn)).await?;
         Ok(Heartbeat { members, previous_nonce, llm_down })
@@ -234,6 +266,7 @@ impl Membership {
         call.key(members_key(&self.prefix))
             .key(member_key(&self.prefix, &self.name))
             .key(member_llm_down_key(&self.prefix, &self.name))
+            .key(member_name_conflict_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce);
         let n: i64 = self.timed(call.invoke_async(&mut conn)).await?;
@@ -245,13 +278,14 @@ impl Membership {
 ///
 /// Errors: Redis unreachable or answering with an error.
 pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
-    let (names, nonces, down): (Vec<String>, Vec<Option<String>>, Vec<i64>) =
+    let (names, nonces, down, conflicts): (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>) =
         Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
     let mut nonces = nonces.into_iter();
     let mut down = down.into_iter();
+    let mut conflicts = conflicts.into_iter();
     Ok(names
         .into_iter()
-        .map(|name| Member { name, nonce: nonces.next().flatten(), llm_down: down.next() == Some(1) })
+        .map(|name| Member { name, nonce: nonces.next().flatten(), llm_down: down.next() == Some(1), name_conflict: conflicts.next() == Some(1) })
         .collect())
 }
 

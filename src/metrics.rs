@@ -118,7 +118,7 @@ static QUEUE_MESSAGES: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     .unwrap())
 });
 static BUFFERED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
-    reg(IntGaugeVec::new(Opts::new("buffered_requests", "Requests waiting in batch buffers, per owned partition."), &["partition"])
+    reg(IntGaugeVec::new(Opts::new("buffered_requests", "Requests waiting in batch buffers, per owned partition (requests in flight to the LLM or held while no endpoint is available are not; see unsettled_deliveries)."), &["partition"])
         .unwrap())
 });
 static OLDEST_BUFFERED: LazyLock<GaugeVec> = LazyLock::new(|| {

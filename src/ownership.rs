@@ -98,6 +98,8 @@ pub struct Ownership {
     last_heartbeat: Option<Instant>,
     /// When a name conflict was last logged ([`Ownership::note_name_conflict`]).
     name_conflict_logged: Option<Instant>,
+    /// When a heartbeat last found another live process under this instance's name.
+    name_conflict_seen: Option<Instant>,
     /// Set when a heartbeat succeeds after a blind period (start, Redis outage); acquisitions
     /// wait until `settle_time` after it.
     rejoined_at: Option<Instant>,
@@ -133,6 +135,7 @@ impl Ownership {
             left: false,
             last_heartbeat: None,
             name_conflict_logged: None,
+            name_conflict_seen: None,
             rejoined_at: None,
             nonce,
             waiting_on_previous: Default::default(),
@@ -210,7 +213,8 @@ impl Ownership {
     /// answer). Updates the view and the blind/rejoin state.
     async fn refresh_membership(&mut self) -> Option<Vec<String>> {
         let llm_down = self.llm_down();
-        let beat = match self.membership.heartbeat(llm_down).await {
+        let conflict = self.name_conflict_seen.is_some_and(|t| t.elapsed() < crate::membership::NAME_CONFLICT_FLAG_TTL);
+        let beat = match self.membership.heartbeat_flagging(llm_down, conflict).await {
             Ok(b) => b,
             Err(e) => {
                 warn!(error = %e, "membership heartbeat failed");
@@ -279,8 +283,9 @@ impl Ownership {
     /// was overwritten since the last heartbeat, so another live process uses the same
     /// `instance.name`. The two then share one place in the assignment: each tries to hold the
     /// same partitions, leases let only one of them, and the other does no partition work.
-    /// Logged at most once a minute, and counted in
-    /// `prefix_batcher_instance_name_conflicts_total`.
+    /// Logged at most once a minute, counted in `prefix_batcher_instance_name_conflicts_total`,
+    /// and flagged in Redis by the next heartbeats for `status`
+    /// ([`crate::membership::member_name_conflict_key`]).
     fn note_name_conflict(&mut self, previous: Option<&str>) {
         let Some(other) = previous else { return };
         if self.last_heartbeat.is_none() {
@@ -288,6 +293,7 @@ impl Ownership {
             return;
         }
         metrics::instance_name_conflict();
+        self.name_conflict_seen = Some(Instant::now());
         if self.name_conflict_logged.is_none_or(|t| t.elapsed() >= NAME_CONFLICT_LOG_INTERVAL) {
             self.name_conflict_logged = Some(Instant::now());
             warn!(

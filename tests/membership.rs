@@ -8,7 +8,9 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use prefix_batcher::membership::{assignable, member_key, member_llm_down_key, members_key, read_members, Member, Membership};
+use prefix_batcher::membership::{
+    assignable, member_key, member_llm_down_key, member_name_conflict_key, members_key, read_members, Member, Membership,
+};
 use tokio::time::Instant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -26,7 +28,7 @@ async fn membership_against_redis() {
     assert_eq!(b.heartbeat(false).await.unwrap().members, ["b"]);
     assert_eq!(a.heartbeat(false).await.unwrap().members, ["a", "b"], "sorted live names");
     let listed = read_members(&mut conn, prefix).await.unwrap();
-    assert_eq!(listed, [Member { name: "a".into(), nonce: Some("n1".into()), llm_down: false }, Member { name: "b".into(), nonce: Some("n3".into()), llm_down: false }]);
+    assert_eq!(listed, [Member { name: "a".into(), nonce: Some("n1".into()), llm_down: false, name_conflict: false }, Member { name: "b".into(), nonce: Some("n3".into()), llm_down: false, name_conflict: false }]);
     let kind: String = redis::cmd("TYPE").arg(members_key(prefix)).query_async(&mut probe.conn).await.unwrap();
     assert_eq!(kind, "zset");
 
@@ -39,7 +41,7 @@ async fn membership_against_redis() {
     assert_eq!(a2.heartbeat(false).await.unwrap().previous_nonce, None, "its own nonce from then on");
     assert!(!a.leave().await.unwrap(), "leave by a stale nonce");
     let listed = read_members(&mut conn, prefix).await.unwrap();
-    assert_eq!(listed[0], Member { name: "a".into(), nonce: Some("n2".into()), llm_down: false });
+    assert_eq!(listed[0], Member { name: "a".into(), nonce: Some("n2".into()), llm_down: false, name_conflict: false });
 
     // A member whose LLM is down says so with its heartbeat; every heartbeat and the listing
     // report it, and its next heartbeat without the flag clears it.
@@ -85,7 +87,17 @@ async fn membership_against_redis() {
         assert_eq!(d2.heartbeat(false).await.unwrap().previous_nonce.as_deref(), Some("n5"));
         assert_eq!(d1.heartbeat(false).await.unwrap().previous_nonce.as_deref(), Some("n6"));
     }
-    assert!(d1.leave().await.unwrap());
+    // The daemon then flags the conflict with its heartbeats, for `status`; the flag outlives
+    // the heartbeat that set it, and a leave removes it.
+    d2.heartbeat_flagging(false, true).await.unwrap();
+    let d = read_members(&mut conn, prefix).await.unwrap().into_iter().find(|m| m.name == "d").unwrap();
+    assert!(d.name_conflict && !d.llm_down);
+    d2.heartbeat_flagging(false, false).await.unwrap();
+    assert!(read_members(&mut conn, prefix).await.unwrap().iter().any(|m| m.name == "d" && m.name_conflict), "a heartbeat without the flag leaves it to expire");
+    let flag_ttl: i64 = redis::cmd("PTTL").arg(member_name_conflict_key(prefix, "d")).query_async(&mut probe.conn).await.unwrap();
+    assert!(flag_ttl > ttl.as_millis() as i64 && flag_ttl <= 60_000, "PTTL {flag_ttl}");
+    assert!(d2.leave().await.unwrap());
+    assert_eq!(probe.get(&member_name_conflict_key(prefix, "d")).await, None);
 
     // The last leave leaves nothing behind.
     assert!(a2.leave().await.unwrap());

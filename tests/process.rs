@@ -537,7 +537,7 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     let amqp = Amqp::connect().await;
     let queue = env.input_queue();
     amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
-    let raw = env.raw_config("http://127.0.0.1:9/v1");
+    let raw = env.raw_config("http://127.0.0.1:9");
     let cfg = write_config(&env, "submit", &raw);
 
     for signal in ["-INT", "-TERM"] {

@@ -129,7 +129,7 @@ async fn a_broker_that_never_answers_times_out_and_a_shutdown_still_stops_the_da
     let env = TestEnv::new("silentbroker");
     let (addr, accepted) = silent_server().await;
 
-    let mut raw = env.raw_config("http://127.0.0.1:9/v1");
+    let mut raw = env.raw_config("http://127.0.0.1:9");
     raw.amqp.url = format!("amqp://guest:guest@{addr}/%2f?connection_timeout=300");
     raw.amqp.reconnect_backoff_initial = "50ms".into();
     raw.amqp.reconnect_backoff_max = "100ms".into();
