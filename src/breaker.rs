@@ -44,13 +44,12 @@
 //! when answered faults came from at least [`DISTINCT_FAULTY_CALLS`] different one-prompt calls
 //! (different bodies: retries and redeliveries of one request count once; the caller reports
 //! only one-prompt calls, as a failed list call goes again prompt by prompt) and no real call has
-//! been answered since the first of them, a passing probe opens the breaker instead
-//! ([`Breaker::probe_passed`]); the requests then wait for the endpoint, uncharged. While that
-//! holds, a probe that closes the breaker does not reset the doubling of the open time, so the
-//! endpoint is tried at most every [`BreakerPolicy::open_max`] once the doubling reaches it.
-//! Fewer poison requests than that, even with no other traffic, are still refuted, and each is
-//! dead-lettered at its delivery limit; a server that fails every real call while fewer requests
-//! than that wait cannot be told from them, and they are charged as before.
+//! been answered since the first of them ([`Breaker::probes_unrepresentative`]), the owner's
+//! probe does not stop at the one-token call: it replays a real call the endpoint answered
+//! before (see [`crate::llm`]), and reports a server fault when that fails, which opens the
+//! breaker; the requests then wait for the endpoint, uncharged. When the replay passes, the
+//! failing prompts are poison prompts, however many; the owner clears the count
+//! ([`Breaker::clear_faulty_calls`]) and they are refuted as before.
 //!
 //! [`Breaker::available`] is true only while closed: work resumes once a probe has shown the
 //! endpoint healthy. Outcomes of calls admitted before the breaker opened are ignored while it is
@@ -241,10 +240,16 @@ impl Breaker {
         }
     }
 
-    /// Whether real calls keep failing although probes pass: answered faults from
-    /// [`DISTINCT_FAULTY_CALLS`] different calls and no real call answered since.
-    fn probes_unrepresentative(&self) -> bool {
+    /// Whether the one-token probe alone cannot clear the endpoint: answered faults from
+    /// [`DISTINCT_FAULTY_CALLS`] different one-prompt calls and no real call answered since.
+    pub fn probes_unrepresentative(&self) -> bool {
         self.faulty_calls.len() >= DISTINCT_FAULTY_CALLS
+    }
+
+    /// Forgets the different failing calls counted so far: a real call was answered again (a
+    /// replay), so they were the prompts' own.
+    pub fn clear_faulty_calls(&mut self) {
+        self.faulty_calls.clear();
     }
 
     /// Since when the endpoint has been unavailable without a break: the first opening since
@@ -387,16 +392,10 @@ impl Breaker {
     /// a one-token probe but does no real work in time (overloaded, or too slow for
     /// `llm.request_timeout`), which is the server's fault, and the breaker opens (returns the new
     /// state). A poison request that times out among normal traffic is refuted, because the other
-    /// calls are answered meanwhile. Likewise it opens when answered faults came from
-    /// [`DISTINCT_FAULTY_CALLS`] different real calls and no real call was answered since (the
-    /// server answers the probe but fails real work; see the module documentation).
+    /// calls are answered meanwhile.
     pub fn probe_passed(&mut self, now: Instant) -> Option<BreakerState> {
         if self.state != State::Closed {
             return None;
-        }
-        if self.probes_unrepresentative() {
-            self.open(now);
-            return Some(BreakerState::Open);
         }
         if let Some(since) = self.timeouts_since {
             if self.last_answer.is_none_or(|answered| answered < since) {
@@ -481,11 +480,7 @@ impl Breaker {
         self.consecutive = 0;
         self.consecutive_unconfirmed = 0;
         self.recent.clear();
-        // A probe that passes while real calls keep failing is no recovery: the open time keeps
-        // doubling.
-        if !self.probes_unrepresentative() {
-            self.openings = 0;
-        }
+        self.openings = 0;
         self.suspect = false;
     }
 }
@@ -644,58 +639,28 @@ mod tests {
         }
     }
 
-    /// A server that answers the one-token probe but 500 to every real call: once ten
-    /// different calls failed with no real call answered since, the passing probe opens the
-    /// breaker (before, every request was charged deliveries until it was dead-lettered), and a
-    /// probe that closes it again does not reset the doubling open time.
+    /// Ten different one-prompt calls failing with no real call answered since make the
+    /// one-token probe unrepresentative (the owner then replays a real call); retries of one
+    /// call count once, and a real call answered starts the count again.
     #[test]
-    fn a_passing_probe_opens_when_different_real_calls_all_fail() {
+    fn different_failing_calls_make_the_probe_unrepresentative() {
         let mut b = Breaker::new(BreakerPolicy::default());
         let t0 = Instant::now();
         for call in 1..10 {
-            answered_faults(&mut b, call, 2, t0);
+            answered_faults(&mut b, call, 3, t0);
         }
-        assert!(b.take_verification());
-        assert_eq!(b.verified(Outcome::Success, t0), None, "nine different calls: refuted");
+        assert!(!b.probes_unrepresentative(), "nine different calls");
         answered_faults(&mut b, 10, 1, t0);
-        assert_eq!(b.probe_passed(t0), Some(BreakerState::Open), "ten different calls, none answered");
-        assert_eq!(b.open_until(), Some(t0 + Duration::from_secs(1)));
-        let t1 = t0 + Duration::from_secs(1);
-        assert!(b.admit_probe(t1));
-        assert_eq!(b.record(Outcome::Success, true, t1), Some(BreakerState::Closed));
-        // The real calls still fail: the next passing probe opens it at once, for twice as long.
-        answered_faults(&mut b, 11, 1, t1);
-        assert_eq!(b.probe_passed(t1), Some(BreakerState::Open));
-        assert_eq!(b.open_until(), Some(t1 + Duration::from_secs(2)));
-        // A real call answered clears it: the endpoint works again.
-        let t2 = t1 + Duration::from_secs(2);
-        assert!(b.admit_probe(t2));
-        b.record(Outcome::Success, true, t2);
-        b.record(Outcome::Success, false, t2);
-        answered_faults(&mut b, 12, 1, t2);
-        assert_eq!(b.probe_passed(t2), None);
-    }
-
-    /// A few poison requests, retried and redelivered with no other traffic, are a few call
-    /// bodies: however often they fail, a passing probe refutes them, and a real call answered
-    /// in between starts the count again.
-    #[test]
-    fn a_few_poison_requests_alone_never_open_it() {
-        let mut b = Breaker::new(BreakerPolicy::default());
-        let t0 = Instant::now();
-        for _ in 0..10 {
-            for call in 0..5 {
-                answered_faults(&mut b, call, 4, t0);
-            }
-            assert_eq!(b.probe_passed(t0), None);
-        }
-        for call in 5..9 {
+        assert!(b.probes_unrepresentative());
+        b.clear_faulty_calls();
+        assert!(!b.probes_unrepresentative(), "a replay passed: the prompts' own");
+        for call in 20..29 {
             answered_faults(&mut b, call, 1, t0);
         }
         b.record(Outcome::Success, false, t0);
-        answered_faults(&mut b, 9, 1, t0);
-        assert_eq!(b.probe_passed(t0), None, "0..8 failed before the answered call");
-        assert!(b.available(t0));
+        answered_faults(&mut b, 29, 1, t0);
+        assert!(!b.probes_unrepresentative(), "the ones before the answered call do not count");
+        assert_eq!(b.probe_passed(t0), None, "the breaker itself only refutes");
     }
 
     #[test]

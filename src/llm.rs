@@ -48,8 +48,12 @@
 //!
 //! Likewise a server that answers the probe but 5xx or an invalid answer to every real call: once
 //! answered faults came from [`crate::breaker::DISTINCT_FAULTY_CALLS`] different one-prompt calls
-//! with no real call answered since, a passing probe opens the breaker instead of discounting
-//! them.
+//! with no real call answered since, a passing one-token probe is followed by a *replay*: the
+//! first one-prompt call the endpoint answered (kept, up to [`KNOWN_GOOD_MAX_BYTES`]) is sent
+//! again. If it fails with a server fault, the endpoint counts as down (the breaker opens, and
+//! stays open until a probe's replay passes); if it passes, the failures were the prompts' own
+//! (poison prompts, however many), they are discounted and their requests charged. Without a
+//! call answered before (a server broken since the daemon started), they are discounted too.
 //!
 //! A *hung* server (it accepts connections but never answers) times out every call and the
 //! probe too, so it still opens the breaker: the probe is limited to
@@ -105,6 +109,8 @@ pub const COMPLETIONS_PATH: &str = "v1/completions";
 pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
 /// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
 pub const PROBE_PROMPT: &str = "ping";
+/// Largest body of a real call kept for [`LlmClient::probe`] to replay (64 KiB).
+pub const KNOWN_GOOD_MAX_BYTES: usize = 64 * 1024;
 /// The longest a probe may take: a probe is limited to min(`llm.request_timeout`, this). A
 /// one-token completion answers in far less on a healthy server, even a busy one; a hung server
 /// fails it this long after it was sent (not one whole `llm.request_timeout`, 300 s by default).
@@ -218,6 +224,10 @@ struct Endpoint {
     /// exact usage and the cached-token metrics stay true.
     per_prompt_calls: AtomicBool,
     breaker: Mutex<Breaker>,
+    /// A one-prompt call this endpoint answered (URL and body, at most [`KNOWN_GOOD_MAX_BYTES`]):
+    /// replayed by [`LlmClient::probe`] when the one-token probe passes while different real
+    /// calls keep failing ([`Breaker::probes_unrepresentative`]).
+    known_good: Mutex<Option<(Url, Vec<u8>)>>,
     /// A prober task ([`probe_until_closed`]) runs for this endpoint.
     probing: AtomicBool,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
@@ -910,6 +920,12 @@ impl LlmClient {
         if breaker_outcome == Outcome::AnsweredFault && call.n_items == 1 {
             lock(&ep.breaker).answered_fault_call(xxhash_rust::xxh3::xxh3_64(&call.payload));
         }
+        if breaker_outcome == Outcome::Success && call.n_items == 1 && call.payload.len() <= KNOWN_GOOD_MAX_BYTES {
+            let mut known = lock(&ep.known_good);
+            if known.is_none() {
+                *known = Some((call.url.clone(), call.payload.clone()));
+            }
+        }
         self.record(call.endpoint, breaker_outcome, false);
         if breaker_outcome.needs_verification() {
             if let Some(verification) = self.start_verification(call.endpoint) {
@@ -1039,6 +1055,61 @@ impl LlmClient {
     /// timeouts, refused connections — is [`Outcome::ServerFault`]: the endpoint failed a check
     /// that is nobody's request.
     async fn probe(&self, endpoint: usize) -> Outcome {
+        let outcome = self.ping(endpoint).await;
+        let ep = &self.inner.endpoints[endpoint];
+        if outcome != Outcome::Success || !lock(&ep.breaker).probes_unrepresentative() {
+            return outcome;
+        }
+        // The one-token probe passes while different real calls keep failing: ask again with a
+        // real call this endpoint answered before. Without one, the faults count as the
+        // requests' own.
+        let known = lock(&ep.known_good).clone();
+        let replayed = match known {
+            Some((url, payload)) => self.replay(endpoint, &url, payload).await,
+            None => Outcome::Success,
+        };
+        if replayed != Outcome::ServerFault {
+            lock(&ep.breaker).clear_faulty_calls();
+        }
+        replayed
+    }
+
+    /// Sends a real call the endpoint answered before ([`Endpoint::known_good`]), limited to
+    /// `llm.request_timeout`: a 2xx JSON answer with a non-empty `choices` list passes; the
+    /// outcome is classified as for the probe.
+    async fn replay(&self, endpoint: usize, url: &Url, payload: Vec<u8>) -> Outcome {
+        let ep = &self.inner.endpoints[endpoint];
+        let request = self.inner.http.post(url.clone()).header(CONTENT_TYPE, "application/json").body(payload);
+        let (kind, detail) = match request.send().await {
+            Ok(r) if r.status().is_success() => match read_body(r, self.inner.max_response_bytes).await {
+                Ok(bytes) => match serde_json::from_slice::<Value>(&bytes) {
+                    Ok(v) if v["choices"].as_array().is_some_and(|c| !c.is_empty()) => {
+                        tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answered a real call it answered before: its recent failures are the requests' own");
+                        return Outcome::Success;
+                    }
+                    _ => (ErrorKind::InvalidResponse, format!("not a completion: {}", preview(&bytes))),
+                },
+                Err((e, _)) => (e.kind, e.message),
+            },
+            Ok(r) => (classify(Problem::Status(r.status().as_u16())), format!("HTTP {}", r.status())),
+            Err(e) => (classify(Problem::Transport(&e)), transport_message(e)),
+        };
+        tracing::warn!(
+            endpoint,
+            name = %ep.name,
+            kind = kind.as_str(),
+            error = %detail,
+            "the LLM endpoint answers the one-token probe but failed a real call it answered before: treated as down"
+        );
+        match kind.fault() {
+            Fault::Request => Outcome::RequestFault,
+            Fault::Cancelled => Outcome::Abandoned,
+            Fault::Server => Outcome::ServerFault,
+        }
+    }
+
+    /// The one-token probe (see the module doc, "Probing").
+    async fn ping(&self, endpoint: usize) -> Outcome {
         let ep = &self.inner.endpoints[endpoint];
         let body = serde_json::json!({"model": self.inner.model, "prompt": PROBE_PROMPT, "max_tokens": 1});
         let request = self.inner.http.post(ep.completions.clone()).json(&body).timeout(self.inner.probe_timeout);
@@ -1166,6 +1237,7 @@ impl Endpoint {
             permits: KeyedPermits::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
             breaker: Mutex::new(Breaker::new(policy)),
+            known_good: Mutex::new(None),
             changed: watch::Sender::new(()),
         })
     }
@@ -1173,7 +1245,7 @@ impl Endpoint {
 
 /// Locks a breaker; a poisoned lock is taken over (the breaker's state is valid after any panic,
 /// every method leaves it consistent).
-fn lock(m: &Mutex<Breaker>) -> std::sync::MutexGuard<'_, Breaker> {
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 

@@ -328,21 +328,25 @@ async fn an_llm_outage_pauses_intake_and_loses_nothing() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
-/// A server that answers the daemon's one-token probe but 500 to every real call, for 8 s, then
-/// recovers: 40 requests on 8 keys with `amqp.delivery_limit = 3` and one attempt per call. The
+/// A server that answered real calls, then answers the daemon's one-token probe but 500 to every
+/// real call, for 8 s, then recovers: 40 requests on 8 keys with `amqp.delivery_limit = 3` and one attempt per call. The
 /// probe passing does not make the failures the requests' own once different calls all failed:
-/// the breaker opens, the requests wait uncharged, and every one is answered `ok` after the
+/// the probe replays a call the server answered before, which fails too, so the breaker opens, the requests wait uncharged, and every one is answered `ok` after the
 /// recovery; nothing is dead-lettered. (Before, all 40 were dead-lettered with reason
 /// `delivery_limit` within seconds.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_answers_only_the_probe_pauses_intake() {
     let llm = SwitchableLlm::start(200).await;
-    llm.probe_only.store(true, Ordering::SeqCst);
     let env = TestEnv::new("probeonly");
     let mut raw = env.raw_config(&llm.url);
     (raw.amqp.delivery_limit, raw.llm.max_attempts) = (3, 1);
     let mut st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    // The server works first: a real call it answered is what the probe replays.
+    let warm = one_key("probeonly-warm", 1, 9);
+    st.amqp.publish_requests(&env.input_queue(), &warm, &st.reply).await;
+    st.results.until_all(&ids(&warm), Duration::from_secs(30)).await;
+    llm.probe_only.store(true, Ordering::SeqCst);
     let reqs = completions_workload("probeonly", 40, 8);
     let started = Instant::now();
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
