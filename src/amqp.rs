@@ -370,6 +370,10 @@ pub struct SharedConfirmChannel {
     lost: AtomicBool,
 }
 
+/// Bounds the log line of a channel replaced after a failed publish: a reply queue that refuses
+/// every result fails one publish per request ([`crate::log_limit`]).
+static REPLACED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
 /// How often a replaced [`SharedConfirmChannel`] channel is checked for publishes in flight.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
 
@@ -413,7 +417,7 @@ impl SharedConfirmChannel {
         let old = lock(&self.current).take();
         match old {
             Some(old) if old.status().connected() => {
-                warn!(owner = %self.owner, "a publish on the publishing channel failed; replacing the channel");
+                crate::warn_limited!(REPLACED_LOG, owner = %self.owner, "a publish on the publishing channel failed; replacing the channel");
                 let grace = self.grace;
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(grace, async {

@@ -82,11 +82,22 @@ impl SecretUrl {
         u.query_pairs_mut().clear().extend_pairs(kept).append_pair(key, &value);
         u.to_string()
     }
-    /// The URL with the password replaced by `***`.
+    /// The URL with the password, and the value of every query parameter that may hold a secret
+    /// (`?password=`, `?token=`, …), replaced by `***`.
     pub fn redacted(&self) -> String {
         let mut u = self.0.clone();
         if u.password().is_some() {
             let _ = u.set_password(Some("***"));
+        }
+        if u.query_pairs().any(|(k, _)| is_secret_param(&k)) {
+            let pairs: Vec<(String, String)> = u
+                .query_pairs()
+                .map(|(k, v)| {
+                    let v = if is_secret_param(&k) { "***".to_owned() } else { v.into_owned() };
+                    (k.into_owned(), v)
+                })
+                .collect();
+            u.query_pairs_mut().clear().extend_pairs(pairs);
         }
         u.to_string()
     }
@@ -706,8 +717,14 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
             .with_list_parse_key("requests.models"),
     );
     let cfg = b.build().map_err(ConfigError::Load)?;
+    if let Some(p) = path {
+        // The file alone: there a quoted number or boolean is a mistake, not an environment string.
+        let file = config::Config::builder().add_source(config::File::from(p).format(config::FileFormat::Toml)).build();
+        let file: serde_json::Value = file.and_then(|f| f.try_deserialize()).map_err(ConfigError::Load)?;
+        check_value_types(&file, false)?;
+    }
     let merged: serde_json::Value = cfg.clone().try_deserialize().map_err(ConfigError::Load)?;
-    check_value_types(&merged)?;
+    check_value_types(&merged, true)?;
     cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)
 }
 
@@ -723,15 +740,17 @@ enum ValueKind {
 /// Refuses a value of the wrong kind for an integer or boolean key, instead of letting the
 /// `config` crate round or convert it. `merged` is the file and the environment merged, as JSON;
 /// each key's kind is that of its default ([`RawConfig::default`]), and `sharding.keys.*` and
-/// `sharding.rules[].shards` are integers. A string is accepted where it is exactly an integer
-/// (`"8"`) or `"true"`/`"false"` (environment variables are strings). Errors: the first wrong
-/// value, as [`ConfigError::Invalid`] naming the key (`sharding.rules[0].shards`) and the value.
-fn check_value_types(merged: &serde_json::Value) -> Result<(), ConfigError> {
+/// `sharding.rules[].shards` are integers, and no integer key takes a negative value. With
+/// `strings` (the environment, whose values are all strings), a string is accepted where it is
+/// exactly an integer (`"8"`) or `"true"`/`"false"`; without (the TOML file), it is refused.
+/// Errors: the first wrong value, as [`ConfigError::Invalid`] naming the key
+/// (`sharding.rules[0].shards`) and the value.
+fn check_value_types(merged: &serde_json::Value, strings: bool) -> Result<(), ConfigError> {
     let defaults = serde_json::to_value(RawConfig::default()).expect("the defaults serialize");
-    check_kinds(merged, Some(&defaults), "")
+    check_kinds(merged, Some(&defaults), "", strings)
 }
 
-fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, path: &str) -> Result<(), ConfigError> {
+fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, path: &str, strings: bool) -> Result<(), ConfigError> {
     use serde_json::Value as J;
     let integer = J::from(1u32);
     let rule = serde_json::json!({ "pattern": "", "shards": 1u32 });
@@ -740,21 +759,27 @@ fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, p
             for (k, v) in fields {
                 let child = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
                 let d = if path == "sharding.keys" { Some(&integer) } else { default.and_then(|d| d.get(k)) };
-                check_kinds(v, d, &child)?;
+                check_kinds(v, d, &child, strings)?;
             }
             Ok(())
         }
         J::Array(items) => {
             let template = if path == "sharding.rules" { Some(&rule) } else { default.and_then(|d| d.get(0)) };
             for (i, v) in items.iter().enumerate() {
-                check_kinds(v, template, &format!("{path}[{i}]"))?;
+                check_kinds(v, template, &format!("{path}[{i}]"), strings)?;
             }
             Ok(())
         }
         leaf => match default.and_then(kind_of) {
+            Some(kind) if leaf.is_string() && !strings => {
+                let unquoted = leaf.as_str().unwrap_or_default();
+                let what = if kind == ValueKind::Integer { "a whole number" } else { "true or false" };
+                Err(invalid(path, leaf, format!("must be {what} without quotes ({path} = {unquoted})")))
+            }
             Some(ValueKind::Integer) if !is_integer(leaf) => {
                 Err(invalid(path, leaf, "must be a whole number (a fraction would be rounded, true/false read as 1/0)"))
             }
+            Some(ValueKind::Integer) if is_negative(leaf) => Err(invalid(path, leaf, "must not be negative")),
             Some(ValueKind::Boolean) if !is_boolean(leaf) => Err(invalid(path, leaf, "must be true or false")),
             _ => Ok(()),
         },
@@ -773,6 +798,14 @@ fn is_integer(v: &serde_json::Value) -> bool {
     match v {
         serde_json::Value::Number(n) => n.is_u64() || n.is_i64(),
         serde_json::Value::String(s) => s.parse::<i128>().is_ok(),
+        _ => false,
+    }
+}
+
+fn is_negative(v: &serde_json::Value) -> bool {
+    match v {
+        serde_json::Value::Number(n) => n.as_i64().is_some_and(|i| i < 0),
+        serde_json::Value::String(s) => s.parse::<i128>().is_ok_and(|i| i < 0),
         _ => false,
     }
 }
@@ -843,14 +876,27 @@ fn percent_escapes_are_whole(text: &str) -> bool {
     b.iter().enumerate().filter(|(_, c)| **c == b'%').all(|(i, _)| b.len() > i + 2 && b[i + 1].is_ascii_hexdigit() && b[i + 2].is_ascii_hexdigit())
 }
 
-/// Redacts the password of something that may be a URL but failed to parse as one.
-/// Anything before the last `@` may be credentials, whatever the rest looks like.
+/// Redacts the password of something that may be a URL but failed to parse as one, and leaves
+/// out its query and fragment (`?token=…`), quoted for an error message. Anything before the
+/// last `@` may be credentials, whatever the rest looks like.
 fn redact_str(v: &str) -> String {
-    match (v.find("://"), v.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{:?}", format!("{}***{}", &v[..s + 3], &v[at..])),
-        (_, Some(at)) => format!("{:?}", format!("***{}", &v[at..])),
-        _ => format!("{v:?}"),
+    let s = match (v.find("://"), v.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}***{}", &v[..s + 3], &v[at..]),
+        (_, Some(at)) => format!("***{}", &v[at..]),
+        _ => v.to_owned(),
+    };
+    let authority = s.rfind('@').or_else(|| s.find("://").map(|i| i + 3)).unwrap_or(0);
+    match s[authority..].find(['?', '#']) {
+        Some(q) => format!("{:?} (query not shown)", &s[..authority + q]),
+        None => format!("{s:?}"),
     }
+}
+
+/// Whether a URL query parameter may hold a secret (`password`, `token`, `api_key`, `auth`, …):
+/// its value is shown as `***`.
+fn is_secret_param(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    ["pass", "pwd", "secret", "token", "key", "auth", "cred", "sig"].iter().any(|s| n.contains(s))
 }
 
 /// Redacts credentials from free text (errors of the TOML parser and the `config` crate quote
@@ -1434,15 +1480,15 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
     let mut endpoints = Vec::new();
     for e in &l.endpoints {
         let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// or https:// URL ({err})")))?;
-        if u.scheme() != "http" && u.scheme() != "https" {
-            return Err(invalid("llm.endpoints", format!("{e:?}"), "must be an http:// or https:// URL"));
-        }
-        if u.password().is_some() || !u.username().is_empty() {
-            return Err(invalid("llm.endpoints", redact_str(e), "must not carry credentials; use llm.api_key"));
-        }
-        // Shown without its query, which may hold a token.
+        // Shown without credentials and query, which may hold a token.
         let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
         let shown = format!("{:?}", format!("{}://{}{port}{}", u.scheme(), u.host_str().unwrap_or_default(), u.path()));
+        if u.scheme() != "http" && u.scheme() != "https" {
+            return Err(invalid("llm.endpoints", shown, "must be an http:// or https:// URL"));
+        }
+        if u.password().is_some() || !u.username().is_empty() {
+            return Err(invalid("llm.endpoints", shown, "must not carry credentials; use llm.api_key"));
+        }
         if u.query().is_some() || u.fragment().is_some() {
             return Err(invalid(
                 "llm.endpoints",
@@ -1450,7 +1496,8 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
                 "must not have a ?query or #fragment: it is a base URL the daemon appends v1/completions to; a token goes in llm.api_key",
             ));
         }
-        if u.path().trim_end_matches('/').ends_with("/v1") {
+        let path = u.path().trim_end_matches('/').to_ascii_lowercase();
+        if ["/v1", "/v1/completions", "/v1/chat/completions"].iter().any(|end| path.ends_with(end)) {
             return Err(invalid(
                 "llm.endpoints",
                 shown,
@@ -1616,6 +1663,9 @@ mod tests {
             ("http://h:8000/v1", "without /v1"),
             ("http://h:8000/v1/", "without /v1"),
             ("https://gw/openai/v1", "without /v1"),
+            ("http://h:8000/V1", "without /v1"),
+            ("http://h:8000/v1/completions", "without /v1"),
+            ("http://h:8000/v1/chat/completions/", "without /v1"),
             ("http://h:8000/?key=hunter2", "must not have a ?query"),
             ("http://h:8000/#x", "must not have a ?query"),
         ] {
@@ -1623,7 +1673,7 @@ mod tests {
             let e = err(&r);
             assert!(e.contains("llm.endpoints") && e.contains(rule) && !e.contains("hunter2"), "{bad}: {e}");
         }
-        r.llm.endpoints = vec!["http://h:8000/openai".into(), "http://h:8001/".into()];
+        r.llm.endpoints = vec!["http://h:8000/openai".into(), "http://h:8001/".into(), "http://gw/v1/llama/".into()];
         ok(&r);
     }
 
@@ -1794,6 +1844,30 @@ mod tests {
         assert!(!redact_text("3 | \"api_key\" = \"hunter2SECRET\" x").contains("hunter2"), "a quoted key is redacted too");
         assert_eq!(redact_text("3 | api_key = sk-hunter2"), "3 | api_key = ***");
         assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
+        // URLs that do not parse, or parse but carry a secret in the query or the user part.
+        r.amqp.url = "amqp://h:5672/%2f".into();
+        for (key, bad) in [
+            ("llm.endpoints", "http://127.0.0.1:99999/?k=hunter2"),
+            ("llm.endpoints", "ftp://hunter2@x"),
+            ("llm.endpoints", "ftp://u:hunter2@x/"),
+            ("llm.endpoints", "http://h:1/#hunter2"),
+            ("amqp.url", "amqp://h:99999/?password=hunter2"),
+            ("redis.url", "redis://h:99999/0?password=hunter2"),
+            ("redis.url", "redis://h:6379/abc?password=hunter2"),
+        ] {
+            let mut r = r.clone();
+            match key {
+                "llm.endpoints" => r.llm.endpoints = vec![bad.into()],
+                "amqp.url" => r.amqp.url = bad.into(),
+                _ => r.redis.url = bad.into(),
+            }
+            let e = err(&r);
+            assert!(e.contains(key) && !e.contains("hunter2"), "{bad}: {e}");
+        }
+        let u = secret_url("redis.url", "redis://h:6379/0?password=hunter2&timeout=3&Auth_Token=x9", &["redis"]).unwrap();
+        assert_eq!(u.redacted(), "redis://h:6379/0?password=***&timeout=3&Auth_Token=***");
+        assert_eq!(redact_str("http://h:99999/x?k=hunter2#f"), "\"http://h:99999/x\" (query not shown)");
+        assert_eq!(redact_str("a://u:p?w@h:0/?q=1"), "\"a://***@h:0/\" (query not shown)", "a '?' in the password");
     }
 
     /// `redis://host/abc` used to pass `check-config` and fail every connection attempt.
@@ -1969,7 +2043,6 @@ mod tests {
             ("[batching]\nmax_batch_size = true\n", "`batching.max_batch_size` = true: must be a whole number"),
             ("[keying]\nprefix_chars = 1e3\n", "`keying.prefix_chars` = 1000.0: must be a whole number"),
             ("[llm]\nlist_prompts = 1\n", "`llm.list_prompts` = 1: must be true or false"),
-            ("[llm]\nlist_prompts = \"no\"\n", "`llm.list_prompts` = \"no\": must be true or false"),
             ("[sharding.keys]\nabc = 2.5\n", "`sharding.keys.abc` = 2.5: must be a whole number"),
             ("[[sharding.rules]]\npattern = \"x\"\nshards = 1.5\n", "`sharding.rules[0].shards` = 1.5: must be a whole number"),
         ];
@@ -1978,10 +2051,26 @@ mod tests {
             let e = load(Some(&path)).unwrap_err().to_string();
             assert!(e.contains(want), "{toml:?}: {e}");
         }
-        std::fs::write(&path, "[amqp]\npartitions = \"12\"\n[llm]\nlist_prompts = \"false\"\n[sharding.keys]\nabc = 2\n").unwrap();
+        let also_refused = [
+            ("[amqp]\npartitions = \"12\"\n", "`amqp.partitions` = \"12\": must be a whole number without quotes (amqp.partitions = 12)"),
+            ("[llm]\nlist_prompts = \"false\"\n", "`llm.list_prompts` = \"false\": must be true or false without quotes"),
+            ("[batching]\nmax_batch_size = -1\n", "`batching.max_batch_size` = -1: must not be negative"),
+            ("[sharding.keys]\nabc = -2\n", "`sharding.keys.abc` = -2: must not be negative"),
+        ];
+        for (toml, want) in also_refused {
+            std::fs::write(&path, toml).unwrap();
+            let e = load(Some(&path)).unwrap_err().to_string();
+            assert!(e.contains(want), "{toml:?}: {e}");
+        }
+        std::fs::write(&path, "[amqp]\npartitions = 12\n[llm]\nlist_prompts = false\n[sharding.keys]\nabc = 2\n").unwrap();
         let s = load(Some(&path)).unwrap();
         assert_eq!(s.amqp.partitions.get(), 12);
         assert!(!s.llm.list_prompts);
         std::fs::remove_dir_all(&dir).unwrap();
+        // Environment variables are strings: an exact integer or true/false is accepted there.
+        let env = serde_json::json!({ "amqp": { "partitions": "12" }, "llm": { "list_prompts": "false" } });
+        check_value_types(&env, true).unwrap();
+        let e = check_value_types(&serde_json::json!({ "amqp": { "input_prefetch": "-1" } }), true).unwrap_err().to_string();
+        assert!(e.contains("`amqp.input_prefetch` = \"-1\": must not be negative"), "{e}");
     }
 }

@@ -1080,19 +1080,13 @@ impl LlmClient {
     async fn replay(&self, endpoint: usize, url: &Url, payload: Vec<u8>) -> Outcome {
         let ep = &self.inner.endpoints[endpoint];
         let request = self.inner.http.post(url.clone()).header(CONTENT_TYPE, "application/json").body(payload);
-        let (kind, detail) = match request.send().await {
-            Ok(r) if r.status().is_success() => match read_body(r, self.inner.max_response_bytes).await {
-                Ok(bytes) => match serde_json::from_slice::<Value>(&bytes) {
-                    Ok(v) if v["choices"].as_array().is_some_and(|c| !c.is_empty()) => {
-                        tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answered a real call it answered before: its recent failures are the requests' own");
-                        return Outcome::Success;
-                    }
-                    _ => (ErrorKind::InvalidResponse, format!("not a completion: {}", preview(&bytes))),
-                },
-                Err((e, _)) => (e.kind, e.message),
-            },
-            Ok(r) => (classify(Problem::Status(r.status().as_u16())), format!("HTTP {}", r.status())),
-            Err(e) => (classify(Problem::Transport(&e)), transport_message(e)),
+        let answered = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
+            Ok(v) if v["choices"].as_array().is_some_and(|c| !c.is_empty()) => Ok(()),
+            _ => Err(format!("not a completion: {}", preview(bytes))),
+        };
+        let Err((kind, detail)) = self.check_call(request, answered).await else {
+            tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answered a real call it answered before: its recent failures are the requests' own");
+            return Outcome::Success;
         };
         tracing::warn!(
             endpoint,
@@ -1101,11 +1095,7 @@ impl LlmClient {
             error = %detail,
             "the LLM endpoint answers the one-token probe but failed a real call it answered before: treated as down"
         );
-        match kind.fault() {
-            Fault::Request => Outcome::RequestFault,
-            Fault::Cancelled => Outcome::Abandoned,
-            Fault::Server => Outcome::ServerFault,
-        }
+        fault_outcome(kind)
     }
 
     /// The one-token probe (see the module doc, "Probing").
@@ -1113,22 +1103,28 @@ impl LlmClient {
         let ep = &self.inner.endpoints[endpoint];
         let body = serde_json::json!({"model": self.inner.model, "prompt": PROBE_PROMPT, "max_tokens": 1});
         let request = self.inner.http.post(ep.completions.clone()).json(&body).timeout(self.inner.probe_timeout);
-        let (kind, detail) = match request.send().await {
-            Ok(r) if r.status().is_success() => match read_body(r, self.inner.max_response_bytes).await {
-                Ok(bytes) => match valid_probe_answer(&bytes) {
-                    Ok(()) => return Outcome::Success,
-                    Err(e) => (ErrorKind::InvalidResponse, e),
-                },
-                Err((e, _)) => (e.kind, e.message),
-            },
-            Ok(r) => (classify(Problem::Status(r.status().as_u16())), format!("HTTP {}", r.status())),
-            Err(e) => (classify(Problem::Transport(&e)), transport_message(e)),
+        let Err((kind, detail)) = self.check_call(request, valid_probe_answer).await else {
+            return Outcome::Success;
         };
         tracing::info!(endpoint, name = %ep.name, kind = kind.as_str(), error = %detail, "LLM endpoint probe failed");
-        match kind.fault() {
-            Fault::Request => Outcome::RequestFault,
-            Fault::Cancelled => Outcome::Abandoned,
-            Fault::Server => Outcome::ServerFault,
+        fault_outcome(kind)
+    }
+
+    /// Sends a call of the probe (`ping` or `replay`) and checks its answer with `answered`: the
+    /// error kind and a detail for the log when the call fails, the status is not 2xx or
+    /// `answered` refuses the body.
+    async fn check_call(
+        &self,
+        request: reqwest::RequestBuilder,
+        answered: impl FnOnce(&[u8]) -> Result<(), String>,
+    ) -> Result<(), (ErrorKind, String)> {
+        match request.send().await {
+            Ok(r) if r.status().is_success() => match read_body(r, self.inner.max_response_bytes).await {
+                Ok(bytes) => answered(&bytes).map_err(|e| (ErrorKind::InvalidResponse, e)),
+                Err((e, _)) => Err((e.kind, e.message)),
+            },
+            Ok(r) => Err((classify(Problem::Status(r.status().as_u16())), format!("HTTP {}", r.status()))),
+            Err(e) => Err((classify(Problem::Transport(&e)), transport_message(e))),
         }
     }
 
@@ -1174,6 +1170,15 @@ impl LlmClient {
             e.status = Some(status.as_u16());
             (e, None)
         })
+    }
+}
+
+/// What a failed probe call says of the endpoint, by the fault of its error kind.
+fn fault_outcome(kind: ErrorKind) -> Outcome {
+    match kind.fault() {
+        Fault::Request => Outcome::RequestFault,
+        Fault::Cancelled => Outcome::Abandoned,
+        Fault::Server => Outcome::ServerFault,
     }
 }
 

@@ -254,13 +254,18 @@ impl<'de> serde::de::Visitor<'de> for StrictVisitor {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
         let mut obj = Map::new();
         while let Some(key) = map.next_key::<String>()? {
-            if obj.contains_key(&key) {
-                let shown: String = key.chars().take(DUPLICATE_KEY_SHOWN).collect();
-                let more = if shown.len() < key.len() { "…" } else { "" };
-                return Err(serde::de::Error::custom(format_args!("duplicate key {shown:?}{more}")));
+            match obj.entry(key) {
+                serde_json::map::Entry::Vacant(slot) => {
+                    let StrictJson(v) = map.next_value()?;
+                    slot.insert(v);
+                }
+                serde_json::map::Entry::Occupied(taken) => {
+                    let key = taken.key();
+                    let shown: String = key.chars().take(DUPLICATE_KEY_SHOWN).collect();
+                    let more = if shown.len() < key.len() { "…" } else { "" };
+                    return Err(serde::de::Error::custom(format_args!("duplicate key {shown:?}{more}")));
+                }
             }
-            let StrictJson(v) = map.next_value()?;
-            obj.insert(key, v);
         }
         Ok(Value::Object(obj))
     }
@@ -383,15 +388,24 @@ fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String
     })
 }
 
-/// A request id may not hold control characters (Unicode category Cc: U+0000–U+001F,
-/// U+007F–U+009F): it is copied into result headers and log lines, where a line feed or an
-/// escape sequence would forge or garble them.
+/// A request id may not hold control characters: it is copied into result headers and log
+/// lines, where a line feed or an escape sequence would forge or garble them, and a
+/// bidirectional override would make it read differently from what it is (CVE-2021-42574).
+/// Refused: Unicode category Cc (U+0000–U+001F, U+007F–U+009F), the line and paragraph
+/// separators U+2028 and U+2029, and the bidirectional formatting characters of Unicode
+/// Standard Annex #9 (U+061C, U+200E, U+200F, U+202A–U+202E, U+2066–U+2069).
 fn check_no_control(field: &'static str, value: &str) -> Result<(), ParseError> {
-    match value.chars().find(|c| c.is_control()) {
+    let refused = |c: &char| {
+        c.is_control() || matches!(c, '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+    };
+    match value.chars().find(refused) {
         None => Ok(()),
         Some(c) => Err(ParseError::InvalidField {
             field,
-            detail: format!("contains the control character U+{:04X}; ids may not hold control characters", u32::from(c)),
+            detail: format!(
+                "contains the control character U+{:04X}; ids may not hold control characters, line separators or bidirectional formatting characters",
+                u32::from(c)
+            ),
         }),
     }
 }
@@ -656,7 +670,7 @@ mod tests {
 
     #[test]
     fn a_correlation_id_with_a_control_character_is_refused() {
-        for cid in ["a\r\nX-Forged: 1", "tab\there", "nul\u{0}", "esc\u{1b}[31m", "c1\u{85}"] {
+        for cid in ["a\r\nX-Forged: 1", "tab\there", "nul\u{0}", "esc\u{1b}[31m", "c1\u{85}", "txt.\u{202E}exe", "a\u{2066}b", "ls\u{2028}x"] {
             let env = Envelope { correlation_id: Some(cid), ..Envelope::default() };
             match parse(br#"{"prompt":"hi"}"#, &env, 1000).unwrap_err() {
                 ParseError::InvalidField { field: "correlation_id", detail } => {
@@ -667,6 +681,15 @@ mod tests {
         }
         let env = Envelope { correlation_id: Some("héllo 🦀 \"q\""), ..Envelope::default() };
         assert!(parse(br#"{"prompt":"hi"}"#, &env, 1000).is_ok());
+        // Observed: an id with U+202E (right-to-left override) was accepted, and read backwards
+        // in every log line and header it was copied into.
+        for id in [r#""inv\u202Eexe.txt""#, r#""a\u200Fb""#, r#""p\u2029q""#] {
+            match p(&format!(r#"{{"id":{id},"prompt":"hi"}}"#)).unwrap_err() {
+                ParseError::InvalidField { field: "id", detail } => assert!(detail.contains("bidirectional"), "{id}: {detail}"),
+                other => panic!("{id}: {other:?}"),
+            }
+        }
+        assert!(p(r#"{"id":"emoji 👩\u200D💻 zwj","prompt":"hi"}"#).is_ok(), "a zero-width joiner is not a control");
         // `submit` copies the id into `correlation_id`: the id is named, not its copy.
         let env = Envelope { correlation_id: Some("a\u{1}b"), ..Envelope::default() };
         match parse(br#"{"id":"a\u0001b","prompt":"hi"}"#, &env, 1000).unwrap_err() {

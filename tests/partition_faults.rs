@@ -166,6 +166,16 @@ async fn start(test: &str, llm_url: &str) -> (TestEnv, Started) {
     (env, started)
 }
 
+/// Declares the exclusive reply queue `name`, which holds `max_len` messages and refuses
+/// publishes beyond them (`x-max-length`, `x-overflow = reject-publish`).
+async fn declare_refusing_reply_queue(ch: &lapin::Channel, name: &str, max_len: i32) {
+    let mut args = FieldTable::default();
+    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(max_len));
+    args.insert(ShortString::from("x-overflow"), AMQPValue::LongString("reject-publish".into()));
+    let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
+    ch.queue_declare(name.into(), opts, args).await.expect("declare the refusing reply queue");
+}
+
 /// A reply queue that refuses publishes once it holds one message (`x-max-length = 1`,
 /// `x-overflow = reject-publish`) and is never consumed: 70 requests on one key answer into it,
 /// then 10 more on the same key with a normal reply queue. The 10 are answered at once; the 69
@@ -177,11 +187,7 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
     let (env, mut st) = start("fullreply", fake.url.as_str()).await;
     let (amqp, reply) = (&st.amqp, st.reply.clone());
     let full = format!("{}.full", env.name);
-    let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(1));
-    args.insert(ShortString::from("x-overflow"), AMQPValue::LongString("reject-publish".into()));
-    let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-    amqp.ch.queue_declare(full.as_str().into(), opts, args).await.expect("declare the full reply queue");
+    declare_refusing_reply_queue(&amqp.ch, &full, 1).await;
     let mut diverted = amqp.consume(&env.results_queue()).await;
 
     let refused = one_key("refused", 70, 0);
@@ -219,11 +225,7 @@ async fn a_reply_queue_refusing_under_load_duplicates_nothing() {
     let (env, st) = start("fullload", fake.url.as_str()).await;
     let amqp = &st.amqp;
     let full = format!("{}.full", env.name);
-    let mut args = FieldTable::default();
-    args.insert(ShortString::from("x-max-length"), AMQPValue::LongInt(100));
-    args.insert(ShortString::from("x-overflow"), AMQPValue::LongString("reject-publish".into()));
-    let opts = QueueDeclareOptions { exclusive: true, auto_delete: true, ..Default::default() };
-    amqp.ch.queue_declare(full.as_str().into(), opts, args).await.expect("declare the full reply queue");
+    declare_refusing_reply_queue(&amqp.ch, &full, 100).await;
     let mut diverted = amqp.consume(&env.results_queue()).await;
 
     let reqs = completions_workload("fullload", 500, 16);
