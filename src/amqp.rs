@@ -418,6 +418,7 @@ impl SharedConfirmChannel {
         match old {
             Some(old) if old.status().connected() => {
                 crate::warn_limited!(REPLACED_LOG, owner = %self.owner, "a publish on the publishing channel failed; replacing the channel");
+                crate::metrics::publish_channel_replaced(true);
                 let grace = self.grace;
                 tokio::spawn(async move {
                     let _ = tokio::time::timeout(grace, async {
@@ -432,6 +433,7 @@ impl SharedConfirmChannel {
             Some(_) => {
                 self.lost.store(true, Ordering::Relaxed);
                 warn!(owner = %self.owner, "the publishing channel was closed; reopening it");
+                crate::metrics::publish_channel_replaced(false);
             }
             None => {}
         }

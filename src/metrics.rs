@@ -213,6 +213,11 @@ static QUEUES_REDECLARED: LazyLock<IntCounterVec> = counter_vec!(
     "Destinations of the daemon (dead_letter: the dead-letter exchange and queue; results: the results queue; partition: the shard exchange and a partition queue) found deleted at run time by a publish, and declared again.",
     &["queue"]
 );
+static PUBLISH_CHANNELS_REPLACED: LazyLock<IntCounterVec> = counter_vec!(
+    "publish_channels_replaced_total",
+    "Publishing channels (the router's, each partition's) replaced, by reason: publish_failed (a publish was nacked or got no confirm; rabbitmq-server #14589), closed (the channel was found closed).",
+    &["reason"]
+);
 static REPLY_TO_REFUSED: LazyLock<IntCounterVec> =
     counter_vec!("reply_to_refused_total", "Results refused by their reply_to queue and published to the results queue instead.", &["reason"]);
 /// 1 while a partition's intake is paused because no LLM endpoint is available.
@@ -456,6 +461,9 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for d in crate::publisher::OwnDestination::LABELS {
         QUEUES_REDECLARED.with_label_values(&[d]);
     }
+    for r in ["publish_failed", "closed"] {
+        PUBLISH_CHANNELS_REPLACED.with_label_values(&[r]);
+    }
     LazyLock::force(&INTAKE_PAUSED);
     for r in restart::ALL {
         CONSUMER_RESTARTS.with_label_values(&[r]);
@@ -638,6 +646,12 @@ pub fn unsettled_deliveries(partition: u32, n: usize) {
 /// A result was refused by its `reply_to` queue (`reason`: `nacked`, `unroutable`, `timeout`).
 pub fn reply_to_refused(reason: &'static str) {
     REPLY_TO_REFUSED.with_label_values(&[reason]).inc();
+}
+
+/// A publishing channel was replaced because a publish on it failed (`failed`: true) or it was
+/// found closed (false).
+pub fn publish_channel_replaced(failed: bool) {
+    PUBLISH_CHANNELS_REPLACED.with_label_values(&[if failed { "publish_failed" } else { "closed" }]).inc();
 }
 
 /// A destination of the daemon (`queue`: [`crate::publisher::OwnDestination::label`]) was found

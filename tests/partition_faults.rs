@@ -166,6 +166,14 @@ async fn start(test: &str, llm_url: &str) -> (TestEnv, Started) {
     (env, started)
 }
 
+/// The value of the sample `series` (name and labels, as rendered) in this process's metrics; 0
+/// when absent.
+fn metric(series: &str) -> f64 {
+    let text = prefix_batcher::metrics::render();
+    let line = text.lines().find(|l| l.rsplit_once(' ').is_some_and(|(s, _)| s == series));
+    line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
+}
+
 /// Declares the exclusive reply queue `name`, which holds `max_len` messages and refuses
 /// publishes beyond them (`x-max-length`, `x-overflow = reject-publish`).
 async fn declare_refusing_reply_queue(ch: &lapin::Channel, name: &str, max_len: i32) {
@@ -189,6 +197,8 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
     let full = format!("{}.full", env.name);
     declare_refusing_reply_queue(&amqp.ch, &full, 1).await;
     let mut diverted = amqp.consume(&env.results_queue()).await;
+    let replaced = || metric("prefix_batcher_publish_channels_replaced_total{reason=\"publish_failed\"}");
+    let replaced_before = replaced();
 
     let refused = one_key("refused", 70, 0);
     amqp.publish_requests(&env.input_queue(), &refused, &full).await;
@@ -209,6 +219,7 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
         assert!(m.result().ok);
     }
     assert_eq!(amqp.queue_depth(&full).await.0, 1, "the full reply queue holds its one result");
+    assert!(replaced() > replaced_before, "the channel replacements after the refusals are counted");
     eprintln!("full reply queue: the 10 answered in {answered_in:?}; {} refused results diverted", diverted.received.len());
     stop_and_check_nothing_held(env, st, vec![diverted]).await;
 }
@@ -472,11 +483,7 @@ async fn a_hold_near_the_consumer_timeout_requeues_and_consumes_again() {
     (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("4s".into(), 1, false);
     raw.llm.max_concurrency = 1; // however the 8 are batched, their calls run one after the other
     let mut st = start_with_replies(&env, &raw).await;
-    let restarts = || {
-        let text = prefix_batcher::metrics::render();
-        let line = text.lines().find(|l| l.starts_with("prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}"));
-        line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
-    };
+    let restarts = || metric("prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}");
     let before = restarts();
     let reqs = one_key("ctimeout", 8, 3);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
