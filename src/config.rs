@@ -900,14 +900,28 @@ fn is_secret_param(name: &str) -> bool {
 }
 
 /// Redacts credentials from free text (errors of the TOML parser and the `config` crate quote
-/// source lines): `scheme://user:password@` and `api_key = …`.
+/// source lines): `scheme://user:password@`, URL query parameters that may hold a secret
+/// (`?password=…`, as [`SecretUrl::redacted`]) and `api_key = …`.
 pub fn redact_text(text: &str) -> String {
     static URL_CREDS: std::sync::LazyLock<regex::Regex> =
         std::sync::LazyLock::new(|| regex::Regex::new(r"([A-Za-z0-9+.-]*:?/*[^\s:/@\x22']*:)[^\s@\x22']*@").expect("valid regex"));
+    // Matched on the ASCII-lowercased text, whose byte offsets are the same (the crate is built
+    // without Unicode case folding, so no `(?i)`).
+    static QUERY_SECRET: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r"[?&][^\s=&#\x22']*(?:pass|pwd|secret|token|key|auth|cred|sig)[^\s=&#\x22']*=([^\s&#\x22']*)").expect("valid regex")
+    });
     static API_KEY: std::sync::LazyLock<regex::Regex> =
         std::sync::LazyLock::new(|| regex::Regex::new(r#"(api_key["']?\s*=\s*).*"#).expect("valid regex"));
     let t = URL_CREDS.replace_all(text, "${1}***@");
-    API_KEY.replace_all(&t, "${1}***").into_owned()
+    let lower = t.to_ascii_lowercase();
+    let (mut shown, mut from) = (String::with_capacity(t.len()), 0);
+    for value in QUERY_SECRET.captures_iter(&lower).filter_map(|c| c.get(1)) {
+        shown.push_str(&t[from..value.start()]);
+        shown.push_str("***");
+        from = value.end();
+    }
+    shown.push_str(&t[from..]);
+    API_KEY.replace_all(&shown, "${1}***").into_owned()
 }
 
 /// Default instance name: the hostname, plus `-{INSTANCE}` when the systemd template sets it.
@@ -1410,10 +1424,12 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result
         keys.insert(k.clone(), nonzero_u32("sharding.keys", *v)?);
     }
     let mut rules = Vec::new();
-    for rule in &s.rules {
-        let pattern = regex::Regex::new(&rule.pattern)
-            .map_err(|e| invalid("sharding.rules.pattern", format!("{:?}", rule.pattern), format!("must be a regular expression ({e})")))?;
-        rules.push(ShardRule { pattern, shards: nonzero_u32("sharding.rules.shards", rule.shards)? });
+    for (i, rule) in s.rules.iter().enumerate() {
+        let pattern = regex::Regex::new(&rule.pattern).map_err(|e| {
+            invalid(&format!("sharding.rules[{i}].pattern"), format!("{:?}", rule.pattern), format!("must be a regular expression ({e})"))
+        })?;
+        let shards = NonZeroU32::new(rule.shards).ok_or_else(|| invalid(&format!("sharding.rules[{i}].shards"), rule.shards, "must be at least 1"))?;
+        rules.push(ShardRule { pattern, shards });
     }
     let default_shards = nonzero_u32("sharding.default_shards", s.default_shards)?;
     let sharding = ShardingSettings {
@@ -1774,6 +1790,24 @@ mod tests {
         assert!(e.contains("ownership.llm_down_hand_over_after") && e.contains("\"-5s\"") && e.contains("must not be negative"), "{e}");
     }
 
+    /// Operators write `(?i)` and `\p{…}` in patterns; the build once lacked the regex crate's
+    /// Unicode case folding and refused them.
+    #[test]
+    fn sharding_rule_patterns_take_case_insensitive_and_unicode_classes() {
+        let mut r = RawConfig::default();
+        r.sharding.rules = vec![
+            RawShardRule { pattern: "(?i)^evaluate".into(), shards: 2 },
+            RawShardRule { pattern: r"^\p{Greek}+".into(), shards: 2 },
+        ];
+        let s = ok(&r);
+        assert!(s.sharding.rules[0].pattern.is_match("EVALUATE the following"));
+        r.sharding.rules.push(RawShardRule { pattern: "(".into(), shards: 2 });
+        let e = err(&r);
+        assert!(e.contains("`sharding.rules[2].pattern` = \"(\": must be a regular expression"), "{e}");
+        r.sharding.rules[2] = RawShardRule { pattern: "x".into(), shards: 0 };
+        assert!(err(&r).contains("`sharding.rules[2].shards` = 0: must be at least 1"));
+    }
+
     #[test]
     fn bad_values_name_key_value_and_rule() {
         let cases: Vec<(fn(&mut RawConfig), &str)> = vec![
@@ -1791,7 +1825,7 @@ mod tests {
             (|r| r.http.listen = "nowhere".into(), "http.listen"),
             (|r| r.log.format = "xml".into(), "log.format"),
             (|r| r.amqp.url = "http://x".into(), "amqp.url"),
-            (|r| r.sharding.rules = vec![RawShardRule { pattern: "(".into(), shards: 2 }], "sharding.rules.pattern"),
+            (|r| r.sharding.rules = vec![RawShardRule { pattern: "(".into(), shards: 2 }], "sharding.rules[0].pattern"),
             (|r| r.instance.name = "a b".into(), "instance.name"),
             (|r| r.amqp.delivery_limit = 0, "amqp.delivery_limit"),
             (|r| r.amqp.consumer_timeout = "0s".into(), "amqp.consumer_timeout"),
@@ -1844,6 +1878,7 @@ mod tests {
         assert!(!redact_text("3 | \"api_key\" = \"hunter2SECRET\" x").contains("hunter2"), "a quoted key is redacted too");
         assert_eq!(redact_text("3 | api_key = sk-hunter2"), "3 | api_key = ***");
         assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
+        assert_eq!(redact_text("4 | url = \"redis://h/0?Password=hunter2&db=1"), "4 | url = \"redis://h/0?Password=***&db=1");
         // URLs that do not parse, or parse but carry a secret in the query or the user part.
         r.amqp.url = "amqp://h:5672/%2f".into();
         for (key, bad) in [
