@@ -791,13 +791,15 @@ pub fn render_status(s: &Status) -> String {
     ));
     out.push_str(&format!("Redis primary: {}\n", s.redis_primary));
     if let Some(e) = &s.amqp_error {
-        out.push_str(&format!("RabbitMQ unreachable, backlog unknown: {e}\n"));
+        let what = if e.contains("ACCESS_REFUSED") { "RabbitMQ refused the login" } else { "RabbitMQ unreachable" };
+        out.push_str(&format!("{what}, backlog unknown: {e}\n"));
     }
     out.push_str(&format!("\nRabbitMQ nodes ({}):\n", s.amqp_nodes.len()));
     for n in &s.amqp_nodes {
         let state = match (&n.error, s.amqp_node == Some(n.node)) {
             (None, true) => "reachable (queue depths read here)".to_owned(),
             (None, false) => "reachable".to_owned(),
+            (Some(e), _) if e.contains("ACCESS_REFUSED") => format!("LOGIN REFUSED: {e}"),
             (Some(e), _) => format!("UNREACHABLE: {e}"),
         };
         out.push_str(&format!("  {:>4}  {:<48} {state}\n", n.node, n.url));

@@ -89,6 +89,9 @@ impl SecretUrl {
         if u.password().is_some() {
             let _ = u.set_password(Some("***"));
         }
+        if u.fragment().is_some() {
+            u.set_fragment(Some("***"));
+        }
         if u.query_pairs().any(|(k, _)| is_secret_param(&k)) {
             let pairs: Vec<(String, String)> = u
                 .query_pairs()
@@ -843,8 +846,8 @@ fn nonzero_usize(key: &'static str, v: usize) -> Result<NonZeroUsize, ConfigErro
 }
 
 fn name(key: &'static str, v: &str) -> Result<String, ConfigError> {
-    if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err(invalid(key, format!("{v:?}"), "must be 1 to 200 characters without spaces"));
+    if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_whitespace() || crate::request::is_control_like(c)) {
+        return Err(invalid(key, format!("{v:?}"), "must be 1 to 200 characters without spaces, control characters or bidirectional formatting characters"));
     }
     Ok(v.to_owned())
 }
@@ -880,6 +883,14 @@ fn percent_escapes_are_whole(text: &str) -> bool {
 /// out its query and fragment (`?token=…`), quoted for an error message. Anything before the
 /// last `@` may be credentials, whatever the rest looks like.
 fn redact_str(v: &str) -> String {
+    match redact_unparsed(v) {
+        (shown, true) => format!("{shown:?} (query not shown)"),
+        (shown, false) => format!("{shown:?}"),
+    }
+}
+
+/// [`redact_str`] unquoted: the text shown, and whether a query or fragment was left out.
+fn redact_unparsed(v: &str) -> (String, bool) {
     let s = match (v.find("://"), v.rfind('@')) {
         (Some(s), Some(at)) if at > s => format!("{}***{}", &v[..s + 3], &v[at..]),
         (_, Some(at)) => format!("***{}", &v[at..]),
@@ -887,8 +898,8 @@ fn redact_str(v: &str) -> String {
     };
     let authority = s.rfind('@').or_else(|| s.find("://").map(|i| i + 3)).unwrap_or(0);
     match s[authority..].find(['?', '#']) {
-        Some(q) => format!("{:?} (query not shown)", &s[..authority + q]),
-        None => format!("{s:?}"),
+        Some(q) => (s[..authority + q].to_owned(), true),
+        None => (s, false),
     }
 }
 
@@ -1223,6 +1234,9 @@ fn broker_url(key: &'static str, u: SecretUrl) -> Result<SecretUrl, ConfigError>
     }
     if vhost == Some("") {
         return Err(invalid(key, u.redacted(), "the vhost is empty (a path of only '/'); vhost / is amqp://host/%2f, or leave the path out"));
+    }
+    if u.0.fragment().is_some() {
+        return Err(invalid(key, u.redacted(), "must not have a #fragment (the AMQP client ignores it; percent-encode '#' in a password as %23)"));
     }
     for (k, _) in u.0.query_pairs() {
         if k == "heartbeat" {
@@ -1595,6 +1609,7 @@ pub fn check_log_filter(filter: &str) -> Result<(), String> {
 
 /// The raw configuration as TOML with every secret replaced by `***` (for `check-config`).
 pub fn redacted_toml(raw: &RawConfig) -> String {
+    let redact_str = |v: &str| redact_unparsed(v).0;
     let mut r = raw.clone();
     r.amqp.url = secret_url("amqp.url", &r.amqp.url, &["amqp", "amqps"]).map(|u| u.redacted()).unwrap_or_else(|_| redact_str(&r.amqp.url));
     for u in &mut r.amqp.urls {
@@ -1827,6 +1842,7 @@ mod tests {
             (|r| r.amqp.url = "http://x".into(), "amqp.url"),
             (|r| r.sharding.rules = vec![RawShardRule { pattern: "(".into(), shards: 2 }], "sharding.rules[0].pattern"),
             (|r| r.instance.name = "a b".into(), "instance.name"),
+            (|r| r.instance.name = "a\u{202e}b".into(), "instance.name"),
             (|r| r.amqp.delivery_limit = 0, "amqp.delivery_limit"),
             (|r| r.amqp.consumer_timeout = "0s".into(), "amqp.consumer_timeout"),
             (|r| r.ownership.llm_down_hand_over_after = "later".into(), "ownership.llm_down_hand_over_after"),
@@ -1899,6 +1915,14 @@ mod tests {
             let e = err(&r);
             assert!(e.contains(key) && !e.contains("hunter2"), "{bad}: {e}");
         }
+        r.amqp.url = "amqp://u:p@h:5672/%2f#hunter2".into();
+        let e = err(&r);
+        assert!(e.contains("amqp.url") && e.contains("#fragment") && !e.contains("hunter2"), "{e}");
+        r.amqp.url = "amqp://h:5672/%2f".into();
+        r.redis.sentinels = vec!["u:hunter2@s2:26379".into()];
+        let t = redacted_toml(&r);
+        assert!(t.contains("\"***@s2:26379\"") && !t.contains("hunter2"), "one level of quotes, no secret: {t}");
+        r.redis.sentinels.clear();
         let u = secret_url("redis.url", "redis://h:6379/0?password=hunter2&timeout=3&Auth_Token=x9", &["redis"]).unwrap();
         assert_eq!(u.redacted(), "redis://h:6379/0?password=***&timeout=3&Auth_Token=***");
         assert_eq!(redact_str("http://h:99999/x?k=hunter2#f"), "\"http://h:99999/x\" (query not shown)");

@@ -380,6 +380,9 @@ pub mod outcome {
     pub const FAILED: &str = "failed";
     /// Dropped unacked because the partition lease was lost (the broker redelivers it).
     pub const REQUEUED: &str = "requeued";
+    /// Batcher: put back in its partition queue without a delivery charged, after a drain or
+    /// handoff while its LLM endpoint was down ([`crate::partition`]).
+    pub const RETURNED_UNCHARGED: &str = "returned_uncharged";
 }
 
 /// Label values of `amqp_connection_blocked{connection}`: which of the daemon's AMQP connections.

@@ -61,7 +61,7 @@ use std::time::Duration;
 use futures_util::{FutureExt, StreamExt};
 use lapin::Acker;
 use lapin::message::Delivery;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Consumer};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -71,6 +71,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::amqp::{answered, close_channel, reply_code, Connections, SharedConfirmChannel, NOT_FOUND};
+use crate::config::AmqpSettings;
+use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{KeyingMode, Settings};
 use crate::keying::PrefixKey;
@@ -730,7 +732,7 @@ async fn guarded_batch(
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
-    let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery) {
+    let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, crate::redelivery::Source::Partition) {
         Ok(req) => Intake::Valid(req, delivery),
         Err(r) => publisher::dead_letter_and_ack(out, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await,
     };
@@ -743,7 +745,7 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
             // (`redelivery::requeue_backoff`), so that a broker fault does not use up the
             // request's deliveries in milliseconds; the intake goes on meanwhile.
             let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
-            let earlier = crate::redelivery::delivery_count(delivery.redelivered, delivery.properties.headers().as_ref());
+            let earlier = crate::redelivery::delivery_count(crate::redelivery::Source::Partition, delivery.redelivered, delivery.properties.headers().as_ref());
             let wait = if ctx.lease.is_valid() { crate::redelivery::requeue_backoff(&s.amqp, earlier) } else { Duration::ZERO };
             tokio::spawn(async move {
                 tokio::time::sleep(wait).await;
@@ -803,8 +805,16 @@ async fn process_batch(
         .map(|p| InferenceItem { body: &p.req.body, model: p.req.model.as_deref(), params: &p.req.params, prefix_key: Some(batch.key.0) })
         .collect();
     // `None`: stopping, lease lost or session ending. Nothing is settled here; the channel's close
-    // returns these requests.
-    let Some(results) = infer_through_outages(&ctx, &items, &stop, &end).await else { return };
+    // returns these requests — except after a drain or handoff that found them waiting for an
+    // endpoint, which puts them back uncharged.
+    let Some(results) = infer_through_outages(&ctx, &items, &stop, &end).await else {
+        drop(items);
+        let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
+        if graceful && !end.token.is_cancelled() {
+            return_uncharged(&ctx, &out, batch.items).await;
+        }
+        return;
+    };
     // From the flush to the answers: the calls, their retries and any wait for an endpoint
     // through an outage (`timings_ms.llm`, less each request's permit wait).
     let llm_ms = flushed.elapsed().as_millis() as u64;
@@ -900,6 +910,46 @@ async fn infer_through_outages(
         }
         todo = again;
     }
+}
+
+/// Puts the requests of a batch that was waiting for an LLM endpoint when the partition stopped
+/// gracefully (drain, handoff) back into the partition queue without charging them a delivery.
+///
+/// Quorum queues count every return of a delivery (nack, reject, the channel's close) towards
+/// the delivery limit, so returning them as usual would charge each held request once per
+/// restart: a rolling deploy or a restart loop during an outage would dead-letter the whole
+/// backlog with reason `delivery_limit` after `amqp.delivery_limit` restarts. Instead each
+/// request is published again to its partition as a new message (the same body and properties,
+/// [`publisher::carried_props`], with header [`HEADER_EARLIER_DELIVERIES`] = the deliveries charged
+/// to it so far, which the next owner adds to its count), and its delivery is acked once the
+/// broker confirmed the copy. A request whose copy was not confirmed stays unacked and the
+/// channel's close returns it, charged, as before: never lost. A copy confirmed whose ack then
+/// fails (the channel closed meanwhile) is a duplicate. The copy goes to the back of the queue.
+async fn return_uncharged(ctx: &PartitionContext, out: &SharedConfirmChannel, items: Vec<Pending>) {
+    let amqp = &ctx.settings.amqp;
+    let rk = AmqpSettings::partition_routing_key(ctx.partition);
+    let n = items.len();
+    let returns = items.into_iter().map(|p| {
+        let rk = rk.as_str();
+        async move {
+            let earlier = redelivery::delivery_count(Source::Partition, p.delivery.redelivered, p.delivery.properties.headers().as_ref());
+            let props = publisher::carried_props(&p.delivery.properties, &[(HEADER_EARLIER_DELIVERIES, earlier.to_string())]);
+            if let Err(e) = publisher::publish_on(out, amqp, &amqp.shard_exchange, rk, &p.delivery.data, props).await {
+                debug!(request_id = %p.req.id, error = %e, "could not put the request back uncharged; the channel's close returns it");
+                return false;
+            }
+            p.delivery.acker.ack(BasicAckOptions::default()).await.is_ok()
+        }
+    });
+    let returned = futures_util::future::join_all(returns).await.into_iter().filter(|ok| *ok).count();
+    metrics::requests(stage::BATCHER, outcome::RETURNED_UNCHARGED, returned as u64);
+    info!(
+        partition = ctx.partition,
+        epoch = ctx.epoch,
+        returned,
+        requests = n,
+        "stopped while the LLM endpoint was down: its waiting requests are back in the partition queue, not charged a delivery"
+    );
 }
 
 /// The endpoint to call for the partition: the first available one ([`LlmClient::endpoint_for`]),

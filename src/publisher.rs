@@ -380,7 +380,8 @@ pub use crate::amqp::{header_str, header_u64};
 /// over from the original: an allowlist, never a blind copy. Copied: `content_type`,
 /// `content_encoding`, `correlation_id`, `reply_to`, `message_id`, `timestamp`, `type`, `app_id`,
 /// `priority`, `delivery_mode` and the headers (without `x-delivery-count`: the next queue counts
-/// its own deliveries), with `extra` added.
+/// its own deliveries; without `x-earlier-deliveries`, which only the daemon sets), with `extra`
+/// added.
 ///
 /// Never copied: `user_id`, which RabbitMQ checks against the publishing connection's user (a
 /// mismatch closes the channel with 406 `PRECONDITION_FAILED`,
@@ -398,7 +399,8 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
           reply_to => with_reply_to, message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
           app_id => with_app_id, priority => with_priority, delivery_mode => with_delivery_mode);
     let mut headers = FieldTable::default();
-    for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| k.as_str() != HEADER_DELIVERY_COUNT) {
+    let own = |k: &str| k == HEADER_DELIVERY_COUNT || k == redelivery::HEADER_EARLIER_DELIVERIES;
+    for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| !own(k.as_str())) {
         headers.insert(k.clone(), v.clone());
     }
     let originals = [(HEADER_ORIGINAL_USER_ID, props.user_id()), (HEADER_ORIGINAL_EXPIRATION, props.expiration())];
@@ -409,18 +411,29 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
 }
 
 /// Publishes a dead letter: the original body, the properties of [`carried_props`] plus
-/// `x-death-reason` and `x-death-detail` headers, persistent, to the dead-letter exchange
-/// ([`publish_own`]: declared again on `conn` when it or its queue was deleted).
+/// `x-death-reason` and `x-death-detail` headers and, when the request was parsed far enough to
+/// have one, its id in `x-request-id` (as on results; a publisher's own `x-request-id` header is
+/// not passed on), persistent, to the dead-letter exchange ([`publish_own`]: declared again on
+/// `conn` when it or its queue was deleted).
 pub async fn dead_letter(
     out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     body: &[u8],
     props: &BasicProperties,
+    request_id: Option<&str>,
     reason: &str,
     detail: &str,
 ) -> Result<(), PublishError> {
-    let death = [(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
-    let props = carried_props(props, &death).with_delivery_mode(PERSISTENT);
+    let mut added = vec![(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
+    added.extend(request_id.map(|id| (HEADER_REQUEST_ID, id.to_owned())));
+    let mut props = carried_props(props, &added).with_delivery_mode(PERSISTENT);
+    if request_id.is_none() && props.headers().as_ref().is_some_and(|h| h.contains_key(HEADER_REQUEST_ID)) {
+        let mut headers = FieldTable::default();
+        for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| k.as_str() != HEADER_REQUEST_ID) {
+            headers.insert(k.clone(), v.clone());
+        }
+        props = props.with_headers(headers);
+    }
     publish_own(out, amqp, OwnDestination::DeadLetter, body, props).await
 }
 
@@ -580,9 +593,10 @@ pub async fn parse_or_dead_letter(
     amqp: &AmqpSettings,
     policy: &RequestPolicy,
     delivery: Delivery,
+    source: redelivery::Source,
     lease: Option<&LeaseClock>,
 ) -> Intake {
-    match check_delivery(amqp, policy, &delivery) {
+    match check_delivery(amqp, policy, &delivery, source) {
         Ok(req) => Intake::Valid(req, delivery),
         Err(r) => dead_letter_and_ack(out, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease).await,
     }
@@ -600,7 +614,7 @@ pub struct Refusal {
 
 /// The checks of [`parse_or_dead_letter`] without the dead letter: the request, or why it must
 /// be dead-lettered. Publishes nothing, so a caller can take a channel only when it needs one.
-pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &Delivery) -> Result<Request, Refusal> {
+pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &Delivery, source: redelivery::Source) -> Result<Request, Refusal> {
     let props = &delivery.properties;
     let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
     let env = Envelope {
@@ -610,7 +624,7 @@ pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &De
         reply_to: props.reply_to().as_ref().map(|r| r.as_str()),
     };
     let parsed = parse(&delivery.data, &env, amqp.max_message_bytes);
-    let count = redelivery::delivery_count(delivery.redelivered, props.headers().as_ref());
+    let count = redelivery::delivery_count(source, delivery.redelivered, props.headers().as_ref());
     let (reason, detail, request_id) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
         Ok((Err((reason, detail)), req)) => (reason, detail, Some(req.id)),
         Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Ok(req),
@@ -666,6 +680,7 @@ pub async fn dead_letter_and_ack(
     lease: Option<&LeaseClock>,
 ) -> Intake {
     let props = &delivery.properties;
+    let full_request_id = request_id;
     let request_id = request_id.map(log_id);
     let correlation_id = props.correlation_id().as_ref().map(|c| log_id(c.as_str()));
     let message_id = props.message_id().as_ref().map(|m| log_id(m.as_str()));
@@ -677,7 +692,7 @@ pub async fn dead_letter_and_ack(
         return Intake::Unacked(delivery);
     }
     let (body, props) = (&delivery.data, &delivery.properties);
-    if let Err(e) = dead_letter(out, amqp, body, props, reason, detail).await {
+    if let Err(e) = dead_letter(out, amqp, body, props, full_request_id, reason, detail).await {
         crate::warn_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead-letter publish not confirmed; the message is not acked");
         return Intake::Unacked(delivery);
     }

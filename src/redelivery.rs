@@ -49,16 +49,34 @@ pub fn requeue_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
     a.reconnect_backoff_initial.saturating_mul(factor).min(a.reconnect_backoff_max)
 }
 
-/// Earlier deliveries of a message, from [`HEADER_DELIVERY_COUNT`]; 0 on its first delivery
-/// (`redelivered` false: AMQP 0-9-1 `basic.deliver`), whatever that header says then. A quorum
-/// queue sets the header only on a redelivery and passes a publisher's own through on the first,
-/// so a publisher must not be able to make its request look delivered many times (dead-lettered
+/// Header of a request the daemon put back in its partition queue as a new message without
+/// charging it a delivery ([`crate::partition`]: a drain or handoff while its LLM endpoint was
+/// down): the deliveries charged to it before. Set only by the daemon; the router drops it from
+/// the requests it forwards ([`crate::publisher::carried_props`]).
+pub const HEADER_EARLIER_DELIVERIES: &str = "x-earlier-deliveries";
+
+/// Which queue a delivery came from, for [`delivery_count`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The input queue: publishers write there, so [`HEADER_EARLIER_DELIVERIES`] is not trusted.
+    Input,
+    /// A partition queue: only the router and the partitions publish there.
+    Partition,
+}
+
+/// Earlier deliveries charged to a request: from [`HEADER_DELIVERY_COUNT`], 0 on its first
+/// delivery (`redelivered` false: AMQP 0-9-1 `basic.deliver`), whatever that header says then;
+/// plus, from a partition queue, [`HEADER_EARLIER_DELIVERIES`]. A quorum queue sets
+/// `x-delivery-count` only on a redelivery and passes a publisher's own through on the first, so
+/// a publisher must not be able to make its request look delivered many times (dead-lettered
 /// with `delivery_limit` at once).
-pub fn delivery_count(redelivered: bool, headers: Option<&FieldTable>) -> u64 {
-    if !redelivered {
-        return 0;
-    }
-    header_u64(headers, HEADER_DELIVERY_COUNT).unwrap_or(0)
+pub fn delivery_count(source: Source, redelivered: bool, headers: Option<&FieldTable>) -> u64 {
+    let carried = match source {
+        Source::Partition => header_u64(headers, HEADER_EARLIER_DELIVERIES).unwrap_or(0),
+        Source::Input => 0,
+    };
+    let own = if redelivered { header_u64(headers, HEADER_DELIVERY_COUNT).unwrap_or(0) } else { 0 };
+    carried.saturating_add(own)
 }
 
 /// Remembers why the attempt at request `id` ended without a result (the delivery goes back to
@@ -102,10 +120,18 @@ mod tests {
 
     #[test]
     fn delivery_count_reads_the_quorum_queue_header() {
-        assert_eq!(delivery_count(true, None), 0);
+        use Source::{Input, Partition};
+        assert_eq!(delivery_count(Input, true, None), 0);
         let mut t = FieldTable::default();
         t.insert(ShortString::from(HEADER_DELIVERY_COUNT), AMQPValue::LongLongInt(3));
-        assert_eq!(delivery_count(true, Some(&t)), 3);
-        assert_eq!(delivery_count(false, Some(&t)), 0, "a first delivery has no earlier one, whatever the publisher set");
+        assert_eq!(delivery_count(Input, true, Some(&t)), 3);
+        assert_eq!(delivery_count(Input, false, Some(&t)), 0, "a first delivery has no earlier one, whatever the publisher set");
+        // A request put back uncharged carries its earlier deliveries; trusted from a partition
+        // queue only.
+        t.insert(ShortString::from(HEADER_EARLIER_DELIVERIES), AMQPValue::LongLongInt(2));
+        assert_eq!(delivery_count(Partition, false, Some(&t)), 2);
+        assert_eq!(delivery_count(Partition, true, Some(&t)), 5);
+        assert_eq!(delivery_count(Input, false, Some(&t)), 0, "a publisher cannot set it");
+        assert_eq!(delivery_count(Input, true, Some(&t)), 3);
     }
 }

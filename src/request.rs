@@ -388,6 +388,13 @@ fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String
     })
 }
 
+/// Whether `c` is refused in ids and names copied into headers and log lines
+/// ([`check_no_control`]): Unicode category Cc, U+2028, U+2029 and the bidirectional formatting
+/// characters of Unicode Standard Annex #9.
+pub fn is_control_like(c: char) -> bool {
+    c.is_control() || matches!(c, '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+}
+
 /// A request id may not hold control characters: it is copied into result headers and log
 /// lines, where a line feed or an escape sequence would forge or garble them, and a
 /// bidirectional override would make it read differently from what it is (CVE-2021-42574).
@@ -395,10 +402,7 @@ fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String
 /// separators U+2028 and U+2029, and the bidirectional formatting characters of Unicode
 /// Standard Annex #9 (U+061C, U+200E, U+200F, U+202A–U+202E, U+2066–U+2069).
 fn check_no_control(field: &'static str, value: &str) -> Result<(), ParseError> {
-    let refused = |c: &char| {
-        c.is_control() || matches!(c, '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
-    };
-    match value.chars().find(refused) {
+    match value.chars().find(|c| is_control_like(*c)) {
         None => Ok(()),
         Some(c) => Err(ParseError::InvalidField {
             field,

@@ -256,7 +256,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     let mut ch = ch;
     let conn = &publish.conns.publish;
-    let (req, delivery) = match publisher::parse_or_dead_letter(&publish.shared, a, &settings.requests, delivery, None).await {
+    let (req, delivery) = match publisher::parse_or_dead_letter(&publish.shared, a, &settings.requests, delivery, redelivery::Source::Input, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
         Intake::Unacked(delivery) => return requeue_after_backoff(a, delivery, stop).await,
@@ -322,7 +322,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
 /// once when `stop` fires), so that a broker fault does not use up the request's deliveries in
 /// milliseconds.
 async fn requeue_after_backoff(a: &AmqpSettings, delivery: Delivery, stop: &CancellationToken) {
-    let wait = redelivery::requeue_backoff(a, redelivery::delivery_count(delivery.redelivered, delivery.properties.headers().as_ref()));
+    let wait = redelivery::requeue_backoff(a, redelivery::delivery_count(redelivery::Source::Input, delivery.redelivered, delivery.properties.headers().as_ref()));
     debug!(retry_in = ?wait, "holding an input delivery before requeueing it");
     tokio::select! {
         _ = stop.cancelled() => {}

@@ -113,7 +113,10 @@ async fn over_long_ids_are_dead_lettered_and_routing_goes_on() {
     let at_limit = "b".repeat(MAX_ID_BYTES);
     let s = &f.started;
     for (cid, body, message_id) in cases.iter().map(|(c, b, m, _)| (c, b, m)) {
-        let mut props = request_props(cid, &s.reply);
+        // A publisher's own `x-request-id` is not passed on to the dead letter.
+        let mut forged = FieldTable::default();
+        forged.insert(ShortString::from("x-request-id"), AMQPValue::LongString("forged".into()));
+        let mut props = request_props(cid, &s.reply).with_headers(forged);
         if let Some(m) = message_id {
             props = props.with_message_id(m.as_str().into());
         }
@@ -129,6 +132,7 @@ async fn over_long_ids_are_dead_lettered_and_routing_goes_on() {
         assert_eq!(m.header("x-death-reason"), Some("invalid_field"), "{cid}: {:?}", m.headers);
         let detail = m.header("x-death-detail").unwrap_or_default();
         assert!(detail.contains(field) && detail.contains(&format!("limit of {MAX_ID_BYTES}")), "{cid}: detail {detail:?}");
+        assert_eq!(m.header("x-request-id"), None, "{cid}: no request id could be read");
     }
     let results = &mut f.started.results;
     results.until("the result of the id at the limit", DEADLINE, |r| r.iter().any(|m| m.correlation_id == "at-limit")).await;
@@ -147,7 +151,7 @@ async fn requests_outside_the_policy_are_dead_lettered_and_serving_goes_on() {
     let mut f = fixture("policy", fake.url.as_str()).await;
     let (dlq, reply) = (f.env.dead_letter_queue(), f.started.reply.clone());
     let cases = [
-        ("own-queue", json!({"prompt": "hi"}), dlq.as_str(), "reply_to_not_allowed", "own queues"),
+        ("own-queue", json!({"id": "policy-own-queue", "prompt": "hi"}), dlq.as_str(), "reply_to_not_allowed", "own queues"),
         ("other-tenant", json!({"prompt": "hi"}), "other-tenant.replies", "reply_to_not_allowed", "reply_to_pattern"),
         ("max-tokens", json!({"prompt": "hi", "params": {"max_tokens": 1_000_000}}), reply.as_str(), "param_not_allowed", "max_tokens"),
         ("guided", json!({"prompt": "hi", "params": {"guided_grammar": "x"}}), reply.as_str(), "param_not_allowed", "guided_grammar"),
@@ -163,7 +167,9 @@ async fn requests_outside_the_policy_are_dead_lettered_and_serving_goes_on() {
         assert_eq!(m.header("x-death-reason"), Some(*reason), "{cid}: {:?}", m.headers);
         let detail = m.header("x-death-detail").unwrap_or_default();
         assert!(detail.contains(named), "{cid}: detail {detail:?} should name {named}");
+        assert!(m.header("x-request-id").is_some_and(|id| !id.is_empty()), "{cid}: no x-request-id: {:?}", m.headers);
     }
+    assert_eq!(dead_letter(&f.dead, "own-queue").header("x-request-id"), Some("policy-own-queue"), "the body's id");
     let served: BTreeSet<String> = fake.calls().into_iter().flat_map(|c| c.prompts).collect();
     assert!(!served.contains("hi"), "a refused request reached the LLM server");
     f.finish().await;
@@ -374,7 +380,7 @@ async fn redeliver(amqp: &Amqp, queue: &str, cid: &str, times: u32) {
         };
         let id = got.delivery.properties.correlation_id().as_ref().map(|c| c.to_string());
         assert_eq!(id.as_deref(), Some(cid), "{queue}: the only message is {cid}");
-        let count = prefix_batcher::redelivery::delivery_count(got.delivery.redelivered, got.delivery.properties.headers().as_ref());
+        let count = prefix_batcher::redelivery::delivery_count(prefix_batcher::redelivery::Source::Partition, got.delivery.redelivered, got.delivery.properties.headers().as_ref());
         assert_eq!(count, u64::from(n), "{queue}: {cid} counted {count} earlier deliveries at its delivery {n}");
         got.delivery.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.expect("nack");
     }

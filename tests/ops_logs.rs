@@ -260,7 +260,7 @@ async fn errors_name_the_problem_but_never_a_secret() {
     // backlog is unknown.
     let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__AMQP__URL", &bad_amqp)]);
     assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_UNAVAILABLE)), "status without RabbitMQ: {out}");
-    assert!(out.contains("RabbitMQ unreachable, backlog unknown"), "{out}");
+    assert!(out.contains("RabbitMQ refused the login, backlog unknown") && out.contains("LOGIN REFUSED"), "{out}");
     assert_no_secret("status's RabbitMQ error", &out, &secrets);
 
     drop(creds);

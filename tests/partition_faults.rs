@@ -377,6 +377,51 @@ async fn a_server_that_answers_only_the_probe_pauses_intake() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// Restarting the daemon while its LLM endpoint is down charges no request a delivery
+/// (`amqp.delivery_limit = 1`: one charged delivery dead-letters a request). Observed before: the
+/// requests held in memory, waiting for the endpoint, went back to their queue on every graceful
+/// stop with a delivery charged (quorum queues count every return), so a rolling deploy or a
+/// restart loop during an outage dead-lettered them with `delivery_limit` ("delivered 3 times;
+/// last error: unknown on this instance" after 3 restarts with the limit at 3). Now a drain puts
+/// them back as new messages carrying their earlier deliveries, uncharged; after two restarts
+/// and the recovery every request is answered `ok` and none is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_during_an_outage_charge_no_request() {
+    let llm = SwitchableLlm::start(503).await;
+    let env = TestEnv::new("outagerestart");
+    let mut raw = env.raw_config(&llm.url);
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let reqs = completions_workload("outagerestart", 20, 4);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let unacked = || {
+        let first = env.partition_queue(0);
+        let prefix = first.trim_end_matches(|c: char| c.is_ascii_digit()).to_owned();
+        async move { broker::queues(&prefix).iter().map(|(_, _, unacked)| unacked).sum::<u64>() }
+    };
+    for restart in 1..=2 {
+        let held = wait_for("requests held in memory for the endpoint", Duration::from_secs(30), || async { unacked().await > 0 }).await;
+        assert!(held, "restart {restart}: no request was held waiting for the endpoint");
+        let Started { amqp, daemon, results, reply } = st;
+        daemon.stop().await.expect("daemon stops cleanly");
+        assert_eq!(waiting_in_partitions(&env), 20, "restart {restart}: every request is back in its partition queue");
+        let daemon = start_daemon(&raw);
+        redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
+        st = Started { amqp, daemon, results, reply };
+    }
+    let returned = metric("prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"batcher\"}");
+    llm.set(200);
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    let not_ok = st.results.received.iter().filter(|m| !m.result().ok).count();
+    assert_eq!(not_ok, 0, "ok:false results");
+    dead.barrier(&st.amqp).await;
+    assert_eq!(dead.received.len(), 0, "dead-lettered: {:?}", dead.received.first().map(|m| &m.headers));
+    eprintln!("2 restarts during an outage: 20 answered ok, 0 dead-lettered, {returned} requests put back uncharged");
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// A server that answers 401 to everything (a wrong token, not retried by the client, so every
 /// call fails at once): intake pauses, no `ok: false` result, and no request is charged a
 /// delivery (`amqp.delivery_limit = 1`: one charged delivery would dead-letter it); once the
