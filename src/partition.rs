@@ -71,15 +71,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::amqp::{answered, close_channel, reply_code, Connections, SharedConfirmChannel, NOT_FOUND};
-use crate::config::AmqpSettings;
-use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
-use crate::config::{KeyingMode, Settings};
+use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
 use crate::llm::{Fault, InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, restart, stage};
 use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, Settlement, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
+use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::request::{Request, TimingsMs};
 
 /// Share of `amqp.consumer_timeout` after which the oldest unsettled delivery makes the worker
@@ -732,7 +731,7 @@ async fn guarded_batch(
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
-    let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, crate::redelivery::Source::Partition) {
+    let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, Source::Partition) {
         Ok(req) => Intake::Valid(req, delivery),
         Err(r) => publisher::dead_letter_and_ack(out, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await,
     };
@@ -745,8 +744,8 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
             // (`redelivery::requeue_backoff`), so that a broker fault does not use up the
             // request's deliveries in milliseconds; the intake goes on meanwhile.
             let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
-            let earlier = crate::redelivery::delivery_count(crate::redelivery::Source::Partition, delivery.redelivered, delivery.properties.headers().as_ref());
-            let wait = if ctx.lease.is_valid() { crate::redelivery::requeue_backoff(&s.amqp, earlier) } else { Duration::ZERO };
+            let earlier = redelivery::delivery_count(Source::Partition, delivery.redelivered, delivery.properties.headers().as_ref());
+            let wait = if ctx.lease.is_valid() { redelivery::requeue_backoff(&s.amqp, earlier) } else { Duration::ZERO };
             tokio::spawn(async move {
                 tokio::time::sleep(wait).await;
                 publisher::requeue(&delivery.acker, &id, "invalid request; its dead letter was not confirmed").await;
