@@ -289,7 +289,7 @@ impl Ownership {
     fn note_name_conflict(&mut self, previous: Option<&str>) {
         let Some(other) = previous else { return };
         if self.last_heartbeat.is_none() {
-            info!(instance = %self.settings.instance_name, previous_nonce = %other, "took over the instance name from a previous process");
+            info!(instance = %self.settings.instance_name, previous_nonce = %other, "took over the instance name from a previous process (a restart; if that process still runs, the next heartbeats report a name conflict)");
             return;
         }
         metrics::instance_name_conflict();
