@@ -779,6 +779,8 @@ fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, p
                 let what = if kind == ValueKind::Integer { "a whole number" } else { "true or false" };
                 Err(invalid(path, leaf, format!("must be {what} without quotes ({path} = {unquoted})")))
             }
+            // The environment's `inf` and `NaN` parse as floats that JSON holds as null.
+            Some(ValueKind::Integer) if leaf.is_null() => Err(invalid(path, "inf or NaN", "must be a whole number")),
             Some(ValueKind::Integer) if !is_integer(leaf) => {
                 Err(invalid(path, leaf, "must be a whole number (a fraction would be rounded, true/false read as 1/0)"))
             }
@@ -2129,6 +2131,8 @@ mod tests {
         // Environment variables are strings: an exact integer or true/false is accepted there.
         let env = serde_json::json!({ "amqp": { "partitions": "12" }, "llm": { "list_prompts": "false" } });
         check_value_types(&env, true).unwrap();
+        let e = check_value_types(&serde_json::json!({ "amqp": { "delivery_limit": null } }), true).unwrap_err().to_string();
+        assert!(e.contains("`amqp.delivery_limit` = inf or NaN: must be a whole number"), "{e}");
         let e = check_value_types(&serde_json::json!({ "amqp": { "input_prefetch": "-1" } }), true).unwrap_err().to_string();
         assert!(e.contains("`amqp.input_prefetch` = \"-1\": must not be negative"), "{e}");
     }
