@@ -848,8 +848,11 @@ fn nonzero_usize(key: &'static str, v: usize) -> Result<NonZeroUsize, ConfigErro
 }
 
 fn name(key: &'static str, v: &str) -> Result<String, ConfigError> {
-    if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_whitespace() || crate::request::is_control_like(c)) {
-        return Err(invalid(key, format!("{v:?}"), "must be 1 to 200 characters without spaces, control characters or bidirectional formatting characters"));
+    // Invisible characters too (soft hyphen, zero-width space and joiners, word joiner, BOM): a
+    // name that looks like another in the log and in `status` is not a different name to a reader.
+    let invisible = |c: char| matches!(c, '\u{00AD}' | '\u{180E}' | '\u{200B}'..='\u{200D}' | '\u{2060}'..='\u{2064}' | '\u{FEFF}');
+    if v.is_empty() || v.len() > 200 || v.chars().any(|c| c.is_whitespace() || crate::request::is_control_like(c) || invisible(c)) {
+        return Err(invalid(key, format!("{v:?}"), "must be 1 to 200 characters without spaces, control, invisible or bidirectional formatting characters"));
     }
     Ok(v.to_owned())
 }
@@ -1310,7 +1313,7 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
         // The redis crate reads `#insecure` in a rediss:// URL as "skip verification"; this
         // daemon always verifies.
         if s.url.0.fragment().is_some() {
-            return Err(invalid("redis.url", s.url.redacted(), "must not have a #fragment (server certificates are always verified)"));
+            return Err(invalid("redis.url", s.url.redacted(), "must not have a #fragment (the Redis client reads #insecure as \"do not verify the server certificate\", and this daemon always verifies; write a '#' in a password as %23)"));
         }
         redis_database(&s.url)?;
         Ok(s)
@@ -1845,6 +1848,8 @@ mod tests {
             (|r| r.sharding.rules = vec![RawShardRule { pattern: "(".into(), shards: 2 }], "sharding.rules[0].pattern"),
             (|r| r.instance.name = "a b".into(), "instance.name"),
             (|r| r.instance.name = "a\u{202e}b".into(), "instance.name"),
+            (|r| r.instance.name = "a\u{200b}b".into(), "instance.name"),
+            (|r| r.instance.name = "\u{feff}ab".into(), "instance.name"),
             (|r| r.amqp.delivery_limit = 0, "amqp.delivery_limit"),
             (|r| r.amqp.consumer_timeout = "0s".into(), "amqp.consumer_timeout"),
             (|r| r.ownership.llm_down_hand_over_after = "later".into(), "ownership.llm_down_hand_over_after"),

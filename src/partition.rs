@@ -382,12 +382,13 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
-    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held).await;
+    let mut untaken = Vec::new();
+    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held, &mut untaken).await;
     metrics::intake_paused(p, false);
     match ending {
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
             drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
-            finish(ctx, session).await;
+            finish(ctx, session, &mut consumer, untaken).await;
             Ok(Ended::Stopped)
         }
         other => {
@@ -406,10 +407,25 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
 }
 
 /// Graceful end: no new deliveries, then flush and finish everything buffered and in flight.
-async fn finish(ctx: &PartitionContext, s: Session) {
-    let _ = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await;
+/// The deliveries the broker sent before the cancel that the intake had not taken (`untaken`,
+/// and those still buffered in the consumer: all of them while the intake was paused for an LLM
+/// outage) go back to the queue uncharged ([`return_uncharged`]).
+async fn finish(ctx: &PartitionContext, s: Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>) {
+    let cancelled = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await.is_ok();
+    // After the cancel-ok the broker sends nothing more, and what it sent before is buffered.
+    while cancelled {
+        match consumer.next().now_or_never() {
+            Some(Some(Ok(delivery))) => untaken.push(delivery),
+            _ => break,
+        }
+    }
     let _ = s.batcher.await;
     let _ = s.executor.await;
+    if !untaken.is_empty() {
+        let n = untaken.len();
+        let returned = return_uncharged(ctx, &s.publish, untaken).await;
+        info!(partition = ctx.partition, epoch = ctx.epoch, returned, deliveries = n, "deliveries not yet taken are back in the partition queue, not charged a delivery");
+    }
     let _ = close_channel(&s.ch, "partition released").await;
     s.publish.close("partition released").await;
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
@@ -439,7 +455,8 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, abo
 }
 
 /// The intake loop of a session: accepts deliveries into the batcher until a stop signal, the
-/// lease deadline, a restart reason, or a consumer failure.
+/// lease deadline, a restart reason, or a consumer failure. A delivery received but not taken
+/// when a stop came (it waited for the byte budget) goes to `untaken`, still unacked.
 async fn intake(
     ctx: &PartitionContext,
     stop: &StopSignals,
@@ -448,6 +465,7 @@ async fn intake(
     out: &PublishOn,
     item_tx: &mpsc::Sender<(PrefixKey, Pending)>,
     held: &Arc<HeldDeliveries>,
+    untaken: &mut Vec<Delivery>,
 ) -> Result<Ended, lapin::Error> {
     let s = &ctx.settings;
     let keyed = s.keying.mode != KeyingMode::Off;
@@ -501,7 +519,14 @@ async fn intake(
                 Some(Ok(delivery)) => {
                     idle_since = Instant::now();
                     held.stalls.store(0, std::sync::atomic::Ordering::Relaxed);
-                    let Some(pending) = admit(ctx, stop, end, out, delivery, held).await else { continue };
+                    let pending = match admit(ctx, stop, end, out, delivery, held).await {
+                        Admission::Admitted(pending) => pending,
+                        Admission::Settled => continue,
+                        Admission::Untaken(delivery) => {
+                            untaken.push(delivery);
+                            continue;
+                        }
+                    };
                     let bkey = if keyed { pending.key } else { PrefixKey(0) };
                     if item_tx.send((bkey, pending)).await.is_err() {
                         return Ok(Ended::Restart(restart::CHANNEL_CLOSED));
@@ -637,26 +662,34 @@ fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: 
     }
 }
 
+/// What [`admit`] made of a delivery.
+enum Admission {
+    /// Parsed and holding its bytes of the budget: for the batcher.
+    Admitted(Pending),
+    /// Dead-lettered, requeued, or dropped unacked (the channel's close returns it).
+    Settled,
+    /// A stop or restart came while it waited for the byte budget: not taken, still unacked.
+    Untaken(Delivery),
+}
+
 /// Takes the delivery's bytes from the budget (waiting while it is spent), then parses it
-/// ([`accept`]). `None` when it was dead-lettered, or a stop or restart came first (the delivery is
-/// then dropped unacked, and the channel's close returns it).
-async fn admit(
-    ctx: &PartitionContext,
-    stop: &StopSignals,
-    end: &SessionEnd,
-    out: &PublishOn,
-    delivery: Delivery,
-    held: &Arc<HeldDeliveries>,
-) -> Option<Pending> {
+/// ([`accept`]).
+async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, out: &PublishOn, delivery: Delivery, held: &Arc<HeldDeliveries>) -> Admission {
     let budget = ctx.settings.batching.max_buffered_bytes.get().min(Semaphore::MAX_PERMITS);
     let bytes = u32::try_from(delivery.data.len().clamp(1, budget)).unwrap_or(u32::MAX);
     let permit = tokio::select! {
         biased;
-        _ = stop.stopped() => return None,
-        _ = end.token.cancelled() => return None,
-        p = ctx.buffer_budget.take(bytes) => p?,
+        _ = stop.stopped() => return Admission::Untaken(delivery),
+        _ = end.token.cancelled() => return Admission::Untaken(delivery),
+        p = ctx.buffer_budget.take(bytes) => match p {
+            Some(p) => p,
+            None => return Admission::Settled,
+        },
     };
-    accept(ctx, out, delivery, held.hold(permit)).await
+    match accept(ctx, out, delivery, held.hold(permit)).await {
+        Some(pending) => Admission::Admitted(pending),
+        None => Admission::Settled,
+    }
 }
 
 /// How many channels of the publishing connection a partition may hold at once, for the
@@ -810,7 +843,15 @@ async fn process_batch(
         drop(items);
         let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
         if graceful && !end.token.is_cancelled() {
-            return_uncharged(&ctx, &out, batch.items).await;
+            let n = batch.items.len();
+            let returned = return_uncharged(&ctx, &out, batch.items.into_iter().map(|p| p.delivery).collect()).await;
+            info!(
+                partition = ctx.partition,
+                epoch = ctx.epoch,
+                returned,
+                requests = n,
+                "stopped while the LLM endpoint was down: its waiting requests are back in the partition queue, not charged a delivery"
+            );
         }
         return;
     };
@@ -911,44 +952,39 @@ async fn infer_through_outages(
     }
 }
 
-/// Puts the requests of a batch that was waiting for an LLM endpoint when the partition stopped
-/// gracefully (drain, handoff) back into the partition queue without charging them a delivery.
+/// Puts deliveries back into the partition queue without charging them a delivery: the requests
+/// of a batch that was waiting for an LLM endpoint when the partition stopped gracefully (drain,
+/// handoff), and the deliveries the broker had sent that the intake had not taken yet (a paused
+/// intake takes none). Returns how many were put back.
 ///
 /// Quorum queues count every return of a delivery (nack, reject, the channel's close) towards
-/// the delivery limit, so returning them as usual would charge each held request once per
-/// restart: a rolling deploy or a restart loop during an outage would dead-letter the whole
-/// backlog with reason `delivery_limit` after `amqp.delivery_limit` restarts. Instead each
-/// request is published again to its partition as a new message (the same body and properties,
-/// [`publisher::carried_props`], with header [`HEADER_EARLIER_DELIVERIES`] = the deliveries charged
-/// to it so far, which the next owner adds to its count), and its delivery is acked once the
-/// broker confirmed the copy. A request whose copy was not confirmed stays unacked and the
-/// channel's close returns it, charged, as before: never lost. A copy confirmed whose ack then
-/// fails (the channel closed meanwhile) is a duplicate. The copy goes to the back of the queue.
-async fn return_uncharged(ctx: &PartitionContext, out: &SharedConfirmChannel, items: Vec<Pending>) {
+/// the delivery limit, so returning them as usual would charge each of them once per stop: a
+/// rolling deploy or a restart loop during an outage would dead-letter the whole backlog with
+/// reason `delivery_limit` after `amqp.delivery_limit` restarts. Instead each one is published
+/// again to its partition as a new message (the same body and properties,
+/// [`publisher::carried_props`], with header [`HEADER_EARLIER_DELIVERIES`] = the deliveries
+/// charged to it so far, which the next owner adds to its count), and acked once the broker
+/// confirmed the copy. One whose copy was not confirmed stays unacked and the channel's close
+/// returns it, charged, as before: never lost. A copy confirmed whose ack then fails (the channel
+/// closed meanwhile) is a duplicate. The copies go to the back of the queue.
+async fn return_uncharged(ctx: &PartitionContext, out: &SharedConfirmChannel, deliveries: Vec<Delivery>) -> usize {
     let amqp = &ctx.settings.amqp;
     let rk = AmqpSettings::partition_routing_key(ctx.partition);
-    let n = items.len();
-    let returns = items.into_iter().map(|p| {
+    let returns = deliveries.into_iter().map(|d| {
         let rk = rk.as_str();
         async move {
-            let earlier = redelivery::delivery_count(Source::Partition, p.delivery.redelivered, p.delivery.properties.headers().as_ref());
-            let props = publisher::carried_props(&p.delivery.properties, &[(HEADER_EARLIER_DELIVERIES, earlier.to_string())]);
-            if let Err(e) = publisher::publish_on(out, amqp, &amqp.shard_exchange, rk, &p.delivery.data, props).await {
-                debug!(request_id = %p.req.id, error = %e, "could not put the request back uncharged; the channel's close returns it");
+            let earlier = redelivery::delivery_count(Source::Partition, d.redelivered, d.properties.headers().as_ref());
+            let props = publisher::carried_props(&d.properties, &[(HEADER_EARLIER_DELIVERIES, earlier.to_string())]);
+            if let Err(e) = publisher::publish_on(out, amqp, &amqp.shard_exchange, rk, &d.data, props).await {
+                debug!(message_id = ?d.properties.message_id(), error = %e, "could not put a delivery back uncharged; the channel's close returns it");
                 return false;
             }
-            p.delivery.acker.ack(BasicAckOptions::default()).await.is_ok()
+            d.acker.ack(BasicAckOptions::default()).await.is_ok()
         }
     });
     let returned = futures_util::future::join_all(returns).await.into_iter().filter(|ok| *ok).count();
     metrics::requests(stage::BATCHER, outcome::RETURNED_UNCHARGED, returned as u64);
-    info!(
-        partition = ctx.partition,
-        epoch = ctx.epoch,
-        returned,
-        requests = n,
-        "stopped while the LLM endpoint was down: its waiting requests are back in the partition queue, not charged a delivery"
-    );
+    returned
 }
 
 /// The endpoint to call for the partition: the first available one ([`LlmClient::endpoint_for`]),

@@ -383,18 +383,24 @@ async fn a_server_that_answers_only_the_probe_pauses_intake() {
 /// stop with a delivery charged (quorum queues count every return), so a rolling deploy or a
 /// restart loop during an outage dead-lettered them with `delivery_limit` ("delivered 3 times;
 /// last error: unknown on this instance" after 3 restarts with the limit at 3). Now a drain puts
-/// them back as new messages carrying their earlier deliveries, uncharged; after two restarts
-/// and the recovery every request is answered `ok` and none is dead-lettered.
+/// them back as new messages carrying their earlier deliveries, uncharged, and so are the
+/// deliveries received but not yet taken (waiting for the byte budget, or buffered while intake
+/// was paused); after two restarts and the recovery every request is answered `ok` and none is
+/// dead-lettered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restarts_during_an_outage_charge_no_request() {
     let llm = SwitchableLlm::start(503).await;
     let env = TestEnv::new("outagerestart");
     let mut raw = env.raw_config(&llm.url);
     raw.amqp.delivery_limit = 1;
+    // A byte budget of about 10 requests for the instance: the other deliveries the broker sends
+    // wait for it (in `admit`) or stay in the consumer's buffer while intake is paused, and a
+    // stop must put those back uncharged too.
+    (raw.amqp.max_message_bytes, raw.batching.max_buffered_bytes) = (2048, 2048);
     let mut st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let mut redis = RedisProbe::connect().await.unwrap();
-    let reqs = completions_workload("outagerestart", 20, 4);
+    let reqs = completions_workload("outagerestart", 60, 2);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     let unacked = || {
         let first = env.partition_queue(0);
@@ -406,7 +412,7 @@ async fn restarts_during_an_outage_charge_no_request() {
         assert!(held, "restart {restart}: no request was held waiting for the endpoint");
         let Started { amqp, daemon, results, reply } = st;
         daemon.stop().await.expect("daemon stops cleanly");
-        assert_eq!(waiting_in_partitions(&env), 20, "restart {restart}: every request is back in its partition queue");
+        assert_eq!(waiting_in_partitions(&env), 60, "restart {restart}: every request is back in its partition queue");
         let daemon = start_daemon(&raw);
         redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
         st = Started { amqp, daemon, results, reply };
@@ -418,7 +424,7 @@ async fn restarts_during_an_outage_charge_no_request() {
     assert_eq!(not_ok, 0, "ok:false results");
     dead.barrier(&st.amqp).await;
     assert_eq!(dead.received.len(), 0, "dead-lettered: {:?}", dead.received.first().map(|m| &m.headers));
-    eprintln!("2 restarts during an outage: 20 answered ok, 0 dead-lettered, {returned} requests put back uncharged");
+    eprintln!("2 restarts during an outage: 60 answered ok, 0 dead-lettered, {returned} requests put back uncharged");
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
