@@ -380,8 +380,8 @@ pub use crate::amqp::{header_str, header_u64};
 /// over from the original: an allowlist, never a blind copy. Copied: `content_type`,
 /// `content_encoding`, `correlation_id`, `reply_to`, `message_id`, `timestamp`, `type`, `app_id`,
 /// `priority`, `delivery_mode` and the headers (without `x-delivery-count`: the next queue counts
-/// its own deliveries; without `x-earlier-deliveries`, which only the daemon sets), with `extra`
-/// added.
+/// its own deliveries; without `x-earlier-deliveries` and `x-request-id`, which only the daemon
+/// sets), with `extra` added.
 ///
 /// Never copied: `user_id`, which RabbitMQ checks against the publishing connection's user (a
 /// mismatch closes the channel with 406 `PRECONDITION_FAILED`,
@@ -399,7 +399,7 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
           reply_to => with_reply_to, message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
           app_id => with_app_id, priority => with_priority, delivery_mode => with_delivery_mode);
     let mut headers = FieldTable::default();
-    let own = |k: &str| k == HEADER_DELIVERY_COUNT || k == redelivery::HEADER_EARLIER_DELIVERIES;
+    let own = |k: &str| k == HEADER_DELIVERY_COUNT || k == redelivery::HEADER_EARLIER_DELIVERIES || k == HEADER_REQUEST_ID;
     for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| !own(k.as_str())) {
         headers.insert(k.clone(), v.clone());
     }
@@ -426,14 +426,7 @@ pub async fn dead_letter(
 ) -> Result<(), PublishError> {
     let mut added = vec![(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
     added.extend(request_id.map(|id| (HEADER_REQUEST_ID, id.to_owned())));
-    let mut props = carried_props(props, &added).with_delivery_mode(PERSISTENT);
-    if request_id.is_none() && props.headers().as_ref().is_some_and(|h| h.contains_key(HEADER_REQUEST_ID)) {
-        let mut headers = FieldTable::default();
-        for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| k.as_str() != HEADER_REQUEST_ID) {
-            headers.insert(k.clone(), v.clone());
-        }
-        props = props.with_headers(headers);
-    }
+    let props = carried_props(props, &added).with_delivery_mode(PERSISTENT);
     publish_own(out, amqp, OwnDestination::DeadLetter, body, props).await
 }
 
