@@ -264,7 +264,7 @@ static KEY_SPLITS: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 });
 static KEY_SPLIT_DECISIONS: LazyLock<IntCounterVec> = counter_vec!(
     "key_split_decisions_total",
-    "Split-set changes this instance made: split (route by the next level), spread (finest level over max_shards), merge.",
+    "Split-set changes this instance made: split (route by the next level), spread (finest level over max_shards), merge, restore (put back after the set in Redis was lost).",
     &["decision"]
 );
 static KEY_MOVES: LazyLock<IntCounter> = LazyLock::new(|| {
@@ -303,6 +303,7 @@ pub mod keys {
     pub const SPLIT: &str = "split";
     pub const SPREAD: &str = "spread";
     pub const MERGE: &str = "merge";
+    pub const RESTORE: &str = "restore";
     pub const VOLATILE: &str = "volatile";
     pub const SHORT: &str = "short";
     pub const UNSPLITTABLE: &str = "unsplittable";
@@ -320,6 +321,11 @@ pub fn split_view(per_level: &[usize], moves: usize) {
 /// This instance changed the split set (`decision` from [`keys`]).
 pub fn split_decision(decision: &'static str) {
     KEY_SPLIT_DECISIONS.with_label_values(&[decision]).inc();
+}
+
+/// This instance put back `n` entries of its view into a split set that Redis had lost.
+pub fn split_restored(n: u64) {
+    KEY_SPLIT_DECISIONS.with_label_values(&[keys::RESTORE]).inc_by(n);
 }
 
 /// A refresh of the split set failed.
@@ -343,7 +349,7 @@ pub fn key_hygiene(kind: &'static str) {
 fn init_keys() {
     split_view(&[], 0);
     *SPLIT_VIEW_SINCE.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    for d in [keys::SPLIT, keys::SPREAD, keys::MERGE] {
+    for d in [keys::SPLIT, keys::SPREAD, keys::MERGE, keys::RESTORE] {
         KEY_SPLIT_DECISIONS.with_label_values(&[d]);
     }
     for k in [keys::VOLATILE, keys::SHORT, keys::UNSPLITTABLE] {

@@ -15,6 +15,12 @@
 //!   (counted by the routers, added by each instance at its refresh), expiring after 60 s. The
 //!   arrival rate of an entry is the sum over the last [`RATE_WINDOWS`] complete seconds, all
 //!   instances together.
+//! - `P:split-generation` — the Redis time (`seconds.microseconds`) at which the current split
+//!   set was started, with the same TTL as the set. A refresh whose instance knew another
+//!   generation (or saw it vanish) has found the set lost as a whole: Redis restarted empty, was
+//!   flushed, or no instance reached it for [`SPLIT_TTL`]. That refresh puts back the entries the
+//!   instance still holds in its view (`ZADD NX`, with their drain rates) instead of letting the
+//!   loss merge every key at once; merges then follow the usual rule and hold time.
 //!
 //! # Protocol
 //!
@@ -45,7 +51,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::affinity::{Choice, KeyHygiene, LoadTracker, TrafficShares, RoutedKey, SplitLedger, SplitMember, SplitRules, SplitState, SplitView, Verdict};
+use crate::affinity::{Choice, HotKey, KeyHygiene, LoadTracker, TrafficShares, RoutedKey, SplitLedger, SplitMember, SplitRules, SplitState, SplitView, Verdict};
 use lapin::types::FieldTable;
 
 use crate::config::{KeyingMode, Settings};
@@ -65,18 +71,31 @@ pub const RATE_WINDOWS: u32 = 5;
 /// Least time between two log warnings of the same kind (hygiene, refresh failures).
 const WARN_EVERY: Duration = Duration::from_secs(60);
 
-/// Refresh script. KEYS = [splits, drain]; ARGV = [arrivals key prefix, ttl ms, rate windows,
-/// read only (0|1), then four lists, each its length followed by its items: adds (member,
-/// drain), keeps (member), merges (member), arrivals (member, count)].
-/// Returns `{members, expires in ms, drains, arrival sums, added members, removed count}`.
+/// Refresh script. KEYS = [splits, drain, generation]; ARGV = [arrivals key prefix, ttl ms,
+/// rate windows, read only (0|1), the generation the instance knows ('' if none), then four
+/// lists, each its length followed by its items: adds (member, drain), keeps (member, drain),
+/// merges (member), arrivals (member, count)].
+/// Returns `{members, expires in ms, drains, arrival sums, added members, removed count,
+/// generation, restored count}`.
 pub const SYNC: &str = r#"
 local t = redis.call('TIME')
 local sec = tonumber(t[1])
 local now = sec * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[2])
 local expiry = string.format('%d', now + ttl)
-local i = 5
+local gen = redis.call('GET', KEYS[3])
+local restore = false
+if ARGV[4] == '0' then
+  if not gen then
+    gen = t[1] .. '.' .. t[2]
+    redis.call('SET', KEYS[3], gen)
+  end
+  restore = ARGV[5] ~= '' and ARGV[5] ~= gen
+  redis.call('PEXPIRE', KEYS[3], ttl)
+end
+local i = 6
 local added = {}
+local restored = 0
 local n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   if redis.call('ZADD', KEYS[1], 'NX', expiry, ARGV[i]) == 1 then
@@ -87,8 +106,13 @@ for _ = 1, n do
 end
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
-  redis.call('ZADD', KEYS[1], 'XX', 'GT', expiry, ARGV[i])
-  i = i + 1
+  if not restore then
+    redis.call('ZADD', KEYS[1], 'XX', 'GT', expiry, ARGV[i])
+  elseif redis.call('ZADD', KEYS[1], 'NX', expiry, ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+    restored = restored + 1
+  end
+  i = i + 2
 end
 local removed = 0
 n = tonumber(ARGV[i]); i = i + 1
@@ -128,7 +152,7 @@ for j = 1, #live, 2 do
   end
   arrivals[#arrivals + 1] = sum
 end
-return {members, expires, drains, arrivals, added, removed}
+return {members, expires, drains, arrivals, added, removed, gen or '', restored}
 "#;
 
 /// Errors of the split store.
@@ -145,6 +169,11 @@ pub enum SplitsError {
 /// Redis key of the split set.
 pub fn splits_key(prefix: &str) -> String {
     format!("{prefix}:splits")
+}
+
+/// Redis key of the split set's generation (see the module doc).
+pub fn generation_key(prefix: &str) -> String {
+    format!("{prefix}:split-generation")
 }
 
 /// Redis key of the drain rates.
@@ -174,12 +203,16 @@ pub struct SplitRecord {
 pub struct SyncRequest {
     /// New entries with their drain rate.
     pub adds: Vec<(SplitMember, f64)>,
-    /// Entries whose expiry is pushed.
-    pub keeps: Vec<SplitMember>,
+    /// Entries whose expiry is pushed, with their drain rate (put back with it if the set was
+    /// lost).
+    pub keeps: Vec<(SplitMember, f64)>,
     /// Entries merged back.
     pub merges: Vec<SplitMember>,
     /// Arrivals counted since the last refresh.
     pub arrivals: Vec<(SplitMember, u64)>,
+    /// The generation of the split set this instance last read (`None`: none yet). When the
+    /// set's generation is another, the set was lost and `keeps` are put back.
+    pub generation: Option<String>,
 }
 
 /// The answer of one refresh.
@@ -191,6 +224,10 @@ pub struct SyncAnswer {
     pub added: Vec<SplitMember>,
     /// Entries this call removed.
     pub removed: u64,
+    /// The split set's generation (empty from a read-only call on a set that has none).
+    pub generation: String,
+    /// Entries of `keeps` this call put back because the set had been lost.
+    pub restored: u64,
 }
 
 /// Where a refresh publishes and reads the split set: [`SplitStore`] (Redis); tests use their own.
@@ -227,25 +264,26 @@ impl SplitStore {
 
     async fn call(&self, req: &SyncRequest, read_only: bool) -> Result<SyncAnswer, SplitsError> {
         let mut call = self.script.prepare_invoke();
-        call.key(splits_key(&self.prefix)).key(drain_key(&self.prefix));
+        call.key(splits_key(&self.prefix)).key(drain_key(&self.prefix)).key(generation_key(&self.prefix));
         call.arg(arrivals_key_prefix(&self.prefix)).arg(SPLIT_TTL.as_millis() as u64).arg(RATE_WINDOWS).arg(u8::from(read_only));
-        call.arg(req.adds.len());
-        for (m, drain) in &req.adds {
-            call.arg(m.to_string()).arg(format!("{drain:.3}"));
-        }
-        for list in [&req.keeps, &req.merges] {
+        call.arg(req.generation.as_deref().unwrap_or(""));
+        for list in [&req.adds, &req.keeps] {
             call.arg(list.len());
-            for m in list {
-                call.arg(m.to_string());
+            for (m, drain) in list {
+                call.arg(m.to_string()).arg(format!("{drain:.3}"));
             }
+        }
+        call.arg(req.merges.len());
+        for m in &req.merges {
+            call.arg(m.to_string());
         }
         call.arg(req.arrivals.len());
         for (m, n) in &req.arrivals {
             call.arg(m.to_string()).arg(*n);
         }
         let mut conn = self.conn.clone();
-        type Raw = (Vec<String>, Vec<i64>, Vec<String>, Vec<u64>, Vec<String>, u64);
-        let (members, expires, drains, arrivals, added, removed): Raw =
+        type Raw = (Vec<String>, Vec<i64>, Vec<String>, Vec<u64>, Vec<String>, u64, String, u64);
+        let (members, expires, drains, arrivals, added, removed, generation, restored): Raw =
             match tokio::time::timeout(self.timeout, call.invoke_async(&mut conn)).await {
                 Ok(r) => r?,
                 Err(_) => return Err(SplitsError::Timeout(self.timeout)),
@@ -264,7 +302,7 @@ impl SplitStore {
                 })
             })
             .collect();
-        Ok(SyncAnswer { records, added: added.iter().filter_map(|m| m.parse().ok()).collect(), removed })
+        Ok(SyncAnswer { records, added: added.iter().filter_map(|m| m.parse().ok()).collect(), removed, generation, restored })
     }
 }
 
@@ -290,12 +328,28 @@ impl RouterSide {
     }
 }
 
+/// Why a refresh adds a split entry (logged once the store has taken it).
+enum SplitReason {
+    /// Its partition queues ([`crate::affinity::LoadTracker`]).
+    Hot(HotKey),
+    /// It carries most of the routers' traffic ([`TrafficShares`]).
+    Dominant { share: f64, requests: u64 },
+}
+
+/// The refresh's memory: the decision ledger, the records and generation last read.
+#[derive(Default)]
+struct RefreshState {
+    ledger: SplitLedger,
+    records: Vec<SplitRecord>,
+    generation: Option<String>,
+}
+
 struct Inner {
     view: RwLock<Arc<SplitView>>,
     router: Mutex<RouterSide>,
     load: Mutex<LoadTracker>,
-    /// The ledger and the last records read, used by the refresh only.
-    refresh: Mutex<(SplitLedger, Vec<SplitRecord>)>,
+    /// What the refresh keeps between calls (used by the refresh only).
+    refresh: Mutex<RefreshState>,
     /// Woken when the routers' traffic shares want a refresh before the next interval
     /// ([`TrafficShares::observe`]).
     early: tokio::sync::Notify,
@@ -318,7 +372,7 @@ impl Default for Affinity {
                 view: RwLock::new(Arc::new(SplitView::default())),
                 router: Mutex::new(RouterSide::default()),
                 load: Mutex::new(LoadTracker::default()),
-                refresh: Mutex::new((SplitLedger::default(), Vec::new())),
+                refresh: Mutex::new(RefreshState::default()),
                 early: tokio::sync::Notify::new(),
                 servers: AtomicUsize::new(0),
             }),
@@ -431,28 +485,33 @@ impl Affinity {
             (arrivals, dominant)
         };
         let mut req = SyncRequest { arrivals, ..SyncRequest::default() };
+        // Why each add was decided, logged once the store has taken it (a refresh that fails,
+        // as every one does while Redis is unreachable, decides the same again next time).
+        let mut reasons: Vec<(SplitMember, SplitReason)> = Vec::new();
         {
-            let (ledger, records) = &mut *lock(&self.inner.refresh);
+            let st = &mut *lock(&self.inner.refresh);
+            req.generation.clone_from(&st.generation);
             for h in &hot {
                 let (l, k) = (h.member.level, h.member.key);
-                if view.get(l, k) != Some(h.member.state) && !ledger.holding(now, rules.hold, l, k) {
-                    info!(partition = h.partition, key = %h.member, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting");
+                if view.get(l, k) != Some(h.member.state) && !st.ledger.holding(now, rules.hold, l, k) {
+                    reasons.push((h.member, SplitReason::Hot(h.clone())));
                     req.adds.push((h.member, h.drain_rps));
                 }
             }
             // A dominant key has no drain rate: 0 makes the merge rule use its peak arrival rate.
-            if let Some(d) = dominant.filter(|d| !ledger.holding(now, rules.hold, d.members[0].level, d.members[0].key)) {
+            if let Some(d) = dominant.filter(|d| !st.ledger.holding(now, rules.hold, d.members[0].level, d.members[0].key)) {
                 for m in d.members {
                     let new = !req.adds.iter().any(|(a, _)| (a.level, a.key) == (m.level, m.key)) && view.get(m.level, m.key).is_none();
-                    if new && !ledger.holding(now, rules.hold, m.level, m.key) {
-                        info!(key = %m, share = d.share, requests = d.requests, "dominant key: splitting");
+                    if new && !st.ledger.holding(now, rules.hold, m.level, m.key) {
+                        reasons.push((m, SplitReason::Dominant { share: d.share, requests: d.requests }));
                         req.adds.push((m, 0.0));
                     }
                 }
             }
-            for r in records.iter() {
-                match ledger.review(now, rules, &r.member, r.drain_rps.unwrap_or(0.0), r.arrivals_rps) {
-                    Verdict::Keep => req.keeps.push(r.member),
+            for r in &st.records {
+                let drain = r.drain_rps.unwrap_or(0.0);
+                match st.ledger.review(now, rules, &r.member, drain, r.arrivals_rps) {
+                    Verdict::Keep => req.keeps.push((r.member, drain)),
                     Verdict::Merge => req.merges.push(r.member),
                 }
             }
@@ -470,6 +529,15 @@ impl Affinity {
         };
         for m in &answer.added {
             metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
+            match reasons.iter().find(|(r, _)| r == m).map(|(_, why)| why) {
+                Some(SplitReason::Hot(h)) => info!(partition = h.partition, key = %m, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting"),
+                Some(SplitReason::Dominant { share, requests }) => info!(key = %m, share, requests, "dominant key: splitting"),
+                None => {}
+            }
+        }
+        if answer.restored > 0 {
+            metrics::split_restored(answer.restored);
+            warn!(restored = answer.restored, "the split set in Redis was lost (Redis restarted empty or was flushed, or no instance reached it for 10 s): put back the splits this instance holds");
         }
         for _ in 0..answer.removed {
             metrics::split_decision(kind::MERGE);
@@ -480,9 +548,10 @@ impl Affinity {
         let next = SplitView::new(answer.records.iter().map(|r| r.member));
         let per_level = next.per_level();
         {
-            let (ledger, records) = &mut *lock(&self.inner.refresh);
-            ledger.update(now, &next);
-            records.clone_from(&answer.records);
+            let st = &mut *lock(&self.inner.refresh);
+            st.ledger.update(now, &next);
+            st.records.clone_from(&answer.records);
+            st.generation = Some(answer.generation.clone());
         }
         let moves = self.set_view(next);
         metrics::split_view(&per_level, moves);
@@ -552,6 +621,16 @@ mod tests {
         set: Mutex<HashMap<SplitMember, f64>>,
         down: std::sync::atomic::AtomicBool,
         arrivals: Mutex<u64>,
+        /// The set's generation; [`Memory::lose`] starts a new one.
+        generation: Mutex<u64>,
+    }
+
+    impl Memory {
+        /// Loses the whole set, as a Redis restarted empty or flushed.
+        fn lose(&self) {
+            lock(&self.set).clear();
+            *lock(&self.generation) += 1;
+        }
     }
 
     impl SplitSync for Memory {
@@ -560,10 +639,17 @@ mod tests {
                 return Err(SplitsError::Timeout(Duration::from_secs(2)));
             }
             let mut set = lock(&self.set);
+            let generation = lock(&self.generation).to_string();
             let mut added = Vec::new();
             for (m, d) in &req.adds {
                 if set.insert(*m, *d).is_none() {
                     added.push(*m);
+                }
+            }
+            let mut restored = 0;
+            if req.generation.as_ref().is_some_and(|g| *g != generation) {
+                for (m, d) in &req.keeps {
+                    restored += u64::from(set.insert(*m, *d).is_none());
                 }
             }
             let removed = req.merges.iter().filter(|m| set.remove(m).is_some()).count() as u64;
@@ -572,7 +658,7 @@ mod tests {
                 .iter()
                 .map(|(m, d)| SplitRecord { member: *m, expires_in_ms: 10_000, drain_rps: Some(*d), arrivals_rps: 100.0 })
                 .collect();
-            Ok(SyncAnswer { records, added, removed })
+            Ok(SyncAnswer { records, added, removed, generation, restored })
         }
     }
 
@@ -610,6 +696,36 @@ mod tests {
         a.refresh(&store, &rules, t0 + Duration::from_secs(60)).await.unwrap();
         assert_eq!(*lock(&store.arrivals), 1, "the arrival counted during the outage arrives");
         assert_eq!(a.view().len(), 1, "still hot (100 rps > half of 20 rps): kept");
+    }
+
+    /// A split set lost as a whole (Redis restarted empty, flushed) is put back from the view at
+    /// the next refresh: the key stays split, with no merge and no move; a set that only lost
+    /// entries another instance merged is not.
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_split_set_is_put_back_from_the_view() {
+        let a = Affinity::default();
+        let store = Memory::default();
+        let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
+        let hot = RoutedKey { level: 0, levels: 4, key: PrefixKey(42) };
+        let t0 = Instant::now();
+        for s in 0..=3 {
+            hot_load(&a, hot);
+            a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.unwrap();
+        }
+        let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
+        let drain = *lock(&store.set).get(&split).unwrap();
+
+        store.lose();
+        let answer = a.refresh(&store, &rules, t0 + Duration::from_secs(4)).await.unwrap();
+        assert_eq!(answer.restored, 1);
+        assert_eq!(lock(&store.set).get(&split), Some(&drain), "put back with its drain rate");
+        assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split), "never dropped from the view");
+
+        // Another instance merged it (same generation): not put back.
+        lock(&store.set).clear();
+        let answer = a.refresh(&store, &rules, t0 + Duration::from_secs(5)).await.unwrap();
+        assert_eq!(answer.restored, 0);
+        assert!(a.view().is_empty());
     }
 
     /// Routes one request of a 3-level key (level keys 7, 8, 9) through `a`; returns its level.

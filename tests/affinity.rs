@@ -1,7 +1,8 @@
 //! Adaptive key granularity against real services: the split set shared through Redis (two
-//! instances' views agree within the refresh period, and a merge reaches both), and routing that
-//! goes on with the last view when Redis becomes unreachable (a private redis-server that the
-//! test kills, a daemon in process, the real RabbitMQ and the fake LLM).
+//! instances' views agree within the refresh period, a set Redis lost is put back, and a merge
+//! reaches both), and routing that goes on with the last view when Redis becomes unreachable (a
+//! private redis-server that the test kills, a daemon in process, the real RabbitMQ and the fake
+//! LLM).
 
 mod common;
 
@@ -79,6 +80,24 @@ async fn two_instances_agree_on_a_split_within_the_refresh_period() {
     let listed = SplitStore::new(conn.clone(), env.key_prefix(), Duration::from_secs(2)).read().await.unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!((listed[0].member, listed[0].drain_rps), (member, Some(20.0)));
+
+    // Redis loses the set (restarted empty, flushed): B puts the split back from its view at its
+    // next refresh, with its drain rate; no view ever drops it.
+    let mut r = conn.clone();
+    let lost = [splits::splits_key(env.key_prefix()), splits::drain_key(env.key_prefix()), splits::generation_key(env.key_prefix())];
+    let _: i64 = redis::cmd("DEL").arg(&lost).query_async(&mut r).await.unwrap();
+    let reader = SplitStore::new(conn.clone(), env.key_prefix(), Duration::from_secs(2));
+    let lost_at = Instant::now();
+    loop {
+        let listed = reader.read().await.unwrap();
+        if listed.len() == 1 {
+            assert_eq!((listed[0].member, listed[0].drain_rps), (member, Some(20.0)));
+            break;
+        }
+        assert!(lost_at.elapsed() < 2 * REFRESH_INTERVAL + Duration::from_millis(300), "B did not put the split back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(b.view().get(0, member.key), Some(SplitState::Split));
 
     // Cool (a request or two against a drain rate of 20/s): A merges it after the hold time.
     let mut merged = 0;
