@@ -405,9 +405,11 @@ impl App {
             if failure.amqp_failed() {
                 node = crate::amqp::next_node(node, amqp.nodes.len());
             }
-            match &refused {
-                Some(why) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
-                None => warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting"),
+            match (&refused, &failure) {
+                (Some(why), _) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
+                // Before any AMQP connection: the broker is not the one at fault.
+                (None, SessionError::Redis(_)) => warn!(error = %failure, retry_in = ?backoff, "cannot connect to Redis; retrying"),
+                (None, _) => warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting"),
             }
             tokio::select! {
                 _ = work.cancelled() => return Ok(()),

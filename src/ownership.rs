@@ -47,7 +47,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::amqp::Connections;
 use crate::config::Settings;
@@ -79,6 +79,9 @@ struct Owned {
     handing_over: bool,
 }
 
+/// Least time between two `WARN` lines of failing heartbeats.
+const HEARTBEAT_FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
+
 /// The ownership manager of one session (one AMQP connection).
 pub struct Ownership {
     settings: Arc<Settings>,
@@ -96,6 +99,9 @@ pub struct Ownership {
     left: bool,
     /// When the last heartbeat succeeded.
     last_heartbeat: Option<Instant>,
+    /// While heartbeats fail: when that was last logged at `WARN` (once a minute, not at every
+    /// attempt of the outage).
+    heartbeat_failure_logged: Option<Instant>,
     /// When a name conflict was last logged ([`Ownership::note_name_conflict`]).
     name_conflict_logged: Option<Instant>,
     /// When a heartbeat last found another live process under this instance's name.
@@ -134,6 +140,7 @@ impl Ownership {
             worker_done: Arc::new(Notify::new()),
             left: false,
             last_heartbeat: None,
+            heartbeat_failure_logged: None,
             name_conflict_logged: None,
             name_conflict_seen: None,
             rejoined_at: None,
@@ -217,10 +224,19 @@ impl Ownership {
         let beat = match self.membership.heartbeat_flagging(llm_down, conflict).await {
             Ok(b) => b,
             Err(e) => {
-                warn!(error = %e, "membership heartbeat failed");
+                let failing_s = self.last_heartbeat.map(|t| t.elapsed().as_secs());
+                if self.heartbeat_failure_logged.is_none_or(|t| t.elapsed() >= HEARTBEAT_FAILURE_LOG_EVERY) {
+                    self.heartbeat_failure_logged = Some(Instant::now());
+                    warn!(error = %e, since_last_success_s = failing_s, "membership heartbeat failed (Redis); retrying every renew_interval, logged once a minute");
+                } else {
+                    debug!(error = %e, since_last_success_s = failing_s, "membership heartbeat failed (Redis)");
+                }
                 return None;
             }
         };
+        if self.heartbeat_failure_logged.take().is_some() {
+            info!(since_last_success_s = self.last_heartbeat.map(|t| t.elapsed().as_secs()), "membership heartbeat succeeded again");
+        }
         self.note_name_conflict(beat.previous_nonce.as_deref());
         let members = crate::membership::assignable(&beat.members, &beat.llm_down);
         self.note_llm_down(llm_down, members.contains(&self.settings.instance_name));
