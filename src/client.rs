@@ -244,7 +244,7 @@ async fn publish_input(
 /// ([`crate::request::parse`], `amqp.max_message_bytes`) and the requests policy (`requests.*`).
 /// Errors: [`ClientError::InvalidRequest`] with the reason the daemon would dead-letter it with.
 fn check_line(settings: &Settings, line: &str, id: &str, reply_queue: Option<&str>) -> Result<(), ClientError> {
-    let env = crate::request::Envelope { message_id: Some(id), prefix_key_header: None, correlation_id: Some(id), reply_to: reply_queue };
+    let env = crate::request::Envelope { message_id: Some(id), correlation_id: Some(id), reply_to: reply_queue, ..Default::default() };
     let req = crate::request::parse(line.as_bytes(), &env, settings.amqp.max_message_bytes)
         .map_err(|e| ClientError::InvalidRequest { reason: e.reason(), detail: e.to_string() })?;
     settings.requests.check(&req, reply_queue).map_err(|(reason, detail)| ClientError::InvalidRequest { reason, detail })

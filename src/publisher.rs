@@ -19,6 +19,7 @@
 //!
 //! Every header name the daemon reads or writes is a constant here (`x-…` and `timestamp_in_ms`).
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -38,7 +39,7 @@ use crate::llm::{Completion, ErrorKind, LlmError};
 use crate::metrics::{self, outcome, stage};
 use crate::policy::RequestPolicy;
 use crate::redelivery::{self, HEADER_DELIVERY_COUNT};
-use crate::request::{parse, Envelope, Request, RequestResult, ResultError, TimingsMs, REASON_DELIVERY_LIMIT};
+use crate::request::{parse, Envelope, ParseError, Request, RequestResult, ResultError, TimingsMs, REASON_DELIVERY_LIMIT};
 
 /// Header carrying the dead-letter reason (a stable kind, see [`crate::request::DEAD_LETTER_REASONS`]).
 pub const HEADER_DEATH_REASON: &str = "x-death-reason";
@@ -609,10 +610,11 @@ pub struct Refusal {
 /// be dead-lettered. Publishes nothing, so a caller can take a channel only when it needs one.
 pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &Delivery, source: redelivery::Source) -> Result<Request, Refusal> {
     let props = &delivery.properties;
-    let prefix_header = header_str(props.headers().as_ref(), HEADER_PREFIX_KEY);
+    let prefix_header = prefix_key_header(props.headers().as_ref());
     let env = Envelope {
         message_id: props.message_id().as_ref().map(|m| m.as_str()),
-        prefix_key_header: prefix_header.as_deref(),
+        prefix_key_header: prefix_header.as_ref().ok().and_then(|h| h.as_deref()),
+        prefix_key_header_refused: prefix_header.as_ref().err().copied(),
         correlation_id: props.correlation_id().as_ref().map(|c| c.as_str()),
         reply_to: props.reply_to().as_ref().map(|r| r.as_str()),
     };
@@ -625,9 +627,35 @@ pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &De
             let last = redelivery::last_failure(&req.id).unwrap_or_else(|| "unknown on this instance".to_owned());
             (REASON_DELIVERY_LIMIT, format!("delivered {count} times; last error: {last}"), Some(req.id))
         }
-        Err(err) => (err.reason(), err.to_string(), None),
+        Err(err) => {
+            let mut detail = err.to_string();
+            let encoding = props.content_encoding().as_ref().map(|e| e.as_str()).filter(|e| !e.is_empty() && !e.eq_ignore_ascii_case("identity") && !e.to_ascii_lowercase().starts_with("utf"));
+            if let (Some(enc), ParseError::InvalidUtf8(_) | ParseError::InvalidJson(_)) = (encoding, &err) {
+                detail.push_str(&format!(" (the message says content-encoding {:?}: bodies are read as plain UTF-8 JSON, so publish it uncompressed)", log_id(enc)));
+            }
+            (err.reason(), detail, crate::request::refused_request_id(&delivery.data, &err, env.message_id))
+        }
     };
     Err(Refusal { reason, detail, request_id })
+}
+
+/// The `x-prefix-key` header as a string: a long or short string, or a byte array holding UTF-8
+/// (some clients send strings that way); `Ok(None)` when absent, `Err(what it is)` for a header
+/// of another AMQP type, which the request contract refuses
+/// ([`crate::request::Envelope::prefix_key_header_refused`]).
+fn prefix_key_header(headers: Option<&FieldTable>) -> Result<Option<Cow<'_, str>>, &'static str> {
+    let Some(v) = headers.and_then(|h| h.inner().get(HEADER_PREFIX_KEY)) else { return Ok(None) };
+    match v {
+        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => Ok(header_str(headers, HEADER_PREFIX_KEY)),
+        AMQPValue::ByteArray(b) => std::str::from_utf8(b.as_slice()).map(|s| Some(Cow::Borrowed(s))).map_err(|_| "a byte array that is not UTF-8"),
+        AMQPValue::Boolean(_) => Err("a boolean"),
+        AMQPValue::Float(_) | AMQPValue::Double(_) | AMQPValue::DecimalValue(_) => Err("a number"),
+        AMQPValue::FieldArray(_) => Err("an array"),
+        AMQPValue::FieldTable(_) => Err("a table"),
+        AMQPValue::Timestamp(_) => Err("a timestamp"),
+        AMQPValue::Void => Err("void"),
+        _ => Err("an integer"),
+    }
 }
 
 /// The longest id (request id, `correlation_id`, `message_id`) a log line carries, in bytes;

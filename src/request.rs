@@ -188,6 +188,9 @@ pub struct Envelope<'a> {
     pub message_id: Option<&'a str>,
     /// AMQP header `x-prefix-key`.
     pub prefix_key_header: Option<&'a str>,
+    /// Set when the `x-prefix-key` header has a type that is not a string: what it is (`"an
+    /// integer"`, …). A request that would take its key from it is refused.
+    pub prefix_key_header_refused: Option<&'static str>,
     /// AMQP `correlation_id` property (at most [`MAX_ID_BYTES`]).
     pub correlation_id: Option<&'a str>,
     /// AMQP `reply_to` property (at most [`MAX_SHORT_STRING_BYTES`]).
@@ -283,6 +286,8 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     }
     check_length("reply_to", env.reply_to.unwrap_or_default(), MAX_SHORT_STRING_BYTES)?;
     let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
+    // RFC 8259 §8.1: a parser MAY ignore a leading byte order mark (some Windows tools write one).
+    let text = text.strip_prefix('\u{FEFF}').unwrap_or(text);
     let StrictJson(value) = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
     let Value::Object(mut obj) = value else {
         return Err(ParseError::InvalidJson(format!("expected an object, got {}", json_type(&value))));
@@ -327,9 +332,17 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
             })
         }
     };
-    let prefix_key = match obj.remove("prefix_key") {
-        None | Some(Value::Null) => env.prefix_key_header.map(str::to_owned),
-        Some(Value::String(s)) => Some(s),
+    let (prefix_key, key_field) = match obj.remove("prefix_key") {
+        None | Some(Value::Null) => match env.prefix_key_header_refused {
+            Some(got) => {
+                return Err(ParseError::InvalidField {
+                    field: "x-prefix-key",
+                    detail: format!("the header must be a string (or a byte array holding UTF-8), got {got}"),
+                })
+            }
+            None => (env.prefix_key_header.map(str::to_owned), "x-prefix-key"),
+        },
+        Some(Value::String(s)) => (Some(s), "prefix_key"),
         Some(other) => {
             return Err(ParseError::InvalidField {
                 field: "prefix_key",
@@ -337,6 +350,12 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
             })
         }
     };
+    if prefix_key.as_deref() == Some("") {
+        return Err(ParseError::InvalidField {
+            field: key_field,
+            detail: "is empty: every request with an empty key would share one; leave it out to key by the prompt".to_owned(),
+        });
+    }
     // What is left is ignored (room for publishers' own fields), except a sampling parameter
     // put at the top level instead of in `params`: ignoring it would run the request with the
     // server's default (`max_tokens` above all), silently.
@@ -386,6 +405,24 @@ fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String
             return Err(ParseError::InvalidField { field: "id", detail: format!("expected a non-empty string or a number, got {got}") });
         }
     })
+}
+
+/// The request id of a body that [`parse`] refused, as far as it can be read: the body's `id`
+/// when the body is a JSON object with a valid one, else a valid `message_id`; `None` when
+/// neither (no id is generated for a refused request). For the dead letter's `x-request-id`.
+pub fn refused_request_id(body: &[u8], err: &ParseError, message_id: Option<&str>) -> Option<String> {
+    let body_id = match err {
+        // Not read again: too large to parse twice, or not text.
+        ParseError::TooLarge { .. } | ParseError::InvalidUtf8(_) => None,
+        _ => match serde_json::from_slice::<Value>(body) {
+            Ok(Value::Object(mut obj)) => obj.remove("id"),
+            _ => None,
+        },
+    };
+    if body_id.is_none() && message_id.is_none_or(str::is_empty) {
+        return None;
+    }
+    request_id(body_id, message_id).ok()
 }
 
 /// Whether `c` is refused in ids and names copied into headers and log lines
@@ -564,6 +601,37 @@ mod tests {
         let r = p(r#"{"prompt":"x"}"#).unwrap();
         assert_eq!(r.id.len(), 36);
         assert_ne!(r.id, p(r#"{"prompt":"x"}"#).unwrap().id);
+    }
+
+    #[test]
+    fn an_empty_or_mistyped_key_is_refused_and_a_byte_order_mark_is_skipped() {
+        for (body, env, field) in [
+            (r#"{"prompt":"x","prefix_key":""}"#, Envelope::default(), "prefix_key"),
+            (r#"{"prompt":"x"}"#, Envelope { prefix_key_header: Some(""), ..Envelope::default() }, "x-prefix-key"),
+            (r#"{"prompt":"x"}"#, Envelope { prefix_key_header_refused: Some("an integer"), ..Envelope::default() }, "x-prefix-key"),
+        ] {
+            match parse(body.as_bytes(), &env, 1000) {
+                Err(ParseError::InvalidField { field: f, .. }) => assert_eq!(f, field, "{body} {env:?}"),
+                other => panic!("{body} {env:?}: {other:?}"),
+            }
+        }
+        // The body's key wins over a mistyped header, which is then not used.
+        let env = Envelope { prefix_key_header_refused: Some("an integer"), ..Envelope::default() };
+        assert_eq!(parse(br#"{"prompt":"x","prefix_key":"k"}"#, &env, 1000).unwrap().prefix_key.as_deref(), Some("k"));
+        let r = parse("\u{FEFF}{\"id\":\"b\",\"prompt\":\"x\"}".as_bytes(), &Envelope::default(), 1000).unwrap();
+        assert_eq!(r.id, "b");
+    }
+
+    #[test]
+    fn a_refused_body_keeps_the_id_it_carries() {
+        let err = |b: &[u8]| parse(b, &Envelope::default(), 1000).unwrap_err();
+        let list = err(b"[1]");
+        assert_eq!(refused_request_id(b"[1]", &list, Some("mid")).as_deref(), Some("mid"));
+        assert_eq!(refused_request_id(b"[1]", &list, None), None, "no id is made up");
+        let body = br#"{"id":7,"prompt":5}"#;
+        assert_eq!(refused_request_id(body, &err(body), Some("mid")).as_deref(), Some("7"), "the body's id first");
+        let body = br#"{"id":"bad\u0007","prompt":"x"}"#;
+        assert_eq!(refused_request_id(body, &err(body), Some("mid")), None, "an invalid id is not copied");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Faults at the intake, against the real RabbitMQ and Redis with a daemon running in this
-//! process and the fake LLM: over-long ids, properties the daemon must not copy (`user_id`,
-//! `expiration`), the delivery limit, and a deployment declared without `x-delivery-limit`.
+//! process and the fake LLM: over-long ids, odd bodies and key headers, properties the daemon
+//! must not copy (`user_id`, `expiration`), the delivery limit, and a deployment declared without
+//! `x-delivery-limit`.
 //! Each test also checks that the daemon keeps serving other requests on the same AMQP
 //! connections (no session restart).
 
@@ -138,6 +139,71 @@ async fn over_long_ids_are_dead_lettered_and_routing_goes_on() {
     results.until("the result of the id at the limit", DEADLINE, |r| r.iter().any(|m| m.correlation_id == "at-limit")).await;
     let r = results.received.iter().find(|m| m.correlation_id == "at-limit").unwrap().result();
     assert!(r.ok && r.id == at_limit, "the id at the limit was not served: {r:?}");
+    f.finish().await;
+}
+
+/// Odd bodies and key headers: a body that is not an object, or has a bad field, is
+/// dead-lettered with the id it carries (`message_id`, or the body's `id`) as `x-request-id`; an
+/// `x-prefix-key` header of a type other than a string, or an empty key, is refused as
+/// `invalid_field`; a byte-array header holding UTF-8 keys the request like the same string; a
+/// compressed body's detail names its content-encoding; a JSON body behind a byte order mark is
+/// served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_bodies_and_key_headers_get_clear_outcomes() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("oddbody", fake.url.as_str()).await;
+    let s = &f.started;
+    let header = |v: AMQPValue| {
+        let mut t = FieldTable::default();
+        t.insert(ShortString::from("x-prefix-key"), v);
+        t
+    };
+    let plain = |id: &str| serde_json::to_vec(&json!({"id": id, "prompt": "odd body test"})).unwrap();
+    // (correlation id = message id, body, headers, content-encoding, want reason, want x-request-id, want in detail)
+    type Case = (&'static str, Vec<u8>, Option<FieldTable>, Option<&'static str>, &'static str, Option<&'static str>, &'static str);
+    let cases: Vec<Case> = vec![
+        ("odd-list", b"[1,2,3]".to_vec(), None, None, "invalid_json", Some("odd-list"), "list"),
+        ("odd-empty", Vec::new(), None, None, "invalid_json", Some("odd-empty"), "EOF"),
+        ("odd-field", serde_json::to_vec(&json!({"id": "odd-field-body-id", "prompt": 5})).unwrap(), None, None, "invalid_field", Some("odd-field-body-id"), "`prompt`"),
+        ("odd-int-key", plain("odd-int-key"), Some(header(AMQPValue::LongLongInt(12345))), None, "invalid_field", Some("odd-int-key"), "x-prefix-key"),
+        ("odd-bool-key", plain("odd-bool-key"), Some(header(AMQPValue::Boolean(true))), None, "invalid_field", Some("odd-bool-key"), "a boolean"),
+        ("odd-empty-key", plain("odd-empty-key"), Some(header(AMQPValue::LongString("".into()))), None, "invalid_field", Some("odd-empty-key"), "is empty"),
+        ("odd-gzip", vec![0x1f, 0x8b, 0x08, 0x00, 0xff, 0xfe], None, Some("gzip"), "invalid_utf8", Some("odd-gzip"), "content-encoding \"gzip\""),
+    ];
+    for (cid, body, headers, encoding, ..) in &cases {
+        let mut props = request_props(cid, &s.reply);
+        if let Some(h) = headers {
+            props = props.with_headers(h.clone());
+        }
+        if let Some(e) = encoding {
+            props = props.with_content_encoding((*e).into());
+        }
+        s.amqp.publish(&f.env.input_queue(), body, props).await;
+    }
+    // Served: a byte-array key and the same key as a string; a body behind a byte order mark.
+    s.amqp.publish(&f.env.input_queue(), &plain("odd-bytes-key"), request_props("odd-bytes-key", &s.reply).with_headers(header(AMQPValue::ByteArray(b"one key".to_vec().into())))).await;
+    s.amqp.publish(&f.env.input_queue(), &plain("odd-string-key"), request_props("odd-string-key", &s.reply).with_headers(header(AMQPValue::LongString("one key".into())))).await;
+    let mut bom = "\u{FEFF}".as_bytes().to_vec();
+    bom.extend(plain("odd-bom"));
+    s.amqp.publish(&f.env.input_queue(), &bom, request_props("odd-bom", &s.reply)).await;
+    f.serves_others("oddbody", 10).await;
+
+    f.dead.until("the odd bodies' dead letters", DEADLINE, |r| r.len() >= cases.len()).await;
+    for (cid, _, _, _, reason, id, in_detail) in &cases {
+        let m = dead_letter(&f.dead, cid);
+        assert_eq!(m.header("x-death-reason"), Some(*reason), "{cid}: {:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains(in_detail), "{cid}: detail {detail:?} lacks {in_detail:?}");
+        assert_eq!(m.header("x-request-id"), *id, "{cid}");
+    }
+    let results = &mut f.started.results;
+    let served = ["odd-bytes-key", "odd-string-key", "odd-bom"];
+    results.until("the served odd requests", DEADLINE, |r| served.iter().all(|id| r.iter().any(|m| m.correlation_id == *id))).await;
+    let result = |id: &str| results.received.iter().find(|m| m.correlation_id == id).unwrap().result();
+    for id in served {
+        assert!(result(id).ok, "{id}: {:?}", result(id));
+    }
+    assert_eq!(result("odd-bytes-key").prefix_key, result("odd-string-key").prefix_key, "a byte-array key is the same key as its string");
     f.finish().await;
 }
 
