@@ -230,7 +230,7 @@ static CONSUMER_RESTARTS: LazyLock<IntCounterVec> =
 static PARTITION_OTHER_CONSUMER: LazyLock<IntCounter> = LazyLock::new(|| {
     reg(IntCounter::new(
         "partition_other_consumer_total",
-        "Stalls of an owned partition that persisted after its consumer was restarted: its queue held ready requests for the stall window and this instance received nothing; most likely another consumer is active on the queue (another deployment on the same queue names, or a stray client).",
+        "Another consumer is active on an owned partition's queue (another deployment on the same queue names, or a stray client): a stall that persisted after the consumer was restarted (the queue held ready requests for the stall window and this instance received nothing), or a request this instance's router forwarded to the queue that never reached this idle owner within the stall window.",
     )
     .unwrap())
 });

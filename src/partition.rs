@@ -476,6 +476,7 @@ async fn intake(
     let mut paused = false;
     // Last time the consumer received or held a delivery, or was paused (see `check_stall`).
     let mut idle_since = Instant::now();
+    forwards_received(&s.amqp.partition_queue(ctx.partition));
     loop {
         // Intake pauses while no endpoint of the partition is available: what is held waits for
         // it (see `infer_through_outages`), the rest waits in the queue (the prefetch is spent).
@@ -518,6 +519,7 @@ async fn intake(
             next = consumer.next(), if !paused => match next {
                 Some(Ok(delivery)) => {
                     idle_since = Instant::now();
+                    forwards_received(&s.amqp.partition_queue(ctx.partition));
                     held.stalls.store(0, std::sync::atomic::Ordering::Relaxed);
                     let pending = match admit(ctx, stop, end, out, delivery, held).await {
                         Admission::Admitted(pending) => pending,
@@ -573,6 +575,30 @@ pub fn observe_queue(queue: &str, ready: u32) {
 
 fn observation(queue: &str) -> Option<QueueObservation> {
     QUEUE_OBSERVATIONS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(queue).copied()
+}
+
+/// Per partition queue: when this process's router first had a request forwarded to it
+/// (confirmed by the broker) since this process's consumer of the queue last received a delivery
+/// or started. An owner that stays idle long after such a forward has had it taken by another
+/// consumer of its queue ([`check_stall`]).
+static UNRECEIVED_FORWARDS: std::sync::LazyLock<Mutex<std::collections::HashMap<String, Instant>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Records a forward to partition queue `queue` that the broker confirmed (called by the router).
+pub fn forwarded_to(queue: &str) {
+    let mut all = UNRECEIVED_FORWARDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !all.contains_key(queue) {
+        all.insert(queue.to_owned(), Instant::now());
+    }
+}
+
+/// The consumer of `queue` received a delivery or started: earlier forwards are accounted for.
+fn forwards_received(queue: &str) {
+    UNRECEIVED_FORWARDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(queue);
+}
+
+fn oldest_unreceived_forward(queue: &str) -> Option<Instant> {
+    UNRECEIVED_FORWARDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(queue).copied()
 }
 
 /// How long a partition owner may receive nothing while its queue holds ready requests before
@@ -633,7 +659,17 @@ fn check_stall(ctx: &PartitionContext, held: &HeldDeliveries, idle_since: &mut I
     let queue = s.amqp.partition_queue(ctx.partition);
     let window = stall_window(s);
     match stall_verdict(now, *idle_since, observation(&queue), window, 3 * s.amqp.backlog_poll_interval) {
-        Stall::No => {}
+        Stall::No => {
+            // Nothing waits in the queue, yet a request this process forwarded to it never
+            // reached this idle owner: another consumer took it. Its queue's ready count stays at
+            // 0, so the stall above never sees this; restarting would not help (the other stays
+            // the single active consumer), so it is reported, once per window.
+            if let Some(at) = oldest_unreceived_forward(&queue).filter(|at| now.saturating_duration_since((*at).max(*idle_since)) >= window) {
+                forwards_received(&queue);
+                warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, waited_s = now.duration_since(at).as_secs_f64(), "this instance owns the partition, but a request routed to its queue went to another consumer: another deployment with the same queue names (another redis.url or redis.key_prefix), or a stray client, is the queue's active consumer; rabbitmqctl list_consumers shows it");
+                metrics::partition_other_consumer();
+            }
+        }
         Stall::Starved { ready } => {
             let idle_s = now.duration_since(*idle_since).as_secs_f64();
             let in_a_row = held.stalls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;

@@ -278,6 +278,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let mut declared_again = false;
     loop {
         let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &delivery.data, fwd.clone()).await else {
+            crate::partition::forwarded_to(&a.partition_queue(r.partition));
             break;
         };
         // The shard exchange or the partition queue was deleted while the daemon ran: declare the

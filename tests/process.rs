@@ -482,6 +482,42 @@ async fn a_stray_consumer_on_an_owned_partition_queue_is_reported() {
     started.stop_and_clean_up(env).await;
 }
 
+/// A stray consumer that drains the partition queues before their owner subscribes (another
+/// deployment on the same queue names, with its own Redis) keeps their ready count at 0, so no
+/// stall is ever seen: the owner notices that requests its own router forwarded to a queue never
+/// reached it, and says so once per window, counting
+/// `prefix_batcher_partition_other_consumer_total`. Before, nothing was reported at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_consumer_that_drains_owned_partition_queues_is_reported() {
+    use lapin::options::BasicConsumeOptions;
+    use lapin::types::FieldTable;
+    let Existing { env, _fake, raw, redis: _ } = existing_deployment("drained").await;
+    let stray = Amqp::connect().await;
+    let mut taken = Vec::new();
+    for p in 0..PARTITIONS {
+        let opts = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
+        let queue = env.partition_queue(p);
+        taken.push(stray.ch.basic_consume(queue.as_str().into(), format!("stray-{p}").as_str().into(), opts, FieldTable::default()).await.unwrap());
+    }
+    let started = run_with_replies(&env, &raw, "owner").await;
+    let reqs = completions_workload("drained", 12, 4);
+    started.amqp.publish_requests(&env.input_queue(), &reqs, &started.reply).await;
+    let settings = prefix_batcher::config::Settings::from_raw(&raw).unwrap();
+    let within = prefix_batcher::partition::stall_window(&settings) + Duration::from_secs(20);
+    let deadline = Instant::now() + within;
+    while !started.daemon.log().contains("went to another consumer") {
+        assert!(Instant::now() < deadline, "no report of the draining consumer within {within:?}; log:\n{}", started.daemon.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(!started.daemon.log().contains("reason=\"stalled\""), "no stall was seen (the queues held nothing ready)");
+    let (_, metrics) = http_get(&started.daemon.http_addr().await, "/metrics").await;
+    assert!(metrics.lines().any(|l| l.starts_with("prefix_batcher_partition_other_consumer_total ") && !l.ends_with(" 0")), "the counter counts it");
+    assert!(started.results.received.is_empty(), "the owner received nothing while the stray consumer was active");
+    drop(taken);
+    stray.close().await;
+    started.stop_and_clean_up(env).await;
+}
+
 /// `check-config` accepts the documented example and rejects a zero `max_batch_wait` with 78,
 /// naming the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
