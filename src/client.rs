@@ -151,6 +151,9 @@ fn output_name(opts: &SubmitOptions) -> String {
 /// Errors: connection failures, unreadable input, a duplicate `id`, a publish the broker
 /// refuses, an unwritable output (see [`ClientError`]).
 pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitSummary, ClientError> {
+    // Before anything is published: an output that cannot be written must not fail the run
+    // after its requests were sent.
+    let mut out = if opts.wait { Some(open_output(opts)?) } else { None };
     let (conn, _node) = crate::amqp::connect(&settings.amqp, ConnectionProperties::default())
         .await
         .map_err(|source| ClientError::Connect { url: nodes_label(settings), source })?;
@@ -163,9 +166,9 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitS
     let ids = publish_input(&ch, settings, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
     let mut summary = SubmitSummary { requests: ids.len(), ..Default::default() };
     eprintln!("submit: published {} requests to {queue}", ids.len());
-    if let Some((name, mut consumer)) = reply {
+    if let (Some((name, mut consumer)), Some(out)) = (reply, out.as_mut()) {
         let reply = ReplyQueue { conn: &conn, ch: &ch, name: &name };
-        collect_results(&reply, &mut consumer, &ids, opts, &mut summary).await?;
+        collect_results(&reply, &mut consumer, &ids, opts, out, &mut summary).await?;
     }
     summary.wall_s = started.elapsed().as_secs_f64();
     let _ = conn.close(REPLY_SUCCESS, "done".into()).await;
@@ -294,6 +297,14 @@ async fn await_confirms(confirms: &mut Vec<lapin::PublisherConfirm>, queue: &str
     Ok(())
 }
 
+/// The results' output (`opts.out`, created or truncated, else stdout).
+fn open_output(opts: &SubmitOptions) -> Result<Box<dyn Write + Send>, ClientError> {
+    Ok(match &opts.out {
+        Some(p) => Box::new(std::io::BufWriter::new(std::fs::File::create(p).map_err(|source| ClientError::Output { path: output_name(opts), source })?)),
+        None => Box::new(std::io::BufWriter::new(std::io::stdout())),
+    })
+}
+
 /// Consumes results until every request in `ids` has one or `opts.timeout` elapses; writes each
 /// first result as one JSONL line and counts it into `summary`.
 async fn collect_results(
@@ -301,13 +312,10 @@ async fn collect_results(
     consumer: &mut lapin::Consumer,
     ids: &HashSet<String>,
     opts: &SubmitOptions,
+    out: &mut Box<dyn Write + Send>,
     summary: &mut SubmitSummary,
 ) -> Result<(), ClientError> {
     let output_error = |source| ClientError::Output { path: output_name(opts), source };
-    let mut out: Box<dyn Write + Send> = match &opts.out {
-        Some(p) => Box::new(std::io::BufWriter::new(std::fs::File::create(p).map_err(output_error)?)),
-        None => Box::new(std::io::BufWriter::new(std::io::stdout())),
-    };
     let mut seen = HashSet::new();
     let deadline = tokio::time::Instant::now() + opts.timeout;
     let mut last_progress = Instant::now();
@@ -326,14 +334,14 @@ async fn collect_results(
             Err(_) => break,
         };
         delivery.acker.ack(BasicAckOptions::default()).await?;
-        take_result(&delivery, ids, &mut seen, &mut out, summary).map_err(output_error)?;
+        take_result(&delivery, ids, &mut seen, out, summary).map_err(output_error)?;
         if last_progress.elapsed() >= Duration::from_secs(10) {
             last_progress = Instant::now();
             eprintln!("submit: {}/{} results", seen.len(), ids.len());
         }
     }
     if summary.interrupted {
-        rescue_results(reply, ids, &mut seen, &mut out, summary, &output_error).await?;
+        rescue_results(reply, ids, &mut seen, out, summary, &output_error).await?;
     }
     out.flush().map_err(output_error)?;
     summary.results = seen.len();

@@ -564,7 +564,8 @@ async fn check_config_accepts_the_example_and_rejects_a_zero_batch_wait() {
 /// the signal killed the process: results already acked but still in its output buffer were
 /// lost, and there was no summary; and results still in the reply queue went with it. Nobody
 /// consumes the input queue here; the test answers three requests itself through their
-/// `reply_to`, the third right before the signal.
+/// `reply_to`, the third right before the signal. An output path that cannot be written stops
+/// `submit` before it publishes anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     use lapin::options::{BasicGetOptions, QueueDeclareOptions};
@@ -640,6 +641,18 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
         // The three unanswered requests are still in the input queue.
         let _ = amqp.ch.queue_purge(queue.as_str().into(), Default::default()).await;
     }
+
+    // An output that cannot be written stops submit before it publishes anything.
+    let input = env.dir.join("requests.jsonl");
+    let bad_out = env.dir.join("no-such-dir").join("results.jsonl");
+    let mut cmd = bin_command();
+    cmd.arg("--config").arg(&cfg).args(["submit", "--wait", "--queue", &queue, "--file"]).arg(&input).arg("--out").arg(&bad_out);
+    let mut submit = DaemonProcess::spawn(&env, "submit-bad-out", cmd);
+    let status = submit.wait_exit(DEADLINE).await;
+    let log = submit.log();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("no-such-dir") && !log.contains("published"), "names the output, publishes nothing: {log}");
+    assert_eq!(amqp.queue_depth(&queue).await.0, 0, "nothing was published");
     amqp.close().await;
     env.cleanup().await;
 }
