@@ -622,6 +622,10 @@ pub struct Status {
     pub hot_keys: Vec<HotKeyStatus>,
     /// `host:port` of the Redis primary read (with `redis.sentinels`: as the sentinels report it).
     pub redis_primary: String,
+    /// Whether Redis holds anything of a deployment under `redis.key_prefix`: a live member, a
+    /// lease, or the recorded partition count. `false` under a mistyped prefix or Redis URL (or
+    /// a deployment stopped for longer than its keys live).
+    pub deployment_found: bool,
 }
 
 /// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog, and
@@ -685,6 +689,8 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     }
     let pttls: Vec<i64> = pipe.query_async(&mut r).await?;
     let pttls: Vec<Option<u64>> = pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect();
+    let recorded: bool = redis::cmd("EXISTS").arg(format!("{prefix}:partitions")).query_async(&mut r).await?;
+    let deployment_found = recorded || !live.is_empty() || leases.iter().any(Option::is_some);
 
     // Both open their own connections: run them together, so a silent broker costs one
     // `connection_timeout`, not two.
@@ -757,7 +763,14 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         amqp_nodes,
         hot_keys,
         redis_primary: r.primary(),
+        deployment_found,
     })
+}
+
+/// Whether a RabbitMQ error text of `status` is a refusal of the login or the vhost
+/// (`ACCESS_REFUSED`, 403; `NOT_ALLOWED`, 530), not an unreachable node.
+pub fn login_refused(error: &str) -> bool {
+    error.contains("ACCESS_REFUSED") || error.contains("NOT_ALLOWED")
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {
@@ -798,8 +811,11 @@ pub fn render_status(s: &Status) -> String {
         s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
     ));
     out.push_str(&format!("Redis primary: {}\n", s.redis_primary));
+    if !s.deployment_found {
+        out.push_str("NO DEPLOYMENT FOUND under this redis.key_prefix: no member, no lease, no recorded partition count (check redis.url and redis.key_prefix against the daemons' configuration; a deployment stopped for longer than its lease_ttl and member_ttl looks the same)\n");
+    }
     if let Some(e) = &s.amqp_error {
-        let what = if e.contains("ACCESS_REFUSED") { "RabbitMQ refused the login" } else { "RabbitMQ unreachable" };
+        let what = if login_refused(e) { "RabbitMQ refused the login" } else { "RabbitMQ unreachable" };
         out.push_str(&format!("{what}, backlog unknown: {e}\n"));
     }
     out.push_str(&format!("\nRabbitMQ nodes ({}):\n", s.amqp_nodes.len()));
@@ -807,7 +823,7 @@ pub fn render_status(s: &Status) -> String {
         let state = match (&n.error, s.amqp_node == Some(n.node)) {
             (None, true) => "reachable (queue depths read here)".to_owned(),
             (None, false) => "reachable".to_owned(),
-            (Some(e), _) if e.contains("ACCESS_REFUSED") => format!("LOGIN REFUSED: {e}"),
+            (Some(e), _) if login_refused(e) => format!("LOGIN REFUSED: {e}"),
             (Some(e), _) => format!("UNREACHABLE: {e}"),
         };
         out.push_str(&format!("  {:>4}  {:<48} {state}\n", n.node, n.url));

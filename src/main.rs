@@ -220,9 +220,9 @@ async fn status(settings: &Settings, json: bool) -> ExitCode {
     } else {
         print!("{}", client::render_status(&s));
     }
-    if s.amqp_error.is_some() {
+    if let Some(e) = &s.amqp_error {
         // The table came from Redis alone: a script must not read it as healthy.
-        return ExitCode::from(exit::EX_UNAVAILABLE);
+        return ExitCode::from(if client::login_refused(e) { exit::EX_NOPERM } else { exit::EX_UNAVAILABLE });
     }
     ExitCode::from(exit::EX_OK)
 }

@@ -257,11 +257,16 @@ async fn errors_name_the_problem_but_never_a_secret() {
     assert_ne!(code, Some(0), "status with a wrong password must fail: {out}");
     assert_no_secret("status's error", &out, &secrets);
     // RabbitMQ refusing the login: the table from Redis is printed, and the exit code says the
-    // backlog is unknown.
+    // login was refused (not that no node answered).
     let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__AMQP__URL", &bad_amqp)]);
-    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_UNAVAILABLE)), "status without RabbitMQ: {out}");
+    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NOPERM)), "status without RabbitMQ: {out}");
     assert!(out.contains("RabbitMQ refused the login, backlog unknown") && out.contains("LOGIN REFUSED"), "{out}");
     assert_no_secret("status's RabbitMQ error", &out, &secrets);
+    // A mistyped key prefix finds no deployment, and says so.
+    let typo = format!("{}-typo", env.key_prefix());
+    let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__KEY_PREFIX", &typo)]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("NO DEPLOYMENT FOUND"), "{out}");
 
     drop(creds);
     env.cleanup().await;
