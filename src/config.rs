@@ -958,6 +958,24 @@ pub fn default_instance_name() -> String {
 }
 
 impl Settings {
+    /// The settings every router of a deployment must share for a key to land on one partition:
+    /// `keying.mode`, `keying.prefix_chars`, `keying.chat_key`, `sharding.default_shards`,
+    /// `sharding.max_shards`, and a hash of `sharding.keys` and `sharding.rules` (their text can
+    /// be long). `amqp.partitions` is checked apart, against the broker's queues. One line,
+    /// e.g. `mode=Adaptive prefix_chars=256 chat_key=Opening default_shards=8 max_shards=8
+    /// static=0000000000000000`; the membership heartbeat compares the members' lines.
+    pub fn routing_fingerprint(&self) -> String {
+        let (k, s) = (&self.keying, &self.sharding);
+        let mut statics: Vec<String> = s.keys.iter().map(|(key, n)| format!("key {key:?} {n}")).collect();
+        statics.sort();
+        statics.extend(s.rules.iter().map(|r| format!("rule {:?} {}", r.pattern.as_str(), r.shards)));
+        let statics = if statics.is_empty() { 0 } else { xxhash_rust::xxh3::xxh3_64(statics.join("\n").as_bytes()) };
+        format!(
+            "mode={:?} prefix_chars={} chat_key={:?} default_shards={} max_shards={} static={statics:016x}",
+            k.mode, k.prefix_chars, k.chat_key, s.default_shards, s.max_shards
+        )
+    }
+
     /// Validates a raw configuration, one section after the other (so the first broken rule is
     /// reported, in file order).
     ///
@@ -1650,6 +1668,28 @@ mod tests {
 
     fn err(r: &RawConfig) -> String {
         Settings::from_raw(r).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_routing_fingerprint_changes_with_every_routing_setting_only() {
+        let base = ok(&RawConfig::default()).routing_fingerprint();
+        assert_eq!(base, "mode=Adaptive prefix_chars=256 chat_key=Opening default_shards=8 max_shards=8 static=0000000000000000");
+        let mut other = RawConfig::default();
+        other.batching.max_batch_size = 3;
+        other.instance.name = "elsewhere".into();
+        assert_eq!(ok(&other).routing_fingerprint(), base, "not a routing setting");
+        let changes: [fn(&mut RawConfig); 5] = [
+            |r| r.keying.mode = "off".into(),
+            |r| r.keying.prefix_chars = 512,
+            |r| r.keying.chat_key = "system".into(),
+            |r| r.sharding.max_shards = 4,
+            |r| _ = r.sharding.keys.insert("k".into(), 2),
+        ];
+        for change in changes {
+            let mut r = RawConfig::default();
+            change(&mut r);
+            assert_ne!(ok(&r).routing_fingerprint(), base);
+        }
     }
 
     #[test]

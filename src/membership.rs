@@ -21,6 +21,9 @@
 //!   already-restarted successor; `status` shows the nonce.
 //! - `P:member_llm_down:{name}` and `P:member_name_conflict:{name}`: flags set by a member's
 //!   heartbeats ([`member_llm_down_key`], [`member_name_conflict_key`]).
+//! - `P:member_routing:{name}`: the member's routing settings
+//!   ([`crate::config::Settings::routing_fingerprint`]), expiring with its heartbeat; each
+//!   heartbeat returns the live members whose line differs from its own ([`member_routing_key`]).
 //!
 //! Operations, each one atomic Lua script (one round trip, no interleaving,
 //! <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
@@ -36,13 +39,15 @@ use redis::Script;
 
 use crate::lease::RedisConn;
 
-/// Heartbeat: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag],
-/// ARGV = [name, nonce, member_ttl_ms, llm_down ("1" or "0"), key prefix, name_conflict ("1" or
-/// "0")]. A name-conflict "1" sets that flag for [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to
-/// expire.
-/// Returns `{names, previous, down}`: the live member names, sorted; the nonce the name's key held
-/// before when it was another process's (else `false`, read as nil); and the live members whose
-/// LLM-down flag is set, sorted. The flag expires with the heartbeat.
+/// Heartbeat: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag,
+/// member's routing settings], ARGV = [name, nonce, member_ttl_ms, llm_down ("1" or "0"), key
+/// prefix, name_conflict ("1" or "0"), name-conflict flag TTL ms, routing settings ('' for none:
+/// neither stored nor compared)]. A name-conflict "1" sets that flag for
+/// [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to expire.
+/// Returns `{names, previous, down, differs}`: the live member names, sorted; the nonce the name's
+/// key held before when it was another process's (else `false`, read as nil); the live members
+/// whose LLM-down flag is set, sorted; and `name, settings` pairs (flat) of the other live
+/// members whose routing settings differ. The flag and settings expire with the heartbeat.
 const HEARTBEAT: &str = r#"
 local prev = redis.call('GET', KEYS[2])
 if prev == ARGV[2] then prev = false end
@@ -59,6 +64,9 @@ end
 if ARGV[6] == '1' then
   redis.call('SET', KEYS[4], '1', 'PX', ARGV[7])
 end
+if ARGV[8] ~= '' then
+  redis.call('SET', KEYS[5], ARGV[8], 'PXAT', expiry)
+end
 redis.call('ZADD', KEYS[1], expiry, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
 if redis.call('PTTL', KEYS[1]) < ttl then
@@ -72,17 +80,28 @@ for _, n in ipairs(names) do
     table.insert(down, n)
   end
 end
-return {names, prev, down}
+local differs = {}
+if ARGV[8] ~= '' then
+  for _, n in ipairs(names) do
+    local r = redis.call('GET', ARGV[5] .. ':member_routing:' .. n)
+    if n ~= ARGV[1] and r and r ~= ARGV[8] then
+      table.insert(differs, n)
+      table.insert(differs, r)
+    end
+  end
+end
+return {names, prev, down, differs}
 "#;
 
-/// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag], ARGV =
-/// [name, nonce]. Returns 1 when removed, 0 when the name belongs to another process now.
+/// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag, member's
+/// routing settings], ARGV = [name, nonce]. Returns 1 when removed, 0 when the name belongs to
+/// another process now.
 const LEAVE: &str = r#"
 local cur = redis.call('GET', KEYS[2])
 if cur and cur ~= ARGV[2] then
   return 0
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 redis.call('ZREM', KEYS[1], ARGV[1])
 return 1
 "#;
@@ -150,6 +169,13 @@ pub fn member_name_conflict_key(prefix: &str, name: &str) -> String {
     format!("{prefix}:member_name_conflict:{name}")
 }
 
+/// The Redis key of a member's routing settings
+/// ([`crate::config::Settings::routing_fingerprint`]), set by its heartbeats with their expiry.
+/// Built from the names inside `HEARTBEAT` too.
+pub fn member_routing_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}:member_routing:{name}")
+}
+
 /// How long one heartbeat's name-conflict flag lasts: a conflict shows in `status` for up to
 /// this long after the heartbeat that last reported it.
 pub const NAME_CONFLICT_FLAG_TTL: Duration = Duration::from_secs(60);
@@ -193,6 +219,9 @@ pub struct Heartbeat {
     pub previous_nonce: Option<String>,
     /// The live members whose LLM-down flag is set ([`member_llm_down_key`]), sorted.
     pub llm_down: Vec<String>,
+    /// The other live members whose routing settings differ from this process's, with theirs
+    /// (empty when this process publishes none: [`Membership::with_routing`]).
+    pub routing_differs: Vec<(String, String)>,
 }
 
 /// The heartbeat of one process (`name` + boot `nonce`).
@@ -204,6 +233,8 @@ pub struct Membership {
     nonce: String,
     ttl: Duration,
     timeout: Duration,
+    /// Routing settings published and compared by each heartbeat ('' = none).
+    routing: String,
     heartbeat: Arc<Script>,
     leave: Arc<Script>,
 }
@@ -218,9 +249,18 @@ impl Membership {
             nonce: nonce.to_owned(),
             ttl,
             timeout,
+            routing: String::new(),
             heartbeat: Arc::new(Script::new(HEARTBEAT)),
             leave: Arc::new(Script::new(LEAVE)),
         }
+    }
+
+    /// Publishes `routing` (this process's
+    /// [`crate::config::Settings::routing_fingerprint`]) with each heartbeat and compares it
+    /// with the other members' ([`Heartbeat::routing_differs`]).
+    pub fn with_routing(mut self, routing: String) -> Self {
+        self.routing = routing;
+        self
     }
 
     async fn timed<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, MembershipError> {
@@ -246,16 +286,19 @@ impl Membership {
             .key(member_key(&self.prefix, &self.name))
             .key(member_llm_down_key(&self.prefix, &self.name))
             .key(member_name_conflict_key(&self.prefix, &self.name))
+            .key(member_routing_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(self.ttl.as_millis() as u64)
             .arg(if llm_down { "1" } else { "0" })
             .arg(&self.prefix)
             .arg(if name_conflict { "1" } else { "0" })
-            .arg(NAME_CONFLICT_FLAG_TTL.as_millis() as u64);
-        let (members, previous_nonce, llm_down): (Vec<String>, Option<String>, Vec<String>) =
+            .arg(NAME_CONFLICT_FLAG_TTL.as_millis() as u64)
+            .arg(&self.routing);
+        let (members, previous_nonce, llm_down, differs): (Vec<String>, Option<String>, Vec<String>, Vec<String>) =
             self.timed(call.invoke_async(&mut conn)).await?;
-        Ok(Heartbeat { members, previous_nonce, llm_down })
+        let routing_differs = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();
+        Ok(Heartbeat { members, previous_nonce, llm_down, routing_differs })
     }
 
     /// Removes this process from the member set. `Ok(false)`: the name now belongs to another
@@ -267,6 +310,7 @@ impl Membership {
             .key(member_key(&self.prefix, &self.name))
             .key(member_llm_down_key(&self.prefix, &self.name))
             .key(member_name_conflict_key(&self.prefix, &self.name))
+            .key(member_routing_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce);
         let n: i64 = self.timed(call.invoke_async(&mut conn)).await?;

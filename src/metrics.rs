@@ -169,6 +169,13 @@ static MEMBERS_LLM_DOWN: LazyLock<IntGauge> = LazyLock::new(|| {
     )
     .unwrap())
 });
+static MEMBERS_ROUTING_DIFFERS: LazyLock<IntGauge> = LazyLock::new(|| {
+    reg(IntGauge::new(
+        "members_routing_differs",
+        "Live instances whose routing settings (keying.mode, prefix_chars, chat_key, sharding) differ from this instance's: their routers send a key to other partitions.",
+    )
+    .unwrap())
+});
 static PARTITIONS: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new("partitions", "Configured partition count P (amqp.partitions); the same on every instance of a deployment.").unwrap())
 });
@@ -453,6 +460,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     LazyLock::force(&PARTITION_OTHER_CONSUMER);
     LazyLock::force(&MEMBERS);
     LazyLock::force(&MEMBERS_LLM_DOWN);
+    LazyLock::force(&MEMBERS_ROUTING_DIFFERS);
     LazyLock::force(&PARTITIONS);
     BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
     LazyLock::force(&READY);
@@ -615,6 +623,12 @@ pub fn members(n: usize) {
 /// Live members flagged LLM-down ([`crate::membership::member_llm_down_key`]).
 pub fn members_llm_down(n: usize) {
     MEMBERS_LLM_DOWN.set(n as i64);
+}
+
+/// Live members whose routing settings differ from this instance's
+/// ([`crate::membership::member_routing_key`]).
+pub fn members_routing_differs(n: usize) {
+    MEMBERS_ROUTING_DIFFERS.set(n as i64);
 }
 
 /// Mirrors readiness into the `ready` gauge. The state itself lives in

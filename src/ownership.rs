@@ -106,6 +106,9 @@ pub struct Ownership {
     name_conflict_logged: Option<Instant>,
     /// When a heartbeat last found another live process under this instance's name.
     name_conflict_seen: Option<Instant>,
+    /// When members with other routing settings were last logged (see `note_routing_differs`),
+    /// and which (name, settings) that was.
+    routing_differs_logged: Option<(Instant, Vec<(String, String)>)>,
     /// Set when a heartbeat succeeds after a blind period (start, Redis outage); acquisitions
     /// wait until `settle_time` after it.
     rejoined_at: Option<Instant>,
@@ -126,7 +129,7 @@ impl Ownership {
         let holder = format!("{}:{}", settings.instance_name, nonce);
         let (prefix, timeout) = (&settings.redis.key_prefix, settings.redis.command_timeout);
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
-        let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout);
+        let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout).with_routing(settings.routing_fingerprint());
         Ownership {
             buffer_budget: partition::BufferBudget::new(&settings),
             settings,
@@ -143,6 +146,7 @@ impl Ownership {
             heartbeat_failure_logged: None,
             name_conflict_logged: None,
             name_conflict_seen: None,
+            routing_differs_logged: None,
             rejoined_at: None,
             nonce,
             waiting_on_previous: Default::default(),
@@ -216,6 +220,30 @@ impl Ownership {
         members.is_some()
     }
 
+    /// Members whose routing settings differ from this instance's route a key to other
+    /// partitions than this instance's router does: its requests are batched apart and prefilled
+    /// on several servers. Normal for the minutes of a rolling configuration change; a warning
+    /// when the set of differing members changes and once a minute while it lasts, a line when
+    /// it ends, and `members_routing_differs`.
+    fn note_routing_differs(&mut self, differs: &[(String, String)]) {
+        metrics::members_routing_differs(differs.len());
+        if differs.is_empty() {
+            if self.routing_differs_logged.take().is_some() {
+                info!("every live member routes with this instance's keying and sharding settings again");
+            }
+            return;
+        }
+        let due = match &self.routing_differs_logged {
+            Some((at, seen)) => seen.as_slice() != differs || at.elapsed() >= HEARTBEAT_FAILURE_LOG_EVERY,
+            None => true,
+        };
+        if due {
+            let others: Vec<String> = differs.iter().map(|(n, r)| format!("{n}: {r}")).collect();
+            warn!(this_instance = %self.settings.routing_fingerprint(), others = ?others, "live members route with other keying or sharding settings: a key goes to other partitions depending on which router takes it, so its batches and cache hits split (expected only during a rolling configuration change)");
+            self.routing_differs_logged = Some((Instant::now(), differs.to_vec()));
+        }
+    }
+
     /// Step 1, membership refresh: heartbeat and read the live members (`None` when Redis did not
     /// answer). Updates the view and the blind/rejoin state.
     async fn refresh_membership(&mut self) -> Option<Vec<String>> {
@@ -259,6 +287,7 @@ impl Ownership {
         }
         metrics::members(beat.members.len());
         metrics::members_llm_down(beat.llm_down.len());
+        self.note_routing_differs(&beat.routing_differs);
         Some(members)
     }
 

@@ -107,3 +107,32 @@ async fn membership_against_redis() {
     let left = probe.keys(&format!("{prefix}:*")).await;
     assert!(left.is_empty(), "keys left behind: {left:?}");
 }
+
+/// Members publish their routing settings with each heartbeat, and each heartbeat names the live
+/// members whose settings differ from its own (a router with another `keying.mode` sends a key
+/// to other partitions); a member without settings (an older version) is not compared, and a
+/// leave removes the settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_with_other_routing_settings_are_named() {
+    let prefix = &format!("pb-test-routing-{:016x}", fastrand::u64(..));
+    let conn = redis::Client::open(REDIS_URL).unwrap().get_connection_manager().await.unwrap();
+    let (ttl, t) = (Duration::from_secs(30), Duration::from_secs(2));
+    let adaptive = |name: &str| Membership::new(conn.clone(), prefix, name, name, ttl, t).with_routing("mode=Adaptive".into());
+    let (a, b) = (adaptive("a"), adaptive("b"));
+    let off = Membership::new(conn.clone(), prefix, "c", "c", ttl, t).with_routing("mode=Off".into());
+    let old = Membership::new(conn.clone(), prefix, "d", "d", ttl, t);
+    old.heartbeat(false).await.unwrap();
+    a.heartbeat(false).await.unwrap();
+    assert!(b.heartbeat(false).await.unwrap().routing_differs.is_empty(), "same settings");
+    assert!(off.heartbeat(false).await.unwrap().routing_differs.len() == 2, "c differs from a and b");
+    assert_eq!(a.heartbeat(false).await.unwrap().routing_differs, [("c".to_owned(), "mode=Off".to_owned())]);
+    assert!(old.heartbeat(false).await.unwrap().routing_differs.is_empty(), "a member without settings compares nothing");
+    assert!(off.leave().await.unwrap());
+    assert!(a.heartbeat(false).await.unwrap().routing_differs.is_empty(), "gone with its leave");
+    for m in [&a, &b, &old] {
+        assert!(m.leave().await.unwrap());
+    }
+    let mut probe = RedisProbe::connect().await.unwrap();
+    let left = probe.keys(&format!("{prefix}:*")).await;
+    assert!(left.is_empty(), "keys left behind: {left:?}");
+}
