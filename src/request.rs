@@ -288,7 +288,14 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
     // RFC 8259 §8.1: a parser MAY ignore a leading byte order mark (some Windows tools write one).
     let text = text.strip_prefix('\u{FEFF}').unwrap_or(text);
-    let StrictJson(value) = serde_json::from_str(text).map_err(|e| ParseError::InvalidJson(e.to_string()))?;
+    let StrictJson(value) = serde_json::from_str(text).map_err(|e| {
+        let mut detail = e.to_string();
+        // serde_json's text for a lone UTF-16 surrogate escape (`"\ud800"`) names no surrogate.
+        if detail.contains("hex escape") || detail.contains("surrogate") {
+            detail.push_str(" (JSON strings hold Unicode text: a \\uD800–\\uDFFF escape must be half of a valid surrogate pair)");
+        }
+        ParseError::InvalidJson(detail)
+    })?;
     let Value::Object(mut obj) = value else {
         return Err(ParseError::InvalidJson(format!("expected an object, got {}", json_type(&value))));
     };
@@ -620,6 +627,14 @@ mod tests {
         assert_eq!(parse(br#"{"prompt":"x","prefix_key":"k"}"#, &env, 1000).unwrap().prefix_key.as_deref(), Some("k"));
         let r = parse("\u{FEFF}{\"id\":\"b\",\"prompt\":\"x\"}".as_bytes(), &Envelope::default(), 1000).unwrap();
         assert_eq!(r.id, "b");
+    }
+
+    #[test]
+    fn a_lone_surrogate_escape_is_named() {
+        let e = parse(br#"{"prompt":"\ud800"}"#, &Envelope::default(), 1000).unwrap_err();
+        assert!(e.to_string().contains("surrogate pair"), "{e}");
+        let e = parse(br#"{"prompt":"\ud800x"}"#, &Envelope::default(), 1000).unwrap_err();
+        assert!(e.to_string().contains("surrogate pair"), "{e}");
     }
 
     #[test]
