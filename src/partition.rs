@@ -666,7 +666,7 @@ fn check_stall(ctx: &PartitionContext, held: &HeldDeliveries, idle_since: &mut I
             // the single active consumer), so it is reported, once per window.
             if let Some(at) = oldest_unreceived_forward(&queue).filter(|at| now.saturating_duration_since((*at).max(*idle_since)) >= window) {
                 forwards_received(&queue);
-                warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, waited_s = now.duration_since(at).as_secs_f64(), "this instance owns the partition, but a request routed to its queue went to another consumer: another deployment with the same queue names (another redis.url or redis.key_prefix), or a stray client, is the queue's active consumer; rabbitmqctl list_consumers shows it");
+                warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, waited_s = now.duration_since(at).as_secs_f64(), "this instance owns the partition, but a request routed to its queue went to another consumer: another deployment with the same queue names (another redis.url or redis.key_prefix), or a stray client, is the queue's active consumer (rabbitmqctl list_consumers shows it), unless the queue was purged");
                 metrics::partition_other_consumer();
             }
         }
