@@ -224,6 +224,9 @@ async fn status(settings: &Settings, json: bool) -> ExitCode {
         // The table came from Redis alone: a script must not read it as healthy.
         return ExitCode::from(if client::login_refused(e) { exit::EX_NOPERM } else { exit::EX_UNAVAILABLE });
     }
+    if !s.deployment_found {
+        return ExitCode::from(exit::EX_NO_DEPLOYMENT);
+    }
     ExitCode::from(exit::EX_OK)
 }
 

@@ -88,7 +88,7 @@ pub enum ParseError {
     #[error("body is not valid UTF-8: {0}")]
     InvalidUtf8(String),
     /// Body is not JSON, or not a JSON object.
-    #[error("body is not a JSON object: {0}")]
+    #[error("body is not a JSON object (invalid JSON, or JSON of another type): {0}")]
     InvalidJson(String),
     /// Neither `prompt` nor `messages`.
     #[error("request has neither `prompt` nor `messages`")]
@@ -291,6 +291,9 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     let StrictJson(value) = serde_json::from_str(text).map_err(|e| {
         let mut detail = e.to_string();
         // serde_json's text for a lone UTF-16 surrogate escape (`"\ud800"`) names no surrogate.
+        if text.starts_with('\u{FEFF}') {
+            detail.push_str(" (the body starts with another byte order mark, U+FEFF, after the one skipped)");
+        }
         if detail.contains("hex escape") || detail.contains("surrogate") {
             detail.push_str(" (JSON strings hold Unicode text: a \\uD800–\\uDFFF escape must be half of a valid surrogate pair)");
         }
@@ -627,6 +630,8 @@ mod tests {
         assert_eq!(parse(br#"{"prompt":"x","prefix_key":"k"}"#, &env, 1000).unwrap().prefix_key.as_deref(), Some("k"));
         let r = parse("\u{FEFF}{\"id\":\"b\",\"prompt\":\"x\"}".as_bytes(), &Envelope::default(), 1000).unwrap();
         assert_eq!(r.id, "b");
+        let twice = parse("\u{FEFF}\u{FEFF}{\"prompt\":\"x\"}".as_bytes(), &Envelope::default(), 1000).unwrap_err();
+        assert!(twice.to_string().contains("another byte order mark"), "{twice}");
     }
 
     #[test]

@@ -537,7 +537,7 @@ impl Affinity {
         }
         if answer.restored > 0 {
             metrics::split_restored(answer.restored);
-            warn!(restored = answer.restored, "the split set in Redis was lost (Redis restarted empty or was flushed, or no instance reached it for 10 s): put back the splits this instance holds");
+            warn!(restored = answer.restored, "the split set in Redis was lost (Redis restarted empty or was flushed, or the set expired because no instance refreshed it for 10 s): put back the splits this instance holds");
         }
         for _ in 0..answer.removed {
             metrics::split_decision(kind::MERGE);

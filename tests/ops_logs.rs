@@ -265,7 +265,7 @@ async fn errors_name_the_problem_but_never_a_secret() {
     // A mistyped key prefix finds no deployment, and says so.
     let typo = format!("{}-typo", env.key_prefix());
     let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__KEY_PREFIX", &typo)]);
-    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NO_DEPLOYMENT)), "{out}");
     assert!(out.contains("NO DEPLOYMENT FOUND"), "{out}");
 
     drop(creds);
