@@ -79,8 +79,9 @@ struct Owned {
     handing_over: bool,
 }
 
-/// Least time between two `WARN` lines of failing heartbeats.
-const HEARTBEAT_FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
+/// Least time between two `WARN` lines of one lasting condition (failing heartbeats, members
+/// with other routing settings).
+const REPEAT_WARNING_EVERY: Duration = Duration::from_secs(60);
 
 /// The ownership manager of one session (one AMQP connection).
 pub struct Ownership {
@@ -234,7 +235,7 @@ impl Ownership {
             return;
         }
         let due = match &self.routing_differs_logged {
-            Some((at, seen)) => seen.as_slice() != differs || at.elapsed() >= HEARTBEAT_FAILURE_LOG_EVERY,
+            Some((at, seen)) => seen.as_slice() != differs || at.elapsed() >= REPEAT_WARNING_EVERY,
             None => true,
         };
         if due {
@@ -253,7 +254,7 @@ impl Ownership {
             Ok(b) => b,
             Err(e) => {
                 let failing_s = self.last_heartbeat.map(|t| t.elapsed().as_secs());
-                if self.heartbeat_failure_logged.is_none_or(|t| t.elapsed() >= HEARTBEAT_FAILURE_LOG_EVERY) {
+                if self.heartbeat_failure_logged.is_none_or(|t| t.elapsed() >= REPEAT_WARNING_EVERY) {
                     self.heartbeat_failure_logged = Some(Instant::now());
                     warn!(error = %e, since_last_success_s = failing_s, "membership heartbeat failed (Redis); retrying every renew_interval, logged once a minute");
                 } else {

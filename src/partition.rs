@@ -413,10 +413,9 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
 async fn finish(ctx: &PartitionContext, s: Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>) {
     let cancelled = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await.is_ok();
     // After the cancel-ok the broker sends nothing more, and what it sent before is buffered.
-    while cancelled {
-        match consumer.next().now_or_never() {
-            Some(Some(Ok(delivery))) => untaken.push(delivery),
-            _ => break,
+    if cancelled {
+        while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
+            untaken.push(delivery);
         }
     }
     let _ = s.batcher.await;
@@ -476,7 +475,8 @@ async fn intake(
     let mut paused = false;
     // Last time the consumer received or held a delivery, or was paused (see `check_stall`).
     let mut idle_since = Instant::now();
-    forwards_received(&s.amqp.partition_queue(ctx.partition));
+    let queue = s.amqp.partition_queue(ctx.partition);
+    forwards_received(&queue);
     loop {
         // Intake pauses while no endpoint of the partition is available: what is held waits for
         // it (see `infer_through_outages`), the rest waits in the queue (the prefetch is spent).
@@ -519,7 +519,7 @@ async fn intake(
             next = consumer.next(), if !paused => match next {
                 Some(Ok(delivery)) => {
                     idle_since = Instant::now();
-                    forwards_received(&s.amqp.partition_queue(ctx.partition));
+                    forwards_received(&queue);
                     held.stalls.store(0, std::sync::atomic::Ordering::Relaxed);
                     let pending = match admit(ctx, stop, end, out, delivery, held).await {
                         Admission::Admitted(pending) => pending,
