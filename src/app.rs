@@ -458,7 +458,7 @@ impl App {
             }
         };
         let conns = Connections { consume: Arc::new(consume), publish: Arc::new(publish) };
-        let meta_key = format!("{}:partitions", s.redis.key_prefix);
+        let meta_key = topology::partition_count_key(&s.redis.key_prefix);
         if let Err(e) = topology::declare(&conns.consume, &s.amqp, &mut redis.manager(), &meta_key).await {
             if let topology::TopologyError::Redis(re) = &e {
                 redis.report(re);

@@ -689,7 +689,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     }
     let pttls: Vec<i64> = pipe.query_async(&mut r).await?;
     let pttls: Vec<Option<u64>> = pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect();
-    let recorded: bool = redis::cmd("EXISTS").arg(format!("{prefix}:partitions")).query_async(&mut r).await?;
+    let recorded: bool = redis::cmd("EXISTS").arg(crate::topology::partition_count_key(prefix)).query_async(&mut r).await?;
     let deployment_found = recorded || !live.is_empty() || leases.iter().any(Option::is_some);
 
     // Both open their own connections: run them together, so a silent broker costs one

@@ -18,11 +18,11 @@ pub const EX_NO_DEPLOYMENT: u8 = 4;
 /// `status`: the table was printed from Redis, but no RabbitMQ node answered, so the backlog
 /// and consumer columns are unknown (`EX_UNAVAILABLE`, sysexits.h: "a service is unavailable").
 pub const EX_UNAVAILABLE: u8 = 69;
-/// `status`: a RabbitMQ node answered but refused the login or the vhost (`EX_NOPERM`,
-/// sysexits.h: "insufficient permission"); the table is printed from Redis, backlog unknown.
-pub const EX_NOPERM: u8 = 77;
 /// The drain did not finish within `shutdown.drain_timeout` (`EX_SOFTWARE`, sysexits.h:
 /// "an internal software error"); unfinished requests return to their queues.
 pub const EX_SOFTWARE: u8 = 70;
+/// `status`: a RabbitMQ node answered but refused the login or the vhost (`EX_NOPERM`,
+/// sysexits.h: "insufficient permission"); the table is printed from Redis, backlog unknown.
+pub const EX_NOPERM: u8 = 77;
 /// A bad configuration, or a deployment that does not match it (`EX_CONFIG`, sysexits.h).
 pub const EX_CONFIG: u8 = 78;

@@ -290,10 +290,10 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     let text = text.strip_prefix('\u{FEFF}').unwrap_or(text);
     let StrictJson(value) = serde_json::from_str(text).map_err(|e| {
         let mut detail = e.to_string();
-        // serde_json's text for a lone UTF-16 surrogate escape (`"\ud800"`) names no surrogate.
         if text.starts_with('\u{FEFF}') {
             detail.push_str(" (the body starts with another byte order mark, U+FEFF, after the one skipped)");
         }
+        // serde_json's text for a lone UTF-16 surrogate escape (`"\ud800"`) names no surrogate.
         if detail.contains("hex escape") || detail.contains("surrogate") {
             detail.push_str(" (JSON strings hold Unicode text: a \\uD800–\\uDFFF escape must be half of a valid surrogate pair)");
         }

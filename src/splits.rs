@@ -668,8 +668,9 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_hot_key_is_published_and_a_redis_outage_freezes_the_view() {
+    /// An instance whose partition queued level-0 key 42 (20 dequeues of 5 s a second) for 4
+    /// refreshes, one a second from `t0`: the key is split in its view and in the store.
+    async fn split_key_42() -> (Affinity, Memory, SplitRules, Instant) {
         let a = Affinity::default();
         let store = Memory::default();
         let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
@@ -679,6 +680,12 @@ mod tests {
             hot_load(&a, hot);
             a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.unwrap();
         }
+        (a, store, rules, t0)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hot_key_is_published_and_a_redis_outage_freezes_the_view() {
+        let (a, store, rules, t0) = split_key_42().await;
         let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
         assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split));
         assert!(lock(&store.set).contains_key(&split));
@@ -703,15 +710,7 @@ mod tests {
     /// entries another instance merged is not.
     #[tokio::test(start_paused = true)]
     async fn a_lost_split_set_is_put_back_from_the_view() {
-        let a = Affinity::default();
-        let store = Memory::default();
-        let rules = SplitRules::new(Duration::from_secs(1), NonZeroU32::new(8).unwrap());
-        let hot = RoutedKey { level: 0, levels: 4, key: PrefixKey(42) };
-        let t0 = Instant::now();
-        for s in 0..=3 {
-            hot_load(&a, hot);
-            a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.unwrap();
-        }
+        let (a, store, rules, t0) = split_key_42().await;
         let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
         let drain = *lock(&store.set).get(&split).unwrap();
 

@@ -229,6 +229,11 @@ pub async fn queue_exists(conn: &Connection, name: &str) -> Result<bool, lapin::
     }
 }
 
+/// Redis key recording a deployment's partition count (see [`declare`]).
+pub fn partition_count_key(prefix: &str) -> String {
+    format!("{prefix}:partitions")
+}
+
 /// Declares everything, idempotently, and checks the partition count against the broker and
 /// Redis (`redis_key` = `{prefix}:partitions`).
 pub async fn declare(
