@@ -28,7 +28,10 @@
 //! Operations, each one atomic Lua script (one round trip, no interleaving,
 //! <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
 //! - heartbeat: set the nonce key, `ZADD` the name with its expiry (Redis time + `member_ttl`),
-//!   drop expired names, and return the live names (sorted);
+//!   drop expired names, and return the live names (sorted), and whether the name was listed
+//!   before (a heartbeat that finds its own entry gone within `member_ttl` of the last one sees
+//!   that Redis lost its data); it also records the partition count `P:partitions` where Redis
+//!   holds none (see [`crate::topology::declare`]);
 //! - leave: if the nonce key is ours (or gone), delete it and `ZREM` the name;
 //! - list (for `status`): the live names, their nonces and flags, read only.
 
@@ -40,17 +43,25 @@ use redis::Script;
 use crate::lease::RedisConn;
 
 /// Heartbeat: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag,
-/// member's routing settings], ARGV = [name, nonce, member_ttl_ms, llm_down ("1" or "0"), key
-/// prefix, name_conflict ("1" or "0"), name-conflict flag TTL ms, routing settings ('' for none:
-/// neither stored nor compared)]. A name-conflict "1" sets that flag for
-/// [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to expire.
-/// Returns `{names, previous, down, differs}`: the live member names, sorted; the nonce the name's
-/// key held before when it was another process's (else `false`, read as nil); the live members
-/// whose LLM-down flag is set, sorted; and `name, settings` pairs (flat) of the other live
-/// members whose routing settings differ. The flag and settings expire with the heartbeat.
+/// member's routing settings, the deployment's partition count
+/// ([`crate::topology::partition_count_key`])], ARGV = [name, nonce, member_ttl_ms, llm_down
+/// ("1" or "0"), key prefix, name_conflict ("1" or "0"), name-conflict flag TTL ms, routing
+/// settings ('' for none: neither stored nor compared), partition count ('' for none: not
+/// recorded)]. A name-conflict "1" sets that flag for [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it
+/// to expire. The partition count is written only where none is recorded (`SET … NX`).
+/// Returns `{names, previous, down, differs, listed, recorded}`: the live member names, sorted;
+/// the nonce the name's key held before when it was another process's (else `false`, read as
+/// nil); the live members whose LLM-down flag is set, sorted; `name, settings` pairs (flat) of
+/// the other live members whose routing settings differ; 1 when the member set held this name
+/// before this heartbeat, else 0; 1 when this heartbeat recorded the partition count, else 0.
+/// The flag and settings expire with the heartbeat.
 const HEARTBEAT: &str = r#"
 local prev = redis.call('GET', KEYS[2])
 if prev == ARGV[2] then prev = false end
+local listed = 0
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then listed = 1 end
+local recorded = 0
+if ARGV[9] ~= '' and redis.call('SET', KEYS[6], ARGV[9], 'NX') then recorded = 1 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -90,7 +101,7 @@ if ARGV[8] ~= '' then
     end
   end
 end
-return {names, prev, down, differs}
+return {names, prev, down, differs, listed, recorded}
 "#;
 
 /// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag, member's
@@ -222,6 +233,14 @@ pub struct Heartbeat {
     /// The other live members whose routing settings differ from this process's, with theirs
     /// (empty when this process publishes none: [`Membership::with_routing`]).
     pub routing_differs: Vec<(String, String)>,
+    /// Whether the member set held this name before this heartbeat (expired or not). `false`
+    /// on a process's first heartbeat, and after Redis lost its data (`FLUSHALL`, a restart
+    /// without persistence, a failover to a replica that lacked the entry) or dropped the entry
+    /// of a member silent for longer than its `member_ttl`.
+    pub was_listed: bool,
+    /// Whether this heartbeat wrote the partition count because none was recorded (Redis lost
+    /// it; [`Membership::with_partition_count`]).
+    pub recorded_partition_count: bool,
 }
 
 /// The heartbeat of one process (`name` + boot `nonce`).
@@ -235,6 +254,8 @@ pub struct Membership {
     timeout: Duration,
     /// Routing settings published and compared by each heartbeat ('' = none).
     routing: String,
+    /// Partition count recorded by each heartbeat where none is ('' = none).
+    partitions: String,
     heartbeat: Arc<Script>,
     leave: Arc<Script>,
 }
@@ -250,6 +271,7 @@ impl Membership {
             ttl,
             timeout,
             routing: String::new(),
+            partitions: String::new(),
             heartbeat: Arc::new(Script::new(HEARTBEAT)),
             leave: Arc::new(Script::new(LEAVE)),
         }
@@ -260,6 +282,15 @@ impl Membership {
     /// with the other members' ([`Heartbeat::routing_differs`]).
     pub fn with_routing(mut self, routing: String) -> Self {
         self.routing = routing;
+        self
+    }
+
+    /// Records `partitions` as the deployment's partition count with each heartbeat where Redis
+    /// holds none ([`crate::topology::partition_count_key`], `SET … NX`), so that the startup
+    /// check of a later instance ([`crate::topology::declare`]) still finds it after Redis lost
+    /// its data. A recorded count is never overwritten.
+    pub fn with_partition_count(mut self, partitions: u32) -> Self {
+        self.partitions = partitions.to_string();
         self
     }
 
@@ -287,6 +318,7 @@ impl Membership {
             .key(member_llm_down_key(&self.prefix, &self.name))
             .key(member_name_conflict_key(&self.prefix, &self.name))
             .key(member_routing_key(&self.prefix, &self.name))
+            .key(crate::topology::partition_count_key(&self.prefix))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(self.ttl.as_millis() as u64)
@@ -294,11 +326,12 @@ impl Membership {
             .arg(&self.prefix)
             .arg(if name_conflict { "1" } else { "0" })
             .arg(NAME_CONFLICT_FLAG_TTL.as_millis() as u64)
-            .arg(&self.routing);
-        let (members, previous_nonce, llm_down, differs): (Vec<String>, Option<String>, Vec<String>, Vec<String>) =
+            .arg(&self.routing)
+            .arg(&self.partitions);
+        let (members, previous_nonce, llm_down, differs, listed, recorded): (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64) =
             self.timed(call.invoke_async(&mut conn)).await?;
         let routing_differs = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();
-        Ok(Heartbeat { members, previous_nonce, llm_down, routing_differs })
+        Ok(Heartbeat { members, previous_nonce, llm_down, routing_differs, was_listed: listed == 1, recorded_partition_count: recorded == 1 })
     }
 
     /// Removes this process from the member set. `Ok(false)`: the name now belongs to another

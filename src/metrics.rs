@@ -160,6 +160,13 @@ static NAME_CONFLICTS: LazyLock<IntCounter> = LazyLock::new(|| {
     )
     .unwrap())
 });
+static REDIS_DATA_LOST: LazyLock<IntCounter> = LazyLock::new(|| {
+    reg(IntCounter::new(
+        "redis_data_lost_total",
+        "Heartbeats that found this instance's membership entry gone although it heartbeated within member_ttl: Redis lost its data (FLUSHALL, a restart without persistence, a failover to a replica that lacked it).",
+    )
+    .unwrap())
+});
 static MEMBERS: LazyLock<IntGauge> =
     LazyLock::new(|| reg(IntGauge::new("members", "Live instances seen in the membership set.").unwrap()));
 static MEMBERS_LLM_DOWN: LazyLock<IntGauge> = LazyLock::new(|| {
@@ -457,6 +464,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     }
     LazyLock::force(&REBALANCES);
     LazyLock::force(&NAME_CONFLICTS);
+    LazyLock::force(&REDIS_DATA_LOST);
     LazyLock::force(&PARTITION_OTHER_CONSUMER);
     LazyLock::force(&MEMBERS);
     LazyLock::force(&MEMBERS_LLM_DOWN);
@@ -607,6 +615,12 @@ pub fn lease_op(op: &'static str, outcome: &'static str) {
 /// The desired assignment changed.
 pub fn rebalanced() {
     REBALANCES.inc();
+}
+
+/// A heartbeat found this instance's membership entry gone within `member_ttl` of its last one
+/// ([`crate::ownership`]): Redis lost its data.
+pub fn redis_data_lost() {
+    REDIS_DATA_LOST.inc();
 }
 
 /// A heartbeat found this instance's name held by another live process

@@ -130,7 +130,8 @@ impl Ownership {
         let holder = format!("{}:{}", settings.instance_name, nonce);
         let (prefix, timeout) = (&settings.redis.key_prefix, settings.redis.command_timeout);
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
-        let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout).with_routing(settings.routing_fingerprint());
+        let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout).with_routing(settings.routing_fingerprint())
+            .with_partition_count(settings.amqp.partitions.get());
         Ownership {
             buffer_budget: partition::BufferBudget::new(&settings),
             settings,
@@ -277,6 +278,17 @@ impl Ownership {
         // of them over again.
         if self.last_heartbeat.is_none_or(|t| t.elapsed() >= s.member_ttl) {
             self.rejoined_at = Some(Instant::now());
+        } else if !beat.was_listed {
+            // Heartbeating all along, yet the entry is gone: Redis lost its data (FLUSHALL, a
+            // restart without persistence, a failover to a replica that lacked it). Every
+            // member's entry and lease went with it, so this view holds only the members that
+            // heartbeated since; acquiring now would take their partitions for a moment.
+            warn!(settle_time = ?s.settle_time, "Redis no longer held this instance's membership entry (flushed, restarted without its data, or failed over to a replica that lacked it): waiting settle_time for the other members to re-announce before acquiring partitions");
+            metrics::redis_data_lost();
+            self.rejoined_at = Some(Instant::now());
+        }
+        if beat.recorded_partition_count {
+            info!(partitions = self.settings.amqp.partitions.get(), "recorded the partition count in Redis again (it had none)");
         }
         self.last_heartbeat = Some(Instant::now());
         crate::splits::Affinity::for_prefix(&self.settings.redis.key_prefix).set_servers(members.len().max(1) * self.settings.llm.endpoints.len());

@@ -136,3 +136,49 @@ async fn members_with_other_routing_settings_are_named() {
     let left = probe.keys(&format!("{prefix}:*")).await;
     assert!(left.is_empty(), "keys left behind: {left:?}");
 }
+
+/// After Redis lost its data (`FLUSHALL`, a restart without persistence), a member's next
+/// heartbeat finds its own entry gone (the ownership manager then waits `settle_time` before
+/// acquiring, instead of taking the partitions of the members that have not heartbeated yet),
+/// and the first heartbeat records the partition count again, never overwriting one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_sees_that_redis_lost_its_data() {
+    let prefix = &format!("pb-test-lost-{:016x}", fastrand::u64(..));
+    let conn = redis::Client::open(REDIS_URL).unwrap().get_connection_manager().await.unwrap();
+    let mut probe = RedisProbe::connect().await.unwrap();
+    let (ttl, t) = (Duration::from_secs(30), Duration::from_secs(2));
+    let count_key = prefix_batcher::topology::partition_count_key(prefix);
+    let a = Membership::new(conn.clone(), prefix, "a", "a", ttl, t).with_partition_count(12);
+    let b = Membership::new(conn.clone(), prefix, "b", "b", ttl, t).with_partition_count(12);
+    let first = a.heartbeat(false).await.unwrap();
+    assert!(!first.was_listed, "a first heartbeat finds no entry");
+    assert!(first.recorded_partition_count, "nothing was recorded");
+    assert_eq!(probe.get(&count_key).await.as_deref(), Some("12"));
+    let beat = b.heartbeat(false).await.unwrap();
+    assert!(!beat.was_listed && !beat.recorded_partition_count, "already recorded: {beat:?}");
+    let beat = a.heartbeat(false).await.unwrap();
+    assert!(beat.was_listed && !beat.recorded_partition_count, "{beat:?}");
+
+    // Redis loses the deployment's data.
+    let keys = probe.keys(&format!("{prefix}:*")).await;
+    let _: i64 = redis::cmd("DEL").arg(&keys).query_async(&mut probe.conn).await.unwrap();
+    let beat = a.heartbeat(false).await.unwrap();
+    assert_eq!(beat.members, ["a"], "b has not heartbeated since");
+    assert!(!beat.was_listed, "the entry is gone although a heartbeated just now");
+    assert!(beat.recorded_partition_count);
+    assert_eq!(probe.get(&count_key).await.as_deref(), Some("12"));
+    assert!(!b.heartbeat(false).await.unwrap().was_listed, "b too");
+    assert!(a.heartbeat(false).await.unwrap().was_listed);
+
+    // A recorded count is never overwritten, whatever this member's own.
+    let _: () = redis::cmd("SET").arg(&count_key).arg("16").query_async(&mut probe.conn).await.unwrap();
+    assert!(!a.heartbeat(false).await.unwrap().recorded_partition_count);
+    assert_eq!(probe.get(&count_key).await.as_deref(), Some("16"));
+
+    for m in [&a, &b] {
+        assert!(m.leave().await.unwrap());
+    }
+    let _: i64 = redis::cmd("DEL").arg(&count_key).query_async(&mut probe.conn).await.unwrap();
+    let left = probe.keys(&format!("{prefix}:*")).await;
+    assert!(left.is_empty(), "keys left behind: {left:?}");
+}

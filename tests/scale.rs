@@ -610,6 +610,58 @@ async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
     env.cleanup().await;
 }
 
+/// h. Redis loses the deployment's data (every key of its prefix deleted, as by `FLUSHALL` or a
+/// restart without persistence) while two instances run: each one's next heartbeat finds its own
+/// entry gone and waits `settle_time` before acquiring, so no partition is ever taken by the
+/// instance that is not its desired owner (without the wait, the first instance to heartbeat
+/// sees itself alone and takes the other's partitions for a moment). The partition count is
+/// recorded again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h_redis_losing_its_data_moves_no_partition() {
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 8;
+    let env = TestEnv::new("datalost");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut raw = scale_config(&env, fake.url.as_str(), P);
+    // Longer than two ownership rounds (a third of renew_interval each), so both instances
+    // heartbeat within it.
+    raw.ownership.settle_time = "1s".into();
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let (mut cluster, leases, _) = Cluster::start_settled(&env, raw, &["a", "b"], &mut redis).await;
+    let want = desired_owners(P, &cluster.running_names());
+    let count_key = prefix_batcher::topology::partition_count_key(&prefix);
+    assert_eq!(redis.get(&count_key).await, Some(P.to_string()));
+
+    let keys = redis.keys(&format!("{prefix}:*")).await;
+    let _: i64 = redis::cmd("DEL").arg(&keys).query_async(&mut redis.conn).await.unwrap();
+    let t_lost = Instant::now();
+    let mut misplaced = BTreeSet::new();
+    let (back, at) = poll_leases(&mut redis, &prefix, P, "every lease back on its desired owner", DEADLINE, Duration::from_millis(10), |now| {
+        for (p, l) in now.iter().enumerate() {
+            if let Some(l) = l.as_ref().filter(|l| l.name != want[p]) {
+                misplaced.insert((p, l.name.clone(), l.epoch));
+            }
+        }
+        now.iter().zip(&want).all(|(l, w)| l.as_ref().is_some_and(|l| &l.name == w))
+    })
+    .await;
+    println!("Redis data lost: leases back on their owners after {}; epochs {:?} -> {:?}", secs(at - t_lost), leases.iter().map(|l| l.as_ref().map(|l| l.epoch)).collect::<Vec<_>>(), back.iter().map(|l| l.as_ref().map(|l| l.epoch)).collect::<Vec<_>>());
+    assert!(misplaced.is_empty(), "partitions taken by an instance that is not their desired owner (partition, holder, epoch): {misplaced:?}");
+    for s in ["a", "b"] {
+        assert!(cluster.proc(s).log().contains("Redis no longer held this instance's membership entry"), "{s} logs the loss:\n{}", cluster.proc(s).log_tail(20));
+    }
+    let deadline = Instant::now() + DEADLINE;
+    while redis.get(&count_key).await.is_none() {
+        assert!(Instant::now() < deadline, "the partition count was not recorded again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(redis.get(&count_key).await, Some(P.to_string()));
+
+    cluster.stop_all(DEADLINE).await;
+    env.cleanup().await;
+}
+
 /// `(queue, consumer tag, active)` of every consumer of the queues starting with `prefix`, from
 /// `rabbitmqctl list_consumers` (`None` when rabbitmqctl is not available).
 fn sac_consumers(prefix: &str) -> Option<Vec<(String, String, bool)>> {
