@@ -49,7 +49,11 @@
 //! before (see [`crate::llm`]), and reports a server fault when that fails, which opens the
 //! breaker; the requests then wait for the endpoint, uncharged. When the replay passes, the
 //! failing prompts are poison prompts, however many; the owner clears the count
-//! ([`Breaker::clear_faulty_calls`]) and they are refuted as before.
+//! ([`Breaker::clear_faulty_calls`]) and they are refuted as before. With no call to replay (none
+//! answered since the daemon started) the owner reports a server fault too, and its half-open
+//! probe closes the breaker on the one-token call alone, keeping the count: the first real call
+//! that fails again reopens it, the first one answered clears the count
+//! ([`Breaker::record`] of a real success).
 //!
 //! [`Breaker::available`] is true only while closed: work resumes once a probe has shown the
 //! endpoint healthy. Outcomes of calls admitted before the breaker opened are ignored while it is

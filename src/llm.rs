@@ -49,11 +49,14 @@
 //! Likewise a server that answers the probe but 5xx or an invalid answer to every real call: once
 //! answered faults came from [`crate::breaker::DISTINCT_FAULTY_CALLS`] different one-prompt calls
 //! with no real call answered since, a passing one-token probe is followed by a *replay*: the
-//! first one-prompt call the endpoint answered (kept, up to [`KNOWN_GOOD_MAX_BYTES`]) is sent
+//! first real call the endpoint answered (kept, up to [`KNOWN_GOOD_MAX_BYTES`]) is sent
 //! again. If it fails with a server fault, the endpoint counts as down (the breaker opens, and
 //! stays open until a probe's replay passes); if it passes, the failures were the prompts' own
 //! (poison prompts, however many), they are discounted and their requests charged. Without a
-//! call answered before (a server broken since the daemon started), they are discounted too.
+//! call answered before (a server broken since the daemon started, or a daemon started during
+//! such an outage), the endpoint counts as down too, and its half-open probes let real calls try
+//! it again without charging them: the first that fails reopens the breaker, the first answered
+//! ends the doubt and becomes the call to replay.
 //!
 //! A *hung* server (it accepts connections but never answers) times out every call and the
 //! probe too, so it still opens the breaker: the probe is limited to
@@ -99,7 +102,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use url::Url;
 
-use crate::breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Outcome};
+use crate::breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Outcome, DISTINCT_FAULTY_CALLS};
 use crate::config::LlmSettings;
 use crate::request::{Body, Usage};
 
@@ -224,7 +227,8 @@ struct Endpoint {
     /// exact usage and the cached-token metrics stay true.
     per_prompt_calls: AtomicBool,
     breaker: Mutex<Breaker>,
-    /// A one-prompt call this endpoint answered (URL and body, at most [`KNOWN_GOOD_MAX_BYTES`]):
+    /// A real call this endpoint answered, one prompt or a list (URL and body, at most
+    /// [`KNOWN_GOOD_MAX_BYTES`]):
     /// replayed by [`LlmClient::probe`] when the one-token probe passes while different real
     /// calls keep failing ([`Breaker::probes_unrepresentative`]).
     known_good: Mutex<Option<(Url, Vec<u8>)>>,
@@ -920,7 +924,7 @@ impl LlmClient {
         if breaker_outcome == Outcome::AnsweredFault && call.n_items == 1 {
             lock(&ep.breaker).answered_fault_call(xxhash_rust::xxh3::xxh3_64(&call.payload));
         }
-        if breaker_outcome == Outcome::Success && call.n_items == 1 && call.payload.len() <= KNOWN_GOOD_MAX_BYTES {
+        if breaker_outcome == Outcome::Success && call.payload.len() <= KNOWN_GOOD_MAX_BYTES {
             let mut known = lock(&ep.known_good);
             if known.is_none() {
                 *known = Some((call.url.clone(), call.payload.clone()));
@@ -971,7 +975,7 @@ impl LlmClient {
         if endpoint >= self.inner.endpoints.len() || !self.available(endpoint) {
             return true;
         }
-        if self.probe(endpoint).await != Outcome::ServerFault {
+        if self.probe(endpoint, false).await != Outcome::ServerFault {
             let changed = lock(&self.inner.endpoints[endpoint].breaker).probe_passed(Instant::now());
             if changed.is_none() {
                 return false;
@@ -1008,7 +1012,7 @@ impl LlmClient {
             "server faults that may be the requests' own (5xx, invalid answers, request timeouts) tripped the circuit breaker's rule; \
              probing before opening it"
         );
-        let outcome = self.probe(endpoint).await;
+        let outcome = self.probe(endpoint, false).await;
         let changed = lock(&ep.breaker).verified(outcome, Instant::now());
         if changed.is_none() && outcome != Outcome::ServerFault {
             tracing::info!(
@@ -1054,20 +1058,39 @@ impl LlmClient {
     /// ([`Outcome::RequestFault`]); everything else — an invalid 2xx body, 5xx, 401/403/404, 429,
     /// timeouts, refused connections — is [`Outcome::ServerFault`]: the endpoint failed a check
     /// that is nobody's request.
-    async fn probe(&self, endpoint: usize) -> Outcome {
+    ///
+    /// When different real calls keep failing ([`Breaker::probes_unrepresentative`]), a passing
+    /// one-token call is followed by a replay of a real call the endpoint answered before. Without
+    /// one (no real call answered since the daemon started), nothing tells a server that fails
+    /// every real call from that many poison prompts, and charging them would dead-letter a whole
+    /// backlog after a restart during such an outage: the endpoint counts as down
+    /// ([`Outcome::ServerFault`]) and the requests wait, uncharged. The half-open probe
+    /// (`half_open`) then closes the breaker for a trial instead: the failing calls stay counted,
+    /// so the first real call that fails again reopens it at once, and the first one answered
+    /// clears them (and becomes the call to replay).
+    async fn probe(&self, endpoint: usize, half_open: bool) -> Outcome {
         let outcome = self.ping(endpoint).await;
         let ep = &self.inner.endpoints[endpoint];
         if outcome != Outcome::Success || !lock(&ep.breaker).probes_unrepresentative() {
             return outcome;
         }
         // The one-token probe passes while different real calls keep failing: ask again with a
-        // real call this endpoint answered before. Without one, the faults count as the
-        // requests' own.
+        // real call this endpoint answered before.
         let known = lock(&ep.known_good).clone();
-        let replayed = match known {
-            Some((url, payload)) => self.replay(endpoint, &url, payload).await,
-            None => Outcome::Success,
+        let Some((url, payload)) = known else {
+            if half_open {
+                tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answers the one-token probe; no real call was answered since the daemon started, so real calls try it again (the first one that fails reopens the breaker)");
+                return Outcome::Success;
+            }
+            tracing::warn!(
+                endpoint,
+                name = %ep.name,
+                different_calls = DISTINCT_FAULTY_CALLS,
+                "the LLM endpoint answers the one-token probe, but different real calls all failed and none was answered since the daemon started: treated as down (the requests wait, not charged a delivery)"
+            );
+            return Outcome::ServerFault;
         };
+        let replayed = self.replay(endpoint, &url, payload).await;
         if replayed != Outcome::ServerFault {
             lock(&ep.breaker).clear_faulty_calls();
         }
@@ -1283,7 +1306,7 @@ async fn probe_until_closed(inner: std::sync::Weak<Inner>, endpoint: usize) {
         }
         tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; probing with a one-token completion");
         client.breaker_changed(endpoint, BreakerState::HalfOpen, false);
-        let outcome = client.probe(endpoint).await;
+        let outcome = client.probe(endpoint, true).await;
         client.record(endpoint, outcome, true);
     }
 }

@@ -349,31 +349,55 @@ async fn an_llm_outage_pauses_intake_and_loses_nothing() {
 /// `delivery_limit` within seconds.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_answers_only_the_probe_pauses_intake() {
+    probe_only_outage("probeonly", true).await;
+}
+
+/// The same server fault met by a daemon that started during it, so no real call was ever
+/// answered and there is nothing to replay (observed: freshly restarted daemons dead-lettered all
+/// 200 requests of a backlog with `delivery_limit` within 20 s, "last error: HTTP 503"). The
+/// endpoint counts as down once different calls all failed, the requests wait uncharged, the
+/// half-open probes let real calls try it again without charging them, and after the recovery
+/// every request is answered `ok`; nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_answers_only_the_probe_from_the_start_pauses_intake() {
+    probe_only_outage("probecold", false).await;
+}
+
+/// 40 requests on 8 keys (`amqp.delivery_limit = 3`, one attempt per call) meet a server that
+/// answers the one-token probe but 500 to every real call for 8 s (after one warm-up request
+/// answered normally when `warm`), then recovers: none is dead-lettered, every one is answered
+/// `ok`.
+async fn probe_only_outage(name: &str, warm: bool) {
     let llm = SwitchableLlm::start(200).await;
-    let env = TestEnv::new("probeonly");
+    let env = TestEnv::new(name);
     let mut raw = env.raw_config(&llm.url);
     (raw.amqp.delivery_limit, raw.llm.max_attempts) = (3, 1);
+    if !warm {
+        llm.probe_only.store(true, Ordering::SeqCst);
+    }
     let mut st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
-    // The server works first: a real call it answered is what the probe replays.
-    let warm = one_key("probeonly-warm", 1, 9);
-    st.amqp.publish_requests(&env.input_queue(), &warm, &st.reply).await;
-    st.results.until_all(&ids(&warm), Duration::from_secs(30)).await;
-    llm.probe_only.store(true, Ordering::SeqCst);
-    let reqs = completions_workload("probeonly", 40, 8);
+    if warm {
+        // The server works first: a real call it answered is what the probe replays.
+        let warm = one_key(&format!("{name}-warm"), 1, 9);
+        st.amqp.publish_requests(&env.input_queue(), &warm, &st.reply).await;
+        st.results.until_all(&ids(&warm), Duration::from_secs(30)).await;
+        llm.probe_only.store(true, Ordering::SeqCst);
+    }
+    let reqs = completions_workload(name, 40, 8);
     let started = Instant::now();
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     tokio::time::sleep_until(started + Duration::from_secs(8)).await;
     let failed_calls = llm.failed_calls.load(Ordering::SeqCst);
     dead.barrier(&st.amqp).await;
-    assert_eq!(dead.received.len(), 0, "dead-lettered while only the probe was answered: {:?}", dead.received.first().map(|m| &m.headers));
+    assert_eq!(dead.received.len(), 0, "dead-lettered while only the probe was answered (warm: {warm}): {:?}", dead.received.first().map(|m| &m.headers));
     llm.probe_only.store(false, Ordering::SeqCst);
     st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
     let not_ok = st.results.received.iter().filter(|m| !m.result().ok).count();
     assert_eq!(not_ok, 0, "ok:false results");
     dead.barrier(&st.amqp).await;
     assert_eq!(dead.received.len(), 0);
-    eprintln!("probe-only server: 40 answered ok after {:?}, 0 dead-lettered, {failed_calls} failed real calls", started.elapsed());
+    eprintln!("probe-only server (warm: {warm}): 40 answered ok after {:?}, 0 dead-lettered, {failed_calls} failed real calls", started.elapsed());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
