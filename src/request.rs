@@ -93,6 +93,9 @@ pub enum ParseError {
     /// Neither `prompt` nor `messages`.
     #[error("request has neither `prompt` nor `messages`")]
     MissingPrompt,
+    /// `messages` is an empty list (reason `missing_prompt`, as there is no prompt).
+    #[error("`messages` is an empty list: a chat request needs at least one message")]
+    EmptyMessages,
     /// Both `prompt` and `messages`.
     #[error("request has both `prompt` and `messages`; send exactly one")]
     BothPromptAndMessages,
@@ -112,7 +115,7 @@ impl ParseError {
             ParseError::TooLarge { .. } => "too_large",
             ParseError::InvalidUtf8(_) => "invalid_utf8",
             ParseError::InvalidJson(_) => "invalid_json",
-            ParseError::MissingPrompt => "missing_prompt",
+            ParseError::MissingPrompt | ParseError::EmptyMessages => "missing_prompt",
             ParseError::BothPromptAndMessages => "both_prompt_and_messages",
             ParseError::UnknownMessageSchema(_) => "unknown_message_schema",
             ParseError::InvalidField { .. } => "invalid_field",
@@ -421,13 +424,19 @@ fn request_id(body_id: Option<Value>, message_id: Option<&str>) -> Result<String
 /// when the body is a JSON object with a valid one, else a valid `message_id`; `None` when
 /// neither (no id is generated for a refused request). For the dead letter's `x-request-id`.
 pub fn refused_request_id(body: &[u8], err: &ParseError, message_id: Option<&str>) -> Option<String> {
+    /// The `id` member of an object; every other member is skipped without being built
+    /// (`IgnoredAny`), so a body over the size limit is scanned once, not held as a JSON tree.
+    #[derive(serde::Deserialize)]
+    struct IdOnly {
+        #[serde(default)]
+        id: Option<Value>,
+    }
+    let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
     let body_id = match err {
-        // Not read again: too large to parse twice, or not text.
-        ParseError::TooLarge { .. } | ParseError::InvalidUtf8(_) => None,
-        _ => match serde_json::from_slice::<Value>(body) {
-            Ok(Value::Object(mut obj)) => obj.remove("id"),
-            _ => None,
-        },
+        // Not text: nothing to read.
+        ParseError::InvalidUtf8(_) => None,
+        _ if !is_object => None,
+        _ => serde_json::from_slice::<IdOnly>(body).ok().and_then(|b| b.id),
     };
     if body_id.is_none() && message_id.is_none_or(str::is_empty) {
         return None;
@@ -469,7 +478,7 @@ fn parse_messages(v: Value) -> Result<Vec<ChatMessage>, ParseError> {
         )));
     };
     if items.is_empty() {
-        return Err(ParseError::MissingPrompt);
+        return Err(ParseError::EmptyMessages);
     }
     items
         .into_iter()
@@ -652,6 +661,20 @@ mod tests {
         assert_eq!(refused_request_id(body, &err(body), Some("mid")).as_deref(), Some("7"), "the body's id first");
         let body = br#"{"id":"bad\u0007","prompt":"x"}"#;
         assert_eq!(refused_request_id(body, &err(body), Some("mid")), None, "an invalid id is not copied");
+        // Over the size limit: the id is still read (observed: a 5 MB body with a valid id was
+        // dead-lettered `too_large` without `x-request-id`).
+        let big = format!(r#"{{"prompt":"{}","id":"big-1"}}"#, "x".repeat(5000));
+        let too_large = err(big.as_bytes());
+        assert_eq!(too_large.reason(), "too_large");
+        assert_eq!(refused_request_id(big.as_bytes(), &too_large, None).as_deref(), Some("big-1"));
+        assert_eq!(refused_request_id(b" [\"x\"]", &list, None), None, "a list is no object, whatever its first member");
+    }
+
+    #[test]
+    fn an_empty_messages_list_is_named() {
+        let e = parse(br#"{"messages":[]}"#, &Envelope::default(), 1000).unwrap_err();
+        assert_eq!(e.reason(), "missing_prompt");
+        assert!(e.to_string().contains("`messages` is an empty list"), "{e}");
     }
 
     #[test]
