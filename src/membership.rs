@@ -53,13 +53,11 @@ use crate::lease::RedisConn;
 /// the nonce the name's key held before when it was another process's (else `false`, read as
 /// nil); the live members whose LLM-down flag is set, sorted; `name, settings` pairs (flat) of
 /// the other live members whose routing settings differ; 1 when the member set held this name
-/// before this heartbeat, else 0; 1 when this heartbeat recorded the partition count, else 0.
+/// before this heartbeat (`ZADD` added no new member), else 0; 1 when this heartbeat recorded the partition count, else 0.
 /// The flag and settings expire with the heartbeat.
 const HEARTBEAT: &str = r#"
 local prev = redis.call('GET', KEYS[2])
 if prev == ARGV[2] then prev = false end
-local listed = 0
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then listed = 1 end
 local recorded = 0
 if ARGV[9] ~= '' and redis.call('SET', KEYS[6], ARGV[9], 'NX') then recorded = 1 end
 local t = redis.call('TIME')
@@ -78,7 +76,7 @@ end
 if ARGV[8] ~= '' then
   redis.call('SET', KEYS[5], ARGV[8], 'PXAT', expiry)
 end
-redis.call('ZADD', KEYS[1], expiry, ARGV[1])
+local listed = 1 - redis.call('ZADD', KEYS[1], expiry, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
 if redis.call('PTTL', KEYS[1]) < ttl then
   redis.call('PEXPIRE', KEYS[1], ttl)
