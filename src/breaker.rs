@@ -215,6 +215,9 @@ pub struct Breaker {
     /// When the breaker last left the closed state (its first opening since it was last
     /// closed); `None` while closed.
     down_since: Option<Instant>,
+    /// The next close by a half-open probe is a trial ([`Self::close_for_trial`]): it keeps the
+    /// doubling of the open time.
+    trial: bool,
 }
 
 impl Breaker {
@@ -233,6 +236,7 @@ impl Breaker {
             last_answer: None,
             faulty_calls: Vec::new(),
             down_since: None,
+            trial: false,
         }
     }
 
@@ -248,6 +252,15 @@ impl Breaker {
     /// [`DISTINCT_FAULTY_CALLS`] different one-prompt calls and no real call answered since.
     pub fn probes_unrepresentative(&self) -> bool {
         self.faulty_calls.len() >= DISTINCT_FAULTY_CALLS
+    }
+
+    /// Marks the next close by a passing half-open probe as a trial: the probe could not show
+    /// that real calls are answered (none to replay), so real calls try the endpoint, and the
+    /// open time keeps doubling until one of them is answered. Without this, a server that
+    /// answers only the one-token probe would be retried with real calls every
+    /// [`BreakerPolicy::open_initial`].
+    pub fn close_for_trial(&mut self) {
+        self.trial = true;
     }
 
     /// Forgets the different failing calls counted so far: a real call was answered again (a
@@ -437,6 +450,7 @@ impl Breaker {
         if mark == Mark::Healthy && !probe {
             self.last_answer = Some(now);
             self.faulty_calls.clear();
+            self.openings = 0;
         } else if outcome == Outcome::TimedOut && self.timeouts_since.is_none() {
             self.timeouts_since = Some(now);
         }
@@ -484,7 +498,9 @@ impl Breaker {
         self.consecutive = 0;
         self.consecutive_unconfirmed = 0;
         self.recent.clear();
-        self.openings = 0;
+        if !std::mem::take(&mut self.trial) {
+            self.openings = 0;
+        }
         self.suspect = false;
     }
 }
@@ -812,6 +828,39 @@ mod tests {
         let mut b = Breaker::new(BreakerPolicy::default());
         b.record(Outcome::AnsweredFault, false, t0);
         assert_eq!(b.probe_passed(t0 + ms), None);
+    }
+
+    #[test]
+    fn a_trial_close_keeps_doubling_the_open_time_until_a_real_call_is_answered() {
+        let policy = BreakerPolicy::default();
+        let mut b = Breaker::new(policy);
+        let t0 = Instant::now();
+        assert_eq!(b.trip(t0), Some(BreakerState::Open));
+        let mut now = t0;
+        for wait in [1, 2, 4] {
+            let until = b.open_until().unwrap();
+            assert_eq!(until - now, Duration::from_secs(wait));
+            now = until;
+            assert!(b.admit_probe(now));
+            b.close_for_trial();
+            assert_eq!(b.record(Outcome::Success, true, now), Some(BreakerState::Closed));
+            assert_eq!(b.trip(now), Some(BreakerState::Open), "the first real call fails again");
+        }
+        assert_eq!(b.open_until().unwrap() - now, Duration::from_secs(8));
+        // A real call answered while closed ends the doubling.
+        now = b.open_until().unwrap();
+        assert!(b.admit_probe(now));
+        b.close_for_trial();
+        b.record(Outcome::Success, true, now);
+        b.record(Outcome::Success, false, now);
+        assert_eq!(b.trip(now), Some(BreakerState::Open));
+        assert_eq!(b.open_until().unwrap() - now, policy.open_initial);
+        // An ordinary close by a probe resets it as before.
+        now = b.open_until().unwrap();
+        assert!(b.admit_probe(now));
+        b.record(Outcome::Success, true, now);
+        assert_eq!(b.trip(now), Some(BreakerState::Open));
+        assert_eq!(b.open_until().unwrap() - now, policy.open_initial);
     }
 
     #[test]

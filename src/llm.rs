@@ -110,6 +110,9 @@ use crate::request::{Body, Usage};
 pub const COMPLETIONS_PATH: &str = "v1/completions";
 /// Path of the OpenAI chat completions API, appended to each endpoint's base URL.
 pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
+/// Bounds the "LLM call failed" line: an outage fails every batch's call
+/// ([`crate::log_limit`]).
+static CALL_FAILED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
 pub const PROBE_PROMPT: &str = "ping";
 /// Largest body of a real call kept for [`LlmClient::probe`] to replay (64 KiB).
@@ -849,7 +852,8 @@ impl LlmClient {
             let give_up = stop_for_split || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts;
             let delay = (!give_up).then(|| backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max));
             if !stop_for_split {
-                tracing::warn!(
+                crate::warn_limited!(
+                    CALL_FAILED_LOG,
                     endpoint,
                     attempt,
                     items = call.n_items,
@@ -1079,6 +1083,7 @@ impl LlmClient {
         let known = lock(&ep.known_good).clone();
         let Some((url, payload)) = known else {
             if half_open {
+                lock(&ep.breaker).close_for_trial();
                 tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answers the one-token probe; no real call was answered since the daemon started, so real calls try it again (the first one that fails reopens the breaker)");
                 return Outcome::Success;
             }

@@ -396,7 +396,7 @@ impl Ownership {
                 }
                 Ok(false) => {
                     metrics::lease_op("renew", "lost");
-                    warn!(partition = p, epoch = o.epoch, "lease lost (held by another instance); aborting partition");
+                    warn!(partition = p, epoch = o.epoch, "lease lost (taken by another instance, or gone from Redis); aborting partition");
                     self.abort(p);
                 }
                 Err(e) => {

@@ -940,6 +940,10 @@ async fn process_batch(
     }
 }
 
+/// Bounds the per-batch lines of [`infer_through_outages`]: an outage reaches every batch
+/// ([`crate::log_limit`]); the breaker's own lines say when the endpoint goes down and comes back.
+static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
 /// The LLM answers of `items`, one per item in order. Items
 /// that meet a server fault while their endpoint is down ([`LlmClient::confirm_server_fault`])
 /// wait for an available endpoint and go again. When the endpoint answers the probe instead, the
@@ -986,14 +990,15 @@ async fn infer_through_outages(
             return Some(results);
         }
         if outage {
-            warn!(
+            crate::warn_limited!(
+                WAITING_LOG,
                 partition = ctx.partition,
                 endpoint,
                 requests = again.len(),
                 "LLM endpoint down; these requests wait for it in memory, unacked, and are not charged a delivery"
             );
         } else {
-            warn!(partition = ctx.partition, endpoint, requests = again.len(), "server fault while the endpoint answers probes; retrying the requests one call each");
+            crate::warn_limited!(WAITING_LOG, partition = ctx.partition, endpoint, requests = again.len(), "server fault while the endpoint answers probes; retrying the requests one call each");
         }
         todo = again;
     }

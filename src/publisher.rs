@@ -624,7 +624,9 @@ pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &De
         Ok((Err((reason, detail)), req)) => (reason, detail, Some(req.id)),
         Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Ok(req),
         Ok((Ok(()), req)) => {
-            let last = redelivery::last_failure(&req.id).unwrap_or_else(|| "unknown on this instance".to_owned());
+            let last = redelivery::last_failure(&req.id).unwrap_or_else(|| {
+                "unknown on this instance (its earlier deliveries ended on another instance, before a restart of this one, or with the close of a channel)".to_owned()
+            });
             (REASON_DELIVERY_LIMIT, format!("delivered {count} times; last error: {last}"), Some(req.id))
         }
         Err(err) => {
