@@ -452,6 +452,55 @@ async fn restarts_during_an_outage_charge_no_request() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// A graceful stop during an LLM outage with a backlog beyond the prefetch puts every held and
+/// buffered delivery back exactly once (observed before: a quorum queue applied the channel's
+/// close before the last acknowledgements of the drain, rabbitmq-server #10327, so some acked
+/// originals came back next to their uncharged copies and were answered twice: 11 of 400, 47 of
+/// 1,200). Right after the stop the partition queues hold exactly the published requests, and
+/// after the restart and the recovery each one has exactly one result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_an_outage_puts_every_delivery_back_once() {
+    const N: usize = 800;
+    let llm = SwitchableLlm::start(503).await;
+    let env = TestEnv::new("stopback");
+    let mut raw = env.raw_config(&llm.url);
+    raw.amqp.partition_prefetch = 64;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let reqs = completions_workload("stopback", N, 8);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let routed = wait_for("every request routed to a partition queue", Duration::from_secs(60), || async { waiting_in_partitions(&env) == N as u64 }).await;
+    assert!(routed, "{} of {N} requests in the partition queues", waiting_in_partitions(&env));
+    let first = env.partition_queue(0);
+    let prefix = first.trim_end_matches(|c: char| c.is_ascii_digit()).to_owned();
+    let held = wait_for("the prefetch of every partition held", Duration::from_secs(30), || async {
+        broker::queues(&prefix).iter().all(|(_, ready, unacked)| *unacked > 0 || *ready == 0)
+    })
+    .await;
+    assert!(held, "no request held: {:?}", broker::queues(&prefix));
+    let Started { amqp, daemon, results, reply } = st;
+    daemon.stop().await.expect("daemon stops cleanly");
+    assert_eq!(waiting_in_partitions(&env), N as u64, "every request is back in its partition queue exactly once");
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
+    st = Started { amqp, daemon, results, reply };
+    llm.set(200);
+    st.results.until_all(&ids(&reqs), Duration::from_secs(120)).await;
+    st.results.barrier(&st.amqp).await;
+    let mut per_id: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for m in &st.results.received {
+        *per_id.entry(m.correlation_id.clone()).or_default() += 1;
+    }
+    let twice: Vec<&String> = per_id.iter().filter(|(_, n)| **n > 1).map(|(id, _)| id).collect();
+    assert!(twice.is_empty(), "{} requests answered more than once, e.g. {:?}", twice.len(), twice.first());
+    assert_eq!(per_id.len(), N);
+    dead.barrier(&st.amqp).await;
+    assert_eq!(dead.received.len(), 0, "dead-lettered: {:?}", dead.received.first().map(|m| &m.headers));
+    eprintln!("stop during an outage with {N} requests: each put back once and answered once");
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// A server that answers 401 to everything (a wrong token, not retried by the client, so every
 /// call fails at once): intake pauses, no `ok: false` result, and no request is charged a
 /// delivery (`amqp.delivery_limit = 1`: one charged delivery would dead-letter it); once the
