@@ -70,7 +70,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
-use crate::amqp::{answered, close_channel, reply_code, Connections, SharedConfirmChannel, NOT_FOUND};
+use crate::amqp::{answered, close_after_acks, close_channel, reply_code, Connections, SharedConfirmChannel, NOT_FOUND};
 use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::PrefixKey;
@@ -406,15 +406,6 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     }
 }
 
-/// How long a partition's consuming channel stays open after its work is settled on a graceful
-/// end (drain, handover), before it is closed. A quorum queue may apply the close of a channel
-/// before acknowledgements that channel sent just before it (rabbitmq-server issue #10327, "Quorum
-/// queue ignores some received acknowledgments when channel is closed"): the close returns those
-/// deliveries to the queue, and the next owner answers them a second time. Measured on RabbitMQ
-/// 3.10: a drain during an LLM outage that put 256 deliveries back (each copied, then acked) and
-/// closed at once left 47 acked originals in the queue, answered twice; with this wait, none.
-const SETTLE_BEFORE_CLOSE: Duration = Duration::from_millis(500);
-
 /// Graceful end: no new deliveries, then flush and finish everything buffered and in flight.
 /// The deliveries the broker sent before the cancel that the intake had not taken (`untaken`,
 /// and those still buffered in the consumer: all of them while the intake was paused for an LLM
@@ -434,9 +425,7 @@ async fn finish(ctx: &PartitionContext, s: Session, consumer: &mut Consumer, mut
         let returned = return_uncharged(ctx, &s.publish, untaken).await;
         info!(partition = ctx.partition, epoch = ctx.epoch, returned, deliveries = n, "deliveries not yet taken are back in the partition queue, not charged a delivery");
     }
-    // The acknowledgements just sent must reach the queue before the channel's close does.
-    tokio::time::sleep(SETTLE_BEFORE_CLOSE).await;
-    let _ = close_channel(&s.ch, "partition released").await;
+    let _ = close_after_acks(&s.ch, "partition released").await;
     s.publish.close("partition released").await;
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }

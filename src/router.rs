@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use crate::log_limit::LogLimit;
 
-use crate::amqp::{answered, close_channel, ConfirmChannel, Connections, SharedConfirmChannel};
+use crate::amqp::{answered, close_after_acks, ConfirmChannel, Connections, SharedConfirmChannel};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
@@ -119,7 +119,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             Ended::Stopped => {
                 let _ = answered("basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
                 while inflight.join_next().await.is_some() {}
-                let _ = close_channel(&ch, "router stopped").await;
+                let _ = close_after_acks(&ch, "router stopped").await;
                 break Ok(());
             }
             Ended::Closed(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
