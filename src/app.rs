@@ -140,6 +140,17 @@ impl SessionError {
         !matches!(self, SessionError::Redis(_) | SessionError::Topology(TopologyError::Redis(_)))
     }
 
+    /// When a broker refused the connection because a connection limit is reached (530
+    /// `NOT_ALLOWED` "… connection limit (N) is reached", RabbitMQ's per-vhost `max-connections`
+    /// or per-user limit), what to tell the operator. `None` for any other failure.
+    pub fn connection_limit(&self) -> Option<String> {
+        let SessionError::Connect(e) = self else { return None };
+        let text = e.to_string();
+        (crate::amqp::reply_code(e) == Some(crate::amqp::NOT_ALLOWED) && text.contains("connection limit")).then(|| {
+            format!("the broker refused the connection: a connection limit of the vhost or of the user is reached (rabbitmqctl list_vhost_limits, list_user_limits; each instance opens 2 connections); retrying (the broker said: {text})")
+        })
+    }
+
     /// When this failure is a refusal of the daemon's credentials, what to tell the operator: a
     /// sentence naming the configuration key that holds them, without the password.
     ///
@@ -158,6 +169,10 @@ impl SessionError {
                 Some(crate::amqp::ACCESS_REFUSED) => Some(format!(
                     "RabbitMQ node {node} ({url}) refused the login (403 ACCESS_REFUSED): check the user and password in {key} (the broker said: {e})"
                 )),
+                // A connection limit (of the vhost, or of the user: `rabbitmqctl set_vhost_limits`,
+                // `set_user_limits`) is 530 too; it clears when other connections close, so it is
+                // retried, not a configuration error ([`SessionError::connection_limit`]).
+                Some(crate::amqp::NOT_ALLOWED) if self.connection_limit().is_some() => None,
                 Some(crate::amqp::NOT_ALLOWED) => Some(format!(
                     "RabbitMQ node {node} ({url}) refused the vhost (530 NOT_ALLOWED): the vhost in {key} does not exist or its user has no permissions on it; see rabbitmqctl list_vhosts and list_user_permissions (the broker said: {e})"
                 )),
@@ -372,14 +387,18 @@ impl App {
         let mut refused_nodes = std::collections::BTreeMap::new();
         metrics::amqp_connected_node(None, amqp.nodes.len());
         while !work.is_cancelled() {
+            let began = tokio::time::Instant::now();
             let end = self.connect_and_run(&mut redis, node, work, events).await;
             metrics::amqp_connected_node(None, amqp.nodes.len());
             let failure = match end? {
                 SessionEnd::Stopped => return Ok(()),
                 SessionEnd::Failed(e) => e,
             };
-            if self.readiness.is_ready() {
-                // The session had been healthy: start the backoff over.
+            if self.readiness.is_ready() && began.elapsed() >= amqp.reconnect_backoff_max {
+                // The session had been healthy for a while: start the backoff over. One that ends
+                // soon after it became ready (its input queue refused to the daemon's user, say)
+                // keeps doubling it, so a broker that refuses every session is not asked twice a
+                // second.
                 backoff = amqp.reconnect_backoff_initial;
             }
             self.readiness.set(failure.not_ready(), true);
@@ -406,6 +425,10 @@ impl App {
                 node = crate::amqp::next_node(node, amqp.nodes.len());
             }
             match (&refused, &failure) {
+                (None, f) if f.connection_limit().is_some() => {
+                    let why = f.connection_limit().unwrap_or_default();
+                    error!(retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}")
+                }
                 (Some(why), _) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
                 // Before any AMQP connection: the broker is not the one at fault.
                 (None, SessionError::Redis(_)) => warn!(error = %failure, retry_in = ?backoff, "cannot connect to Redis; retrying"),
@@ -784,6 +807,30 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn refusal(kind: lapin::protocol::AMQPErrorKind, text: &str) -> lapin::Error {
+        lapin::ErrorKind::ProtocolError(lapin::protocol::AMQPError::new(kind, text.into())).into()
+    }
+
+    /// RabbitMQ refuses a connection over a vhost's or user's connection limit with 530, as it
+    /// refuses a missing vhost: the limit is retried (it clears when connections close), the
+    /// missing vhost stops the daemon (exit 78).
+    #[test]
+    fn a_connection_limit_is_retried_and_a_refused_vhost_is_not() {
+        use lapin::protocol::{AMQPErrorKind, AMQPHardError};
+        let settings = Settings::from_raw(&crate::config::RawConfig::default()).expect("default settings");
+        let limit = SessionError::Connect(refusal(
+            AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED),
+            "NOT_ALLOWED - access to vhost 'v' refused for user 'u': connection limit (4) is reached",
+        ));
+        assert!(limit.access_refused(&settings, 0).is_none(), "a connection limit stopped the daemon");
+        assert!(limit.connection_limit().is_some_and(|why| why.contains("connection limit") && why.contains("list_vhost_limits")));
+        assert!(!crate::client::login_refused(&limit.to_string()));
+        let vhost = SessionError::Connect(refusal(AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED), "NOT_ALLOWED - vhost v not found"));
+        assert!(vhost.access_refused(&settings, 0).is_some_and(|why| why.contains("refused the vhost")));
+        assert!(vhost.connection_limit().is_none());
+        assert!(crate::client::login_refused(&vhost.to_string()));
+    }
 
     fn gauge_line(connection: &str) -> String {
         let text = metrics::render();

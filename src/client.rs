@@ -768,9 +768,10 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
 }
 
 /// Whether a RabbitMQ error text of `status` is a refusal of the login or the vhost
-/// (`ACCESS_REFUSED`, 403; `NOT_ALLOWED`, 530), not an unreachable node.
+/// (`ACCESS_REFUSED`, 403; `NOT_ALLOWED`, 530), not an unreachable node. A 530 for a reached
+/// connection limit is not a refusal of the login: it clears when other connections close.
 pub fn login_refused(error: &str) -> bool {
-    error.contains("ACCESS_REFUSED") || error.contains("NOT_ALLOWED")
+    (error.contains("ACCESS_REFUSED") || error.contains("NOT_ALLOWED")) && !error.contains("connection limit")
 }
 
 fn opt<T: ToString>(v: Option<T>) -> String {

@@ -28,6 +28,17 @@ pub enum TopologyError {
         #[source]
         source: lapin::Error,
     },
+    /// The broker refused to create a queue because a queue limit is reached (406
+    /// `PRECONDITION_FAILED` "… queue limit in vhost … is reached": the vhost's `max-queues`, or
+    /// the cluster's). Not a configuration error: it clears when queues are deleted or the limit
+    /// is raised, so it is retried.
+    #[error("{what} `{name}` cannot be declared: the broker's queue limit is reached (the vhost's max-queues: rabbitmqctl list_vhost_limits; or the cluster-wide limit) ({source})")]
+    QueueLimit {
+        what: &'static str,
+        name: String,
+        #[source]
+        source: lapin::Error,
+    },
     /// The deployment has another partition count.
     #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{redis_key}`)")]
     PartitionCount { existing: String, configured: u32, redis_key: String },
@@ -65,9 +76,12 @@ fn configured_by(refusal: &str) -> String {
         .unwrap_or_default()
 }
 
-/// Turns a refused declare into a [`TopologyError`]: 406 `PRECONDITION_FAILED` is a mismatch.
+/// Turns a refused declare into a [`TopologyError`]: 406 `PRECONDITION_FAILED` is a mismatch, or
+/// a reached queue limit when the broker says so.
 fn declare_error(what: &'static str, name: &str, e: lapin::Error) -> TopologyError {
-    if reply_code(&e) == Some(PRECONDITION_FAILED) {
+    if reply_code(&e) == Some(PRECONDITION_FAILED) && e.to_string().contains("queue limit") {
+        TopologyError::QueueLimit { what, name: name.to_owned(), source: e }
+    } else if reply_code(&e) == Some(PRECONDITION_FAILED) {
         TopologyError::Mismatch { what, name: name.to_owned(), source: e }
     } else {
         e.into()
@@ -338,6 +352,19 @@ mod tests {
         assert!(configured_by("inequivalent arg 'x-dead-letter-exchange' for queue").contains("amqp.dead_letter_exchange"));
         assert_eq!(configured_by("inequivalent arg 'x-max-length' for queue"), "");
         assert_eq!(BROKER_DELIVERY_LIMIT_MARGIN, 2, "the text above says + 2");
+    }
+
+    /// A declare refused by a reached queue limit is retried, and says so; an argument mismatch
+    /// stops the daemon.
+    #[test]
+    fn a_queue_limit_is_not_a_mismatch() {
+        use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+        let refused = |text: &str| -> lapin::Error { lapin::ErrorKind::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED), text.into())).into() };
+        let limit = declare_error("queue", "q", refused("PRECONDITION_FAILED - cannot declare queue 'q': queue limit in vhost 'v' (13) is reached"));
+        assert!(matches!(limit, TopologyError::QueueLimit { .. }) && !limit.is_config_error());
+        assert!(limit.to_string().contains("queue limit is reached") && !limit.to_string().contains("other settings"), "{limit}");
+        let mismatch = declare_error("queue", "q", refused("PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q'"));
+        assert!(matches!(mismatch, TopologyError::Mismatch { .. }) && mismatch.is_config_error());
     }
 
     #[test]
