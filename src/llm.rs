@@ -1511,7 +1511,8 @@ impl Parsed {
 
 /// Reads token counts from an OpenAI `usage` object, falling back to llama-server's `timings`
 /// (`prompt_n` = prompt tokens evaluated, `cache_n` = prompt tokens reused from the cache,
-/// `predicted_n` = generated tokens).
+/// `predicted_n` = generated tokens). Cached tokens are capped at the prompt tokens: a server
+/// that reports more would push the cached-token ratio above 1.
 fn parse_usage(usage: Option<&Value>, timings: Option<&Value>) -> Option<Usage> {
     let num = |v: Option<&Value>, field: &str| v.and_then(|v| v.get(field)).and_then(Value::as_u64);
     let cache_n = num(timings, "cache_n");
@@ -1520,7 +1521,8 @@ fn parse_usage(usage: Option<&Value>, timings: Option<&Value>) -> Option<Usage> 
             .and_then(|u| u.get("prompt_tokens_details"))
             .and_then(|d| d.get("cached_tokens"))
             .and_then(Value::as_u64)
-            .or(cache_n);
+            .or(cache_n)
+            .map(|c| c.min(prompt_tokens));
         return Some(Usage {
             prompt_tokens,
             completion_tokens: num(usage, "completion_tokens").unwrap_or(0),
@@ -2387,6 +2389,12 @@ mod tests {
         let outs: Vec<Value> = p.items.into_iter().map(|r| r.unwrap().output).collect();
         assert_eq!(outs, [json!("a0"), json!("b0")]);
         assert_eq!((p.prompt_tokens, p.cached_tokens), (10, 4));
+    }
+
+    #[test]
+    fn cached_tokens_beyond_the_prompt_are_capped() {
+        let over = json!({"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 7}});
+        assert_eq!(parse_usage(Some(&over), None).and_then(|u| u.cached_tokens), Some(1));
     }
 
     #[test]
