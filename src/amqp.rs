@@ -6,7 +6,6 @@
 //! (<https://www.rabbitmq.com/resources/specs/amqp0-9-1.pdf>), as generated into
 //! `amq_protocol::protocol::constants` and `AMQPSoftError`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +15,6 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::{Channel, Connect, Connection, ConnectionProperties};
 
-use tracing::warn;
 
 use crate::config::AmqpSettings;
 
@@ -384,13 +382,14 @@ pub struct SharedConfirmChannel {
     grace: Duration,
     /// Who publishes here, for the log (`router`, `partition 3`).
     owner: String,
-    /// Set when a channel was found closed, or a new one could not be opened.
-    lost: AtomicBool,
 }
 
 /// Bounds the log line of a channel replaced after a failed publish: a reply queue that refuses
 /// every result fails one publish per request ([`crate::log_limit`]).
 static REPLACED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+/// Bounds the log line of a publishing channel found closed: a permission revoked on a
+/// destination closes the channel of every publish to it.
+static CLOSED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
 /// How often a replaced [`SharedConfirmChannel`] channel is checked for publishes in flight.
 const DRAIN_POLL: Duration = Duration::from_millis(20);
@@ -404,20 +403,12 @@ impl SharedConfirmChannel {
             replacing: tokio::sync::Mutex::new(()),
             grace,
             owner,
-            lost: AtomicBool::new(false),
         }
     }
 
     /// The publishing connection.
     pub fn connection(&self) -> &Arc<Connection> {
         &self.conn
-    }
-
-    /// Whether a channel was found closed (by the broker, or with its connection), or a new one
-    /// could not be opened, since this was made. A channel replaced after a failed publish does
-    /// not count.
-    pub fn lost_a_channel(&self) -> bool {
-        self.lost.load(Ordering::Relaxed)
     }
 
     /// The channel to publish on: the current one while it is open and no publish on it failed,
@@ -449,13 +440,12 @@ impl SharedConfirmChannel {
                 });
             }
             Some(_) => {
-                self.lost.store(true, Ordering::Relaxed);
-                warn!(owner = %self.owner, "the publishing channel was closed; reopening it");
+                crate::warn_limited!(CLOSED_LOG, owner = %self.owner, "the publishing channel was closed (by the broker: the publish's error, logged with it, says why; or with its connection); reopening it");
                 crate::metrics::publish_channel_replaced(false);
             }
             None => {}
         }
-        let ch = ConfirmChannel::open(&self.conn).await.inspect_err(|_| self.lost.store(true, Ordering::Relaxed))?;
+        let ch = ConfirmChannel::open(&self.conn).await?;
         *lock(&self.current) = Some(ch.clone());
         Ok(ch)
     }

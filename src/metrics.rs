@@ -390,7 +390,7 @@ pub mod stage {
 pub mod outcome {
     /// Router: published to a partition queue and acked.
     pub const ROUTED: &str = "routed";
-    /// Router: sent to the dead-letter queue.
+    /// Router or batcher (a partition): sent to the dead-letter queue.
     pub const DEAD_LETTERED: &str = "dead_lettered";
     /// Batcher: received from a partition queue.
     pub const RECEIVED: &str = "received";
@@ -403,6 +403,15 @@ pub mod outcome {
     /// Batcher: put back in its partition queue without a delivery charged, after a drain or
     /// handoff while its LLM endpoint was down ([`crate::partition`]).
     pub const RETURNED_UNCHARGED: &str = "returned_uncharged";
+    /// Publisher: an attempt to publish a result failed for a reason of the broker (permission,
+    /// full or missing results queue, closed channel, no confirm); the request stays unacked,
+    /// not charged a delivery, and the result goes again after a backoff
+    /// ([`crate::publisher::publish_result`]). Counted per failed attempt.
+    pub const RESULT_HELD: &str = "result_held";
+    /// Router: an attempt to forward a request failed for a reason of the broker; the input
+    /// delivery stays unacked, not charged a delivery, and is forwarded again after a backoff.
+    /// Counted per failed attempt.
+    pub const FORWARD_HELD: &str = "forward_held";
 }
 
 /// Label values of `amqp_connection_blocked{connection}`: which of the daemon's AMQP connections.
@@ -435,6 +444,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
         (stage::ROUTER, outcome::ROUTED),
         (stage::ROUTER, outcome::DEAD_LETTERED),
         (stage::BATCHER, outcome::RECEIVED),
+        (stage::BATCHER, outcome::DEAD_LETTERED),
         (stage::PUBLISHER, outcome::PROCESSED),
         (stage::PUBLISHER, outcome::FAILED),
         (stage::PUBLISHER, outcome::REQUEUED),
@@ -524,10 +534,12 @@ pub fn requests(stage: &'static str, outcome: &'static str, n: u64) {
     REQUESTS.with_label_values(&[stage, outcome]).inc_by(n);
 }
 
-/// A message was dead-lettered with `reason` (one of [`crate::request::DEAD_LETTER_REASONS`]).
-pub fn dead_lettered(reason: &'static str) {
+/// A message was dead-lettered with `reason` (one of [`crate::request::DEAD_LETTER_REASONS`]) by
+/// `stage` ([`stage::ROUTER`] for the input queue's, [`stage::BATCHER`] for a partition's:
+/// `delivery_limit`, or a message published straight to a partition queue).
+pub fn dead_lettered(reason: &'static str, stage: &'static str) {
     DEAD_LETTERS.with_label_values(&[reason]).inc();
-    REQUESTS.with_label_values(&[stage::ROUTER, outcome::DEAD_LETTERED]).inc();
+    REQUESTS.with_label_values(&[stage, outcome::DEAD_LETTERED]).inc();
 }
 
 /// One HTTP call to the LLM server ended with `outcome` (`ok` or an error kind) after `seconds`.

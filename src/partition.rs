@@ -577,28 +577,45 @@ fn observation(queue: &str) -> Option<QueueObservation> {
     QUEUE_OBSERVATIONS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(queue).copied()
 }
 
-/// Per partition queue: when this process's router first had a request forwarded to it
-/// (confirmed by the broker) since this process's consumer of the queue last received a delivery
-/// or started. An owner that stays idle long after such a forward has had it taken by another
-/// consumer of its queue ([`check_stall`]).
-static UNRECEIVED_FORWARDS: std::sync::LazyLock<Mutex<std::collections::HashMap<String, Instant>>> =
+/// Per partition queue, what this process knows of the requests its router forwarded to it.
+#[derive(Debug, Default, Clone, Copy)]
+struct ForwardWatch {
+    /// When the first forward (confirmed by the broker) was sent that this process's consumer of
+    /// the queue has not received since: set by [`forwarded_to`], cleared by [`forwards_received`].
+    unreceived_since: Option<Instant>,
+    /// When the consumer last received a delivery or started.
+    last_received: Option<Instant>,
+}
+
+/// Per partition queue: [`ForwardWatch`]. An owner that stays idle long after a forward it did
+/// not receive has had it taken by another consumer of its queue ([`check_stall`]).
+static FORWARD_WATCH: std::sync::LazyLock<Mutex<std::collections::HashMap<String, ForwardWatch>>> =
     std::sync::LazyLock::new(Default::default);
 
-/// Records a forward to partition queue `queue` that the broker confirmed (called by the router).
-pub fn forwarded_to(queue: &str) {
-    let mut all = UNRECEIVED_FORWARDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    if !all.contains_key(queue) {
-        all.insert(queue.to_owned(), Instant::now());
+/// Records a forward to partition queue `queue`, sent at `sent_at`, that the broker confirmed
+/// (called by the router). A forward sent before the consumer's last receipt is not recorded: on
+/// one broker the delivery can reach the consumer before the confirm reaches the router, and
+/// recording it then would leave a forward that looks never received after the last request of a
+/// burst, and a false alarm once the partition stayed idle for the stall window.
+pub fn forwarded_to(queue: &str, sent_at: Instant) {
+    let mut all = FORWARD_WATCH.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let w = all.entry(queue.to_owned()).or_default();
+    if w.last_received.is_some_and(|r| r >= sent_at) {
+        return;
     }
+    w.unreceived_since.get_or_insert(sent_at);
 }
 
 /// The consumer of `queue` received a delivery or started: earlier forwards are accounted for.
 fn forwards_received(queue: &str) {
-    UNRECEIVED_FORWARDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(queue);
+    let mut all = FORWARD_WATCH.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let w = all.entry(queue.to_owned()).or_default();
+    w.unreceived_since = None;
+    w.last_received = Some(Instant::now());
 }
 
 fn oldest_unreceived_forward(queue: &str) -> Option<Instant> {
-    UNRECEIVED_FORWARDS.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(queue).copied()
+    FORWARD_WATCH.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(queue).and_then(|w| w.unreceived_since)
 }
 
 /// How long a partition owner may receive nothing while its queue holds ready requests before
@@ -898,6 +915,7 @@ async fn process_batch(
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
+    let abort = &stop.abort;
     let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
         let pool = &*out;
@@ -914,17 +932,19 @@ async fn process_batch(
             let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
-                Some(result) => publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms).await,
+                Some(result) => publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms, &[cancel, abort]).await,
                 None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
             }
         }
         .instrument(span)
     });
     let settlements = futures_util::future::join_all(settles).await;
-    // A publishing channel found closed, or a closed publishing connection, fails the publishes
-    // after it: end the session, which consumes again (or reconnects), instead of requeueing
-    // every delivery until its delivery limit.
-    if settlements.contains(&Settlement::ChannelLost) || out.lost_a_channel() || !out.connection().status().connected() {
+    // A consuming channel found closed (an ack or nack failed), or a closed publishing connection:
+    // end the session, which consumes again (or reconnects). A publishing channel the broker
+    // closed does not end it: the held results go again on a new one
+    // ([`publisher::publish_result`]), and ending the session would charge every delivery in
+    // flight on the partition a delivery.
+    if settlements.contains(&Settlement::ChannelLost) || !out.connection().status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }
@@ -1065,6 +1085,24 @@ mod tests {
 
     fn seen(at: Instant, ready: u32, ready_since: Option<Instant>) -> Option<QueueObservation> {
         Some(QueueObservation { ready, at, ready_since })
+    }
+
+    #[test]
+    fn a_forward_received_before_its_confirm_is_not_left_unreceived() {
+        let queue = "unit-forward-watch.000";
+        forwards_received(queue); // the consumer starts
+        let sent = Instant::now();
+        forwards_received(queue); // the delivery arrives before the router saw the confirm
+        forwarded_to(queue, sent);
+        assert_eq!(oldest_unreceived_forward(queue), None, "the last forward of a burst raised a false alarm");
+        // A forward sent after the last receipt is recorded, at its send time, until a receipt.
+        std::thread::sleep(Duration::from_millis(2));
+        let later = Instant::now();
+        forwarded_to(queue, later);
+        forwarded_to(queue, Instant::now());
+        assert_eq!(oldest_unreceived_forward(queue), Some(later));
+        forwards_received(queue);
+        assert_eq!(oldest_unreceived_forward(queue), None);
     }
 
     #[test]

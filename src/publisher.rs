@@ -29,7 +29,7 @@ use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, Que
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection};
 use serde_json::Value;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 use crate::log_limit::LogLimit;
 
 use crate::amqp::{ConfirmChannel, Earlier, SharedConfirmChannel};
@@ -720,7 +720,7 @@ pub async fn dead_letter_and_ack(
         return Intake::Unacked(delivery);
     }
     match delivery.acker.ack(BasicAckOptions::default()).await {
-        Ok(_) => metrics::dead_lettered(reason),
+        Ok(_) => metrics::dead_lettered(reason, if lease.is_some() { stage::BATCHER } else { stage::ROUTER }),
         Err(e) => crate::warn_limited!(ACK_FAILED_LOG, error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
     }
     Intake::DeadLettered
@@ -862,11 +862,25 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 ///
 /// The result goes to the request's `reply_to` queue, or to `amqp.results_queue` when it has
 /// none. When `reply_to` refuses it (see [`refusal_reason`]) it goes to `amqp.results_queue`
-/// with headers [`HEADER_REPLY_TO_REFUSED`] and [`HEADER_REPLY_TO`]; when that fails too, the
-/// request is nacked with requeue and the error noted ([`crate::redelivery::note_failure`]). It
-/// carries `x-request-id`, `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is
-/// published or acked once `tenure.lease` is invalid (the request is requeued).
-/// `enqueued_unix_ms` (the request's publish time) feeds the end-to-end latency.
+/// with headers [`HEADER_REPLY_TO_REFUSED`] and [`HEADER_REPLY_TO`]. It carries `x-request-id`,
+/// `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is published or acked once
+/// `tenure.lease` is invalid (the request is requeued). `enqueued_unix_ms` (the request's publish
+/// time) feeds the end-to-end latency.
+///
+/// **A result the broker does not take is held, not charged.** When the results queue fails too
+/// (a permission revoked on the default exchange, the results queue full with `reject-publish`,
+/// deleted and not declarable under a vhost queue limit, a publishing channel closed by the
+/// broker, no confirm in time), the fault is the deployment's, not the request's: requeueing would
+/// charge the request a delivery per attempt, and a broker fault would dead-letter every answered
+/// request with `delivery_limit` within seconds. So the delivery stays unacked (uncharged) and the
+/// result is published again after [`hold_backoff`] (`amqp.reconnect_backoff_initial`
+/// doubling up to `amqp.reconnect_backoff_max`), on a new channel when the broker closed the old
+/// one, until it is confirmed, counted in `requests_total{stage="publisher",outcome="result_held"}`
+/// per failed attempt. The partition's prefetch bounds the requests held so. The holding ends
+/// (and the request is requeued, charged once, as at any lease loss or session end) when one of
+/// `hold_until` is cancelled, the lease deadline passes, or the publishing connection is closed.
+/// Only a result larger than the broker's `max_message_size` ([`says_too_large`]) is the request's
+/// own fault: it is requeued at once, so `amqp.delivery_limit` bounds it.
 ///
 /// **Direct reply-to.** A `reply_to` of `amq.rabbitmq.reply-to.<token>` ([`is_direct_reply_to`])
 /// names a requester's channel, not a queue. RabbitMQ delivers a result published to it straight
@@ -887,18 +901,43 @@ pub async fn publish_result(
     delivery: Delivery,
     result: RequestResult,
     enqueued_unix_ms: Option<u64>,
+    hold_until: &[&tokio_util::sync::CancellationToken],
 ) -> Settlement {
-    if !tenure.lease.is_valid() {
-        warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
-        return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
-    }
-    if let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await {
-        // After a nack the partition's next publish goes on a new channel
+    let mut failures = 0u32;
+    loop {
+        if !tenure.lease.is_valid() {
+            warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
+            return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
+        }
+        let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else { break };
+        // After a failed publish the partition's next one goes on a new channel
         // ([`crate::amqp::SharedConfirmChannel`]): a quorum queue that rejected a publish can
         // drop later publishes of the same channel while confirming them (RabbitMQ 3.10;
         // rabbitmq-server #14589).
-        crate::warn_limited!(RESULT_FAILED_LOG, request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
-        return requeue(&delivery.acker, &result.id, &format!("result not published: {e}")).await;
+        let why = format!("result not published: {e}");
+        if says_too_large(&e) || !out.connection().status().connected() || hold_until.iter().any(|t| t.is_cancelled()) {
+            crate::warn_limited!(RESULT_FAILED_LOG, request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
+            return requeue(&delivery.acker, &result.id, &why).await;
+        }
+        let wait = hold_backoff(amqp, failures);
+        failures += 1;
+        crate::redelivery::note_failure(&result.id, &why);
+        metrics::requests(stage::PUBLISHER, outcome::RESULT_HELD, 1);
+        crate::warn_limited!(
+            RESULT_FAILED_LOG,
+            request_id = %result.id,
+            error = %e,
+            attempts = failures,
+            retry_in = ?wait,
+            "result not confirmed: the broker does not take results (the request's fault would be a result over max_message_size); holding the request unacked, not charged a delivery, and publishing the result again"
+        );
+        let give_up = futures_util::future::select_all(hold_until.iter().map(|t| Box::pin(t.cancelled())));
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = give_up, if !hold_until.is_empty() => {
+                return requeue(&delivery.acker, &result.id, &why).await;
+            }
+        }
     }
     if !tenure.lease.is_valid() {
         // Published but not acked: the successor will process it again (a counted duplicate,
@@ -909,12 +948,35 @@ pub async fn publish_result(
         crate::warn_limited!(ACK_FAILED_LOG, request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
         return Settlement::ChannelLost;
     }
+    if failures > 0 {
+        info!(request_id = %result.id, attempts = failures + 1, "a held result was published");
+    }
     metrics::requests(stage::PUBLISHER, if result.ok { outcome::PROCESSED } else { outcome::FAILED }, 1);
     debug!(ok = result.ok, "result published and request acked");
     if let Some(t0) = enqueued_unix_ms {
         metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
     }
     Settlement::Acked
+}
+
+/// How long a held result ([`publish_result`]) or forward (the router) waits before it is
+/// published again after its `failures`-th failed attempt (0-based):
+/// `amqp.reconnect_backoff_initial` × 2^`failures`, at most `amqp.reconnect_backoff_max`.
+pub fn hold_backoff(a: &AmqpSettings, failures: u32) -> Duration {
+    a.reconnect_backoff_initial.saturating_mul(1u32 << failures.min(16)).min(a.reconnect_backoff_max)
+}
+
+/// Whether a failed publish says the message itself is too large for the broker: the channel
+/// closed with 406 `PRECONDITION_FAILED` "message size N is larger than [configured] max size M"
+/// (RabbitMQ's `max_message_size`, 128 MiB by default since 3.8; `rabbit_channel`).
+pub fn says_too_large(e: &PublishError) -> bool {
+    match e {
+        PublishError::Amqp(e) => {
+            let text = e.to_string();
+            crate::amqp::reply_code(e) == Some(crate::amqp::PRECONDITION_FAILED) && text.contains("message size") && text.contains("max size")
+        }
+        _ => false,
+    }
 }
 
 /// Publishes a result to `reply_to` (or the results queue), then, when `reply_to` refused it, to
@@ -1010,6 +1072,27 @@ fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> Basi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a result over the broker's `max_message_size` is the request's own publish fault;
+    /// held publishes wait `reconnect_backoff_initial` doubling up to `reconnect_backoff_max`.
+    #[test]
+    fn a_result_is_held_unless_it_is_too_large() {
+        use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPHardError, AMQPSoftError};
+        let closed = |kind, text: &str| PublishError::Amqp(lapin::ErrorKind::ProtocolError(AMQPError::new(kind, text.into())).into());
+        let too_large = closed(AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED), "PRECONDITION_FAILED - message size 134217729 is larger than configured max size 134217728");
+        assert!(says_too_large(&too_large));
+        assert!(says_too_large(&closed(AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED), "PRECONDITION_FAILED - message size 536870913 is larger than max size 536870912")));
+        let refused = closed(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED), "ACCESS_REFUSED - access to exchange 'amq.default' in vhost '/' refused for user 'u'");
+        for held in [refused, PublishError::Nacked, PublishError::Timeout(Duration::from_secs(1)), PublishError::AfterFailed, closed(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED), "CONNECTION_FORCED")] {
+            assert!(!says_too_large(&held), "{held}");
+        }
+        let mut raw = crate::config::RawConfig::default();
+        (raw.amqp.reconnect_backoff_initial, raw.amqp.reconnect_backoff_max) = ("500ms".into(), "3s".into());
+        let a = crate::config::Settings::from_raw(&raw).unwrap().amqp;
+        let waits: Vec<u64> = (0..6).map(|n| hold_backoff(&a, n).as_millis() as u64).collect();
+        assert_eq!(waits, [500, 1000, 2000, 3000, 3000, 3000]);
+        assert_eq!(hold_backoff(&a, u32::MAX), Duration::from_secs(3));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn only_nacks_are_retried_in_place_within_the_confirm_timeout() {

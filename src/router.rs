@@ -240,8 +240,11 @@ async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
 }
 
 /// Handles one input delivery: parse (or dead-letter), route, forward with a confirm, ack.
-/// A delivery whose forward or dead letter is not confirmed is requeued; a failed forward after
-/// [`redelivery::requeue_backoff`] (or at `stop`). The request id goes to `request_id` once known.
+/// A delivery whose dead letter is not confirmed is requeued after
+/// [`redelivery::requeue_backoff`] (or at `stop`); one whose forward is not confirmed is held,
+/// uncharged, and forwarded again after [`publisher::hold_backoff`] until the broker takes it,
+/// the session's publishing connection is lost or `stop` fires (then requeued). The request id
+/// goes to `request_id` once known.
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
     let ch = match publish.get().await {
@@ -276,9 +279,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let rk = AmqpSettings::partition_routing_key(r.partition);
     let mut retry = publisher::NackRetry::new(a);
     let mut declared_again = false;
+    // Failed attempts of a forward the broker does not take (see below).
+    let mut held = 0u32;
     loop {
+        let sent_at = tokio::time::Instant::now();
         let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &delivery.data, fwd.clone()).await else {
-            crate::partition::forwarded_to(&a.partition_queue(r.partition));
+            crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);
             break;
         };
         // The shard exchange or the partition queue was deleted while the daemon ran: declare the
@@ -307,9 +313,39 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             debug!(request_id = %r.request_id, partition = r.partition, "forward nacked by the broker; publishing it again");
             continue;
         }
-        crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, "forwarding failed; requeueing input after a backoff");
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
-        return requeue_after_backoff(a, delivery, stop).await;
+        if stop.is_cancelled() || !conn.status().connected() {
+            crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, "forwarding failed; requeueing input after a backoff");
+            return requeue_after_backoff(a, delivery, stop).await;
+        }
+        // The broker does not take forwards (write access to the shard exchange revoked, no
+        // confirm in time, a partition queue without a leader for longer than the nack retries):
+        // the deployment's fault, not the request's. Requeueing would charge the request a
+        // delivery per attempt; hold it unacked instead, uncharged, and forward it again.
+        let wait = publisher::hold_backoff(a, held);
+        held += 1;
+        metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
+        crate::warn_limited!(
+            FORWARD_FAILED_LOG,
+            error = %e,
+            attempts = held,
+            retry_in = ?wait,
+            "forwarding failed: the broker does not take forwards; holding the input delivery unacked, not charged a delivery, and forwarding it again"
+        );
+        tokio::select! {
+            _ = stop.cancelled() => return requeue(delivery).await,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        if !ch.status().connected() || ch.has_failed() {
+            match publish.get().await {
+                Ok(fresh) => ch = fresh,
+                Err(err) => {
+                    crate::warn_limited!(NO_CHANNEL_LOG, error = %err, "no publishing channel; requeueing input after a backoff");
+                    return requeue_after_backoff(a, delivery, stop).await;
+                }
+            }
+        }
+        retry = publisher::NackRetry::new(a);
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");

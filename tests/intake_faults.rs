@@ -542,31 +542,33 @@ async fn existing_input_queues_with_and_without_a_delivery_limit() {
     other.cleanup().await;
 }
 
-/// `prefix_batcher_requests_total{stage="router",outcome="requeued"}` of this process.
-fn router_requeues() -> f64 {
+/// `prefix_batcher_requests_total{stage="router",outcome}` of this process.
+fn router_outcomes(outcome: &str) -> f64 {
+    let label = format!("outcome=\"{outcome}\"");
     prefix_batcher::metrics::render()
         .lines()
-        .find(|l| l.starts_with("prefix_batcher_requests_total{") && l.contains(r#"stage="router""#) && l.contains(r#"outcome="requeued""#))
+        .find(|l| l.starts_with("prefix_batcher_requests_total{") && l.contains(r#"stage="router""#) && l.contains(&label))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or(0.0)
 }
 
 /// The broker closes the router's publishing channel (404: the shard exchange was deleted under
-/// the running daemon): the router requeues the deliveries, reopens its channel and forwards
-/// them once the exchange is back, on the same AMQP connections (no session restart, which
-/// would also have redeclared the exchange).
+/// the running daemon): the router holds the deliveries (or requeues them, when its connection
+/// went), reopens its channel and forwards them once the exchange is back, on the same AMQP
+/// connections (no session restart, which would also have redeclared the exchange).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_reopens_a_channel_the_broker_closed() {
     let fake = FakeLlm::new().start().await.unwrap();
     let mut f = fixture("reopen", fake.url.as_str()).await;
-    let before = router_requeues();
+    let failed_forwards = || router_outcomes("requeued") + router_outcomes("forward_held");
+    let before = failed_forwards();
     let ch = f.started.amqp.conn.create_channel().await.unwrap();
     ch.exchange_delete(f.env.shard_exchange().as_str().into(), Default::default()).await.unwrap();
     let reqs = completions_workload("reopen", 5, 1);
     f.started.amqp.publish_requests(&f.env.input_queue(), &reqs, &f.started.reply).await;
     let deadline = Instant::now() + DEADLINE;
-    while router_requeues() <= before {
-        assert!(Instant::now() < deadline, "the router never requeued a failed forward");
+    while failed_forwards() <= before {
+        assert!(Instant::now() < deadline, "the router never held or requeued a failed forward");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };

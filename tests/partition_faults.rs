@@ -677,3 +677,130 @@ where
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The test's own RabbitMQ user with every permission on `/`, deleted (with its permissions) on
+/// drop.
+struct BrokerUser {
+    name: String,
+    password: String,
+}
+
+impl BrokerUser {
+    fn create(test: &str) -> BrokerUser {
+        let u = BrokerUser { name: format!("pbt-{test}-{}", &uuid::Uuid::new_v4().simple().to_string()[..10]), password: uuid::Uuid::new_v4().simple().to_string() };
+        broker::rabbitmqctl(&["add_user", &u.name, &u.password]).expect("rabbitmqctl add_user");
+        u.permit_writes(".*");
+        u
+    }
+
+    /// Sets the user's permissions on `/`: configure and read everything, write what matches `write`.
+    fn permit_writes(&self, write: &str) {
+        broker::rabbitmqctl(&["set_permissions", "-p", "/", &self.name, ".*", write, ".*"]).expect("rabbitmqctl set_permissions");
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://{}:{}@127.0.0.1:5672/%2f", self.name, self.password)
+    }
+}
+
+impl Drop for BrokerUser {
+    fn drop(&mut self) {
+        let _ = broker::rabbitmqctl(&["delete_user", &self.name]);
+    }
+}
+
+/// A broker that stops taking results, first refusing them (the results queue full, with
+/// `overflow = reject-publish`: `basic.nack`), then also refusing the daemon's user write access
+/// to the default exchange (403 `ACCESS_REFUSED`, which closes the publishing channel), then
+/// taking them again. With `amqp.delivery_limit = 1`, a request charged a single delivery would be
+/// dead-lettered: every one of 40 answered requests must instead be held, uncharged, and get
+/// exactly one result once the broker takes results again. (Before, each refusal requeued the
+/// request: an operator's permission slip dead-lettered every answered request within seconds.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_refusing_results_holds_the_requests_uncharged() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("resultsheld");
+    let user = BrokerUser::create("resultsheld");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.url = user.url();
+    raw.amqp.delivery_limit = 1;
+    let st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let results_queue = env.results_queue();
+    // The results queue holds two messages and refuses the next ones (a quorum queue takes one
+    // publish beyond `max-length` before it refuses).
+    for _ in 0..2 {
+        st.amqp.publish(&results_queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
+    }
+    let policy = env.name.clone();
+    let pattern = format!("^{}$", results_queue.replace('.', "\\."));
+    broker::rabbitmqctl(&["set_policy", "-p", "/", "--apply-to", "queues", "--priority", "100", &policy, &pattern, r#"{"max-length": 1, "overflow": "reject-publish"}"#])
+        .expect("rabbitmqctl set_policy");
+    let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
+    let held_before = held();
+
+    let reqs = completions_workload("resultsheld", 40, 2);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, "").await;
+    if !wait_for("refused results to be held", Duration::from_secs(30), || async { held() >= held_before + 40.0 }).await {
+        dead.collect_for(Duration::from_secs(1)).await;
+        panic!("refused results were not held; {} requests dead-lettered instead", dead.received.len());
+    }
+
+    // Now the publishing channels the daemon opens have no write access to the default exchange.
+    let closed = || metric("prefix_batcher_publish_channels_replaced_total{reason=\"closed\"}");
+    let closed_before = closed();
+    user.permit_writes(r"^(?!amq\.default$).*");
+    assert!(wait_for("a publishing channel closed by the broker", Duration::from_secs(30), || async { closed() > closed_before }).await);
+    broker::rabbitmqctl(&["clear_policy", "-p", "/", &policy]).expect("rabbitmqctl clear_policy");
+    let still_held = held();
+    assert!(wait_for("more held attempts after the refused access", Duration::from_secs(30), || async { held() >= still_held + 40.0 }).await);
+    assert_eq!(st.amqp.queue_depth(&results_queue).await.0, 2, "a result got through while results were refused");
+
+    user.permit_writes(".*");
+    let mut results = st.amqp.consume(&results_queue).await;
+    results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    // Any late second copy of a result would arrive within the retry backoff (1 s here).
+    results.collect_for(Duration::from_secs(2)).await;
+    let answered: Vec<&str> = results.received.iter().map(|m| m.correlation_id.as_str()).filter(|c| c.starts_with("resultsheld-")).collect();
+    let distinct: HashSet<&str> = answered.iter().copied().collect();
+    assert_eq!(answered.len(), 40, "one result per request ({} results for {} requests)", answered.len(), distinct.len());
+    dead.collect_for(Duration::from_millis(500)).await;
+    assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![results, dead]).await;
+}
+
+/// A broker that stops taking the router's forwards (the shard exchange deleted, which closes the
+/// router's publishing channel, and write access to it revoked from the daemon's user, so the
+/// forwards on the new channel are refused with 403 `ACCESS_REFUSED`), then takes them again.
+/// With `amqp.delivery_limit = 1`, a request charged a single delivery would be dead-lettered:
+/// every one of 20 requests must instead be held at the router, uncharged, and answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("forwardsheld");
+    let user = BrokerUser::create("forwardsheld");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.url = user.url();
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    user.permit_writes(&format!("^(?!{}$).*", env.shard_exchange().replace('.', "\\.")));
+    st.amqp.ch.exchange_delete(env.shard_exchange().as_str().into(), Default::default()).await.expect("delete the shard exchange");
+    let held = || metric("prefix_batcher_requests_total{outcome=\"forward_held\",stage=\"router\"}");
+    let held_before = held();
+
+    let reqs = completions_workload("forwardsheld", 20, 2);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    if !wait_for("refused forwards to be held", Duration::from_secs(30), || async { held() >= held_before + 20.0 }).await {
+        dead.collect_for(Duration::from_secs(1)).await;
+        panic!("refused forwards were not held; {} requests dead-lettered instead", dead.received.len());
+    }
+    user.permit_writes(".*");
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    st.results.collect_for(Duration::from_secs(2)).await;
+    let answered = st.results.received.iter().filter(|m| m.correlation_id.starts_with("forwardsheld-")).count();
+    assert_eq!(answered, 20, "one result per request");
+    dead.collect_for(Duration::from_millis(500)).await;
+    assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
