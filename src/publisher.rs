@@ -874,8 +874,9 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// charge the request a delivery per attempt, and a broker fault would dead-letter every answered
 /// request with `delivery_limit` within seconds. So the delivery stays unacked (uncharged) and the
 /// result is published again after [`hold_backoff`] (`amqp.reconnect_backoff_initial`
-/// doubling up to `amqp.reconnect_backoff_max`), on a new channel when the broker closed the old
-/// one, until it is confirmed, counted in `requests_total{stage="publisher",outcome="result_held"}`
+/// doubling up to `amqp.reconnect_backoff_max`, and never while the publishing connection is
+/// blocked: [`wait_unblocked`]), on a new channel when the broker closed the old one, until it is
+/// confirmed, counted in `requests_total{stage="publisher",outcome="result_held"}`
 /// per failed attempt. The partition's prefetch bounds the requests held so. The holding ends
 /// (and the request is requeued, charged once, as at any lease loss or session end) when one of
 /// `hold_until` is cancelled, the lease deadline passes, or the publishing connection is closed.
@@ -932,8 +933,12 @@ pub async fn publish_result(
             "result not confirmed: the broker does not take results (the request's fault would be a result over max_message_size); holding the request unacked, not charged a delivery, and publishing the result again"
         );
         let give_up = futures_util::future::select_all(hold_until.iter().map(|t| Box::pin(t.cancelled())));
+        let next_attempt = async {
+            tokio::time::sleep(wait).await;
+            wait_unblocked(out.connection()).await;
+        };
         tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
+            _ = next_attempt => {}
             _ = give_up, if !hold_until.is_empty() => {
                 return requeue(&delivery.acker, &result.id, &why).await;
             }
@@ -957,6 +962,20 @@ pub async fn publish_result(
         metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
     }
     Settlement::Acked
+}
+
+/// How often [`wait_unblocked`] looks at the connection.
+const UNBLOCKED_POLL: Duration = Duration::from_millis(100);
+
+/// Returns once `conn` is not blocked by the broker (`connection.blocked`: a memory or disk alarm,
+/// <https://www.rabbitmq.com/docs/connection-blocked>). A held publish waits for it before it goes
+/// again: while blocked, the broker reads nothing from the connection, so a publish that timed out
+/// is still on its way, and each attempt more would reach the queue as one more copy once the
+/// alarm clears.
+pub async fn wait_unblocked(conn: &Connection) {
+    while conn.status().blocked() && conn.status().connected() {
+        tokio::time::sleep(UNBLOCKED_POLL).await;
+    }
 }
 
 /// How long a held result ([`publish_result`]) or forward (the router) waits before it is
