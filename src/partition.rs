@@ -817,9 +817,13 @@ async fn guarded_batch(
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
+    let mut reason = "";
     let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, Source::Partition) {
         Ok(req) => Intake::Valid(req, delivery),
-        Err(r) => publisher::dead_letter_and_ack(out, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await,
+        Err(r) => {
+            reason = r.reason;
+            publisher::dead_letter_and_ack(out, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await
+        }
     };
     let (req, delivery) = match intake {
         Intake::Valid(req, delivery) => (req, delivery),
@@ -834,7 +838,7 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
             let wait = if ctx.lease.is_valid() { redelivery::requeue_backoff(&s.amqp, earlier) } else { Duration::ZERO };
             tokio::spawn(async move {
                 tokio::time::sleep(wait).await;
-                publisher::requeue(&delivery.acker, &id, "invalid request; its dead letter was not confirmed").await;
+                publisher::requeue(&delivery.acker, &id, &format!("its dead letter (reason {reason}) was not confirmed")).await;
             });
             return None;
         }
@@ -921,6 +925,12 @@ async fn process_batch(
         let pool = &*out;
         let amqp = &ctx.settings.amqp;
         async move {
+            // The whole `pending`, not only the fields used below (an `async move` block captures
+            // disjoint fields, edition 2021): its `Held` must live until the delivery is settled,
+            // for the byte budget, the `unsettled_deliveries` gauge, the consumer_timeout guard
+            // and the stall check (a result held while the broker refuses results looked like an
+            // idle consumer, whose restart charged every held request a delivery).
+            let pending = pending;
             let answer = match answer {
                 Err(e) if e.fault() != Fault::Request => {
                     return publisher::requeue(&pending.delivery.acker, &pending.req.id, &e.to_string()).await;

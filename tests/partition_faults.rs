@@ -713,9 +713,11 @@ impl Drop for BrokerUser {
 /// `overflow = reject-publish`: `basic.nack`), then also refusing the daemon's user write access
 /// to the default exchange (403 `ACCESS_REFUSED`, which closes the publishing channel), then
 /// taking them again. With `amqp.delivery_limit = 1`, a request charged a single delivery would be
-/// dead-lettered: every one of 40 answered requests must instead be held, uncharged, and get
-/// exactly one result once the broker takes results again. (Before, each refusal requeued the
-/// request: an operator's permission slip dead-lettered every answered request within seconds.)
+/// dead-lettered: every one of 200 answered requests must instead be held, uncharged, through more
+/// than the stall window, and get exactly one result once the broker takes results again.
+/// (Before, each refusal requeued the request: an operator's permission slip dead-lettered every
+/// answered request within seconds; then a hold longer than the stall window restarted the
+/// consumers, which charged the held requests.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     let fake = FakeLlm::new().start().await.unwrap();
@@ -739,12 +741,21 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
     let held_before = held();
 
-    let reqs = completions_workload("resultsheld", 40, 2);
+    // 200 requests: more than the partitions' prefetch (16 each), so requests also wait in the
+    // partition queues while the held ones fill the prefetch.
+    let reqs = completions_workload("resultsheld", 200, 2);
     st.amqp.publish_requests(&env.input_queue(), &reqs, "").await;
-    if !wait_for("refused results to be held", Duration::from_secs(30), || async { held() >= held_before + 40.0 }).await {
+    if !wait_for("refused results to be held", Duration::from_secs(30), || async { held() >= held_before + 100.0 }).await {
         dead.collect_for(Duration::from_secs(1)).await;
         panic!("refused results were not held; {} requests dead-lettered instead", dead.received.len());
     }
+    // Held for longer than the stall window: a consumer whose prefetch is full of held requests
+    // is not idle, and is not restarted (a restart would charge each held request a delivery).
+    let stalled = || metric("prefix_batcher_consumer_restarts_total{reason=\"stalled\"}");
+    let stalled_before = stalled();
+    let window = prefix_batcher::partition::stall_window(&prefix_batcher::config::Settings::from_raw(&raw).unwrap());
+    tokio::time::sleep(window + Duration::from_secs(5)).await;
+    assert_eq!(stalled(), stalled_before, "a partition holding refused results was restarted as stalled");
 
     // Now the publishing channels the daemon opens have no write access to the default exchange.
     let closed = || metric("prefix_batcher_publish_channels_replaced_total{reason=\"closed\"}");
@@ -753,7 +764,7 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     assert!(wait_for("a publishing channel closed by the broker", Duration::from_secs(30), || async { closed() > closed_before }).await);
     broker::rabbitmqctl(&["clear_policy", "-p", "/", &policy]).expect("rabbitmqctl clear_policy");
     let still_held = held();
-    assert!(wait_for("more held attempts after the refused access", Duration::from_secs(30), || async { held() >= still_held + 40.0 }).await);
+    assert!(wait_for("more held attempts after the refused access", Duration::from_secs(30), || async { held() >= still_held + 100.0 }).await);
     assert_eq!(st.amqp.queue_depth(&results_queue).await.0, 2, "a result got through while results were refused");
 
     user.permit_writes(".*");
@@ -763,7 +774,7 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     results.collect_for(Duration::from_secs(2)).await;
     let answered: Vec<&str> = results.received.iter().map(|m| m.correlation_id.as_str()).filter(|c| c.starts_with("resultsheld-")).collect();
     let distinct: HashSet<&str> = answered.iter().copied().collect();
-    assert_eq!(answered.len(), 40, "one result per request ({} results for {} requests)", answered.len(), distinct.len());
+    assert_eq!(answered.len(), 200, "one result per request ({} results for {} requests)", answered.len(), distinct.len());
     dead.collect_for(Duration::from_millis(500)).await;
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![results, dead]).await;
