@@ -17,7 +17,7 @@ use common::*;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use llm_fakes::fake::FakeLlm;
-use prefix_batcher::config::AmqpSettings;
+use prefix_batcher::config::{AmqpSettings, RawConfig};
 use prefix_batcher::topology;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -135,12 +135,22 @@ fn waiting_in_partitions(env: &TestEnv) -> u64 {
 /// A daemon with `amqp.delivery_limit = 1` (one delivery charged to a request dead-letters it)
 /// holding every partition, and a consumer of its dead-letter queue.
 async fn start_charging_every_delivery(test: &str, llm_url: &str) -> (TestEnv, Started, Collector) {
+    let (env, _, started, dead) = start_charging_every_delivery_as(test, llm_url, None).await;
+    (env, started, dead)
+}
+
+/// [`start_charging_every_delivery`], connected to RabbitMQ as `user` when given; also returns
+/// the daemon's configuration.
+async fn start_charging_every_delivery_as(test: &str, llm_url: &str, user: Option<&BrokerUser>) -> (TestEnv, RawConfig, Started, Collector) {
     let env = TestEnv::new(test);
     let mut raw = env.raw_config(llm_url);
     raw.amqp.delivery_limit = 1;
+    if let Some(user) = user {
+        raw.amqp.url = user.url();
+    }
     let started = start_with_replies(&env, &raw).await;
     let dead = started.amqp.consume(&env.dead_letter_queue()).await;
-    (env, started, dead)
+    (env, raw, started, dead)
 }
 
 /// Stops the daemon gracefully, then checks that nothing was left unsettled (a delivery held
@@ -721,13 +731,8 @@ impl Drop for BrokerUser {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     let fake = FakeLlm::new().start().await.unwrap();
-    let env = TestEnv::new("resultsheld");
     let user = BrokerUser::create("resultsheld");
-    let mut raw = env.raw_config(fake.url.as_str());
-    raw.amqp.url = user.url();
-    raw.amqp.delivery_limit = 1;
-    let st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (env, raw, st, mut dead) = start_charging_every_delivery_as("resultsheld", fake.url.as_str(), Some(&user)).await;
     let results_queue = env.results_queue();
     // The results queue holds two messages and refuses the next ones (a quorum queue takes one
     // publish beyond `max-length` before it refuses).
@@ -788,13 +793,8 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     let fake = FakeLlm::new().start().await.unwrap();
-    let env = TestEnv::new("forwardsheld");
     let user = BrokerUser::create("forwardsheld");
-    let mut raw = env.raw_config(fake.url.as_str());
-    raw.amqp.url = user.url();
-    raw.amqp.delivery_limit = 1;
-    let mut st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (env, _, mut st, mut dead) = start_charging_every_delivery_as("forwardsheld", fake.url.as_str(), Some(&user)).await;
     user.permit_writes(&format!("^(?!{}$).*", env.shard_exchange().replace('.', "\\.")));
     st.amqp.ch.exchange_delete(env.shard_exchange().as_str().into(), Default::default()).await.expect("delete the shard exchange");
     let held = || metric("prefix_batcher_requests_total{outcome=\"forward_held\",stage=\"router\"}");
