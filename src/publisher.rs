@@ -933,12 +933,8 @@ pub async fn publish_result(
             "result not confirmed: the broker does not take results (the request's fault would be a result over max_message_size); holding the request unacked, not charged a delivery, and publishing the result again"
         );
         let give_up = futures_util::future::select_all(hold_until.iter().map(|t| Box::pin(t.cancelled())));
-        let next_attempt = async {
-            tokio::time::sleep(wait).await;
-            wait_unblocked(out.connection()).await;
-        };
         tokio::select! {
-            _ = next_attempt => {}
+            _ = wait_to_publish_again(out.connection(), wait) => {}
             _ = give_up, if !hold_until.is_empty() => {
                 return requeue(&delivery.acker, &result.id, &why).await;
             }
@@ -980,9 +976,17 @@ pub async fn wait_unblocked(conn: &Connection) {
 
 /// How long a held result ([`publish_result`]) or forward (the router) waits before it is
 /// published again after its `failures`-th failed attempt (0-based):
-/// `amqp.reconnect_backoff_initial` × 2^`failures`, at most `amqp.reconnect_backoff_max`.
+/// `amqp.reconnect_backoff_initial` × 2^`failures`, at most `amqp.reconnect_backoff_max` (the
+/// schedule of [`redelivery::requeue_backoff`], counted in attempts instead of deliveries).
 pub fn hold_backoff(a: &AmqpSettings, failures: u32) -> Duration {
-    a.reconnect_backoff_initial.saturating_mul(1u32 << failures.min(16)).min(a.reconnect_backoff_max)
+    redelivery::requeue_backoff(a, u64::from(failures))
+}
+
+/// Waits before a held publish goes again: `wait` (its [`hold_backoff`]), then until `conn` is
+/// not blocked ([`wait_unblocked`]).
+pub async fn wait_to_publish_again(conn: &Connection, wait: Duration) {
+    tokio::time::sleep(wait).await;
+    wait_unblocked(conn).await;
 }
 
 /// Whether a failed publish says the message itself is too large for the broker: the channel

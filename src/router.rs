@@ -332,13 +332,9 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             retry_in = ?wait,
             "forwarding failed: the broker does not take forwards; holding the input delivery unacked, not charged a delivery, and forwarding it again"
         );
-        let next_attempt = async {
-            tokio::time::sleep(wait).await;
-            publisher::wait_unblocked(conn).await;
-        };
         tokio::select! {
             _ = stop.cancelled() => return requeue(delivery).await,
-            _ = next_attempt => {}
+            _ = publisher::wait_to_publish_again(conn, wait) => {}
         }
         if !ch.status().connected() || ch.has_failed() {
             match publish.get().await {
