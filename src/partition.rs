@@ -77,7 +77,7 @@ use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
 use crate::llm::{Fault, InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, restart, stage};
-use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, Settlement, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
+use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, ResultEnd, Settlement, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::request::{Request, TimingsMs};
 
@@ -920,6 +920,8 @@ async fn process_batch(
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
     let abort = &stop.abort;
+    let release = [&stop.drain, &stop.revoke];
+    let (release, ctx) = (&release, &ctx);
     let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
         let pool = &*out;
@@ -942,7 +944,21 @@ async fn process_batch(
             let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
-                Some(result) => publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms, &[cancel, abort]).await,
+                Some(result) => {
+                    match publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms, &[cancel, abort], release).await {
+                        ResultEnd::Settled(settlement) => settlement,
+                        // A graceful stop while the broker refused this result: put the request
+                        // back uncharged; if its copy is not confirmed either, the channel's close
+                        // returns it (charged, as before).
+                        ResultEnd::Released(delivery) => {
+                            if return_uncharged(ctx, pool, vec![delivery]).await == 1 {
+                                Settlement::Requeued
+                            } else {
+                                Settlement::ChannelLost
+                            }
+                        }
+                    }
+                }
                 None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
             }
         }

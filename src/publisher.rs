@@ -844,6 +844,17 @@ pub enum Settlement {
     ChannelLost,
 }
 
+/// How [`publish_result`] ended: the delivery settled, or handed back unsettled.
+#[derive(Debug)]
+pub enum ResultEnd {
+    /// The delivery is settled (acked, nacked, or its channel is gone).
+    Settled(Settlement),
+    /// The result was held (the broker did not take it) when one of `release_on` fired: the
+    /// delivery is returned unsettled, for the caller to put back without charging it
+    /// (the partition's `return_uncharged`), so a graceful stop does not wait for the broker.
+    Released(Delivery),
+}
+
 /// The `x-reply-to-refused` value of a refused publish: `nacked` (`basic.nack`, e.g. a full
 /// queue with `x-overflow = reject-publish`), `unroutable` (the queue does not exist), `timeout`
 /// (no confirm within `amqp.confirm_timeout`); `None` for a channel or connection failure, which
@@ -880,6 +891,9 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// per failed attempt. The partition's prefetch bounds the requests held so. The holding ends
 /// (and the request is requeued, charged once, as at any lease loss or session end) when one of
 /// `hold_until` is cancelled, the lease deadline passes, or the publishing connection is closed.
+/// When one of `release_on` fires (a graceful stop: shutdown or handoff) a held result is given
+/// up and its delivery handed back unsettled ([`ResultEnd::Released`]): a stop does not wait
+/// `shutdown.drain_timeout` for a broker that refuses results, and the request is not charged.
 /// Only a result larger than the broker's `max_message_size` ([`says_too_large`]) is the request's
 /// own fault: it is requeued at once, so `amqp.delivery_limit` bounds it.
 ///
@@ -903,12 +917,13 @@ pub async fn publish_result(
     result: RequestResult,
     enqueued_unix_ms: Option<u64>,
     hold_until: &[&tokio_util::sync::CancellationToken],
-) -> Settlement {
+    release_on: &[&tokio_util::sync::CancellationToken],
+) -> ResultEnd {
     let mut failures = 0u32;
     loop {
         if !tenure.lease.is_valid() {
             warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
-            return requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await;
+            return ResultEnd::Settled(requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await);
         }
         let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else { break };
         // After a failed publish the partition's next one goes on a new channel
@@ -918,7 +933,10 @@ pub async fn publish_result(
         let why = format!("result not published: {e}");
         if says_too_large(&e) || !out.connection().status().connected() || hold_until.iter().any(|t| t.is_cancelled()) {
             crate::warn_limited!(RESULT_FAILED_LOG, request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
-            return requeue(&delivery.acker, &result.id, &why).await;
+            return ResultEnd::Settled(requeue(&delivery.acker, &result.id, &why).await);
+        }
+        if release_on.iter().any(|t| t.is_cancelled()) {
+            return released(delivery, &result.id, &e);
         }
         let wait = hold_backoff(amqp, failures);
         failures += 1;
@@ -932,22 +950,22 @@ pub async fn publish_result(
             retry_in = ?wait,
             "result not confirmed: the broker does not take results (the request's fault would be a result over max_message_size); holding the request unacked, not charged a delivery, and publishing the result again"
         );
-        let give_up = futures_util::future::select_all(hold_until.iter().map(|t| Box::pin(t.cancelled())));
         tokio::select! {
             _ = wait_to_publish_again(out.connection(), wait) => {}
-            _ = give_up, if !hold_until.is_empty() => {
-                return requeue(&delivery.acker, &result.id, &why).await;
+            _ = any_cancelled(hold_until) => {
+                return ResultEnd::Settled(requeue(&delivery.acker, &result.id, &why).await);
             }
+            _ = any_cancelled(release_on) => return released(delivery, &result.id, &e),
         }
     }
     if !tenure.lease.is_valid() {
         // Published but not acked: the successor will process it again (a counted duplicate,
         // detectable by the older x-partition-epoch).
-        return requeue(&delivery.acker, &result.id, "lease deadline passed before the ack").await;
+        return ResultEnd::Settled(requeue(&delivery.acker, &result.id, "lease deadline passed before the ack").await);
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         crate::warn_limited!(ACK_FAILED_LOG, request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
-        return Settlement::ChannelLost;
+        return ResultEnd::Settled(Settlement::ChannelLost);
     }
     if failures > 0 {
         info!(request_id = %result.id, attempts = failures + 1, "a held result was published");
@@ -957,7 +975,24 @@ pub async fn publish_result(
     if let Some(t0) = enqueued_unix_ms {
         metrics::end_to_end_latency(unix_ms().saturating_sub(t0) as f64 / 1000.0);
     }
-    Settlement::Acked
+    ResultEnd::Settled(Settlement::Acked)
+}
+
+/// Completes when one of `tokens` is cancelled; never when there is none (`select_all` would
+/// panic on an empty list).
+async fn any_cancelled(tokens: &[&tokio_util::sync::CancellationToken]) {
+    if tokens.is_empty() {
+        return std::future::pending().await;
+    }
+    futures_util::future::select_all(tokens.iter().map(|t| Box::pin(t.cancelled()))).await;
+}
+
+/// Gives up a held result at a graceful stop ([`publish_result`]'s `release_on`): its request goes
+/// back to its queue through the caller, and its answer is dropped (the next owner calls the LLM
+/// again).
+fn released(delivery: Delivery, request_id: &str, e: &PublishError) -> ResultEnd {
+    info!(request_id, error = %e, "stopping while the broker refuses this result: the request goes back to its partition queue uncharged");
+    ResultEnd::Released(delivery)
 }
 
 /// How often [`wait_unblocked`] looks at the connection.

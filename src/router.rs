@@ -288,9 +288,10 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             break;
         };
         // The shard exchange or the partition queue was deleted while the daemon ran: declare the
-        // route again (once per delivery) instead of charging the request a delivery per attempt
-        // until `amqp.delivery_limit` dead-letters it. When the failed publish closed the channel
-        // (404 for the exchange), the requeue below goes again on a new one.
+        // route again (once per attempt: the hold below paces the attempts) instead of charging
+        // the request a delivery per attempt until `amqp.delivery_limit` dead-letters it. When
+        // the failed publish closed the channel (404 for the exchange), the next attempt goes on
+        // a new one.
         if !declared_again && publisher::says_missing(&e) {
             declared_again = true;
             if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await && ch.status().connected() {
@@ -346,6 +347,9 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             }
         }
         retry = publisher::NackRetry::new(a);
+        // The route may have been deleted again, or its declaration failed (no answer in time, no
+        // permission yet): each held attempt may declare it once more.
+        declared_again = false;
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");

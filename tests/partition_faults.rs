@@ -185,6 +185,28 @@ fn metric(series: &str) -> f64 {
     line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0)
 }
 
+/// A policy on the broker's `/` vhost, cleared when dropped, so a failing test leaves none behind.
+struct Policy(String);
+
+impl Policy {
+    /// Sets policy `name` on the queues matching `pattern` with `definition` (JSON), priority 100.
+    fn set(name: &str, pattern: &str, definition: &str) -> Policy {
+        broker::rabbitmqctl(&["set_policy", "-p", "/", "--apply-to", "queues", "--priority", "100", name, pattern, definition]).expect("rabbitmqctl set_policy");
+        Policy(name.to_owned())
+    }
+
+    /// A policy that makes `queue` hold one message and refuse further publishes.
+    fn refusing(name: &str, queue: &str) -> Policy {
+        Policy::set(name, &format!("^{}$", queue.replace('.', "\\.")), r#"{"max-length": 1, "overflow": "reject-publish"}"#)
+    }
+}
+
+impl Drop for Policy {
+    fn drop(&mut self) {
+        let _ = broker::rabbitmqctl(&["clear_policy", "-p", "/", &self.0]);
+    }
+}
+
 /// Declares the exclusive reply queue `name`, which holds `max_len` messages and refuses
 /// publishes beyond them (`x-max-length`, `x-overflow = reject-publish`).
 async fn declare_refusing_reply_queue(ch: &lapin::Channel, name: &str, max_len: i32) {
@@ -744,10 +766,7 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     for _ in 0..2 {
         st.amqp.publish(&results_queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
     }
-    let policy = env.name.clone();
-    let pattern = format!("^{}$", results_queue.replace('.', "\\."));
-    broker::rabbitmqctl(&["set_policy", "-p", "/", "--apply-to", "queues", "--priority", "100", &policy, &pattern, r#"{"max-length": 1, "overflow": "reject-publish"}"#])
-        .expect("rabbitmqctl set_policy");
+    let policy = Policy::refusing(&env.name, &results_queue);
     let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
     let held_before = held();
 
@@ -772,14 +791,32 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     let closed_before = closed();
     user.permit_writes(r"^(?!amq\.default$).*");
     assert!(wait_for("a publishing channel closed by the broker", Duration::from_secs(30), || async { closed() > closed_before }).await);
-    broker::rabbitmqctl(&["clear_policy", "-p", "/", &policy]).expect("rabbitmqctl clear_policy");
+    drop(policy);
     let still_held = held();
     assert!(wait_for("more held attempts after the refused access", Duration::from_secs(30), || async { held() >= still_held + 100.0 }).await);
     assert_eq!(st.amqp.queue_depth(&results_queue).await.0, 2, "a result got through while results were refused");
 
     user.permit_writes(".*");
     let mut results = st.amqp.consume(&results_queue).await;
-    results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    let want = ids(&reqs);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let answered_count = |r: &Collector| r.received.iter().filter(|m| want.contains(&m.correlation_id)).map(|m| m.correlation_id.as_str()).collect::<HashSet<_>>().len();
+    while answered_count(&results) < want.len() && Instant::now() < deadline {
+        results.collect_for(Duration::from_millis(500)).await;
+    }
+    if answered_count(&results) < want.len() {
+        dead.collect_for(Duration::from_secs(1)).await;
+        panic!(
+            "{} of {} answered 60 s after results were taken again; held attempts {}; stall restarts {}; lease losses {}; dead letters: {:?}; in the partition queues (ready + unacked): {}",
+            answered_count(&results),
+            want.len(),
+            held() - held_before,
+            stalled() - stalled_before,
+            metric("prefix_batcher_lease_operations_total{op=\"renew\",outcome=\"lost\"}"),
+            dead.received.iter().map(|m| (m.correlation_id.clone(), m.header("x-death-detail").map(str::to_owned))).collect::<Vec<_>>(),
+            waiting_in_partitions(&env)
+        );
+    }
     // Any late second copy of a result would arrive within the retry backoff (1 s here).
     results.collect_for(Duration::from_secs(2)).await;
     let answered: Vec<&str> = results.received.iter().map(|m| m.correlation_id.as_str()).filter(|c| c.starts_with("resultsheld-")).collect();
@@ -833,4 +870,54 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     dead.collect_for(Duration::from_millis(500)).await;
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
+/// A graceful stop while the broker refuses results (the results queue full with
+/// `reject-publish`): the stop does not wait `shutdown.drain_timeout` for the broker (it ends
+/// cleanly, where it used to time out with exit 70), and every held request goes back to its
+/// partition queue exactly once, uncharged: with `amqp.delivery_limit = 1` a charged delivery
+/// would dead-letter it. Started again with the results queue taking results, the daemon answers
+/// each request once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_broker_refuses_results_returns_the_requests_uncharged() {
+    const N: usize = 40;
+    let fake = FakeLlm::new().start().await.unwrap();
+    let (env, raw, st, mut dead) = start_with_delivery_limit("stopheld", fake.url.as_str(), None, 1).await;
+    let results_queue = env.results_queue();
+    for _ in 0..2 {
+        st.amqp.publish(&results_queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
+    }
+    let policy = Policy::refusing(&env.name, &results_queue);
+    let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
+    let held_before = held();
+    // Fewer requests than the partitions' prefetch: every one of them is held by the daemon.
+    let reqs = completions_workload("stopheld", N, 2);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, "").await;
+    if !wait_for("every refused result held", Duration::from_secs(30), || async { held() >= held_before + N as f64 }).await {
+        dead.collect_for(Duration::from_secs(1)).await;
+        panic!("refused results were not held: {} more held attempts, {} dead letters", held() - held_before, dead.received.len());
+    }
+
+    let Started { amqp, daemon, results, reply } = st;
+    let stopping = Instant::now();
+    daemon.stop().await.expect("a stop during a result hold ends cleanly, without waiting for the broker");
+    let took = stopping.elapsed();
+    let back = wait_for("every held request back in its partition queue", Duration::from_secs(20), || async { waiting_in_partitions(&env) == N as u64 }).await;
+    assert!(back, "{} of {N} requests in the partition queues after the stop", waiting_in_partitions(&env));
+    eprintln!("stop during a result hold: {N} requests put back in {took:?}");
+
+    drop(policy);
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
+    let st = Started { amqp, daemon, results, reply };
+    let mut answers = st.amqp.consume(&results_queue).await;
+    answers.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    answers.collect_for(Duration::from_secs(2)).await;
+    let answered: Vec<&str> = answers.received.iter().map(|m| m.correlation_id.as_str()).filter(|c| c.starts_with("stopheld-")).collect();
+    let distinct: HashSet<&str> = answered.iter().copied().collect();
+    assert_eq!((answered.len(), distinct.len()), (N, N), "one result per request");
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![answers, dead]).await;
 }

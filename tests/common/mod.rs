@@ -290,8 +290,22 @@ pub struct Daemon {
     task: Option<JoinHandle<Result<(), AppError>>>,
 }
 
+/// With `PREFIX_BATCHER_TEST_LOG` set to a tracing filter (e.g. `prefix_batcher=info`), the
+/// in-process daemons log through the test harness's captured output: a failing test prints its
+/// daemon's log with its own output, a passing one prints nothing (`--nocapture` shows all).
+fn init_test_log() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("PREFIX_BATCHER_TEST_LOG") {
+            let filter = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|e| panic!("PREFIX_BATCHER_TEST_LOG={filter:?}: {e}"));
+            let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+        }
+    });
+}
+
 /// Starts `app::run` on the current runtime.
 pub fn start_daemon(raw: &RawConfig) -> Daemon {
+    init_test_log();
     let settings = Settings::from_raw(raw).unwrap_or_else(|e| panic!("test configuration is invalid: {e}"));
     let (tx, rx) = oneshot::channel::<()>();
     let task = tokio::spawn(app::run(settings, async move {
