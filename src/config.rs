@@ -359,6 +359,7 @@ pub struct RawLlm {
     pub backoff_max: String,
     pub list_prompts: bool,
     pub max_response_bytes: usize,
+    pub liveness_check_after: String,
     pub tls_ca_file: String,
     pub tls_cert_file: String,
     pub tls_key_file: String,
@@ -378,6 +379,7 @@ impl Default for RawLlm {
             backoff_max: "30s".into(),
             list_prompts: true,
             max_response_bytes: 64 << 20,
+            liveness_check_after: "30s".into(),
             tls_ca_file: String::new(),
             tls_cert_file: String::new(),
             tls_key_file: String::new(),
@@ -677,6 +679,9 @@ pub struct LlmSettings {
     pub list_prompts: bool,
     /// Longest LLM response body read, in bytes; a longer one fails the call as an invalid response.
     pub max_response_bytes: NonZeroUsize,
+    /// How long a call may wait without any answer from its endpoint before the endpoint's HTTP
+    /// server is checked ([`crate::llm`], "Liveness"); `None` (`"0s"`): never checked.
+    pub liveness_check_after: Option<Duration>,
     /// TLS files for `https://` endpoints ([`crate::tls`]).
     pub tls: TlsFiles,
 }
@@ -1580,6 +1585,7 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
         backoff_max: positive_duration("llm.backoff_max", &l.backoff_max)?,
         list_prompts: l.list_prompts,
         max_response_bytes: nonzero_usize("llm.max_response_bytes", l.max_response_bytes)?,
+        liveness_check_after: Some(duration("llm.liveness_check_after", &l.liveness_check_after)?).filter(|d| !d.is_zero()),
         tls: tls_files(LLM_TLS, [&l.tls_ca_file, &l.tls_cert_file, &l.tls_key_file])?,
     };
     let https = llm.endpoints.iter().any(|u| u.scheme() == "https");

@@ -58,13 +58,28 @@
 //! it again without charging them: the first that fails reopens the breaker, the first answered
 //! ends the doubt and becomes the call to replay.
 //!
-//! A *hung* server (it accepts connections but never answers) times out every call and the
-//! probe too, so it still opens the breaker: the probe is limited to
+//! A *hung* server (it accepts connections but never answers) is found by the liveness check
+//! below; without it (`llm.liveness_check_after = 0`), or when its HTTP front end answers while its
+//! engine is stuck, it times out every call and the probe too, so it still opens the breaker: the probe is limited to
 //! min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`] = 30 s), so a hung server is seen down at most
 //! one probe limit after its calls' timeouts trip the rule: with the defaults 300 s + 30 s after
 //! calls start hanging when 5 calls time out in a row (e.g. 5 in flight). A single batch alone
 //! meets `llm.max_attempts` timeouts (4 × 300 s plus backoffs with the defaults), then the
 //! partition's probe ([`LlmClient::confirm_server_fault`], 30 s more) opens the breaker.
+//!
+//! **Liveness.** A server that is frozen rather than dead (SIGSTOP, a paused VM or container, a
+//! host or network black hole) accepts connections, or lets them hang, and answers nothing, so
+//! without a check it would be seen only at the request timeouts above. So while a call waits, once
+//! `llm.liveness_check_after` (30 s by default) passed with no answer from its endpoint (no call on
+//! it answered meanwhile), the call checks the endpoint's HTTP side: `GET {base}/v1/models`
+//! ([`MODELS_PATH`]), limited to min(`llm.liveness_check_after`, [`LIVENESS_TIMEOUT_MAX`]), where
+//! any HTTP status counts as an answer (a server busy with long generations still answers it: its
+//! HTTP front end does not wait for the model). [`LIVENESS_MISSES`] checks in a row without an answer
+//! and the endpoint is found not answering: its breaker opens at once ([`Breaker::trip`]), and this
+//! call and every other call waiting on it end with [`ErrorKind::Connect`] (their requests then
+//! wait for an endpoint, uncharged, like any outage's); the probe closes the breaker once the
+//! server answers again. With the defaults a frozen server is left within about 50 s of its
+//! oldest waiting call.
 //!
 //! **Probing.** Real requests never probe a down endpoint: a request used as a probe would be
 //! requeued on failure, and every requeue counts towards its delivery limit. When a breaker opens,
@@ -115,6 +130,15 @@ pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
 static CALL_FAILED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
 pub const PROBE_PROMPT: &str = "ping";
+/// Path of the OpenAI models list, appended to each endpoint's base URL: the liveness check's
+/// `GET` (module doc, "Liveness"). vLLM, SGLang, llama-server and OpenAI-compatible gateways serve
+/// it from their HTTP front end, without the model's queue.
+pub const MODELS_PATH: &str = "v1/models";
+/// The longest a liveness check waits for an answer: min(`llm.liveness_check_after`, this).
+pub const LIVENESS_TIMEOUT_MAX: Duration = Duration::from_secs(10);
+/// Liveness checks in a row without an answer that make an endpoint count as not answering (one
+/// lost packet or a slow accept is not a frozen server).
+pub const LIVENESS_MISSES: u32 = 2;
 /// Largest body of a real call kept for [`LlmClient::probe`] to replay (64 KiB).
 pub const KNOWN_GOOD_MAX_BYTES: usize = 64 * 1024;
 /// The longest a probe may take: a probe is limited to min(`llm.request_timeout`, this). A
@@ -207,6 +231,8 @@ struct Inner {
     /// The time limit of a probe: min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`]).
     probe_timeout: Duration,
     max_response_bytes: usize,
+    /// `llm.liveness_check_after` (`None`: never checked).
+    liveness_after: Option<Duration>,
     hook: LlmHook,
 }
 
@@ -240,6 +266,13 @@ struct Endpoint {
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
     /// re-check it.
     changed: watch::Sender<()>,
+    /// `GET` target of the liveness check ([`MODELS_PATH`]).
+    models: Url,
+    /// When the endpoint last gave any HTTP answer (a call's, of any status, or a liveness check's).
+    last_answer: Mutex<Option<Instant>>,
+    /// How many times the endpoint was found not answering ([`LlmClient::stopped_answering`]);
+    /// the calls waiting on it then end too.
+    found_hung: AtomicU64,
 }
 
 impl fmt::Debug for LlmClient {
@@ -589,6 +622,7 @@ impl LlmClient {
                 list_prompts: settings.list_prompts,
                 probe_timeout: settings.request_timeout.min(PROBE_TIMEOUT_MAX),
                 max_response_bytes: options.max_response_bytes,
+                liveness_after: settings.liveness_check_after,
                 hook: options.hook,
             }),
         })
@@ -909,8 +943,12 @@ impl LlmClient {
             biased;
             _ = cancel.cancelled() => None,
             r = self.attempt(call.url, call.payload.clone(), parse) => Some(r),
+            e = self.stopped_answering(call.endpoint) => Some(Err((e, None))),
         };
         drop(permit);
+        if matches!(&outcome, Some(Ok(_))) || matches!(&outcome, Some(Err((e, _))) if e.status.is_some()) {
+            *lock(&ep.last_answer) = Some(Instant::now());
+        }
         let seconds = started.elapsed().as_secs_f64();
         let kind = match &outcome {
             None => Err(ErrorKind::Cancelled),
@@ -947,6 +985,94 @@ impl LlmClient {
         match outcome {
             None => Gate::Cancelled,
             Some(r) => Gate::Attempted(r),
+        }
+    }
+
+    /// Completes once `endpoint` is found not answering HTTP while a call waits on it (module doc,
+    /// "Liveness"), with the error that call ends with ([`ErrorKind::Connect`], a hard server
+    /// fault); never while the endpoint answers, nor when `llm.liveness_check_after` is 0. Every
+    /// `llm.liveness_check_after` without an answer from the endpoint (no call on it answered
+    /// meanwhile) it checks the endpoint ([`Self::answers_http`]); after [`LIVENESS_MISSES`]
+    /// checks in a row without an answer it opens the endpoint's breaker ([`Breaker::trip`]) and
+    /// ends, and so does every other call waiting on the endpoint.
+    async fn stopped_answering(&self, endpoint: usize) -> LlmError {
+        let Some(after) = self.inner.liveness_after else { return std::future::pending().await };
+        let ep = &self.inner.endpoints[endpoint];
+        let mut changed = ep.changed.subscribe();
+        let seen = ep.found_hung.load(Ordering::Acquire);
+        let started = Instant::now();
+        let mut next = started + after;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                r = changed.changed() => {
+                    if r.is_err() {
+                        return std::future::pending().await;
+                    }
+                }
+            }
+            if ep.found_hung.load(Ordering::Acquire) != seen {
+                return LlmError::new(ErrorKind::Connect, "abandoned: the server stopped answering (found by the liveness check of another call)", None);
+            }
+            let now = Instant::now();
+            if now < next {
+                continue;
+            }
+            if let Some(answered) = lock(&ep.last_answer).filter(|t| now.saturating_duration_since(*t) < after) {
+                next = answered + after;
+                continue;
+            }
+            let mut misses = Vec::new();
+            while misses.len() < LIVENESS_MISSES as usize {
+                match self.answers_http(endpoint, after).await {
+                    Ok(()) => break,
+                    Err(detail) => misses.push(detail),
+                }
+            }
+            if misses.len() < LIVENESS_MISSES as usize {
+                next = Instant::now() + after;
+                continue;
+            }
+            let waited = started.elapsed();
+            if ep.found_hung.compare_exchange(seen, seen + 1, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                tracing::warn!(
+                    endpoint,
+                    name = %ep.name,
+                    waited_s = waited.as_secs_f64(),
+                    checks = LIVENESS_MISSES,
+                    error = %misses.last().map_or("", String::as_str),
+                    "the LLM server stopped answering (no HTTP answer to GET {MODELS_PATH}): frozen, paused or hung; its calls are abandoned and \
+                     its circuit breaker opens, so their requests wait for an endpoint, not charged a delivery"
+                );
+                let changed = lock(&ep.breaker).trip(Instant::now());
+                self.after_record(endpoint, changed, false);
+            }
+            return LlmError::new(
+                ErrorKind::Connect,
+                format!(
+                    "the server stopped answering: no HTTP answer to GET {MODELS_PATH} in {} checks after the call waited {:.1} s ({})",
+                    LIVENESS_MISSES,
+                    waited.as_secs_f64(),
+                    misses.last().map_or("", String::as_str)
+                ),
+                None,
+            );
+        }
+    }
+
+    /// The liveness check of `endpoint`: `GET {base}/v1/models` ([`MODELS_PATH`]) with the bearer
+    /// token, waiting at most min(`after`, [`LIVENESS_TIMEOUT_MAX`]). Any HTTP answer (every
+    /// status: a 404 of a server without that path, a 503 of one loading its model) shows the
+    /// server's HTTP side running; only no answer at all (no connection, a timeout, a reset) is
+    /// an error, with a detail for the log.
+    async fn answers_http(&self, endpoint: usize, after: Duration) -> Result<(), String> {
+        let ep = &self.inner.endpoints[endpoint];
+        match self.inner.http.get(ep.models.clone()).timeout(after.min(LIVENESS_TIMEOUT_MAX)).send().await {
+            Ok(_) => {
+                *lock(&ep.last_answer) = Some(Instant::now());
+                Ok(())
+            }
+            Err(e) => Err(transport_message(e)),
         }
     }
 
@@ -1265,6 +1391,9 @@ impl Endpoint {
         Ok(Endpoint {
             completions: join(COMPLETIONS_PATH)?,
             chat: join(CHAT_COMPLETIONS_PATH)?,
+            models: join(MODELS_PATH)?,
+            last_answer: Mutex::new(None),
+            found_hung: AtomicU64::new(0),
             probing: AtomicBool::new(false),
             name,
             permits: KeyedPermits::new(settings.max_concurrency.get()),
@@ -1762,6 +1891,7 @@ mod tests {
             backoff_max: Duration::from_millis(5),
             list_prompts: true,
             max_response_bytes: NonZeroUsize::new(64 << 20).unwrap(),
+            liveness_check_after: None,
             tls: Default::default(),
         }
     }
@@ -2120,6 +2250,42 @@ mod tests {
     }
 
     /// A listener that accepts connections and never answers: a hung server.
+    /// A server that accepts connections and never answers (frozen) is found by the liveness
+    /// check long before the request timeout: its calls end as connect faults and its breaker
+    /// opens at once, without the request timeouts and the probe that would otherwise find it.
+    #[tokio::test]
+    async fn a_frozen_server_is_found_by_the_liveness_check() {
+        let (url, _task) = hung_listener().await;
+        let mut s = settings(&url);
+        s.request_timeout = Duration::from_secs(60);
+        s.liveness_check_after = Some(Duration::from_millis(200));
+        let client = LlmClient::new(&s).unwrap();
+        let started = Instant::now();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        let took = started.elapsed();
+        for r in &results {
+            let e = r.as_ref().unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Connect, "{e}");
+            assert!(e.message.contains("stopped answering"), "{e}");
+        }
+        assert!(took < Duration::from_secs(30), "found only after {took:?} (the request timeout is 60 s)");
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
+    }
+
+    /// A server slower than `llm.liveness_check_after` whose HTTP side answers (here a 404 to
+    /// `GET /v1/models`: any status counts) is left alone: its calls are answered.
+    #[tokio::test]
+    async fn a_slow_server_that_answers_http_is_not_abandoned() {
+        let fake = FakeLlm::new().latency(Duration::from_millis(1500)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.liveness_check_after = Some(Duration::from_millis(100));
+        let client = LlmClient::new(&s).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+        assert_eq!(fake.call_count(), 1);
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Closed));
+    }
+
     async fn hung_listener() -> (Url, tokio::task::JoinHandle<()>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();

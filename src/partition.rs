@@ -77,7 +77,7 @@ use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
 use crate::llm::{Fault, InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, restart, stage};
-use crate::publisher::{self, header_u64, unix_ms, BatchInfo, Intake, ResultEnd, Settlement, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
+use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, ResultEnd, Settlement, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::request::{Request, TimingsMs};
 
@@ -945,13 +945,14 @@ async fn process_batch(
             let (id, key) = (pending.req.id.clone(), pending.key.to_string());
             match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
                 Some(result) => {
-                    match publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms, &[cancel, abort], release).await {
+                    let hold = HoldEnds { requeue: &[cancel, abort], release };
+                    match publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms, hold).await {
                         ResultEnd::Settled(settlement) => settlement,
                         // A graceful stop while the broker refused this result: put the request
                         // back uncharged; if its copy is not confirmed either, the channel's close
                         // returns it (charged, as before).
                         ResultEnd::Released(delivery) => {
-                            if return_uncharged(ctx, pool, vec![delivery]).await == 1 {
+                            if return_uncharged(ctx, pool, vec![*delivery]).await == 1 {
                                 Settlement::Requeued
                             } else {
                                 Settlement::ChannelLost

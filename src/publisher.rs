@@ -849,10 +849,21 @@ pub enum Settlement {
 pub enum ResultEnd {
     /// The delivery is settled (acked, nacked, or its channel is gone).
     Settled(Settlement),
-    /// The result was held (the broker did not take it) when one of `release_on` fired: the
+    /// The result was held (the broker did not take it) when one of [`HoldEnds::release`] fired: the
     /// delivery is returned unsettled, for the caller to put back without charging it
     /// (the partition's `return_uncharged`), so a graceful stop does not wait for the broker.
-    Released(Delivery),
+    Released(Box<Delivery>),
+}
+
+/// What ends the hold of a result the broker does not take ([`publish_result`]).
+#[derive(Debug, Clone, Copy)]
+pub struct HoldEnds<'a> {
+    /// Any of these cancelled (the session's end, a lost lease): the request is requeued, charged
+    /// one delivery.
+    pub requeue: &'a [&'a tokio_util::sync::CancellationToken],
+    /// Any of these cancelled (a graceful stop: shutdown or handoff): the delivery is handed back
+    /// unsettled ([`ResultEnd::Released`]), for the caller to put back uncharged.
+    pub release: &'a [&'a tokio_util::sync::CancellationToken],
 }
 
 /// The `x-reply-to-refused` value of a refused publish: `nacked` (`basic.nack`, e.g. a full
@@ -890,8 +901,8 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// confirmed, counted in `requests_total{stage="publisher",outcome="result_held"}`
 /// per failed attempt. The partition's prefetch bounds the requests held so. The holding ends
 /// (and the request is requeued, charged once, as at any lease loss or session end) when one of
-/// `hold_until` is cancelled, the lease deadline passes, or the publishing connection is closed.
-/// When one of `release_on` fires (a graceful stop: shutdown or handoff) a held result is given
+/// `hold.requeue` is cancelled, the lease deadline passes, or the publishing connection is closed.
+/// When one of `hold.release` fires (a graceful stop: shutdown or handoff) a held result is given
 /// up and its delivery handed back unsettled ([`ResultEnd::Released`]): a stop does not wait
 /// `shutdown.drain_timeout` for a broker that refuses results, and the request is not charged.
 /// Only a result larger than the broker's `max_message_size` ([`says_too_large`]) is the request's
@@ -916,9 +927,9 @@ pub async fn publish_result(
     delivery: Delivery,
     result: RequestResult,
     enqueued_unix_ms: Option<u64>,
-    hold_until: &[&tokio_util::sync::CancellationToken],
-    release_on: &[&tokio_util::sync::CancellationToken],
+    hold: HoldEnds<'_>,
 ) -> ResultEnd {
+    let (hold_until, release_on) = (hold.requeue, hold.release);
     let mut failures = 0u32;
     loop {
         if !tenure.lease.is_valid() {
@@ -987,12 +998,12 @@ async fn any_cancelled(tokens: &[&tokio_util::sync::CancellationToken]) {
     futures_util::future::select_all(tokens.iter().map(|t| Box::pin(t.cancelled()))).await;
 }
 
-/// Gives up a held result at a graceful stop ([`publish_result`]'s `release_on`): its request goes
+/// Gives up a held result at a graceful stop ([`HoldEnds::release`]): its request goes
 /// back to its queue through the caller, and its answer is dropped (the next owner calls the LLM
 /// again).
 fn released(delivery: Delivery, request_id: &str, e: &PublishError) -> ResultEnd {
     info!(request_id, error = %e, "stopping while the broker refuses this result: the request goes back to its partition queue uncharged");
-    ResultEnd::Released(delivery)
+    ResultEnd::Released(Box::new(delivery))
 }
 
 /// How often [`wait_unblocked`] looks at the connection.

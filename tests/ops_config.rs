@@ -206,6 +206,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("llm.backoff_max", "5s", "\"5s\""),
         ("llm.list_prompts", "false", "false"),
         ("llm.max_response_bytes", "1000000", "1000000"),
+        ("llm.liveness_check_after", "45s", "\"45s\""),
         ("requests.reply_to_pattern", "tenant-a\\..*", "'tenant-a\\..*'"),
         ("requests.allowed_params", "max_tokens,temperature", "[\"max_tokens\", \"temperature\"]"),
         ("requests.max_tokens", "512", "512"),

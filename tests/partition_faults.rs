@@ -921,3 +921,46 @@ async fn a_stop_while_the_broker_refuses_results_returns_the_requests_uncharged(
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![answers, dead]).await;
 }
+
+/// An LLM server that accepts connections and never answers (frozen: SIGSTOP, a paused VM),
+/// beside a healthy one. With `llm.request_timeout = 120s` its calls would wait two minutes
+/// before anything noticed; the liveness check (`llm.liveness_check_after = 1s` here) finds it
+/// not answering, opens its breaker and abandons its calls, and their requests go to the healthy
+/// server, uncharged (`amqp.delivery_limit = 1`: one charged delivery would dead-letter them).
+/// Every request is answered once, well within the request timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_llm_server_is_left_for_a_healthy_one_long_before_the_request_timeout() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let frozen = format!("http://{}", listener.local_addr().unwrap());
+    let accepting = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("frozenllm");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.llm.endpoints = vec![frozen, fake.url.as_str().trim_end_matches('/').to_owned()];
+    raw.llm.request_timeout = "120s".into();
+    raw.llm.liveness_check_after = "1s".into();
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    // Several keys, so partitions that rank either server first get requests.
+    let reqs = completions_workload("frozenllm", 80, 8);
+    let started = Instant::now();
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    let took = started.elapsed();
+    st.results.collect_for(Duration::from_millis(500)).await;
+    let answered: Vec<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).filter(|c| c.starts_with("frozenllm-")).collect();
+    let distinct: HashSet<&str> = answered.iter().copied().collect();
+    assert_eq!((answered.len(), distinct.len()), (reqs.len(), reqs.len()), "one result per request");
+    assert!(st.results.received.iter().filter(|m| m.correlation_id.starts_with("frozenllm-")).all(|m| m.result().ok), "a request was failed instead of moved");
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    eprintln!("a frozen LLM server beside a healthy one: {} requests answered in {took:?} (request timeout 120 s)", reqs.len());
+    accepting.abort();
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
