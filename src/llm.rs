@@ -1046,6 +1046,9 @@ impl LlmClient {
                 );
                 let changed = lock(&ep.breaker).trip(Instant::now());
                 self.after_record(endpoint, changed, false);
+                // Wakes the other calls waiting on the endpoint (also when the breaker was not
+                // closed, so `trip` changed nothing): they end too.
+                ep.changed.send_replace(());
             }
             return LlmError::new(
                 ErrorKind::Connect,
