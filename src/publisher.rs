@@ -235,6 +235,8 @@ static RESULT_FAILED_LOG: LogLimit = LogLimit::new();
 static REPLY_REFUSED_LOG: LogLimit = LogLimit::new();
 /// Failed acks and nacks (the channel closed: every delivery it held fails the same way).
 static ACK_FAILED_LOG: LogLimit = LogLimit::new();
+/// A missing destination that cannot be declared again: a held forward tries it on every attempt.
+static DECLARE_FAILED_LOG: LogLimit = LogLimit::new();
 
 /// How many times [`place_returned`] publishes one returned message before it gives up on it.
 const PLACE_RETURNED_ATTEMPTS: u32 = 3;
@@ -487,11 +489,11 @@ pub async fn declare_again(conn: &Connection, amqp: &AmqpSettings, dest: OwnDest
             true
         }
         Ok(Err(e)) => {
-            warn!(queue = dest.label(), ?dest, error = %e, "a destination of the daemon is missing and cannot be declared again");
+            crate::warn_limited!(DECLARE_FAILED_LOG, queue = dest.label(), ?dest, error = %e, "a destination of the daemon is missing and cannot be declared again");
             false
         }
         Err(_) => {
-            warn!(queue = dest.label(), ?dest, timeout = ?amqp.confirm_timeout, "a destination of the daemon is missing; declaring it again got no answer");
+            crate::warn_limited!(DECLARE_FAILED_LOG, queue = dest.label(), ?dest, timeout = ?amqp.confirm_timeout, "a destination of the daemon is missing; declaring it again got no answer");
             false
         }
     }
