@@ -586,7 +586,7 @@ impl App {
                 }),
                 Some(redis_ok) = redis_rx.recv() => {
                     if !redis_ok {
-                        warn!("membership heartbeat does not reach Redis; not ready");
+                        warn!("the membership heartbeat failed (Redis unreachable, or refusing the write: its reason is on the \"membership heartbeat failed\" line); not ready");
                         self.readiness.set(NotReady::RedisDown, true);
                     } else {
                         // A heartbeat from a running session: RabbitMQ and Redis both answer. This

@@ -94,7 +94,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::sentinel::{SentinelClient, SentinelClientBuilder, SentinelServerType};
 use redis::Script;
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::config::RedisSettings;
 
@@ -216,6 +216,20 @@ pub fn is_failover(e: &redis::RedisError) -> bool {
     matches!(e.kind(), redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly))
 }
 
+/// Whether Redis refused the daemon's credentials (`WRONGPASS`, `NOAUTH`; the redis crate's
+/// `AuthenticationFailed`). redis 1.x's `ConnectionManager` keeps a reconnect that failed so (it
+/// reconnects again only after an I/O error), so every later command would fail the same way, for
+/// good, even once the credentials are right again: [`RedisConn`] opens a new connection instead,
+/// retried until Redis takes the credentials.
+pub fn refused_credentials(e: &redis::RedisError) -> bool {
+    e.kind() == redis::ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH"))
+}
+
+/// A re-resolution ([`RedisConn`]) that keeps failing logs at most this often per kind of failure
+/// ([`crate::log_limit`]).
+static RESOLVE_FAILED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+static RESOLVE_REFUSED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
 /// Whether `e` says the node may be gone (I/O error, refused or dropped connection, timeout): in
 /// Sentinel mode a reason to ask the sentinels for the primary again.
 fn is_link_error(e: &redis::RedisError) -> bool {
@@ -229,7 +243,9 @@ fn is_link_error(e: &redis::RedisError) -> bool {
 /// Underneath is a `ConnectionManager` to the current primary: from `redis.url`, or, with
 /// `redis.sentinels`, the address the sentinels report for `redis.sentinel_master` (the redis
 /// crate connects to it and checks that its `ROLE` is master before handing it out). It follows a
-/// failover by itself: a `READONLY` answer (a demoted primary) or, in Sentinel mode, a connection
+/// failover by itself: a `READONLY` answer (a demoted primary), refused credentials
+/// ([`refused_credentials`]: a password rotated, or an ACL user switched off and on again, which
+/// the `ConnectionManager` would not get over) or, in Sentinel mode, a connection
 /// error or timeout, or a sentinel naming another primary (asked every [`PRIMARY_CHECK_INTERVAL`]:
 /// after a failover the old primary, when still up, accepts writes until the sentinels demote it,
 /// which takes up to ~10 s, their `INFO` period) starts one background re-resolution — ask the sentinels (or reopen
@@ -308,7 +324,7 @@ impl RedisConn {
 
     fn on_error(&self, generation: u64, e: &redis::RedisError) {
         let Some(resolver) = &self.shared.resolver else { return };
-        let follow = is_failover(e) || (resolver.sentinel.is_some() && is_link_error(e));
+        let follow = is_failover(e) || refused_credentials(e) || (resolver.sentinel.is_some() && is_link_error(e));
         if follow && self.current().0 == generation {
             self.follow();
         }
@@ -325,8 +341,18 @@ impl RedisConn {
             loop {
                 match this.resolve_once().await {
                     Ok(()) => break,
+                    Err(e) if refused_credentials(&e) => {
+                        crate::error_limited!(
+                            RESOLVE_REFUSED_LOG,
+                            error = %e,
+                            retry_in = ?backoff,
+                            "Redis refused the daemon's credentials: check the user and password in redis.url (or the user's ACL); reconnecting"
+                        );
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(RESOLVE_BACKOFF.1);
+                    }
                     Err(e) => {
-                        warn!(error = %e, retry_in = ?backoff, "Redis primary not reachable; asking again");
+                        crate::warn_limited!(RESOLVE_FAILED_LOG, error = %e, retry_in = ?backoff, "Redis primary not reachable; asking again");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(RESOLVE_BACKOFF.1);
                     }

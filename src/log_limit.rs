@@ -81,6 +81,20 @@ macro_rules! warn_limited {
     };
 }
 
+/// `tracing::error!` within a [`LogLimit`], as [`warn_limited!`]: a fault an operator must fix,
+/// retried every second (refused credentials), logs at `ERROR` at most [`BURST`] times per
+/// [`WINDOW`].
+#[macro_export]
+macro_rules! error_limited {
+    ($limit:expr, $($arg:tt)+) => {
+        match $limit.admit() {
+            Some(0) => ::tracing::error!($($arg)+),
+            Some(suppressed) => ::tracing::error!(suppressed, $($arg)+),
+            None => ::tracing::debug!($($arg)+),
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -87,3 +87,49 @@ async fn the_main_job_runs_with_the_documented_least_privilege_users() {
     amqp.close().await;
     env.cleanup().await;
 }
+
+/// Credentials refused by Redis under a running daemon (its ACL user's password changed and its
+/// connections killed, as a rotation gone wrong does), then taken again: the daemon gets over it
+/// without a restart. The redis crate's connection manager keeps a reconnect that failed on
+/// credentials and never tries again, so the daemon opens a new connection itself, retried until
+/// Redis takes the credentials; before, every instance stayed without its partitions for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_refused_by_redis_under_a_running_daemon_are_retried_until_taken() {
+    let env = TestEnv::new("redisauth");
+    let password = uuid::Uuid::new_v4().simple().to_string();
+    let user = env.name.clone();
+    let redis = RedisServer::start(&env, "redis").await;
+    let mut admin = redis.connect().await.expect("connect to the private redis-server");
+    let acl = |args: Vec<String>| {
+        let mut cmd = redis::cmd("ACL");
+        for a in args {
+            cmd.arg(a);
+        }
+        cmd
+    };
+    for line in documented("ACL SETUSER ", &env.name, &password) {
+        let _: () = acl(line.split_whitespace().skip(1).map(str::to_owned).collect()).query_async(&mut admin).await.unwrap_or_else(|e| panic!("{line}: {e}"));
+    }
+    let fake = llm_fakes::fake::FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.redis.url = format!("{}?user={user}&pass={password}", redis.url);
+    let daemon = start_daemon(&raw);
+    let amqp = Amqp::connect().await;
+    amqp.run_main_job(&env, "redisauth-before", 10, 2).await.close().await;
+
+    // The password changes and the daemon's connections are killed: its reconnects are refused,
+    // its leases cannot be renewed, and it stops consuming every partition.
+    let _: () = acl(vec!["SETUSER".into(), user.clone(), "resetpass".into(), format!(">{password}-rotated")]).query_async(&mut admin).await.unwrap();
+    let _: redis::Value = redis::cmd("CLIENT").arg("KILL").arg("USER").arg(&user).query_async(&mut admin).await.unwrap();
+    for p in 0..PARTITIONS {
+        amqp.wait_consumers(&env.partition_queue(p), 0, std::time::Duration::from_secs(30)).await;
+    }
+    // The password the daemon has is taken again: it must come back by itself.
+    let _: () = acl(vec!["SETUSER".into(), user.clone(), "resetpass".into(), format!(">{password}")]).query_async(&mut admin).await.unwrap();
+    let results = amqp.run_main_job(&env, "redisauth-after", 10, 2).await;
+    eprintln!("Redis refused the daemon's credentials under load, then took them again: the daemon recovered without a restart");
+    daemon.stop().await.expect("the daemon stops cleanly");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
