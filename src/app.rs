@@ -292,7 +292,7 @@ fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
                 BreakerState::Open if *reopened => {
                     debug!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open again after a failed probe")
                 }
-                BreakerState::Open => warn!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open: server-wide failures; its partitions pause intake"),
+                BreakerState::Open => warn!(endpoint = *endpoint, url = %name, "LLM endpoint circuit open: server-wide failures; its partitions call another endpoint of this instance while one is available, else pause intake"),
                 _ => info!(endpoint = *endpoint, url = %name, state = state.as_str(), "LLM endpoint circuit"),
             }
             let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
@@ -635,6 +635,9 @@ impl App {
         events(Lifecycle::Stopping);
         info!(timeout = ?self.settings.drain_timeout, "draining");
         self.readiness.set(NotReady::Draining, true);
+        // The drain waits for the LLM calls in flight: a frozen server's would outlast it, so
+        // their endpoints are checked now (their requests then go back uncharged).
+        self.llm.check_liveness_now();
         let deadline = tokio::time::Instant::now() + self.settings.drain_timeout;
         let teardown = async {
             if let Ok(Err(e)) = (&mut *router).await {

@@ -233,6 +233,8 @@ struct Inner {
     max_response_bytes: usize,
     /// `llm.liveness_check_after` (`None`: never checked).
     liveness_after: Option<Duration>,
+    /// Bumped by [`LlmClient::check_liveness_now`]: the waiting calls check their endpoints at once.
+    check_now: watch::Sender<()>,
     hook: LlmHook,
 }
 
@@ -623,6 +625,7 @@ impl LlmClient {
                 probe_timeout: settings.request_timeout.min(PROBE_TIMEOUT_MAX),
                 max_response_bytes: options.max_response_bytes,
                 liveness_after: settings.liveness_check_after,
+                check_now: watch::Sender::new(()),
                 hook: options.hook,
             }),
         })
@@ -999,10 +1002,12 @@ impl LlmClient {
         let Some(after) = self.inner.liveness_after else { return std::future::pending().await };
         let ep = &self.inner.endpoints[endpoint];
         let mut changed = ep.changed.subscribe();
+        let mut check_now = self.inner.check_now.subscribe();
         let seen = ep.found_hung.load(Ordering::Acquire);
         let started = Instant::now();
         let mut next = started + after;
         loop {
+            let mut forced = false;
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => {}
                 r = changed.changed() => {
@@ -1010,15 +1015,16 @@ impl LlmClient {
                         return std::future::pending().await;
                     }
                 }
+                r = check_now.changed() => forced = r.is_ok(),
             }
             if ep.found_hung.load(Ordering::Acquire) != seen {
                 return LlmError::new(ErrorKind::Connect, "abandoned: the server stopped answering (found by the liveness check of another call)", None);
             }
             let now = Instant::now();
-            if now < next {
+            if !forced && now < next {
                 continue;
             }
-            if let Some(answered) = lock(&ep.last_answer).filter(|t| now.saturating_duration_since(*t) < after) {
+            if let Some(answered) = lock(&ep.last_answer).filter(|t| !forced && now.saturating_duration_since(*t) < after) {
                 next = answered + after;
                 continue;
             }
@@ -1061,6 +1067,14 @@ impl LlmClient {
                 None,
             );
         }
+    }
+
+    /// Makes every call waiting on an endpoint check it at once ([`Self::stopped_answering`]),
+    /// instead of after `llm.liveness_check_after`: called when a drain starts, so a frozen
+    /// server found within the checks' time (at most 2 × 10 s) lets the drain return its requests
+    /// uncharged instead of outlasting `shutdown.drain_timeout`. Nothing when the check is off.
+    pub fn check_liveness_now(&self) {
+        self.inner.check_now.send_replace(());
     }
 
     /// The liveness check of `endpoint`: `GET {base}/v1/models` ([`MODELS_PATH`]) with the bearer

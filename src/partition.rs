@@ -1025,13 +1025,21 @@ async fn infer_through_outages(
             let results = results.into_iter().map(|r| r.expect("every item was answered")).collect();
             return Some(results);
         }
-        if outage {
+        if outage && ctx.llm.any_available() {
             crate::warn_limited!(
                 WAITING_LOG,
                 partition = ctx.partition,
                 endpoint,
                 requests = again.len(),
-                "LLM endpoint down; these requests wait for it in memory, unacked, and are not charged a delivery"
+                "LLM endpoint down; these requests go to another endpoint of this instance, not charged a delivery"
+            );
+        } else if outage {
+            crate::warn_limited!(
+                WAITING_LOG,
+                partition = ctx.partition,
+                endpoint,
+                requests = again.len(),
+                "LLM endpoint down and no other available; these requests wait for one in memory, unacked, and are not charged a delivery"
             );
         } else {
             crate::warn_limited!(WAITING_LOG, partition = ctx.partition, endpoint, requests = again.len(), "server fault while the endpoint answers probes; retrying the requests one call each");

@@ -964,3 +964,60 @@ async fn a_frozen_llm_server_is_left_for_a_healthy_one_long_before_the_request_t
     accepting.abort();
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
+
+/// A stop while the only LLM server is frozen (it accepts connections and never answers): the
+/// drain waits for the calls in flight, which would outlast `shutdown.drain_timeout` (25 s here,
+/// `llm.request_timeout = 120s`) and end with exit 70, every request charged a delivery. The drain
+/// checks the server at once instead of after `llm.liveness_check_after` (12 s here: found at
+/// about 32 s without that, after the drain's end), finds it frozen, and puts every request back
+/// uncharged: the stop ends cleanly, and with `amqp.delivery_limit = 1` each request is answered
+/// once by a daemon started again with a working server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_while_the_llm_server_is_frozen_returns_the_requests_uncharged() {
+    const N: usize = 20;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let frozen = format!("http://{}", listener.local_addr().unwrap());
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let count = accepted.clone();
+    let accepting = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            held.push(stream);
+        }
+    });
+    let env = TestEnv::new("stopfrozen");
+    let mut raw = env.raw_config(&frozen);
+    raw.llm.request_timeout = "120s".into();
+    raw.llm.liveness_check_after = "12s".into();
+    raw.shutdown.drain_timeout = "25s".into();
+    raw.amqp.delivery_limit = 1;
+    let st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let reqs = completions_workload("stopfrozen", N, 4);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    assert!(wait_for("calls to reach the frozen server", Duration::from_secs(30), || async { accepted.load(Ordering::SeqCst) > 0 }).await);
+
+    let Started { amqp, daemon, results, reply } = st;
+    let stopping = Instant::now();
+    daemon.stop().await.expect("a stop while the LLM server is frozen ends within the drain timeout");
+    let took = stopping.elapsed();
+    let back = wait_for("every request back in its partition queue", Duration::from_secs(20), || async { waiting_in_partitions(&env) == N as u64 }).await;
+    assert!(back, "{} of {N} requests in the partition queues after the stop", waiting_in_partitions(&env));
+    eprintln!("stop while the LLM server is frozen: drained in {took:?}, {N} requests put back");
+    accepting.abort();
+
+    let fake = FakeLlm::new().start().await.unwrap();
+    raw.llm.endpoints = vec![fake.url.as_str().trim_end_matches('/').to_owned()];
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
+    let mut st = Started { amqp, daemon, results, reply };
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    st.results.collect_for(Duration::from_millis(500)).await;
+    let answered = st.results.received.iter().filter(|m| m.correlation_id.starts_with("stopfrozen-")).count();
+    assert_eq!(answered, N, "one result per request");
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
