@@ -128,6 +128,8 @@ pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
 /// Bounds the "LLM call failed" line: an outage fails every batch's call
 /// ([`crate::log_limit`]).
 static CALL_FAILED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+/// Bounds the "retrying its prompts one by one" line ([`crate::log_limit`]).
+static LIST_SPLIT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
 pub const PROBE_PROMPT: &str = "ping";
 /// Path of the OpenAI models list, appended to each endpoint's base URL: the liveness check's
@@ -769,13 +771,18 @@ impl LlmClient {
         let whole_call_failed = results.iter().all(|(_, r)| r.is_err());
         match request_fault {
             Some(e) if whole_call_failed => {
-                tracing::info!(
-                    endpoint,
-                    items = group.members.len(),
-                    kind = e.kind.as_str(),
-                    status = e.status,
-                    "the list-prompt call was refused or answered invalidly; retrying its prompts one by one"
-                );
+                // Bounded: a server that cannot demultiplex a list does this on every batch.
+                match LIST_SPLIT_LOG.admit() {
+                    Some(suppressed) => tracing::info!(
+                        endpoint,
+                        items = group.members.len(),
+                        kind = e.kind.as_str(),
+                        status = e.status,
+                        suppressed,
+                        "the list-prompt call was refused or answered invalidly; retrying its prompts one by one"
+                    ),
+                    None => tracing::debug!(endpoint, items = group.members.len(), kind = e.kind.as_str(), "list-prompt call split"),
+                }
                 self.run_sequential(endpoint, items, group, cancel).await
             }
             _ => results,
