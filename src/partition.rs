@@ -1025,21 +1025,14 @@ async fn infer_through_outages(
             let results = results.into_iter().map(|r| r.expect("every item was answered")).collect();
             return Some(results);
         }
-        if outage && ctx.llm.any_available() {
+        if outage {
             crate::warn_limited!(
                 WAITING_LOG,
                 partition = ctx.partition,
                 endpoint,
                 requests = again.len(),
-                "LLM endpoint down; these requests go to another endpoint of this instance, not charged a delivery"
-            );
-        } else if outage {
-            crate::warn_limited!(
-                WAITING_LOG,
-                partition = ctx.partition,
-                endpoint,
-                requests = again.len(),
-                "LLM endpoint down and no other available; these requests wait for one in memory, unacked, and are not charged a delivery"
+                another_endpoint_available = ctx.llm.any_available(),
+                "LLM endpoint down; these requests go to another endpoint of this instance if one is available, else wait for one in memory, unacked; not charged a delivery"
             );
         } else {
             crate::warn_limited!(WAITING_LOG, partition = ctx.partition, endpoint, requests = again.len(), "server fault while the endpoint answers probes; retrying the requests one call each");

@@ -207,6 +207,17 @@ impl Drop for Policy {
     }
 }
 
+/// Makes the results queue of `env` refuse every result: it is filled with two messages and gets
+/// a policy of one message at most with `reject-publish` (a quorum queue takes one publish beyond
+/// `max-length` before it refuses). Dropping the returned policy makes it take results again.
+async fn refuse_results(env: &TestEnv, amqp: &Amqp) -> Policy {
+    let results_queue = env.results_queue();
+    for _ in 0..2 {
+        amqp.publish(&results_queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
+    }
+    Policy::refusing(&env.name, &results_queue)
+}
+
 /// Declares the exclusive reply queue `name`, which holds `max_len` messages and refuses
 /// publishes beyond them (`x-max-length`, `x-overflow = reject-publish`).
 async fn declare_refusing_reply_queue(ch: &lapin::Channel, name: &str, max_len: i32) {
@@ -761,12 +772,7 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     // documented. A charge per refused attempt, as before, still dead-letters them at once.
     let (env, raw, st, mut dead) = start_with_delivery_limit("resultsheld", fake.url.as_str(), Some(&user), 2).await;
     let results_queue = env.results_queue();
-    // The results queue holds two messages and refuses the next ones (a quorum queue takes one
-    // publish beyond `max-length` before it refuses).
-    for _ in 0..2 {
-        st.amqp.publish(&results_queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
-    }
-    let policy = Policy::refusing(&env.name, &results_queue);
+    let policy = refuse_results(&env, &st.amqp).await;
     let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
     let held_before = held();
 
@@ -884,10 +890,7 @@ async fn a_stop_while_the_broker_refuses_results_returns_the_requests_uncharged(
     let fake = FakeLlm::new().start().await.unwrap();
     let (env, raw, st, mut dead) = start_with_delivery_limit("stopheld", fake.url.as_str(), None, 1).await;
     let results_queue = env.results_queue();
-    for _ in 0..2 {
-        st.amqp.publish(&results_queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
-    }
-    let policy = Policy::refusing(&env.name, &results_queue);
+    let policy = refuse_results(&env, &st.amqp).await;
     let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
     let held_before = held();
     // Fewer requests than the partitions' prefetch: every one of them is held by the daemon.
