@@ -237,6 +237,8 @@ static REPLY_REFUSED_LOG: LogLimit = LogLimit::new();
 static ACK_FAILED_LOG: LogLimit = LogLimit::new();
 /// A missing destination that cannot be declared again: a held forward tries it on every attempt.
 static DECLARE_FAILED_LOG: LogLimit = LogLimit::new();
+/// Held results given up at a stop ([`released`]).
+static RELEASED_LOG: LogLimit = LogLimit::new();
 
 /// How many times [`place_returned`] publishes one returned message before it gives up on it.
 const PLACE_RETURNED_ATTEMPTS: u32 = 3;
@@ -1004,7 +1006,11 @@ async fn any_cancelled(tokens: &[&tokio_util::sync::CancellationToken]) {
 /// back to its queue through the caller, and its answer is dropped (the next owner calls the LLM
 /// again).
 fn released(delivery: Delivery, request_id: &str, e: &PublishError) -> ResultEnd {
-    info!(request_id, error = %e, "stopping while the broker refuses this result: the request goes back to its partition queue uncharged");
+    // Bounded: a stop gives up every held result at once (up to the partitions' prefetch).
+    match RELEASED_LOG.admit() {
+        Some(suppressed) => info!(request_id, error = %e, suppressed, "stopping while the broker refuses this result: the request goes back to its partition queue uncharged"),
+        None => debug!(request_id, "held result given up at a stop"),
+    }
     ResultEnd::Released(Box::new(delivery))
 }
 
