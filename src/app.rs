@@ -208,7 +208,7 @@ fn redis_no_such_database(e: &redis::RedisError) -> bool {
 /// Whether Redis refused the daemon's credentials (`WRONGPASS`, `NOAUTH`; the redis crate's
 /// `AuthenticationFailed`) or a command for lack of permission (`NOPERM`).
 fn redis_refused(e: &redis::RedisError) -> bool {
-    e.kind() == redis::ErrorKind::AuthenticationFailed || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+    crate::lease::refused_credentials(e) || e.code() == Some("NOPERM")
 }
 
 /// Events reported to the service manager (systemd `sd_notify`); see [`run_with_events`].

@@ -338,25 +338,19 @@ impl RedisConn {
         let this = self.clone();
         tokio::spawn(async move {
             let mut backoff = RESOLVE_BACKOFF.0;
-            loop {
-                match this.resolve_once().await {
-                    Ok(()) => break,
-                    Err(e) if refused_credentials(&e) => {
-                        crate::error_limited!(
-                            RESOLVE_REFUSED_LOG,
-                            error = %e,
-                            retry_in = ?backoff,
-                            "Redis refused the daemon's credentials: check the user and password in redis.url (or the user's ACL); reconnecting"
-                        );
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(RESOLVE_BACKOFF.1);
-                    }
-                    Err(e) => {
-                        crate::warn_limited!(RESOLVE_FAILED_LOG, error = %e, retry_in = ?backoff, "Redis primary not reachable; asking again");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(RESOLVE_BACKOFF.1);
-                    }
+            while let Err(e) = this.resolve_once().await {
+                if refused_credentials(&e) {
+                    crate::error_limited!(
+                        RESOLVE_REFUSED_LOG,
+                        error = %e,
+                        retry_in = ?backoff,
+                        "Redis refused the daemon's credentials: check the user and password in redis.url (or the user's ACL); reconnecting"
+                    );
+                } else {
+                    crate::warn_limited!(RESOLVE_FAILED_LOG, error = %e, retry_in = ?backoff, "Redis primary not reachable; asking again");
                 }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RESOLVE_BACKOFF.1);
             }
             this.shared.resolving.store(false, Ordering::Release);
         });

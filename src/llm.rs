@@ -772,17 +772,14 @@ impl LlmClient {
         match request_fault {
             Some(e) if whole_call_failed => {
                 // Bounded: a server that cannot demultiplex a list does this on every batch.
-                match LIST_SPLIT_LOG.admit() {
-                    Some(suppressed) => tracing::info!(
-                        endpoint,
-                        items = group.members.len(),
-                        kind = e.kind.as_str(),
-                        status = e.status,
-                        suppressed,
-                        "the list-prompt call was refused or answered invalidly; retrying its prompts one by one"
-                    ),
-                    None => tracing::debug!(endpoint, items = group.members.len(), kind = e.kind.as_str(), "list-prompt call split"),
-                }
+                crate::info_limited!(
+                    LIST_SPLIT_LOG,
+                    endpoint,
+                    items = group.members.len(),
+                    kind = e.kind.as_str(),
+                    status = e.status,
+                    "the list-prompt call was refused or answered invalidly; retrying its prompts one by one"
+                );
                 self.run_sequential(endpoint, items, group, cancel).await
             }
             _ => results,

@@ -68,31 +68,39 @@ impl Default for LogLimit {
     }
 }
 
-/// `tracing::warn!` within a [`LogLimit`]: `warn_limited!(LIMIT, fields…, "message")` logs at
-/// `WARN` (with `suppressed = N` when earlier events of the kind went to `DEBUG`) or at `DEBUG`.
+/// A `tracing` event at `$level` within a [`LogLimit`]: `log_limited!(warn, LIMIT, fields…,
+/// "message")` logs at that level (with `suppressed = N` when earlier events of the kind went to
+/// `DEBUG`) or at `DEBUG`. [`warn_limited!`], [`error_limited!`] and [`info_limited!`] name the level.
 #[macro_export]
-macro_rules! warn_limited {
-    ($limit:expr, $($arg:tt)+) => {
+macro_rules! log_limited {
+    ($level:ident, $limit:expr, $($arg:tt)+) => {
         match $limit.admit() {
-            Some(0) => ::tracing::warn!($($arg)+),
-            Some(suppressed) => ::tracing::warn!(suppressed, $($arg)+),
+            Some(0) => ::tracing::$level!($($arg)+),
+            Some(suppressed) => ::tracing::$level!(suppressed, $($arg)+),
             None => ::tracing::debug!($($arg)+),
         }
     };
 }
 
-/// `tracing::error!` within a [`LogLimit`], as [`warn_limited!`]: a fault an operator must fix,
+/// `tracing::warn!` within a [`LogLimit`] ([`log_limited!`]): per-request warnings.
+#[macro_export]
+macro_rules! warn_limited {
+    ($limit:expr, $($arg:tt)+) => { $crate::log_limited!(warn, $limit, $($arg)+) };
+}
+
+/// `tracing::error!` within a [`LogLimit`] ([`log_limited!`]): a fault an operator must fix,
 /// retried every second (refused credentials), logs at `ERROR` at most [`BURST`] times per
 /// [`WINDOW`].
 #[macro_export]
 macro_rules! error_limited {
-    ($limit:expr, $($arg:tt)+) => {
-        match $limit.admit() {
-            Some(0) => ::tracing::error!($($arg)+),
-            Some(suppressed) => ::tracing::error!(suppressed, $($arg)+),
-            None => ::tracing::debug!($($arg)+),
-        }
-    };
+    ($limit:expr, $($arg:tt)+) => { $crate::log_limited!(error, $limit, $($arg)+) };
+}
+
+/// `tracing::info!` within a [`LogLimit`] ([`log_limited!`]): news that one fault repeats for
+/// every batch or request.
+#[macro_export]
+macro_rules! info_limited {
+    ($limit:expr, $($arg:tt)+) => { $crate::log_limited!(info, $limit, $($arg)+) };
 }
 
 #[cfg(test)]

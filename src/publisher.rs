@@ -1007,10 +1007,7 @@ async fn any_cancelled(tokens: &[&tokio_util::sync::CancellationToken]) {
 /// again).
 fn released(delivery: Delivery, request_id: &str, e: &PublishError) -> ResultEnd {
     // Bounded: a stop gives up every held result at once (up to the partitions' prefetch).
-    match RELEASED_LOG.admit() {
-        Some(suppressed) => info!(request_id, error = %e, suppressed, "stopping while the broker refuses this result: the request goes back to its partition queue uncharged"),
-        None => debug!(request_id, "held result given up at a stop"),
-    }
+    crate::info_limited!(RELEASED_LOG, request_id, error = %e, "stopping while the broker refuses this result: the request goes back to its partition queue uncharged");
     ResultEnd::Released(Box::new(delivery))
 }
 

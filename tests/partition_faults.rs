@@ -218,6 +218,50 @@ async fn refuse_results(env: &TestEnv, amqp: &Amqp) -> Policy {
     Policy::refusing(&env.name, &results_queue)
 }
 
+/// An LLM server that accepts connections and never answers (a frozen process: SIGSTOP, a paused
+/// VM), on an OS-chosen port; it stops accepting when dropped.
+struct FrozenLlm {
+    url: String,
+    /// Connections accepted so far.
+    accepted: Arc<AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FrozenLlm {
+    async fn start() -> FrozenLlm {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                held.push(stream);
+            }
+        });
+        FrozenLlm { url, accepted, task }
+    }
+}
+
+impl Drop for FrozenLlm {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Stops `daemon`, which must end cleanly (`expect` says why), then waits (≤ 20 s) until exactly
+/// `n` requests are in `env`'s partition queues: every one it held put back once. Returns how
+/// long the stop took.
+async fn stop_and_wait_all_back(daemon: Daemon, env: &TestEnv, n: usize, expect: &str) -> Duration {
+    let stopping = Instant::now();
+    daemon.stop().await.expect(expect);
+    let took = stopping.elapsed();
+    let back = wait_for("every held request back in its partition queue", Duration::from_secs(20), || async { waiting_in_partitions(env) == n as u64 }).await;
+    assert!(back, "{} of {n} requests in the partition queues after the stop", waiting_in_partitions(env));
+    took
+}
+
 /// Declares the exclusive reply queue `name`, which holds `max_len` messages and refuses
 /// publishes beyond them (`x-max-length`, `x-overflow = reject-publish`).
 async fn declare_refusing_reply_queue(ch: &lapin::Channel, name: &str, max_len: i32) {
@@ -902,11 +946,7 @@ async fn a_stop_while_the_broker_refuses_results_returns_the_requests_uncharged(
     }
 
     let Started { amqp, daemon, results, reply } = st;
-    let stopping = Instant::now();
-    daemon.stop().await.expect("a stop during a result hold ends cleanly, without waiting for the broker");
-    let took = stopping.elapsed();
-    let back = wait_for("every held request back in its partition queue", Duration::from_secs(20), || async { waiting_in_partitions(&env) == N as u64 }).await;
-    assert!(back, "{} of {N} requests in the partition queues after the stop", waiting_in_partitions(&env));
+    let took = stop_and_wait_all_back(daemon, &env, N, "a stop during a result hold ends cleanly, without waiting for the broker").await;
     eprintln!("stop during a result hold: {N} requests put back in {took:?}");
 
     drop(policy);
@@ -933,18 +973,11 @@ async fn a_stop_while_the_broker_refuses_results_returns_the_requests_uncharged(
 /// Every request is answered once, well within the request timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_llm_server_is_left_for_a_healthy_one_long_before_the_request_timeout() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let frozen = format!("http://{}", listener.local_addr().unwrap());
-    let accepting = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = listener.accept().await {
-            held.push(stream);
-        }
-    });
+    let frozen = FrozenLlm::start().await;
     let fake = FakeLlm::new().start().await.unwrap();
     let env = TestEnv::new("frozenllm");
     let mut raw = env.raw_config(fake.url.as_str());
-    raw.llm.endpoints = vec![frozen, fake.url.as_str().trim_end_matches('/').to_owned()];
+    raw.llm.endpoints = vec![frozen.url.clone(), fake.url.as_str().trim_end_matches('/').to_owned()];
     raw.llm.request_timeout = "120s".into();
     raw.llm.liveness_check_after = "1s".into();
     raw.amqp.delivery_limit = 1;
@@ -964,7 +997,7 @@ async fn a_frozen_llm_server_is_left_for_a_healthy_one_long_before_the_request_t
     dead.barrier(&st.amqp).await;
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     eprintln!("a frozen LLM server beside a healthy one: {} requests answered in {took:?} (request timeout 120 s)", reqs.len());
-    accepting.abort();
+    drop(frozen);
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
@@ -978,19 +1011,9 @@ async fn a_frozen_llm_server_is_left_for_a_healthy_one_long_before_the_request_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_while_the_llm_server_is_frozen_returns_the_requests_uncharged() {
     const N: usize = 20;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let frozen = format!("http://{}", listener.local_addr().unwrap());
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let count = accepted.clone();
-    let accepting = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = listener.accept().await {
-            count.fetch_add(1, Ordering::SeqCst);
-            held.push(stream);
-        }
-    });
+    let frozen = FrozenLlm::start().await;
     let env = TestEnv::new("stopfrozen");
-    let mut raw = env.raw_config(&frozen);
+    let mut raw = env.raw_config(&frozen.url);
     raw.llm.request_timeout = "120s".into();
     raw.llm.liveness_check_after = "12s".into();
     raw.shutdown.drain_timeout = "25s".into();
@@ -999,16 +1022,12 @@ async fn a_stop_while_the_llm_server_is_frozen_returns_the_requests_uncharged() 
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let reqs = completions_workload("stopfrozen", N, 4);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    assert!(wait_for("calls to reach the frozen server", Duration::from_secs(30), || async { accepted.load(Ordering::SeqCst) > 0 }).await);
+    assert!(wait_for("calls to reach the frozen server", Duration::from_secs(30), || async { frozen.accepted.load(Ordering::SeqCst) > 0 }).await);
 
     let Started { amqp, daemon, results, reply } = st;
-    let stopping = Instant::now();
-    daemon.stop().await.expect("a stop while the LLM server is frozen ends within the drain timeout");
-    let took = stopping.elapsed();
-    let back = wait_for("every request back in its partition queue", Duration::from_secs(20), || async { waiting_in_partitions(&env) == N as u64 }).await;
-    assert!(back, "{} of {N} requests in the partition queues after the stop", waiting_in_partitions(&env));
+    let took = stop_and_wait_all_back(daemon, &env, N, "a stop while the LLM server is frozen ends within the drain timeout").await;
     eprintln!("stop while the LLM server is frozen: drained in {took:?}, {N} requests put back");
-    accepting.abort();
+    drop(frozen);
 
     let fake = FakeLlm::new().start().await.unwrap();
     raw.llm.endpoints = vec![fake.url.as_str().trim_end_matches('/').to_owned()];
