@@ -119,7 +119,7 @@ use url::Url;
 
 use crate::breaker::{Admission, Breaker, BreakerPolicy, BreakerState, Outcome, DISTINCT_FAULTY_CALLS};
 use crate::config::LlmSettings;
-use crate::request::{Body, Usage};
+use crate::request::{Body, ResultChoice, Usage};
 
 /// Path of the OpenAI completions API, appended to each endpoint's base URL.
 pub const COMPLETIONS_PATH: &str = "v1/completions";
@@ -312,8 +312,14 @@ pub struct InferenceItem<'a> {
 pub struct Completion {
     /// Completions: the generated text as a JSON string (`choices[i].text`). Chat: the assistant
     /// message object exactly as the server returned it (`choices[0].message`, with `role`,
-    /// `content` and possibly `tool_calls`). With `n` > 1 in params, the choice with index 0.
+    /// `content` and possibly `tool_calls`). Of the first choice in index order when the server
+    /// returned several for the prompt (`n` > 1 in params).
     pub output: Value,
+    /// The choice's `logprobs` as the server returned it, when not absent or `null`.
+    pub logprobs: Option<Value>,
+    /// Every choice the server returned for the prompt, in index order, when it returned more
+    /// than one (`n` > 1 in params); `None` for one.
+    pub choices: Option<Vec<ResultChoice>>,
     /// `finish_reason` of the choice (`"stop"`, `"length"`, …) when the server sent one.
     pub finish_reason: Option<String>,
     /// This item's own token counts, or `None` when the server only reported usage for a whole
@@ -1702,8 +1708,9 @@ impl Group<'_> {
 /// Demultiplexes a completions answer for `n_items` prompts into one result per prompt, strictly:
 /// no item may ever receive another prompt's text.
 ///
-/// - One prompt: any non-empty `choices` list; the choice with `index` 0 (else the first) is the
-///   item's (with `n` > 1 the OpenAI API numbers a prompt's choices `0 .. n`).
+/// - One prompt: any non-empty `choices` list, every choice that prompt's ([`prompt_choices`]):
+///   the first in index order is the item's output, and with more than one all of them are in
+///   [`Completion::choices`] (with `n` > 1 the OpenAI API numbers a prompt's choices `0 .. n`).
 /// - Several prompts, one object: accepted only when `choices` has exactly
 ///   `n_items × choices_per_prompt` entries whose `index` values are exactly
 ///   `0 .. n_items × choices_per_prompt`, each once (OpenAI numbers choice `j` of prompt `p` as
@@ -1782,14 +1789,51 @@ fn choices_of(obj: &Value) -> Result<&[Value], LlmError> {
     }
 }
 
-/// The item of a one-prompt answer: the choice with `index` 0, else the first, with the object's
-/// usage, which is the item's own, when the choice has none.
+/// The item of a one-prompt answer ([`prompt_choices`]), with the object's usage, which is the
+/// item's own, when its first choice has none.
 fn one_prompt_item(obj: &Value, choices: &[Value]) -> Result<Completion, LlmError> {
-    let choice = choices
-        .iter()
-        .find(|c| c.get("index").and_then(Value::as_u64) == Some(0))
-        .unwrap_or(&choices[0]);
-    completion_of(obj, choice, 0).map(|c| Completion { usage: c.usage.or_else(|| usage_of(obj)), ..c })
+    let ordered = prompt_choices(choices);
+    item_of(&ordered, 0, |choice, index| completion_of(obj, choice, index))
+        .map(|c| Completion { usage: c.usage.or_else(|| usage_of(obj)), ..c })
+}
+
+/// The choices of a one-prompt answer (non-empty), in `index` order when their indices are
+/// distinct integers, else in the answer's order. Every choice of a one-prompt call answers that
+/// prompt, so none is refused: a server that ignores `n` or numbers its choices oddly still
+/// answers the request, with as many choices as it generated.
+fn prompt_choices(choices: &[Value]) -> Vec<&Value> {
+    let mut ordered: Vec<&Value> = choices.iter().collect();
+    let indices: Vec<Option<u64>> = ordered.iter().map(|c| c.get("index").and_then(Value::as_u64)).collect();
+    let mut distinct: Vec<u64> = indices.iter().flatten().copied().collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() == ordered.len() {
+        ordered.sort_by_key(|c| c.get("index").and_then(Value::as_u64));
+    }
+    ordered
+}
+
+/// One prompt's item from its choices in index order (`ordered`, non-empty; the first has answer
+/// index `first_index`): the first choice's completion, and with more than one choice all of
+/// them in [`Completion::choices`]. Any failing choice fails the item.
+fn item_of(
+    ordered: &[&Value],
+    first_index: u64,
+    completion: impl Fn(&Value, u64) -> Result<Completion, LlmError>,
+) -> Result<Completion, LlmError> {
+    let Some((first, rest)) = ordered.split_first() else {
+        return Err(LlmError::invalid("no choice for the prompt"));
+    };
+    let head = completion(first, first_index)?;
+    if rest.is_empty() {
+        return Ok(head);
+    }
+    let mut choices = vec![ResultChoice { output: head.output.clone(), finish_reason: head.finish_reason.clone(), logprobs: head.logprobs.clone() }];
+    for (j, choice) in rest.iter().enumerate() {
+        let c = completion(choice, first_index + 1 + j as u64)?;
+        choices.push(ResultChoice { output: c.output, finish_reason: c.finish_reason, logprobs: c.logprobs });
+    }
+    Ok(Completion { choices: Some(choices), ..head })
 }
 
 /// The items of a several-prompt answer object, after checking that its indices are exactly
@@ -1815,13 +1859,12 @@ fn demux_list_choices(
             _ => return Err(mismatch(format!("choice index {} missing, repeated or out of range", short(&choice["index"])))),
         }
     }
-    let items = (0..n_items)
-        .map(|p| {
-            let index = p as u64 * choices_per_prompt;
-            // Every slot is filled: `expected` distinct in-range indices over `expected` slots.
-            let choice = by_index[index as usize].unwrap_or(&Value::Null);
-            completion_of(obj, choice, index)
-        })
+    // Every slot is filled: `expected` distinct in-range indices over `expected` slots.
+    let by_index: Vec<&Value> = by_index.into_iter().flatten().collect();
+    let items = by_index
+        .chunks(choices_per_prompt as usize)
+        .enumerate()
+        .map(|(p, ordered)| item_of(ordered, p as u64 * choices_per_prompt, |choice, index| completion_of(obj, choice, index)))
         .collect();
     Ok(items)
 }
@@ -1836,6 +1879,8 @@ fn completion_of(obj: &Value, choice: &Value, index: u64) -> Result<Completion, 
     match choice.get("text") {
         Some(text @ Value::String(_)) => Ok(Completion {
             output: text.clone(),
+            logprobs: logprobs_of(choice),
+            choices: None,
             finish_reason,
             usage: usage_of(choice),
             model: obj.get("model").and_then(Value::as_str).map(str::to_owned),
@@ -1857,31 +1902,55 @@ fn usage_totals(obj: &Value) -> (u64, u64) {
     choices.map(|c| total(usage_of(c))).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
 }
 
-/// Parses a chat completions answer: output is `choices[0].message`. An `error` object or
-/// `finish_reason: "error"` fails it.
+/// A choice's `logprobs`, unless absent or `null`.
+fn logprobs_of(choice: &Value) -> Option<Value> {
+    choice.get("logprobs").filter(|l| !l.is_null()).cloned()
+}
+
+/// Parses a chat completions answer: output is the `message` of the first choice in index order
+/// ([`prompt_choices`]), with more than one choice every choice's in [`Completion::choices`].
+/// An `error` object fails it; so does a choice whose `message` is not an object, whose
+/// `content` is neither a string, `null` nor a list of content parts (the OpenAI chat answer's
+/// shapes), or that ended with `finish_reason: "error"`.
 fn parse_chat(v: Value) -> Result<Parsed, LlmError> {
     if let Some(error) = v.get("error").filter(|e| !e.is_null()) {
         return Err(LlmError::invalid(format!("the answer carries an error: {}", short(error))));
     }
-    let choice = v
-        .get("choices")
-        .and_then(Value::as_array)
-        .and_then(|c| c.first())
-        .ok_or_else(|| LlmError::invalid(format!("response has no `choices[0]`: {}", short(&v))))?;
-    let message = match choice.get("message") {
-        Some(m @ Value::Object(_)) => m.clone(),
-        _ => return Err(LlmError::invalid("`choices[0].message` is missing or not an object")),
+    let choices = match v.get("choices") {
+        Some(Value::Array(choices)) if !choices.is_empty() => choices,
+        _ => return Err(LlmError::invalid(format!("response has no `choices[0]`: {}", short(&v)))),
     };
-    let finish_reason = choice.get("finish_reason").and_then(Value::as_str).map(str::to_owned);
-    if finish_reason.as_deref() == Some("error") {
-        return Err(LlmError::invalid("choice 0 ended with finish_reason \"error\""));
-    }
-    let usage = usage_of(&v);
-    let completion =
-        Completion { output: message, finish_reason, usage, model: v.get("model").and_then(Value::as_str).map(str::to_owned), attempts: 0, permit_wait: Duration::ZERO };
+    let ordered = prompt_choices(choices);
+    let model = v.get("model").and_then(Value::as_str).map(str::to_owned);
+    let completion = item_of(&ordered, 0, |choice, index| {
+        let message = match choice.get("message") {
+            Some(m @ Value::Object(_)) => m,
+            _ => return Err(LlmError::invalid(format!("`choices[{index}].message` is missing or not an object"))),
+        };
+        if !matches!(message.get("content"), None | Some(Value::String(_) | Value::Null | Value::Array(_))) {
+            return Err(LlmError::invalid(format!(
+                "`choices[{index}].message.content` is neither a string, null nor a list of parts: {}",
+                short(&message["content"])
+            )));
+        }
+        let finish_reason = choice.get("finish_reason").and_then(Value::as_str).map(str::to_owned);
+        if finish_reason.as_deref() == Some("error") {
+            return Err(LlmError::invalid(format!("choice {index} ended with finish_reason \"error\"")));
+        }
+        Ok(Completion {
+            output: message.clone(),
+            logprobs: logprobs_of(choice),
+            choices: None,
+            finish_reason,
+            usage: None,
+            model: model.clone(),
+            attempts: 0,
+            permit_wait: Duration::ZERO,
+        })
+    })?;
     let mut parsed = Parsed::default();
-            parsed.add_tokens(usage_totals(&v));
-    parsed.items.push(Ok(completion));
+    parsed.add_tokens(usage_totals(&v));
+    parsed.items.push(Ok(Completion { usage: usage_of(&v), ..completion }));
     Ok(parsed)
 }
 
@@ -2573,9 +2642,64 @@ mod tests {
             {"index": 2, "text": "b0"}, {"index": 1, "text": "a1"},
         ], "usage": {"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}});
         let p = demux_completions(v, 2, 2).unwrap();
-        let outs: Vec<Value> = p.items.into_iter().map(|r| r.unwrap().output).collect();
-        assert_eq!(outs, [json!("a0"), json!("b0")]);
-        assert_eq!((p.prompt_tokens, p.cached_tokens), (10, 4));
+        let (prompt_tokens, cached_tokens) = (p.prompt_tokens, p.cached_tokens);
+        let items: Vec<Completion> = p.items.into_iter().map(Result::unwrap).collect();
+        let outs: Vec<&Value> = items.iter().map(|c| &c.output).collect();
+        assert_eq!(outs, [&json!("a0"), &json!("b0")]);
+        let texts = |c: &Completion| -> Vec<Value> { c.choices.iter().flatten().map(|c| c.output.clone()).collect() };
+        assert_eq!(texts(&items[0]), [json!("a0"), json!("a1")], "every choice of prompt 0, in index order");
+        assert_eq!(texts(&items[1]), [json!("b0"), json!("b1")]);
+        assert_eq!((prompt_tokens, cached_tokens), (10, 4));
+    }
+
+    #[test]
+    fn every_choice_and_its_logprobs_reach_the_result() {
+        // Completions, n = 2, choices out of order, each with its logprobs.
+        let lp = |t: &str| json!({"tokens": [t], "token_logprobs": [-0.5]});
+        let v = json!({"choices": [
+            {"index": 1, "text": "second", "logprobs": lp("s"), "finish_reason": "length"},
+            {"index": 0, "text": "first", "logprobs": lp("f"), "finish_reason": "stop"},
+        ]});
+        let c = demux_completions(v, 1, 2).unwrap().items.remove(0).unwrap();
+        assert_eq!((c.output.clone(), c.finish_reason.as_deref(), c.logprobs.clone()), (json!("first"), Some("stop"), Some(lp("f"))));
+        let choices = c.choices.expect("two choices are all returned");
+        let got: Vec<(Value, Option<String>, Option<Value>)> =
+            choices.into_iter().map(|c| (c.output, c.finish_reason, c.logprobs)).collect();
+        assert_eq!(
+            got,
+            [(json!("first"), Some("stop".into()), Some(lp("f"))), (json!("second"), Some("length".into()), Some(lp("s")))]
+        );
+        // One choice: no `choices` list; `logprobs: null` is no logprobs.
+        let one = demux_completions(json!({"choices": [{"index": 0, "text": "t", "logprobs": null}]}), 1, 1).unwrap();
+        let one = one.items[0].as_ref().unwrap();
+        assert_eq!((one.choices.is_none(), one.logprobs.is_none()), (true, true));
+
+        // Chat, n = 2: every message, in index order; the choice's logprobs.
+        let msg = |t: &str| json!({"role": "assistant", "content": t});
+        let v = json!({"choices": [
+            {"index": 1, "message": msg("b"), "finish_reason": "stop"},
+            {"index": 0, "message": msg("a"), "finish_reason": "stop", "logprobs": {"content": []}},
+        ], "usage": {"prompt_tokens": 5, "completion_tokens": 2}});
+        let c = parse_chat(v).unwrap().items.remove(0).unwrap();
+        assert_eq!((c.output.clone(), c.logprobs.clone()), (msg("a"), Some(json!({"content": []}))));
+        let outs: Vec<Value> = c.choices.unwrap().into_iter().map(|c| c.output).collect();
+        assert_eq!(outs, [msg("a"), msg("b")]);
+        assert_eq!(c.usage.map(|u| u.prompt_tokens), Some(5));
+    }
+
+    #[test]
+    fn a_chat_answer_whose_content_is_not_text_is_invalid() {
+        for content in [json!(5), json!(true), json!({"text": "x"})] {
+            let v = json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]});
+            let e = parse_chat(v).unwrap_err();
+            assert_eq!(e.kind, ErrorKind::InvalidResponse, "content {content}");
+            assert!(e.message.contains("content"), "{}", e.message);
+        }
+        // The OpenAI shapes pass: text, null (a tool call), a list of content parts.
+        for content in [json!("x"), Value::Null, json!([{"type": "text", "text": "x"}])] {
+            let v = json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]});
+            assert!(parse_chat(v).is_ok(), "content {content}");
+        }
     }
 
     #[test]

@@ -758,6 +758,8 @@ pub fn shape_result(
         finish_reason: None,
         usage: None,
         model: None,
+        logprobs: None,
+        choices: None,
         prefix_key,
         shard,
         partition: batch.partition,
@@ -767,7 +769,16 @@ pub fn shape_result(
         error: None,
     };
     Some(match answer {
-        Ok(c) => RequestResult { ok: true, output: c.output, finish_reason: c.finish_reason, usage: c.usage, model: c.model, ..base },
+        Ok(c) => RequestResult {
+            ok: true,
+            output: c.output,
+            finish_reason: c.finish_reason,
+            usage: c.usage,
+            model: c.model,
+            logprobs: c.logprobs,
+            choices: c.choices,
+            ..base
+        },
         Err(e) if e.kind == ErrorKind::Cancelled => return None,
         Err(e) => RequestResult { error: Some(ResultError { kind: e.kind.as_str().to_owned(), message: e.message }), ..base },
     })

@@ -568,6 +568,18 @@ pub struct ResultError {
     pub message: String,
 }
 
+/// One of several choices generated for one prompt (`n` > 1): the fields of the same names of
+/// [`RequestResult`], for that choice.
+#[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
+pub struct ResultChoice {
+    /// Completion text (completions), or the assistant message object (chat).
+    pub output: Value,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub finish_reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub logprobs: Option<Value>,
+}
+
 /// The result message published for every request (DESIGN §2).
 #[derive(Debug, Clone, PartialEq, Serialize, serde::Deserialize)]
 pub struct RequestResult {
@@ -581,6 +593,15 @@ pub struct RequestResult {
     pub usage: Option<Usage>,
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub model: Option<String>,
+    /// The choice's `logprobs` exactly as the server returned it (asked for with `logprobs` /
+    /// `top_logprobs` in `params`); absent when the server sent none or `null`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub logprobs: Option<Value>,
+    /// Every choice the server generated for this prompt, in `index` order, when it generated more
+    /// than one (asked for with `n` > 1 in `params`); `output`, `finish_reason` and `logprobs`
+    /// above are those of the first. Absent for one choice.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub choices: Option<Vec<ResultChoice>>,
     /// The prefix key as 16 lowercase hex digits.
     pub prefix_key: String,
     pub shard: u32,
