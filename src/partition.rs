@@ -81,6 +81,19 @@ use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, R
 use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::request::{Request, TimingsMs};
 
+/// How far (milliseconds) a request's publish time (`timestamp_in_ms` header or AMQP `timestamp`)
+/// may lie ahead of this host's clock and still be taken as its publish time (a publisher's clock
+/// slightly ahead; the whole-second AMQP `timestamp` is rounded). Later ones are ignored: no
+/// queueing delay, no end-to-end latency is measured from them.
+pub const MAX_CLOCK_SKEW_MS: u64 = 1_000;
+
+/// A request's publish time in Unix milliseconds: header `timestamp_in_ms` (`header_ms`), else the
+/// AMQP `timestamp` (`amqp_s`, whole seconds); `None` without either, or when it lies more than
+/// [`MAX_CLOCK_SKEW_MS`] after `now_ms` (not a publish time: nothing is measured from it).
+pub fn publish_time_ms(header_ms: Option<u64>, amqp_s: Option<u64>, now_ms: u64) -> Option<u64> {
+    header_ms.or_else(|| amqp_s.map(|t| t.saturating_mul(1000))).filter(|&t| t <= now_ms.saturating_add(MAX_CLOCK_SKEW_MS))
+}
+
 /// Share of `amqp.consumer_timeout` after which the oldest unsettled delivery makes the worker
 /// requeue everything and start a new consuming session (before the broker closes the channel).
 pub const CONSUMER_TIMEOUT_GUARD: f64 = 0.9;
@@ -848,9 +861,9 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
     let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
     // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin) set
     // header `timestamp_in_ms`; else the AMQP `timestamp`, whole seconds only.
-    let enqueued_unix_ms =
-        header_u64(headers, HEADER_TIMESTAMP_MS).or_else(|| delivery.properties.timestamp().map(|t| t.saturating_mul(1000)));
-    let queued_ms = enqueued_unix_ms.map_or(0, |t| unix_ms().saturating_sub(t));
+    let now = unix_ms();
+    let enqueued_unix_ms = publish_time_ms(header_u64(headers, HEADER_TIMESTAMP_MS), *delivery.properties.timestamp(), now);
+    let queued_ms = enqueued_unix_ms.map_or(0, |t| now.saturating_sub(t));
     let key = crate::splits::batch_key(s, ctx.partition, &req, headers, queued_ms);
     Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms, _held: held })
 }
@@ -1113,6 +1126,18 @@ mod tests {
 
     fn seen(at: Instant, ready: u32, ready_since: Option<Instant>) -> Option<QueueObservation> {
         Some(QueueObservation { ready, at, ready_since })
+    }
+
+    #[test]
+    fn a_publish_time_in_the_future_is_no_publish_time() {
+        let now = 1_700_000_000_000;
+        assert_eq!(publish_time_ms(Some(now - 250), Some(1), now), Some(now - 250), "the millisecond header first");
+        assert_eq!(publish_time_ms(None, Some(now / 1000), now), Some(now / 1000 * 1000));
+        assert_eq!(publish_time_ms(Some(now + MAX_CLOCK_SKEW_MS), None, now), Some(now + MAX_CLOCK_SKEW_MS), "skew");
+        assert_eq!(publish_time_ms(Some(now + MAX_CLOCK_SKEW_MS + 1), None, now), None);
+        assert_eq!(publish_time_ms(None, Some(4_102_444_800), now), None, "the year 2100");
+        assert_eq!(publish_time_ms(Some(u64::MAX), None, now), None);
+        assert_eq!(publish_time_ms(None, None, now), None);
     }
 
     #[test]

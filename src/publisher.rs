@@ -229,7 +229,11 @@ pub fn is_own_return(
 /// [`crate::log_limit::BURST`] lines per minute at `WARN`, the rest at `DEBUG`).
 static RETURN_PLACED_LOG: LogLimit = LogLimit::new();
 static RETURN_PLACE_FAILED_LOG: LogLimit = LogLimit::new();
+/// Dead letters of malformed input (a client's fault, possibly a flood of it).
 static DEAD_LETTER_LOG: LogLimit = LogLimit::new();
+/// Dead letters of valid requests given up after `amqp.delivery_limit` deliveries: within their
+/// own limit, so a flood of malformed input never hides them.
+static GIVEN_UP_LOG: LogLimit = LogLimit::new();
 static DEAD_LETTER_FAILED_LOG: LogLimit = LogLimit::new();
 static RESULT_FAILED_LOG: LogLimit = LogLimit::new();
 static REPLY_REFUSED_LOG: LogLimit = LogLimit::new();
@@ -714,7 +718,11 @@ pub async fn dead_letter_and_ack(
     // For a message with no id at all: who published it (when it says) and its size.
     let app_id = props.app_id().as_ref().map(|a| log_id(a.as_str()));
     let bytes = delivery.data.len();
-    crate::warn_limited!(DEAD_LETTER_LOG, request_id, correlation_id, message_id, app_id, bytes, reason, detail, "dead-lettering request");
+    if reason == crate::request::REASON_DELIVERY_LIMIT {
+        crate::warn_limited!(GIVEN_UP_LOG, request_id, correlation_id, message_id, app_id, bytes, reason, detail, "dead-lettering request");
+    } else {
+        crate::warn_limited!(DEAD_LETTER_LOG, request_id, correlation_id, message_id, app_id, bytes, reason, detail, "dead-lettering request");
+    }
     if lease.is_some_and(|l| !l.is_valid()) {
         return Intake::Unacked(delivery);
     }
