@@ -512,10 +512,8 @@ impl App {
         };
         let conns = match opened {
             Ok(c) => c,
-            Err(SessionError::Topology(e)) if e.is_config_error() => {
-                error!(error = %e, "refusing to start");
-                return Err(AppError::Topology(e));
-            }
+            // Logged once, by the caller that ends the process with the error's exit code.
+            Err(SessionError::Topology(e)) if e.is_config_error() => return Err(AppError::Topology(e)),
             Err(e) => return Ok(SessionEnd::Failed(e)),
         };
         // Aborted when the session ends, however it ends; aborting counts as unblocked.

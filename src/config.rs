@@ -28,6 +28,10 @@ pub enum ConfigError {
     /// The file is missing, unreadable, not TOML, has unknown keys or values of the wrong type.
     #[error("cannot load configuration: {}", redact_text(&.0.to_string()))]
     Load(#[source] config::ConfigError),
+    /// The file is not valid TOML: the parser's message, with the line and column (credentials
+    /// in URLs on that line redacted).
+    #[error("cannot parse configuration file {path}: {message}")]
+    Parse { path: String, message: String },
     /// A value breaks a rule.
     #[error("invalid configuration: `{key}` = {value}: {rule}")]
     Invalid { key: String, value: String, rule: String },
@@ -710,6 +714,13 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
         return Err(invalid("--config", format!("{:?}", p.display().to_string()), "is a directory; give the path of a TOML file"));
     }
     if let Some(p) = path {
+        // The `config` crate drops the line of a TOML error (e.g. an integer beyond 64 bits);
+        // the `toml` crate's message shows it. A missing or unreadable file is the crate's to say.
+        if let Ok(text) = std::fs::read_to_string(p) {
+            if let Err(e) = text.parse::<toml::Table>() {
+                return Err(ConfigError::Parse { path: p.display().to_string(), message: redact_text(&e.to_string()) });
+            }
+        }
         b = b.add_source(config::File::from(p).format(config::FileFormat::Toml).required(true));
     }
     b = b.add_source(
@@ -828,12 +839,21 @@ fn is_boolean(v: &serde_json::Value) -> bool {
     }
 }
 
+/// The longest duration any key takes (365 days): longer ones would overflow where they are used
+/// (Redis `PX` takes a signed 64-bit count of milliseconds; a deadline is now + the duration), and
+/// none of the daemon's durations means anything at that length.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
 fn duration(key: &'static str, v: &str) -> Result<Duration, ConfigError> {
     if v.trim().starts_with('-') {
         return Err(invalid(key, format!("{v:?}"), "must not be negative: a duration such as \"250ms\" or \"1s\""));
     }
-    humantime::parse_duration(v.trim())
-        .map_err(|e| invalid(key, format!("{v:?}"), format!("must be a duration such as \"250ms\" or \"1s\" ({e})")))
+    let d = humantime::parse_duration(v.trim())
+        .map_err(|e| invalid(key, format!("{v:?}"), format!("must be a duration such as \"250ms\" or \"1s\" ({e})")))?;
+    if d > MAX_DURATION {
+        return Err(invalid(key, format!("{v:?}"), "must be at most 365 days"));
+    }
+    Ok(d)
 }
 
 fn positive_duration(key: &'static str, v: &str) -> Result<Duration, ConfigError> {
@@ -864,7 +884,7 @@ fn name(key: &'static str, v: &str) -> Result<String, ConfigError> {
 
 fn secret_url(key: &'static str, v: &str, schemes: &[&str]) -> Result<SecretUrl, ConfigError> {
     let u = Url::parse(v).map_err(|e| {
-        invalid(key, redact_str(v), format!("must be a URL such as {schemes:?}://host:port (percent-encode '/', '#', '@' in passwords; {e})"))
+        invalid(key, redact_str(v), format!("must be a URL such as {}://host:port (scheme one of {}; percent-encode '/', '#', '@' in passwords; {e})", schemes[0], schemes.join(", ")))
     })?;
     if !schemes.contains(&u.scheme()) {
         return Err(invalid(key, redact_str(v), format!("scheme must be one of {schemes:?}")));
@@ -2145,6 +2165,20 @@ mod tests {
         assert!(load(Some(&path)).is_err());
         let e = load(Some(&dir)).unwrap_err().to_string();
         assert!(e.contains("is a directory") && e.contains("--config"), "{e}");
+        // Not TOML, or a number TOML cannot hold: the line is named, credentials are not shown.
+        std::fs::write(&path, "[amqp]\nurl = \"amqp://u:hunter2@h:5672/v\" x\nmax_message_bytes = 1\n").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("line 2") && !e.contains("hunter2"), "{e}");
+        std::fs::write(&path, "[amqp]\nmax_message_bytes = 99999999999999999999\n").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("max_message_bytes"), "{e}");
+        // Durations beyond what the daemon can use (a lease TTL past Redis' 64-bit milliseconds).
+        std::fs::write(&path, "[ownership]\nlease_ttl = \"1000000000000d\"\n").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("ownership.lease_ttl") && e.contains("at most 365 days"), "{e}");
+        std::fs::write(&path, "[llm]\nrequest_timeout = \"366days\"\n").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("llm.request_timeout") && e.contains("at most 365 days"), "{e}");
     }
 
     /// Values the `config` crate used to convert silently (`partitions = 8.5` ran with 9

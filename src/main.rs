@@ -126,12 +126,30 @@ fn load(path: Option<&Path>, log_format: Option<&str>) -> Result<Loaded, ExitCod
     Ok(loaded)
 }
 
+/// Completes at the first SIGTERM or SIGINT. Later ones are logged and change nothing: a drain
+/// is bounded by `shutdown.drain_timeout`, and only SIGKILL stops the process sooner.
 async fn signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
     }
+    tokio::spawn(async move {
+        loop {
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            tracing::warn!(
+                signal = name,
+                "already stopping: a further signal does not shorten the drain (shutdown.drain_timeout \
+                 bounds it; SIGKILL stops at once and the deliveries in flight go back to their queues, \
+                 each charged one delivery)"
+            );
+        }
+    });
 }
 
 #[tokio::main]
