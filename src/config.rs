@@ -983,20 +983,23 @@ pub fn default_instance_name() -> String {
 }
 
 impl Settings {
-    /// The settings every router of a deployment must share for a key to land on one partition:
-    /// `keying.mode`, `keying.prefix_chars`, `keying.chat_key`, `sharding.default_shards`,
-    /// `sharding.max_shards`, and a hash of `sharding.keys` and `sharding.rules` (their text can
-    /// be long). `amqp.partitions` is checked apart, against the broker's queues. One line,
-    /// e.g. `mode=Adaptive prefix_chars=256 chat_key=Opening default_shards=8 max_shards=8
-    /// static=0000000000000000`; the membership heartbeat compares the members' lines.
+    /// The settings every instance of a deployment must share: for a key to land on one
+    /// partition, `keying.mode`, `keying.prefix_chars`, `keying.chat_key`,
+    /// `sharding.default_shards`, `sharding.max_shards`, and a hash of `sharding.keys` and
+    /// `sharding.rules` (their text can be long); for a request to get the same outcome whichever
+    /// instance takes it, a hash of the request rules (`[requests]`, `amqp.max_message_bytes`).
+    /// `amqp.partitions` is checked apart, against the broker's queues. One line, e.g.
+    /// `mode=Adaptive prefix_chars=256 chat_key=Opening default_shards=8 max_shards=8
+    /// static=0000000000000000 requests=…`; the membership heartbeat compares the members' lines.
     pub fn routing_fingerprint(&self) -> String {
         let (k, s) = (&self.keying, &self.sharding);
         let mut statics: Vec<String> = s.keys.iter().map(|(key, n)| format!("key {key:?} {n}")).collect();
         statics.sort();
         statics.extend(s.rules.iter().map(|r| format!("rule {:?} {}", r.pattern.as_str(), r.shards)));
         let statics = if statics.is_empty() { 0 } else { xxhash_rust::xxh3::xxh3_64(statics.join("\n").as_bytes()) };
+        let requests = xxhash_rust::xxh3::xxh3_64(format!("{:016x} {}", self.requests.fingerprint(), self.amqp.max_message_bytes).as_bytes());
         format!(
-            "mode={:?} prefix_chars={} chat_key={:?} default_shards={} max_shards={} static={statics:016x}",
+            "mode={:?} prefix_chars={} chat_key={:?} default_shards={} max_shards={} static={statics:016x} requests={requests:016x}",
             k.mode, k.prefix_chars, k.chat_key, s.default_shards, s.max_shards
         )
     }
@@ -1699,12 +1702,20 @@ mod tests {
     #[test]
     fn the_routing_fingerprint_changes_with_every_routing_setting_only() {
         let base = ok(&RawConfig::default()).routing_fingerprint();
-        assert_eq!(base, "mode=Adaptive prefix_chars=256 chat_key=Opening default_shards=8 max_shards=8 static=0000000000000000");
+        assert!(base.starts_with("mode=Adaptive prefix_chars=256 chat_key=Opening default_shards=8 max_shards=8 static=0000000000000000 requests="), "{base}");
         let mut other = RawConfig::default();
         other.batching.max_batch_size = 3;
         other.instance.name = "elsewhere".into();
         assert_eq!(ok(&other).routing_fingerprint(), base, "not a routing setting");
-        let changes: [fn(&mut RawConfig); 5] = [
+        // The request rules: another instance must not dead-letter what this one answers.
+        let mut reordered = RawConfig::default();
+        reordered.requests.allowed_params.reverse();
+        assert_eq!(ok(&reordered).routing_fingerprint(), base, "the order of a list is not a setting");
+        let changes: [fn(&mut RawConfig); 9] = [
+            |r| r.requests.reply_to_pattern = "replies\\..*".into(),
+            |r| _ = r.requests.allowed_params.pop(),
+            |r| r.requests.max_tokens += 1,
+            |r| r.amqp.max_message_bytes += 1,
             |r| r.keying.mode = "off".into(),
             |r| r.keying.prefix_chars = 512,
             |r| r.keying.chat_key = "system".into(),

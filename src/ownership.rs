@@ -231,7 +231,7 @@ impl Ownership {
         metrics::members_routing_differs(differs.len());
         if differs.is_empty() {
             if self.routing_differs_logged.take().is_some() {
-                info!("every live member routes with this instance's keying and sharding settings again");
+                info!("every live member runs with this instance's keying, sharding and request settings again");
             }
             return;
         }
@@ -241,7 +241,7 @@ impl Ownership {
         };
         if due {
             let others: Vec<String> = differs.iter().map(|(n, r)| format!("{n}: {r}")).collect();
-            warn!(this_instance = %self.settings.routing_fingerprint(), others = ?others, "live members route with other keying or sharding settings: a key goes to other partitions depending on which router takes it, so its batches and cache hits split (expected only during a rolling configuration change)");
+            warn!(this_instance = %self.settings.routing_fingerprint(), others = ?others, "live members run with other keying, sharding or request settings: a key goes to other partitions, or a request is refused by some instances and answered by others, depending on which instance takes it (expected only during a rolling configuration change)");
             self.routing_differs_logged = Some((Instant::now(), differs.to_vec()));
         }
     }

@@ -194,6 +194,30 @@ impl RequestPolicy {
         })
     }
 
+    /// A hash of every rule here (the same for equal `[requests]` sections, whatever the order of
+    /// their lists): members of one deployment compare theirs, since a request another member
+    /// would answer must not be dead-lettered by this one.
+    pub fn fingerprint(&self) -> u64 {
+        let sorted = |set: &Option<HashSet<String>>| -> String {
+            set.as_ref().map_or_else(|| "*".to_owned(), |s| {
+                let mut v: Vec<&str> = s.iter().map(String::as_str).collect();
+                v.sort_unstable();
+                format!("{v:?}")
+            })
+        };
+        let text = format!(
+            "reply_to={} params={} models={} max_tokens={} max_n={} max_logprobs={} max_messages={}",
+            self.reply_to.as_str(),
+            sorted(&self.allowed_params),
+            sorted(&self.models),
+            self.max_tokens,
+            self.max_n,
+            self.max_logprobs,
+            self.max_messages
+        );
+        xxhash_rust::xxh3::xxh3_64(text.as_bytes())
+    }
+
     /// Checks a parsed request and its `reply_to` property. `Err((reason, detail))`: the
     /// dead-letter reason ([`REASON_REPLY_TO_NOT_ALLOWED`] or [`REASON_PARAM_NOT_ALLOWED`]) and a
     /// detail naming the field, the value (cut to 100 characters) and the rule.
