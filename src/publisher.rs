@@ -1166,6 +1166,32 @@ fn result_props(request: &BasicProperties, id: &str, tenure: Tenure<'_>) -> Basi
 mod tests {
     use super::*;
 
+    /// Every choice and the logprobs of an answer reach the published result; one choice gives
+    /// no `choices` list.
+    #[test]
+    fn a_result_carries_every_choice_and_the_logprobs() {
+        use crate::request::ResultChoice;
+        let info = BatchInfo { partition: 3, batch_id: "3-1-1", batch_size: 1 };
+        let choice = |t: &str| ResultChoice { output: serde_json::json!(t), finish_reason: Some("stop".into()), logprobs: Some(serde_json::json!({"t": t})) };
+        let answer = Completion {
+            output: serde_json::json!("a"),
+            logprobs: Some(serde_json::json!({"t": "a"})),
+            choices: Some(vec![choice("a"), choice("b")]),
+            finish_reason: Some("stop".into()),
+            usage: None,
+            model: None,
+            attempts: 1,
+            permit_wait: Duration::ZERO,
+        };
+        let r = shape_result(info, "r1".into(), "00".into(), 0, TimingsMs::default(), Ok(answer.clone())).unwrap();
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["logprobs"], serde_json::json!({"t": "a"}));
+        assert_eq!(v["choices"][1], serde_json::json!({"output": "b", "finish_reason": "stop", "logprobs": {"t": "b"}}));
+        let one = Completion { choices: None, logprobs: None, ..answer };
+        let v = serde_json::to_value(shape_result(info, "r2".into(), "00".into(), 0, TimingsMs::default(), Ok(one)).unwrap()).unwrap();
+        assert!(v.get("choices").is_none() && v.get("logprobs").is_none(), "{v}");
+    }
+
     /// Only a result over the broker's `max_message_size` is the request's own publish fault;
     /// held publishes wait `reconnect_backoff_initial` doubling up to `reconnect_backoff_max`.
     #[test]

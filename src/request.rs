@@ -544,8 +544,9 @@ pub struct Usage {
 /// Per-stage latencies of one request, in milliseconds.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, serde::Deserialize)]
 pub struct TimingsMs {
-    /// From the AMQP `timestamp` (publish time, whole seconds) to the moment the batcher received
-    /// the request; 0 when the publisher set no timestamp.
+    /// From the publish time (header `timestamp_in_ms`, else the AMQP `timestamp`, whole seconds)
+    /// to the moment the batcher received the request; 0 when the publisher set neither, or one
+    /// ahead of this host's clock ([`crate::partition::publish_time_ms`]).
     pub queued: u64,
     /// Time the request waited in its batch buffer.
     pub batch_wait: u64,
