@@ -987,7 +987,8 @@ impl Settings {
     /// partition, `keying.mode`, `keying.prefix_chars`, `keying.chat_key`,
     /// `sharding.default_shards`, `sharding.max_shards`, and a hash of `sharding.keys` and
     /// `sharding.rules` (their text can be long); for a request to get the same outcome whichever
-    /// instance takes it, a hash of the request rules (`[requests]`, `amqp.max_message_bytes`).
+    /// instance takes it, a hash of the request rules (`[requests]`, `amqp.max_message_bytes`,
+    /// `amqp.delivery_limit`).
     /// `amqp.partitions` is checked apart, against the broker's queues. One line, e.g.
     /// `mode=Adaptive prefix_chars=256 chat_key=Opening default_shards=8 max_shards=8
     /// static=0000000000000000 requests=…`; the membership heartbeat compares the members' lines.
@@ -997,7 +998,7 @@ impl Settings {
         statics.sort();
         statics.extend(s.rules.iter().map(|r| format!("rule {:?} {}", r.pattern.as_str(), r.shards)));
         let statics = if statics.is_empty() { 0 } else { xxhash_rust::xxh3::xxh3_64(statics.join("\n").as_bytes()) };
-        let requests = xxhash_rust::xxh3::xxh3_64(format!("{:016x} {}", self.requests.fingerprint(), self.amqp.max_message_bytes).as_bytes());
+        let requests = xxhash_rust::xxh3::xxh3_64(format!("{:016x} {} {}", self.requests.fingerprint(), self.amqp.max_message_bytes, self.amqp.delivery_limit).as_bytes());
         format!(
             "mode={:?} prefix_chars={} chat_key={:?} default_shards={} max_shards={} static={statics:016x} requests={requests:016x}",
             k.mode, k.prefix_chars, k.chat_key, s.default_shards, s.max_shards
@@ -1711,7 +1712,8 @@ mod tests {
         let mut reordered = RawConfig::default();
         reordered.requests.allowed_params.reverse();
         assert_eq!(ok(&reordered).routing_fingerprint(), base, "the order of a list is not a setting");
-        let changes: [fn(&mut RawConfig); 9] = [
+        let changes: [fn(&mut RawConfig); 10] = [
+            |r| r.amqp.delivery_limit = 2,
             |r| r.requests.reply_to_pattern = "replies\\..*".into(),
             |r| _ = r.requests.allowed_params.pop(),
             |r| r.requests.max_tokens += 1,

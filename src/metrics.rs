@@ -179,7 +179,7 @@ static MEMBERS_LLM_DOWN: LazyLock<IntGauge> = LazyLock::new(|| {
 static MEMBERS_ROUTING_DIFFERS: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new(
         "members_routing_differs",
-        "Live instances whose routing settings (keying.mode, prefix_chars, chat_key, sharding) or request rules ([requests], amqp.max_message_bytes) differ from this instance's: their routers send a key to other partitions, or they refuse requests this instance answers.",
+        "Live instances whose routing settings (keying.mode, prefix_chars, chat_key, sharding) or request rules ([requests], amqp.max_message_bytes, amqp.delivery_limit) differ from this instance's: their routers send a key to other partitions, or they refuse requests this instance answers.",
     )
     .unwrap())
 });
