@@ -284,7 +284,7 @@ pub async fn run_with_events(
 fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
     let open = std::sync::Mutex::new(vec![false; endpoints]);
     Arc::new(move |event: &LlmEvent<'_>| match event {
-        LlmEvent::Call { outcome, seconds, .. } => metrics::llm_call(call_outcome_label(*outcome), *seconds),
+        LlmEvent::Call { endpoint, outcome, seconds } => metrics::llm_call(*endpoint, call_outcome_label(*outcome), *seconds),
         LlmEvent::Tokens { prompt_tokens, cached_tokens } => metrics::llm_tokens(*prompt_tokens, *cached_tokens),
         LlmEvent::Breaker { endpoint, name, state, reopened } => {
             metrics::llm_circuit(*endpoint, state.as_str(), *reopened);

@@ -78,7 +78,11 @@ static LLM_DURATION: LazyLock<HistogramVec> = LazyLock::new(|| {
     .unwrap())
 });
 static LLM_REQUESTS: LazyLock<IntCounterVec> =
-    counter_vec!("llm_requests_total", "HTTP calls to the LLM server, by outcome.", &["outcome"]);
+    counter_vec!(
+        "llm_requests_total",
+        "HTTP calls to the LLM servers, by endpoint (its index in llm.endpoints) and outcome.",
+        &["endpoint", "outcome"]
+    );
 static LLM_CIRCUIT_OPEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     reg(IntGaugeVec::new(
         Opts::new(
@@ -455,8 +459,10 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
         DEAD_LETTERS.with_label_values(&[r]);
     }
     for o in llm_outcomes {
-        LLM_REQUESTS.with_label_values(&[o]);
         LLM_DURATION.with_label_values(&[o]);
+        for e in 0..llm_endpoints {
+            LLM_REQUESTS.with_label_values(&[e.to_string().as_str(), o]);
+        }
     }
     for e in 0..llm_endpoints {
         LLM_CIRCUIT_OPEN.with_label_values(&[e.to_string().as_str()]);
@@ -542,9 +548,10 @@ pub fn dead_lettered(reason: &'static str, stage: &'static str) {
     REQUESTS.with_label_values(&[stage, outcome::DEAD_LETTERED]).inc();
 }
 
-/// One HTTP call to the LLM server ended with `outcome` (`ok` or an error kind) after `seconds`.
-pub fn llm_call(outcome: &'static str, seconds: f64) {
-    LLM_REQUESTS.with_label_values(&[outcome]).inc();
+/// One HTTP call to LLM endpoint `endpoint` (its index in `llm.endpoints`) ended with `outcome`
+/// (`ok` or an error kind) after `seconds`.
+pub fn llm_call(endpoint: usize, outcome: &'static str, seconds: f64) {
+    LLM_REQUESTS.with_label_values(&[endpoint.to_string().as_str(), outcome]).inc();
     LLM_DURATION.with_label_values(&[outcome]).observe(seconds);
 }
 
