@@ -42,9 +42,11 @@
 //! model for real prompt lengths, a gateway that routes only short calls) would otherwise have
 //! every request charged a delivery until its delivery limit dead-letters the whole backlog. So
 //! when answered faults came from at least [`DISTINCT_FAULTY_CALLS`] different one-prompt calls
-//! (different bodies: retries and redeliveries of one request count once; the caller reports
-//! only one-prompt calls, as a failed list call goes again prompt by prompt) and no real call has
-//! been answered since the first of them ([`Breaker::probes_unrepresentative`]), the owner's
+//! on one route (different bodies: retries and redeliveries of one request count once; the caller
+//! reports only one-prompt calls, as a failed list call goes again prompt by prompt; a route is
+//! one of the server's APIs, numbered by the owner, since one can fail while another works) and
+//! no real call of that route has been answered since the first of them
+//! ([`Breaker::probes_unrepresentative`], [`Breaker::record_call`]), the owner's
 //! probe does not stop at the one-token call: it replays a real call the endpoint answered
 //! before (see [`crate::llm`]), and reports a server fault when that fails, which opens the
 //! breaker; the requests then wait for the endpoint, uncharged. When the replay passes, the
@@ -209,9 +211,12 @@ pub struct Breaker {
     timeouts_since: Option<Instant>,
     /// When a real call (not a probe) was last answered: a success or a request fault.
     last_answer: Option<Instant>,
-    /// Fingerprints of the different real calls answered with a fault since a real call was
-    /// last answered ([`Self::answered_fault_call`]); at most [`DISTINCT_FAULTY_CALLS`].
-    faulty_calls: Vec<u64>,
+    /// `(route, fingerprint)` of the different real calls answered with a fault since a real call
+    /// of the same route was last answered ([`Self::answered_fault_call`]); at most
+    /// [`DISTINCT_FAULTY_CALLS`] per route.
+    faulty_calls: Vec<(usize, u64)>,
+    /// The route of the real call being recorded ([`Self::record_call`]); `None`: every route.
+    recording_route: Option<usize>,
     /// When the breaker last left the closed state (its first opening since it was last
     /// closed); `None` while closed.
     down_since: Option<Instant>,
@@ -235,23 +240,46 @@ impl Breaker {
             timeouts_since: None,
             last_answer: None,
             faulty_calls: Vec::new(),
+            recording_route: None,
             down_since: None,
             trial: false,
         }
     }
 
-    /// Tells the breaker the fingerprint of a real call (a hash of its body) that is about to be
-    /// recorded as [`Outcome::AnsweredFault`]: see [`Self::probe_passed`].
-    pub fn answered_fault_call(&mut self, fingerprint: u64) {
-        if self.state == State::Closed && self.faulty_calls.len() < DISTINCT_FAULTY_CALLS && !self.faulty_calls.contains(&fingerprint) {
-            self.faulty_calls.push(fingerprint);
+    /// Tells the breaker the fingerprint of a real call (a hash of its body) on `route` (the
+    /// owner's numbering of the server's APIs, e.g. completions 0 and chat 1: one of them can fail
+    /// while the other works) that is about to be recorded as [`Outcome::AnsweredFault`]: see
+    /// [`Self::probe_passed`].
+    pub fn answered_fault_call(&mut self, route: usize, fingerprint: u64) {
+        let on_route = self.faulty_calls.iter().filter(|(r, _)| *r == route).count();
+        if self.state == State::Closed && on_route < DISTINCT_FAULTY_CALLS && !self.faulty_calls.contains(&(route, fingerprint)) {
+            self.faulty_calls.push((route, fingerprint));
         }
     }
 
     /// Whether the one-token probe alone cannot clear the endpoint: answered faults from
-    /// [`DISTINCT_FAULTY_CALLS`] different one-prompt calls and no real call answered since.
+    /// [`DISTINCT_FAULTY_CALLS`] different one-prompt calls on one route and no real call of
+    /// that route answered since.
     pub fn probes_unrepresentative(&self) -> bool {
-        self.faulty_calls.len() >= DISTINCT_FAULTY_CALLS
+        !self.unrepresented_routes().is_empty()
+    }
+
+    /// The routes of [`Self::probes_unrepresentative`], in ascending order.
+    pub fn unrepresented_routes(&self) -> Vec<usize> {
+        let mut routes: Vec<usize> = self.faulty_calls.iter().map(|(r, _)| *r).collect();
+        routes.sort_unstable();
+        routes.dedup();
+        routes.retain(|&route| self.faulty_calls.iter().filter(|(r, _)| *r == route).count() >= DISTINCT_FAULTY_CALLS);
+        routes
+    }
+
+    /// [`Self::record`] for a real call on `route`: an answer clears the different failing
+    /// calls counted on that route only (another route of the server may still fail them all).
+    pub fn record_call(&mut self, outcome: Outcome, route: usize, now: Instant) -> Option<BreakerState> {
+        self.recording_route = Some(route);
+        let changed = self.record(outcome, false, now);
+        self.recording_route = None;
+        changed
     }
 
     /// Marks the next close by a passing half-open probe as a trial: the probe could not show
@@ -267,6 +295,11 @@ impl Breaker {
     /// replay), so they were the prompts' own.
     pub fn clear_faulty_calls(&mut self) {
         self.faulty_calls.clear();
+    }
+
+    /// [`Self::clear_faulty_calls`] of one route: a replay on that route was answered.
+    pub fn clear_faulty_calls_of(&mut self, route: usize) {
+        self.faulty_calls.retain(|(r, _)| *r != route);
     }
 
     /// Since when the endpoint has been unavailable without a break: the first opening since
@@ -449,7 +482,10 @@ impl Breaker {
         };
         if mark == Mark::Healthy && !probe {
             self.last_answer = Some(now);
-            self.faulty_calls.clear();
+            match self.recording_route {
+                Some(route) => self.faulty_calls.retain(|(r, _)| *r != route),
+                None => self.faulty_calls.clear(),
+            }
             self.openings = 0;
         } else if outcome == Outcome::TimedOut && self.timeouts_since.is_none() {
             self.timeouts_since = Some(now);
@@ -651,12 +687,39 @@ mod tests {
         assert!(!b.suspect() && !b.take_verification());
     }
 
-    /// Records `n` answered faults of the real call with body fingerprint `call`.
+    /// Records `n` answered faults of the real call with body fingerprint `call` (route 0).
     fn answered_faults(b: &mut Breaker, call: u64, n: usize, now: Instant) {
+        answered_faults_on(b, 0, call, n, now);
+    }
+
+    fn answered_faults_on(b: &mut Breaker, route: usize, call: u64, n: usize, now: Instant) {
         for _ in 0..n {
-            b.answered_fault_call(call);
-            b.record(Outcome::AnsweredFault, false, now);
+            b.answered_fault_call(route, call);
+            b.record_call(Outcome::AnsweredFault, route, now);
         }
+    }
+
+    /// One route of the server (chat) failing every call while another (completions) answers:
+    /// the answers on the other route do not clear the failing route's count, so the probe is
+    /// unrepresentative for it; an answer on the failing route itself does.
+    #[test]
+    fn a_route_that_fails_every_call_is_not_cleared_by_another_routes_answers() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        for call in 1..=10 {
+            answered_faults_on(&mut b, 1, call, 1, t0);
+            b.record_call(Outcome::Success, 0, t0);
+        }
+        assert_eq!(b.unrepresented_routes(), [1], "chat failed 10 different calls; completions answers do not refute them");
+        b.clear_faulty_calls_of(0);
+        assert!(b.probes_unrepresentative());
+        b.record_call(Outcome::Success, 1, t0);
+        assert!(!b.probes_unrepresentative(), "a chat call was answered");
+        for call in 1..=10 {
+            answered_faults_on(&mut b, 1, call, 1, t0);
+        }
+        b.clear_faulty_calls_of(1);
+        assert!(!b.probes_unrepresentative(), "a chat replay passed");
     }
 
     /// Ten different one-prompt calls failing with no real call answered since make the

@@ -46,11 +46,13 @@
 //! after the first of them was sent ([`Breaker::probe_passed`]); otherwise the breaker opens
 //! and the requests wait for the endpoint, uncharged.
 //!
-//! Likewise a server that answers the probe but 5xx or an invalid answer to every real call: once
+//! Likewise a server that answers the probe but 5xx or an invalid answer to every real call (an
+//! answer none of whose items is valid counts as invalid, as one that does not parse): once
 //! answered faults came from [`crate::breaker::DISTINCT_FAULTY_CALLS`] different one-prompt calls
-//! with no real call answered since, a passing one-token probe is followed by a *replay*: the
-//! first real call the endpoint answered (kept, up to [`KNOWN_GOOD_MAX_BYTES`]) is sent
-//! again. If it fails with a server fault, the endpoint counts as down (the breaker opens, and
+//! on one route (completions or chat: one API of a server can fail while the other works) with
+//! no real call of that route answered since, a passing one-token probe is followed by a
+//! *replay*: the first real call the endpoint answered on that route (kept, up to
+//! [`KNOWN_GOOD_MAX_BYTES`]) is sent again, and its answer must parse as the real call's did. If it fails with a server fault, the endpoint counts as down (the breaker opens, and
 //! stays open until a probe's replay passes); if it passes, the failures were the prompts' own
 //! (poison prompts, however many), they are discounted and their requests charged. Without a
 //! call answered before (a server broken since the daemon started, or a daemon started during
@@ -260,11 +262,11 @@ struct Endpoint {
     /// exact usage and the cached-token metrics stay true.
     per_prompt_calls: AtomicBool,
     breaker: Mutex<Breaker>,
-    /// A real call this endpoint answered, one prompt or a list (URL and body, at most
-    /// [`KNOWN_GOOD_MAX_BYTES`]):
-    /// replayed by [`LlmClient::probe`] when the one-token probe passes while different real
-    /// calls keep failing ([`Breaker::probes_unrepresentative`]).
-    known_good: Mutex<Option<(Url, Vec<u8>)>>,
+    /// Per route ([`CallKind::route`]: completions, chat), the first real call this endpoint
+    /// answered on it, one prompt or a list (at most [`KNOWN_GOOD_MAX_BYTES`]): replayed by
+    /// [`LlmClient::probe`] when the one-token probe passes while different real calls on that
+    /// route keep failing ([`Breaker::unrepresented_routes`]).
+    known_good: Mutex<[Option<KnownCall>; ROUTES]>,
     /// A prober task ([`probe_until_closed`]) runs for this endpoint.
     probing: AtomicBool,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
@@ -846,7 +848,18 @@ impl LlmClient {
             CallKind::Chat => parse_chat(v),
         };
         let prefix_key = group.members.first().and_then(|&i| items[i].prefix_key);
-        let call = Call { endpoint, url, payload, n_items: n_members, permit_held, list: n_members > 1, prefix_key, permit_wait_us: AtomicU64::new(0) };
+        let call = Call {
+            endpoint,
+            url,
+            payload,
+            kind,
+            choices_per_prompt,
+            n_items: n_members,
+            permit_held,
+            list: n_members > 1,
+            prefix_key,
+            permit_wait_us: AtomicU64::new(0),
+        };
         let (result, attempts) = self.send_with_retries(&call, cancel, parse).await;
         let parsed = match result {
             Ok(parsed) => parsed,
@@ -958,6 +971,13 @@ impl LlmClient {
             r = self.attempt(call.url, call.payload.clone(), parse) => Some(r),
             e = self.stopped_answering(call.endpoint) => Some(Err((e, None))),
         };
+        // An answer none of whose items is valid is an invalid answer, as one that does not parse
+        // at all: retried, and counted by the breaker (a server garbling every answer in a
+        // well-formed envelope must not pass for a run of poison prompts).
+        let outcome = outcome.map(|r| r.and_then(|parsed| match every_item_invalid(&parsed) {
+            Some(e) => Err((e, None)),
+            None => Ok(parsed),
+        }));
         drop(permit);
         if matches!(&outcome, Some(Ok(_))) || matches!(&outcome, Some(Err((e, _))) if e.status.is_some()) {
             *lock(&ep.last_answer) = Some(Instant::now());
@@ -976,16 +996,24 @@ impl LlmClient {
         // Only one-prompt calls: which prompt of a failed list call was at fault is unknown, and
         // the combinations that a few poison requests form in their batches would count as
         // many different calls (a failed list call goes again prompt by prompt anyway).
+        let route = call.kind.route();
         if breaker_outcome == Outcome::AnsweredFault && call.n_items == 1 {
-            lock(&ep.breaker).answered_fault_call(xxhash_rust::xxh3::xxh3_64(&call.payload));
+            lock(&ep.breaker).answered_fault_call(route, xxhash_rust::xxh3::xxh3_64(&call.payload));
         }
         if breaker_outcome == Outcome::Success && call.payload.len() <= KNOWN_GOOD_MAX_BYTES {
             let mut known = lock(&ep.known_good);
-            if known.is_none() {
-                *known = Some((call.url.clone(), call.payload.clone()));
+            if known[route].is_none() {
+                known[route] = Some(KnownCall {
+                    url: call.url.clone(),
+                    payload: call.payload.clone(),
+                    kind: call.kind,
+                    n_items: call.n_items,
+                    choices_per_prompt: call.choices_per_prompt,
+                });
             }
         }
-        self.record(call.endpoint, breaker_outcome, false);
+        let changed = lock(&ep.breaker).record_call(breaker_outcome, route, Instant::now());
+        self.after_record(call.endpoint, changed, false);
         if breaker_outcome.needs_verification() {
             if let Some(verification) = self.start_verification(call.endpoint) {
                 tokio::select! {
@@ -1231,10 +1259,31 @@ impl LlmClient {
         if outcome != Outcome::Success || !lock(&ep.breaker).probes_unrepresentative() {
             return outcome;
         }
-        // The one-token probe passes while different real calls keep failing: ask again with a
-        // real call this endpoint answered before.
+        // The one-token probe passes while different real calls keep failing on some route: ask
+        // again with a real call this endpoint answered before on that route.
+        let routes = lock(&ep.breaker).unrepresented_routes();
         let known = lock(&ep.known_good).clone();
-        let Some((url, payload)) = known else {
+        let mut replays = Vec::new();
+        for route in routes {
+            match &known[route] {
+                Some(call) => replays.push((route, call.clone())),
+                None => return self.nothing_to_replay(endpoint, half_open),
+            }
+        }
+        for (route, call) in replays {
+            let replayed = self.replay(endpoint, &call).await;
+            if replayed == Outcome::ServerFault {
+                return replayed;
+            }
+            lock(&ep.breaker).clear_faulty_calls_of(route);
+        }
+        Outcome::Success
+    }
+
+    /// [`Self::probe`] when a route failing different real calls has no answered call to replay.
+    fn nothing_to_replay(&self, endpoint: usize, half_open: bool) -> Outcome {
+        let ep = &self.inner.endpoints[endpoint];
+        {
             if half_open {
                 lock(&ep.breaker).close_for_trial();
                 tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answers the one-token probe; no real call was answered since the daemon started, so real calls try it again (the first one that fails reopens the breaker)");
@@ -1246,26 +1295,17 @@ impl LlmClient {
                 different_calls = DISTINCT_FAULTY_CALLS,
                 "the LLM endpoint answers the one-token probe, but different real calls all failed and none was answered since the daemon started: treated as down (the requests wait, not charged a delivery)"
             );
-            return Outcome::ServerFault;
-        };
-        let replayed = self.replay(endpoint, &url, payload).await;
-        if replayed != Outcome::ServerFault {
-            lock(&ep.breaker).clear_faulty_calls();
+            Outcome::ServerFault
         }
-        replayed
     }
 
     /// Sends a real call the endpoint answered before ([`Endpoint::known_good`]), limited to
-    /// `llm.request_timeout`: a 2xx JSON answer with a non-empty `choices` list passes; the
-    /// outcome is classified as for the probe.
-    async fn replay(&self, endpoint: usize, url: &Url, payload: Vec<u8>) -> Outcome {
+    /// `llm.request_timeout`: a 2xx answer that parses as the real call's did, every item valid
+    /// ([`KnownCall::check`]), passes; the outcome is classified as for the probe.
+    async fn replay(&self, endpoint: usize, call: &KnownCall) -> Outcome {
         let ep = &self.inner.endpoints[endpoint];
-        let request = self.inner.http.post(url.clone()).header(CONTENT_TYPE, "application/json").body(payload);
-        let answered = |bytes: &[u8]| match serde_json::from_slice::<Value>(bytes) {
-            Ok(v) if v["choices"].as_array().is_some_and(|c| !c.is_empty()) => Ok(()),
-            _ => Err(format!("not a completion: {}", preview(bytes))),
-        };
-        let Err((kind, detail)) = self.check_call(request, answered).await else {
+        let request = self.inner.http.post(call.url.clone()).header(CONTENT_TYPE, "application/json").body(call.payload.clone());
+        let Err((kind, detail)) = self.check_call(request, |bytes| call.check(bytes)).await else {
             tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answered a real call it answered before: its recent failures are the requests' own");
             return Outcome::Success;
         };
@@ -1375,11 +1415,57 @@ fn valid_probe_answer(bytes: &[u8]) -> Result<(), String> {
     }
 }
 
+/// A real call an endpoint answered, kept to be replayed ([`Endpoint::known_good`]).
+#[derive(Debug, Clone)]
+struct KnownCall {
+    url: Url,
+    payload: Vec<u8>,
+    kind: CallKind,
+    n_items: usize,
+    choices_per_prompt: u64,
+}
+
+impl KnownCall {
+    /// Checks an answer to this call as the real call's answer was checked: every item must parse
+    /// ([`demux_completions`], [`parse_chat`]), so a server that garbles every answer is not
+    /// taken as healthy because its garbage has a `choices` list.
+    fn check(&self, bytes: &[u8]) -> Result<(), String> {
+        let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("response is not JSON ({e}): {}", preview(bytes)))?;
+        let parsed = match self.kind {
+            CallKind::Completions => demux_completions(v, self.n_items, self.choices_per_prompt),
+            CallKind::Chat => parse_chat(v),
+        }
+        .map_err(|e| e.message)?;
+        match parsed.items.into_iter().find_map(Result::err) {
+            Some(e) => Err(e.message),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The routes (APIs) of an endpoint told apart by the breaker: completions and chat.
+const ROUTES: usize = 2;
+
+/// The error of an answer whose every item failed to parse (HTTP 200, so with that status), or
+/// `None` when some item is valid (or there is none).
+fn every_item_invalid(parsed: &Parsed) -> Option<LlmError> {
+    let mut errors = parsed.items.iter().map(|r| r.as_ref().err());
+    let first = errors.next()??;
+    if !errors.all(|e| e.is_some()) {
+        return None;
+    }
+    let message = if parsed.items.len() == 1 { first.message.clone() } else { format!("no item of the answer is valid; the first: {}", first.message) };
+    Some(LlmError::new(ErrorKind::InvalidResponse, message, Some(200)))
+}
+
 /// One HTTP call's fixed parts, for [`LlmClient::send_with_retries`].
 struct Call<'a> {
     endpoint: usize,
     url: &'a Url,
     payload: Vec<u8>,
+    kind: CallKind,
+    /// The request's `n`, for checking a replay of this call ([`KnownCall::check`]).
+    choices_per_prompt: u64,
     n_items: usize,
     /// The caller already holds an endpoint permit.
     permit_held: bool,
@@ -1426,7 +1512,7 @@ impl Endpoint {
             permits: KeyedPermits::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
             breaker: Mutex::new(Breaker::new(policy)),
-            known_good: Mutex::new(None),
+            known_good: Mutex::new([None, None]),
             changed: watch::Sender::new(()),
         })
     }
@@ -1616,6 +1702,16 @@ fn backoff_delay(failed_attempt: u32, retry_after: Option<Duration>, initial: Du
 enum CallKind {
     Completions,
     Chat,
+}
+
+impl CallKind {
+    /// The breaker's route number of this API ([`Breaker::answered_fault_call`]).
+    fn route(self) -> usize {
+        match self {
+            CallKind::Completions => 0,
+            CallKind::Chat => 1,
+        }
+    }
 }
 
 /// Items that can share one request body: same kind, model and params.

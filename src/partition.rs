@@ -88,11 +88,19 @@ use crate::request::{Request, TimingsMs};
 pub const MAX_CLOCK_SKEW_MS: u64 = 1_000;
 
 /// A request's publish time in Unix milliseconds: header `timestamp_in_ms` (`header_ms`), else the
-/// AMQP `timestamp` (`amqp_s`, whole seconds); `None` without either, or when it lies more than
-/// [`MAX_CLOCK_SKEW_MS`] after `now_ms` (not a publish time: nothing is measured from it).
+/// AMQP `timestamp` (`amqp_s`, whole seconds). A value is no publish time (nothing is measured
+/// from it) when it lies more than [`MAX_CLOCK_SKEW_MS`] after `now_ms` or before
+/// [`MIN_PUBLISH_TIME_MS`] (0, or seconds sent where milliseconds belong); `None` when neither
+/// is one.
 pub fn publish_time_ms(header_ms: Option<u64>, amqp_s: Option<u64>, now_ms: u64) -> Option<u64> {
-    header_ms.or_else(|| amqp_s.map(|t| t.saturating_mul(1000))).filter(|&t| t <= now_ms.saturating_add(MAX_CLOCK_SKEW_MS))
+    let plausible = |t: &u64| (MIN_PUBLISH_TIME_MS..=now_ms.saturating_add(MAX_CLOCK_SKEW_MS)).contains(t);
+    header_ms.filter(plausible).or_else(|| amqp_s.map(|t| t.saturating_mul(1000)).filter(plausible))
 }
+
+/// The earliest publish time taken as one: 2000-01-01T00:00:00Z in Unix milliseconds. Earlier
+/// values are a timestamp of 0, or one in seconds in a milliseconds header (about 1.8 × 10⁹
+/// "milliseconds" is January 1970), and would add decades to the latency histogram.
+pub const MIN_PUBLISH_TIME_MS: u64 = 946_684_800_000;
 
 /// Share of `amqp.consumer_timeout` after which the oldest unsettled delivery makes the worker
 /// requeue everything and start a new consuming session (before the broker closes the channel).
@@ -1138,6 +1146,13 @@ mod tests {
         assert_eq!(publish_time_ms(None, Some(4_102_444_800), now), None, "the year 2100");
         assert_eq!(publish_time_ms(Some(u64::MAX), None, now), None);
         assert_eq!(publish_time_ms(None, None, now), None);
+        // Too early: 0, 1, seconds where milliseconds belong; the AMQP timestamp is used instead.
+        for early in [0, 1, now / 1000] {
+            assert_eq!(publish_time_ms(Some(early), None, now), None, "{early}");
+            assert_eq!(publish_time_ms(Some(early), Some(now / 1000 - 2), now), Some((now / 1000 - 2) * 1000), "{early}");
+        }
+        assert_eq!(publish_time_ms(None, Some(0), now), None);
+        assert_eq!(publish_time_ms(Some(now + 60_000), Some(now / 1000), now), Some(now / 1000 * 1000), "a future header");
     }
 
     #[test]

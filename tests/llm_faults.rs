@@ -478,3 +478,97 @@ async fn a_server_answering_200_garbage_is_down_until_it_answers_properly() {
     assert_eq!(events.iter().filter(|e| *e == "call 0 invalid_response").count(), 5);
     assert_eq!(events.iter().find(|e| e.starts_with("breaker")).map(String::as_str), Some("breaker 0 open"));
 }
+
+/// A one-message chat request.
+fn chat_request(text: &str) -> (Body, Map<String, Value>) {
+    let message = prefix_batcher::request::ChatMessage { role: "user".into(), text: text.into(), raw: json!({"role": "user", "content": text}) };
+    (Body::Chat(vec![message]), Map::new())
+}
+
+/// A well-formed chat answer.
+fn chat_answer(text: &str) -> Response {
+    Json(json!({"object": "chat.completion", "model": "m", "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]}))
+        .into_response()
+}
+
+/// Sends `next(i)` for i = 0, 1, … until the endpoint's breaker opens; the calls it took, or
+/// `None` when it stayed closed for `max` of them.
+async fn calls_until_open(client: &LlmClient, max: usize, next: impl Fn(usize) -> Vec<(Body, Map<String, Value>)>) -> Option<usize> {
+    for i in 0..max {
+        if !client.available(0) {
+            return Some(i);
+        }
+        let _ = infer(client, &next(i)).await;
+    }
+    (!client.available(0)).then_some(max)
+}
+
+/// A server that answered real calls, then answers every real call with 200 and a `choices` list
+/// of garbage (`"text": 5`) while it still answers the one-token probe properly. Once different
+/// calls all failed, the probe replays the call answered before; its answer is checked as real
+/// answers are, fails, and the breaker opens: the requests wait, uncharged. (Before, the replay
+/// passed on any `choices` list, the failures counted as the prompts' own, and every request was
+/// dead-lettered: 15 of 15 and 20 of 20 in two runs.)
+#[tokio::test]
+async fn a_server_garbling_every_real_call_is_down_though_it_answers_the_probe() {
+    let garble = Arc::new(AtomicBool::new(false));
+    let flag = garble.clone();
+    let server = Server::start(move |body, _| {
+        if !flag.load(Ordering::SeqCst) {
+            return echo(body);
+        }
+        Json(json!({"object": "text_completion", "model": "m", "choices": [{"index": 0, "text": 5, "finish_reason": "stop"}]})).into_response()
+    })
+    .await;
+    let (client, events) = client_with(&[&server.url], MAX_RESPONSE_BYTES, Duration::from_millis(100));
+    assert!(infer(&client, &requests(&["warm"], json!({}))).await[0].is_ok());
+    garble.store(true, Ordering::SeqCst);
+    let calls = calls_until_open(&client, 40, |i| requests(&[&format!("q{i}")], json!({}))).await;
+    assert!(calls.is_some(), "the breaker stayed closed over 40 different calls answered with garbage: {:?}", events.lock().unwrap());
+    assert!(client.confirm_server_fault(0).await, "down: the requests wait, uncharged");
+    let early = tokio::time::timeout(Duration::from_millis(500), client.wait_available(0, &CancellationToken::new())).await;
+    assert!(early.is_err(), "a garbled replay must not close the breaker");
+    garble.store(false, Ordering::SeqCst);
+    let woke = tokio::time::timeout(Duration::from_secs(10), client.wait_available(0, &CancellationToken::new())).await;
+    assert_eq!(woke, Ok(true), "the replay passes again once the server answers properly");
+    eprintln!("garbling server: breaker open after {} different calls", calls.unwrap());
+}
+
+/// A server whose chat route fails every call (500) while its completions route, the one-token
+/// probe included, keeps answering. The completions answers do not refute the chat failures:
+/// once different chat calls all failed, the probe replays the chat call answered before, which
+/// fails too, and the breaker opens (the requests wait, uncharged) until the chat route answers
+/// again. (Before, the replay was a completions call and passed, and every chat request was
+/// dead-lettered: 20 of 20.)
+#[tokio::test]
+async fn a_chat_route_failing_every_call_is_down_though_completions_answer() {
+    let chat_down = Arc::new(AtomicBool::new(false));
+    let flag = chat_down.clone();
+    let server = Server::start(move |body, _| match body.get("messages") {
+        Some(_) if flag.load(Ordering::SeqCst) => error_response(StatusCode::INTERNAL_SERVER_ERROR, "chat template failed"),
+        Some(_) => chat_answer("hello"),
+        None => echo(body),
+    })
+    .await;
+    let (client, events) = client_with(&[&server.url], MAX_RESPONSE_BYTES, Duration::from_millis(100));
+    assert!(infer(&client, &[chat_request("warm chat")]).await[0].is_ok());
+    assert!(infer(&client, &requests(&["warm"], json!({}))).await[0].is_ok());
+    chat_down.store(true, Ordering::SeqCst);
+    // Chat and completions calls alternate: every completions call is answered.
+    let calls = calls_until_open(&client, 60, |i| {
+        if i % 2 == 0 {
+            vec![chat_request(&format!("question {i}"))]
+        } else {
+            requests(&[&format!("c{i}")], json!({}))
+        }
+    })
+    .await;
+    assert!(calls.is_some(), "the breaker stayed closed while every chat call failed: {:?}", events.lock().unwrap());
+    let early = tokio::time::timeout(Duration::from_millis(500), client.wait_available(0, &CancellationToken::new())).await;
+    assert!(early.is_err(), "the chat replay fails: the breaker stays open");
+    chat_down.store(false, Ordering::SeqCst);
+    let woke = tokio::time::timeout(Duration::from_secs(10), client.wait_available(0, &CancellationToken::new())).await;
+    assert_eq!(woke, Ok(true));
+    assert_eq!(infer(&client, &[chat_request("after")]).await[0].as_ref().map(|c| c.output["content"].clone()).ok(), Some(json!("hello")));
+    eprintln!("chat route down: breaker open after {} calls", calls.unwrap());
+}
