@@ -2023,9 +2023,15 @@ fn parse_chat(v: Value) -> Result<Parsed, LlmError> {
             Some(m @ Value::Object(_)) => m,
             _ => return Err(LlmError::invalid(format!("`choices[{index}].message` is missing or not an object"))),
         };
-        if !matches!(message.get("content"), None | Some(Value::String(_) | Value::Null | Value::Array(_))) {
+        let content_parts = |parts: &[Value]| parts.iter().all(|p| p.get("type").is_some_and(Value::is_string));
+        let valid = match message.get("content") {
+            None | Some(Value::String(_) | Value::Null) => true,
+            Some(Value::Array(parts)) => content_parts(parts),
+            Some(_) => false,
+        };
+        if !valid {
             return Err(LlmError::invalid(format!(
-                "`choices[{index}].message.content` is neither a string, null nor a list of parts: {}",
+                "`choices[{index}].message.content` is neither a string, null nor a list of content parts (objects with a `type`): {}",
                 short(&message["content"])
             )));
         }
@@ -2785,7 +2791,7 @@ mod tests {
 
     #[test]
     fn a_chat_answer_whose_content_is_not_text_is_invalid() {
-        for content in [json!(5), json!(true), json!({"text": "x"})] {
+        for content in [json!(5), json!(true), json!({"text": "x"}), json!([5, "x"]), json!([{"text": "no type"}])] {
             let v = json!({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]});
             let e = parse_chat(v).unwrap_err();
             assert_eq!(e.kind, ErrorKind::InvalidResponse, "content {content}");
