@@ -329,6 +329,8 @@ async fn returned_destination(
     if is_direct_reply_to(routing_key) && matches!(direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await, Ok(true)) {
         return None;
     }
+    // A result whose reply queue refused it, as in `publish_result`: counted the same way.
+    metrics::reply_to_refused("unroutable");
     let headers = headers_with(
         d.properties.headers().as_ref(),
         &[(HEADER_REPLY_TO_REFUSED, "unroutable".to_owned()), (HEADER_REPLY_TO, routing_key.to_owned())],
