@@ -139,8 +139,9 @@ async fn signal() {
     tokio::spawn(async move {
         loop {
             let name = tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
+                Some(()) = term.recv() => "SIGTERM",
+                Some(()) = int.recv() => "SIGINT",
+                else => break, // the runtime's signal driver is gone
             };
             tracing::warn!(
                 signal = name,
