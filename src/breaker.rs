@@ -264,11 +264,17 @@ impl Breaker {
         !self.unrepresented_routes().is_empty()
     }
 
-    /// The routes of [`Self::probes_unrepresentative`], in ascending order.
-    pub fn unrepresented_routes(&self) -> Vec<usize> {
+    /// The routes with at least one different failing call counted, in ascending order.
+    pub fn routes_with_faulty_calls(&self) -> Vec<usize> {
         let mut routes: Vec<usize> = self.faulty_calls.iter().map(|(r, _)| *r).collect();
         routes.sort_unstable();
         routes.dedup();
+        routes
+    }
+
+    /// The routes of [`Self::probes_unrepresentative`], in ascending order.
+    pub fn unrepresented_routes(&self) -> Vec<usize> {
+        let mut routes = self.routes_with_faulty_calls();
         routes.retain(|&route| self.faulty_calls.iter().filter(|(r, _)| *r == route).count() >= DISTINCT_FAULTY_CALLS);
         routes
     }

@@ -52,7 +52,9 @@
 //! on one route (completions or chat: one API of a server can fail while the other works) with
 //! no real call of that route answered since, a passing one-token probe is followed by a
 //! *replay*: the first real call the endpoint answered on that route (kept, up to
-//! [`KNOWN_GOOD_MAX_BYTES`]) is sent again, and its answer must parse as the real call's did. If it fails with a server fault, the endpoint counts as down (the breaker opens, and
+//! [`KNOWN_GOOD_MAX_BYTES`]) is sent again, and its answer must parse as the real call's did.
+//! When that route has such a call to replay, the replay follows every passing probe from the
+//! first failing call on (a request's last delivery may come before many calls have failed). If it fails with a server fault, the endpoint counts as down (the breaker opens, and
 //! stays open until a probe's replay passes); if it passes, the failures were the prompts' own
 //! (poison prompts, however many), they are discounted and their requests charged. Without a
 //! call answered before (a server broken since the daemon started, or a daemon started during
@@ -922,7 +924,7 @@ impl LlmClient {
                     delay_ms = delay.map(|d| d.as_millis() as u64),
                     error = %error.message,
                     "LLM call failed; {}",
-                    if give_up { "failing its items" } else { "retrying" }
+                    if give_up { "giving its items the error (a server fault requeues them, a request fault answers them)" } else { "retrying" }
                 );
             }
             let Some(delay) = delay else { return (Err(error), attempt) };
@@ -1256,18 +1258,26 @@ impl LlmClient {
     async fn probe(&self, endpoint: usize, half_open: bool) -> Outcome {
         let outcome = self.ping(endpoint).await;
         let ep = &self.inner.endpoints[endpoint];
-        if outcome != Outcome::Success || !lock(&ep.breaker).probes_unrepresentative() {
+        let (failing, unrepresented) = {
+            let breaker = lock(&ep.breaker);
+            (breaker.routes_with_faulty_calls(), breaker.unrepresented_routes())
+        };
+        if outcome != Outcome::Success || failing.is_empty() {
             return outcome;
         }
-        // The one-token probe passes while different real calls keep failing on some route: ask
-        // again with a real call this endpoint answered before on that route.
-        let routes = lock(&ep.breaker).unrepresented_routes();
+        // The one-token probe passes while real calls on some route failed with none of that
+        // route answered since: ask again with a real call this endpoint answered before on that
+        // route. From the first such failure, not only after many: a request's last delivery may
+        // come before many different calls have failed, and a server-wide fault must not charge
+        // it. Without a call to replay, the failures count as the prompts' own until they come
+        // from `DISTINCT_FAULTY_CALLS` different calls.
         let known = lock(&ep.known_good).clone();
         let mut replays = Vec::new();
-        for route in routes {
+        for route in failing {
             match &known[route] {
                 Some(call) => replays.push((route, call.clone())),
-                None => return self.nothing_to_replay(endpoint, half_open),
+                None if unrepresented.contains(&route) => return self.nothing_to_replay(endpoint, half_open),
+                None => {}
             }
         }
         for (route, call) in replays {

@@ -437,7 +437,14 @@ async fn a_prompt_the_server_fails_alone_never_opens_the_breaker() {
         assert_eq!(results[0].as_ref().unwrap_err().kind, ErrorKind::Server);
     }
     assert!(client.available(0));
-    assert_eq!(server.calls(), 10 * (3 + 1) + 5 * 3, "every attempt was made: nothing failed fast");
+    let prompts = server.prompts();
+    let poison = prompts.iter().filter(|p| p.iter().any(|p| p.contains("POISON"))).count();
+    assert_eq!(poison, 10 * 3 + 5 * 3, "every attempt was made: nothing failed fast");
+    // The rest: the 10 `fine` calls, and the probe's replays of the first call answered (`fine`),
+    // which pass, so the failures stay the prompt's own.
+    let replays = prompts.len() - poison - 10;
+    assert!(prompts.iter().all(|p| p.iter().any(|p| p.contains("POISON")) || p == &["fine"]), "{prompts:?}");
+    assert!(replays >= 1, "the probe replays the call answered before");
     let events = events.lock().unwrap();
     assert!(!events.iter().any(|e| e.starts_with("breaker")), "{events:?}");
 }
@@ -571,4 +578,37 @@ async fn a_chat_route_failing_every_call_is_down_though_completions_answer() {
     assert_eq!(woke, Ok(true));
     assert_eq!(infer(&client, &[chat_request("after")]).await[0].as_ref().map(|c| c.output["content"].clone()).ok(), Some(json!("hello")));
     eprintln!("chat route down: breaker open after {} calls", calls.unwrap());
+}
+
+/// The first failing call of a server-wide outage is judged like the later ones: the partition
+/// asks the endpoint before charging its request, the probe replays a call of the same API that
+/// the server answered before, and that fails too, so the endpoint counts as down and the request
+/// waits, uncharged. (Before, only 10 different failing calls made the probe replay, and a
+/// request's deliveries could all be spent first: 5 of 5 chat requests were dead-lettered at 2
+/// requests a second with the defaults.) A prompt the server fails alone is still its own.
+#[tokio::test]
+async fn the_first_failure_of_a_server_wide_outage_is_not_charged() {
+    let chat_down = Arc::new(AtomicBool::new(false));
+    let flag = chat_down.clone();
+    let server = Server::start(move |body, _| match body.get("messages") {
+        Some(m) if flag.load(Ordering::SeqCst) || m.to_string().contains("POISON") => {
+            error_response(StatusCode::INTERNAL_SERVER_ERROR, "chat template failed")
+        }
+        Some(_) => chat_answer("hello"),
+        None => echo(body),
+    })
+    .await;
+    let client = client(&server.url);
+    assert!(infer(&client, &[chat_request("warm chat")]).await[0].is_ok());
+    // A poison prompt: the replay passes, the fault is the prompt's own.
+    let poison = infer(&client, &[chat_request("POISON")]).await;
+    assert_eq!(poison[0].as_ref().unwrap_err().kind, ErrorKind::Server);
+    assert!(!client.confirm_server_fault(0).await, "the server answers the chat call it answered before");
+    assert!(client.available(0));
+    // The chat API fails everything: the very first failure finds it.
+    chat_down.store(true, Ordering::SeqCst);
+    let first = infer(&client, &[chat_request("first question of the outage")]).await;
+    assert_eq!(first[0].as_ref().unwrap_err().kind, ErrorKind::Server);
+    assert!(client.confirm_server_fault(0).await, "down: the request waits, uncharged");
+    assert!(!client.available(0));
 }
