@@ -215,8 +215,6 @@ pub struct Breaker {
     /// of the same route was last answered ([`Self::answered_fault_call`]); at most
     /// [`DISTINCT_FAULTY_CALLS`] per route.
     faulty_calls: Vec<(usize, u64)>,
-    /// The route of the real call being recorded ([`Self::record_call`]); `None`: every route.
-    recording_route: Option<usize>,
     /// When the breaker last left the closed state (its first opening since it was last
     /// closed); `None` while closed.
     down_since: Option<Instant>,
@@ -240,7 +238,6 @@ impl Breaker {
             timeouts_since: None,
             last_answer: None,
             faulty_calls: Vec::new(),
-            recording_route: None,
             down_since: None,
             trial: false,
         }
@@ -282,10 +279,7 @@ impl Breaker {
     /// [`Self::record`] for a real call on `route`: an answer clears the different failing
     /// calls counted on that route only (another route of the server may still fail them all).
     pub fn record_call(&mut self, outcome: Outcome, route: usize, now: Instant) -> Option<BreakerState> {
-        self.recording_route = Some(route);
-        let changed = self.record(outcome, false, now);
-        self.recording_route = None;
-        changed
+        self.record_on(outcome, false, Some(route), now)
     }
 
     /// Marks the next close by a passing half-open probe as a trial: the probe could not show
@@ -365,8 +359,14 @@ impl Breaker {
     /// Records the outcome of an admitted call (`probe`: it was admitted by [`Self::admit_probe`]).
     /// Returns the new state when this outcome changed it.
     pub fn record(&mut self, outcome: Outcome, probe: bool, now: Instant) -> Option<BreakerState> {
+        self.record_on(outcome, probe, None, now)
+    }
+
+    /// [`Self::record`] of a call on `route` (`None`: any route; an answer clears the failing
+    /// calls counted on every route).
+    fn record_on(&mut self, outcome: Outcome, probe: bool, route: Option<usize>, now: Instant) -> Option<BreakerState> {
         match self.state {
-            State::Closed => self.record_closed(outcome, probe, now),
+            State::Closed => self.record_closed(outcome, probe, route, now),
             State::HalfOpen { .. } if probe => match outcome {
                 Outcome::Success | Outcome::RequestFault => {
                     self.close();
@@ -479,7 +479,7 @@ impl Breaker {
         self.timeouts_since = None;
     }
 
-    fn record_closed(&mut self, outcome: Outcome, probe: bool, now: Instant) -> Option<BreakerState> {
+    fn record_closed(&mut self, outcome: Outcome, probe: bool, route: Option<usize>, now: Instant) -> Option<BreakerState> {
         let mark = match outcome {
             Outcome::Abandoned => return None,
             Outcome::Success | Outcome::RequestFault => Mark::Healthy,
@@ -488,9 +488,9 @@ impl Breaker {
         };
         if mark == Mark::Healthy && !probe {
             self.last_answer = Some(now);
-            match self.recording_route {
-                Some(route) => self.faulty_calls.retain(|(r, _)| *r != route),
-                None => self.faulty_calls.clear(),
+            match route {
+                Some(route) => self.clear_faulty_calls_of(route),
+                None => self.clear_faulty_calls(),
             }
             self.openings = 0;
         } else if outcome == Outcome::TimedOut && self.timeouts_since.is_none() {

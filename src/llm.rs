@@ -1293,20 +1293,18 @@ impl LlmClient {
     /// [`Self::probe`] when a route failing different real calls has no answered call to replay.
     fn nothing_to_replay(&self, endpoint: usize, half_open: bool) -> Outcome {
         let ep = &self.inner.endpoints[endpoint];
-        {
-            if half_open {
-                lock(&ep.breaker).close_for_trial();
-                tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answers the one-token probe; no real call was answered since the daemon started, so real calls try it again (the first one that fails reopens the breaker)");
-                return Outcome::Success;
-            }
-            tracing::warn!(
-                endpoint,
-                name = %ep.name,
-                different_calls = DISTINCT_FAULTY_CALLS,
-                "the LLM endpoint answers the one-token probe, but different real calls all failed and none was answered since the daemon started: treated as down (the requests wait, not charged a delivery)"
-            );
-            Outcome::ServerFault
+        if half_open {
+            lock(&ep.breaker).close_for_trial();
+            tracing::info!(endpoint, name = %ep.name, "the LLM endpoint answers the one-token probe; no real call was answered since the daemon started, so real calls try it again (the first one that fails reopens the breaker)");
+            return Outcome::Success;
         }
+        tracing::warn!(
+            endpoint,
+            name = %ep.name,
+            different_calls = DISTINCT_FAULTY_CALLS,
+            "the LLM endpoint answers the one-token probe, but different real calls all failed and none was answered since the daemon started: treated as down (the requests wait, not charged a delivery)"
+        );
+        Outcome::ServerFault
     }
 
     /// Sends a real call the endpoint answered before ([`Endpoint::known_good`]), limited to
@@ -1416,12 +1414,22 @@ fn fault_outcome(kind: ErrorKind) -> Outcome {
 /// Whether a probe's 2xx body is a valid one-prompt completion, by the parser of real calls;
 /// the error says what is wrong with it.
 fn valid_probe_answer(bytes: &[u8]) -> Result<(), String> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| format!("response is not JSON ({e}): {}", preview(bytes)))?;
-    let mut parsed = demux_completions(value, 1, 1).map_err(|e| e.message)?;
-    match parsed.items.pop() {
-        Some(Ok(_)) => Ok(()),
-        Some(Err(e)) => Err(e.message),
-        None => Err("no choice in the answer".into()),
+    valid_answer(bytes, CallKind::Completions, 1, 1)
+}
+
+/// Whether a 2xx body answers a call of `kind` for `n_items` prompts with `n` =
+/// `choices_per_prompt` as the parser of real calls ([`demux_completions`], [`parse_chat`]) wants
+/// it, every item valid; the error says what is wrong with it.
+fn valid_answer(bytes: &[u8], kind: CallKind, n_items: usize, choices_per_prompt: u64) -> Result<(), String> {
+    let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("response is not JSON ({e}): {}", preview(bytes)))?;
+    let parsed = match kind {
+        CallKind::Completions => demux_completions(v, n_items, choices_per_prompt),
+        CallKind::Chat => parse_chat(v),
+    }
+    .map_err(|e| e.message)?;
+    match parsed.items.into_iter().find_map(Result::err) {
+        Some(e) => Err(e.message),
+        None => Ok(()),
     }
 }
 
@@ -1436,20 +1444,11 @@ struct KnownCall {
 }
 
 impl KnownCall {
-    /// Checks an answer to this call as the real call's answer was checked: every item must parse
-    /// ([`demux_completions`], [`parse_chat`]), so a server that garbles every answer is not
-    /// taken as healthy because its garbage has a `choices` list.
+    /// Checks an answer to this call as the real call's answer was checked ([`valid_answer`]), so
+    /// a server that garbles every answer is not taken as healthy because its garbage has a
+    /// `choices` list.
     fn check(&self, bytes: &[u8]) -> Result<(), String> {
-        let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("response is not JSON ({e}): {}", preview(bytes)))?;
-        let parsed = match self.kind {
-            CallKind::Completions => demux_completions(v, self.n_items, self.choices_per_prompt),
-            CallKind::Chat => parse_chat(v),
-        }
-        .map_err(|e| e.message)?;
-        match parsed.items.into_iter().find_map(Result::err) {
-            Some(e) => Err(e.message),
-            None => Ok(()),
-        }
+        valid_answer(bytes, self.kind, self.n_items, self.choices_per_prompt)
     }
 }
 
@@ -1908,13 +1907,13 @@ fn one_prompt_item(obj: &Value, choices: &[Value]) -> Result<Completion, LlmErro
 /// prompt, so none is refused: a server that ignores `n` or numbers its choices oddly still
 /// answers the request, with as many choices as it generated.
 fn prompt_choices(choices: &[Value]) -> Vec<&Value> {
+    let index = |c: &&Value| c.get("index").and_then(Value::as_u64);
     let mut ordered: Vec<&Value> = choices.iter().collect();
-    let indices: Vec<Option<u64>> = ordered.iter().map(|c| c.get("index").and_then(Value::as_u64)).collect();
-    let mut distinct: Vec<u64> = indices.iter().flatten().copied().collect();
+    let mut distinct: Vec<u64> = ordered.iter().filter_map(index).collect();
     distinct.sort_unstable();
     distinct.dedup();
     if distinct.len() == ordered.len() {
-        ordered.sort_by_key(|c| c.get("index").and_then(Value::as_u64));
+        ordered.sort_by_key(index);
     }
     ordered
 }

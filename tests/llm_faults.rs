@@ -498,6 +498,20 @@ fn chat_answer(text: &str) -> Response {
         .into_response()
 }
 
+/// A server whose chat API answers 500 to every call while `chat_down` is set, and to a chat
+/// prompt containing `POISON` always; its completions API always answers.
+async fn chat_route_server(chat_down: &Arc<AtomicBool>) -> Server {
+    let flag = chat_down.clone();
+    Server::start(move |body, _| match body.get("messages") {
+        Some(m) if flag.load(Ordering::SeqCst) || m.to_string().contains("POISON") => {
+            error_response(StatusCode::INTERNAL_SERVER_ERROR, "chat template failed")
+        }
+        Some(_) => chat_answer("hello"),
+        None => echo(body),
+    })
+    .await
+}
+
 /// Sends `next(i)` for i = 0, 1, … until the endpoint's breaker opens; the calls it took, or
 /// `None` when it stayed closed for `max` of them.
 async fn calls_until_open(client: &LlmClient, max: usize, next: impl Fn(usize) -> Vec<(Body, Map<String, Value>)>) -> Option<usize> {
@@ -550,13 +564,7 @@ async fn a_server_garbling_every_real_call_is_down_though_it_answers_the_probe()
 #[tokio::test]
 async fn a_chat_route_failing_every_call_is_down_though_completions_answer() {
     let chat_down = Arc::new(AtomicBool::new(false));
-    let flag = chat_down.clone();
-    let server = Server::start(move |body, _| match body.get("messages") {
-        Some(_) if flag.load(Ordering::SeqCst) => error_response(StatusCode::INTERNAL_SERVER_ERROR, "chat template failed"),
-        Some(_) => chat_answer("hello"),
-        None => echo(body),
-    })
-    .await;
+    let server = chat_route_server(&chat_down).await;
     let (client, events) = client_with(&[&server.url], MAX_RESPONSE_BYTES, Duration::from_millis(100));
     assert!(infer(&client, &[chat_request("warm chat")]).await[0].is_ok());
     assert!(infer(&client, &requests(&["warm"], json!({}))).await[0].is_ok());
@@ -589,15 +597,7 @@ async fn a_chat_route_failing_every_call_is_down_though_completions_answer() {
 #[tokio::test]
 async fn the_first_failure_of_a_server_wide_outage_is_not_charged() {
     let chat_down = Arc::new(AtomicBool::new(false));
-    let flag = chat_down.clone();
-    let server = Server::start(move |body, _| match body.get("messages") {
-        Some(m) if flag.load(Ordering::SeqCst) || m.to_string().contains("POISON") => {
-            error_response(StatusCode::INTERNAL_SERVER_ERROR, "chat template failed")
-        }
-        Some(_) => chat_answer("hello"),
-        None => echo(body),
-    })
-    .await;
+    let server = chat_route_server(&chat_down).await;
     let client = client(&server.url);
     assert!(infer(&client, &[chat_request("warm chat")]).await[0].is_ok());
     // A poison prompt: the replay passes, the fault is the prompt's own.
