@@ -13,8 +13,9 @@
 //! its own subtree.
 //!
 //! On shutdown, within ONE deadline (`shutdown.drain_timeout`) that covers the whole teardown:
-//! the router stops taking input, every partition flushes, finishes in-flight work, acks and
-//! releases its lease, the member key is deleted, the connection closes. Past the deadline only
+//! the router stops taking input, every partition flushes, finishes in-flight work (LLM calls
+//! until [`crate::partition::drain_call_cutoff`], after which their requests are put back
+//! uncharged), acks and releases its lease, the member key is deleted, the connection closes. Past the deadline only
 //! the hard stop runs (abort every partition, best-effort lease release) and the exit code is
 //! [`EX_SOFTWARE`]. A drain cut short by a connection failure is an error too
 //! ([`AppError::DrainFailed`], exit [`EX_FAILURE`]): its unfinished requests return to their

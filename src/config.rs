@@ -452,6 +452,8 @@ pub struct Settings {
     /// Address of `/metrics`, `/healthz`, `/readyz`; port 0 picks a free port.
     pub http_listen: std::net::SocketAddr,
     /// The whole shutdown (flush, in-flight work, release) must end within this; else exit 70.
+    /// LLM calls still running at [`crate::partition::drain_call_cutoff`] of it are abandoned and
+    /// their requests put back uncharged.
     pub drain_timeout: Duration,
     pub log: LogSettings,
 }

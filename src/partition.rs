@@ -916,22 +916,43 @@ async fn process_batch(
         .collect();
     // `None`: stopping, lease lost or session ending. Nothing is settled here; the channel's close
     // returns these requests — except after a drain or handoff that found them waiting for an
-    // endpoint, which puts them back uncharged.
-    let Some(results) = infer_through_outages(&ctx, &items, &stop, &end).await else {
-        drop(items);
-        let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
-        if graceful && !end.token.is_cancelled() {
-            let n = batch.items.len();
-            let returned = return_uncharged(&ctx, &out, batch.items.into_iter().map(|p| p.delivery).collect()).await;
-            info!(
-                partition = ctx.partition,
-                epoch = ctx.epoch,
-                returned,
-                requests = n,
-                "stopped while the LLM endpoint was down: its waiting requests are back in the partition queue, not charged a delivery"
-            );
+    // endpoint, or a drain whose time ran out before the calls answered, which put them back
+    // uncharged.
+    let cutoff = drain_call_cutoff(ctx.settings.drain_timeout);
+    let answers = tokio::select! {
+        answers = infer_through_outages(&ctx, &items, &stop, &end) => answers.ok_or(CallsEnded::Stopped),
+        () = calls_cut(&stop.drain, cutoff) => Err(CallsEnded::DrainTimeRanOut),
+    };
+    let results = match answers {
+        Ok(results) => results,
+        Err(why) => {
+            drop(items);
+            let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
+            if graceful && !end.token.is_cancelled() {
+                let n = batch.items.len();
+                let returned = return_uncharged(&ctx, &out, batch.items.into_iter().map(|p| p.delivery).collect()).await;
+                match why {
+                    CallsEnded::Stopped => info!(
+                        partition = ctx.partition,
+                        epoch = ctx.epoch,
+                        returned,
+                        requests = n,
+                        "stopped while the LLM endpoint was down: its waiting requests are back in the partition queue, not charged a delivery"
+                    ),
+                    CallsEnded::DrainTimeRanOut => crate::warn_limited!(
+                        DRAIN_CUT_LOG,
+                        partition = ctx.partition,
+                        epoch = ctx.epoch,
+                        returned,
+                        requests = n,
+                        drain_timeout = ?ctx.settings.drain_timeout,
+                        waited = ?cutoff,
+                        "the drain's time ran out before the LLM answered these requests: they are back in the partition queue, not charged a delivery, and the server's work on them is lost; raise shutdown.drain_timeout above the longest generation to let such calls finish"
+                    ),
+                }
+            }
+            return;
         }
-        return;
     };
     // From the flush to the answers: the calls, their retries and any wait for an endpoint
     // through an outage (`timings_ms.llm`, less each request's permit wait).
@@ -995,6 +1016,42 @@ async fn process_batch(
     if settlements.contains(&Settlement::ChannelLost) || !out.connection().status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
+}
+
+/// Why [`process_batch`] got no answers.
+enum CallsEnded {
+    /// A stop signal or the session's end came first ([`infer_through_outages`] gave `None`).
+    Stopped,
+    /// The drain's time for LLM calls ([`drain_call_cutoff`]) ran out first.
+    DrainTimeRanOut,
+}
+
+/// Bounds the lines of drains whose time ran out before the LLM answered (one per batch).
+static DRAIN_CUT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// How long a drain waits for the LLM calls in flight: `shutdown.drain_timeout` less a reserve
+/// of a quarter of it, at most 5 s, for what must follow before the drain's deadline (putting the
+/// unanswered requests back, releasing the leases, closing the connection).
+///
+/// A call still running then is abandoned, and its requests go back to their partition queue
+/// uncharged ([`return_uncharged`]). Left to the deadline instead, the hard stop would close the
+/// channel, which returns them *charged* one delivery each (a quorum queue counts every return,
+/// <https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling>): a rolling restart
+/// during generations longer than the drain would then dead-letter valid requests after
+/// `amqp.delivery_limit` restarts, and the stop would exit 70.
+pub fn drain_call_cutoff(drain_timeout: Duration) -> Duration {
+    drain_timeout - (drain_timeout / 4).min(DRAIN_RESERVE)
+}
+
+/// The most [`drain_call_cutoff`] keeps back from `shutdown.drain_timeout`.
+pub const DRAIN_RESERVE: Duration = Duration::from_secs(5);
+
+/// Completes `cutoff` after `drain` fires (never when it does not). The drain token fires for
+/// every partition at the start of the shutdown, so a batch flushed by the drain itself starts
+/// its wait within milliseconds of the drain's start.
+async fn calls_cut(drain: &CancellationToken, cutoff: Duration) {
+    drain.cancelled().await;
+    tokio::time::sleep(cutoff).await;
 }
 
 /// Bounds the per-batch lines of [`infer_through_outages`]: an outage reaches every batch
@@ -1211,6 +1268,16 @@ mod tests {
         assert_eq!(observation(&q).unwrap().ready_since, None);
         observe_queue(&q, 1);
         assert!(observation(&q).unwrap().ready_since.is_some_and(|t| t >= first.at));
+    }
+
+    /// The drain keeps min(a quarter, 5 s) of its time for putting requests back and releasing.
+    #[test]
+    fn the_drain_keeps_time_after_abandoning_its_calls() {
+        let s = Duration::from_secs;
+        assert_eq!(drain_call_cutoff(s(30)), s(25));
+        assert_eq!(drain_call_cutoff(s(6)), Duration::from_millis(4500));
+        assert_eq!(drain_call_cutoff(s(1)), Duration::from_millis(750));
+        assert_eq!(drain_call_cutoff(s(600)), s(595));
     }
 
     #[test]

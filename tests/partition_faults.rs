@@ -1001,6 +1001,52 @@ async fn a_frozen_llm_server_is_left_for_a_healthy_one_long_before_the_request_t
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// A stop while the LLM server is alive but slower than the drain: every call takes 120 s, and
+/// the server answers its liveness check, so the drain (`shutdown.drain_timeout = 6s`) cannot
+/// finish them. Left to the drain's deadline, the hard stop closed the channels, which returned
+/// every request charged one delivery (with `amqp.delivery_limit = 1`, a dead letter each), and
+/// the stop exited 70. Now the drain abandons the calls at its cutoff (4.5 s here) and puts their
+/// requests back uncharged: the stop ends cleanly within the drain timeout, and a daemon started
+/// again with a fast server answers each request once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_during_generations_longer_than_the_drain_returns_the_requests_uncharged() {
+    const N: usize = 16;
+    let slow = FakeLlm::new().latency(Duration::from_secs(120)).start().await.unwrap();
+    let env = TestEnv::new("stopslow");
+    let mut raw = env.raw_config(slow.url.as_str());
+    raw.shutdown.drain_timeout = "6s".into();
+    raw.amqp.delivery_limit = 1;
+    let st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let reqs = completions_workload("stopslow", N, 4);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let routed = wait_for("every request taken by a partition and calls on the slow server", Duration::from_secs(30), || async {
+        waiting_in_partitions(&env) == N as u64 && slow.call_count() > 0
+    })
+    .await;
+    assert!(routed, "{} of {N} requests in the partition queues, {} calls", waiting_in_partitions(&env), slow.call_count());
+
+    let Started { amqp, daemon, results, reply } = st;
+    let took = stop_and_wait_all_back(daemon, &env, N, "a stop during calls longer than the drain ends cleanly, exit 0").await;
+    eprintln!("stop during generations longer than the drain: drained in {took:?}, {N} requests put back");
+    assert!(took < Duration::from_secs(6), "the stop took {took:?}, past shutdown.drain_timeout");
+    drop(slow);
+
+    let fake = FakeLlm::new().start().await.unwrap();
+    raw.llm.endpoints = vec![fake.url.as_str().trim_end_matches('/').to_owned()];
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let daemon = start_daemon(&raw);
+    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
+    let mut st = Started { amqp, daemon, results, reply };
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    st.results.collect_for(Duration::from_millis(500)).await;
+    let answered = st.results.received.iter().filter(|m| m.correlation_id.starts_with("stopslow-")).count();
+    assert_eq!(answered, N, "one result per request");
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// A stop while the only LLM server is frozen (it accepts connections and never answers): the
 /// drain waits for the calls in flight, which would outlast `shutdown.drain_timeout` (25 s here,
 /// `llm.request_timeout = 120s`) and end with exit 70, every request charged a delivery. The drain
