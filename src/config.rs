@@ -718,10 +718,18 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     if let Some(p) = path {
         // The `config` crate drops the line of a TOML error (e.g. an integer beyond 64 bits);
         // the `toml` crate's message shows it. A missing or unreadable file is the crate's to say.
-        if let Ok(text) = std::fs::read_to_string(p) {
-            if let Err(e) = text.parse::<toml::Table>() {
-                return Err(ConfigError::Parse { path: p.display().to_string(), message: redact_text(&e.to_string()) });
+        match std::fs::read_to_string(p) {
+            Ok(text) => {
+                if let Err(e) = text.parse::<toml::Table>() {
+                    return Err(ConfigError::Parse { path: p.display().to_string(), message: redact_text(&e.to_string()) });
+                }
             }
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                let message = "the file is not UTF-8 text: TOML files must be UTF-8 (https://toml.io/en/v1.0.0#spec); \
+                               convert one saved as UTF-16, e.g. `iconv -f UTF-16 -t UTF-8`";
+                return Err(ConfigError::Parse { path: p.display().to_string(), message: message.into() });
+            }
+            Err(_) => {}
         }
         b = b.add_source(config::File::from(p).format(config::FileFormat::Toml).required(true));
     }
@@ -799,6 +807,10 @@ fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, p
             }
             // The environment's `inf` and `NaN` parse as floats that JSON holds as null.
             Some(ValueKind::Integer) if leaf.is_null() => Err(invalid(path, "inf or NaN", "must be a whole number")),
+            // An environment value of digits beyond 64 bits, which `config` parses as a float.
+            Some(ValueKind::Integer) if leaf.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() >= i64::MAX as f64) => {
+                Err(invalid(path, format!("{:.0}", leaf.as_f64().unwrap_or_default()), format!("is too large: must be a whole number of at most {} (each key's own limit is lower, see docs/configuration.md)", i64::MAX)))
+            }
             Some(ValueKind::Integer) if !is_integer(leaf) => {
                 Err(invalid(path, leaf, "must be a whole number (a fraction would be rounded, true/false read as 1/0)"))
             }
@@ -2188,6 +2200,10 @@ mod tests {
         let e = load(Some(&path)).unwrap_err().to_string();
         assert!(e.contains("line 2") && e.contains("max_message_bytes"), "{e}");
         // Durations beyond what the daemon can use (a lease TTL past Redis' 64-bit milliseconds).
+        // A UTF-16 file (with its byte order mark, as some editors save) is named as not UTF-8.
+        std::fs::write(&path, b"\xff\xfe[\x00a\x00]\x00").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("c.toml") && e.contains("not UTF-8"), "{e}");
         std::fs::write(&path, "[ownership]\nlease_ttl = \"1000000000000d\"\n").unwrap();
         let e = load(Some(&path)).unwrap_err().to_string();
         assert!(e.contains("ownership.lease_ttl") && e.contains("at most 365 days"), "{e}");
@@ -2232,5 +2248,8 @@ mod tests {
         assert!(e.contains("`amqp.delivery_limit` = inf or NaN: must be a whole number"), "{e}");
         let e = check_value_types(&serde_json::json!({ "amqp": { "input_prefetch": "-1" } }), true).unwrap_err().to_string();
         assert!(e.contains("`amqp.input_prefetch` = \"-1\": must not be negative"), "{e}");
+        // Digits beyond 64 bits in an environment variable arrive as a float.
+        let e = check_value_types(&serde_json::json!({ "amqp": { "partitions": 1e20 } }), true).unwrap_err().to_string();
+        assert!(e.contains("`amqp.partitions` = 100000000000000000000: is too large"), "{e}");
     }
 }
