@@ -16,8 +16,10 @@
 //! # When a key splits ([`LoadTracker`])
 //!
 //! The owner of each partition measures, per 1 s window, the queueing delay of the requests it
-//! dequeues (publish → dequeue, the `queued` timing of results) and how many of them each routed
-//! key carried. A key is **hot** when, over the last [`SplitRules::delay_windows`] (3) windows,
+//! dequeues (router's forward → dequeue, header `x-routed-at-ms`; counted from the moment the
+//! partition began consuming at the earliest: what a request waited in the input queue, for an
+//! owner after a crash, or for an LLM endpoint through an outage, is not its partition's load)
+//! and how many of them each routed key carried. A key is **hot** when, over the last [`SplitRules::delay_windows`] (3) windows,
 //! - the partition's median queueing delay exceeds `max(2 s, 2 × batching.max_batch_wait)`: one
 //!   batch wait is normal, two mean requests wait for earlier batches, i.e. the partition drains
 //!   slower than its requests arrive;

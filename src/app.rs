@@ -431,6 +431,12 @@ impl App {
                     error!(retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}")
                 }
                 (Some(why), _) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
+                (None, SessionError::Topology(e)) if e.is_config_error() => error!(
+                    error = %e,
+                    retry_in = ?backoff,
+                    "the broker's queues no longer match the configuration (changed under the running daemon); not serving until they do: \
+                     delete the queue named so the daemon declares it again, or change the configuration and restart"
+                ),
                 // Before any AMQP connection: the broker is not the one at fault.
                 (None, SessionError::Redis(_)) => warn!(error = %failure, retry_in = ?backoff, "cannot connect to Redis; retrying"),
                 (None, _) => warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting"),
@@ -513,8 +519,16 @@ impl App {
         };
         let conns = match opened {
             Ok(c) => c,
-            // Logged once, by the caller that ends the process with the error's exit code.
-            Err(SessionError::Topology(e)) if e.is_config_error() => return Err(AppError::Topology(e)),
+            // Before the first session: the deployment does not match the configuration; logged
+            // once, by the caller that ends the process with the error's exit code. After it, the
+            // same refusal means that someone changed a queue under the running daemon (deleted it
+            // and declared it with other arguments; another deployment's partition count): every
+            // instance would meet it at its next reconnect, and an exit the service manager does
+            // not restart (78) would take the whole deployment down. So it is retried, logged
+            // at ERROR, until the queue is set right ([`Self::sessions`]).
+            Err(SessionError::Topology(e)) if e.is_config_error() && !self.opened.load(Ordering::Relaxed) => {
+                return Err(AppError::Topology(e));
+            }
             Err(e) => return Ok(SessionEnd::Failed(e)),
         };
         // Aborted when the session ends, however it ends; aborting counts as unblocked.

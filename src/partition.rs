@@ -77,7 +77,7 @@ use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
 use crate::llm::{Fault, InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, restart, stage};
-use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, ResultEnd, Settlement, Tenure, HEADER_SHARD, HEADER_TIMESTAMP_MS};
+use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, ResultEnd, Settlement, Tenure, HEADER_ROUTED_AT_MS, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::request::{Request, TimingsMs};
 
@@ -211,11 +211,32 @@ struct HeldDeliveries {
     state: Mutex<(u64, BTreeMap<u64, Instant>)>,
     /// Stall restarts in a row ([`check_stall`]); a delivery sets it back to 0.
     stalls: std::sync::atomic::AtomicU32,
+    /// Unix milliseconds since which the partition consumes: when its worker started, or its
+    /// intake last resumed after an LLM outage ([`HeldDeliveries::consuming_from_now`]). The split
+    /// rule counts a request's queueing delay from here at the earliest ([`accept`]).
+    consuming_since_ms: std::sync::atomic::AtomicU64,
 }
 
 impl HeldDeliveries {
     fn new(partition: u32) -> Arc<Self> {
-        Arc::new(HeldDeliveries { partition, state: Mutex::new((0, BTreeMap::new())), stalls: Default::default() })
+        Arc::new(HeldDeliveries {
+            partition,
+            state: Mutex::new((0, BTreeMap::new())),
+            stalls: Default::default(),
+            consuming_since_ms: unix_ms().into(),
+        })
+    }
+
+    /// Marks the intake as consuming from now: it resumed after waiting for an LLM endpoint.
+    fn consuming_from_now(&self) {
+        self.consuming_since_ms.store(unix_ms(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The queueing delay the split rule counts for a request published at `enqueued_ms`, dequeued
+    /// at `now_ms`: from the later of its publish and the moment the partition began consuming
+    /// (see [`split_queued_ms`]).
+    fn split_queued_ms(&self, enqueued_ms: Option<u64>, now_ms: u64) -> u64 {
+        split_queued_ms(enqueued_ms, self.consuming_since_ms.load(std::sync::atomic::Ordering::Relaxed), now_ms)
     }
 
     fn hold(self: &Arc<Self>, bytes: OwnedSemaphorePermit) -> Held {
@@ -287,8 +308,11 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
     let p = ctx.partition;
     let held = HeldDeliveries::new(p);
     let result = loop {
-        if !endpoint_available(&ctx) && !pause(&ctx, &stop).await {
-            break Ok(());
+        if !endpoint_available(&ctx) {
+            if !pause(&ctx, &stop).await {
+                break Ok(());
+            }
+            held.consuming_from_now();
         }
         let reason = match session(conns, &ctx, &stop, &held).await {
             Ok(Ended::Stopped) => break Ok(()),
@@ -323,6 +347,17 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
     metrics::unsettled_deliveries(p, 0);
     metrics::intake_paused(p, false);
     result
+}
+
+/// The queueing delay, in milliseconds, the split rule ([`crate::affinity::LoadTracker`]) counts
+/// for a request published at `enqueued_ms` (unix ms; `None`: unknown, 0) and dequeued at `now_ms`,
+/// by a partition consuming since `consuming_since_ms`: the time since the later of the two.
+/// The time a request waited while nobody consumed its partition (no owner yet, after a crash
+/// before the takeover; the intake paused through an LLM outage) says nothing about whether one
+/// partition drains its key fast enough; counted, the backlog of an outage split every key that
+/// had one when the server came back.
+fn split_queued_ms(enqueued_ms: Option<u64>, consuming_since_ms: u64, now_ms: u64) -> u64 {
+    enqueued_ms.map_or(0, |t| now_ms.saturating_sub(t.max(consuming_since_ms)))
 }
 
 /// Whether the endpoint serving the partition now ([`LlmClient::endpoint_for`]) is available.
@@ -510,6 +545,7 @@ async fn intake(
                 warn!(partition = ctx.partition, epoch = ctx.epoch, "no LLM endpoint available; intake paused, requests wait in the queue");
             } else {
                 info!(partition = ctx.partition, epoch = ctx.epoch, "LLM endpoint available again; intake resumed");
+                held.consuming_from_now();
             }
         }
         tokio::select! {
@@ -872,7 +908,10 @@ async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, hel
     let now = unix_ms();
     let enqueued_unix_ms = publish_time_ms(header_u64(headers, HEADER_TIMESTAMP_MS), *delivery.properties.timestamp(), now);
     let queued_ms = enqueued_unix_ms.map_or(0, |t| now.saturating_sub(t));
-    let key = crate::splits::batch_key(s, ctx.partition, &req, headers, queued_ms);
+    // The split rule's delay: in the partition queue only (from the router's forward; a request
+    // published straight to the partition queue, from its publish), while the partition consumed.
+    let forwarded = publish_time_ms(header_u64(headers, HEADER_ROUTED_AT_MS), None, now).or(enqueued_unix_ms);
+    let key = crate::splits::batch_key(s, ctx.partition, &req, headers, held.owner.split_queued_ms(forwarded, now));
     Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms, _held: held })
 }
 
@@ -1268,6 +1307,19 @@ mod tests {
         assert_eq!(observation(&q).unwrap().ready_since, None);
         observe_queue(&q, 1);
         assert!(observation(&q).unwrap().ready_since.is_some_and(|t| t >= first.at));
+    }
+
+    /// The split rule counts queueing delay only while the partition consumes: a backlog left by
+    /// a takeover or an LLM outage is not load.
+    #[test]
+    fn the_split_rule_counts_no_wait_from_before_the_partition_consumed() {
+        // Published 30 s before the takeover, dequeued 1 s after it: 1 s of delay, not 31 s.
+        assert_eq!(split_queued_ms(Some(1_000), 31_000, 32_000), 1_000);
+        // Published after the partition began consuming: the whole wait counts.
+        assert_eq!(split_queued_ms(Some(40_000), 31_000, 45_000), 5_000);
+        assert_eq!(split_queued_ms(None, 31_000, 45_000), 0);
+        // A clock step back never gives a negative delay.
+        assert_eq!(split_queued_ms(Some(50_000), 31_000, 45_000), 0);
     }
 
     /// The drain keeps min(a quarter, 5 s) of its time for putting requests back and releasing.

@@ -59,6 +59,11 @@ pub const HEADER_PREFIX_KEY: &str = "x-prefix-key";
 pub const HEADER_SHARD: &str = "x-shard";
 /// Header set by the router on forwarded requests: the key it routed by, `"{level}/{levels}:{key hex}"` ([`crate::affinity::RoutedKey`]); partitions batch by it.
 pub const HEADER_ROUTED_KEY: &str = "x-routed-key";
+/// Header set by the router on forwarded requests: when it forwarded them, in Unix milliseconds.
+/// The split rule measures a partition's queueing delay from it ([`crate::affinity::LoadTracker`]):
+/// the time since the publish also holds the wait in the input queue, which every partition shares
+/// (a router backlog, such as the requests waiting at the first start, is not one key's load).
+pub const HEADER_ROUTED_AT_MS: &str = "x-routed-at-ms";
 /// Header keeping the `user_id` property of a forwarded or dead-lettered message (the property
 /// itself is not copied, see [`carried_props`]).
 pub const HEADER_ORIGINAL_USER_ID: &str = "x-original-user-id";

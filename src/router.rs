@@ -26,7 +26,7 @@ use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
 use crate::metrics::{self, outcome, stage};
-use crate::publisher::{self, Intake, HEADER_ROUTED_KEY, HEADER_SHARD};
+use crate::publisher::{self, Intake, HEADER_ROUTED_AT_MS, HEADER_ROUTED_KEY, HEADER_SHARD};
 use crate::redelivery;
 use crate::request::{short_string, ParseError, MAX_ID_BYTES};
 use crate::splits::Affinity;
@@ -380,12 +380,18 @@ async fn requeue(delivery: Delivery) {
 
 /// Properties of a forwarded request: those of [`publisher::carried_props`] (an allowlist; no
 /// `user_id`, no `expiration`), with `message_id` = request id (so every stage agrees on a
-/// generated id), `correlation_id` defaulting to the request id, the shard and the routed key in
-/// headers (`x-shard`, `x-routed-key`), and persistent delivery. Errors when the request id is not a valid short string (longer than
+/// generated id), `correlation_id` defaulting to the request id, the shard, the routed key and the
+/// time of forwarding in headers (`x-shard`, `x-routed-key`, `x-routed-at-ms`), and persistent
+/// delivery. Errors when the request id is not a valid short string (longer than
 /// [`MAX_ID_BYTES`]; [`crate::request::parse`] already refuses those).
 fn forward_props(props: &BasicProperties, r: &Route) -> Result<BasicProperties, ParseError> {
     let id = short_string("id", &r.request_id, MAX_ID_BYTES)?;
-    let p = publisher::carried_props(props, &[(HEADER_SHARD, r.shard.to_string()), (HEADER_ROUTED_KEY, r.routed.to_string())])
+    let headers = [
+        (HEADER_SHARD, r.shard.to_string()),
+        (HEADER_ROUTED_KEY, r.routed.to_string()),
+        (HEADER_ROUTED_AT_MS, publisher::unix_ms().to_string()),
+    ];
+    let p = publisher::carried_props(props, &headers)
         .with_message_id(id.clone())
         .with_delivery_mode(publisher::PERSISTENT);
     // An empty `correlation_id` counts as none: a requester cannot match a result by it.

@@ -208,6 +208,67 @@ async fn readiness_comes_back_after_a_reconnect() {
     env.cleanup().await;
 }
 
+/// Someone deletes a queue of the running daemon and declares it again with other arguments (the
+/// dead-letter queue, as a classic queue), and the next reconnect meets the broker's refusal.
+/// Every instance of a deployment meets it at its next reconnect, and it used to end each one
+/// with exit 78, which the service manager does not restart: the whole deployment stayed down
+/// until someone restarted it. Now the running daemon retries (not ready, an ERROR line naming
+/// the queue) and serves again, without a restart, once the queue is deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_changed_under_the_running_daemon_is_retried_not_an_exit() {
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+    let env = TestEnv::new("qchanged");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.reconnect_backoff_max = "1s".into();
+    let mut daemon = DaemonProcess::run(&env, "qchanged", &raw);
+    let addr = daemon.http_addr().await;
+    let wait_for = |want: u16, what: &'static str| {
+        let addr = addr.clone();
+        async move {
+            let deadline = Instant::now() + DEADLINE;
+            loop {
+                let (status, body) = http_get(&addr, "/readyz").await;
+                if status == want {
+                    return body;
+                }
+                assert!(Instant::now() < deadline, "/readyz never answered {want} ({what}); last {status} {body}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    wait_for(200, "after the start").await;
+
+    let amqp = Amqp::connect().await;
+    let dlq = env.dead_letter_queue();
+    amqp.ch.queue_delete(dlq.as_str().into(), QueueDeleteOptions::default()).await.expect("delete the dead-letter queue");
+    let classic = QueueDeclareOptions { durable: true, ..Default::default() };
+    amqp.ch.queue_declare(dlq.as_str().into(), classic, lapin::types::FieldTable::default()).await.expect("declare it as a classic queue");
+    close_connection_named(&format!("prefix-batcher {}", raw.instance.name)).await;
+    let deadline = Instant::now() + DEADLINE;
+    while daemon.log().matches("no longer match the configuration").count() < 2 {
+        assert!(daemon.is_running(), "the daemon exited on a queue changed under it:\n{}", daemon.log_tail(30));
+        assert!(Instant::now() < deadline, "the changed queue was not reported twice:\n{}", daemon.log_tail(30));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(daemon.log().contains(&dlq), "the ERROR line names the queue:\n{}", daemon.log_tail(10));
+    wait_for(503, "while the queue does not match").await;
+
+    amqp.ch.queue_delete(dlq.as_str().into(), QueueDeleteOptions::default()).await.expect("delete the classic queue");
+    wait_for(200, "once the queue is gone and declared again by the daemon").await;
+    let mut results = amqp.consume(&env.results_queue()).await;
+    let reqs = completions_workload("qchanged", 5, 1);
+    amqp.publish_requests(&env.input_queue(), &reqs, "").await;
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    daemon.sigterm();
+    let status = daemon.wait_exit(DEADLINE).await;
+    assert!(status.success(), "SIGTERM must exit 0, got {status}; log:\n{}", daemon.log_tail(40));
+    results.close().await;
+    amqp.close().await;
+    fake.shutdown();
+    env.cleanup().await;
+}
+
 /// The broker closes the daemon's publishing connection under load, with requests still
 /// arriving: the session ends and reconnects, and every request still gets an ok result, none
 /// dead-lettered (with `amqp.delivery_limit = 3`, a requeue loop would show at once; a request
