@@ -292,3 +292,61 @@ async fn a_hot_key_splits_by_itself_and_its_requests_fan_out() {
     amqp.close().await;
     env.cleanup().await;
 }
+
+/// Requests that waited out an LLM outage are not load. The only server answers 503, so the
+/// breaker opens and the intake pauses; 60 requests of one key wait 6 s in their partition queue
+/// (`amqp.partition_prefetch = 4`: few are held in memory). When the server is back they drain at
+/// once, and the key does not split: their wait counts for the split rule only from the intake's
+/// resume. Counted from the router's forward, their median queueing delay was the outage (6 s
+/// against the rule's 2 s), and every key with a backlog split when the server came back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_backlog_does_not_split_its_key() {
+    let env = TestEnv::new("affinity-outage");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.partition_prefetch = 4;
+    raw.batching.max_batch_size = 4;
+    let settings = Settings::from_raw(&raw).unwrap();
+    let Started { amqp, daemon, results: replies, .. } = start_with_replies(&env, &raw).await;
+    let mut results = amqp.consume(&env.results_queue()).await;
+
+    let head = "One shared system prompt, outage";
+    assert_eq!(head.chars().count(), PREFIX_CHARS);
+    let texts: Vec<String> = (0..60).map(|i| format!("{head} user turn {i:04} {}", "z".repeat(120))).collect();
+    let reqs: Vec<TestRequest> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, t)| TestRequest { id: format!("outage-{i}"), body: json!({ "id": format!("outage-{i}"), "prompt": t }).to_string().into_bytes(), group: 0 })
+        .collect();
+    let level0 = derive_key(&completion(&texts[0]), &settings.keying).key;
+    fake.set_status(Some(503));
+    amqp.publish_requests(&env.input_queue(), &reqs, "").await;
+    // The outage lasts 6 s from the publish: three times the split rule's 2 s.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(fake.call_count() > 0, "the server was called during the outage");
+    assert_eq!(results.received.len(), 0, "nothing answered during the outage");
+    fake.set_status(None);
+
+    let view = Affinity::for_prefix(env.key_prefix());
+    let split = || view.view().get(0, level0).is_some();
+    let answered = Instant::now();
+    let mut seen_split = false;
+    while results.received.len() < reqs.len() && answered.elapsed() < DEADLINE {
+        results.collect_for(Duration::from_millis(100)).await;
+        seen_split |= split();
+    }
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    // Two more refresh periods after the last answer: a decision from the drained backlog shows.
+    let after = Instant::now();
+    while after.elapsed() < REFRESH_INTERVAL * 3 {
+        seen_split |= split();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!seen_split, "the key split on the backlog of an outage: {:?}", view.view().get(0, level0));
+
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.close().await;
+    replies.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
