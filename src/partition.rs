@@ -328,10 +328,8 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
             }
         };
         metrics::consumer_restarted(reason);
-        if reason == restart::QUEUE_MISSING {
-            if let Err(e) = crate::topology::declare_partition(&conns.consume, &ctx.settings.amqp, p).await {
-                warn!(partition = p, error = %e, "could not declare the partition queue; retrying");
-            }
+        if reason == restart::QUEUE_MISSING && !declare_again(conns, &ctx, &stop).await {
+            break Ok(());
         }
         if !stop.any() {
             tokio::select! {
@@ -358,6 +356,42 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
 /// had one when the server came back.
 fn split_queued_ms(enqueued_ms: Option<u64>, consuming_since_ms: u64, now_ms: u64) -> u64 {
     enqueued_ms.map_or(0, |t| now_ms.saturating_sub(t.max(consuming_since_ms)))
+}
+
+/// Bounds the lines of partition queues found with other settings than configured.
+static QUEUE_MISMATCH_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// Declares the partition queue again after it was found missing. A queue found with other
+/// settings than configured (someone deleted it and declared it otherwise, e.g. as a classic
+/// queue: no single active consumer, no dead-lettering, not bound to the shard exchange) is not
+/// consumed: the declare is retried (ERROR line, every [`RESTART_PAUSE`] doubled up to 5 s)
+/// until the queue is deleted or set right, while the partition keeps its lease and its requests
+/// wait (the router holds the forwards it cannot place). Other failures are left to the next
+/// consuming session, as before. `false` when a stop signal came first.
+async fn declare_again(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals) -> bool {
+    let p = ctx.partition;
+    let mut wait = RESTART_PAUSE;
+    loop {
+        match crate::topology::declare_partition(&conns.consume, &ctx.settings.amqp, p).await {
+            Ok(()) => return true,
+            Err(e) if e.is_config_error() => crate::error_limited!(
+                QUEUE_MISMATCH_LOG,
+                partition = p,
+                error = %e,
+                "the partition queue exists with other settings than configured (deleted and declared again by someone else?); \
+                 not consuming it: delete it and the daemon declares it again"
+            ),
+            Err(e) => {
+                warn!(partition = p, error = %e, "could not declare the partition queue; retrying");
+                return true;
+            }
+        }
+        tokio::select! {
+            _ = stop.stopped() => return false,
+            _ = tokio::time::sleep(wait) => {}
+        }
+        wait = (wait * 2).min(Duration::from_secs(5));
+    }
 }
 
 /// Whether the endpoint serving the partition now ([`LlmClient::endpoint_for`]) is available.

@@ -730,6 +730,53 @@ async fn a_deleted_partition_queue_is_declared_again_and_consumed() {
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
+/// A partition queue deleted under its consumer and declared again at once by someone else as a
+/// classic queue (no single active consumer, no dead-lettering, not bound to the shard exchange).
+/// The worker used to consume that foreign queue after one failed declare (and the router, which
+/// cannot route to it, held the partition's forwards). Now it does not consume it and declares
+/// again until the queue is deleted; then its own queue is back, bound, and consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_queue_declared_again_by_someone_else_is_not_consumed() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let (env, mut st) = start("foreignpq", fake.url.as_str()).await;
+    let queue = env.partition_queue(0);
+    let missing = || metric("prefix_batcher_consumer_restarts_total{reason=\"queue_missing\"}");
+    let before = missing();
+    // Delete and declare in one go on one channel: the broker runs both before the worker learns
+    // of the delete, so the worker finds the classic queue.
+    let ch = st.amqp.conn.create_channel().await.expect("channel");
+    let classic = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+    let (deleted, declared) = futures_util::join!(
+        ch.queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default()),
+        ch.queue_declare(queue.as_str().into(), classic, FieldTable::default())
+    );
+    deleted.expect("delete the partition queue");
+    declared.expect("declare it as a classic queue");
+    assert!(wait_for("the worker to find its queue gone", Duration::from_secs(20), || async { missing() > before }).await);
+    // A window, not a condition: the foreign queue must stay without a consumer through it (it
+    // had one within 200 ms before).
+    let window = Instant::now();
+    while window.elapsed() < Duration::from_secs(3) {
+        assert_eq!(st.amqp.queue_depth(&queue).await.1, 0, "the worker consumes the foreign classic queue");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    ch.queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default()).await.expect("delete the classic queue");
+    let back = wait_for("the partition queue to be declared and consumed again", Duration::from_secs(20), || async {
+        topology::queue_exists(&st.amqp.conn, &queue).await.unwrap_or(false) && st.amqp.queue_depth(&queue).await.1 == 1
+    })
+    .await;
+    assert!(back);
+    let req = completion("foreignpq-0", 0, " via the shard exchange");
+    let key = AmqpSettings::partition_routing_key(0);
+    let options = lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() };
+    let publish = st.amqp.ch.basic_publish(env.shard_exchange().as_str().into(), key.as_str().into(), options, &req.body, request_props(&req.id, &st.reply));
+    let confirm = publish.await.expect("publish").await.expect("confirm");
+    assert!(confirm.take_message().is_none(), "partition queue 0 is not bound to the shard exchange");
+    st.results.until_all(&ids(std::slice::from_ref(&req)), Duration::from_secs(30)).await;
+    let _ = ch.close(200, "done".into()).await;
+    stop_and_check_nothing_held(env, st, vec![]).await;
+}
+
 /// A byte budget of ten small requests for the whole instance (`batching.max_buffered_bytes`):
 /// intake waits for it instead of holding more, and 200 requests over 8 partitions are all
 /// answered (settled requests give their bytes back; nothing deadlocks).
