@@ -501,6 +501,19 @@ pub async fn declare_again(conn: &Connection, amqp: &AmqpSettings, dest: OwnDest
             metrics::queue_redeclared(dest.label());
             true
         }
+        // Someone declared it again with other settings (a classic queue, not bound): it does
+        // not go away by itself, so ERROR.
+        Ok(Err(e)) if e.is_config_error() => {
+            crate::error_limited!(
+                DECLARE_FAILED_LOG,
+                queue = dest.label(),
+                ?dest,
+                error = %e,
+                "a destination of the daemon exists with other settings than configured (deleted and declared again by someone else?); \
+                 what goes there waits: delete it and the daemon declares it again"
+            );
+            false
+        }
         Ok(Err(e)) => {
             crate::warn_limited!(DECLARE_FAILED_LOG, queue = dest.label(), ?dest, error = %e, "a destination of the daemon is missing and cannot be declared again");
             false
