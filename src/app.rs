@@ -437,6 +437,8 @@ impl App {
                     "the broker's queues no longer match the configuration (changed under the running daemon); not serving until they do: \
                      delete the queue named so the daemon declares it again, or change the configuration and restart"
                 ),
+                // It lasts until an operator raises the limit or deletes queues.
+                (None, SessionError::Topology(e @ TopologyError::QueueLimit { .. })) => error!(error = %e, retry_in = ?backoff, "not serving until a queue can be declared; retrying"),
                 // Before any AMQP connection: the broker is not the one at fault.
                 (None, SessionError::Redis(_)) => warn!(error = %failure, retry_in = ?backoff, "cannot connect to Redis; retrying"),
                 (None, _) => warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting"),
