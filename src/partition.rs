@@ -379,7 +379,7 @@ async fn declare_again(conns: &Connections, ctx: &PartitionContext, stop: &StopS
                 partition = p,
                 error = %e,
                 "the partition queue exists with other settings than configured (deleted and declared again by someone else?); \
-                 not consuming it: delete it and the daemon declares it again"
+                 not consuming it: move any messages it holds to the input queue, then delete it, and the daemon declares it again"
             ),
             Err(e) => {
                 warn!(partition = p, error = %e, "could not declare the partition queue; retrying");
