@@ -439,6 +439,13 @@ impl App {
                 ),
                 // It lasts until an operator raises the limit or deletes queues.
                 (None, SessionError::Topology(e @ TopologyError::QueueLimit { .. })) => error!(error = %e, retry_in = ?backoff, "not serving until a queue can be declared; retrying"),
+                // Permissions changed under the running daemon: they last until an operator acts.
+                (None, SessionError::Topology(TopologyError::Amqp(e))) if crate::amqp::reply_code(e) == Some(crate::amqp::ACCESS_REFUSED) => error!(
+                    error = %e,
+                    retry_in = ?backoff,
+                    "the broker refused the daemon's user access to one of its queues or exchanges (403 ACCESS_REFUSED): \
+                     check the user's configure, write and read permissions on the vhost (rabbitmqctl list_user_permissions); retrying"
+                ),
                 // Before any AMQP connection: the broker is not the one at fault.
                 (None, SessionError::Redis(_)) => warn!(error = %failure, retry_in = ?backoff, "cannot connect to Redis; retrying"),
                 (None, _) => warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting"),
