@@ -270,7 +270,7 @@ pub async fn run_with_events(
     };
     let llm = LlmClient::with_options(&settings.llm, options).map_err(AppError::Llm)?;
     let nonce = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
-    let app = App { settings: Arc::new(settings), llm, nonce, readiness, opened: AtomicBool::new(false) };
+    let app = App { settings: Arc::new(settings), llm, nonce, readiness, opened: AtomicBool::new(false), last_errors: Default::default() };
     let result = app.sessions(&work, &mut events).await;
     app.readiness.set(NotReady::Draining, true);
     http_token.cancel();
@@ -371,6 +371,9 @@ struct App {
     /// refused login stops the daemon ([`AppError::AccessRefused`]); from then on it is retried
     /// (credentials being rotated).
     opened: AtomicBool,
+    /// The last error lapin reported on the current session's consuming and publishing
+    /// connections ([`LastError`]): the line of a session that ended says what the broker said.
+    last_errors: [LastError; 2],
 }
 
 impl App {
@@ -448,7 +451,12 @@ impl App {
                 ),
                 // Before any AMQP connection: the broker is not the one at fault.
                 (None, SessionError::Redis(_)) => warn!(error = %failure, retry_in = ?backoff, "cannot connect to Redis; retrying"),
-                (None, _) => warn!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting"),
+                (None, _) => {
+                    // What the broker said, when it closed a connection: the error above is often
+                    // only the component that noticed first.
+                    let broker_said = self.last_errors.iter().filter_map(last_error).collect::<Vec<_>>().join("; ");
+                    warn!(error = %failure, broker_said, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting")
+                }
             }
             tokio::select! {
                 _ = work.cancelled() => return Ok(()),
@@ -541,9 +549,13 @@ impl App {
             Err(e) => return Ok(SessionEnd::Failed(e)),
         };
         // Aborted when the session ends, however it ends; aborting counts as unblocked.
+        for slot in &self.last_errors {
+            *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
+        let [consume_error, publish_error] = self.last_errors.clone();
         let _blocked = [
-            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.consume, metrics::connection::CONSUME, self.readiness.clone()))),
-            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.publish, metrics::connection::PUBLISH, self.readiness.clone()))),
+            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.consume, metrics::connection::CONSUME, self.readiness.clone(), consume_error))),
+            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.publish, metrics::connection::PUBLISH, self.readiness.clone(), publish_error))),
         ];
         let session = work.child_token();
         let mut router: RouterTask = {
@@ -575,6 +587,15 @@ impl App {
             }
             Phase::Failed(e) => {
                 hard_stop(&mut own, &router, &backlog, &conns, "session failed").await;
+                // lapin reports the broker's `connection.close` (its reply code and text) a moment
+                // after the connection's status changed, which is what ended the session.
+                if !conns.consume.status().connected() || !conns.publish.status().connected() {
+                    let reported = || self.last_errors.iter().any(|slot| last_error(slot).is_some());
+                    let deadline = tokio::time::Instant::now() + LAST_ERROR_WAIT;
+                    while !reported() && tokio::time::Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
                 Ok(SessionEnd::Failed(e))
             }
         }
@@ -769,19 +790,42 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
 /// ends when the connection's event stream ends; dropping it (or aborting its task) counts as an
 /// unblock, so a closed connection leaves no stale state. Spawn it and abort it when the
 /// connection is done with.
-pub fn watch_connection_blocked(conn: &Connection, connection: &'static str, readiness: Readiness) -> impl Future<Output = ()> + Send + 'static {
+///
+/// It also keeps the last error lapin reports on the connection or its channels
+/// ([`lapin::Event::Error`]) in `last_error`.
+pub fn watch_connection_blocked(
+    conn: &Connection,
+    connection: &'static str,
+    readiness: Readiness,
+    last_error: LastError,
+) -> impl Future<Output = ()> + Send + 'static {
     // Boxed as a `'static` trait object: lapin's opaque stream type names the borrow of `conn`.
     let events: Pin<Box<dyn Stream<Item = lapin::Event> + Send>> = Box::pin(conn.events_listener());
-    follow_connection_blocked(events, connection, readiness)
+    follow_connection_blocked(events, connection, readiness, last_error)
 }
 
-async fn follow_connection_blocked(events: impl Stream<Item = lapin::Event> + Send, connection: &'static str, readiness: Readiness) {
+/// The last error lapin reported on one AMQP connection or its channels, as text (credentials
+/// redacted): what the line of a session that ended says the broker said.
+pub type LastError = Arc<std::sync::Mutex<Option<String>>>;
+
+/// How long a session that ended because a connection closed waits for lapin to report the
+/// broker's reason ([`LastError`]).
+const LAST_ERROR_WAIT: Duration = Duration::from_millis(250);
+
+fn last_error(slot: &LastError) -> Option<String> {
+    slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+}
+
+async fn follow_connection_blocked(events: impl Stream<Item = lapin::Event> + Send, connection: &'static str, readiness: Readiness, last_error: LastError) {
     let mut state = Blocked { connection, readiness, since: None };
     let mut events = pin!(events);
     while let Some(event) = events.next().await {
         match event {
             lapin::Event::ConnectionBlocked(reason) => state.block(&reason),
             lapin::Event::ConnectionUnblocked => state.unblock(),
+            lapin::Event::Error(e) => {
+                *last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(crate::config::redact_text(&e.to_string()));
+            }
             _ => {}
         }
     }
@@ -875,7 +919,7 @@ mod tests {
         readiness.set(NotReady::Starting, false);
         let (tx, rx) = mpsc::unbounded_channel::<lapin::Event>();
         let events = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
-        let task = tokio::spawn(follow_connection_blocked(events, "test-blocked-a", readiness.clone()));
+        let task = tokio::spawn(follow_connection_blocked(events, "test-blocked-a", readiness.clone(), LastError::default()));
         let seen = readiness.subscribe();
         let wait_for = |ready: bool| {
             let mut seen = seen.clone();

@@ -201,6 +201,9 @@ async fn readiness_comes_back_after_a_reconnect() {
     }
     wait_for(200, "after the reconnect").await;
     assert!(daemon.log().contains("ready again"), "{}", daemon.log_tail(30));
+    // The line says what the broker said: its reply code and text.
+    let ended = daemon.log().lines().find(|l| l.contains("session ended; reconnecting")).map(str::to_owned).unwrap_or_default();
+    assert!(ended.contains("CONNECTION_FORCED"), "the session-ended line does not say why: {ended}");
     daemon.sigterm();
     let status = daemon.wait_exit(DEADLINE).await;
     assert!(status.success(), "SIGTERM must exit 0, got {status}; log:\n{}", daemon.log_tail(40));
