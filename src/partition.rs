@@ -232,9 +232,9 @@ impl HeldDeliveries {
         self.consuming_since_ms.store(unix_ms(), std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// The queueing delay the split rule counts for a request published at `enqueued_ms`, dequeued
-    /// at `now_ms`: from the later of its publish and the moment the partition began consuming
-    /// (see [`split_queued_ms`]).
+    /// The queueing delay the split rule counts for a request in the partition queue since
+    /// `enqueued_ms` (its forward by a router), dequeued at `now_ms`: from the later of that and
+    /// the moment the partition began consuming (see [`split_queued_ms`]).
     fn split_queued_ms(&self, enqueued_ms: Option<u64>, now_ms: u64) -> u64 {
         split_queued_ms(enqueued_ms, self.consuming_since_ms.load(std::sync::atomic::Ordering::Relaxed), now_ms)
     }
@@ -348,7 +348,8 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
 }
 
 /// The queueing delay, in milliseconds, the split rule ([`crate::affinity::LoadTracker`]) counts
-/// for a request published at `enqueued_ms` (unix ms; `None`: unknown, 0) and dequeued at `now_ms`,
+/// for a request in the partition queue since `enqueued_ms` (unix ms: its forward by a router, else
+/// its publish; `None`: unknown, 0) and dequeued at `now_ms`,
 /// by a partition consuming since `consuming_since_ms`: the time since the later of the two.
 /// The time a request waited while nobody consumed its partition (no owner yet, after a crash
 /// before the takeover; the intake paused through an LLM outage) says nothing about whether one
