@@ -450,7 +450,7 @@ impl App {
                      check the user's configure, write and read permissions on the vhost (rabbitmqctl list_user_permissions); retrying"
                 ),
                 // Before any AMQP connection: the broker is not the one at fault.
-                (None, SessionError::Redis(_)) => warn!(error = %failure, retry_in = ?backoff, "cannot connect to Redis; retrying"),
+                (None, SessionError::Redis(_)) => warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?backoff, "cannot connect to Redis (redis.url); retrying"),
                 (None, _) => {
                     // What the broker said, when it closed a connection: the error above is often
                     // only the component that noticed first.
