@@ -1064,7 +1064,7 @@ async fn a_stop_during_generations_longer_than_the_drain_returns_the_requests_un
     raw.shutdown.drain_timeout = "6s".into();
     raw.amqp.delivery_limit = 1;
     let st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let reqs = completions_workload("stopslow", N, 4);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     let routed = wait_for("every request taken by a partition and calls on the slow server", Duration::from_secs(30), || async {
@@ -1078,20 +1078,7 @@ async fn a_stop_during_generations_longer_than_the_drain_returns_the_requests_un
     eprintln!("stop during generations longer than the drain: drained in {took:?}, {N} requests put back");
     assert!(took < Duration::from_secs(6), "the stop took {took:?}, past shutdown.drain_timeout");
     drop(slow);
-
-    let fake = FakeLlm::new().start().await.unwrap();
-    raw.llm.endpoints = vec![fake.url.as_str().trim_end_matches('/').to_owned()];
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let daemon = start_daemon(&raw);
-    redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
-    let mut st = Started { amqp, daemon, results, reply };
-    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
-    st.results.collect_for(Duration::from_millis(500)).await;
-    let answered = st.results.received.iter().filter(|m| m.correlation_id.starts_with("stopslow-")).count();
-    assert_eq!(answered, N, "one result per request");
-    dead.barrier(&st.amqp).await;
-    assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
-    stop_and_check_nothing_held(env, st, vec![dead]).await;
+    answered_once_after_a_restart(env, raw, (amqp, results, reply), &reqs, dead).await;
 }
 
 /// A stop while the only LLM server is frozen (it accepts connections and never answers): the
@@ -1112,7 +1099,7 @@ async fn a_stop_while_the_llm_server_is_frozen_returns_the_requests_uncharged() 
     raw.shutdown.drain_timeout = "25s".into();
     raw.amqp.delivery_limit = 1;
     let st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let reqs = completions_workload("stopfrozen", N, 4);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     assert!(wait_for("calls to reach the frozen server", Duration::from_secs(30), || async { frozen.accepted.load(Ordering::SeqCst) > 0 }).await);
@@ -1121,17 +1108,27 @@ async fn a_stop_while_the_llm_server_is_frozen_returns_the_requests_uncharged() 
     let took = stop_and_wait_all_back(daemon, &env, N, "a stop while the LLM server is frozen ends within the drain timeout").await;
     eprintln!("stop while the LLM server is frozen: drained in {took:?}, {N} requests put back");
     drop(frozen);
+    answered_once_after_a_restart(env, raw, (amqp, results, reply), &reqs, dead).await;
+}
 
+/// Starts the daemon of `raw` again, with a working LLM server, on the test's AMQP connection,
+/// results collector and reply queue (`parts`): every request of `reqs` is answered exactly once
+/// and none is dead-lettered (`dead` collects the dead-letter queue; with
+/// `amqp.delivery_limit = 1` a charged delivery would dead-letter its request). Then stops it and
+/// checks that nothing is held.
+async fn answered_once_after_a_restart(env: TestEnv, mut raw: RawConfig, parts: (Amqp, Collector, String), reqs: &[TestRequest], mut dead: Collector) {
+    let (amqp, results, reply) = parts;
     let fake = FakeLlm::new().start().await.unwrap();
     raw.llm.endpoints = vec![fake.url.as_str().trim_end_matches('/').to_owned()];
     let mut redis = RedisProbe::connect().await.unwrap();
     let daemon = start_daemon(&raw);
     redis.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
     let mut st = Started { amqp, daemon, results, reply };
-    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    let wanted = ids(reqs);
+    st.results.until_all(&wanted, Duration::from_secs(60)).await;
     st.results.collect_for(Duration::from_millis(500)).await;
-    let answered = st.results.received.iter().filter(|m| m.correlation_id.starts_with("stopfrozen-")).count();
-    assert_eq!(answered, N, "one result per request");
+    let answered = st.results.received.iter().filter(|m| wanted.contains(&m.correlation_id)).count();
+    assert_eq!(answered, reqs.len(), "one result per request");
     dead.barrier(&st.amqp).await;
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;

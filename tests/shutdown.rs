@@ -30,6 +30,20 @@ fn connection_pid(name: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// Waits (≤ [`DEADLINE`]) until `/readyz` at `addr` answers `want`; returns its body. Panics
+/// with the last answer, naming `what` was awaited.
+async fn readyz_answers(addr: String, want: u16, what: &'static str) -> String {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let (status, body) = http_get(&addr, "/readyz").await;
+        if status == want {
+            return body;
+        }
+        assert!(Instant::now() < deadline, "/readyz never answered {want} ({what}); last {status} {body}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Closes the daemon's own AMQP connection (found by its name) through the broker.
 async fn close_connection_named(name: &str) {
     let deadline = Instant::now() + DEADLINE;
@@ -178,20 +192,7 @@ async fn readiness_comes_back_after_a_reconnect() {
     let raw = env.raw_config(fake.url.as_str());
     let mut daemon = DaemonProcess::run(&env, "ready", &raw);
     let addr = daemon.http_addr().await;
-    let wait_for = |want: u16, what: &'static str| {
-        let addr = addr.clone();
-        async move {
-            let deadline = Instant::now() + DEADLINE;
-            loop {
-                let (status, body) = http_get(&addr, "/readyz").await;
-                if status == want {
-                    return body;
-                }
-                assert!(Instant::now() < deadline, "/readyz never answered {want} ({what}); last {status} {body}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    };
+    let wait_for = |want: u16, what: &'static str| readyz_answers(addr.clone(), want, what);
     wait_for(200, "after the start").await;
     close_connection_named(&format!("prefix-batcher {}", raw.instance.name)).await;
     let deadline = Instant::now() + DEADLINE;
@@ -226,20 +227,7 @@ async fn a_queue_changed_under_the_running_daemon_is_retried_not_an_exit() {
     raw.amqp.reconnect_backoff_max = "1s".into();
     let mut daemon = DaemonProcess::run(&env, "qchanged", &raw);
     let addr = daemon.http_addr().await;
-    let wait_for = |want: u16, what: &'static str| {
-        let addr = addr.clone();
-        async move {
-            let deadline = Instant::now() + DEADLINE;
-            loop {
-                let (status, body) = http_get(&addr, "/readyz").await;
-                if status == want {
-                    return body;
-                }
-                assert!(Instant::now() < deadline, "/readyz never answered {want} ({what}); last {status} {body}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    };
+    let wait_for = |want: u16, what: &'static str| readyz_answers(addr.clone(), want, what);
     wait_for(200, "after the start").await;
 
     let amqp = Amqp::connect().await;
