@@ -714,20 +714,26 @@ async fn a_deleted_partition_queue_is_declared_again_and_consumed() {
     let (env, mut st) = start("redeclare", fake.url.as_str()).await;
     let queue = env.partition_queue(0);
     st.amqp.ch.queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default()).await.expect("delete the queue");
+    partition_0_is_declared_and_answers_again(&env, &mut st, "redeclare").await;
+    stop_and_check_nothing_held(env, st, vec![]).await;
+}
+
+/// Waits until partition queue 0 exists again and has its consumer, then checks that the shard
+/// exchange routes to it (its binding is back) and that a request sent that way is answered.
+async fn partition_0_is_declared_and_answers_again(env: &TestEnv, st: &mut Started, tag: &str) {
+    let queue = env.partition_queue(0);
     let back = wait_for("the partition queue to be declared and consumed again", Duration::from_secs(20), || async {
         topology::queue_exists(&st.amqp.conn, &queue).await.unwrap_or(false) && st.amqp.queue_depth(&queue).await.1 == 1
     })
     .await;
     assert!(back);
-    // Routed through the shard exchange: the binding is back too.
-    let req = completion("redeclare-0", 0, " via the shard exchange");
+    let req = completion(&format!("{tag}-0"), 0, " via the shard exchange");
     let key = AmqpSettings::partition_routing_key(0);
     let options = lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() };
     let publish = st.amqp.ch.basic_publish(env.shard_exchange().as_str().into(), key.as_str().into(), options, &req.body, request_props(&req.id, &st.reply));
     let confirm = publish.await.expect("publish").await.expect("confirm");
     assert!(confirm.take_message().is_none(), "partition queue 0 is not bound to the shard exchange");
     st.results.until_all(&ids(std::slice::from_ref(&req)), Duration::from_secs(30)).await;
-    stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
 /// A partition queue deleted under its consumer and declared again at once by someone else as a
@@ -761,18 +767,7 @@ async fn a_partition_queue_declared_again_by_someone_else_is_not_consumed() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     ch.queue_delete(queue.as_str().into(), lapin::options::QueueDeleteOptions::default()).await.expect("delete the classic queue");
-    let back = wait_for("the partition queue to be declared and consumed again", Duration::from_secs(20), || async {
-        topology::queue_exists(&st.amqp.conn, &queue).await.unwrap_or(false) && st.amqp.queue_depth(&queue).await.1 == 1
-    })
-    .await;
-    assert!(back);
-    let req = completion("foreignpq-0", 0, " via the shard exchange");
-    let key = AmqpSettings::partition_routing_key(0);
-    let options = lapin::options::BasicPublishOptions { mandatory: true, ..Default::default() };
-    let publish = st.amqp.ch.basic_publish(env.shard_exchange().as_str().into(), key.as_str().into(), options, &req.body, request_props(&req.id, &st.reply));
-    let confirm = publish.await.expect("publish").await.expect("confirm");
-    assert!(confirm.take_message().is_none(), "partition queue 0 is not bound to the shard exchange");
-    st.results.until_all(&ids(std::slice::from_ref(&req)), Duration::from_secs(30)).await;
+    partition_0_is_declared_and_answers_again(&env, &mut st, "foreignpq").await;
     let _ = ch.close(200, "done".into()).await;
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
