@@ -62,6 +62,21 @@
 //! it again without charging them: the first that fails reopens the breaker, the first answered
 //! ends the doubt and becomes the call to replay.
 //!
+//! **Refusals are verified.** A 4xx for one prompt (400, 413, 422) is normally that request's
+//! fault: it gets an `ok: false` result at once, so a server that refuses *every* request would
+//! burn a whole backlog into error results — and some do, from their configuration: vLLM answers
+//! 400 to every chat call when the model has no chat template ("As of transformers v4.44, default
+//! chat template is no longer allowed…"), a gateway answers 400 to every call for a model it does
+//! not route. So the refusal of a one-prompt call counts as the request's own only when the
+//! server accepts other requests on that API: a real call on it was answered after the refused
+//! one was sent, or else a *minimal* call of that API (`llm.model`, `max_tokens: 1`, the prompt
+//! [`PROBE_PROMPT`], for chat as one user message), sent after the refusal, is answered. When
+//! the minimal call is refused too, the API refuses every request: the call fails with
+//! [`ErrorKind::EndpointConfig`] (a server fault: its request waits, uncharged), the breaker
+//! opens at once, the log says so at ERROR with the server's answer, and every probe repeats the
+//! API's minimal call until it is answered. Refusals that come together share one minimal
+//! call; a list call's refusal goes again prompt by prompt first (one prompt may be the cause).
+//!
 //! A *hung* server (it accepts connections but never answers) is found by the liveness check
 //! below; without it (`llm.liveness_check_after = 0`), or when its HTTP front end answers while its
 //! engine is stuck, it times out every call and the probe too, so it still opens the breaker: the probe is limited to
@@ -97,7 +112,9 @@
 //! garbage) and a server-fault class (5xx, 401/403/404, 429, timeout, refused connection) reopen
 //! it with a doubled open time; the probe gets min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`])
 //! (it asks for one token: a healthy server answers it in far less than a real completion); a request fault (400/422: the server is up and judged the probe
-//! itself) also closes it. [`LlmClient::available`] is true only while the breaker is closed, so
+//! itself) also closes it, unless the completions API was found refusing every request (see
+//! "Refusals are verified": then the probe's refusal keeps it open, and for a chat API found so
+//! the probe also sends the minimal chat call, which must be answered). [`LlmClient::available`] is true only while the breaker is closed, so
 //! partitions paused on [`LlmClient::wait_available`] resume only after a successful probe. The
 //! same probe serves the verification of answered faults and
 //! [`LlmClient::confirm_server_fault`].
@@ -132,6 +149,9 @@ pub const CHAT_COMPLETIONS_PATH: &str = "v1/chat/completions";
 /// Bounds the "LLM call failed" line: an outage fails every batch's call
 /// ([`crate::log_limit`]).
 static CALL_FAILED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+/// Bounds the "refuses a minimal call of this API" line: every refused request of such a server
+/// meets it ([`crate::log_limit`]).
+static REFUSING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// Bounds the "retrying its prompts one by one" line ([`crate::log_limit`]).
 static LIST_SPLIT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
@@ -269,6 +289,12 @@ struct Endpoint {
     /// [`LlmClient::probe`] when the one-token probe passes while different real calls on that
     /// route keep failing ([`Breaker::unrepresented_routes`]).
     known_good: Mutex<[Option<KnownCall>; ROUTES]>,
+    /// Per route, what tells a refusal of the request from a refusal of every request
+    /// ([`LlmClient::judge_refusal`]).
+    routes: Mutex<[RouteHealth; ROUTES]>,
+    /// Held while a refusal check runs on this endpoint: refusals that come together share one
+    /// check.
+    refusal_check: tokio::sync::Mutex<()>,
     /// A prober task ([`probe_until_closed`]) runs for this endpoint.
     probing: AtomicBool,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
@@ -420,12 +446,16 @@ pub enum ErrorKind {
     /// request that keeps meeting it while the probe passes is charged a delivery each time.
     Server,
     /// Server fault: HTTP 401, 403 or 404, or an unfollowed 3xx — a wrong token, URL or model,
-    /// which every request would meet; or an invalid configuration at [`LlmClient::new`].
+    /// which every request would meet; a 4xx refusal that a minimal call of the same API meets
+    /// too (module doc, "Refusals are verified"); or an invalid configuration at
+    /// [`LlmClient::new`].
     EndpointConfig,
     /// Server fault: the endpoint's circuit breaker is open; the call failed fast, no HTTP call.
     Unavailable,
     /// Request fault: HTTP 400, 413, 422 or another 4xx for this prompt alone, or a request that
-    /// could not be built.
+    /// could not be built. A one-prompt call's refusal is judged first (module doc, "Refusals are
+    /// verified"): when the server refuses a minimal call of the same API too, the call fails with
+    /// [`ErrorKind::EndpointConfig`] instead.
     Rejected,
     /// Server fault, answered like [`ErrorKind::Server`]: a 2xx whose body is not JSON, not the
     /// expected shape, larger than the response limit, an `error` object, or a choice with
@@ -861,10 +891,17 @@ impl LlmClient {
             list: n_members > 1,
             prefix_key,
             permit_wait_us: AtomicU64::new(0),
+            last_sent: Mutex::new(None),
         };
         let (result, attempts) = self.send_with_retries(&call, cancel, parse).await;
         let parsed = match result {
             Ok(parsed) => parsed,
+            // A one-prompt call's refusal may be every request's (module doc, "Refusals are
+            // verified"); a list call's goes again prompt by prompt first.
+            Err(e) if e.kind == ErrorKind::Rejected && e.status.is_some() && !call.list => {
+                let e = self.judge_refusal(&call, e, cancel).await;
+                return group.members.iter().map(|&i| (i, Err(e.clone()))).collect();
+            }
             Err(e) => return group.members.iter().map(|&i| (i, Err(e.clone()))).collect(),
         };
         (self.inner.hook)(&LlmEvent::Tokens { prompt_tokens: parsed.prompt_tokens, cached_tokens: parsed.cached_tokens });
@@ -967,6 +1004,7 @@ impl LlmClient {
             return Gate::Closed(LlmError::unavailable(&ep.name));
         }
         let started = Instant::now();
+        *lock(&call.last_sent) = Some(started);
         let outcome = tokio::select! {
             biased;
             _ = cancel.cancelled() => None,
@@ -999,6 +1037,9 @@ impl LlmClient {
         // the combinations that a few poison requests form in their batches would count as
         // many different calls (a failed list call goes again prompt by prompt anyway).
         let route = call.kind.route();
+        if breaker_outcome == Outcome::Success {
+            lock(&ep.routes)[route].answered = Some(Instant::now());
+        }
         if breaker_outcome == Outcome::AnsweredFault && call.n_items == 1 {
             lock(&ep.breaker).answered_fault_call(route, xxhash_rust::xxh3::xxh3_64(&call.payload));
         }
@@ -1255,9 +1296,15 @@ impl LlmClient {
     /// (`half_open`) then closes the breaker for a trial instead: the failing calls stay counted,
     /// so the first real call that fails again reopens it at once, and the first one answered
     /// clears them (and becomes the call to replay).
+    ///
+    /// An API found refusing every request ([`Self::judge_refusal`]) keeps the probe failing
+    /// until its minimal call is answered ([`Self::still_refusing`]).
     async fn probe(&self, endpoint: usize, half_open: bool) -> Outcome {
         let outcome = self.ping(endpoint).await;
         let ep = &self.inner.endpoints[endpoint];
+        if let Some(refused) = self.still_refusing(endpoint, outcome).await {
+            return refused;
+        }
         let (failing, unrepresented) = {
             let breaker = lock(&ep.breaker);
             (breaker.routes_with_faulty_calls(), breaker.unrepresented_routes())
@@ -1288,6 +1335,45 @@ impl LlmClient {
             lock(&ep.breaker).clear_faulty_calls_of(route);
         }
         Outcome::Success
+    }
+
+    /// The part of [`Self::probe`] for the APIs found refusing every request
+    /// ([`Self::judge_refusal`]), given the one-token probe's `ping` outcome: each such API's
+    /// minimal call goes again (for completions, the one-token probe is that call). `None` when
+    /// there is none, or every one is answered now (the API is marked healthy again); otherwise
+    /// the outcome the probe reports: [`Outcome::ServerFault`] while a minimal call is still
+    /// refused (a 4xx), or the minimal call's (or `ping`'s) own failure.
+    async fn still_refusing(&self, endpoint: usize, ping: Outcome) -> Option<Outcome> {
+        let ep = &self.inner.endpoints[endpoint];
+        let refusing: Vec<CallKind> =
+            [CallKind::Completions, CallKind::Chat].into_iter().filter(|k| lock(&ep.routes)[k.route()].refusing).collect();
+        if refusing.is_empty() {
+            return None;
+        }
+        if !matches!(ping, Outcome::Success | Outcome::RequestFault) {
+            return Some(ping);
+        }
+        for kind in refusing {
+            let result = match kind {
+                CallKind::Completions if ping == Outcome::Success => Ok(()),
+                CallKind::Completions => Err((ErrorKind::Rejected, "refused the one-token probe".to_owned())),
+                CallKind::Chat => self.minimal_call(endpoint, kind).await,
+            };
+            match result {
+                Ok(()) => {
+                    lock(&ep.routes)[kind.route()].refusing = false;
+                    tracing::info!(endpoint, name = %ep.name, api = kind.api(), "the LLM server answers a minimal call of this API again");
+                }
+                Err((error_kind, detail)) => {
+                    tracing::info!(endpoint, name = %ep.name, api = kind.api(), error = %detail, "the LLM server still refuses a minimal call of this API");
+                    return Some(if error_kind == ErrorKind::Rejected { Outcome::ServerFault } else { fault_outcome(error_kind) });
+                }
+            }
+        }
+        if ping == Outcome::RequestFault {
+            return Some(ping);
+        }
+        None
     }
 
     /// [`Self::probe`] when a route failing different real calls has no answered call to replay.
@@ -1329,14 +1415,118 @@ impl LlmClient {
 
     /// The one-token probe (see the module doc, "Probing").
     async fn ping(&self, endpoint: usize) -> Outcome {
-        let ep = &self.inner.endpoints[endpoint];
-        let body = serde_json::json!({"model": self.inner.model, "prompt": PROBE_PROMPT, "max_tokens": 1});
-        let request = self.inner.http.post(ep.completions.clone()).json(&body).timeout(self.inner.probe_timeout);
-        let Err((kind, detail)) = self.check_call(request, valid_probe_answer).await else {
+        let Err((kind, detail)) = self.minimal_call(endpoint, CallKind::Completions).await else {
             return Outcome::Success;
         };
-        tracing::info!(endpoint, name = %ep.name, kind = kind.as_str(), error = %detail, "LLM endpoint probe failed");
+        let name = &self.inner.endpoints[endpoint].name;
+        tracing::info!(endpoint, name = %name, kind = kind.as_str(), error = %detail, "LLM endpoint probe failed");
         fault_outcome(kind)
+    }
+
+    /// A minimal valid call on one API of `endpoint`, with `llm.model`, the bearer token and
+    /// `max_tokens: 1`, limited to min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`]):
+    /// completions with the prompt [`PROBE_PROMPT`] (the one-token probe), or chat with one user
+    /// message of it. `Ok` when a 2xx answer parses as a valid one-prompt answer of that API (the
+    /// parser of real calls); otherwise the error kind ([`classify`]) and a detail for the log
+    /// (with the start of an error answer's body).
+    async fn minimal_call(&self, endpoint: usize, kind: CallKind) -> Result<(), (ErrorKind, String)> {
+        let ep = &self.inner.endpoints[endpoint];
+        let model = &self.inner.model;
+        let (url, body) = match kind {
+            CallKind::Completions => (&ep.completions, serde_json::json!({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1})),
+            CallKind::Chat => (
+                &ep.chat,
+                serde_json::json!({"model": model, "messages": [{"role": "user", "content": PROBE_PROMPT}], "max_tokens": 1}),
+            ),
+        };
+        let request = self.inner.http.post(url.clone()).json(&body).timeout(self.inner.probe_timeout);
+        self.check_call(request, |bytes| valid_answer(bytes, kind, 1, 1)).await
+    }
+
+    /// Judges the 4xx refusal of a one-prompt call (module doc, "Refusals are verified"). Returns
+    /// `refusal` itself, a request fault, when the server accepts other requests on the call's
+    /// API: a real call on it was answered after this one was sent, or a minimal call
+    /// ([`Self::minimal_call`]) sent after it was answered. Otherwise a server fault: when the
+    /// API refuses the minimal call too (any 4xx), it refuses every request, whatever it holds
+    /// (vLLM answers 400 to every chat call when the model has no chat template), so the error is
+    /// [`ErrorKind::EndpointConfig`], the endpoint's breaker opens at once ([`Breaker::trip`]) and
+    /// stays open until a probe's minimal call on that API is answered ([`Self::probe`]); when the
+    /// minimal call fails otherwise (5xx, timeout, refused connection), that failure's kind.
+    /// Refusals that come together share one minimal call. `cancel` ends the wait with
+    /// [`ErrorKind::Cancelled`].
+    async fn judge_refusal(&self, call: &Call<'_>, refusal: LlmError, cancel: &CancellationToken) -> LlmError {
+        let ep = &self.inner.endpoints[call.endpoint];
+        let route = call.kind.route();
+        let sent = lock(&call.last_sent).unwrap_or_else(Instant::now);
+        // `Some(true)`: the request's own; `Some(false)`: the API refuses everything.
+        let known = || {
+            let health = lock(&ep.routes)[route];
+            if health.refusing {
+                Some(false)
+            } else if health.answered.is_some_and(|t| t >= sent) || health.check_passed.is_some_and(|t| t >= sent) {
+                Some(true)
+            } else {
+                None
+            }
+        };
+        let refused_everything = |detail: &str| {
+            LlmError::new(
+                ErrorKind::EndpointConfig,
+                format!(
+                    "the LLM server refuses a minimal {} call too ({detail}), so it refuses every such request: a fault of the server, not of this request (it answered: {})",
+                    call.kind.api(),
+                    refusal.message
+                ),
+                refusal.status,
+            )
+        };
+        match known() {
+            Some(true) => return refusal,
+            Some(false) => return refused_everything("found before"),
+            None => {}
+        }
+        let _one_check = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return LlmError::cancelled(),
+            guard = ep.refusal_check.lock() => guard,
+        };
+        match known() {
+            Some(true) => return refusal,
+            Some(false) => return refused_everything("found before"),
+            None => {}
+        }
+        let checked = Instant::now();
+        let result = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return LlmError::cancelled(),
+            r = self.minimal_call(call.endpoint, call.kind) => r,
+        };
+        match result {
+            Ok(()) => {
+                lock(&ep.routes)[route].check_passed = Some(checked);
+                refusal
+            }
+            Err((ErrorKind::Rejected, detail)) => {
+                lock(&ep.routes)[route].refusing = true;
+                crate::error_limited!(
+                    REFUSING_LOG,
+                    endpoint = call.endpoint,
+                    name = %ep.name,
+                    api = call.kind.api(),
+                    error = %detail,
+                    request_error = %refusal.message,
+                    "the LLM server refuses a minimal call of this API as well as the requests: its configuration is at fault, not the requests                      (vLLM answers 400 to every chat call when the model has no chat template; start it with --chat-template).                      Its circuit breaker opens; the requests wait for it or go to another endpoint, not charged a delivery,                      until a probe's minimal call is answered"
+                );
+                let changed = lock(&ep.breaker).trip(Instant::now());
+                self.after_record(call.endpoint, changed, false);
+                refused_everything(&detail)
+            }
+            Err((kind, detail)) => LlmError::new(
+                kind,
+                format!("{}; then a minimal {} call failed too: {detail}", refusal.message, call.kind.api()),
+                refusal.status,
+            ),
+        }
     }
 
     /// Sends a call of the probe (`ping` or `replay`) and checks its answer with `answered`: the
@@ -1352,7 +1542,11 @@ impl LlmClient {
                 Ok(bytes) => answered(&bytes).map_err(|e| (ErrorKind::InvalidResponse, e)),
                 Err((e, _)) => Err((e.kind, e.message)),
             },
-            Ok(r) => Err((classify(Problem::Status(r.status().as_u16())), format!("HTTP {}", r.status()))),
+            Ok(r) => {
+                let status = r.status();
+                let body = read_body(r, self.inner.max_response_bytes).await.map(|b| preview(&b)).unwrap_or_default();
+                Err((classify(Problem::Status(status.as_u16())), format!("HTTP {status}: {body}")))
+            }
             Err(e) => Err((classify(Problem::Transport(&e)), transport_message(e))),
         }
     }
@@ -1411,12 +1605,6 @@ fn fault_outcome(kind: ErrorKind) -> Outcome {
     }
 }
 
-/// Whether a probe's 2xx body is a valid one-prompt completion, by the parser of real calls;
-/// the error says what is wrong with it.
-fn valid_probe_answer(bytes: &[u8]) -> Result<(), String> {
-    valid_answer(bytes, CallKind::Completions, 1, 1)
-}
-
 /// Whether a 2xx body answers a call of `kind` for `n_items` prompts with `n` =
 /// `choices_per_prompt` as the parser of real calls ([`demux_completions`], [`parse_chat`]) wants
 /// it, every item valid; the error says what is wrong with it.
@@ -1455,6 +1643,19 @@ impl KnownCall {
 /// The routes (APIs) of an endpoint told apart by the breaker: completions and chat.
 const ROUTES: usize = 2;
 
+/// What one route of an endpoint showed of its own health, for judging 4xx refusals
+/// ([`LlmClient::judge_refusal`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct RouteHealth {
+    /// When a real call on the route was last answered (a 2xx with a valid answer).
+    answered: Option<Instant>,
+    /// When the last minimal call on the route that was answered was sent.
+    check_passed: Option<Instant>,
+    /// The route refused a minimal call (a 4xx): it refuses every request, so the endpoint counts
+    /// as down until a probe's minimal call on the route is answered.
+    refusing: bool,
+}
+
 /// The error of an answer whose every item failed to parse (HTTP 200, so with that status), or
 /// `None` when some item is valid (or there is none).
 fn every_item_invalid(parsed: &Parsed) -> Option<LlmError> {
@@ -1485,6 +1686,8 @@ struct Call<'a> {
     /// Time its attempts waited for an endpoint permit, in microseconds (added up by
     /// [`LlmClient::attempt_through_breaker`]).
     permit_wait_us: AtomicU64,
+    /// When its last attempt was sent (set by [`LlmClient::attempt_through_breaker`]).
+    last_sent: Mutex<Option<Instant>>,
 }
 
 /// How one attempt through the breaker went.
@@ -1522,6 +1725,8 @@ impl Endpoint {
             per_prompt_calls: AtomicBool::new(false),
             breaker: Mutex::new(Breaker::new(policy)),
             known_good: Mutex::new([None, None]),
+            routes: Mutex::new([RouteHealth::default(); ROUTES]),
+            refusal_check: tokio::sync::Mutex::new(()),
             changed: watch::Sender::new(()),
         })
     }
@@ -1719,6 +1924,14 @@ impl CallKind {
         match self {
             CallKind::Completions => 0,
             CallKind::Chat => 1,
+        }
+    }
+
+    /// The API's name in logs and errors: `completions` or `chat completions`.
+    fn api(self) -> &'static str {
+        match self {
+            CallKind::Completions => "completions",
+            CallKind::Chat => "chat completions",
         }
     }
 }
@@ -2268,18 +2481,73 @@ mod tests {
         assert!(results.iter().all(|r| r.as_ref().unwrap().attempts == 2));
     }
 
+    /// A list call's refusal goes again prompt by prompt, and only the refused prompt fails, not
+    /// retried. Its refusal is judged by one minimal call (no real call was answered after it was
+    /// sent), which the server answers: the prompt's own fault.
     #[tokio::test]
     async fn client_errors_are_not_retried_but_isolated_prompt_by_prompt() {
+        let fake = FakeLlm::new().fail_prompts_containing("bravo", 400).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        let prompts: Vec<Vec<String>> = fake.calls().into_iter().map(|c| c.prompts).collect();
+        let expected: [&[&str]; 5] =
+            [&["alpha prompt", "bravo prompt", "charlie prompt"], &["alpha prompt"], &["bravo prompt"], &[PROBE_PROMPT], &["charlie prompt"]];
+        assert_eq!(prompts, expected, "the list call, then each prompt once, and the minimal call after the refusal");
+        assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
+        let e = results[1].as_ref().unwrap_err();
+        assert_eq!((e.kind, e.status, e.fault()), (ErrorKind::Rejected, Some(400), Fault::Request));
+        assert!(client.available(0), "request faults do not open the breaker");
+    }
+
+    /// A server that refuses every call, a minimal one too, refuses for its configuration: its
+    /// requests get server faults (they wait, not charged), never request faults, and its breaker
+    /// opens at once.
+    #[tokio::test]
+    async fn a_server_that_refuses_every_call_is_down_not_the_requests() {
         let fake = FakeLlm::new().always_fail(400).start().await.unwrap();
         let client = LlmClient::new(&settings(&fake.url)).unwrap();
         let results = run(&client, &three_prompts(&Map::new())).await;
-        assert_eq!(fake.call_count(), 4, "the list call, then each prompt once");
-        for r in results {
-            let e = r.unwrap_err();
-            assert_eq!((e.kind, e.status), (ErrorKind::Rejected, Some(400)));
-            assert_eq!(e.fault(), Fault::Request);
+        for r in &results {
+            assert_eq!(r.as_ref().unwrap_err().fault(), Fault::Server, "{r:?}");
         }
-        assert!(client.available(0), "request faults do not open the breaker");
+        let first = results[0].as_ref().unwrap_err();
+        assert_eq!((first.kind, first.status), (ErrorKind::EndpointConfig, Some(400)), "{first:?}");
+        assert!(!client.available(0), "the breaker opened");
+        assert_eq!(fake.call_count(), 3, "the list call, the first prompt, the minimal call; then the open breaker fails fast");
+    }
+
+    /// vLLM answers 400 to every chat call when the model has no chat template, while its
+    /// completions work. After a restart so (chat calls were answered before), chat requests get
+    /// server faults, the breaker opens, and its probes keep it open while the chat API refuses
+    /// its minimal call, though the one-token completion passes; once the server answers chat
+    /// again, the next probe closes it and the requests are answered.
+    #[tokio::test]
+    async fn a_chat_api_that_refuses_every_call_is_down_until_it_answers_again() {
+        let fake = FakeLlm::new().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let reqs = vec![(chat("one"), Map::new()), (chat("two"), Map::new())];
+        assert!(run(&client, &reqs).await.iter().all(Result::is_ok));
+        fake.set_chat_refused(true);
+        let results = run(&client, &reqs).await;
+        for r in &results {
+            assert_eq!(r.as_ref().unwrap_err().fault(), Fault::Server, "{r:?}");
+        }
+        let refused = results.iter().filter_map(|r| r.as_ref().err()).find(|e| e.kind == ErrorKind::EndpointConfig).expect("an endpoint fault");
+        assert!(refused.message.contains(llm_fakes::fake::NO_CHAT_TEMPLATE), "{}", refused.message);
+        assert!(!client.available(0));
+        let minimal_chat_refusals = || {
+            fake.calls().iter().filter(|c| c.path == "/v1/chat/completions" && c.status == 400 && !c.prompts[0].contains("Be brief.")).count()
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while minimal_chat_refusals() < 2 {
+            assert!(Instant::now() < deadline, "no half-open probe asked the chat API again: {:?}", fake.calls());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!client.available(0), "a passing one-token completion does not close it while chat refuses");
+        fake.set_chat_refused(false);
+        let back = tokio::time::timeout(Duration::from_secs(20), client.wait_available(0, &CancellationToken::new())).await;
+        assert_eq!(back.ok(), Some(true), "closed once the chat API answers its minimal call");
+        assert!(run(&client, &reqs).await.iter().all(Result::is_ok));
     }
 
     #[tokio::test]

@@ -228,7 +228,11 @@ async fn an_over_long_prompt_fails_alone() {
         assert_eq!(output(&results[2]), "answer:short two");
         let e = results[1].as_ref().unwrap_err();
         assert_eq!((e.kind, e.status, e.fault()), (ErrorKind::Rejected, Some(status.as_u16()), Fault::Request));
-        assert_eq!(server.calls(), 4, "{status}: the list call, then each prompt once (request faults are not retried)");
+        assert_eq!(
+            server.calls(),
+            4,
+            "{status}: the list call, then each prompt once (request faults are not retried; the minimal call that judges the refusal is a probe, not recorded)"
+        );
         assert!(client.available(0), "a request fault does not open the breaker");
     }
 }

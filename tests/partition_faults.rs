@@ -616,6 +616,85 @@ async fn unauthorized_pauses_intake_without_failing_requests() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// A chat request with `{tag}-{i}` as id and user message, on one shared system prompt.
+fn chat_request(tag: &str, i: usize) -> TestRequest {
+    let id = format!("{tag}-{i}");
+    let body = json!({"id": id, "messages": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": format!("question {i}?")}], "params": {"max_tokens": 8}});
+    TestRequest { id, body: serde_json::to_vec(&body).unwrap(), group: 0 }
+}
+
+/// vLLM answers 400 to every chat call when its model has no chat template (a server started
+/// without `--chat-template`). Each refusal looks like a request fault, and each used to give its
+/// request an `ok: false` result at once, a whole backlog burned for a server setting. Now the
+/// refusal is judged by a minimal chat call, which is refused too, so the server is at fault:
+/// with `amqp.delivery_limit = 1` (a charged delivery dead-letters), no result and no dead letter
+/// while it refuses, the requests wait; once the server answers chat again, every request (the
+/// completions ones beside them too) is answered `ok`, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_without_a_chat_template_fails_no_chat_request() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    fake.set_chat_refused(true);
+    let (env, _, mut st, mut dead) = start_with_delivery_limit("nochattpl", fake.url.as_str(), None, 1).await;
+    let mut reqs: Vec<TestRequest> = (0..30).map(|i| chat_request("nochattpl", i)).collect();
+    reqs.extend(completions_workload("nochattpl-c", 10, 2));
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let refused = wait_for("the server to refuse a minimal chat call", Duration::from_secs(30), || async {
+        fake.calls().iter().any(|c| c.path == "/v1/chat/completions" && c.status == 400 && c.prompts[0] == "<|user|>\nping\n")
+    })
+    .await;
+    assert!(refused);
+    // A few more seconds of refusals: the breaker's probes ask the chat API again meanwhile.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    st.results.barrier(&st.amqp).await;
+    let failed: Vec<_> = st.results.received.iter().filter(|m| !m.result().ok).map(|m| (m.correlation_id.clone(), m.result().error)).collect();
+    assert!(failed.is_empty(), "requests failed for the server's configuration: {} of {}, first {:?}", failed.len(), reqs.len(), failed.first());
+    fake.set_chat_refused(false);
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    st.results.barrier(&st.amqp).await;
+    let by_id = st.results.by_correlation();
+    for r in &reqs {
+        let got = &by_id[&r.id];
+        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+        assert!(got[0].result().ok, "{} failed: {:?}", r.id, got[0].result().error);
+    }
+    drop(by_id);
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
+/// One server of two refuses every chat call (no chat template), the other is healthy: the
+/// partitions that rank the refusing one first fail over, and every chat request is answered
+/// `ok`, once, none charged a delivery (`amqp.delivery_limit = 1`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_requests_leave_a_server_without_a_chat_template_for_a_healthy_one() {
+    let refusing = FakeLlm::new().start().await.unwrap();
+    refusing.set_chat_refused(true);
+    let healthy = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("nochattpl2");
+    let mut raw = env.raw_config(healthy.url.as_str());
+    raw.llm.endpoints = vec![refusing.url.as_str().trim_end_matches('/').to_owned(), healthy.url.as_str().trim_end_matches('/').to_owned()];
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let reqs: Vec<TestRequest> = (0..40).map(|i| chat_request("nochattpl2", i)).collect();
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
+    st.results.barrier(&st.amqp).await;
+    let by_id = st.results.by_correlation();
+    for r in &reqs {
+        let got = &by_id[&r.id];
+        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+        assert!(got[0].result().ok, "{} failed: {:?}", r.id, got[0].result().error);
+    }
+    drop(by_id);
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    assert!(refusing.calls().iter().any(|c| c.path == "/v1/chat/completions" && c.status == 400), "no request went to the refusing server first");
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// A request fault (400 for one prompt) gives exactly that request an `ok: false` result (kind
 /// `rejected`), acked; the other requests of its batch are answered `ok`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -27,7 +27,8 @@
 //!
 //! Runtime fault switches on the [`FakeLlmHandle`] (for fault tests of a running pipeline):
 //! [`FakeLlmHandle::set_status`] answers every POST with one HTTP status until switched back,
-//! [`FakeLlmHandle::set_refuse`] closes the listening socket (connections are refused) and later
+//! [`FakeLlmHandle::set_chat_refused`] answers every chat call 400 as vLLM does without a chat
+//! template, [`FakeLlmHandle::set_refuse`] closes the listening socket (connections are refused) and later
 //! binds the same address again.
 
 use std::future::Future;
@@ -329,6 +330,15 @@ impl FakeLlmHandle {
         self.state.lock().forced_status = status;
     }
 
+    /// While `true`, every `POST /v1/chat/completions` is answered HTTP 400 with the error vLLM
+    /// gives to every chat call when the model has no chat template ([`NO_CHAT_TEMPLATE`]), while
+    /// completions are served as configured (a server started without `--chat-template`);
+    /// `false` switches back. Calls are recorded with status 400. The runtime status switch
+    /// ([`Self::set_status`]) wins.
+    pub fn set_chat_refused(&self, refused: bool) {
+        self.state.lock().chat_refused = refused;
+    }
+
     /// While `true`, every POST is answered HTTP 200 with an HTML page instead of a completion
     /// (a misconfigured gateway or proxy in front of the server); `false` switches back. Calls
     /// are recorded with status 200. The runtime status switch ([`Self::set_status`]) wins.
@@ -390,6 +400,8 @@ struct Inner {
     forced_status: Option<u16>,
     /// The runtime garbage switch ([`FakeLlmHandle::set_garbage`]).
     garbage: bool,
+    /// The chat refusal switch ([`FakeLlmHandle::set_chat_refused`]).
+    chat_refused: bool,
 }
 
 impl Shared {
@@ -558,19 +570,28 @@ enum Decision {
     Garbage,
     /// A prompt contains the [`FakeLlm::fail_prompts_containing`] marker.
     MarkedFail(u16),
+    /// A chat call while [`FakeLlmHandle::set_chat_refused`] is on: HTTP 400.
+    NoChatTemplate,
     Answer(Vec<PromptTokens>),
 }
 
 /// The error message of a prompt over the context window (vLLM's wording).
 const CONTEXT_EXCEEDED: &str = "This model's maximum context length is exceeded: reduce the length of the prompt";
 
+/// vLLM's answer (HTTP 400) to every chat call when the model's tokenizer has no chat template
+/// and none was given with `--chat-template` (vllm-project/vllm#7978, #18140).
+pub const NO_CHAT_TEMPLATE: &str = "As of transformers v4.44, default chat template is no longer allowed, so you must provide a chat template if the tokenizer does not define one.";
+
 /// Decides the fate of the next call (the runtime status and garbage switches first, then the
 /// builder's failures in call order, then the failing marker, then the context window) and runs
 /// the cache model for an answer.
-fn decide(cfg: &FakeLlm, g: &mut Inner, prompts: &[String]) -> Decision {
+fn decide(cfg: &FakeLlm, g: &mut Inner, path: &str, prompts: &[String]) -> Decision {
     let k = g.calls.len();
     if let Some(status) = g.forced_status.or(cfg.always_fail) {
         return Decision::Fail(status);
+    }
+    if g.chat_refused && path == "/v1/chat/completions" {
+        return Decision::NoChatTemplate;
     }
     if g.garbage {
         return Decision::Garbage;
@@ -625,10 +646,10 @@ async fn admit(
     };
     let (decision, count) = {
         let mut g = state.lock();
-        let decision = decide(cfg, &mut g, &prompts);
+        let decision = decide(cfg, &mut g, path, &prompts);
         let status = match decision {
             Decision::Fail(s) | Decision::MarkedFail(s) => s,
-            Decision::TooLong => 400,
+            Decision::TooLong | Decision::NoChatTemplate => 400,
             _ => 200,
         };
         g.calls.push(RecordedCall {
@@ -663,6 +684,7 @@ async fn admit(
         )
             .into_response()),
         Decision::TooLong => Err(error_response(400, CONTEXT_EXCEEDED, None)),
+        Decision::NoChatTemplate => Err(error_response(400, NO_CHAT_TEMPLATE, None)),
         Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
         Decision::Answer(counts) => Ok(counts),
     }
