@@ -76,6 +76,13 @@
 //! opens at once, the log says so at ERROR with the server's answer, and every probe repeats the
 //! API's minimal call until it is answered. Refusals that come together share one minimal
 //! call; a list call's refusal goes again prompt by prompt first (one prompt may be the cause).
+//! The other way round, a 401/403/404 is the endpoint's fault (a wrong URL, token or
+//! `llm.model`) except for a call whose requests name another model than `llm.model`: vLLM
+//! answers 404 "The model `…` does not exist." to a request's typo'd model, a gateway 401/403 to
+//! a model its key may not use. Such a refusal is judged the same way and, when the minimal call
+//! (with `llm.model`) is answered, fails its requests as [`ErrorKind::Rejected`] (`ok: false`,
+//! at once, the server's message), without counting against the endpoint; otherwise it stays
+//! an endpoint fault.
 //!
 //! A *hung* server (it accepts connections but never answers) is found by the liveness check
 //! below; without it (`llm.liveness_check_after = 0`), or when its HTTP front end answers while its
@@ -446,9 +453,9 @@ pub enum ErrorKind {
     /// request that keeps meeting it while the probe passes is charged a delivery each time.
     Server,
     /// Server fault: HTTP 401, 403 or 404, or an unfollowed 3xx — a wrong token, URL or model,
-    /// which every request would meet; a 4xx refusal that a minimal call of the same API meets
-    /// too (module doc, "Refusals are verified"); or an invalid configuration at
-    /// [`LlmClient::new`].
+    /// which every request would meet (not when only the request's own model is refused: then
+    /// [`ErrorKind::Rejected`]); a 4xx refusal that a minimal call of the same API meets too
+    /// (module doc, "Refusals are verified"); or an invalid configuration at [`LlmClient::new`].
     EndpointConfig,
     /// Server fault: the endpoint's circuit breaker is open; the call failed fast, no HTTP call.
     Unavailable,
@@ -810,7 +817,8 @@ impl LlmClient {
         // A failed call gives all members the same error; a parsed answer with bad items does not.
         let whole_call_failed = results.iter().all(|(_, r)| r.is_err());
         match request_fault {
-            Some(e) if whole_call_failed => {
+            // A refusal of the group's model (judged already) is every prompt's.
+            Some(e) if whole_call_failed && !is_model_refusal(e.status) => {
                 // Bounded: a server that cannot demultiplex a list does this on every batch.
                 crate::info_limited!(
                     LIST_SPLIT_LOG,
@@ -892,13 +900,14 @@ impl LlmClient {
             prefix_key,
             permit_wait_us: AtomicU64::new(0),
             last_sent: Mutex::new(None),
+            model_override: (group.model != self.inner.model).then_some(group.model),
         };
         let (result, attempts) = self.send_with_retries(&call, cancel, parse).await;
         let parsed = match result {
             Ok(parsed) => parsed,
-            // A one-prompt call's refusal may be every request's (module doc, "Refusals are
-            // verified"); a list call's goes again prompt by prompt first.
-            Err(e) if e.kind == ErrorKind::Rejected && e.status.is_some() && !call.list => {
+            // A refusal may be every request's, or a request's own model's (module doc,
+            // "Refusals are verified").
+            Err(e) if call.refusal_to_judge(&e) => {
                 let e = self.judge_refusal(&call, e, cancel).await;
                 return group.members.iter().map(|&i| (i, Err(e.clone()))).collect();
             }
@@ -1029,7 +1038,14 @@ impl LlmClient {
             Some(Err((e, _))) => Err(e.kind),
         };
         (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
-        let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
+        let breaker_outcome = match &outcome {
+            // A refusal of the request's own model says nothing of the endpoint until judged
+            // ([`Self::judge_refusal`], which trips the breaker when it is the endpoint's).
+            Some(Err((e, _))) if call.model_override.is_some() && e.kind == ErrorKind::EndpointConfig && is_model_refusal(e.status) => {
+                Outcome::RequestFault
+            }
+            _ => kind.err().map_or(Outcome::Success, |k| k.breaker_outcome()),
+        };
         if breaker_outcome == Outcome::TimedOut {
             lock(&ep.breaker).timed_out_call_sent(started);
         }
@@ -1458,6 +1474,15 @@ impl LlmClient {
         let ep = &self.inner.endpoints[call.endpoint];
         let route = call.kind.route();
         let sent = lock(&call.last_sent).unwrap_or_else(Instant::now);
+        // The request's own: a model refusal becomes a request fault.
+        let own = |refusal: LlmError| match (refusal.kind, call.model_override) {
+            (ErrorKind::EndpointConfig, Some(model)) => LlmError::new(
+                ErrorKind::Rejected,
+                format!("{} (the server refuses this request's model {model:?}; it serves the configured llm.model)", refusal.message),
+                refusal.status,
+            ),
+            _ => refusal,
+        };
         // `Some(true)`: the request's own; `Some(false)`: the API refuses everything.
         let known = || {
             let health = lock(&ep.routes)[route];
@@ -1481,7 +1506,7 @@ impl LlmClient {
             )
         };
         match known() {
-            Some(true) => return refusal,
+            Some(true) => return own(refusal),
             Some(false) => return refused_everything("found before"),
             None => {}
         }
@@ -1491,7 +1516,7 @@ impl LlmClient {
             guard = ep.refusal_check.lock() => guard,
         };
         match known() {
-            Some(true) => return refusal,
+            Some(true) => return own(refusal),
             Some(false) => return refused_everything("found before"),
             None => {}
         }
@@ -1504,7 +1529,7 @@ impl LlmClient {
         match result {
             Ok(()) => {
                 lock(&ep.routes)[route].check_passed = Some(checked);
-                refusal
+                own(refusal)
             }
             Err((ErrorKind::Rejected, detail)) => {
                 lock(&ep.routes)[route].refusing = true;
@@ -1688,6 +1713,31 @@ struct Call<'a> {
     permit_wait_us: AtomicU64,
     /// When its last attempt was sent (set by [`LlmClient::attempt_through_breaker`]).
     last_sent: Mutex<Option<Instant>>,
+    /// The model its items name instead of `llm.model`, if any: a 401/403/404 may then be
+    /// that model's, not the endpoint's ([`Call::refusal_to_judge`]).
+    model_override: Option<&'a str>,
+}
+
+impl Call<'_> {
+    /// Whether `error`, this call's final error, is a refusal that may be the request's own or
+    /// the server's, judged by [`LlmClient::judge_refusal`]: a 4xx request fault of a one-prompt
+    /// call (a list call's goes again prompt by prompt first), or a 401/403/404 of a call whose
+    /// items name another model than `llm.model` (one model for the whole list, so a list call's
+    /// too).
+    fn refusal_to_judge(&self, error: &LlmError) -> bool {
+        match error.kind {
+            ErrorKind::Rejected => error.status.is_some() && !self.list,
+            ErrorKind::EndpointConfig => self.model_override.is_some() && is_model_refusal(error.status),
+            _ => false,
+        }
+    }
+}
+
+/// Whether an HTTP status is one a server gives to a model it does not serve or will not serve
+/// to this client: 404 (vLLM: "The model `…` does not exist."), 401 or 403 (gateways whose key is
+/// not allowed that model).
+fn is_model_refusal(status: Option<u16>) -> bool {
+    matches!(status, Some(401 | 403 | 404))
 }
 
 /// How one attempt through the breaker went.
@@ -2548,6 +2598,45 @@ mod tests {
         let back = tokio::time::timeout(Duration::from_secs(20), client.wait_available(0, &CancellationToken::new())).await;
         assert_eq!(back.ok(), Some(true), "closed once the chat API answers its minimal call");
         assert!(run(&client, &reqs).await.iter().all(Result::is_ok));
+    }
+
+    /// A request naming a model the server does not serve (vLLM answers 404 "The model `…` does
+    /// not exist.") is refused for its own model, while the configured `llm.model` is served: a
+    /// request fault, not retried, that never counts against the endpoint, however many come in
+    /// a row (a hard fault each, they used to open the breaker after 5).
+    #[tokio::test]
+    async fn a_request_for_a_model_the_server_lacks_is_refused_alone() {
+        let fake = FakeLlm::new().model("m").strict_model().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let reqs = three_prompts(&Map::new());
+        for round in 0..6 {
+            let mut its = items(&reqs);
+            its[0].model = Some("typo");
+            its[1].model = Some("typo");
+            let results = client.infer(0, &its, &CancellationToken::new()).await;
+            for r in &results[..2] {
+                let e = r.as_ref().unwrap_err();
+                assert_eq!((e.kind, e.status, e.fault()), (ErrorKind::Rejected, Some(404), Fault::Request), "round {round}: {e:?}");
+                assert!(e.message.contains("The model `typo` does not exist."), "{}", e.message);
+            }
+            assert!(results[2].is_ok(), "round {round}: {:?}", results[2]);
+            assert!(client.available(0), "round {round}: the breaker opened for a request's model");
+        }
+        let typo_calls = fake.calls().iter().filter(|c| c.model.as_deref() == Some("typo")).count();
+        assert_eq!(typo_calls, 6, "one list call per round, not retried nor split");
+    }
+
+    /// A 404 for the configured model itself is the endpoint's (a wrong URL or `llm.model`): a
+    /// server fault, as before.
+    #[tokio::test]
+    async fn a_404_for_the_configured_model_is_the_endpoints_fault() {
+        let fake = FakeLlm::new().model("served").strict_model().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        for r in &results {
+            let e = r.as_ref().unwrap_err();
+            assert_eq!((e.kind, e.fault()), (ErrorKind::EndpointConfig, Fault::Server), "{e:?}");
+        }
     }
 
     #[tokio::test]

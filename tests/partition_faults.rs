@@ -695,6 +695,48 @@ async fn chat_requests_leave_a_server_without_a_chat_template_for_a_healthy_one(
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// A request naming a model the servers do not serve (vLLM answers 404 "The model `…` does not
+/// exist.") while they serve the configured `llm.model`: it gets an `ok: false` result (kind
+/// `rejected`, the server's message) at once, and nothing else is held up. As a 404 it counted
+/// as the endpoint's fault: each such request was charged deliveries until dead-lettered
+/// (`amqp.delivery_limit = 1` here: at once), and 5 in a row opened the endpoint's breaker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_a_model_the_servers_lack_fails_alone() {
+    let env = TestEnv::new("badmodel");
+    let mut raw = env.raw_config("http://127.0.0.1:9");
+    let fake = FakeLlm::new().model(raw.llm.model.clone()).strict_model().start().await.unwrap();
+    raw.llm.endpoints = vec![fake.url.as_str().trim_end_matches('/').to_owned()];
+    raw.amqp.delivery_limit = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let mut reqs = completions_workload("badmodel", 20, 2);
+    let bad: Vec<String> = (0..8).map(|i| format!("badmodel-typo-{i}")).collect();
+    for (i, id) in bad.iter().enumerate() {
+        let body = json!({"id": id, "model": "no-such-model", "prompt": format!("{} typo {i}?", group_prefix(i % 2)), "params": {"max_tokens": 8}});
+        reqs.push(TestRequest { id: id.clone(), body: serde_json::to_vec(&body).unwrap(), group: i % 2 });
+    }
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    st.results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
+    st.results.barrier(&st.amqp).await;
+    let by_id = st.results.by_correlation();
+    for r in &reqs {
+        let got = &by_id[&r.id];
+        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+        let res = got[0].result();
+        if bad.contains(&r.id) {
+            let e = res.error.as_ref().filter(|_| !res.ok).unwrap_or_else(|| panic!("{} was answered", r.id));
+            assert_eq!(e.kind.as_str(), "rejected", "{e:?}");
+            assert!(e.message.contains("does not exist"), "{e:?}");
+        } else {
+            assert!(res.ok, "{} failed: {:?}", r.id, res.error);
+        }
+    }
+    drop(by_id);
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// A request fault (400 for one prompt) gives exactly that request an `ok: false` result (kind
 /// `rejected`), acked; the other requests of its batch are answered `ok`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

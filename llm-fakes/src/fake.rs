@@ -69,6 +69,7 @@ pub struct FakeLlm {
     max_prompt_chars: Option<usize>,
     fail_marker: Option<(String, u16)>,
     slow_marker: Option<(String, Duration)>,
+    strict_model: bool,
 }
 
 /// How the fake reports cached prompt tokens.
@@ -116,6 +117,7 @@ impl Default for FakeLlm {
             max_prompt_chars: None,
             fail_marker: None,
             slow_marker: None,
+            strict_model: false,
         }
     }
 }
@@ -220,6 +222,14 @@ impl FakeLlm {
     /// status 200 on arrival; a client that gives up first just closes the connection.
     pub fn slow_prompts_containing(mut self, marker: impl Into<String>, delay: Duration) -> Self {
         self.slow_marker = Some((marker.into(), delay));
+        self
+    }
+
+    /// A call naming a model other than [`model`](Self::model) is answered HTTP 404 with vLLM's
+    /// "The model `…` does not exist." (a call naming none is served); by default any model is
+    /// served.
+    pub fn strict_model(mut self) -> Self {
+        self.strict_model = true;
         self
     }
 
@@ -572,6 +582,8 @@ enum Decision {
     MarkedFail(u16),
     /// A chat call while [`FakeLlmHandle::set_chat_refused`] is on: HTTP 400.
     NoChatTemplate,
+    /// A call naming a model the fake does not serve ([`FakeLlm::strict_model`]): HTTP 404.
+    UnknownModel(String),
     Answer(Vec<PromptTokens>),
 }
 
@@ -585,10 +597,13 @@ pub const NO_CHAT_TEMPLATE: &str = "As of transformers v4.44, default chat templ
 /// Decides the fate of the next call (the runtime status and garbage switches first, then the
 /// builder's failures in call order, then the failing marker, then the context window) and runs
 /// the cache model for an answer.
-fn decide(cfg: &FakeLlm, g: &mut Inner, path: &str, prompts: &[String]) -> Decision {
+fn decide(cfg: &FakeLlm, g: &mut Inner, path: &str, model: Option<&str>, prompts: &[String]) -> Decision {
     let k = g.calls.len();
     if let Some(status) = g.forced_status.or(cfg.always_fail) {
         return Decision::Fail(status);
+    }
+    if let Some(other) = model.filter(|m| cfg.strict_model && *m != cfg.model) {
+        return Decision::UnknownModel(other.to_owned());
     }
     if g.chat_refused && path == "/v1/chat/completions" {
         return Decision::NoChatTemplate;
@@ -646,10 +661,11 @@ async fn admit(
     };
     let (decision, count) = {
         let mut g = state.lock();
-        let decision = decide(cfg, &mut g, path, &prompts);
+        let decision = decide(cfg, &mut g, path, model.as_deref(), &prompts);
         let status = match decision {
             Decision::Fail(s) | Decision::MarkedFail(s) => s,
             Decision::TooLong | Decision::NoChatTemplate => 400,
+            Decision::UnknownModel(_) => 404,
             _ => 200,
         };
         g.calls.push(RecordedCall {
@@ -685,6 +701,7 @@ async fn admit(
             .into_response()),
         Decision::TooLong => Err(error_response(400, CONTEXT_EXCEEDED, None)),
         Decision::NoChatTemplate => Err(error_response(400, NO_CHAT_TEMPLATE, None)),
+        Decision::UnknownModel(model) => Err(error_response(404, &format!("The model `{model}` does not exist."), None)),
         Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
         Decision::Answer(counts) => Ok(counts),
     }
