@@ -115,7 +115,9 @@
 //! refuses the token, lacks the model or has a dead engine keeps failing the probe, where
 //! `GET /v1/models` would answer 200. A 2xx whose body is a valid one-prompt completion (JSON with
 //! a non-empty `choices` list whose choice has a string `text`, as real calls are parsed) closes
-//! the breaker; a 2xx with any other body (HTML from a misconfigured gateway, an `error` object,
+//! the breaker (so does, for a server without a completions API — a 401/403/404 there — a valid
+//! answer to a minimal chat call: one user message [`PROBE_PROMPT`], `max_tokens: 1`); a 2xx with
+//! any other body (HTML from a misconfigured gateway, an `error` object,
 //! garbage) and a server-fault class (5xx, 401/403/404, 429, timeout, refused connection) reopen
 //! it with a doubled open time; the probe gets min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`])
 //! (it asks for one token: a healthy server answers it in far less than a real completion); a request fault (400/422: the server is up and judged the probe
@@ -1430,11 +1432,20 @@ impl LlmClient {
     }
 
     /// The one-token probe (see the module doc, "Probing").
+    ///
+    /// A server without a completions API (a 401/403/404 or 3xx there, [`ErrorKind::EndpointConfig`])
+    /// that answers a minimal chat call passes too: a server or gateway serving only chat would
+    /// otherwise never close its breaker once it opened. Its completions requests, if any, keep
+    /// failing as the endpoint's fault.
     async fn ping(&self, endpoint: usize) -> Outcome {
         let Err((kind, detail)) = self.minimal_call(endpoint, CallKind::Completions).await else {
             return Outcome::Success;
         };
         let name = &self.inner.endpoints[endpoint].name;
+        if kind == ErrorKind::EndpointConfig && self.minimal_call(endpoint, CallKind::Chat).await.is_ok() {
+            tracing::debug!(endpoint, name = %name, error = %detail, "the LLM endpoint has no completions API but answers a minimal chat call");
+            return Outcome::Success;
+        }
         tracing::info!(endpoint, name = %name, kind = kind.as_str(), error = %detail, "LLM endpoint probe failed");
         fault_outcome(kind)
     }
@@ -2637,6 +2648,24 @@ mod tests {
             let e = r.as_ref().unwrap_err();
             assert_eq!((e.kind, e.fault()), (ErrorKind::EndpointConfig, Fault::Server), "{e:?}");
         }
+    }
+
+    /// A server without a completions API (404 there) that serves chat: once its breaker opened
+    /// (here for refused connections during a restart), the one-token completion cannot close it
+    /// again, so the probe asks the chat API then; the breaker closes once the server is back.
+    #[tokio::test]
+    async fn a_chat_only_server_is_probed_on_its_chat_api() {
+        let fake = FakeLlm::new().chat_only().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let reqs = vec![(chat("one"), Map::new())];
+        assert!(run(&client, &reqs).await[0].is_ok());
+        fake.set_refuse(true).await;
+        assert!(client.confirm_server_fault(0).await, "refused connections: down");
+        assert!(!client.available(0));
+        fake.set_refuse(false).await;
+        let back = tokio::time::timeout(Duration::from_secs(20), client.wait_available(0, &CancellationToken::new())).await;
+        assert_eq!(back.ok(), Some(true), "the probe's chat call closes the breaker");
+        assert!(run(&client, &reqs).await[0].is_ok());
     }
 
     #[tokio::test]

@@ -70,6 +70,7 @@ pub struct FakeLlm {
     fail_marker: Option<(String, u16)>,
     slow_marker: Option<(String, Duration)>,
     strict_model: bool,
+    chat_only: bool,
 }
 
 /// How the fake reports cached prompt tokens.
@@ -118,6 +119,7 @@ impl Default for FakeLlm {
             fail_marker: None,
             slow_marker: None,
             strict_model: false,
+            chat_only: false,
         }
     }
 }
@@ -230,6 +232,13 @@ impl FakeLlm {
     /// served.
     pub fn strict_model(mut self) -> Self {
         self.strict_model = true;
+        self
+    }
+
+    /// No completions API: `POST /v1/completions` is answered HTTP 404 (not recorded), as by a
+    /// server or gateway that serves only `/v1/chat/completions`.
+    pub fn chat_only(mut self) -> Self {
+        self.chat_only = true;
         self
     }
 
@@ -721,6 +730,9 @@ fn usage_json(t: &PromptTokens, completion_tokens: u64) -> Value {
 }
 
 async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Result<Response, Response> {
+    if state.cfg.chat_only {
+        return Err(error_response(404, "Not Found", None));
+    }
     let (prompts, mut req) = openai::completion_request(&body)?;
     let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
     let counts = admit(&state, "/v1/completions", &headers, model.clone(), prompts.clone(), req).await?;
