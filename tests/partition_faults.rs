@@ -616,10 +616,10 @@ async fn unauthorized_pauses_intake_without_failing_requests() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
-/// A chat request with `{tag}-{i}` as id and user message, on one shared system prompt.
-fn chat_request(tag: &str, i: usize) -> TestRequest {
+/// A chat request with `{tag}-{i}` as id and user message, on system prompt `system`.
+fn chat_request(tag: &str, i: usize, system: &str) -> TestRequest {
     let id = format!("{tag}-{i}");
-    let body = json!({"id": id, "messages": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": format!("question {i}?")}], "params": {"max_tokens": 8}});
+    let body = json!({"id": id, "messages": [{"role": "system", "content": system}, {"role": "user", "content": format!("question {i}?")}], "params": {"max_tokens": 8}});
     TestRequest { id, body: serde_json::to_vec(&body).unwrap(), group: 0 }
 }
 
@@ -635,7 +635,7 @@ async fn a_server_without_a_chat_template_fails_no_chat_request() {
     let fake = FakeLlm::new().start().await.unwrap();
     fake.set_chat_refused(true);
     let (env, _, mut st, mut dead) = start_with_delivery_limit("nochattpl", fake.url.as_str(), None, 1).await;
-    let mut reqs: Vec<TestRequest> = (0..30).map(|i| chat_request("nochattpl", i)).collect();
+    let mut reqs: Vec<TestRequest> = (0..30).map(|i| chat_request("nochattpl", i, "Answer in one word.")).collect();
     reqs.extend(completions_workload("nochattpl-c", 10, 2));
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     let refused = wait_for("the server to refuse a minimal chat call", Duration::from_secs(30), || async {
@@ -678,7 +678,9 @@ async fn chat_requests_leave_a_server_without_a_chat_template_for_a_healthy_one(
     raw.amqp.delivery_limit = 1;
     let mut st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
-    let reqs: Vec<TestRequest> = (0..40).map(|i| chat_request("nochattpl2", i)).collect();
+    // One system prompt (one key) per request: about as many partitions, so that some rank the
+    // refusing server first (each does with probability 1/2).
+    let reqs: Vec<TestRequest> = (0..40).map(|i| chat_request("nochattpl2", i, &format!("You are assistant number {i}."))).collect();
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
     st.results.barrier(&st.amqp).await;
