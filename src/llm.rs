@@ -161,6 +161,9 @@ static CALL_FAILED_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit:
 /// Bounds the "refuses a minimal call of this API" line: every refused request of such a server
 /// meets it ([`crate::log_limit`]).
 static REFUSING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+/// Bounds the probe's "refuses the configured token, URL or model" line: every probe of such an
+/// endpoint meets it ([`crate::log_limit`]).
+static ENDPOINT_CONFIG_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// Bounds the "retrying its prompts one by one" line ([`crate::log_limit`]).
 static LIST_SPLIT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// The prompt of the half-open probe: a one-token completion (see the module doc, "Probing").
@@ -1446,7 +1449,20 @@ impl LlmClient {
             tracing::debug!(endpoint, name = %name, error = %detail, "the LLM endpoint has no completions API but answers a minimal chat call");
             return Outcome::Success;
         }
-        tracing::info!(endpoint, name = %name, kind = kind.as_str(), error = %detail, "LLM endpoint probe failed");
+        if kind == ErrorKind::EndpointConfig {
+            // Lasts until an operator acts: a wrong token, URL or model name.
+            crate::error_limited!(
+                ENDPOINT_CONFIG_LOG,
+                endpoint,
+                name = %name,
+                kind = kind.as_str(),
+                error = %detail,
+                "LLM endpoint probe failed: the server refuses the configured token, URL or model (HTTP 401/403/404 or a redirect); \
+                 check llm.api_key, llm.endpoints and llm.model against the server's (vLLM: --api-key, --served-model-name)"
+            );
+        } else {
+            tracing::info!(endpoint, name = %name, kind = kind.as_str(), error = %detail, "LLM endpoint probe failed");
+        }
         fault_outcome(kind)
     }
 
