@@ -916,6 +916,10 @@ impl LlmClient {
                 let e = self.judge_refusal(&call, e, cancel).await;
                 return group.members.iter().map(|&i| (i, Err(e.clone()))).collect();
             }
+            Err(e) if e.kind == ErrorKind::EndpointConfig && e.status.is_some() => {
+                self.api_refused(&call, &e);
+                return group.members.iter().map(|&i| (i, Err(e.clone()))).collect();
+            }
             Err(e) => return group.members.iter().map(|&i| (i, Err(e.clone()))).collect(),
         };
         (self.inner.hook)(&LlmEvent::Tokens { prompt_tokens: parsed.prompt_tokens, cached_tokens: parsed.cached_tokens });
@@ -1437,27 +1441,29 @@ impl LlmClient {
     /// The one-token probe (see the module doc, "Probing").
     ///
     /// A server without a completions API (a 401/403/404 or 3xx there, [`ErrorKind::EndpointConfig`])
-    /// that answers a minimal chat call passes too: a server or gateway serving only chat would
-    /// otherwise never close its breaker once it opened. Its completions requests, if any, keep
-    /// failing as the endpoint's fault.
+    /// that answers a minimal chat call passes too, while no real completions call met that
+    /// refusal: a server or gateway serving only chat would otherwise never close its breaker
+    /// once it opened. Once completions requests met it ([`Self::api_refused`]), it fails until
+    /// the completions API answers.
     async fn ping(&self, endpoint: usize) -> Outcome {
         let Err((kind, detail)) = self.minimal_call(endpoint, CallKind::Completions).await else {
             return Outcome::Success;
         };
         let name = &self.inner.endpoints[endpoint].name;
-        if kind == ErrorKind::EndpointConfig && self.minimal_call(endpoint, CallKind::Chat).await.is_ok() {
+        let completions_refusing = lock(&self.inner.endpoints[endpoint].routes)[CallKind::Completions.route()].refusing;
+        if kind == ErrorKind::EndpointConfig && !completions_refusing && self.minimal_call(endpoint, CallKind::Chat).await.is_ok() {
             tracing::debug!(endpoint, name = %name, error = %detail, "the LLM endpoint has no completions API but answers a minimal chat call");
             return Outcome::Success;
         }
         if kind == ErrorKind::EndpointConfig {
-            // Lasts until an operator acts: a wrong token, URL or model name.
+            // Lasts until an operator acts: a wrong token, URL or model name, or a missing API.
             crate::error_limited!(
                 ENDPOINT_CONFIG_LOG,
                 endpoint,
                 name = %name,
                 kind = kind.as_str(),
                 error = %detail,
-                "LLM endpoint probe failed: the server refuses the configured token, URL or model (HTTP 401/403/404 or a redirect); \
+                "LLM endpoint probe failed: the server refuses the configured token, URL or model, or lacks the API (HTTP 401/403/404 or a redirect); \
                  check llm.api_key, llm.endpoints and llm.model against the server's (vLLM: --api-key, --served-model-name)"
             );
         } else {
@@ -1484,6 +1490,31 @@ impl LlmClient {
         };
         let request = self.inner.http.post(url.clone()).json(&body).timeout(self.inner.probe_timeout);
         self.check_call(request, |bytes| valid_answer(bytes, kind, 1, 1)).await
+    }
+
+    /// A real call of `call`'s API got `refusal`, a 401/403/404 or 3xx for the configured model
+    /// ([`ErrorKind::EndpointConfig`]: a wrong token, URL or `llm.model`, or a server without
+    /// this API, as a gateway serving only chat answers 404 to completions). The API is marked as
+    /// refusing every request, so the endpoint counts as down until a probe's minimal call of
+    /// this API is answered ([`Self::still_refusing`]); without the mark, a server without a
+    /// completions API would pass the probe on its chat API ([`Self::ping`]) and charge every
+    /// completions request a delivery. Logged at ERROR when the mark is new.
+    fn api_refused(&self, call: &Call<'_>, refusal: &LlmError) {
+        let ep = &self.inner.endpoints[call.endpoint];
+        let was = std::mem::replace(&mut lock(&ep.routes)[call.kind.route()].refusing, true);
+        if !was {
+            crate::error_limited!(
+                REFUSING_LOG,
+                endpoint = call.endpoint,
+                name = %ep.name,
+                api = call.kind.api(),
+                error = %refusal.message,
+                "the LLM server refuses calls of this API for the configured token, URL or model, or lacks the API \
+                 (HTTP 401/403/404 or a redirect; some gateways serve only chat); check llm.api_key, llm.endpoints and llm.model. \
+                 The endpoint counts as down, and its requests wait or go to another endpoint, not charged a delivery, \
+                 until a probe's minimal call of this API is answered"
+            );
+        }
     }
 
     /// Judges the 4xx refusal of a one-prompt call (module doc, "Refusals are verified"). Returns
@@ -1567,7 +1598,10 @@ impl LlmClient {
                     api = call.kind.api(),
                     error = %detail,
                     request_error = %refusal.message,
-                    "the LLM server refuses a minimal call of this API as well as the requests: its configuration is at fault, not the requests                      (vLLM answers 400 to every chat call when the model has no chat template; start it with --chat-template).                      Its circuit breaker opens; the requests wait for it or go to another endpoint, not charged a delivery,                      until a probe's minimal call is answered"
+                    "the LLM server refuses a minimal call of this API as well as the requests: its configuration is at fault, not the requests \
+                     (for example vLLM answers 400 to every chat call when the model has no chat template: start it with --chat-template); \
+                     its circuit breaker opens, and the requests wait for it or go to another endpoint, not charged a delivery, \
+                     until a probe's minimal call of this API is answered"
                 );
                 let changed = lock(&ep.breaker).trip(Instant::now());
                 self.after_record(call.endpoint, changed, false);
@@ -2682,6 +2716,30 @@ mod tests {
         let back = tokio::time::timeout(Duration::from_secs(20), client.wait_available(0, &CancellationToken::new())).await;
         assert_eq!(back.ok(), Some(true), "the probe's chat call closes the breaker");
         assert!(run(&client, &reqs).await[0].is_ok());
+    }
+
+    /// Completions requests on a server without a completions API (404 there) that serves chat:
+    /// server faults (they wait, not charged), and the endpoint stays down while its probes'
+    /// completions call is refused, though its chat API answers.
+    #[tokio::test]
+    async fn completions_requests_on_a_chat_only_server_wait_for_its_completions_api() {
+        let fake = FakeLlm::new().chat_only().start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let results = run(&client, &three_prompts(&Map::new())).await;
+        for r in &results {
+            let e = r.as_ref().unwrap_err();
+            assert_eq!((e.kind, e.fault()), (ErrorKind::EndpointConfig, Fault::Server), "{e:?}");
+        }
+        assert!(client.confirm_server_fault(0).await, "the endpoint is down for its completions requests");
+        let completions_calls = || fake.calls().iter().filter(|c| c.path == "/v1/completions").count();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let before = completions_calls();
+        while completions_calls() < before + 2 {
+            assert!(Instant::now() < deadline, "no half-open probe: {:?}", fake.calls());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!client.available(0), "a minimal chat call does not close it while completions are refused");
+        assert!(fake.calls().iter().all(|c| c.path == "/v1/completions"), "no chat fallback once completions requests met the refusal");
     }
 
     #[tokio::test]

@@ -235,8 +235,8 @@ impl FakeLlm {
         self
     }
 
-    /// No completions API: `POST /v1/completions` is answered HTTP 404 (not recorded), as by a
-    /// server or gateway that serves only `/v1/chat/completions`.
+    /// No completions API: every `POST /v1/completions` is answered HTTP 404 (recorded with that
+    /// status), as by a server or gateway that serves only `/v1/chat/completions`.
     pub fn chat_only(mut self) -> Self {
         self.chat_only = true;
         self
@@ -593,6 +593,8 @@ enum Decision {
     NoChatTemplate,
     /// A call naming a model the fake does not serve ([`FakeLlm::strict_model`]): HTTP 404.
     UnknownModel(String),
+    /// A completions call to a server without that API ([`FakeLlm::chat_only`]): HTTP 404.
+    NoSuchApi,
     Answer(Vec<PromptTokens>),
 }
 
@@ -616,6 +618,9 @@ fn decide(cfg: &FakeLlm, g: &mut Inner, path: &str, model: Option<&str>, prompts
     }
     if g.chat_refused && path == "/v1/chat/completions" {
         return Decision::NoChatTemplate;
+    }
+    if cfg.chat_only && path == "/v1/completions" {
+        return Decision::NoSuchApi;
     }
     if g.garbage {
         return Decision::Garbage;
@@ -674,7 +679,7 @@ async fn admit(
         let status = match decision {
             Decision::Fail(s) | Decision::MarkedFail(s) => s,
             Decision::TooLong | Decision::NoChatTemplate => 400,
-            Decision::UnknownModel(_) => 404,
+            Decision::UnknownModel(_) | Decision::NoSuchApi => 404,
             _ => 200,
         };
         g.calls.push(RecordedCall {
@@ -710,6 +715,7 @@ async fn admit(
             .into_response()),
         Decision::TooLong => Err(error_response(400, CONTEXT_EXCEEDED, None)),
         Decision::NoChatTemplate => Err(error_response(400, NO_CHAT_TEMPLATE, None)),
+        Decision::NoSuchApi => Err(error_response(404, "Not Found", None)),
         Decision::UnknownModel(model) => Err(error_response(404, &format!("The model `{model}` does not exist."), None)),
         Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
         Decision::Answer(counts) => Ok(counts),
@@ -730,9 +736,6 @@ fn usage_json(t: &PromptTokens, completion_tokens: u64) -> Value {
 }
 
 async fn completions(State(state): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Result<Response, Response> {
-    if state.cfg.chat_only {
-        return Err(error_response(404, "Not Found", None));
-    }
     let (prompts, mut req) = openai::completion_request(&body)?;
     let model = req.remove("model").and_then(|v| v.as_str().map(str::to_owned));
     let counts = admit(&state, "/v1/completions", &headers, model.clone(), prompts.clone(), req).await?;
