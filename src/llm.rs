@@ -307,6 +307,9 @@ struct Endpoint {
     /// Held while a refusal check runs on this endpoint: refusals that come together share one
     /// check.
     refusal_check: tokio::sync::Mutex<()>,
+    /// The last server fault seen on the endpoint (a call's, a probe's or a check's): its class
+    /// and detail, named by the line that logs the breaker's opening.
+    last_fault: Mutex<Option<(ErrorKind, String)>>,
     /// A prober task ([`probe_until_closed`]) runs for this endpoint.
     probing: AtomicBool,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
@@ -1041,26 +1044,31 @@ impl LlmClient {
             *lock(&ep.last_answer) = Some(Instant::now());
         }
         let seconds = started.elapsed().as_secs_f64();
+        let model_refused = matches!(&outcome, Some(Err((e, _))) if call.model_refusal(e));
         let kind = match &outcome {
             None => Err(ErrorKind::Cancelled),
             Some(Ok(_)) => Ok(()),
+            // Counted as the request's refusal, as it is judged unless the endpoint fails a
+            // minimal call too ([`Self::judge_refusal`]).
+            Some(Err(_)) if model_refused => Err(ErrorKind::Rejected),
             Some(Err((e, _))) => Err(e.kind),
         };
         (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
-        let breaker_outcome = match &outcome {
-            // A refusal of the request's own model says nothing of the endpoint until judged
-            // ([`Self::judge_refusal`], which trips the breaker when it is the endpoint's).
-            Some(Err((e, _))) if call.model_override.is_some() && e.kind == ErrorKind::EndpointConfig && is_model_refusal(e.status) => {
-                Outcome::RequestFault
-            }
-            _ => kind.err().map_or(Outcome::Success, |k| k.breaker_outcome()),
-        };
+        // A refusal of the request's own model says nothing of the endpoint until judged
+        // ([`Self::judge_refusal`], which trips the breaker when it is the endpoint's): a request
+        // fault for the breaker, as `kind` says.
+        let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
         if breaker_outcome == Outcome::TimedOut {
             lock(&ep.breaker).timed_out_call_sent(started);
         }
         // Only one-prompt calls: which prompt of a failed list call was at fault is unknown, and
         // the combinations that a few poison requests form in their batches would count as
         // many different calls (a failed list call goes again prompt by prompt anyway).
+        if let Some(Err((e, _))) = &outcome {
+            if e.is_server_fault() && !model_refused {
+                *lock(&ep.last_fault) = Some((e.kind, e.message.clone()));
+            }
+        }
         let route = call.kind.route();
         if breaker_outcome == Outcome::Success {
             lock(&ep.routes)[route].answered = Some(Instant::now());
@@ -1156,6 +1164,7 @@ impl LlmClient {
                     "the LLM server stopped answering (no HTTP answer to GET {MODELS_PATH}): frozen, paused or hung; its calls are abandoned and \
                      its circuit breaker opens, so their requests wait for an endpoint, not charged a delivery"
                 );
+                *lock(&ep.last_fault) = Some((ErrorKind::Connect, format!("no HTTP answer to GET {MODELS_PATH}")));
                 let changed = lock(&ep.breaker).trip(Instant::now());
                 self.after_record(endpoint, changed, false);
                 // Wakes the other calls waiting on the endpoint (also when the breaker was not
@@ -1288,7 +1297,8 @@ impl LlmClient {
                 tracing::debug!(endpoint, name = %ep.name, "LLM endpoint circuit breaker reopened after a failed probe")
             }
             Some(BreakerState::Open) => {
-                tracing::warn!(endpoint, name = %ep.name, "LLM endpoint circuit breaker opened; its calls fail fast")
+                let (kind, error) = lock(&ep.last_fault).clone().map_or(("", String::new()), |(k, e)| (k.as_str(), e));
+                tracing::warn!(endpoint, name = %ep.name, kind, error = %error, "LLM endpoint circuit breaker opened; its calls fail fast")
             }
             Some(BreakerState::Closed) => tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker closed"),
             _ => {}
@@ -1391,6 +1401,7 @@ impl LlmClient {
                 }
                 Err((error_kind, detail)) => {
                     tracing::info!(endpoint, name = %ep.name, api = kind.api(), error = %detail, "the LLM server still refuses a minimal call of this API");
+                    *lock(&ep.last_fault) = Some((error_kind, format!("minimal {} call: {detail}", kind.api())));
                     return Some(if error_kind == ErrorKind::Rejected { Outcome::ServerFault } else { fault_outcome(error_kind) });
                 }
             }
@@ -1435,6 +1446,7 @@ impl LlmClient {
             error = %detail,
             "the LLM endpoint answers the one-token probe but failed a real call it answered before: treated as down"
         );
+        *lock(&ep.last_fault) = Some((kind, format!("replayed call: {detail}")));
         fault_outcome(kind)
     }
 
@@ -1455,6 +1467,7 @@ impl LlmClient {
             tracing::debug!(endpoint, name = %name, error = %detail, "the LLM endpoint has no completions API but answers a minimal chat call");
             return Outcome::Success;
         }
+        *lock(&self.inner.endpoints[endpoint].last_fault) = Some((kind, format!("probe: {detail}")));
         if kind == ErrorKind::EndpointConfig {
             // Lasts until an operator acts: a wrong token, URL or model name, or a missing API.
             crate::error_limited!(
@@ -1603,6 +1616,7 @@ impl LlmClient {
                      its circuit breaker opens, and the requests wait for it or go to another endpoint, not charged a delivery, \
                      until a probe's minimal call of this API is answered"
                 );
+                *lock(&ep.last_fault) = Some((ErrorKind::EndpointConfig, format!("minimal {} call: {detail}", call.kind.api())));
                 let changed = lock(&ep.breaker).trip(Instant::now());
                 self.after_record(call.endpoint, changed, false);
                 refused_everything(&detail)
@@ -1788,9 +1802,14 @@ impl Call<'_> {
     fn refusal_to_judge(&self, error: &LlmError) -> bool {
         match error.kind {
             ErrorKind::Rejected => error.status.is_some() && !self.list,
-            ErrorKind::EndpointConfig => self.model_override.is_some() && is_model_refusal(error.status),
-            _ => false,
+            _ => self.model_refusal(error),
         }
+    }
+
+    /// Whether `error` is a 401/403/404 of a call whose items name another model than
+    /// `llm.model`: maybe a refusal of that model alone ([`Call::refusal_to_judge`]).
+    fn model_refusal(&self, error: &LlmError) -> bool {
+        self.model_override.is_some() && error.kind == ErrorKind::EndpointConfig && is_model_refusal(error.status)
     }
 }
 
@@ -1838,6 +1857,7 @@ impl Endpoint {
             known_good: Mutex::new([None, None]),
             routes: Mutex::new([RouteHealth::default(); ROUTES]),
             refusal_check: tokio::sync::Mutex::new(()),
+            last_fault: Mutex::new(None),
             changed: watch::Sender::new(()),
         })
     }
@@ -2668,7 +2688,14 @@ mod tests {
     #[tokio::test]
     async fn a_request_for_a_model_the_server_lacks_is_refused_alone() {
         let fake = FakeLlm::new().model("m").strict_model().start().await.unwrap();
-        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let outcomes = Arc::new(Mutex::new(Vec::new()));
+        let sink = outcomes.clone();
+        let hook: LlmHook = Arc::new(move |e: &LlmEvent<'_>| {
+            if let LlmEvent::Call { outcome, .. } = e {
+                sink.lock().unwrap().push(call_outcome_label(*outcome));
+            }
+        });
+        let client = LlmClient::with_options(&settings(&fake.url), ClientOptions { hook, ..ClientOptions::default() }).unwrap();
         let reqs = three_prompts(&Map::new());
         for round in 0..6 {
             let mut its = items(&reqs);
@@ -2685,6 +2712,9 @@ mod tests {
         }
         let typo_calls = fake.calls().iter().filter(|c| c.model.as_deref() == Some("typo")).count();
         assert_eq!(typo_calls, 6, "one list call per round, not retried nor split");
+        let outcomes = outcomes.lock().unwrap();
+        assert_eq!(outcomes.iter().filter(|&&o| o == "rejected").count(), 6, "counted as refusals of the requests: {outcomes:?}");
+        assert!(!outcomes.contains(&"endpoint_config"), "{outcomes:?}");
     }
 
     /// A 404 for the configured model itself is the endpoint's (a wrong URL or `llm.model`): a

@@ -327,6 +327,12 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     check_no_control("correlation_id", env.correlation_id.unwrap_or_default())?;
     let model = match obj.remove("model") {
         None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.is_empty() => {
+            return Err(ParseError::InvalidField {
+                field: "model",
+                detail: "must not be empty (leave `model` out to use the configured llm.model)".into(),
+            })
+        }
         Some(Value::String(s)) => Some(s),
         Some(other) => {
             return Err(ParseError::InvalidField {
@@ -648,6 +654,7 @@ mod tests {
     fn an_empty_or_mistyped_key_is_refused_and_a_byte_order_mark_is_skipped() {
         for (body, env, field) in [
             (r#"{"prompt":"x","prefix_key":""}"#, Envelope::default(), "prefix_key"),
+            (r#"{"prompt":"x","model":""}"#, Envelope::default(), "model"),
             (r#"{"prompt":"x"}"#, Envelope { prefix_key_header: Some(""), ..Envelope::default() }, "x-prefix-key"),
             (r#"{"prompt":"x"}"#, Envelope { prefix_key_header_refused: Some("an integer"), ..Envelope::default() }, "x-prefix-key"),
         ] {
