@@ -16,7 +16,7 @@ use axum::Json;
 use common::*;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use llm_fakes::fake::FakeLlm;
+use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
 use prefix_batcher::config::{AmqpSettings, RawConfig};
 use prefix_batcher::topology;
 use serde_json::{json, Value};
@@ -616,6 +616,55 @@ async fn unauthorized_pauses_intake_without_failing_requests() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// A daemon with `amqp.delivery_limit = 1` (a charged delivery dead-letters) whose LLM
+/// endpoints are `servers`, in this order, and a consumer of its dead-letter queue.
+async fn start_on_servers(test: &str, servers: &[&FakeLlmHandle]) -> (TestEnv, Started, Collector) {
+    let env = TestEnv::new(test);
+    let mut raw = env.raw_config(servers[0].url.as_str());
+    raw.llm.endpoints = servers.iter().map(|s| s.url.as_str().trim_end_matches('/').to_owned()).collect();
+    raw.amqp.delivery_limit = 1;
+    let started = start_with_replies(&env, &raw).await;
+    let dead = started.amqp.consume(&env.dead_letter_queue()).await;
+    (env, started, dead)
+}
+
+/// Waits (≤ 60 s) until each of `reqs` has a result, then asserts that each got exactly one,
+/// `ok`, and that nothing was dead-lettered.
+async fn assert_answered_ok_once(st: &mut Started, dead: &mut Collector, reqs: &[TestRequest]) {
+    st.results.until_all(&ids(reqs), Duration::from_secs(60)).await;
+    st.results.barrier(&st.amqp).await;
+    let by_id = st.results.by_correlation();
+    for r in reqs {
+        let got = &by_id[&r.id];
+        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+        assert!(got[0].result().ok, "{} failed: {:?}", r.id, got[0].result().error);
+    }
+    drop(by_id);
+    dead.barrier(&st.amqp).await;
+    assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+}
+
+/// Waits (≤ 30 s) until each of `reqs` has a result, then asserts that each got exactly one:
+/// `ok: false` with kind `rejected` and an error message containing `message` for the ids in
+/// `rejected`, `ok` for the others.
+async fn assert_only_rejected(st: &mut Started, reqs: &[TestRequest], rejected: &[String], message: &str) {
+    st.results.until_all(&ids(reqs), Duration::from_secs(30)).await;
+    st.results.barrier(&st.amqp).await;
+    let by_id = st.results.by_correlation();
+    for r in reqs {
+        let got = &by_id[&r.id];
+        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
+        let res = got[0].result();
+        if rejected.contains(&r.id) {
+            let e = res.error.as_ref().filter(|_| !res.ok).unwrap_or_else(|| panic!("{} was answered", r.id));
+            assert_eq!(e.kind.as_str(), "rejected", "{e:?}");
+            assert!(e.message.contains(message), "{e:?}");
+        } else {
+            assert!(res.ok, "{} failed: {:?}", r.id, res.error);
+        }
+    }
+}
+
 /// A chat request with `{tag}-{i}` as id and user message, on system prompt `system`.
 fn chat_request(tag: &str, i: usize, system: &str) -> TestRequest {
     let id = format!("{tag}-{i}");
@@ -649,18 +698,7 @@ async fn a_server_without_a_chat_template_fails_no_chat_request() {
     let failed: Vec<_> = st.results.received.iter().filter(|m| !m.result().ok).map(|m| (m.correlation_id.clone(), m.result().error)).collect();
     assert!(failed.is_empty(), "requests failed for the server's configuration: {} of {}, first {:?}", failed.len(), reqs.len(), failed.first());
     fake.set_chat_refused(false);
-    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
-    st.results.barrier(&st.amqp).await;
-    let by_id = st.results.by_correlation();
-    for r in &reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        assert!(got[0].result().ok, "{} failed: {:?}", r.id, got[0].result().error);
-    }
-    drop(by_id);
-    dead.barrier(&st.amqp).await;
-    assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
-
+    assert_answered_ok_once(&mut st, &mut dead, &reqs).await;
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
@@ -672,27 +710,12 @@ async fn chat_requests_leave_a_server_without_a_chat_template_for_a_healthy_one(
     let refusing = FakeLlm::new().start().await.unwrap();
     refusing.set_chat_refused(true);
     let healthy = FakeLlm::new().start().await.unwrap();
-    let env = TestEnv::new("nochattpl2");
-    let mut raw = env.raw_config(healthy.url.as_str());
-    raw.llm.endpoints = vec![refusing.url.as_str().trim_end_matches('/').to_owned(), healthy.url.as_str().trim_end_matches('/').to_owned()];
-    raw.amqp.delivery_limit = 1;
-    let mut st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (env, mut st, mut dead) = start_on_servers("nochattpl2", &[&refusing, &healthy]).await;
     // One system prompt (one key) per request: about as many partitions, so that some rank the
     // refusing server first (each does with probability 1/2).
     let reqs: Vec<TestRequest> = (0..40).map(|i| chat_request("nochattpl2", i, &format!("You are assistant number {i}."))).collect();
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    st.results.until_all(&ids(&reqs), Duration::from_secs(60)).await;
-    st.results.barrier(&st.amqp).await;
-    let by_id = st.results.by_correlation();
-    for r in &reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        assert!(got[0].result().ok, "{} failed: {:?}", r.id, got[0].result().error);
-    }
-    drop(by_id);
-    dead.barrier(&st.amqp).await;
-    assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    assert_answered_ok_once(&mut st, &mut dead, &reqs).await;
     assert!(refusing.calls().iter().any(|c| c.path == "/v1/chat/completions" && c.status == 400), "no request went to the refusing server first");
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
@@ -706,12 +729,7 @@ async fn chat_requests_leave_a_server_without_a_chat_template_for_a_healthy_one(
 async fn completions_requests_leave_a_chat_only_server_for_a_healthy_one() {
     let chat_only = FakeLlm::new().chat_only().start().await.unwrap();
     let healthy = FakeLlm::new().start().await.unwrap();
-    let env = TestEnv::new("chatonly");
-    let mut raw = env.raw_config(healthy.url.as_str());
-    raw.llm.endpoints = vec![chat_only.url.as_str().trim_end_matches('/').to_owned(), healthy.url.as_str().trim_end_matches('/').to_owned()];
-    raw.amqp.delivery_limit = 1;
-    let mut st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (env, mut st, mut dead) = start_on_servers("chatonly", &[&chat_only, &healthy]).await;
     // Many keys, so that some partitions rank the chat-only server first; in waves further apart
     // than the breaker's open time, so a probe that passed would let each wave meet the 404.
     let reqs = completions_workload("chatonly", 160, 40);
@@ -720,16 +738,7 @@ async fn completions_requests_leave_a_chat_only_server_for_a_healthy_one() {
         st.results.until_all(&ids(wave), Duration::from_secs(60)).await;
         tokio::time::sleep(Duration::from_millis(2500)).await;
     }
-    st.results.barrier(&st.amqp).await;
-    let by_id = st.results.by_correlation();
-    for r in &reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        assert!(got[0].result().ok, "{} failed: {:?}", r.id, got[0].result().error);
-    }
-    drop(by_id);
-    dead.barrier(&st.amqp).await;
-    assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    assert_answered_ok_once(&mut st, &mut dead, &reqs).await;
     assert!(chat_only.calls().iter().any(|c| c.path == "/v1/completions" && c.status == 404), "no request went to the chat-only server first");
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
@@ -755,22 +764,7 @@ async fn a_request_for_a_model_the_servers_lack_fails_alone() {
         reqs.push(TestRequest { id: id.clone(), body: serde_json::to_vec(&body).unwrap(), group: i % 2 });
     }
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    st.results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
-    st.results.barrier(&st.amqp).await;
-    let by_id = st.results.by_correlation();
-    for r in &reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        let res = got[0].result();
-        if bad.contains(&r.id) {
-            let e = res.error.as_ref().filter(|_| !res.ok).unwrap_or_else(|| panic!("{} was answered", r.id));
-            assert_eq!(e.kind.as_str(), "rejected", "{e:?}");
-            assert!(e.message.contains("does not exist"), "{e:?}");
-        } else {
-            assert!(res.ok, "{} failed: {:?}", r.id, res.error);
-        }
-    }
-    drop(by_id);
+    assert_only_rejected(&mut st, &reqs, &bad, "does not exist").await;
     dead.barrier(&st.amqp).await;
     assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
@@ -786,21 +780,7 @@ async fn a_request_fault_fails_only_its_request() {
     let bad_id = "reqfault-bad".to_owned();
     reqs.push(completion(&bad_id, 2, &format!(" {REJECTED}")));
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    st.results.until_all(&ids(&reqs), Duration::from_secs(30)).await;
-    st.results.barrier(&st.amqp).await;
-    let by_id = st.results.by_correlation();
-    for r in &reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        let res = got[0].result();
-        if r.id == bad_id {
-            assert!(!res.ok);
-            assert_eq!(res.error.as_ref().map(|e| e.kind.as_str()), Some("rejected"));
-        } else {
-            assert!(res.ok, "{} failed: {:?}", r.id, res.error);
-        }
-    }
-    drop(by_id);
+    assert_only_rejected(&mut st, &reqs, &[bad_id], "").await;
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
