@@ -908,6 +908,7 @@ impl LlmClient {
             prefix_key,
             permit_wait_us: AtomicU64::new(0),
             last_sent: Mutex::new(None),
+            unreported_seconds: Mutex::new(None),
             model_override: (group.model != self.inner.model).then_some(group.model),
         };
         let (result, attempts) = self.send_with_retries(&call, cancel, parse).await;
@@ -917,6 +918,8 @@ impl LlmClient {
             // "Refusals are verified").
             Err(e) if call.refusal_to_judge(&e) => {
                 let e = self.judge_refusal(&call, e, cancel).await;
+                let seconds = lock(&call.unreported_seconds).take().unwrap_or_default();
+                (self.inner.hook)(&LlmEvent::Call { endpoint, outcome: Err(e.kind), seconds });
                 return group.members.iter().map(|&i| (i, Err(e.clone()))).collect();
             }
             Err(e) if e.kind == ErrorKind::EndpointConfig && e.status.is_some() => {
@@ -1048,12 +1051,17 @@ impl LlmClient {
         let kind = match &outcome {
             None => Err(ErrorKind::Cancelled),
             Some(Ok(_)) => Ok(()),
-            // Counted as the request's refusal, as it is judged unless the endpoint fails a
-            // minimal call too ([`Self::judge_refusal`]).
+            // A request fault for the breaker until judged (below).
             Some(Err(_)) if model_refused => Err(ErrorKind::Rejected),
             Some(Err((e, _))) => Err(e.kind),
         };
-        (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
+        if matches!(&outcome, Some(Err((e, _))) if call.refusal_to_judge(e)) {
+            // Reported once judged ([`Self::run_call`]), with the judged class: a refusal of
+            // every request is the endpoint's, not the request's.
+            *lock(&call.unreported_seconds) = Some(seconds);
+        } else {
+            (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: kind, seconds });
+        }
         // A refusal of the request's own model says nothing of the endpoint until judged
         // ([`Self::judge_refusal`], which trips the breaker when it is the endpoint's): a request
         // fault for the breaker, as `kind` says.
@@ -1611,8 +1619,11 @@ impl LlmClient {
                     api = call.kind.api(),
                     error = %detail,
                     request_error = %refusal.message,
-                    "the LLM server refuses a minimal call of this API as well as the requests: its configuration is at fault, not the requests \
-                     (for example vLLM answers 400 to every chat call when the model has no chat template: start it with --chat-template); \
+                    hint = match call.kind {
+                        CallKind::Chat => "vLLM answers 400 so to every chat call when the model has no chat template: start it with --chat-template",
+                        CallKind::Completions => "check the server's answer, and that it serves llm.model",
+                    },
+                    "the LLM server refuses a minimal call of this API as well as the requests: its configuration is at fault, not the requests; \
                      its circuit breaker opens, and the requests wait for it or go to another endpoint, not charged a delivery, \
                      until a probe's minimal call of this API is answered"
                 );
@@ -1788,6 +1799,9 @@ struct Call<'a> {
     permit_wait_us: AtomicU64,
     /// When its last attempt was sent (set by [`LlmClient::attempt_through_breaker`]).
     last_sent: Mutex<Option<Instant>>,
+    /// The duration in seconds of its last attempt when that attempt's refusal is judged before
+    /// the [`LlmEvent::Call`] reports it ([`Call::refusal_to_judge`]).
+    unreported_seconds: Mutex<Option<f64>>,
     /// The model its items name instead of `llm.model`, if any: a 401/403/404 may then be
     /// that model's, not the endpoint's ([`Call::refusal_to_judge`]).
     model_override: Option<&'a str>,
@@ -2464,6 +2478,18 @@ mod tests {
         client.infer(0, &items(reqs), &CancellationToken::new()).await
     }
 
+    /// A hook that records the outcome label of every [`LlmEvent::Call`].
+    fn recording_hook() -> (LlmHook, Arc<Mutex<Vec<&'static str>>>) {
+        let outcomes = Arc::new(Mutex::new(Vec::new()));
+        let sink = outcomes.clone();
+        let hook: LlmHook = Arc::new(move |e: &LlmEvent<'_>| {
+            if let LlmEvent::Call { outcome, .. } = e {
+                sink.lock().unwrap().push(call_outcome_label(*outcome));
+            }
+        });
+        (hook, outcomes)
+    }
+
     fn three_prompts(p: &Map<String, Value>) -> Vec<(Body, Map<String, Value>)> {
         ["alpha prompt", "bravo prompt", "charlie prompt"].iter().map(|s| (completion(s), p.clone())).collect()
     }
@@ -2636,8 +2662,14 @@ mod tests {
     #[tokio::test]
     async fn a_server_that_refuses_every_call_is_down_not_the_requests() {
         let fake = FakeLlm::new().always_fail(400).start().await.unwrap();
-        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let (hook, outcomes) = recording_hook();
+        let client = LlmClient::with_options(&settings(&fake.url), ClientOptions { hook, ..ClientOptions::default() }).unwrap();
         let results = run(&client, &three_prompts(&Map::new())).await;
+        assert_eq!(
+            *outcomes.lock().unwrap(),
+            ["rejected", "endpoint_config", "unavailable", "unavailable"],
+            "the list call, then its first prompt counted as the endpoint's once judged, then the open breaker"
+        );
         for r in &results {
             assert_eq!(r.as_ref().unwrap_err().fault(), Fault::Server, "{r:?}");
         }
@@ -2688,13 +2720,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_for_a_model_the_server_lacks_is_refused_alone() {
         let fake = FakeLlm::new().model("m").strict_model().start().await.unwrap();
-        let outcomes = Arc::new(Mutex::new(Vec::new()));
-        let sink = outcomes.clone();
-        let hook: LlmHook = Arc::new(move |e: &LlmEvent<'_>| {
-            if let LlmEvent::Call { outcome, .. } = e {
-                sink.lock().unwrap().push(call_outcome_label(*outcome));
-            }
-        });
+        let (hook, outcomes) = recording_hook();
         let client = LlmClient::with_options(&settings(&fake.url), ClientOptions { hook, ..ClientOptions::default() }).unwrap();
         let reqs = three_prompts(&Map::new());
         for round in 0..6 {
