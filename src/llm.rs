@@ -1434,6 +1434,7 @@ impl LlmClient {
             different_calls = DISTINCT_FAULTY_CALLS,
             "the LLM endpoint answers the one-token probe, but different real calls all failed and none was answered since the daemon started: treated as down (the requests wait, not charged a delivery)"
         );
+        *lock(&ep.last_fault) = Some((ErrorKind::Server, format!("{DISTINCT_FAULTY_CALLS} different real calls failed, none answered since the daemon started")));
         Outcome::ServerFault
     }
 
