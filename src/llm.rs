@@ -2699,14 +2699,12 @@ mod tests {
         let refused = results.iter().filter_map(|r| r.as_ref().err()).find(|e| e.kind == ErrorKind::EndpointConfig).expect("an endpoint fault");
         assert!(refused.message.contains(llm_fakes::fake::NO_CHAT_TEMPLATE), "{}", refused.message);
         assert!(!client.available(0));
-        let minimal_chat_refusals = || {
-            fake.calls().iter().filter(|c| c.path == "/v1/chat/completions" && c.status == 400 && !c.prompts[0].contains("Be brief.")).count()
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while minimal_chat_refusals() < 2 {
-            assert!(Instant::now() < deadline, "no half-open probe asked the chat API again: {:?}", fake.calls());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        // The half-open probe: the one-token completion, then the minimal chat call.
+        let probed = tokio::time::timeout(Duration::from_secs(20), fake.wait_for_calls(fake.call_count() + 2)).await;
+        assert!(probed.is_ok(), "no half-open probe: {:?}", fake.calls());
+        let minimal_chat_refusals =
+            fake.calls().iter().filter(|c| c.path == "/v1/chat/completions" && c.status == 400 && !c.prompts[0].contains("Be brief.")).count();
+        assert!(minimal_chat_refusals >= 2, "the probe did not ask the chat API again: {:?}", fake.calls());
         assert!(!client.available(0), "a passing one-token completion does not close it while chat refuses");
         fake.set_chat_refused(false);
         let back = tokio::time::timeout(Duration::from_secs(20), client.wait_available(0, &CancellationToken::new())).await;
@@ -2788,13 +2786,8 @@ mod tests {
             assert_eq!((e.kind, e.fault()), (ErrorKind::EndpointConfig, Fault::Server), "{e:?}");
         }
         assert!(client.confirm_server_fault(0).await, "the endpoint is down for its completions requests");
-        let completions_calls = || fake.calls().iter().filter(|c| c.path == "/v1/completions").count();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let before = completions_calls();
-        while completions_calls() < before + 2 {
-            assert!(Instant::now() < deadline, "no half-open probe: {:?}", fake.calls());
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let probed = tokio::time::timeout(Duration::from_secs(20), fake.wait_for_calls(fake.call_count() + 2)).await;
+        assert!(probed.is_ok(), "no half-open probe: {:?}", fake.calls());
         assert!(!client.available(0), "a minimal chat call does not close it while completions are refused");
         assert!(fake.calls().iter().all(|c| c.path == "/v1/completions"), "no chat fallback once completions requests met the refusal");
     }

@@ -631,24 +631,16 @@ async fn start_on_servers(test: &str, servers: &[&FakeLlmHandle]) -> (TestEnv, S
 /// Waits (≤ 60 s) until each of `reqs` has a result, then asserts that each got exactly one,
 /// `ok`, and that nothing was dead-lettered.
 async fn assert_answered_ok_once(st: &mut Started, dead: &mut Collector, reqs: &[TestRequest]) {
-    st.results.until_all(&ids(reqs), Duration::from_secs(60)).await;
-    st.results.barrier(&st.amqp).await;
-    let by_id = st.results.by_correlation();
-    for r in reqs {
-        let got = &by_id[&r.id];
-        assert_eq!(got.len(), 1, "request {} got {} results", r.id, got.len());
-        assert!(got[0].result().ok, "{} failed: {:?}", r.id, got[0].result().error);
-    }
-    drop(by_id);
+    assert_only_rejected(st, reqs, &[], "", Duration::from_secs(60)).await;
     dead.barrier(&st.amqp).await;
     assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
 }
 
-/// Waits (≤ 30 s) until each of `reqs` has a result, then asserts that each got exactly one:
-/// `ok: false` with kind `rejected` and an error message containing `message` for the ids in
-/// `rejected`, `ok` for the others.
-async fn assert_only_rejected(st: &mut Started, reqs: &[TestRequest], rejected: &[String], message: &str) {
-    st.results.until_all(&ids(reqs), Duration::from_secs(30)).await;
+/// Waits (≤ `within`) until each of `reqs` has a result, then asserts that each got exactly
+/// one: `ok: false` with kind `rejected` and an error message containing `message` for the ids
+/// in `rejected`, `ok` for the others.
+async fn assert_only_rejected(st: &mut Started, reqs: &[TestRequest], rejected: &[String], message: &str, within: Duration) {
+    st.results.until_all(&ids(reqs), within).await;
     st.results.barrier(&st.amqp).await;
     let by_id = st.results.by_correlation();
     for r in reqs {
@@ -764,7 +756,7 @@ async fn a_request_for_a_model_the_servers_lack_fails_alone() {
         reqs.push(TestRequest { id: id.clone(), body: serde_json::to_vec(&body).unwrap(), group: i % 2 });
     }
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    assert_only_rejected(&mut st, &reqs, &bad, "does not exist").await;
+    assert_only_rejected(&mut st, &reqs, &bad, "does not exist", Duration::from_secs(30)).await;
     dead.barrier(&st.amqp).await;
     assert!(dead.received.is_empty(), "dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
@@ -780,7 +772,7 @@ async fn a_request_fault_fails_only_its_request() {
     let bad_id = "reqfault-bad".to_owned();
     reqs.push(completion(&bad_id, 2, &format!(" {REJECTED}")));
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    assert_only_rejected(&mut st, &reqs, &[bad_id], "").await;
+    assert_only_rejected(&mut st, &reqs, &[bad_id], "", Duration::from_secs(30)).await;
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
