@@ -367,6 +367,49 @@ impl std::ops::Deref for ConfirmChannel {
     }
 }
 
+/// Turns of the publishes on one channel while the broker refuses them.
+///
+/// While the broker takes them, publishes go concurrently ([`Self::turn`] returns `None` at
+/// once). From [`Self::refused`] until [`Self::accepted`], they go one at a time: the others wait,
+/// first come first served, until the holder of the turn drops it. A publisher holds its turn
+/// through the attempt and the wait before its next one, so a refusing broker sees one attempt
+/// per wait instead of one per held message.
+///
+/// Why: a publish the broker refuses with a channel error (403 `ACCESS_REFUSED`, 404
+/// `NOT_FOUND`) closes the channel, and lapin 4 queues its `channel.close-ok` ahead of the frames
+/// of other publishes still waiting to be written on that channel; RabbitMQ answers a frame on a
+/// channel it has closed by closing the whole connection (504 `CHANNEL_ERROR` "expected
+/// 'channel.open'"), which ends the session and charges every request in flight one delivery.
+/// A refused publish that has the channel to itself closes it with nothing else queued on it.
+#[derive(Debug, Default)]
+pub struct RefusalTurns {
+    refusing: std::sync::atomic::AtomicBool,
+    turn: tokio::sync::Mutex<()>,
+}
+
+impl RefusalTurns {
+    /// `None` at once while publishes go concurrently; else waits for the turn and returns it
+    /// (or `None`, when [`Self::accepted`] was called meanwhile).
+    pub async fn turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        if !self.refusing.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        let guard = self.turn.lock().await;
+        self.refusing.load(std::sync::atomic::Ordering::Acquire).then_some(guard)
+    }
+
+    /// The broker refused a publish (its publisher holds it to try again): from now on
+    /// publishes take turns.
+    pub fn refused(&self) {
+        self.refusing.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The broker took a publish: publishes go concurrently again.
+    pub fn accepted(&self) {
+        self.refusing.store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
 /// A publishing connection's current [`ConfirmChannel`], shared by every task that publishes on
 /// it, and replaced by a new one when it was closed or a publish on it failed (nack, no confirm:
 /// later publishes on it would all be [`crate::publisher::PublishError::AfterFailed`]). A
@@ -382,6 +425,8 @@ pub struct SharedConfirmChannel {
     grace: Duration,
     /// Who publishes here, for the log (`router`, `partition 3`).
     owner: String,
+    /// Whether publishes take turns ([`Self::turn`]).
+    turns: RefusalTurns,
 }
 
 /// Bounds the log line of a channel replaced after a failed publish: a reply queue that refuses
@@ -403,7 +448,24 @@ impl SharedConfirmChannel {
             replacing: tokio::sync::Mutex::new(()),
             grace,
             owner,
+            turns: RefusalTurns::default(),
         }
+    }
+
+    /// Waits for a publish's turn ([`RefusalTurns::turn`]): at once while the broker takes the
+    /// publishes made here, one publish at a time while it refuses them.
+    pub async fn turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        self.turns.turn().await
+    }
+
+    /// The broker refused a publish made here ([`RefusalTurns::refused`]).
+    pub fn refused(&self) {
+        self.turns.refused();
+    }
+
+    /// The broker took a publish made here ([`RefusalTurns::accepted`]).
+    pub fn accepted(&self) {
+        self.turns.accepted();
     }
 
     /// The publishing connection.
@@ -602,6 +664,31 @@ mod tests {
         let io: lapin::Error = std::io::Error::other("reset").into();
         assert_eq!(reply_code(&io), None);
         assert_eq!(REPLY_SUCCESS, 200);
+    }
+
+    #[tokio::test]
+    async fn publishes_take_turns_only_while_the_broker_refuses_them() {
+        use futures_util::FutureExt;
+        let turns = RefusalTurns::default();
+        // Taken: publishes go concurrently, none waits.
+        let (a, b) = (turns.turn().now_or_never(), turns.turn().now_or_never());
+        assert!(matches!((&a, &b), (Some(None), Some(None))), "publishes waited while the broker takes them");
+
+        // Refused: one turn at a time, handed on when its holder drops it.
+        turns.refused();
+        let first = turns.turn().now_or_never().expect("the first publish waits for nobody").expect("a turn while refused");
+        let mut second = Box::pin(turns.turn());
+        assert!((&mut second).now_or_never().is_none(), "a second publish went while the first held the turn");
+        drop(first);
+        let second = second.now_or_never().expect("the turn passed on").expect("still refused: a turn");
+
+        // Taken again: the waiting publish goes without a turn, and so do the next ones.
+        let mut third = Box::pin(turns.turn());
+        assert!((&mut third).now_or_never().is_none());
+        turns.accepted();
+        assert!(turns.turn().now_or_never().is_some_and(|t| t.is_none()), "a new publish waited after the broker took one");
+        drop(second);
+        assert!(matches!(third.now_or_never(), Some(None)), "the waiting publish kept a turn after the broker took one");
     }
 
     /// `n` publishes numbered 0.., all to one destination.

@@ -974,12 +974,22 @@ pub async fn publish_result(
 ) -> ResultEnd {
     let (hold_until, release_on) = (hold.requeue, hold.release);
     let mut failures = 0u32;
+    // While the broker refuses the partition's results, they take turns
+    // ([`SharedConfirmChannel::turn`]).
+    let mut turn = match result_turn(out, hold).await {
+        Ok(turn) => turn,
+        Err(TurnEnd::Requeue) => return ResultEnd::Settled(requeue(&delivery.acker, &result.id, "the session ended while results were refused").await),
+        Err(TurnEnd::Release) => return released(delivery, &result.id, &"stopping while results are refused"),
+    };
     loop {
         if !tenure.lease.is_valid() {
             warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
             return ResultEnd::Settled(requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await);
         }
-        let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else { break };
+        let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else {
+            out.accepted();
+            break;
+        };
         // After a failed publish the partition's next one goes on a new channel
         // ([`crate::amqp::SharedConfirmChannel`]): a quorum queue that rejected a publish can
         // drop later publishes of the same channel while confirming them (RabbitMQ 3.10;
@@ -992,6 +1002,7 @@ pub async fn publish_result(
         if release_on.iter().any(|t| t.is_cancelled()) {
             return released(delivery, &result.id, &e);
         }
+        out.refused();
         let wait = hold_backoff(amqp, failures);
         failures += 1;
         crate::redelivery::note_failure(&result.id, &why);
@@ -1011,7 +1022,14 @@ pub async fn publish_result(
             }
             _ = any_cancelled(release_on) => return released(delivery, &result.id, &e),
         }
+        drop(turn);
+        turn = match result_turn(out, hold).await {
+            Ok(turn) => turn,
+            Err(TurnEnd::Requeue) => return ResultEnd::Settled(requeue(&delivery.acker, &result.id, &why).await),
+            Err(TurnEnd::Release) => return released(delivery, &result.id, &e),
+        };
     }
+    drop(turn);
     if !tenure.lease.is_valid() {
         // Published but not acked: the successor will process it again (a counted duplicate,
         // detectable by the older x-partition-epoch).
@@ -1034,6 +1052,25 @@ pub async fn publish_result(
 
 /// Completes when one of `tokens` is cancelled; never when there is none (`select_all` would
 /// panic on an empty list).
+/// Why a held result stopped waiting for its turn ([`result_turn`]).
+enum TurnEnd {
+    /// One of [`HoldEnds::requeue`] was cancelled.
+    Requeue,
+    /// One of [`HoldEnds::release`] was cancelled.
+    Release,
+}
+
+/// Waits for a result's turn on `out` ([`SharedConfirmChannel::turn`]), or until one of `hold`'s
+/// tokens is cancelled.
+async fn result_turn<'a>(out: &'a SharedConfirmChannel, hold: HoldEnds<'_>) -> Result<Option<tokio::sync::MutexGuard<'a, ()>>, TurnEnd> {
+    tokio::select! {
+        biased;
+        turn = out.turn() => Ok(turn),
+        _ = any_cancelled(hold.requeue) => Err(TurnEnd::Requeue),
+        _ = any_cancelled(hold.release) => Err(TurnEnd::Release),
+    }
+}
+
 async fn any_cancelled(tokens: &[&tokio_util::sync::CancellationToken]) {
     if tokens.is_empty() {
         return std::future::pending().await;
@@ -1044,7 +1081,7 @@ async fn any_cancelled(tokens: &[&tokio_util::sync::CancellationToken]) {
 /// Gives up a held result at a graceful stop ([`HoldEnds::release`]): its request goes
 /// back to its queue through the caller, and its answer is dropped (the next owner calls the LLM
 /// again).
-fn released(delivery: Delivery, request_id: &str, e: &PublishError) -> ResultEnd {
+fn released(delivery: Delivery, request_id: &str, e: &dyn std::fmt::Display) -> ResultEnd {
     // Bounded: a stop gives up every held result at once (up to the partitions' prefetch).
     crate::info_limited!(RELEASED_LOG, request_id, error = %e, "stopping while the broker refuses this result: the request goes back to its partition queue uncharged");
     ResultEnd::Released(Box::new(delivery))

@@ -247,6 +247,8 @@ async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
 /// goes to `request_id` once known.
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
+    // While the broker refuses forwards, deliveries take turns ([`SharedConfirmChannel::turn`]).
+    let Some(mut turn) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
     let ch = match publish.get().await {
         Ok(ch) => ch,
         Err(e) => {
@@ -284,6 +286,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     loop {
         let sent_at = tokio::time::Instant::now();
         let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &delivery.data, fwd.clone()).await else {
+            publish.shared.accepted();
+            drop(turn);
             crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);
             break;
         };
@@ -323,6 +327,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         // confirm in time, a partition queue without a leader for longer than the nack retries):
         // the deployment's fault, not the request's. Requeueing would charge the request a
         // delivery per attempt; hold it unacked instead, uncharged, and forward it again.
+        publish.shared.refused();
         let wait = publisher::hold_backoff(a, held);
         held += 1;
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
@@ -337,6 +342,9 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             _ = stop.cancelled() => return requeue(delivery).await,
             _ = publisher::wait_to_publish_again(conn, wait) => {}
         }
+        drop(turn);
+        let Some(next) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
+        turn = next;
         if !ch.status().connected() || ch.has_failed() {
             match publish.get().await {
                 Ok(fresh) => ch = fresh,
@@ -356,6 +364,16 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         return;
     }
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
+}
+
+/// Waits for a forward's turn ([`SharedConfirmChannel::turn`]): `Some` with the turn (`None`
+/// inside when forwards go concurrently), or `None` when `stop` fired first.
+async fn take_turn<'a>(shared: &'a SharedConfirmChannel, stop: &CancellationToken) -> Option<Option<tokio::sync::MutexGuard<'a, ()>>> {
+    tokio::select! {
+        biased;
+        turn = shared.turn() => Some(turn),
+        _ = stop.cancelled() => None,
+    }
 }
 
 /// A delivery whose forward or dead letter the broker did not confirm (channel closed,
