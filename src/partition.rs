@@ -316,6 +316,12 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
         }
         let reason = match session(conns, &ctx, &stop, &held).await {
             Ok(Ended::Stopped) => break Ok(()),
+            // A lost connection (most often the publishing one: the consuming connection may still
+            // be open) ends the worker instead of consuming again: the session closed its channel,
+            // which returned the requests it held and charged them one delivery; consumed again,
+            // they would be returned and charged a second time when the instance's session ends
+            // for the lost connection a moment later.
+            Ok(Ended::Restart(_)) if !conns.connected() => break Err(connection_lost(conns)),
             Ok(Ended::Restart(reason)) => reason,
             Err(e) if !conns.connected() => break Err(e),
             Err(e) if reply_code(&e) == Some(NOT_FOUND) => {
@@ -345,6 +351,13 @@ pub async fn run(conns: &Connections, ctx: PartitionContext, stop: StopSignals) 
     metrics::unsettled_deliveries(p, 0);
     metrics::intake_paused(p, false);
     result
+}
+
+/// The error a partition worker ends with when one of the session's connections closed under it
+/// ([`run`]; the session then reconnects).
+fn connection_lost(conns: &Connections) -> lapin::Error {
+    let which = if conns.consume.status().connected() { "publishing" } else { "consuming" };
+    lapin::Error::from(std::io::Error::new(std::io::ErrorKind::ConnectionAborted, format!("the {which} connection closed")))
 }
 
 /// The queueing delay, in milliseconds, the split rule ([`crate::affinity::LoadTracker`]) counts
@@ -1087,7 +1100,7 @@ async fn process_batch(
     // closed does not end it: the held results go again on a new one
     // ([`publisher::publish_result`]), and ending the session would charge every delivery in
     // flight on the partition a delivery.
-    if settlements.contains(&Settlement::ChannelLost) || !out.connection().status().connected() {
+    if settlements.iter().any(|s| matches!(s, Settlement::ChannelLost | Settlement::Left)) || !out.connection().status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }

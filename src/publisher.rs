@@ -885,6 +885,11 @@ pub enum Settlement {
     /// The ack or nack itself failed: the consuming channel is closed, which returns the request
     /// to its queue.
     ChannelLost,
+    /// Left unsettled because the session is ending (its publishing connection closed, or one of
+    /// [`HoldEnds::requeue`] fired): the close of the consuming channel returns the request, one
+    /// delivery charged. A nack now would charge it once, and the broker could deliver it again
+    /// to the same consumer before that close, which would return and charge it a second time.
+    Left,
 }
 
 /// How [`publish_result`] ended: the delivery settled, or handed back unsettled.
@@ -929,7 +934,7 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// none. When `reply_to` refuses it (see [`refusal_reason`]) it goes to `amqp.results_queue`
 /// with headers [`HEADER_REPLY_TO_REFUSED`] and [`HEADER_REPLY_TO`]. It carries `x-request-id`,
 /// `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is published or acked once
-/// `tenure.lease` is invalid (the request is requeued). `enqueued_unix_ms` (the request's publish
+/// `tenure.lease` is invalid (the delivery is left for the session's end to return). `enqueued_unix_ms` (the request's publish
 /// time) feeds the end-to-end latency.
 ///
 /// **A result the broker does not take is held, not charged.** When the results queue fails too
@@ -943,8 +948,10 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// blocked: [`wait_unblocked`]), on a new channel when the broker closed the old one, until it is
 /// confirmed, counted in `requests_total{stage="publisher",outcome="result_held"}`
 /// per failed attempt. The partition's prefetch bounds the requests held so. The holding ends
-/// (and the request is requeued, charged once, as at any lease loss or session end) when one of
-/// `hold.requeue` is cancelled, the lease deadline passes, or the publishing connection is closed.
+/// when the lease deadline passes, one of `hold.requeue` is cancelled or the publishing
+/// connection is closed: then the session is ending (a lease past its deadline is aborted), and
+/// the delivery is left unsettled ([`Settlement::Left`]) for the close of its consuming channel to return,
+/// charged once, as at any lease loss or session end.
 /// When one of `hold.release` fires (a graceful stop: shutdown or handoff) a held result is given
 /// up and its delivery handed back unsettled ([`ResultEnd::Released`]): a stop does not wait
 /// `shutdown.drain_timeout` for a broker that refuses results, and the request is not charged.
@@ -978,13 +985,13 @@ pub async fn publish_result(
     // ([`SharedConfirmChannel::turn`]).
     let mut turn = match result_turn(out, hold).await {
         Ok(turn) => turn,
-        Err(TurnEnd::Requeue) => return ResultEnd::Settled(requeue(&delivery.acker, &result.id, "the session ended while results were refused").await),
+        Err(TurnEnd::Requeue) => return ResultEnd::Settled(left(&result.id, "the session ended while results were refused")),
         Err(TurnEnd::Release) => return released(delivery, &result.id, &"stopping while results are refused"),
     };
     loop {
         if !tenure.lease.is_valid() {
             warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
-            return ResultEnd::Settled(requeue(&delivery.acker, &result.id, "lease deadline passed before the result was published").await);
+            return ResultEnd::Settled(left(&result.id, "lease deadline passed before the result was published"));
         }
         let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else {
             out.accepted();
@@ -995,7 +1002,11 @@ pub async fn publish_result(
         // drop later publishes of the same channel while confirming them (RabbitMQ 3.10;
         // rabbitmq-server #14589).
         let why = format!("result not published: {e}");
-        if says_too_large(&e) || !out.connection().status().connected() || hold_until.iter().any(|t| t.is_cancelled()) {
+        if !out.connection().status().connected() || hold_until.iter().any(|t| t.is_cancelled()) {
+            crate::warn_limited!(RESULT_FAILED_LOG, request_id = %result.id, error = %e, "result not confirmed and the session is ending; its end returns the request");
+            return ResultEnd::Settled(left(&result.id, &why));
+        }
+        if says_too_large(&e) {
             crate::warn_limited!(RESULT_FAILED_LOG, request_id = %result.id, error = %e, "result not confirmed; requeueing the request");
             return ResultEnd::Settled(requeue(&delivery.acker, &result.id, &why).await);
         }
@@ -1017,15 +1028,13 @@ pub async fn publish_result(
         );
         tokio::select! {
             _ = wait_to_publish_again(out.connection(), wait) => {}
-            _ = any_cancelled(hold_until) => {
-                return ResultEnd::Settled(requeue(&delivery.acker, &result.id, &why).await);
-            }
+            _ = any_cancelled(hold_until) => return ResultEnd::Settled(left(&result.id, &why)),
             _ = any_cancelled(release_on) => return released(delivery, &result.id, &e),
         }
         drop(turn);
         turn = match result_turn(out, hold).await {
             Ok(turn) => turn,
-            Err(TurnEnd::Requeue) => return ResultEnd::Settled(requeue(&delivery.acker, &result.id, &why).await),
+            Err(TurnEnd::Requeue) => return ResultEnd::Settled(left(&result.id, &why)),
             Err(TurnEnd::Release) => return released(delivery, &result.id, &e),
         };
     }
@@ -1033,7 +1042,7 @@ pub async fn publish_result(
     if !tenure.lease.is_valid() {
         // Published but not acked: the successor will process it again (a counted duplicate,
         // detectable by the older x-partition-epoch).
-        return ResultEnd::Settled(requeue(&delivery.acker, &result.id, "lease deadline passed before the ack").await);
+        return ResultEnd::Settled(left(&result.id, "lease deadline passed before the ack"));
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         crate::warn_limited!(ACK_FAILED_LOG, request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
@@ -1178,6 +1187,14 @@ pub async fn requeue(acker: &Acker, id: &str, why: &str) -> Settlement {
             Settlement::ChannelLost
         }
     }
+}
+
+/// Leaves a delivery unsettled for the session's end to return ([`Settlement::Left`]),
+/// remembering `why` for its dead-letter detail.
+fn left(id: &str, why: &str) -> Settlement {
+    crate::redelivery::note_failure(id, why);
+    metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
+    Settlement::Left
 }
 
 /// The longest AMQP short string (message ids, correlation ids), in bytes (AMQP 0-9-1 §4.2.5.3).

@@ -1053,6 +1053,53 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     stop_and_check_nothing_held(env, st, vec![results, dead]).await;
 }
 
+/// The publishing connection lost while the partitions hold results the broker refuses (the
+/// results queue full with `reject-publish`): every held request goes back to its partition
+/// queue once, charged one delivery, and is answered once results are taken again. With
+/// `amqp.delivery_limit = 2` a second charge dead-letters it: before, each partition consumed
+/// again on the still-open consuming connection, took the returned requests again, and the
+/// session's end a moment later returned them a second time (114 of about 256 held requests
+/// dead-lettered in an operator's run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "heavy: holds publishes; run alone by the heavy stage of scripts/test"]
+async fn a_lost_publishing_connection_charges_held_requests_once() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let (env, raw, st, mut dead) = start_with_delivery_limit("pubheld", fake.url.as_str(), None, 2).await;
+    let results_queue = env.results_queue();
+    let policy = refuse_results(&env, &st.amqp).await;
+    let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
+    let held_before = held();
+    // 8 keys over the 8 partitions, 16 requests each: the held requests fill the partitions'
+    // prefetch (16 each in the tests), so most requests are unacked when the connection goes.
+    let reqs = completions_workload("pubheld", 128, 8);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, "").await;
+    assert!(wait_for("refused results to be held", Duration::from_secs(30), || async { held() >= held_before + 64.0 }).await);
+    broker::close_connection_named(&format!("prefix-batcher {} publish", raw.instance.name)).await;
+    // The next session holds the returned requests' results again.
+    let after_close = held();
+    assert!(wait_for("results held again by the next session", Duration::from_secs(30), || async { held() >= after_close + 32.0 }).await);
+    drop(policy);
+
+    let mut results = st.amqp.consume(&results_queue).await;
+    let want = ids(&reqs);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let answered = |r: &Collector| r.received.iter().filter(|m| want.contains(&m.correlation_id)).map(|m| m.correlation_id.clone()).collect::<HashSet<_>>();
+    while answered(&results).len() + dead.received.len() < want.len() && Instant::now() < deadline {
+        results.collect_for(Duration::from_millis(300)).await;
+        dead.collect_for(Duration::from_millis(200)).await;
+    }
+    dead.collect_for(Duration::from_millis(500)).await;
+    assert!(
+        dead.received.is_empty(),
+        "{} of {} requests were charged twice for one lost connection and dead-lettered, e.g. {:?}",
+        dead.received.len(),
+        want.len(),
+        dead.received.first().and_then(|m| m.header("x-death-detail").map(str::to_owned))
+    );
+    assert_eq!(answered(&results).len(), want.len(), "requests without a result 60 s after results were taken again");
+    stop_and_check_nothing_held(env, st, vec![results, dead]).await;
+}
+
 /// A broker that stops taking the router's forwards (the shard exchange deleted, which closes the
 /// router's publishing channel, and write access to it revoked from the daemon's user, so the
 /// forwards on the new channel are refused with 403 `ACCESS_REFUSED`), then takes them again.

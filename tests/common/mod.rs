@@ -1045,6 +1045,37 @@ impl Drop for RedisServer {
 pub mod broker {
     use std::process::Command;
 
+    /// Erlang pid of the broker connection whose client-provided name is `name` (RabbitMQ keeps it
+    /// in the `connection_name` client property), from `rabbitmqctl list_connections` (one line per
+    /// connection: the pid, a tab, the client properties as an Erlang term).
+    pub fn connection_pid(name: &str) -> Option<String> {
+        let out = Command::new("rabbitmqctl")
+            .args(["list_connections", "pid", "client_properties", "-q", "--no-table-headers"])
+            .output()
+            .expect("rabbitmqctl runs");
+        let quoted = format!("\"{name}\"");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find(|line| line.contains("connection_name") && line.contains(&quoted))
+            .and_then(|line| line.split('\t').next())
+            .map(str::to_owned)
+    }
+
+    /// Closes a daemon's AMQP connection (found by its client-provided name, waiting up to 30 s
+    /// for it to appear) through the broker, as a network failure or an operator would.
+    pub async fn close_connection_named(name: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let pid = loop {
+            if let Some(pid) = connection_pid(name) {
+                break pid;
+            }
+            assert!(std::time::Instant::now() < deadline, "no broker connection named {name:?}");
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        };
+        let status = Command::new("rabbitmqctl").args(["close_connection", &pid, "test: connection failure"]).status().unwrap();
+        assert!(status.success(), "rabbitmqctl close_connection {pid} failed");
+    }
+
     /// Runs `rabbitmqctl -q args…`; its stdout, or `None` when it is missing or fails.
     pub fn rabbitmqctl(args: &[&str]) -> Option<String> {
         let out = Command::new("rabbitmqctl").arg("-q").args(args).output().ok()?;
