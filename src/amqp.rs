@@ -385,6 +385,8 @@ impl std::ops::Deref for ConfirmChannel {
 pub struct RefusalTurns {
     refusing: std::sync::atomic::AtomicBool,
     turn: tokio::sync::Mutex<()>,
+    /// Refusals in a row of publishes that had the turn ([`Self::refused`]).
+    in_turn: std::sync::atomic::AtomicU32,
 }
 
 impl RefusalTurns {
@@ -399,14 +401,19 @@ impl RefusalTurns {
     }
 
     /// The broker refused a publish (its publisher holds it to try again): from now on
-    /// publishes take turns.
-    pub fn refused(&self) {
+    /// publishes take turns. Returns how many publishes that had the turn (`had_turn`) the broker
+    /// refused in a row before this one (0 for one without the turn): the step of the backoff
+    /// the turn is held for, so that the attempts slow down while the refusal lasts, whichever
+    /// held message makes them.
+    pub fn refused(&self, had_turn: bool) -> u32 {
         self.refusing.store(true, std::sync::atomic::Ordering::Release);
+        if had_turn { self.in_turn.fetch_add(1, std::sync::atomic::Ordering::AcqRel) } else { 0 }
     }
 
     /// The broker took a publish: publishes go concurrently again.
     pub fn accepted(&self) {
         self.refusing.store(false, std::sync::atomic::Ordering::Release);
+        self.in_turn.store(0, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -459,8 +466,8 @@ impl SharedConfirmChannel {
     }
 
     /// The broker refused a publish made here ([`RefusalTurns::refused`]).
-    pub fn refused(&self) {
-        self.turns.refused();
+    pub fn refused(&self, had_turn: bool) -> u32 {
+        self.turns.refused(had_turn)
     }
 
     /// The broker took a publish made here ([`RefusalTurns::accepted`]).
@@ -675,12 +682,14 @@ mod tests {
         assert!(matches!((&a, &b), (Some(None), Some(None))), "publishes waited while the broker takes them");
 
         // Refused: one turn at a time, handed on when its holder drops it.
-        turns.refused();
+        assert_eq!(turns.refused(false), 0, "a refusal without the turn is no step");
         let first = turns.turn().now_or_never().expect("the first publish waits for nobody").expect("a turn while refused");
         let mut second = Box::pin(turns.turn());
         assert!((&mut second).now_or_never().is_none(), "a second publish went while the first held the turn");
+        assert_eq!(turns.refused(true), 0, "the first refusal in turn is step 0");
         drop(first);
         let second = second.now_or_never().expect("the turn passed on").expect("still refused: a turn");
+        assert_eq!(turns.refused(true), 1, "refusals in turn count up, whoever holds the turn");
 
         // Taken again: the waiting publish goes without a turn, and so do the next ones.
         let mut third = Box::pin(turns.turn());
@@ -689,6 +698,7 @@ mod tests {
         assert!(turns.turn().now_or_never().is_some_and(|t| t.is_none()), "a new publish waited after the broker took one");
         drop(second);
         assert!(matches!(third.now_or_never(), Some(None)), "the waiting publish kept a turn after the broker took one");
+        assert_eq!(turns.refused(true), 0, "a publish taken starts the count again");
     }
 
     /// `n` publishes numbered 0.., all to one destination.

@@ -1013,8 +1013,8 @@ pub async fn publish_result(
         if release_on.iter().any(|t| t.is_cancelled()) {
             return released(delivery, &result.id, &e);
         }
-        out.refused();
-        let wait = hold_backoff(amqp, failures);
+        let step = out.refused(turn.is_some());
+        let wait = hold_backoff(amqp, failures.max(step));
         failures += 1;
         crate::redelivery::note_failure(&result.id, &why);
         metrics::requests(stage::PUBLISHER, outcome::RESULT_HELD, 1);

@@ -327,8 +327,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         // confirm in time, a partition queue without a leader for longer than the nack retries):
         // the deployment's fault, not the request's. Requeueing would charge the request a
         // delivery per attempt; hold it unacked instead, uncharged, and forward it again.
-        publish.shared.refused();
-        let wait = publisher::hold_backoff(a, held);
+        let step = publish.shared.refused(turn.is_some());
+        let wait = publisher::hold_backoff(a, held.max(step));
         held += 1;
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
         crate::warn_limited!(
