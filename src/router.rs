@@ -298,8 +298,17 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         // a new one.
         if !declared_again && publisher::says_missing(&e) {
             declared_again = true;
-            if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await && ch.status().connected() {
-                continue;
+            if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await {
+                if ch.status().connected() && !ch.has_failed() {
+                    continue;
+                }
+                match publish.get().await {
+                    Ok(fresh) => {
+                        ch = fresh;
+                        continue;
+                    }
+                    Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
+                }
             }
         }
         // After a nack (or a publish after a failed one) the channel is replaced: a quorum
