@@ -432,7 +432,7 @@ pub struct SharedConfirmChannel {
     grace: Duration,
     /// Who publishes here, for the log (`router`, `partition 3`).
     owner: String,
-    /// Whether publishes take turns ([`Self::turn`]).
+    /// Whether publishes take turns ([`Self::turns`]).
     turns: RefusalTurns,
 }
 
@@ -459,20 +459,9 @@ impl SharedConfirmChannel {
         }
     }
 
-    /// Waits for a publish's turn ([`RefusalTurns::turn`]): at once while the broker takes the
-    /// publishes made here, one publish at a time while it refuses them.
-    pub async fn turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
-        self.turns.turn().await
-    }
-
-    /// The broker refused a publish made here ([`RefusalTurns::refused`]).
-    pub fn refused(&self, had_turn: bool) -> u32 {
-        self.turns.refused(had_turn)
-    }
-
-    /// The broker took a publish made here ([`RefusalTurns::accepted`]).
-    pub fn accepted(&self) {
-        self.turns.accepted();
+    /// The turns of the publishes made here while the broker refuses them ([`RefusalTurns`]).
+    pub fn turns(&self) -> &RefusalTurns {
+        &self.turns
     }
 
     /// The publishing connection.

@@ -934,8 +934,8 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// none. When `reply_to` refuses it (see [`refusal_reason`]) it goes to `amqp.results_queue`
 /// with headers [`HEADER_REPLY_TO_REFUSED`] and [`HEADER_REPLY_TO`]. It carries `x-request-id`,
 /// `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is published or acked once
-/// `tenure.lease` is invalid (the delivery is left for the session's end to return). `enqueued_unix_ms` (the request's publish
-/// time) feeds the end-to-end latency.
+/// `tenure.lease` is invalid (the delivery is left for the session's end to return).
+/// `enqueued_unix_ms` (the request's publish time) feeds the end-to-end latency.
 ///
 /// **A result the broker does not take is held, not charged.** When the results queue fails too
 /// (a permission revoked on the default exchange, the results queue full with `reject-publish`,
@@ -950,8 +950,8 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// per failed attempt. The partition's prefetch bounds the requests held so. The holding ends
 /// when the lease deadline passes, one of `hold.requeue` is cancelled or the publishing
 /// connection is closed: then the session is ending (a lease past its deadline is aborted), and
-/// the delivery is left unsettled ([`Settlement::Left`]) for the close of its consuming channel to return,
-/// charged once, as at any lease loss or session end.
+/// the delivery is left unsettled ([`Settlement::Left`]) for the close of its consuming channel
+/// to return, charged once, as at any lease loss or session end.
 /// When one of `hold.release` fires (a graceful stop: shutdown or handoff) a held result is given
 /// up and its delivery handed back unsettled ([`ResultEnd::Released`]): a stop does not wait
 /// `shutdown.drain_timeout` for a broker that refuses results, and the request is not charged.
@@ -982,7 +982,7 @@ pub async fn publish_result(
     let (hold_until, release_on) = (hold.requeue, hold.release);
     let mut failures = 0u32;
     // While the broker refuses the partition's results, they take turns
-    // ([`SharedConfirmChannel::turn`]).
+    // ([`crate::amqp::RefusalTurns::turn`]).
     let mut turn = match result_turn(out, hold).await {
         Ok(turn) => turn,
         Err(TurnEnd::Requeue) => return ResultEnd::Settled(left(&result.id, "the session ended while results were refused")),
@@ -994,7 +994,7 @@ pub async fn publish_result(
             return ResultEnd::Settled(left(&result.id, "lease deadline passed before the result was published"));
         }
         let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else {
-            out.accepted();
+            out.turns().accepted();
             break;
         };
         // After a failed publish the partition's next one goes on a new channel
@@ -1013,7 +1013,7 @@ pub async fn publish_result(
         if release_on.iter().any(|t| t.is_cancelled()) {
             return released(delivery, &result.id, &e);
         }
-        let step = out.refused(turn.is_some());
+        let step = out.turns().refused(turn.is_some());
         let wait = hold_backoff(amqp, failures.max(step));
         failures += 1;
         crate::redelivery::note_failure(&result.id, &why);
@@ -1059,8 +1059,6 @@ pub async fn publish_result(
     ResultEnd::Settled(Settlement::Acked)
 }
 
-/// Completes when one of `tokens` is cancelled; never when there is none (`select_all` would
-/// panic on an empty list).
 /// Why a held result stopped waiting for its turn ([`result_turn`]).
 enum TurnEnd {
     /// One of [`HoldEnds::requeue`] was cancelled.
@@ -1069,17 +1067,19 @@ enum TurnEnd {
     Release,
 }
 
-/// Waits for a result's turn on `out` ([`SharedConfirmChannel::turn`]), or until one of `hold`'s
+/// Waits for a result's turn on `out` ([`crate::amqp::RefusalTurns::turn`]), or until one of `hold`'s
 /// tokens is cancelled.
 async fn result_turn<'a>(out: &'a SharedConfirmChannel, hold: HoldEnds<'_>) -> Result<Option<tokio::sync::MutexGuard<'a, ()>>, TurnEnd> {
     tokio::select! {
         biased;
-        turn = out.turn() => Ok(turn),
+        turn = out.turns().turn() => Ok(turn),
         _ = any_cancelled(hold.requeue) => Err(TurnEnd::Requeue),
         _ = any_cancelled(hold.release) => Err(TurnEnd::Release),
     }
 }
 
+/// Completes when one of `tokens` is cancelled; never when there is none (`select_all` would
+/// panic on an empty list).
 async fn any_cancelled(tokens: &[&tokio_util::sync::CancellationToken]) {
     if tokens.is_empty() {
         return std::future::pending().await;

@@ -247,7 +247,7 @@ async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
 /// goes to `request_id` once known.
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
-    // While the broker refuses forwards, deliveries take turns ([`SharedConfirmChannel::turn`]).
+    // While the broker refuses forwards, deliveries take turns ([`crate::amqp::RefusalTurns::turn`]).
     let Some(mut turn) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
     let ch = match publish.get().await {
         Ok(ch) => ch,
@@ -286,7 +286,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     loop {
         let sent_at = tokio::time::Instant::now();
         let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &delivery.data, fwd.clone()).await else {
-            publish.shared.accepted();
+            publish.shared.turns().accepted();
             drop(turn);
             crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);
             break;
@@ -336,7 +336,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         // confirm in time, a partition queue without a leader for longer than the nack retries):
         // the deployment's fault, not the request's. Requeueing would charge the request a
         // delivery per attempt; hold it unacked instead, uncharged, and forward it again.
-        let step = publish.shared.refused(turn.is_some());
+        let step = publish.shared.turns().refused(turn.is_some());
         let wait = publisher::hold_backoff(a, held.max(step));
         held += 1;
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
@@ -375,12 +375,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
 }
 
-/// Waits for a forward's turn ([`SharedConfirmChannel::turn`]): `Some` with the turn (`None`
+/// Waits for a forward's turn ([`crate::amqp::RefusalTurns::turn`]): `Some` with the turn (`None`
 /// inside when forwards go concurrently), or `None` when `stop` fired first.
 async fn take_turn<'a>(shared: &'a SharedConfirmChannel, stop: &CancellationToken) -> Option<Option<tokio::sync::MutexGuard<'a, ()>>> {
     tokio::select! {
         biased;
-        turn = shared.turn() => Some(turn),
+        turn = shared.turns().turn() => Some(turn),
         _ = stop.cancelled() => None,
     }
 }

@@ -971,6 +971,12 @@ impl Drop for BrokerUser {
     }
 }
 
+/// Failed attempts to publish a held result in this process
+/// (`requests_total{stage="publisher",outcome="result_held"}`).
+fn results_held() -> f64 {
+    metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}")
+}
+
 /// A broker that stops taking results, first refusing them (the results queue full, with
 /// `overflow = reject-publish`: `basic.nack`), then also refusing the daemon's user write access
 /// to the default exchange (403 `ACCESS_REFUSED`, which closes the publishing channel), then
@@ -991,7 +997,7 @@ async fn a_broker_refusing_results_holds_the_requests_uncharged() {
     let (env, raw, st, mut dead) = start_with_delivery_limit("resultsheld", fake.url.as_str(), Some(&user), 2).await;
     let results_queue = env.results_queue();
     let policy = refuse_results(&env, &st.amqp).await;
-    let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
+    let held = results_held;
     let held_before = held();
 
     // 200 requests: more than the partitions' prefetch (16 each), so requests also wait in the
@@ -1068,7 +1074,7 @@ async fn a_lost_publishing_connection_charges_held_requests_once() {
     let (env, raw, st, mut dead) = start_with_delivery_limit("pubheld", fake.url.as_str(), None, 2).await;
     let results_queue = env.results_queue();
     let policy = refuse_results(&env, &st.amqp).await;
-    let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
+    let held = results_held;
     let held_before = held();
     // 8 keys over the 8 partitions, 16 requests each: the held requests fill the partitions'
     // prefetch (16 each in the tests), so most requests are unacked when the connection goes.
@@ -1174,7 +1180,7 @@ async fn a_stop_while_the_broker_refuses_results_returns_the_requests_uncharged(
     let (env, raw, st, mut dead) = start_with_delivery_limit("stopheld", fake.url.as_str(), None, 1).await;
     let results_queue = env.results_queue();
     let policy = refuse_results(&env, &st.amqp).await;
-    let held = || metric("prefix_batcher_requests_total{outcome=\"result_held\",stage=\"publisher\"}");
+    let held = results_held;
     let held_before = held();
     // Fewer requests than the partitions' prefetch: every one of them is held by the daemon.
     let reqs = completions_workload("stopheld", N, 2);
