@@ -207,6 +207,16 @@ impl PublishChannel {
         }
         self.shared.get().await
     }
+
+    /// Replaces `ch` by [`Self::get`]'s channel when the broker closed it or a publish on it
+    /// failed (a quorum queue may drop later publishes on such a channel: `ConfirmChannel`);
+    /// keeps it otherwise. Errors: as [`Self::get`], with `ch` left as it was.
+    async fn renew(&self, ch: &mut ConfirmChannel) -> Result<(), lapin::Error> {
+        if !ch.status().connected() || ch.has_failed() {
+            *ch = self.get().await?;
+        }
+        Ok(())
+    }
 }
 
 /// Per-delivery warnings of the router, each kind within its own [`LogLimit`] (at most
@@ -249,7 +259,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let a = &settings.amqp;
     // While the broker refuses forwards, deliveries take turns ([`crate::amqp::RefusalTurns::turn`]).
     let Some(mut turn) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
-    let ch = match publish.get().await {
+    let mut ch = match publish.get().await {
         Ok(ch) => ch,
         Err(e) => {
             // Held for the requeue backoff: requeued at once, a delivery comes straight back,
@@ -259,7 +269,6 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return requeue_after_backoff(&settings.amqp, delivery, stop).await;
         }
     };
-    let mut ch = ch;
     let conn = &publish.conns.publish;
     let (req, delivery) = match publisher::parse_or_dead_letter(&publish.shared, a, &settings.requests, delivery, redelivery::Source::Input, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
@@ -299,14 +308,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         if !declared_again && publisher::says_missing(&e) {
             declared_again = true;
             if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await {
-                if ch.status().connected() && !ch.has_failed() {
-                    continue;
-                }
-                match publish.get().await {
-                    Ok(fresh) => {
-                        ch = fresh;
-                        continue;
-                    }
+                match publish.renew(&mut ch).await {
+                    Ok(()) => continue,
                     Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
                 }
             }
@@ -314,9 +317,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         // After a nack (or a publish after a failed one) the channel is replaced: a quorum
         // queue may drop its later publishes (see `ConfirmChannel`).
         if ch.has_failed() {
-            match publish.get().await {
-                Ok(fresh) => ch = fresh,
-                Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
+            if let Err(err) = publish.renew(&mut ch).await {
+                warn!(error = %err, "cannot replace the publishing channel");
             }
         }
         let again = tokio::select! {
@@ -354,14 +356,9 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         drop(turn);
         let Some(next) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
         turn = next;
-        if !ch.status().connected() || ch.has_failed() {
-            match publish.get().await {
-                Ok(fresh) => ch = fresh,
-                Err(err) => {
-                    crate::warn_limited!(NO_CHANNEL_LOG, error = %err, "no publishing channel; requeueing input after a backoff");
-                    return requeue_after_backoff(a, delivery, stop).await;
-                }
-            }
+        if let Err(err) = publish.renew(&mut ch).await {
+            crate::warn_limited!(NO_CHANNEL_LOG, error = %err, "no publishing channel; requeueing input after a backoff");
+            return requeue_after_backoff(a, delivery, stop).await;
         }
         retry = publisher::NackRetry::new(a);
         // The route may have been deleted again, or its declaration failed (no answer in time, no
