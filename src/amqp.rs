@@ -1,4 +1,4 @@
-//! AMQP plumbing shared by every stage: the session's two connections ([`Connections`]), the
+//! AMQP plumbing shared by every stage: the session's connections ([`Connections`]), the
 //! reply codes used across the crate and the classification of a broker refusal by its reply code
 //! (never by its text), and header readers ([`header_str`], [`header_u64`]).
 //!
@@ -192,32 +192,79 @@ pub fn reply_code(e: &lapin::Error) -> Option<u16> {
     }
 }
 
-/// The two AMQP connections of a session: consumers (and therefore acks and nacks) use
-/// `consume`, every publish (forwarded requests, results, dead letters) uses `publish`.
+/// The AMQP connections of a session: consumers (and therefore acks and nacks) use `consume`,
+/// every publish (forwarded requests, results, dead letters) uses `publish`, and the router's
+/// consumer of the input queue (with its acks) has a connection of its own, `intake`.
 ///
 /// RabbitMQ blocks *publishing* connections under a memory or disk alarm
 /// (<https://www.rabbitmq.com/docs/connection-blocked>); a connection that only consumes and acks
 /// is not blocked, so an alarm stalls publishes but never the acks of work already published
 /// (acks free broker memory) nor the consumption of deliveries already on their way.
+///
+/// The input queue gets its own connection because anyone may publish to it: a message the AMQP
+/// client cannot parse (RabbitMQ passes any bytes in a short string, such as a `message_id` that
+/// is not UTF-8, which the client refuses) fails the connection it arrives on. On the intake
+/// connection that ends only the router's consumer, which opens the connection again
+/// ([`Self::reopen_intake`]); the partitions, their leases and their publishes go on.
 #[derive(Clone)]
 pub struct Connections {
-    /// Consumers and their acks.
+    /// Partition consumers and their acks; also topology declarations and backlog polls.
     pub consume: Arc<Connection>,
     /// Publishes with publisher confirms.
     pub publish: Arc<Connection>,
+    /// The router's input consumer and its acks (see above), replaced when it fails.
+    intake: Arc<std::sync::Mutex<Arc<Connection>>>,
+    /// Index in [`AmqpSettings::nodes`] of the broker node the connections are open to.
+    pub node: usize,
+}
+
+/// The client-provided name of an instance's connection (RabbitMQ shows it in its management
+/// UI and `rabbitmqctl list_connections`): `prefix-batcher {instance}{suffix}`, with `suffix`
+/// `""` (consuming), `" publish"` or `" intake"`.
+pub fn connection_name(instance: &str, suffix: &str) -> String {
+    format!("prefix-batcher {instance}{suffix}")
 }
 
 impl Connections {
-    /// Both connections are open.
+    /// The session's connections to node `node`.
+    pub fn new(consume: Connection, publish: Connection, intake: Connection, node: usize) -> Self {
+        Self { consume: Arc::new(consume), publish: Arc::new(publish), intake: Arc::new(std::sync::Mutex::new(Arc::new(intake))), node }
+    }
+
+    /// Both the consuming and the publishing connection are open. The intake connection is not
+    /// counted: the router opens it again itself.
     pub fn connected(&self) -> bool {
         self.consume.status().connected() && self.publish.status().connected()
     }
 
-    /// Closes both connections with `reply-success`, at once, each waiting at most
+    /// The current intake connection.
+    pub fn intake(&self) -> Arc<Connection> {
+        self.intake.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    /// Opens a new intake connection to the session's node, named `name`, and puts it in place
+    /// of the current one, which is closed (it has normally failed already).
+    ///
+    /// Errors: as [`connect_node`]; the current connection then stays in place.
+    pub async fn reopen_intake(&self, amqp: &AmqpSettings, name: &str) -> lapin::Result<Arc<Connection>> {
+        let fresh = Arc::new(connect_node(amqp, self.node, ConnectionProperties::default().with_connection_name(name.into())).await?);
+        let old = std::mem::replace(&mut *self.intake.lock().unwrap_or_else(std::sync::PoisonError::into_inner), fresh.clone());
+        if old.status().connected() {
+            let _ = close_connection(&old, "intake connection replaced").await;
+        }
+        Ok(fresh)
+    }
+
+    /// Closes the three connections with `reply-success`, at once, each waiting at most
     /// [`CLOSE_TIMEOUT`] for its close-ok ([`close_connection`]); errors are returned from the
-    /// first that fails.
+    /// first that fails (a closed intake connection is not an error: the router reopens it).
     pub async fn close(&self, why: &str) -> Result<(), lapin::Error> {
-        let (a, b) = tokio::join!(close_connection(&self.consume, why), close_connection(&self.publish, why));
+        let intake = self.intake();
+        let (a, b, _) = tokio::join!(close_connection(&self.consume, why), close_connection(&self.publish, why), async {
+            if intake.status().connected() {
+                let _ = close_connection(&intake, why).await;
+            }
+        });
         a.and(b)
     }
 }

@@ -148,7 +148,7 @@ impl SessionError {
         let SessionError::Connect(e) = self else { return None };
         let text = e.to_string();
         (crate::amqp::reply_code(e) == Some(crate::amqp::NOT_ALLOWED) && text.contains("connection limit")).then(|| {
-            format!("the broker refused the connection: a connection limit of the vhost or of the user is reached (rabbitmqctl list_vhost_limits, list_user_limits; each instance opens 2 connections); retrying (the broker said: {text})")
+            format!("the broker refused the connection: a connection limit of the vhost or of the user is reached (rabbitmqctl list_vhost_limits, list_user_limits; each instance opens 3 connections); retrying (the broker said: {text})")
         })
     }
 
@@ -486,14 +486,15 @@ impl App {
         self.session(r, node, work, events).await
     }
 
-    /// Opens the session's two AMQP connections to broker node `node` (see [`Connections`]:
-    /// consumers and acks on one, publishes on the other, named `prefix-batcher {instance}` and
-    /// `prefix-batcher {instance} publish`) and declares the topology; closes them again when
-    /// the topology is refused.
+    /// Opens the session's three AMQP connections to broker node `node` (see [`Connections`]:
+    /// consumers and acks on one, publishes on another, the router's input consumer on the
+    /// third; named `prefix-batcher {instance}`, `prefix-batcher {instance} publish` and
+    /// `prefix-batcher {instance} intake`) and declares the topology; closes them again when the
+    /// topology is refused.
     async fn open(&self, redis: &RedisConn, node: usize) -> Result<Connections, SessionError> {
         let s = &self.settings;
         let connect = |suffix: &str| {
-            let name = format!("prefix-batcher {}{suffix}", s.instance_name);
+            let name = crate::amqp::connection_name(&s.instance_name, suffix);
             crate::amqp::connect_node(&s.amqp, node, ConnectionProperties::default().with_connection_name(name.into()))
         };
         let consume = connect("").await.map_err(SessionError::Connect)?;
@@ -504,7 +505,17 @@ impl App {
                 return Err(SessionError::Connect(e));
             }
         };
-        let conns = Connections { consume: Arc::new(consume), publish: Arc::new(publish) };
+        let intake = match connect(" intake").await {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = tokio::join!(
+                    crate::amqp::close_connection(&consume, "intake connection failed"),
+                    crate::amqp::close_connection(&publish, "intake connection failed")
+                );
+                return Err(SessionError::Connect(e));
+            }
+        };
+        let conns = Connections::new(consume, publish, intake, node);
         let meta_key = topology::partition_count_key(&s.redis.key_prefix);
         if let Err(e) = topology::declare(&conns.consume, &s.amqp, &mut redis.manager(), &meta_key).await {
             if let topology::TopologyError::Redis(re) = &e {

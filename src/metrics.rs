@@ -215,6 +215,11 @@ static AMQP_CONNECTED_NODE: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )
     .unwrap())
 });
+static INTAKE_FAILURES: LazyLock<IntCounterVec> = counter_vec!(
+    "input_consumer_failures_total",
+    "Times the router's consumer of the input queue ended under it and consumed again (one delivery at a time until a new message arrived), by reason: unreadable_message = the broker delivered a message the AMQP client cannot parse, which closed the intake connection; connection_lost = the intake connection closed otherwise; channel_closed = the broker closed the consuming channel.",
+    &["reason"]
+);
 // Settlement of partition deliveries: panics, unsettled deliveries, refused results, paused intake.
 static TASK_PANICS: LazyLock<IntCounterVec> =
     counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage; their requests were requeued.", &["stage"]);
@@ -495,6 +500,9 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for s in [stage::BATCHER, stage::PUBLISHER] {
         TASK_PANICS.with_label_values(&[s]);
     }
+    for r in intake_failure::ALL {
+        INTAKE_FAILURES.with_label_values(&[r]);
+    }
     LazyLock::force(&UNSETTLED);
     for r in ["nacked", "unroutable", "timeout"] {
         REPLY_TO_REFUSED.with_label_values(&[r]);
@@ -687,6 +695,23 @@ pub fn amqp_connected_node(connected: Option<usize>, nodes: usize) {
     for n in 0..nodes {
         AMQP_CONNECTED_NODE.with_label_values(&[n.to_string().as_str()]).set(i64::from(connected == Some(n)));
     }
+}
+
+/// Label values of `input_consumer_failures_total`.
+pub mod intake_failure {
+    /// A message the AMQP client cannot parse closed the intake connection.
+    pub const UNREADABLE_MESSAGE: &str = "unreadable_message";
+    /// The intake connection closed for another reason.
+    pub const CONNECTION_LOST: &str = "connection_lost";
+    /// The broker closed the consuming channel.
+    pub const CHANNEL_CLOSED: &str = "channel_closed";
+    /// Every label value, for [`super::init`].
+    pub const ALL: &[&str] = &[UNREADABLE_MESSAGE, CONNECTION_LOST, CHANNEL_CLOSED];
+}
+
+/// The router's consumer of the input queue ended under it, for `reason` ([`intake_failure`]).
+pub fn intake_failed(reason: &'static str) {
+    INTAKE_FAILURES.with_label_values(&[reason]).inc();
 }
 
 /// A task of `stage` panicked; its requests were requeued.

@@ -95,41 +95,102 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
     }
 }
 
-/// Runs the router until `stop` fires or the consuming connection fails. On stop it cancels its
+/// Runs the router until `stop` fires or the session's connections fail. On stop it cancels its
 /// consumer and finishes the deliveries it has (publish, confirm, ack) before returning.
 ///
-/// A channel the broker closes under the router (e.g. 406 `PRECONDITION_FAILED` for one bad
-/// message) does not end it: the publishing channel is reopened by the next delivery that needs
-/// it, the consuming channel after `amqp.reconnect_backoff_initial` (its
-/// unacked deliveries are requeued by the broker when it closes). Only a failed connection (or a
-/// channel that cannot be reopened) ends the router, and with it the session.
+/// The router consumes on the session's intake connection ([`Connections`]). A channel the
+/// broker closes under it (e.g. 406 `PRECONDITION_FAILED` for one bad message) or a failed intake
+/// connection (e.g. a message the AMQP client cannot parse) does not end it: after
+/// `amqp.reconnect_backoff_initial`, doubling with each failure in a row up to
+/// `amqp.reconnect_backoff_max`, it opens the connection again if needed and consumes again,
+/// taking **one delivery at a time** (prefetch 1) until a message that was never delivered
+/// before arrives, then `amqp.input_prefetch` again. The broker returns the failed consumer's
+/// unacked deliveries to the head of the queue, each charged one delivery; taking them one at a
+/// time means that a message that fails the consumer again is alone in flight, so only it is
+/// charged again, until the input queue's `x-delivery-limit` dead-letters it, and the requests
+/// around it are charged once. The publishing channel is reopened by the next delivery that
+/// needs it. Only a failed consuming or publishing connection (or an intake channel that cannot
+/// be opened on a live connection) ends the router, and with it the session.
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
     let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new() });
     let tag = format!("router-{}", settings.instance_name);
+    let a = &settings.amqp;
     let mut inflight = JoinSet::new();
+    // One delivery at a time, after a failure (see above).
+    let mut careful = false;
+    // Failures of the intake channel or connection in a row, for the backoff.
+    let mut failures = 0u32;
     let result = loop {
-        let (ch, mut consumer) = match consume(conns, &settings, &tag).await {
-            Ok(c) => c,
-            Err(e) => break Err(e),
-        };
-        info!(queue = %settings.amqp.input_queue, "router consuming");
-        match pump(&mut consumer, &publish, &settings, &stop, &mut inflight).await {
-            Ended::Stopped => {
-                let _ = answered("basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
-                while inflight.join_next().await.is_some() {}
-                let _ = close_after_acks(&ch, "router stopped").await;
-                break Ok(());
-            }
-            Ended::Closed(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
-            Ended::Closed(e) if stop.is_cancelled() || !conns.consume.status().connected() => break e.map_or(Ok(()), Err),
-            Ended::Closed(e) => {
-                warn!(error = ?e, "the router's consuming channel closed; reopening it");
-                tokio::select! {
-                    _ = stop.cancelled() => break Ok(()),
-                    _ = tokio::time::sleep(settings.amqp.reconnect_backoff_initial) => {}
+        let intake = conns.intake();
+        let ended = match subscribe(&intake, settings.as_ref(), &tag, careful).await {
+            Ok((ch, mut consumer)) => {
+                info!(queue = %a.input_queue, one_at_a_time = careful, "router consuming");
+                loop {
+                    match pump(&mut consumer, &publish, &settings, &stop, &mut inflight, careful).await {
+                        Ended::Fresh => match widen(&ch, &mut consumer, settings.as_ref(), &tag, |d| {
+                            inflight.spawn(guarded(publish.clone(), settings.clone(), d, stop.clone()));
+                        })
+                        .await
+                        {
+                            Ok(wide) => {
+                                info!(queue = %a.input_queue, prefetch = a.input_prefetch, "the input queue delivered a new message; router consuming at the full prefetch again");
+                                consumer = wide;
+                                careful = false;
+                                failures = 0;
+                            }
+                            Err(e) => break Ended::Closed(Some(e)),
+                        },
+                        Ended::Stopped => {
+                            let _ = answered("basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
+                            while inflight.join_next().await.is_some() {}
+                            let _ = close_after_acks(&ch, "router stopped").await;
+                            break Ended::Stopped;
+                        }
+                        closed => break closed,
+                    }
                 }
+            }
+            // A refusal on a live connection (the input queue deleted or declared otherwise):
+            // the session declares the topology again.
+            Err(e) if intake.status().connected() => break Err(e),
+            Err(e) => Ended::Closed(Some(e)),
+        };
+        let e = match ended {
+            Ended::Stopped => break Ok(()),
+            Ended::Fresh => unreachable!("handled above"),
+            Ended::Closed(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
+            Ended::Closed(e) if stop.is_cancelled() || !conns.connected() => break e.map_or(Ok(()), Err),
+            Ended::Closed(e) => e,
+        };
+        careful = true;
+        let wait = redelivery::requeue_backoff(a, u64::from(failures));
+        failures = failures.saturating_add(1);
+        let lost = !intake.status().connected();
+        let why = match (&e, lost) {
+            (Some(e), _) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => metrics::intake_failure::UNREADABLE_MESSAGE,
+            (_, true) => metrics::intake_failure::CONNECTION_LOST,
+            (_, false) => metrics::intake_failure::CHANNEL_CLOSED,
+        };
+        metrics::intake_failed(why);
+        if why == metrics::intake_failure::UNREADABLE_MESSAGE {
+            error!(
+                error = ?e,
+                retry_in = ?wait,
+                "the input queue delivered a message the AMQP client cannot parse (a property such as message_id, correlation_id or reply_to, or a header name, that is not UTF-8); it closed the router's intake connection. The router consumes again one delivery at a time, so that only that message is charged a delivery each time, until the input queue's x-delivery-limit dead-letters it (x-death reason delivery_limit, no x-death-reason); the partitions go on meanwhile"
+            );
+        } else {
+            warn!(error = ?e, intake_connection_lost = lost, retry_in = ?wait, "the router's consumer of the input queue ended; consuming again, one delivery at a time until a new message arrives");
+        }
+        tokio::select! {
+            _ = stop.cancelled() => break Ok(()),
+            _ = tokio::time::sleep(wait) => {}
+        }
+        if lost {
+            let name = crate::amqp::connection_name(&settings.instance_name, " intake");
+            if let Err(e) = conns.reopen_intake(a, &name).await {
+                warn!(error = %e, "cannot open the router's intake connection again; retrying");
             }
         }
     };
@@ -139,30 +200,54 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     result
 }
 
-/// Opens a consuming channel on the input queue with `amqp.input_prefetch`.
-async fn consume(conns: &Connections, settings: &Settings, tag: &str) -> Result<(Channel, Consumer), lapin::Error> {
-    let ch = answered("channel.open", conns.consume.create_channel()).await?;
-    answered("basic.qos", ch.basic_qos(settings.amqp.input_prefetch, BasicQosOptions::default())).await?;
-    let queue = settings.amqp.input_queue.as_str().into();
-    let consumer = answered("basic.consume", ch.basic_consume(queue, tag.into(), BasicConsumeOptions::default(), FieldTable::default())).await?;
+/// Opens a consuming channel on the input queue on `intake`, with prefetch 1 when `careful`,
+/// else `amqp.input_prefetch`.
+async fn subscribe(intake: &lapin::Connection, settings: &Settings, tag: &str, careful: bool) -> Result<(Channel, Consumer), lapin::Error> {
+    let ch = answered("channel.open", intake.create_channel()).await?;
+    let consumer = consume(&ch, settings, tag, if careful { 1 } else { settings.amqp.input_prefetch }).await?;
     Ok((ch, consumer))
+}
+
+/// Starts the router's consumer of the input queue on `ch` with `prefetch` (per consumer: a
+/// quorum queue has no per-channel prefetch, and a consumer keeps the prefetch it started with).
+async fn consume(ch: &Channel, settings: &Settings, tag: &str, prefetch: u16) -> Result<Consumer, lapin::Error> {
+    answered("basic.qos", ch.basic_qos(prefetch, BasicQosOptions::default())).await?;
+    let queue = settings.amqp.input_queue.as_str().into();
+    answered("basic.consume", ch.basic_consume(queue, tag.into(), BasicConsumeOptions::default(), FieldTable::default())).await
+}
+
+/// Replaces the one-at-a-time consumer `careful` on `ch` by one with `amqp.input_prefetch`.
+/// Deliveries the broker sent to `careful` before its cancel took effect go to `handle`; all of
+/// its deliveries stay on `ch` and are acked there as usual.
+async fn widen(ch: &Channel, careful: &mut Consumer, settings: &Settings, tag: &str, mut handle: impl FnMut(Delivery)) -> Result<Consumer, lapin::Error> {
+    answered("basic.cancel", ch.basic_cancel(tag.into(), BasicCancelOptions::default())).await?;
+    // lapin ends the stream after the deliveries it holds once the broker's cancel-ok arrives.
+    while let Some(Ok(delivery)) = careful.next().await {
+        handle(delivery);
+    }
+    consume(ch, settings, tag, settings.amqp.input_prefetch).await
 }
 
 /// How [`pump`] ended.
 enum Ended {
     /// `stop` fired.
     Stopped,
+    /// A careful consumer got a message never delivered before: the ones returned by a failed
+    /// consumer are through (the broker delivers returned messages first).
+    Fresh,
     /// The consumer ended (its channel or connection closed, or the broker cancelled it).
     Closed(Option<lapin::Error>),
 }
 
-/// Hands every delivery of `consumer` to its own task until `stop` fires or the consumer ends.
+/// Hands every delivery of `consumer` to its own task until `stop` fires or the consumer ends;
+/// when `careful`, also ends after handing on the first delivery not marked redelivered.
 async fn pump(
     consumer: &mut Consumer,
     publish: &Arc<PublishChannel>,
     settings: &Arc<Settings>,
     stop: &CancellationToken,
     inflight: &mut JoinSet<()>,
+    careful: bool,
 ) -> Ended {
     loop {
         tokio::select! {
@@ -173,7 +258,11 @@ async fn pump(
             Some(_) = inflight.join_next(), if !inflight.is_empty() => {}
             next = consumer.next() => match next {
                 Some(Ok(delivery)) => {
+                    let fresh = !delivery.redelivered;
                     inflight.spawn(guarded(publish.clone(), settings.clone(), delivery, stop.clone()));
+                    if careful && fresh {
+                        return Ended::Fresh;
+                    }
                 }
                 Some(Err(e)) => return Ended::Closed(Some(e)),
                 None => return Ended::Closed(None),

@@ -29,7 +29,7 @@ fn rabbitmqctl(args: &[&str]) -> std::process::Output {
 }
 
 /// The broker's process ids of the AMQP connections of daemon `instance` (named
-/// `prefix-batcher {instance}` and `prefix-batcher {instance} publish`).
+/// `prefix-batcher {instance}`, `prefix-batcher {instance} publish` and `… intake`).
 fn daemon_connections(instance: &str) -> BTreeSet<String> {
     let out = rabbitmqctl(&["-q", "list_connections", "--no-table-headers", "pid", "client_properties"]);
     assert!(out.status.success(), "rabbitmqctl list_connections: {}", String::from_utf8_lossy(&out.stderr));
@@ -56,7 +56,7 @@ async fn fixture(test: &str, fake_url: &str) -> Fixture {
     let raw = env.raw_config(fake_url);
     let started = start_with_replies(&env, &raw).await;
     let connections = daemon_connections(&raw.instance.name);
-    assert_eq!(connections.len(), 2, "the daemon has a consuming and a publishing connection: {connections:?}");
+    assert_eq!(connections.len(), 3, "the daemon has a consuming, a publishing and an intake connection: {connections:?}");
     let dead = started.amqp.consume(&env.dead_letter_queue()).await;
     Fixture { env, started, dead, connections, instance: raw.instance.name.clone() }
 }
@@ -239,6 +239,81 @@ async fn requests_outside_the_policy_are_dead_lettered_and_serving_goes_on() {
     let served: BTreeSet<String> = fake.calls().into_iter().flat_map(|c| c.prompts).collect();
     assert!(!served.contains("hi"), "a refused request reached the LLM server");
     f.finish().await;
+}
+
+/// Messages the AMQP client cannot parse: RabbitMQ takes any bytes in a short string, and lapin
+/// refuses a `message_id` (or `correlation_id`, `reply_to`, a header name) that is not UTF-8, by
+/// failing the connection it arrives on. Such a message used to end the whole session, again at
+/// every redelivery until the broker's `x-delivery-limit` dead-lettered it, charging every
+/// request in flight a delivery each time: requests around it were dead-lettered untried, and
+/// partitions and leases restarted each time. Now it fails only the router's intake connection,
+/// the router consumes again one delivery at a time, so that only the unreadable message is
+/// charged again, and the broker dead-letters it (without `x-death-reason`: the daemon never
+/// read it). With `amqp.delivery_limit = 2`, a request charged twice would be dead-lettered: every
+/// other request must get exactly one result, the consuming and publishing connections must stay
+/// the same, and requests published during the episode are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("unreadable");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.delivery_limit = 2;
+    raw.amqp.reconnect_backoff_max = "1s".into();
+    let mut started = start_with_replies(&env, &raw).await;
+    let name = |suffix: &str| format!("prefix-batcher {}{suffix}", raw.instance.name);
+    let pid = |suffix: &str| broker::connection_pid(&name(suffix)).unwrap_or_else(|| panic!("no connection {:?}", name(suffix)));
+    let (consume, publish, intake) = (pid(""), pid(" publish"), pid(" intake"));
+    let failures_before = counter("input_consumer_failures_total", "reason", "unreadable_message");
+
+    let input = env.input_queue();
+    let body = |id: &str| serde_json::to_vec(&json!({"id": id, "prompt": format!("unreadable test {id}")})).unwrap();
+    let mut want = Vec::new();
+    // Requests ahead of the unreadable one, it, and requests behind it, all in the router's
+    // first prefetch window; then more while the broker keeps redelivering it.
+    let reply = started.reply.clone();
+    for i in 0..5 {
+        let id = format!("before-{i}");
+        raw_amqp::publish(&input, &body(&id), raw_amqp::RawProps { correlation_id: Some(id.as_bytes()), reply_to: Some(reply.as_bytes()), ..Default::default() }).await;
+        want.push(id);
+    }
+    raw_amqp::publish(&input, &body("unreadable"), raw_amqp::RawProps { correlation_id: Some(b"unreadable"), reply_to: Some(reply.as_bytes()), message_id: Some(b"m\xff\xfeid") }).await;
+    for i in 0..20 {
+        let id = format!("after-{i}");
+        raw_amqp::publish(&input, &body(&id), raw_amqp::RawProps { correlation_id: Some(id.as_bytes()), reply_to: Some(reply.as_bytes()), ..Default::default() }).await;
+        want.push(id);
+    }
+    let later = completions_workload("unreadable-later", 20, 2);
+    started.amqp.publish_requests(&input, &later, &reply).await;
+    want.extend(ids(&later));
+
+    started.results.until_all(&want.iter().cloned().collect(), DEADLINE).await;
+    // The broker dead-letters the unreadable message after its x-delivery-limit (delivery_limit +
+    // 2) deliveries; nothing else reaches the dead-letter queue. (A lapin consumer of the
+    // dead-letter queue would fail on it too, so the queue is only counted.)
+    let dlq = env.dead_letter_queue();
+    let deadline = Instant::now() + DEADLINE;
+    while started.amqp.queue_depth(&dlq).await.0 < 1 {
+        assert!(Instant::now() < deadline, "the unreadable message was not dead-lettered by the broker");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(started.amqp.queue_depth(&dlq).await.0, 1, "only the unreadable message is dead-lettered");
+    for id in &want {
+        let n = started.results.received.iter().filter(|m| &m.correlation_id == id).count();
+        assert_eq!(n, 1, "{id}: want exactly one result");
+        let r = started.results.received.iter().find(|m| &m.correlation_id == id).unwrap().result();
+        assert!(r.ok, "{id}: {r:?}");
+    }
+    assert!(!started.results.received.iter().any(|m| m.correlation_id == "unreadable"), "the unreadable message got a result");
+    assert!(counter("input_consumer_failures_total", "reason", "unreadable_message") > failures_before, "no unreadable message counted");
+    assert_eq!((pid(""), pid(" publish")), (consume.clone(), publish.clone()), "the consuming or publishing connection changed: the session restarted");
+    assert_ne!(pid(" intake"), intake, "the intake connection was not replaced");
+    assert!(!started.daemon.is_finished(), "the daemon stopped");
+    started.daemon.stop().await.expect("daemon stops cleanly");
+    assert_eq!(started.amqp.queue_depth(&input).await.0, 0, "input queue not empty");
+    started.results.close().await;
+    started.amqp.close().await;
+    env.cleanup().await;
 }
 
 /// The value of counter `prefix_batcher_{metric}` with `label = "value"` in this process (0

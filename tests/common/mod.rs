@@ -1042,6 +1042,121 @@ impl Drop for RedisServer {
 }
 
 /// Views and changes of the broker through `rabbitmqctl` (same host as the tests).
+/// A minimal AMQP 0-9-1 publisher that writes its frames by hand, for messages no client library
+/// sends: property values that are not UTF-8. RabbitMQ takes any bytes in a short string (AMQP
+/// 0-9-1 §4.2.5.3 gives them no encoding), and lapin's parser refuses such a frame.
+pub mod raw_amqp {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    /// Properties of [`publish`], each as the exact bytes to send (at most 255).
+    #[derive(Default)]
+    pub struct RawProps<'a> {
+        pub correlation_id: Option<&'a [u8]>,
+        pub reply_to: Option<&'a [u8]>,
+        pub message_id: Option<&'a [u8]>,
+    }
+
+    fn short(out: &mut Vec<u8>, s: &[u8]) {
+        out.push(u8::try_from(s.len()).expect("a short string holds at most 255 bytes"));
+        out.extend_from_slice(s);
+    }
+
+    async fn send(stream: &mut TcpStream, kind: u8, channel: u16, payload: &[u8]) {
+        let mut frame = vec![kind];
+        frame.extend_from_slice(&channel.to_be_bytes());
+        frame.extend_from_slice(&u32::try_from(payload.len()).unwrap().to_be_bytes());
+        frame.extend_from_slice(payload);
+        frame.push(0xCE);
+        stream.write_all(&frame).await.expect("raw AMQP write");
+    }
+
+    async fn send_method(stream: &mut TcpStream, channel: u16, class: u16, method: u16, args: &[u8]) {
+        let mut payload = class.to_be_bytes().to_vec();
+        payload.extend_from_slice(&method.to_be_bytes());
+        payload.extend_from_slice(args);
+        send(stream, 1, channel, &payload).await;
+    }
+
+    /// Reads frames until method `class`.`method` arrives (heartbeats skipped); returns its
+    /// arguments. Panics on a `connection.close` or `channel.close` from the broker.
+    async fn expect_method(stream: &mut TcpStream, class: u16, method: u16) -> Vec<u8> {
+        loop {
+            let mut head = [0u8; 7];
+            stream.read_exact(&mut head).await.expect("raw AMQP read");
+            let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+            let mut payload = vec![0u8; size + 1];
+            stream.read_exact(&mut payload).await.expect("raw AMQP read");
+            if head[0] != 1 {
+                continue;
+            }
+            let (c, m) = (u16::from_be_bytes([payload[0], payload[1]]), u16::from_be_bytes([payload[2], payload[3]]));
+            assert!(!matches!((c, m), (10, 50) | (20, 40)), "the broker closed the raw connection: {}", String::from_utf8_lossy(&payload[4..size]));
+            if (c, m) == (class, method) {
+                return payload[4..size].to_vec();
+            }
+        }
+    }
+
+    /// Publishes `body` (persistent) to `queue` through the default exchange of the local broker
+    /// (`common::AMQP_URL`: guest/guest, vhost `/`) with `props`, and waits for the broker's
+    /// confirm.
+    pub async fn publish(queue: &str, body: &[u8], props: RawProps<'_>) {
+        let mut stream = TcpStream::connect("127.0.0.1:5672").await.expect("connect to RabbitMQ");
+        stream.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+        expect_method(&mut stream, 10, 10).await; // connection.start
+        let mut start_ok = 0u32.to_be_bytes().to_vec(); // client properties: an empty table
+        short(&mut start_ok, b"PLAIN");
+        let response = b"\x00guest\x00guest";
+        start_ok.extend_from_slice(&u32::try_from(response.len()).unwrap().to_be_bytes());
+        start_ok.extend_from_slice(response);
+        short(&mut start_ok, b"en_US");
+        send_method(&mut stream, 0, 10, 11, &start_ok).await;
+        let tune = expect_method(&mut stream, 10, 30).await; // channel-max, frame-max, heartbeat
+        let mut tune_ok = tune[..6].to_vec();
+        tune_ok.extend_from_slice(&0u16.to_be_bytes()); // no heartbeats
+        send_method(&mut stream, 0, 10, 31, &tune_ok).await;
+        let mut open = Vec::new();
+        short(&mut open, b"/");
+        short(&mut open, b"");
+        open.push(0);
+        send_method(&mut stream, 0, 10, 40, &open).await;
+        expect_method(&mut stream, 10, 41).await;
+        send_method(&mut stream, 1, 20, 10, &[0]).await; // channel.open
+        expect_method(&mut stream, 20, 11).await;
+        send_method(&mut stream, 1, 85, 10, &[0]).await; // confirm.select
+        expect_method(&mut stream, 85, 11).await;
+        let mut publish = 0u16.to_be_bytes().to_vec();
+        short(&mut publish, b"");
+        short(&mut publish, queue.as_bytes());
+        publish.push(0);
+        send_method(&mut stream, 1, 60, 40, &publish).await;
+        // Content header: class, weight, body size, property flags (bit 15 = the first
+        // property), then the properties present, in their order (AMQP 0-9-1 §4.2.6.1).
+        let mut header = 60u16.to_be_bytes().to_vec();
+        header.extend_from_slice(&0u16.to_be_bytes());
+        header.extend_from_slice(&(body.len() as u64).to_be_bytes());
+        let mut flags = 1u16 << 12; // delivery-mode
+        let mut list = vec![2u8];
+        for (bit, value) in [(10, props.correlation_id), (9, props.reply_to), (7, props.message_id)] {
+            if let Some(v) = value {
+                flags |= 1 << bit;
+                short(&mut list, v);
+            }
+        }
+        header.extend_from_slice(&flags.to_be_bytes());
+        header.extend_from_slice(&list);
+        send(&mut stream, 2, 1, &header).await;
+        send(&mut stream, 3, 1, body).await;
+        expect_method(&mut stream, 60, 80).await; // basic.ack: the broker took it
+        let mut close = 200u16.to_be_bytes().to_vec();
+        short(&mut close, b"");
+        close.extend_from_slice(&[0, 0, 0, 0]);
+        send_method(&mut stream, 0, 10, 50, &close).await;
+        expect_method(&mut stream, 10, 51).await;
+    }
+}
+
 pub mod broker {
     use std::process::Command;
 
