@@ -185,8 +185,8 @@ pub fn member_routing_key(prefix: &str, name: &str) -> String {
     format!("{prefix}:member_routing:{name}")
 }
 
-/// How long one heartbeat's name-conflict flag lasts: a conflict shows in `status` for up to
-/// this long after the heartbeat that last reported it.
+/// How long a name conflict shows in `status` after the heartbeat that last found it: the
+/// heartbeats flag it for the rest of this time ([`Membership::heartbeat_flagging`]).
 pub const NAME_CONFLICT_FLAG_TTL: Duration = Duration::from_secs(60);
 
 /// The members that partitions are assigned to ([`crate::keying::assignment`]): the live
@@ -303,12 +303,13 @@ impl Membership {
     /// (`llm_down`), and returns the live member names, sorted, with the nonce of another process
     /// that held the name until this heartbeat and the members whose LLM is down (one round trip).
     pub async fn heartbeat(&self, llm_down: bool) -> Result<Heartbeat, MembershipError> {
-        self.heartbeat_flagging(llm_down, false).await
+        self.heartbeat_flagging(llm_down, None).await
     }
 
-    /// [`Self::heartbeat`], also setting this name's conflict flag when `name_conflict`
-    /// ([`member_name_conflict_key`]).
-    pub async fn heartbeat_flagging(&self, llm_down: bool, name_conflict: bool) -> Result<Heartbeat, MembershipError> {
+    /// [`Self::heartbeat`], also setting this name's conflict flag ([`member_name_conflict_key`])
+    /// for the given time when `name_conflict` is `Some` (the rest of
+    /// [`NAME_CONFLICT_FLAG_TTL`] since the conflict was last found; at least 1 ms).
+    pub async fn heartbeat_flagging(&self, llm_down: bool, name_conflict: Option<Duration>) -> Result<Heartbeat, MembershipError> {
         let mut conn = self.conn.clone();
         let mut call = self.heartbeat.prepare_invoke();
         call.key(members_key(&self.prefix))
@@ -322,8 +323,8 @@ impl Membership {
             .arg(self.ttl.as_millis() as u64)
             .arg(if llm_down { "1" } else { "0" })
             .arg(&self.prefix)
-            .arg(if name_conflict { "1" } else { "0" })
-            .arg(NAME_CONFLICT_FLAG_TTL.as_millis() as u64)
+            .arg(if name_conflict.is_some() { "1" } else { "0" })
+            .arg(name_conflict.map_or(1, |d| (d.as_millis() as u64).max(1)))
             .arg(&self.routing)
             .arg(&self.partitions);
         let (members, previous_nonce, llm_down, differs, listed, recorded): (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64) =

@@ -250,7 +250,12 @@ impl Ownership {
     /// answer). Updates the view and the blind/rejoin state.
     async fn refresh_membership(&mut self) -> Option<Vec<String>> {
         let llm_down = self.llm_down();
-        let conflict = self.name_conflict_seen.is_some_and(|t| t.elapsed() < crate::membership::NAME_CONFLICT_FLAG_TTL);
+        // Flagged until NAME_CONFLICT_FLAG_TTL after the conflict was last found, not after each
+        // heartbeat that flags it.
+        let conflict = self
+            .name_conflict_seen
+            .and_then(|t| crate::membership::NAME_CONFLICT_FLAG_TTL.checked_sub(t.elapsed()))
+            .filter(|left| !left.is_zero());
         let beat = match self.membership.heartbeat_flagging(llm_down, conflict).await {
             Ok(b) => b,
             Err(e) => {

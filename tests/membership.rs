@@ -89,10 +89,10 @@ async fn membership_against_redis() {
     }
     // The daemon then flags the conflict with its heartbeats, for `status`; the flag outlives
     // the heartbeat that set it, and a leave removes it.
-    d2.heartbeat_flagging(false, true).await.unwrap();
+    d2.heartbeat_flagging(false, Some(prefix_batcher::membership::NAME_CONFLICT_FLAG_TTL)).await.unwrap();
     let d = read_members(&mut conn, prefix).await.unwrap().into_iter().find(|m| m.name == "d").unwrap();
     assert!(d.name_conflict && !d.llm_down);
-    d2.heartbeat_flagging(false, false).await.unwrap();
+    d2.heartbeat_flagging(false, None).await.unwrap();
     assert!(read_members(&mut conn, prefix).await.unwrap().iter().any(|m| m.name == "d" && m.name_conflict), "a heartbeat without the flag leaves it to expire");
     let flag_ttl: i64 = redis::cmd("PTTL").arg(member_name_conflict_key(prefix, "d")).query_async(&mut probe.conn).await.unwrap();
     assert!(flag_ttl > ttl.as_millis() as i64 && flag_ttl <= 60_000, "PTTL {flag_ttl}");
