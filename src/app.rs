@@ -454,8 +454,13 @@ impl App {
                 (None, _) => {
                     // What the broker said, when it closed a connection: the error above is often
                     // only the component that noticed first.
-                    let broker_said = self.last_errors.iter().filter_map(last_error).collect::<Vec<_>>().join("; ");
-                    warn!(error = %failure, broker_said, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting")
+                    let said = |from_broker: bool| {
+                        let mut texts: Vec<String> = self.last_errors.iter().filter_map(last_error).filter(|e| e.0 == from_broker).map(|e| e.1).collect();
+                        texts.dedup();
+                        texts.join("; ")
+                    };
+                    let (broker_said, client_found) = (said(true), said(false));
+                    warn!(error = %failure, broker_said, client_found, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting")
                 }
             }
             tokio::select! {
@@ -815,15 +820,17 @@ pub fn watch_connection_blocked(
     follow_connection_blocked(events, connection, readiness, last_error)
 }
 
-/// The last error lapin reported on one AMQP connection or its channels, as text (credentials
-/// redacted): what the line of a session that ended says the broker said.
-pub type LastError = Arc<std::sync::Mutex<Option<String>>>;
+/// The last error lapin reported on one AMQP connection or its channels: whether the broker
+/// sent it (a `connection.close` or `channel.close` with its reply code and text) or lapin found
+/// it itself (a socket error, missing heartbeats), and its text (credentials redacted). The line
+/// of a session that ended says them as `broker_said` and `client_found`.
+pub type LastError = Arc<std::sync::Mutex<Option<(bool, String)>>>;
 
 /// How long a session that ended because a connection closed waits for lapin to report the
 /// broker's reason ([`LastError`]).
 const LAST_ERROR_WAIT: Duration = Duration::from_millis(250);
 
-fn last_error(slot: &LastError) -> Option<String> {
+fn last_error(slot: &LastError) -> Option<(bool, String)> {
     slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
 }
 
@@ -835,7 +842,8 @@ async fn follow_connection_blocked(events: impl Stream<Item = lapin::Event> + Se
             lapin::Event::ConnectionBlocked(reason) => state.block(&reason),
             lapin::Event::ConnectionUnblocked => state.unblock(),
             lapin::Event::Error(e) => {
-                *last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(crate::config::redact_text(&e.to_string()));
+                let from_broker = matches!(e.kind(), lapin::ErrorKind::ProtocolError(_));
+                *last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((from_broker, crate::config::redact_text(&e.to_string())));
             }
             _ => {}
         }
