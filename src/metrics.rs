@@ -147,7 +147,7 @@ static E2E_LATENCY: LazyLock<Histogram> = LazyLock::new(|| {
     .unwrap())
 });
 static PARTITIONS_OWNED: LazyLock<IntGauge> = LazyLock::new(|| {
-    reg(IntGauge::new("partitions_owned", "Partitions whose lease this instance holds and whose queue it consumes.").unwrap())
+    reg(IntGauge::new("partitions_owned", "Partitions whose lease this instance holds and whose queue it has a consumer on (a standby while a frozen previous owner's consumer is still the active one).").unwrap())
 });
 static LEASE_OPS: LazyLock<IntCounterVec> = counter_vec!(
     "lease_operations_total",
