@@ -325,6 +325,8 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     // After the id: `submit` copies the id into `correlation_id`, so a bad id is named as such.
     check_length("correlation_id", env.correlation_id.unwrap_or_default(), MAX_ID_BYTES)?;
     check_no_control("correlation_id", env.correlation_id.unwrap_or_default())?;
+    // The result's `x-reply-to` header and log lines carry `reply_to` too (a refused reply queue).
+    check_no_control("reply_to", env.reply_to.unwrap_or_default())?;
     let model = match obj.remove("model") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s.is_empty() => {
@@ -457,7 +459,7 @@ pub fn is_control_like(c: char) -> bool {
     c.is_control() || matches!(c, '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
 }
 
-/// A request id may not hold control characters: it is copied into result headers and log
+/// A request id (likewise `correlation_id` and `reply_to`) may not hold control characters: it is copied into result headers and log
 /// lines, where a line feed or an escape sequence would forge or garble them, and a
 /// bidirectional override would make it read differently from what it is (CVE-2021-42574).
 /// Refused: Unicode category Cc (U+0000–U+001F, U+007F–U+009F), the line and paragraph
@@ -469,7 +471,7 @@ fn check_no_control(field: &'static str, value: &str) -> Result<(), ParseError> 
         Some(c) => Err(ParseError::InvalidField {
             field,
             detail: format!(
-                "contains the control character U+{:04X}; ids may not hold control characters, line separators or bidirectional formatting characters",
+                "contains the control character U+{:04X}; ids, correlation_id and reply_to may not hold control characters, line separators or bidirectional formatting characters",
                 u32::from(c)
             ),
         }),
@@ -810,6 +812,22 @@ mod tests {
                 other => panic!("{body}: {other:?}"),
             }
         }
+    }
+
+    /// Observed: `reply_to = "amq.gen-x\r2026-12-04T00:00:00Z  INFO FORGED: all good"` matched the
+    /// default reply-to pattern (`.` takes CR, ESC, NUL, U+202E), and a refused reply queue
+    /// wrote it raw into a WARN line and the result's `x-reply-to` header.
+    #[test]
+    fn a_reply_to_with_a_control_character_is_refused() {
+        for reply in ["amq.gen-x\r2026-12-04T00:00:00Z  INFO FORGED", "amq.gen-\u{202E}evil", "amq.gen-\u{1b}[31mred", "amq.gen-\u{0}"] {
+            let env = Envelope { reply_to: Some(reply), ..Envelope::default() };
+            match parse(br#"{"id":"r","prompt":"hi"}"#, &env, 1000).unwrap_err() {
+                ParseError::InvalidField { field: "reply_to", detail } => assert!(detail.contains("control character"), "{reply:?}: {detail}"),
+                other => panic!("{reply:?}: {other:?}"),
+            }
+        }
+        let env = Envelope { reply_to: Some("amq.gen-héllo"), ..Envelope::default() };
+        assert!(parse(br#"{"prompt":"hi"}"#, &env, 1000).is_ok());
     }
 
     #[test]
