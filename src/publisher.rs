@@ -559,6 +559,9 @@ pub async fn publish_own(
     publish_on(out, amqp, exchange, routing_key, body, props).await
 }
 
+/// [`publish_on`]'s line for each message it publishes again.
+static AFTER_FAILED_LOG: LogLimit = LogLimit::new();
+
 /// How many times [`publish_on`] publishes a message again that was
 /// [`PublishError::AfterFailed`].
 const AFTER_FAILED_ATTEMPTS: u32 = 3;
@@ -579,7 +582,16 @@ pub async fn publish_on(
     loop {
         let ch = out.get().await?;
         match publish_confirmed(&ch, out.connection(), amqp, exchange, routing_key, body, props.clone()).await {
-            Err(PublishError::AfterFailed) if again < AFTER_FAILED_ATTEMPTS => again += 1,
+            Err(PublishError::AfterFailed) if again < AFTER_FAILED_ATTEMPTS => {
+                again += 1;
+                crate::warn_limited!(
+                    AFTER_FAILED_LOG,
+                    exchange,
+                    routing_key,
+                    attempt = again,
+                    "publishing a message again: an earlier publish to the same destination on its channel failed, so the broker may have dropped this one although it confirmed it (rabbitmq-server #14589); if it did not, the destination gets it twice"
+                );
+            }
             outcome => return outcome,
         }
     }
@@ -676,7 +688,10 @@ pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &De
 fn prefix_key_header(headers: Option<&FieldTable>) -> Result<Option<Cow<'_, str>>, &'static str> {
     let Some(v) = headers.and_then(|h| h.inner().get(HEADER_PREFIX_KEY)) else { return Ok(None) };
     match v {
-        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => Ok(header_str(headers, HEADER_PREFIX_KEY)),
+        AMQPValue::ShortString(_) => Ok(header_str(headers, HEADER_PREFIX_KEY)),
+        // A long string is bytes in AMQP 0-9-1: read as UTF-8 strictly, or distinct keys would
+        // become one key through U+FFFD.
+        AMQPValue::LongString(b) => std::str::from_utf8(b.as_bytes()).map(|s| Some(Cow::Borrowed(s))).map_err(|_| "a long string that is not UTF-8"),
         AMQPValue::ByteArray(b) => std::str::from_utf8(b.as_slice()).map(|s| Some(Cow::Borrowed(s))).map_err(|_| "a byte array that is not UTF-8"),
         AMQPValue::Boolean(_) => Err("a boolean"),
         AMQPValue::Float(_) | AMQPValue::Double(_) | AMQPValue::DecimalValue(_) => Err("a number"),
@@ -1024,7 +1039,7 @@ pub async fn publish_result(
             error = %e,
             attempts = failures,
             retry_in = ?wait,
-            "result not confirmed: the broker does not take results (the request's fault would be a result over max_message_size); holding the request unacked, not charged a delivery, and publishing the result again"
+            "result not confirmed: the broker does not take results now (a full, missing or just re-declared results queue, revoked write access, no leader; not the request's fault, which only a result over max_message_size would be); holding the request unacked, not charged a delivery, and publishing the result again"
         );
         tokio::select! {
             _ = wait_to_publish_again(out.connection(), wait) => {}
@@ -1398,5 +1413,23 @@ mod tests {
         assert!(long.starts_with(cut.trim_end_matches('…')));
         assert_eq!(log_id(&"🦀".repeat(100)).chars().filter(|c| *c == '🦀').count(), MAX_LOGGED_ID_BYTES / 4);
         assert_eq!(log_id("a\nb\u{7}"), "a\\nb\\u{7}");
+    }
+
+    /// Observed: the long strings `ab\xff\xfe` and `ab\xfe\xff` and the string `ab\u{FFFD}\u{FFFD}`
+    /// as `x-prefix-key` were all read as one key (U+FFFD replacement).
+    #[test]
+    fn a_prefix_key_header_that_is_not_utf8_is_refused_in_every_byte_type() {
+        let header = |v: AMQPValue| {
+            let mut t = FieldTable::default();
+            t.insert(HEADER_PREFIX_KEY.into(), v);
+            t
+        };
+        for bytes in [&b"ab\xff\xfe"[..], &b"ab\xfe\xff"[..]] {
+            assert_eq!(prefix_key_header(Some(&header(AMQPValue::LongString(bytes.to_vec().into())))), Err("a long string that is not UTF-8"));
+            assert_eq!(prefix_key_header(Some(&header(AMQPValue::ByteArray(bytes.to_vec().into())))), Err("a byte array that is not UTF-8"));
+        }
+        let good = "ab\u{e9}";
+        assert_eq!(prefix_key_header(Some(&header(AMQPValue::LongString(good.into())))).unwrap().as_deref(), Some(good));
+        assert_eq!(prefix_key_header(Some(&header(AMQPValue::ByteArray(good.as_bytes().to_vec().into())))).unwrap().as_deref(), Some(good));
     }
 }
