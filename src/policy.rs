@@ -39,6 +39,11 @@ pub const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
 /// pattern must match the whole queue name.
 pub const DEFAULT_REPLY_TO_PATTERN: &str = r"amq\.gen-.*";
 
+/// Fields of the request body that are not parameters: the LLM call's body takes `model`,
+/// `prompt` and `messages` from the request's own fields (`llm::OWN_BODY_KEYS`), so in `params`
+/// they would be dropped. Never allowed there, even with `"*"`.
+pub const REQUEST_FIELDS: &[&str] = &["model", "prompt", "messages"];
+
 /// Default `requests.allowed_params`: the sampling and output parameters of the OpenAI
 /// completions and chat completions APIs, and the common extensions of vLLM, SGLang and
 /// llama.cpp's server. `"*"` in the list allows any parameter.
@@ -179,6 +184,13 @@ impl RequestPolicy {
             Ok((!list.iter().any(|p| p.trim() == "*")).then(|| list.iter().map(|p| p.trim().to_owned()).collect()))
         };
         let allowed_params = names("requests.allowed_params", &r.allowed_params)?;
+        if let Some(own) = r.allowed_params.iter().find(|p| REQUEST_FIELDS.contains(&p.trim())) {
+            return Err(invalid(
+                "requests.allowed_params",
+                format!("{own:?}"),
+                "must not name a field of the request itself (model, prompt, messages): the LLM call's body takes them from the request's own fields, so such a parameter would be dropped",
+            ));
+        }
         let models = if r.models.is_empty() { None } else { names("requests.models", &r.models)? };
         let cap = |key: &'static str, v: u64| if v == 0 { Err(invalid(key, v, "must be at least 1")) } else { Ok(v) };
         Ok(RequestPolicy {
@@ -254,6 +266,11 @@ impl RequestPolicy {
             }
         }
         for (name, value) in &req.params {
+            if REQUEST_FIELDS.contains(&name.as_str()) {
+                return Err(format!(
+                    "parameter {name:?} is a field of the request itself, not a sampling parameter (it would be dropped): put it at the top level of the body"
+                ));
+            }
             if self.allowed_params.as_ref().is_some_and(|a| !a.contains(name)) {
                 return Err(format!("parameter {:?} is not in requests.allowed_params", cut(name)));
             }
@@ -357,6 +374,10 @@ mod tests {
         let any = policy(|r| r.allowed_params = vec!["*".into()]);
         assert!(any.check(&completion(json!({"guided_grammar": "x"})), None).is_ok());
         assert!(any.check(&completion(json!({"max_tokens": 40000})), None).is_err(), "caps hold with any parameter allowed");
+        for own in ["model", "prompt", "messages"] {
+            let err = any.check(&completion(json!({own: "x"})), None).unwrap_err().1;
+            assert!(err.contains("field of the request itself"), "{own}: {err}");
+        }
     }
 
     #[test]
@@ -380,6 +401,11 @@ mod tests {
         assert_eq!(err(RawRequests { max_tokens: 0, ..RawRequests::default() }), "requests.max_tokens");
         assert_eq!(err(RawRequests { allowed_params: vec![" ".into()], ..RawRequests::default() }), "requests.allowed_params");
         assert_eq!(err(RawRequests { reply_to_pattern: "".into(), ..RawRequests::default() }), "requests.reply_to_pattern");
+        // Observed: listed, `params: {"model": "evil-model"}` was answered with the configured
+        // model, the parameter dropped silently.
+        for own in ["model", " prompt", "messages"] {
+            assert_eq!(err(RawRequests { allowed_params: vec!["max_tokens".into(), own.into()], ..RawRequests::default() }), "requests.allowed_params", "{own}");
+        }
         let spaced = RequestPolicy::from_raw(&RawRequests { allowed_params: vec!["max_tokens".into(), " temperature".into()], ..RawRequests::default() }, &OWN, PARTITIONS).unwrap();
         assert!(spaced.check(&completion(json!({"temperature": 0})), None).is_ok(), "names are trimmed");
     }
