@@ -710,6 +710,7 @@ pub struct LogSettings {
 /// Loads the raw configuration: defaults, then the file (when `path` is given), then the
 /// environment.
 pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
+    check_env_names(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()))?;
     let mut b = config::Config::builder();
     if let Some(p) = path.filter(|p| p.is_dir()) {
         // The config crate would say "not found" for a directory.
@@ -755,6 +756,46 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     let merged: serde_json::Value = cfg.clone().try_deserialize().map_err(ConfigError::Load)?;
     check_value_types(&merged, true)?;
     cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)
+}
+
+/// Refuses an environment variable `PREFIX_BATCHER__…` that names no configuration key, naming
+/// the variable (its value is not shown: it may be a secret). The `config` crate's own error
+/// names only the first unknown field, not where it came from, and a stale line in a service's
+/// environment file is hard to find from that. A key under a section that has no fixed keys in
+/// the defaults (an optional table) is left to the deserializer; `sharding.keys` and
+/// `sharding.rules` are refused as file-only.
+fn check_env_names(vars: impl Iterator<Item = String>) -> Result<(), ConfigError> {
+    let defaults = serde_json::to_value(RawConfig::default()).expect("the defaults serialize");
+    let prefix = format!("{ENV_PREFIX}__");
+    for var in vars {
+        let Some(rest) = var.strip_prefix(&prefix) else { continue };
+        let path: Vec<String> = rest.split("__").map(str::to_lowercase).collect();
+        let dotted = path.join(".");
+        let set_by = format!("set by {var}");
+        if dotted.starts_with("sharding.keys") || dotted.starts_with("sharding.rules") {
+            return Err(invalid(&dotted, set_by, "sharding.keys and sharding.rules can only be set in the configuration file"));
+        }
+        let mut node = &defaults;
+        for (i, part) in path.iter().enumerate() {
+            let serde_json::Value::Object(fields) = node else { break };
+            match fields.get(part) {
+                Some(next) => node = next,
+                None => {
+                    let known: Vec<&str> = fields.keys().map(String::as_str).collect();
+                    let rule = if i == 0 {
+                        format!("not a configuration key: there is no section `{part}` (sections: {})", known.join(", "))
+                    } else {
+                        format!("not a configuration key: [{}] has no key `{part}` (keys: {})", path[..i].join("."), known.join(", "))
+                    };
+                    return Err(invalid(&dotted, set_by, rule));
+                }
+            }
+        }
+        if matches!(node, serde_json::Value::Object(f) if !f.is_empty()) {
+            return Err(invalid(&dotted, set_by, "names a section, not a key: write PREFIX_BATCHER__SECTION__KEY"));
+        }
+    }
+    Ok(())
 }
 
 /// The kind of value a key takes, where the `config` crate would otherwise convert silently.
@@ -1504,8 +1545,14 @@ fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
 /// `amqp.partitions` below their defaults (8) needs no other change.
 fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result<ShardingSettings, ConfigError> {
     let mut keys = HashMap::new();
+    // Errors name the entry (`sharding.keys."tenant-a"`), as TOML would write its key.
+    let entry = |k: &str| format!("sharding.keys.{k:?}");
     for (k, v) in &s.keys {
-        keys.insert(k.clone(), nonzero_u32("sharding.keys", *v)?);
+        let n = NonZeroU32::new(*v).ok_or_else(|| invalid(&entry(k), v, "must be at least 1"))?;
+        if n > partitions {
+            return Err(invalid(&entry(k), n, format!("must be at most amqp.partitions ({partitions})")));
+        }
+        keys.insert(k.clone(), n);
     }
     let mut rules = Vec::new();
     for (i, rule) in s.rules.iter().enumerate() {
@@ -1525,7 +1572,6 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result
         rules,
     };
     for (key, n) in std::iter::once(("sharding.default_shards", sharding.default_shards))
-        .chain(sharding.keys.values().map(|n| ("sharding.keys", *n)))
         .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards", r.shards)))
     {
         if n > partitions {
@@ -1923,6 +1969,36 @@ mod tests {
         assert!(e.contains("`sharding.rules[2].pattern` = \"(\": must be a regular expression"), "{e}");
         r.sharding.rules[2] = RawShardRule { pattern: "x".into(), shards: 0 };
         assert!(err(&r).contains("`sharding.rules[2].shards` = 0: must be at least 1"));
+    }
+
+    /// Observed: `PREFIX_BATCHER__FOO__BAR=1` gave "unknown field `foo`" without the variable;
+    /// `PREFIX_BATCHER__AMQP=1` named an internal type.
+    #[test]
+    fn an_environment_variable_that_names_no_key_is_named() {
+        let e = |v: &str| check_env_names(std::iter::once(v.to_owned())).map_err(|e| e.to_string());
+        assert!(e("PREFIX_BATCHER__AMQP__PARTITIONS").is_ok());
+        assert!(e("PREFIX_BATCHER__AMQP__TLS_CA_FILE").is_ok(), "a key with underscores");
+        assert!(e("PREFIX_BATCHER_DATA").is_ok(), "not an override");
+        let got = e("PREFIX_BATCHER__FOO__BAR").unwrap_err();
+        assert!(got.contains("`foo.bar` = set by PREFIX_BATCHER__FOO__BAR") && got.contains("no section `foo`") && got.contains("amqp"), "{got}");
+        let got = e("PREFIX_BATCHER__AMQP__PARTITONS").unwrap_err();
+        assert!(got.contains("[amqp] has no key `partitons`") && got.contains("partitions"), "{got}");
+        let got = e("PREFIX_BATCHER__AMQP").unwrap_err();
+        assert!(got.contains("names a section"), "{got}");
+        let got = e("PREFIX_BATCHER__SHARDING__KEYS__TENANT").unwrap_err();
+        assert!(got.contains("only be set in the configuration file"), "{got}");
+    }
+
+    /// Observed: `"tenant" = 0` gave `` `sharding.keys` = 0: must be at least 1 ``: which key?
+    #[test]
+    fn a_bad_sharding_key_entry_is_named() {
+        let mut r = RawConfig::default();
+        r.sharding.keys.insert("tenant-a".into(), 0);
+        let e = err(&r);
+        assert!(e.contains("`sharding.keys.\"tenant-a\"` = 0: must be at least 1"), "{e}");
+        r.sharding.keys.insert("tenant-a".into(), 100_000);
+        let e = err(&r);
+        assert!(e.contains("`sharding.keys.\"tenant-a\"` = 100000: must be at most amqp.partitions"), "{e}");
     }
 
     #[test]
