@@ -403,6 +403,44 @@ async fn refused_credentials_stop_the_startup_with_78() {
     env.cleanup().await;
 }
 
+/// A header of tables nested 10,000 levels deep (70 kB, within RabbitMQ's default `frame_max`):
+/// the AMQP client parses field tables recursively, and with the default 2 MiB thread stacks the
+/// daemon's process aborted at about 200 levels (`thread 'lapin-io-loop' has overflowed its
+/// stack`), again at every redelivery, and the broker's delivery limit dead-lettered the requests
+/// delivered with it, untried. The daemon now runs with 256 MiB thread stacks: the request is
+/// answered like any other, and so are the ones around it, by the same process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deeply_nested_header_is_served_and_crashes_nothing() {
+    let env = TestEnv::new("nested");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut started = run_with_replies(&env, &raw, "nested").await;
+    let pid = started.daemon.pid();
+    let input = env.input_queue();
+    let reply = started.reply.clone();
+    let body = |id: &str| serde_json::to_vec(&serde_json::json!({"id": id, "prompt": format!("nested header test {id}")})).unwrap();
+    let headers = raw_amqp::nested_table(10_000);
+    let mut want = HashSet::new();
+    for id in ["nested-before", "nested-deep", "nested-after"] {
+        let props = raw_amqp::RawProps {
+            correlation_id: Some(id.as_bytes()),
+            reply_to: Some(reply.as_bytes()),
+            headers: (id == "nested-deep").then_some(headers.as_slice()),
+            ..Default::default()
+        };
+        raw_amqp::publish(&input, &body(id), props).await;
+        want.insert(id.to_owned());
+    }
+    started.results.until_all(&want, DEADLINE).await;
+    for id in &want {
+        let r = started.results.received.iter().find(|m| &m.correlation_id == id).unwrap().result();
+        assert!(r.ok, "{id}: {r:?}");
+    }
+    assert_eq!(started.daemon.pid(), pid);
+    assert!(!started.daemon.log().contains("overflowed its stack"), "log tail:\n{}", started.daemon.log_tail(20));
+    started.stop_and_clean_up(env).await;
+}
+
 /// A flood of malformed requests is dead-lettered in full, and its per-request warning reaches
 /// the log at most `log_limit::BURST` times a minute (the rest go to `DEBUG`): before, every one
 /// of them was a `WARN` line, and journald drops lines of a unit over its rate limit, the

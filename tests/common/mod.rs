@@ -1055,6 +1055,22 @@ pub mod raw_amqp {
         pub correlation_id: Option<&'a [u8]>,
         pub reply_to: Option<&'a [u8]>,
         pub message_id: Option<&'a [u8]>,
+        /// The `headers` property as an encoded field table (its 4-byte length, then its
+        /// entries), sent as is.
+        pub headers: Option<&'a [u8]>,
+    }
+
+    /// An encoded field table holding one table in one table … `depth` levels deep (7 bytes a
+    /// level: a 1-byte name, the type `F`, a 4-byte length), for the `headers` of [`publish`].
+    pub fn nested_table(depth: usize) -> Vec<u8> {
+        let mut table = 0u32.to_be_bytes().to_vec();
+        for _ in 0..depth {
+            let mut entry = vec![1u8, b'n', b'F'];
+            entry.extend_from_slice(&table);
+            table = u32::try_from(entry.len()).unwrap().to_be_bytes().to_vec();
+            table.extend_from_slice(&entry);
+        }
+        table
     }
 
     fn short(out: &mut Vec<u8>, s: &[u8]) {
@@ -1137,7 +1153,12 @@ pub mod raw_amqp {
         header.extend_from_slice(&0u16.to_be_bytes());
         header.extend_from_slice(&(body.len() as u64).to_be_bytes());
         let mut flags = 1u16 << 12; // delivery-mode
-        let mut list = vec![2u8];
+        let mut list = Vec::new();
+        if let Some(h) = props.headers {
+            flags |= 1 << 13;
+            list.extend_from_slice(h);
+        }
+        list.push(2);
         for (bit, value) in [(10, props.correlation_id), (9, props.reply_to), (7, props.message_id)] {
             if let Some(v) = value {
                 flags |= 1 << bit;
