@@ -276,7 +276,7 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
         raw_amqp::publish(&input, &body(&id), raw_amqp::RawProps { correlation_id: Some(id.as_bytes()), reply_to: Some(reply.as_bytes()), ..Default::default() }).await;
         want.push(id);
     }
-    raw_amqp::publish(&input, &body("unreadable"), raw_amqp::RawProps { correlation_id: Some(b"unreadable"), reply_to: Some(reply.as_bytes()), message_id: Some(b"m\xff\xfeid") }).await;
+    raw_amqp::publish(&input, &body("unreadable"), raw_amqp::RawProps { correlation_id: Some(b"unreadable"), reply_to: Some(reply.as_bytes()), message_id: Some(b"m\xff\xfeid"), ..Default::default() }).await;
     for i in 0..20 {
         let id = format!("after-{i}");
         raw_amqp::publish(&input, &body(&id), raw_amqp::RawProps { correlation_id: Some(id.as_bytes()), reply_to: Some(reply.as_bytes()), ..Default::default() }).await;
