@@ -670,6 +670,19 @@ impl LlmClient {
             builder = builder.identity(identity);
         }
         let http = builder.build().map_err(|e| config_error(format!("cannot build the HTTP client: {}", e.without_url())))?;
+        if let Some(after) = settings.liveness_check_after {
+            // The check starts after `after` and needs LIVENESS_MISSES unanswered checks: a call
+            // that times out before then is never checked.
+            let verdict = after + after.min(LIVENESS_TIMEOUT_MAX) * LIVENESS_MISSES;
+            if settings.request_timeout <= verdict {
+                tracing::warn!(
+                    request_timeout = ?settings.request_timeout,
+                    liveness_check_after = ?after,
+                    needs_more_than = ?verdict,
+                    "llm.request_timeout is too short for the frozen-server check (llm.liveness_check_after plus two checks of min(10s, it) each): calls to a frozen server are found by their timeouts instead, one probe later; lower llm.liveness_check_after or raise llm.request_timeout"
+                );
+            }
+        }
         Ok(LlmClient {
             inner: Arc::new(Inner {
                 http,

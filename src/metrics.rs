@@ -95,7 +95,7 @@ static LLM_CIRCUIT_OPEN: LazyLock<IntGaugeVec> = LazyLock::new(|| {
 });
 static LLM_CIRCUIT_OPENED: LazyLock<IntCounterVec> = counter_vec!(
     "llm_circuit_opened_total",
-    "Times the circuit breaker of LLM endpoint `endpoint` (its index in llm.endpoints) opened after server faults: once per outage (a failed probe that reopens it is not counted again).",
+    "Times the circuit breaker of LLM endpoint `endpoint` (its index in llm.endpoints) opened after server faults: once per opening from the closed state (a failed probe that reopens it is not counted again, but an opening after a passing probe closed it is: a count that keeps rising means a breaker that flaps, as for a server whose real calls keep failing while it answers the one-token probe).",
     &["endpoint"]
 );
 static LLM_PROMPT_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
