@@ -455,6 +455,11 @@ impl Breaker {
         }
         if let Some(since) = self.timeouts_since {
             if self.last_answer.is_none_or(|answered| answered < since) {
+                // The half-open probe is the same one-token call, which this server answers: its
+                // close is a trial ([`Self::close_for_trial`]), so the open time keeps doubling
+                // until a real call is answered. Without this, a server slow for every real call
+                // was open 1 s of every 10 (the probe closed it, the real calls timed out again).
+                self.trial = true;
                 self.open(now);
                 return Some(BreakerState::Open);
             }
@@ -930,6 +935,35 @@ mod tests {
         b.record(Outcome::Success, true, now);
         assert_eq!(b.trip(now), Some(BreakerState::Open));
         assert_eq!(b.open_until().unwrap() - now, policy.open_initial);
+    }
+
+    /// Observed: a server answering real calls in 8 s and the one-token probe in 0.1 s, with
+    /// `llm.request_timeout = 5s`: the breaker opened for 1 s of every 10, each passing half-open
+    /// probe resetting the open time. Now the open time doubles until a real call is answered.
+    #[test]
+    fn a_server_slow_for_every_real_call_stays_open_longer_each_time() {
+        let policy = BreakerPolicy::default();
+        let mut b = Breaker::new(policy);
+        let t0 = Instant::now();
+        let mut now = t0;
+        for wait in [1, 2, 4, 8, 16, 30, 30] {
+            // Real calls time out, and the probe that verifies them passes: opened.
+            b.record(Outcome::TimedOut, false, now);
+            assert_eq!(b.probe_passed(now), Some(BreakerState::Open));
+            let until = b.open_until().unwrap();
+            assert_eq!(until - now, Duration::from_secs(wait));
+            now = until;
+            // The half-open probe (the same one-token call) passes and closes it for a trial.
+            assert!(b.admit_probe(now));
+            assert_eq!(b.record(Outcome::Success, true, now), Some(BreakerState::Closed));
+        }
+        // A real call answered ends the doubling (a later call timing out opens it anew).
+        let ms = Duration::from_millis(1);
+        b.record(Outcome::Success, false, now);
+        b.timed_out_call_sent(now + ms);
+        b.record(Outcome::TimedOut, false, now + 2 * ms);
+        assert_eq!(b.probe_passed(now + 3 * ms), Some(BreakerState::Open));
+        assert_eq!(b.open_until().unwrap() - (now + 3 * ms), policy.open_initial);
     }
 
     #[test]
