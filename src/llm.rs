@@ -179,6 +179,10 @@ pub const LIVENESS_TIMEOUT_MAX: Duration = Duration::from_secs(10);
 pub const LIVENESS_MISSES: u32 = 2;
 /// Largest body of a real call kept for [`LlmClient::probe`] to replay (64 KiB).
 pub const KNOWN_GOOD_MAX_BYTES: usize = 64 * 1024;
+/// How often a call waiting to retry after a server fault checks whether its endpoint's breaker
+/// opened meanwhile ([`LlmClient::send_with_retries`]).
+const BREAKER_CHECK_DURING_BACKOFF: Duration = Duration::from_millis(100);
+
 /// The longest a probe may take: a probe is limited to min(`llm.request_timeout`, this). A
 /// one-token completion answers in far less on a healthy server, even a busy one; a hung server
 /// fails it this long after it was sent (not one whole `llm.request_timeout`, 300 s by default).
@@ -1002,10 +1006,27 @@ impl LlmClient {
                 );
             }
             let Some(delay) = delay else { return (Err(error), attempt) };
+            let server_fault = error.is_server_fault();
             last_error = Some(error);
+            // A server fault's wait (a 429 or 503 `Retry-After` can be up to `llm.backoff_max`)
+            // ends when the endpoint's breaker opens meanwhile: the items then go to another
+            // endpoint or wait for this one, as when it was open before the retry.
+            let opened = async {
+                let mut tick = tokio::time::interval(BREAKER_CHECK_DURING_BACKOFF);
+                loop {
+                    tick.tick().await;
+                    if server_fault && !self.available(endpoint) {
+                        break;
+                    }
+                }
+            };
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return (Err(LlmError::cancelled()), attempt),
+                () = opened => {
+                    tracing::debug!(endpoint, attempt, "the endpoint's circuit breaker opened while a call waited to retry; giving up on it");
+                    return (Err(last_error.take().expect("set above")), attempt);
+                }
                 _ = tokio::time::sleep(delay) => {}
             }
         }
@@ -2650,6 +2671,31 @@ mod tests {
         assert_eq!(calls.len(), 2);
         assert!(calls[1].received_at - calls[0].received_at >= Duration::from_millis(300));
         assert!(results.iter().all(|r| r.as_ref().unwrap().attempts == 2));
+    }
+
+    /// Observed: with a healthy second endpoint, batches that got 429 with `Retry-After: 999999`
+    /// slept the whole capped delay (30 s) on the limited endpoint although its breaker opened
+    /// 0.4 s later. Now the wait ends when the breaker opens, with the server fault.
+    #[tokio::test]
+    async fn a_call_waiting_out_a_retry_after_gives_up_when_its_breaker_opens() {
+        let fake = FakeLlm::new().always_fail(429).retry_after(30).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.backoff_max = Duration::from_secs(20);
+        let client = LlmClient::new(&s).unwrap();
+        let (c, started) = (client.clone(), Instant::now());
+        let task = tokio::spawn(async move { run(&c, &three_prompts(&Map::new())).await });
+        while fake.call_count() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!task.is_finished(), "the call waits out its Retry-After");
+        lock(&client.inner.endpoints[0].breaker).trip(Instant::now());
+        let results = tokio::time::timeout(Duration::from_secs(5), task).await.expect("the waiting call gave up when the breaker opened").unwrap();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        assert_eq!(fake.call_count(), 1, "no second attempt on the open endpoint");
+        for r in results {
+            assert_eq!(r.unwrap_err().kind, ErrorKind::RateLimited);
+        }
     }
 
     /// A list call's refusal goes again prompt by prompt, and only the refused prompt fails, not
