@@ -1548,11 +1548,7 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result
     // Errors name the entry (`sharding.keys."tenant-a"`), as TOML would write its key.
     let entry = |k: &str| format!("sharding.keys.{k:?}");
     for (k, v) in &s.keys {
-        let n = NonZeroU32::new(*v).ok_or_else(|| invalid(&entry(k), v, "must be at least 1"))?;
-        if n > partitions {
-            return Err(invalid(&entry(k), n, format!("must be at most amqp.partitions ({partitions})")));
-        }
-        keys.insert(k.clone(), n);
+        keys.insert(k.clone(), NonZeroU32::new(*v).ok_or_else(|| invalid(&entry(k), v, "must be at least 1"))?);
     }
     let mut rules = Vec::new();
     for (i, rule) in s.rules.iter().enumerate() {
@@ -1571,11 +1567,12 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result
         keys,
         rules,
     };
-    for (key, n) in std::iter::once(("sharding.default_shards", sharding.default_shards))
-        .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards", r.shards)))
+    for (key, n) in std::iter::once(("sharding.default_shards".to_owned(), sharding.default_shards))
+        .chain(s.keys.keys().map(|k| (entry(k), sharding.keys[k])))
+        .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards".to_owned(), r.shards)))
     {
         if n > partitions {
-            return Err(invalid(key, n, format!("must be at most amqp.partitions ({partitions})")));
+            return Err(invalid(&key, n, format!("must be at most amqp.partitions ({partitions})")));
         }
     }
     Ok(sharding)

@@ -1015,7 +1015,7 @@ impl LlmClient {
                 let mut tick = tokio::time::interval(BREAKER_CHECK_DURING_BACKOFF);
                 loop {
                     tick.tick().await;
-                    if server_fault && !self.available(endpoint) {
+                    if !self.available(endpoint) {
                         break;
                     }
                 }
@@ -1023,7 +1023,7 @@ impl LlmClient {
             tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return (Err(LlmError::cancelled()), attempt),
-                () = opened => {
+                () = opened, if server_fault => {
                     tracing::debug!(endpoint, attempt, "the endpoint's circuit breaker opened while a call waited to retry; giving up on it");
                     return (Err(last_error.take().expect("set above")), attempt);
                 }
