@@ -755,7 +755,17 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     }
     let merged: serde_json::Value = cfg.clone().try_deserialize().map_err(ConfigError::Load)?;
     check_value_types(&merged, true)?;
-    cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)
+    let mut raw = cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)?;
+    // A list from the environment is split at commas as written (`a, b` gives " b"): trim each
+    // item, so that what `check-config` prints is what is used.
+    for list in [&mut raw.amqp.urls, &mut raw.llm.endpoints, &mut raw.redis.sentinels, &mut raw.requests.allowed_params, &mut raw.requests.models] {
+        for item in list.iter_mut() {
+            if item.trim().len() != item.len() {
+                *item = item.trim().to_owned();
+            }
+        }
+    }
+    Ok(raw)
 }
 
 /// Refuses an environment variable `PREFIX_BATCHER__…` that names no configuration key, naming

@@ -143,7 +143,8 @@ fn parse_output(out: &str) -> BTreeMap<String, String> {
 
 #[test]
 fn every_documented_environment_variable_overrides_its_key() {
-    // A valid, non-default value for every key an environment variable can set.
+    // A valid, non-default value for every key an environment variable can set; list items
+    // with spaces around them, as people write lists, which check-config prints trimmed.
     let values: &[(&str, &str, &str)] = &[
         // (key, environment value, expected in check-config's output)
         ("instance.name", "env-instance", "\"env-instance\""),
@@ -168,7 +169,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("amqp.heartbeat", "20s", "\"20s\""),
         (
             "amqp.urls",
-            "amqps://envuser:envpass@r1.example:5671/%2f,amqps://envuser:envpass@r2.example:5671/%2f",
+            "amqps://envuser:envpass@r1.example:5671/%2f , amqps://envuser:envpass@r2.example:5671/%2f",
             "[\"amqps://envuser:***@r1.example:5671/%2f\", \"amqps://envuser:***@r2.example:5671/%2f\"]",
         ),
         ("redis.url", "rediss://envuser:envpass@redis.example:6380/2", "\"rediss://envuser:***@redis.example:6380/2\""),
@@ -176,7 +177,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("redis.command_timeout", "3s", "\"3s\""),
         (
             "redis.sentinels",
-            "redis://:envpass@s1.example:26379,redis://:envpass@s2.example:26380",
+            "redis://:envpass@s1.example:26379, redis://:envpass@s2.example:26380",
             "[\"redis://:***@s1.example:26379\", \"redis://:***@s2.example:26380\"]",
         ),
         ("redis.sentinel_master", "env-master", "\"env-master\""),
@@ -195,7 +196,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("batching.max_batch_wait", "300ms", "\"300ms\""),
         ("batching.channel_capacity", "32", "32"),
         ("batching.max_buffered_bytes", "2000000", "2000000"),
-        ("llm.endpoints", "https://a.example:8000,http://b.example:8001", "[\"https://a.example:8000\", \"http://b.example:8001\"]"),
+        ("llm.endpoints", "https://a.example:8000, http://b.example:8001", "[\"https://a.example:8000\", \"http://b.example:8001\"]"),
         ("llm.model", "env-model", "\"env-model\""),
         ("llm.api_key", "env-token-123", "\"***\""),
         ("llm.max_concurrency", "7", "7"),
@@ -208,11 +209,11 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("llm.max_response_bytes", "1000000", "1000000"),
         ("llm.liveness_check_after", "45s", "\"45s\""),
         ("requests.reply_to_pattern", "tenant-a\\..*", "'tenant-a\\..*'"),
-        ("requests.allowed_params", "max_tokens,temperature", "[\"max_tokens\", \"temperature\"]"),
+        ("requests.allowed_params", "max_tokens, temperature", "[\"max_tokens\", \"temperature\"]"),
         ("requests.max_tokens", "512", "512"),
         ("requests.max_n", "2", "2"),
         ("requests.max_logprobs", "5", "5"),
-        ("requests.models", "small,large", "[\"small\", \"large\"]"),
+        ("requests.models", " small , large", "[\"small\", \"large\"]"),
         ("requests.max_messages", "64", "64"),
         ("http.listen", "0.0.0.0:9999", "\"0.0.0.0:9999\""),
         ("shutdown.drain_timeout", "40s", "\"40s\""),
