@@ -216,19 +216,42 @@ pub struct Connections {
     intake: Arc<std::sync::Mutex<Arc<Connection>>>,
     /// Index in [`AmqpSettings::nodes`] of the broker node the connections are open to.
     pub node: usize,
+    /// The instance name, for the name of a reopened intake connection.
+    instance: Arc<str>,
+}
+
+/// Which of a session's three connections ([`Connections`]) a connection is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// Partition consumers, acks, topology.
+    Consume,
+    /// Publishes with confirms.
+    Publish,
+    /// The router's input consumer.
+    Intake,
 }
 
 /// The client-provided name of an instance's connection (RabbitMQ shows it in its management
-/// UI and `rabbitmqctl list_connections`): `prefix-batcher {instance}{suffix}`, with `suffix`
-/// `""` (consuming), `" publish"` or `" intake"`.
-pub fn connection_name(instance: &str, suffix: &str) -> String {
-    format!("prefix-batcher {instance}{suffix}")
+/// UI and `rabbitmqctl list_connections`): `prefix-batcher {instance}` for [`Link::Consume`],
+/// `prefix-batcher {instance} publish` and `prefix-batcher {instance} intake` for the others.
+pub fn connection_name(instance: &str, link: Link) -> String {
+    match link {
+        Link::Consume => format!("prefix-batcher {instance}"),
+        Link::Publish => format!("prefix-batcher {instance} publish"),
+        Link::Intake => format!("prefix-batcher {instance} intake"),
+    }
 }
 
 impl Connections {
-    /// The session's connections to node `node`.
-    pub fn new(consume: Connection, publish: Connection, intake: Connection, node: usize) -> Self {
-        Self { consume: Arc::new(consume), publish: Arc::new(publish), intake: Arc::new(std::sync::Mutex::new(Arc::new(intake))), node }
+    /// The session's connections to node `node`, of instance `instance`.
+    pub fn new(consume: Connection, publish: Connection, intake: Connection, node: usize, instance: &str) -> Self {
+        Self {
+            consume: Arc::new(consume),
+            publish: Arc::new(publish),
+            intake: Arc::new(std::sync::Mutex::new(Arc::new(intake))),
+            node,
+            instance: instance.into(),
+        }
     }
 
     /// Both the consuming and the publishing connection are open. The intake connection is not
@@ -242,12 +265,12 @@ impl Connections {
         self.intake.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
     }
 
-    /// Opens a new intake connection to the session's node, named `name`, and puts it in place
-    /// of the current one, which is closed (it has normally failed already).
+    /// Opens a new intake connection to the session's node and puts it in place of the current
+    /// one, which is closed (it has normally failed already).
     ///
     /// Errors: as [`connect_node`]; the current connection then stays in place.
-    pub async fn reopen_intake(&self, amqp: &AmqpSettings, name: &str) -> lapin::Result<Arc<Connection>> {
-        let fresh = Arc::new(connect_node(amqp, self.node, ConnectionProperties::default().with_connection_name(name.into())).await?);
+    pub async fn reopen_intake(&self, amqp: &AmqpSettings) -> lapin::Result<Arc<Connection>> {
+        let fresh = Arc::new(connect_link(amqp, self.node, &self.instance, Link::Intake).await?);
         let old = std::mem::replace(&mut *self.intake.lock().unwrap_or_else(std::sync::PoisonError::into_inner), fresh.clone());
         if old.status().connected() {
             let _ = close_connection(&old, "intake connection replaced").await;
@@ -267,6 +290,13 @@ impl Connections {
         });
         a.and(b)
     }
+}
+
+/// Opens the connection `link` of instance `instance` to node `node` ([`connect_node`]), named
+/// by [`connection_name`].
+pub async fn connect_link(amqp: &AmqpSettings, node: usize, instance: &str, link: Link) -> lapin::Result<Connection> {
+    let name = connection_name(instance, link);
+    connect_node(amqp, node, ConnectionProperties::default().with_connection_name(name.into())).await
 }
 
 /// A new channel on `conn`, in confirm mode (<https://www.rabbitmq.com/docs/confirms>).

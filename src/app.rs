@@ -35,13 +35,13 @@ use std::time::Duration;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
 use futures_util::{Stream, StreamExt};
-use lapin::{Connection, ConnectionProperties};
+use lapin::Connection;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::amqp::Connections;
+use crate::amqp::{Connections, Link};
 use crate::config::Settings;
 use crate::exit::{EX_CONFIG, EX_FAILURE, EX_SOFTWARE};
 use crate::lease::RedisConn;
@@ -498,29 +498,18 @@ impl App {
     /// topology is refused.
     async fn open(&self, redis: &RedisConn, node: usize) -> Result<Connections, SessionError> {
         let s = &self.settings;
-        let connect = |suffix: &str| {
-            let name = crate::amqp::connection_name(&s.instance_name, suffix);
-            crate::amqp::connect_node(&s.amqp, node, ConnectionProperties::default().with_connection_name(name.into()))
-        };
-        let consume = connect("").await.map_err(SessionError::Connect)?;
-        let publish = match connect(" publish").await {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = crate::amqp::close_connection(&consume, "publish connection failed").await;
+        let connect = |link| crate::amqp::connect_link(&s.amqp, node, &s.instance_name, link);
+        let (consume, publish, intake) = tokio::join!(connect(Link::Consume), connect(Link::Publish), connect(Link::Intake));
+        let (consume, publish, intake) = match (consume, publish, intake) {
+            (Ok(c), Ok(p), Ok(i)) => (c, p, i),
+            // `e` is the first failure, `x` and `y` the other two results.
+            (Err(e), x, y) | (x @ Ok(_), Err(e), y) | (x @ Ok(_), y @ Ok(_), Err(e)) => {
+                let opened: Vec<_> = [x, y].into_iter().filter_map(Result::ok).collect();
+                futures_util::future::join_all(opened.iter().map(|c| crate::amqp::close_connection(c, "another connection of the session failed"))).await;
                 return Err(SessionError::Connect(e));
             }
         };
-        let intake = match connect(" intake").await {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = tokio::join!(
-                    crate::amqp::close_connection(&consume, "intake connection failed"),
-                    crate::amqp::close_connection(&publish, "intake connection failed")
-                );
-                return Err(SessionError::Connect(e));
-            }
-        };
-        let conns = Connections::new(consume, publish, intake, node);
+        let conns = Connections::new(consume, publish, intake, node, &s.instance_name);
         let meta_key = topology::partition_count_key(&s.redis.key_prefix);
         if let Err(e) = topology::declare(&conns.consume, &s.amqp, &mut redis.manager(), &meta_key).await {
             if let topology::TopologyError::Redis(re) = &e {

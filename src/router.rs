@@ -124,7 +124,8 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     let mut failures = 0u32;
     let result = loop {
         let intake = conns.intake();
-        let ended = match subscribe(&intake, settings.as_ref(), &tag, careful).await {
+        // `Ok` when `stop` fired and the consumer finished, else the error it ended with.
+        let ended: Result<(), Option<lapin::Error>> = match subscribe(&intake, settings.as_ref(), &tag, careful).await {
             Ok((ch, mut consumer)) => {
                 info!(queue = %a.input_queue, one_at_a_time = careful, "router consuming");
                 loop {
@@ -140,29 +141,28 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
                                 careful = false;
                                 failures = 0;
                             }
-                            Err(e) => break Ended::Closed(Some(e)),
+                            Err(e) => break Err(Some(e)),
                         },
                         Ended::Stopped => {
                             let _ = answered("basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
                             while inflight.join_next().await.is_some() {}
                             let _ = close_after_acks(&ch, "router stopped").await;
-                            break Ended::Stopped;
+                            break Ok(());
                         }
-                        closed => break closed,
+                        Ended::Closed(e) => break Err(e),
                     }
                 }
             }
             // A refusal on a live connection (the input queue deleted or declared otherwise):
             // the session declares the topology again.
             Err(e) if intake.status().connected() => break Err(e),
-            Err(e) => Ended::Closed(Some(e)),
+            Err(e) => Err(Some(e)),
         };
         let e = match ended {
-            Ended::Stopped => break Ok(()),
-            Ended::Fresh => unreachable!("handled above"),
-            Ended::Closed(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
-            Ended::Closed(e) if stop.is_cancelled() || !conns.connected() => break e.map_or(Ok(()), Err),
-            Ended::Closed(e) => e,
+            Ok(()) => break Ok(()),
+            Err(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
+            Err(e) if stop.is_cancelled() || !conns.connected() => break e.map_or(Ok(()), Err),
+            Err(e) => e,
         };
         careful = true;
         let wait = redelivery::requeue_backoff(a, u64::from(failures));
@@ -188,8 +188,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             _ = tokio::time::sleep(wait) => {}
         }
         if lost {
-            let name = crate::amqp::connection_name(&settings.instance_name, " intake");
-            if let Err(e) = conns.reopen_intake(a, &name).await {
+            if let Err(e) = conns.reopen_intake(a).await {
                 warn!(error = %e, "cannot open the router's intake connection again; retrying");
             }
         }
