@@ -1,7 +1,7 @@
 //! The client commands: `submit` (publish JSONL requests and optionally wait for their results)
 //! and `status` (members, partition owners and epochs, backlog, hot keys).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -533,8 +533,9 @@ pub struct PartitionStatus {
     pub backlog: Option<u32>,
     /// Consumers attached (1 active; more are single-active-consumer standbys).
     pub consumers: Option<u32>,
-    /// What needs attention, if anything: `unowned`, `owner not a live member` (a crashed
-    /// instance whose lease has not expired yet), `moving` (owner ≠ desired owner: a handoff is
+    /// What needs attention, if anything: `unowned`, `owner draining` (a stopping instance that
+    /// hands the partition over when its held requests are finished), `owner not a live member`
+    /// (a crashed instance whose lease has not expired yet), `moving` (owner ≠ desired owner: a handoff is
     /// due or in progress), `standby consumers`, `no consumer`.
     pub note: Option<&'static str>,
 }
@@ -607,6 +608,10 @@ pub struct Status {
     pub moving: Vec<u32>,
     /// Lease holders that are not live members (name → partitions).
     pub stale_owners: BTreeMap<String, Vec<u32>>,
+    /// Those of `stale_owners` that are stopping and draining their partitions (their draining
+    /// mark, [`crate::membership::member_draining_key`]); the others crashed or lost Redis, and
+    /// their leases expire after `ownership.lease_ttl`.
+    pub draining_owners: Vec<String>,
     /// Ready messages in the input queue.
     pub input_backlog: Option<u32>,
     /// Ready messages over all partition queues.
@@ -707,6 +712,15 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         .into_iter()
         .map(|o| o.and_then(|i| names.iter().position(|n| *n == assignable[i])))
         .collect();
+    // Lease holders that are not live members: a stopping instance draining them, or a
+    // crashed one whose leases have not expired yet.
+    let stale: BTreeSet<&str> = leases.iter().flatten().map(|l| l.name.as_str()).filter(|n| !names.iter().any(|m| m == n)).collect();
+    let mut pipe = redis::pipe();
+    for name in &stale {
+        pipe.cmd("EXISTS").arg(crate::membership::member_draining_key(prefix, name));
+    }
+    let marked: Vec<bool> = if stale.is_empty() { Vec::new() } else { pipe.query_async(&mut r).await? };
+    let draining_owners: Vec<String> = stale.iter().zip(marked).filter(|(_, d)| *d).map(|(n, _)| (*n).to_owned()).collect();
     let mut members: Vec<MemberStatus> = live
         .into_iter()
         .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict })
@@ -728,6 +742,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         let depth = depths[part as usize];
         let note = match (lease, depth) {
             (None, _) => Some("unowned"),
+            (Some(l), _) if live_owner.is_none() && draining_owners.contains(&l.name) => Some("owner draining"),
             (Some(_), _) if live_owner.is_none() => Some("owner not a live member"),
             (Some(_), _) if live_owner != want => Some("moving"),
             (Some(_), Some((_, c))) if c > 1 => Some("standby consumers"),
@@ -756,6 +771,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         unowned,
         moving,
         stale_owners,
+        draining_owners,
         input_backlog,
         partition_backlog,
         amqp_error,
@@ -801,7 +817,11 @@ pub fn render_status(s: &Status) -> String {
         out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}{down}{conflict}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
     }
     for (name, ps) in &s.stale_owners {
-        out.push_str(&format!("  {name:<40} (not a live member; still holds {} lease(s) until they expire)\n", ps.len()));
+        if s.draining_owners.contains(name) {
+            out.push_str(&format!("  {name:<40} (stopping: drains {} partition(s), each handed over when its held requests are finished)\n", ps.len()));
+        } else {
+            out.push_str(&format!("  {name:<40} (not a live member; still holds {} lease(s) until they expire)\n", ps.len()));
+        }
     }
     out.push_str(&format!(
         "\npartitions: {}, owned {owned}, unowned {}, moving {}; backlog (ready messages; deliveries held by owners are in prefix_batcher_unsettled_deliveries): input {}, partitions {}\n",

@@ -103,8 +103,9 @@ return {names, prev, down, differs, listed, recorded}
 "#;
 
 /// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag, member's
-/// routing settings], ARGV = [name, nonce]. Returns 1 when removed, 0 when the name belongs to
-/// another process now.
+/// routing settings, member's draining mark], ARGV = [name, nonce, draining ms ('0': none)].
+/// With a draining time, sets the draining mark for that long; else deletes it. Returns 1 when
+/// removed, 0 when the name belongs to another process now.
 const LEAVE: &str = r#"
 local cur = redis.call('GET', KEYS[2])
 if cur and cur ~= ARGV[2] then
@@ -112,6 +113,11 @@ if cur and cur ~= ARGV[2] then
 end
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
 redis.call('ZREM', KEYS[1], ARGV[1])
+if ARGV[3] ~= '0' then
+  redis.call('SET', KEYS[6], ARGV[2], 'PX', ARGV[3])
+else
+  redis.call('DEL', KEYS[6])
+end
 return 1
 "#;
 
@@ -183,6 +189,14 @@ pub fn member_name_conflict_key(prefix: &str, name: &str) -> String {
 /// Built from the names inside `HEARTBEAT` too.
 pub fn member_routing_key(prefix: &str, name: &str) -> String {
     format!("{prefix}:member_routing:{name}")
+}
+
+/// The Redis key of a member's draining mark: set when a stopping instance leaves the member
+/// set while it still drains its partitions (the others take them over as it releases them),
+/// for at most `shutdown.drain_timeout`, and deleted when it is done; `status` shows the leases
+/// of such an instance as draining rather than as a crashed owner's.
+pub fn member_draining_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}:member_draining:{name}")
 }
 
 /// How long a name conflict shows in `status` after the heartbeat that last found it: the
@@ -333,9 +347,19 @@ impl Membership {
         Ok(Heartbeat { members, previous_nonce, llm_down, routing_differs, was_listed: listed == 1, recorded_partition_count: recorded == 1 })
     }
 
-    /// Removes this process from the member set. `Ok(false)`: the name now belongs to another
-    /// process (a restarted instance), which stays.
+    /// Removes this process from the member set (and its draining mark). `Ok(false)`: the name
+    /// now belongs to another process (a restarted instance), which stays.
     pub async fn leave(&self) -> Result<bool, MembershipError> {
+        self.leave_marking(None).await
+    }
+
+    /// [`Self::leave`] at the start of a drain: also sets this name's draining mark
+    /// ([`member_draining_key`]) for `drain` (at least 1 ms), until a later [`Self::leave`].
+    pub async fn leave_draining(&self, drain: Duration) -> Result<bool, MembershipError> {
+        self.leave_marking(Some(drain)).await
+    }
+
+    async fn leave_marking(&self, drain: Option<Duration>) -> Result<bool, MembershipError> {
         let mut conn = self.conn.clone();
         let mut call = self.leave.prepare_invoke();
         call.key(members_key(&self.prefix))
@@ -343,8 +367,10 @@ impl Membership {
             .key(member_llm_down_key(&self.prefix, &self.name))
             .key(member_name_conflict_key(&self.prefix, &self.name))
             .key(member_routing_key(&self.prefix, &self.name))
+            .key(member_draining_key(&self.prefix, &self.name))
             .arg(&self.name)
-            .arg(&self.nonce);
+            .arg(&self.nonce)
+            .arg(drain.map_or(0, |d| (d.as_millis() as u64).max(1)));
         let n: i64 = self.timed(call.invoke_async(&mut conn)).await?;
         Ok(n == 1)
     }

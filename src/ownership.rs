@@ -207,7 +207,9 @@ impl Ownership {
         // start polling for the leases) while this instance drains.
         if stopping && !self.left {
             self.left = true;
-            self.leave().await;
+            if let Err(e) = self.membership.leave_draining(self.settings.drain_timeout).await {
+                warn!(error = %e, "could not leave the member set; this member expires after member_ttl");
+            }
         }
         let members = if stopping { None } else { self.refresh_membership().await };
         self.renew_leases().await;

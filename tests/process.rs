@@ -221,6 +221,55 @@ async fn sigterm_drains_releases_and_exits_zero() {
     env.cleanup().await;
 }
 
+/// A stopping instance still draining shows in `status` as draining, not as a crashed owner
+/// (its leases are held by a name that left the member set), and its draining mark is gone
+/// once it has exited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_instance_shows_as_draining_in_status() {
+    let env = TestEnv::new("drainstat");
+    // Slow calls keep the drain going for seconds after the SIGTERM.
+    let fake = FakeLlm::new().latency(Duration::from_secs(4)).start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let ProcessStarted { amqp, mut redis, mut daemon, results, reply } = run_with_replies(&env, &raw, "drainstat").await;
+    let reqs = completions_workload("drainstat", 16, 4);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    tokio::time::timeout(DEADLINE, fake.wait_for_calls(1)).await.expect("no LLM call");
+    daemon.sigterm();
+    let mark = format!("{}:member_draining:{}", env.key_prefix(), raw.instance.name);
+    let config = write_config(&env, "status", &raw);
+    let status_json = || {
+        let config = config.clone();
+        tokio::task::spawn_blocking(move || {
+            let out = bin_command().arg("--config").arg(&config).args(["status", "--json"]).output().expect("run status");
+            assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+            serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("status --json is JSON")
+        })
+    };
+    // The instance leaves the member set at its next ownership round after the signal; the
+    // calls in flight keep it draining for seconds after that.
+    let deadline = Instant::now() + DEADLINE;
+    let status = loop {
+        let status = status_json().await.unwrap();
+        if status["draining_owners"].as_array().is_some_and(|d| !d.is_empty()) {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "status never showed the instance as draining: {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let name = serde_json::Value::from(raw.instance.name.clone());
+    assert!(status["members"].as_array().unwrap().iter().all(|m| m["name"] != name), "the stopping instance is still a member: {status}");
+    assert_eq!(status["draining_owners"], serde_json::json!([raw.instance.name]), "status: {status}");
+    let notes: Vec<&serde_json::Value> = status["partitions"].as_array().unwrap().iter().filter(|p| p["owner"] == name).map(|p| &p["note"]).collect();
+    assert!(!notes.is_empty(), "the draining instance holds no lease: {status}");
+    assert!(notes.iter().all(|n| *n == "owner draining"), "partitions of the draining instance: {notes:?}");
+    let exit = daemon.wait_exit(DEADLINE).await;
+    assert_eq!(exit.code(), Some(0), "log:\n{}", daemon.log_tail(30));
+    assert!(redis.keys(&mark).await.is_empty(), "the draining mark outlived the drain");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// Two live processes with one `instance.name` (a copied unit or configuration): each finds the
 /// other's nonce in the name's member key, so a warning names the conflict, the counter rises,
 /// and both still stop cleanly.
