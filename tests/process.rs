@@ -270,6 +270,28 @@ async fn a_draining_instance_shows_as_draining_in_status() {
     env.cleanup().await;
 }
 
+/// SIGHUP (an operator's "reload", a closed terminal) is logged and ignored: the daemon goes on
+/// serving, then drains on SIGTERM as usual. Its default action would end the process at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_is_logged_and_ignored() {
+    let env = TestEnv::new("hup");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut started = run_with_replies(&env, &raw, "hup").await;
+    started.daemon.signal("HUP");
+    let deadline = Instant::now() + DEADLINE;
+    while !started.daemon.log().contains("SIGHUP") {
+        assert!(started.daemon.is_running(), "SIGHUP ended the daemon; log:\n{}", started.daemon.log_tail(20));
+        assert!(Instant::now() < deadline, "no log line for the SIGHUP; log:\n{}", started.daemon.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let reqs = completions_workload("hup", 10, 2);
+    started.amqp.publish_requests(&env.input_queue(), &reqs, &started.reply).await;
+    started.results.until_all(&ids(&reqs), DEADLINE).await;
+    assert!(started.daemon.is_running(), "the daemon exited after the SIGHUP");
+    started.stop_and_clean_up(env).await;
+}
+
 /// Two live processes with one `instance.name` (a copied unit or configuration): each finds the
 /// other's nonce in the name's member key, so a warning names the conflict, the counter rises,
 /// and both still stop cleanly.

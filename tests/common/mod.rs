@@ -448,13 +448,18 @@ impl DaemonProcess {
 
     /// SIGTERM (graceful stop).
     pub fn sigterm(&self) {
+        self.signal("TERM");
+    }
+
+    /// Sends the signal named `name` (`kill -{name}`, e.g. `HUP`).
+    pub fn signal(&self, name: &str) {
         let ok = Command::new("kill")
-            .arg("-TERM")
+            .arg(format!("-{name}"))
             .arg(self.pid().to_string())
             .status()
-            .expect("run kill -TERM")
+            .unwrap_or_else(|e| panic!("run kill -{name}: {e}"))
             .success();
-        assert!(ok, "kill -TERM {} ({}) failed", self.pid(), self.label);
+        assert!(ok, "kill -{name} {} ({}) failed", self.pid(), self.label);
     }
 
     /// Waits for the process to exit, polling every 20 ms, at most `within`.
