@@ -231,8 +231,18 @@ async fn publish_input(
         let publish = BasicPublishOptions { mandatory: true, ..Default::default() };
         let props = request_properties(&id, reply_queue).map_err(at_line)?;
         check_line(settings, line, &id, reply_queue).map_err(at_line)?;
+        match ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await {
+            Ok(confirm) => confirms.push(confirm),
+            Err(e) => {
+                // A channel the broker closed (403 ACCESS_REFUSED for a user without write
+                // access, 404 for a missing exchange) fails every later publish with "invalid
+                // channel state"; the broker's reason is in the confirm of the publish it refused.
+                let published = ids.len();
+                await_confirms(&mut confirms, queue).await.map_err(|source| ClientError::AtLine { line: number, published, source: Box::new(source) })?;
+                return Err(at_line(e.into()));
+            }
+        }
         ids.insert(id.clone());
-        confirms.push(ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await?);
         // Bound the confirms in flight.
         if confirms.len() >= 1000 {
             await_confirms(&mut confirms, queue).await?;

@@ -102,6 +102,14 @@ pub enum PublishError {
     AfterFailed,
 }
 
+/// Whether `e` is the broker's 403 `ACCESS_REFUSED` to a publish: the daemon's user has no
+/// write access to the exchange (AMQP 0-9-1 `basic.publish` needs it,
+/// <https://www.rabbitmq.com/docs/access-control>). Only an operator ends that, so the
+/// publishes held for it are logged at `ERROR`, not `WARN`.
+pub fn access_refused(e: &PublishError) -> bool {
+    matches!(e, PublishError::Amqp(e) if crate::amqp::reply_code(e) == Some(crate::amqp::ACCESS_REFUSED))
+}
+
 /// How long a publish's task ([`publish_confirmed`]) waits for a confirm after its caller gave
 /// up, as a multiple of `amqp.confirm_timeout`, and at least [`LATE_CONFIRM_MIN_WAIT`].
 const LATE_CONFIRM_WAIT_FACTOR: u32 = 10;
@@ -763,7 +771,11 @@ pub async fn dead_letter_and_ack(
     }
     let (body, props) = (&delivery.data, &delivery.properties);
     if let Err(e) = dead_letter(out, amqp, body, props, full_request_id, reason, detail).await {
-        crate::warn_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead-letter publish not confirmed; the message is not acked");
+        if access_refused(&e) {
+            crate::error_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead letter refused: the broker denies the daemon's user write access to the dead-letter exchange (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); the message is not acked");
+        } else {
+            crate::warn_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead-letter publish not confirmed; the message is not acked");
+        }
         return Intake::Unacked(delivery);
     }
     match delivery.acker.ack(BasicAckOptions::default()).await {
@@ -1033,14 +1045,25 @@ pub async fn publish_result(
         failures += 1;
         crate::redelivery::note_failure(&result.id, &why);
         metrics::requests(stage::PUBLISHER, outcome::RESULT_HELD, 1);
-        crate::warn_limited!(
-            RESULT_FAILED_LOG,
-            request_id = %result.id,
-            error = %e,
-            attempts = failures,
-            retry_in = ?wait,
-            "result not confirmed: the broker does not take results now (a full, missing or just re-declared results queue, revoked write access, no leader; not the request's fault, which only a result over max_message_size would be); holding the request unacked, not charged a delivery, and publishing the result again"
-        );
+        if access_refused(&e) {
+            crate::error_limited!(
+                RESULT_FAILED_LOG,
+                request_id = %result.id,
+                error = %e,
+                attempts = failures,
+                retry_in = ?wait,
+                "result refused: the broker denies the daemon's user write access (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); holding the request unacked, not charged a delivery, and publishing the result again"
+            );
+        } else {
+            crate::warn_limited!(
+                RESULT_FAILED_LOG,
+                request_id = %result.id,
+                error = %e,
+                attempts = failures,
+                retry_in = ?wait,
+                "result not confirmed: the broker does not take results now (a full, missing or just re-declared results queue, revoked write access, no leader; not the request's fault, which only a result over max_message_size would be); holding the request unacked, not charged a delivery, and publishing the result again"
+            );
+        }
         tokio::select! {
             _ = wait_to_publish_again(out.connection(), wait) => {}
             _ = any_cancelled(hold_until) => return ResultEnd::Settled(left(&result.id, &why)),
@@ -1291,6 +1314,10 @@ mod tests {
         assert!(says_too_large(&too_large));
         assert!(says_too_large(&closed(AMQPErrorKind::Soft(AMQPSoftError::PRECONDITIONFAILED), "PRECONDITION_FAILED - message size 536870913 is larger than max size 536870912")));
         let refused = closed(AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED), "ACCESS_REFUSED - access to exchange 'amq.default' in vhost '/' refused for user 'u'");
+        assert!(access_refused(&refused));
+        for other in [&too_large, &PublishError::Nacked, &closed(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED), "CONNECTION_FORCED")] {
+            assert!(!access_refused(other), "{other}");
+        }
         for held in [refused, PublishError::Nacked, PublishError::Timeout(Duration::from_secs(1)), PublishError::AfterFailed, closed(AMQPErrorKind::Hard(AMQPHardError::CONNECTIONFORCED), "CONNECTION_FORCED")] {
             assert!(!says_too_large(&held), "{held}");
         }

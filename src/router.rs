@@ -430,13 +430,23 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         let wait = publisher::hold_backoff(a, held.max(step));
         held += 1;
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
-        crate::warn_limited!(
-            FORWARD_FAILED_LOG,
-            error = %e,
-            attempts = held,
-            retry_in = ?wait,
-            "forwarding failed: the broker does not take forwards; holding the input delivery unacked, not charged a delivery, and forwarding it again"
-        );
+        if publisher::access_refused(&e) {
+            crate::error_limited!(
+                FORWARD_FAILED_LOG,
+                error = %e,
+                attempts = held,
+                retry_in = ?wait,
+                "forward refused: the broker denies the daemon's user write access to the shard exchange (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); holding the input delivery unacked, not charged a delivery, and forwarding it again"
+            );
+        } else {
+            crate::warn_limited!(
+                FORWARD_FAILED_LOG,
+                error = %e,
+                attempts = held,
+                retry_in = ?wait,
+                "forwarding failed: the broker does not take forwards; holding the input delivery unacked, not charged a delivery, and forwarding it again"
+            );
+        }
         tokio::select! {
             _ = stop.cancelled() => return requeue(delivery).await,
             _ = publisher::wait_to_publish_again(conn, wait) => {}

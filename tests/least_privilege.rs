@@ -133,3 +133,30 @@ async fn credentials_refused_by_redis_under_a_running_daemon_are_retried_until_t
     amqp.close().await;
     env.cleanup().await;
 }
+
+/// `submit` as a broker user without write access to the default exchange names the broker's
+/// refusal (403 `ACCESS_REFUSED` and the exchange), not only the closed channel it leaves behind
+/// (`invalid channel state: Closed (basic.publish)`, which every later publish meets).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_without_write_access_names_the_refusal() {
+    let env = TestEnv::new("submitdenied");
+    let password = uuid::Uuid::new_v4().simple().to_string();
+    let user = env.name.clone();
+    let _guard = BrokerUserGuard(user.clone());
+    for args in [vec!["add_user", &user, &password], vec!["set_permissions", "-p", "/", &user, ".*", "^$", ".*"]] {
+        assert!(rabbitmqctl(&args).is_some(), "rabbitmqctl {} failed", args[0]);
+    }
+    let mut raw = env.raw_config("http://127.0.0.1:9");
+    raw.amqp.url = format!("amqp://{user}:{password}@127.0.0.1:5672/%2f");
+    let config = write_config(&env, "submit", &raw);
+    let input = env.dir.join("requests.jsonl");
+    let lines: Vec<String> = (0..50).map(|i| format!(r#"{{"id":"denied-{i}","prompt":"p {i}","params":{{"max_tokens":4}}}}"#)).collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = tokio::task::spawn_blocking(move || bin_command().arg("--config").arg(&config).arg("submit").arg("--file").arg(&input).output().expect("run submit"))
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "submit succeeded without write access: {err}");
+    assert!(err.contains("ACCESS_REFUSED") && err.contains("amq.default"), "submit does not name the refusal: {err}");
+    env.cleanup().await;
+}
