@@ -42,6 +42,9 @@ pub enum TopologyError {
     /// The deployment has another partition count.
     #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{redis_key}`)")]
     PartitionCount { existing: String, configured: u32, redis_key: String },
+    /// The deployment routes through another shard exchange or other partition queues.
+    #[error("the deployment routes requests through {existing} but this instance is configured for {configured} (amqp.shard_exchange, amqp.partition_queue_prefix); they are fixed for the life of a deployment: instances with both would leave two sets of partition queues bound, so requests would be copied into both or stranded in the old ones. To change them: stop every instance, drain or move the old partition queues' messages, delete the old queues, and delete the Redis key `{redis_key}`")]
+    PartitionRoute { existing: String, configured: String, redis_key: String },
     /// Broker or connection failure.
     #[error("amqp: {0}")]
     Amqp(#[from] lapin::Error),
@@ -53,7 +56,7 @@ pub enum TopologyError {
 impl TopologyError {
     /// Whether the configuration or the deployment is wrong (retrying cannot help; exit 78).
     pub fn is_config_error(&self) -> bool {
-        matches!(self, TopologyError::Mismatch { .. } | TopologyError::PartitionCount { .. })
+        matches!(self, TopologyError::Mismatch { .. } | TopologyError::PartitionCount { .. } | TopologyError::PartitionRoute { .. })
     }
 }
 
@@ -248,8 +251,22 @@ pub fn partition_count_key(prefix: &str) -> String {
     format!("{prefix}:partitions")
 }
 
+/// Redis key recording a deployment's shard exchange and partition queue names (see [`declare`]),
+/// next to its partition count (`count_key`, [`partition_count_key`]).
+pub fn partition_route_key(count_key: &str) -> String {
+    format!("{count_key}:route")
+}
+
+/// How [`partition_route_key`] records the route: `exchange `X`, partition queues `P.NNN``.
+pub fn partition_route(cfg: &AmqpSettings) -> String {
+    format!("exchange `{}`, partition queues `{}.NNN`", cfg.shard_exchange, cfg.partition_queue_prefix)
+}
+
 /// Declares everything, idempotently, and checks the partition count against the broker and
-/// Redis (`redis_key` = `{prefix}:partitions`).
+/// Redis (`redis_key` = `{prefix}:partitions`), and the shard exchange and partition queue names
+/// against Redis ([`partition_route_key`]): a deployment whose instances disagree on them would
+/// have two sets of partition queues bound to one exchange (every request copied into both) or
+/// requests stranded in queues no instance consumes.
 pub async fn declare(
     conn: &Connection,
     cfg: &AmqpSettings,
@@ -261,6 +278,11 @@ pub async fn declare(
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
         return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
+    }
+    let (route_key, route) = (partition_route_key(redis_key), partition_route(cfg));
+    let recorded: Option<String> = redis::cmd("GET").arg(&route_key).query_async(redis).await?;
+    if let Some(existing) = recorded.filter(|e| *e != route) {
+        return Err(TopologyError::PartitionRoute { existing, configured: route, redis_key: route_key });
     }
     // Partition queues are declared from P-1 down to 0, so "queue 0 exists" means the whole set
     // exists: a missing queue P-1 then reveals a smaller deployment, an existing queue P a larger one.
@@ -294,6 +316,11 @@ pub async fn declare(
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
         return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
+    }
+    let _: bool = redis::cmd("SETNX").arg(&route_key).arg(&route).query_async(redis).await?;
+    let recorded: Option<String> = redis::cmd("GET").arg(&route_key).query_async(redis).await?;
+    if let Some(existing) = recorded.filter(|e| *e != route) {
+        return Err(TopologyError::PartitionRoute { existing, configured: route, redis_key: route_key });
     }
     Ok(())
 }

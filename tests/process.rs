@@ -357,6 +357,42 @@ async fn other_partition_count_is_refused_with_78() {
     env.cleanup().await;
 }
 
+/// A daemon configured with another partition queue prefix or shard exchange than the existing
+/// deployment refuses to start with exit code 78, naming both routes and the keys, and declares
+/// nothing: in a rolling restart, its queues would be bound to the deployment's exchange next to
+/// the old ones, and every request copied into both (an operator's run: 464 results for 300
+/// requests, and copies piling up in the old queues).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_partition_queue_names_are_refused_with_78() {
+    let Existing { env, _fake, raw, mut redis } = existing_deployment("route").await;
+    let route_key = format!("{}:partitions:route", env.key_prefix());
+    assert!(redis.get(&route_key).await.is_some_and(|r| r.contains(&raw.amqp.partition_queue_prefix)), "the deployment records its route");
+    for (what, change) in [
+        ("prefix", Box::new(|r: &mut RawConfig, n: &str| r.amqp.partition_queue_prefix = format!("{n}.renamed")) as Box<dyn Fn(&mut RawConfig, &str)>),
+        ("exchange", Box::new(|r: &mut RawConfig, n: &str| r.amqp.shard_exchange = format!("{n}.renamed-shards"))),
+    ] {
+        let mut other = raw.clone();
+        change(&mut other, &env.name);
+        other.instance.name = env.instance(what);
+        let mut p = DaemonProcess::run(&env, what, &other);
+        let status = p.wait_exit(DEADLINE).await;
+        let log = p.log();
+        assert_eq!(status.code(), Some(78), "{what}: want exit 78 (EX_CONFIG), got {status}; log:\n{log}");
+        assert!(
+            log.contains("amqp.partition_queue_prefix") && log.contains(&raw.amqp.partition_queue_prefix) && log.contains(&route_key),
+            "{what}: the refusal must name the routes and the Redis key; log:\n{log}"
+        );
+    }
+    let declared = broker::queues(&format!("{}.renamed", env.name));
+    assert!(declared.is_empty(), "a refused instance declared its partition queues: {declared:?}");
+    // The deployment as configured still starts.
+    let mut ok = DaemonProcess::run(&env, "same", &raw);
+    wait_ready(&mut redis, &env, &mut ok, &raw.instance.name).await;
+    ok.sigterm();
+    assert_eq!(ok.wait_exit(DEADLINE).await.code(), Some(0));
+    env.cleanup().await;
+}
+
 /// A refused start must not change the deployment's recorded partition count, or the correctly
 /// configured instances are refused at their next start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
