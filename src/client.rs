@@ -641,6 +641,9 @@ pub struct Status {
     /// lease, or the recorded partition count. `false` under a mistyped prefix or Redis URL (or
     /// a deployment stopped for longer than its keys live).
     pub deployment_found: bool,
+    /// This configuration's `amqp.partitions` when it differs from the count the deployment
+    /// recorded in Redis, which `partition_count` and the table follow.
+    pub configured_partitions: Option<u32>,
 }
 
 /// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog, and
@@ -696,7 +699,12 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let prefix = &settings.redis.key_prefix;
     let live = read_members(&mut r, prefix).await?;
     let hot_keys = hot_keys(&r, prefix, timeout).await?;
-    let p = settings.amqp.partitions.get();
+    // The deployment's partition count as recorded, which wins over this configuration's: a
+    // `status` run with an outdated configuration would report partitions that do not exist as
+    // unowned, and existing ones as missing.
+    let recorded: Option<String> = redis::cmd("GET").arg(crate::topology::partition_count_key(prefix)).query_async(&mut r).await?;
+    let configured = settings.amqp.partitions.get();
+    let p = recorded.as_deref().and_then(|v| v.parse::<u32>().ok()).filter(|n| (1..=1024).contains(n)).unwrap_or(configured);
     let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, timeout).await?;
     let mut pipe = redis::pipe();
     for part in 0..p {
@@ -704,8 +712,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     }
     let pttls: Vec<i64> = pipe.query_async(&mut r).await?;
     let pttls: Vec<Option<u64>> = pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect();
-    let recorded: bool = redis::cmd("EXISTS").arg(crate::topology::partition_count_key(prefix)).query_async(&mut r).await?;
-    let deployment_found = recorded || !live.is_empty() || leases.iter().any(Option::is_some);
+    let deployment_found = recorded.is_some() || !live.is_empty() || leases.iter().any(Option::is_some);
 
     // Both open their own connections: run them together, so a silent broker costs one
     // `connection_timeout`, not two.
@@ -790,6 +797,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         hot_keys,
         redis_primary: r.primary(),
         deployment_found,
+        configured_partitions: (p != configured).then_some(configured),
     })
 }
 
@@ -842,6 +850,12 @@ pub fn render_status(s: &Status) -> String {
         s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
     ));
     out.push_str(&format!("Redis primary: {}\n", s.redis_primary));
+    if let Some(configured) = s.configured_partitions {
+        out.push_str(&format!(
+            "NOTE: this configuration has amqp.partitions = {configured}, but the deployment records {} partitions in Redis; shown as the deployment has them (update this configuration)\n",
+            s.partition_count
+        ));
+    }
     if !s.deployment_found {
         out.push_str("NO DEPLOYMENT FOUND under this redis.key_prefix: no member, no lease, no recorded partition count (check redis.url and redis.key_prefix against the daemons' configuration; a deployment stopped for longer than its lease_ttl and member_ttl looks the same)\n");
     }

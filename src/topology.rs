@@ -277,7 +277,20 @@ pub async fn declare(
     // Partition count first: nothing is declared for a deployment we would refuse to run.
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
-        return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
+        // The broker's partition queues are the deployment: when exactly the configured P of them
+        // exist (queue P-1 does, queue P does not), the record is stale, as after Redis was
+        // restored from data older than a partition-count change, and would otherwise refuse
+        // every instance with either count.
+        if !(queue_exists(conn, &cfg.partition_queue(p - 1)).await? && !queue_exists(conn, &cfg.partition_queue(p)).await?) {
+            return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
+        }
+        warn!(
+            recorded = %existing,
+            partitions = p,
+            redis_key,
+            "Redis records another partition count than the broker's partition queues show, which match amqp.partitions (queues 0 to P-1 exist, queue P does not): the record is stale (Redis restored from older data?); recording the broker's count"
+        );
+        let _: () = redis::cmd("SET").arg(redis_key).arg(p).query_async(redis).await?;
     }
     let (route_key, route) = (partition_route_key(redis_key), partition_route(cfg));
     let recorded: Option<String> = redis::cmd("GET").arg(&route_key).query_async(redis).await?;

@@ -343,6 +343,28 @@ async fn other_partition_count_is_refused_with_78() {
     assert_eq!(status.code(), Some(78), "want exit 78 (EX_CONFIG), got {status}; log:\n{log}");
     assert!(log.contains("amqp.partitions") && log.contains("8 partitions"), "the refusal must name the partition counts; log:\n{log}");
 
+    // `status` with the outdated configuration shows the deployment's 8 partitions, and says so.
+    let config4 = write_config(&env, "status4", &raw4);
+    let (json, table) = tokio::task::spawn_blocking(move || {
+        let run = |json: bool| {
+            let mut cmd = bin_command();
+            cmd.arg("--config").arg(&config4).arg("status");
+            if json {
+                cmd.arg("--json");
+            }
+            let out = cmd.output().expect("run status");
+            assert!(out.status.success(), "status failed: {}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8(out.stdout).unwrap()
+        };
+        (run(true), run(false))
+    })
+    .await
+    .unwrap();
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!((json["partition_count"].as_u64(), json["configured_partitions"].as_u64()), (Some(8), Some(4)), "status: {json}");
+    assert_eq!(json["partitions"].as_array().map(Vec::len), Some(8));
+    assert!(table.contains("amqp.partitions = 4, but the deployment records 8"), "{table}");
+
     // 2. Without the Redis record, the broker still shows partition queue 4 (of 0..8).
     redis.del(&recorded_key).await;
     let mut p = DaemonProcess::run(&env, "p4-broker", &raw4);
@@ -390,6 +412,24 @@ async fn other_partition_queue_names_are_refused_with_78() {
     wait_ready(&mut redis, &env, &mut ok, &raw.instance.name).await;
     ok.sigterm();
     assert_eq!(ok.wait_exit(DEADLINE).await.code(), Some(0));
+    env.cleanup().await;
+}
+
+/// A recorded partition count that the broker's partition queues contradict, while they match
+/// the configuration (Redis restored from data older than a partition-count change), is stale:
+/// the instance records the broker's count with a warning and starts. Before, every instance was
+/// refused with either count (exit 78) until an operator fixed the key by hand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_recorded_partition_count_is_corrected_from_the_broker() {
+    let Existing { env, _fake, raw, mut redis } = existing_deployment("stalecount").await;
+    let recorded_key = format!("{}:partitions", env.key_prefix());
+    redis.set(&recorded_key, "16").await;
+    let mut d = DaemonProcess::run(&env, "restart", &raw);
+    wait_ready(&mut redis, &env, &mut d, &raw.instance.name).await;
+    assert!(d.log().contains("the record is stale"), "no warning about the stale record; log:\n{}", d.log_tail(20));
+    assert_eq!(redis.get(&recorded_key).await.as_deref(), Some("8"), "the broker's count is recorded again");
+    d.sigterm();
+    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(0));
     env.cleanup().await;
 }
 

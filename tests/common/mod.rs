@@ -942,6 +942,10 @@ impl RedisProbe {
         redis::cmd("GET").arg(key).query_async(&mut self.conn).await.expect("redis GET")
     }
 
+    pub async fn set(&mut self, key: &str, value: &str) {
+        let _: () = redis::cmd("SET").arg(key).arg(value).query_async(&mut self.conn).await.expect("redis SET");
+    }
+
     pub async fn del(&mut self, key: &str) {
         let _: i64 = redis::cmd("DEL").arg(key).query_async(&mut self.conn).await.expect("redis DEL");
     }
