@@ -171,10 +171,10 @@ pub async fn publish_confirmed(
     tokio::spawn(async move {
         let wait = (task_amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
         let publish = async { sent.await?.await };
-        let outcome = match tokio::time::timeout(wait, publish).await {
-            Err(_) => Err(PublishError::Timeout(wait)),
-            Ok(Err(e)) => Err(PublishError::Amqp(e)),
-            Ok(Ok(confirm)) => {
+        let outcome = match await_unless_blocked(wait, || is_blocked(&task_conn), publish).await {
+            None => Err(PublishError::Timeout(wait)),
+            Some(Err(e)) => Err(PublishError::Amqp(e)),
+            Some(Ok(confirm)) => {
                 let nacked = confirm.is_nack();
                 let own_returned = match confirm.take_message() {
                     None => false,
@@ -195,11 +195,11 @@ pub async fn publish_confirmed(
         };
         let _ = tx.send(outcome);
     });
-    let outcome = match tokio::time::timeout(timeout, &mut rx).await {
-        Ok(Ok(outcome)) => outcome,
+    let outcome = match await_unless_blocked(timeout, || is_blocked(conn), &mut rx).await {
+        Some(Ok(outcome)) => outcome,
         // The task ended without an outcome: it panicked.
-        Ok(Err(_)) => Err(PublishError::Timeout(timeout)),
-        Err(_) => {
+        Some(Err(_)) => Err(PublishError::Timeout(timeout)),
+        None => {
             // Closed first, so that an outcome sent just now is read here, not lost.
             rx.close();
             rx.try_recv().unwrap_or(Err(PublishError::Timeout(timeout)))
@@ -210,6 +210,38 @@ pub async fn publish_confirmed(
     match ticket.settle(failed, timeout).await {
         Earlier::AllDelivered => outcome,
         Earlier::OneFailed | Earlier::Unsettled => outcome.and(Err(PublishError::AfterFailed)),
+    }
+}
+
+/// Whether the broker blocks `conn` (`connection.blocked`) while it is open.
+fn is_blocked(conn: &Connection) -> bool {
+    let status = conn.status();
+    status.blocked() && status.connected()
+}
+
+/// Awaits `fut` for at most `limit` of time during which `blocked()` is false. While the broker
+/// blocks the publishing connection (`connection.blocked`: a memory or disk alarm,
+/// <https://www.rabbitmq.com/docs/connection-blocked>) it reads nothing from it, so a publish
+/// written to it is still on its way, and giving up on it would make the next attempt a second
+/// copy once the alarm clears (an operator's run: 321 duplicate results of 1,200 requests for a
+/// 50 s alarm with a 30 s `confirm_timeout`). So when `limit` runs out while blocked, this waits
+/// until the connection is unblocked (looked at every [`UNBLOCKED_POLL`]), then `limit` again.
+/// `None` when `limit` ran out while not blocked.
+async fn await_unless_blocked<F: std::future::Future>(limit: Duration, blocked: impl Fn() -> bool, fut: F) -> Option<F::Output> {
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        if let Ok(v) = tokio::time::timeout(limit, &mut fut).await {
+            return Some(v);
+        }
+        if !blocked() {
+            return None;
+        }
+        loop {
+            tokio::select! {
+                v = &mut fut => return Some(v),
+                _ = tokio::time::sleep(UNBLOCKED_POLL) => if !blocked() { break },
+            }
+        }
     }
 }
 
@@ -1327,6 +1359,39 @@ mod tests {
         let waits: Vec<u64> = (0..6).map(|n| hold_backoff(&a, n).as_millis() as u64).collect();
         assert_eq!(waits, [500, 1000, 2000, 3000, 3000, 3000]);
         assert_eq!(hold_backoff(&a, u32::MAX), Duration::from_secs(3));
+    }
+
+    /// A confirm wait does not run out while the connection is blocked: it waits for the
+    /// unblock, then the whole limit again; unblocked, it ends at the limit.
+    #[tokio::test(start_paused = true)]
+    async fn a_confirm_wait_does_not_run_out_while_the_connection_is_blocked() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let blocked = std::sync::Arc::new(AtomicBool::new(true));
+        let start = tokio::time::Instant::now();
+        let unblock = blocked.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(50)).await;
+            unblock.store(false, Ordering::SeqCst);
+        });
+        // Confirmed 5 s after a 50 s alarm, with a 30 s limit.
+        let confirm = tokio::time::sleep(Duration::from_secs(55));
+        assert_eq!(await_unless_blocked(Duration::from_secs(30), || blocked.load(Ordering::SeqCst), confirm).await, Some(()));
+        assert_eq!(start.elapsed().as_secs(), 55);
+        // Not confirmed within the limit after the unblock: gives up then.
+        let start = tokio::time::Instant::now();
+        blocked.store(true, Ordering::SeqCst);
+        let unblock = blocked.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(40)).await;
+            unblock.store(false, Ordering::SeqCst);
+        });
+        assert_eq!(await_unless_blocked(Duration::from_secs(30), || blocked.load(Ordering::SeqCst), std::future::pending::<()>()).await, None);
+        let waited = start.elapsed().as_millis();
+        assert!((70_000..=70_100).contains(&waited), "{waited} ms");
+        // Never blocked: the plain limit.
+        let start = tokio::time::Instant::now();
+        assert_eq!(await_unless_blocked(Duration::from_secs(30), || false, std::future::pending::<()>()).await, None);
+        assert_eq!(start.elapsed().as_secs(), 30);
     }
 
     #[tokio::test(start_paused = true)]
