@@ -777,8 +777,17 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
 fn check_env_names(vars: impl Iterator<Item = String>) -> Result<(), ConfigError> {
     let defaults = serde_json::to_value(RawConfig::default()).expect("the defaults serialize");
     let prefix = format!("{ENV_PREFIX}__");
+    let one_underscore = format!("{ENV_PREFIX}_");
     for var in vars {
-        let Some(rest) = var.strip_prefix(&prefix) else { continue };
+        let Some(rest) = var.strip_prefix(&prefix) else {
+            // `PREFIX_BATCHER_AMQP__PARTITIONS`: an override with one underscore too few after the
+            // prefix would be ignored without a word.
+            if let Some(rest) = var.strip_prefix(&one_underscore).filter(|r| r.contains("__") && !r.starts_with('_')) {
+                let dotted = rest.split("__").map(str::to_lowercase).collect::<Vec<_>>().join(".");
+                return Err(invalid(&dotted, format!("set by {var}"), format!("not read: configuration variables start with {prefix} (two underscores)")));
+            }
+            continue;
+        };
         let path: Vec<String> = rest.split("__").map(str::to_lowercase).collect();
         let dotted = path.join(".");
         let set_by = format!("set by {var}");
@@ -1667,7 +1676,13 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
     let llm = LlmSettings {
         endpoints,
         model: name("llm.model", &l.model)?,
-        api_key: (!l.api_key.is_empty()).then(|| Secret(l.api_key.clone())),
+        api_key: match l.api_key.as_str() {
+            "" => None,
+            // Not shown: it is a secret. A trailing blank from an environment file would be sent
+            // in the Authorization header, which a server comparing tokens refuses (401).
+            k if k.trim() != k => return Err(invalid("llm.api_key", "***", "must not start or end with whitespace (a blank after the value in an environment file?)")),
+            k => Some(Secret(k.to_owned())),
+        },
         max_concurrency: nonzero_usize("llm.max_concurrency", l.max_concurrency)?,
         request_timeout: positive_duration("llm.request_timeout", &l.request_timeout)?,
         connect_timeout: positive_duration("llm.connect_timeout", &l.connect_timeout)?,
@@ -1986,6 +2001,8 @@ mod tests {
         assert!(e("PREFIX_BATCHER__AMQP__PARTITIONS").is_ok());
         assert!(e("PREFIX_BATCHER__AMQP__TLS_CA_FILE").is_ok(), "a key with underscores");
         assert!(e("PREFIX_BATCHER_DATA").is_ok(), "not an override");
+        let got = e("PREFIX_BATCHER_AMQP__PARTITIONS").unwrap_err();
+        assert!(got.contains("`amqp.partitions` = set by PREFIX_BATCHER_AMQP__PARTITIONS") && got.contains("two underscores"), "{got}");
         let got = e("PREFIX_BATCHER__FOO__BAR").unwrap_err();
         assert!(got.contains("`foo.bar` = set by PREFIX_BATCHER__FOO__BAR") && got.contains("no section `foo`") && got.contains("amqp"), "{got}");
         let got = e("PREFIX_BATCHER__AMQP__PARTITONS").unwrap_err();
@@ -2052,6 +2069,21 @@ mod tests {
             let e = err(&r);
             assert!(e.contains(key) && e.contains("must"), "{key}: {e}");
         }
+    }
+
+    /// Observed: `PREFIX_BATCHER__LLM__API_KEY="sk-… "` (a blank left in an environment file)
+    /// was sent in the Authorization header as is; other keys refuse such blanks.
+    #[test]
+    fn an_api_key_with_a_blank_around_it_is_refused_without_showing_it() {
+        for key in ["sk-secret123 ", " sk-secret123", "sk-secret123\n"] {
+            let mut r = RawConfig::default();
+            r.llm.api_key = key.into();
+            let e = err(&r);
+            assert!(e.contains("llm.api_key") && e.contains("whitespace") && !e.contains("secret123"), "{e}");
+        }
+        let mut r = RawConfig::default();
+        r.llm.api_key = "sk-secret123".into();
+        assert!(ok(&r).llm.api_key.is_some());
     }
 
     #[test]

@@ -42,8 +42,9 @@ pub enum TopologyError {
     /// The deployment has another partition count.
     #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{redis_key}`)")]
     PartitionCount { existing: String, configured: u32, redis_key: String },
-    /// The deployment routes through another shard exchange or other partition queues.
-    #[error("the deployment routes requests through {existing} but this instance is configured for {configured} (amqp.shard_exchange, amqp.partition_queue_prefix); they are fixed for the life of a deployment: instances with both would leave two sets of partition queues bound, so requests would be copied into both or stranded in the old ones. To change them: stop every instance, drain or move the old partition queues' messages, delete the old queues, and delete the Redis key `{redis_key}`")]
+    /// The deployment routes through another shard exchange, other partition queues, or another
+    /// dead-letter exchange or queue.
+    #[error("the deployment routes requests through {existing} but this instance is configured for {configured} (amqp.shard_exchange, amqp.partition_queue_prefix, amqp.dead_letter_exchange, amqp.dead_letter_queue); they are fixed for the life of a deployment: instances with both would leave two sets of queues bound to one exchange, so requests or dead letters would be copied into both or stranded in the old ones. To change them: stop every instance, drain or move the old queues' messages, delete the old queues, and delete the Redis key `{redis_key}`")]
     PartitionRoute { existing: String, configured: String, redis_key: String },
     /// Broker or connection failure.
     #[error("amqp: {0}")]
@@ -257,9 +258,13 @@ pub fn partition_route_key(count_key: &str) -> String {
     format!("{count_key}:route")
 }
 
-/// How [`partition_route_key`] records the route: `exchange `X`, partition queues `P.NNN``.
+/// How [`partition_route_key`] records the route: `` exchange `X`, partition queues `P.NNN`,
+/// dead letters `DLX` to `DLQ` ``.
 pub fn partition_route(cfg: &AmqpSettings) -> String {
-    format!("exchange `{}`, partition queues `{}.NNN`", cfg.shard_exchange, cfg.partition_queue_prefix)
+    format!(
+        "exchange `{}`, partition queues `{}.NNN`, dead letters `{}` to `{}`",
+        cfg.shard_exchange, cfg.partition_queue_prefix, cfg.dead_letter_exchange, cfg.dead_letter_queue
+    )
 }
 
 /// Declares everything, idempotently, and checks the partition count against the broker and

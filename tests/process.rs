@@ -379,8 +379,8 @@ async fn other_partition_count_is_refused_with_78() {
     env.cleanup().await;
 }
 
-/// A daemon configured with another partition queue prefix or shard exchange than the existing
-/// deployment refuses to start with exit code 78, naming both routes and the keys, and declares
+/// A daemon configured with another partition queue prefix, shard exchange or dead-letter queue
+/// than the existing deployment refuses to start with exit code 78, naming both routes and the keys, and declares
 /// nothing: in a rolling restart, its queues would be bound to the deployment's exchange next to
 /// the old ones, and every request copied into both (an operator's run: 464 results for 300
 /// requests, and copies piling up in the old queues).
@@ -392,6 +392,8 @@ async fn other_partition_queue_names_are_refused_with_78() {
     for (what, change) in [
         ("prefix", Box::new(|r: &mut RawConfig, n: &str| r.amqp.partition_queue_prefix = format!("{n}.renamed")) as Box<dyn Fn(&mut RawConfig, &str)>),
         ("exchange", Box::new(|r: &mut RawConfig, n: &str| r.amqp.shard_exchange = format!("{n}.renamed-shards"))),
+        // Bound to the same fanout dead-letter exchange, both queues would get every dead letter.
+        ("dlq", Box::new(|r: &mut RawConfig, n: &str| r.amqp.dead_letter_queue = format!("{n}.renamed-dead-letter"))),
     ] {
         let mut other = raw.clone();
         change(&mut other, &env.name);
