@@ -785,7 +785,16 @@ async fn the_dead_letter_and_results_queues_are_declared_again_when_deleted_whil
         assert_eq!(started.amqp.queue_depth(&env.partition_queue(p)).await.0, 0, "partition {p} not empty");
     }
     assert_eq!(started.amqp.queue_depth(&dlq).await.0, 0, "a dead letter too many");
-    assert_eq!(started.amqp.queue_depth(&results).await.0, 3, "a result too many");
+    // Each request once. A publish to the just re-declared quorum queue can be nacked (no leader
+    // yet) and still be enqueued: the held result published again is then a second copy, the
+    // documented at-least-once case of a refused publish (seen once in about 20 runs).
+    let mut got: Vec<String> = take_all(&started.amqp, &results).await.into_iter().map(|(cid, _)| cid).collect();
+    got.sort();
+    let distinct: std::collections::BTreeSet<&str> = got.iter().map(String::as_str).collect();
+    assert_eq!(distinct, ["res-1", "res-2", "res-3"].into_iter().collect(), "results: {got:?}");
+    if got.len() > 3 {
+        eprintln!("results queue: {got:?} (a nacked publish was enqueued)");
+    }
     started.results.close().await;
     started.amqp.close().await;
     env.cleanup().await;
