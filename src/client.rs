@@ -206,6 +206,8 @@ async fn publish_input(
     let mut lines = reader.split(b'\n');
     let mut ids = HashSet::new();
     let mut confirms = Vec::new();
+    // Requests the broker confirmed so far.
+    let mut confirmed = 0usize;
     let mut number = 0;
     while let Some(bytes) = lines.next_segment().await.map_err(input_error)? {
         number += 1;
@@ -232,23 +234,22 @@ async fn publish_input(
         let props = request_properties(&id, reply_queue).map_err(at_line)?;
         check_line(settings, line, &id, reply_queue).map_err(at_line)?;
         match ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await {
-            Ok(confirm) => confirms.push(confirm),
+            Ok(confirm) => confirms.push((number, confirm)),
             Err(e) => {
                 // A channel the broker closed (403 ACCESS_REFUSED for a user without write
                 // access, 404 for a missing exchange) fails every later publish with "invalid
                 // channel state"; the broker's reason is in the confirm of the publish it refused.
-                let published = ids.len();
-                await_confirms(&mut confirms, queue).await.map_err(|source| ClientError::AtLine { line: number, published, source: Box::new(source) })?;
-                return Err(at_line(e.into()));
+                await_confirms(&mut confirms, queue, &mut confirmed).await?;
+                return Err(ClientError::AtLine { line: number, published: confirmed, source: Box::new(e.into()) });
             }
         }
         ids.insert(id.clone());
         // Bound the confirms in flight.
         if confirms.len() >= 1000 {
-            await_confirms(&mut confirms, queue).await?;
+            await_confirms(&mut confirms, queue, &mut confirmed).await?;
         }
     }
-    await_confirms(&mut confirms, queue).await?;
+    await_confirms(&mut confirms, queue, &mut confirmed).await?;
     Ok(ids)
 }
 
@@ -300,9 +301,20 @@ pub fn request_properties(id: &str, reply_queue: Option<&str>) -> Result<BasicPr
     })
 }
 
-async fn await_confirms(confirms: &mut Vec<lapin::PublisherConfirm>, queue: &str) -> Result<(), ClientError> {
-    for c in confirms.drain(..) {
-        check_confirm(c.await?, queue)?;
+/// Awaits the confirms of `confirms` (input line, confirm) in order, counting the confirmed ones
+/// in `confirmed`. Errors: the first publish the broker refused, as [`ClientError::AtLine`] with
+/// its line and the requests confirmed before it (publishes after a refused one on the same
+/// channel are not published either: the refusal closed the channel).
+async fn await_confirms(confirms: &mut Vec<(usize, lapin::PublisherConfirm)>, queue: &str, confirmed: &mut usize) -> Result<(), ClientError> {
+    for (line, c) in confirms.drain(..) {
+        let checked = match c.await {
+            Ok(c) => check_confirm(c, queue),
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = checked {
+            return Err(ClientError::AtLine { line, published: *confirmed, source: Box::new(e) });
+        }
+        *confirmed += 1;
     }
     Ok(())
 }

@@ -158,5 +158,9 @@ async fn submit_without_write_access_names_the_refusal() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "submit succeeded without write access: {err}");
     assert!(err.contains("ACCESS_REFUSED") && err.contains("amq.default"), "submit does not name the refusal: {err}");
+    // The broker took none of them: the refusal of the first publish closed the channel. (Before,
+    // the line and count were those of the publish that met the closed channel, e.g. "input line
+    // 3: … the 2 requests were published before it".)
+    assert!(err.contains("input line 1:") && err.contains("no request was published before it"), "submit misreports what was published: {err}");
     env.cleanup().await;
 }
