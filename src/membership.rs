@@ -44,11 +44,13 @@ use crate::lease::RedisConn;
 
 /// Heartbeat: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag,
 /// member's routing settings, the deployment's partition count
-/// ([`crate::topology::partition_count_key`])], ARGV = [name, nonce, member_ttl_ms, llm_down
+/// ([`crate::topology::partition_count_key`]), the deployment's route
+/// ([`crate::topology::partition_route_key`])], ARGV = [name, nonce, member_ttl_ms, llm_down
 /// ("1" or "0"), key prefix, name_conflict ("1" or "0"), name-conflict flag TTL ms, routing
 /// settings ('' for none: neither stored nor compared), partition count ('' for none: not
-/// recorded)]. A name-conflict "1" sets that flag for [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it
-/// to expire. The partition count is written only where none is recorded (`SET … NX`).
+/// recorded), route ('' for none: not recorded)]. A name-conflict "1" sets that flag for
+/// [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to expire. The partition count and the route are
+/// written only where none is recorded (`SET … NX`).
 /// Returns `{names, previous, down, differs, listed, recorded}`: the live member names, sorted;
 /// the nonce the name's key held before when it was another process's (else `false`, read as
 /// nil); the live members whose LLM-down flag is set, sorted; `name, settings` pairs (flat) of
@@ -60,6 +62,7 @@ local prev = redis.call('GET', KEYS[2])
 if prev == ARGV[2] then prev = false end
 local recorded = 0
 if ARGV[9] ~= '' and redis.call('SET', KEYS[6], ARGV[9], 'NX') then recorded = 1 end
+if ARGV[10] ~= '' then redis.call('SET', KEYS[7], ARGV[10], 'NX') end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -268,6 +271,8 @@ pub struct Membership {
     routing: String,
     /// Partition count recorded by each heartbeat where none is ('' = none).
     partitions: String,
+    /// Route recorded by each heartbeat where none is ('' = none).
+    route: String,
     heartbeat: Arc<Script>,
     leave: Arc<Script>,
 }
@@ -284,6 +289,7 @@ impl Membership {
             timeout,
             routing: String::new(),
             partitions: String::new(),
+            route: String::new(),
             heartbeat: Arc::new(Script::new(HEARTBEAT)),
             leave: Arc::new(Script::new(LEAVE)),
         }
@@ -303,6 +309,16 @@ impl Membership {
     /// its data. A recorded count is never overwritten.
     pub fn with_partition_count(mut self, partitions: u32) -> Self {
         self.partitions = partitions.to_string();
+        self
+    }
+
+    /// Records `route` ([`crate::topology::partition_route`]) as the deployment's route with each
+    /// heartbeat where Redis holds none ([`crate::topology::partition_route_key`], `SET … NX`),
+    /// as [`Self::with_partition_count`] does for the count: after Redis lost its data, an
+    /// instance started with other queue names would otherwise record its own and bind its
+    /// queues next to the deployment's.
+    pub fn with_route(mut self, route: String) -> Self {
+        self.route = route;
         self
     }
 
@@ -332,6 +348,7 @@ impl Membership {
             .key(member_name_conflict_key(&self.prefix, &self.name))
             .key(member_routing_key(&self.prefix, &self.name))
             .key(crate::topology::partition_count_key(&self.prefix))
+            .key(crate::topology::partition_route_key(&crate::topology::partition_count_key(&self.prefix)))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(self.ttl.as_millis() as u64)
@@ -340,7 +357,8 @@ impl Membership {
             .arg(if name_conflict.is_some() { "1" } else { "0" })
             .arg(name_conflict.map_or(1, |d| (d.as_millis() as u64).max(1)))
             .arg(&self.routing)
-            .arg(&self.partitions);
+            .arg(&self.partitions)
+            .arg(&self.route);
         let (members, previous_nonce, llm_down, differs, listed, recorded): (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64) =
             self.timed(call.invoke_async(&mut conn)).await?;
         let routing_differs = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();

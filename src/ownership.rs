@@ -131,7 +131,8 @@ impl Ownership {
         let (prefix, timeout) = (&settings.redis.key_prefix, settings.redis.command_timeout);
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
         let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout).with_routing(settings.routing_fingerprint())
-            .with_partition_count(settings.amqp.partitions.get());
+            .with_partition_count(settings.amqp.partitions.get())
+            .with_route(crate::topology::partition_route(&settings.amqp));
         Ownership {
             buffer_budget: partition::BufferBudget::new(&settings),
             settings,

@@ -297,10 +297,28 @@ pub async fn declare(
         );
         let _: () = redis::cmd("SET").arg(redis_key).arg(p).query_async(redis).await?;
     }
+    // The route is recorded before anything is declared: of two instances started at once with
+    // other names, the second is refused before it binds its queues next to the first's.
     let (route_key, route) = (partition_route_key(redis_key), partition_route(cfg));
+    let _: bool = redis::cmd("SETNX").arg(&route_key).arg(&route).query_async(redis).await?;
     let recorded: Option<String> = redis::cmd("GET").arg(&route_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != route) {
-        return Err(TopologyError::PartitionRoute { existing, configured: route, redis_key: route_key });
+        // A stale record (Redis restored from data older than a change of the names): the
+        // recorded names' first partition queue is gone and this configuration's exists.
+        let stale = match recorded_first_partition_queue(&existing) {
+            Some(old) if old != cfg.partition_queue(0) => !queue_exists(conn, &old).await? && queue_exists(conn, &cfg.partition_queue(0)).await?,
+            _ => false,
+        };
+        if !stale {
+            return Err(TopologyError::PartitionRoute { existing, configured: route, redis_key: route_key });
+        }
+        warn!(
+            recorded = %existing,
+            configured = %route,
+            redis_key = %route_key,
+            "Redis records other queue names than the broker has: the recorded partition queues do not exist and the configured ones do, so the record is stale (Redis restored from older data?); recording the configured route"
+        );
+        let _: () = redis::cmd("SET").arg(&route_key).arg(&route).query_async(redis).await?;
     }
     // Partition queues are declared from P-1 down to 0, so "queue 0 exists" means the whole set
     // exists: a missing queue P-1 then reveals a smaller deployment, an existing queue P a larger one.
@@ -335,12 +353,14 @@ pub async fn declare(
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
         return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
     }
-    let _: bool = redis::cmd("SETNX").arg(&route_key).arg(&route).query_async(redis).await?;
-    let recorded: Option<String> = redis::cmd("GET").arg(&route_key).query_async(redis).await?;
-    if let Some(existing) = recorded.filter(|e| *e != route) {
-        return Err(TopologyError::PartitionRoute { existing, configured: route, redis_key: route_key });
-    }
     Ok(())
+}
+
+/// Partition queue 0 of a route recorded by [`partition_route`] (`` partition queues `P.NNN` ``
+/// gives `P.000`); `None` when the text has no such part.
+fn recorded_first_partition_queue(route: &str) -> Option<String> {
+    let rest = &route[route.find("partition queues `")? + "partition queues `".len()..];
+    Some(format!("{}.000", rest.split(".NNN`").next().filter(|p| !p.is_empty() && p.len() < rest.len())?))
 }
 
 /// Declares the dead-letter exchange (fanout) and the dead-letter queue, and binds the queue to
@@ -385,6 +405,15 @@ pub async fn declare_partition(conn: &Connection, cfg: &AmqpSettings, p: u32) ->
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_first_partition_queue_of_a_recorded_route() {
+        let mut cfg = crate::config::Settings::from_raw(&crate::config::RawConfig::default()).unwrap().amqp;
+        cfg.partition_queue_prefix = "a.b-c".into();
+        assert_eq!(super::recorded_first_partition_queue(&super::partition_route(&cfg)).as_deref(), Some("a.b-c.000"));
+        assert_eq!(super::recorded_first_partition_queue("something else"), None);
+        assert_eq!(super::recorded_first_partition_queue("partition queues `x"), None);
+    }
+
     use super::*;
     use crate::config::{RawConfig, Settings};
 

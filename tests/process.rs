@@ -435,6 +435,35 @@ async fn a_stale_recorded_partition_count_is_corrected_from_the_broker() {
     env.cleanup().await;
 }
 
+/// The recorded route is written again by the running instances' heartbeats once Redis lost it
+/// (before, one instance started with other names then recorded its own, and bound its queues
+/// next to the deployment's); a recorded route whose partition queues do not exist while the
+/// configured ones do is stale (Redis restored from older data) and is replaced, with a
+/// warning, instead of refusing every correctly configured instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_or_stale_route_record_is_written_again() {
+    let Existing { env, _fake, raw, mut redis } = existing_deployment("routerecord").await;
+    let route_key = format!("{}:partitions:route", env.key_prefix());
+    let route = redis.get(&route_key).await.expect("the route is recorded");
+    // Stale: names whose queues do not exist.
+    redis.set(&route_key, &format!("exchange `{n}.old`, partition queues `{n}.old-partition.NNN`, dead letters `{n}.old-dlx` to `{n}.old-dl`", n = env.name)).await;
+    let mut d = DaemonProcess::run(&env, "restart", &raw);
+    wait_ready(&mut redis, &env, &mut d, &raw.instance.name).await;
+    assert!(d.log().contains("the record is stale"), "no warning about the stale route; log:\n{}", d.log_tail(20));
+    assert_eq!(redis.get(&route_key).await.as_deref(), Some(route.as_str()));
+    // Lost while the instance runs: its heartbeat records it again.
+    redis.del(&route_key).await;
+    let deadline = Instant::now() + DEADLINE;
+    while redis.get(&route_key).await.is_none() {
+        assert!(Instant::now() < deadline, "the route was not recorded again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(redis.get(&route_key).await.as_deref(), Some(route.as_str()));
+    d.sigterm();
+    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(0));
+    env.cleanup().await;
+}
+
 /// A refused start must not change the deployment's recorded partition count, or the correctly
 /// configured instances are refused at their next start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
