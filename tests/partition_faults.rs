@@ -1331,3 +1331,36 @@ async fn answered_once_after_a_restart(env: TestEnv, mut raw: RawConfig, parts: 
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
+
+/// Write access to the dead-letter exchange alone refused while valid and malformed requests
+/// arrive together: the refused dead letters must not take forwards with them. Before, the
+/// router's dead letters shared its publishing channel with the forwards; each refused dead letter
+/// closed it, and forwards the broker had already taken failed with it and were forwarded again
+/// (an operator's run: 369 extra copies of 600 requests).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_dead_letter_does_not_duplicate_forwards() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let user = BrokerUser::create("dlxrefused");
+    let (env, _raw, mut st, mut dead) = start_with_delivery_limit("dlxrefused", fake.url.as_str(), Some(&user), 5).await;
+    user.permit_writes(&format!("^(?!{}$).*", env.dead_letter_exchange().replace('.', "\\.")));
+    let reqs = completions_workload("dlxrefused", 200, 4);
+    let want = ids(&reqs);
+    for (i, chunk) in reqs.chunks(10).enumerate() {
+        st.amqp.publish_requests(&env.input_queue(), chunk, &st.reply).await;
+        let props = lapin::BasicProperties::default().with_correlation_id(format!("junk-{i}").into());
+        st.amqp.publish(&env.input_queue(), b"not json", props).await;
+    }
+    st.results.until_all(&want, DEADLINE).await;
+    user.permit_writes(".*");
+    let deadline = Instant::now() + DEADLINE;
+    while dead.received.len() < 20 && Instant::now() < deadline {
+        dead.collect_for(Duration::from_millis(500)).await;
+    }
+    assert_eq!(dead.received.len(), 20, "the malformed requests are dead-lettered once write access is back");
+    // A second copy of a forward would be answered within a moment.
+    st.results.collect_for(Duration::from_secs(2)).await;
+    let copies: Vec<(String, usize)> =
+        st.results.by_correlation().into_iter().filter(|(id, r)| want.contains(id) && r.len() > 1).map(|(id, r)| (id, r.len())).collect();
+    assert!(copies.is_empty(), "requests answered more than once: {copies:?}");
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
