@@ -958,13 +958,13 @@ fn name(key: &'static str, v: &str) -> Result<String, ConfigError> {
 
 fn secret_url(key: &'static str, v: &str, schemes: &[&str]) -> Result<SecretUrl, ConfigError> {
     let u = Url::parse(v).map_err(|e| {
-        invalid(key, redact_str(v), format!("must be a URL such as {}://host:port (scheme one of {}; percent-encode '/', '#', '@' in passwords; {e})", schemes[0], schemes.join(", ")))
+        invalid(key, redact_str(v), format!("must be a URL such as {}://host:port (scheme one of {}; percent-encode '/', '#', '@' (and ',' in a list set by an environment variable) in passwords; {e})", schemes[0], schemes.join(", ")))
     })?;
     if !schemes.contains(&u.scheme()) {
         return Err(invalid(key, redact_str(v), format!("scheme must be one of {schemes:?}")));
     }
     if u.host_str().is_none_or(str::is_empty) && u.scheme() != "unix" && u.scheme() != "redis+unix" {
-        return Err(invalid(key, redact_str(v), "must name a host (percent-encode '/', '#', '@' in passwords)"));
+        return Err(invalid(key, redact_str(v), "must name a host (percent-encode '/', '#', '@' (and ',' in a list set by an environment variable) in passwords)"));
     }
     let u = SecretUrl(u);
     for (part, text) in [("user", u.0.username()), ("password", u.0.password().unwrap_or_default())] {
@@ -998,6 +998,19 @@ fn redact_unparsed(v: &str) -> (String, bool) {
     let s = match (v.find("://"), v.rfind('@')) {
         (Some(s), Some(at)) if at > s => format!("{}***{}", &v[..s + 3], &v[at..]),
         (_, Some(at)) => format!("***{}", &v[at..]),
+        // No '@': a list item from the environment may be the first half of a URL whose password
+        // holds a comma (`amqp://u:pa,ss@h` splits into `amqp://u:pa` and `ss@h`). After a colon
+        // in the authority, only a port (digits) is shown.
+        (Some(s), None) => {
+            let end = v[s + 3..].find(['/', '?', '#']).map_or(v.len(), |e| s + 3 + e);
+            let authority = &v[s + 3..end];
+            match authority.rfind(':') {
+                Some(c) if !authority.ends_with(']') && !authority[c + 1..].bytes().all(|b| b.is_ascii_digit()) => {
+                    format!("{}{}:***{}", &v[..s + 3], &authority[..c], &v[end..])
+                }
+                _ => v.to_owned(),
+            }
+        }
         _ => v.to_owned(),
     };
     let authority = s.rfind('@').or_else(|| s.find("://").map(|i| i + 3)).unwrap_or(0);
@@ -2146,6 +2159,10 @@ mod tests {
         assert_eq!(u.redacted(), "redis://h:6379/0?password=***&timeout=3&Auth_Token=***");
         assert_eq!(redact_str("http://h:99999/x?k=hunter2#f"), "\"http://h:99999/x\" (query not shown)");
         assert_eq!(redact_str("a://u:p?w@h:0/?q=1"), "\"a://***@h:0/\" (query not shown)", "a '?' in the password");
+        // The first half of `amqp://u:Pa55,word@h` split at its comma (an environment list).
+        assert_eq!(redact_str("amqp://u:Pa55"), "\"amqp://u:***\"");
+        assert_eq!(redact_str("amqp://h:99999/x"), "\"amqp://h:99999/x\"", "a port is shown");
+        assert_eq!(redact_str("amqp://[::1]/x"), "\"amqp://[::1]/x\"");
     }
 
     /// `redis://host/abc` used to pass `check-config` and fail every connection attempt.
