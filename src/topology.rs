@@ -286,7 +286,8 @@ pub async fn declare(
         // exist (queue P-1 does, queue P does not), the record is stale, as after Redis was
         // restored from data older than a partition-count change, and would otherwise refuse
         // every instance with either count.
-        if !(queue_exists(conn, &cfg.partition_queue(p - 1)).await? && !queue_exists(conn, &cfg.partition_queue(p)).await?) {
+        let broker_has_p = queue_exists(conn, &cfg.partition_queue(p - 1)).await? && !queue_exists(conn, &cfg.partition_queue(p)).await?;
+        if !broker_has_p {
             return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
         }
         warn!(
