@@ -55,14 +55,20 @@ use crate::lease::RedisConn;
 /// the nonce the name's key held before when it was another process's (else `false`, read as
 /// nil); the live members whose LLM-down flag is set, sorted; `name, settings` pairs (flat) of
 /// the other live members whose routing settings differ; 1 when the member set held this name
-/// before this heartbeat (`ZADD` added no new member), else 0; 1 when this heartbeat recorded the partition count, else 0.
+/// before this heartbeat (`ZADD` added no new member), else 0; 1 when this heartbeat recorded the partition count, else 0;
+/// the recorded route when it differs from this member's (else `false`).
 /// The flag and settings expire with the heartbeat.
 const HEARTBEAT: &str = r#"
 local prev = redis.call('GET', KEYS[2])
 if prev == ARGV[2] then prev = false end
 local recorded = 0
 if ARGV[9] ~= '' and redis.call('SET', KEYS[6], ARGV[9], 'NX') then recorded = 1 end
-if ARGV[10] ~= '' then redis.call('SET', KEYS[7], ARGV[10], 'NX') end
+local other_route = false
+if ARGV[10] ~= '' then
+  redis.call('SET', KEYS[7], ARGV[10], 'NX')
+  local r = redis.call('GET', KEYS[7])
+  if r and r ~= ARGV[10] then other_route = r end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[3])
@@ -102,7 +108,7 @@ if ARGV[8] ~= '' then
     end
   end
 end
-return {names, prev, down, differs, listed, recorded}
+return {names, prev, down, differs, listed, recorded, other_route}
 "#;
 
 /// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag, member's
@@ -256,6 +262,9 @@ pub struct Heartbeat {
     /// Whether this heartbeat wrote the partition count because none was recorded (Redis lost
     /// it; [`Membership::with_partition_count`]).
     pub recorded_partition_count: bool,
+    /// The route recorded in Redis when it differs from this member's
+    /// ([`Membership::with_route`]): another instance runs, or ran, with other queue names.
+    pub other_route: Option<String>,
 }
 
 /// The heartbeat of one process (`name` + boot `nonce`).
@@ -359,10 +368,18 @@ impl Membership {
             .arg(&self.routing)
             .arg(&self.partitions)
             .arg(&self.route);
-        let (members, previous_nonce, llm_down, differs, listed, recorded): (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64) =
-            self.timed(call.invoke_async(&mut conn)).await?;
+        type Reply = (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64, Option<String>);
+        let (members, previous_nonce, llm_down, differs, listed, recorded, other_route): Reply = self.timed(call.invoke_async(&mut conn)).await?;
         let routing_differs = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();
-        Ok(Heartbeat { members, previous_nonce, llm_down, routing_differs, was_listed: listed == 1, recorded_partition_count: recorded == 1 })
+        Ok(Heartbeat {
+            members,
+            previous_nonce,
+            llm_down,
+            routing_differs,
+            was_listed: listed == 1,
+            recorded_partition_count: recorded == 1,
+            other_route,
+        })
     }
 
     /// Removes this process from the member set (and its draining mark). `Ok(false)`: the name

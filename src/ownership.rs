@@ -58,6 +58,10 @@ use crate::membership::Membership;
 use crate::metrics;
 use crate::partition::{self, PartitionContext, StopSignals};
 
+/// The heartbeat's finding that Redis records other queue names than this instance's: an
+/// operator must act, and each heartbeat finds it again.
+static OTHER_ROUTE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
 /// How often a continuing instance-name conflict is logged ([`Ownership::note_name_conflict`]).
 const NAME_CONFLICT_LOG_INTERVAL: Duration = Duration::from_secs(60);
 
@@ -297,6 +301,14 @@ impl Ownership {
         }
         if beat.recorded_partition_count {
             info!(partitions = self.settings.amqp.partitions.get(), "recorded the partition count in Redis again (it had none)");
+        }
+        if let Some(recorded) = &beat.other_route {
+            crate::error_limited!(
+                OTHER_ROUTE_LOG,
+                recorded = %recorded,
+                this_instance = %crate::topology::partition_route(&self.settings.amqp),
+                "Redis records other queue names for this deployment than this instance uses: an instance with other amqp.partition_queue_prefix, shard_exchange or dead-letter names started (or Redis was restored from older data). Two sets of queues bound to one exchange copy every request into both, or strand requests in queues nobody consumes: find the instance with the other names (rabbitmqctl list_bindings) and stop it"
+            );
         }
         self.last_heartbeat = Some(Instant::now());
         crate::splits::Affinity::for_prefix(&self.settings.redis.key_prefix).set_servers(members.len().max(1) * self.settings.llm.endpoints.len());

@@ -439,7 +439,8 @@ async fn a_stale_recorded_partition_count_is_corrected_from_the_broker() {
 /// (before, one instance started with other names then recorded its own, and bound its queues
 /// next to the deployment's); a recorded route whose partition queues do not exist while the
 /// configured ones do is stale (Redis restored from older data) and is replaced, with a
-/// warning, instead of refusing every correctly configured instance.
+/// warning, instead of refusing every correctly configured instance; a record naming other
+/// queues than a running instance's is reported by its heartbeat at ERROR.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_or_stale_route_record_is_written_again() {
     let Existing { env, _fake, raw, mut redis } = existing_deployment("routerecord").await;
@@ -459,6 +460,14 @@ async fn a_lost_or_stale_route_record_is_written_again() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(redis.get(&route_key).await.as_deref(), Some(route.as_str()));
+    // Other names recorded while it runs (an instance with other names won the moment after a
+    // Redis data loss): the running instance says so at its next heartbeat.
+    redis.set(&route_key, &format!("exchange `{n}.shards`, partition queues `{n}.other.NNN`, dead letters `{n}.dlx` to `{n}.dead-letter`", n = env.name)).await;
+    let deadline = Instant::now() + DEADLINE;
+    while !d.log().contains("Redis records other queue names for this deployment than this instance uses") {
+        assert!(Instant::now() < deadline, "no error about the other recorded route; log:\n{}", d.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     d.sigterm();
     assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(0));
     env.cleanup().await;
