@@ -1007,7 +1007,6 @@ impl LlmClient {
             }
             let Some(delay) = delay else { return (Err(error), attempt) };
             let server_fault = error.is_server_fault();
-            last_error = Some(error);
             // A server fault's wait (a 429 or 503 `Retry-After` can be up to `llm.backoff_max`)
             // ends when the endpoint's breaker opens meanwhile: the items then go to another
             // endpoint or wait for this one, as when it was open before the retry.
@@ -1025,10 +1024,11 @@ impl LlmClient {
                 _ = cancel.cancelled() => return (Err(LlmError::cancelled()), attempt),
                 () = opened, if server_fault => {
                     tracing::debug!(endpoint, attempt, "the endpoint's circuit breaker opened while a call waited to retry; giving up on it");
-                    return (Err(last_error.take().expect("set above")), attempt);
+                    return (Err(error), attempt);
                 }
                 _ = tokio::time::sleep(delay) => {}
             }
+            last_error = Some(error);
         }
     }
 
