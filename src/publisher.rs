@@ -225,7 +225,7 @@ fn is_blocked(conn: &Connection) -> bool {
 /// written to it is still on its way, and giving up on it would make the next attempt a second
 /// copy once the alarm clears (an operator's run: 321 duplicate results of 1,200 requests for a
 /// 50 s alarm with a 30 s `confirm_timeout`). So when `limit` runs out while blocked, this waits
-/// until the connection is unblocked (looked at every [`UNBLOCKED_POLL`]), then `limit` again.
+/// until the connection is unblocked ([`wait_while`]), then `limit` again.
 /// `None` when `limit` ran out while not blocked.
 async fn await_unless_blocked<F: std::future::Future>(limit: Duration, blocked: impl Fn() -> bool, fut: F) -> Option<F::Output> {
     let mut fut = std::pin::pin!(fut);
@@ -236,11 +236,9 @@ async fn await_unless_blocked<F: std::future::Future>(limit: Duration, blocked: 
         if !blocked() {
             return None;
         }
-        loop {
-            tokio::select! {
-                v = &mut fut => return Some(v),
-                _ = tokio::time::sleep(UNBLOCKED_POLL) => if !blocked() { break },
-            }
+        tokio::select! {
+            v = &mut fut => return Some(v),
+            () = wait_while(&blocked) => {}
         }
     }
 }
@@ -1175,7 +1173,12 @@ const UNBLOCKED_POLL: Duration = Duration::from_millis(100);
 /// is still on its way, and each attempt more would reach the queue as one more copy once the
 /// alarm clears.
 pub async fn wait_unblocked(conn: &Connection) {
-    while conn.status().blocked() && conn.status().connected() {
+    wait_while(|| is_blocked(conn)).await;
+}
+
+/// Returns once `blocked()` is false, looking every [`UNBLOCKED_POLL`].
+async fn wait_while(blocked: impl Fn() -> bool) {
+    while blocked() {
         tokio::time::sleep(UNBLOCKED_POLL).await;
     }
 }
