@@ -199,7 +199,7 @@ impl Ownership {
                 on_redis(redis_ok);
             }
             if stopping && self.owned.is_empty() {
-                self.leave().await;
+                self.leave(None).await;
                 return Ok(());
             }
         }
@@ -212,9 +212,7 @@ impl Ownership {
         // start polling for the leases) while this instance drains.
         if stopping && !self.left {
             self.left = true;
-            if let Err(e) = self.membership.leave_draining(self.settings.drain_timeout).await {
-                warn!(error = %e, "could not leave the member set; this member expires after member_ttl");
-            }
+            self.leave(Some(self.settings.drain_timeout)).await;
         }
         let members = if stopping { None } else { self.refresh_membership().await };
         self.renew_leases().await;
@@ -605,18 +603,20 @@ impl Ownership {
         self.abort_all();
         let this = &*self;
         futures_util::future::join_all(owned.into_iter().map(|(p, epoch)| this.release(p, epoch))).await;
-        self.leave().await;
+        self.leave(None).await;
         metrics::partitions_owned(0);
     }
 
-    /// Leaves the member set ([`Membership::leave`]); on failure the entry expires after
-    /// `member_ttl`.
-    async fn leave(&mut self) {
-        match self.membership.leave().await {
-            Ok(_) => {}
-            Err(e) => {
-                warn!(error = %e, "could not leave the member set; this member expires after member_ttl");
-            }
+    /// Leaves the member set ([`Membership::leave`]); with `draining`, marks this instance as
+    /// draining for that long ([`Membership::leave_draining`]). On failure the entry expires
+    /// after `member_ttl`.
+    async fn leave(&mut self, draining: Option<Duration>) {
+        let left = match draining {
+            Some(d) => self.membership.leave_draining(d).await,
+            None => self.membership.leave().await,
+        };
+        if let Err(e) = left {
+            warn!(error = %e, "could not leave the member set; this member expires after member_ttl");
         }
     }
 }
