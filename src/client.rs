@@ -1,7 +1,7 @@
 //! The client commands: `submit` (publish JSONL requests and optionally wait for their results)
 //! and `status` (members, partition owners and epochs, backlog, hot keys).
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -743,18 +743,22 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         .collect();
     // Lease holders that are not live members: a stopping instance draining them, or a
     // crashed one whose leases have not expired yet.
-    let stale: BTreeSet<&str> = leases.iter().flatten().map(|l| l.name.as_str()).filter(|n| !names.iter().any(|m| m == n)).collect();
+    let mut stale_owners: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for (part, l) in (0..p).zip(&leases) {
+        if let Some(l) = l.as_ref().filter(|l| !names.contains(&l.name)) {
+            stale_owners.entry(l.name.clone()).or_default().push(part);
+        }
+    }
     let mut pipe = redis::pipe();
-    for name in &stale {
+    for name in stale_owners.keys() {
         pipe.cmd("EXISTS").arg(crate::membership::member_draining_key(prefix, name));
     }
-    let marked: Vec<bool> = if stale.is_empty() { Vec::new() } else { pipe.query_async(&mut r).await? };
-    let draining_owners: Vec<String> = stale.iter().zip(marked).filter(|(_, d)| *d).map(|(n, _)| (*n).to_owned()).collect();
+    let marked: Vec<bool> = if stale_owners.is_empty() { Vec::new() } else { pipe.query_async(&mut r).await? };
+    let draining_owners: Vec<String> = stale_owners.keys().zip(marked).filter(|(_, d)| *d).map(|(n, _)| n.clone()).collect();
     let mut members: Vec<MemberStatus> = live
         .into_iter()
         .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict })
         .collect();
-    let mut stale_owners: BTreeMap<String, Vec<u32>> = BTreeMap::new();
     let mut partitions = Vec::with_capacity(p as usize);
     for part in 0..p {
         let lease = leases[part as usize].as_ref();
@@ -765,8 +769,6 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         let live_owner = lease.and_then(|l| names.iter().position(|n| *n == l.name));
         if let Some(i) = live_owner {
             members[i].owned += 1;
-        } else if let Some(l) = lease {
-            stale_owners.entry(l.name.clone()).or_default().push(part);
         }
         let depth = depths[part as usize];
         let note = match (lease, depth) {
