@@ -17,7 +17,8 @@ use common::*;
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
-use prefix_batcher::config::{AmqpSettings, RawConfig};
+use prefix_batcher::config::{AmqpSettings, RawConfig, Settings};
+use prefix_batcher::llm::LlmClient;
 use prefix_batcher::topology;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -628,6 +629,24 @@ async fn start_on_servers(test: &str, servers: &[&FakeLlmHandle]) -> (TestEnv, S
     (env, started, dead)
 }
 
+/// Starts servers from `make` until one is the home (first in [`LlmClient::endpoint_ranking`])
+/// of at least half of the [`PARTITIONS`] partitions beside `other`, and returns it. The ranking
+/// hashes the servers' URLs, whose ports the OS picks: a test that needs requests to meet a
+/// server first would otherwise find none do so in about 1 run of 256 (8 partitions, each ranking
+/// it first with probability 1/2).
+async fn home_of_half_the_partitions(make: impl Fn() -> FakeLlm, other: &FakeLlmHandle) -> FakeLlmHandle {
+    for _ in 0..100 {
+        let server = make().start().await.unwrap();
+        let mut llm = Settings::from_raw(&RawConfig::default()).expect("the defaults are valid").llm;
+        llm.endpoints = vec![server.url.clone(), other.url.clone()];
+        let client = LlmClient::new(&llm).unwrap();
+        if (0..PARTITIONS).filter(|&p| client.endpoint_ranking(p)[0] == 0).count() * 2 >= PARTITIONS as usize {
+            return server;
+        }
+    }
+    panic!("no server of 100 was the home of half the partitions");
+}
+
 /// Waits (≤ 60 s) until each of `reqs` has a result, then asserts that each got exactly one,
 /// `ok`, and that nothing was dead-lettered.
 async fn assert_answered_ok_once(st: &mut Started, dead: &mut Collector, reqs: &[TestRequest]) {
@@ -699,12 +718,12 @@ async fn a_server_without_a_chat_template_fails_no_chat_request() {
 /// `ok`, once, none charged a delivery (`amqp.delivery_limit = 1`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_requests_leave_a_server_without_a_chat_template_for_a_healthy_one() {
-    let refusing = FakeLlm::new().start().await.unwrap();
-    refusing.set_chat_refused(true);
     let healthy = FakeLlm::new().start().await.unwrap();
+    let refusing = home_of_half_the_partitions(FakeLlm::new, &healthy).await;
+    refusing.set_chat_refused(true);
     let (env, mut st, mut dead) = start_on_servers("nochattpl2", &[&refusing, &healthy]).await;
-    // One system prompt (one key) per request: about as many partitions, so that some rank the
-    // refusing server first (each does with probability 1/2).
+    // One system prompt (one key) per request, over the partitions: the refusing server is the
+    // home of half of them, so some requests meet it first.
     let reqs: Vec<TestRequest> = (0..40).map(|i| chat_request("nochattpl2", i, &format!("You are assistant number {i}."))).collect();
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
     assert_answered_ok_once(&mut st, &mut dead, &reqs).await;
@@ -719,10 +738,10 @@ async fn chat_requests_leave_a_server_without_a_chat_template_for_a_healthy_one(
 /// 17 of 300 dead-lettered in a tester's run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_requests_leave_a_chat_only_server_for_a_healthy_one() {
-    let chat_only = FakeLlm::new().chat_only().start().await.unwrap();
     let healthy = FakeLlm::new().start().await.unwrap();
+    let chat_only = home_of_half_the_partitions(|| FakeLlm::new().chat_only(), &healthy).await;
     let (env, mut st, mut dead) = start_on_servers("chatonly", &[&chat_only, &healthy]).await;
-    // Many keys, so that some partitions rank the chat-only server first; in waves further apart
+    // The chat-only server is the home of half the partitions; in waves further apart
     // than the breaker's open time, so a probe that passed would let each wave meet the 404.
     let reqs = completions_workload("chatonly", 160, 40);
     for wave in reqs.chunks(40) {
