@@ -816,8 +816,8 @@ pub fn watch_connection_blocked(
 pub type LastError = Arc<std::sync::Mutex<Option<(bool, String)>>>;
 
 /// How long a session that ended because a connection closed waits for lapin to report the
-/// broker's reason ([`LastError`]).
-const LAST_ERROR_WAIT: Duration = Duration::from_millis(250);
+/// broker's reason ([`LastError`]); it comes within milliseconds, later on a loaded machine.
+const LAST_ERROR_WAIT: Duration = Duration::from_secs(1);
 
 fn last_error(slot: &LastError) -> Option<(bool, String)> {
     slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
