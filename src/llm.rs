@@ -3046,9 +3046,12 @@ mod tests {
     /// `GET /v1/models`: any status counts) is left alone: its calls are answered.
     #[tokio::test]
     async fn a_slow_server_that_answers_http_is_not_abandoned() {
-        let fake = FakeLlm::new().latency(Duration::from_millis(1500)).start().await.unwrap();
+        // Checks after 250 ms, each with 250 ms to answer (not 100: the lib tests run in
+        // parallel on two cores), two missed ones to abandon the call: a frozen server would be
+        // left by 750 ms, long before this one answers.
+        let fake = FakeLlm::new().latency(Duration::from_millis(2000)).start().await.unwrap();
         let mut s = settings(&fake.url);
-        s.liveness_check_after = Some(Duration::from_millis(100));
+        s.liveness_check_after = Some(Duration::from_millis(250));
         let client = LlmClient::new(&s).unwrap();
         let results = run(&client, &three_prompts(&Map::new())).await;
         assert!(results.iter().all(|r| r.is_ok()), "{results:?}");

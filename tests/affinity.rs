@@ -68,8 +68,10 @@ async fn two_instances_agree_on_a_split_within_the_refresh_period() {
     let member = SplitMember { level: 0, key: before.routed.key, state: SplitState::Split };
     assert_eq!(added, vec![member]);
     assert_eq!(a.view().get(0, member.key), Some(SplitState::Split));
-    let took = wait_for("B's view to show the split", 2 * REFRESH_INTERVAL, || b.view().get(0, member.key).is_some()).await;
-    assert!(took <= REFRESH_INTERVAL + Duration::from_millis(300), "B saw the split after {took:?}");
+    // Within one refresh, with room for a loaded 2-core machine's scheduling (Redis round trips,
+    // sibling tests running daemons).
+    let took = wait_for("B's view to show the split", 8 * REFRESH_INTERVAL, || b.view().get(0, member.key).is_some()).await;
+    assert!(took <= REFRESH_INTERVAL + Duration::from_millis(750), "B saw the split after {took:?}");
 
     let (ra, rb) = (route_in(&req, &settings, &a), route_in(&req, &settings, &b));
     let level1 = PrefixKey::of(prefix_chars(&text, PREFIX_CHARS * LEVEL_GROWTH));
@@ -94,7 +96,7 @@ async fn two_instances_agree_on_a_split_within_the_refresh_period() {
             assert_eq!((listed[0].member, listed[0].drain_rps), (member, Some(20.0)));
             break;
         }
-        assert!(lost_at.elapsed() < 2 * REFRESH_INTERVAL + Duration::from_millis(300), "B did not put the split back");
+        assert!(lost_at.elapsed() < 2 * REFRESH_INTERVAL + Duration::from_millis(750), "B did not put the split back");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(b.view().get(0, member.key), Some(SplitState::Split));
@@ -106,7 +108,7 @@ async fn two_instances_agree_on_a_split_within_the_refresh_period() {
     }
     assert_eq!(merged, 1, "merged after 30 s split and 10 s cool");
     assert!(a.view().is_empty());
-    wait_for("B's view to drop the merged key", 2 * REFRESH_INTERVAL, || b.view().is_empty()).await;
+    wait_for("B's view to drop the merged key", 8 * REFRESH_INTERVAL, || b.view().is_empty()).await;
     assert_eq!(route_in(&req, &settings, &b).routed, before.routed);
 
     stop.cancel();
@@ -121,29 +123,37 @@ struct PrivateRedis {
 }
 
 impl PrivateRedis {
+    /// Starts redis-server on a port the OS picked for a moment; again on another port (up to 3
+    /// times) when the server exits, as when a parallel test took the port in between.
     async fn start(dir: &std::path::Path) -> PrivateRedis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .arg("--dir")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed");
-        let url = format!("redis://127.0.0.1:{port}/");
-        let client = redis::Client::open(url.as_str()).unwrap();
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            if let Ok(mut c) = client.get_multiplexed_async_connection().await {
-                if redis::cmd("PING").query_async::<String>(&mut c).await.is_ok() {
+        for attempt in 1..=3 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let mut child = Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server is installed");
+            let url = format!("redis://127.0.0.1:{port}/");
+            let client = redis::Client::open(url.as_str()).unwrap();
+            let deadline = Instant::now() + DEADLINE;
+            loop {
+                if let Some(status) = child.try_wait().unwrap() {
+                    eprintln!("private redis-server on port {port} exited ({status}), attempt {attempt} of 3");
                     break;
                 }
+                if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+                    if redis::cmd("PING").query_async::<String>(&mut c).await.is_ok() {
+                        return PrivateRedis { child, url };
+                    }
+                }
+                assert!(Instant::now() < deadline, "private redis-server did not answer");
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            assert!(Instant::now() < deadline, "private redis-server did not answer");
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        PrivateRedis { child, url }
+        panic!("private redis-server exited three times")
     }
 
     fn kill(&mut self) {

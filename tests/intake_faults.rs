@@ -682,15 +682,23 @@ async fn depth_if_present(amqp: &Amqp, queue: &str) -> Option<u32> {
     Some(q.message_count())
 }
 
-/// Waits (≤ [`DEADLINE`]) until `queue` exists and holds `want` ready messages.
-async fn wait_depth(amqp: &Amqp, queue: &str, want: u32, what: &str) {
+/// Takes the messages of `queue` (as [`take_all`]) until one with each of the correlation ids
+/// `want` has come, within [`DEADLINE`], and returns them all, sorted. A copy more of one (a
+/// publish nacked by a just-declared quorum queue that was enqueued all the same, then published
+/// again: the documented at-least-once case of a refused publish) is returned too, not waited for.
+async fn take_until(amqp: &Amqp, queue: &str, want: &[&str], what: &str) -> Vec<(String, Option<String>)> {
     let t0 = Instant::now();
+    let mut got = Vec::new();
     loop {
-        let got = depth_if_present(amqp, queue).await;
-        if got == Some(want) {
-            return;
+        // (basic.get on a queue not declared again yet would close the channel: 404.)
+        if depth_if_present(amqp, queue).await.is_some_and(|n| n > 0) {
+            got.extend(take_all(amqp, queue).await);
         }
-        assert!(t0.elapsed() < DEADLINE, "{what}: {queue} holds {got:?} messages after {DEADLINE:?}, want {want}");
+        if want.iter().all(|w| got.iter().any(|(cid, _)| cid == w)) {
+            got.sort();
+            return got;
+        }
+        assert!(t0.elapsed() < DEADLINE, "{what}: {queue} gave {got:?} in {DEADLINE:?}, want {want:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -747,10 +755,9 @@ async fn the_dead_letter_and_results_queues_are_declared_again_when_deleted_whil
     for cid in ["dlq-1", "dlq-2", "dlq-3"] {
         publish_junk(&started.amqp, &env, cid).await;
     }
-    wait_depth(&started.amqp, &dlq, 3, "invalid requests after the dead-letter queue was deleted").await;
-    let got = take_all(&started.amqp, &dlq).await;
-    let want: Vec<(String, Option<String>)> = ["dlq-1", "dlq-2", "dlq-3"].iter().map(|c| (c.to_string(), Some("invalid_json".into()))).collect();
-    assert_eq!(got, want);
+    let got = take_until(&started.amqp, &dlq, &["dlq-1", "dlq-2", "dlq-3"], "invalid requests after the dead-letter queue was deleted").await;
+    assert!(got.iter().all(|(_, reason)| reason.as_deref() == Some("invalid_json")), "{got:?}");
+    let mut copies = got.len() - 3;
     assert!(redeclared("dead_letter") >= dead_before + 1.0, "the declaration is counted");
 
     // 2. The dead-letter exchange is deleted (its binding goes with it).
@@ -759,10 +766,9 @@ async fn the_dead_letter_and_results_queues_are_declared_again_when_deleted_whil
     for cid in ["dlx-1", "dlx-2"] {
         publish_junk(&started.amqp, &env, cid).await;
     }
-    wait_depth(&started.amqp, &dlq, 2, "invalid requests after the dead-letter exchange was deleted").await;
-    let got = take_all(&started.amqp, &dlq).await;
-    let want: Vec<(String, Option<String>)> = ["dlx-1", "dlx-2"].iter().map(|c| (c.to_string(), Some("invalid_json".into()))).collect();
-    assert_eq!(got, want);
+    let got = take_until(&started.amqp, &dlq, &["dlx-1", "dlx-2"], "invalid requests after the dead-letter exchange was deleted").await;
+    assert!(got.iter().all(|(cid, reason)| cid.starts_with("dlx-") && reason.as_deref() == Some("invalid_json")), "{got:?}");
+    copies += got.len() - 2;
     assert!(redeclared("dead_letter") >= dead_mid + 1.0, "the declaration is counted");
 
     // 3. The results queue is deleted; requests without reply_to put their results there.
@@ -771,7 +777,9 @@ async fn the_dead_letter_and_results_queues_are_declared_again_when_deleted_whil
         let body = serde_json::to_vec(&json!({"id": id, "prompt": format!("no reply_to {id}")})).unwrap();
         started.amqp.publish(&env.input_queue(), &body, BasicProperties::default().with_correlation_id(id.into())).await;
     }
-    wait_depth(&started.amqp, &results, 3, "results without reply_to after the results queue was deleted").await;
+    let got = take_until(&started.amqp, &results, &["res-1", "res-2", "res-3"], "results without reply_to after the results queue was deleted").await;
+    assert!(got.iter().all(|(cid, _)| cid.starts_with("res-")), "{got:?}");
+    copies += got.len() - 3;
     assert!(redeclared("results") >= results_before + 1.0, "the declaration is counted");
 
     // Still serving, on the same connections; nothing left unacked.
@@ -784,16 +792,15 @@ async fn the_dead_letter_and_results_queues_are_declared_again_when_deleted_whil
     for p in 0..PARTITIONS {
         assert_eq!(started.amqp.queue_depth(&env.partition_queue(p)).await.0, 0, "partition {p} not empty");
     }
-    assert_eq!(started.amqp.queue_depth(&dlq).await.0, 0, "a dead letter too many");
-    // Each request once. A publish to the just re-declared quorum queue can be nacked (no leader
-    // yet) and still be enqueued: the held result published again is then a second copy, the
-    // documented at-least-once case of a refused publish (seen once in about 20 runs).
-    let mut got: Vec<String> = take_all(&started.amqp, &results).await.into_iter().map(|(cid, _)| cid).collect();
-    got.sort();
-    let distinct: std::collections::BTreeSet<&str> = got.iter().map(String::as_str).collect();
-    assert_eq!(distinct, ["res-1", "res-2", "res-3"].into_iter().collect(), "results: {got:?}");
-    if got.len() > 3 {
-        eprintln!("results queue: {got:?} (a nacked publish was enqueued)");
+    // Nothing else: at most late copies of the messages above. A publish to the just re-declared
+    // quorum queue can be nacked (no leader yet) and still be enqueued: the dead letter or result
+    // published again is then a second copy, the documented at-least-once case of a refused
+    // publish (seen in about 1 run of 20).
+    let late: Vec<(String, Option<String>)> = [take_all(&started.amqp, &dlq).await, take_all(&started.amqp, &results).await].concat();
+    assert!(late.iter().all(|(cid, _)| ["dlq-", "dlx-", "res-"].iter().any(|p| cid.starts_with(p))), "a dead letter or result too many: {late:?}");
+    copies += late.len();
+    if copies > 0 {
+        eprintln!("{copies} copies of a dead letter or result (a nacked publish was enqueued)");
     }
     started.results.close().await;
     started.amqp.close().await;

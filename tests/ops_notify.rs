@@ -66,7 +66,9 @@ async fn ready_then_watchdog_pings_then_stopping() {
     let pings: Vec<Instant> = notes.iter().filter(|n| n.text == "WATCHDOG=1\n").map(|n| n.at).collect();
     for w in pings.windows(2) {
         let gap = w[1] - w[0];
-        assert!(gap >= Duration::from_millis(500) && gap <= Duration::from_millis(1500), "pings {gap:?} apart; want about 1 s (half of WatchdogSec=2s)");
+        // About 1 s; a stall of the loaded machine delays one and brings the next closer, but
+        // 2 s apart would have systemd kill the service.
+        assert!(gap >= Duration::from_millis(250) && gap < Duration::from_millis(1900), "pings {gap:?} apart; want about 1 s (half of WatchdogSec=2s)");
     }
 
     daemon.sigterm();

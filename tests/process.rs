@@ -96,13 +96,17 @@ async fn wait_ready(redis: &mut RedisProbe, env: &TestEnv, daemon: &mut DaemonPr
 }
 
 /// `kill -9` of a busy daemon loses nothing: after a restart (same name, so it must wait out the
-/// dead process's 3 s leases) every request has at least one result. Duplicates are allowed
+/// dead process's 6 s leases) every request has at least one result. Duplicates are allowed
 /// (at-least-once) and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_mid_run_then_restart_loses_no_request() {
     let env = TestEnv::new("crash");
     let fake = FakeLlm::new().latency(Duration::from_millis(300)).start().await.unwrap();
-    let raw = env.raw_config(fake.url.as_str());
+    let mut raw = env.raw_config(fake.url.as_str());
+    // The restart must find the killed process's name and leases still held, to say so: TTLs
+    // that outlast its startup (connections and declarations on a broker busy requeueing the
+    // killed process's deliveries took up to a second or two), not the tests' short ones.
+    (raw.ownership.member_ttl, raw.ownership.lease_ttl, raw.ownership.renew_deadline) = ("10s".into(), "6s".into(), "4s".into());
     let ProcessStarted { amqp, daemon: mut first, mut results, reply, .. } = run_with_replies(&env, &raw, "first").await;
 
     let reqs = completions_workload("crash", 400, 5);
