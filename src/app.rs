@@ -509,7 +509,7 @@ impl App {
                 return Err(SessionError::Connect(e));
             }
         };
-        let conns = Connections::new(consume, publish, intake, node, &s.instance_name);
+        let conns = Connections::new(consume, publish, intake, node, &s.instance_name, s.amqp.confirm_timeout * 2);
         let meta_key = topology::partition_count_key(&s.redis.key_prefix);
         if let Err(e) = topology::declare(&conns.consume, &s.amqp, &mut redis.manager(), &meta_key).await {
             if let topology::TopologyError::Redis(re) = &e {

@@ -487,7 +487,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let session = Session { ch, publish, tag, batcher, executor };
 
     let mut untaken = Vec::new();
-    let ending = intake(ctx, stop, &end, &mut consumer, &session.publish, &item_tx, held, &mut untaken).await;
+    let ending = intake(ctx, stop, &end, &mut consumer, &conns.dead_letters, &item_tx, held, &mut untaken).await;
     metrics::intake_paused(p, false);
     match ending {
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
@@ -557,15 +557,16 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, abo
     }
 }
 
-/// The intake loop of a session: accepts deliveries into the batcher until a stop signal, the
-/// lease deadline, a restart reason, or a consumer failure. A delivery received but not taken
+/// The intake loop of a session: accepts deliveries into the batcher (those that fail the checks
+/// go to `dead_letters`) until a stop signal, the lease deadline, a restart reason, or a consumer
+/// failure. A delivery received but not taken
 /// when a stop came (it waited for the byte budget) goes to `untaken`, still unacked.
 async fn intake(
     ctx: &PartitionContext,
     stop: &StopSignals,
     end: &SessionEnd,
     consumer: &mut Consumer,
-    out: &PublishOn,
+    dead_letters: &SharedConfirmChannel,
     item_tx: &mpsc::Sender<(PrefixKey, Pending)>,
     held: &Arc<HeldDeliveries>,
     untaken: &mut Vec<Delivery>,
@@ -626,7 +627,7 @@ async fn intake(
                     idle_since = Instant::now();
                     forwards_received(&queue);
                     held.stalls.store(0, std::sync::atomic::Ordering::Relaxed);
-                    let pending = match admit(ctx, stop, end, out, delivery, held).await {
+                    let pending = match admit(ctx, stop, end, dead_letters, delivery, held).await {
                         Admission::Admitted(pending) => pending,
                         Admission::Settled => continue,
                         Admission::Untaken(delivery) => {
@@ -832,7 +833,7 @@ enum Admission {
 
 /// Takes the delivery's bytes from the budget (waiting while it is spent), then parses it
 /// ([`accept`]).
-async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, out: &PublishOn, delivery: Delivery, held: &Arc<HeldDeliveries>) -> Admission {
+async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, dead_letters: &SharedConfirmChannel, delivery: Delivery, held: &Arc<HeldDeliveries>) -> Admission {
     let budget = ctx.settings.batching.max_buffered_bytes.get().min(Semaphore::MAX_PERMITS);
     let bytes = u32::try_from(delivery.data.len().clamp(1, budget)).unwrap_or(u32::MAX);
     let permit = tokio::select! {
@@ -844,7 +845,7 @@ async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, out
             None => return Admission::Settled,
         },
     };
-    match accept(ctx, out, delivery, held.hold(permit)).await {
+    match accept(ctx, dead_letters, delivery, held.hold(permit)).await {
         Some(pending) => Admission::Admitted(pending),
         None => Admission::Settled,
     }
@@ -920,14 +921,14 @@ async fn guarded_batch(
 /// Parses a delivery from a partition queue. The router validated it already; a message that
 /// still fails (e.g. published straight to a partition queue) is dead-lettered and acked
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
-async fn accept(ctx: &PartitionContext, out: &PublishOn, delivery: Delivery, held: Held) -> Option<Pending> {
+async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
     let mut reason = "";
     let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, Source::Partition) {
         Ok(req) => Intake::Valid(req, delivery),
         Err(r) => {
             reason = r.reason;
-            publisher::dead_letter_and_ack(out, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await
+            publisher::dead_letter_and_ack(dead_letters, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await
         }
     };
     let (req, delivery) = match intake {

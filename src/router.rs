@@ -114,8 +114,7 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
-    let dead_letters = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router dead letters".to_owned());
-    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, dead_letters, lost: CancellationToken::new() });
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, dead_letters: conns.dead_letters.clone(), lost: CancellationToken::new() });
     let tag = format!("router-{}", settings.instance_name);
     let a = &settings.amqp;
     let mut inflight = JoinSet::new();
@@ -196,7 +195,6 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     };
     while inflight.join_next().await.is_some() {}
     publish.shared.close("router stopped").await;
-    publish.dead_letters.close("router stopped").await;
     info!("router stopped");
     result
 }
@@ -284,12 +282,8 @@ fn publishing_connection_closed() -> lapin::Error {
 struct PublishChannel {
     conns: Connections,
     shared: SharedConfirmChannel,
-    /// Dead letters go on a channel of their own: a dead letter the broker refuses (403 on the
-    /// dead-letter exchange) closes its channel, and forwards in flight on the same channel would
-    /// fail with it although the broker may have taken them, and be forwarded again (an
-    /// operator's run: 369 extra copies of 600 requests while only the dead-letter exchange
-    /// refused writes).
-    dead_letters: SharedConfirmChannel,
+    /// The session's dead-letter channel, not the forwards' ([`Connections::dead_letters`]).
+    dead_letters: Arc<SharedConfirmChannel>,
     /// Cancelled when a delivery found the publishing connection itself closed.
     lost: CancellationToken,
 }
