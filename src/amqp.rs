@@ -219,7 +219,9 @@ pub struct Connections {
     /// exchange) closes its channel, and the forwards or results in flight on a channel shared
     /// with it would fail with it although the broker may have taken them, and be published
     /// again (an operator's run: 369 extra copies of 600 requests while only the dead-letter
-    /// exchange refused writes).
+    /// exchange refused writes). They go one at a time
+    /// ([`SharedConfirmChannel::one_at_a_time`]), so that a refused one has no other behind it on
+    /// the channel.
     pub dead_letters: Arc<SharedConfirmChannel>,
     /// Index in [`AmqpSettings::nodes`] of the broker node the connections are open to.
     pub node: usize,
@@ -256,7 +258,7 @@ impl Connections {
         let publish = Arc::new(publish);
         Self {
             consume: Arc::new(consume),
-            dead_letters: Arc::new(SharedConfirmChannel::new(publish.clone(), grace, "dead letters".to_owned())),
+            dead_letters: Arc::new(SharedConfirmChannel::one_at_a_time(publish.clone(), grace, "dead letters".to_owned())),
             publish,
             intake: Arc::new(std::sync::Mutex::new(Arc::new(intake))),
             node,
@@ -522,6 +524,9 @@ pub struct SharedConfirmChannel {
     owner: String,
     /// Whether publishes take turns ([`Self::turns`]).
     turns: RefusalTurns,
+    /// Held by a publish from its send to its outcome when publishes go one at a time
+    /// ([`Self::one_at_a_time`]).
+    serial: Option<tokio::sync::Mutex<()>>,
 }
 
 /// Bounds the log line of a channel replaced after a failed publish: a reply queue that refuses
@@ -544,6 +549,26 @@ impl SharedConfirmChannel {
             grace,
             owner,
             turns: RefusalTurns::default(),
+            serial: None,
+        }
+    }
+
+    /// As [`Self::new`], for publishes that go one at a time: each holds [`Self::turn`] from its
+    /// send to its outcome. For a channel whose publishes the broker may refuse by closing it
+    /// (403 on an exchange): lapin 4 answers the broker's channel.close with close-ok ahead of
+    /// the publishes it had queued on the channel and sends those after it, and the broker then
+    /// closes the whole connection (504 `CHANNEL_ERROR - expected 'channel.open'`), ending the
+    /// session and with it the results in flight on the connection's other channels.
+    pub fn one_at_a_time(conn: Arc<Connection>, grace: Duration, owner: String) -> SharedConfirmChannel {
+        SharedConfirmChannel { serial: Some(tokio::sync::Mutex::new(())), ..SharedConfirmChannel::new(conn, grace, owner) }
+    }
+
+    /// The turn of a publish on a channel whose publishes go one at a time (hold it until the
+    /// publish's outcome); `None` at once on others.
+    pub async fn turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        match &self.serial {
+            Some(m) => Some(m.lock().await),
+            None => None,
         }
     }
 

@@ -828,9 +828,12 @@ async fn a_deleted_shard_exchange_is_declared_again_and_no_request_is_charged() 
     s.results.until_all(&ids(&reqs), DEADLINE).await;
     s.results.assert_one_ok_result_each(&reqs, "after the shard exchange was deleted");
     assert!(f.dead.received.is_empty(), "dead-lettered: {:?}", f.dead.received);
-    // On its own connections the daemon declares again and counts it; a daemon that reconnected
-    // meanwhile (a failed forward can end the router's session) declares the whole topology at
-    // the new session's start, which is not a redeclaration. Either way no request was charged.
+    // On its own connections the daemon declares again and counts it. About 1 run in 10 the
+    // broker closes the publishing connection instead (504 CHANNEL_ERROR "expected
+    // 'channel.open'"): lapin 4 answers the 404's channel.close with close-ok ahead of the
+    // forwards it had queued on that channel, and sends those after it. The session then
+    // reconnects and declares the whole topology at its start, which is not a redeclaration.
+    // Either way no request was lost or charged (checked above and by `finish`).
     let same_session = daemon_connections(&f.instance) == f.connections;
     assert!(
         redeclared("partition") >= before + 1.0 || !same_session,
@@ -838,5 +841,9 @@ async fn a_deleted_shard_exchange_is_declared_again_and_no_request_is_charged() 
         redeclared("partition")
     );
     f.serves_others("shardx-others", 10).await;
+    if !same_session {
+        eprintln!("the session reconnected after the shard exchange was deleted (lapin sent forwards after a channel's close-ok)");
+        f.connections = daemon_connections(&f.instance);
+    }
     f.finish().await;
 }

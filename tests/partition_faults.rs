@@ -1378,39 +1378,6 @@ async fn answered_once_after_a_restart(env: TestEnv, mut raw: RawConfig, parts: 
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
-/// The same on the partitions' side: malformed messages straight in the partition queues (a
-/// producer that publishes there) while write access to the dead-letter exchange is refused and
-/// valid requests are answered. A refused dead letter closes the channel it was published on; on
-/// a partition's result channel, results the broker had already taken failed with it and were
-/// published again (18 to 53 of these 800 requests answered twice, in 4 runs of 4).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_dead_letter_of_a_partition_does_not_duplicate_results() {
-    let fake = FakeLlm::new().latency(Duration::from_millis(20)).start().await.unwrap();
-    let user = BrokerUser::create("dlxrefusedp");
-    let (env, _raw, mut st, mut dead) = start_with_delivery_limit("dlxrefusedp", fake.url.as_str(), Some(&user), 5).await;
-    user.permit_writes(&format!("^(?!{}$).*", env.dead_letter_exchange().replace('.', "\\.")));
-    let reqs = completions_workload("dlxrefusedp", 800, 8);
-    let want = ids(&reqs);
-    for (i, chunk) in reqs.chunks(10).enumerate() {
-        st.amqp.publish_requests(&env.input_queue(), chunk, &st.reply).await;
-        let props = lapin::BasicProperties::default().with_correlation_id(format!("junk-{i}").into());
-        st.amqp.publish(&env.partition_queue(i as u32 % PARTITIONS), b"not json", props).await;
-    }
-    st.results.until_all(&want, DEADLINE).await;
-    user.permit_writes(".*");
-    let deadline = Instant::now() + DEADLINE;
-    while dead.received.len() < 80 && Instant::now() < deadline {
-        dead.collect_for(Duration::from_millis(500)).await;
-    }
-    assert_eq!(dead.received.len(), 80, "the malformed messages are dead-lettered once write access is back");
-    // A second copy of a result would come within a moment.
-    st.results.collect_for(Duration::from_secs(2)).await;
-    let copies: Vec<(String, usize)> =
-        st.results.by_correlation().into_iter().filter(|(id, r)| want.contains(id) && r.len() > 1).map(|(id, r)| (id, r.len())).collect();
-    assert!(copies.is_empty(), "{} requests answered more than once: {copies:?}", copies.len());
-    stop_and_check_nothing_held(env, st, vec![dead]).await;
-}
-
 /// Write access to the dead-letter exchange alone refused while valid and malformed requests
 /// arrive together: the refused dead letters must not take forwards with them. Before, the
 /// router's dead letters shared its publishing channel with the forwards; each refused dead letter
@@ -1418,28 +1385,48 @@ async fn a_refused_dead_letter_of_a_partition_does_not_duplicate_results() {
 /// (an operator's run: 369 extra copies of 600 requests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_dead_letter_does_not_duplicate_forwards() {
-    let fake = FakeLlm::new().start().await.unwrap();
-    let user = BrokerUser::create("dlxrefused");
-    let (env, _raw, mut st, mut dead) = start_with_delivery_limit("dlxrefused", fake.url.as_str(), Some(&user), 5).await;
+    refused_dead_letters_duplicate_nothing("dlxrefused", 200, |env, _| env.input_queue()).await;
+}
+
+/// The same on the partitions' side: malformed messages straight in the partition queues (a
+/// producer that publishes there) while write access to the dead-letter exchange is refused and
+/// valid requests are answered. A refused dead letter closes the channel it was published on; on
+/// a partition's result channel, results the broker had already taken failed with it and were
+/// published again (18 to 53 of these 800 requests answered twice, in 4 runs of 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_dead_letter_of_a_partition_does_not_duplicate_results() {
+    refused_dead_letters_duplicate_nothing("dlxrefusedp", 800, |env, i| env.partition_queue(i as u32 % PARTITIONS)).await;
+}
+
+/// A daemon whose user may write anywhere but to the dead-letter exchange gets `n` valid
+/// requests (on 8 keys, into the input queue) and, after every 10 of them, a malformed message
+/// into the queue `junk_queue(env, i)`. Every request is answered exactly once; once write access
+/// is back, each malformed message is dead-lettered, once.
+async fn refused_dead_letters_duplicate_nothing(test: &str, n: usize, junk_queue: impl Fn(&TestEnv, usize) -> String) {
+    let fake = FakeLlm::new().latency(Duration::from_millis(20)).start().await.unwrap();
+    let user = BrokerUser::create(test);
+    let (env, _raw, mut st, mut dead) = start_with_delivery_limit(test, fake.url.as_str(), Some(&user), 5).await;
     user.permit_writes(&format!("^(?!{}$).*", env.dead_letter_exchange().replace('.', "\\.")));
-    let reqs = completions_workload("dlxrefused", 200, 4);
+    let reqs = completions_workload(test, n, 8);
     let want = ids(&reqs);
+    let mut junk = 0;
     for (i, chunk) in reqs.chunks(10).enumerate() {
         st.amqp.publish_requests(&env.input_queue(), chunk, &st.reply).await;
         let props = lapin::BasicProperties::default().with_correlation_id(format!("junk-{i}").into());
-        st.amqp.publish(&env.input_queue(), b"not json", props).await;
+        st.amqp.publish(&junk_queue(&env, i), b"not json", props).await;
+        junk += 1;
     }
     st.results.until_all(&want, DEADLINE).await;
     user.permit_writes(".*");
     let deadline = Instant::now() + DEADLINE;
-    while dead.received.len() < 20 && Instant::now() < deadline {
+    while dead.received.len() < junk && Instant::now() < deadline {
         dead.collect_for(Duration::from_millis(500)).await;
     }
-    assert_eq!(dead.received.len(), 20, "the malformed requests are dead-lettered once write access is back");
-    // A second copy of a forward would be answered within a moment.
+    assert_eq!(dead.received.len(), junk, "the malformed messages are dead-lettered once write access is back");
+    // A second copy of a forward or a result would be answered within a moment.
     st.results.collect_for(Duration::from_secs(2)).await;
     let copies: Vec<(String, usize)> =
         st.results.by_correlation().into_iter().filter(|(id, r)| want.contains(id) && r.len() > 1).map(|(id, r)| (id, r.len())).collect();
-    assert!(copies.is_empty(), "requests answered more than once: {copies:?}");
+    assert!(copies.is_empty(), "{} requests answered more than once: {copies:?}", copies.len());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
