@@ -470,8 +470,12 @@ impl std::ops::Deref for ConfirmChannel {
 /// channel it has closed by closing the whole connection (504 `CHANNEL_ERROR` "expected
 /// 'channel.open'"), which ends the session and charges every request in flight one delivery.
 /// A refused publish that has the channel to itself closes it with nothing else queued on it.
+/// On a channel whose every publish may be refused that way, publishes go one at a time from the
+/// start ([`Self::always`]).
 #[derive(Debug, Default)]
 pub struct RefusalTurns {
+    /// Publishes go one at a time whether or not the broker refuses them ([`Self::always`]).
+    always: bool,
     refusing: std::sync::atomic::AtomicBool,
     turn: tokio::sync::Mutex<()>,
     /// Refusals in a row of publishes that had the turn ([`Self::refused`]).
@@ -479,14 +483,21 @@ pub struct RefusalTurns {
 }
 
 impl RefusalTurns {
+    /// Turns that every publish takes, refused or not.
+    pub fn always() -> RefusalTurns {
+        RefusalTurns { always: true, ..RefusalTurns::default() }
+    }
+
     /// `None` at once while publishes go concurrently; else waits for the turn and returns it
-    /// (or `None`, when [`Self::accepted`] was called meanwhile).
+    /// (or `None`, when [`Self::accepted`] was called meanwhile and the turns are not
+    /// [always](Self::always) taken).
     pub async fn turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
-        if !self.refusing.load(std::sync::atomic::Ordering::Acquire) {
+        let taken = || self.always || self.refusing.load(std::sync::atomic::Ordering::Acquire);
+        if !taken() {
             return None;
         }
         let guard = self.turn.lock().await;
-        self.refusing.load(std::sync::atomic::Ordering::Acquire).then_some(guard)
+        taken().then_some(guard)
     }
 
     /// The broker refused a publish (its publisher holds it to try again): from now on
@@ -524,9 +535,6 @@ pub struct SharedConfirmChannel {
     owner: String,
     /// Whether publishes take turns ([`Self::turns`]).
     turns: RefusalTurns,
-    /// Held by a publish from its send to its outcome when publishes go one at a time
-    /// ([`Self::one_at_a_time`]).
-    serial: Option<tokio::sync::Mutex<()>>,
 }
 
 /// Bounds the log line of a channel replaced after a failed publish: a reply queue that refuses
@@ -549,27 +557,14 @@ impl SharedConfirmChannel {
             grace,
             owner,
             turns: RefusalTurns::default(),
-            serial: None,
         }
     }
 
-    /// As [`Self::new`], for publishes that go one at a time: each holds [`Self::turn`] from its
-    /// send to its outcome. For a channel whose publishes the broker may refuse by closing it
-    /// (403 on an exchange): lapin 4 answers the broker's channel.close with close-ok ahead of
-    /// the publishes it had queued on the channel and sends those after it, and the broker then
-    /// closes the whole connection (504 `CHANNEL_ERROR - expected 'channel.open'`), ending the
-    /// session and with it the results in flight on the connection's other channels.
+    /// As [`Self::new`], for publishes that take turns from the start ([`RefusalTurns::always`]):
+    /// each holds its turn from its send to its outcome. For a channel whose first refused
+    /// publish would close it with others queued behind ([`RefusalTurns`] says what that costs).
     pub fn one_at_a_time(conn: Arc<Connection>, grace: Duration, owner: String) -> SharedConfirmChannel {
-        SharedConfirmChannel { serial: Some(tokio::sync::Mutex::new(())), ..SharedConfirmChannel::new(conn, grace, owner) }
-    }
-
-    /// The turn of a publish on a channel whose publishes go one at a time (hold it until the
-    /// publish's outcome); `None` at once on others.
-    pub async fn turn(&self) -> Option<tokio::sync::MutexGuard<'_, ()>> {
-        match &self.serial {
-            Some(m) => Some(m.lock().await),
-            None => None,
-        }
+        SharedConfirmChannel { turns: RefusalTurns::always(), ..SharedConfirmChannel::new(conn, grace, owner) }
     }
 
     /// The turns of the publishes made here while the broker refuses them ([`RefusalTurns`]).

@@ -469,7 +469,7 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
 /// have one, its id in `x-request-id` (as on results; a publisher's own `x-request-id` header is
 /// not passed on), persistent, to the dead-letter exchange ([`publish_own`]: declared again on
 /// `conn` when it or its queue was deleted), in its turn on `out`
-/// ([`SharedConfirmChannel::turn`]).
+/// ([`crate::amqp::RefusalTurns::turn`]).
 pub async fn dead_letter(
     out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
@@ -482,7 +482,7 @@ pub async fn dead_letter(
     let mut added = vec![(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
     added.extend(request_id.map(|id| (HEADER_REQUEST_ID, id.to_owned())));
     let props = carried_props(props, &added).with_delivery_mode(PERSISTENT);
-    let _turn = out.turn().await;
+    let _turn = out.turns().turn().await;
     publish_own(out, amqp, OwnDestination::DeadLetter, body, props).await
 }
 

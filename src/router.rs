@@ -114,7 +114,7 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
-    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, dead_letters: conns.dead_letters.clone(), lost: CancellationToken::new() });
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new() });
     let tag = format!("router-{}", settings.instance_name);
     let a = &settings.amqp;
     let mut inflight = JoinSet::new();
@@ -282,8 +282,6 @@ fn publishing_connection_closed() -> lapin::Error {
 struct PublishChannel {
     conns: Connections,
     shared: SharedConfirmChannel,
-    /// The session's dead-letter channel, not the forwards' ([`Connections::dead_letters`]).
-    dead_letters: Arc<SharedConfirmChannel>,
     /// Cancelled when a delivery found the publishing connection itself closed.
     lost: CancellationToken,
 }
@@ -360,7 +358,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         }
     };
     let conn = &publish.conns.publish;
-    let (req, delivery) = match publisher::parse_or_dead_letter(&publish.dead_letters, a, &settings.requests, delivery, redelivery::Source::Input, None).await {
+    let (req, delivery) = match publisher::parse_or_dead_letter(&publish.conns.dead_letters, a, &settings.requests, delivery, redelivery::Source::Input, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
         Intake::Unacked(delivery) => return requeue_after_backoff(a, delivery, stop).await,
@@ -371,7 +369,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let fwd = match forward_props(&delivery.properties, &r) {
         Ok(p) => p,
         Err(e) => {
-            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
+            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
                 requeue_after_backoff(a, delivery, stop).await;
             }
             return;
