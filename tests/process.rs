@@ -283,12 +283,7 @@ async fn sighup_is_logged_and_ignored() {
     let raw = env.raw_config(fake.url.as_str());
     let mut started = run_with_replies(&env, &raw, "hup").await;
     started.daemon.signal("HUP");
-    let deadline = Instant::now() + DEADLINE;
-    while !started.daemon.log().contains("SIGHUP") {
-        assert!(started.daemon.is_running(), "SIGHUP ended the daemon; log:\n{}", started.daemon.log_tail(20));
-        assert!(Instant::now() < deadline, "no log line for the SIGHUP; log:\n{}", started.daemon.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    started.daemon.wait_log_line("SIGHUP", DEADLINE, "the SIGHUP").await;
     let reqs = completions_workload("hup", 10, 2);
     started.amqp.publish_requests(&env.input_queue(), &reqs, &started.reply).await;
     started.results.until_all(&ids(&reqs), DEADLINE).await;
@@ -307,12 +302,8 @@ async fn two_processes_with_one_instance_name_are_reported() {
     let mut one = DaemonProcess::run(&env, "one", &raw);
     let mut two = DaemonProcess::run(&env, "two", &raw);
     let warning = "another process is heartbeating with this instance.name";
-    let deadline = Instant::now() + DEADLINE;
-    while !(one.log().contains(warning) && two.log().contains(warning)) {
-        assert!(one.is_running() && two.is_running(), "a daemon died:\n{}\n{}", one.log_tail(20), two.log_tail(20));
-        assert!(Instant::now() < deadline, "no name conflict reported by both within {DEADLINE:?}:\n{}\n{}", one.log_tail(20), two.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    one.wait_log_line(warning, DEADLINE, "the name conflict").await;
+    two.wait_log_line(warning, DEADLINE, "the name conflict").await;
     let (_, metrics) = http_get(&one.http_addr().await, "/metrics").await;
     let conflicts: f64 = metrics
         .lines()
@@ -467,11 +458,7 @@ async fn a_lost_or_stale_route_record_is_written_again() {
     // Other names recorded while it runs (an instance with other names won the moment after a
     // Redis data loss): the running instance says so at its next heartbeat.
     redis.set(&route_key, &format!("exchange `{n}.shards`, partition queues `{n}.other.NNN`, dead letters `{n}.dlx` to `{n}.dead-letter`", n = env.name)).await;
-    let deadline = Instant::now() + DEADLINE;
-    while !d.log().contains("Redis records other queue names for this deployment than this instance uses") {
-        assert!(Instant::now() < deadline, "no error about the other recorded route; log:\n{}", d.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    d.wait_log_line("Redis records other queue names for this deployment than this instance uses", DEADLINE, "the other recorded route").await;
     d.sigterm();
     assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(0));
     env.cleanup().await;
@@ -694,12 +681,7 @@ async fn a_stray_consumer_on_an_owned_partition_queue_is_reported() {
     }
     let settings = prefix_batcher::config::Settings::from_raw(&raw).unwrap();
     let within = 2 * prefix_batcher::partition::stall_window(&settings) + Duration::from_secs(20);
-    let deadline = Instant::now() + within;
-    while !started.daemon.log().contains("another consumer is active on its queue") {
-        assert!(Instant::now() < deadline, "no report of the stray consumer within {within:?}; log:\n{}", started.daemon.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let line = started.daemon.log().lines().find(|l| l.contains("another consumer")).unwrap().to_owned();
+    let line = started.daemon.wait_log_line("another consumer is active on its queue", within, "the stray consumer").await;
     assert!(line.contains(&queue) && line.contains("restarts=1"), "the warning names the queue and the restart before it: {line}");
     assert!(started.daemon.log().contains("reason=\"stalled\""), "the first stall restarted the consumer");
     let (_, metrics) = http_get(&started.daemon.http_addr().await, "/metrics").await;
@@ -728,16 +710,12 @@ async fn a_stray_consumer_that_drains_owned_partition_queues_is_reported() {
         let queue = env.partition_queue(p);
         taken.push(stray.ch.basic_consume(queue.as_str().into(), format!("stray-{p}").as_str().into(), opts, FieldTable::default()).await.unwrap());
     }
-    let started = run_with_replies(&env, &raw, "owner").await;
+    let mut started = run_with_replies(&env, &raw, "owner").await;
     let reqs = completions_workload("drained", 12, 4);
     started.amqp.publish_requests(&env.input_queue(), &reqs, &started.reply).await;
     let settings = prefix_batcher::config::Settings::from_raw(&raw).unwrap();
     let within = prefix_batcher::partition::stall_window(&settings) + Duration::from_secs(20);
-    let deadline = Instant::now() + within;
-    while !started.daemon.log().contains("went to another consumer") {
-        assert!(Instant::now() < deadline, "no report of the draining consumer within {within:?}; log:\n{}", started.daemon.log_tail(20));
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    started.daemon.wait_log_line("went to another consumer", within, "the draining consumer").await;
     assert!(!started.daemon.log().contains("reason=\"stalled\""), "no stall was seen (the queues held nothing ready)");
     let (_, metrics) = http_get(&started.daemon.http_addr().await, "/metrics").await;
     assert!(metrics.lines().any(|l| l.starts_with("prefix_batcher_partition_other_consumer_total ") && !l.ends_with(" 0")), "the counter counts it");
@@ -1030,18 +1008,7 @@ async fn a_broker_connection_that_answers_nothing_ends_the_session() {
     proxy.kill_open_connections();
     let killed_at = Instant::now();
     let within = prefix_batcher::amqp::RPC_TIMEOUT + Duration::from_secs(30);
-    let ended = loop {
-        let log = started.daemon.log();
-        if let Some(line) = log.lines().find(|l| l.contains("session ended; reconnecting")) {
-            break line.to_owned();
-        }
-        assert!(
-            Instant::now() < killed_at + within,
-            "the session did not end within {within:?} of its connections going silent; log:\n{}",
-            started.daemon.log_tail(30)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let ended = started.daemon.wait_log_line("session ended; reconnecting", within, "the end of the session whose connections went silent").await;
     println!("zombie connections: the session ended {:.1} s after they went silent: {ended}", killed_at.elapsed().as_secs_f64());
     assert!(ended.contains("the broker stopped answering") && ended.contains("did not answer"), "the reason names the silence: {ended}");
 

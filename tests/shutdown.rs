@@ -164,15 +164,10 @@ async fn readiness_comes_back_after_a_reconnect() {
     let wait_for = |want: u16, what: &'static str| readyz_answers(addr.clone(), want, what);
     wait_for(200, "after the start").await;
     broker::close_connection_named(&format!("prefix-batcher {}", raw.instance.name)).await;
-    let deadline = Instant::now() + DEADLINE;
-    while !daemon.log().contains("session ended; reconnecting") {
-        assert!(Instant::now() < deadline, "the closed connection ended no session:\n{}", daemon.log_tail(30));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let ended = daemon.wait_log_line("session ended; reconnecting", DEADLINE, "the end of the session whose connection was closed").await;
     wait_for(200, "after the reconnect").await;
     assert!(daemon.log().contains("ready again"), "{}", daemon.log_tail(30));
     // The line says what the broker said: its reply code and text.
-    let ended = daemon.log().lines().find(|l| l.contains("session ended; reconnecting")).map(str::to_owned).unwrap_or_default();
     assert!(ended.contains("CONNECTION_FORCED"), "the session-ended line does not say why: {ended}");
     daemon.sigterm();
     let status = daemon.wait_exit(DEADLINE).await;

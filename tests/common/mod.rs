@@ -497,6 +497,21 @@ impl DaemonProcess {
         lines[lines.len().saturating_sub(n)..].join("\n")
     }
 
+    /// The first log line containing `needle`, waiting ≤ `within` for it; panics with the log's
+    /// tail when it does not come in time or the process exits first (`what` says which event
+    /// the line reports).
+    pub async fn wait_log_line(&mut self, needle: &str, within: Duration, what: &str) -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(line) = self.log().lines().find(|l| l.contains(needle)) {
+                return line.to_owned();
+            }
+            assert!(self.is_running(), "{} exited before logging {what} ({needle:?}):\n{}", self.label, self.log_tail(30));
+            assert!(Instant::now() < deadline, "{} logged no {what} ({needle:?}) within {within:?}:\n{}", self.label, self.log_tail(30));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// The HTTP address the daemon logged (`http listening addr=…`), waiting ≤ [`DEADLINE`].
     pub async fn http_addr(&self) -> String {
         let deadline = Instant::now() + DEADLINE;
