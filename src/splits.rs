@@ -12,9 +12,13 @@
 //! - `P:split-drain` — a hash member → the drain rate (requests/s) of the partition when the key
 //!   was split; the merge rule compares arrivals against half of it.
 //! - `P:split-arrivals:{unix second}` — a hash member → requests routed through that split entry
-//!   (counted by the routers, added by each instance at its refresh), expiring after 60 s. The
-//!   arrival rate of an entry is the sum over the last [`RATE_WINDOWS`] complete seconds, all
-//!   instances together.
+//!   (counted by the routers, added by each instance at its refresh under the second, by the
+//!   clock of Redis, in which they were counted), expiring after 60 s. The arrival rate of an
+//!   entry is the sum over the last [`RATE_WINDOWS`] complete seconds, all instances together.
+//! - `P:split-arrivals-seq:{source}` — the highest [`ArrivalBatch::seq`] of one process (its
+//!   random `source`) that Redis has added, expiring after 60 s. A refresh whose call timed out
+//!   may still have run (a Redis that stalled runs the calls queued on its socket when it
+//!   resumes), so its arrival batches are sent again; Redis adds each batch once.
 //! - `P:split-generation` — the Redis time (`seconds.microseconds`) at which the current split
 //!   set was started, with the same TTL as the set. A refresh whose instance knew another
 //!   generation (or saw it vanish) has found the set lost as a whole: Redis restarted empty, was
@@ -32,8 +36,11 @@
 //!
 //! Routing reads only the local view ([`Affinity::view`]): it never waits on Redis. When Redis is
 //! unreachable the last view stays in force (nothing is dropped because Redis cannot be asked;
-//! entries expire only in Redis, by the clock of Redis) and the arrival counts are kept for the
-//! next successful refresh.
+//! entries expire only in Redis, by the clock of Redis) and the arrival batches are kept for the
+//! next successful refresh, which files each under the second it was counted in, so an outage's
+//! arrivals do not reach Redis as one burst (that burst would raise the peak rate of the merge
+//! rule, and a key whose traffic never changed would be merged back once the burst left the rate
+//! window). Batches older than the rate window are dropped: no rate would count them.
 //!
 //! # Wiring
 //!
@@ -70,13 +77,20 @@ pub const SPLIT_TTL: Duration = Duration::from_secs(10);
 pub const RATE_WINDOWS: u32 = 5;
 /// Least time between two log warnings of the same kind (hygiene, refresh failures).
 const WARN_EVERY: Duration = Duration::from_secs(60);
+/// How long an arrival batch that could not be delivered is kept: past the rate window (plus the
+/// second being counted) no arrival rate would count it.
+const ARRIVALS_KEPT: Duration = Duration::from_secs(RATE_WINDOWS as u64 + 1);
+/// Longest round trip of a refresh whose answer sets the estimate of the clock of Redis
+/// ([`RefreshState::redis_clock`]); a slower answer says less about when Redis read its clock.
+const CLOCK_RTT: Duration = Duration::from_millis(200);
 
 /// Refresh script. KEYS = [splits, drain, generation]; ARGV = [arrivals key prefix, ttl ms,
-/// rate windows, read only (0|1), the generation the instance knows ('' if none), then four
-/// lists, each its length followed by its items: adds (member, drain), keeps (member, drain),
-/// merges (member), arrivals (member, count)].
+/// rate windows, read only (0|1), the generation the instance knows ('' if none), the source
+/// of the arrival batches, then four lists, each its length followed by its items: adds
+/// (member, drain), keeps (member, drain), merges (member), arrival batches (seq, Redis time in
+/// ms when counted or 0 for now, then a list of (member, count))].
 /// Returns `{members, expires in ms, drains, arrival sums, added members, removed count,
-/// generation, restored count}`.
+/// generation, restored count, Redis time in ms}`.
 pub const SYNC: &str = r#"
 local t = redis.call('TIME')
 local sec = tonumber(t[1])
@@ -93,7 +107,7 @@ if ARGV[4] == '0' then
   restore = ARGV[5] ~= '' and ARGV[5] ~= gen
   redis.call('PEXPIRE', KEYS[3], ttl)
 end
-local i = 6
+local i = 7
 local added = {}
 local restored = 0
 local n = tonumber(ARGV[i]); i = i + 1
@@ -122,12 +136,25 @@ for _ = 1, n do
   i = i + 1
 end
 n = tonumber(ARGV[i]); i = i + 1
-local akey = ARGV[1] .. ':' .. string.format('%d', sec)
-for _ = 1, n do
-  redis.call('HINCRBY', akey, ARGV[i], ARGV[i + 1])
-  i = i + 2
+if n > 0 then
+  local skey = ARGV[1] .. '-seq:' .. ARGV[6]
+  local done = tonumber(redis.call('GET', skey) or '0')
+  local top = done
+  for _ = 1, n do
+    local seq, at, c = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+    i = i + 3
+    if at <= 0 or at > now then at = now end
+    local apply = seq > done and at > now - 60000
+    local akey = ARGV[1] .. ':' .. string.format('%d', math.floor(at / 1000))
+    for _ = 1, c do
+      if apply then redis.call('HINCRBY', akey, ARGV[i], ARGV[i + 1]) end
+      i = i + 2
+    end
+    if apply and c > 0 then redis.call('EXPIRE', akey, 60) end
+    if seq > top then top = seq end
+  end
+  if top > done then redis.call('SET', skey, string.format('%d', top), 'EX', 60) end
 end
-if n > 0 then redis.call('EXPIRE', akey, 60) end
 if ARGV[4] == '0' then
   local nows = string.format('%d', now)
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', nows)) do
@@ -152,7 +179,7 @@ for j = 1, #live, 2 do
   end
   arrivals[#arrivals + 1] = sum
 end
-return {members, expires, drains, arrivals, added, removed, gen or '', restored}
+return {members, expires, drains, arrivals, added, removed, gen or '', restored, now}
 "#;
 
 /// Errors of the split store.
@@ -208,11 +235,27 @@ pub struct SyncRequest {
     pub keeps: Vec<(SplitMember, f64)>,
     /// Entries merged back.
     pub merges: Vec<SplitMember>,
-    /// Arrivals counted since the last refresh.
-    pub arrivals: Vec<(SplitMember, u64)>,
+    /// This process's arrival batches that no refresh has delivered yet, oldest first.
+    pub arrivals: Vec<ArrivalBatch>,
+    /// Who counted `arrivals`: random, one per process and deployment, so that Redis adds each
+    /// batch once however often it is sent.
+    pub source: String,
     /// The generation of the split set this instance last read (`None`: none yet). When the
     /// set's generation is another, the set was lost and `keeps` are put back.
     pub generation: Option<String>,
+}
+
+/// The arrivals of split entries that the routers counted between two refreshes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArrivalBatch {
+    /// Sequence number among the batches of its source, from 1.
+    pub seq: u64,
+    /// When they were counted (the refresh that took them), by the clock of Redis, in ms since
+    /// the Unix epoch; 0 when unknown (no refresh has read that clock yet): filed as counted
+    /// when Redis adds them.
+    pub counted_at_ms: u64,
+    /// Requests routed through each entry.
+    pub counts: Vec<(SplitMember, u64)>,
 }
 
 /// The answer of one refresh.
@@ -228,6 +271,8 @@ pub struct SyncAnswer {
     pub generation: String,
     /// Entries of `keeps` this call put back because the set had been lost.
     pub restored: u64,
+    /// The clock of Redis when it ran the call, in ms since the Unix epoch.
+    pub redis_time_ms: u64,
 }
 
 /// Where a refresh publishes and reads the split set: [`SplitStore`] (Redis); tests use their own.
@@ -266,7 +311,7 @@ impl SplitStore {
         let mut call = self.script.prepare_invoke();
         call.key(splits_key(&self.prefix)).key(drain_key(&self.prefix)).key(generation_key(&self.prefix));
         call.arg(arrivals_key_prefix(&self.prefix)).arg(SPLIT_TTL.as_millis() as u64).arg(RATE_WINDOWS).arg(u8::from(read_only));
-        call.arg(req.generation.as_deref().unwrap_or(""));
+        call.arg(req.generation.as_deref().unwrap_or("")).arg(&req.source);
         for list in [&req.adds, &req.keeps] {
             call.arg(list.len());
             for (m, drain) in list {
@@ -278,12 +323,15 @@ impl SplitStore {
             call.arg(m.to_string());
         }
         call.arg(req.arrivals.len());
-        for (m, n) in &req.arrivals {
-            call.arg(m.to_string()).arg(*n);
+        for batch in &req.arrivals {
+            call.arg(batch.seq).arg(batch.counted_at_ms).arg(batch.counts.len());
+            for (m, n) in &batch.counts {
+                call.arg(m.to_string()).arg(*n);
+            }
         }
         let mut conn = self.conn.clone();
-        type Raw = (Vec<String>, Vec<i64>, Vec<String>, Vec<u64>, Vec<String>, u64, String, u64);
-        let (members, expires, drains, arrivals, added, removed, generation, restored): Raw =
+        type Raw = (Vec<String>, Vec<i64>, Vec<String>, Vec<u64>, Vec<String>, u64, String, u64, u64);
+        let (members, expires, drains, arrivals, added, removed, generation, restored, redis_time_ms): Raw =
             match tokio::time::timeout(self.timeout, call.invoke_async(&mut conn)).await {
                 Ok(r) => r?,
                 Err(_) => return Err(SplitsError::Timeout(self.timeout)),
@@ -302,7 +350,7 @@ impl SplitStore {
                 })
             })
             .collect();
-        Ok(SyncAnswer { records, added: added.iter().filter_map(|m| m.parse().ok()).collect(), removed, generation, restored })
+        Ok(SyncAnswer { records, added: added.iter().filter_map(|m| m.parse().ok()).collect(), removed, generation, restored, redis_time_ms })
     }
 }
 
@@ -336,12 +384,53 @@ enum SplitReason {
     Dominant { share: f64, requests: u64 },
 }
 
-/// The refresh's memory: the decision ledger, the records and generation last read.
-#[derive(Default)]
+/// An arrival batch waiting for delivery, and when it was taken (for its age).
+struct PendingBatch {
+    taken_at: Instant,
+    batch: ArrivalBatch,
+}
+
+/// The refresh's memory: the decision ledger, the records and generation last read, and the
+/// arrival batches not delivered yet.
 struct RefreshState {
     ledger: SplitLedger,
     records: Vec<SplitRecord>,
     generation: Option<String>,
+    /// See [`SyncRequest::source`].
+    source: String,
+    /// The last batch sequence number given.
+    seq: u64,
+    /// Taken from the routers, not yet delivered, oldest first; none older than [`ARRIVALS_KEPT`].
+    pending: Vec<PendingBatch>,
+    /// The clock of Redis at a local instant, from the last answer that came within
+    /// [`CLOCK_RTT`] (taken as read halfway through the round trip): dates the batches.
+    redis_clock: Option<(Instant, u64)>,
+}
+
+impl Default for RefreshState {
+    fn default() -> Self {
+        RefreshState {
+            ledger: SplitLedger::default(),
+            records: Vec::new(),
+            generation: None,
+            source: uuid::Uuid::new_v4().simple().to_string(),
+            seq: 0,
+            pending: Vec::new(),
+            redis_clock: None,
+        }
+    }
+}
+
+impl RefreshState {
+    /// The time of Redis at `at`, in ms since the Unix epoch, as far as known (0: not known).
+    fn redis_ms(&self, at: Instant) -> u64 {
+        let Some((then, ms)) = self.redis_clock else { return 0 };
+        if at >= then {
+            ms + at.duration_since(then).as_millis() as u64
+        } else {
+            ms.saturating_sub(then.duration_since(at).as_millis() as u64)
+        }
+    }
 }
 
 struct Inner {
@@ -470,27 +559,35 @@ impl Affinity {
         lock(&self.inner.load).observe(partition, routed, queued);
     }
 
-    /// One refresh at `now`: decides splits and merges, publishes them with the arrival counts,
-    /// and replaces the view with the answer. On an error the view stays as it was and the
-    /// arrival counts are kept for the next refresh.
+    /// One refresh at `now`: decides splits and merges, publishes them with the arrival batches
+    /// not delivered yet, and replaces the view with the answer. On an error the view stays as
+    /// it was and the arrival batches are kept for the next refresh (for [`ARRIVALS_KEPT`]).
     pub async fn refresh(&self, store: &impl SplitSync, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
         let view = self.view();
         let hot = lock(&self.inner.load).tick(now, rules, &view);
-        let (arrivals, dominant) = {
+        let (counts, dominant) = {
             let mut r = lock(&self.inner.router);
-            let arrivals: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
+            let counts: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
             // The shares tick in any case (their windows keep rolling); with one server known,
             // a dominant key stays whole (see `set_servers`).
             let dominant = r.shares.tick(now, rules, &view).filter(|_| self.inner.servers.load(Ordering::Relaxed) != 1);
-            (arrivals, dominant)
+            (counts, dominant)
         };
-        let mut req = SyncRequest { arrivals, ..SyncRequest::default() };
+        let mut req = SyncRequest::default();
         // Why each add was decided, logged once the store has taken it (a refresh that fails,
         // as every one does while Redis is unreachable, decides the same again next time).
         let mut reasons: Vec<(SplitMember, SplitReason)> = Vec::new();
         {
             let st = &mut *lock(&self.inner.refresh);
             req.generation.clone_from(&st.generation);
+            st.pending.retain(|p| now.saturating_duration_since(p.taken_at) < ARRIVALS_KEPT);
+            if !counts.is_empty() {
+                st.seq += 1;
+                let batch = ArrivalBatch { seq: st.seq, counted_at_ms: st.redis_ms(now), counts };
+                st.pending.push(PendingBatch { taken_at: now, batch });
+            }
+            req.arrivals = st.pending.iter().map(|p| p.batch.clone()).collect();
+            req.source.clone_from(&st.source);
             for h in &hot {
                 let (l, k) = (h.member.level, h.member.key);
                 if view.get(l, k) != Some(h.member.state) && !st.ledger.holding(now, rules.hold, l, k) {
@@ -516,17 +613,23 @@ impl Affinity {
                 }
             }
         }
+        let sent = Instant::now();
         let answer = match store.sync(&req).await {
             Ok(a) => a,
             Err(e) => {
-                let mut r = lock(&self.inner.router);
-                for (m, n) in req.arrivals {
-                    *r.arrivals.entry(m).or_default() += n;
-                }
                 metrics::split_sync_failed();
                 return Err(e);
             }
         };
+        {
+            let st = &mut *lock(&self.inner.refresh);
+            let delivered = req.arrivals.last().map_or(0, |b| b.seq);
+            st.pending.retain(|p| p.batch.seq > delivered);
+            let rtt = sent.elapsed();
+            if rtt <= CLOCK_RTT && answer.redis_time_ms > 0 {
+                st.redis_clock = Some((sent + rtt / 2, answer.redis_time_ms));
+            }
+        }
         for m in &answer.added {
             metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
             match reasons.iter().find(|(r, _)| r == m).map(|(_, why)| why) {
@@ -615,12 +718,16 @@ mod tests {
     use super::*;
     use std::num::NonZeroU32;
 
+    static START: LazyLock<Instant> = LazyLock::new(Instant::now);
+
     /// A split set that answers from memory, or fails like an unreachable Redis.
     #[derive(Default)]
     struct Memory {
         set: Mutex<HashMap<SplitMember, f64>>,
         down: std::sync::atomic::AtomicBool,
         arrivals: Mutex<u64>,
+        /// The arrival batches of every successful call.
+        sent: Mutex<Vec<Vec<ArrivalBatch>>>,
         /// The set's generation; [`Memory::lose`] starts a new one.
         generation: Mutex<u64>,
     }
@@ -653,12 +760,15 @@ mod tests {
                 }
             }
             let removed = req.merges.iter().filter(|m| set.remove(m).is_some()).count() as u64;
-            *lock(&self.arrivals) += req.arrivals.iter().map(|(_, n)| n).sum::<u64>();
+            *lock(&self.arrivals) += req.arrivals.iter().flat_map(|b| &b.counts).map(|(_, n)| n).sum::<u64>();
+            lock(&self.sent).push(req.arrivals.clone());
             let records = set
                 .iter()
                 .map(|(m, d)| SplitRecord { member: *m, expires_in_ms: 10_000, drain_rps: Some(*d), arrivals_rps: 100.0 })
                 .collect();
-            Ok(SyncAnswer { records, added, removed, generation, restored })
+            // The clock of this Redis reads 1,000,000 s at the start of a paused-time test.
+            let redis_time_ms = 1_000_000_000 + Instant::now().duration_since(*START).as_millis() as u64;
+            Ok(SyncAnswer { records, added, removed, generation, restored, redis_time_ms })
         }
     }
 
@@ -701,8 +811,42 @@ mod tests {
         }
         store.down.store(false, std::sync::atomic::Ordering::SeqCst);
         a.refresh(&store, &rules, t0 + Duration::from_secs(60)).await.unwrap();
-        assert_eq!(*lock(&store.arrivals), 1, "the arrival counted during the outage arrives");
+        assert_eq!(*lock(&store.arrivals), 0, "an arrival older than the rate window is not sent: no rate would count it");
         assert_eq!(a.view().len(), 1, "still hot (100 rps > half of 20 rps): kept");
+    }
+
+    /// Arrivals counted while Redis is unreachable reach it with the second they were counted
+    /// in, by the clock of Redis, each batch with its own sequence number, and are sent until a
+    /// refresh delivers them; before, they came as one burst at the first refresh after the
+    /// outage, which raised the peak rate of the merge rule, so a key whose traffic never
+    /// changed was merged back once the burst left the rate window.
+    #[tokio::test(start_paused = true)]
+    async fn arrivals_of_an_outage_reach_redis_dated_and_numbered() {
+        let (a, store, rules, t0) = split_key_42().await;
+        let sent_before = lock(&store.sent).len();
+        let redis_at = |t: Instant| 1_000_000_000 + t.duration_since(*START).as_millis() as u64;
+        store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        let route_one = || {
+            let choice = crate::affinity::choose(&a.view(), 4, |l| PrefixKey(42 + u64::from(l)));
+            a.routed(&choice, PrefixKey(42), 300, false);
+        };
+        // Seconds 4, 5 and 6: one request each, then a failed refresh.
+        for s in 4..=6 {
+            route_one();
+            assert!(a.refresh(&store, &rules, t0 + Duration::from_secs(s)).await.is_err());
+        }
+        store.down.store(false, std::sync::atomic::Ordering::SeqCst);
+        route_one();
+        let at7 = t0 + Duration::from_secs(7);
+        a.refresh(&store, &rules, at7).await.unwrap();
+        let sent = lock(&store.sent)[sent_before..].to_vec();
+        assert_eq!(sent.len(), 1);
+        let got: Vec<(u64, u64, u64)> = sent[0].iter().map(|b| (b.seq, b.counted_at_ms, b.counts.iter().map(|(_, n)| n).sum())).collect();
+        let want: Vec<(u64, u64, u64)> = (4..=7).zip(1..).map(|(s, seq)| (seq, redis_at(t0 + Duration::from_secs(s)), 1)).collect();
+        assert_eq!(got, want, "one batch per refresh, numbered, each dated when it was taken");
+        // Delivered: not sent again.
+        a.refresh(&store, &rules, t0 + Duration::from_secs(8)).await.unwrap();
+        assert!(lock(&store.sent).last().unwrap().is_empty());
     }
 
     /// A split set lost as a whole (Redis restarted empty, flushed) is put back from the view at

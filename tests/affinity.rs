@@ -360,3 +360,76 @@ async fn an_outage_backlog_does_not_split_its_key() {
     amqp.close().await;
     env.cleanup().await;
 }
+
+/// A Redis that stalls (SIGSTOP, as a paused VM or a long fork would) while a split key's
+/// requests keep coming: the refreshes time out, but Redis runs the calls queued on its socket
+/// when it resumes. Every arrival must still be counted exactly once, in the second it was
+/// counted in. Before, each timed-out call's arrivals were sent again with the next, so Redis
+/// added them several times, all in the second it resumed: the key's rate read 2–3 × its
+/// traffic, and the merge rule (half the peak) then merged back a key whose traffic never changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn arrivals_of_a_stalled_redis_are_counted_once_in_their_own_seconds() {
+    let env = TestEnv::new("affinity-stall");
+    let redis = PrivateRedis::start(&env.dir).await;
+    let conn = redis::Client::open(redis.url.as_str()).unwrap().get_connection_manager().await.unwrap();
+    let settings = Settings::from_raw(&env.raw_config("http://127.0.0.1:9")).unwrap();
+    let rules = splits::rules(&settings);
+    let store = SplitStore::new(conn.clone(), env.key_prefix(), Duration::from_millis(400));
+    let a = Affinity::default();
+    let member = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
+    let far = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64 + 3_600_000;
+    let mut r = conn.clone();
+    let _: i64 = redis::cmd("ZADD").arg(splits::splits_key(env.key_prefix())).arg(far).arg(member.to_string()).query_async(&mut r).await.unwrap();
+    a.refresh(&store, &rules, Instant::now()).await.unwrap();
+    assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split));
+
+    // 20 requests/s through the split for 3 s, a 3 s stall, then 4 s more; a refresh every 250 ms.
+    let signal = |sig: &str| assert!(Command::new("kill").args([sig, &redis.child.id().to_string()]).status().unwrap().success());
+    let (mut routed, mut failed) = (0u64, 0);
+    let start = Instant::now();
+    let mut tick = tokio::time::interval(REFRESH_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut stopped, mut resumed) = (false, false);
+    while start.elapsed() < Duration::from_secs(10) {
+        tick.tick().await;
+        if !stopped && start.elapsed() >= Duration::from_secs(3) {
+            signal("-STOP");
+            stopped = true;
+        }
+        if !resumed && start.elapsed() >= Duration::from_secs(6) {
+            signal("-CONT");
+            resumed = true;
+        }
+        // Paced by the clock, not by the loop (a refresh that times out takes longer than a tick).
+        let due = (start.elapsed().as_secs_f64() * 20.0) as u64;
+        while routed < due {
+            let choice = prefix_batcher::affinity::choose(&a.view(), 4, |l| PrefixKey(42 + u64::from(l)));
+            a.routed(&choice, PrefixKey(42), 300, false);
+            routed += 1;
+        }
+        failed += u64::from(a.refresh(&store, &rules, Instant::now()).await.is_err());
+    }
+    // The last batch, once more, so that every arrival has been delivered.
+    for _ in 0..20 {
+        if a.refresh(&store, &rules, Instant::now()).await.is_ok() {
+            break;
+        }
+    }
+    assert!(failed >= 3, "the stall made refreshes time out ({failed} did)");
+
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{}:*", splits::arrivals_key_prefix(env.key_prefix()))).query_async(&mut r).await.unwrap();
+    let mut per_second = Vec::new();
+    for k in keys.iter().filter(|k| !k.contains("-seq:")) {
+        let n: Option<u64> = redis::cmd("HGET").arg(k).arg(member.to_string()).query_async(&mut r).await.unwrap();
+        per_second.push((k.rsplit(':').next().unwrap().parse::<u64>().unwrap(), n.unwrap_or(0)));
+    }
+    per_second.sort();
+    println!("arrivals per second (20 routed a second, Redis stalled from 3 s to 6 s): {per_second:?}");
+    assert_eq!(per_second.iter().map(|(_, n)| n).sum::<u64>(), routed, "every arrival counted once: {per_second:?}");
+    // Filed where counted: no second holds the stall's arrivals (60) at once. A second holds 20,
+    // up to 4 refreshes' worth more where the clock estimate and the refresh ticks straddle it.
+    let most = per_second.iter().map(|(_, n)| *n).max().unwrap();
+    assert!(most <= 40, "a second holds {most} arrivals: {per_second:?}");
+    drop(redis);
+    env.cleanup().await;
+}
