@@ -10,6 +10,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
 use prefix_batcher::{app, client, exit};
 use prefix_batcher::config::{self, LogFormat, Settings, DEFAULT_CONFIG_PATH};
 
@@ -105,9 +107,21 @@ fn init_tracing(format: LogFormat, level: &str) {
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {
-        LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).init(),
-        LogFormat::Pretty => builder.with_ansi(ansi).init(),
+        LogFormat::Json => builder.json().with_current_span(true).with_span_list(true).finish().with(no_amqp_frames()).init(),
+        LogFormat::Pretty => builder.with_ansi(ansi).finish().with(no_amqp_frames()).init(),
     }
+}
+
+/// Drops the AMQP client's TRACE events whatever `RUST_LOG` says: they print whole frames, and
+/// the `connection.start-ok` frame holds the SASL response, i.e. the broker user and password
+/// (as a byte array, so a search for the password's text does not find it).
+fn no_amqp_frames<S: tracing::Subscriber>() -> impl tracing_subscriber::Layer<S> {
+    tracing_subscriber::filter::filter_fn(|meta| !(*meta.level() == tracing::Level::TRACE && is_amqp_client(meta.target())))
+}
+
+/// Whether `target` is a module of the AMQP client (lapin, amq-protocol).
+fn is_amqp_client(target: &str) -> bool {
+    ["lapin", "amq_protocol"].iter().any(|c| target == *c || target.strip_prefix(c).is_some_and(|rest| rest.starts_with("::")))
 }
 
 /// The configuration as read (for `check-config`) and as validated.

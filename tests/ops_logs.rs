@@ -3,7 +3,7 @@
 //! - `--log-format json` writes one JSON object per line, and lines logged inside a batch carry the
 //!   batch span (`partition`, `batch_id`, `key`);
 //! - real credentials — a RabbitMQ user and a Redis ACL user created for the test, each with its
-//!   own password, and an LLM bearer token — never appear in the logs (at `debug` for every crate),
+//!   own password, and an LLM bearer token — never appear in the logs (at `trace` for every crate),
 //!   in error messages (wrong passwords, a malformed configuration), in `check-config` output, or
 //!   in the `submit` and `status` commands' errors. The credentials come from the environment, as
 //!   under systemd (`EnvironmentFile=`), and the file holds unusable ones, so the daemon can only
@@ -86,9 +86,14 @@ impl Drop for Credentials {
     }
 }
 
+/// Fails when `text` holds one of `secrets` as text or as the list of its bytes in decimal (how
+/// a `Debug` print of a byte buffer shows it: lapin's TRACE frames printed the SASL response of
+/// `connection.start-ok`, user and password, that way).
 fn assert_no_secret(what: &str, text: &str, secrets: &[&str]) {
     for s in secrets {
         assert!(!text.contains(s), "{what} contains the secret {s:?}:\n{text}");
+        let bytes = s.bytes().map(|b| b.to_string()).collect::<Vec<_>>().join(", ");
+        assert!(!text.contains(&bytes), "{what} contains the secret {s:?} as bytes ({bytes})");
     }
 }
 
@@ -116,7 +121,7 @@ async fn json_logs_carry_batch_spans_and_no_secret_appears_anywhere() {
     raw.amqp.url = "amqp://nobody:not-the-password@127.0.0.1:5672/%2f".into();
     raw.redis.url = "redis://nobody:not-the-password@127.0.0.1:6379/".into();
     raw.log.format = "pretty".into(); // --log-format json overrides it
-    raw.log.level = "debug".into(); // every crate at debug: lapin, redis, reqwest, hyper too
+    raw.log.level = "debug".into(); // check-config's output; the daemon logs at RUST_LOG's trace
     let cfg = write_config(&env, "daemon", &raw);
     let amqp_url = creds.amqp_url(&creds.amqp_password);
     let redis_url = creds.redis_url(&creds.redis_password);
@@ -134,12 +139,14 @@ async fn json_logs_carry_batch_spans_and_no_secret_appears_anywhere() {
     assert!(out.contains(&format!("url = \"redis://{}:***@127.0.0.1:6379/\"", creds.redis_user)), "{out}");
     assert!(out.contains("api_key = \"***\""), "{out}");
 
-    // The daemon, with the secrets in its environment and a full debug log in JSON.
+    // The daemon, with the secrets in its environment and a full log in JSON: every crate at
+    // TRACE (`RUST_LOG` replaces `log.level`), as an operator chasing a connection problem sets it.
     let mut cmd = bin_command();
     cmd.arg("--config").arg(&cfg).arg("--log-format").arg("json").arg("run");
     for (k, v) in secret_env {
         cmd.env(k, v);
     }
+    cmd.env("RUST_LOG", "trace");
     let mut daemon = DaemonProcess::spawn(&env, "daemon", cmd);
     let mut redis = RedisProbe::connect().await.unwrap();
     let deadline = Instant::now() + DEADLINE;
