@@ -266,6 +266,7 @@ pub async fn run_with_events(
     let options = ClientOptions {
         hook: llm_hook(settings.llm.endpoints.len(), readiness.clone()),
         max_response_bytes: settings.llm.max_response_bytes.get(),
+        partitions: settings.amqp.partitions.get(),
         ..ClientOptions::default()
     };
     let llm = LlmClient::with_options(&settings.llm, options).map_err(AppError::Llm)?;

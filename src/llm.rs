@@ -244,11 +244,15 @@ pub struct ClientOptions {
     pub max_response_bytes: usize,
     /// The rule of every endpoint's circuit breaker.
     pub breaker: BreakerPolicy,
+    /// `amqp.partitions`: the home endpoints of partitions `0..partitions` are balanced
+    /// ([`LlmClient::endpoint_ranking`]); 0 (the default) ranks every partition by plain
+    /// rendezvous hashing.
+    pub partitions: u32,
 }
 
 impl Default for ClientOptions {
     fn default() -> Self {
-        ClientOptions { hook: Arc::new(|_| {}), max_response_bytes: MAX_RESPONSE_BYTES, breaker: BreakerPolicy::default() }
+        ClientOptions { hook: Arc::new(|_| {}), max_response_bytes: MAX_RESPONSE_BYTES, breaker: BreakerPolicy::default(), partitions: 0 }
     }
 }
 
@@ -262,6 +266,9 @@ pub struct LlmClient {
 struct Inner {
     http: reqwest::Client,
     endpoints: Vec<Endpoint>,
+    /// The home endpoint of each partition below [`ClientOptions::partitions`]
+    /// ([`crate::keying::assignment`] of the partitions over the endpoints' names).
+    homes: Vec<usize>,
     /// `llm.model`: sent when an item names no model.
     model: String,
     max_attempts: u32,
@@ -687,10 +694,13 @@ impl LlmClient {
                 );
             }
         }
+        let names: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
+        let homes = crate::keying::assignment(options.partitions, &names).into_iter().map(|h| h.unwrap_or(0)).collect();
         Ok(LlmClient {
             inner: Arc::new(Inner {
                 http,
                 endpoints,
+                homes,
                 model: settings.model.clone(),
                 max_attempts: settings.max_attempts.get(),
                 backoff_initial: settings.backoff_initial,
@@ -710,15 +720,24 @@ impl LlmClient {
         self.inner.endpoints.get(index).map(|e| e.name.as_str())
     }
 
-    /// The endpoints in rendezvous (HRW) order for a partition ([`crate::keying::hrw_score`] of
-    /// the partition number over the endpoints' credential-free base URLs, ties as in
-    /// [`crate::keying::hrw_pick`]): the first is the partition's home, so a prefix sticks to one
-    /// server's cache, and adding or removing a server moves only ~1/N of the partitions.
+    /// The endpoints a partition tries, in order. The first is the partition's home, so a prefix
+    /// sticks to one server's cache: below [`ClientOptions::partitions`], the home given by
+    /// rendezvous hashing with bounded loads ([`crate::keying::assignment`] of the partitions
+    /// over the endpoints' credential-free base URLs), so N endpoints are the homes of ⌊P/N⌋ or
+    /// ⌈P/N⌉ partitions each; plain rendezvous hashing gives each a binomial count instead (12 of
+    /// 16 partitions on one of two servers happens in 1 deployment of 13). The others follow in
+    /// rendezvous (HRW) order ([`crate::keying::hrw_score`] of the partition number, ties as in
+    /// [`crate::keying::hrw_pick`]). Every instance with the same endpoints computes the same
+    /// order, and adding or removing a server moves few partitions (1.2–1.5 × the 1/N minimum).
     pub fn endpoint_ranking(&self, partition: u32) -> Vec<usize> {
         let names: Vec<&str> = self.inner.endpoints.iter().map(|e| e.name.as_str()).collect();
         let mut order: Vec<usize> = (0..names.len()).collect();
         let score = |i: usize| crate::keying::hrw_score(u64::from(partition), names[i]);
         order.sort_by(|&a, &b| score(b).cmp(&score(a)).then_with(|| names[a].cmp(names[b])));
+        if let Some(&home) = self.inner.homes.get(partition as usize) {
+            order.retain(|&i| i != home);
+            order.insert(0, home);
+        }
         order
     }
 
@@ -3238,6 +3257,47 @@ mod tests {
         assert!(picks.iter().all(|&i| i < 2));
         assert!(picks.contains(&0) && picks.contains(&1), "both endpoints get partitions");
         assert_eq!(picks, (0..64).map(|p| client.endpoint_for(p)).collect::<Vec<_>>(), "stable");
+    }
+
+    /// With `amqp.partitions` given, N endpoints are the homes of ⌊P/N⌋ or ⌈P/N⌉ partitions each,
+    /// whatever their URLs; every ranking holds each endpoint once, and the same endpoints in
+    /// another order give the same homes. Plain rendezvous hashing (no partition count) leaves
+    /// some of these deployments unbalanced by more than one partition (checked, so that the
+    /// balance is the option's doing).
+    #[test]
+    fn home_endpoints_are_balanced_over_the_partitions() {
+        let homes = |client: &LlmClient, partitions: u32, n: usize| {
+            let mut count = vec![0usize; n];
+            for p in 0..partitions {
+                let order = client.endpoint_ranking(p);
+                let mut sorted = order.clone();
+                sorted.sort_unstable();
+                assert_eq!(sorted, (0..n).collect::<Vec<_>>(), "partition {p}: every endpoint once");
+                count[order[0]] += 1;
+            }
+            count
+        };
+        let mut unbalanced_plain = 0;
+        for (deployment, (partitions, n)) in [(8u32, 2usize), (16, 2), (16, 3), (64, 2), (64, 4), (24, 5)].into_iter().cycle().take(60).enumerate() {
+            let urls: Vec<Url> = (0..n).map(|i| Url::parse(&format!("http://10.0.{deployment}.{i}:{}/", 8000 + deployment)).unwrap()).collect();
+            let mut s = settings(&urls[0]);
+            s.endpoints = urls.clone();
+            let options = || ClientOptions { partitions, ..ClientOptions::default() };
+            let balanced = LlmClient::with_options(&s, options()).unwrap();
+            let count = homes(&balanced, partitions, n);
+            let (lo, hi) = (*count.iter().min().unwrap(), *count.iter().max().unwrap());
+            assert!(hi - lo <= 1, "{partitions} partitions over {n} endpoints: homes {count:?}");
+            s.endpoints.reverse();
+            let reversed = LlmClient::with_options(&s, options()).unwrap();
+            for p in 0..partitions {
+                let name = |c: &LlmClient| c.endpoint_name(c.endpoint_ranking(p)[0]).unwrap().to_owned();
+                assert_eq!(name(&balanced), name(&reversed), "partition {p}: the home does not depend on the list's order");
+            }
+            s.endpoints = urls;
+            let count = homes(&LlmClient::new(&s).unwrap(), partitions, n);
+            unbalanced_plain += usize::from(count.iter().max().unwrap() - count.iter().min().unwrap() > 1);
+        }
+        assert!(unbalanced_plain > 10, "plain rendezvous hashing was unbalanced in only {unbalanced_plain} of 60 deployments");
     }
 
     #[test]

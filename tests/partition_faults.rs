@@ -18,7 +18,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
 use prefix_batcher::config::{AmqpSettings, RawConfig, Settings};
-use prefix_batcher::llm::LlmClient;
+use prefix_batcher::llm::{ClientOptions, LlmClient};
 use prefix_batcher::topology;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -646,10 +646,11 @@ async fn start_on_servers(test: &str, servers: &[&FakeLlmHandle]) -> (TestEnv, S
 }
 
 /// Starts servers from `make` until one is the home (first in [`LlmClient::endpoint_ranking`])
-/// of at least half of the [`PARTITIONS`] partitions beside `other`, and returns it. The ranking
-/// hashes the servers' URLs, whose ports the OS picks: a test that needs requests to meet a
-/// server first would otherwise find none do so in about 1 run of 256 (8 partitions, each ranking
-/// it first with probability 1/2), more where its requests use fewer partitions.
+/// of at least half of the [`PARTITIONS`] partitions beside `other`, and returns it. The daemon
+/// balances the homes (each of two servers is the home of half the partitions), so the first
+/// server started is returned; the check keeps the tests' premise explicit, since a test that
+/// needs requests to meet a server first would otherwise depend on the hashes of URLs whose
+/// ports the OS picks.
 async fn home_of_half_the_partitions(make: impl Fn() -> FakeLlm, other: &FakeLlmHandle) -> FakeLlmHandle {
     for _ in 0..100 {
         let server = make().start().await.unwrap();
@@ -665,7 +666,7 @@ async fn home_of_half_the_partitions(make: impl Fn() -> FakeLlm, other: &FakeLlm
 fn home_of_half(url: &str, other: &str) -> bool {
     let mut llm = Settings::from_raw(&RawConfig::default()).expect("the defaults are valid").llm;
     llm.endpoints = vec![url.parse().unwrap(), other.parse().unwrap()];
-    let client = LlmClient::new(&llm).unwrap();
+    let client = LlmClient::with_options(&llm, ClientOptions { partitions: PARTITIONS, ..ClientOptions::default() }).unwrap();
     (0..PARTITIONS).filter(|&p| client.endpoint_ranking(p)[0] == 0).count() * 2 >= PARTITIONS as usize
 }
 
