@@ -636,14 +636,23 @@ impl SplitLedger {
 pub const SHORT_MATERIAL_CHARS: usize = 64;
 /// Requests per [`KeyHygiene`] window.
 pub const HYGIENE_WINDOW: usize = 200;
+/// Longest [`KeyHygiene`] window: one that has not seen [`HYGIENE_WINDOW`] requests closes
+/// after this long, so the gauges follow light traffic and fall to 0 when traffic stops.
+pub const HYGIENE_MAX_WINDOW: Duration = Duration::from_secs(60);
+/// Fewest requests in a window for a hygiene warning (and a non-zero unsplittable share): with
+/// fewer, one request alone would be "volatile" and one key would "carry all traffic".
+pub const HYGIENE_MIN_REQUESTS: usize = 20;
 /// Share of distinct level-0 keys in a window above which key material looks volatile.
 pub const VOLATILE_DISTINCT: f64 = 0.95;
 /// Share of a window's requests above which a key "carries most of the traffic".
 pub const DOMINANT_SHARE: f64 = 0.5;
 
-/// What [`KeyHygiene`] found over one window of [`HYGIENE_WINDOW`] routed requests.
+/// What [`KeyHygiene`] found over one window: [`HYGIENE_WINDOW`] routed requests, or fewer
+/// over [`HYGIENE_MAX_WINDOW`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct HygieneReport {
+    /// Requests in the window.
+    pub requests: usize,
     /// Distinct level-0 keys ÷ requests.
     pub distinct: f64,
     /// Share of requests whose level-0 material is shorter than [`SHORT_MATERIAL_CHARS`].
@@ -651,20 +660,25 @@ pub struct HygieneReport {
     /// Shares of the 5 most frequent routed keys, largest first (fewer when fewer keys).
     pub top_shares: Vec<f64>,
     /// The routed key with the largest share, when it cannot be split any further (spread over
-    /// `max_shards` already, or a static override), with its share.
+    /// `max_shards` already, or a static override), with its share; `None` in a window of fewer
+    /// than [`HYGIENE_MIN_REQUESTS`].
     pub unsplittable: Option<(RoutedKey, f64)>,
 }
 
 impl HygieneReport {
+    /// Whether the window has requests enough to judge.
+    fn judged(&self) -> bool {
+        self.requests >= HYGIENE_MIN_REQUESTS
+    }
     /// Nearly every request has its own key: e.g. a timestamp or request id at the start of
     /// the prompt, so nothing is shared and batching by key does nothing.
     pub fn volatile(&self) -> bool {
-        self.distinct >= VOLATILE_DISTINCT
+        self.judged() && self.distinct >= VOLATILE_DISTINCT
     }
     /// Most key material is shorter than a cache block: keys group requests that share less
     /// than the server can reuse.
     pub fn short_material(&self) -> bool {
-        self.short >= 0.5
+        self.judged() && self.short >= 0.5
     }
     /// One key that cannot be split carries most of the traffic.
     pub fn dominant_unsplittable(&self) -> Option<(RoutedKey, f64)> {
@@ -672,40 +686,57 @@ impl HygieneReport {
     }
 }
 
-/// Key hygiene at the router, per window of [`HYGIENE_WINDOW`] requests.
+/// Key hygiene at the router, per window of [`HYGIENE_WINDOW`] requests or
+/// [`HYGIENE_MAX_WINDOW`], whichever ends first.
 #[derive(Debug, Default)]
 pub struct KeyHygiene {
     level0: HashMap<PrefixKey, u32>,
     routed: HashMap<RoutedKey, (u32, bool)>,
     short: u32,
     n: usize,
+    /// When the current window opened (`None` until the first request or tick).
+    opened: Option<Instant>,
 }
 
 impl KeyHygiene {
-    /// Records one routed request; returns the report when this request closes a window.
-    /// `material_chars`: length of its level-0 material; `unsplittable`: whether its routed key
-    /// can be split no further.
-    pub fn observe(&mut self, level0: PrefixKey, material_chars: usize, routed: RoutedKey, unsplittable: bool) -> Option<HygieneReport> {
+    /// Records one routed request at `now`; returns the report when this request closes a
+    /// window. `material_chars`: length of its level-0 material; `unsplittable`: whether its
+    /// routed key can be split no further.
+    pub fn observe(&mut self, now: Instant, level0: PrefixKey, material_chars: usize, routed: RoutedKey, unsplittable: bool) -> Option<HygieneReport> {
+        self.opened.get_or_insert(now);
         *self.level0.entry(level0).or_default() += 1;
         let e = self.routed.entry(routed).or_default();
         e.0 += 1;
         e.1 = unsplittable;
         self.short += u32::from(material_chars < SHORT_MATERIAL_CHARS);
         self.n += 1;
-        if self.n < HYGIENE_WINDOW {
-            return None;
-        }
-        let n = self.n as f64;
+        (self.n >= HYGIENE_WINDOW).then(|| self.close(now))
+    }
+
+    /// Closes the window at `now` when it has lasted [`HYGIENE_MAX_WINDOW`], with the requests
+    /// it has (none: a report of zeros), and returns its report.
+    pub fn tick(&mut self, now: Instant) -> Option<HygieneReport> {
+        let opened = *self.opened.get_or_insert(now);
+        (now.saturating_duration_since(opened) >= HYGIENE_MAX_WINDOW).then(|| self.close(now))
+    }
+
+    fn close(&mut self, now: Instant) -> HygieneReport {
+        let requests = self.n;
+        let n = requests.max(1) as f64;
         let mut top: Vec<(RoutedKey, (u32, bool))> = self.routed.drain().collect();
         top.sort_unstable_by(|a, b| b.1 .0.cmp(&a.1 .0).then(a.0.cmp(&b.0)));
         let report = HygieneReport {
+            requests,
             distinct: self.level0.len() as f64 / n,
             short: f64::from(self.short) / n,
             top_shares: top.iter().take(5).map(|(_, (c, _))| f64::from(*c) / n).collect(),
-            unsplittable: top.first().filter(|(_, (_, u))| *u).map(|(k, (c, _))| (*k, f64::from(*c) / n)),
+            unsplittable: top
+                .first()
+                .filter(|(_, (_, u))| *u && requests >= HYGIENE_MIN_REQUESTS)
+                .map(|(k, (c, _))| (*k, f64::from(*c) / n)),
         };
-        *self = KeyHygiene::default();
-        Some(report)
+        *self = KeyHygiene { opened: Some(now), ..KeyHygiene::default() };
+        report
     }
 }
 
@@ -1045,9 +1076,10 @@ mod tests {
     #[test]
     fn hygiene_flags_volatile_short_and_dominant_unsplittable_keys() {
         let mut h = KeyHygiene::default();
+        let now = Instant::now();
         let mut report = None;
         for i in 0..HYGIENE_WINDOW as u64 {
-            report = h.observe(PrefixKey(i), 20, rk(0, 4, i), false);
+            report = h.observe(now, PrefixKey(i), 20, rk(0, 4, i), false);
         }
         let r = report.unwrap();
         assert!(r.volatile() && r.short_material() && r.dominant_unsplittable().is_none());
@@ -1057,11 +1089,43 @@ mod tests {
         for i in 0..HYGIENE_WINDOW as u64 {
             let hot = i % 4 != 0;
             let routed = if hot { rk(0, 1, 1) } else { rk(0, 4, i) };
-            report = h.observe(routed.key, 300, routed, hot);
+            report = h.observe(now, routed.key, 300, routed, hot);
         }
         let r = report.unwrap();
         assert!(!r.volatile() && !r.short_material());
         assert_eq!(r.dominant_unsplittable(), Some((rk(0, 1, 1), 0.75)));
         assert_eq!(r.top_shares[0], 0.75);
+    }
+
+    /// Light traffic: a window that has not seen 200 requests closes after a minute, with the
+    /// requests it has; a minute without requests reports zeros (the gauges fall to 0 when the
+    /// traffic stops, so an alert on them clears); fewer than 20 requests judge nothing.
+    /// Before, a window closed only at its 200th request, so the gauges kept the last full
+    /// window's shares for as long as traffic stayed away.
+    #[test]
+    fn hygiene_windows_close_after_a_minute_and_report_zeros_without_traffic() {
+        let mut h = KeyHygiene::default();
+        let t0 = Instant::now();
+        let hot = rk(3, 4, 9);
+        assert_eq!(h.tick(t0), None);
+        for i in 0..30u64 {
+            assert_eq!(h.observe(t0 + Duration::from_secs(i), PrefixKey(9), 20, hot, true), None);
+        }
+        assert_eq!(h.tick(t0 + Duration::from_secs(59)), None, "the window is open for a minute");
+        let r = h.tick(t0 + HYGIENE_MAX_WINDOW).expect("closed after a minute");
+        assert_eq!((r.requests, r.top_shares.clone()), (30, vec![1.0]));
+        assert_eq!(r.dominant_unsplittable(), Some((hot, 1.0)));
+        assert!(r.short_material() && !r.volatile());
+
+        let r = h.tick(t0 + 2 * HYGIENE_MAX_WINDOW).expect("the next minute, without traffic");
+        assert_eq!((r.requests, r.top_shares.len(), r.unsplittable, r.distinct, r.short), (0, 0, None, 0.0, 0.0));
+
+        for i in 0..5u64 {
+            h.observe(t0 + 2 * HYGIENE_MAX_WINDOW, PrefixKey(100 + i), 20, hot, true);
+        }
+        let r = h.tick(t0 + 3 * HYGIENE_MAX_WINDOW).unwrap();
+        assert_eq!(r.requests, 5);
+        assert!(!r.volatile() && !r.short_material() && r.unsplittable.is_none(), "5 requests judge nothing: {r:?}");
+        assert_eq!(r.top_shares, vec![1.0], "the shares are still reported");
     }
 }

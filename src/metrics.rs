@@ -295,7 +295,7 @@ static KEY_MOVES: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 static HOT_KEY_SHARE: LazyLock<GaugeVec> = LazyLock::new(|| {
     reg(GaugeVec::new(
-        Opts::new("hot_key_share", "Share of routed requests carried by the rank-th most frequent routed key, over the last 200 requests."),
+        Opts::new("hot_key_share", "Share of routed requests carried by the rank-th most frequent routed key, over the last window of 200 routed requests or 60 s, whichever ended first (0 after a minute without requests)."),
         &["rank"],
     )
     .unwrap())
@@ -303,13 +303,13 @@ static HOT_KEY_SHARE: LazyLock<GaugeVec> = LazyLock::new(|| {
 static UNSPLITTABLE_KEY_SHARE: LazyLock<Gauge> = LazyLock::new(|| {
     reg(Gauge::new(
         "unsplittable_key_share",
-        "Share of routed requests carried by the most frequent routed key when it cannot be split further (spread over max_shards, explicit or static key); 0 otherwise.",
+        "Share of routed requests carried by the most frequent routed key when it cannot be split further (spread over max_shards, explicit or static key), over the window of hot_key_share; 0 otherwise, and in a window of fewer than 20 requests.",
     )
     .unwrap())
 });
 static KEY_HYGIENE: LazyLock<IntCounterVec> = counter_vec!(
     "key_hygiene_warnings_total",
-    "Windows of 200 routed requests with a key problem: volatile (>= 95 % distinct keys), short (most material under 64 characters), unsplittable (one key that cannot be split carries >= 50 %).",
+    "Windows (200 routed requests or 60 s, at least 20 requests) with a key problem: volatile (>= 95 % distinct keys), short (most material under 64 characters), unsplittable (one key that cannot be split carries >= 50 %).",
     &["kind"]
 );
 static SPLIT_SYNC_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {

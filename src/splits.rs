@@ -364,6 +364,31 @@ struct RouterSide {
 }
 
 impl RouterSide {
+    /// Publishes a closed hygiene window: the gauges, and a warning (at most once a minute per
+    /// kind) with a count for each problem it shows.
+    fn report_hygiene(&mut self, report: &crate::affinity::HygieneReport, now: Instant) {
+        let dominant = report.dominant_unsplittable();
+        metrics::hot_keys(&report.top_shares, report.unsplittable.map_or(0.0, |(_, s)| s));
+        if report.volatile() {
+            metrics::key_hygiene(kind::VOLATILE);
+            if self.may_warn(kind::VOLATILE, now) {
+                warn!(distinct = report.distinct, "key material looks volatile: nearly every request has its own prefix key, so nothing is batched or cached together (does the prompt start with an id or a timestamp? set keying.prefix_chars or send prefix_key)");
+            }
+        }
+        if report.short_material() {
+            metrics::key_hygiene(kind::SHORT);
+            if self.may_warn(kind::SHORT, now) {
+                warn!(share = report.short, chars = crate::affinity::SHORT_MATERIAL_CHARS, "most key material is shorter than one server cache block (16 tokens): keys group requests that share less than the server can reuse");
+            }
+        }
+        if let Some((key, share)) = dominant {
+            metrics::key_hygiene(kind::UNSPLITTABLE);
+            if self.may_warn(kind::UNSPLITTABLE, now) {
+                warn!(key = %key, share, "one key carries most of the traffic and cannot be split further");
+            }
+        }
+    }
+
     /// Whether a warning of `kind` may be logged now (at most once per [`WARN_EVERY`]).
     fn may_warn(&mut self, kind: &'static str, now: Instant) -> bool {
         match self.warned.get(kind) {
@@ -519,27 +544,9 @@ impl Affinity {
         if r.shares.observe(choice) {
             self.inner.early.notify_one();
         }
-        let Some(report) = r.hygiene.observe(level0, material_chars, choice.routed, unsplittable) else { return };
-        let dominant = report.dominant_unsplittable();
-        metrics::hot_keys(&report.top_shares, report.unsplittable.map_or(0.0, |(_, s)| s));
         let now = Instant::now();
-        if report.volatile() {
-            metrics::key_hygiene(kind::VOLATILE);
-            if r.may_warn(kind::VOLATILE, now) {
-                warn!(distinct = report.distinct, "key material looks volatile: nearly every request has its own prefix key, so nothing is batched or cached together (does the prompt start with an id or a timestamp? set keying.prefix_chars or send prefix_key)");
-            }
-        }
-        if report.short_material() {
-            metrics::key_hygiene(kind::SHORT);
-            if r.may_warn(kind::SHORT, now) {
-                warn!(share = report.short, chars = crate::affinity::SHORT_MATERIAL_CHARS, "most key material is shorter than one server cache block (16 tokens): keys group requests that share less than the server can reuse");
-            }
-        }
-        if let Some((key, share)) = dominant {
-            metrics::key_hygiene(kind::UNSPLITTABLE);
-            if r.may_warn(kind::UNSPLITTABLE, now) {
-                warn!(key = %key, share, "one key carries most of the traffic and cannot be split further");
-            }
+        if let Some(report) = r.hygiene.observe(now, level0, material_chars, choice.routed, unsplittable) {
+            r.report_hygiene(&report, now);
         }
     }
 
@@ -567,6 +574,10 @@ impl Affinity {
         let hot = lock(&self.inner.load).tick(now, rules, &view);
         let (counts, dominant) = {
             let mut r = lock(&self.inner.router);
+            // A hygiene window that light traffic did not fill closes here (see `KeyHygiene::tick`).
+            if let Some(report) = r.hygiene.tick(now) {
+                r.report_hygiene(&report, now);
+            }
             let counts: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
             // The shares tick in any case (their windows keep rolling); with one server known,
             // a dominant key stays whole (see `set_servers`).
