@@ -1694,6 +1694,17 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
             // Not shown: it is a secret. A trailing blank from an environment file would be sent
             // in the Authorization header, which a server comparing tokens refuses (401).
             k if k.trim() != k => return Err(invalid("llm.api_key", "***", "must not start or end with whitespace (a blank after the value in an environment file?)")),
+            // The daemon sends `Authorization: Bearer <api_key>` (RFC 6750 §2.1): the scheme
+            // again would be sent twice, and a server refuses it (401).
+            k if k.get(..7).is_some_and(|p| p.eq_ignore_ascii_case("bearer ")) => {
+                return Err(invalid("llm.api_key", "***", "must be the token alone, without `Bearer `: the daemon sends `Authorization: Bearer <llm.api_key>`"))
+            }
+            // What the HTTP client would refuse when building the header (RFC 9110 §5.5: no
+            // control characters but tab); checked here so that `check-config` finds it and `run`
+            // stops with 78, not 1.
+            k if reqwest::header::HeaderValue::from_str(&format!("Bearer {k}")).is_err() => {
+                return Err(invalid("llm.api_key", "***", "must not hold a line break or another control character (it is sent in an HTTP header)"))
+            }
             k => Some(Secret(k.to_owned())),
         },
         max_concurrency: nonzero_usize("llm.max_concurrency", l.max_concurrency)?,
@@ -2097,6 +2108,28 @@ mod tests {
         let mut r = RawConfig::default();
         r.llm.api_key = "sk-secret123".into();
         assert!(ok(&r).llm.api_key.is_some());
+    }
+
+    /// Observed: an API key holding a line break passed `check-config`, and `run` then stopped
+    /// with exit 1 (restarted in a loop under systemd) when the HTTP client refused the header;
+    /// `Bearer sk-…` was sent as `Authorization: Bearer Bearer sk-…`. Both stop the startup
+    /// with 78 now, naming the key but not showing it.
+    #[test]
+    fn an_api_key_that_cannot_be_sent_as_a_bearer_token_is_refused_without_showing_it() {
+        for (key, rule) in [
+            ("sk-secret123\nX", "control character"),
+            ("sk-secret123\u{7}", "control character"),
+            ("Bearer sk-secret123", "without `Bearer `"),
+            ("bearer sk-secret123", "without `Bearer `"),
+        ] {
+            let mut r = RawConfig::default();
+            r.llm.api_key = key.into();
+            let e = err(&r);
+            assert!(e.contains("llm.api_key") && e.contains(rule) && !e.contains("secret123"), "{key:?}: {e}");
+        }
+        let mut r = RawConfig::default();
+        r.llm.api_key = "BearerToken-secret123 with space".into();
+        assert!(ok(&r).llm.api_key.is_some(), "a token may start with the word and hold spaces");
     }
 
     #[test]

@@ -135,7 +135,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
 use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
@@ -657,6 +657,7 @@ impl LlmClient {
         }
         let mut headers = HeaderMap::new();
         if let Some(key) = &settings.api_key {
+            mask_token(key.expose());
             let mut value = HeaderValue::from_str(&format!("Bearer {}", key.expose()))
                 .map_err(|_| config_error("llm.api_key is not a valid HTTP header value".into()))?;
             value.set_sensitive(true);
@@ -2079,9 +2080,29 @@ fn transport_message(e: reqwest::Error) -> String {
     message
 }
 
-/// The first [`ERROR_BODY_PREVIEW_CHARS`] characters of a response body, lossily decoded.
+/// The `llm.api_key` of every client of this process ([`LlmClient::with_options`]), masked in
+/// all server text the daemon repeats ([`preview`]).
+static TOKENS: LazyLock<RwLock<Vec<String>>> = LazyLock::new(|| RwLock::new(Vec::new()));
+
+/// Adds `token` to [`TOKENS`].
+fn mask_token(token: &str) {
+    let mut tokens = TOKENS.write().unwrap_or_else(|e| e.into_inner());
+    if !tokens.iter().any(|t| t == token) {
+        tokens.push(token.to_owned());
+    }
+}
+
+/// The first [`ERROR_BODY_PREVIEW_CHARS`] characters of a response body, lossily decoded, with
+/// every `llm.api_key` replaced by `***`: a server or gateway that quotes the `Authorization`
+/// header in an error ("Incorrect API key provided: Bearer sk-…") would otherwise put the token
+/// into the log and into the error results that requesters receive.
 fn preview(bytes: &[u8]) -> String {
-    let text = String::from_utf8_lossy(bytes);
+    let mut text = String::from_utf8_lossy(bytes).into_owned();
+    for token in TOKENS.read().unwrap_or_else(|e| e.into_inner()).iter() {
+        if text.contains(token.as_str()) {
+            text = text.replace(token.as_str(), "***");
+        }
+    }
     let mut out: String = text.chars().take(ERROR_BODY_PREVIEW_CHARS).collect();
     if out.len() < text.len() {
         out.push('…');
@@ -3231,6 +3252,21 @@ mod tests {
         run(&client, &three_prompts(&Map::new())).await;
         assert_eq!(fake.calls()[0].authorization.as_deref(), Some("Bearer sk-test-123"));
         assert!(!format!("{client:?}").contains("sk-test"));
+    }
+
+    /// Observed: a server that quotes the `Authorization` header in its error body (a gateway's
+    /// "Incorrect API key provided: Bearer sk-…") had the token relayed into the log and into
+    /// the error result the requester received. The error says `***` where the token was.
+    #[tokio::test]
+    async fn a_token_the_server_echoes_in_an_error_is_masked() {
+        let fake = FakeLlm::new().fail_prompts_containing("POISON", 400).echo_authorization().start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.api_key = Some(Secret::new("sk-echoed-4711"));
+        let client = LlmClient::new(&s).unwrap();
+        let results = run(&client, &[(completion("POISON prompt"), Map::new())]).await;
+        let e = results[0].as_ref().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Rejected, "{e:?}");
+        assert!(e.message.contains("request authorization: Bearer ***") && !e.message.contains("sk-echoed-4711"), "{}", e.message);
     }
 
     #[tokio::test]

@@ -71,6 +71,7 @@ pub struct FakeLlm {
     slow_marker: Option<(String, Duration)>,
     strict_model: bool,
     chat_only: bool,
+    echo_authorization: bool,
 }
 
 /// How the fake reports cached prompt tokens.
@@ -120,6 +121,7 @@ impl Default for FakeLlm {
             slow_marker: None,
             strict_model: false,
             chat_only: false,
+            echo_authorization: false,
         }
     }
 }
@@ -213,6 +215,14 @@ impl FakeLlm {
     /// whole, as on a real server.
     pub fn fail_prompts_containing(mut self, marker: impl Into<String>, status: u16) -> Self {
         self.fail_marker = Some((marker.into(), status));
+        self
+    }
+
+    /// The error body of a [`fail_prompts_containing`](Self::fail_prompts_containing) call
+    /// quotes the call's `Authorization` header, as some gateways and home-grown servers do
+    /// ("Incorrect API key provided: Bearer sk-…").
+    pub fn echo_authorization(mut self) -> Self {
+        self.echo_authorization = true;
         self
     }
 
@@ -707,7 +717,14 @@ async fn admit(
     }
     match decision {
         Decision::Fail(status) => Err(error_response(status, "fake failure", cfg.retry_after)),
-        Decision::MarkedFail(status) => Err(error_response(status, "fake failure: this prompt cannot be handled", None)),
+        Decision::MarkedFail(status) => {
+            let auth = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).filter(|_| cfg.echo_authorization);
+            let message = match auth {
+                Some(auth) => format!("fake failure: this prompt cannot be handled (request authorization: {auth})"),
+                None => "fake failure: this prompt cannot be handled".to_owned(),
+            };
+            Err(error_response(status, &message, None))
+        }
         Decision::Garbage => Err((
             [(header::CONTENT_TYPE, "text/html")],
             "<html><body><h1>Welcome to nginx!</h1></body></html>",
