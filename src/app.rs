@@ -101,8 +101,9 @@ impl AppError {
 /// the error becomes [`AppError::DrainFailed`]).
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
+    /// The session's Redis connection could not be opened.
     #[error("redis: {0}")]
-    Redis(#[source] redis::RedisError),
+    Redis(#[source] crate::lease::ConnectError),
     #[error("amqp connect: {0}")]
     Connect(#[source] lapin::Error),
     #[error("topology: {0}")]
@@ -179,13 +180,17 @@ impl SessionError {
                 )),
                 _ => None,
             },
-            SessionError::Redis(e) | SessionError::Topology(TopologyError::Redis(e)) if redis_refused(e) => Some(format!(
-                "Redis ({}) refused the daemon's credentials or a command: check the user and password in redis.url, and that the user's ACL allows the daemon's commands on the keys under redis.key_prefix (docs/operations.md, Least privilege) (Redis said: {e})",
-                settings.redis.url,
+            SessionError::Redis(crate::lease::ConnectError::Sentinels { sentinels, source, .. }) if redis_refused(source) => Some(format!(
+                "the Redis sentinels ({sentinels}) refused the daemon's credentials: check the user and password in redis.sentinels (the sentinel said: {source})"
             )),
-            SessionError::Redis(e) | SessionError::Topology(TopologyError::Redis(e)) if redis_no_such_database(e) => Some(format!(
-                "Redis ({}) has no such database: the number after the last / of redis.url must be below the server's `databases` setting (16 by default) (Redis said: {e})",
-                settings.redis.url,
+            SessionError::Redis(crate::lease::ConnectError::Sentinels { .. }) => None,
+            SessionError::Redis(crate::lease::ConnectError::Redis { source: e, .. }) | SessionError::Topology(TopologyError::Redis(e)) if redis_refused(e) => Some(format!(
+                "{} refused the daemon's credentials or a command: check the user and password in redis.url, and that the user's ACL allows the daemon's commands on the keys under redis.key_prefix (docs/operations.md, Least privilege) (Redis said: {e})",
+                redis_target(settings, self),
+            )),
+            SessionError::Redis(crate::lease::ConnectError::Redis { source: e, .. }) | SessionError::Topology(TopologyError::Redis(e)) if redis_no_such_database(e) => Some(format!(
+                "{} has no such database: the number after the last / of redis.url must be below the server's `databases` setting (16 by default) (Redis said: {e})",
+                redis_target(settings, self),
             )),
             _ => None,
         }
@@ -197,6 +202,18 @@ impl SessionError {
             SessionError::Redis(_) => NotReady::RedisDown,
             _ => NotReady::AmqpDown,
         }
+    }
+}
+
+/// The Redis server a failure is about, for messages: `Redis (redis.url's URL, password
+/// redacted)`, or in Sentinel mode the primary the sentinels named (when known).
+fn redis_target(settings: &Settings, failure: &SessionError) -> String {
+    match (&settings.redis.sentinel, failure) {
+        (None, _) => format!("Redis ({})", settings.redis.url),
+        (Some(_), SessionError::Redis(crate::lease::ConnectError::Redis { primary: Some(p), .. })) => {
+            format!("the Redis primary {p} that redis.sentinels named (reached with the credentials and database of redis.url)")
+        }
+        (Some(_), _) => "the Redis primary that redis.sentinels name (reached with the credentials and database of redis.url)".to_owned(),
     }
 }
 
@@ -451,6 +468,12 @@ impl App {
                      check the user's configure, write and read permissions on the vhost (rabbitmqctl list_user_permissions); retrying"
                 ),
                 // Before any AMQP connection: the broker is not the one at fault.
+                (None, SessionError::Redis(crate::lease::ConnectError::Sentinels { .. })) => {
+                    warn!(error = %failure, retry_in = ?backoff, "cannot learn the Redis primary from the sentinels (redis.sentinels); retrying")
+                }
+                (None, SessionError::Redis(_)) if self.settings.redis.sentinel.is_some() => {
+                    warn!(error = %failure, retry_in = ?backoff, "cannot connect to the Redis primary that the sentinels name (redis.sentinels; credentials of redis.url); retrying")
+                }
                 (None, SessionError::Redis(_)) => warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?backoff, "cannot connect to Redis (redis.url); retrying"),
                 (None, _) => {
                     // What the broker said, when it closed a connection: the error above is often

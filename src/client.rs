@@ -704,10 +704,14 @@ async fn hot_keys(r: &crate::lease::RedisConn, prefix: &str, timeout: Duration) 
 /// Errors: Redis unreachable or answering with an error.
 pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let timeout = settings.redis.command_timeout;
+    let target = match &settings.redis.sentinel {
+        None => settings.redis.url.to_string(),
+        Some(s) => format!("the Redis primary of `{}` through redis.sentinels", s.master),
+    };
     let mut r = tokio::time::timeout(timeout, crate::lease::connect(&settings.redis))
         .await
-        .map_err(|_| anyhow::anyhow!("timed out connecting to {}", settings.redis.url))?
-        .with_context(|| format!("connecting to {}", settings.redis.url))?;
+        .map_err(|_| anyhow::anyhow!("timed out connecting to {target}"))?
+        .with_context(|| format!("connecting to {target}"))?;
     let prefix = &settings.redis.key_prefix;
     let live = read_members(&mut r, prefix).await?;
     let hot_keys = hot_keys(&r, prefix, timeout).await?;

@@ -1454,8 +1454,27 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
             return Err(invalid("redis.url", s.url.redacted(), "must not have a #fragment (the Redis client reads #insecure as \"do not verify the server certificate\", and this daemon always verifies; write a '#' in a password as %23)"));
         }
         redis_database(&s.url)?;
+        redis_user_has_password("redis.url", &s.url)?;
         Ok(s)
     })
+}
+
+/// A Redis URL that names a user must give a password: the redis crate authenticates (`AUTH`)
+/// only when a password is set, so `redis://name@host` connects unauthenticated, and a password
+/// written without its leading colon (`redis://secret@host`, `secret@host:26379`) would be taken
+/// for a user name and silently dropped. The message shows neither.
+fn redis_user_has_password(key: &str, url: &SecretUrl) -> Result<(), ConfigError> {
+    let u = &url.0;
+    let query_password = u.query_pairs().any(|(k, _)| k == "password");
+    if u.username().is_empty() || u.password().is_some() || query_password {
+        return Ok(());
+    }
+    let at = format!("{}://***@{}", u.scheme(), u.host_str().unwrap_or_default());
+    Err(invalid(
+        key,
+        at,
+        "names a user but no password, so Redis would not be authenticated: write `:password@` for a password alone (requirepass) or `user:password@` for an ACL user",
+    ))
 }
 
 /// The database number of a `redis://` or `rediss://` URL is its path (`/0`, `/3`; empty: 0),
@@ -1494,6 +1513,7 @@ fn sentinel(r: &RawRedis) -> Result<Option<SentinelSettings>, ConfigError> {
     for s in listed {
         let full = if s.contains("://") { s.to_owned() } else { format!("redis://{s}") };
         let u = secret_url("redis.sentinels", &full, &["redis", "rediss"])?;
+        redis_user_has_password("redis.sentinels", &u)?;
         if u.0.port().is_none() {
             return Err(invalid("redis.sentinels", u.redacted(), "must give the sentinel's port (usually 26379)"));
         }
@@ -2108,6 +2128,36 @@ mod tests {
         let mut r = RawConfig::default();
         r.llm.api_key = "sk-secret123".into();
         assert!(ok(&r).llm.api_key.is_some());
+    }
+
+    /// Observed: the sentinel entry `SentPw-Kk29@127.0.0.1:26447` (a password without its colon)
+    /// passed `check-config`; the password was read as a user name and never sent, and the
+    /// startup then failed with a refusal blamed on `redis.url`. A Redis URL that names a user
+    /// without a password is refused, naming the key and showing neither.
+    #[test]
+    fn a_redis_user_without_a_password_is_refused() {
+        for (set, key) in [
+            ((|r: &mut RawConfig| r.redis.url = "redis://hunter2@127.0.0.1:6379/0".into()) as fn(&mut RawConfig), "redis.url"),
+            (|r: &mut RawConfig| {
+                r.redis.sentinels = vec!["hunter2@127.0.0.1:26379".into()];
+                r.redis.sentinel_master = "mymaster".into();
+            }, "redis.sentinels"),
+            (|r: &mut RawConfig| {
+                r.redis.sentinels = vec!["rediss://hunter2@s1:26379".into()];
+                r.redis.sentinel_master = "mymaster".into();
+                r.redis.url = "rediss://:pw@placeholder:6379/0".into();
+            }, "redis.sentinels"),
+        ] {
+            let mut r = RawConfig::default();
+            set(&mut r);
+            let e = err(&r);
+            assert!(e.contains(key) && e.contains("no password") && !e.contains("hunter2"), "{e}");
+        }
+        for url in ["redis://:hunter2@h:6379/0", "redis://user:hunter2@h:6379/0", "redis://h:6379/0", "redis://user@h:6379/0?password=hunter2"] {
+            let mut r = RawConfig::default();
+            r.redis.url = url.into();
+            ok(&r);
+        }
     }
 
     /// Observed: an API key holding a line break passed `check-config`, and `run` then stopped

@@ -429,6 +429,80 @@ impl redis::aio::ConnectionLike for RedisConn {
     }
 }
 
+/// Why [`connect`] failed: in Sentinel mode, at the sentinels or at the primary they named.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// No sentinel of `redis.sentinels` named a primary for `redis.sentinel_master`: none was
+    /// reachable, they refused the credentials of `redis.sentinels`, or none monitors a master
+    /// of that name. `sentinels`: their addresses, passwords redacted.
+    #[error("no sentinel of redis.sentinels ({sentinels}) named a primary for `{master}`: {source}")]
+    Sentinels { sentinels: String, master: String, #[source] source: redis::RedisError },
+    /// Redis itself failed: the server of `redis.url`, or in Sentinel mode the primary the
+    /// sentinels named (`primary`, `host:port`; reached with the credentials, database and TLS
+    /// mode of `redis.url`).
+    #[error("{}{source}", primary.as_ref().map(|p| format!("the primary {p} that redis.sentinels named: ")).unwrap_or_default())]
+    Redis { primary: Option<String>, #[source] source: redis::RedisError },
+}
+
+impl ConnectError {
+    fn sentinels(settings: &RedisSettings, source: redis::RedisError) -> ConnectError {
+        let s = settings.sentinel.as_ref();
+        ConnectError::Sentinels {
+            sentinels: s.map(|s| s.addrs.iter().map(|a| a.redacted()).collect::<Vec<_>>().join(", ")).unwrap_or_default(),
+            master: s.map(|s| s.master.clone()).unwrap_or_default(),
+            source,
+        }
+    }
+
+    /// The Redis error underneath.
+    pub fn redis_error(&self) -> &redis::RedisError {
+        match self {
+            ConnectError::Sentinels { source, .. } | ConnectError::Redis { source, .. } => source,
+        }
+    }
+}
+
+impl From<redis::RedisError> for ConnectError {
+    fn from(source: redis::RedisError) -> Self {
+        ConnectError::Redis { primary: None, source }
+    }
+}
+
+impl Resolver {
+    /// Says where a failed [`Resolver::open`] failed. Without sentinels: Redis. With them, the
+    /// redis crate's one call both asks the sentinels and checks the primary's role with the
+    /// credentials of `redis.url`, so its error names neither: the sentinels are asked again,
+    /// one by one. One that names a primary puts the fault there; none that does puts it at the
+    /// sentinels, with the last sentinel's own error.
+    async fn diagnose(&self, e: redis::RedisError) -> ConnectError {
+        let Some(sentinel) = &self.settings.sentinel else { return ConnectError::from(e) };
+        let mut last = e;
+        for node in &self.sentinel_nodes {
+            match ask_sentinel(node, &sentinel.master, self.settings.command_timeout).await {
+                Ok(Some((host, port))) => return ConnectError::Redis { primary: Some(format!("{host}:{port}")), source: last },
+                Ok(None) => {
+                    last = redis::RedisError::from((
+                        redis::ErrorKind::MasterNameNotFoundBySentinel,
+                        "the sentinel monitors no master of the name in redis.sentinel_master",
+                    ))
+                }
+                Err(err) => last = err,
+            }
+        }
+        ConnectError::sentinels(&self.settings, last)
+    }
+}
+
+/// Asks the sentinel `node` for the address of `master` (`SENTINEL GET-MASTER-ADDR-BY-NAME`),
+/// within `limit` for connecting and again for the answer; `None`: it monitors no such master.
+async fn ask_sentinel(node: &redis::Client, master: &str, limit: Duration) -> Result<Option<(String, u16)>, redis::RedisError> {
+    let timed_out = || redis::RedisError::from((redis::ErrorKind::Io, "the sentinel did not answer within redis.command_timeout"));
+    let mut c = tokio::time::timeout(limit, node.get_multiplexed_async_connection()).await.map_err(|_| timed_out())??;
+    let mut cmd = redis::cmd("SENTINEL");
+    cmd.arg("GET-MASTER-ADDR-BY-NAME").arg(master);
+    tokio::time::timeout(limit, cmd.query_async::<Option<(String, u16)>>(&mut c)).await.map_err(|_| timed_out())?
+}
+
 /// Every [`PRIMARY_CHECK_INTERVAL`] while `shared` lives: asks the sentinels (the first that
 /// answers) for the primary and starts a re-resolution when it is not the one connected to.
 async fn watch_primary(shared: std::sync::Weak<Shared>) {
@@ -480,15 +554,21 @@ async fn watch_primary(shared: std::sync::Weak<Shared>) {
 /// In Sentinel mode `redis.url`'s host and port are not used; its username, password, database
 /// and scheme (`rediss://`: TLS to the primary) are.
 ///
-/// Errors: a URL is invalid, or Redis (or every sentinel) is unreachable, or no sentinel knows a
-/// reachable primary; a server certificate that does not verify fails the TLS handshake.
-pub async fn connect(settings: &RedisSettings) -> Result<RedisConn, redis::RedisError> {
+/// Errors ([`ConnectError`]): a URL is invalid, or Redis is unreachable or refuses the
+/// credentials of `redis.url`; in Sentinel mode, no sentinel answers (unreachable, refusing the
+/// credentials of `redis.sentinels`, or monitoring no master of that name), or the primary they
+/// name does. A server certificate that does not verify fails the TLS handshake.
+pub async fn connect(settings: &RedisSettings) -> Result<RedisConn, ConnectError> {
     let sentinel_nodes = match &settings.sentinel {
         None => Vec::new(),
-        Some(s) => s.addrs.iter().map(|a| client_of(settings, a.expose())).collect::<Result<_, _>>()?,
+        Some(s) => s.addrs.iter().map(|a| client_of(settings, a.expose())).collect::<Result<_, _>>().map_err(|e| ConnectError::sentinels(settings, e))?,
     };
-    let resolver = Resolver { settings: settings.clone(), sentinel: sentinel_client(settings)?.map(tokio::sync::Mutex::new), sentinel_nodes };
-    let (addr, conn) = resolver.open().await?;
+    let sentinel = sentinel_client(settings).map_err(|e| ConnectError::sentinels(settings, e))?.map(tokio::sync::Mutex::new);
+    let resolver = Resolver { settings: settings.clone(), sentinel, sentinel_nodes };
+    let (addr, conn) = match resolver.open().await {
+        Ok(opened) => opened,
+        Err(e) => return Err(resolver.diagnose(e).await),
+    };
     let shared = Arc::new(Shared {
         current: RwLock::new((0, conn)),
         resolver: Some(resolver),

@@ -144,6 +144,7 @@ fn client_with(urls: &[&Url], max_response_bytes: usize, open_time: Duration) ->
         }),
         max_response_bytes,
         breaker: BreakerPolicy { open_initial: open_time, open_max: open_time * 5, ..BreakerPolicy::default() },
+        ..ClientOptions::default()
     };
     (LlmClient::with_options(&settings(urls), options).unwrap(), events)
 }

@@ -278,3 +278,102 @@ async fn errors_name_the_problem_but_never_a_secret() {
     drop(creds);
     env.cleanup().await;
 }
+
+/// A redis-server (`--sentinel` when `sentinel_of` names a primary port) of this test only, on a
+/// port the OS picked, with password `password`; killed on drop.
+struct PrivateRedis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl PrivateRedis {
+    async fn start(env: &TestEnv, label: &str, password: &str, sentinel_of: Option<u16>) -> PrivateRedis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let conf = env.dir.join(format!("{label}.conf"));
+        let mut text = format!("port {port}\nbind 127.0.0.1\nrequirepass {password}\nsave \"\"\nappendonly no\ndir {}\n", env.dir.display());
+        if let Some(primary) = sentinel_of {
+            text.push_str(&format!("sentinel monitor m 127.0.0.1 {primary} 1\nsentinel auth-pass m primary-pw\n"));
+        }
+        std::fs::write(&conf, text).unwrap();
+        let mut cmd = Command::new("redis-server");
+        cmd.arg(&conf);
+        if sentinel_of.is_some() {
+            cmd.arg("--sentinel");
+        }
+        let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().expect("redis-server is installed");
+        let url = format!("redis://:{password}@127.0.0.1:{port}/");
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            if let Ok(mut c) = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await {
+                if redis::cmd("PING").query_async::<String>(&mut c).await.is_ok() {
+                    return PrivateRedis { child, port };
+                }
+            }
+            assert!(Instant::now() < deadline, "private {label} did not answer on port {port}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// With `redis.sentinels`, a failure names where it happened. Observed before: a wrong sentinel
+/// password, a missing one and an unreachable sentinel were all reported as failures of
+/// `redis.url` at its placeholder address (`Redis (redis://:***@placeholder:6379/0) refused the
+/// daemon's credentials … check the user and password in redis.url`), sending the operator to
+/// fix a correct setting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failures_name_the_sentinels_or_the_primary() {
+    let env = TestEnv::new("sentinelerr");
+    let primary = PrivateRedis::start(&env, "primary", "primary-pw", None).await;
+    let sentinel = PrivateRedis::start(&env, "sentinel", "sentinel-pw", Some(primary.port)).await;
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.redis.sentinel_master = "m".into();
+    let run = |raw: &prefix_batcher::config::RawConfig, label: &str| {
+        let cfg = write_config(&env, label, raw);
+        let mut cmd = bin_command();
+        cmd.arg("--config").arg(cfg).arg("run");
+        DaemonProcess::spawn(&env, label, cmd)
+    };
+    let secrets = ["primary-pw", "sentinel-pw", "wrong-pw"];
+
+    // The sentinel refuses its password: exit 78, naming redis.sentinels, not redis.url.
+    raw.redis.url = "redis://:primary-pw@placeholder:6379/0".into();
+    raw.redis.sentinels = vec![format!("redis://:wrong-pw@127.0.0.1:{}", sentinel.port)];
+    let mut d = run(&raw, "wrong-sentinel-pw");
+    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(78), "log:\n{}", d.log_tail(20));
+    let line = d.log().lines().find(|l| l.contains("refused")).map(str::to_owned).unwrap_or_else(|| panic!("no refusal:\n{}", d.log()));
+    println!("{line}");
+    assert!(line.contains("redis.sentinels") && line.contains(&format!("127.0.0.1:{}", sentinel.port)) && !line.contains("placeholder"), "{line}");
+    assert_no_secret("the log", &d.log(), &secrets);
+
+    // The primary the sentinel names refuses redis.url's password: exit 78, naming the primary.
+    raw.redis.url = "redis://:wrong-pw@placeholder:6379/0".into();
+    raw.redis.sentinels = vec![format!("redis://:sentinel-pw@127.0.0.1:{}", sentinel.port)];
+    let mut d = run(&raw, "wrong-primary-pw");
+    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(78), "log:\n{}", d.log_tail(20));
+    let line = d.log().lines().find(|l| l.contains("refused")).map(str::to_owned).unwrap_or_else(|| panic!("no refusal:\n{}", d.log()));
+    println!("{line}");
+    assert!(line.contains(&format!("primary 127.0.0.1:{}", primary.port)) && line.contains("redis.url") && !line.contains("placeholder"), "{line}");
+    assert_no_secret("the log", &d.log(), &secrets);
+
+    // No sentinel listening: retried, with a warning that names the sentinels.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    raw.redis.url = "redis://:primary-pw@placeholder:6379/0".into();
+    raw.redis.sentinels = vec![format!("redis://:sentinel-pw@127.0.0.1:{closed}")];
+    let mut d = run(&raw, "no-sentinel");
+    let line = d.wait_log_line("cannot learn the Redis primary from the sentinels", DEADLINE, "the unreachable sentinel").await;
+    println!("{line}");
+    assert!(line.contains(&format!("127.0.0.1:{closed}")) && !line.contains("placeholder"), "{line}");
+    d.sigterm();
+    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(0), "log:\n{}", d.log_tail(20));
+    assert_no_secret("the log", &d.log(), &secrets);
+    drop((sentinel, primary));
+    env.cleanup().await;
+}
