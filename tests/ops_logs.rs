@@ -300,13 +300,14 @@ impl PrivateRedis {
         if sentinel_of.is_some() {
             cmd.arg("--sentinel");
         }
-        let child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().expect("redis-server is installed");
+        // Owned at once, so that a failed start below kills it (on drop).
+        let server = PrivateRedis { child: cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().expect("redis-server is installed"), port };
         let url = format!("redis://:{password}@127.0.0.1:{port}/");
         let deadline = Instant::now() + DEADLINE;
         loop {
             if let Ok(mut c) = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await {
                 if redis::cmd("PING").query_async::<String>(&mut c).await.is_ok() {
-                    return PrivateRedis { child, port };
+                    return server;
                 }
             }
             assert!(Instant::now() < deadline, "private {label} did not answer on port {port}");
