@@ -845,8 +845,20 @@ fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, p
     let rule = serde_json::json!({ "pattern": "", "shards": 1u32 });
     match value {
         J::Object(fields) => {
+            // Every rule needs both fields; the deserializer's own message would name
+            // `sharding.rules[0]pattern`.
+            if path.starts_with("sharding.rules[") {
+                if let Some(missing) = ["pattern", "shards"].into_iter().find(|f| !fields.contains_key(*f)) {
+                    return Err(invalid(&format!("{path}.{missing}"), "(missing)", "every [[sharding.rules]] entry needs `pattern` and `shards`"));
+                }
+            }
             for (k, v) in fields {
-                let child = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                // Table keys as TOML writes them when they need quotes (`sharding.keys."tenant-42"`).
+                let child = match path {
+                    "" => k.clone(),
+                    "sharding.keys" => format!("{path}.{k:?}"),
+                    _ => format!("{path}.{k}"),
+                };
                 let d = if path == "sharding.keys" { Some(&integer) } else { default.and_then(|d| d.get(k)) };
                 check_kinds(v, d, &child, strings)?;
             }
@@ -1600,7 +1612,20 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result
     // Errors name the entry (`sharding.keys."tenant-a"`), as TOML would write its key.
     let entry = |k: &str| format!("sharding.keys.{k:?}");
     for (k, v) in &s.keys {
-        keys.insert(k.clone(), NonZeroU32::new(*v).ok_or_else(|| invalid(&entry(k), v, "must be at least 1"))?);
+        if k.is_empty() {
+            return Err(invalid(&entry(k), v, "must not be empty: an explicit key is never empty (such a request is dead-lettered) and key material never is"));
+        }
+        let n = NonZeroU32::new(*v).ok_or_else(|| invalid(&entry(k), v, "must be at least 1"))?;
+        keys.insert(k.clone(), n);
+        // A level-0 key in capitals (copied from elsewhere than `status`, which writes it in
+        // lower case, as the results' `prefix_key` does) matches too.
+        if k.len() == 16 && k.bytes().all(|b| b.is_ascii_hexdigit()) && k.bytes().any(|b| b.is_ascii_uppercase()) {
+            let lower = k.to_ascii_lowercase();
+            if s.keys.contains_key(&lower) {
+                return Err(invalid(&entry(k), v, format!("names the same level-0 key as {} (hex digits in any case)", entry(&lower))));
+            }
+            keys.insert(lower, n);
+        }
     }
     let mut rules = Vec::new();
     for (i, rule) in s.rules.iter().enumerate() {
@@ -1621,7 +1646,7 @@ fn sharding(s: &RawSharding, partitions: NonZeroU32, mode: KeyingMode) -> Result
     };
     for (key, n) in std::iter::once(("sharding.default_shards".to_owned(), sharding.default_shards))
         .chain(s.keys.keys().map(|k| (entry(k), sharding.keys[k])))
-        .chain(sharding.rules.iter().map(|r| ("sharding.rules.shards".to_owned(), r.shards)))
+        .chain(sharding.rules.iter().enumerate().map(|(i, r)| (format!("sharding.rules[{i}].shards"), r.shards)))
     {
         if n > partitions {
             return Err(invalid(&key, n, format!("must be at most amqp.partitions ({partitions})")));
@@ -2069,6 +2094,35 @@ mod tests {
         assert!(e.contains("`sharding.keys.\"tenant-a\"` = 100000: must be at most amqp.partitions"), "{e}");
     }
 
+    /// Observed: a rule's shard count above `amqp.partitions` was named `sharding.rules.shards`
+    /// (which rule?), and an empty key was accepted although no request can have one.
+    #[test]
+    fn sharding_entries_are_named_and_an_empty_key_is_refused() {
+        let mut r = RawConfig::default();
+        r.sharding.rules = vec![RawShardRule { pattern: "a".into(), shards: 2 }, RawShardRule { pattern: "b".into(), shards: 5000 }];
+        let e = err(&r);
+        assert!(e.contains("`sharding.rules[1].shards` = 5000: must be at most amqp.partitions (64)"), "{e}");
+        let mut r = RawConfig::default();
+        r.sharding.keys.insert(String::new(), 2);
+        let e = err(&r);
+        assert!(e.contains("`sharding.keys.\"\"` = 2: must not be empty"), "{e}");
+    }
+
+    /// A level-0 key written in capitals (status and results write it in lower case) matches
+    /// the level-0 key, and still an explicit key of that text; both spellings of one key are
+    /// refused.
+    #[test]
+    fn a_level_0_key_matches_in_any_case() {
+        let mut r = RawConfig::default();
+        r.sharding.keys.insert("0123456789ABCDEF".into(), 3);
+        let s = ok(&r);
+        assert_eq!(s.sharding.keys.get("0123456789abcdef").map(|n| n.get()), Some(3));
+        assert_eq!(s.sharding.keys.get("0123456789ABCDEF").map(|n| n.get()), Some(3));
+        r.sharding.keys.insert("0123456789abcdef".into(), 4);
+        let e = err(&r);
+        assert!(e.contains("names the same level-0 key as `sharding.keys.\"0123456789abcdef\"`") || e.contains("names the same level-0 key as sharding.keys.\"0123456789abcdef\""), "{e}");
+    }
+
     #[test]
     fn bad_values_name_key_value_and_rule() {
         let cases: Vec<(fn(&mut RawConfig), &str)> = vec![
@@ -2439,12 +2493,14 @@ mod tests {
             ("[batching]\nmax_batch_size = true\n", "`batching.max_batch_size` = true: must be a whole number"),
             ("[keying]\nprefix_chars = 1e3\n", "`keying.prefix_chars` = 1000.0: must be a whole number"),
             ("[llm]\nlist_prompts = 1\n", "`llm.list_prompts` = 1: must be true or false"),
-            ("[sharding.keys]\nabc = 2.5\n", "`sharding.keys.abc` = 2.5: must be a whole number"),
+            ("[sharding.keys]\nabc = 2.5\n", "`sharding.keys.\"abc\"` = 2.5: must be a whole number"),
+            ("[[sharding.rules]]\nshards = 2\n", "`sharding.rules[0].pattern` = (missing): every [[sharding.rules]] entry needs `pattern` and `shards`"),
+            ("[[sharding.rules]]\npattern = \"a\"\nshards = 2\n[[sharding.rules]]\npattern = \"b\"\n", "`sharding.rules[1].shards` = (missing)"),
             ("[[sharding.rules]]\npattern = \"x\"\nshards = 1.5\n", "`sharding.rules[0].shards` = 1.5: must be a whole number"),
             ("[amqp]\npartitions = \"12\"\n", "`amqp.partitions` = \"12\": must be a whole number without quotes (amqp.partitions = 12)"),
             ("[llm]\nlist_prompts = \"false\"\n", "`llm.list_prompts` = \"false\": must be true or false without quotes"),
             ("[batching]\nmax_batch_size = -1\n", "`batching.max_batch_size` = -1: must not be negative"),
-            ("[sharding.keys]\nabc = -2\n", "`sharding.keys.abc` = -2: must not be negative"),
+            ("[sharding.keys]\n\"tenant-42\" = -2\n", "`sharding.keys.\"tenant-42\"` = -2: must not be negative"),
         ];
         for (toml, want) in refused {
             std::fs::write(&path, toml).unwrap();
