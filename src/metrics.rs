@@ -334,7 +334,8 @@ pub mod keys {
 
 /// The split set was refreshed: entries per level (index = level), and decision changes seen.
 pub fn split_view(per_level: &[usize], moves: usize) {
-    for level in 0..crate::keying::COMPLETION_LEVELS as usize {
+    // Every level a key can have: chat keyed by its opening has the most.
+    for level in 0..crate::keying::COMPLETION_LEVELS.max(crate::keying::OPENING_LEVELS).max(crate::keying::CHAT_LEVELS) as usize {
         KEY_SPLITS.with_label_values(&[&level.to_string()]).set(per_level.get(level).copied().unwrap_or(0) as i64);
     }
     KEY_MOVES.inc_by(moves as u64);
@@ -759,6 +760,18 @@ pub fn consumer_restarted(reason: &'static str) {
 
 #[cfg(test)]
 mod tests {
+    /// Observed: a chat key spread at its finest level (4, chat keyed by its opening) never
+    /// showed in `key_splits`, which had series for levels 0–3 only.
+    #[test]
+    fn key_splits_has_every_key_level() {
+        super::split_view(&[1, 0, 0, 0, 1], 0);
+        let text = super::render();
+        for level in 0..crate::keying::OPENING_LEVELS {
+            assert!(text.contains(&format!("prefix_batcher_key_splits{{level=\"{level}\"}}")), "no series for level {level}");
+        }
+        assert!(text.contains("prefix_batcher_key_splits{level=\"4\"} 1"), "{text}");
+    }
+
     #[test]
     fn exposition_has_prefixed_names() {
         super::init(&["ok"], 1);

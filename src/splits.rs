@@ -89,7 +89,7 @@ const CLOCK_RTT: Duration = Duration::from_millis(200);
 /// of the arrival batches, then four lists, each its length followed by its items: adds
 /// (member, drain), keeps (member, drain), merges (member), arrival batches (seq, Redis time in
 /// ms when counted or 0 for now, then a list of (member, count))].
-/// Returns `{members, expires in ms, drains, arrival sums, added members, removed count,
+/// Returns `{members, expires in ms, drains, arrival sums, added members, removed members,
 /// generation, restored count, Redis time in ms}`.
 pub const SYNC: &str = r#"
 local t = redis.call('TIME')
@@ -128,10 +128,10 @@ for _ = 1, n do
   end
   i = i + 2
 end
-local removed = 0
+local removed = {}
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
-  removed = removed + redis.call('ZREM', KEYS[1], ARGV[i])
+  if redis.call('ZREM', KEYS[1], ARGV[i]) == 1 then removed[#removed + 1] = ARGV[i] end
   redis.call('HDEL', KEYS[2], ARGV[i])
   i = i + 1
 end
@@ -265,8 +265,8 @@ pub struct SyncAnswer {
     pub records: Vec<SplitRecord>,
     /// Entries this call added (others may have added the same ones first).
     pub added: Vec<SplitMember>,
-    /// Entries this call removed.
-    pub removed: u64,
+    /// Entries this call removed (others may have removed the same ones first).
+    pub removed: Vec<SplitMember>,
     /// The split set's generation (empty from a read-only call on a set that has none).
     pub generation: String,
     /// Entries of `keeps` this call put back because the set had been lost.
@@ -330,7 +330,7 @@ impl SplitStore {
             }
         }
         let mut conn = self.conn.clone();
-        type Raw = (Vec<String>, Vec<i64>, Vec<String>, Vec<u64>, Vec<String>, u64, String, u64, u64);
+        type Raw = (Vec<String>, Vec<i64>, Vec<String>, Vec<u64>, Vec<String>, Vec<String>, String, u64, u64);
         let (members, expires, drains, arrivals, added, removed, generation, restored, redis_time_ms): Raw =
             match tokio::time::timeout(self.timeout, call.invoke_async(&mut conn)).await {
                 Ok(r) => r?,
@@ -350,7 +350,8 @@ impl SplitStore {
                 })
             })
             .collect();
-        Ok(SyncAnswer { records, added: added.iter().filter_map(|m| m.parse().ok()).collect(), removed, generation, restored, redis_time_ms })
+        let members = |v: Vec<String>| v.iter().filter_map(|m| m.parse().ok()).collect();
+        Ok(SyncAnswer { records, added: members(added), removed: members(removed), generation, restored, redis_time_ms })
     }
 }
 
@@ -653,10 +654,10 @@ impl Affinity {
             metrics::split_restored(answer.restored);
             warn!(restored = answer.restored, "the split set in Redis was lost (Redis restarted empty or was flushed, or the set expired because no instance refreshed it for 10 s): put back the splits this instance holds");
         }
-        for _ in 0..answer.removed {
+        // Logged and counted by the instance whose call removed it (every instance may decide
+        // the same merge; the first one's call removes it).
+        for m in &answer.removed {
             metrics::split_decision(kind::MERGE);
-        }
-        for m in &req.merges {
             info!(key = %m, "cool key: merging back");
         }
         let next = SplitView::new(answer.records.iter().map(|r| r.member));
@@ -770,7 +771,7 @@ mod tests {
                     restored += u64::from(set.insert(*m, *d).is_none());
                 }
             }
-            let removed = req.merges.iter().filter(|m| set.remove(m).is_some()).count() as u64;
+            let removed = req.merges.iter().filter(|m| set.remove(m).is_some()).copied().collect();
             *lock(&self.arrivals) += req.arrivals.iter().flat_map(|b| &b.counts).map(|(_, n)| n).sum::<u64>();
             lock(&self.sent).push(req.arrivals.clone());
             let records = set
