@@ -168,6 +168,10 @@ impl SessionError {
         let url = amqp.nodes.get(node).map(ToString::to_string).unwrap_or_default();
         match self {
             SessionError::Connect(e) => match crate::amqp::reply_code(e) {
+                // EXTERNAL: the client certificate is the login (RabbitMQ's rabbitmq_auth_mechanism_ssl).
+                Some(crate::amqp::ACCESS_REFUSED) if url.to_ascii_lowercase().contains("auth_mechanism=external") => Some(format!(
+                    "RabbitMQ node {node} ({url}) refused the login (403 ACCESS_REFUSED): with auth_mechanism=external the client certificate (amqp.tls_cert_file) is the login: check that its subject (ssl_cert_login_from: common_name or distinguished_name) names an existing RabbitMQ user (the broker said: {e})"
+                )),
                 Some(crate::amqp::ACCESS_REFUSED) => Some(format!(
                     "RabbitMQ node {node} ({url}) refused the login (403 ACCESS_REFUSED): check the user and password in {key} (the broker said: {e})"
                 )),

@@ -1033,10 +1033,11 @@ fn redact_unparsed(v: &str) -> (String, bool) {
 }
 
 /// Whether a URL query parameter may hold a secret (`password`, `token`, `api_key`, `auth`, …):
-/// its value is shown as `***`.
+/// its value is shown as `***`. Not `auth_mechanism` (lapin's `plain`, `amqplain`, `external` or
+/// `anonymous`: a name an operator checking the configuration wants to see).
 fn is_secret_param(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
-    SECRET_PARAM_WORDS.iter().any(|s| n.contains(s))
+    n != "auth_mechanism" && SECRET_PARAM_WORDS.iter().any(|s| n.contains(s))
 }
 
 /// Parts of a URL query parameter's name that mark it as holding a secret (lowercase).
@@ -2375,7 +2376,8 @@ mod tests {
     fn broker_urls_are_checked_as_the_amqp_client_reads_them() {
         let mut r = RawConfig::default();
         r.amqp.url = "amqp://u:hunter2@h/%2f?frame_max=131072&channel_max=272&connection_timeout=5000&auth_mechanism=plain".into();
-        ok(&r);
+        let shown = ok(&r).amqp.url.to_string();
+        assert!(shown.contains("auth_mechanism=plain") && !shown.contains("hunter2"), "the mechanism is shown, the password not: {shown}");
         r.amqp.url = "amqp://u:hunter2@h/%2f?frame_max=0&channel_max=0".into();
         ok(&r);
         r.amqp.url = "amqp://u:hunter2@h/a%2fb?frame_max=4096".into();
