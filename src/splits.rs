@@ -373,7 +373,7 @@ impl RouterSide {
         if report.volatile() {
             metrics::key_hygiene(kind::VOLATILE);
             if self.may_warn(kind::VOLATILE, now) {
-                warn!(distinct = report.distinct, "key material looks volatile: nearly every request has its own prefix key, so nothing is batched or cached together (does the prompt start with an id or a timestamp? set keying.prefix_chars or send prefix_key)");
+                warn!(distinct = report.distinct, "key material looks volatile: nearly every request has its own level-0 prefix key, so requests are not batched together by key: their first keying.prefix_chars characters differ (an id or a timestamp near the start, or a shared prefix shorter than keying.prefix_chars, which servers cache anyway); lower keying.prefix_chars to the shared part, or send prefix_key");
             }
         }
         if report.short_material() {
