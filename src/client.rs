@@ -876,6 +876,14 @@ pub fn render_status(s: &Status) -> String {
     }
     if !s.deployment_found {
         out.push_str("NO DEPLOYMENT FOUND under this redis.key_prefix: no member, no lease, no recorded partition count (check redis.url and redis.key_prefix against the daemons' configuration; a deployment stopped for longer than its lease_ttl and member_ttl looks the same)\n");
+        let queued = s.input_backlog.is_some() || s.partitions.iter().any(|p| p.backlog.is_some());
+        if queued {
+            out.push_str(&format!(
+                "  but RabbitMQ holds this configuration's queues (ready: input {}, partitions {}): with the right redis.url and redis.key_prefix, Redis lost its data (restarted without persistence, flushed) while no instance ran, or none has run for longer than its keys live; an instance that starts records the deployment again and takes the partitions\n",
+                s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
+                s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
+            ));
+        }
     }
     if let Some(e) = &s.amqp_error {
         let what = if login_refused(e) { "RabbitMQ refused the login" } else { "RabbitMQ unreachable" };

@@ -274,6 +274,23 @@ async fn errors_name_the_problem_but_never_a_secret() {
     let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__KEY_PREFIX", &typo)]);
     assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NO_DEPLOYMENT)), "{out}");
     assert!(out.contains("NO DEPLOYMENT FOUND"), "{out}");
+    // The broker holds the configuration's queues (as after a Redis data loss with no instance
+    // running): status says so, with what they hold.
+    let amqp = Amqp::connect().await;
+    amqp.ch.queue_declare(env.input_queue().as_str().into(), lapin::options::QueueDeclareOptions { durable: true, ..Default::default() }, lapin::types::FieldTable::default()).await.expect("declare the input queue");
+    amqp.publish(&env.input_queue(), b"{\"prompt\": \"waiting\"}", request_props("waiting-1", "amq.gen-x")).await;
+    let deadline = Instant::now() + DEADLINE;
+    let out = loop {
+        let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__KEY_PREFIX", &typo)]);
+        assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NO_DEPLOYMENT)), "{out}");
+        if out.contains("RabbitMQ holds this configuration's queues (ready: input 1,") {
+            break out;
+        }
+        assert!(Instant::now() < deadline, "status never named the queued request: {out}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(out.contains("Redis lost its data"), "{out}");
+    amqp.close().await;
 
     drop(creds);
     env.cleanup().await;
