@@ -880,7 +880,7 @@ fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, p
             // The environment's `inf` and `NaN` parse as floats that JSON holds as null.
             Some(ValueKind::Integer) if leaf.is_null() => Err(invalid(path, "inf or NaN", "must be a whole number")),
             // An environment value of digits beyond 64 bits, which `config` parses as a float.
-            Some(ValueKind::Integer) if leaf.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() >= i64::MAX as f64) => {
+            Some(ValueKind::Integer) if leaf.is_f64() && leaf.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() >= i64::MAX as f64) => {
                 Err(invalid(path, format!("{:.0}", leaf.as_f64().unwrap_or_default()), format!("is too large: must be a whole number of at most {} (each key's own limit is lower, see docs/configuration.md)", i64::MAX)))
             }
             Some(ValueKind::Integer) if !is_integer(leaf) => {
@@ -1114,7 +1114,7 @@ impl Settings {
         let amqp = amqp(&r.amqp)?;
         let redis = redis(&r.redis)?;
         let ownership = ownership(&r.ownership)?;
-        let keying = keying(&r.keying)?;
+        let keying = keying(&r.keying, amqp.max_message_bytes)?;
         let sharding = sharding(&r.sharding, amqp.partitions, keying.mode)?;
         let batching = batching(&r.batching, &amqp)?;
         let llm = llm(&r.llm)?;
@@ -1578,8 +1578,16 @@ fn ownership(o: &RawOwnership) -> Result<OwnershipSettings, ConfigError> {
     Ok(ownership)
 }
 
-/// `[keying]`.
-fn keying(k: &RawKeying) -> Result<KeyingSettings, ConfigError> {
+/// `[keying]`: `prefix_chars` at most `amqp.max_message_bytes` (no prompt holds more
+/// characters than its message has bytes).
+fn keying(k: &RawKeying, max_message_bytes: usize) -> Result<KeyingSettings, ConfigError> {
+    if k.prefix_chars > max_message_bytes {
+        return Err(invalid(
+            "keying.prefix_chars",
+            k.prefix_chars,
+            format!("must be at most amqp.max_message_bytes ({max_message_bytes}): no prompt is longer, so every key would be the whole prompt"),
+        ));
+    }
     Ok(KeyingSettings {
         mode: match k.mode.as_str() {
             "adaptive" => KeyingMode::Adaptive,
@@ -2494,6 +2502,7 @@ mod tests {
             ("[amqp]\npartitions = 8.5\n", "`amqp.partitions` = 8.5: must be a whole number"),
             ("[batching]\nmax_batch_size = true\n", "`batching.max_batch_size` = true: must be a whole number"),
             ("[keying]\nprefix_chars = 1e3\n", "`keying.prefix_chars` = 1000.0: must be a whole number"),
+            ("[keying]\nprefix_chars = 9223372036854775807\n", "`keying.prefix_chars` = 9223372036854775807: must be at most amqp.max_message_bytes (4194304)"),
             ("[llm]\nlist_prompts = 1\n", "`llm.list_prompts` = 1: must be true or false"),
             ("[sharding.keys]\nabc = 2.5\n", "`sharding.keys.\"abc\"` = 2.5: must be a whole number"),
             ("[[sharding.rules]]\nshards = 2\n", "`sharding.rules[0].pattern` = (missing): every [[sharding.rules]] entry needs `pattern` and `shards`"),
@@ -2524,5 +2533,8 @@ mod tests {
         // Digits beyond 64 bits in an environment variable arrive as a float.
         let e = check_value_types(&serde_json::json!({ "amqp": { "partitions": 1e20 } }), true).unwrap_err().to_string();
         assert!(e.contains("`amqp.partitions` = 100000000000000000000: is too large"), "{e}");
+        // The largest integer itself is an integer, not a float beyond 64 bits (its own limit
+        // refuses it later, with its value as written).
+        check_value_types(&serde_json::json!({ "keying": { "prefix_chars": i64::MAX } }), false).unwrap();
     }
 }

@@ -340,6 +340,16 @@ impl Drop for PrivateRedis {
     }
 }
 
+/// Waits for `d` to stop the startup with exit 78 and returns its log line saying what was
+/// refused; fails when the log holds one of `secrets`.
+async fn refusal(mut d: DaemonProcess, secrets: &[&str]) -> String {
+    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(78), "log:\n{}", d.log_tail(20));
+    assert_no_secret("the log", &d.log(), secrets);
+    let line = d.log().lines().find(|l| l.contains("refused")).map(str::to_owned).unwrap_or_else(|| panic!("no refusal:\n{}", d.log()));
+    println!("{line}");
+    line
+}
+
 /// With `redis.sentinels`, a failure names where it happened. Observed before: a wrong sentinel
 /// password, a missing one and an unreachable sentinel were all reported as failures of
 /// `redis.url` at its placeholder address (`Redis (redis://:***@placeholder:6379/0) refused the
@@ -364,22 +374,14 @@ async fn sentinel_failures_name_the_sentinels_or_the_primary() {
     // The sentinel refuses its password: exit 78, naming redis.sentinels, not redis.url.
     raw.redis.url = "redis://:primary-pw@placeholder:6379/0".into();
     raw.redis.sentinels = vec![format!("redis://:wrong-pw@127.0.0.1:{}", sentinel.port)];
-    let mut d = run(&raw, "wrong-sentinel-pw");
-    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(78), "log:\n{}", d.log_tail(20));
-    let line = d.log().lines().find(|l| l.contains("refused")).map(str::to_owned).unwrap_or_else(|| panic!("no refusal:\n{}", d.log()));
-    println!("{line}");
+    let line = refusal(run(&raw, "wrong-sentinel-pw"), &secrets).await;
     assert!(line.contains("redis.sentinels") && line.contains(&format!("127.0.0.1:{}", sentinel.port)) && !line.contains("placeholder"), "{line}");
-    assert_no_secret("the log", &d.log(), &secrets);
 
     // The primary the sentinel names refuses redis.url's password: exit 78, naming the primary.
     raw.redis.url = "redis://:wrong-pw@placeholder:6379/0".into();
     raw.redis.sentinels = vec![format!("redis://:sentinel-pw@127.0.0.1:{}", sentinel.port)];
-    let mut d = run(&raw, "wrong-primary-pw");
-    assert_eq!(d.wait_exit(DEADLINE).await.code(), Some(78), "log:\n{}", d.log_tail(20));
-    let line = d.log().lines().find(|l| l.contains("refused")).map(str::to_owned).unwrap_or_else(|| panic!("no refusal:\n{}", d.log()));
-    println!("{line}");
+    let line = refusal(run(&raw, "wrong-primary-pw"), &secrets).await;
     assert!(line.contains(&format!("primary 127.0.0.1:{}", primary.port)) && line.contains("redis.url") && !line.contains("placeholder"), "{line}");
-    assert_no_secret("the log", &d.log(), &secrets);
 
     // No sentinel listening: retried, with a warning that names the sentinels.
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
