@@ -639,6 +639,9 @@ pub const HYGIENE_WINDOW: usize = 200;
 /// Longest [`KeyHygiene`] window: one that has not seen [`HYGIENE_WINDOW`] requests closes
 /// after this long, so the gauges follow light traffic and fall to 0 when traffic stops.
 pub const HYGIENE_MAX_WINDOW: Duration = Duration::from_secs(60);
+/// A [`KeyHygiene`] window with requests closes when none came for this long: the end of a
+/// burst is judged while it is recent, not a minute later, after the silence that followed.
+pub const HYGIENE_IDLE: Duration = Duration::from_secs(10);
 /// Fewest requests in a window for a hygiene warning (and a non-zero unsplittable share): with
 /// fewer, one request alone would be "volatile" and one key would "carry all traffic".
 pub const HYGIENE_MIN_REQUESTS: usize = 20;
@@ -696,6 +699,8 @@ pub struct KeyHygiene {
     n: usize,
     /// When the current window opened (`None` until the first request or tick).
     opened: Option<Instant>,
+    /// When its last request came.
+    last: Option<Instant>,
 }
 
 impl KeyHygiene {
@@ -704,6 +709,7 @@ impl KeyHygiene {
     /// routed key can be split no further.
     pub fn observe(&mut self, now: Instant, level0: PrefixKey, material_chars: usize, routed: RoutedKey, unsplittable: bool) -> Option<HygieneReport> {
         self.opened.get_or_insert(now);
+        self.last = Some(now);
         *self.level0.entry(level0).or_default() += 1;
         let e = self.routed.entry(routed).or_default();
         e.0 += 1;
@@ -713,11 +719,13 @@ impl KeyHygiene {
         (self.n >= HYGIENE_WINDOW).then(|| self.close(now))
     }
 
-    /// Closes the window at `now` when it has lasted [`HYGIENE_MAX_WINDOW`], with the requests
-    /// it has (none: a report of zeros), and returns its report.
+    /// Closes the window at `now` when it has lasted [`HYGIENE_MAX_WINDOW`], or has requests
+    /// and none for [`HYGIENE_IDLE`], with the requests it has (none: a report of zeros), and
+    /// returns its report.
     pub fn tick(&mut self, now: Instant) -> Option<HygieneReport> {
         let opened = *self.opened.get_or_insert(now);
-        (now.saturating_duration_since(opened) >= HYGIENE_MAX_WINDOW).then(|| self.close(now))
+        let idle = self.last.is_some_and(|t| now.saturating_duration_since(t) >= HYGIENE_IDLE);
+        (idle || now.saturating_duration_since(opened) >= HYGIENE_MAX_WINDOW).then(|| self.close(now))
     }
 
     fn close(&mut self, now: Instant) -> HygieneReport {
@@ -1098,32 +1106,42 @@ mod tests {
     }
 
     /// Light traffic: a window that has not seen 200 requests closes after a minute, with the
-    /// requests it has; a minute without requests reports zeros (the gauges fall to 0 when the
-    /// traffic stops, so an alert on them clears); fewer than 20 requests judge nothing.
-    /// Before, a window closed only at its 200th request, so the gauges kept the last full
-    /// window's shares for as long as traffic stayed away.
+    /// requests it has, or 10 s after its last request; then a minute without requests reports
+    /// zeros (the gauges fall to 0 when the traffic stops, so an alert on them clears); fewer
+    /// than 20 requests judge nothing. Before, a window closed only at its 200th request, so the
+    /// gauges kept the last full window's shares for as long as traffic stayed away; and with the
+    /// minute alone, the tail of a burst was judged a minute later, after the silence.
     #[test]
-    fn hygiene_windows_close_after_a_minute_and_report_zeros_without_traffic() {
+    fn hygiene_windows_close_after_a_minute_or_when_idle_and_report_zeros_without_traffic() {
         let mut h = KeyHygiene::default();
         let t0 = Instant::now();
+        let s = Duration::from_secs;
         let hot = rk(3, 4, 9);
         assert_eq!(h.tick(t0), None);
-        for i in 0..30u64 {
-            assert_eq!(h.observe(t0 + Duration::from_secs(i), PrefixKey(9), 20, hot, true), None);
+        for i in 0..60u64 {
+            assert_eq!(h.observe(t0 + s(i), PrefixKey(9), 20, hot, true), None);
         }
-        assert_eq!(h.tick(t0 + Duration::from_secs(59)), None, "the window is open for a minute");
+        assert_eq!(h.tick(t0 + s(59)), None, "the window is open for a minute");
         let r = h.tick(t0 + HYGIENE_MAX_WINDOW).expect("closed after a minute");
-        assert_eq!((r.requests, r.top_shares.clone()), (30, vec![1.0]));
+        assert_eq!((r.requests, r.top_shares.clone()), (60, vec![1.0]));
         assert_eq!(r.dominant_unsplittable(), Some((hot, 1.0)));
         assert!(r.short_material() && !r.volatile());
 
-        let r = h.tick(t0 + 2 * HYGIENE_MAX_WINDOW).expect("the next minute, without traffic");
+        // The tail of the traffic: 25 requests in 5 s, then silence.
+        for i in 0..25u64 {
+            h.observe(t0 + s(60) + Duration::from_millis(200 * i), PrefixKey(9), 20, hot, true);
+        }
+        assert_eq!(h.tick(t0 + s(69)), None, "not idle for 10 s yet");
+        let r = h.tick(t0 + s(75)).expect("closed 10 s after its last request");
+        assert_eq!(r.requests, 25);
+        let r = h.tick(t0 + s(75) + HYGIENE_MAX_WINDOW).expect("the next minute, without traffic");
         assert_eq!((r.requests, r.top_shares.len(), r.unsplittable, r.distinct, r.short), (0, 0, None, 0.0, 0.0));
 
+        let t1 = t0 + s(200);
         for i in 0..5u64 {
-            h.observe(t0 + 2 * HYGIENE_MAX_WINDOW, PrefixKey(100 + i), 20, hot, true);
+            h.observe(t1, PrefixKey(100 + i), 20, hot, true);
         }
-        let r = h.tick(t0 + 3 * HYGIENE_MAX_WINDOW).unwrap();
+        let r = h.tick(t1 + HYGIENE_IDLE).unwrap();
         assert_eq!(r.requests, 5);
         assert!(!r.volatile() && !r.short_material() && r.unsplittable.is_none(), "5 requests judge nothing: {r:?}");
         assert_eq!(r.top_shares, vec![1.0], "the shares are still reported");

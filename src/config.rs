@@ -1482,11 +1482,12 @@ fn redis_user_has_password(key: &str, url: &SecretUrl) -> Result<(), ConfigError
     if u.username().is_empty() || u.password().is_some() || query_password {
         return Ok(());
     }
-    let at = format!("{}://***@{}", u.scheme(), u.host_str().unwrap_or_default());
+    let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
+    let at = format!("{}://***@{}{port}{}", u.scheme(), u.host_str().unwrap_or_default(), u.path());
     Err(invalid(
         key,
         at,
-        "names a user but no password, so Redis would not be authenticated: write `:password@` for a password alone (requirepass) or `user:password@` for an ACL user",
+        "names a user but no password, so Redis would not be authenticated (a password written without its leading `:` reads as a user name): write `:password@` for a password alone (requirepass) or `user:password@` for an ACL user",
     ))
 }
 

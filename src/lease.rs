@@ -429,19 +429,21 @@ impl redis::aio::ConnectionLike for RedisConn {
     }
 }
 
-/// Why [`connect`] failed: in Sentinel mode, at the sentinels or at the primary they named.
+/// Why [`connect`] failed: in Sentinel mode, at the sentinels or at the primary they named. Its
+/// text holds the Redis error's, which is therefore not given as its `source()` as well (an
+/// error chain would print it twice).
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
     /// No sentinel of `redis.sentinels` named a primary for `redis.sentinel_master`: none was
     /// reachable, they refused the credentials of `redis.sentinels`, or none monitors a master
     /// of that name. `sentinels`: their addresses, passwords redacted.
     #[error("no sentinel of redis.sentinels ({sentinels}) named a primary for `{master}`: {source}")]
-    Sentinels { sentinels: String, master: String, #[source] source: redis::RedisError },
+    Sentinels { sentinels: String, master: String, source: redis::RedisError },
     /// Redis itself failed: the server of `redis.url`, or in Sentinel mode the primary the
     /// sentinels named (`primary`, `host:port`; reached with the credentials, database and TLS
     /// mode of `redis.url`).
     #[error("{}{source}", primary.as_ref().map(|p| format!("the primary {p} that redis.sentinels named: ")).unwrap_or_default())]
-    Redis { primary: Option<String>, #[source] source: redis::RedisError },
+    Redis { primary: Option<String>, source: redis::RedisError },
 }
 
 impl ConnectError {

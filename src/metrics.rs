@@ -295,7 +295,7 @@ static KEY_MOVES: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 static HOT_KEY_SHARE: LazyLock<GaugeVec> = LazyLock::new(|| {
     reg(GaugeVec::new(
-        Opts::new("hot_key_share", "Share of routed requests carried by the rank-th most frequent routed key, over the last window of 200 routed requests or 60 s, whichever ended first (0 after a minute without requests)."),
+        Opts::new("hot_key_share", "Share of routed requests carried by the rank-th most frequent routed key, over the last window (200 routed requests, 60 s, or up to 10 s without requests, whichever ended first; 0 within 70 s after requests stop)."),
         &["rank"],
     )
     .unwrap())
@@ -309,7 +309,7 @@ static UNSPLITTABLE_KEY_SHARE: LazyLock<Gauge> = LazyLock::new(|| {
 });
 static KEY_HYGIENE: LazyLock<IntCounterVec> = counter_vec!(
     "key_hygiene_warnings_total",
-    "Windows (200 routed requests or 60 s, at least 20 requests) with a key problem: volatile (>= 95 % distinct keys), short (most material under 64 characters), unsplittable (one key that cannot be split carries >= 50 %).",
+    "Windows (200 routed requests, 60 s, or up to 10 s without requests; at least 20 requests) with a key problem: volatile (>= 95 % distinct keys), short (most material under 64 characters), unsplittable (one key that cannot be split carries >= 50 %).",
     &["kind"]
 );
 static SPLIT_SYNC_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
