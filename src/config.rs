@@ -1751,7 +1751,7 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
             k if k.trim() != k => return Err(invalid("llm.api_key", "***", "must not start or end with whitespace (a blank after the value in an environment file?)")),
             // The daemon sends `Authorization: Bearer <api_key>` (RFC 6750 §2.1): the scheme
             // again would be sent twice, and a server refuses it (401).
-            k if k.get(..7).is_some_and(|p| p.eq_ignore_ascii_case("bearer ")) => {
+            k if k.get(..6).is_some_and(|p| p.eq_ignore_ascii_case("bearer")) && k[6..].starts_with([' ', '\t']) => {
                 return Err(invalid("llm.api_key", "***", "must be the token alone, without `Bearer `: the daemon sends `Authorization: Bearer <llm.api_key>`"))
             }
             // What the HTTP client would refuse when building the header (RFC 9110 §5.5: no
@@ -2235,6 +2235,7 @@ mod tests {
             ("sk-secret123\u{7}", "control character"),
             ("Bearer sk-secret123", "without `Bearer `"),
             ("bearer sk-secret123", "without `Bearer `"),
+            ("Bearer\tsk-secret123", "without `Bearer `"),
         ] {
             let mut r = RawConfig::default();
             r.llm.api_key = key.into();

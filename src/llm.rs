@@ -2084,12 +2084,22 @@ fn transport_message(e: reqwest::Error) -> String {
 /// all server text the daemon repeats ([`preview`]).
 static TOKENS: LazyLock<RwLock<Vec<String>>> = LazyLock::new(|| RwLock::new(Vec::new()));
 
-/// Adds `token` to [`TOKENS`].
+/// Adds `token` to [`TOKENS`], as written and as a JSON string would hold it (the bodies the
+/// daemon repeats are JSON: `"` and `\` escaped, and `/` as `\/` by some encoders, PHP's
+/// `json_encode` among them).
 fn mask_token(token: &str) {
+    let json = serde_json::to_string(token).unwrap_or_default();
+    let json = json.get(1..json.len().saturating_sub(1)).unwrap_or_default().to_owned();
+    let mut forms = vec![token.to_owned(), json.clone(), json.replace('/', "\\/")];
+    forms.retain(|f| !f.is_empty());
     let mut tokens = TOKENS.write().unwrap_or_else(|e| e.into_inner());
-    if !tokens.iter().any(|t| t == token) {
-        tokens.push(token.to_owned());
+    for form in forms {
+        if !tokens.contains(&form) {
+            tokens.push(form);
+        }
     }
+    // The longest first, so a form that contains another is replaced whole.
+    tokens.sort_by_key(|t| std::cmp::Reverse(t.len()));
 }
 
 /// The first [`ERROR_BODY_PREVIEW_CHARS`] characters of a response body, lossily decoded, with
@@ -3267,6 +3277,21 @@ mod tests {
         let e = results[0].as_ref().unwrap_err();
         assert_eq!(e.kind, ErrorKind::Rejected, "{e:?}");
         assert!(e.message.contains("request authorization: Bearer ***") && !e.message.contains("sk-echoed-4711"), "{}", e.message);
+    }
+
+    /// The bodies the daemon repeats are JSON: a token with `"`, `\` or `/` is masked in its
+    /// escaped forms too (`\"`, `\\`, and `\/` as PHP's `json_encode` writes a slash).
+    #[test]
+    fn a_token_is_masked_in_its_json_escaped_forms() {
+        mask_token("sk-a/b\"c\\d-0042");
+        for body in [
+            r#"{"error": "auth Bearer sk-a/b\"c\\d-0042"}"#,
+            r#"{"error": "auth Bearer sk-a\/b\"c\\d-0042"}"#,
+            "plain auth Bearer sk-a/b\"c\\d-0042",
+        ] {
+            let shown = preview(body.as_bytes());
+            assert!(shown.contains("Bearer ***") && !shown.contains("0042"), "{body} -> {shown}");
+        }
     }
 
     #[tokio::test]
