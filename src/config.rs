@@ -851,6 +851,10 @@ fn check_kinds(value: &serde_json::Value, default: Option<&serde_json::Value>, p
                 if let Some(missing) = ["pattern", "shards"].into_iter().find(|f| !fields.contains_key(*f)) {
                     return Err(invalid(&format!("{path}.{missing}"), "(missing)", "every [[sharding.rules]] entry needs `pattern` and `shards`"));
                 }
+                // The deserializer would read `pattern = 5` as the text "5".
+                if let Some(p) = fields.get("pattern").filter(|p| !p.is_string()) {
+                    return Err(invalid(&format!("{path}.pattern"), p, "must be a regular expression in quotes"));
+                }
             }
             for (k, v) in fields {
                 // Table keys as TOML writes them when they need quotes (`sharding.keys."tenant-42"`).
@@ -2508,6 +2512,7 @@ mod tests {
             ("[llm]\nlist_prompts = 1\n", "`llm.list_prompts` = 1: must be true or false"),
             ("[sharding.keys]\nabc = 2.5\n", "`sharding.keys.\"abc\"` = 2.5: must be a whole number"),
             ("[[sharding.rules]]\nshards = 2\n", "`sharding.rules[0].pattern` = (missing): every [[sharding.rules]] entry needs `pattern` and `shards`"),
+            ("[[sharding.rules]]\npattern = 5\nshards = 2\n", "`sharding.rules[0].pattern` = 5: must be a regular expression in quotes"),
             ("[[sharding.rules]]\npattern = \"a\"\nshards = 2\n[[sharding.rules]]\npattern = \"b\"\n", "`sharding.rules[1].shards` = (missing)"),
             ("[[sharding.rules]]\npattern = \"x\"\nshards = 1.5\n", "`sharding.rules[0].shards` = 1.5: must be a whole number"),
             ("[amqp]\npartitions = \"12\"\n", "`amqp.partitions` = \"12\": must be a whole number without quotes (amqp.partitions = 12)"),
