@@ -495,14 +495,24 @@ impl Resolver {
     }
 }
 
-/// Asks the sentinel `node` for the address of `master` (`SENTINEL GET-MASTER-ADDR-BY-NAME`),
-/// within `limit` for connecting and again for the answer; `None`: it monitors no such master.
+/// The error of a sentinel that did not answer within `redis.command_timeout`.
+fn sentinel_timed_out() -> redis::RedisError {
+    redis::RedisError::from((redis::ErrorKind::Io, "the sentinel did not answer within redis.command_timeout"))
+}
+
+/// Asks the sentinel `node` for the address of `master` on a new connection, within `limit`
+/// for connecting and again for the answer ([`master_addr`]).
 async fn ask_sentinel(node: &redis::Client, master: &str, limit: Duration) -> Result<Option<(String, u16)>, redis::RedisError> {
-    let timed_out = || redis::RedisError::from((redis::ErrorKind::Io, "the sentinel did not answer within redis.command_timeout"));
-    let mut c = tokio::time::timeout(limit, node.get_multiplexed_async_connection()).await.map_err(|_| timed_out())??;
+    let mut c = tokio::time::timeout(limit, node.get_multiplexed_async_connection()).await.map_err(|_| sentinel_timed_out())??;
+    master_addr(&mut c, master, limit).await
+}
+
+/// Asks the sentinel on `c` for the address of `master` (`SENTINEL GET-MASTER-ADDR-BY-NAME`,
+/// answered from the sentinel's memory), within `limit`; `None`: it monitors no such master.
+async fn master_addr(c: &mut redis::aio::MultiplexedConnection, master: &str, limit: Duration) -> Result<Option<(String, u16)>, redis::RedisError> {
     let mut cmd = redis::cmd("SENTINEL");
     cmd.arg("GET-MASTER-ADDR-BY-NAME").arg(master);
-    tokio::time::timeout(limit, cmd.query_async::<Option<(String, u16)>>(&mut c)).await.map_err(|_| timed_out())?
+    tokio::time::timeout(limit, cmd.query_async(c)).await.map_err(|_| sentinel_timed_out())?
 }
 
 /// Every [`PRIMARY_CHECK_INTERVAL`] while `shared` lives: asks the sentinels (the first that
@@ -530,9 +540,7 @@ async fn watch_primary(shared: std::sync::Weak<Shared>) {
                     _ => continue,
                 },
             };
-            let mut cmd = redis::cmd("SENTINEL");
-            cmd.arg("GET-MASTER-ADDR-BY-NAME").arg(&master);
-            if let Ok(Ok(addr)) = tokio::time::timeout(limit, cmd.query_async::<Option<(String, u16)>>(&mut c)).await {
+            if let Ok(addr) = master_addr(&mut c, &master, limit).await {
                 cached = Some((i, c));
                 reported = addr;
                 break;
