@@ -597,7 +597,7 @@ impl App {
         };
         let mut backlog = tokio::spawn(poll_backlog(conns.consume.clone(), self.settings.clone(), session.child_token()));
         tokio::spawn(crate::splits::run(self.settings.clone(), redis.clone(), session.child_token()));
-        let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone());
+        let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone(), self.readiness.clone());
         let (redis_tx, mut redis_rx) = mpsc::unbounded_channel::<bool>();
         let phase = {
             let mut own_fut = pin!(own.run(conns.clone(), session.child_token(), move |ok| {

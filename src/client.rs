@@ -579,6 +579,11 @@ pub struct MemberStatus {
     /// Another live process heartbeats under the same name (within the last minute): while
     /// both run, one of them does no partition work.
     pub name_conflict: bool,
+    /// Its health line as of its last heartbeat ([`crate::ownership::health_line`]): `ready`
+    /// or `not ready: ` with the reasons of its `/readyz` (`llm endpoints unavailable`,
+    /// `amqp connection blocked` by a broker's resource alarm, …), then its LLM endpoints whose
+    /// circuit breaker is not closed. `None` for an instance that publishes none.
+    pub health: Option<String>,
 }
 
 /// One entry of the split set (a hot key) in `status`.
@@ -761,7 +766,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let draining_owners: Vec<String> = stale_owners.keys().zip(marked).filter(|(_, d)| *d).map(|(n, _)| n.clone()).collect();
     let mut members: Vec<MemberStatus> = live
         .into_iter()
-        .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict })
+        .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict, health: m.health })
         .collect();
     let mut partitions = Vec::with_capacity(p as usize);
     for part in 0..p {
@@ -846,11 +851,18 @@ pub fn render_status(s: &Status) -> String {
     let mut out = String::new();
     let owned = s.partitions.iter().filter(|p| p.owner.is_some()).count();
     out.push_str(&format!("members ({}):\n", s.members.len()));
-    out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}\n", "name", "nonce", "owns", "desired"));
+    out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}  {}\n", "name", "nonce", "owns", "desired", "health"));
     for m in &s.members {
         let down = llm_down_note(m);
         let conflict = if m.name_conflict { "  (NAME CONFLICT: another process heartbeats with this instance.name; names must be unique)" } else { "" };
-        out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}{down}{conflict}\n", m.name, m.nonce.as_deref().unwrap_or("-"), m.owned, m.desired));
+        out.push_str(&format!(
+            "  {:<40} {:<14} {:>5} {:>8}  {}{down}{conflict}\n",
+            m.name,
+            m.nonce.as_deref().unwrap_or("-"),
+            m.owned,
+            m.desired,
+            m.health.as_deref().unwrap_or("-")
+        ));
     }
     for (name, ps) in &s.stale_owners {
         if s.draining_owners.contains(name) {
@@ -960,7 +972,7 @@ mod tests {
 
     #[test]
     fn a_flagged_member_is_said_to_keep_its_partitions_only_when_the_assignment_gives_it_some() {
-        let member = |llm_down: bool, desired: usize| MemberStatus { name: "a".into(), nonce: None, owned: 0, desired, llm_down, name_conflict: false };
+        let member = |llm_down: bool, desired: usize| MemberStatus { name: "a".into(), nonce: None, owned: 0, desired, llm_down, name_conflict: false, health: None };
         assert_eq!(llm_down_note(&member(false, 8)), "");
         assert!(llm_down_note(&member(true, 0)).contains("go to the others"));
         // A lone member, or every member flagged: the assignment still counts it.

@@ -716,6 +716,11 @@ impl LlmClient {
         })
     }
 
+    /// How many endpoints (`llm.endpoints`) this client calls.
+    pub fn endpoint_count(&self) -> usize {
+        self.inner.endpoints.len()
+    }
+
     /// The credential-free base URL of endpoint `index`, for logs and status output.
     pub fn endpoint_name(&self, index: usize) -> Option<&str> {
         self.inner.endpoints.get(index).map(|e| e.name.as_str())

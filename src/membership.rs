@@ -24,6 +24,8 @@
 //! - `P:member_routing:{name}`: the member's routing settings
 //!   ([`crate::config::Settings::routing_fingerprint`]), expiring with its heartbeat; each
 //!   heartbeat returns the live members whose line differs from its own ([`member_routing_key`]).
+//! - `P:member_health:{name}`: the member's health line (readiness, LLM endpoints whose circuit
+//!   is not closed), expiring with its heartbeat ([`member_health_key`]).
 //!
 //! Operations, each one atomic Lua script (one round trip, no interleaving,
 //! <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
@@ -45,10 +47,11 @@ use crate::lease::RedisConn;
 /// Heartbeat: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag,
 /// member's routing settings, the deployment's partition count
 /// ([`crate::topology::partition_count_key`]), the deployment's route
-/// ([`crate::topology::partition_route_key`])], ARGV = [name, nonce, member_ttl_ms, llm_down
+/// ([`crate::topology::partition_route_key`]), member's health ([`member_health_key`])],
+/// ARGV = [name, nonce, member_ttl_ms, llm_down
 /// ("1" or "0"), key prefix, name_conflict ("1" or "0"), name-conflict flag TTL ms, routing
 /// settings ('' for none: neither stored nor compared), partition count ('' for none: not
-/// recorded), route ('' for none: not recorded)]. A name-conflict "1" sets that flag for
+/// recorded), route ('' for none: not recorded), health ('' for none: deleted)]. A name-conflict "1" sets that flag for
 /// [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to expire. The partition count and the route are
 /// written only where none is recorded (`SET … NX`).
 /// Returns `{names, previous, down, differs, listed, recorded}`: the live member names, sorted;
@@ -85,6 +88,11 @@ end
 if ARGV[8] ~= '' then
   redis.call('SET', KEYS[5], ARGV[8], 'PXAT', expiry)
 end
+if ARGV[11] ~= '' then
+  redis.call('SET', KEYS[8], ARGV[11], 'PXAT', expiry)
+else
+  redis.call('DEL', KEYS[8])
+end
 local listed = 1 - redis.call('ZADD', KEYS[1], expiry, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', string.format('(%d', now))
 if redis.call('PTTL', KEYS[1]) < ttl then
@@ -112,7 +120,7 @@ return {names, prev, down, differs, listed, recorded, other_route}
 "#;
 
 /// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag, member's
-/// routing settings, member's draining mark], ARGV = [name, nonce, draining ms ('0': none)].
+/// routing settings, member's draining mark, member's health], ARGV = [name, nonce, draining ms ('0': none)].
 /// With a draining time, sets the draining mark for that long; else deletes it. Returns 1 when
 /// removed, 0 when the name belongs to another process now.
 const LEAVE: &str = r#"
@@ -120,7 +128,7 @@ local cur = redis.call('GET', KEYS[2])
 if cur and cur ~= ARGV[2] then
   return 0
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
 redis.call('ZREM', KEYS[1], ARGV[1])
 if ARGV[3] ~= '0' then
   redis.call('SET', KEYS[6], ARGV[2], 'PX', ARGV[3])
@@ -130,9 +138,10 @@ end
 return 1
 "#;
 
-/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down, conflicts}`, names
-/// sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down flag is set,
-/// `conflicts[i]` 1 when its name-conflict flag is. The nonce
+/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down, conflicts, health}`,
+/// names sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down flag is set,
+/// `conflicts[i]` 1 when its name-conflict flag is, `health[i]` its health text ('' when it
+/// published none). The nonce
 /// and flag keys are built from the names inside the script, as the names are not known before
 /// it runs.
 const LIST: &str = r#"
@@ -143,12 +152,14 @@ table.sort(names)
 local nonces = {}
 local down = {}
 local conflicts = {}
+local health = {}
 for i, n in ipairs(names) do
   nonces[i] = redis.call('GET', ARGV[1] .. ':member:' .. n)
   down[i] = redis.call('EXISTS', ARGV[1] .. ':member_llm_down:' .. n)
   conflicts[i] = redis.call('EXISTS', ARGV[1] .. ':member_name_conflict:' .. n)
+  health[i] = redis.call('GET', ARGV[1] .. ':member_health:' .. n) or ''
 end
-return {names, nonces, down, conflicts}
+return {names, nonces, down, conflicts, health}
 "#;
 
 /// Membership errors.
@@ -200,6 +211,14 @@ pub fn member_routing_key(prefix: &str, name: &str) -> String {
     format!("{prefix}:member_routing:{name}")
 }
 
+/// The Redis key of a member's health: one line of text its heartbeats set with their expiry
+/// ([`Membership::set_health`]): its readiness (`ready`, or `not ready:` with the reasons of
+/// `/readyz`) and the LLM endpoints whose circuit breaker is not closed, so `status` shows an
+/// LLM outage or a broker's resource alarm per instance. Built from the names inside `LIST` too.
+pub fn member_health_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}:member_health:{name}")
+}
+
 /// The Redis key of a member's draining mark: set when a stopping instance leaves the member
 /// set while it still drains its partitions (the others take them over as it releases them),
 /// for at most `shutdown.drain_timeout`, and deleted when it is done; `status` shows the leases
@@ -211,6 +230,9 @@ pub fn member_draining_key(prefix: &str, name: &str) -> String {
 /// How long a name conflict shows in `status` after the heartbeat that last found it: the
 /// heartbeats flag it for the rest of this time ([`Membership::heartbeat_flagging`]).
 pub const NAME_CONFLICT_FLAG_TTL: Duration = Duration::from_secs(60);
+
+/// Longest health line a member publishes ([`Membership::set_health`]), in bytes.
+pub const MAX_HEALTH_BYTES: usize = 1024;
 
 /// The members that partitions are assigned to ([`crate::keying::assignment`]): the live
 /// members whose LLM is not down, or all live members when every one of them is down (then no
@@ -237,6 +259,9 @@ pub struct Member {
     pub llm_down: bool,
     /// Another live process heartbeats under the same name ([`member_name_conflict_key`]).
     pub name_conflict: bool,
+    /// Its health line ([`member_health_key`]); `None` when it published none (an instance of
+    /// an older version).
+    pub health: Option<String>,
 }
 
 /// What one heartbeat read.
@@ -282,6 +307,8 @@ pub struct Membership {
     partitions: String,
     /// Route recorded by each heartbeat where none is ('' = none).
     route: String,
+    /// Health line sent with each heartbeat ([`Self::set_health`]).
+    health: Arc<std::sync::Mutex<String>>,
     heartbeat: Arc<Script>,
     leave: Arc<Script>,
 }
@@ -299,6 +326,7 @@ impl Membership {
             routing: String::new(),
             partitions: String::new(),
             route: String::new(),
+            health: Arc::new(std::sync::Mutex::new(String::new())),
             heartbeat: Arc::new(Script::new(HEARTBEAT)),
             leave: Arc::new(Script::new(LEAVE)),
         }
@@ -331,6 +359,16 @@ impl Membership {
         self
     }
 
+    /// The health line the next heartbeats publish ([`member_health_key`]); an empty one
+    /// deletes it. At most [`MAX_HEALTH_BYTES`] are kept (cut at a character boundary).
+    pub fn set_health(&self, health: &str) {
+        let mut end = health.len().min(MAX_HEALTH_BYTES);
+        while !health.is_char_boundary(end) {
+            end -= 1;
+        }
+        *self.health.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = health[..end].to_owned();
+    }
+
     async fn timed<T>(&self, f: impl std::future::Future<Output = redis::RedisResult<T>>) -> Result<T, MembershipError> {
         match tokio::time::timeout(self.timeout, f).await {
             Ok(r) => Ok(r?),
@@ -358,6 +396,7 @@ impl Membership {
             .key(member_routing_key(&self.prefix, &self.name))
             .key(crate::topology::partition_count_key(&self.prefix))
             .key(crate::topology::partition_route_key(&crate::topology::partition_count_key(&self.prefix)))
+            .key(member_health_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(self.ttl.as_millis() as u64)
@@ -367,7 +406,8 @@ impl Membership {
             .arg(name_conflict.map_or(1, |d| (d.as_millis() as u64).max(1)))
             .arg(&self.routing)
             .arg(&self.partitions)
-            .arg(&self.route);
+            .arg(&self.route)
+            .arg(self.health.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_str());
         type Reply = (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64, Option<String>);
         let (members, previous_nonce, llm_down, differs, listed, recorded, other_route): Reply = self.timed(call.invoke_async(&mut conn)).await?;
         let routing_differs = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();
@@ -403,6 +443,7 @@ impl Membership {
             .key(member_name_conflict_key(&self.prefix, &self.name))
             .key(member_routing_key(&self.prefix, &self.name))
             .key(member_draining_key(&self.prefix, &self.name))
+            .key(member_health_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(drain.map_or(0, |d| (d.as_millis() as u64).max(1)));
@@ -415,14 +456,21 @@ impl Membership {
 ///
 /// Errors: Redis unreachable or answering with an error.
 pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
-    let (names, nonces, down, conflicts): (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>) =
+    let (names, nonces, down, conflicts, health): (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>, Vec<String>) =
         Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
     let mut nonces = nonces.into_iter();
     let mut down = down.into_iter();
     let mut conflicts = conflicts.into_iter();
+    let mut health = health.into_iter();
     Ok(names
         .into_iter()
-        .map(|name| Member { name, nonce: nonces.next().flatten(), llm_down: down.next() == Some(1), name_conflict: conflicts.next() == Some(1) })
+        .map(|name| Member {
+            name,
+            nonce: nonces.next().flatten(),
+            llm_down: down.next() == Some(1),
+            name_conflict: conflicts.next() == Some(1),
+            health: health.next().filter(|h| !h.is_empty()),
+        })
         .collect())
 }
 

@@ -50,6 +50,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::amqp::Connections;
+use crate::breaker::BreakerState;
 use crate::config::Settings;
 use crate::keying::desired_partitions;
 use crate::lease::{Acquire, LeaseClock, LeaseValue, Leases, RedisConn};
@@ -57,6 +58,7 @@ use crate::llm::LlmClient;
 use crate::membership::Membership;
 use crate::metrics;
 use crate::partition::{self, PartitionContext, StopSignals};
+use crate::readiness::{ReadyState, Readiness};
 
 /// The heartbeat's finding that Redis records other queue names than this instance's: an
 /// operator must act, and each heartbeat finds it again.
@@ -126,11 +128,28 @@ pub struct Ownership {
     waiting_on_previous: std::collections::BTreeSet<u32>,
     /// The LLM-down flag of the last heartbeat ([`Ownership::llm_down`]).
     flagged_llm_down: bool,
+    /// This process's readiness, published in the member's health line ([`health_line`]).
+    readiness: Readiness,
+}
+
+/// A member's health line ([`crate::membership::member_health_key`]), as `status` shows it:
+/// its readiness as `/readyz` says it (`ready`, or `not ready: ` and the reasons), then, when
+/// any LLM endpoint's circuit breaker is not closed, how many of its endpoints are down and
+/// which (credential-free URL and breaker state), e.g.
+/// `ready; 1 of 2 LLM endpoints down: http://10.0.0.7:8000/v1 (open)`.
+pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)]) -> String {
+    let mut line = readiness.to_string();
+    let down: Vec<String> =
+        endpoints.iter().filter(|(_, s)| *s != BreakerState::Closed).map(|(name, s)| format!("{name} ({})", s.as_str())).collect();
+    if !down.is_empty() {
+        line.push_str(&format!("; {} of {} LLM endpoints down: {}", down.len(), endpoints.len(), down.join(", ")));
+    }
+    line
 }
 
 impl Ownership {
     /// `nonce` is this process's boot nonce.
-    pub fn new(settings: Arc<Settings>, redis: RedisConn, nonce: String, llm: LlmClient) -> Self {
+    pub fn new(settings: Arc<Settings>, redis: RedisConn, nonce: String, llm: LlmClient, readiness: Readiness) -> Self {
         let holder = format!("{}:{}", settings.instance_name, nonce);
         let (prefix, timeout) = (&settings.redis.key_prefix, settings.redis.command_timeout);
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
@@ -158,6 +177,7 @@ impl Ownership {
             nonce,
             waiting_on_previous: Default::default(),
             flagged_llm_down: false,
+            readiness,
         }
     }
 
@@ -261,6 +281,10 @@ impl Ownership {
             .name_conflict_seen
             .and_then(|t| crate::membership::NAME_CONFLICT_FLAG_TTL.checked_sub(t.elapsed()))
             .filter(|left| !left.is_zero());
+        let endpoints: Vec<(&str, BreakerState)> = (0..self.llm.endpoint_count())
+            .filter_map(|i| Some((self.llm.endpoint_name(i)?, self.llm.breaker_state(i)?)))
+            .collect();
+        self.membership.set_health(&health_line(&self.readiness.state(), &endpoints));
         let beat = match self.membership.heartbeat_flagging(llm_down, conflict).await {
             Ok(b) => b,
             Err(e) => {
@@ -618,5 +642,28 @@ impl Ownership {
         if let Err(e) = left {
             warn!(error = %e, "could not leave the member set; this member expires after member_ttl");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::readiness::NotReady;
+
+    #[test]
+    fn the_health_line_gives_readiness_and_the_endpoints_that_are_down() {
+        let readiness = Readiness::new();
+        readiness.set(NotReady::Starting, false);
+        let all_up = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Closed)];
+        assert_eq!(health_line(&readiness.state(), &all_up), "ready");
+        let one_down = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Open)];
+        assert_eq!(health_line(&readiness.state(), &one_down), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
+        readiness.set(NotReady::LlmUnavailable, true);
+        readiness.set_connection_blocked("publish", true);
+        let all_down = [("http://a:8000/v1", BreakerState::HalfOpen), ("http://b:8000/v1", BreakerState::Open)];
+        assert_eq!(
+            health_line(&readiness.state(), &all_down),
+            "not ready: llm endpoints unavailable, amqp connection blocked; 2 of 2 LLM endpoints down: http://a:8000/v1 (half_open), http://b:8000/v1 (open)"
+        );
     }
 }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use prefix_batcher::membership::{
-    assignable, member_key, member_llm_down_key, member_name_conflict_key, members_key, read_members, Member, Membership,
+    assignable, member_health_key, member_key, member_llm_down_key, member_name_conflict_key, members_key, read_members, Member, Membership,
 };
 use tokio::time::Instant;
 
@@ -28,7 +28,8 @@ async fn membership_against_redis() {
     assert_eq!(b.heartbeat(false).await.unwrap().members, ["b"]);
     assert_eq!(a.heartbeat(false).await.unwrap().members, ["a", "b"], "sorted live names");
     let listed = read_members(&mut conn, prefix).await.unwrap();
-    assert_eq!(listed, [Member { name: "a".into(), nonce: Some("n1".into()), llm_down: false, name_conflict: false }, Member { name: "b".into(), nonce: Some("n3".into()), llm_down: false, name_conflict: false }]);
+    let member = |name: &str, nonce: &str| Member { name: name.into(), nonce: Some(nonce.into()), llm_down: false, name_conflict: false, health: None };
+    assert_eq!(listed, [member("a", "n1"), member("b", "n3")]);
     let kind: String = redis::cmd("TYPE").arg(members_key(prefix)).query_async(&mut probe.conn).await.unwrap();
     assert_eq!(kind, "zset");
 
@@ -41,7 +42,26 @@ async fn membership_against_redis() {
     assert_eq!(a2.heartbeat(false).await.unwrap().previous_nonce, None, "its own nonce from then on");
     assert!(!a.leave().await.unwrap(), "leave by a stale nonce");
     let listed = read_members(&mut conn, prefix).await.unwrap();
-    assert_eq!(listed[0], Member { name: "a".into(), nonce: Some("n2".into()), llm_down: false, name_conflict: false });
+    assert_eq!(listed[0], member("a", "n2"));
+
+    // A member's health line goes with its heartbeats and expires with them; an empty one
+    // deletes it; a line longer than the limit is cut at a character boundary.
+    a2.set_health("not ready: amqp connection blocked; 1 of 2 LLM endpoints down: http://x:1/v1 (open)");
+    a2.heartbeat(false).await.unwrap();
+    let listed = read_members(&mut conn, prefix).await.unwrap();
+    assert_eq!(listed[0].health.as_deref(), Some("not ready: amqp connection blocked; 1 of 2 LLM endpoints down: http://x:1/v1 (open)"));
+    assert_eq!(listed[1].health, None, "b published none");
+    let health_ttl: i64 = redis::cmd("PTTL").arg(member_health_key(prefix, "a")).query_async(&mut probe.conn).await.unwrap();
+    assert!(health_ttl > 0 && health_ttl <= ttl.as_millis() as i64, "the health line expires with the heartbeat: PTTL {health_ttl}");
+    a2.set_health(&"é".repeat(prefix_batcher::membership::MAX_HEALTH_BYTES));
+    a2.heartbeat(false).await.unwrap();
+    let cut = read_members(&mut conn, prefix).await.unwrap()[0].health.clone().unwrap();
+    assert_eq!(cut.len(), prefix_batcher::membership::MAX_HEALTH_BYTES, "cut to the limit");
+    a2.set_health("");
+    a2.heartbeat(false).await.unwrap();
+    assert_eq!(probe.get(&member_health_key(prefix, "a")).await, None, "an empty line deletes it");
+    a2.set_health("ready");
+    a2.heartbeat(false).await.unwrap();
 
     // A member whose LLM is down says so with its heartbeat; every heartbeat and the listing
     // report it, and its next heartbeat without the flag clears it.
@@ -55,13 +75,17 @@ async fn membership_against_redis() {
     assert_eq!(assignable(&beat.members, &beat.members), ["a", "b"], "all down: all keep their partitions");
     assert!(b.heartbeat(false).await.unwrap().llm_down.is_empty());
     assert_eq!(probe.get(&member_llm_down_key(prefix, "b")).await, None);
+    b.set_health("ready");
+    b.heartbeat(false).await.unwrap();
+    assert_eq!(read_members(&mut conn, prefix).await.unwrap()[1].health.as_deref(), Some("ready"));
 
-    // A leave removes the name, its nonce key and its flag at once.
+    // A leave removes the name, its nonce key, its flag and its health line at once.
     assert!(b.heartbeat(true).await.unwrap().llm_down == ["b"]);
     assert!(b.leave().await.unwrap());
     assert_eq!(a2.heartbeat(false).await.unwrap().members, ["a"]);
     assert_eq!(probe.get(&member_key(prefix, "b")).await, None);
     assert_eq!(probe.get(&member_llm_down_key(prefix, "b")).await, None);
+    assert_eq!(probe.get(&member_health_key(prefix, "b")).await, None);
 
     // A member that stops heartbeating drops out after its own TTL (shorter than the reader's),
     // and its entry is removed.

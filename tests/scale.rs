@@ -590,6 +590,14 @@ async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
     println!("prefix-batcher status (b's server down):\n{table}");
     let b_row = table.lines().find(|l| l.contains(&b)).unwrap_or_else(|| panic!("status lists b:\n{table}"));
     assert!(b_row.contains("LLM down: its partitions go to the others"), "status flags b: {b_row}");
+    // Each member's health line: b's readiness and which of its endpoints is down, a ready.
+    let b_port = format!(":{}", fake_b.url.port().unwrap());
+    assert!(
+        b_row.contains("not ready: llm endpoints unavailable; 1 of 1 LLM endpoints down: http://127.0.0.1") && b_row.contains(&b_port),
+        "status gives b's health: {b_row}"
+    );
+    let a_row = table.lines().find(|l| l.contains(&a) && !l.contains("owns")).unwrap_or_else(|| panic!("status lists a:\n{table}"));
+    assert!(a_row.trim_end().ends_with("  ready"), "status gives a's health: {a_row}");
     assert!(cluster.proc("b").log().contains("every LLM endpoint of this instance has been down"), "b logs why it hands over");
 
     // b's server is back: the flag goes and b gets its partitions back.
