@@ -254,6 +254,29 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()> + Send +
     run_with_events(settings, shutdown, |_| {}).await
 }
 
+/// Startup warns from this many seconds before a client certificate expires (14 days).
+const CLIENT_CERT_WARN_SECS: i64 = 14 * 86_400;
+
+/// Exports the expiry of each link's client certificate
+/// (`prefix_batcher_tls_client_certificate_expiry_timestamp_seconds{link}`) and warns when one
+/// expires within 14 days: the files are read only at startup, so a renewed certificate counts
+/// after a restart. (An already expired one was refused by the configuration.)
+fn report_client_certificates(settings: &Settings) {
+    let now = crate::tls::unix_now();
+    for (link, files) in settings.tls_links() {
+        let Some(at) = files.client.as_ref().and_then(|c| c.expires_at()) else { continue };
+        metrics::tls_client_certificate_expiry(link, at);
+        if at - now < CLIENT_CERT_WARN_SECS {
+            warn!(
+                link,
+                expires_at = %crate::tls::rfc3339(at),
+                "the client certificate ({link}.tls_cert_file) expires in {}: renew it, then restart the daemon (it reads the file only at startup)",
+                crate::tls::span_text(at - now)
+            );
+        }
+    }
+}
+
 /// Runs the daemon until `shutdown` completes, reporting lifecycle events to `events`.
 ///
 /// Errors: see [`AppError`]; `Ok(())` only after a complete drain (or a shutdown requested
@@ -281,6 +304,7 @@ pub async fn run_with_events(
             "amqp.heartbeat is below the 5 s RabbitMQ advises: a busy host or network may see healthy connections closed (https://www.rabbitmq.com/docs/heartbeats)"
         );
     }
+    report_client_certificates(&settings);
     let http_token = root.child_token();
     let http = tokio::spawn(crate::http::serve(listener, readiness.clone(), http_token.clone().cancelled_owned()));
 

@@ -1087,6 +1087,11 @@ pub fn default_instance_name() -> String {
 }
 
 impl Settings {
+    /// Each link's configuration section (`amqp`, `redis`, `llm`) and its TLS files.
+    pub fn tls_links(&self) -> [(&'static str, &TlsFiles); 3] {
+        [("amqp", &self.amqp.tls), ("redis", &self.redis.tls), ("llm", &self.llm.tls)]
+    }
+
     /// The settings every instance of a deployment must share: for a key to land on one
     /// partition, `keying.mode`, `keying.prefix_chars`, `keying.chat_key`,
     /// `sharding.default_shards`, `sharding.max_shards`, and a hash of `sharding.keys` and

@@ -12,7 +12,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
-use prefix_batcher::{app, client, exit};
+use prefix_batcher::{app, client, exit, tls};
 use prefix_batcher::config::{self, LogFormat, Settings, DEFAULT_CONFIG_PATH};
 
 /// jemalloc instead of the system allocator: every request body (a few kB) is allocated, copied
@@ -239,6 +239,9 @@ async fn dispatch(command: &Command, loaded: Loaded) -> ExitCode {
         Command::CheckConfig { .. } => {
             let s = &loaded.settings;
             println!("# configuration is valid (instance {}, {} partitions)", s.instance_name, s.amqp.partitions);
+            for line in tls_summary(s, tls::unix_now()) {
+                println!("# {line}");
+            }
             print!("{}", config::redacted_toml(&loaded.raw));
             ExitCode::from(exit::EX_OK)
         }
@@ -254,6 +257,37 @@ async fn dispatch(command: &Command, loaded: Loaded) -> ExitCode {
         }
         Command::Status { json } => status(&loaded.settings, *json).await,
     }
+}
+
+/// For `check-config`: the subject and validity of each client certificate, and for each CA
+/// bundle its size and the certificate that expires first, e.g.
+/// `redis.tls_cert_file: CN=batcher, valid until 2027-03-01T00:00:00Z (in 86 days)`.
+fn tls_summary(s: &Settings, now: i64) -> Vec<String> {
+    let until = |at: i64| {
+        let when = if at >= now { format!("in {}", tls::span_text(at - now)) } else { format!("expired {} ago", tls::span_text(now - at)) };
+        format!("valid until {} ({when})", tls::rfc3339(at))
+    };
+    let mut lines = Vec::new();
+    for (link, files) in s.tls_links() {
+        if let Some(c) = &files.client {
+            for d in tls::certificate_dates(&c.cert_pem) {
+                lines.push(format!("{link}.tls_cert_file: {}, {}", d.subject, until(d.not_after)));
+            }
+        }
+        if let Some(pem) = &files.ca_pem {
+            let dates = tls::certificate_dates(pem);
+            if let Some(first) = dates.iter().min_by_key(|d| d.not_after) {
+                let n = dates.len();
+                lines.push(format!(
+                    "{link}.tls_ca_file: {n} certificate{}; the first to expire: {}, {}",
+                    if n == 1 { "" } else { "s" },
+                    first.subject,
+                    until(first.not_after)
+                ));
+            }
+        }
+    }
+    lines
 }
 
 /// `run`: the daemon until SIGTERM/SIGINT; exit code from [`app::AppError::exit_code`].

@@ -205,6 +205,16 @@ static AMQP_BLOCKED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )
     .unwrap())
 });
+static TLS_CLIENT_CERT_EXPIRY: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "tls_client_certificate_expiry_timestamp_seconds",
+            "When the client certificate this process uses on a link expires (the earliest notAfter of its chain, Unix seconds), by link (amqp, redis, llm). Read at startup: a certificate renewed on disk counts after a restart.",
+        ),
+        &["link"],
+    )
+    .unwrap())
+});
 static AMQP_CONNECTED_NODE: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     reg(IntGaugeVec::new(
         Opts::new(
@@ -525,6 +535,16 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
 /// `max(prefix_batcher_partitions) - sum(prefix_batcher_partitions_owned)`).
 pub fn deployment(partitions: u32) {
     PARTITIONS.set(i64::from(partitions));
+}
+
+/// Label values of `tls_client_certificate_expiry_timestamp_seconds{link}`.
+pub const TLS_LINKS: [&str; 3] = ["amqp", "redis", "llm"];
+
+/// The client certificate of `link` (one of [`TLS_LINKS`]) expires at `unix_seconds`. Set once at
+/// startup, for each link with mutual TLS; links without a client certificate have no series.
+pub fn tls_client_certificate_expiry(link: &'static str, unix_seconds: i64) {
+    debug_assert!(TLS_LINKS.contains(&link), "{link}");
+    TLS_CLIENT_CERT_EXPIRY.with_label_values(&[link]).set(unix_seconds);
 }
 
 /// Renders the registry in the Prometheus text exposition format 0.0.4.

@@ -11,11 +11,14 @@
 //!
 //! Server certificates are always verified, host name included; there is no option to turn that
 //! off. The files are read and parsed when the configuration is loaded, so a missing or broken file
-//! stops startup with a message naming the key.
+//! stops startup with a message naming the key, and so does a client certificate that has already
+//! expired by this host's clock. The files are not read again while the daemon runs: the expiry of
+//! the client certificate in use is exported as a metric ([`ClientIdentity::expires_at`]).
 
 use std::fmt;
 use std::path::Path;
 use std::sync::Once;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -45,6 +48,64 @@ pub struct TlsFiles {
 pub struct ClientIdentity {
     pub cert_pem: Vec<u8>,
     pub key_pem: Vec<u8>,
+}
+
+impl ClientIdentity {
+    /// When the client certificate chain stops being usable: the earliest `notAfter` of its
+    /// certificates, in Unix seconds (UTC). `None` when no certificate of the chain parses as
+    /// X.509 (rustls has accepted the chain, so that does not happen with real files).
+    pub fn expires_at(&self) -> Option<i64> {
+        certificate_dates(&self.cert_pem).iter().map(|c| c.not_after).min()
+    }
+}
+
+/// The subject and validity period of one certificate of a PEM file. Times in Unix seconds (UTC),
+/// from the certificate's `notBefore` and `notAfter` fields (RFC 5280, 4.1.2.5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertificateDates {
+    /// The subject as a distinguished name, e.g. `CN=prefix-batcher, O=example`.
+    pub subject: String,
+    pub not_before: i64,
+    pub not_after: i64,
+}
+
+/// The subject and validity of each certificate in `pem`, in file order. Blocks that are not
+/// certificates, and certificates that do not parse as X.509, are skipped.
+pub fn certificate_dates(pem: &[u8]) -> Vec<CertificateDates> {
+    CertificateDer::pem_slice_iter(pem)
+        .flatten()
+        .filter_map(|der| {
+            let (_, cert) = x509_parser::parse_x509_certificate(der.as_ref()).ok()?;
+            let v = cert.validity();
+            Some(CertificateDates { subject: cert.subject().to_string(), not_before: v.not_before.timestamp(), not_after: v.not_after.timestamp() })
+        })
+        .collect()
+}
+
+/// The current time in Unix seconds.
+pub fn unix_now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+}
+
+/// `unix_seconds` as an RFC 3339 UTC time, e.g. `2027-01-31T12:00:00Z`.
+pub fn rfc3339(unix_seconds: i64) -> String {
+    match u64::try_from(unix_seconds) {
+        Ok(s) => humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_secs(s)).to_string(),
+        Err(_) => format!("{unix_seconds} s before 1970"),
+    }
+}
+
+/// A span of `seconds` (its absolute value) in the largest whole unit that fits: "3 days",
+/// "5 hours", "12 minutes", "40 seconds".
+pub fn span_text(seconds: i64) -> String {
+    let s = seconds.unsigned_abs();
+    let (n, unit) = match s {
+        86_400.. => (s / 86_400, "day"),
+        3_600.. => (s / 3_600, "hour"),
+        60.. => (s / 60, "minute"),
+        _ => (s, "second"),
+    };
+    format!("{n} {unit}{}", if n == 1 { "" } else { "s" })
 }
 
 impl fmt::Debug for TlsFiles {
@@ -88,9 +149,17 @@ pub struct TlsKeys {
 ///
 /// Errors: an unreadable file, a file without the expected PEM blocks, certificates that do not
 /// parse, a key that does not match its certificate, a certificate without its key or the
-/// reverse — each naming the key and the path, never the file's contents (a value that looks like
-/// PEM text instead of a path is not echoed either).
+/// reverse, a client certificate chain with a certificate past its `notAfter` (the server would
+/// refuse it with the TLS alert `certificate_expired`, RFC 8446 6.2) — each naming the key and the
+/// path, never the file's contents (a value that looks like PEM text instead of a path is not
+/// echoed either). Expired certificates in the CA bundle are allowed: rustls does not check the
+/// validity dates of trust anchors.
 pub fn load(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str) -> Result<TlsFiles, TlsFileError> {
+    load_at(keys, ca_file, cert_file, key_file, unix_now())
+}
+
+/// [`load`] with the current time given (Unix seconds).
+fn load_at(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str, now: i64) -> Result<TlsFiles, TlsFileError> {
     let ca_pem = if ca_file.is_empty() { None } else { Some(certificates(keys.ca_file, ca_file)?.0) };
     if let Some(pem) = &ca_pem {
         let mut roots = rustls::RootCertStore::empty();
@@ -119,6 +188,15 @@ pub fn load(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str) -> Re
                 .with_root_certificates(rustls::RootCertStore::empty())
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| file_error(keys.key_file, key_file, format!("does not fit {} ({e})", keys.cert_file)))?;
+            if let Some(c) = certificate_dates(&cert_pem).into_iter().find(|c| c.not_after < now) {
+                let rule = format!(
+                    "holds a certificate that expired at {} ({} ago by this host's clock; subject {}): servers refuse it (TLS alert certificate_expired); renew it",
+                    rfc3339(c.not_after),
+                    span_text(now - c.not_after),
+                    c.subject
+                );
+                return Err(file_error(keys.cert_file, cert_file, rule));
+            }
             Some(ClientIdentity { cert_pem, key_pem })
         }
     };
@@ -234,4 +312,38 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// A client certificate past its `notAfter` would be refused by every server: startup stops
+    /// naming the file and the date. An expired CA certificate is no error (rustls does not check
+    /// the dates of trust anchors). The expiry exported as a metric is the chain's `notAfter`.
+    #[test]
+    fn an_expired_client_certificate_is_refused_and_the_expiry_is_read() {
+        let dir = std::env::temp_dir().join(format!("pb-tls-dates-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert, key) = self_signed(&dir, "c"); // valid for 1 day from now
+        let now = unix_now();
+        let files = load_at(KEYS, "", &cert, &key, now).expect("valid now");
+        let expires = files.client.as_ref().unwrap().expires_at().expect("the expiry is read");
+        assert!((expires - (now + 86_400)).abs() <= 120, "notAfter {expires} is not about a day after {now}");
+        let dates = certificate_dates(&std::fs::read(&cert).unwrap());
+        assert_eq!(dates.len(), 1);
+        assert_eq!(dates[0].subject, "CN=t");
+        assert!(dates[0].not_before <= now && dates[0].not_after == expires, "{dates:?}");
+
+        let e = load_at(KEYS, "", &cert, &key, expires + 3 * 86_400 + 5).unwrap_err();
+        assert_eq!(e.key, "redis.tls_cert_file");
+        assert!(e.value.contains("c.pem"), "{e:?}");
+        assert!(e.rule.contains(&format!("expired at {}", rfc3339(expires))) && e.rule.contains("(3 days ago") && e.rule.contains("CN=t"), "{e:?}");
+        load_at(KEYS, &cert, "", "", expires + 3 * 86_400).expect("an expired CA certificate is allowed");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn times_and_spans_are_written_for_people() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(1_800_000_000), "2027-01-15T08:00:00Z");
+        assert_eq!(span_text(59), "59 seconds");
+        assert_eq!(span_text(-60), "1 minute");
+        assert_eq!(span_text(7_199), "1 hour");
+        assert_eq!(span_text(3 * 86_400 + 5), "3 days");
+    }
 }

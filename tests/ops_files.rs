@@ -68,6 +68,7 @@ fn exported_names() -> BTreeSet<String> {
     metrics::buffer_state(9999, 1, 0.5);
     metrics::partition_backlog(9999, 1);
     metrics::lease_op("renew", "lost");
+    metrics::tls_client_certificate_expiry("redis", 1);
     let text = metrics::render();
     metrics::partition_released(9999);
     text.lines()

@@ -66,9 +66,50 @@ async fn the_main_job_runs_over_amqps_rediss_and_https() {
     let results = amqp.run_main_job(&env, "tls", 40, 4).await;
     assert!(fake.call_count() > 0, "the HTTPS fake was not called");
     eprintln!("tls: 40 requests answered over amqps + rediss + https, mutual TLS on all three, in {} calls", fake.call_count());
+    // The client certificate's expiry, as openssl reads it, is exported for each link.
+    let not_after = openssl_not_after(&files.client_cert);
+    let exported = prefix_batcher::metrics::render();
+    for link in ["amqp", "redis", "llm"] {
+        let line = format!("prefix_batcher_tls_client_certificate_expiry_timestamp_seconds{{link=\"{link}\"}} {not_after}");
+        assert!(exported.lines().any(|l| l == line), "no line {line:?} in:\n{}", exported.lines().filter(|l| l.contains("tls_client")).collect::<Vec<_>>().join("\n"));
+    }
     daemon.stop().await.expect("the daemon stops cleanly");
     results.close().await;
     amqp.close().await;
+    env.cleanup().await;
+}
+
+/// The `notAfter` of the certificate at `cert`, in Unix seconds, as the openssl command line and
+/// `date` read it (independently of the daemon's X.509 parser).
+fn openssl_not_after(cert: &Path) -> i64 {
+    let out = std::process::Command::new("openssl").args(["x509", "-noout", "-enddate", "-in"]).arg(cert).output().expect("run openssl");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let date = text.trim().strip_prefix("notAfter=").unwrap_or_else(|| panic!("openssl printed {text:?}"));
+    let out = std::process::Command::new("date").args(["-u", "+%s", "-d", date]).output().expect("run date");
+    String::from_utf8(out.stdout).unwrap().trim().parse().unwrap_or_else(|e| panic!("date -d {date:?}: {e}"))
+}
+
+/// `check-config` shows each client certificate's subject and expiry and each CA bundle's first
+/// expiry, as RFC 3339 times, with the time left.
+#[tokio::test]
+async fn check_config_shows_the_certificates_validity() {
+    let files = TlsFiles::generate();
+    let env = TestEnv::new("tlscheck");
+    let mut raw = env.raw_config("https://localhost:1/");
+    raw.redis.url = "rediss://localhost:1/".into();
+    raw.redis.tls_ca_file = path(&files.ca_cert);
+    (raw.redis.tls_cert_file, raw.redis.tls_key_file) = (path(&files.client_cert), path(&files.client_key));
+    let cfg = write_config(&env, "check", &raw);
+    let out = bin_command().arg("check-config").arg(&cfg).output().expect("run check-config");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let rfc3339 = |at: i64| prefix_batcher::tls::rfc3339(at);
+    let client = format!("# redis.tls_cert_file: CN=pbt-client, valid until {} (in 6 days)", rfc3339(openssl_not_after(&files.client_cert)));
+    let ca = format!("# redis.tls_ca_file: 1 certificate; the first to expire: CN=pbt-test-ca, valid until {} (in 6 days)", rfc3339(openssl_not_after(&files.ca_cert)));
+    for want in [client, ca] {
+        assert!(stdout.lines().any(|l| l == want), "no line {want:?} in:\n{stdout}");
+    }
+    assert!(!stdout.contains("amqp.tls_") && !stdout.contains("llm.tls_cert_file:"), "links without TLS files are not listed:\n{stdout}");
     env.cleanup().await;
 }
 
@@ -112,7 +153,9 @@ async fn a_wrong_ca_fails_with_an_error_naming_the_link() {
             amqp.publish_requests(&env.input_queue(), &completions_workload("tlsca", 4, 1), &format!("{}.reply", env.name)).await;
             amqp.close().await;
         }
-        let log = wait_log(&mut d, needles, DEADLINE).await;
+        // Each link's 7-day client certificate is within the 14 days that startup warns of.
+        let expiring = format!("client certificate ({link}.tls_cert_file) expires in 6 days");
+        let log = wait_log(&mut d, &[needles, &[expiring.as_str()]].concat(), DEADLINE).await;
         let line = log.lines().find(|l| l.to_lowercase().contains("certificate")).unwrap_or_default();
         eprintln!("wrong CA on {link}: {line}");
         d.kill9();
