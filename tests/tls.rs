@@ -116,6 +116,45 @@ async fn check_config_shows_the_certificates_validity() {
     env.cleanup().await;
 }
 
+/// Certificate login (SASL EXTERNAL, RabbitMQ's `rabbitmq_auth_mechanism_ssl`), with
+/// `auth_mechanism=external` in `amqp.url` and no user or password in it: while no RabbitMQ user
+/// has the certificate's CN, startup stops with exit 78 and a message that says the certificate
+/// is the login; once the user exists, the main job runs over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn certificate_login_names_the_certificate_when_refused_and_then_runs() {
+    let files = TlsFiles::generate();
+    let broker = TlsBroker::start_with_certificate_login(&files).await;
+    let fake = FakeLlm::new().start().await.expect("start the fake LLM");
+    let env = TestEnv::new("tlsext");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.url = format!("amqps://localhost:{}/%2f?auth_mechanism=external", broker.amqps_port);
+    raw.amqp.tls_ca_file = path(&files.ca_cert);
+    (raw.amqp.tls_cert_file, raw.amqp.tls_key_file) = (path(&files.client_cert), path(&files.client_key));
+
+    let mut p = DaemonProcess::run(&env, "no-such-user", &raw);
+    let status = p.wait_exit(DEADLINE).await;
+    let log = p.log();
+    assert_eq!(status.code(), Some(78), "want exit 78 while no user is named by the certificate; log:\n{log}");
+    assert!(
+        log.contains("403 ACCESS_REFUSED") && log.contains("with auth_mechanism=external the client certificate (amqp.tls_cert_file) is the login"),
+        "the refusal must point at the certificate; log:\n{log}"
+    );
+
+    // The user named by the certificate's CN; its password is never used by EXTERNAL.
+    broker.ctl(&["add_user", "pbt-client", &uuid::Uuid::new_v4().to_string()]);
+    broker.ctl(&["set_permissions", "-p", "/", "pbt-client", ".*", ".*", ".*"]);
+    let daemon = start_daemon(&raw);
+    let amqp = Amqp::connect_to(&broker.amqp_url()).await;
+    let results = amqp.run_main_job(&env, "tlsext", 20, 4).await;
+    let users = std::process::Command::new("rabbitmqctl").args(["-q", "-n", &broker.node, "list_connections", "user", "auth_mechanism"]).output().expect("rabbitmqctl");
+    let users = String::from_utf8_lossy(&users.stdout).into_owned();
+    assert!(users.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["pbt-client", "EXTERNAL"]), "the daemon's connections log in as pbt-client by EXTERNAL:\n{users}");
+    daemon.stop().await.expect("the daemon stops cleanly");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// Waits until the log of `d` contains every one of `needles` (case-insensitive); panics with the
 /// log's end after the deadline. The daemon must still be running (it retries, it does not exit).
 async fn wait_log(d: &mut DaemonProcess, needles: &[&str], within: Duration) -> String {

@@ -465,13 +465,36 @@ impl TlsBroker {
     /// last in its boot). A node that exits first (e.g. a port was taken) is started again with
     /// other ports and another name (3 attempts). Panics with the node's log otherwise.
     pub async fn start(files: &TlsFiles) -> TlsBroker {
-        let (mut broker, took) = start_server(BROKER_START_DEADLINE, || TlsBroker::spawn(files)).await;
+        let (mut broker, took) = start_server(BROKER_START_DEADLINE, || TlsBroker::spawn(files, false)).await;
         broker.startup = took;
         broker
     }
 
-    /// Writes the node's files and starts it; see [`TlsBroker::start`].
-    fn spawn(files: &TlsFiles) -> TlsBroker {
+    /// [`TlsBroker::start`] with certificate login: the `rabbitmq_auth_mechanism_ssl` plugin, the
+    /// SASL mechanisms PLAIN, AMQPLAIN and EXTERNAL, and `ssl_cert_login_from = common_name`, so a
+    /// client that chooses EXTERNAL over TLS logs in as the user named by its certificate's CN
+    /// (<https://www.rabbitmq.com/docs/ssl#peer-verification>, the plugin's README). guest/guest
+    /// still logs in with PLAIN.
+    pub async fn start_with_certificate_login(files: &TlsFiles) -> TlsBroker {
+        let (mut broker, took) = start_server(BROKER_START_DEADLINE, || TlsBroker::spawn(files, true)).await;
+        broker.startup = took;
+        broker
+    }
+
+    /// `rabbitmqctl -q -n {node} args…` (killed after 30 s); panics with its output on failure.
+    pub fn ctl(&self, args: &[&str]) {
+        let out = Command::new("timeout")
+            .args(["30", "rabbitmqctl", "-q", "-n", &self.node])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run rabbitmqctl");
+        assert!(out.status.success(), "rabbitmqctl -n {} {}: {}{}", self.node, args.join(" "), String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// Writes the node's files and starts it; see [`TlsBroker::start`] and
+    /// [`TlsBroker::start_with_certificate_login`].
+    fn spawn(files: &TlsFiles, certificate_login: bool) -> TlsBroker {
         let dir = fresh_dir("pbt-tls-node");
         let (uid, gid) = rabbitmq_user();
         std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).expect("chown the node dir to rabbitmq");
@@ -479,9 +502,14 @@ impl TlsBroker {
         let node = format!("pbt-tls-{}@localhost", &id[..10]);
         let [amqp_port, amqps_port, dist_port] = free_ports::<3>();
         let config = dir.join("rabbitmq.conf");
-        std::fs::write(&config, broker_config(files, amqp_port, amqps_port)).expect("write rabbitmq.conf");
-        // An empty list: no plugins (the management plugin would take a fixed port).
-        std::fs::write(dir.join("enabled_plugins"), "[].\n").expect("write enabled_plugins");
+        let mut conf = broker_config(files, amqp_port, amqps_port);
+        if certificate_login {
+            conf.push_str("auth_mechanisms.1 = PLAIN\nauth_mechanisms.2 = AMQPLAIN\nauth_mechanisms.3 = EXTERNAL\nssl_cert_login_from = common_name\n");
+        }
+        std::fs::write(&config, conf).expect("write rabbitmq.conf");
+        // No plugins but certificate login's (the management plugin would take a fixed port).
+        let plugins = if certificate_login { "[rabbitmq_auth_mechanism_ssl].\n" } else { "[].\n" };
+        std::fs::write(dir.join("enabled_plugins"), plugins).expect("write enabled_plugins");
         let mut child = Command::new(RABBITMQ_SERVER)
             .uid(uid)
             .gid(gid)
