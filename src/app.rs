@@ -254,9 +254,6 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()> + Send +
     run_with_events(settings, shutdown, |_| {}).await
 }
 
-/// Startup warns from this many seconds before a client certificate expires (14 days).
-const CLIENT_CERT_WARN_SECS: i64 = 14 * 86_400;
-
 /// Exports the expiry of each link's client certificate
 /// (`prefix_batcher_tls_client_certificate_expiry_timestamp_seconds{link}`) and warns when one
 /// expires within 14 days: the files are read only at startup, so a renewed certificate counts
@@ -266,7 +263,7 @@ fn report_client_certificates(settings: &Settings) {
     for (link, files) in settings.tls_links() {
         let Some(at) = files.client.as_ref().and_then(|c| c.expires_at()) else { continue };
         metrics::tls_client_certificate_expiry(link, at);
-        if at - now < CLIENT_CERT_WARN_SECS {
+        if at - now < crate::tls::CLIENT_CERT_WARN_SECS {
             warn!(
                 link,
                 expires_at = %crate::tls::rfc3339(at),

@@ -582,7 +582,8 @@ pub struct MemberStatus {
     /// Its health line as of its last heartbeat ([`crate::ownership::health_line`]): `ready`
     /// or `not ready: ` with the reasons of its `/readyz` (`llm endpoints unavailable`,
     /// `amqp connection blocked` by a broker's resource alarm, …), then its LLM endpoints whose
-    /// circuit breaker is not closed. `None` for an instance that publishes none.
+    /// circuit breaker is not closed, then its client certificates that expire within 14 days.
+    /// `None` for an instance that publishes none.
     pub health: Option<String>,
 }
 

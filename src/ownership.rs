@@ -130,19 +130,29 @@ pub struct Ownership {
     flagged_llm_down: bool,
     /// This process's readiness, published in the member's health line ([`health_line`]).
     readiness: Readiness,
+    /// Each link's client certificate expiry (Unix seconds), read once: the files are read only
+    /// at startup. Noted in the health line from 14 days before.
+    client_certificates: Vec<(&'static str, i64)>,
 }
 
 /// A member's health line ([`crate::membership::member_health_key`]), as `status` shows it:
 /// its readiness as `/readyz` says it (`ready`, or `not ready: ` and the reasons), then, when
 /// any LLM endpoint's circuit breaker is not closed, how many of its endpoints are down and
 /// which (credential-free URL and breaker state), e.g.
-/// `ready; 1 of 2 LLM endpoints down: http://10.0.0.7:8000/v1 (open)`.
-pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)]) -> String {
+/// `ready; 1 of 2 LLM endpoints down: http://10.0.0.7:8000/v1 (open)`; then, for each link
+/// whose client certificate (`(link, expiry in Unix seconds)` in `client_certificates`) expires
+/// within 14 days of `now`, a note ([`crate::tls::expiry_note`]), e.g.
+/// `ready; redis client certificate expires in 6 days`.
+pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], client_certificates: &[(&str, i64)], now: i64) -> String {
     let mut line = readiness.to_string();
     let down: Vec<String> =
         endpoints.iter().filter(|(_, s)| *s != BreakerState::Closed).map(|(name, s)| format!("{name} ({})", s.as_str())).collect();
     if !down.is_empty() {
         line.push_str(&format!("; {} of {} LLM endpoints down: {}", down.len(), endpoints.len(), down.join(", ")));
+    }
+    for note in client_certificates.iter().filter_map(|(link, at)| crate::tls::expiry_note(link, *at, now)) {
+        line.push_str("; ");
+        line.push_str(&note);
     }
     line
 }
@@ -156,7 +166,10 @@ impl Ownership {
         let membership = Membership::new(redis, prefix, &settings.instance_name, &nonce, settings.ownership.member_ttl, timeout).with_routing(settings.routing_fingerprint())
             .with_partition_count(settings.amqp.partitions.get())
             .with_route(crate::topology::partition_route(&settings.amqp));
+        let client_certificates =
+            settings.tls_links().into_iter().filter_map(|(link, f)| Some((link, f.client.as_ref()?.expires_at()?))).collect();
         Ownership {
+            client_certificates,
             buffer_budget: partition::BufferBudget::new(&settings),
             settings,
             membership,
@@ -284,7 +297,7 @@ impl Ownership {
         let endpoints: Vec<(&str, BreakerState)> = (0..self.llm.endpoint_count())
             .filter_map(|i| Some((self.llm.endpoint_name(i)?, self.llm.breaker_state(i)?)))
             .collect();
-        self.membership.set_health(&health_line(&self.readiness.state(), &endpoints));
+        self.membership.set_health(&health_line(&self.readiness.state(), &endpoints, &self.client_certificates, crate::tls::unix_now()));
         let beat = match self.membership.heartbeat_flagging(llm_down, conflict).await {
             Ok(b) => b,
             Err(e) => {
@@ -655,15 +668,22 @@ mod tests {
         let readiness = Readiness::new();
         readiness.set(NotReady::Starting, false);
         let all_up = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Closed)];
-        assert_eq!(health_line(&readiness.state(), &all_up), "ready");
+        assert_eq!(health_line(&readiness.state(), &all_up, &[], 0), "ready");
         let one_down = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Open)];
-        assert_eq!(health_line(&readiness.state(), &one_down), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
+        assert_eq!(health_line(&readiness.state(), &one_down, &[], 0), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
         readiness.set(NotReady::LlmUnavailable, true);
         readiness.set_connection_blocked("publish", true);
         let all_down = [("http://a:8000/v1", BreakerState::HalfOpen), ("http://b:8000/v1", BreakerState::Open)];
         assert_eq!(
-            health_line(&readiness.state(), &all_down),
+            health_line(&readiness.state(), &all_down, &[], 0),
             "not ready: llm endpoints unavailable, amqp connection blocked; 2 of 2 LLM endpoints down: http://a:8000/v1 (half_open), http://b:8000/v1 (open)"
+        );
+        // Client certificates: a note for each one within 14 days of its expiry, none for others.
+        let now = 1_800_000_000;
+        let certificates = [("amqp", now + 6 * 86_400 + 60), ("redis", now + 30 * 86_400), ("llm", now - 3_600)];
+        assert_eq!(
+            health_line(&readiness.state(), &all_up, &certificates, now),
+            "not ready: llm endpoints unavailable, amqp connection blocked; amqp client certificate expires in 6 days; llm client certificate expired 1 hour ago"
         );
     }
 }

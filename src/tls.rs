@@ -82,6 +82,25 @@ pub fn certificate_dates(pem: &[u8]) -> Vec<CertificateDates> {
         .collect()
 }
 
+/// From this many seconds before a client certificate expires (14 days), startup warns of it and
+/// each instance's health line in `status` notes it.
+pub const CLIENT_CERT_WARN_SECS: i64 = 14 * 86_400;
+
+/// A note on the client certificate of `link` that expires at `expires_at` (Unix seconds) when
+/// that is less than [`CLIENT_CERT_WARN_SECS`] after `now`: `amqp client certificate expires in
+/// 6 days` or `… expired 2 hours ago`; `None` otherwise.
+pub fn expiry_note(link: &str, expires_at: i64, now: i64) -> Option<String> {
+    let left = expires_at - now;
+    if left >= CLIENT_CERT_WARN_SECS {
+        return None;
+    }
+    Some(if left >= 0 {
+        format!("{link} client certificate expires in {}", span_text(left))
+    } else {
+        format!("{link} client certificate expired {} ago", span_text(left))
+    })
+}
+
 /// The current time in Unix seconds.
 pub fn unix_now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
@@ -335,6 +354,15 @@ mod tests {
         assert!(e.rule.contains(&format!("expired at {}", rfc3339(expires))) && e.rule.contains("(3 days ago") && e.rule.contains("CN=t"), "{e:?}");
         load_at(KEYS, &cert, "", "", expires + 3 * 86_400).expect("an expired CA certificate is allowed");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_a_certificate_within_14_days_of_its_expiry_gets_a_note() {
+        let now = 1_800_000_000;
+        assert_eq!(expiry_note("amqp", now + 14 * 86_400, now), None);
+        assert_eq!(expiry_note("amqp", now + 14 * 86_400 - 1, now).as_deref(), Some("amqp client certificate expires in 13 days"));
+        assert_eq!(expiry_note("redis", now, now).as_deref(), Some("redis client certificate expires in 0 seconds"));
+        assert_eq!(expiry_note("llm", now - 7_200, now).as_deref(), Some("llm client certificate expired 2 hours ago"));
     }
 
     #[test]

@@ -66,6 +66,16 @@ async fn the_main_job_runs_over_amqps_rediss_and_https() {
     let results = amqp.run_main_job(&env, "tls", 40, 4).await;
     assert!(fake.call_count() > 0, "the HTTPS fake was not called");
     eprintln!("tls: 40 requests answered over amqps + rediss + https, mutual TLS on all three, in {} calls", fake.call_count());
+    // `status` shows in the instance's health line that its client certificates (7 days) expire
+    // within 14 days.
+    let settings = prefix_batcher::config::Settings::from_raw(&tls_config(&env, &files, &broker, &redis, &fake, [ca, ca, ca])).unwrap();
+    let status = prefix_batcher::client::status(&settings).await.expect("status over TLS");
+    let health = status.members.iter().find_map(|m| m.health.clone()).expect("the instance publishes its health");
+    for link in ["amqp", "redis", "llm"] {
+        let note = format!("{link} client certificate expires in ");
+        assert!(health.contains(&format!("{note}6 days")) || health.contains(&format!("{note}7 days")), "no {note:?} in the health line {health:?}");
+    }
+    assert!(health.starts_with("ready; "), "{health}");
     // The client certificate's expiry, as openssl reads it, is exported for each link.
     let not_after = openssl_not_after(&files.client_cert);
     let exported = prefix_batcher::metrics::render();
