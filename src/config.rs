@@ -1456,7 +1456,7 @@ fn only_with_tls(keys: TlsKeys, [ca, cert, key]: [&str; 3], uses_tls: bool, why:
     let set = [(keys.ca_file, ca), (keys.cert_file, cert), (keys.key_file, key)].into_iter().find(|(_, v)| !v.is_empty());
     match set {
         None => Ok(()),
-        Some((k, v)) => Err(invalid(k, format!("{v:?}"), format!("is only used over TLS, but {why}"))),
+        Some((k, v)) => Err(invalid(k, crate::tls::shown_value(k, v), format!("is only used over TLS, but {why}"))),
     }
 }
 

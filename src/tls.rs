@@ -169,13 +169,19 @@ pub struct TlsKeys {
 /// Errors: an unreadable file, a file without the expected PEM blocks, certificates that do not
 /// parse, a key that does not match its certificate, a certificate without its key or the
 /// reverse, a client certificate chain with a certificate past its `notAfter` (the server would
-/// refuse it with the TLS alert `certificate_expired`, RFC 8446 6.2) — each naming the key and the
+/// refuse it with the TLS alert `certificate_expired`, RFC 8446 6.2) or with a `notBefore` more
+/// than 5 minutes ahead ([`NOT_BEFORE_SKEW_SECS`]) — each naming the key and the
 /// path, never the file's contents (a value that looks like PEM text instead of a path is not
 /// echoed either). Expired certificates in the CA bundle are allowed: rustls does not check the
 /// validity dates of trust anchors.
 pub fn load(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str) -> Result<TlsFiles, TlsFileError> {
     load_at(keys, ca_file, cert_file, key_file, unix_now())
 }
+
+/// How far in the future a client certificate's `notBefore` may lie (5 minutes) and still be
+/// loaded: clocks differ a little between the host that issued it and this one, and the server
+/// decides by its own clock. Further ahead is a certificate issued for later, or a wrong clock.
+const NOT_BEFORE_SKEW_SECS: i64 = 300;
 
 /// [`load`] with the current time given (Unix seconds).
 fn load_at(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str, now: i64) -> Result<TlsFiles, TlsFileError> {
@@ -207,11 +213,21 @@ fn load_at(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str, now: i
                 .with_root_certificates(rustls::RootCertStore::empty())
                 .with_client_auth_cert(chain, key)
                 .map_err(|e| file_error(keys.key_file, key_file, format!("does not fit {} ({e})", keys.cert_file)))?;
-            if let Some(c) = certificate_dates(&cert_pem).into_iter().find(|c| c.not_after < now) {
+            let dates = certificate_dates(&cert_pem);
+            if let Some(c) = dates.iter().find(|c| c.not_after < now) {
                 let rule = format!(
                     "holds a certificate that expired at {} ({} ago by this host's clock; subject {}): servers refuse it (TLS alert certificate_expired); renew it",
                     rfc3339(c.not_after),
                     span_text(now - c.not_after),
+                    c.subject
+                );
+                return Err(file_error(keys.cert_file, cert_file, rule));
+            }
+            if let Some(c) = dates.iter().find(|c| c.not_before > now + NOT_BEFORE_SKEW_SECS) {
+                let rule = format!(
+                    "holds a certificate that is not valid before {} (in {} by this host's clock; subject {}): servers refuse it (TLS alert bad_certificate) until then; use one that is valid now, or check this host's clock",
+                    rfc3339(c.not_before),
+                    span_text(c.not_before - now),
                     c.subject
                 );
                 return Err(file_error(keys.cert_file, cert_file, rule));
@@ -222,15 +238,32 @@ fn load_at(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str, now: i
     Ok(TlsFiles { ca_pem, client })
 }
 
-/// A [`TlsFileError`] for `key` = `path`. A "path" that looks like PEM text (contents pasted
-/// where the path belongs) is not echoed: it may be a private key.
+/// A [`TlsFileError`] for `key` = `path`, the value shown as [`shown_value`] shows it.
 fn file_error(key: &'static str, path: &str, rule: String) -> TlsFileError {
-    let value = if path.contains("-----") || path.contains('\n') || path.len() > 4096 {
+    TlsFileError { key, value: shown_value(key, path), rule }
+}
+
+/// How the value of the TLS file setting `key` appears in an error message: quoted when it can
+/// only be a path, else a note, since a file's contents pasted where its path belongs may be a
+/// private key. Not shown:
+/// - PEM text (`-----`), a line break, or more than 4,096 bytes (Linux's `PATH_MAX`);
+/// - a path segment of more than 64 characters all from the base64 alphabets (a key or a
+///   certificate without its PEM lines, or a whole PEM file base64-encoded as in a Kubernetes
+///   Secret's `data`): file names like that are not written by people;
+/// - for a `*tls_key_file`, anything but an absolute path: a private key's base64 body starts
+///   with `M` (DER's SEQUENCE), never with `/`, while a short body could pass for a relative path.
+pub fn shown_value(key: &str, path: &str) -> String {
+    let pasted = path.contains("-----")
+        || path.contains('\n')
+        || path.len() > 4096
+        || path.split('/').any(|seg| seg.len() > 64 && seg.bytes().all(|b| b.is_ascii_alphanumeric() || b"+=-_".contains(&b)));
+    if pasted {
         "(not a path: it looks like the file's contents; give the path of a file instead)".to_owned()
+    } else if key.ends_with("tls_key_file") && !path.starts_with('/') {
+        "(not shown: not an absolute path, so it may be the key itself; give the key file's absolute path)".to_owned()
     } else {
         format!("{path:?}")
-    };
-    TlsFileError { key, value, rule }
+    }
 }
 
 fn read(key: &'static str, path: &str) -> Result<Vec<u8>, TlsFileError> {
@@ -353,6 +386,46 @@ mod tests {
         assert!(e.value.contains("c.pem"), "{e:?}");
         assert!(e.rule.contains(&format!("expired at {}", rfc3339(expires))) && e.rule.contains("(3 days ago") && e.rule.contains("CN=t"), "{e:?}");
         load_at(KEYS, &cert, "", "", expires + 3 * 86_400).expect("an expired CA certificate is allowed");
+
+        // Not yet valid: beyond the 5 minutes allowed for clock differences, refused.
+        let not_before = dates[0].not_before;
+        load_at(KEYS, "", &cert, &key, not_before - NOT_BEFORE_SKEW_SECS).expect("within the clock skew allowed");
+        let e = load_at(KEYS, "", &cert, &key, not_before - 2 * 86_400).unwrap_err();
+        assert_eq!(e.key, "redis.tls_cert_file");
+        assert!(e.rule.contains(&format!("not valid before {} (in 2 days", rfc3339(not_before))) && e.rule.contains("CN=t"), "{e:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Observed: a private key's base64 body without its PEM lines, pasted where the key file's
+    /// path belongs, was echoed whole in the startup error. Only what can only be a path is shown.
+    #[test]
+    fn a_pasted_key_without_its_pem_lines_is_never_shown() {
+        let dir = std::env::temp_dir().join(format!("pb-tls-paste-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert, key) = self_signed(&dir, "p");
+        let pem = std::fs::read_to_string(&key).unwrap();
+        let body: String = pem.lines().filter(|l| !l.starts_with("-----")).collect();
+        let line1 = pem.lines().nth(1).unwrap().to_owned();
+        // The whole PEM base64-encoded, as a Kubernetes Secret's `data` holds it.
+        let whole_b64 = std::process::Command::new("base64").args(["-w", "0"]).arg(&key).output().unwrap().stdout;
+        let whole_b64 = String::from_utf8(whole_b64).unwrap();
+        for pasted in [body.as_str(), line1.as_str(), &body[..40], whole_b64.as_str()] {
+            let e = load(KEYS, "", &cert, pasted).unwrap_err();
+            let shown = format!("{} {} {}", e.key, e.value, e.rule);
+            assert!(!shown.contains(&pasted[..20]), "the pasted key was shown: {shown}");
+            assert!(e.value.starts_with("(not"), "{e:?}");
+            // The same text in the certificate's or the CA's setting (public, but it may be a key
+            // put in the wrong place) is not shown either when it is long.
+            if pasted.len() > 64 {
+                let e = load(KEYS, pasted, "", "").unwrap_err();
+                assert!(!e.value.contains(&pasted[..20]), "{e:?}");
+            }
+        }
+        // Paths are shown: absolute ones for the key, relative ones for the others.
+        let e = load(KEYS, "", &cert, "/etc/prefix-batcher/tls/missing.key").unwrap_err();
+        assert_eq!(e.value, "\"/etc/prefix-batcher/tls/missing.key\"");
+        let e = load(KEYS, "tls/missing-ca.pem", "", "").unwrap_err();
+        assert_eq!(e.value, "\"tls/missing-ca.pem\"");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
