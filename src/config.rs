@@ -722,7 +722,7 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
         match std::fs::read_to_string(p) {
             Ok(text) => {
                 if let Err(e) = text.parse::<toml::Table>() {
-                    return Err(ConfigError::Parse { path: p.display().to_string(), message: redact_text(&e.to_string()) });
+                    return Err(ConfigError::Parse { path: p.display().to_string(), message: redact_text(&redact_key_material(&e.to_string())) });
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
@@ -1071,6 +1071,18 @@ pub fn redact_text(text: &str) -> String {
     }
     shown.push_str(&t[from..]);
     API_KEY.replace_all(&shown, "${1}***").into_owned()
+}
+
+/// A TOML parse error's excerpt of the file with what may be a private key taken out: the value
+/// of a `tls_key_file` line, and every run of 40 or more characters of the base64 alphabet (a
+/// line of a PEM key pasted into a `"""` string, or a key without its PEM lines).
+fn redact_key_material(text: &str) -> String {
+    static KEY_FILE: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r#"(tls_key_file["']?\s*=\s*).*"#).expect("valid regex"));
+    static BASE64_RUN: std::sync::LazyLock<regex::Regex> =
+        std::sync::LazyLock::new(|| regex::Regex::new(r"[A-Za-z0-9+/=]{40,}").expect("valid regex"));
+    let t = KEY_FILE.replace_all(text, "${1}***");
+    BASE64_RUN.replace_all(&t, "***").into_owned()
 }
 
 /// Default instance name: the hostname, plus `-{INSTANCE}` when the systemd template sets it.
@@ -2284,6 +2296,17 @@ mod tests {
         assert_eq!(redact_text("3 | api_key = sk-hunter2"), "3 | api_key = ***");
         assert!(!redact_text("redis://:hunter2@h:6379/").contains("hunter2"));
         assert_eq!(redact_text("4 | url = \"redis://h/0?Password=hunter2&db=1"), "4 | url = \"redis://h/0?Password=***&db=1");
+        // Observed: a TOML syntax error on a line holding a pasted key showed the key.
+        assert_eq!(redact_key_material("2 | tls_key_file = \"MIIEvQIBADAN\" x"), "2 | tls_key_file = ***");
+        assert_eq!(redact_key_material("5 | MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQDG"), "5 | ***");
+        assert_eq!(redact_key_material("2 | partitions = \"8\""), "2 | partitions = \"8\"");
+        let dir = std::env::temp_dir().join(format!("pb-config-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("pasted.toml");
+        std::fs::write(&file, "[redis]\ntls_key_file = \"\"\"-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQDGrLcbSECRET\n").unwrap();
+        let e = load_raw(Some(&file)).unwrap_err().to_string();
+        assert!(e.contains("cannot parse configuration file") && !e.contains("MIIEvQ") && !e.contains("SECRET"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
         // URLs that do not parse, or parse but carry a secret in the query or the user part.
         r.amqp.url = "amqp://h:5672/%2f".into();
         for (key, bad) in [
