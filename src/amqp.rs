@@ -510,6 +510,11 @@ impl RefusalTurns {
         if had_turn { self.in_turn.fetch_add(1, std::sync::atomic::Ordering::AcqRel) } else { 0 }
     }
 
+    /// Whether the broker refused the last publish (publishes take turns until one is taken).
+    pub fn refusing(&self) -> bool {
+        self.refusing.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// The broker took a publish: publishes go concurrently again.
     pub fn accepted(&self) {
         self.refusing.store(false, std::sync::atomic::Ordering::Release);

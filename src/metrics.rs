@@ -205,6 +205,16 @@ static AMQP_BLOCKED: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     )
     .unwrap())
 });
+static HELD: LazyLock<IntGaugeVec> = LazyLock::new(|| {
+    reg(IntGaugeVec::new(
+        Opts::new(
+            "held_publishes",
+            "Results (kind=result) and forwards (kind=forward) held now because the broker does not take them: each is published again after a backoff, its delivery unacked and not charged.",
+        ),
+        &["kind"],
+    )
+    .unwrap())
+});
 static TLS_CLIENT_CERT_EXPIRY: LazyLock<IntGaugeVec> = LazyLock::new(|| {
     reg(IntGaugeVec::new(
         Opts::new(
@@ -515,6 +525,9 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
         INTAKE_FAILURES.with_label_values(&[r]);
     }
     LazyLock::force(&UNSETTLED);
+    for k in HELD_KINDS {
+        HELD.with_label_values(&[k]);
+    }
     for r in ["nacked", "unroutable", "timeout"] {
         REPLY_TO_REFUSED.with_label_values(&[r]);
     }
@@ -535,6 +548,34 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
 /// `max(prefix_batcher_partitions) - sum(prefix_batcher_partitions_owned)`).
 pub fn deployment(partitions: u32) {
     PARTITIONS.set(i64::from(partitions));
+}
+
+/// Label values of `held_publishes{kind}`.
+pub const HELD_KINDS: [&str; 2] = ["result", "forward"];
+
+/// One result or forward (`kind`, one of [`HELD_KINDS`]) that the broker does not take, held
+/// until it is dropped: counted in `held_publishes{kind}` meanwhile.
+pub struct HeldPublish(IntGauge);
+
+impl HeldPublish {
+    pub fn new(kind: &'static str) -> Self {
+        debug_assert!(HELD_KINDS.contains(&kind), "{kind}");
+        let g = HELD.with_label_values(&[kind]);
+        g.inc();
+        HeldPublish(g)
+    }
+}
+
+impl Drop for HeldPublish {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// Results and forwards held now ([`HeldPublish`]): `(results, forwards)`.
+pub fn held_publishes() -> (u64, u64) {
+    let get = |k: &str| u64::try_from(HELD.with_label_values(&[k]).get()).unwrap_or(0);
+    (get("result"), get("forward"))
 }
 
 /// Label values of `tls_client_certificate_expiry_timestamp_seconds{link}`.

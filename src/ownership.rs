@@ -142,13 +142,20 @@ pub struct Ownership {
 /// `ready; 1 of 2 LLM endpoints down: http://10.0.0.7:8000/v1 (open)`; then, for each link
 /// whose client certificate (`(link, expiry in Unix seconds)` in `client_certificates`) expires
 /// within 14 days of `now`, a note ([`crate::tls::expiry_note`]), e.g.
-/// `ready; redis client certificate expires in 6 days`.
-pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], client_certificates: &[(&str, i64)], now: i64) -> String {
+/// `ready; redis client certificate expires in 6 days`. Between the two, when the broker does
+/// not take its results or forwards (`held`: `(results, forwards)` held now,
+/// [`metrics::held_publishes`]): `3 results held: the broker does not take them`.
+pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], held: (u64, u64), client_certificates: &[(&str, i64)], now: i64) -> String {
     let mut line = readiness.to_string();
     let down: Vec<String> =
         endpoints.iter().filter(|(_, s)| *s != BreakerState::Closed).map(|(name, s)| format!("{name} ({})", s.as_str())).collect();
     if !down.is_empty() {
         line.push_str(&format!("; {} of {} LLM endpoints down: {}", down.len(), endpoints.len(), down.join(", ")));
+    }
+    let counted = |n: u64, what: &str| (n > 0).then(|| format!("{n} {what}{}", if n == 1 { "" } else { "s" }));
+    let held: Vec<String> = [counted(held.0, "result"), counted(held.1, "forward")].into_iter().flatten().collect();
+    if !held.is_empty() {
+        line.push_str(&format!("; {} held: the broker does not take them", held.join(" and ")));
     }
     for note in client_certificates.iter().filter_map(|(link, at)| crate::tls::expiry_note(link, *at, now)) {
         line.push_str("; ");
@@ -297,7 +304,8 @@ impl Ownership {
         let endpoints: Vec<(&str, BreakerState)> = (0..self.llm.endpoint_count())
             .filter_map(|i| Some((self.llm.endpoint_name(i)?, self.llm.breaker_state(i)?)))
             .collect();
-        self.membership.set_health(&health_line(&self.readiness.state(), &endpoints, &self.client_certificates, crate::tls::unix_now()));
+        let held = metrics::held_publishes();
+        self.membership.set_health(&health_line(&self.readiness.state(), &endpoints, held, &self.client_certificates, crate::tls::unix_now()));
         let beat = match self.membership.heartbeat_flagging(llm_down, conflict).await {
             Ok(b) => b,
             Err(e) => {
@@ -668,22 +676,30 @@ mod tests {
         let readiness = Readiness::new();
         readiness.set(NotReady::Starting, false);
         let all_up = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Closed)];
-        assert_eq!(health_line(&readiness.state(), &all_up, &[], 0), "ready");
+        assert_eq!(health_line(&readiness.state(), &all_up, (0, 0), &[], 0), "ready");
         let one_down = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Open)];
-        assert_eq!(health_line(&readiness.state(), &one_down, &[], 0), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
+        assert_eq!(health_line(&readiness.state(), &one_down, (0, 0), &[], 0), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
         readiness.set(NotReady::LlmUnavailable, true);
         readiness.set_connection_blocked("publish", true);
         let all_down = [("http://a:8000/v1", BreakerState::HalfOpen), ("http://b:8000/v1", BreakerState::Open)];
         assert_eq!(
-            health_line(&readiness.state(), &all_down, &[], 0),
+            health_line(&readiness.state(), &all_down, (0, 0), &[], 0),
             "not ready: llm endpoints unavailable, amqp connection blocked; 2 of 2 LLM endpoints down: http://a:8000/v1 (half_open), http://b:8000/v1 (open)"
         );
         // Client certificates: a note for each one within 14 days of its expiry, none for others.
         let now = 1_800_000_000;
         let certificates = [("amqp", now + 6 * 86_400 + 60), ("redis", now + 30 * 86_400), ("llm", now - 3_600)];
         assert_eq!(
-            health_line(&readiness.state(), &all_up, &certificates, now),
+            health_line(&readiness.state(), &all_up, (0, 0), &certificates, now),
             "not ready: llm endpoints unavailable, amqp connection blocked; amqp client certificate expires in 6 days; llm client certificate expired 1 hour ago"
+        );
+        // Results and forwards the broker does not take.
+        readiness.set(NotReady::LlmUnavailable, false);
+        readiness.set_connection_blocked("publish", false);
+        assert_eq!(health_line(&readiness.state(), &all_up, (3, 0), &[], now), "ready; 3 results held: the broker does not take them");
+        assert_eq!(
+            health_line(&readiness.state(), &one_down, (1, 2), &[], now),
+            "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open); 1 result and 2 forwards held: the broker does not take them"
         );
     }
 }

@@ -1040,6 +1040,9 @@ pub async fn publish_result(
 ) -> ResultEnd {
     let (hold_until, release_on) = (hold.requeue, hold.release);
     let mut failures = 0u32;
+    // Counted in `held_publishes{kind="result"}` while it waits for its turn because the broker
+    // refuses the partition's results, and from its own first refusal until this returns.
+    let mut holding = out.turns().refusing().then(|| metrics::HeldPublish::new("result"));
     // While the broker refuses the partition's results, they take turns
     // ([`crate::amqp::RefusalTurns::turn`]).
     let mut turn = match result_turn(out, hold).await {
@@ -1075,6 +1078,7 @@ pub async fn publish_result(
         let step = out.turns().refused(turn.is_some());
         let wait = hold_backoff(amqp, failures.max(step));
         failures += 1;
+        holding.get_or_insert_with(|| metrics::HeldPublish::new("result"));
         crate::redelivery::note_failure(&result.id, &why);
         metrics::requests(stage::PUBLISHER, outcome::RESULT_HELD, 1);
         if access_refused(&e) {

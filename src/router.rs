@@ -346,6 +346,9 @@ async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let a = &settings.amqp;
     // While the broker refuses forwards, deliveries take turns ([`crate::amqp::RefusalTurns::turn`]).
+    // Counted in `held_publishes{kind="forward"}` while it waits for its turn because the broker
+    // refuses forwards, and from its own first refusal until this returns.
+    let mut holding = publish.shared.turns().refusing().then(|| metrics::HeldPublish::new("forward"));
     let Some(mut turn) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
     let mut ch = match publish.get().await {
         Ok(ch) => ch,
@@ -429,6 +432,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         let step = publish.shared.turns().refused(turn.is_some());
         let wait = publisher::hold_backoff(a, held.max(step));
         held += 1;
+        holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
         if publisher::access_refused(&e) {
             crate::error_limited!(

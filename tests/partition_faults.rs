@@ -1232,9 +1232,16 @@ async fn a_stop_while_the_broker_refuses_results_returns_the_requests_uncharged(
         dead.collect_for(Duration::from_secs(1)).await;
         panic!("refused results were not held: {} more held attempts, {} dead letters", held() - held_before, dead.received.len());
     }
+    // The hold shows: in `held_publishes` and in the instance's health line in `status`.
+    let held_now = || metric("prefix_batcher_held_publishes{kind=\"result\"}");
+    assert!(held_now() >= 1.0 && held_now() <= N as f64, "held_publishes{{kind=\"result\"}} = {}", held_now());
+    let settings = prefix_batcher::config::Settings::from_raw(&raw).unwrap();
+    let health = prefix_batcher::client::status(&settings).await.expect("status").members.iter().find_map(|m| m.health.clone()).unwrap_or_default();
+    assert!(health.starts_with("ready; ") && health.contains(" held: the broker does not take them"), "health line: {health:?}");
 
     let Started { amqp, daemon, results, reply } = st;
     let took = stop_and_wait_all_back(daemon, &env, N, "a stop during a result hold ends cleanly, without waiting for the broker").await;
+    assert_eq!(held_now(), 0.0, "a released hold is no longer counted");
     eprintln!("stop during a result hold: {N} requests put back in {took:?}");
 
     drop(policy);
