@@ -1187,6 +1187,9 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (attempts, secs) = (held() - before_window, window.elapsed().as_secs_f64());
     assert!(attempts <= (secs * 5.0).ceil() + 5.0, "{attempts} refused attempts in {secs:.1} s: the held forwards did not take turns");
+    let held_now = || metric("prefix_batcher_held_publishes{kind=\"forward\"}");
+    // 20 measured: each held forward counts, whether it waits for its turn or was refused itself.
+    assert!((1.0..=20.0).contains(&held_now()), "held_publishes{{kind=\"forward\"}} = {} for 20 held forwards", held_now());
     user.permit_writes(".*");
     let want = ids(&reqs);
     let deadline = Instant::now() + Duration::from_secs(90);
@@ -1205,6 +1208,7 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
         );
     }
     assert_eq!(answered, 20, "one result per request");
+    assert_eq!(held_now(), 0.0, "forwards taken are no longer counted as held");
     dead.collect_for(Duration::from_millis(500)).await;
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
