@@ -99,11 +99,16 @@ fn init_tracing(format: LogFormat, level: &str) {
     use std::io::IsTerminal;
     // lapin logs expected broker refusals (e.g. the passive declares of the topology check) at
     // ERROR; the daemon reports every failure that matters itself, so lapin is silenced unless
-    // RUST_LOG or log.level names it.
-    let directive = if level.contains("lapin") { level.to_owned() } else { format!("{level},lapin=off") };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .or_else(|_| tracing_subscriber::EnvFilter::try_new(&directive))
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // log.level names it. RUST_LOG, when set and not empty, replaces log.level and is used as
+    // given (RUST_LOG=trace shows the AMQP client too). An empty RUST_LOG counts as unset
+    // (docs/configuration.md): `EnvFilter` would read it as a filter without directives, which
+    // lets nothing through, not even the error that stops the daemon.
+    let directive = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.is_empty() => v,
+        _ if level.contains("lapin") => level.to_owned(),
+        _ => format!("{level},lapin=off"),
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&directive).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let ansi = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     match format {

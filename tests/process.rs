@@ -581,6 +581,25 @@ async fn refused_credentials_stop_the_startup_with_78() {
     env.cleanup().await;
 }
 
+/// An empty `RUST_LOG=` (an `EnvironmentFile` line without a value) counts as unset, as
+/// documented: the daemon logs at `log.level`. Observed: it was read as a filter without
+/// directives, and a daemon stopping with exit 78 said nothing at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_rust_log_still_logs_the_error_that_stops_the_daemon() {
+    let env = TestEnv::new("emptylog");
+    let mut raw = env.raw_config("http://127.0.0.1:1/");
+    raw.redis.url = format!("{}/99", REDIS_URL.trim_end_matches('/'));
+    let cfg = write_config(&env, "empty-rust-log", &raw);
+    let mut cmd = bin_command();
+    cmd.env("RUST_LOG", "").arg("--config").arg(&cfg).arg("run");
+    let mut p = DaemonProcess::spawn(&env, "empty-rust-log", cmd);
+    let status = p.wait_exit(DEADLINE).await;
+    let log = p.log();
+    assert_eq!(status.code(), Some(78), "log:\n{log}");
+    assert!(log.contains("http listening") && log.contains("has no such database"), "RUST_LOG= silenced the log:\n{log}");
+    env.cleanup().await;
+}
+
 /// A header of tables nested 10,000 levels deep (70 kB, within RabbitMQ's default `frame_max`):
 /// the AMQP client parses field tables recursively, and with the default 2 MiB thread stacks the
 /// daemon's process aborted at about 200 levels (`thread 'lapin-io-loop' has overflowed its
