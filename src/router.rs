@@ -39,7 +39,7 @@ pub struct Route {
     pub key_hex: String,
     /// The key it routes by, with its level; sent as header `x-routed-key`.
     pub routed: RoutedKey,
-    /// The first characters of the level-0 key material, for logs.
+    /// The first characters of the level-0 key material, for logs (at debug, quoted and escaped).
     pub key_preview: String,
     pub shard: u32,
     pub partition: u32,
@@ -368,7 +368,9 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     let _ = request_id.set(req.id.clone());
     let r = route(&req, settings);
-    debug!(request_id = %r.request_id, key = %r.key_hex, material = %r.key_preview, shard = r.shard, partition = r.partition, "routing");
+    // The material is the request's own text: logged quoted and escaped (`?`), so a line break or
+    // a control character in a prompt cannot start what looks like another log line.
+    debug!(request_id = %r.request_id, key = %r.key_hex, material = ?r.key_preview, shard = r.shard, partition = r.partition, "routing");
     let fwd = match forward_props(&delivery.properties, &r) {
         Ok(p) => p,
         Err(e) => {
