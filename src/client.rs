@@ -163,16 +163,24 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitS
     let reply = if opts.wait { Some(open_reply_queue(&ch).await?) } else { None };
 
     let started = Instant::now();
-    let ids = publish_input(&ch, settings, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
+    let (ids, refused) = publish_input(&ch, settings, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
     let mut summary = SubmitSummary { requests: ids.len(), ..Default::default() };
     eprintln!("submit: published {} requests to {queue}", ids.len());
     if let (Some((name, mut consumer)), Some(out)) = (reply, out.as_mut()) {
+        if refused.is_some() && !ids.is_empty() {
+            // Their results come to this reply queue, which goes with the connection: waiting for
+            // them keeps them from going to the results queue instead.
+            eprintln!("submit: the input stopped at a refused line; waiting for the results of the {} requests published before it", ids.len());
+        }
         let reply = ReplyQueue { conn: &conn, ch: &ch, name: &name };
         collect_results(&reply, &mut consumer, &ids, opts, out, &mut summary).await?;
     }
     summary.wall_s = started.elapsed().as_secs_f64();
     let _ = conn.close(REPLY_SUCCESS, "done".into()).await;
-    Ok(summary)
+    match refused {
+        Some(e) => Err(e),
+        None => Ok(summary),
+    }
 }
 
 /// An exclusive reply queue (server-named; it goes with the connection) and a consumer on it.
@@ -187,15 +195,17 @@ async fn open_reply_queue(ch: &lapin::Channel) -> Result<(String, lapin::Consume
 }
 
 /// Publishes every non-blank input line to `queue` with publisher confirms (at most 1000
-/// unconfirmed at a time); returns the request ids. Each line is checked first as the daemon
-/// will check it ([`check_line`]): the first line it would dead-letter stops the input there.
+/// unconfirmed at a time); returns the ids of the requests published (and confirmed) and, when
+/// a line was refused, why ([`ClientError::AtLine`]). Each line is checked first as the daemon
+/// will check it ([`check_line`]), and for a repeated id: the first line refused stops the input
+/// there. Errors: the input cannot be read, or the broker refused a publish.
 async fn publish_input(
     ch: &lapin::Channel,
     settings: &Settings,
     opts: &SubmitOptions,
     queue: &str,
     reply_queue: Option<&str>,
-) -> Result<HashSet<String>, ClientError> {
+) -> Result<(HashSet<String>, Option<ClientError>), ClientError> {
     let input_error = |source| ClientError::Input { path: input_name(opts), source };
     let reader: Box<dyn tokio::io::AsyncBufRead + Unpin + Send> = match &opts.input {
         Some(p) => Box::new(tokio::io::BufReader::new(tokio::fs::File::open(p).await.map_err(input_error)?)),
@@ -209,6 +219,7 @@ async fn publish_input(
     // Requests the broker confirmed so far.
     let mut confirmed = 0usize;
     let mut number = 0;
+    let mut refused = None;
     while let Some(bytes) = lines.next_segment().await.map_err(input_error)? {
         number += 1;
         let at_line = |source| ClientError::AtLine { line: number, published: ids.len(), source: Box::new(source) };
@@ -216,7 +227,8 @@ async fn publish_input(
             Ok(l) => l,
             Err(e) => {
                 let e = crate::request::ParseError::InvalidUtf8(e.utf8_error().to_string());
-                return Err(at_line(ClientError::InvalidRequest { reason: e.reason(), detail: e.to_string() }));
+                refused = Some(at_line(ClientError::InvalidRequest { reason: e.reason(), detail: e.to_string() }));
+                break;
             }
         };
         let line = line.strip_suffix('\r').unwrap_or(&line);
@@ -227,12 +239,19 @@ async fn publish_input(
             continue;
         }
         let id = request_id(line);
-        if ids.contains(&id) {
-            return Err(at_line(ClientError::DuplicateId(id)));
-        }
         let publish = BasicPublishOptions { mandatory: true, ..Default::default() };
-        let props = request_properties(&id, reply_queue).map_err(at_line)?;
-        check_line(settings, line, &id, reply_queue).map_err(at_line)?;
+        let checked = if ids.contains(&id) {
+            Err(ClientError::DuplicateId(id.clone()))
+        } else {
+            request_properties(&id, reply_queue).and_then(|props| check_line(settings, line, &id, reply_queue).map(|()| props))
+        };
+        let props = match checked {
+            Ok(props) => props,
+            Err(e) => {
+                refused = Some(at_line(e));
+                break;
+            }
+        };
         match ch.basic_publish("".into(), queue.into(), publish, line.as_bytes(), props).await {
             Ok(confirm) => confirms.push((number, confirm)),
             Err(e) => {
@@ -250,7 +269,7 @@ async fn publish_input(
         }
     }
     await_confirms(&mut confirms, queue, &mut confirmed).await?;
-    Ok(ids)
+    Ok((ids, refused))
 }
 
 /// Checks input `line` as the daemon's intake will check the request `submit` publishes from it

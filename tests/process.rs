@@ -929,6 +929,53 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
     env.cleanup().await;
 }
 
+/// `submit --wait` stopped by a refused line still waits for the results of the requests it
+/// published before that line, writes them, and then exits 1 naming the line. Observed: it
+/// exited at once, its reply queue went with it, and those results went to the results queue.
+/// Nobody consumes the input queue here; the test answers the two requests itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_wait_stopped_by_a_refused_line_waits_for_what_it_published() {
+    use lapin::options::{BasicGetOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let env = TestEnv::new("submitstop");
+    let amqp = Amqp::connect().await;
+    let queue = env.input_queue();
+    amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let cfg = write_config(&env, "submit", &env.raw_config("http://127.0.0.1:9"));
+    let input = env.dir.join("requests.jsonl");
+    std::fs::write(&input, "{\"id\":\"s1\",\"prompt\":\"1\"}\n{\"id\":\"s2\",\"prompt\":\"2\"}\nnot json\n").unwrap();
+    let out = env.dir.join("results.jsonl");
+    let mut cmd = bin_command();
+    cmd.arg("--config").arg(&cfg).args(["submit", "--wait", "--timeout", "10m", "--queue", &queue, "--file"]).arg(&input).arg("--out").arg(&out);
+    let mut submit = DaemonProcess::spawn(&env, "submit", cmd);
+    let mut answered = 0;
+    let deadline = Instant::now() + DEADLINE;
+    while answered < 2 {
+        assert!(Instant::now() < deadline && submit.is_running(), "submit did not wait for its 2 requests: {}", submit.log());
+        let Some(msg) = amqp.ch.basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap() else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let props = &msg.delivery.properties;
+        let id = props.correlation_id().as_ref().unwrap().to_string();
+        let reply_to = props.reply_to().as_ref().unwrap().to_string();
+        let body = format!("{{\"id\":\"{id}\",\"ok\":true,\"text\":\"hi\"}}");
+        amqp.publish(&reply_to, body.as_bytes(), request_props(&id, &reply_to)).await;
+        answered += 1;
+    }
+    let status = submit.wait_exit(DEADLINE).await;
+    let log = submit.log();
+    assert_eq!(status.code(), Some(1), "{log}");
+    assert!(log.contains("waiting for the results of the 2 requests published before it"), "{log}");
+    assert!(log.contains("input line 3: the daemon would dead-letter this request with reason invalid_json"), "{log}");
+    let written = std::fs::read_to_string(&out).unwrap();
+    let ids: Vec<String> = written.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["id"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(ids.len(), 2, "both results are written: {written:?}");
+    assert!(ids.contains(&"s1".to_owned()) && ids.contains(&"s2".to_owned()), "{ids:?}");
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// A TCP proxy to the test broker that can turn the connections open through it into dead ones
 /// that look alive: [`ZombieProxy::kill_open_connections`] closes their broker side (the broker
 /// drops the connection, requeues its unacked deliveries and frees its consumers), swallows
