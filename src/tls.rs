@@ -209,10 +209,26 @@ fn load_at(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str, now: i
                 file_error(keys.key_file, key_file, rule.to_owned())
             })?;
             install_crypto_provider();
-            rustls::ClientConfig::builder()
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_client_auth_cert(chain, key)
-                .map_err(|e| file_error(keys.key_file, key_file, format!("does not fit {} ({e})", keys.cert_file)))?;
+            let fits = |chain: Vec<CertificateDer<'static>>| {
+                rustls::ClientConfig::builder().with_root_certificates(rustls::RootCertStore::empty()).with_client_auth_cert(chain, key.clone_key())
+            };
+            if let Err(e) = fits(chain.clone()) {
+                // A chain written in the wrong order (an intermediate first): the key fits a later
+                // certificate of the file, and the order is what to fix.
+                let fitting = (1..chain.len()).find(|&i| fits(vec![chain[i].clone()]).is_ok());
+                return Err(match fitting {
+                    Some(i) => file_error(
+                        keys.cert_file,
+                        cert_file,
+                        format!(
+                            "starts with a certificate that {} does not fit, while certificate {} of the file does: put the client certificate first, then its intermediates (the order TLS sends them in, RFC 8446 4.4.2)",
+                            keys.key_file,
+                            i + 1
+                        ),
+                    ),
+                    None => file_error(keys.key_file, key_file, format!("does not fit {} ({e})", keys.cert_file)),
+                });
+            }
             let dates = certificate_dates(&cert_pem);
             if let Some(c) = dates.iter().find(|c| c.not_after < now) {
                 let rule = format!(
@@ -346,6 +362,13 @@ mod tests {
 
         let e = load(KEYS, "", &cert_a, &key_b).unwrap_err();
         assert!(e.key == "redis.tls_key_file" && e.rule.contains("does not fit"), "{e:?}");
+        // Observed: a chain file with an intermediate first was reported as a key that does not
+        // fit. The key fits the file's second certificate: the message says to reorder.
+        let (cert_b, _) = self_signed(&dir, "b2");
+        let reversed = write(&dir, "reversed.pem", &(std::fs::read_to_string(&cert_b).unwrap() + &std::fs::read_to_string(&cert_a).unwrap()));
+        let e = load(KEYS, "", &reversed, &key_a).unwrap_err();
+        assert_eq!(e.key, "redis.tls_cert_file", "{e:?}");
+        assert!(e.rule.contains("certificate 2 of the file does: put the client certificate first"), "{e:?}");
 
         let key_text = std::fs::read_to_string(&key_a).unwrap();
         let body: String = key_text.lines().filter(|l| !l.starts_with("-----")).collect();
