@@ -322,29 +322,12 @@ async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
     }
 }
 
-/// An error and its causes, joined by ": ", leaving out a cause whose text is already there (the
-/// Redis client's errors repeat their source in their own text: "Connection refused (os error
-/// 111)" three times).
-fn chain_text(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain().map(ToString::to_string) {
-        if text.contains(&cause) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&cause);
-    }
-    text
-}
-
 /// `status`: a table, or JSON with `--json`.
 async fn status(settings: &Settings, json: bool) -> ExitCode {
     let s = match client::status(settings).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("prefix-batcher status: {}", chain_text(&e));
+            eprintln!("prefix-batcher status: {}", client::error_text(e.as_ref()));
             return ExitCode::from(exit::EX_FAILURE);
         }
     };
