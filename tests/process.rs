@@ -883,19 +883,26 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     env.cleanup().await;
 }
 
+/// For a test of `submit` without a daemon: its namespace, a connection, the input queue
+/// (declared, consumed by nobody) and a configuration file naming it.
+async fn submit_without_daemon(test: &str) -> (TestEnv, Amqp, String, std::path::PathBuf) {
+    use lapin::options::QueueDeclareOptions;
+    use lapin::types::FieldTable;
+    let env = TestEnv::new(test);
+    let amqp = Amqp::connect().await;
+    let queue = env.input_queue();
+    amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    let cfg = write_config(&env, "submit", &env.raw_config("http://127.0.0.1:9"));
+    (env, amqp, queue, cfg)
+}
+
 /// `submit` refuses a duplicate id, an id too long for a `message_id`, and a line the daemon
 /// would dead-letter (not JSON, an id that is a float or holds a control character, no prompt)
 /// partway through its input: the message names the line, the reason and says how many requests before it were published
 /// (they will be processed; resubmitting the file would duplicate them). It exits 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_input_line_names_its_number_and_what_was_published() {
-    use lapin::options::QueueDeclareOptions;
-    use lapin::types::FieldTable;
-    let env = TestEnv::new("submitline");
-    let amqp = Amqp::connect().await;
-    let queue = env.input_queue();
-    amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
-    let cfg = write_config(&env, "submit", &env.raw_config("http://127.0.0.1:9"));
+    let (env, amqp, queue, cfg) = submit_without_daemon("submitline").await;
     let long = "L".repeat(201);
     let cases = [
         ("dup", "{\"id\":\"a\",\"prompt\":\"1\"}\n\n{\"id\":\"b\",\"prompt\":\"2\"}\n{\"id\":\"a\",\"prompt\":\"3\"}\n".to_owned(), "input line 4: duplicate request id \"a\" in the input; the 2 requests were published before it"),
@@ -935,13 +942,8 @@ async fn a_refused_input_line_names_its_number_and_what_was_published() {
 /// Nobody consumes the input queue here; the test answers the two requests itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submit_wait_stopped_by_a_refused_line_waits_for_what_it_published() {
-    use lapin::options::{BasicGetOptions, QueueDeclareOptions};
-    use lapin::types::FieldTable;
-    let env = TestEnv::new("submitstop");
-    let amqp = Amqp::connect().await;
-    let queue = env.input_queue();
-    amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
-    let cfg = write_config(&env, "submit", &env.raw_config("http://127.0.0.1:9"));
+    use lapin::options::BasicGetOptions;
+    let (env, amqp, queue, cfg) = submit_without_daemon("submitstop").await;
     let input = env.dir.join("requests.jsonl");
     std::fs::write(&input, "{\"id\":\"s1\",\"prompt\":\"1\"}\n{\"id\":\"s2\",\"prompt\":\"2\"}\nnot json\n").unwrap();
     let out = env.dir.join("results.jsonl");
