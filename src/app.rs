@@ -499,7 +499,10 @@ impl App {
                 (None, SessionError::Redis(_)) if self.settings.redis.sentinel.is_some() => {
                     warn!(error = %failure, retry_in = ?backoff, "cannot connect to the Redis primary that the sentinels name (redis.sentinels; credentials of redis.url); retrying")
                 }
-                (None, SessionError::Redis(_)) => warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?backoff, "cannot connect to Redis (redis.url); retrying"),
+                (None, SessionError::Redis(_)) => {
+                    let hint = crate::tls::plain_port_hint(&failure.to_string());
+                    warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?backoff, hint, "cannot connect to Redis (redis.url); retrying")
+                }
                 (None, _) => {
                     // What the broker said, when it closed a connection: the error above is often
                     // only the component that noticed first.
@@ -509,7 +512,8 @@ impl App {
                         texts.join("; ")
                     };
                     let (broker_said, client_found) = (said(true), said(false));
-                    warn!(error = %failure, broker_said, client_found, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "session ended; reconnecting")
+                    let hint = crate::tls::plain_port_hint(&failure.to_string());
+                    warn!(error = %failure, broker_said, client_found, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), hint, "session ended; reconnecting")
                 }
             }
             tokio::select! {

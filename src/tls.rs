@@ -101,6 +101,15 @@ pub fn expiry_note(link: &str, expires_at: i64, now: i64) -> Option<String> {
     })
 }
 
+/// A hint for a connection error whose text shows a TLS client talking to a plain port: rustls
+/// reads the server's first bytes as a TLS record and finds none ("received corrupt message of
+/// type InvalidContentType"). `None` for other errors.
+pub fn plain_port_hint(error_text: &str) -> Option<&'static str> {
+    error_text.contains("InvalidContentType").then_some(
+        "the server did not answer in TLS: is the URL's port its TLS listener (RabbitMQ's amqps port, 5671 by default, not 5672; Redis's tls-port)?",
+    )
+}
+
 /// The current time in Unix seconds.
 pub fn unix_now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
@@ -459,6 +468,12 @@ mod tests {
         assert_eq!(expiry_note("amqp", now + 14 * 86_400 - 1, now).as_deref(), Some("amqp client certificate expires in 13 days"));
         assert_eq!(expiry_note("redis", now, now).as_deref(), Some("redis client certificate expires in 0 seconds"));
         assert_eq!(expiry_note("llm", now - 7_200, now).as_deref(), Some("llm client certificate expired 2 hours ago"));
+    }
+
+    #[test]
+    fn a_plain_port_under_tls_gets_a_hint() {
+        assert!(plain_port_hint("amqp connect: IO error: received corrupt message of type InvalidContentType").is_some_and(|h| h.contains("5671")));
+        assert_eq!(plain_port_hint("amqp connect: IO error: Connection refused (os error 111)"), None);
     }
 
     #[test]
