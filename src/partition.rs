@@ -1063,6 +1063,11 @@ async fn process_batch(
             // and the stall check (a result held while the broker refuses results looked like an
             // idle consumer, whose restart charged every held request a delivery).
             let pending = pending;
+            let Some(answer) = answer else {
+                // Still waiting for an endpoint while the rest of its batch was answered
+                // ([`infer_through_outages`]): back to the partition queue, uncharged.
+                return if return_uncharged(ctx, pool, vec![pending.delivery]).await == 1 { Settlement::Requeued } else { Settlement::ChannelLost };
+            };
             let answer = match answer {
                 Err(e) if e.fault() != Fault::Request => {
                     return publisher::requeue(&pending.delivery.acker, &pending.req.id, &e.to_string()).await;
@@ -1148,7 +1153,9 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 
 /// The LLM answers of `items`, one per item in order. Items
 /// that meet a server fault while their endpoint is down ([`LlmClient::confirm_server_fault`])
-/// wait for an available endpoint and go again. When the endpoint answers the probe instead, the
+/// wait for an available endpoint and go again; but once part of the batch is answered, an
+/// outage ends the wait: the answered items get their answers and the waiting ones `None` (the
+/// caller puts them back in the partition queue uncharged). When the endpoint answers the probe instead, the
 /// fault may be one request's own (a prompt that crashes the server fails the list call it
 /// shares with others): several items that failed together go again once, one call each, so only
 /// the offender keeps its server fault. `None` when a stop signal or the session's end comes
@@ -1158,7 +1165,7 @@ async fn infer_through_outages(
     items: &[InferenceItem<'_>],
     stop: &StopSignals,
     end: &SessionEnd,
-) -> Option<Vec<Result<crate::llm::Completion, crate::llm::LlmError>>> {
+) -> Option<Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>>> {
     let mut results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = items.iter().map(|_| None).collect();
     let mut todo: Vec<usize> = (0..items.len()).collect();
     let mut one_by_one = false;
@@ -1180,15 +1187,39 @@ async fn infer_through_outages(
         let isolate = !outage && !one_by_one && server_faults > 1;
         one_by_one |= isolate;
         let mut again = Vec::new();
+        // Items whose own call met a fault that may be theirs (a request timeout, a 5xx, an
+        // invalid answer), kept apart to go after the others.
+        let mut suspects = Vec::new();
         for (i, answer) in todo.into_iter().zip(answers) {
-            if (outage || isolate) && answer.as_ref().is_err_and(|e| e.fault() == Fault::Server) {
-                again.push(i);
-            } else {
-                results[i] = Some(answer);
+            match answer {
+                Err(e) if (outage || isolate) && e.fault() == Fault::Server => {
+                    if e.kind.is_verified_fault() { suspects.push(i) } else { again.push(i) }
+                }
+                answer => results[i] = Some(answer),
             }
         }
+        // The items that failed fast (the breaker opened before their call went) go first next
+        // time. Observed: a request with a huge `max_tokens` ahead of another in a batch, calls
+        // one after the other (`llm.max_concurrency = 1`, `llm.list_prompts = false`): after each
+        // opening the slow one went first again, timed out, reopened the breaker on the trial
+        // close, and the one behind it was never sent.
+        again.extend(suspects);
         if again.is_empty() {
-            let results = results.into_iter().map(|r| r.expect("every item was answered")).collect();
+            return Some(results);
+        }
+        // An outage with some of the batch answered already: their results go out now, and the
+        // items still waiting go back to the partition queue uncharged (`None`), instead of
+        // holding the answered ones until the endpoint answers the rest, which a request that
+        // outlasts `llm.request_timeout` on its own may never let happen.
+        if outage && results.iter().any(Option::is_some) {
+            crate::warn_limited!(
+                WAITING_LOG,
+                partition = ctx.partition,
+                endpoint,
+                answered = results.iter().filter(|r| r.is_some()).count(),
+                waiting = again.len(),
+                "LLM endpoint down with part of a batch answered: its answers go out now, the rest goes back to the partition queue, not charged a delivery"
+            );
             return Some(results);
         }
         if outage {

@@ -198,6 +198,43 @@ async fn a_few_poison_timeout_prompts_are_dead_lettered_and_never_open_the_break
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// A request queued in one batch behind requests that outlast `llm.request_timeout` on their own,
+/// with calls one after the other (`llm.max_concurrency = 1`, `llm.list_prompts = false`): the 5
+/// slow ones time out with no real call answered since, so the breaker takes the server for too
+/// slow and opens, and the normal request behind them fails fast. Observed against llama-server:
+/// after each opening the batch went again in the same order, the first slow request reopened the
+/// breaker on the trial close, and the normal one was never sent (7 minutes and counting). The
+/// requests that failed fast now go first: the normal one is answered at the first trial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_behind_slow_ones_in_its_batch_is_answered_after_the_breaker_opens() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().slow_prompts_containing(SLOW, SLOW_DELAY).start().await.unwrap();
+    let env = TestEnv::new("nu-behindslow");
+    let mut raw = env.raw_config(fake.url.as_str());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.max_concurrency, raw.llm.list_prompts) = ("400ms".into(), 1, 1, false);
+    raw.batching.max_batch_wait = "1s".into(); // one batch: the 5 slow requests, then the normal one
+    let mut st = start_with_replies(&env, &raw).await;
+    let opened_before = circuit_openings();
+    let slow_ones: Vec<TestRequest> = (0..5).map(|i| slow(&format!("nu-behind-slow-{i}"), 0)).collect();
+    st.amqp.publish_requests(&env.input_queue(), &slow_ones, &st.reply).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let normal = vec![completion("nu-behind-normal", 0, " a short question?")];
+    st.amqp.publish_requests(&env.input_queue(), &normal, &st.reply).await;
+    let started = Instant::now();
+    st.results.until_all(&ids(&normal), Duration::from_secs(30)).await;
+    eprintln!(
+        "behind slow requests: the normal request answered {:?} after it was published; breaker opened {} times",
+        started.elapsed(),
+        circuit_openings() - opened_before
+    );
+    assert!(circuit_openings() > opened_before, "the breaker never opened: the case this test is about did not happen");
+    let Started { amqp, daemon, results, .. } = st;
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// The observed case of a server answering every call with HTTP 200 and a body that is no
 /// completion (a misconfigured gateway's HTML), which turned requests into `ok: false` results
 /// with `invalid_response` while the breaker stayed closed: here the breaker opens (its probe
