@@ -261,7 +261,7 @@ pub async fn run(settings: Settings, shutdown: impl Future<Output = ()> + Send +
 fn report_client_certificates(settings: &Settings) {
     let now = crate::tls::unix_now();
     for (link, files) in settings.tls_links() {
-        let Some(at) = files.client.as_ref().and_then(|c| c.expires_at()) else { continue };
+        let Some(at) = files.client.as_ref().and_then(|c| c.expires_at) else { continue };
         metrics::tls_client_certificate_expiry(link, at);
         if at - now < crate::tls::CLIENT_CERT_WARN_SECS {
             warn!(

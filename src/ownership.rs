@@ -174,7 +174,7 @@ impl Ownership {
             .with_partition_count(settings.amqp.partitions.get())
             .with_route(crate::topology::partition_route(&settings.amqp));
         let client_certificates =
-            settings.tls_links().into_iter().filter_map(|(link, f)| Some((link, f.client.as_ref()?.expires_at()?))).collect();
+            settings.tls_links().into_iter().filter_map(|(link, f)| Some((link, f.client.as_ref()?.expires_at?))).collect();
         Ownership {
             client_certificates,
             buffer_budget: partition::BufferBudget::new(&settings),

@@ -48,15 +48,10 @@ pub struct TlsFiles {
 pub struct ClientIdentity {
     pub cert_pem: Vec<u8>,
     pub key_pem: Vec<u8>,
-}
-
-impl ClientIdentity {
-    /// When the client certificate chain stops being usable: the earliest `notAfter` of its
-    /// certificates, in Unix seconds (UTC). `None` when no certificate of the chain parses as
+    /// When the chain stops being usable: the earliest `notAfter` of its certificates, in Unix
+    /// seconds (UTC), read once by [`load`]. `None` when no certificate of the chain parses as
     /// X.509 (rustls has accepted the chain, so that does not happen with real files).
-    pub fn expires_at(&self) -> Option<i64> {
-        certificate_dates(&self.cert_pem).iter().map(|c| c.not_after).min()
-    }
+    pub expires_at: Option<i64>,
 }
 
 /// The subject and validity period of one certificate of a PEM file. Times in Unix seconds (UTC),
@@ -257,7 +252,8 @@ fn load_at(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str, now: i
                 );
                 return Err(file_error(keys.cert_file, cert_file, rule));
             }
-            Some(ClientIdentity { cert_pem, key_pem })
+            let expires_at = dates.iter().map(|c| c.not_after).min();
+            Some(ClientIdentity { cert_pem, key_pem, expires_at })
         }
     };
     Ok(TlsFiles { ca_pem, client })
@@ -340,7 +336,7 @@ mod tests {
 
     #[test]
     fn debug_never_shows_the_key() {
-        let t = TlsFiles { ca_pem: Some(b"CA".to_vec()), client: Some(ClientIdentity { cert_pem: vec![1], key_pem: b"SECRET-KEY".to_vec() }) };
+        let t = TlsFiles { ca_pem: Some(b"CA".to_vec()), client: Some(ClientIdentity { cert_pem: vec![1], key_pem: b"SECRET-KEY".to_vec(), expires_at: None }) };
         let shown = format!("{t:?}");
         assert!(!shown.contains("SECRET") && shown.contains("key not shown"), "{shown}");
     }
@@ -406,7 +402,7 @@ mod tests {
         let (cert, key) = self_signed(&dir, "c"); // valid for 1 day from now
         let now = unix_now();
         let files = load_at(KEYS, "", &cert, &key, now).expect("valid now");
-        let expires = files.client.as_ref().unwrap().expires_at().expect("the expiry is read");
+        let expires = files.client.as_ref().unwrap().expires_at.expect("the expiry is read");
         assert!((expires - (now + 86_400)).abs() <= 120, "notAfter {expires} is not about a day after {now}");
         let dates = certificate_dates(&std::fs::read(&cert).unwrap());
         assert_eq!(dates.len(), 1);
