@@ -271,13 +271,18 @@ fn file_error(key: &'static str, path: &str, rule: String) -> TlsFileError {
 /// - a path segment of more than 64 characters all from the base64 alphabets (a key or a
 ///   certificate without its PEM lines, or a whole PEM file base64-encoded as in a Kubernetes
 ///   Secret's `data`): file names like that are not written by people;
+/// - more than 64 characters all from the standard base64 alphabet (`A–Z a–z 0–9 + / =`, so
+///   `/` may cut the text into short segments) that begin as base64 of DER (`MC`…`MI`: a
+///   SEQUENCE, as every key and certificate), of PEM text (`LS0tLS1`: `-----`) or of an OpenSSH
+///   key (`b3BlbnNzaC1rZXkt`: `openssh-key-`);
 /// - for a `*tls_key_file`, anything but an absolute path: a private key's base64 body starts
 ///   with `M` (DER's SEQUENCE), never with `/`, while a short body could pass for a relative path.
 pub fn shown_value(key: &str, path: &str) -> String {
     let pasted = path.contains("-----")
         || path.contains('\n')
         || path.len() > 4096
-        || path.split('/').any(|seg| seg.len() > 64 && seg.bytes().all(|b| b.is_ascii_alphanumeric() || b"+=-_".contains(&b)));
+        || path.split('/').any(|seg| seg.len() > 64 && seg.bytes().all(|b| b.is_ascii_alphanumeric() || b"+=-_".contains(&b)))
+        || looks_like_base64(path);
     if pasted {
         "(not a path: it looks like the file's contents; give the path of a file instead)".to_owned()
     } else if key.ends_with("tls_key_file") && !path.starts_with('/') {
@@ -285,6 +290,17 @@ pub fn shown_value(key: &str, path: &str) -> String {
     } else {
         format!("{path:?}")
     }
+}
+
+/// See [`shown_value`]: more than 64 characters of the standard base64 alphabet that begin as
+/// base64 of DER, of PEM text or of an OpenSSH key. Deterministic: a key's base64 body may hold
+/// `/` anywhere, so no rule on segment lengths finds every one.
+fn looks_like_base64(text: &str) -> bool {
+    let b = text.as_bytes();
+    let der = b.len() > 1 && b[0] == b'M' && (b'C'..=b'I').contains(&b[1]);
+    text.len() > 64
+        && b.iter().all(|b| b.is_ascii_alphanumeric() || b"+/=".contains(b))
+        && (der || text.starts_with("LS0tLS1") || text.starts_with("b3BlbnNzaC1rZXkt"))
 }
 
 fn read(key: &'static str, path: &str) -> Result<Vec<u8>, TlsFileError> {
@@ -449,11 +465,22 @@ mod tests {
                 assert!(!e.value.contains(&pasted[..20]), "{e:?}");
             }
         }
+        // Base64 text cut by its own `/` characters into short segments (observed: a pasted
+        // key's body shown in the CA setting's error when no segment was longer than 64).
+        let cut: String = body.chars().filter(|c| *c != '/').collect::<Vec<_>>().chunks(20).map(|c| c.iter().collect::<String>()).collect::<Vec<_>>().join("/");
+        let e = load(KEYS, &cut, "", "").unwrap_err();
+        assert!(!e.value.contains(&cut[..20]), "{e:?}");
         // Paths are shown: absolute ones for the key, relative ones for the others.
         let e = load(KEYS, "", &cert, "/etc/prefix-batcher/tls/missing.key").unwrap_err();
         assert_eq!(e.value, "\"/etc/prefix-batcher/tls/missing.key\"");
         let e = load(KEYS, "tls/missing-ca.pem", "", "").unwrap_err();
         assert_eq!(e.value, "\"tls/missing-ca.pem\"");
+        let long = "/etc/prefix-batcher/tls/clients/production-west-2/amqp-client-certificate.pem";
+        assert_eq!(load(KEYS, long, "", "").unwrap_err().value, format!("{long:?}"));
+        let long = "/etc/ssl/certs/CompanyInternalRootCertificateAuthorityBundle2026/Production";
+        assert_eq!(load(KEYS, long, "", "").unwrap_err().value, format!("{long:?}"), "base64 characters only, but a path");
+        let long = "MIcompany/certs/CompanyInternalRootCertificateAuthorityBundle2026/Production";
+        assert!(load(KEYS, long, "", "").unwrap_err().value.starts_with("(not"), "the price of the rule: a relative path that begins like DER");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
