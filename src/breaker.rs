@@ -291,6 +291,24 @@ impl Breaker {
         self.trial = true;
     }
 
+    /// Whether the closed breaker holds request timeouts not yet judged with no real call
+    /// answered since the first of them was sent: a passing one-token probe alone then opens it
+    /// ([`Self::probe_passed`]). Its owner can first replay a real call the endpoint answered
+    /// before ([`Self::replay_answered`]).
+    pub fn timeouts_unanswered(&self) -> bool {
+        self.state == State::Closed && self.timeouts_since.is_some_and(|since| self.last_answer.is_none_or(|answered| answered < since))
+    }
+
+    /// A real call on `route` that the endpoint answered before was sent again by the owner's
+    /// probe and answered at `now`, within `llm.request_timeout`: the server does real work in
+    /// time. It counts as a real call answered ([`Self::probe_passed`] then discounts the request
+    /// timeouts so far as the requests' own) and clears the different failing calls counted on
+    /// that route ([`Self::clear_faulty_calls_of`]).
+    pub fn replay_answered(&mut self, route: usize, now: Instant) {
+        self.last_answer = Some(self.last_answer.map_or(now, |t| t.max(now)));
+        self.clear_faulty_calls_of(route);
+    }
+
     /// Forgets the different failing calls counted so far: a real call was answered again (a
     /// replay), so they were the prompts' own.
     pub fn clear_faulty_calls(&mut self) {
@@ -902,6 +920,37 @@ mod tests {
         let mut b = Breaker::new(BreakerPolicy::default());
         b.record(Outcome::AnsweredFault, false, t0);
         assert_eq!(b.probe_passed(t0 + ms), None);
+    }
+
+    /// A request that outlasts `llm.request_timeout` on its own, with one permit and no other
+    /// traffic: nothing is answered while it runs, so the probe's one token alone would open the
+    /// breaker every time. A replayed real call answered after it was sent refutes its timeouts.
+    #[test]
+    fn a_replayed_call_answered_after_a_timeout_refutes_it() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis(1);
+        let mut b = Breaker::new(BreakerPolicy::default());
+        assert!(!b.timeouts_unanswered());
+        b.record_call(Outcome::Success, 0, t0);
+        b.answered_fault_call(1, 7);
+        b.timed_out_call_sent(t0 + ms);
+        b.record_call(Outcome::TimedOut, 0, t0 + 400 * ms);
+        assert!(b.timeouts_unanswered(), "nothing answered since the timed-out call was sent");
+        // A replay answered before the timed-out call was sent does not count.
+        b.replay_answered(0, t0);
+        assert!(b.timeouts_unanswered());
+        b.replay_answered(1, t0 + 401 * ms);
+        assert!(!b.timeouts_unanswered());
+        assert_eq!(b.routes_with_faulty_calls(), Vec::<usize>::new(), "the replayed route's failing calls are cleared");
+        assert_eq!(b.probe_passed(t0 + 402 * ms), None, "refuted: the server answers real calls in time");
+        assert!(b.available(t0 + 402 * ms) && !b.suspect());
+        // Without the replay, the same timeout opens it.
+        let mut b = Breaker::new(BreakerPolicy::default());
+        b.record_call(Outcome::Success, 0, t0);
+        b.timed_out_call_sent(t0 + ms);
+        b.record_call(Outcome::TimedOut, 0, t0 + 400 * ms);
+        assert_eq!(b.probe_passed(t0 + 402 * ms), Some(BreakerState::Open));
+        assert!(!b.timeouts_unanswered(), "only a closed breaker has timeouts to judge");
     }
 
     #[test]

@@ -43,8 +43,13 @@
 //! A server that answers the one-token probe but no real call in time (overloaded, or a
 //! `llm.request_timeout` too short for its model) is not given the benefit of the doubt: a
 //! passing probe discounts request timeouts only when a real call on the endpoint was answered
-//! after the first of them was sent ([`Breaker::probe_passed`]); otherwise the breaker opens
-//! and the requests wait for the endpoint, uncharged.
+//! after the first of them was sent ([`Breaker::probe_passed`]). When none was (calls one after
+//! the other with `llm.max_concurrency = 1`, or no other traffic), the probe replays a real call
+//! the endpoint answered before (see below): answered within `llm.request_timeout`, it shows
+//! the server doing real work in time, so the timeouts were the requests' own and are charged a
+//! delivery (a request that outlasts the timeout on its own is dead-lettered after
+//! `amqp.delivery_limit`); timed out too, or with no call to replay, the breaker opens and the
+//! requests wait for the endpoint, uncharged.
 //!
 //! Likewise a server that answers the probe but 5xx or an invalid answer to every real call (an
 //! answer none of whose items is valid counts as invalid, as one that does not parse): once
@@ -1389,8 +1394,10 @@ impl LlmClient {
     /// timeouts, refused connections — is [`Outcome::ServerFault`]: the endpoint failed a check
     /// that is nobody's request.
     ///
-    /// When different real calls keep failing ([`Breaker::probes_unrepresentative`]), a passing
-    /// one-token call is followed by a replay of a real call the endpoint answered before. Without
+    /// When different real calls keep failing ([`Breaker::probes_unrepresentative`]), or request
+    /// timeouts came with no real call answered since ([`Breaker::timeouts_unanswered`]), a passing
+    /// one-token call is followed by a replay of a real call the endpoint answered before
+    /// ([`Breaker::replay_answered`] when it is answered). Without
     /// one (no real call answered since the daemon started), nothing tells a server that fails
     /// every real call from that many poison prompts, and charging them would dead-letter a whole
     /// backlog after a restart during such an outage: the endpoint counts as down
@@ -1407,11 +1414,11 @@ impl LlmClient {
         if let Some(refused) = self.still_refusing(endpoint, outcome).await {
             return refused;
         }
-        let (failing, unrepresented) = {
+        let (failing, unrepresented, timeouts) = {
             let breaker = lock(&ep.breaker);
-            (breaker.routes_with_faulty_calls(), breaker.unrepresented_routes())
+            (breaker.routes_with_faulty_calls(), breaker.unrepresented_routes(), breaker.timeouts_unanswered())
         };
-        if outcome != Outcome::Success || failing.is_empty() {
+        if outcome != Outcome::Success || (failing.is_empty() && !timeouts) {
             return outcome;
         }
         // The one-token probe passes while real calls on some route failed with none of that
@@ -1429,12 +1436,27 @@ impl LlmClient {
                 None => {}
             }
         }
+        // Request timeouts with no real call answered since the first of them was sent: the
+        // one-token answer does not show that the server does real work in time (it may be
+        // overloaded, or `llm.request_timeout` too short for its model), so a real call it
+        // answered before goes again, unless one just did. Answered in time, the timeouts were
+        // the requests' own (a request outlasting the timeout on its own, with one permit and no
+        // other traffic to answer beside it) and are charged; timed out too, the endpoint is
+        // slow for real work and counts as down. With no call to replay, the breaker's rule
+        // decides ([`Breaker::probe_passed`]).
+        if timeouts && replays.is_empty() {
+            if let Some((route, call)) = known.iter().enumerate().find_map(|(route, call)| Some((route, call.clone()?))) {
+                replays.push((route, call));
+            }
+        }
         for (route, call) in replays {
             let replayed = self.replay(endpoint, &call).await;
             if replayed == Outcome::ServerFault {
                 return replayed;
             }
-            lock(&ep.breaker).clear_faulty_calls_of(route);
+            if matches!(replayed, Outcome::Success | Outcome::RequestFault) {
+                lock(&ep.breaker).replay_answered(route, Instant::now());
+            }
         }
         Outcome::Success
     }

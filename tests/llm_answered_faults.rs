@@ -10,7 +10,8 @@
 //!   charged a delivery, and all are answered once the server answers properly.
 //! - A few prompts that on their own keep the server busy beyond `llm.request_timeout` (the
 //!   server is otherwise healthy): request timeouts are verified like answered faults, so the
-//!   breaker never opens for them and they are dead-lettered after `amqp.delivery_limit`.
+//!   breaker never opens for them and they are dead-lettered after `amqp.delivery_limit`; so is
+//!   one such request alone with one permit, judged by a replay of a call answered before.
 //!
 //! Both read `prefix_batcher_llm_circuit_opened_total`, a process-wide counter: the tests of this
 //! file run one at a time ([`SERIAL`]).
@@ -233,6 +234,48 @@ async fn a_request_behind_slow_ones_in_its_batch_is_answered_after_the_breaker_o
     results.close().await;
     amqp.close().await;
     env.cleanup().await;
+}
+
+/// A request that outlasts `llm.request_timeout` on its own, with one permit
+/// (`llm.max_concurrency = 1`) and no other traffic, on a server that answered a real call
+/// before: nothing else is answered while it runs, so the one-token probe alone took the server
+/// for too slow, the breaker opened and closed again and again, and the request was never
+/// charged (observed against llama-server `-np 1`: `/readyz` 503 for minutes). The probe now
+/// replays the call answered before, which the server answers in time: the request is charged
+/// each time and dead-lettered after `amqp.delivery_limit`, and the breaker never opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_outlasting_the_timeout_alone_with_one_permit_is_dead_lettered() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().slow_prompts_containing(SLOW, SLOW_DELAY).start().await.unwrap();
+    let env = TestEnv::new("nu-alone");
+    let mut raw = env.raw_config(fake.url.as_str());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.max_concurrency, raw.amqp.delivery_limit) = ("400ms".into(), 1, 1, 3);
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    // One real call answered first: the call the probe can replay.
+    let normal = vec![completion("nu-alone-normal", 1, " a short question?")];
+    st.amqp.publish_requests(&env.input_queue(), &normal, &st.reply).await;
+    st.results.until_all(&ids(&normal), Duration::from_secs(30)).await;
+    let opened_before = circuit_openings();
+    let bad = vec![slow("nu-alone-slow", 0)];
+    let started = Instant::now();
+    st.amqp.publish_requests(&env.input_queue(), &bad, &st.reply).await;
+    while dead.distinct_of(&ids(&bad)) < 1 {
+        assert!(started.elapsed() < Duration::from_secs(60), "not dead-lettered within 60 s (breaker opened {} times)", circuit_openings() - opened_before);
+        dead.collect_for(Duration::from_millis(300)).await;
+    }
+    let dead_in = started.elapsed();
+    st.results.barrier(&st.amqp).await;
+    let opened = circuit_openings() - opened_before;
+    assert_answered_and_dead_lettered(&st.results, &dead, &normal, &bad, "timeout");
+    assert_eq!(opened, 0.0, "the breaker opened {opened} times for a request that times out on its own");
+    let calls = fake.calls();
+    let slow_calls = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains(SLOW))).count();
+    let replays = calls.iter().filter(|c| c.prompts.iter().any(|p| p.ends_with(" a short question?"))).count() - 1;
+    eprintln!("alone with one permit: dead-lettered after {dead_in:?}, {slow_calls} timed-out calls, {replays} replays, breaker opened {opened} times");
+    assert_eq!(slow_calls, 3, "one call per delivery (delivery limit 3, 1 attempt)");
+    assert!(replays >= 1, "the probe replayed the call answered before");
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
 /// The observed case of a server answering every call with HTTP 200 and a body that is no
