@@ -79,6 +79,25 @@ fn assert_answered_and_dead_lettered(results: &Collector, dead: &Collector, norm
     }
 }
 
+/// After the slow requests `bad` were dead-lettered: waits for every result, asserts that the
+/// `normal` requests were answered `ok`, each of `bad` dead-lettered once with its last error a
+/// timeout, and the breaker never opened since `opened_before`. Returns the openings (0) and the
+/// calls of the fake that carried a slow prompt.
+async fn judged_as_the_requests_own(
+    st: &mut Started,
+    dead: &Collector,
+    fake: &llm_fakes::fake::FakeLlmHandle,
+    normal: &[TestRequest],
+    bad: &[TestRequest],
+    opened_before: f64,
+) -> (f64, usize) {
+    st.results.barrier(&st.amqp).await;
+    let opened = circuit_openings() - opened_before;
+    assert_answered_and_dead_lettered(&st.results, dead, normal, bad, "timeout");
+    assert_eq!(opened, 0.0, "the breaker opened {opened} times for requests that time out on their own");
+    (opened, fake.calls().iter().filter(|c| c.prompts.iter().any(|p| p.contains(SLOW))).count())
+}
+
 /// Stops the daemon gracefully, checks that no request is left in (or returned to) the input
 /// and partition queues, closes the collectors and deletes everything the test created.
 async fn stop_and_check_nothing_held(env: TestEnv, started: Started, others: Vec<Collector>) {
@@ -182,13 +201,8 @@ async fn a_few_poison_timeout_prompts_are_dead_lettered_and_never_open_the_break
     let dead_in = started.elapsed();
     st.results.until_all(&ids(&normal), Duration::from_secs(60)).await;
     let normal_in = started.elapsed();
-    st.results.barrier(&st.amqp).await;
-
-    let opened = circuit_openings() - opened_before;
-    assert_answered_and_dead_lettered(&st.results, &dead, &normal, &bad, "timeout");
-    assert_eq!(opened, 0.0, "the breaker opened {opened} times for requests that time out on their own");
+    let (opened, slow_calls) = judged_as_the_requests_own(&mut st, &dead, &fake, &normal, &bad, opened_before).await;
     let calls = fake.calls();
-    let slow_calls = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains(SLOW))).count();
     let probes = calls.iter().filter(|c| c.prompts == [prefix_batcher::llm::PROBE_PROMPT]).count();
     eprintln!(
         "poison timeouts: {} answered ok in {normal_in:?}, 3 dead-lettered after {dead_in:?}, breaker opened {opened} times, \
@@ -265,13 +279,8 @@ async fn a_request_outlasting_the_timeout_alone_with_one_permit_is_dead_lettered
         dead.collect_for(Duration::from_millis(300)).await;
     }
     let dead_in = started.elapsed();
-    st.results.barrier(&st.amqp).await;
-    let opened = circuit_openings() - opened_before;
-    assert_answered_and_dead_lettered(&st.results, &dead, &normal, &bad, "timeout");
-    assert_eq!(opened, 0.0, "the breaker opened {opened} times for a request that times out on its own");
-    let calls = fake.calls();
-    let slow_calls = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains(SLOW))).count();
-    let replays = calls.iter().filter(|c| c.prompts.iter().any(|p| p.ends_with(" a short question?"))).count() - 1;
+    let (opened, slow_calls) = judged_as_the_requests_own(&mut st, &dead, &fake, &normal, &bad, opened_before).await;
+    let replays = fake.calls().iter().filter(|c| c.prompts.iter().any(|p| p.ends_with(" a short question?"))).count() - 1;
     eprintln!("alone with one permit: dead-lettered after {dead_in:?}, {slow_calls} timed-out calls, {replays} replays, breaker opened {opened} times");
     assert_eq!(slow_calls, 3, "one call per delivery (delivery limit 3, 1 attempt)");
     assert!(replays >= 1, "the probe replayed the call answered before");
