@@ -56,8 +56,10 @@
 //! answered faults came from [`crate::breaker::DISTINCT_FAULTY_CALLS`] different one-prompt calls
 //! on one route (completions or chat: one API of a server can fail while the other works) with
 //! no real call of that route answered since, a passing one-token probe is followed by a
-//! *replay*: the first real call the endpoint answered on that route (kept, up to
-//! [`KNOWN_GOOD_MAX_BYTES`]) is sent again, and its answer must parse as the real call's did.
+//! *replay*: a real call the endpoint answered on that route before is sent again, the one of
+//! median answer time among a sample of them (`KnownCalls`: the first 8 answered calls, then
+//! every 64th in place of the oldest; each up to [`KNOWN_GOOD_MAX_BYTES`]), and its answer must
+//! parse as the real call's did.
 //! When that route has such a call to replay, the replay follows every passing probe from the
 //! first failing call on (a request's last delivery may come before many calls have failed). If it fails with a server fault, the endpoint counts as down (the breaker opens, and
 //! stays open until a probe's replay passes); if it passes, the failures were the prompts' own
@@ -312,11 +314,12 @@ struct Endpoint {
     /// exact usage and the cached-token metrics stay true.
     per_prompt_calls: AtomicBool,
     breaker: Mutex<Breaker>,
-    /// Per route ([`CallKind::route`]: completions, chat), the first real call this endpoint
-    /// answered on it, one prompt or a list (at most [`KNOWN_GOOD_MAX_BYTES`]): replayed by
-    /// [`LlmClient::probe`] when the one-token probe passes while different real calls on that
-    /// route keep failing ([`Breaker::unrepresented_routes`]).
-    known_good: Mutex<[Option<KnownCall>; ROUTES]>,
+    /// Per route ([`CallKind::route`]: completions, chat), a sample of the real calls this
+    /// endpoint answered on it ([`KnownCalls`]): one of them is replayed by [`LlmClient::probe`]
+    /// when the one-token probe passes while different real calls on that route keep failing
+    /// ([`Breaker::unrepresented_routes`]), or while request timeouts wait to be judged
+    /// ([`Breaker::timeouts_unanswered`]).
+    known_good: Mutex<[KnownCalls; ROUTES]>,
     /// Per route, what tells a refusal of the request from a refusal of every request
     /// ([`LlmClient::judge_refusal`]).
     routes: Mutex<[RouteHealth; ROUTES]>,
@@ -1150,13 +1153,14 @@ impl LlmClient {
         }
         if breaker_outcome == Outcome::Success && call.payload.len() <= KNOWN_GOOD_MAX_BYTES {
             let mut known = lock(&ep.known_good);
-            if known[route].is_none() {
-                known[route] = Some(KnownCall {
+            if known[route].counts_answer() {
+                known[route].keep(KnownCall {
                     url: call.url.clone(),
                     payload: call.payload.clone(),
                     kind: call.kind,
                     n_items: call.n_items,
                     choices_per_prompt: call.choices_per_prompt,
+                    seconds,
                 });
             }
         }
@@ -1427,7 +1431,7 @@ impl LlmClient {
         // come before many different calls have failed, and a server-wide fault must not charge
         // it. Without a call to replay, the failures count as the prompts' own until they come
         // from `DISTINCT_FAULTY_CALLS` different calls.
-        let known = lock(&ep.known_good).clone();
+        let known: Vec<Option<KnownCall>> = lock(&ep.known_good).iter().map(KnownCalls::typical).collect();
         let mut replays = Vec::new();
         for route in failing {
             match &known[route] {
@@ -1822,6 +1826,53 @@ struct KnownCall {
     kind: CallKind,
     n_items: usize,
     choices_per_prompt: u64,
+    /// How long the endpoint took to answer it, in seconds.
+    seconds: f64,
+}
+
+/// How many answered calls [`KnownCalls`] keeps per route.
+const KNOWN_CALLS: usize = 8;
+
+/// After the first [`KNOWN_CALLS`], every this-many-th answered call replaces the oldest kept one.
+const KNOWN_CALLS_EVERY: u64 = 64;
+
+/// A sample of the real calls an endpoint answered on one route, so that a replay stands for the
+/// traffic: the first [`KNOWN_CALLS`] answered, then every [`KNOWN_CALLS_EVERY`]-th answered
+/// call in place of the oldest, so the sample follows the traffic as it changes (one body copy
+/// per 64 answers on the hot path).
+#[derive(Debug, Clone, Default)]
+struct KnownCalls {
+    calls: Vec<KnownCall>,
+    answered: u64,
+    /// Where the next kept call goes once the sample is full.
+    next: usize,
+}
+
+impl KnownCalls {
+    /// Counts one answered call; true when it is to be kept ([`Self::keep`]).
+    fn counts_answer(&mut self) -> bool {
+        self.answered += 1;
+        self.calls.len() < KNOWN_CALLS || self.answered.is_multiple_of(KNOWN_CALLS_EVERY)
+    }
+
+    fn keep(&mut self, call: KnownCall) {
+        if self.calls.len() < KNOWN_CALLS {
+            self.calls.push(call);
+        } else {
+            self.calls[self.next] = call;
+            self.next = (self.next + 1) % KNOWN_CALLS;
+        }
+    }
+
+    /// The kept call with the median answer time (the lower one of an even sample): a typical
+    /// call of the traffic. Not the quickest: a server too slow for most real calls (a slower
+    /// model, a throttled CPU) may still answer the smallest one in time, and its replay would
+    /// then charge the requests for the server's slowness. `None` before any call was answered.
+    fn typical(&self) -> Option<KnownCall> {
+        let mut by_time: Vec<&KnownCall> = self.calls.iter().collect();
+        by_time.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));
+        by_time.get(by_time.len().saturating_sub(1) / 2).map(|c| (*c).clone())
+    }
 }
 
 impl KnownCall {
@@ -1950,7 +2001,7 @@ impl Endpoint {
             permits: KeyedPermits::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
             breaker: Mutex::new(Breaker::new(policy)),
-            known_good: Mutex::new([None, None]),
+            known_good: Mutex::new([KnownCalls::default(), KnownCalls::default()]),
             routes: Mutex::new([RouteHealth::default(); ROUTES]),
             refusal_check: tokio::sync::Mutex::new(()),
             last_fault: Mutex::new(None),
@@ -2548,6 +2599,34 @@ mod tests {
     use crate::request::ChatMessage;
     use serde_json::json;
     use std::num::{NonZeroU32, NonZeroUsize};
+
+    /// The replayed call is a typical one of a sample that follows the traffic: the median
+    /// answer time, not the quickest.
+    #[test]
+    fn the_replayed_call_has_the_median_answer_time_of_a_sample_that_follows_the_traffic() {
+        let url = Url::parse("http://127.0.0.1:1/v1/completions").unwrap();
+        let call = |seconds: f64| KnownCall { url: url.clone(), payload: format!("{seconds}").into_bytes(), kind: CallKind::Completions, n_items: 1, choices_per_prompt: 1, seconds };
+        let mut known = KnownCalls::default();
+        assert!(known.typical().is_none());
+        for seconds in [0.1, 9.0, 2.0] {
+            assert!(known.counts_answer());
+            known.keep(call(seconds));
+        }
+        assert_eq!(known.typical().unwrap().seconds, 2.0, "the median, not the quickest");
+        for seconds in [3.0, 4.0, 5.0, 6.0, 7.0] {
+            assert!(known.counts_answer());
+            known.keep(call(seconds));
+        }
+        assert_eq!(known.typical().unwrap().seconds, 4.0, "the lower median of 8");
+        // Full: only every 64th answered call is kept, in place of the oldest.
+        let kept = (9..=200).filter(|_| known.counts_answer()).count();
+        assert_eq!(kept, 3, "answers 64, 128 and 192");
+        for _ in 0..KNOWN_CALLS {
+            known.keep(call(0.5));
+        }
+        assert_eq!(known.typical().unwrap().seconds, 0.5, "the sample followed the traffic");
+        assert_eq!(known.calls.len(), KNOWN_CALLS);
+    }
 
     fn settings(url: &Url) -> LlmSettings {
         LlmSettings {
