@@ -331,6 +331,11 @@ struct Endpoint {
     last_fault: Mutex<Option<(ErrorKind, String)>>,
     /// A prober task ([`probe_until_closed`]) runs for this endpoint.
     probing: AtomicBool,
+    /// The last probe made by [`LlmClient::confirm_server_fault`]: when it ended and its outcome.
+    /// Held while that probe runs, so the partitions whose batches failed meanwhile wait for it
+    /// and share its verdict instead of each sending a probe (and a replay, up to
+    /// `llm.request_timeout` long) of their own to a server that may be struggling.
+    last_check: tokio::sync::Mutex<Option<(Instant, Outcome)>>,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
     /// re-check it.
     changed: watch::Sender<()>,
@@ -1309,11 +1314,31 @@ impl LlmClient {
     /// ([`BreakerPolicy`]) opens it, from costing the requests deliveries: a server that answers
     /// 401 to everything fails each batch at once, and without this check the same requests would
     /// go round the queue several times in a second.
+    ///
+    /// Callers that ask while another caller's probe of the endpoint runs wait for it and share
+    /// its outcome (a probe that ended after they asked): one probe per burst of failed batches.
     pub async fn confirm_server_fault(&self, endpoint: usize) -> bool {
         if endpoint >= self.inner.endpoints.len() || !self.available(endpoint) {
             return true;
         }
-        if self.probe(endpoint, false).await != Outcome::ServerFault {
+        let asked = Instant::now();
+        let outcome = {
+            let mut last = self.inner.endpoints[endpoint].last_check.lock().await;
+            match *last {
+                Some((ended, outcome)) if ended >= asked => outcome,
+                _ => {
+                    let outcome = self.probe(endpoint, false).await;
+                    *last = Some((Instant::now(), outcome));
+                    outcome
+                }
+            }
+        };
+        // The shared probe's verdict may have opened the breaker already (another caller's
+        // check below).
+        if !self.available(endpoint) {
+            return true;
+        }
+        if outcome != Outcome::ServerFault {
             let changed = lock(&self.inner.endpoints[endpoint].breaker).probe_passed(Instant::now());
             if changed.is_none() {
                 return false;
@@ -1997,6 +2022,7 @@ impl Endpoint {
             last_answer: Mutex::new(None),
             found_hung: AtomicU64::new(0),
             probing: AtomicBool::new(false),
+            last_check: tokio::sync::Mutex::new(None),
             name,
             permits: KeyedPermits::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
@@ -3317,6 +3343,20 @@ mod tests {
         assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
         let probes = fake.calls().iter().filter(|c| c.prompts == [PROBE_PROMPT] && c.status == 200).count();
         assert!(probes >= 2, "both verdicts came from passing probes ({probes})");
+    }
+
+    /// Partitions whose batches failed at about the same time share one probe: those that ask
+    /// while it runs wait for its verdict; one asking after it ended probes again.
+    #[tokio::test]
+    async fn checks_asked_while_one_runs_share_its_probe() {
+        let fake = FakeLlm::new().latency(Duration::from_millis(300)).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let probes = || fake.calls().iter().filter(|c| c.prompts == [PROBE_PROMPT]).count();
+        let verdicts = futures_util::future::join_all((0..4).map(|_| client.confirm_server_fault(0))).await;
+        assert_eq!(verdicts, [false; 4], "the endpoint answers its probe");
+        assert_eq!(probes(), 1, "one probe for 4 checks asked at once");
+        assert!(!client.confirm_server_fault(0).await);
+        assert_eq!(probes(), 2, "a check asked after the probe ended probes again");
     }
 
     /// A hung server: every call times out, the probe too. The timeouts make the breaker
