@@ -141,7 +141,7 @@
 //! bearer token only travels in a header marked sensitive.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
@@ -336,6 +336,9 @@ struct Endpoint {
     /// and share its verdict instead of each sending a probe (and a replay, up to
     /// `llm.request_timeout` long) of their own to a server that may be struggling.
     last_check: tokio::sync::Mutex<Option<(Instant, Outcome)>>,
+    /// The route ([`CallKind::route`]) of the latest real call that timed out: the probe replays
+    /// a call of that API first when it judges request timeouts.
+    timed_out_route: AtomicUsize,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
     /// re-check it.
     changed: watch::Sender<()>,
@@ -1140,6 +1143,7 @@ impl LlmClient {
         let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
         if breaker_outcome == Outcome::TimedOut {
             lock(&ep.breaker).timed_out_call_sent(started);
+            ep.timed_out_route.store(call.kind.route(), Ordering::Relaxed);
         }
         // Only one-prompt calls: which prompt of a failed list call was at fault is unknown, and
         // the combinations that a few poison requests form in their batches would count as
@@ -1474,7 +1478,10 @@ impl LlmClient {
         // slow for real work and counts as down. With no call to replay, the breaker's rule
         // decides ([`Breaker::probe_passed`]).
         if timeouts && replays.is_empty() {
-            if let Some((route, call)) = known.iter().enumerate().find_map(|(route, call)| Some((route, call.clone()?))) {
+            // The API of the latest timeout first: chat and completions calls may take different times.
+            let latest = ep.timed_out_route.load(Ordering::Relaxed);
+            let routes = std::iter::once(latest).chain((0..ROUTES).filter(|&r| r != latest));
+            if let Some((route, call)) = routes.filter_map(|route| Some((route, known.get(route)?.clone()?))).next() {
                 replays.push((route, call));
             }
         }
@@ -2023,6 +2030,7 @@ impl Endpoint {
             found_hung: AtomicU64::new(0),
             probing: AtomicBool::new(false),
             last_check: tokio::sync::Mutex::new(None),
+            timed_out_route: AtomicUsize::new(0),
             name,
             permits: KeyedPermits::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
@@ -3343,6 +3351,30 @@ mod tests {
         assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
         let probes = fake.calls().iter().filter(|c| c.prompts == [PROBE_PROMPT] && c.status == 200).count();
         assert!(probes >= 2, "both verdicts came from passing probes ({probes})");
+    }
+
+    /// A request that times out on its own with nothing else answered meanwhile is judged by a
+    /// replay of a call the endpoint answered before, of the timed-out call's API first.
+    #[tokio::test]
+    async fn a_timeout_alone_is_judged_by_replaying_an_answered_call_of_its_api() {
+        let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts) = (Duration::from_millis(300), NonZeroU32::new(1).unwrap());
+        let client = LlmClient::new(&s).unwrap();
+        assert!(run(&client, &[(completion("a completions question"), Map::new())]).await[0].is_ok());
+        assert!(run(&client, &[(chat("a chat question"), Map::new())]).await[0].is_ok());
+        let results = run(&client, &[(chat("SLOW chat"), Map::new())]).await;
+        assert_eq!(results[0].as_ref().unwrap_err().kind, ErrorKind::Timeout);
+        assert!(!client.confirm_server_fault(0).await, "the replay was answered in time: the timeout is the request's own");
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Closed));
+        let calls = fake.calls();
+        let sent = |text: &str| calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains(text))).count();
+        assert_eq!((sent("a chat question"), sent("a completions question")), (2, 1), "the chat call was replayed");
+        // Without a call answered before, the passing probe alone opens the breaker.
+        let client = LlmClient::new(&s).unwrap();
+        run(&client, &[(chat("SLOW chat"), Map::new())]).await;
+        assert!(client.confirm_server_fault(0).await, "no call to replay: down");
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
     }
 
     /// Partitions whose batches failed at about the same time share one probe: those that ask
