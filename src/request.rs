@@ -771,7 +771,7 @@ mod tests {
             (r#"{"id":"","prompt":"hi"}"#, None, "id", "got an empty string"),
             (r#"{"id":[1],"prompt":"hi"}"#, None, "id", "got a list"),
         ] {
-            let env = Envelope { message_id: mid.as_deref(), ..Envelope::default() };
+            let env = Envelope { message_id: mid, ..Envelope::default() };
             let err = parse(body.as_bytes(), &env, 1000).unwrap_err();
             match &err {
                 ParseError::InvalidField { field: f, detail: d } => assert!(*f == field && d.contains(detail), "{body}: {err}"),

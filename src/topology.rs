@@ -181,7 +181,7 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
         Err(e @ TopologyError::Mismatch { .. }) => e,
         other => return other,
     };
-    let present: Vec<&str> = LATER_ARGS.into_iter().filter(|a| args.contains_key(*a)).collect();
+    let present: Vec<&str> = LATER_ARGS.into_iter().filter(|a| args.contains_key(a)).collect();
     // Subsets to leave out, the smallest first: each alone, then all of them.
     let mut attempts: Vec<Vec<&str>> = present.iter().map(|a| vec![*a]).collect();
     if present.len() > 1 {
