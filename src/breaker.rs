@@ -221,6 +221,10 @@ pub struct Breaker {
     /// The next close by a half-open probe is a trial ([`Self::close_for_trial`]): it keeps the
     /// doubling of the open time.
     trial: bool,
+    /// The breaker was closed for a trial and no real call has been answered since: whatever
+    /// opens it again (a probe that times out on a busy host, the liveness check), the next
+    /// close is a trial too, so the open time keeps doubling until a real call is answered.
+    on_trial: bool,
 }
 
 impl Breaker {
@@ -240,6 +244,7 @@ impl Breaker {
             faulty_calls: Vec::new(),
             down_since: None,
             trial: false,
+            on_trial: false,
         }
     }
 
@@ -516,6 +521,7 @@ impl Breaker {
                 None => self.clear_faulty_calls(),
             }
             self.openings = 0;
+            self.on_trial = false;
         } else if outcome == Outcome::TimedOut && self.timeouts_since.is_none() {
             self.timeouts_since = Some(now);
         }
@@ -551,6 +557,7 @@ impl Breaker {
         let factor = 2u32.saturating_pow(self.openings);
         let wait = self.policy.open_initial.saturating_mul(factor).min(self.policy.open_max);
         self.openings = self.openings.saturating_add(1);
+        self.trial |= self.on_trial;
         self.state = State::Open { until: now + wait };
         self.down_since.get_or_insert(now);
         self.suspect = false;
@@ -563,7 +570,8 @@ impl Breaker {
         self.consecutive = 0;
         self.consecutive_unconfirmed = 0;
         self.recent.clear();
-        if !std::mem::take(&mut self.trial) {
+        self.on_trial = std::mem::take(&mut self.trial);
+        if !self.on_trial {
             self.openings = 0;
         }
         self.suspect = false;
@@ -1013,6 +1021,43 @@ mod tests {
         b.record(Outcome::TimedOut, false, now + 2 * ms);
         assert_eq!(b.probe_passed(now + 3 * ms), Some(BreakerState::Open));
         assert_eq!(b.open_until().unwrap() - (now + 3 * ms), policy.open_initial);
+    }
+
+    /// Observed: a server too slow for every real call (`llm.request_timeout = 1s`, 200-token
+    /// answers taking 5.8 s) on a busy host, where the verification probe sometimes timed out
+    /// too: that opening was not a trial, so the next passing half-open probe reset the open
+    /// time to 1 s, again and again (15 openings in 160 s, `/readyz` 200 in most samples) while
+    /// no real call was answered. Once closed for a trial, every reopening keeps doubling until a
+    /// real call is answered.
+    #[test]
+    fn a_failed_probe_during_a_trial_keeps_the_open_time_doubling() {
+        let policy = BreakerPolicy::default();
+        let mut b = Breaker::new(policy);
+        let mut now = Instant::now();
+        let mut waits = Vec::new();
+        for probe_fails in [false, true, false, true, true, false] {
+            for _ in 0..5 {
+                b.record(Outcome::TimedOut, false, now);
+            }
+            assert!(b.take_verification());
+            let verdict = if probe_fails { Outcome::ServerFault } else { Outcome::Success };
+            assert_eq!(b.verified(verdict, now), Some(BreakerState::Open));
+            let until = b.open_until().unwrap();
+            waits.push((until - now).as_secs());
+            now = until;
+            assert!(b.admit_probe(now));
+            assert_eq!(b.record(Outcome::Success, true, now), Some(BreakerState::Closed));
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30]);
+        // A real call answered ends it: the next opening starts again at the initial open time.
+        b.record(Outcome::Success, false, now);
+        assert_eq!(b.trip(now), Some(BreakerState::Open));
+        assert_eq!(b.open_until().unwrap() - now, policy.open_initial);
+        now = b.open_until().unwrap();
+        assert!(b.admit_probe(now));
+        b.record(Outcome::Success, true, now);
+        assert_eq!(b.trip(now), Some(BreakerState::Open), "not on trial: an ordinary close resets as before");
+        assert_eq!(b.open_until().unwrap() - now, policy.open_initial);
     }
 
     #[test]
