@@ -49,7 +49,8 @@
 //! the server doing real work in time, so the timeouts were the requests' own and are charged a
 //! delivery (a request that outlasts the timeout on its own is dead-lettered after
 //! `amqp.delivery_limit`); timed out too, or with no call to replay, the breaker opens and the
-//! requests wait for the endpoint, uncharged.
+//! requests wait for the endpoint, uncharged. An endpoint that has answered no real call yet
+//! replays a typical call another endpoint answered (`LlmClient::borrowed_call`).
 //!
 //! Likewise a server that answers the probe but 5xx or an invalid answer to every real call (an
 //! answer none of whose items is valid counts as invalid, as one that does not parse): once
@@ -1480,9 +1481,10 @@ impl LlmClient {
         if timeouts && replays.is_empty() {
             // The API of the latest timeout first: chat and completions calls may take different times.
             let latest = ep.timed_out_route.load(Ordering::Relaxed);
-            let routes = std::iter::once(latest).chain((0..ROUTES).filter(|&r| r != latest));
-            if let Some((route, call)) = routes.filter_map(|route| Some((route, known.get(route)?.clone()?))).next() {
-                replays.push((route, call));
+            let routes: Vec<usize> = std::iter::once(latest).chain((0..ROUTES).filter(|&r| r != latest)).collect();
+            let own = routes.iter().find_map(|&route| Some((route, known.get(route)?.clone()?)));
+            if let Some(replay) = own.or_else(|| self.borrowed_call(endpoint, &routes)) {
+                replays.push(replay);
             }
         }
         for (route, call) in replays {
@@ -1535,6 +1537,22 @@ impl LlmClient {
             return Some(ping);
         }
         None
+    }
+
+    /// For judging request timeouts on `endpoint` when it has answered no real call yet (its first
+    /// calls timed out): a typical call another endpoint of this client answered, on the first
+    /// of `routes` that has one, addressed to `endpoint`. The endpoints serve the same traffic,
+    /// so a server that answers such a call in time does real work in time; one that does not,
+    /// or does not serve its model, counts as down, as without a call to replay.
+    fn borrowed_call(&self, endpoint: usize, routes: &[usize]) -> Option<(usize, KnownCall)> {
+        let ep = &self.inner.endpoints[endpoint];
+        let others = self.inner.endpoints.iter().enumerate().filter(|(i, _)| *i != endpoint);
+        let (route, mut call) = routes.iter().find_map(|&route| others.clone().find_map(|(_, other)| Some((route, lock(&other.known_good)[route].typical()?))))?;
+        call.url = match call.kind {
+            CallKind::Completions => ep.completions.clone(),
+            CallKind::Chat => ep.chat.clone(),
+        };
+        Some((route, call))
     }
 
     /// [`Self::probe`] when a route failing different real calls has no answered call to replay.
@@ -3375,6 +3393,29 @@ mod tests {
         run(&client, &[(chat("SLOW chat"), Map::new())]).await;
         assert!(client.confirm_server_fault(0).await, "no call to replay: down");
         assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
+    }
+
+    /// An endpoint whose first calls time out has no call of its own to replay: a typical call
+    /// another endpoint answered judges its timeouts (observed with two llama-servers: one got
+    /// the slow requests first, its breaker opened again and again and it answered none of 40
+    /// normal requests).
+    #[tokio::test]
+    async fn an_endpoint_with_nothing_answered_yet_replays_a_call_another_endpoint_answered() {
+        let a = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).start().await.unwrap();
+        let b = FakeLlm::new().start().await.unwrap();
+        let mut s = settings(&a.url);
+        s.endpoints.push(b.url.clone());
+        (s.request_timeout, s.max_attempts) = (Duration::from_millis(300), NonZeroU32::new(1).unwrap());
+        let client = LlmClient::new(&s).unwrap();
+        let normal = [(chat("a chat question"), Map::new())];
+        assert!(client.infer(1, &items(&normal), &CancellationToken::new()).await[0].is_ok());
+        let results = run(&client, &[(chat("SLOW chat"), Map::new())]).await;
+        assert_eq!(results[0].as_ref().unwrap_err().kind, ErrorKind::Timeout);
+        assert!(!client.confirm_server_fault(0).await, "the borrowed call was answered in time: the timeout is the request's own");
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Closed));
+        let replayed: Vec<_> = a.calls().into_iter().filter(|c| c.prompts.iter().any(|p| p.contains("a chat question"))).collect();
+        assert_eq!(replayed.len(), 1, "endpoint 1's call was replayed on endpoint 0");
+        assert_eq!(replayed[0].path, "/v1/chat/completions");
     }
 
     /// Partitions whose batches failed at about the same time share one probe: those that ask
