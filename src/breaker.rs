@@ -223,7 +223,8 @@ pub struct Breaker {
     trial: bool,
     /// The breaker was closed for a trial and no real call has been answered since: whatever
     /// opens it again (a probe that times out on a busy host, the liveness check), the next
-    /// close is a trial too, so the open time keeps doubling until a real call is answered.
+    /// close is a trial too, so the open time keeps doubling until a real call is answered. An
+    /// opening with request timeouts not yet judged among its causes is a trial as well.
     on_trial: bool,
 }
 
@@ -557,7 +558,9 @@ impl Breaker {
         let factor = 2u32.saturating_pow(self.openings);
         let wait = self.policy.open_initial.saturating_mul(factor).min(self.policy.open_max);
         self.openings = self.openings.saturating_add(1);
-        self.trial |= self.on_trial;
+        // Request timeouts among the causes: a passing one-token probe will not show that real
+        // calls are answered in time, so its close is a trial.
+        self.trial |= self.on_trial || self.timeouts_since.is_some();
         self.state = State::Open { until: now + wait };
         self.down_since.get_or_insert(now);
         self.suspect = false;
@@ -1027,15 +1030,18 @@ mod tests {
     /// answers taking 5.8 s) on a busy host, where the verification probe sometimes timed out
     /// too: that opening was not a trial, so the next passing half-open probe reset the open
     /// time to 1 s, again and again (15 openings in 160 s, `/readyz` 200 in most samples) while
-    /// no real call was answered. Once closed for a trial, every reopening keeps doubling until a
-    /// real call is answered.
+    /// no real call was answered. An opening caused by request timeouts is a trial whichever way
+    /// its probe went, and once closed for a trial, every reopening keeps doubling until a real
+    /// call is answered.
     #[test]
     fn a_failed_probe_during_a_trial_keeps_the_open_time_doubling() {
         let policy = BreakerPolicy::default();
         let mut b = Breaker::new(policy);
         let mut now = Instant::now();
         let mut waits = Vec::new();
-        for probe_fails in [false, true, false, true, true, false] {
+        // The first opening too: real calls timed out and so did the probe (measured again on a
+        // host starved by other load: 1, 1, 1 s until a probe happened to pass).
+        for probe_fails in [true, false, true, true, false, true] {
             for _ in 0..5 {
                 b.record(Outcome::TimedOut, false, now);
             }
