@@ -218,14 +218,13 @@ pub struct Breaker {
     /// When the breaker last left the closed state (its first opening since it was last
     /// closed); `None` while closed.
     down_since: Option<Instant>,
-    /// The next close by a half-open probe is a trial ([`Self::close_for_trial`]): it keeps the
-    /// doubling of the open time.
+    /// The breaker is on trial ([`Self::close_for_trial`], or an opening with request timeouts
+    /// not yet judged among its causes): a close by a half-open probe keeps the doubling of the
+    /// open time, and it stays on trial until a real call is answered, whatever opens it again
+    /// meanwhile (a probe that times out on a busy host, the liveness check).
     trial: bool,
-    /// The breaker was closed for a trial and no real call has been answered since: whatever
-    /// opens it again (a probe that times out on a busy host, the liveness check), the next
-    /// close is a trial too, so the open time keeps doubling until a real call is answered. An
-    /// opening with request timeouts not yet judged among its causes is a trial as well.
-    on_trial: bool,
+    /// The route of the latest real call recorded as [`Outcome::TimedOut`] ([`Self::record_call`]).
+    timed_out_route: Option<usize>,
 }
 
 impl Breaker {
@@ -245,7 +244,7 @@ impl Breaker {
             faulty_calls: Vec::new(),
             down_since: None,
             trial: false,
-            on_trial: false,
+            timed_out_route: None,
         }
     }
 
@@ -286,6 +285,12 @@ impl Breaker {
     /// calls counted on that route only (another route of the server may still fail them all).
     pub fn record_call(&mut self, outcome: Outcome, route: usize, now: Instant) -> Option<BreakerState> {
         self.record_on(outcome, false, Some(route), now)
+    }
+
+    /// The route of the latest real call that timed out, if one did: a replay judging request
+    /// timeouts ([`Self::timeouts_unanswered`]) is best made on the same API.
+    pub fn timed_out_route(&self) -> Option<usize> {
+        self.timed_out_route
     }
 
     /// Marks the next close by a passing half-open probe as a trial: the probe could not show
@@ -522,9 +527,10 @@ impl Breaker {
                 None => self.clear_faulty_calls(),
             }
             self.openings = 0;
-            self.on_trial = false;
-        } else if outcome == Outcome::TimedOut && self.timeouts_since.is_none() {
-            self.timeouts_since = Some(now);
+            self.trial = false;
+        } else if outcome == Outcome::TimedOut {
+            self.timeouts_since.get_or_insert(now);
+            self.timed_out_route = route.or(self.timed_out_route);
         }
         if mark == Mark::Healthy {
             self.consecutive = 0;
@@ -560,7 +566,7 @@ impl Breaker {
         self.openings = self.openings.saturating_add(1);
         // Request timeouts among the causes: a passing one-token probe will not show that real
         // calls are answered in time, so its close is a trial.
-        self.trial |= self.on_trial || self.timeouts_since.is_some();
+        self.trial |= self.timeouts_since.is_some();
         self.state = State::Open { until: now + wait };
         self.down_since.get_or_insert(now);
         self.suspect = false;
@@ -573,8 +579,7 @@ impl Breaker {
         self.consecutive = 0;
         self.consecutive_unconfirmed = 0;
         self.recent.clear();
-        self.on_trial = std::mem::take(&mut self.trial);
-        if !self.on_trial {
+        if !self.trial {
             self.openings = 0;
         }
         self.suspect = false;
@@ -1057,7 +1062,7 @@ mod tests {
         assert_eq!(waits, [1, 2, 4, 8, 16, 30]);
         // A real call answered ends it, and the next close is an ordinary one again.
         b.record(Outcome::Success, false, now);
-        assert!(!b.on_trial && !b.trial);
+        assert!(!b.trial);
         assert_eq!(b.trip(now), Some(BreakerState::Open));
         assert_eq!(b.open_until().unwrap() - now, policy.open_initial);
     }

@@ -142,7 +142,7 @@
 //! bearer token only travels in a header marked sensitive.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
@@ -337,9 +337,6 @@ struct Endpoint {
     /// and share its verdict instead of each sending a probe (and a replay, up to
     /// `llm.request_timeout` long) of their own to a server that may be struggling.
     last_check: tokio::sync::Mutex<Option<(Instant, Outcome)>>,
-    /// The route ([`CallKind::route`]) of the latest real call that timed out: the probe replays
-    /// a call of that API first when it judges request timeouts.
-    timed_out_route: AtomicUsize,
     /// Bumped on every admission or outcome that may change [`Breaker::available`], so waiters
     /// re-check it.
     changed: watch::Sender<()>,
@@ -943,10 +940,7 @@ impl LlmClient {
         let n_members = group.members.len();
         let choices_per_prompt = group.choices_per_prompt();
         let (url, payload) = match request_body(items, &group) {
-            Ok(body) => match group.kind {
-                CallKind::Completions => (&ep.completions, body),
-                CallKind::Chat => (&ep.chat, body),
-            },
+            Ok(body) => (ep.url(group.kind), body),
             Err(e) => return group.members.iter().map(|&i| (i, Err(e.clone()))).collect(),
         };
         let kind = group.kind;
@@ -1144,7 +1138,6 @@ impl LlmClient {
         let breaker_outcome = kind.err().map_or(Outcome::Success, |k| k.breaker_outcome());
         if breaker_outcome == Outcome::TimedOut {
             lock(&ep.breaker).timed_out_call_sent(started);
-            ep.timed_out_route.store(call.kind.route(), Ordering::Relaxed);
         }
         // Only one-prompt calls: which prompt of a failed list call was at fault is unknown, and
         // the combinations that a few poison requests form in their batches would count as
@@ -1448,9 +1441,9 @@ impl LlmClient {
         if let Some(refused) = self.still_refusing(endpoint, outcome).await {
             return refused;
         }
-        let (failing, unrepresented, timeouts) = {
+        let (failing, unrepresented, timeouts, timed_out_route) = {
             let breaker = lock(&ep.breaker);
-            (breaker.routes_with_faulty_calls(), breaker.unrepresented_routes(), breaker.timeouts_unanswered())
+            (breaker.routes_with_faulty_calls(), breaker.unrepresented_routes(), breaker.timeouts_unanswered(), breaker.timed_out_route())
         };
         if outcome != Outcome::Success || (failing.is_empty() && !timeouts) {
             return outcome;
@@ -1480,7 +1473,7 @@ impl LlmClient {
         // decides ([`Breaker::probe_passed`]).
         if timeouts && replays.is_empty() {
             // The API of the latest timeout first: chat and completions calls may take different times.
-            let latest = ep.timed_out_route.load(Ordering::Relaxed);
+            let latest = timed_out_route.unwrap_or(0);
             let routes: Vec<usize> = std::iter::once(latest).chain((0..ROUTES).filter(|&r| r != latest)).collect();
             let own = routes.iter().find_map(|&route| Some((route, known.get(route)?.clone()?)));
             if let Some(replay) = own.or_else(|| self.borrowed_call(endpoint, &routes)) {
@@ -1548,10 +1541,7 @@ impl LlmClient {
         let ep = &self.inner.endpoints[endpoint];
         let others = self.inner.endpoints.iter().enumerate().filter(|(i, _)| *i != endpoint);
         let (route, mut call) = routes.iter().find_map(|&route| others.clone().find_map(|(_, other)| Some((route, lock(&other.known_good)[route].typical()?))))?;
-        call.url = match call.kind {
-            CallKind::Completions => ep.completions.clone(),
-            CallKind::Chat => ep.chat.clone(),
-        };
+        call.url = ep.url(call.kind).clone();
         Some((route, call))
     }
 
@@ -1638,12 +1628,10 @@ impl LlmClient {
     async fn minimal_call(&self, endpoint: usize, kind: CallKind) -> Result<(), (ErrorKind, String)> {
         let ep = &self.inner.endpoints[endpoint];
         let model = &self.inner.model;
-        let (url, body) = match kind {
-            CallKind::Completions => (&ep.completions, serde_json::json!({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1})),
-            CallKind::Chat => (
-                &ep.chat,
-                serde_json::json!({"model": model, "messages": [{"role": "user", "content": PROBE_PROMPT}], "max_tokens": 1}),
-            ),
+        let url = ep.url(kind);
+        let body = match kind {
+            CallKind::Completions => serde_json::json!({"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1}),
+            CallKind::Chat => serde_json::json!({"model": model, "messages": [{"role": "user", "content": PROBE_PROMPT}], "max_tokens": 1}),
         };
         let request = self.inner.http.post(url.clone()).json(&body).timeout(self.inner.probe_timeout);
         self.check_call(request, |bytes| valid_answer(bytes, kind, 1, 1)).await
@@ -2026,6 +2014,14 @@ enum Gate {
 }
 
 impl Endpoint {
+    /// The URL of the endpoint's API for calls of `kind`.
+    fn url(&self, kind: CallKind) -> &Url {
+        match kind {
+            CallKind::Completions => &self.completions,
+            CallKind::Chat => &self.chat,
+        }
+    }
+
     /// Endpoint `i` of the settings; the error is a config message naming it without credentials.
     fn new(i: usize, base: &Url, settings: &LlmSettings, policy: BreakerPolicy) -> Result<Self, String> {
         let name = public_name(base);
@@ -2048,7 +2044,6 @@ impl Endpoint {
             found_hung: AtomicU64::new(0),
             probing: AtomicBool::new(false),
             last_check: tokio::sync::Mutex::new(None),
-            timed_out_route: AtomicUsize::new(0),
             name,
             permits: KeyedPermits::new(settings.max_concurrency.get()),
             per_prompt_calls: AtomicBool::new(false),
