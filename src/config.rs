@@ -1168,19 +1168,26 @@ impl Settings {
     }
 
     /// The longest time one delivery can be held before it is acked or nacked, in the worst case the
-    /// configuration allows for one batch served by one HTTP call:
+    /// configuration allows:
     ///
     /// `batching.max_batch_wait`
-    /// \+ `llm.max_attempts` × `llm.request_timeout` (reqwest's timeout covers the whole call,
-    ///   connecting included, so `llm.connect_timeout` is part of it)
-    /// \+ the backoffs between attempts: `llm.backoff_initial` doubling, each capped at `llm.backoff_max`
-    ///   (a `Retry-After` is capped at `llm.backoff_max` too), `max_attempts − 1` times
+    /// \+ [`Settings::llm_call_budget`] (the LLM calls of its batch)
     /// \+ 2 × `amqp.confirm_timeout` (the result's publish, then a dead letter or a retry publish).
     ///
-    /// Not covered: waiting for an LLM concurrency permit, and calls made one prompt after the
-    /// other (`llm.list_prompts = false`, or an endpoint switched to one call per prompt); a runtime
-    /// guard must release deliveries that approach `amqp.consumer_timeout`.
+    /// Not covered: waiting for an LLM concurrency permit, and waiting for an endpoint through an
+    /// outage; a runtime guard must release deliveries that approach `amqp.consumer_timeout`.
     pub fn longest_hold(&self) -> Duration {
+        self.batching.max_batch_wait.saturating_add(self.llm_call_budget()).saturating_add(self.amqp.confirm_timeout.saturating_mul(2))
+    }
+
+    /// The time a batch's LLM calls may take, permit waits aside: what one call takes at worst,
+    /// `llm.max_attempts` × `llm.request_timeout` (reqwest's timeout covers the whole call,
+    /// connecting included, so `llm.connect_timeout` is part of it) plus the backoffs between
+    /// attempts (`llm.backoff_initial` doubling, each capped at `llm.backoff_max`; a `Retry-After`
+    /// is capped at `llm.backoff_max` too), `max_attempts − 1` times. Prompts sent one after the
+    /// other share it: one not sent by then goes back to its partition queue uncharged
+    /// ([`crate::llm::LlmClient::infer_within`]).
+    pub fn llm_call_budget(&self) -> Duration {
         let llm = &self.llm;
         let attempts = llm.max_attempts.get();
         let mut backoffs = Duration::ZERO;
@@ -1189,11 +1196,7 @@ impl Settings {
             backoffs = backoffs.saturating_add(step.min(llm.backoff_max));
             step = step.saturating_mul(2);
         }
-        self.batching
-            .max_batch_wait
-            .saturating_add(llm.request_timeout.saturating_mul(attempts))
-            .saturating_add(backoffs)
-            .saturating_add(self.amqp.confirm_timeout.saturating_mul(2))
+        llm.request_timeout.saturating_mul(attempts).saturating_add(backoffs)
     }
 }
 

@@ -146,7 +146,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
-use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, CONTENT_TYPE, RETRY_AFTER};
+use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION, CONTENT_TYPE, LOCATION, RETRY_AFTER};
 use serde_json::{Map, Value};
 use tokio::sync::watch;
 
@@ -287,6 +287,8 @@ struct Inner {
     list_prompts: bool,
     /// The time limit of a probe: min(`llm.request_timeout`, [`PROBE_TIMEOUT_MAX`]).
     probe_timeout: Duration,
+    /// `llm.request_timeout`: what a call may take, for [`LlmClient::infer_within`]'s budget.
+    request_timeout: Duration,
     max_response_bytes: usize,
     /// `llm.liveness_check_after` (`None`: never checked).
     liveness_after: Option<Duration>,
@@ -428,6 +430,16 @@ impl LlmError {
 
     fn cancelled() -> Self {
         LlmError::new(ErrorKind::Cancelled, "the batch was cancelled (lease lost or shutdown)", None)
+    }
+
+    /// A prompt of a sequence that was not sent: the batch's time for LLM calls
+    /// ([`LlmClient::infer_within`]) ran out behind slower prompts.
+    fn not_sent() -> Self {
+        LlmError::new(
+            ErrorKind::Cancelled,
+            "not sent: the batch's time for LLM calls (llm.max_attempts × llm.request_timeout) ran out behind slower prompts",
+            None,
+        )
     }
 
     fn invalid(message: impl Into<String>) -> Self {
@@ -722,6 +734,7 @@ impl LlmClient {
                 backoff_max: settings.backoff_max,
                 list_prompts: settings.list_prompts,
                 probe_timeout: settings.request_timeout.min(PROBE_TIMEOUT_MAX),
+                request_timeout: settings.request_timeout,
                 max_response_bytes: options.max_response_bytes,
                 liveness_after: settings.liveness_check_after,
                 check_now: watch::Sender::new(()),
@@ -840,6 +853,31 @@ impl LlmClient {
         items: &[InferenceItem<'_>],
         cancel: &CancellationToken,
     ) -> Vec<Result<Completion, LlmError>> {
+        self.infer_within(endpoint, items, cancel, None).await
+    }
+
+    /// [`Self::infer`], with the prompts that go one after the other under one permit held to
+    /// `budget` (usually [`crate::config::Settings::llm_call_budget`]), counted from when the
+    /// permit is held, once request timeouts slow them: after a call of the sequence timed out, a
+    /// prompt whose call could not end within the budget (less than `llm.request_timeout` left)
+    /// is not sent and gets [`ErrorKind::Cancelled`] with [`LlmError::not_sent`]'s message (the
+    /// caller puts it back in its queue uncharged), so that slow prompts cannot hold the answers
+    /// of the prompts behind them past what `amqp.consumer_timeout` allows. The first prompt of a
+    /// sequence is always sent. A list-prompt call that failed and goes again prompt by prompt
+    /// leaves the budget its own time used.
+    ///
+    /// Timeouts of calls for several prompts are not retried at once: a list-prompt call that
+    /// timed out goes again prompt by prompt, as a refused one does (one prompt's long generation
+    /// times out the whole list), and within a sequence a prompt that timed out is charged a
+    /// delivery and goes again later instead of making the others wait for its retries.
+    /// `None`: no limit.
+    pub async fn infer_within(
+        &self,
+        endpoint: usize,
+        items: &[InferenceItem<'_>],
+        cancel: &CancellationToken,
+        budget: Option<Duration>,
+    ) -> Vec<Result<Completion, LlmError>> {
         if endpoint >= self.inner.endpoints.len() {
             let e = LlmError::new(ErrorKind::EndpointConfig, format!("no LLM endpoint with index {endpoint}"), None);
             return items.iter().map(|_| Err(e.clone())).collect();
@@ -849,13 +887,13 @@ impl LlmClient {
         for group in group_items(items, &self.inner.model) {
             match group.kind {
                 CallKind::Completions if per_prompt || group.choices_per_prompt() > 1 => {
-                    calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel)))
+                    calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel, budget, false)))
                 }
-                CallKind::Completions => calls.push(Box::pin(self.run_list(endpoint, items, group, cancel))),
+                CallKind::Completions => calls.push(Box::pin(self.run_list(endpoint, items, group, cancel, budget))),
                 CallKind::Chat => {
                     for &member in &group.members {
                         let single = Group { members: vec![member], ..group.clone() };
-                        calls.push(Box::pin(self.run_call(endpoint, items, single, cancel, None)));
+                        calls.push(Box::pin(self.run_call(endpoint, items, single, cancel, None, true)));
                     }
                 }
             }
@@ -870,14 +908,25 @@ impl LlmClient {
     }
 
     /// A completions group as one list-prompt call; when that call fails with a request fault (one
-    /// prompt too long) or an invalid answer (one that does not demultiplex exactly), the group
-    /// goes again prompt by prompt so only the offending prompts fail.
-    async fn run_list(&self, endpoint: usize, items: &[InferenceItem<'_>], group: Group<'_>, cancel: &CancellationToken) -> ItemResults {
+    /// prompt too long), an invalid answer (one that does not demultiplex exactly) or a request
+    /// timeout while the endpoint stays available (one prompt's long generation), the group goes
+    /// again prompt by prompt so only the offending prompts fail. `budget`: see
+    /// [`Self::infer_within`].
+    async fn run_list(
+        &self,
+        endpoint: usize,
+        items: &[InferenceItem<'_>],
+        group: Group<'_>,
+        cancel: &CancellationToken,
+        budget: Option<Duration>,
+    ) -> ItemResults {
         if group.members.len() == 1 {
-            return self.run_call(endpoint, items, group, cancel, None).await;
+            return self.run_call(endpoint, items, group, cancel, None, true).await;
         }
-        let results = self.run_call(endpoint, items, group.clone(), cancel, None).await;
-        let request_fault = results.iter().find_map(|(_, r)| r.as_ref().err().filter(|e| e.kind.splits_list()));
+        let started = Instant::now();
+        let results = self.run_call(endpoint, items, group.clone(), cancel, None, false).await;
+        let splits = |e: &&LlmError| e.kind.splits_list() || (e.kind == ErrorKind::Timeout && self.available(endpoint));
+        let request_fault = results.iter().find_map(|(_, r)| r.as_ref().err().filter(splits));
         // A failed call gives all members the same error; a parsed answer with bad items does not.
         let whole_call_failed = results.iter().all(|(_, r)| r.is_err());
         match request_fault {
@@ -890,9 +939,10 @@ impl LlmClient {
                     items = group.members.len(),
                     kind = e.kind.as_str(),
                     status = e.status,
-                    "the list-prompt call was refused or answered invalidly; retrying its prompts one by one"
+                    "the list-prompt call was refused, answered invalidly or timed out; retrying its prompts one by one"
                 );
-                self.run_sequential(endpoint, items, group, cancel).await
+                let budget = budget.map(|b| b.saturating_sub(started.elapsed()));
+                self.run_sequential(endpoint, items, group, cancel, budget, e.kind == ErrorKind::Timeout).await
             }
             _ => results,
         }
@@ -901,13 +951,19 @@ impl LlmClient {
     /// A completions group as one call per prompt, in order, under ONE permit of the endpoint:
     /// the prompts of a batch reach the server back to back, so a server with per-slot caches
     /// (llama-server) serves them from the slot that holds their shared prefix instead of
-    /// spreading them over cold slots or interleaving them with other batches.
+    /// spreading them over cold slots or interleaving them with other batches. With several
+    /// prompts, a request timeout is not retried at once; once a call of the sequence timed out
+    /// (or the list call it replaces did: `after_timeout`), a prompt whose call could not end
+    /// within `budget` (from when the permit is held) is not sent ([`Self::infer_within`]). A
+    /// sequence without timeouts is never cut: its calls take what the server needs.
     async fn run_sequential(
         &self,
         endpoint: usize,
         items: &[InferenceItem<'_>],
         group: Group<'_>,
         cancel: &CancellationToken,
+        budget: Option<Duration>,
+        after_timeout: bool,
     ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
         let asked = Instant::now();
@@ -917,16 +973,27 @@ impl LlmClient {
             p = ep.permits.acquire(items[group.members[0]].prefix_key) => p,
         };
         let waited = asked.elapsed();
+        let deadline = budget.map(|b| Instant::now() + b);
+        let alone = group.members.len() == 1;
+        let mut timed_out = after_timeout;
         let mut out = Vec::with_capacity(group.members.len());
-        for &member in &group.members {
+        for (n, &member) in group.members.iter().enumerate() {
+            if n > 0 && timed_out && deadline.is_some_and(|d| Instant::now() + self.inner.request_timeout > d) {
+                out.push((member, Err(LlmError::not_sent())));
+                continue;
+            }
             let single = Group { members: vec![member], ..group.clone() };
-            out.extend(self.run_call(endpoint, items, single, cancel, Some(waited)).await);
+            let results = self.run_call(endpoint, items, single, cancel, Some(waited), alone).await;
+            timed_out |= results.iter().any(|(_, r)| r.as_ref().is_err_and(|e| e.kind == ErrorKind::Timeout));
+            out.extend(results);
         }
         out
     }
 
     /// One HTTP call (with retries) for `group`; returns `(item index, result)` for every member.
     /// `held`: `Some(its wait)` when the caller already holds an endpoint permit for this call.
+    /// `retry_timeouts`: whether a request timeout is retried like other server faults (not for a
+    /// list call or a prompt of a sequence: see [`Self::infer_within`]).
     async fn run_call(
         &self,
         endpoint: usize,
@@ -934,6 +1001,7 @@ impl LlmClient {
         group: Group<'_>,
         cancel: &CancellationToken,
         held: Option<Duration>,
+        retry_timeouts: bool,
     ) -> ItemResults {
         let (permit_held, held_wait) = (held.is_some(), held.unwrap_or_default());
         let ep = &self.inner.endpoints[endpoint];
@@ -958,6 +1026,7 @@ impl LlmClient {
             n_items: n_members,
             permit_held,
             list: n_members > 1,
+            retry_timeouts,
             prefix_key,
             permit_wait_us: AtomicU64::new(0),
             last_sent: Mutex::new(None),
@@ -1025,7 +1094,8 @@ impl LlmClient {
             };
             let stop_for_split = call.list && error.kind.splits_list();
             let breaker_closed = error.is_server_fault() && !self.available(endpoint);
-            let give_up = stop_for_split || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts;
+            let timeout_kept = error.kind == ErrorKind::Timeout && !call.retry_timeouts;
+            let give_up = stop_for_split || timeout_kept || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts;
             let delay = (!give_up).then(|| backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max));
             if !stop_for_split {
                 crate::warn_limited!(
@@ -1814,10 +1884,14 @@ impl LlmClient {
             .map_err(transport)?;
         let status = response.status();
         let retry_after = parse_retry_after(response.headers());
+        let location = status.is_redirection().then(|| response.headers().get(LOCATION).and_then(|v| v.to_str().ok()).map(shown_location)).flatten();
         let bytes = read_body(response, self.inner.max_response_bytes).await?;
         if !status.is_success() {
             let kind = classify(Problem::Status(status.as_u16()));
-            let message = format!("HTTP {status}: {}", preview(&bytes));
+            let message = match location {
+                Some(to) => format!("HTTP {status} to {to} (redirects are not followed: set llm.endpoints to the URL that answers): {}", preview(&bytes)),
+                None => format!("HTTP {status}: {}", preview(&bytes)),
+            };
             return Err((LlmError::new(kind, message, Some(status.as_u16())), retry_after));
         }
         let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
@@ -1828,6 +1902,21 @@ impl LlmClient {
             e.status = Some(status.as_u16());
             (e, None)
         })
+    }
+}
+
+/// A redirect's `Location` as the error shows it: without user, password, query or fragment,
+/// which may carry credentials (a signed URL's token); a relative one cut before its query.
+fn shown_location(location: &str) -> String {
+    match Url::parse(location) {
+        Ok(mut url) => {
+            let _ = url.set_username("");
+            let _ = url.set_password(None);
+            url.set_query(None);
+            url.set_fragment(None);
+            url.to_string()
+        }
+        Err(_) => location.split(['?', '#']).next().unwrap_or_default().to_owned(),
     }
 }
 
@@ -1963,6 +2052,8 @@ struct Call<'a> {
     permit_held: bool,
     /// A list-prompt call of several prompts: its request faults are not retried as a whole.
     list: bool,
+    /// Whether a request timeout is retried ([`LlmClient::run_call`]).
+    retry_timeouts: bool,
     /// The prefix key of its items, for the permit order.
     prefix_key: Option<u64>,
     /// Time its attempts waited for an endpoint permit, in microseconds (added up by
@@ -3218,7 +3309,9 @@ mod tests {
         s.max_attempts = NonZeroU32::new(2).unwrap();
         let client = LlmClient::new(&s).unwrap();
         let results = run(&client, &three_prompts(&Map::new())).await;
-        assert_eq!(fake.call_count(), 2);
+        // The list once (a list that timed out is not retried as one), then each prompt once (a
+        // timeout is not retried within a sequence; no budget given here to cut it).
+        assert_eq!(fake.calls().iter().map(|c| c.prompts.len()).collect::<Vec<_>>(), [3, 1, 1, 1]);
         assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout));
     }
 
@@ -3337,6 +3430,68 @@ mod tests {
         let slow = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
         assert_eq!(slow, 8, "every attempt was made: nothing failed fast");
         assert!(probes >= 1, "the timeouts tripped the rule and were verified ({probes} probes)");
+    }
+
+    /// A redirect is shown with where it points, without what may carry credentials.
+    #[test]
+    fn a_redirect_location_is_shown_without_credentials_or_query() {
+        assert_eq!(shown_location("https://user:pw@llm.internal:8443/v1/completions?sig=abc#x"), "https://llm.internal:8443/v1/completions");
+        assert_eq!(shown_location("/v1/completions?token=abc"), "/v1/completions");
+    }
+
+    /// The observed case of one prompt outlasting `llm.request_timeout` in a list-prompt call of
+    /// 8: the whole list was retried `llm.max_attempts` times, then its prompts one by one with
+    /// the slow one retried as often again, so the 7 answered prompts were held twice the time
+    /// the `amqp.consumer_timeout` check allows for, and the broker's guard requeued all 8. Now
+    /// the list goes prompt by prompt after its first timeout and the slow prompt is not retried
+    /// within the sequence: 2 calls carry it, not 6, and the other 7 are answered.
+    #[tokio::test]
+    async fn a_list_call_that_times_out_goes_again_prompt_by_prompt_at_once() {
+        let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts) = (Duration::from_millis(300), NonZeroU32::new(4).unwrap());
+        let client = LlmClient::new(&s).unwrap();
+        let reqs: Vec<_> = (0..8).map(|i| (completion(&if i == 3 { format!("p{i} SLOW") } else { format!("p{i}") }), Map::new())).collect();
+        let started = Instant::now();
+        // The budget of 4 attempts (as `Settings::llm_call_budget`, backoffs aside): the list's
+        // timeout and the slow prompt's leave room for the prompts behind it.
+        let results = client.infer_within(0, &items(&reqs), &CancellationToken::new(), Some(Duration::from_millis(1200))).await;
+        let took = started.elapsed();
+        for (i, r) in results.iter().enumerate() {
+            match i {
+                3 => assert_eq!(r.as_ref().unwrap_err().kind, ErrorKind::Timeout),
+                _ => assert_eq!(r.as_ref().unwrap().output, json!(format!("ok:p{i}")), "prompt {i}"),
+            }
+        }
+        let calls = fake.calls();
+        let slow = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
+        assert_eq!(slow, 2, "the list once, then the slow prompt once on its own");
+        assert_eq!(calls.iter().filter(|c| c.prompts.len() == 8).count(), 1, "the list is not retried");
+        assert!(took < Duration::from_millis(1500), "took {took:?}: about two request timeouts");
+    }
+
+    /// Prompts sent one after the other (`llm.list_prompts = false`) behind slow ones: once a
+    /// call of the sequence timed out, a prompt whose call could not end within the budget is not
+    /// sent (the partition puts it back uncharged); a sequence whose calls do not time out is not
+    /// cut, however long it takes.
+    #[tokio::test]
+    async fn a_sequence_slowed_by_timeouts_stops_at_its_budget() {
+        let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts, s.list_prompts) = (Duration::from_millis(200), NonZeroU32::new(2).unwrap(), false);
+        let client = LlmClient::new(&s).unwrap();
+        let budget = Some(Duration::from_millis(450));
+        let reqs: Vec<_> = ["a SLOW", "b SLOW", "c SLOW", "d"].iter().map(|p| (completion(p), Map::new())).collect();
+        let results = client.infer_within(0, &items(&reqs), &CancellationToken::new(), budget).await;
+        let kinds: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.kind)).collect();
+        assert_eq!(kinds, [Some(ErrorKind::Timeout), Some(ErrorKind::Timeout), Some(ErrorKind::Cancelled), Some(ErrorKind::Cancelled)]);
+        assert!(results[3].as_ref().unwrap_err().message.starts_with("not sent"), "{:?}", results[3]);
+        let slow = fake.calls().iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
+        assert_eq!(slow, 2, "no timeout retried within the sequence, the third slow prompt not sent");
+        // Without timeouts the budget does not cut: 12 quick calls in a budget shorter than them.
+        let quick: Vec<_> = (0..12).map(|i| (completion(&format!("q{i}")), Map::new())).collect();
+        let results = client.infer_within(0, &items(&quick), &CancellationToken::new(), Some(Duration::from_millis(1))).await;
+        assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
     }
 
     /// A server too slow for every real call but quick to answer the one-token probe (overloaded,

@@ -75,7 +75,7 @@ use crate::batcher::{self, Batch, BatchConfig, FlushReason};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
-use crate::llm::{Fault, InferenceItem, LlmClient};
+use crate::llm::{ErrorKind, Fault, InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, restart, stage};
 use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, ResultEnd, Settlement, Tenure, HEADER_ROUTED_AT_MS, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
@@ -997,6 +997,12 @@ async fn process_batch(
         return;
     }
     let flushed = Instant::now();
+    // Requests charged a delivery before go after the others (stable: arrival order otherwise).
+    // Prompts sent one after the other wait for those before them, and the sequence is cut once
+    // timeouts used its time ([`LlmClient::infer_within`]): a request that timed out before and
+    // came back must not keep the fresh ones of its key behind it, delivery after delivery.
+    let mut batch = batch;
+    batch.items.sort_by_key(|p| redelivery::delivery_count(Source::Partition, p.delivery.redelivered, p.delivery.properties.headers().as_ref()));
     let items: Vec<InferenceItem<'_>> = batch
         .items
         .iter()
@@ -1158,8 +1164,11 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 /// caller puts them back in the partition queue uncharged). When the endpoint answers the probe instead, the
 /// fault may be one request's own (a prompt that crashes the server fails the list call it
 /// shares with others): several items that failed together go again once, one call each, so only
-/// the offender keeps its server fault. `None` when a stop signal or the session's end comes
-/// first.
+/// the offender keeps its server fault (not for request timeouts: a list call that timed out
+/// already went again prompt by prompt). Prompts not sent because request timeouts used the
+/// batch's time for LLM calls ([`crate::config::Settings::llm_call_budget`],
+/// [`LlmClient::infer_within`]) get `None` too. `None` when a stop signal or the session's end
+/// comes first.
 async fn infer_through_outages(
     ctx: &PartitionContext,
     items: &[InferenceItem<'_>],
@@ -1176,7 +1185,7 @@ async fn infer_through_outages(
             let calls = call.iter().map(|item| ctx.llm.infer(endpoint, std::slice::from_ref(item), &end.token));
             futures_util::future::join_all(calls).await.into_iter().flatten().collect()
         } else {
-            ctx.llm.infer(endpoint, &call, &end.token).await
+            ctx.llm.infer_within(endpoint, &call, &end.token, Some(ctx.settings.llm_call_budget())).await
         };
         if end.token.is_cancelled() {
             return None;
@@ -1184,7 +1193,10 @@ async fn infer_through_outages(
         let server_faults = answers.iter().filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server)).count();
         let outage = server_faults > 0 && ctx.llm.confirm_server_fault(endpoint).await;
         // Isolate a possible offender once; an outage resets nothing (the items wait and go again).
-        let isolate = !outage && !one_by_one && server_faults > 1;
+        // Not for request timeouts: a list call that timed out went again prompt by prompt
+        // already ([`LlmClient::infer_within`]), so each of them is a prompt's own call.
+        let to_isolate = answers.iter().filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server && e.kind != ErrorKind::Timeout)).count();
+        let isolate = !outage && !one_by_one && to_isolate > 1;
         one_by_one |= isolate;
         let mut again = Vec::new();
         // Items whose own call met a fault that may be theirs (a request timeout, a 5xx, an
@@ -1192,6 +1204,9 @@ async fn infer_through_outages(
         let mut suspects = Vec::new();
         for (i, answer) in todo.into_iter().zip(answers) {
             match answer {
+                // Not sent: the batch's time for LLM calls ran out behind slower prompts (the
+                // session goes on: checked above). Back to the partition queue, uncharged.
+                Err(e) if e.kind == ErrorKind::Cancelled => {}
                 Err(e) if (outage || isolate) && e.fault() == Fault::Server => {
                     if e.kind.is_verified_fault() { suspects.push(i) } else { again.push(i) }
                 }
