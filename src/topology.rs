@@ -298,6 +298,14 @@ pub async fn declare(
         );
         let _: () = redis::cmd("SET").arg(redis_key).arg(p).query_async(redis).await?;
     }
+    // Partition queues are declared from P-1 down to 0, so "queue 0 exists" means the whole set
+    // exists: a missing queue P-1 then reveals a smaller deployment, an existing queue P a larger one.
+    if queue_exists(conn, &cfg.partition_queue(p)).await? {
+        return Err(TopologyError::PartitionCount { existing: format!("more than {p}"), configured: p, redis_key: redis_key.to_owned() });
+    }
+    if queue_exists(conn, &cfg.partition_queue(0)).await? && !queue_exists(conn, &cfg.partition_queue(p - 1)).await? {
+        return Err(TopologyError::PartitionCount { existing: format!("fewer than {p}"), configured: p, redis_key: redis_key.to_owned() });
+    }
     // The route is recorded before anything is declared: of two instances started at once with
     // other names, the second is refused before it binds its queues next to the first's.
     let (route_key, route) = (partition_route_key(redis_key), partition_route(cfg));
@@ -321,13 +329,14 @@ pub async fn declare(
         );
         let _: () = redis::cmd("SET").arg(&route_key).arg(&route).query_async(redis).await?;
     }
-    // Partition queues are declared from P-1 down to 0, so "queue 0 exists" means the whole set
-    // exists: a missing queue P-1 then reveals a smaller deployment, an existing queue P a larger one.
-    if queue_exists(conn, &cfg.partition_queue(p)).await? {
-        return Err(TopologyError::PartitionCount { existing: format!("more than {p}"), configured: p, redis_key: redis_key.to_owned() });
-    }
-    if queue_exists(conn, &cfg.partition_queue(0)).await? && !queue_exists(conn, &cfg.partition_queue(p - 1)).await? {
-        return Err(TopologyError::PartitionCount { existing: format!("fewer than {p}"), configured: p, redis_key: redis_key.to_owned() });
+    // So is the count, once the broker showed no other: of two instances of a new deployment
+    // started at once with other counts, the second is refused before it declares a queue (its
+    // extra partition queues, bound and never consumed, would otherwise make the deployment look
+    // larger than it is once Redis lost the record).
+    let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
+    let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
+    if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
+        return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
     }
 
     declare_dead_letter(conn, cfg).await?;
@@ -348,7 +357,8 @@ pub async fn declare(
         answered("queue.bind", bind).await?;
     }
     let _ = close_channel(&ch, "ok").await;
-    // Record P only once everything exists; re-read to catch a concurrent start with another P.
+    // Again once everything exists (Redis may have lost the record meanwhile); re-read to catch a
+    // concurrent start with another P.
     let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {

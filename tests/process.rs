@@ -484,6 +484,48 @@ async fn refused_start_does_not_poison_the_recorded_partition_count() {
     env.cleanup().await;
 }
 
+/// Two instances of a new deployment started at the same moment with other partition counts:
+/// one is refused (exit 78) before it declares anything, so the broker holds exactly the
+/// winner's partition queues. Observed before: the loser was refused only after declaring and
+/// binding its queues, so when the smaller count won, its extra queues stayed bound to the shard
+/// exchange with no consumer, and once Redis lost the record the correctly configured instances
+/// were refused ("more than 4") while a wrong one was accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_counts_started_at_once_the_refused_one_declares_nothing() {
+    let env = TestEnv::new("countrace");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let raw4 = with_partitions(&env, &raw, 4, "four");
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut eight = DaemonProcess::run(&env, "p8", &raw);
+    let mut four = DaemonProcess::run(&env, "p4", &raw4);
+    let deadline = Instant::now() + DEADLINE;
+    let (winner, loser, p) = loop {
+        if !four.is_running() {
+            break (eight, four, PARTITIONS);
+        }
+        if !eight.is_running() {
+            break (four, eight, 4);
+        }
+        assert!(Instant::now() < deadline, "neither instance was refused; logs:\n{}\n{}", eight.log_tail(20), four.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let (mut winner, mut loser) = (winner, loser);
+    let status = loser.wait_exit(DEADLINE).await;
+    assert_eq!(status.code(), Some(78), "the refused instance: {status}; log:\n{}", loser.log_tail(20));
+    let name = if p == 4 { raw4.instance.name.clone() } else { raw.instance.name.clone() };
+    let ready = Instant::now() + DEADLINE;
+    while !redis.leases(env.key_prefix(), p).await.iter().all(|l| l.as_ref().is_some_and(|l| l.name == name)) {
+        assert!(winner.is_running() && Instant::now() < ready, "the instance with {p} partitions did not start; log:\n{}", winner.log_tail(40));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let queues = broker::queues(&format!("{}.", raw.amqp.partition_queue_prefix));
+    assert_eq!(queues.len() as u32, p, "the broker holds other partition queues than the winner's {p}: {queues:?}");
+    winner.sigterm();
+    assert_eq!(winner.wait_exit(DEADLINE).await.code(), Some(0));
+    env.cleanup().await;
+}
+
 /// A daemon with MORE partitions than the existing deployment is refused too, even when the
 /// Redis record of the count is gone (the broker still shows the deployment's queues).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
