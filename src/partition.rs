@@ -862,6 +862,11 @@ pub const PUBLISH_CHANNELS: usize = 4;
 /// checks and declares a deleted destination again.
 type PublishOn = Arc<SharedConfirmChannel>;
 
+/// The last `<seq>` of a `batch_id` (`<partition>-<epoch>-<seq>`): one counter for the process,
+/// so a batch id never repeats while the process runs, not even after a partition's consumer
+/// restarted within its epoch (a deleted queue, a closed channel), which began its count again.
+static BATCH_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
 /// Results are published on the channel of `out` ([`SharedConfirmChannel`]); its connection serves the
 /// direct reply-to checks ([`publisher::direct_reply_to_present`]).
@@ -874,13 +879,12 @@ async fn execute(
     end: Arc<SessionEnd>,
 ) {
     let mut tasks = tokio::task::JoinSet::new();
-    let mut seq = 0u64;
     loop {
         tokio::select! {
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             batch = batch_rx.recv() => match batch {
                 Some(batch) => {
-                    seq += 1;
+                    let seq = BATCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                     let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
                     let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
                     tasks.spawn(guarded_batch(ctx.clone(), out.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span));

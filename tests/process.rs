@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use common::*;
@@ -482,6 +482,46 @@ async fn refused_start_does_not_poison_the_recorded_partition_count() {
     ok.sigterm();
     assert_eq!(ok.wait_exit(DEADLINE).await.code(), Some(0));
     env.cleanup().await;
+}
+
+/// A batch id names one batch while the process runs. Observed: after a partition's consumer
+/// restarted within its epoch (its queue deleted under load), the count began again at 1, and
+/// `3-7-1` named two batches, so a log search for one batch mixed two. Here every (empty)
+/// partition queue is deleted between two waves of requests: each partition's consumer declares
+/// it again and restarts, keeping its lease and epoch, and the results of each batch id agree on
+/// its size and key and are no more than its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_id_is_not_reused_after_a_consumer_restart() {
+    let env = TestEnv::new("batchids");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let raw = env.raw_config(fake.url.as_str());
+    let mut st = run_with_replies(&env, &raw, "ids").await;
+    let first = completions_workload("batchids-a", 64, 8);
+    st.amqp.publish_requests(&env.input_queue(), &first, &st.reply).await;
+    st.results.until_all(&ids(&first), DEADLINE).await;
+    for p in 0..PARTITIONS {
+        st.amqp.ch.queue_delete(env.partition_queue(p).as_str().into(), lapin::options::QueueDeleteOptions::default()).await.expect("delete a partition queue");
+    }
+    let deadline = Instant::now() + DEADLINE;
+    while st.daemon.log().matches("partition queue was deleted").count() < PARTITIONS as usize {
+        assert!(Instant::now() < deadline, "not every consumer saw its queue deleted; log:\n{}", st.daemon.log_tail(30));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let second = completions_workload("batchids-b", 64, 8);
+    st.amqp.publish_requests(&env.input_queue(), &second, &st.reply).await;
+    st.results.until_all(&ids(&second), DEADLINE).await;
+    let mut batches: HashMap<String, (usize, String, usize)> = HashMap::new();
+    for m in st.results.received.iter() {
+        let r = m.result();
+        let (size, key, seen) = batches.entry(r.batch_id.clone()).or_insert((r.batch_size, r.prefix_key.clone(), 0));
+        assert_eq!((*size, key.as_str()), (r.batch_size, r.prefix_key.as_str()), "batch id {} names two batches", r.batch_id);
+        *seen += 1;
+        assert!(*seen <= *size, "batch id {} has more results than its size {size}", r.batch_id);
+    }
+    let epochs: HashSet<(u32, u64)> = st.results.received.iter().map(|m| (m.result().partition, m.epoch())).collect();
+    let partitions: HashSet<u32> = epochs.iter().map(|(p, _)| *p).collect();
+    assert_eq!(epochs.len(), partitions.len(), "every partition kept its epoch (else the ids differ anyway): {epochs:?}");
+    st.stop_and_clean_up(env).await;
 }
 
 /// Two instances of a new deployment started at the same moment with other partition counts:
