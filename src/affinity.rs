@@ -59,7 +59,8 @@
 //! observed but not yet beyond chance ([`TrafficShares::observe`]).
 //!
 //! A dominant key is split without a drain rate; its merge rule measures against the highest
-//! arrival rate seen since the split instead. The deeper levels that do not tell its requests
+//! arrival rate it sustained for [`SplitRules::cool`] since the split instead (a shorter burst
+//! does not set it). The deeper levels that do not tell its requests
 //! apart (one key carries more than half of them, by the same bound: a system prompt longer than a level) are split with it
 //! in the same decision ([`choose`] hands the router every deeper level's key), so its requests
 //! route at once by the first level that tells them apart, e.g. the conversation.
@@ -565,12 +566,36 @@ pub enum Verdict {
     Merge,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Tracked {
     seen_at: Instant,
     below_since: Option<Instant>,
-    /// Highest arrival rate reviewed since the entry was first seen (requests/s).
+    /// Highest arrival rate sustained for `rules.cool` since the entry was first seen
+    /// (requests/s): the lowest rate reviewed over such a stretch, so a burst shorter than it
+    /// (a paused instance's prefetch handed back at once, a publisher's spike) does not make the
+    /// key's steady traffic look cool afterwards.
     peak_rps: f64,
+    /// The rates reviewed over the last `rules.cool`, oldest first.
+    recent: VecDeque<(Instant, f64)>,
+}
+
+impl Tracked {
+    fn new(now: Instant) -> Self {
+        Tracked { seen_at: now, below_since: None, peak_rps: 0.0, recent: VecDeque::new() }
+    }
+
+    /// Takes in the rate reviewed at `now` and raises the sustained peak.
+    fn observe(&mut self, now: Instant, rps: f64, cool: Duration) {
+        self.recent.push_back((now, rps));
+        // Keep one review at or before the start of the stretch, so the stretch is covered.
+        while self.recent.len() > 1 && now.saturating_duration_since(self.recent[1].0) >= cool {
+            self.recent.pop_front();
+        }
+        if now.saturating_duration_since(self.recent[0].0) >= cool {
+            let sustained = self.recent.iter().map(|(_, r)| *r).fold(f64::INFINITY, f64::min);
+            self.peak_rps = self.peak_rps.max(sustained);
+        }
+    }
 }
 
 /// Each instance's memory of the split set over time: when it first saw each entry (the hold
@@ -596,7 +621,7 @@ impl SplitLedger {
         for k in view.entries.keys() {
             self.tracked.entry(*k).or_insert_with(|| {
                 self.changed_at.insert(*k, now);
-                Tracked { seen_at: now, below_since: None, peak_rps: 0.0 }
+                Tracked::new(now)
             });
         }
     }
@@ -611,11 +636,12 @@ impl SplitLedger {
     /// Reviews one entry of the current view given its recorded drain rate and its current
     /// arrival rate (requests per second, all instances): merge when split for at least
     /// `rules.hold` and at or below `merge_ratio × drain_rps` for at least `rules.cool`. A drain
-    /// rate ≤ 0 (a dominant key, split without one) stands for the highest arrival rate reviewed
-    /// since the split.
+    /// rate ≤ 0 (a dominant key, split without one) stands for the highest arrival rate sustained
+    /// for `rules.cool` since the split (not the highest reviewed: a short burst would raise it,
+    /// and the key's unchanged traffic would then merge it back while it still dominates).
     pub fn review(&mut self, now: Instant, rules: &SplitRules, member: &SplitMember, drain_rps: f64, arrivals_rps: f64) -> Verdict {
-        let t = self.tracked.entry((member.level, member.key)).or_insert(Tracked { seen_at: now, below_since: None, peak_rps: 0.0 });
-        t.peak_rps = t.peak_rps.max(arrivals_rps);
+        let t = self.tracked.entry((member.level, member.key)).or_insert_with(|| Tracked::new(now));
+        t.observe(now, arrivals_rps, rules.cool);
         let basis = if drain_rps > 0.0 { drain_rps } else { t.peak_rps };
         if arrivals_rps <= rules.merge_ratio * basis {
             let since = *t.below_since.get_or_insert(now);
@@ -1069,6 +1095,33 @@ mod tests {
             assert_eq!(ledger.review(at(s), &r, &m, 0.0, 10.0), Verdict::Keep, "cooling at {s}s");
         }
         assert_eq!(ledger.review(at(45), &r, &m, 0.0, 10.0), Verdict::Merge);
+    }
+
+    /// The observed case: a dominant key split, steady traffic, then a burst of arrivals (a
+    /// paused instance's prefetch handed back at once, or a publisher's 4 s spike at 4 × the
+    /// rate): the burst set the peak, the steady rate was below half of it, and the key merged
+    /// back 10 s later while it still carried 75 % of the traffic, then could not split again for
+    /// the hold time. A burst shorter than the cool time does not set the peak now.
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_does_not_merge_a_dominant_split_back() {
+        let r = rules();
+        let m = split(0, 1);
+        let mut ledger = SplitLedger::default();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        ledger.update(t0, &SplitView::new([m]));
+        for tick in 0..(120 * 4) {
+            let ms = tick * 250;
+            // The arrival rate over the last 5 s: 10/s, and 40/s while a 4 s burst is in it.
+            let rps = if (40_000..49_000).contains(&ms) { 40.0 } else { 10.0 };
+            assert_eq!(ledger.review(at(ms), &r, &m, 0.0, rps), Verdict::Keep, "at {ms} ms");
+        }
+        // A real cooling still merges it: half the sustained rate for the cool time.
+        let end = 120_000;
+        for tick in 0..40 {
+            assert_eq!(ledger.review(at(end + tick * 250), &r, &m, 0.0, 5.0), Verdict::Keep);
+        }
+        assert_eq!(ledger.review(at(end + 10_000), &r, &m, 0.0, 5.0), Verdict::Merge);
     }
 
     #[test]

@@ -607,7 +607,7 @@ impl Affinity {
                     req.adds.push((h.member, h.drain_rps));
                 }
             }
-            // A dominant key has no drain rate: 0 makes the merge rule use its peak arrival rate.
+            // A dominant key has no drain rate: 0 makes the merge rule use its sustained peak arrival rate.
             if let Some(d) = dominant.filter(|d| !st.ledger.holding(now, rules.hold, d.members[0].level, d.members[0].key)) {
                 for m in d.members {
                     let new = !req.adds.iter().any(|(a, _)| (a.level, a.key) == (m.level, m.key)) && view.get(m.level, m.key).is_none();
