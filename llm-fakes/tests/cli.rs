@@ -32,10 +32,16 @@ fn start(args: &[&str]) -> (Server, String) {
     (server, url)
 }
 
+/// An HTTP client: reqwest's rustls needs the process's crypto provider (ring, as the daemon's).
+fn client() -> reqwest::Client {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    reqwest::Client::new()
+}
+
 #[tokio::test]
 async fn fake_prints_its_url_and_answers_completions() {
     let (_server, url) = start(&["fake", "--latency", "1ms"]);
-    let http = reqwest::Client::new();
+    let http = client();
     let v: serde_json::Value = http
         .post(format!("{url}/v1/completions"))
         .json(&serde_json::json!({"prompt": ["hello world", "hello there"]}))
@@ -52,7 +58,7 @@ async fn fake_prints_its_url_and_answers_completions() {
 #[tokio::test]
 async fn simulate_prints_its_url_and_reports_its_metrics() {
     let (_server, url) = start(&["simulate", "--model", "m", "--decode-ms-per-token", "0"]);
-    let page = reqwest::get(format!("{url}/metrics")).await.unwrap().text().await.unwrap();
+    let page = client().get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(page.contains("vllm:prefix_cache_hits_total{model_name=\"m\"} 0\n"), "{page}");
     assert!(page.contains("simulator_busy_seconds_total"), "{page}");
 }
