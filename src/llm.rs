@@ -868,9 +868,9 @@ impl LlmClient {
     ///
     /// Timeouts of calls for several prompts are not retried at once: a list-prompt call that
     /// timed out goes again prompt by prompt, as a refused one does (one prompt's long generation
-    /// times out the whole list), and within a sequence a prompt that timed out is charged a
-    /// delivery and goes again later instead of making the others wait for its retries.
-    /// `None`: no limit.
+    /// times out the whole list), and within a sequence a prompt that timed out gets its further
+    /// attempts after the other prompts were sent, while the budget lasts, instead of making them
+    /// wait for its retries. `None`: no limit.
     pub async fn infer_within(
         &self,
         endpoint: usize,
@@ -952,10 +952,12 @@ impl LlmClient {
     /// the prompts of a batch reach the server back to back, so a server with per-slot caches
     /// (llama-server) serves them from the slot that holds their shared prefix instead of
     /// spreading them over cold slots or interleaving them with other batches. With several
-    /// prompts, a request timeout is not retried at once; once a call of the sequence timed out
-    /// (or the list call it replaces did: `after_timeout`), a prompt whose call could not end
-    /// within `budget` (from when the permit is held) is not sent ([`Self::infer_within`]). A
-    /// sequence without timeouts is never cut: its calls take what the server needs.
+    /// prompts, a prompt whose call timed out is retried after the others (rounds of one attempt
+    /// each, up to `llm.max_attempts` per prompt); once a call of the sequence timed out (or the
+    /// list call it replaces did: `after_timeout`), no call starts that could not end within
+    /// `budget` (from when the permit is held): a prompt not sent by then gets
+    /// [`LlmError::not_sent`] ([`Self::infer_within`]). A sequence without timeouts is never cut:
+    /// its calls take what the server needs.
     async fn run_sequential(
         &self,
         endpoint: usize,
@@ -974,25 +976,64 @@ impl LlmClient {
         };
         let waited = asked.elapsed();
         let deadline = budget.map(|b| Instant::now() + b);
+        // Whether another call can still end within the budget.
+        let fits = || deadline.is_none_or(|d| Instant::now() + self.inner.request_timeout <= d);
         let alone = group.members.len() == 1;
+        let is_timeout = |r: &Result<Completion, LlmError>| r.as_ref().is_err_and(|e| e.kind == ErrorKind::Timeout);
         let mut timed_out = after_timeout;
-        let mut out = Vec::with_capacity(group.members.len());
+        let mut out: ItemResults = Vec::with_capacity(group.members.len());
+        // Positions in `out` of the prompts whose call timed out: retried after the others.
+        let mut retry = Vec::new();
         for (n, &member) in group.members.iter().enumerate() {
-            if n > 0 && timed_out && deadline.is_some_and(|d| Instant::now() + self.inner.request_timeout > d) {
+            if n > 0 && timed_out && !fits() {
                 out.push((member, Err(LlmError::not_sent())));
                 continue;
             }
             let single = Group { members: vec![member], ..group.clone() };
             let results = self.run_call(endpoint, items, single, cancel, Some(waited), alone).await;
-            timed_out |= results.iter().any(|(_, r)| r.as_ref().is_err_and(|e| e.kind == ErrorKind::Timeout));
+            if !alone && results.iter().any(|(_, r)| is_timeout(r)) {
+                timed_out = true;
+                retry.push(out.len());
+            }
             out.extend(results);
+        }
+        // Rounds of one more attempt each, while attempts (`llm.max_attempts` per prompt) and the
+        // budget last; a prompt left with its timeout is charged a delivery by the caller.
+        let mut attempts = 1;
+        while !retry.is_empty() && attempts < self.inner.max_attempts && !cancel.is_cancelled() {
+            attempts += 1;
+            let mut still = Vec::new();
+            for &i in &retry {
+                if !fits() {
+                    still.clear();
+                    break;
+                }
+                let single = Group { members: vec![out[i].0], ..group.clone() };
+                let result = self.run_call(endpoint, items, single, cancel, Some(waited), false).await.pop().map(|(_, r)| r);
+                match result {
+                    // The breaker opened meanwhile: the timeout says more than "unavailable", and
+                    // the caller finds the endpoint down either way.
+                    Some(Err(e)) if e.kind == ErrorKind::Unavailable => {
+                        still.clear();
+                        break;
+                    }
+                    Some(r) => {
+                        if is_timeout(&r) {
+                            still.push(i);
+                        }
+                        out[i].1 = r;
+                    }
+                    None => {}
+                }
+            }
+            retry = still;
         }
         out
     }
 
     /// One HTTP call (with retries) for `group`; returns `(item index, result)` for every member.
     /// `held`: `Some(its wait)` when the caller already holds an endpoint permit for this call.
-    /// `retry_timeouts`: whether a request timeout is retried like other server faults (not for a
+    /// `retry_timeouts`: whether a request timeout is retried at once like other server faults (not for a
     /// list call or a prompt of a sequence: see [`Self::infer_within`]).
     async fn run_call(
         &self,
@@ -3309,9 +3350,12 @@ mod tests {
         s.max_attempts = NonZeroU32::new(2).unwrap();
         let client = LlmClient::new(&s).unwrap();
         let results = run(&client, &three_prompts(&Map::new())).await;
-        // The list once (a list that timed out is not retried as one), then each prompt once (a
-        // timeout is not retried within a sequence; no budget given here to cut it).
-        assert_eq!(fake.calls().iter().map(|c| c.prompts.len()).collect::<Vec<_>>(), [3, 1, 1, 1]);
+        // The list once (a list that timed out is not retried as one), then each prompt once, then
+        // the first one's second attempt: the 5th timeout in a row makes the breaker suspect, its
+        // probe times out too and the breaker opens (no budget given here to cut the sequence).
+        let calls = fake.calls();
+        assert_eq!(calls.iter().filter(|c| c.prompts != [PROBE_PROMPT]).map(|c| c.prompts.len()).collect::<Vec<_>>(), [3, 1, 1, 1, 1]);
+        assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
         assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout));
     }
 
@@ -3465,9 +3509,14 @@ mod tests {
         }
         let calls = fake.calls();
         let slow = calls.iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
-        assert_eq!(slow, 2, "the list once, then the slow prompt once on its own");
+        assert!((2..=4).contains(&slow), "the list once, then the slow prompt on its own within the budget: {slow} calls");
         assert_eq!(calls.iter().filter(|c| c.prompts.len() == 8).count(), 1, "the list is not retried");
-        assert!(took < Duration::from_millis(1500), "took {took:?}: about two request timeouts");
+        // The 7 were answered in the first pass, before the slow prompt's retries.
+        let first_single_slow = calls.iter().position(|c| c.prompts.len() == 1 && c.prompts[0].contains("SLOW")).unwrap();
+        let after: Vec<_> = calls[first_single_slow + 1..].iter().filter(|c| c.prompts != [PROBE_PROMPT]).collect();
+        let quick_after = after.iter().take_while(|c| !c.prompts[0].contains("SLOW")).count();
+        assert_eq!(quick_after, 4, "p4..p7 went before the slow prompt's retries: {:?}", after.iter().map(|c| &c.prompts).collect::<Vec<_>>());
+        assert!(took < Duration::from_millis(1600), "took {took:?}: within the budget and one request timeout");
     }
 
     /// Prompts sent one after the other (`llm.list_prompts = false`) behind slow ones: once a
@@ -3592,12 +3641,11 @@ mod tests {
         (s.request_timeout, s.max_attempts) = (Duration::from_millis(150), NonZeroU32::new(3).unwrap());
         let client = LlmClient::new(&s).unwrap();
         let reqs = three_prompts(&Map::new());
-        // 3 attempts, then 2 more: the 5th timeout in a row makes the breaker suspect; the call
-        // waits for the verification probe, which times out too: open, no 3rd attempt.
-        for _ in 0..2 {
-            let results = run(&client, &reqs).await;
-            assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout), "{results:?}");
-        }
+        // The list, each prompt alone, then the first prompt's second attempt: the 5th timeout in
+        // a row makes the breaker suspect; the call waits for the verification probe, which
+        // times out too: open, no further attempt.
+        let results = run(&client, &reqs).await;
+        assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout), "{results:?}");
         assert_eq!(client.breaker_state(0), Some(BreakerState::Open));
         assert!(client.confirm_server_fault(0).await, "down: the requests wait, uncharged");
         let calls = fake.calls();
@@ -3607,10 +3655,10 @@ mod tests {
         assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Unavailable), "open: fail fast");
         assert_eq!(fake.call_count(), 6, "no call while open");
 
-        // The partition's check alone (fewer than 5 timeouts, as a single batch meets): its
-        // probe times out and trips the breaker.
+        // The partition's check alone (fewer than 5 timeouts, as a batch of one prompt meets):
+        // its probe times out and trips the breaker.
         let client = LlmClient::new(&s).unwrap();
-        let results = run(&client, &reqs).await;
+        let results = run(&client, &reqs[..1]).await;
         assert!(results.iter().all(|r| r.as_ref().unwrap_err().kind == ErrorKind::Timeout));
         assert_eq!(client.breaker_state(0), Some(BreakerState::Closed), "3 timeouts: not yet");
         let started = Instant::now();

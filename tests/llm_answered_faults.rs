@@ -293,9 +293,10 @@ async fn a_request_outlasting_the_timeout_alone_with_one_permit_is_dead_lettered
 /// with the slow one retried as often again, so the 7 others, answered, waited about twice what
 /// the `amqp.consumer_timeout` check allows for; the guard requeued the whole batch, charged,
 /// each time, and all 8 were dead-lettered although the server answered 7 of them every time.
-/// Here the list goes prompt by prompt after its first timeout, the slow prompt is not retried
-/// within the batch, and no delivery nears the guard: the 7 are answered `ok` once each, the slow
-/// one is dead-lettered after `amqp.delivery_limit`, and the breaker never opens.
+/// Here the list goes prompt by prompt after its first timeout, the slow prompt's retries come
+/// after the others and stop at the batch's time for LLM calls, and no delivery nears the guard:
+/// the 7 are answered `ok` once each, the slow one is dead-lettered after `amqp.delivery_limit`,
+/// and the breaker never opens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_prompt_in_a_list_batch_costs_the_others_nothing() {
     let _serial = SERIAL.lock().await;
@@ -328,9 +329,10 @@ async fn a_slow_prompt_in_a_list_batch_costs_the_others_nothing() {
     eprintln!("a slow prompt in a list batch: 7 answered in {answered_in:?}, {slow_calls} calls carried the slow prompt, {lists} list calls, breaker opened {opened} times");
     assert_eq!(st.results.received.len(), normal.len(), "each of the 7 answered once");
     assert_eq!(lists, 1, "the list call that timed out is not retried as a list");
-    // Its first delivery: the list call, then its own call once; its 2 later deliveries, alone in
+    // Its first delivery: the list call, then its own calls after the others, as many as fit in
+    // the batch's time (3 × 1 s, the list's second included); its 2 later deliveries, alone in
     // their batch: `llm.max_attempts` calls each, as any one-prompt call.
-    assert_eq!(slow_calls, 2 + 2 * 3, "calls that carried the slow prompt");
+    assert!((2 + 2 * 3..=3 + 2 * 3).contains(&slow_calls), "calls that carried the slow prompt: {slow_calls}");
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
