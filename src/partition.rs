@@ -1017,12 +1017,13 @@ async fn process_batch(
     // endpoint, or a drain whose time ran out before the calls answered, which put them back
     // uncharged.
     let cutoff = drain_call_cutoff(ctx.settings.drain_timeout);
+    let oldest = batch.items.iter().map(|p| p.received).min().unwrap_or(flushed);
     let answers = tokio::select! {
-        answers = infer_through_outages(&ctx, &items, &stop, &end) => answers.ok_or(CallsEnded::Stopped),
+        answers = infer_through_outages(&ctx, &items, release_at(&ctx.settings, oldest), &stop, &end) => answers.ok_or(CallsEnded::Stopped),
         () = calls_cut(&stop.drain, cutoff) => Err(CallsEnded::DrainTimeRanOut),
     };
-    let results = match answers {
-        Ok(results) => results,
+    let Outcomes { results, put_back_first } = match answers {
+        Ok(outcomes) => outcomes,
         Err(why) => {
             drop(items);
             let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
@@ -1062,7 +1063,15 @@ async fn process_batch(
     let abort = &stop.abort;
     let release = [&stop.drain, &stop.revoke];
     let (release, ctx) = (&release, &ctx);
-    let settles = batch.items.into_iter().zip(results).map(|(pending, answer)| {
+    // Settled (and so put back) in this order: the answered ones, then those going back
+    // uncharged in the order [`infer_through_outages`] gives.
+    let mut paired: Vec<Option<(Pending, Option<Result<crate::llm::Completion, crate::llm::LlmError>>)>> =
+        batch.items.into_iter().zip(results).map(Some).collect();
+    let mut ordered = Vec::with_capacity(paired.len());
+    ordered.extend(paired.iter_mut().filter(|p| p.as_ref().is_some_and(|(_, a)| a.is_some())).filter_map(Option::take));
+    ordered.extend(put_back_first.iter().filter_map(|&i| paired.get_mut(i).and_then(Option::take)));
+    ordered.extend(paired.into_iter().flatten());
+    let settles = ordered.into_iter().map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
         let pool = &*out;
         let amqp = &ctx.settings.amqp;
@@ -1171,25 +1180,47 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 /// the offender keeps its server fault (not for request timeouts: a list call that timed out
 /// already went again prompt by prompt). Prompts not sent because request timeouts used the
 /// batch's time for LLM calls ([`crate::config::Settings::llm_call_budget`],
-/// [`LlmClient::infer_within`]) get `None` too. `None` when a stop signal or the session's end
-/// comes first.
+/// [`LlmClient::infer_within`]) get `None` too, and so do the items still waiting when, after the
+/// first round, waiting for an endpoint or another round of calls would keep them past
+/// `release_at` ([`release_at`]: before the `amqp.consumer_timeout` guard would return them
+/// charged). `None` when a stop signal or the session's end comes first.
 async fn infer_through_outages(
     ctx: &PartitionContext,
     items: &[InferenceItem<'_>],
+    release_at: Instant,
     stop: &StopSignals,
     end: &SessionEnd,
-) -> Option<Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>>> {
+) -> Option<Outcomes> {
     let mut results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = items.iter().map(|_| None).collect();
     let mut todo: Vec<usize> = (0..items.len()).collect();
     let mut one_by_one = false;
+    let mut first = true;
+    let timeout = ctx.settings.llm.request_timeout;
     loop {
-        let endpoint = wait_for_endpoint(ctx, stop, &end.token).await?;
+        // After the first round, a wait for the endpoint or a round of calls that would keep the
+        // requests past `release_at` ends here: they go back uncharged, the ones not sent yet
+        // first (the next delivery sends them first, so a batch whose slow requests keep the
+        // endpoint down cannot keep the others from being sent, delivery after delivery).
+        let endpoint = tokio::select! {
+            endpoint = wait_for_endpoint(ctx, stop, &end.token) => endpoint?,
+            () = tokio::time::sleep_until(release_at), if !first => return Some(Outcomes::released(results, todo, ctx.partition)),
+        };
+        let budget = if first {
+            ctx.settings.llm_call_budget()
+        } else {
+            let left = release_at.saturating_duration_since(Instant::now());
+            if left < timeout {
+                return Some(Outcomes::released(results, todo, ctx.partition));
+            }
+            left.min(ctx.settings.llm_call_budget())
+        };
+        first = false;
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
         let answers = if one_by_one {
             let calls = call.iter().map(|item| ctx.llm.infer(endpoint, std::slice::from_ref(item), &end.token));
             futures_util::future::join_all(calls).await.into_iter().flatten().collect()
         } else {
-            ctx.llm.infer_within(endpoint, &call, &end.token, Some(ctx.settings.llm_call_budget())).await
+            ctx.llm.infer_within(endpoint, &call, &end.token, Some(budget)).await
         };
         if end.token.is_cancelled() {
             return None;
@@ -1224,7 +1255,7 @@ async fn infer_through_outages(
         // close, and the one behind it was never sent.
         again.extend(suspects);
         if again.is_empty() {
-            return Some(results);
+            return Some(Outcomes { results, put_back_first: again });
         }
         // An outage with some of the batch answered already: their results go out now, and the
         // items still waiting go back to the partition queue uncharged (`None`), instead of
@@ -1239,7 +1270,7 @@ async fn infer_through_outages(
                 waiting = again.len(),
                 "LLM endpoint down with part of a batch answered: its answers go out now, the rest goes back to the partition queue, not charged a delivery"
             );
-            return Some(results);
+            return Some(Outcomes { results, put_back_first: again });
         }
         if outage {
             crate::warn_limited!(
@@ -1255,6 +1286,42 @@ async fn infer_through_outages(
         }
         todo = again;
     }
+}
+
+/// The answers of a batch's items ([`infer_through_outages`]): one per item, `None` for an item
+/// that goes back to its partition queue uncharged; `put_back_first` lists such items in the order
+/// they go back in (the ones never sent first).
+struct Outcomes {
+    results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>>,
+    put_back_first: Vec<usize>,
+}
+
+impl Outcomes {
+    /// The items still to be sent (`todo`, in sending order: the ones that failed fast before the
+    /// ones whose own calls failed) go back uncharged: their requests are about to be held
+    /// longer than `amqp.consumer_timeout` allows ([`release_at`]).
+    fn released(results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>>, todo: Vec<usize>, partition: u32) -> Self {
+        crate::warn_limited!(
+            RELEASE_LOG,
+            partition,
+            requests = todo.len(),
+            "requests waiting for an LLM endpoint near amqp.consumer_timeout: back to the partition queue, not charged a delivery"
+        );
+        Outcomes { results, put_back_first: todo }
+    }
+}
+
+/// Bounds the lines of [`Outcomes::released`].
+static RELEASE_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// When a batch whose oldest request the partition received at `oldest` must stop waiting for an
+/// LLM endpoint or starting calls, so that its requests are settled before the
+/// `amqp.consumer_timeout` guard would return them charged: `oldest` + 0.8 ×
+/// `amqp.consumer_timeout` ([`crate::config::CONSUMER_TIMEOUT_MARGIN`], the share the load-time
+/// check gives a batch) − 2 × `amqp.confirm_timeout` (their publishes).
+fn release_at(s: &Settings, oldest: Instant) -> Instant {
+    let margin = s.amqp.consumer_timeout.mul_f64(crate::config::CONSUMER_TIMEOUT_MARGIN);
+    oldest + margin.saturating_sub(s.amqp.confirm_timeout * 2)
 }
 
 /// Puts deliveries back into the partition queue without charging them a delivery: the requests

@@ -336,6 +336,52 @@ async fn a_slow_prompt_in_a_list_batch_costs_the_others_nothing() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// The value of the process-wide metric line starting with `prefix` (0 when absent).
+fn metric(prefix: &str) -> f64 {
+    let text = prefix_batcher::metrics::render();
+    text.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+/// The observed case of a server that turns too slow for every real call after a batch spent its
+/// time for LLM calls on timeouts (its one-token probe still passing, nothing answered yet to
+/// replay): the breaker opened, the requests waited for the endpoint in memory, and the
+/// `amqp.consumer_timeout` guard, which counts from when a request was received, returned them
+/// charged 3 s into the outage; with `amqp.delivery_limit = 1` all were dead-lettered. Now a batch
+/// stops waiting before the guard would fire and puts its requests back uncharged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_after_a_batch_spent_its_time_charges_nothing() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().slow_prompts_containing("question", SLOW_DELAY).start().await.unwrap();
+    let env = TestEnv::new("nu-lateoutage");
+    let mut raw = env.raw_config(fake.url.as_str());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.amqp.delivery_limit) = ("1s".into(), 2, 1);
+    // The smallest consumer_timeout the check accepts here is about 5.2 s: the guard fires at 5.4 s.
+    (raw.amqp.confirm_timeout, raw.amqp.consumer_timeout) = ("1s".into(), "6s".into());
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let guard = "prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}";
+    let returned = "prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"batcher\"}";
+    let (guard_before, returned_before) = (metric(guard), metric(returned));
+    let reqs: Vec<TestRequest> = (0..4).map(|i| completion(&format!("nu-lateoutage-{i}"), 0, &format!(" question {i}?"))).collect();
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let started = Instant::now();
+    while metric(returned) < returned_before + reqs.len() as f64 {
+        assert!(started.elapsed() < Duration::from_secs(30), "the waiting requests were not put back uncharged within 30 s");
+        dead.collect_for(Duration::from_millis(300)).await;
+    }
+    dead.collect_for(Duration::from_secs(2)).await;
+    assert_eq!(dead.received.len(), 0, "dead-lettered (charged with delivery_limit 1): {:?}", dead.received.first().map(|m| &m.headers));
+    assert_eq!(metric(guard), guard_before, "the consumer_timeout guard returned requests charged");
+    eprintln!("late outage: put back uncharged after {:?}, breaker opened {} times", started.elapsed(), circuit_openings());
+    let Started { amqp, daemon, results, .. } = st;
+    daemon.stop().await.expect("daemon stops cleanly");
+    for c in [dead, results] {
+        c.close().await;
+    }
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// The observed case of a server answering every call with HTTP 200 and a body that is no
 /// completion (a misconfigured gateway's HTML), which turned requests into `ok: false` results
 /// with `invalid_response` while the breaker stayed closed: here the breaker opens (its probe
