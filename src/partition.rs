@@ -1065,7 +1065,7 @@ async fn process_batch(
     let (release, ctx) = (&release, &ctx);
     // Settled (and so put back) in this order: the answered ones, then those going back
     // uncharged in the order [`infer_through_outages`] gives.
-    let mut paired: Vec<Option<(Pending, Option<Result<crate::llm::Completion, crate::llm::LlmError>>)>> =
+    let mut paired: Vec<Option<(Pending, Answer)>> =
         batch.items.into_iter().zip(results).map(Some).collect();
     let mut ordered = Vec::with_capacity(paired.len());
     ordered.extend(paired.iter_mut().filter(|p| p.as_ref().is_some_and(|(_, a)| a.is_some())).filter_map(Option::take));
@@ -1292,15 +1292,18 @@ async fn infer_through_outages(
 /// that goes back to its partition queue uncharged; `put_back_first` lists such items in the order
 /// they go back in (the ones never sent first).
 struct Outcomes {
-    results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>>,
+    results: Vec<Answer>,
     put_back_first: Vec<usize>,
 }
+
+/// One item's answer: `None` when it goes back to its partition queue uncharged.
+type Answer = Option<Result<crate::llm::Completion, crate::llm::LlmError>>;
 
 impl Outcomes {
     /// The items still to be sent (`todo`, in sending order: the ones that failed fast before the
     /// ones whose own calls failed) go back uncharged: their requests are about to be held
     /// longer than `amqp.consumer_timeout` allows ([`release_at`]).
-    fn released(results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>>, todo: Vec<usize>, partition: u32) -> Self {
+    fn released(results: Vec<Answer>, todo: Vec<usize>, partition: u32) -> Self {
         crate::warn_limited!(
             RELEASE_LOG,
             partition,

@@ -357,7 +357,7 @@ async fn an_outage_after_a_batch_spent_its_time_charges_nothing() {
     (raw.llm.request_timeout, raw.llm.max_attempts, raw.amqp.delivery_limit) = ("1s".into(), 2, 1);
     // The smallest consumer_timeout the check accepts here is about 5.2 s: the guard fires at 5.4 s.
     (raw.amqp.confirm_timeout, raw.amqp.consumer_timeout) = ("1s".into(), "6s".into());
-    let mut st = start_with_replies(&env, &raw).await;
+    let st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let guard = "prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}";
     let returned = "prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"batcher\"}";
