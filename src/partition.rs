@@ -208,7 +208,9 @@ struct Pending {
 /// `unsettled_deliveries` gauge and the `consumer_timeout` guard.
 struct HeldDeliveries {
     partition: u32,
-    state: Mutex<(u64, BTreeMap<u64, Instant>)>,
+    /// The last sequence number given, and per held delivery: when it was received and, once
+    /// parsed, its request id (for the detail of a later `delivery_limit` dead letter).
+    state: Mutex<(u64, BTreeMap<u64, (Instant, Option<Arc<str>>)>)>,
     /// Stall restarts in a row ([`check_stall`]); a delivery sets it back to 0.
     stalls: std::sync::atomic::AtomicU32,
     /// Unix milliseconds since which the partition consumes: when its worker started, or its
@@ -243,7 +245,7 @@ impl HeldDeliveries {
         let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         s.0 += 1;
         let seq = s.0;
-        s.1.insert(seq, Instant::now());
+        s.1.insert(seq, (Instant::now(), None));
         metrics::unsettled_deliveries(self.partition, s.1.len());
         Held { owner: self.clone(), seq, _bytes: bytes }
     }
@@ -251,7 +253,25 @@ impl HeldDeliveries {
     /// When the oldest delivery still held was received.
     fn oldest(&self) -> Option<Instant> {
         let s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        s.1.first_key_value().map(|(_, t)| *t)
+        s.1.first_key_value().map(|(_, (t, _))| *t)
+    }
+
+    /// Remembers, for each held request, that the `amqp.consumer_timeout` guard returns it
+    /// ([`crate::redelivery::note_failure`]): the detail of its `delivery_limit` dead letter,
+    /// should this return be its last, then says why instead of "unknown".
+    fn note_guard_return(&self, limit: Duration) {
+        let s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (received, id) in s.1.values() {
+            if let Some(id) = id {
+                let why = format!(
+                    "held {:.1} s without an outcome, returned to its partition queue by the amqp.consumer_timeout guard \
+                     (it returns a partition's held requests when one was held {:.0} s)",
+                    received.elapsed().as_secs_f64(),
+                    limit.as_secs_f64()
+                );
+                crate::redelivery::note_failure(id, &why);
+            }
+        }
     }
 }
 
@@ -268,6 +288,16 @@ impl Drop for Held {
         let mut s = self.owner.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         s.1.remove(&self.seq);
         metrics::unsettled_deliveries(self.owner.partition, s.1.len());
+    }
+}
+
+impl Held {
+    /// Names the held delivery by its request id, once parsed.
+    fn identify(&self, id: &str) {
+        let mut s = self.owner.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(entry) = s.1.get_mut(&self.seq) {
+            entry.1 = Some(Arc::from(id));
+        }
     }
 }
 
@@ -817,6 +847,7 @@ fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: 
             consumer_timeout_s = ctx.settings.amqp.consumer_timeout.as_secs_f64(),
             "a delivery is held close to the broker's consumer_timeout; requeueing and consuming again"
         );
+        held.note_guard_return(limit);
         end.raise(restart::CONSUMER_TIMEOUT);
     }
 }
@@ -954,6 +985,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
         }
     };
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
+    held.identify(&req.id);
     let headers = delivery.properties.headers().as_ref();
     let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
     // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin) set
@@ -1191,8 +1223,11 @@ async fn infer_through_outages(
     stop: &StopSignals,
     end: &SessionEnd,
 ) -> Option<Outcomes> {
-    let mut results: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = items.iter().map(|_| None).collect();
+    let mut results: Vec<Answer> = items.iter().map(|_| None).collect();
     let mut todo: Vec<usize> = (0..items.len()).collect();
+    // Prompts a sequence did not send because the batch's time for LLM calls ran out: they go
+    // back first, whatever happens to the rest.
+    let mut not_sent: Vec<usize> = Vec::new();
     let mut one_by_one = false;
     let mut first = true;
     let timeout = ctx.settings.llm.request_timeout;
@@ -1203,14 +1238,14 @@ async fn infer_through_outages(
         // endpoint down cannot keep the others from being sent, delivery after delivery).
         let endpoint = tokio::select! {
             endpoint = wait_for_endpoint(ctx, stop, &end.token) => endpoint?,
-            () = tokio::time::sleep_until(release_at), if !first => return Some(Outcomes::released(results, todo, ctx.partition)),
+            () = tokio::time::sleep_until(release_at), if !first => return Some(Outcomes::released(results, not_sent, todo, ctx.partition)),
         };
         let budget = if first {
             ctx.settings.llm_call_budget()
         } else {
             let left = release_at.saturating_duration_since(Instant::now());
             if left < timeout {
-                return Some(Outcomes::released(results, todo, ctx.partition));
+                return Some(Outcomes::released(results, not_sent, todo, ctx.partition));
             }
             left.min(ctx.settings.llm_call_budget())
         };
@@ -1241,7 +1276,7 @@ async fn infer_through_outages(
             match answer {
                 // Not sent: the batch's time for LLM calls ran out behind slower prompts (the
                 // session goes on: checked above). Back to the partition queue, uncharged.
-                Err(e) if e.kind == ErrorKind::Cancelled => {}
+                Err(e) if e.kind == ErrorKind::Cancelled => not_sent.push(i),
                 Err(e) if (outage || isolate) && e.fault() == Fault::Server => {
                     if e.kind.is_verified_fault() { suspects.push(i) } else { again.push(i) }
                 }
@@ -1255,7 +1290,7 @@ async fn infer_through_outages(
         // close, and the one behind it was never sent.
         again.extend(suspects);
         if again.is_empty() {
-            return Some(Outcomes { results, put_back_first: again });
+            return Some(Outcomes { results, put_back_first: not_sent });
         }
         // An outage with some of the batch answered already: their results go out now, and the
         // items still waiting go back to the partition queue uncharged (`None`), instead of
@@ -1270,7 +1305,8 @@ async fn infer_through_outages(
                 waiting = again.len(),
                 "LLM endpoint down with part of a batch answered: its answers go out now, the rest goes back to the partition queue, not charged a delivery"
             );
-            return Some(Outcomes { results, put_back_first: again });
+            not_sent.extend(again);
+            return Some(Outcomes { results, put_back_first: not_sent });
         }
         if outage {
             crate::warn_limited!(
@@ -1303,14 +1339,16 @@ impl Outcomes {
     /// The items still to be sent (`todo`, in sending order: the ones that failed fast before the
     /// ones whose own calls failed) go back uncharged: their requests are about to be held
     /// longer than `amqp.consumer_timeout` allows ([`release_at`]).
-    fn released(results: Vec<Answer>, todo: Vec<usize>, partition: u32) -> Self {
+    /// `not_sent` (prompts a sequence never sent, [`LlmClient::infer_within`]) go back before them.
+    fn released(results: Vec<Answer>, mut not_sent: Vec<usize>, todo: Vec<usize>, partition: u32) -> Self {
         crate::warn_limited!(
             RELEASE_LOG,
             partition,
-            requests = todo.len(),
+            requests = todo.len() + not_sent.len(),
             "requests waiting for an LLM endpoint near amqp.consumer_timeout: back to the partition queue, not charged a delivery"
         );
-        Outcomes { results, put_back_first: todo }
+        not_sent.extend(todo);
+        Outcomes { results, put_back_first: not_sent }
     }
 }
 

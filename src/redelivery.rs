@@ -7,7 +7,8 @@
 //! error it saw for it, so a poison message (one that crashes a task, or times out the LLM server
 //! on every try) ends in the dead-letter queue with a reason instead of looping.
 //!
-//! The last error is remembered per request id, in this process only, in a bounded table
+//! The last error is remembered per request id (a failed call, a refused publish, a panic, or a
+//! return by the partitions' `amqp.consumer_timeout` guard), in this process only, in a bounded table
 //! ([`LAST_FAILURES_CAPACITY`] entries, oldest forgotten first): a redelivery that reaches another
 //! instance is dead-lettered with the detail "delivered N times; last error: unknown on this instance"
 //! (see [`crate::publisher::parse_or_dead_letter`]).

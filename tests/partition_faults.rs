@@ -881,6 +881,48 @@ async fn a_hold_near_the_consumer_timeout_requeues_and_consumes_again() {
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
+/// The same hold with `amqp.delivery_limit = 1`: the guard's return is each request's last
+/// delivery, so they are dead-lettered with reason `delivery_limit`, and the detail says the
+/// guard returned them after how long. (It said "last error: unknown on this instance": the
+/// guard's return was not remembered as the request's last failure.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_consumer_timeout_guard_returned_says_so_in_its_dead_letter() {
+    let llm = SwitchableLlm::start(200).await;
+    llm.delay_ms.store(1500, Ordering::SeqCst);
+    let env = TestEnv::new("ctguard");
+    let mut raw = env.raw_config(&llm.url);
+    (raw.amqp.consumer_timeout, raw.amqp.confirm_timeout, raw.amqp.delivery_limit) = ("10s".into(), "1s".into(), 1);
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("4s".into(), 1, false);
+    raw.llm.max_concurrency = 1;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let reqs = one_key("ctguard", 8, 3);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    // Some are answered before the guard fires (1.5 s each); the guard returns the rest, whose
+    // next delivery is past the limit.
+    let all = ids(&reqs);
+    dead.until("a dead letter", Duration::from_secs(40), |r| !r.is_empty()).await;
+    llm.delay_ms.store(0, Ordering::SeqCst);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while st.results.distinct_of(&all) + dead.distinct_of(&all) < all.len() {
+        assert!(tokio::time::Instant::now() < deadline, "not every request was answered or dead-lettered");
+        st.results.collect_for(Duration::from_millis(200)).await;
+        dead.collect_for(Duration::from_millis(200)).await;
+    }
+    st.results.barrier(&st.amqp).await;
+    dead.barrier(&st.amqp).await;
+    let answered: HashSet<String> = st.results.by_correlation().into_keys().collect();
+    let dead_ids: HashSet<String> = dead.by_correlation().into_keys().collect();
+    assert!(answered.is_disjoint(&dead_ids) && answered.len() + dead_ids.len() == all.len(), "answered {answered:?}, dead-lettered {dead_ids:?}");
+    assert_eq!(dead.received.len(), dead_ids.len(), "a request was dead-lettered twice");
+    for m in &dead.received {
+        assert_eq!(m.header("x-death-reason"), Some("delivery_limit"), "{:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains("consumer_timeout guard") && detail.contains("held"), "{detail:?}");
+    }
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// A partition queue deleted under its consumer (the broker cancels the consumer) is declared
 /// again, bound to the shard exchange, and consumed: requests routed to it are answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
