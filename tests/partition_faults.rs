@@ -862,14 +862,7 @@ async fn a_prompt_that_crashes_the_server_is_dead_lettered_alone() {
 /// channel; once the server is fast again, every request is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hold_near_the_consumer_timeout_requeues_and_consumes_again() {
-    let llm = SwitchableLlm::start(200).await;
-    llm.delay_ms.store(1500, Ordering::SeqCst);
-    let env = TestEnv::new("ctimeout");
-    let mut raw = env.raw_config(&llm.url);
-    (raw.amqp.consumer_timeout, raw.amqp.confirm_timeout) = ("10s".into(), "1s".into());
-    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("4s".into(), 1, false);
-    raw.llm.max_concurrency = 1; // however the 8 are batched, their calls run one after the other
-    let mut st = start_with_replies(&env, &raw).await;
+    let (llm, env, mut st) = start_slow_sequence("ctimeout", None).await;
     let restarts = || metric("prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}");
     let before = restarts();
     let reqs = one_key("ctimeout", 8, 3);
@@ -881,20 +874,31 @@ async fn a_hold_near_the_consumer_timeout_requeues_and_consumes_again() {
     stop_and_check_nothing_held(env, st, vec![]).await;
 }
 
+/// A daemon whose server answers each call in 1.5 s, with `amqp.consumer_timeout = 10s` and the
+/// prompts of a batch sent one call after the other (`llm.max_concurrency = 1`, one attempt of
+/// at most 4 s each): 8 requests of one key are held past the guard's 0.9 × 10 s.
+async fn start_slow_sequence(test: &str, delivery_limit: Option<u32>) -> (SwitchableLlm, TestEnv, Started) {
+    let llm = SwitchableLlm::start(200).await;
+    llm.delay_ms.store(1500, Ordering::SeqCst);
+    let env = TestEnv::new(test);
+    let mut raw = env.raw_config(&llm.url);
+    (raw.amqp.consumer_timeout, raw.amqp.confirm_timeout) = ("10s".into(), "1s".into());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("4s".into(), 1, false);
+    raw.llm.max_concurrency = 1; // however the 8 are batched, their calls run one after the other
+    if let Some(limit) = delivery_limit {
+        raw.amqp.delivery_limit = limit;
+    }
+    let st = start_with_replies(&env, &raw).await;
+    (llm, env, st)
+}
+
 /// The same hold with `amqp.delivery_limit = 1`: the guard's return is each request's last
 /// delivery, so they are dead-lettered with reason `delivery_limit`, and the detail says the
 /// guard returned them after how long. (It said "last error: unknown on this instance": the
 /// guard's return was not remembered as the request's last failure.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_the_consumer_timeout_guard_returned_says_so_in_its_dead_letter() {
-    let llm = SwitchableLlm::start(200).await;
-    llm.delay_ms.store(1500, Ordering::SeqCst);
-    let env = TestEnv::new("ctguard");
-    let mut raw = env.raw_config(&llm.url);
-    (raw.amqp.consumer_timeout, raw.amqp.confirm_timeout, raw.amqp.delivery_limit) = ("10s".into(), "1s".into(), 1);
-    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts) = ("4s".into(), 1, false);
-    raw.llm.max_concurrency = 1;
-    let mut st = start_with_replies(&env, &raw).await;
+    let (llm, env, mut st) = start_slow_sequence("ctguard", Some(1)).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let reqs = one_key("ctguard", 8, 3);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
