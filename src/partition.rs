@@ -1022,14 +1022,8 @@ async fn process_batch(
     end: Arc<SessionEnd>,
 ) {
     let n = batch.items.len();
-    let purity = batcher::purity(batch.items.iter().map(|p| p.key));
-    let texts: Vec<std::borrow::Cow<'_, str>> = batch.items.iter().map(|p| p.req.body.text_for_stats()).collect();
-    let shared = batcher::shared_prefix_ratio(&texts);
-    drop(texts);
-    metrics::batch_flushed(batch.reason, n, purity, shared);
-    debug!(size = n, reason = batch.reason.as_str(), purity, "batch flushed");
-    let cancel = &end.token;
-    if batch.reason == FlushReason::Revoke && cancel.is_cancelled() {
+    record_flush(&batch);
+    if batch.reason == FlushReason::Revoke && end.token.is_cancelled() {
         return;
     }
     let flushed = Instant::now();
@@ -1058,30 +1052,7 @@ async fn process_batch(
         Ok(outcomes) => outcomes,
         Err(why) => {
             drop(items);
-            let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
-            if graceful && !end.token.is_cancelled() {
-                let n = batch.items.len();
-                let returned = return_uncharged(&ctx, &out, batch.items.into_iter().map(|p| p.delivery).collect()).await;
-                match why {
-                    CallsEnded::Stopped => info!(
-                        partition = ctx.partition,
-                        epoch = ctx.epoch,
-                        returned,
-                        requests = n,
-                        "stopped while the LLM endpoint was down: its waiting requests are back in the partition queue, not charged a delivery"
-                    ),
-                    CallsEnded::DrainTimeRanOut => crate::warn_limited!(
-                        DRAIN_CUT_LOG,
-                        partition = ctx.partition,
-                        epoch = ctx.epoch,
-                        returned,
-                        requests = n,
-                        drain_timeout = ?ctx.settings.drain_timeout,
-                        waited = ?cutoff,
-                        "the drain's time ran out before the LLM answered these requests: they are back in the partition queue, not charged a delivery, and the server's work on them is lost; raise shutdown.drain_timeout above the longest generation to let such calls finish"
-                    ),
-                }
-            }
+            put_back_unanswered(&ctx, &out, batch.items, why, &stop, &end).await;
             return;
         }
     };
@@ -1092,64 +1063,11 @@ async fn process_batch(
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
-    let abort = &stop.abort;
-    let release = [&stop.drain, &stop.revoke];
-    let (release, ctx) = (&release, &ctx);
-    // Settled (and so put back) in this order: the answered ones, then those going back
-    // uncharged in the order [`infer_through_outages`] gives.
-    let mut paired: Vec<Option<(Pending, Answer)>> =
-        batch.items.into_iter().zip(results).map(Some).collect();
-    let mut ordered = Vec::with_capacity(paired.len());
-    ordered.extend(paired.iter_mut().filter(|p| p.as_ref().is_some_and(|(_, a)| a.is_some())).filter_map(Option::take));
-    ordered.extend(put_back_first.iter().filter_map(|&i| paired.get_mut(i).and_then(Option::take)));
-    ordered.extend(paired.into_iter().flatten());
-    let settles = ordered.into_iter().map(|(pending, answer)| {
+    let (requeue, release) = ([&end.token, &stop.abort], [&stop.drain, &stop.revoke]);
+    let settle = Settle { ctx: &ctx, out: &out, tenure, info, hold: HoldEnds { requeue: &requeue, release: &release }, flushed, llm_ms };
+    let settles = settle_order(batch.items, results, &put_back_first).into_iter().map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
-        let pool = &*out;
-        let amqp = &ctx.settings.amqp;
-        async move {
-            // The whole `pending`, not only the fields used below (an `async move` block captures
-            // disjoint fields, edition 2021): its `Held` must live until the delivery is settled,
-            // for the byte budget, the `unsettled_deliveries` gauge, the consumer_timeout guard
-            // and the stall check (a result held while the broker refuses results looked like an
-            // idle consumer, whose restart charged every held request a delivery).
-            let pending = pending;
-            let Some(answer) = answer else {
-                // Still waiting for an endpoint while the rest of its batch was answered
-                // ([`infer_through_outages`]): back to the partition queue, uncharged.
-                return if return_uncharged(ctx, pool, vec![pending.delivery]).await == 1 { Settlement::Requeued } else { Settlement::ChannelLost };
-            };
-            let answer = match answer {
-                Err(e) if e.fault() != Fault::Request => {
-                    return publisher::requeue(&pending.delivery.acker, &pending.req.id, &e.to_string()).await;
-                }
-                answer => answer,
-            };
-            let batch_wait = flushed.saturating_duration_since(pending.received).as_millis() as u64;
-            let llm_wait = answer.as_ref().map_or(0, |c| c.permit_wait.as_millis() as u64);
-            let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
-            let (id, key) = (pending.req.id.clone(), pending.key.to_string());
-            match publisher::shape_result(info, id, key, pending.shard, timings, answer) {
-                Some(result) => {
-                    let hold = HoldEnds { requeue: &[cancel, abort], release };
-                    match publisher::publish_result(pool, amqp, tenure, pending.delivery, result, pending.enqueued_unix_ms, hold).await {
-                        ResultEnd::Settled(settlement) => settlement,
-                        // A graceful stop while the broker refused this result: put the request
-                        // back uncharged; if its copy is not confirmed either, the channel's close
-                        // returns it (charged, as before).
-                        ResultEnd::Released(delivery) => {
-                            if return_uncharged(ctx, pool, vec![*delivery]).await == 1 {
-                                Settlement::Requeued
-                            } else {
-                                Settlement::ChannelLost
-                            }
-                        }
-                    }
-                }
-                None => publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await,
-            }
-        }
-        .instrument(span)
+        settle.one(pending, answer).instrument(span)
     });
     let settlements = futures_util::future::join_all(settles).await;
     // A consuming channel found closed (an ack or nack failed), or a closed publishing connection:
@@ -1159,6 +1077,113 @@ async fn process_batch(
     // flight on the partition a delivery.
     if settlements.iter().any(|s| matches!(s, Settlement::ChannelLost | Settlement::Left)) || !out.connection().status().connected() {
         end.raise(restart::CHANNEL_CLOSED);
+    }
+}
+
+/// Counts a flushed batch: its size, flush reason, batch purity and shared-prefix ratio.
+fn record_flush(batch: &Batch<PrefixKey, Pending>) {
+    let n = batch.items.len();
+    let purity = batcher::purity(batch.items.iter().map(|p| p.key));
+    let texts: Vec<std::borrow::Cow<'_, str>> = batch.items.iter().map(|p| p.req.body.text_for_stats()).collect();
+    let shared = batcher::shared_prefix_ratio(&texts);
+    metrics::batch_flushed(batch.reason, n, purity, shared);
+    debug!(size = n, reason = batch.reason.as_str(), purity, "batch flushed");
+}
+
+/// The batch's requests paired with their answers, in the order they are settled (and so put
+/// back): the answered ones, then those going back uncharged in the order
+/// [`infer_through_outages`] gives (`put_back_first`), then any other.
+fn settle_order(items: Vec<Pending>, results: Vec<Answer>, put_back_first: &[usize]) -> Vec<(Pending, Answer)> {
+    let mut paired: Vec<Option<(Pending, Answer)>> = items.into_iter().zip(results).map(Some).collect();
+    let mut ordered = Vec::with_capacity(paired.len());
+    ordered.extend(paired.iter_mut().filter(|p| p.as_ref().is_some_and(|(_, a)| a.is_some())).filter_map(Option::take));
+    ordered.extend(put_back_first.iter().filter_map(|&i| paired.get_mut(i).and_then(Option::take)));
+    ordered.extend(paired.into_iter().flatten());
+    ordered
+}
+
+/// What settling one request of an answered batch needs ([`Settle::one`]).
+struct Settle<'a> {
+    ctx: &'a PartitionContext,
+    out: &'a PublishOn,
+    tenure: Tenure<'a>,
+    info: BatchInfo<'a>,
+    hold: HoldEnds<'a>,
+    /// When the batch was flushed.
+    flushed: Instant,
+    /// From the flush to the answers (`timings_ms.llm` before each request's permit wait).
+    llm_ms: u64,
+}
+
+impl Settle<'_> {
+    /// Settles one request: its result published and the delivery acked, or the delivery
+    /// requeued (a server fault: charged) or put back uncharged (`None`: still waiting for an
+    /// endpoint while the rest of its batch was answered, [`infer_through_outages`]).
+    async fn one(&self, pending: Pending, answer: Answer) -> Settlement {
+        // `pending` whole until the delivery is settled: its `Held` counts for the byte budget,
+        // the `unsettled_deliveries` gauge, the consumer_timeout guard and the stall check (a
+        // result held while the broker refuses results looked like an idle consumer, whose
+        // restart charged every held request a delivery).
+        let (ctx, pool) = (self.ctx, &**self.out);
+        let Some(answer) = answer else {
+            return if return_uncharged(ctx, pool, vec![pending.delivery]).await == 1 { Settlement::Requeued } else { Settlement::ChannelLost };
+        };
+        let answer = match answer {
+            Err(e) if e.fault() != Fault::Request => {
+                return publisher::requeue(&pending.delivery.acker, &pending.req.id, &e.to_string()).await;
+            }
+            answer => answer,
+        };
+        let batch_wait = self.flushed.saturating_duration_since(pending.received).as_millis() as u64;
+        let llm_wait = answer.as_ref().map_or(0, |c| c.permit_wait.as_millis() as u64);
+        let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: self.llm_ms.saturating_sub(llm_wait), llm_wait };
+        let (id, key) = (pending.req.id.clone(), pending.key.to_string());
+        let Some(result) = publisher::shape_result(self.info, id, key, pending.shard, timings, answer) else {
+            return publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await;
+        };
+        match publisher::publish_result(pool, &ctx.settings.amqp, self.tenure, pending.delivery, result, pending.enqueued_unix_ms, self.hold).await {
+            ResultEnd::Settled(settlement) => settlement,
+            // A graceful stop while the broker refused this result: put the request back
+            // uncharged; if its copy is not confirmed either, the channel's close returns it
+            // (charged, as before).
+            ResultEnd::Released(delivery) => {
+                if return_uncharged(ctx, pool, vec![*delivery]).await == 1 {
+                    Settlement::Requeued
+                } else {
+                    Settlement::ChannelLost
+                }
+            }
+        }
+    }
+}
+
+/// A batch whose calls ended without answers ([`CallsEnded`]): on a graceful stop (drain or
+/// handoff, not an abort or the session's end) its requests go back to the partition queue
+/// uncharged; otherwise nothing is settled here and the channel's close returns them.
+async fn put_back_unanswered(ctx: &PartitionContext, out: &PublishOn, items: Vec<Pending>, why: CallsEnded, stop: &StopSignals, end: &SessionEnd) {
+    let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
+    if graceful && !end.token.is_cancelled() {
+        let n = items.len();
+        let returned = return_uncharged(ctx, out, items.into_iter().map(|p| p.delivery).collect()).await;
+        match why {
+            CallsEnded::Stopped => info!(
+                partition = ctx.partition,
+                epoch = ctx.epoch,
+                returned,
+                requests = n,
+                "stopped while the LLM endpoint was down: its waiting requests are back in the partition queue, not charged a delivery"
+            ),
+            CallsEnded::DrainTimeRanOut => crate::warn_limited!(
+                DRAIN_CUT_LOG,
+                partition = ctx.partition,
+                epoch = ctx.epoch,
+                returned,
+                requests = n,
+                drain_timeout = ?ctx.settings.drain_timeout,
+                waited = ?drain_call_cutoff(ctx.settings.drain_timeout),
+                "the drain's time ran out before the LLM answered these requests: they are back in the partition queue, not charged a delivery, and the server's work on them is lost; raise shutdown.drain_timeout above the longest generation to let such calls finish"
+            ),
+        }
     }
 }
 
