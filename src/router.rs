@@ -349,8 +349,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     // Counted in `held_publishes{kind="forward"}` while it waits for its turn because the broker
     // refuses forwards, and from its own first refusal until this returns.
     let mut holding = publish.shared.turns().refusing().then(|| metrics::HeldPublish::new("forward"));
-    let Some(mut turn) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
-    let mut ch = match publish.get().await {
+    let Some(turn) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
+    let ch = match publish.get().await {
         Ok(ch) => ch,
         Err(e) => {
             // Held for the requeue backoff: requeued at once, a delivery comes straight back,
@@ -360,7 +360,6 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return requeue_after_backoff(&settings.amqp, delivery, stop).await;
         }
     };
-    let conn = &publish.conns.publish;
     let (req, delivery) = match publisher::parse_or_dead_letter(&publish.conns.dead_letters, a, &settings.requests, delivery, redelivery::Source::Input, None).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
@@ -380,39 +379,61 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return;
         }
     };
+    match forward(publish, a, ch, turn, &delivery.data, fwd, &r, stop, &mut holding).await {
+        ForwardEnd::Forwarded => {}
+        ForwardEnd::Requeue => return requeue(delivery).await,
+        ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
+    }
+    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+        crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
+        return;
+    }
+    metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
+}
+
+/// How [`forward`] ended.
+enum ForwardEnd {
+    /// The broker confirmed the forward: ack the input delivery.
+    Forwarded,
+    /// `stop` fired while the forward was held: requeue the input delivery now.
+    Requeue,
+    /// No publishing channel, or the connection is lost: requeue after
+    /// [`redelivery::requeue_backoff`].
+    RequeueAfterBackoff,
+}
+
+/// Forwards the request (`data` with properties `fwd`) to its partition queue on `ch` with a
+/// confirm: a nack is retried ([`publisher::NackRetry`]), a missing route declared again once per
+/// attempt, and a forward the broker does not take is held (uncharged, `holding` counts it) and
+/// sent again after [`publisher::hold_backoff`], taking turns with the other held forwards.
+#[allow(clippy::too_many_arguments)] // the parts of one delivery's forward, all borrowed
+async fn forward<'p>(
+    publish: &'p PublishChannel,
+    a: &AmqpSettings,
+    mut ch: ConfirmChannel,
+    mut turn: Option<tokio::sync::MutexGuard<'p, ()>>,
+    data: &[u8],
+    fwd: BasicProperties,
+    r: &Route,
+    stop: &CancellationToken,
+    holding: &mut Option<metrics::HeldPublish>,
+) -> ForwardEnd {
     let rk = AmqpSettings::partition_routing_key(r.partition);
     let mut retry = publisher::NackRetry::new(a);
     let mut declared_again = false;
     // Failed attempts of a forward the broker does not take (see below).
     let mut held = 0u32;
+    let conn = &publish.conns.publish;
     loop {
         let sent_at = tokio::time::Instant::now();
-        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &delivery.data, fwd.clone()).await else {
+        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, data, fwd.clone()).await else {
             publish.shared.turns().accepted();
             drop(turn);
             crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);
-            break;
+            return ForwardEnd::Forwarded;
         };
-        // The shard exchange or the partition queue was deleted while the daemon ran: declare the
-        // route again (once per attempt: the hold below paces the attempts) instead of charging
-        // the request a delivery per attempt until `amqp.delivery_limit` dead-letters it. When
-        // the failed publish closed the channel (404 for the exchange), the next attempt goes on
-        // a new one.
-        if !declared_again && publisher::says_missing(&e) {
-            declared_again = true;
-            if publisher::declare_again(conn, a, publisher::OwnDestination::Partition(r.partition)).await {
-                match publish.renew(&mut ch).await {
-                    Ok(()) => continue,
-                    Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
-                }
-            }
-        }
-        // After a nack (or a publish after a failed one) the channel is replaced: a quorum
-        // queue may drop its later publishes (see `ConfirmChannel`).
-        if ch.has_failed() {
-            if let Err(err) = publish.renew(&mut ch).await {
-                warn!(error = %err, "cannot replace the publishing channel");
-            }
+        if repair_route(publish, a, r.partition, &e, &mut ch, &mut declared_again).await {
+            continue;
         }
         let again = tokio::select! {
             _ = stop.cancelled() => false,
@@ -425,7 +446,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
         if stop.is_cancelled() || !conn.status().connected() {
             crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, "forwarding failed; requeueing input after a backoff");
-            return requeue_after_backoff(a, delivery, stop).await;
+            return ForwardEnd::RequeueAfterBackoff;
         }
         // The broker does not take forwards (write access to the shard exchange revoked, no
         // confirm in time, a partition queue without a leader for longer than the nack retries):
@@ -436,44 +457,73 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         held += 1;
         holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
-        if publisher::access_refused(&e) {
-            crate::error_limited!(
-                FORWARD_FAILED_LOG,
-                error = %e,
-                attempts = held,
-                retry_in = ?wait,
-                "forward refused: the broker denies the daemon's user write access to the shard exchange (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); holding the input delivery unacked, not charged a delivery, and forwarding it again"
-            );
-        } else {
-            crate::warn_limited!(
-                FORWARD_FAILED_LOG,
-                error = %e,
-                attempts = held,
-                retry_in = ?wait,
-                "forwarding failed: the broker does not take forwards; holding the input delivery unacked, not charged a delivery, and forwarding it again"
-            );
-        }
+        log_forward_held(&e, held, wait);
         tokio::select! {
-            _ = stop.cancelled() => return requeue(delivery).await,
+            _ = stop.cancelled() => return ForwardEnd::Requeue,
             _ = publisher::wait_to_publish_again(conn, wait) => {}
         }
         drop(turn);
-        let Some(next) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
+        let Some(next) = take_turn(&publish.shared, stop).await else { return ForwardEnd::Requeue };
         turn = next;
         if let Err(err) = publish.renew(&mut ch).await {
             crate::warn_limited!(NO_CHANNEL_LOG, error = %err, "no publishing channel; requeueing input after a backoff");
-            return requeue_after_backoff(a, delivery, stop).await;
+            return ForwardEnd::RequeueAfterBackoff;
         }
         retry = publisher::NackRetry::new(a);
         // The route may have been deleted again, or its declaration failed (no answer in time, no
         // permission yet): each held attempt may declare it once more.
         declared_again = false;
     }
-    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
-        crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
-        return;
+}
+
+/// After a failed forward on `ch`: when the route is missing (`e` says so), declares it again
+/// once per held attempt (`declared_again`) and returns `true` (publish again at once, on a new
+/// channel); replaces a channel that had a publish fail. `false`: the failure stands.
+async fn repair_route(publish: &PublishChannel, a: &AmqpSettings, partition: u32, e: &publisher::PublishError, ch: &mut ConfirmChannel, declared_again: &mut bool) -> bool {
+    // The shard exchange or the partition queue was deleted while the daemon ran: declare the
+    // route again (once per attempt: the hold in [`forward`] paces the attempts) instead of charging
+    // the request a delivery per attempt until `amqp.delivery_limit` dead-letters it. When
+    // the failed publish closed the channel (404 for the exchange), the next attempt goes on
+    // a new one.
+    if !*declared_again && publisher::says_missing(e) {
+        *declared_again = true;
+        if publisher::declare_again(&publish.conns.publish, a, publisher::OwnDestination::Partition(partition)).await {
+            match publish.renew(ch).await {
+                Ok(()) => return true,
+                Err(err) => warn!(error = %err, "cannot replace the publishing channel"),
+            }
+        }
     }
-    metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
+    // After a nack (or a publish after a failed one) the channel is replaced: a quorum
+    // queue may drop its later publishes (see `ConfirmChannel`).
+    if ch.has_failed() {
+        if let Err(err) = publish.renew(ch).await {
+            warn!(error = %err, "cannot replace the publishing channel");
+        }
+    }
+    false
+}
+
+/// Logs a held forward: at ERROR when the broker denies write access (an operator must act),
+/// else at WARN; both rate-limited.
+fn log_forward_held(e: &publisher::PublishError, held: u32, wait: std::time::Duration) {
+    if publisher::access_refused(e) {
+        crate::error_limited!(
+            FORWARD_FAILED_LOG,
+            error = %e,
+            attempts = held,
+            retry_in = ?wait,
+            "forward refused: the broker denies the daemon's user write access to the shard exchange (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); holding the input delivery unacked, not charged a delivery, and forwarding it again"
+        );
+    } else {
+        crate::warn_limited!(
+            FORWARD_FAILED_LOG,
+            error = %e,
+            attempts = held,
+            retry_in = ?wait,
+            "forwarding failed: the broker does not take forwards; holding the input delivery unacked, not charged a delivery, and forwarding it again"
+        );
+    }
 }
 
 /// Waits for a forward's turn ([`crate::amqp::RefusalTurns::turn`]): `Some` with the turn (`None`
