@@ -1255,7 +1255,6 @@ async fn infer_through_outages(
     let mut not_sent: Vec<usize> = Vec::new();
     let mut one_by_one = false;
     let mut first = true;
-    let timeout = ctx.settings.llm.request_timeout;
     loop {
         // After the first round, a wait for the endpoint or a round of calls that would keep the
         // requests past `release_at` ends here: they go back uncharged, the ones not sent yet
@@ -1265,23 +1264,12 @@ async fn infer_through_outages(
             endpoint = wait_for_endpoint(ctx, stop, &end.token) => endpoint?,
             () = tokio::time::sleep_until(release_at), if !first => return Some(Outcomes::released(results, not_sent, todo, ctx.partition)),
         };
-        let budget = if first {
-            ctx.settings.llm_call_budget()
-        } else {
-            let left = release_at.saturating_duration_since(Instant::now());
-            if left < timeout {
-                return Some(Outcomes::released(results, not_sent, todo, ctx.partition));
-            }
-            left.min(ctx.settings.llm_call_budget())
+        let Some(budget) = round_budget(&ctx.settings, first, release_at) else {
+            return Some(Outcomes::released(results, not_sent, todo, ctx.partition));
         };
         first = false;
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
-        let answers = if one_by_one {
-            let calls = call.iter().map(|item| ctx.llm.infer(endpoint, std::slice::from_ref(item), &end.token));
-            futures_util::future::join_all(calls).await.into_iter().flatten().collect()
-        } else {
-            ctx.llm.infer_within(endpoint, &call, &end.token, Some(budget)).await
-        };
+        let answers = call_round(ctx, endpoint, &call, one_by_one, budget, &end.token).await;
         if end.token.is_cancelled() {
             return None;
         }
@@ -1293,27 +1281,7 @@ async fn infer_through_outages(
         let to_isolate = answers.iter().filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server && e.kind != ErrorKind::Timeout)).count();
         let isolate = !outage && !one_by_one && to_isolate > 1;
         one_by_one |= isolate;
-        let mut again = Vec::new();
-        // Items whose own call met a fault that may be theirs (a request timeout, a 5xx, an
-        // invalid answer), kept apart to go after the others.
-        let mut suspects = Vec::new();
-        for (i, answer) in todo.into_iter().zip(answers) {
-            match answer {
-                // Not sent: the batch's time for LLM calls ran out behind slower prompts (the
-                // session goes on: checked above). Back to the partition queue, uncharged.
-                Err(e) if e.kind == ErrorKind::Cancelled => not_sent.push(i),
-                Err(e) if (outage || isolate) && e.fault() == Fault::Server => {
-                    if e.kind.is_verified_fault() { suspects.push(i) } else { again.push(i) }
-                }
-                answer => results[i] = Some(answer),
-            }
-        }
-        // The items that failed fast (the breaker opened before their call went) go first next
-        // time. Observed: a request with a huge `max_tokens` ahead of another in a batch, calls
-        // one after the other (`llm.max_concurrency = 1`, `llm.list_prompts = false`): after each
-        // opening the slow one went first again, timed out, reopened the breaker on the trial
-        // close, and the one behind it was never sent.
-        again.extend(suspects);
+        let again = sort_answers(todo, answers, &mut results, &mut not_sent, outage || isolate);
         if again.is_empty() {
             return Some(Outcomes { results, put_back_first: not_sent });
         }
@@ -1333,19 +1301,91 @@ async fn infer_through_outages(
             not_sent.extend(again);
             return Some(Outcomes { results, put_back_first: not_sent });
         }
-        if outage {
-            crate::warn_limited!(
-                WAITING_LOG,
-                partition = ctx.partition,
-                endpoint,
-                requests = again.len(),
-                another_endpoint_available = ctx.llm.any_available(),
-                "LLM endpoint down; these requests go to another endpoint of this instance if one is available, else wait for one in memory, unacked; not charged a delivery"
-            );
-        } else {
-            crate::warn_limited!(WAITING_LOG, partition = ctx.partition, endpoint, requests = again.len(), "server fault while the endpoint answers probes; retrying the requests one call each");
-        }
+        log_going_again(ctx, endpoint, again.len(), outage);
         todo = again;
+    }
+}
+
+/// Files a round's `answers` (one per item of `todo`): an answer goes to `results`; an item not
+/// sent (the batch's time ran out) to `not_sent`; with `go_again` (an outage, or an offender to
+/// isolate), an item that met a server fault is returned to go again: those that failed fast
+/// first, then those whose own call failed (suspects).
+fn sort_answers(
+    todo: Vec<usize>,
+    answers: Vec<Result<crate::llm::Completion, crate::llm::LlmError>>,
+    results: &mut [Answer],
+    not_sent: &mut Vec<usize>,
+    go_again: bool,
+) -> Vec<usize> {
+    let mut again = Vec::new();
+    // Items whose own call met a fault that may be theirs (a request timeout, a 5xx, an
+    // invalid answer), kept apart to go after the others.
+    let mut suspects = Vec::new();
+    for (i, answer) in todo.into_iter().zip(answers) {
+        match answer {
+            // Not sent: the batch's time for LLM calls ran out behind slower prompts (the
+            // session goes on: the caller checked). Back to the partition queue, uncharged.
+            Err(e) if e.kind == ErrorKind::Cancelled => not_sent.push(i),
+            Err(e) if go_again && e.fault() == Fault::Server => {
+                if e.kind.is_verified_fault() { suspects.push(i) } else { again.push(i) }
+            }
+            answer => results[i] = Some(answer),
+        }
+    }
+    // The items that failed fast (the breaker opened before their call went) go first next
+    // time. Observed: a request with a huge `max_tokens` ahead of another in a batch, calls
+    // one after the other (`llm.max_concurrency = 1`, `llm.list_prompts = false`): after each
+    // opening the slow one went first again, timed out, reopened the breaker on the trial
+    // close, and the one behind it was never sent.
+    again.extend(suspects);
+    again
+}
+
+/// The time for the LLM calls of a round of [`infer_through_outages`]: the batch's whole time
+/// ([`crate::config::Settings::llm_call_budget`]) for the first round; for a later one what is
+/// left until `release_at`, at most that, or `None` when less than one `llm.request_timeout` is
+/// left (the requests go back instead).
+fn round_budget(settings: &Settings, first: bool, release_at: Instant) -> Option<Duration> {
+    if first {
+        return Some(settings.llm_call_budget());
+    }
+    let left = release_at.saturating_duration_since(Instant::now());
+    (left >= settings.llm.request_timeout).then(|| left.min(settings.llm_call_budget()))
+}
+
+/// One round of calls for `call` on `endpoint`: one call per item when a possible offender is
+/// being isolated (`one_by_one`), else the batch's calls within `budget`
+/// ([`LlmClient::infer_within`]). One answer per item, in order.
+async fn call_round(
+    ctx: &PartitionContext,
+    endpoint: usize,
+    call: &[InferenceItem<'_>],
+    one_by_one: bool,
+    budget: Duration,
+    cancel: &CancellationToken,
+) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
+    if one_by_one {
+        let calls = call.iter().map(|item| ctx.llm.infer(endpoint, std::slice::from_ref(item), cancel));
+        futures_util::future::join_all(calls).await.into_iter().flatten().collect()
+    } else {
+        ctx.llm.infer_within(endpoint, call, cancel, Some(budget)).await
+    }
+}
+
+/// Logs the `requests` of a batch that go again: waiting for an endpoint (`outage`) or, while
+/// the endpoint answers probes, one call each.
+fn log_going_again(ctx: &PartitionContext, endpoint: usize, requests: usize, outage: bool) {
+    if outage {
+        crate::warn_limited!(
+            WAITING_LOG,
+            partition = ctx.partition,
+            endpoint,
+            requests,
+            another_endpoint_available = ctx.llm.any_available(),
+            "LLM endpoint down; these requests go to another endpoint of this instance if one is available, else wait for one in memory, unacked; not charged a delivery"
+        );
+    } else {
+        crate::warn_limited!(WAITING_LOG, partition = ctx.partition, endpoint, requests, "server fault while the endpoint answers probes; retrying the requests one call each");
     }
 }
 
