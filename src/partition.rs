@@ -613,20 +613,7 @@ async fn intake(
     let queue = s.amqp.partition_queue(ctx.partition);
     forwards_received(&queue);
     loop {
-        // Intake pauses while no endpoint of the partition is available: what is held waits for
-        // it (see `infer_through_outages`), the rest waits in the queue (the prefetch is spent).
-        let endpoint = ctx.llm.endpoint_for(ctx.partition);
-        let unavailable = !ctx.llm.available(endpoint);
-        if unavailable != paused {
-            paused = unavailable;
-            metrics::intake_paused(ctx.partition, paused);
-            if paused {
-                warn!(partition = ctx.partition, epoch = ctx.epoch, "no LLM endpoint available; intake paused, requests wait in the queue");
-            } else {
-                info!(partition = ctx.partition, epoch = ctx.epoch, "LLM endpoint available again; intake resumed");
-                held.consuming_from_now();
-            }
-        }
+        let endpoint = pause_while_unavailable(ctx, held, &mut paused);
         tokio::select! {
             biased;
             _ = stop.abort.cancelled() => return Ok(Ended::Stopped),
@@ -678,6 +665,25 @@ async fn intake(
             },
         }
     }
+}
+
+/// Intake pauses while no endpoint of the partition is available: what is held waits for it
+/// (see `infer_through_outages`), the rest waits in the queue (the prefetch is spent). Updates
+/// `paused` (gauge and log on each change) and returns the partition's endpoint.
+fn pause_while_unavailable(ctx: &PartitionContext, held: &HeldDeliveries, paused: &mut bool) -> usize {
+    let endpoint = ctx.llm.endpoint_for(ctx.partition);
+    let unavailable = !ctx.llm.available(endpoint);
+    if unavailable != *paused {
+        *paused = unavailable;
+        metrics::intake_paused(ctx.partition, unavailable);
+        if unavailable {
+            warn!(partition = ctx.partition, epoch = ctx.epoch, "no LLM endpoint available; intake paused, requests wait in the queue");
+        } else {
+            info!(partition = ctx.partition, epoch = ctx.epoch, "LLM endpoint available again; intake resumed");
+            held.consuming_from_now();
+        }
+    }
+    endpoint
 }
 
 /// What the backlog poller last saw of one partition queue ([`observe_queue`]).
