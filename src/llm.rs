@@ -1227,16 +1227,38 @@ impl LlmClient {
         if matches!(&outcome, Some(Ok(_))) || matches!(&outcome, Some(Err((e, _))) if e.status.is_some()) {
             *lock(&ep.last_answer) = Some(Instant::now());
         }
+        let breaker_outcome = self.record_attempt(call, &outcome, started);
+        if breaker_outcome.needs_verification() {
+            if let Some(verification) = self.start_verification(call.endpoint) {
+                tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => {}
+                    _ = verification => {}
+                }
+            }
+        }
+        match outcome {
+            None => Gate::Cancelled,
+            Some(r) => Gate::Attempted(r),
+        }
+    }
+
+    /// Records the `outcome` of an attempt of `call` sent at `started` (`None`: cancelled): the
+    /// hook's call event (held back for a refusal still to be judged), and for the endpoint its
+    /// breaker, last server fault, last answered call per route and the answered calls kept to
+    /// replay. Returns the outcome as the breaker counts it.
+    fn record_attempt(&self, call: &Call<'_>, outcome: &Option<Result<Parsed, (LlmError, Option<Duration>)>>, started: Instant) -> Outcome {
+        let ep = &self.inner.endpoints[call.endpoint];
         let seconds = started.elapsed().as_secs_f64();
-        let model_refused = matches!(&outcome, Some(Err((e, _))) if call.model_refusal(e));
-        let kind = match &outcome {
+        let model_refused = matches!(outcome, Some(Err((e, _))) if call.model_refusal(e));
+        let kind = match outcome {
             None => Err(ErrorKind::Cancelled),
             Some(Ok(_)) => Ok(()),
             // A request fault for the breaker until judged (below).
             Some(Err(_)) if model_refused => Err(ErrorKind::Rejected),
             Some(Err((e, _))) => Err(e.kind),
         };
-        if matches!(&outcome, Some(Err((e, _))) if call.refusal_to_judge(e)) {
+        if matches!(outcome, Some(Err((e, _))) if call.refusal_to_judge(e)) {
             // Reported once judged ([`Self::run_call`]), with the judged class: a refusal of
             // every request is the endpoint's, not the request's.
             *lock(&call.unreported_seconds) = Some(seconds);
@@ -1253,7 +1275,7 @@ impl LlmClient {
         // Only one-prompt calls: which prompt of a failed list call was at fault is unknown, and
         // the combinations that a few poison requests form in their batches would count as
         // many different calls (a failed list call goes again prompt by prompt anyway).
-        if let Some(Err((e, _))) = &outcome {
+        if let Some(Err((e, _))) = outcome {
             if e.is_server_fault() && !model_refused {
                 *lock(&ep.last_fault) = Some((e.kind, e.message.clone()));
             }
@@ -1280,19 +1302,7 @@ impl LlmClient {
         }
         let changed = lock(&ep.breaker).record_call(breaker_outcome, route, Instant::now());
         self.after_record(call.endpoint, changed, false);
-        if breaker_outcome.needs_verification() {
-            if let Some(verification) = self.start_verification(call.endpoint) {
-                tokio::select! {
-                    biased;
-                    _ = cancel.cancelled() => {}
-                    _ = verification => {}
-                }
-            }
-        }
-        match outcome {
-            None => Gate::Cancelled,
-            Some(r) => Gate::Attempted(r),
-        }
+        breaker_outcome
     }
 
     /// Completes once `endpoint` is found not answering HTTP while a call waits on it (module doc,
@@ -1846,25 +1856,7 @@ impl LlmClient {
                 own(refusal)
             }
             Err((ErrorKind::Rejected, detail)) => {
-                lock(&ep.routes)[route].refusing = true;
-                crate::error_limited!(
-                    REFUSING_LOG,
-                    endpoint = call.endpoint,
-                    name = %ep.name,
-                    api = call.kind.api(),
-                    error = %detail,
-                    request_error = %refusal.message,
-                    hint = match call.kind {
-                        CallKind::Chat => "vLLM answers 400 so to every chat call when the model has no chat template: start it with --chat-template",
-                        CallKind::Completions => "check the server's answer, and that it serves llm.model",
-                    },
-                    "the LLM server refuses a minimal call of this API as well as the requests: its configuration is at fault, not the requests; \
-                     its circuit breaker opens, and the requests wait for it or go to another endpoint, not charged a delivery, \
-                     until a probe's minimal call of this API is answered"
-                );
-                *lock(&ep.last_fault) = Some((ErrorKind::EndpointConfig, format!("minimal {} call: {detail}", call.kind.api())));
-                let changed = lock(&ep.breaker).trip(Instant::now());
-                self.after_record(call.endpoint, changed, false);
+                self.api_refuses_everything(call, &detail, &refusal.message);
                 refused_everything(&detail)
             }
             Err((kind, detail)) => LlmError::new(
@@ -1873,6 +1865,33 @@ impl LlmClient {
                 refusal.status,
             ),
         }
+    }
+
+    /// The endpoint's API (`call.kind`) refused a minimal call (`detail`) as well as a request
+    /// (`request_error`): marks the route refusing, logs it at ERROR with a hint, and trips the
+    /// endpoint's breaker until a probe's minimal call of that API is answered.
+    fn api_refuses_everything(&self, call: &Call<'_>, detail: &str, request_error: &str) {
+        let ep = &self.inner.endpoints[call.endpoint];
+        let route = call.kind.route();
+        lock(&ep.routes)[route].refusing = true;
+        crate::error_limited!(
+            REFUSING_LOG,
+            endpoint = call.endpoint,
+            name = %ep.name,
+            api = call.kind.api(),
+            error = %detail,
+            request_error = %request_error,
+            hint = match call.kind {
+                CallKind::Chat => "vLLM answers 400 so to every chat call when the model has no chat template: start it with --chat-template",
+                CallKind::Completions => "check the server's answer, and that it serves llm.model",
+            },
+            "the LLM server refuses a minimal call of this API as well as the requests: its configuration is at fault, not the requests; \
+             its circuit breaker opens, and the requests wait for it or go to another endpoint, not charged a delivery, \
+             until a probe's minimal call of this API is answered"
+        );
+        *lock(&ep.last_fault) = Some((ErrorKind::EndpointConfig, format!("minimal {} call: {detail}", call.kind.api())));
+        let changed = lock(&ep.breaker).trip(Instant::now());
+        self.after_record(call.endpoint, changed, false);
     }
 
     /// Sends a call of the probe (`ping` or `replay`) and checks its answer with `answered`: the
