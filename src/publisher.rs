@@ -1081,25 +1081,7 @@ pub async fn publish_result(
         holding.get_or_insert_with(|| metrics::HeldPublish::new("result"));
         crate::redelivery::note_failure(&result.id, &why);
         metrics::requests(stage::PUBLISHER, outcome::RESULT_HELD, 1);
-        if access_refused(&e) {
-            crate::error_limited!(
-                RESULT_FAILED_LOG,
-                request_id = %result.id,
-                error = %e,
-                attempts = failures,
-                retry_in = ?wait,
-                "result refused: the broker denies the daemon's user write access (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); holding the request unacked, not charged a delivery, and publishing the result again"
-            );
-        } else {
-            crate::warn_limited!(
-                RESULT_FAILED_LOG,
-                request_id = %result.id,
-                error = %e,
-                attempts = failures,
-                retry_in = ?wait,
-                "result not confirmed: the broker does not take results now (a full, missing or just re-declared results queue, revoked write access, no leader; not the request's fault, which only a result over max_message_size would be); holding the request unacked, not charged a delivery, and publishing the result again"
-            );
-        }
+        log_result_held(&result.id, &e, failures, wait);
         tokio::select! {
             _ = wait_to_publish_again(out.connection(), wait) => {}
             _ = any_cancelled(hold_until) => return ResultEnd::Settled(left(&result.id, &why)),
@@ -1113,6 +1095,38 @@ pub async fn publish_result(
         };
     }
     drop(turn);
+    ack_published(delivery, &result, tenure, failures, enqueued_unix_ms).await
+}
+
+/// Logs a result the broker did not take (`e`, after `failures` attempts, the next in `wait`):
+/// at ERROR when the broker denies write access (an operator must act), else at WARN; both
+/// rate-limited.
+fn log_result_held(id: &str, e: &PublishError, failures: u32, wait: Duration) {
+    if access_refused(e) {
+        crate::error_limited!(
+            RESULT_FAILED_LOG,
+            request_id = %id,
+            error = %e,
+            attempts = failures,
+            retry_in = ?wait,
+            "result refused: the broker denies the daemon's user write access (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); holding the request unacked, not charged a delivery, and publishing the result again"
+        );
+    } else {
+        crate::warn_limited!(
+            RESULT_FAILED_LOG,
+            request_id = %id,
+            error = %e,
+            attempts = failures,
+            retry_in = ?wait,
+            "result not confirmed: the broker does not take results now (a full, missing or just re-declared results queue, revoked write access, no leader; not the request's fault, which only a result over max_message_size would be); holding the request unacked, not charged a delivery, and publishing the result again"
+        );
+    }
+}
+
+/// Acks the delivery whose result the broker confirmed (after `failures` refused attempts),
+/// unless the lease deadline passed meanwhile (then left for the session's end: the successor
+/// processes it again); counts the outcome and the end-to-end latency from `enqueued_unix_ms`.
+async fn ack_published(delivery: Delivery, result: &RequestResult, tenure: Tenure<'_>, failures: u32, enqueued_unix_ms: Option<u64>) -> ResultEnd {
     if !tenure.lease.is_valid() {
         // Published but not acked: the successor will process it again (a counted duplicate,
         // detectable by the older x-partition-epoch).
