@@ -288,23 +288,7 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
         return Err(ParseError::TooLarge { size: body.len(), limit: max_bytes });
     }
     check_length("reply_to", env.reply_to.unwrap_or_default(), MAX_SHORT_STRING_BYTES)?;
-    let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
-    // RFC 8259 §8.1: a parser MAY ignore a leading byte order mark (some Windows tools write one).
-    let text = text.strip_prefix('\u{FEFF}').unwrap_or(text);
-    let StrictJson(value) = serde_json::from_str(text).map_err(|e| {
-        let mut detail = e.to_string();
-        if text.starts_with('\u{FEFF}') {
-            detail.push_str(" (the body starts with another byte order mark, U+FEFF, after the one skipped)");
-        }
-        // serde_json's text for a lone UTF-16 surrogate escape (`"\ud800"`) names no surrogate.
-        if detail.contains("hex escape") || detail.contains("surrogate") {
-            detail.push_str(" (JSON strings hold Unicode text: a \\uD800–\\uDFFF escape must be half of a valid surrogate pair)");
-        }
-        ParseError::InvalidJson(detail)
-    })?;
-    let Value::Object(mut obj) = value else {
-        return Err(ParseError::InvalidJson(format!("expected an object, got {}", json_type(&value))));
-    };
+    let mut obj = json_object(body)?;
     let prompt = obj.remove("prompt");
     let messages = obj.remove("messages");
     let body = match (prompt, messages) {
@@ -327,7 +311,47 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     check_no_control("correlation_id", env.correlation_id.unwrap_or_default())?;
     // The result's `x-reply-to` header and log lines carry `reply_to` too (a refused reply queue).
     check_no_control("reply_to", env.reply_to.unwrap_or_default())?;
-    let model = match obj.remove("model") {
+    let model = model_field(obj.remove("model"))?;
+    let params = params_field(obj.remove("params"))?;
+    let prefix_key = prefix_key_field(obj.remove("prefix_key"), env)?;
+    // What is left is ignored (room for publishers' own fields), except a sampling parameter
+    // put at the top level instead of in `params`: ignoring it would run the request with the
+    // server's default (`max_tokens` above all), silently.
+    if let Some(name) = crate::policy::DEFAULT_ALLOWED_PARAMS.iter().find(|n| obj.contains_key(**n)) {
+        return Err(ParseError::InvalidField {
+            field: name,
+            detail: format!("is a sampling parameter: it goes in `params` (`{{\"params\": {{\"{name}\": …}}}}`); at the top level it would be ignored"),
+        });
+    }
+    Ok(Request { id, body, model, params, prefix_key })
+}
+
+/// The body as UTF-8 JSON text (a leading byte order mark skipped) holding an object with no
+/// duplicate keys ([`StrictJson`]).
+fn json_object(body: &[u8]) -> Result<Map<String, Value>, ParseError> {
+    let text = std::str::from_utf8(body).map_err(|e| ParseError::InvalidUtf8(e.to_string()))?;
+    // RFC 8259 §8.1: a parser MAY ignore a leading byte order mark (some Windows tools write one).
+    let text = text.strip_prefix('\u{FEFF}').unwrap_or(text);
+    let StrictJson(value) = serde_json::from_str(text).map_err(|e| {
+        let mut detail = e.to_string();
+        if text.starts_with('\u{FEFF}') {
+            detail.push_str(" (the body starts with another byte order mark, U+FEFF, after the one skipped)");
+        }
+        // serde_json's text for a lone UTF-16 surrogate escape (`"\ud800"`) names no surrogate.
+        if detail.contains("hex escape") || detail.contains("surrogate") {
+            detail.push_str(" (JSON strings hold Unicode text: a \\uD800–\\uDFFF escape must be half of a valid surrogate pair)");
+        }
+        ParseError::InvalidJson(detail)
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(ParseError::InvalidJson(format!("expected an object, got {}", json_type(&value))));
+    };
+    Ok(obj)
+}
+
+/// The `model` field: absent or null for the configured `llm.model`, else a non-empty string.
+fn model_field(v: Option<Value>) -> Result<Option<String>, ParseError> {
+    Ok(match v {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s.is_empty() => {
             return Err(ParseError::InvalidField {
@@ -342,8 +366,12 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
                 detail: format!("expected a string, got {}", json_type(&other)),
             })
         }
-    };
-    let params = match obj.remove("params") {
+    })
+}
+
+/// The `params` field: absent or null for none, else an object.
+fn params_field(v: Option<Value>) -> Result<Map<String, Value>, ParseError> {
+    Ok(match v {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(m)) => m,
         Some(other) => {
@@ -352,8 +380,13 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
                 detail: format!("expected an object, got {}", json_type(&other)),
             })
         }
-    };
-    let (prefix_key, key_field) = match obj.remove("prefix_key") {
+    })
+}
+
+/// The explicit prefix key: the `prefix_key` field (a string), else the `x-prefix-key` header of
+/// `env`; never empty.
+fn prefix_key_field(v: Option<Value>, env: &Envelope<'_>) -> Result<Option<String>, ParseError> {
+    let (prefix_key, key_field) = match v {
         None | Some(Value::Null) => match env.prefix_key_header_refused {
             Some(got) => {
                 return Err(ParseError::InvalidField {
@@ -377,16 +410,7 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
             detail: "is empty: every request with an empty key would share one; leave it out to key by the prompt".to_owned(),
         });
     }
-    // What is left is ignored (room for publishers' own fields), except a sampling parameter
-    // put at the top level instead of in `params`: ignoring it would run the request with the
-    // server's default (`max_tokens` above all), silently.
-    if let Some(name) = crate::policy::DEFAULT_ALLOWED_PARAMS.iter().find(|n| obj.contains_key(**n)) {
-        return Err(ParseError::InvalidField {
-            field: name,
-            detail: format!("is a sampling parameter: it goes in `params` (`{{\"params\": {{\"{name}\": …}}}}`); at the top level it would be ignored"),
-        });
-    }
-    Ok(Request { id, body, model, params, prefix_key })
+    Ok(prefix_key)
 }
 
 /// The request id: the body's `id` (a non-empty string, or an integer from -2^63 to 2^64 − 1
