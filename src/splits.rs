@@ -567,24 +567,29 @@ impl Affinity {
         lock(&self.inner.load).observe(partition, routed, queued);
     }
 
+    /// Ticks the router's side at a refresh: closes an idle hygiene window, takes the arrival
+    /// counts of split keys, and rolls the traffic shares, giving the dominant key if any (none
+    /// with one LLM server known: see `set_servers`).
+    fn tick_router(&self, now: Instant, rules: &SplitRules, view: &SplitView) -> (Vec<(SplitMember, u64)>, Option<crate::affinity::DominantKey>) {
+        let mut r = lock(&self.inner.router);
+        // A hygiene window that light traffic did not fill closes here (see `KeyHygiene::tick`).
+        if let Some(report) = r.hygiene.tick(now) {
+            r.report_hygiene(&report, now);
+        }
+        let counts: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
+        // The shares tick in any case (their windows keep rolling); with one server known,
+        // a dominant key stays whole (see `set_servers`).
+        let dominant = r.shares.tick(now, rules, view).filter(|_| self.inner.servers.load(Ordering::Relaxed) != 1);
+        (counts, dominant)
+    }
+
     /// One refresh at `now`: decides splits and merges, publishes them with the arrival batches
     /// not delivered yet, and replaces the view with the answer. On an error the view stays as
     /// it was and the arrival batches are kept for the next refresh (for [`ARRIVALS_KEPT`]).
     pub async fn refresh(&self, store: &impl SplitSync, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
         let view = self.view();
         let hot = lock(&self.inner.load).tick(now, rules, &view);
-        let (counts, dominant) = {
-            let mut r = lock(&self.inner.router);
-            // A hygiene window that light traffic did not fill closes here (see `KeyHygiene::tick`).
-            if let Some(report) = r.hygiene.tick(now) {
-                r.report_hygiene(&report, now);
-            }
-            let counts: Vec<(SplitMember, u64)> = r.arrivals.drain().collect();
-            // The shares tick in any case (their windows keep rolling); with one server known,
-            // a dominant key stays whole (see `set_servers`).
-            let dominant = r.shares.tick(now, rules, &view).filter(|_| self.inner.servers.load(Ordering::Relaxed) != 1);
-            (counts, dominant)
-        };
+        let (counts, dominant) = self.tick_router(now, rules, &view);
         let mut req = SyncRequest::default();
         // Why each add was decided, logged once the store has taken it (a refresh that fails,
         // as every one does while Redis is unreachable, decides the same again next time).
@@ -642,24 +647,7 @@ impl Affinity {
                 st.redis_clock = Some((sent + rtt / 2, answer.redis_time_ms));
             }
         }
-        for m in &answer.added {
-            metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
-            match reasons.iter().find(|(r, _)| r == m).map(|(_, why)| why) {
-                Some(SplitReason::Hot(h)) => info!(partition = h.partition, key = %m, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting"),
-                Some(SplitReason::Dominant { share, requests }) => info!(key = %m, share, requests, "dominant key: splitting"),
-                None => {}
-            }
-        }
-        if answer.restored > 0 {
-            metrics::split_restored(answer.restored);
-            warn!(restored = answer.restored, "the split set in Redis was lost (Redis restarted empty or was flushed, or the set expired because no instance refreshed it for 10 s): put back the splits this instance holds");
-        }
-        // Logged and counted by the instance whose call removed it (every instance may decide
-        // the same merge; the first one's call removes it).
-        for m in &answer.removed {
-            metrics::split_decision(kind::MERGE);
-            info!(key = %m, "cool key: merging back");
-        }
+        log_answer(&answer, &reasons);
         let next = SplitView::new(answer.records.iter().map(|r| r.member));
         let per_level = next.per_level();
         {
@@ -671,6 +659,29 @@ impl Affinity {
         let moves = self.set_view(next);
         metrics::split_view(&per_level, moves);
         Ok(answer)
+    }
+}
+
+/// Logs and counts what a refresh's answer says changed: the adds it made (with the reason this
+/// instance decided each), a split set put back after a loss, and the merges it made.
+fn log_answer(answer: &SyncAnswer, reasons: &[(SplitMember, SplitReason)]) {
+    for m in &answer.added {
+        metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
+        match reasons.iter().find(|(r, _)| r == m).map(|(_, why)| why) {
+            Some(SplitReason::Hot(h)) => info!(partition = h.partition, key = %m, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting"),
+            Some(SplitReason::Dominant { share, requests }) => info!(key = %m, share, requests, "dominant key: splitting"),
+            None => {}
+        }
+    }
+    if answer.restored > 0 {
+        metrics::split_restored(answer.restored);
+        warn!(restored = answer.restored, "the split set in Redis was lost (Redis restarted empty or was flushed, or the set expired because no instance refreshed it for 10 s): put back the splits this instance holds");
+    }
+    // Logged and counted by the instance whose call removed it (every instance may decide
+    // the same merge; the first one's call removes it).
+    for m in &answer.removed {
+        metrics::split_decision(kind::MERGE);
+        info!(key = %m, "cool key: merging back");
     }
 }
 
