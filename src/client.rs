@@ -729,14 +729,7 @@ async fn hot_keys(r: &crate::lease::RedisConn, prefix: &str, timeout: Duration) 
 /// Errors: Redis unreachable or answering with an error.
 pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let timeout = settings.redis.command_timeout;
-    let target = match &settings.redis.sentinel {
-        None => settings.redis.url.to_string(),
-        Some(s) => format!("the Redis primary of `{}` through redis.sentinels", s.master),
-    };
-    let mut r = tokio::time::timeout(timeout, crate::lease::connect(&settings.redis))
-        .await
-        .map_err(|_| anyhow::anyhow!("timed out connecting to {target}"))?
-        .with_context(|| format!("connecting to {target}"))?;
+    let mut r = connect_redis(settings).await?;
     let prefix = &settings.redis.key_prefix;
     let live = read_members(&mut r, prefix).await?;
     let hot_keys = hot_keys(&r, prefix, timeout).await?;
@@ -747,12 +740,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let configured = settings.amqp.partitions.get();
     let p = recorded.as_deref().and_then(|v| v.parse::<u32>().ok()).filter(|n| (1..=1024).contains(n)).unwrap_or(configured);
     let leases: Vec<Option<LeaseValue>> = read_all(&mut r, prefix, p, timeout).await?;
-    let mut pipe = redis::pipe();
-    for part in 0..p {
-        pipe.cmd("PTTL").arg(Leases::lease_key(prefix, part));
-    }
-    let pttls: Vec<i64> = pipe.query_async(&mut r).await?;
-    let pttls: Vec<Option<u64>> = pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect();
+    let pttls = lease_pttls(&mut r, prefix, p).await?;
     let deployment_found = recorded.is_some() || !live.is_empty() || leases.iter().any(Option::is_some);
 
     // Both open their own connections: run them together, so a silent broker costs one
@@ -764,26 +752,8 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     };
 
     let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
-    let down: Vec<String> = live.iter().filter(|m| m.llm_down).map(|m| m.name.clone()).collect();
-    let assignable = crate::membership::assignable(&names, &down);
-    let desired: Vec<Option<usize>> = assignment(p, &assignable)
-        .into_iter()
-        .map(|o| o.and_then(|i| names.iter().position(|n| *n == assignable[i])))
-        .collect();
-    // Lease holders that are not live members: a stopping instance draining them, or a
-    // crashed one whose leases have not expired yet.
-    let mut stale_owners: BTreeMap<String, Vec<u32>> = BTreeMap::new();
-    for (part, l) in (0..p).zip(&leases) {
-        if let Some(l) = l.as_ref().filter(|l| !names.contains(&l.name)) {
-            stale_owners.entry(l.name.clone()).or_default().push(part);
-        }
-    }
-    let mut pipe = redis::pipe();
-    for name in stale_owners.keys() {
-        pipe.cmd("EXISTS").arg(crate::membership::member_draining_key(prefix, name));
-    }
-    let marked: Vec<bool> = if stale_owners.is_empty() { Vec::new() } else { pipe.query_async(&mut r).await? };
-    let draining_owners: Vec<String> = stale_owners.keys().zip(marked).filter(|(_, d)| *d).map(|(n, _)| n.clone()).collect();
+    let desired = desired_owners(p, &live);
+    let (stale_owners, draining_owners) = stale_owners(&mut r, prefix, &leases, &names).await?;
     let mut members: Vec<MemberStatus> = live
         .into_iter()
         .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict, health: m.health })
@@ -800,15 +770,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
             members[i].owned += 1;
         }
         let depth = depths[part as usize];
-        let note = match (lease, depth) {
-            (None, _) => Some("unowned"),
-            (Some(l), _) if live_owner.is_none() && draining_owners.contains(&l.name) => Some("owner draining"),
-            (Some(_), _) if live_owner.is_none() => Some("owner not a live member"),
-            (Some(_), _) if live_owner != want => Some("moving"),
-            (Some(_), Some((_, c))) if c > 1 => Some("standby consumers"),
-            (Some(_), Some((_, 0))) => Some("no consumer"),
-            _ => None,
-        };
+        let note = partition_note(lease, depth, live_owner, want, &draining_owners);
         partitions.push(PartitionStatus {
             partition: part,
             owner: lease.map(|l| l.name.clone()),
@@ -844,6 +806,77 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     })
 }
 
+/// For each of the `p` partitions, the index in `live` of the member the assignment gives it
+/// (members flagged LLM-down get none while another's LLM is up:
+/// [`crate::membership::assignable`]).
+fn desired_owners(p: u32, live: &[crate::membership::Member]) -> Vec<Option<usize>> {
+    let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
+    let down: Vec<String> = live.iter().filter(|m| m.llm_down).map(|m| m.name.clone()).collect();
+    let assignable = crate::membership::assignable(&names, &down);
+    assignment(p, &assignable).into_iter().map(|o| o.and_then(|i| names.iter().position(|n| *n == assignable[i]))).collect()
+}
+
+/// Connects to the deployment's Redis (directly or through Sentinel) within
+/// `redis.command_timeout`. Errors name the target.
+async fn connect_redis(settings: &Settings) -> anyhow::Result<crate::lease::RedisConn> {
+    let target = match &settings.redis.sentinel {
+        None => settings.redis.url.to_string(),
+        Some(s) => format!("the Redis primary of `{}` through redis.sentinels", s.master),
+    };
+    tokio::time::timeout(settings.redis.command_timeout, crate::lease::connect(&settings.redis))
+        .await
+        .map_err(|_| anyhow::anyhow!("timed out connecting to {target}"))?
+        .with_context(|| format!("connecting to {target}"))
+}
+
+/// The remaining time to live of each of the `p` partitions' leases, in ms (`None`: no lease).
+async fn lease_pttls(r: &mut crate::lease::RedisConn, prefix: &str, p: u32) -> redis::RedisResult<Vec<Option<u64>>> {
+    let mut pipe = redis::pipe();
+    for part in 0..p {
+        pipe.cmd("PTTL").arg(Leases::lease_key(prefix, part));
+    }
+    let pttls: Vec<i64> = pipe.query_async(r).await?;
+    Ok(pttls.into_iter().map(|t| (t >= 0).then_some(t as u64)).collect())
+}
+
+/// Lease holders that are not live members (`names`), with their partitions: a stopping
+/// instance draining them, or a crashed one whose leases have not expired yet; and which of
+/// them marked themselves draining.
+async fn stale_owners(
+    r: &mut crate::lease::RedisConn,
+    prefix: &str,
+    leases: &[Option<LeaseValue>],
+    names: &[String],
+) -> redis::RedisResult<(BTreeMap<String, Vec<u32>>, Vec<String>)> {
+    let mut stale: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+    for (part, l) in (0u32..).zip(leases) {
+        if let Some(l) = l.as_ref().filter(|l| !names.contains(&l.name)) {
+            stale.entry(l.name.clone()).or_default().push(part);
+        }
+    }
+    let mut pipe = redis::pipe();
+    for name in stale.keys() {
+        pipe.cmd("EXISTS").arg(crate::membership::member_draining_key(prefix, name));
+    }
+    let marked: Vec<bool> = if stale.is_empty() { Vec::new() } else { pipe.query_async(r).await? };
+    let draining = stale.keys().zip(marked).filter(|(_, d)| *d).map(|(n, _)| n.clone()).collect();
+    Ok((stale, draining))
+}
+
+/// The note `status` puts on a partition: its `lease`, queue `depth` (ready, consumers), the
+/// index of its owner among the live members and the one the assignment wants.
+fn partition_note(lease: Option<&LeaseValue>, depth: Option<(u32, u32)>, live_owner: Option<usize>, want: Option<usize>, draining_owners: &[String]) -> Option<&'static str> {
+    match (lease, depth) {
+        (None, _) => Some("unowned"),
+        (Some(l), _) if live_owner.is_none() && draining_owners.contains(&l.name) => Some("owner draining"),
+        (Some(_), _) if live_owner.is_none() => Some("owner not a live member"),
+        (Some(_), _) if live_owner != want => Some("moving"),
+        (Some(_), Some((_, c))) if c > 1 => Some("standby consumers"),
+        (Some(_), Some((_, 0))) => Some("no consumer"),
+        _ => None,
+    }
+}
+
 /// Whether a RabbitMQ error text of `status` is a refusal of the login or the vhost
 /// (`ACCESS_REFUSED`, 403; `NOT_ALLOWED`, 530), not an unreachable node. A 530 for a reached
 /// connection limit is not a refusal of the login: it clears when other connections close.
@@ -869,7 +902,15 @@ fn llm_down_note(m: &MemberStatus) -> &'static str {
 /// Renders `status` as a human table.
 pub fn render_status(s: &Status) -> String {
     let mut out = String::new();
-    let owned = s.partitions.iter().filter(|p| p.owner.is_some()).count();
+    render_members(&mut out, s);
+    render_summary(&mut out, s);
+    render_partitions(&mut out, s);
+    render_hot_keys(&mut out, s);
+    out
+}
+
+/// The members table of [`render_status`], with the lease holders that are not live members.
+fn render_members(out: &mut String, s: &Status) {
     out.push_str(&format!("members ({}):\n", s.members.len()));
     out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}  {}\n", "name", "nonce", "owns", "desired", "health"));
     for m in &s.members {
@@ -891,6 +932,13 @@ pub fn render_status(s: &Status) -> String {
             out.push_str(&format!("  {name:<40} (not a live member; still holds {} lease(s) until they expire)\n", ps.len()));
         }
     }
+}
+
+/// The deployment summary of [`render_status`]: partition counts, backlog, Redis primary,
+/// warnings (a configuration with another partition count, no deployment found, RabbitMQ
+/// unreachable) and the RabbitMQ nodes.
+fn render_summary(out: &mut String, s: &Status) {
+    let owned = s.partitions.iter().filter(|p| p.owner.is_some()).count();
     out.push_str(&format!(
         "\npartitions: {}, owned {owned}, unowned {}, moving {}; backlog (ready messages; deliveries held by owners are in prefix_batcher_unsettled_deliveries): input {}, partitions {}\n",
         s.partition_count,
@@ -931,6 +979,10 @@ pub fn render_status(s: &Status) -> String {
         };
         out.push_str(&format!("  {:>4}  {:<48} {state}\n", n.node, n.url));
     }
+}
+
+/// The partitions table of [`render_status`] and the unowned ones.
+fn render_partitions(out: &mut String, s: &Status) {
     out.push_str(&format!(
         "\n{:>9}  {:<32} {:>14} {:>9} {:>8} {:>9}  {:<32} {}\n",
         "partition", "owner", "epoch", "lease ttl", "backlog", "consumers", "desired owner", "note"
@@ -949,6 +1001,10 @@ pub fn render_status(s: &Status) -> String {
         ));
     }
     out.push_str(&format!("\nunowned partitions ({}): {:?}\n", s.unowned.len(), s.unowned));
+}
+
+/// The hot keys (split or spread) of [`render_status`].
+fn render_hot_keys(out: &mut String, s: &Status) {
     out.push_str(&format!("\nhot keys ({}):\n", s.hot_keys.len()));
     if !s.hot_keys.is_empty() {
         out.push_str(&format!("  {:>5}  {:<16}  {:<12} {:>12} {:>12} {:>8}\n", "level", "key", "state", "arrivals/s", "drained/s", "expires"));
@@ -965,7 +1021,6 @@ pub fn render_status(s: &Status) -> String {
             h.expires_in_ms as f64 / 1000.0
         ));
     }
-    out
 }
 
 /// `e` and its causes, `error: cause: cause` (as anyhow prints with `{:#}`), leaving out a cause
