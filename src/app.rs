@@ -471,51 +471,7 @@ impl App {
             if failure.amqp_failed() {
                 node = crate::amqp::next_node(node, amqp.nodes.len());
             }
-            match (&refused, &failure) {
-                (None, f) if f.connection_limit().is_some() => {
-                    let why = f.connection_limit().unwrap_or_default();
-                    error!(retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}")
-                }
-                (Some(why), _) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
-                (None, SessionError::Topology(e)) if e.is_config_error() => error!(
-                    error = %e,
-                    retry_in = ?backoff,
-                    "the broker's queues no longer match the configuration (changed under the running daemon); not serving until they do: \
-                     delete the queue named so the daemon declares it again, or change the configuration and restart"
-                ),
-                // It lasts until an operator raises the limit or deletes queues.
-                (None, SessionError::Topology(e @ TopologyError::QueueLimit { .. })) => error!(error = %e, retry_in = ?backoff, "not serving until a queue can be declared; retrying"),
-                // Permissions changed under the running daemon: they last until an operator acts.
-                (None, SessionError::Topology(TopologyError::Amqp(e))) if crate::amqp::reply_code(e) == Some(crate::amqp::ACCESS_REFUSED) => error!(
-                    error = %e,
-                    retry_in = ?backoff,
-                    "the broker refused the daemon's user access to one of its queues or exchanges (403 ACCESS_REFUSED): \
-                     check the user's configure, write and read permissions on the vhost (rabbitmqctl list_user_permissions); retrying"
-                ),
-                // Before any AMQP connection: the broker is not the one at fault.
-                (None, SessionError::Redis(crate::lease::ConnectError::Sentinels { .. })) => {
-                    warn!(error = %failure, retry_in = ?backoff, "cannot learn the Redis primary from the sentinels (redis.sentinels); retrying")
-                }
-                (None, SessionError::Redis(_)) if self.settings.redis.sentinel.is_some() => {
-                    warn!(error = %failure, retry_in = ?backoff, "cannot connect to the Redis primary that the sentinels name (redis.sentinels; credentials of redis.url); retrying")
-                }
-                (None, SessionError::Redis(_)) => {
-                    let hint = crate::tls::plain_port_hint(&failure.to_string());
-                    warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?backoff, hint, "cannot connect to Redis (redis.url); retrying")
-                }
-                (None, _) => {
-                    // What the broker said, when it closed a connection: the error above is often
-                    // only the component that noticed first.
-                    let said = |from_broker: bool| {
-                        let mut texts: Vec<String> = self.last_errors.iter().filter_map(last_error).filter(|e| e.0 == from_broker).map(|e| e.1).collect();
-                        texts.dedup();
-                        texts.join("; ")
-                    };
-                    let (broker_said, client_found) = (said(true), said(false));
-                    let hint = crate::tls::plain_port_hint(&failure.to_string());
-                    warn!(error = %failure, broker_said, client_found, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), hint, "session ended; reconnecting")
-                }
-            }
+            self.log_session_end(refused.as_deref(), &failure, backoff, failed_node, node);
             tokio::select! {
                 _ = work.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(jitter(backoff)) => {}
@@ -523,6 +479,59 @@ impl App {
             backoff = (backoff * 2).min(amqp.reconnect_backoff_max);
         }
         Ok(())
+    }
+
+    /// Logs why a session ended and when the next one starts (`backoff`, on broker node `node`
+    /// after `failed_node`): at ERROR for what lasts until an operator acts (a refused login or
+    /// access, a connection limit, queues that no longer match, a queue limit), else at WARN
+    /// with what the broker said.
+    fn log_session_end(&self, refused: Option<&str>, failure: &SessionError, backoff: Duration, failed_node: usize, node: usize) {
+        let amqp = &self.settings.amqp;
+        match (refused, failure) {
+            (None, f) if f.connection_limit().is_some() => {
+                let why = f.connection_limit().unwrap_or_default();
+                error!(retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}")
+            }
+            (Some(why), _) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
+            (None, SessionError::Topology(e)) if e.is_config_error() => error!(
+                error = %e,
+                retry_in = ?backoff,
+                "the broker's queues no longer match the configuration (changed under the running daemon); not serving until they do: \
+                 delete the queue named so the daemon declares it again, or change the configuration and restart"
+            ),
+            // It lasts until an operator raises the limit or deletes queues.
+            (None, SessionError::Topology(e @ TopologyError::QueueLimit { .. })) => error!(error = %e, retry_in = ?backoff, "not serving until a queue can be declared; retrying"),
+            // Permissions changed under the running daemon: they last until an operator acts.
+            (None, SessionError::Topology(TopologyError::Amqp(e))) if crate::amqp::reply_code(e) == Some(crate::amqp::ACCESS_REFUSED) => error!(
+                error = %e,
+                retry_in = ?backoff,
+                "the broker refused the daemon's user access to one of its queues or exchanges (403 ACCESS_REFUSED): \
+                 check the user's configure, write and read permissions on the vhost (rabbitmqctl list_user_permissions); retrying"
+            ),
+            // Before any AMQP connection: the broker is not the one at fault.
+            (None, SessionError::Redis(crate::lease::ConnectError::Sentinels { .. })) => {
+                warn!(error = %failure, retry_in = ?backoff, "cannot learn the Redis primary from the sentinels (redis.sentinels); retrying")
+            }
+            (None, SessionError::Redis(_)) if self.settings.redis.sentinel.is_some() => {
+                warn!(error = %failure, retry_in = ?backoff, "cannot connect to the Redis primary that the sentinels name (redis.sentinels; credentials of redis.url); retrying")
+            }
+            (None, SessionError::Redis(_)) => {
+                let hint = crate::tls::plain_port_hint(&failure.to_string());
+                warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?backoff, hint, "cannot connect to Redis (redis.url); retrying")
+            }
+            (None, _) => {
+                // What the broker said, when it closed a connection: the error above is often
+                // only the component that noticed first.
+                let said = |from_broker: bool| {
+                    let mut texts: Vec<String> = self.last_errors.iter().filter_map(last_error).filter(|e| e.0 == from_broker).map(|e| e.1).collect();
+                    texts.dedup();
+                    texts.join("; ")
+                };
+                let (broker_said, client_found) = (said(true), said(false));
+                let hint = crate::tls::plain_port_hint(&failure.to_string());
+                warn!(error = %failure, broker_said, client_found, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), hint, "session ended; reconnecting")
+            }
+        }
     }
 
     /// Connects Redis once (the connection manager reconnects by itself), then runs a session.
