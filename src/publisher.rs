@@ -894,10 +894,7 @@ pub const HEADER_REPLY_TO: &str = "x-reply-to";
 /// (its channel closed or its reply consumer cancelled) when the result was published.
 pub const REFUSED_GONE: &str = "gone";
 
-/// The prefix of the names RabbitMQ gives direct reply-to requesters: a request published with
-/// `reply_to = "amq.rabbitmq.reply-to"` reaches the daemon with `amq.rabbitmq.reply-to.<token>`
-/// (<https://www.rabbitmq.com/docs/direct-reply-to>).
-pub const DIRECT_REPLY_TO_PREFIX: &str = "amq.rabbitmq.reply-to.";
+pub use crate::request::DIRECT_REPLY_TO_PREFIX;
 
 /// Whether `reply_to` names a direct reply-to requester rather than a queue.
 pub fn is_direct_reply_to(reply_to: &str) -> bool {

@@ -311,6 +311,7 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     check_no_control("correlation_id", env.correlation_id.unwrap_or_default())?;
     // The result's `x-reply-to` header and log lines carry `reply_to` too (a refused reply queue).
     check_no_control("reply_to", env.reply_to.unwrap_or_default())?;
+    check_direct_reply_to(env.reply_to.unwrap_or_default())?;
     let model = model_field(obj.remove("model"))?;
     let params = params_field(obj.remove("params"))?;
     let prefix_key = prefix_key_field(obj.remove("prefix_key"), env)?;
@@ -411,6 +412,66 @@ fn prefix_key_field(v: Option<Value>, env: &Envelope<'_>) -> Result<Option<Strin
         });
     }
     Ok(prefix_key)
+}
+
+/// The prefix of the names RabbitMQ gives direct reply-to requesters: a request published with
+/// `reply_to = "amq.rabbitmq.reply-to"` reaches the daemon with `amq.rabbitmq.reply-to.<token>`
+/// (<https://www.rabbitmq.com/docs/direct-reply-to>).
+pub const DIRECT_REPLY_TO_PREFIX: &str = "amq.rabbitmq.reply-to.";
+
+/// Refuses a `reply_to` that starts like a direct reply-to name ([`DIRECT_REPLY_TO_PREFIX`]) but
+/// is not one RabbitMQ could have issued. RabbitMQ 3.10–4.1 decodes such a name when a message is
+/// published to it (or it is declared passively) without catching errors, so a malformed one
+/// crashes the publishing channel and RabbitMQ closes the whole connection with
+/// `INTERNAL_ERROR` (observed on 3.10.8: `{case_clause, …}` in `pid_recomposition:from_binary`),
+/// which would restart every partition of the instance at each delivery of that request.
+///
+/// The form RabbitMQ issues (`rabbit_direct_reply_to:compute_key_and_suffix_v2`, 3.10 and later;
+/// `rabbit_volatile_queue:new_name`, 4.2): `amq.rabbitmq.reply-to.{pid}.{key}`, where `{key}` is
+/// non-empty without a dot and `{pid}` is the standard, padded base64 of an Erlang external-term
+/// pid: 131, `NEW_PID_EXT` (88) or `PID_EXT` (103), `ATOM_UTF8_EXT` (118, 16-bit length) or
+/// `SMALL_ATOM_UTF8_EXT` (119, 8-bit length), a node name `{name}@{decimal node hash}` of at
+/// most 255 characters, then 12 bytes (`NEW_PID_EXT`: id, serial, creation) or 9 (`PID_EXT`).
+/// A name of this form whose requester is gone is harmless: RabbitMQ drops or returns the result.
+fn check_direct_reply_to(reply_to: &str) -> Result<(), ParseError> {
+    let Some(suffix) = reply_to.strip_prefix(DIRECT_REPLY_TO_PREFIX) else { return Ok(()) };
+    let refuse = |why: &str| ParseError::InvalidField {
+        field: "reply_to",
+        detail: format!(
+            "is not a direct reply-to name RabbitMQ issued ({why}): names starting with {DIRECT_REPLY_TO_PREFIX:?} must be taken unchanged from the reply_to RabbitMQ sets on a request published with reply_to \"amq.rabbitmq.reply-to\""
+        ),
+    };
+    let Some((pid, key)) = suffix.split_once('.') else { return Err(refuse("no `.{key}` after the pid")) };
+    if key.is_empty() || key.contains('.') || pid.is_empty() {
+        return Err(refuse("not `{pid}.{key}`"));
+    }
+    use base64::Engine as _;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(pid).map_err(|e| refuse(&format!("the pid is not base64: {e}")))?;
+    check_encoded_pid(&bytes).map_err(|why| refuse(&format!("the pid {why}")))
+}
+
+/// Checks the external-term encoding of a pid as [`check_direct_reply_to`] describes it.
+fn check_encoded_pid(b: &[u8]) -> Result<(), &'static str> {
+    let (tail_len, rest) = match b {
+        [131, 88, rest @ ..] => (12, rest),
+        [131, 103, rest @ ..] => (9, rest),
+        _ => return Err("is not an encoded pid"),
+    };
+    let (len, rest) = match rest {
+        [118, hi, lo, rest @ ..] => (usize::from(*hi) << 8 | usize::from(*lo), rest),
+        [119, len, rest @ ..] => (usize::from(*len), rest),
+        _ => return Err("has no node name"),
+    };
+    if rest.len() != len + tail_len {
+        return Err("has the wrong length");
+    }
+    let node = std::str::from_utf8(&rest[..len]).map_err(|_| "has a node name that is not UTF-8")?;
+    let (name, hash) = node.split_once('@').ok_or("has a node name without `@`")?;
+    let hash_ok = !hash.is_empty() && hash.bytes().all(|c| c.is_ascii_digit());
+    if name.is_empty() || !hash_ok || node.chars().count() > 255 {
+        return Err("has a node name that is not `{name}@{decimal hash}`");
+    }
+    Ok(())
 }
 
 /// The request id: the body's `id` (a non-empty string, or an integer from -2^63 to 2^64 − 1
@@ -653,6 +714,37 @@ mod tests {
 
     fn p(body: &str) -> Result<Request, ParseError> {
         parse(body.as_bytes(), &Envelope::default(), 1 << 20)
+    }
+
+    #[test]
+    fn direct_reply_to_names_must_be_ones_rabbitmq_issues() {
+        let env = |reply_to: &'static str| Envelope { reply_to: Some(reply_to), ..Envelope::default() };
+        let body = br#"{"prompt": "hi"}"#;
+        // Issued by RabbitMQ 3.10.8 and 4.2 (node "reply@{hash}"), and names that are not direct
+        // reply-to names at all.
+        for ok in [
+            "amq.rabbitmq.reply-to.g1h2AA5yZXBseUA2ODc4MTMzNAAAcEoAAAAAaS8eQg==.+XcUtfbmSjGtgNrmdozD9w==",
+            "amq.rabbitmq.reply-to",
+            "amq.gen-Xa2_9",
+            "replies",
+        ] {
+            assert!(parse(body, &env(ok), 1 << 20).is_ok(), "{ok}");
+        }
+        for (bad, why) in [
+            // A real name's pid cut short by 3 characters: crashed RabbitMQ 3.10.8's channel.
+            ("amq.rabbitmq.reply-to.g1h2AA5yZXBseUA0NjE3NzA1NQAAAAAAAAAB.+XcUtfbmSjGtgNrmdozD9w==", "wrong length"),
+            ("amq.rabbitmq.reply-to.abc", "no `.{key}`"),
+            ("amq.rabbitmq.reply-to.abc.", "not `{pid}.{key}`"),
+            ("amq.rabbitmq.reply-to.a.b.c", "not `{pid}.{key}`"),
+            ("amq.rabbitmq.reply-to.g1h2AA5!.key", "not base64"),
+            ("amq.rabbitmq.reply-to.aGVsbG8=.key", "not an encoded pid"),
+            // "reply@abcdefgh": the node hash is not a number.
+            ("amq.rabbitmq.reply-to.g1h2AA5yZXBseUBhYmNkZWZnaAAAcEoAAAAAaS8eQg==.key", "decimal hash"),
+        ] {
+            let e = parse(body, &env(bad), 1 << 20).expect_err(bad);
+            assert_eq!(e.reason(), "invalid_field", "{bad}");
+            assert!(e.to_string().contains("`reply_to`") && e.to_string().contains(why), "{bad}: {e}");
+        }
     }
 
     #[test]
