@@ -420,8 +420,8 @@ fn prefix_key_field(v: Option<Value>, env: &Envelope<'_>) -> Result<Option<Strin
 pub const DIRECT_REPLY_TO_PREFIX: &str = "amq.rabbitmq.reply-to.";
 
 /// Refuses a `reply_to` that starts like a direct reply-to name ([`DIRECT_REPLY_TO_PREFIX`]) but
-/// is not one RabbitMQ could have issued. RabbitMQ before 4.2 decodes such a name when a message
-/// is published to it (or it is declared passively) without catching errors, so a malformed one
+/// is not one RabbitMQ could have issued. RabbitMQ 3.10 decodes such a name when a message is
+/// published to it (or it is declared passively) without catching errors (4.2 catches them), so a malformed one
 /// crashes the publishing channel and RabbitMQ closes the whole connection with
 /// `INTERNAL_ERROR` (observed on 3.10.8: `{case_clause, …}` in `pid_recomposition:from_binary`),
 /// which would restart every partition of the instance at each delivery of that request.
