@@ -64,9 +64,29 @@ pub async fn connect_node(amqp: &AmqpSettings, node: usize, props: ConnectionPro
         uri.connect_with_config(props, config, lapin::runtime::default_runtime()?).await
     };
     match tokio::time::timeout(limit, open).await {
-        Ok(r) => r,
+        Ok(r) => r.inspect(note_frame_max),
         Err(_) => Err(timed_out(format!("the broker did not complete the AMQP handshake within {limit:?} (connection_timeout)"))),
     }
+}
+
+/// The smallest `frame_max` negotiated on this process's AMQP connections; 0 until one opened.
+static FRAME_MAX: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Records the `frame_max` that `conn` negotiated (the lower of the broker's and the URL's).
+fn note_frame_max(conn: &Connection) {
+    let f = conn.configuration().frame_max();
+    if f > 0 {
+        let _ = FRAME_MAX.fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |old| Some(if old == 0 { f } else { old.min(f) }));
+    }
+}
+
+/// The largest AMQP frame, in bytes, that every connection of this process may send: the smallest
+/// `frame_max` negotiated so far (`connection.tune`; RabbitMQ's default is 131072, its
+/// `frame_max` setting). `None` before a connection opened. A message's properties travel in one
+/// content header frame, which RabbitMQ refuses whole (`FRAME_ERROR`, closing the connection)
+/// when it is larger (AMQP 0-9-1 §4.2.3, §4.2.6).
+pub fn frame_max() -> Option<u32> {
+    Some(FRAME_MAX.load(std::sync::atomic::Ordering::Relaxed)).filter(|f| *f > 0)
 }
 
 /// An I/O error of kind `TimedOut` saying `what` waited too long (see [`is_timeout`]).

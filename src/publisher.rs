@@ -481,7 +481,17 @@ pub async fn dead_letter(
 ) -> Result<(), PublishError> {
     let mut added = vec![(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
     added.extend(request_id.map(|id| (HEADER_REQUEST_ID, id.to_owned())));
-    let props = carried_props(props, &added).with_delivery_mode(PERSISTENT);
+    let mut out_props = carried_props(props, &added).with_delivery_mode(PERSISTENT);
+    // Properties too large for one frame would make RabbitMQ close the connection: the request's
+    // own headers are left out (the detail says so), so that the dead letter itself goes through.
+    let size = content_header_frame_size(&out_props);
+    if crate::amqp::frame_max().is_some_and(|f| size > f as usize) {
+        let bare = props.clone().with_headers(FieldTable::default());
+        let detail = format!("{}; its headers are left out of this dead letter: with the daemon's they took {size} bytes, more than one frame", added[1].1);
+        added[1].1 = detail.chars().take(1200).collect();
+        out_props = carried_props(&bare, &added).with_delivery_mode(PERSISTENT);
+    }
+    let props = out_props;
     let _turn = out.turns().turn().await;
     publish_own(out, amqp, OwnDestination::DeadLetter, body, props).await
 }
@@ -686,10 +696,49 @@ pub struct Refusal {
     pub request_id: Option<String>,
 }
 
+/// Bytes the daemon may add to a request's properties on its way: the forward's headers and ids
+/// (`x-shard`, `x-routed-key`, `x-routed-at-ms`, `message_id`, `correlation_id`, the original
+/// `user_id` and `expiration`: at most about 1.5 kB) and a dead letter's (`x-death-reason`,
+/// `x-death-detail` of up to 1,000 characters, `x-request-id`: at most about 4.3 kB), with room
+/// to spare.
+pub const ADDED_PROPERTIES_RESERVE: usize = 8192;
+
+/// Bytes of the content header frame that carries `props` (AMQP 0-9-1 §4.2.6.1: frame header 7,
+/// class id 2, weight 2, body size 8, the property flags and list, frame end 1), measured with
+/// the AMQP client's own encoder.
+pub fn content_header_frame_size(props: &BasicProperties) -> usize {
+    let list = cookie_factory::gen_simple(lapin::protocol::basic::gen_properties(props), Vec::new()).map_or(usize::MAX, |v| v.len());
+    list.saturating_add(20)
+}
+
+/// Refuses (reason `too_large`) a request whose properties, with what the daemon adds
+/// ([`ADDED_PROPERTIES_RESERVE`]), would not fit one frame of the connections' `frame_max`
+/// ([`crate::amqp::frame_max`]): its forward or dead letter would make RabbitMQ close the
+/// daemon's connection (`FRAME_ERROR`), at every delivery of the request. Observed with a
+/// 130,920-byte header against a frame_max of 131,072: 6 session restarts, and the requests
+/// published behind it answered 2–3 times each. `None` when they fit, or before any connection
+/// negotiated a frame_max.
+fn oversized_properties(props: &BasicProperties) -> Option<Refusal> {
+    let frame_max = crate::amqp::frame_max()? as usize;
+    let size = content_header_frame_size(props);
+    let room = frame_max.saturating_sub(ADDED_PROPERTIES_RESERVE);
+    (size > room).then(|| Refusal {
+        reason: "too_large",
+        detail: format!(
+            "its AMQP properties (headers and the rest) take {size} bytes; with the up to {ADDED_PROPERTIES_RESERVE} bytes the daemon adds they would not fit one frame \
+             of the connection's frame_max ({frame_max} bytes), and RabbitMQ takes a message's properties only in one frame: keep them under {room} bytes"
+        ),
+        request_id: props.message_id().as_ref().map(|m| m.as_str()).filter(|m| !m.is_empty() && m.len() <= crate::request::MAX_ID_BYTES).map(str::to_owned),
+    })
+}
+
 /// The checks of [`parse_or_dead_letter`] without the dead letter: the request, or why it must
 /// be dead-lettered. Publishes nothing, so a caller can take a channel only when it needs one.
 pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &Delivery, source: redelivery::Source) -> Result<Request, Refusal> {
     let props = &delivery.properties;
+    if let Some(refusal) = oversized_properties(props) {
+        return Err(refusal);
+    }
     let prefix_header = prefix_key_header(props.headers().as_ref());
     let env = Envelope {
         message_id: props.message_id().as_ref().map(|m| m.as_str()),

@@ -275,6 +275,44 @@ async fn malformed_direct_reply_to_names_are_dead_lettered_without_a_reconnect()
     f.finish().await;
 }
 
+/// Headers that leave no room in one frame for what the daemon adds: RabbitMQ takes a message's
+/// properties in one frame only, so the forward (or the dead letter) of a request whose headers
+/// almost fill `frame_max` made it close the daemon's connection (`FRAME_ERROR`) at every
+/// delivery (observed: a 130,920-byte header against 131,072; 6 session restarts, the requests
+/// behind it answered 2–3 times). Such a request is dead-lettered at intake with `too_large`, its
+/// headers left out of the dead letter, whatever its body; one whose headers leave the room is
+/// served; the daemon keeps its connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_too_large_for_one_frame_with_the_daemons_are_dead_lettered_without_a_reconnect() {
+    use prefix_batcher::publisher::ADDED_PROPERTIES_RESERVE;
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("bighdr", fake.url.as_str()).await;
+    let frame_max = prefix_batcher::amqp::frame_max().expect("the daemon negotiated a frame_max") as usize;
+    let header = |bytes: usize| {
+        let mut t = FieldTable::default();
+        t.insert(ShortString::from("x-big"), AMQPValue::LongString("a".repeat(bytes).into()));
+        t
+    };
+    let body = |id: &str| serde_json::to_vec(&json!({"id": id, "prompt": "big header test"})).unwrap();
+    let s = &f.started;
+    let (fits, too_big) = (frame_max - ADDED_PROPERTIES_RESERVE - 2000, frame_max - 200);
+    s.amqp.publish(&f.env.input_queue(), &body("bighdr-fits"), request_props("bighdr-fits", &s.reply).with_headers(header(fits))).await;
+    s.amqp.publish(&f.env.input_queue(), &body("bighdr-valid"), request_props("bighdr-valid", &s.reply).with_headers(header(too_big))).await;
+    s.amqp.publish(&f.env.input_queue(), b"not json", request_props("bighdr-invalid", &s.reply).with_headers(header(too_big))).await;
+    f.serves_others("bighdr", 20).await;
+    f.started.results.until_all(&BTreeSet::from(["bighdr-fits".to_owned()]).into_iter().collect(), DEADLINE).await;
+    f.dead.until("the two dead letters", DEADLINE, |r| r.len() >= 2).await;
+    for cid in ["bighdr-valid", "bighdr-invalid"] {
+        let m = dead_letter(&f.dead, cid);
+        assert_eq!(m.header("x-death-reason"), Some("too_large"), "{cid}: {:?}", m.headers.keys());
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains("frame_max") && detail.contains("headers are left out"), "{cid}: {detail}");
+        assert!(m.header("x-big").is_none(), "{cid}: the big header was carried");
+    }
+    assert_eq!(f.dead.received.len(), 2, "one dead letter each");
+    f.finish().await;
+}
+
 /// Messages the AMQP client cannot parse: RabbitMQ takes any bytes in a short string, and lapin
 /// refuses a `message_id` (or `correlation_id`, `reply_to`, a header name) that is not UTF-8, by
 /// failing the connection it arrives on. Such a message used to end the whole session, again at
