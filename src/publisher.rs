@@ -369,14 +369,21 @@ async fn returned_destination(
         let (e, rk) = results();
         return Some((e, rk, d.properties.clone(), Some(OwnDestination::Results)));
     }
-    if is_direct_reply_to(routing_key) && matches!(direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await, Ok(true)) {
-        return None;
+    // A direct reply-to result is returned whether or not it was delivered: present requester,
+    // delivered; gone, `gone` as in `publish_result`; no answer from the check, `unroutable`.
+    let mut refused = "unroutable";
+    if is_direct_reply_to(routing_key) {
+        match direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await {
+            Ok(true) => return None,
+            Ok(false) => refused = REFUSED_GONE,
+            Err(_) => {}
+        }
     }
     // A result whose reply queue refused it, as in `publish_result`: counted the same way.
-    metrics::reply_to_refused("unroutable");
+    metrics::reply_to_refused(refused);
     let headers = headers_with(
         d.properties.headers().as_ref(),
-        &[(HEADER_REPLY_TO_REFUSED, "unroutable".to_owned()), (HEADER_REPLY_TO, routing_key.to_owned())],
+        &[(HEADER_REPLY_TO_REFUSED, refused.to_owned()), (HEADER_REPLY_TO, routing_key.to_owned())],
     );
     let (e, rk) = results();
     Some((e, rk, d.properties.clone().with_headers(headers), Some(OwnDestination::Results)))

@@ -298,3 +298,60 @@ async fn no_publish_after_a_nack_on_a_shared_channel_is_reported_delivered_and_l
     amqp.close().await;
     env.cleanup().await;
 }
+
+/// A direct reply-to result returned to another publish's confirm, whose requester has left, is
+/// placed in the results queue marked `gone`, as a result whose own confirm got the return is
+/// ([`prefix_batcher::publisher::place_returned`]). Observed under load: 20 of 300 results of
+/// requesters that had left came marked `unroutable`, so a consumer keyed on `gone` missed them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_placed_direct_reply_to_result_of_a_requester_that_left_is_marked_gone() {
+    use lapin::options::{BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
+    use lapin::BasicProperties;
+    use prefix_batcher::config::Settings;
+    use std::sync::Arc;
+
+    let env = TestEnv::new("placedgone");
+    let raw = env.raw_config("http://127.0.0.1:9");
+    let a = Settings::from_raw(&raw).expect("valid test config").amqp;
+    let amqp = Amqp::connect().await;
+    prefix_batcher::topology::declare_results(&amqp.conn, &a).await.expect("results queue");
+    // A requester: consumes direct reply-to on its own channel and publishes a request, whose
+    // reply_to the broker rewrites to the generated name; then it leaves (closes the channel).
+    let requests = format!("{}.requests", env.name);
+    let opts = QueueDeclareOptions { auto_delete: true, ..Default::default() };
+    amqp.ch.queue_declare(requests.as_str().into(), opts, Default::default()).await.expect("request queue");
+    let requester = amqp.conn.create_channel().await.expect("requester channel");
+    let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
+    let _replies = requester.basic_consume("amq.rabbitmq.reply-to".into(), "r".into(), no_ack, Default::default()).await.expect("consume replies");
+    let props = BasicProperties::default().with_reply_to("amq.rabbitmq.reply-to".into());
+    requester.basic_publish("".into(), requests.as_str().into(), BasicPublishOptions::default(), b"request", props).await.expect("publish");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let get = loop {
+        if let Some(m) = amqp.ch.basic_get(requests.as_str().into(), BasicGetOptions { no_ack: true }).await.expect("basic.get") {
+            break m;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the request never reached its queue");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let name = get.properties.reply_to().as_ref().expect("a generated reply_to").as_str().to_owned();
+    assert!(name.starts_with("amq.rabbitmq.reply-to."), "{name}");
+    requester.close(200, "requester leaves".into()).await.expect("close");
+    // The result, published mandatory: RabbitMQ returns it (direct reply-to always is).
+    let conn = Arc::new(lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default()).await.expect("connect"));
+    let ch = conn.create_channel().await.expect("channel");
+    ch.confirm_select(Default::default()).await.expect("confirms");
+    let result = BasicProperties::default().with_message_id("placedgone-1:result".into()).with_correlation_id("placedgone-1".into());
+    let mandatory = BasicPublishOptions { mandatory: true, ..Default::default() };
+    let confirm = ch.basic_publish("".into(), name.as_str().into(), mandatory, b"{}", result).await.expect("publish").await.expect("confirm");
+    let returned = confirm.take_message().expect("direct reply-to publishes are returned");
+    prefix_batcher::publisher::place_returned(&conn, &a, returned).await;
+    let mut results = amqp.consume(&a.results_queue).await;
+    results.until("the placed result", DEADLINE, |r| !r.is_empty()).await;
+    assert_eq!(results.received[0].correlation_id, "placedgone-1");
+    assert_eq!(results.received[0].header("x-reply-to-refused"), Some("gone"), "{:?}", results.received[0].headers);
+    assert_eq!(results.received[0].header("x-reply-to"), Some(name.as_str()));
+    results.close().await;
+    let _ = conn.close(200, "done".into()).await;
+    amqp.close().await;
+    env.cleanup().await;
+}
