@@ -761,11 +761,11 @@ pub fn header_str<'a>(headers: Option<&'a FieldTable>, name: &str) -> Option<std
     }
 }
 
-/// Reads an integer header.
+/// Reads an integer header: an AMQP integer type, or a string of decimal digits.
 pub fn header_u64(headers: Option<&FieldTable>, name: &str) -> Option<u64> {
     match headers?.inner().get(name)? {
-        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok()?.parse().ok(),
-        AMQPValue::ShortString(s) => s.as_str().parse().ok(),
+        AMQPValue::LongString(s) => decimal(std::str::from_utf8(s.as_bytes()).ok()?),
+        AMQPValue::ShortString(s) => decimal(s.as_str()),
         AMQPValue::LongUInt(n) => Some(u64::from(*n)),
         AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
         AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
@@ -777,11 +777,38 @@ pub fn header_u64(headers: Option<&FieldTable>, name: &str) -> Option<u64> {
     }
 }
 
+/// `s` as a number when it is decimal digits only (no sign, no spaces), as the headers' contract
+/// says; `u64::from_str` alone would take a leading `+`.
+fn decimal(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
 
     use super::*;
+
+    /// Observed: a `timestamp_in_ms` of "+1764000000000" was taken, though the contract says
+    /// decimal digits.
+    #[test]
+    fn integer_headers_are_numbers_or_decimal_digits() {
+        let mut t = FieldTable::default();
+        for (k, v) in [("a", "1764000000000"), ("b", "+1764000000000"), ("c", " 12"), ("d", ""), ("e", "-3")] {
+            t.insert(k.into(), AMQPValue::LongString(v.into()));
+        }
+        t.insert("f".into(), AMQPValue::ShortString("42".into()));
+        t.insert("g".into(), AMQPValue::LongLongInt(7));
+        let h = Some(&t);
+        assert_eq!(header_u64(h, "a"), Some(1_764_000_000_000));
+        for k in ["b", "c", "d", "e", "missing"] {
+            assert_eq!(header_u64(h, k), None, "{k}");
+        }
+        assert_eq!((header_u64(h, "f"), header_u64(h, "g")), (Some(42), Some(7)));
+    }
 
     #[test]
     fn reply_code_of_a_broker_refusal() {

@@ -253,7 +253,7 @@ static UNSETTLED: LazyLock<IntGaugeVec> =
 /// Results refused by their `reply_to` queue, by refusal (see `publisher::refusal_reason`).
 static QUEUES_REDECLARED: LazyLock<IntCounterVec> = counter_vec!(
     "queues_redeclared_total",
-    "Destinations of the daemon (dead_letter: the dead-letter exchange and queue; results: the results queue; partition: the shard exchange and a partition queue) found deleted at run time by a publish, and declared again.",
+    "Destinations of the daemon (dead_letter: the dead-letter exchange and queue; results: the results queue; partition: the shard exchange and a partition queue) found deleted at run time by a publish, and declared again: one per publish that found it missing (several in flight may find one deletion).",
     &["queue"]
 );
 static PUBLISH_CHANNELS_REPLACED: LazyLock<IntCounterVec> = counter_vec!(

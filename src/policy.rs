@@ -274,19 +274,20 @@ impl RequestPolicy {
             if self.allowed_params.as_ref().is_some_and(|a| !a.contains(name)) {
                 return Err(format!("parameter {:?} is not in requests.allowed_params", cut(name)));
             }
+            // (cap key, least value, cap): `n` and `best_of` count choices, at least one (OpenAI API).
             let cap = match name.as_str() {
-                "max_tokens" | "max_completion_tokens" => Some(("requests.max_tokens", self.max_tokens)),
-                "n" | "best_of" => Some(("requests.max_n", self.max_n)),
-                "top_logprobs" => Some(("requests.max_logprobs", self.max_logprobs)),
+                "max_tokens" | "max_completion_tokens" => Some(("requests.max_tokens", 0, self.max_tokens)),
+                "n" | "best_of" => Some(("requests.max_n", 1, self.max_n)),
+                "top_logprobs" => Some(("requests.max_logprobs", 0, self.max_logprobs)),
                 // Completions: an integer; chat: a boolean (its count is `top_logprobs`).
-                "logprobs" if !value.is_boolean() => Some(("requests.max_logprobs", self.max_logprobs)),
+                "logprobs" if !value.is_boolean() => Some(("requests.max_logprobs", 0, self.max_logprobs)),
                 _ => None,
             };
-            let Some((key, max)) = cap else { continue };
+            let Some((key, min, max)) = cap else { continue };
             match value {
                 Value::Null => {}
-                Value::Number(n) if n.as_u64().is_some_and(|v| v <= max) => {}
-                _ => return Err(format!("parameter {name:?} = {} must be an integer from 0 to {key} = {max}", cut(&value.to_string()))),
+                Value::Number(n) if n.as_u64().is_some_and(|v| (min..=max).contains(&v)) => {}
+                _ => return Err(format!("parameter {name:?} = {} must be an integer from {min} to {key} = {max}", cut(&value.to_string()))),
             }
         }
         Ok(())
@@ -359,6 +360,7 @@ mod tests {
             (json!({"max_tokens": "lots"}), "max_tokens"),
             (json!({"max_tokens": -1}), "max_tokens"),
             (json!({"n": 17}), "\"n\""),
+            (json!({"n": 0}), "from 1 to requests.max_n"),
             (json!({"best_of": 100}), "best_of"),
             (json!({"logprobs": 21}), "logprobs"),
             (json!({"top_logprobs": 50}), "top_logprobs"),
