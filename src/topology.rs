@@ -308,36 +308,12 @@ pub async fn declare(
     }
     // The route is recorded before anything is declared: of two instances started at once with
     // other names, the second is refused before it binds its queues next to the first's.
-    let (route_key, route) = (partition_route_key(redis_key), partition_route(cfg));
-    let _: bool = redis::cmd("SETNX").arg(&route_key).arg(&route).query_async(redis).await?;
-    let recorded: Option<String> = redis::cmd("GET").arg(&route_key).query_async(redis).await?;
-    if let Some(existing) = recorded.filter(|e| *e != route) {
-        // A stale record (Redis restored from data older than a change of the names): the
-        // recorded names' first partition queue is gone and this configuration's exists.
-        let stale = match recorded_first_partition_queue(&existing) {
-            Some(old) if old != cfg.partition_queue(0) => !queue_exists(conn, &old).await? && queue_exists(conn, &cfg.partition_queue(0)).await?,
-            _ => false,
-        };
-        if !stale {
-            return Err(TopologyError::PartitionRoute { existing, configured: route, redis_key: route_key });
-        }
-        warn!(
-            recorded = %existing,
-            configured = %route,
-            redis_key = %route_key,
-            "Redis records other queue names than the broker has: the recorded partition queues do not exist and the configured ones do, so the record is stale (Redis restored from older data?); recording the configured route"
-        );
-        let _: () = redis::cmd("SET").arg(&route_key).arg(&route).query_async(redis).await?;
-    }
+    record_route(conn, cfg, redis, redis_key).await?;
     // So is the count, once the broker showed no other: of two instances of a new deployment
     // started at once with other counts, the second is refused before it declares a queue (its
     // extra partition queues, bound and never consumed, would otherwise make the deployment look
     // larger than it is once Redis lost the record).
-    let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
-    let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
-    if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
-        return Err(TopologyError::PartitionCount { existing, configured: p, redis_key: redis_key.to_owned() });
-    }
+    record_count(redis, redis_key, p).await?;
 
     declare_dead_letter(conn, cfg).await?;
     declare_queue(conn, &cfg.input_queue, input_queue_args(cfg)).await?;
@@ -359,6 +335,42 @@ pub async fn declare(
     let _ = close_channel(&ch, "ok").await;
     // Again once everything exists (Redis may have lost the record meanwhile); re-read to catch a
     // concurrent start with another P.
+    record_count(redis, redis_key, p).await?;
+    Ok(())
+}
+
+/// Records the deployment's route (its queue and exchange names, [`partition_route`]) in Redis
+/// unless one is recorded, and refuses another recorded route, unless that record is stale (its
+/// first partition queue is gone and this configuration's exists: Redis restored from data
+/// older than a change of the names), which is then replaced.
+async fn record_route(conn: &Connection, cfg: &AmqpSettings, redis: &mut redis::aio::ConnectionManager, redis_key: &str) -> Result<(), TopologyError> {
+    let (route_key, route) = (partition_route_key(redis_key), partition_route(cfg));
+    let _: bool = redis::cmd("SETNX").arg(&route_key).arg(&route).query_async(redis).await?;
+    let recorded: Option<String> = redis::cmd("GET").arg(&route_key).query_async(redis).await?;
+    if let Some(existing) = recorded.filter(|e| *e != route) {
+        // A stale record (Redis restored from data older than a change of the names): the
+        // recorded names' first partition queue is gone and this configuration's exists.
+        let stale = match recorded_first_partition_queue(&existing) {
+            Some(old) if old != cfg.partition_queue(0) => !queue_exists(conn, &old).await? && queue_exists(conn, &cfg.partition_queue(0)).await?,
+            _ => false,
+        };
+        if !stale {
+            return Err(TopologyError::PartitionRoute { existing, configured: route, redis_key: route_key });
+        }
+        warn!(
+            recorded = %existing,
+            configured = %route,
+            redis_key = %route_key,
+            "Redis records other queue names than the broker has: the recorded partition queues do not exist and the configured ones do, so the record is stale (Redis restored from older data?); recording the configured route"
+        );
+        let _: () = redis::cmd("SET").arg(&route_key).arg(&route).query_async(redis).await?;
+    }
+    Ok(())
+}
+
+/// Records partition count `p` under `redis_key` unless one is recorded, and refuses another
+/// recorded count (of two instances started at once with other counts, the second).
+async fn record_count(redis: &mut redis::aio::ConnectionManager, redis_key: &str, p: u32) -> Result<(), TopologyError> {
     let _: bool = redis::cmd("SETNX").arg(redis_key).arg(p).query_async(redis).await?;
     let recorded: Option<String> = redis::cmd("GET").arg(redis_key).query_async(redis).await?;
     if let Some(existing) = recorded.filter(|e| *e != p.to_string()) {
