@@ -168,21 +168,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
         let wait = redelivery::requeue_backoff(a, u64::from(failures));
         failures = failures.saturating_add(1);
         let lost = !intake.status().connected();
-        let why = match (&e, lost) {
-            (Some(e), _) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => metrics::intake_failure::UNREADABLE_MESSAGE,
-            (_, true) => metrics::intake_failure::CONNECTION_LOST,
-            (_, false) => metrics::intake_failure::CHANNEL_CLOSED,
-        };
-        metrics::intake_failed(why);
-        if why == metrics::intake_failure::UNREADABLE_MESSAGE {
-            error!(
-                error = ?e,
-                retry_in = ?wait,
-                "the input queue delivered a message the AMQP client cannot parse (a property such as message_id, correlation_id or reply_to, or a header name, that is not UTF-8); it closed the router's intake connection. The router consumes again one delivery at a time, so that only that message is charged a delivery each time, until the input queue's x-delivery-limit dead-letters it (x-death reason delivery_limit, no x-death-reason); the partitions go on meanwhile"
-            );
-        } else {
-            warn!(error = ?e, intake_connection_lost = lost, retry_in = ?wait, "the router's consumer of the input queue ended; consuming again, one delivery at a time until a new message arrives");
-        }
+        report_intake_failure(e.as_ref(), lost, wait);
         tokio::select! {
             _ = stop.cancelled() => break Ok(()),
             _ = tokio::time::sleep(wait) => {}
@@ -197,6 +183,27 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     publish.shared.close("router stopped").await;
     info!("router stopped");
     result
+}
+
+/// Counts and logs the end of the router's consumer (`e`, none when the consumer just ended;
+/// `lost`: its intake connection closed) before it consumes again in `wait`: at ERROR for a
+/// message the AMQP client cannot parse, else at WARN.
+fn report_intake_failure(e: Option<&lapin::Error>, lost: bool, wait: std::time::Duration) {
+    let why = match (e, lost) {
+        (Some(e), _) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => metrics::intake_failure::UNREADABLE_MESSAGE,
+        (_, true) => metrics::intake_failure::CONNECTION_LOST,
+        (_, false) => metrics::intake_failure::CHANNEL_CLOSED,
+    };
+    metrics::intake_failed(why);
+    if why == metrics::intake_failure::UNREADABLE_MESSAGE {
+        error!(
+            error = ?e,
+            retry_in = ?wait,
+            "the input queue delivered a message the AMQP client cannot parse (a property such as message_id, correlation_id or reply_to, or a header name, that is not UTF-8); it closed the router's intake connection. The router consumes again one delivery at a time, so that only that message is charged a delivery each time, until the input queue's x-delivery-limit dead-letters it (x-death reason delivery_limit, no x-death-reason); the partitions go on meanwhile"
+        );
+    } else {
+        warn!(error = ?e, intake_connection_lost = lost, retry_in = ?wait, "the router's consumer of the input queue ended; consuming again, one delivery at a time until a new message arrives");
+    }
 }
 
 /// Opens a consuming channel on the input queue on `intake`, with prefetch 1 when `careful`,
