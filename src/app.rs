@@ -283,7 +283,7 @@ pub async fn run_with_events(
     shutdown: impl Future<Output = ()> + Send + 'static,
     mut events: impl FnMut(Lifecycle) + Send,
 ) -> Result<(), AppError> {
-    metrics::init(&crate::llm::CALL_OUTCOME_LABELS, settings.llm.endpoints.len());
+    metrics::init(&crate::llm::CALL_OUTCOME_LABELS, settings.llm.endpoints.len(), &crate::publisher::OwnDestination::LABELS, crate::publisher::REPLY_REFUSALS);
     let root = CancellationToken::new();
     let _cancel_all_on_return = root.clone().drop_guard();
     let work = root.child_token();

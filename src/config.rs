@@ -1269,7 +1269,7 @@ fn amqp(a: &RawAmqp) -> Result<AmqpSettings, ConfigError> {
             return Err(invalid(
                 key,
                 node.redacted(),
-                format!("channel_max must be 0 (the broker's) or at least {needed}: one connection holds up to {} channels per partition it owns, and amqp.partitions = {partitions} (node {i})", crate::partition::PUBLISH_CHANNELS),
+                format!("channel_max must be 0 (the broker's) or at least {needed}: one connection holds up to {} channels per partition it owns, and amqp.partitions = {partitions} (node {i})", PUBLISH_CHANNELS),
             ));
         }
     }
@@ -1389,12 +1389,18 @@ pub const AMQP_URL_QUERY_PARAMETERS: [&str; 4] = ["frame_max", "channel_max", "c
 /// AMQP 0-9-1 `frame-min-size`: the smallest `frame_max` a peer may propose, in bytes.
 pub const AMQP_FRAME_MIN_SIZE: u32 = 4096;
 
+/// How many channels of the publishing connection a partition may hold at once, for the
+/// `channel_max` check: its shared publishing channel, a replaced one until it closes (at most
+/// 2 × `amqp.confirm_timeout` later) and short-lived ones for placing returned messages and
+/// checking direct reply-to requesters.
+pub const PUBLISH_CHANNELS: usize = 4;
+
 /// Channels one AMQP connection of a session may hold at once, for `partitions` partitions all
 /// owned by the instance: the publishing connection carries up to
-/// [`crate::partition::PUBLISH_CHANNELS`] per partition, plus 16 for the router, topology
+/// [`PUBLISH_CHANNELS`] per partition, plus 16 for the router, topology
 /// declarations and backlog polls. A `channel_max` below this fails partitions at runtime.
 pub fn channels_needed(partitions: u32) -> u32 {
-    partitions.saturating_mul(crate::partition::PUBLISH_CHANNELS as u32).saturating_add(16)
+    partitions.saturating_mul(PUBLISH_CHANNELS as u32).saturating_add(16)
 }
 
 /// Checks a broker URL as the AMQP client will read it, so that a bad one stops startup instead

@@ -459,8 +459,10 @@ pub mod connection {
 ///
 /// `llm_outcomes`: every `outcome` label of the LLM call metrics (`crate::llm::CALL_OUTCOME_LABELS`,
 /// passed in so that this module does not depend on the LLM client); `llm_endpoints`: how many
-/// endpoints `llm.endpoints` has.
-pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
+/// endpoints `llm.endpoints` has; `destinations`: the daemon's own destinations
+/// (`crate::publisher::OwnDestination::LABELS`); `reply_refusals`: every `x-reply-to-refused`
+/// value (`crate::publisher::REPLY_REFUSALS`).
+pub fn init(llm_outcomes: &[&str], llm_endpoints: usize, destinations: &[&str], reply_refusals: &[&str]) {
     for r in crate::batcher::FlushReason::ALL {
         BATCHES.with_label_values(&[r.as_str()]);
     }
@@ -484,18 +486,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for r in crate::request::DEAD_LETTER_REASONS {
         DEAD_LETTERS.with_label_values(&[r]);
     }
-    for o in llm_outcomes {
-        LLM_DURATION.with_label_values(&[o]);
-        for e in 0..llm_endpoints {
-            LLM_REQUESTS.with_label_values(&[e.to_string().as_str(), o]);
-        }
-    }
-    for e in 0..llm_endpoints {
-        LLM_CIRCUIT_OPEN.with_label_values(&[e.to_string().as_str()]);
-        LLM_CIRCUIT_OPENED.with_label_values(&[e.to_string().as_str()]);
-    }
-    LazyLock::force(&LLM_PROMPT_TOKENS);
-    LazyLock::force(&LLM_CACHED_TOKENS);
+    init_llm(llm_outcomes, llm_endpoints);
     QUEUE_MESSAGES.with_label_values(&["input", ""]);
     LazyLock::force(&BUFFERED);
     LazyLock::force(&OLDEST_BUFFERED);
@@ -514,6 +505,29 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     LazyLock::force(&PARTITIONS);
     BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
     LazyLock::force(&READY);
+    init_faults(destinations, reply_refusals);
+    init_keys();
+}
+
+/// [`init`]'s LLM call metrics: per outcome, and per endpoint index.
+fn init_llm(llm_outcomes: &[&str], llm_endpoints: usize) {
+    for o in llm_outcomes {
+        LLM_DURATION.with_label_values(&[o]);
+        for e in 0..llm_endpoints {
+            LLM_REQUESTS.with_label_values(&[e.to_string().as_str(), o]);
+        }
+    }
+    for e in 0..llm_endpoints {
+        LLM_CIRCUIT_OPEN.with_label_values(&[e.to_string().as_str()]);
+        LLM_CIRCUIT_OPENED.with_label_values(&[e.to_string().as_str()]);
+    }
+    LazyLock::force(&LLM_PROMPT_TOKENS);
+    LazyLock::force(&LLM_CACHED_TOKENS);
+}
+
+/// [`init`]'s fault counters: blocked connections, panics, intake failures, held publishes,
+/// refused replies, declarations made again, replaced channels, paused intakes, restarts.
+fn init_faults(destinations: &[&str], reply_refusals: &[&str]) {
     for c in connection::ALL {
         AMQP_BLOCKED_TOTAL.with_label_values(&[c]);
         AMQP_BLOCKED.with_label_values(&[c]);
@@ -528,10 +542,10 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for k in HELD_KINDS {
         HELD.with_label_values(&[k]);
     }
-    for r in ["nacked", "unroutable", "timeout"] {
+    for r in reply_refusals {
         REPLY_TO_REFUSED.with_label_values(&[r]);
     }
-    for d in crate::publisher::OwnDestination::LABELS {
+    for d in destinations {
         QUEUES_REDECLARED.with_label_values(&[d]);
     }
     for r in ["publish_failed", "closed"] {
@@ -541,7 +555,6 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize) {
     for r in restart::ALL {
         CONSUMER_RESTARTS.with_label_values(&[r]);
     }
-    init_keys();
 }
 
 /// The deployment's configured partition count `P` (for "partitions without an owner":
@@ -835,7 +848,7 @@ mod tests {
 
     #[test]
     fn exposition_has_prefixed_names() {
-        super::init(&["ok"], 1);
+        super::init(&["ok"], 1, &["results"], &["gone"]);
         super::batch_flushed(crate::batcher::FlushReason::Size, 4, 1.0, 0.9);
         let text = super::render();
         for name in [
@@ -852,7 +865,7 @@ mod tests {
 
     #[test]
     fn oldest_buffered_age_grows_between_buffer_changes() {
-        super::init(&["ok"], 1);
+        super::init(&["ok"], 1, &["results"], &["gone"]);
         super::buffer_state(1001, 3, 0.25);
         let later = std::time::Instant::now() + std::time::Duration::from_secs(2);
         super::refresh_oldest_ages(later);

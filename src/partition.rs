@@ -888,11 +888,6 @@ async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, dea
     }
 }
 
-/// How many channels of the publishing connection a partition may hold at once, for the
-/// `channel_max` check: its shared publishing channel, a replaced one until it closes (at most
-/// 2 × `amqp.confirm_timeout` later) and short-lived ones for placing returned messages and
-/// checking direct reply-to requesters.
-pub const PUBLISH_CHANNELS: usize = 4;
 
 /// A partition session's publishing channel (shared by its publishes, replaced after a failed
 /// one: [`SharedConfirmChannel`]) and its connection, which also serves the direct reply-to

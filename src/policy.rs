@@ -46,42 +46,8 @@ pub const REQUEST_FIELDS: &[&str] = &["model", "prompt", "messages"];
 
 /// Default `requests.allowed_params`: the sampling and output parameters of the OpenAI
 /// completions and chat completions APIs, and the common extensions of vLLM, SGLang and
-/// llama.cpp's server. `"*"` in the list allows any parameter.
-pub const DEFAULT_ALLOWED_PARAMS: &[&str] = &[
-    // OpenAI completions and chat completions
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "best_of",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "logit_bias",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "suffix",
-    "user",
-    "stream",
-    "stream_options",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    // vLLM / SGLang / llama.cpp sampling extensions
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "min_tokens",
-    "ignore_eos",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "include_stop_str_in_output",
-    "cache_prompt",
-];
+/// llama.cpp's server ([`crate::request::SAMPLING_PARAMS`]). `"*"` in the list allows any parameter.
+pub const DEFAULT_ALLOWED_PARAMS: &[&str] = crate::request::SAMPLING_PARAMS;
 
 /// Default cap of `max_tokens` / `max_completion_tokens`.
 pub const DEFAULT_MAX_TOKENS: u64 = 32_768;

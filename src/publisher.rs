@@ -950,6 +950,9 @@ pub const HEADER_REPLY_TO: &str = "x-reply-to";
 /// (its channel closed or its reply consumer cancelled) when the result was published.
 pub const REFUSED_GONE: &str = "gone";
 
+/// Every `x-reply-to-refused` value: [`refusal_reason`]'s and [`REFUSED_GONE`].
+pub const REPLY_REFUSALS: &[&str] = &["nacked", "unroutable", "timeout", REFUSED_GONE];
+
 pub use crate::request::DIRECT_REPLY_TO_PREFIX;
 
 /// Whether `reply_to` names a direct reply-to requester rather than a queue.

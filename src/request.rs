@@ -277,6 +277,45 @@ impl<'de> serde::de::Visitor<'de> for StrictVisitor {
     }
 }
 
+/// The sampling and output parameters of the OpenAI completions and chat completions APIs, and
+/// the common extensions of vLLM, SGLang and llama.cpp's server: they go in `params`; at the top
+/// level of a body [`parse`] refuses them. The default `requests.allowed_params`.
+pub const SAMPLING_PARAMS: &[&str] = &[
+    // OpenAI completions and chat completions
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "best_of",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "suffix",
+    "user",
+    "stream",
+    "stream_options",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    // vLLM / SGLang / llama.cpp sampling extensions
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "cache_prompt",
+];
+
 /// Parses one message body.
 ///
 /// Errors: see [`ParseError`]; every error is final for that message (it is dead-lettered, never
@@ -318,7 +357,7 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     // What is left is ignored (room for publishers' own fields), except a sampling parameter
     // put at the top level instead of in `params`: ignoring it would run the request with the
     // server's default (`max_tokens` above all), silently.
-    if let Some(name) = crate::policy::DEFAULT_ALLOWED_PARAMS.iter().find(|n| obj.contains_key(**n)) {
+    if let Some(name) = SAMPLING_PARAMS.iter().find(|n| obj.contains_key(**n)) {
         return Err(ParseError::InvalidField {
             field: name,
             detail: format!("is a sampling parameter: it goes in `params` (`{{\"params\": {{\"{name}\": …}}}}`); at the top level it would be ignored"),

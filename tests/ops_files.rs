@@ -63,7 +63,7 @@ fn dashboard_exprs(d: &Value) -> Vec<(String, String)> {
 /// The sample names the daemon exports: every family of the registry, with a label set of each
 /// vector family exercised so that it shows up in the exposition.
 fn exported_names() -> BTreeSet<String> {
-    metrics::init(&prefix_batcher::llm::CALL_OUTCOME_LABELS, 1);
+    metrics::init(&prefix_batcher::llm::CALL_OUTCOME_LABELS, 1, &prefix_batcher::publisher::OwnDestination::LABELS, prefix_batcher::publisher::REPLY_REFUSALS);
     metrics::deployment(8);
     metrics::buffer_state(9999, 1, 0.5);
     metrics::partition_backlog(9999, 1);
