@@ -799,7 +799,8 @@ pub fn unsettled_deliveries(partition: u32, n: usize) {
     UNSETTLED.with_label_values(&[&partition.to_string()]).set(i64::try_from(n).unwrap_or(i64::MAX));
 }
 
-/// A result was refused by its `reply_to` queue (`reason`: `nacked`, `unroutable`, `timeout`).
+/// A result was refused by its `reply_to` queue (`reason`: `nacked`, `unroutable`, `timeout`,
+/// `gone`: `crate::publisher::REPLY_REFUSALS`).
 pub fn reply_to_refused(reason: &'static str) {
     REPLY_TO_REFUSED.with_label_values(&[reason]).inc();
 }

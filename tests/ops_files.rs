@@ -67,6 +67,7 @@ fn exported_names() -> BTreeSet<String> {
     metrics::deployment(8);
     metrics::buffer_state(9999, 1, 0.5);
     metrics::partition_backlog(9999, 1);
+    metrics::unsettled_deliveries(9999, 1);
     metrics::lease_op("renew", "lost");
     metrics::tls_client_certificate_expiry("redis", 1);
     let text = metrics::render();
