@@ -1131,7 +1131,7 @@ mod tests {
         let mut rng = fastrand::Rng::with_seed(7);
         let mut shares = TrafficShares::default();
         let tick_ms = 250;
-        let mut key_at = |rng: &mut fastrand::Rng, hot: u64, p: f64| if rng.f64() < p { hot } else { 100 + rng.u64(0..50) };
+        let key_at = |rng: &mut fastrand::Rng, hot: u64, p: f64| if rng.f64() < p { hot } else { 100 + rng.u64(0..50) };
         for t in 0..(20 * 60 * 1000 / tick_ms) {
             let k = key_at(&mut rng, 1, 0.4);
             shares.observe(&at(rk(0, 3, k), &[10_000 + t]));

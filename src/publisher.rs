@@ -743,7 +743,8 @@ fn oversized_properties(props: &BasicProperties) -> Option<Refusal> {
 /// be dead-lettered. Publishes nothing, so a caller can take a channel only when it needs one.
 pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &Delivery, source: redelivery::Source) -> Result<Request, Refusal> {
     let props = &delivery.properties;
-    if let Some(refusal) = oversized_properties(props) {
+    // At intake only: a forward carries the router's headers too, which the reserve allows for.
+    if let Some(refusal) = oversized_properties(props).filter(|_| source == redelivery::Source::Input) {
         return Err(refusal);
     }
     let prefix_header = prefix_key_header(props.headers().as_ref());
