@@ -318,8 +318,7 @@ async fn a_placed_direct_reply_to_result_of_a_requester_that_left_is_marked_gone
     // A requester: consumes direct reply-to on its own channel and publishes a request, whose
     // reply_to the broker rewrites to the generated name; then it leaves (closes the channel).
     let requests = format!("{}.requests", env.name);
-    let opts = QueueDeclareOptions { auto_delete: true, ..Default::default() };
-    amqp.ch.queue_declare(requests.as_str().into(), opts, Default::default()).await.expect("request queue");
+    amqp.ch.queue_declare(requests.as_str().into(), QueueDeclareOptions::default(), Default::default()).await.expect("request queue");
     let requester = amqp.conn.create_channel().await.expect("requester channel");
     let no_ack = BasicConsumeOptions { no_ack: true, ..Default::default() };
     let _replies = requester.basic_consume("amq.rabbitmq.reply-to".into(), "r".into(), no_ack, Default::default()).await.expect("consume replies");
@@ -352,6 +351,7 @@ async fn a_placed_direct_reply_to_result_of_a_requester_that_left_is_marked_gone
     assert_eq!(results.received[0].header("x-reply-to"), Some(name.as_str()));
     results.close().await;
     let _ = conn.close(200, "done".into()).await;
+    amqp.ch.queue_delete(requests.as_str().into(), lapin::options::QueueDeleteOptions::default()).await.expect("delete the request queue");
     amqp.close().await;
     env.cleanup().await;
 }
