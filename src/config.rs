@@ -1174,8 +1174,11 @@ impl Settings {
     /// \+ [`Settings::llm_call_budget`] (the LLM calls of its batch)
     /// \+ 2 × `amqp.confirm_timeout` (the result's publish, then a dead letter or a retry publish).
     ///
-    /// Not covered: waiting for an LLM concurrency permit, and waiting for an endpoint through an
-    /// outage; a runtime guard must release deliveries that approach `amqp.consumer_timeout`.
+    /// At run time a batch's calls end by its requests' receipt + `CONSUMER_TIMEOUT_MARGIN` ×
+    /// `amqp.consumer_timeout` − 2 × `amqp.confirm_timeout`, waits for an LLM concurrency permit
+    /// and for an endpoint through an outage included: a call that could not end by then is not
+    /// sent and its request goes back uncharged ([`crate::llm::LlmClient::infer_within`]). This
+    /// check makes sure a batch flushed without waiting has the time for all its attempts.
     pub fn longest_hold(&self) -> Duration {
         self.batching.max_batch_wait.saturating_add(self.llm_call_budget()).saturating_add(self.amqp.confirm_timeout.saturating_mul(2))
     }
@@ -1184,9 +1187,7 @@ impl Settings {
     /// `llm.max_attempts` × `llm.request_timeout` (reqwest's timeout covers the whole call,
     /// connecting included, so `llm.connect_timeout` is part of it) plus the backoffs between
     /// attempts (`llm.backoff_initial` doubling, each capped at `llm.backoff_max`; a `Retry-After`
-    /// is capped at `llm.backoff_max` too), `max_attempts − 1` times. Prompts sent one after the
-    /// other share it: one not sent by then goes back to its partition queue uncharged
-    /// ([`crate::llm::LlmClient::infer_within`]).
+    /// is capped at `llm.backoff_max` too), `max_attempts − 1` times.
     pub fn llm_call_budget(&self) -> Duration {
         let llm = &self.llm;
         let attempts = llm.max_attempts.get();

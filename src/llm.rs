@@ -432,12 +432,13 @@ impl LlmError {
         LlmError::new(ErrorKind::Cancelled, "the batch was cancelled (lease lost or shutdown)", None)
     }
 
-    /// A prompt of a sequence that was not sent: the batch's time for LLM calls
-    /// ([`LlmClient::infer_within`]) ran out behind slower prompts.
+    /// A prompt that was not sent: less than `llm.request_timeout` was left before its batch's
+    /// deadline ([`LlmClient::infer_within`]), used by the prompts before it or the wait for an
+    /// endpoint permit.
     fn not_sent() -> Self {
         LlmError::new(
             ErrorKind::Cancelled,
-            "not sent: the batch's time for LLM calls (llm.max_attempts × llm.request_timeout) ran out behind slower prompts",
+            "not sent: the prompts before it or the wait for an LLM permit used its batch's time (less than llm.request_timeout was left)",
             None,
         )
     }
@@ -856,27 +857,27 @@ impl LlmClient {
         self.infer_within(endpoint, items, cancel, None).await
     }
 
-    /// [`Self::infer`], with the prompts that go one after the other under one permit held to
-    /// `budget` (usually [`crate::config::Settings::llm_call_budget`]), counted from when the
-    /// permit is held, once request timeouts slow them: after a call of the sequence timed out, a
-    /// prompt whose call could not end within the budget (less than `llm.request_timeout` left)
-    /// is not sent and gets [`ErrorKind::Cancelled`] with [`LlmError::not_sent`]'s message (the
-    /// caller puts it back in its queue uncharged), so that slow prompts cannot hold the answers
-    /// of the prompts behind them past what `amqp.consumer_timeout` allows. The first prompt of a
-    /// sequence is always sent. A list-prompt call that failed and goes again prompt by prompt
-    /// leaves the budget its own time used.
+    /// [`Self::infer`], with every call ending by `deadline`: no attempt starts with less than
+    /// `llm.request_timeout` left before it (reqwest's timeout covers a whole attempt, so an
+    /// attempt started in time ends in time). A prompt none of whose attempts started, because
+    /// the prompts before it in a sequence, or the wait for an endpoint permit, used the time,
+    /// gets [`ErrorKind::Cancelled`] with [`LlmError::not_sent`]'s message (the caller puts it
+    /// back in its queue uncharged); one whose later attempt did not start keeps its last
+    /// attempt's error. So slow prompts, slow servers and busy permits cannot hold the answers of
+    /// the prompts of a batch past what `amqp.consumer_timeout` allows (the partition's deadline
+    /// is [`crate::partition`]'s `release_at`).
     ///
     /// Timeouts of calls for several prompts are not retried at once: a list-prompt call that
     /// timed out goes again prompt by prompt, as a refused one does (one prompt's long generation
     /// times out the whole list), and within a sequence a prompt that timed out gets its further
-    /// attempts after the other prompts were sent, while the budget lasts, instead of making them
+    /// attempts after the other prompts were sent, while the time lasts, instead of making them
     /// wait for its retries. `None`: no limit.
     pub async fn infer_within(
         &self,
         endpoint: usize,
         items: &[InferenceItem<'_>],
         cancel: &CancellationToken,
-        budget: Option<Duration>,
+        deadline: Option<Instant>,
     ) -> Vec<Result<Completion, LlmError>> {
         if endpoint >= self.inner.endpoints.len() {
             let e = LlmError::new(ErrorKind::EndpointConfig, format!("no LLM endpoint with index {endpoint}"), None);
@@ -887,13 +888,13 @@ impl LlmClient {
         for group in group_items(items, &self.inner.model) {
             match group.kind {
                 CallKind::Completions if per_prompt || group.choices_per_prompt() > 1 => {
-                    calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel, budget, false)))
+                    calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel, deadline)))
                 }
-                CallKind::Completions => calls.push(Box::pin(self.run_list(endpoint, items, group, cancel, budget))),
+                CallKind::Completions => calls.push(Box::pin(self.run_list(endpoint, items, group, cancel, deadline))),
                 CallKind::Chat => {
                     for &member in &group.members {
                         let single = Group { members: vec![member], ..group.clone() };
-                        calls.push(Box::pin(self.run_call(endpoint, items, single, cancel, None, true)));
+                        calls.push(Box::pin(self.run_call(endpoint, items, single, cancel, None, true, deadline)));
                     }
                 }
             }
@@ -907,10 +908,25 @@ impl LlmClient {
             .collect()
     }
 
+    /// Whether a call started now ends by `deadline` (at most `llm.request_timeout`); `None`: no
+    /// limit.
+    fn fits(&self, deadline: Option<Instant>) -> bool {
+        deadline.is_none_or(|d| Instant::now() + self.inner.request_timeout <= d)
+    }
+
+    /// Completes when a call could no longer end by `deadline` ([`Self::fits`]); never with `None`.
+    async fn latest_start(&self, deadline: Option<Instant>) {
+        match deadline.and_then(|d| d.checked_sub(self.inner.request_timeout)) {
+            Some(at) => tokio::time::sleep_until(at).await,
+            None if deadline.is_some() => {}
+            None => std::future::pending().await,
+        }
+    }
+
     /// A completions group as one list-prompt call; when that call fails with a request fault (one
     /// prompt too long), an invalid answer (one that does not demultiplex exactly) or a request
     /// timeout while the endpoint stays available (one prompt's long generation), the group goes
-    /// again prompt by prompt so only the offending prompts fail. `budget`: see
+    /// again prompt by prompt so only the offending prompts fail. `deadline`: see
     /// [`Self::infer_within`].
     async fn run_list(
         &self,
@@ -918,13 +934,12 @@ impl LlmClient {
         items: &[InferenceItem<'_>],
         group: Group<'_>,
         cancel: &CancellationToken,
-        budget: Option<Duration>,
+        deadline: Option<Instant>,
     ) -> ItemResults {
         if group.members.len() == 1 {
-            return self.run_call(endpoint, items, group, cancel, None, true).await;
+            return self.run_call(endpoint, items, group, cancel, None, true, deadline).await;
         }
-        let started = Instant::now();
-        let results = self.run_call(endpoint, items, group.clone(), cancel, None, false).await;
+        let results = self.run_call(endpoint, items, group.clone(), cancel, None, false, deadline).await;
         let splits = |e: &&LlmError| e.kind.splits_list() || (e.kind == ErrorKind::Timeout && self.available(endpoint));
         let request_fault = results.iter().find_map(|(_, r)| r.as_ref().err().filter(splits));
         // A failed call gives all members the same error; a parsed answer with bad items does not.
@@ -941,8 +956,7 @@ impl LlmClient {
                     status = e.status,
                     "the list-prompt call was refused, answered invalidly or timed out; retrying its prompts one by one"
                 );
-                let budget = budget.map(|b| b.saturating_sub(started.elapsed()));
-                self.run_sequential(endpoint, items, group, cancel, budget, e.kind == ErrorKind::Timeout).await
+                self.run_sequential(endpoint, items, group, cancel, deadline).await
             }
             _ => results,
         }
@@ -953,52 +967,47 @@ impl LlmClient {
     /// (llama-server) serves them from the slot that holds their shared prefix instead of
     /// spreading them over cold slots or interleaving them with other batches. With several
     /// prompts, a prompt whose call timed out is retried after the others (rounds of one attempt
-    /// each, up to `llm.max_attempts` per prompt); once a call of the sequence timed out (or the
-    /// list call it replaces did: `after_timeout`), no call starts that could not end within
-    /// `budget` (from when the permit is held): a prompt not sent by then gets
-    /// [`LlmError::not_sent`] ([`Self::infer_within`]). A sequence without timeouts is never cut:
-    /// its calls take what the server needs.
+    /// each, up to `llm.max_attempts` per prompt). No call starts that could not end by
+    /// `deadline`, counted with the wait for the permit: a prompt not sent by then gets
+    /// [`LlmError::not_sent`] ([`Self::infer_within`]).
     async fn run_sequential(
         &self,
         endpoint: usize,
         items: &[InferenceItem<'_>],
         group: Group<'_>,
         cancel: &CancellationToken,
-        budget: Option<Duration>,
-        after_timeout: bool,
+        deadline: Option<Instant>,
     ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
         let asked = Instant::now();
+        let none_sent = |e: fn() -> LlmError| group.members.iter().map(|&i| (i, Err(e()))).collect();
         let _permit = tokio::select! {
             biased;
-            _ = cancel.cancelled() => return group.members.iter().map(|&i| (i, Err(LlmError::cancelled()))).collect(),
+            _ = cancel.cancelled() => return none_sent(LlmError::cancelled),
+            () = self.latest_start(deadline) => return none_sent(LlmError::not_sent),
             p = ep.permits.acquire(items[group.members[0]].prefix_key) => p,
         };
         let waited = asked.elapsed();
-        let deadline = budget.map(|b| Instant::now() + b);
-        // Whether another call can still end within the budget.
-        let fits = || deadline.is_none_or(|d| Instant::now() + self.inner.request_timeout <= d);
+        let fits = || self.fits(deadline);
         let alone = group.members.len() == 1;
         let is_timeout = |r: &Result<Completion, LlmError>| r.as_ref().is_err_and(|e| e.kind == ErrorKind::Timeout);
-        let mut timed_out = after_timeout;
         let mut out: ItemResults = Vec::with_capacity(group.members.len());
         // Positions in `out` of the prompts whose call timed out: retried after the others.
         let mut retry = Vec::new();
-        for (n, &member) in group.members.iter().enumerate() {
-            if n > 0 && timed_out && !fits() {
+        for &member in &group.members {
+            if !fits() {
                 out.push((member, Err(LlmError::not_sent())));
                 continue;
             }
             let single = Group { members: vec![member], ..group.clone() };
-            let results = self.run_call(endpoint, items, single, cancel, Some(waited), alone).await;
+            let results = self.run_call(endpoint, items, single, cancel, Some(waited), alone, deadline).await;
             if !alone && results.iter().any(|(_, r)| is_timeout(r)) {
-                timed_out = true;
                 retry.push(out.len());
             }
             out.extend(results);
         }
         // Rounds of one more attempt each, while attempts (`llm.max_attempts` per prompt) and the
-        // budget last; a prompt left with its timeout is charged a delivery by the caller.
+        // time last; a prompt left with its timeout is charged a delivery by the caller.
         let mut attempts = 1;
         while !retry.is_empty() && attempts < self.inner.max_attempts && !cancel.is_cancelled() {
             attempts += 1;
@@ -1009,7 +1018,7 @@ impl LlmClient {
                     break;
                 }
                 let single = Group { members: vec![out[i].0], ..group.clone() };
-                let result = self.run_call(endpoint, items, single, cancel, Some(waited), false).await.pop().map(|(_, r)| r);
+                let result = self.run_call(endpoint, items, single, cancel, Some(waited), false, deadline).await.pop().map(|(_, r)| r);
                 match result {
                     // The breaker opened meanwhile: the timeout says more than "unavailable", and
                     // the caller finds the endpoint down either way.
@@ -1034,7 +1043,9 @@ impl LlmClient {
     /// One HTTP call (with retries) for `group`; returns `(item index, result)` for every member.
     /// `held`: `Some(its wait)` when the caller already holds an endpoint permit for this call.
     /// `retry_timeouts`: whether a request timeout is retried at once like other server faults (not for a
-    /// list call or a prompt of a sequence: see [`Self::infer_within`]).
+    /// list call or a prompt of a sequence: see [`Self::infer_within`]). `deadline`: no attempt
+    /// starts that could not end by it ([`Self::infer_within`]).
+    #[allow(clippy::too_many_arguments)]
     async fn run_call(
         &self,
         endpoint: usize,
@@ -1043,6 +1054,7 @@ impl LlmClient {
         cancel: &CancellationToken,
         held: Option<Duration>,
         retry_timeouts: bool,
+        deadline: Option<Instant>,
     ) -> ItemResults {
         let (permit_held, held_wait) = (held.is_some(), held.unwrap_or_default());
         let ep = &self.inner.endpoints[endpoint];
@@ -1069,6 +1081,7 @@ impl LlmClient {
             list: n_members > 1,
             retry_timeouts,
             prefix_key,
+            deadline,
             permit_wait_us: AtomicU64::new(0),
             last_sent: Mutex::new(None),
             unreported_seconds: Mutex::new(None),
@@ -1121,6 +1134,8 @@ impl LlmClient {
         loop {
             let outcome = match self.attempt_through_breaker(call, cancel, &parse).await {
                 Gate::Cancelled => return (Err(LlmError::cancelled()), attempt),
+                // Out of time: the last attempt's error, or "not sent" when none was made.
+                Gate::OutOfTime => return (Err(last_error.unwrap_or_else(LlmError::not_sent)), attempt),
                 // Fail fast: the last real error says more than "unavailable" when there was one.
                 Gate::Closed(e) => return (Err(last_error.unwrap_or(e)), attempt),
                 Gate::Attempted(outcome) => outcome,
@@ -1138,6 +1153,9 @@ impl LlmClient {
             let timeout_kept = error.kind == ErrorKind::Timeout && !call.retry_timeouts;
             let give_up = stop_for_split || timeout_kept || breaker_closed || !error.kind.retryable() || attempt >= self.inner.max_attempts;
             let delay = (!give_up).then(|| backoff_delay(attempt, retry_after, self.inner.backoff_initial, self.inner.backoff_max));
+            // No retry that could not end by the call's deadline ([`Self::infer_within`]).
+            let delay = delay.filter(|d| call.deadline.is_none_or(|end| Instant::now() + *d + self.inner.request_timeout <= end));
+            let give_up = delay.is_none();
             if !stop_for_split {
                 crate::warn_limited!(
                     CALL_FAILED_LOG,
@@ -1198,11 +1216,15 @@ impl LlmClient {
             let permit = tokio::select! {
                 biased;
                 _ = cancel.cancelled() => return Gate::Cancelled,
+                () = self.latest_start(call.deadline) => return Gate::OutOfTime,
                 p = ep.permits.acquire(call.prefix_key) => p,
             };
             call.permit_wait_us.fetch_add(asked.elapsed().as_micros().try_into().unwrap_or(u64::MAX), Ordering::Relaxed);
             Some(permit)
         };
+        if !self.fits(call.deadline) {
+            return Gate::OutOfTime;
+        }
         let admission = self.admit(call.endpoint);
         if !admission.allowed() {
             (self.inner.hook)(&LlmEvent::Call { endpoint: call.endpoint, outcome: Err(ErrorKind::Unavailable), seconds: 0.0 });
@@ -2116,6 +2138,8 @@ struct Call<'a> {
     retry_timeouts: bool,
     /// The prefix key of its items, for the permit order.
     prefix_key: Option<u64>,
+    /// No attempt starts that could not end by then ([`LlmClient::infer_within`]).
+    deadline: Option<Instant>,
     /// Time its attempts waited for an endpoint permit, in microseconds (added up by
     /// [`LlmClient::attempt_through_breaker`]).
     permit_wait_us: AtomicU64,
@@ -2159,6 +2183,9 @@ fn is_model_refusal(status: Option<u16>) -> bool {
 /// How one attempt through the breaker went.
 enum Gate {
     Cancelled,
+    /// Less than `llm.request_timeout` was left before the call's deadline (its permit wait
+    /// included): not sent.
+    OutOfTime,
     /// The breaker did not let the call through.
     Closed(LlmError),
     Attempted(Result<Parsed, (LlmError, Option<Duration>)>),
@@ -3516,9 +3543,10 @@ mod tests {
         let client = LlmClient::new(&s).unwrap();
         let reqs: Vec<_> = (0..8).map(|i| (completion(&if i == 3 { format!("p{i} SLOW") } else { format!("p{i}") }), Map::new())).collect();
         let started = Instant::now();
-        // The budget of 4 attempts (as `Settings::llm_call_budget`, backoffs aside): the list's
+        // The time of 4 attempts (as `Settings::llm_call_budget`, backoffs aside): the list's
         // timeout and the slow prompt's leave room for the prompts behind it.
-        let results = client.infer_within(0, &items(&reqs), &CancellationToken::new(), Some(Duration::from_millis(1200))).await;
+        let deadline = Some(Instant::now() + Duration::from_millis(1200));
+        let results = client.infer_within(0, &items(&reqs), &CancellationToken::new(), deadline).await;
         let took = started.elapsed();
         for (i, r) in results.iter().enumerate() {
             match i {
@@ -3538,28 +3566,78 @@ mod tests {
         assert!(took < Duration::from_millis(1600), "took {took:?}: within the budget and one request timeout");
     }
 
-    /// Prompts sent one after the other (`llm.list_prompts = false`) behind slow ones: once a
-    /// call of the sequence timed out, a prompt whose call could not end within the budget is not
-    /// sent (the partition puts it back uncharged); a sequence whose calls do not time out is not
-    /// cut, however long it takes.
+    /// Prompts sent one after the other (`llm.list_prompts = false`) behind slow ones: a prompt
+    /// whose call could not end by the deadline is not sent (the partition puts it back
+    /// uncharged).
     #[tokio::test]
-    async fn a_sequence_slowed_by_timeouts_stops_at_its_budget() {
+    async fn a_sequence_slowed_by_timeouts_stops_at_its_deadline() {
         let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).start().await.unwrap();
         let mut s = settings(&fake.url);
         (s.request_timeout, s.max_attempts, s.list_prompts) = (Duration::from_millis(200), NonZeroU32::new(2).unwrap(), false);
         let client = LlmClient::new(&s).unwrap();
-        let budget = Some(Duration::from_millis(450));
+        let deadline = Some(Instant::now() + Duration::from_millis(450));
         let reqs: Vec<_> = ["a SLOW", "b SLOW", "c SLOW", "d"].iter().map(|p| (completion(p), Map::new())).collect();
-        let results = client.infer_within(0, &items(&reqs), &CancellationToken::new(), budget).await;
+        let results = client.infer_within(0, &items(&reqs), &CancellationToken::new(), deadline).await;
         let kinds: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.kind)).collect();
         assert_eq!(kinds, [Some(ErrorKind::Timeout), Some(ErrorKind::Timeout), Some(ErrorKind::Cancelled), Some(ErrorKind::Cancelled)]);
         assert!(results[3].as_ref().unwrap_err().message.starts_with("not sent"), "{:?}", results[3]);
         let slow = fake.calls().iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
         assert_eq!(slow, 2, "no timeout retried within the sequence, the third slow prompt not sent");
-        // Without timeouts the budget does not cut: 12 quick calls in a budget shorter than them.
+    }
+
+    /// The observed case: a sequence of prompts each answered well within `llm.request_timeout`
+    /// (1.5 s each, 8 of them, `llm.request_timeout = 4s`) outlasted the partition's
+    /// `amqp.consumer_timeout` guard, which returned all 8 charged, the answered ones with them.
+    /// Now no call starts that could not end by the deadline, timeouts or not: the prompts before
+    /// it are answered, the rest not sent.
+    #[tokio::test]
+    async fn a_sequence_of_slow_answers_stops_at_its_deadline_without_timeouts() {
+        let fake = FakeLlm::new().slow_prompts_containing("q", Duration::from_millis(100)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.list_prompts) = (Duration::from_millis(200), false);
+        let client = LlmClient::new(&s).unwrap();
         let quick: Vec<_> = (0..12).map(|i| (completion(&format!("q{i}")), Map::new())).collect();
-        let results = client.infer_within(0, &items(&quick), &CancellationToken::new(), Some(Duration::from_millis(1))).await;
-        assert!(results.iter().all(|r| r.is_ok()), "{results:?}");
+        let deadline = Some(Instant::now() + Duration::from_millis(500));
+        let results = client.infer_within(0, &items(&quick), &CancellationToken::new(), deadline).await;
+        let answered = results.iter().take_while(|r| r.is_ok()).count();
+        // Each call takes ≥ 100 ms and none starts after 300 ms: at most 4.
+        assert!((1..=4).contains(&answered), "{answered} answered: {results:?}");
+        for r in &results[answered..] {
+            let e = r.as_ref().unwrap_err();
+            assert!(e.kind == ErrorKind::Cancelled && e.message.starts_with("not sent"), "{e}");
+        }
+        assert_eq!(fake.calls().len(), answered, "the prompts not sent made no call");
+    }
+
+    /// A wait for an endpoint permit counts: a call whose permit came too late to end by the
+    /// deadline is not sent, in a sequence, a one-prompt call and a chat call alike.
+    #[tokio::test]
+    async fn a_call_whose_permit_comes_too_late_for_its_deadline_is_not_sent() {
+        let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts, s.max_concurrency) = (Duration::from_millis(400), NonZeroU32::new(1).unwrap(), NonZeroUsize::new(1).unwrap());
+        let client = LlmClient::new(&s).unwrap();
+        let slow = [(completion("SLOW"), Map::new())];
+        let waiting = [(completion("w1"), Map::new()), (completion("w2"), Map::new())];
+        let one = [(completion("one"), Map::new())];
+        let chat_one = [(chat("hello"), Map::new())];
+        let cancel = CancellationToken::new();
+        // The slow call holds the only permit for 400 ms; the others' calls may start until 100 ms.
+        let deadline = Some(Instant::now() + Duration::from_millis(500));
+        let (slow, waiting, one, chat_one) = (items(&slow), items(&waiting), items(&one), items(&chat_one));
+        let (held, seq, single, chatted) = tokio::join!(
+            client.infer(0, &slow, &cancel),
+            client.infer_within(0, &waiting, &cancel, deadline),
+            client.infer_within(0, &one, &cancel, deadline),
+            client.infer_within(0, &chat_one, &cancel, deadline),
+        );
+        assert_eq!(held[0].as_ref().unwrap_err().kind, ErrorKind::Timeout);
+        for r in seq.iter().chain(&single).chain(&chatted) {
+            let e = r.as_ref().unwrap_err();
+            assert!(e.kind == ErrorKind::Cancelled && e.message.starts_with("not sent"), "{e}");
+        }
+        let others = fake.calls().into_iter().filter(|c| c.prompts != [PROBE_PROMPT] && !c.prompts.iter().any(|p| p.contains("SLOW"))).count();
+        assert_eq!(others, 0, "a call not sent reached the server");
     }
 
     /// A server too slow for every real call but quick to answer the one-token probe (overloaded,

@@ -241,13 +241,14 @@ impl HeldDeliveries {
         split_queued_ms(enqueued_ms, self.consuming_since_ms.load(std::sync::atomic::Ordering::Relaxed), now_ms)
     }
 
-    fn hold(self: &Arc<Self>, bytes: OwnedSemaphorePermit) -> Held {
+    /// Holds a delivery received at `received`, with its `bytes` of the byte budget.
+    fn hold(self: &Arc<Self>, bytes: OwnedSemaphorePermit, received: Instant) -> Held {
         let mut s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         s.0 += 1;
         let seq = s.0;
-        s.1.insert(seq, (Instant::now(), None));
+        s.1.insert(seq, (received, None));
         metrics::unsettled_deliveries(self.partition, s.1.len());
-        Held { owner: self.clone(), seq, _bytes: bytes }
+        Held { owner: self.clone(), seq, received, _bytes: bytes }
     }
 
     /// When the oldest delivery still held was received.
@@ -280,6 +281,8 @@ impl HeldDeliveries {
 struct Held {
     owner: Arc<HeldDeliveries>,
     seq: u64,
+    /// When the delivery was received, before it waited for the byte budget.
+    received: Instant,
     _bytes: OwnedSemaphorePermit,
 }
 
@@ -871,6 +874,8 @@ enum Admission {
 /// Takes the delivery's bytes from the budget (waiting while it is spent), then parses it
 /// ([`accept`]).
 async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, dead_letters: &SharedConfirmChannel, delivery: Delivery, held: &Arc<HeldDeliveries>) -> Admission {
+    // The broker counts `consumer_timeout` from its delivery, so a wait for the byte budget counts.
+    let received = Instant::now();
     let budget = ctx.settings.batching.max_buffered_bytes.get().min(Semaphore::MAX_PERMITS);
     let bytes = u32::try_from(delivery.data.len().clamp(1, budget)).unwrap_or(u32::MAX);
     let permit = tokio::select! {
@@ -882,7 +887,7 @@ async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, dea
             None => return Admission::Settled,
         },
     };
-    match accept(ctx, dead_letters, delivery, held.hold(permit)).await {
+    match accept(ctx, dead_letters, delivery, held.hold(permit, received)).await {
         Some(pending) => Admission::Admitted(pending),
         None => Admission::Settled,
     }
@@ -998,7 +1003,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     // published straight to the partition queue, from its publish), while the partition consumed.
     let forwarded = publish_time_ms(header_u64(headers, HEADER_ROUTED_AT_MS), None, now).or(enqueued_unix_ms);
     let key = crate::splits::batch_key(s, ctx.partition, &req, headers, held.owner.split_queued_ms(forwarded, now));
-    Some(Pending { delivery, req, key, shard, received: Instant::now(), queued_ms, enqueued_unix_ms, _held: held })
+    Some(Pending { delivery, req, key, shard, received: held.received, queued_ms, enqueued_unix_ms, _held: held })
 }
 
 /// Runs one batch: LLM call, then per request: a confirmed result and its ack, or (server fault)
@@ -1236,12 +1241,12 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 /// fault may be one request's own (a prompt that crashes the server fails the list call it
 /// shares with others): several items that failed together go again once, one call each, so only
 /// the offender keeps its server fault (not for request timeouts: a list call that timed out
-/// already went again prompt by prompt). Prompts not sent because request timeouts used the
-/// batch's time for LLM calls ([`crate::config::Settings::llm_call_budget`],
-/// [`LlmClient::infer_within`]) get `None` too, and so do the items still waiting when, after the
-/// first round, waiting for an endpoint or another round of calls would keep them past
-/// `release_at` ([`release_at`]: before the `amqp.consumer_timeout` guard would return them
-/// charged). `None` when a stop signal or the session's end comes first.
+/// already went again prompt by prompt). Every call ends by `release_at` ([`release_at`]:
+/// before the `amqp.consumer_timeout` guard would return the requests charged): prompts not sent
+/// because the prompts before them, or the wait for an endpoint permit, used the time
+/// ([`LlmClient::infer_within`]) get `None` too, and so do the items still waiting when, after
+/// the first round, waiting for an endpoint or another round of calls would keep them past
+/// `release_at`. `None` when a stop signal or the session's end comes first.
 async fn infer_through_outages(
     ctx: &PartitionContext,
     items: &[InferenceItem<'_>],
@@ -1265,12 +1270,14 @@ async fn infer_through_outages(
             endpoint = wait_for_endpoint(ctx, stop, &end.token) => endpoint?,
             () = tokio::time::sleep_until(release_at), if !first => return Some(Outcomes::released(results, not_sent, todo, ctx.partition)),
         };
-        let Some(budget) = round_budget(&ctx.settings, first, release_at) else {
+        // A later round only with time for one whole call left; in the first, the calls check
+        // their own time ([`LlmClient::infer_within`]).
+        if !first && release_at.saturating_duration_since(Instant::now()) < ctx.settings.llm.request_timeout {
             return Some(Outcomes::released(results, not_sent, todo, ctx.partition));
-        };
+        }
         first = false;
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
-        let answers = call_round(ctx, endpoint, &call, one_by_one, budget, &end.token).await;
+        let answers = call_round(ctx, endpoint, &call, one_by_one, release_at, &end.token).await;
         if end.token.is_cancelled() {
             return None;
         }
@@ -1342,34 +1349,22 @@ fn sort_answers(
     again
 }
 
-/// The time for the LLM calls of a round of [`infer_through_outages`]: the batch's whole time
-/// ([`crate::config::Settings::llm_call_budget`]) for the first round; for a later one what is
-/// left until `release_at`, at most that, or `None` when less than one `llm.request_timeout` is
-/// left (the requests go back instead).
-fn round_budget(settings: &Settings, first: bool, release_at: Instant) -> Option<Duration> {
-    if first {
-        return Some(settings.llm_call_budget());
-    }
-    let left = release_at.saturating_duration_since(Instant::now());
-    (left >= settings.llm.request_timeout).then(|| left.min(settings.llm_call_budget()))
-}
-
-/// One round of calls for `call` on `endpoint`: one call per item when a possible offender is
-/// being isolated (`one_by_one`), else the batch's calls within `budget`
-/// ([`LlmClient::infer_within`]). One answer per item, in order.
+/// One round of calls for `call` on `endpoint`, each ending by `deadline`
+/// ([`LlmClient::infer_within`]): one call per item when a possible offender is being isolated
+/// (`one_by_one`), else the batch's calls. One answer per item, in order.
 async fn call_round(
     ctx: &PartitionContext,
     endpoint: usize,
     call: &[InferenceItem<'_>],
     one_by_one: bool,
-    budget: Duration,
+    deadline: Instant,
     cancel: &CancellationToken,
 ) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
     if one_by_one {
-        let calls = call.iter().map(|item| ctx.llm.infer(endpoint, std::slice::from_ref(item), cancel));
+        let calls = call.iter().map(|item| ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)));
         futures_util::future::join_all(calls).await.into_iter().flatten().collect()
     } else {
-        ctx.llm.infer_within(endpoint, call, cancel, Some(budget)).await
+        ctx.llm.infer_within(endpoint, call, cancel, Some(deadline)).await
     }
 }
 
@@ -1500,6 +1495,27 @@ mod tests {
 
     const WINDOW: Duration = Duration::from_secs(30);
     const FRESH: Duration = Duration::from_secs(3);
+
+    /// The guard counts a delivery's hold from its receipt, a wait for the byte budget included
+    /// (the broker's `consumer_timeout` counts from its delivery), and the requests it returns
+    /// remember why: the detail of a later `delivery_limit` dead letter names the guard.
+    #[tokio::test(start_paused = true)]
+    async fn the_consumer_timeout_guard_counts_from_receipt_and_names_itself() {
+        let held = HeldDeliveries::new(0);
+        let budget = Arc::new(Semaphore::new(8));
+        let received = Instant::now();
+        tokio::time::advance(Duration::from_secs(5)).await; // waiting for the byte budget
+        let h = held.hold(budget.clone().try_acquire_owned().unwrap(), received);
+        h.identify("guard-unit-1");
+        assert_eq!(held.oldest(), Some(received));
+        tokio::time::advance(Duration::from_secs(4)).await;
+        held.note_guard_return(Duration::from_secs(9));
+        let why = crate::redelivery::last_failure("guard-unit-1").unwrap_or_default();
+        assert!(why.contains("held 9.0 s") && why.contains("amqp.consumer_timeout guard"), "{why}");
+        drop(h);
+        assert_eq!(held.oldest(), None);
+        assert_eq!(budget.available_permits(), 8, "its bytes went back to the budget");
+    }
 
     fn seen(at: Instant, ready: u32, ready_since: Option<Instant>) -> Option<QueueObservation> {
         Some(QueueObservation { ready, at, ready_since })
