@@ -258,16 +258,21 @@ pub enum Link {
     Publish,
     /// The router's input consumer.
     Intake,
+    /// The router's checks of direct reply-to names ([`crate::reply_node`]), which a forged name
+    /// can make the broker close.
+    ReplyToCheck,
 }
 
 /// The client-provided name of an instance's connection (RabbitMQ shows it in its management
 /// UI and `rabbitmqctl list_connections`): `prefix-batcher {instance}` for [`Link::Consume`],
-/// `prefix-batcher {instance} publish` and `prefix-batcher {instance} intake` for the others.
+/// `prefix-batcher {instance} publish`, `prefix-batcher {instance} intake` and
+/// `prefix-batcher {instance} reply-to check` for the others.
 pub fn connection_name(instance: &str, link: Link) -> String {
     match link {
         Link::Consume => format!("prefix-batcher {instance}"),
         Link::Publish => format!("prefix-batcher {instance} publish"),
         Link::Intake => format!("prefix-batcher {instance} intake"),
+        Link::ReplyToCheck => format!("prefix-batcher {instance} reply-to check"),
     }
 }
 

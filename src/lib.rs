@@ -70,6 +70,7 @@ pub mod policy;
 pub mod publisher;
 pub mod readiness;
 pub mod redelivery;
+pub mod reply_node;
 pub mod request;
 pub mod router;
 pub mod splits;

@@ -486,11 +486,21 @@ fn check_direct_reply_to(reply_to: &str) -> Result<(), ParseError> {
     }
     use base64::Engine as _;
     let bytes = base64::engine::general_purpose::STANDARD.decode(pid).map_err(|e| refuse(&format!("the pid is not base64: {e}")))?;
-    check_encoded_pid(&bytes).map_err(|why| refuse(&format!("the pid {why}")))
+    check_encoded_pid(&bytes).map(|_| ()).map_err(|why| refuse(&format!("the pid {why}")))
 }
 
-/// Checks the external-term encoding of a pid as [`check_direct_reply_to`] describes it.
-fn check_encoded_pid(b: &[u8]) -> Result<(), &'static str> {
+/// The node (`{name}@{decimal hash}`) of a direct reply-to name of the form
+/// [`check_direct_reply_to`] accepts; `None` for another `reply_to`.
+pub fn direct_reply_to_node(reply_to: &str) -> Option<String> {
+    use base64::Engine as _;
+    let (pid, _) = reply_to.strip_prefix(DIRECT_REPLY_TO_PREFIX)?.split_once('.')?;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(pid).ok()?;
+    check_encoded_pid(&bytes).ok().map(str::to_owned)
+}
+
+/// Checks the external-term encoding of a pid as [`check_direct_reply_to`] describes it; returns
+/// its node name.
+fn check_encoded_pid(b: &[u8]) -> Result<&str, &'static str> {
     let (tail_len, rest) = match b {
         [131, 88, rest @ ..] => (12, rest),
         [131, 103, rest @ ..] => (9, rest),
@@ -510,7 +520,7 @@ fn check_encoded_pid(b: &[u8]) -> Result<(), &'static str> {
     if name.is_empty() || !hash_ok || node.chars().count() > 255 {
         return Err("has a node name that is not `{name}@{decimal hash}`");
     }
-    Ok(())
+    Ok(node)
 }
 
 /// The request id: the body's `id` (a non-empty string, or an integer from -2^63 to 2^64 − 1
@@ -783,7 +793,11 @@ mod tests {
             let e = parse(body, &env(bad), 1 << 20).expect_err(bad);
             assert_eq!(e.reason(), "invalid_field", "{bad}");
             assert!(e.to_string().contains("`reply_to`") && e.to_string().contains(why), "{bad}: {e}");
+            assert_eq!(direct_reply_to_node(bad), None, "{bad}");
         }
+        let issued = "amq.rabbitmq.reply-to.g1h2AA5yZXBseUA2ODc4MTMzNAAAcEoAAAAAaS8eQg==.+XcUtfbmSjGtgNrmdozD9w==";
+        assert_eq!(direct_reply_to_node(issued).as_deref(), Some("reply@68781334"));
+        assert_eq!(direct_reply_to_node("replies"), None);
     }
 
     #[test]

@@ -28,15 +28,16 @@ fn rabbitmqctl(args: &[&str]) -> std::process::Output {
         .expect("rabbitmqctl (scripts/services installs RabbitMQ)")
 }
 
-/// The broker's process ids of the AMQP connections of daemon `instance` (named
-/// `prefix-batcher {instance}`, `prefix-batcher {instance} publish` and `… intake`).
+/// The broker's process ids of the session connections of daemon `instance` (named
+/// `prefix-batcher {instance}`, `prefix-batcher {instance} publish` and `… intake`; not the
+/// router's `… reply-to check` connection, which a check may close and open again).
 fn daemon_connections(instance: &str) -> BTreeSet<String> {
     let out = rabbitmqctl(&["-q", "list_connections", "--no-table-headers", "pid", "client_properties"]);
     assert!(out.status.success(), "rabbitmqctl list_connections: {}", String::from_utf8_lossy(&out.stderr));
     let needle = format!("prefix-batcher {instance}");
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter(|l| l.contains(&needle))
+        .filter(|l| l.contains(&needle) && !l.contains("reply-to check"))
         .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
         .collect()
 }
@@ -273,6 +274,61 @@ async fn malformed_direct_reply_to_names_are_dead_lettered_without_a_reconnect()
     }
     assert_eq!(f.dead.received.len(), cases.len(), "one dead letter each");
     f.finish().await;
+}
+
+/// A direct reply-to name of the form RabbitMQ issues whose node hash names no node of the
+/// cluster (a real name with the last digit of its hash changed): RabbitMQ 3.10.8 crashes the
+/// channel that publishes to it and closes the connection (`INTERNAL_ERROR`), so its result
+/// restarted the session at each delivery (observed: 3 reconnects, the request dead-lettered
+/// `delivery_limit` 12 s later, an innocent batch-mate answered twice and dead-lettered too).
+/// Now the router asks the broker on a connection of its own first: both requests of the forged
+/// node are dead-lettered `invalid_field` naming `reply_to`, a request of the real requester is
+/// answered on its channel, and the daemon keeps its session connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_direct_reply_to_name_of_no_cluster_node_is_dead_lettered_without_a_reconnect() {
+    use base64::Engine as _;
+    use futures_util::StreamExt;
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut f = fixture("drnode", fake.url.as_str()).await;
+    let (ch, mut replies) = direct_reply_to_requester(&f.started.amqp.conn, "drnode").await;
+    // The name the broker gives this requester, read from a request in a queue of the test's.
+    let probe = format!("{}.probe", f.env.name);
+    let amqp = &f.started.amqp;
+    amqp.ch.queue_declare(probe.as_str().into(), QueueDeclareOptions { exclusive: true, ..Default::default() }, FieldTable::default()).await.unwrap();
+    ch.basic_publish("".into(), probe.as_str().into(), Default::default(), b"probe", request_props("probe", "amq.rabbitmq.reply-to")).await.unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    let real = loop {
+        if let Some(m) = amqp.ch.basic_get(probe.as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap() {
+            break m.properties.reply_to().as_ref().unwrap().as_str().to_owned();
+        }
+        assert!(Instant::now() < deadline, "the probe never arrived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (pid, key) = real["amq.rabbitmq.reply-to.".len()..].split_once('.').unwrap();
+    let mut bytes = base64::engine::general_purpose::STANDARD.decode(pid).unwrap();
+    let hash_end = bytes.iter().position(|&b| b == b'@').unwrap() + 1 + bytes.iter().skip_while(|&&b| b != b'@').skip(1).take_while(|b| b.is_ascii_digit()).count();
+    bytes[hash_end - 1] = if bytes[hash_end - 1] == b'0' { b'1' } else { b'0' };
+    let forged = format!("amq.rabbitmq.reply-to.{}.{key}", base64::engine::general_purpose::STANDARD.encode(&bytes));
+    assert_ne!(forged, real);
+    for cid in ["drnode-forged-1", "drnode-forged-2"] {
+        let body = serde_json::to_vec(&json!({"id": cid, "prompt": "direct reply-to node test"})).unwrap();
+        amqp.publish(&f.env.input_queue(), &body, request_props(cid, &forged)).await;
+    }
+    publish_direct(&ch, &f.env.input_queue(), "drnode-real").await;
+    let d = tokio::time::timeout(DEADLINE, replies.next()).await.expect("the real requester's result").expect("a delivery").unwrap();
+    let result: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
+    assert_eq!((result["id"].as_str(), result["ok"].as_bool()), (Some("drnode-real"), Some(true)), "{result}");
+    f.serves_others("drnode", 20).await;
+    f.dead.until("the dead letters of the forged node", DEADLINE, |r| r.len() >= 2).await;
+    for cid in ["drnode-forged-1", "drnode-forged-2"] {
+        let m = dead_letter(&f.dead, cid);
+        assert_eq!(m.header("x-death-reason"), Some("invalid_field"), "{cid}: {:?}", m.headers);
+        let detail = m.header("x-death-detail").unwrap_or_default();
+        assert!(detail.contains("`reply_to`") && detail.contains("cannot decode"), "{cid}: {detail}");
+    }
+    assert_eq!(f.dead.received.len(), 2, "one dead letter each");
+    f.finish().await;
+    let _ = ch.close(200, "done".into()).await;
 }
 
 /// Headers that leave no room in one frame for what the daemon adds: RabbitMQ takes a message's

@@ -1,0 +1,163 @@
+//! Whether RabbitMQ can decode the node of a direct reply-to name, checked before a request is
+//! routed.
+//!
+//! A direct reply-to name (`amq.rabbitmq.reply-to.{pid}.{key}`,
+//! [`crate::request::DIRECT_REPLY_TO_PREFIX`]) carries the requester's Erlang pid, whose node is
+//! written `{name}@{decimal hash}`. RabbitMQ 3.10 looks that hash up among the cluster's nodes when
+//! a message is published to the name or the name is declared passively, and a hash of no node
+//! crashes the channel (observed on 3.10.8: `{case_clause,error}` in
+//! `rabbit_channel:deliver_reply/2`); RabbitMQ then closes the whole connection with
+//! `INTERNAL_ERROR` (541). A request carrying such a name, which passes every check of its form
+//! ([`crate::request`]), would close the daemon's publishing connection at each delivery of its
+//! result: every partition of the instance restarts its session, the requests in flight are
+//! answered again or charged, until `amqp.delivery_limit` dead-letters it.
+//!
+//! So the router asks the broker first, on a connection of its own that nothing else uses: a
+//! passive `queue.declare` of the name ([`NodeCheck::check`]). An answer, `declare-ok` or 404
+//! `NOT_FOUND` (the requester has gone), shows that the node decodes; the connection closed with
+//! `INTERNAL_ERROR` shows that it does not, and the request is dead-lettered with
+//! `invalid_field`. The crash depends on the node alone (a pid of a process that does not exist
+//! on a known node is answered 404), so a verdict holds for every name of that node: checks run
+//! once per node and process, one at a time so that a crash is the check's own, and cost nothing
+//! once the nodes of the cluster are known. A node found undecodable is asked again after
+//! [`UNDECODABLE_FOR`] (a node may join the cluster). When the broker does not answer, the
+//! request is routed as before: the check protects the sessions, it does not hold up intake.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use lapin::Connection;
+use tokio::time::Instant;
+
+use crate::amqp::{connect_link, Link};
+use crate::config::Settings;
+
+/// How long a node found undecodable stays so before it is asked again.
+pub const UNDECODABLE_FOR: Duration = Duration::from_secs(60);
+
+/// Nodes remembered at most (a cluster has a few; forged names may name many more): when full, the
+/// verdicts are forgotten and asked again.
+const MAX_NODES: usize = 256;
+
+/// AMQP 0-9-1 reply code 541 `INTERNAL_ERROR`: RabbitMQ's `connection.close` after a channel
+/// process crashed.
+pub const INTERNAL_ERROR: u16 = 541;
+
+/// What the broker made of a direct reply-to name's node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// The broker answered a passive declare of a name of this node.
+    Decodable,
+    /// The broker closed the checking connection with `INTERNAL_ERROR`: the name must not reach
+    /// the publishing connection.
+    Undecodable,
+    /// No verdict (no connection, no answer in time, another error): the request goes on.
+    Unchecked(String),
+}
+
+/// The verdicts of this process, by node name (`{name}@{hash}`): `true` decodable; `false`
+/// undecodable, until the instant given.
+static VERDICTS: Mutex<Option<HashMap<String, (bool, Instant)>>> = Mutex::new(None);
+
+fn remembered(node: &str) -> Option<Verdict> {
+    let v = VERDICTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    match v.as_ref()?.get(node)? {
+        (true, _) => Some(Verdict::Decodable),
+        (false, until) if Instant::now() < *until => Some(Verdict::Undecodable),
+        (false, _) => None,
+    }
+}
+
+fn remember(node: &str, decodable: bool) {
+    let mut v = VERDICTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let map = v.get_or_insert_with(HashMap::new);
+    if map.len() >= MAX_NODES && !map.contains_key(node) {
+        map.clear();
+    }
+    map.insert(node.to_owned(), (decodable, Instant::now() + UNDECODABLE_FOR));
+}
+
+/// The checks of one session: its own connection to the session's broker node, opened at the
+/// first name of a node not known yet and opened again after a check closed it.
+pub struct NodeCheck {
+    settings: Arc<Settings>,
+    node: usize,
+    /// The checking connection; held for the whole of a check, so checks run one at a time.
+    conn: tokio::sync::Mutex<Option<Connection>>,
+}
+
+impl NodeCheck {
+    /// Checks for the session connected to node `node` (index in
+    /// [`crate::config::AmqpSettings::nodes`]); connects only when a check needs it.
+    pub fn new(settings: Arc<Settings>, node: usize) -> Self {
+        NodeCheck { settings, node, conn: tokio::sync::Mutex::new(None) }
+    }
+
+    /// The verdict on `reply_to`'s node `node` (from [`crate::request::direct_reply_to_node`]):
+    /// remembered, or asked of the broker with a passive declare of `reply_to` within
+    /// `amqp.confirm_timeout`.
+    pub async fn check(&self, reply_to: &str, node: &str) -> Verdict {
+        if let Some(v) = remembered(node) {
+            return v;
+        }
+        let mut conn = self.conn.lock().await;
+        // Another delivery's check may have answered meanwhile.
+        if let Some(v) = remembered(node) {
+            return v;
+        }
+        let limit = self.settings.amqp.confirm_timeout;
+        let verdict = match tokio::time::timeout(limit, self.ask(&mut conn, reply_to)).await {
+            Ok(v) => v,
+            Err(_) => Verdict::Unchecked(format!("no answer within amqp.confirm_timeout ({limit:?})")),
+        };
+        match &verdict {
+            Verdict::Decodable => remember(node, true),
+            Verdict::Undecodable => remember(node, false),
+            Verdict::Unchecked(_) => {}
+        }
+        if conn.as_ref().is_some_and(|c| !c.status().connected()) {
+            *conn = None;
+        }
+        verdict
+    }
+
+    /// One passive declare of `name` on a disposable channel of the checking connection.
+    async fn ask(&self, conn: &mut Option<Connection>, name: &str) -> Verdict {
+        if conn.as_ref().is_none_or(|c| !c.status().connected()) {
+            match connect_link(&self.settings.amqp, self.node, &self.settings.instance_name, Link::ReplyToCheck).await {
+                Ok(c) => *conn = Some(c),
+                Err(e) => return Verdict::Unchecked(format!("cannot connect: {e}")),
+            }
+        }
+        let Some(c) = conn.as_ref() else { return Verdict::Unchecked("no connection".to_owned()) };
+        let ch = match c.create_channel().await {
+            Ok(ch) => ch,
+            Err(e) => return Verdict::Unchecked(format!("cannot open a channel: {e}")),
+        };
+        let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+        match ch.queue_declare(name.into(), passive, FieldTable::default()).await {
+            Ok(_) => {
+                let _ = ch.close(crate::amqp::REPLY_SUCCESS, "direct reply-to node check".into()).await;
+                Verdict::Decodable
+            }
+            Err(e) if crate::amqp::reply_code(&e) == Some(crate::amqp::NOT_FOUND) => Verdict::Decodable,
+            Err(e) if crate::amqp::reply_code(&e) == Some(INTERNAL_ERROR) => Verdict::Undecodable,
+            Err(e) => {
+                tracing::debug!(error = ?e, connected = c.status().connected(), "direct reply-to node check failed");
+                Verdict::Unchecked(e.to_string())
+            }
+        }
+    }
+
+    /// Closes the checking connection, if open.
+    pub async fn close(&self) {
+        if let Some(c) = self.conn.lock().await.take() {
+            if c.status().connected() {
+                let _ = crate::amqp::close_connection(&c, "router stopped").await;
+            }
+        }
+    }
+}
