@@ -744,7 +744,7 @@ fn oversized_properties(props: &BasicProperties) -> Option<Refusal> {
 pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &Delivery, source: redelivery::Source) -> Result<Request, Refusal> {
     let props = &delivery.properties;
     // At intake only: a forward carries the router's headers too, which the reserve allows for.
-    if let Some(refusal) = oversized_properties(props).filter(|_| source == redelivery::Source::Input) {
+    if let Some(refusal) = (source == redelivery::Source::Input).then(|| oversized_properties(props)).flatten() {
         return Err(refusal);
     }
     let prefix_header = prefix_key_header(props.headers().as_ref());
