@@ -161,3 +161,26 @@ impl NodeCheck {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A decodable node is remembered for good; an undecodable one for [`UNDECODABLE_FOR`], then
+    /// asked again; past [`MAX_NODES`] nodes the verdicts are forgotten.
+    #[tokio::test(start_paused = true)]
+    async fn verdicts_are_kept_per_node_and_a_refusal_expires() {
+        remember("good-unit@1", true);
+        remember("bad-unit@2", false);
+        assert_eq!(remembered("good-unit@1"), Some(Verdict::Decodable));
+        assert_eq!(remembered("bad-unit@2"), Some(Verdict::Undecodable));
+        assert_eq!(remembered("unseen-unit@3"), None);
+        tokio::time::advance(UNDECODABLE_FOR + Duration::from_millis(1)).await;
+        assert_eq!(remembered("good-unit@1"), Some(Verdict::Decodable));
+        assert_eq!(remembered("bad-unit@2"), None, "asked again after UNDECODABLE_FOR");
+        for i in 0..MAX_NODES {
+            remember(&format!("many-unit@{i}"), false);
+        }
+        assert_eq!(remembered("good-unit@1"), None, "forgotten once the table was full");
+    }
+}
