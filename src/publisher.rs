@@ -371,7 +371,7 @@ async fn returned_destination(
     }
     // A direct reply-to result is returned whether or not it was delivered: present requester,
     // delivered; gone, `gone` as in `publish_result`; no answer from the check, `unroutable`.
-    let mut refused = "unroutable";
+    let mut refused = REFUSED_UNROUTABLE;
     if is_direct_reply_to(routing_key) {
         match direct_reply_to_present(conn, routing_key, amqp.confirm_timeout).await {
             Ok(true) => return None,
@@ -951,8 +951,18 @@ pub const HEADER_REPLY_TO: &str = "x-reply-to";
 /// (its channel closed or its reply consumer cancelled) when the result was published.
 pub const REFUSED_GONE: &str = "gone";
 
+/// `x-reply-to-refused` of a result the broker nacked ([`refusal_reason`]).
+pub const REFUSED_NACKED: &str = "nacked";
+
+/// `x-reply-to-refused` of a result the broker returned: no queue took it ([`refusal_reason`]).
+pub const REFUSED_UNROUTABLE: &str = "unroutable";
+
+/// `x-reply-to-refused` of a result the broker did not confirm within `amqp.confirm_timeout`
+/// ([`refusal_reason`]).
+pub const REFUSED_TIMEOUT: &str = "timeout";
+
 /// Every `x-reply-to-refused` value: [`refusal_reason`]'s and [`REFUSED_GONE`].
-pub const REPLY_REFUSALS: &[&str] = &["nacked", "unroutable", "timeout", REFUSED_GONE];
+pub const REPLY_REFUSALS: &[&str] = &[REFUSED_NACKED, REFUSED_UNROUTABLE, REFUSED_TIMEOUT, REFUSED_GONE];
 
 pub use crate::request::DIRECT_REPLY_TO_PREFIX;
 
@@ -1036,9 +1046,9 @@ pub struct HoldEnds<'a> {
 /// another queue would meet too.
 pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
     match e {
-        PublishError::Nacked => Some("nacked"),
-        PublishError::Unroutable { .. } => Some("unroutable"),
-        PublishError::Timeout(_) => Some("timeout"),
+        PublishError::Nacked => Some(REFUSED_NACKED),
+        PublishError::Unroutable { .. } => Some(REFUSED_UNROUTABLE),
+        PublishError::Timeout(_) => Some(REFUSED_TIMEOUT),
         PublishError::Amqp(_) | PublishError::AfterFailed => None,
     }
 }
