@@ -625,13 +625,15 @@ impl App {
             AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.publish, metrics::connection::PUBLISH, self.readiness.clone(), publish_error))),
         ];
         let session = work.child_token();
+        // The session's checks of direct reply-to nodes, on a connection of their own.
+        let reply_nodes = Arc::new(crate::reply_node::NodeCheck::new(self.settings.clone(), node));
         let mut router: RouterTask = {
-            let (conns, settings, token) = (conns.clone(), self.settings.clone(), session.child_token());
-            tokio::spawn(async move { crate::router::run(&conns, settings, token).await })
+            let (conns, settings, token, checks) = (conns.clone(), self.settings.clone(), session.child_token(), reply_nodes.clone());
+            tokio::spawn(async move { crate::router::run(&conns, settings, token, checks).await })
         };
         let mut backlog = tokio::spawn(poll_backlog(conns.consume.clone(), self.settings.clone(), session.child_token()));
         tokio::spawn(crate::splits::run(self.settings.clone(), redis.clone(), session.child_token()));
-        let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone(), self.readiness.clone());
+        let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone(), self.readiness.clone(), reply_nodes.clone());
         let (redis_tx, mut redis_rx) = mpsc::unbounded_channel::<bool>();
         let phase = {
             let mut own_fut = pin!(own.run(conns.clone(), session.child_token(), move |ok| {
@@ -643,6 +645,7 @@ impl App {
             }
         };
         session.cancel();
+        reply_nodes.close().await;
         match phase {
             Phase::Drained(Drain::Finished) => {
                 info!("drained; bye");

@@ -92,6 +92,8 @@ const REPEAT_WARNING_EVERY: Duration = Duration::from_secs(60);
 /// The ownership manager of one session (one AMQP connection).
 pub struct Ownership {
     settings: Arc<Settings>,
+    /// The session's checks of direct reply-to nodes, for its partitions ([`crate::reply_node`]).
+    reply_nodes: Arc<crate::reply_node::NodeCheck>,
     membership: Membership,
     leases: Leases,
     llm: LlmClient,
@@ -166,7 +168,7 @@ pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], h
 
 impl Ownership {
     /// `nonce` is this process's boot nonce.
-    pub fn new(settings: Arc<Settings>, redis: RedisConn, nonce: String, llm: LlmClient, readiness: Readiness) -> Self {
+    pub fn new(settings: Arc<Settings>, redis: RedisConn, nonce: String, llm: LlmClient, readiness: Readiness, reply_nodes: Arc<crate::reply_node::NodeCheck>) -> Self {
         let holder = format!("{}:{}", settings.instance_name, nonce);
         let (prefix, timeout) = (&settings.redis.key_prefix, settings.redis.command_timeout);
         let leases = Leases::new(redis.clone(), prefix, holder, settings.ownership.lease_ttl, timeout);
@@ -176,6 +178,7 @@ impl Ownership {
         let client_certificates =
             settings.tls_links().into_iter().filter_map(|(link, f)| Some((link, f.client.as_ref()?.expires_at?))).collect();
         Ownership {
+            reply_nodes,
             client_certificates,
             buffer_budget: partition::BufferBudget::new(&settings),
             settings,
@@ -593,6 +596,7 @@ impl Ownership {
             llm: self.llm.clone(),
             lease: clock.clone(),
             buffer_budget: self.buffer_budget.clone(),
+            reply_nodes: self.reply_nodes.clone(),
         };
         let conns = conns.clone();
         let worker_stop = stop.clone();

@@ -121,6 +121,9 @@ pub struct PartitionContext {
     pub lease: Arc<LeaseClock>,
     /// The instance's budget of buffered request bytes, shared by all its partitions.
     pub buffer_budget: BufferBudget,
+    /// The session's checks of direct reply-to nodes ([`crate::reply_node`]): a request published
+    /// straight to the partition queue did not pass the router's.
+    pub reply_nodes: Arc<crate::reply_node::NodeCheck>,
 }
 
 /// The instance's budget of buffered request bytes (`batching.max_buffered_bytes`), shared by all
@@ -965,7 +968,14 @@ async fn guarded_batch(
 async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
     let mut reason = "";
-    let intake = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, Source::Partition) {
+    let checked = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, Source::Partition) {
+        Ok(req) => match ctx.reply_nodes.refusal(delivery.properties.reply_to().as_ref().map(|r| r.as_str()), &req.id).await {
+            None => Ok(req),
+            Some(e) => Err(publisher::Refusal { reason: e.reason(), detail: e.to_string(), request_id: Some(req.id) }),
+        },
+        Err(r) => Err(r),
+    };
+    let intake = match checked {
         Ok(req) => Intake::Valid(req, delivery),
         Err(r) => {
             reason = r.reason;

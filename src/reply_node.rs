@@ -34,6 +34,10 @@ use tokio::time::Instant;
 
 use crate::amqp::{connect_link, Link};
 use crate::config::Settings;
+use crate::request::ParseError;
+
+/// Bounds the lines of [`NodeCheck::refusal`].
+static CHECK_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
 /// How long a node found undecodable stays so before it is asked again.
 pub const UNDECODABLE_FOR: Duration = Duration::from_secs(60);
@@ -108,11 +112,7 @@ impl NodeCheck {
         if let Some(v) = remembered(node) {
             return v;
         }
-        let limit = self.settings.amqp.confirm_timeout;
-        let verdict = match tokio::time::timeout(limit, self.ask(&mut conn, reply_to)).await {
-            Ok(v) => v,
-            Err(_) => Verdict::Unchecked(format!("no answer within amqp.confirm_timeout ({limit:?})")),
-        };
+        let verdict = self.ask(&mut conn, reply_to).await;
         match &verdict {
             Verdict::Decodable => remember(node, true),
             Verdict::Undecodable => remember(node, false),
@@ -124,7 +124,9 @@ impl NodeCheck {
         verdict
     }
 
-    /// One passive declare of `name` on a disposable channel of the checking connection.
+    /// One passive declare of `name` on a disposable channel of the checking connection, which is
+    /// opened first when needed (within the URL's `connection_timeout`,
+    /// [`crate::amqp::connect_node`]); the channel and the declare get `amqp.confirm_timeout`.
     async fn ask(&self, conn: &mut Option<Connection>, name: &str) -> Verdict {
         if conn.as_ref().is_none_or(|c| !c.status().connected()) {
             match connect_link(&self.settings.amqp, self.node, &self.settings.instance_name, Link::ReplyToCheck).await {
@@ -133,6 +135,14 @@ impl NodeCheck {
             }
         }
         let Some(c) = conn.as_ref() else { return Verdict::Unchecked("no connection".to_owned()) };
+        let limit = self.settings.amqp.confirm_timeout;
+        match tokio::time::timeout(limit, Self::declare(c, name)).await {
+            Ok(v) => v,
+            Err(_) => Verdict::Unchecked(format!("no answer within amqp.confirm_timeout ({limit:?})")),
+        }
+    }
+
+    async fn declare(c: &Connection, name: &str) -> Verdict {
         let ch = match c.create_channel().await {
             Ok(ch) => ch,
             Err(e) => return Verdict::Unchecked(format!("cannot open a channel: {e}")),
@@ -148,6 +158,31 @@ impl NodeCheck {
             Err(e) => {
                 tracing::debug!(error = ?e, connected = c.status().connected(), "direct reply-to node check failed");
                 Verdict::Unchecked(e.to_string())
+            }
+        }
+    }
+
+    /// Why a request whose `reply_to` is `reply_to` must be dead-lettered (`invalid_field`): its
+    /// direct reply-to node is one the broker cannot decode ([`Self::check`]). `None` for any
+    /// other `reply_to`, and when the check gets no verdict (logged: the request goes on).
+    pub async fn refusal(&self, reply_to: Option<&str>, request_id: &str) -> Option<ParseError> {
+        let reply_to = reply_to?;
+        let node = crate::request::direct_reply_to_node(reply_to)?;
+        match self.check(reply_to, &node).await {
+            Verdict::Decodable => None,
+            Verdict::Unchecked(why) => {
+                crate::warn_limited!(CHECK_LOG, request_id = %request_id, node = %node, error = %why, "could not check the node of a direct reply-to name; going on with the request");
+                None
+            }
+            Verdict::Undecodable => {
+                crate::warn_limited!(CHECK_LOG, request_id = %request_id, node = %node, "a direct reply-to name names a node this cluster cannot decode; dead-lettering the request");
+                Some(ParseError::InvalidField {
+                    field: "reply_to",
+                    detail: format!(
+                        "names node {node:?}, which this RabbitMQ cluster cannot decode (it closed a connection with INTERNAL_ERROR when asked for the name): \
+                         a direct reply-to name must be taken unchanged from the reply_to RabbitMQ sets on a request published with reply_to \"amq.rabbitmq.reply-to\""
+                    ),
+                })
             }
         }
     }

@@ -111,10 +111,9 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 /// around it are charged once. The publishing channel is reopened by the next delivery that
 /// needs it. Only a failed consuming or publishing connection (or an intake channel that cannot
 /// be opened on a live connection) ends the router, and with it the session.
-pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken) -> Result<(), lapin::Error> {
+pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken, reply_nodes: Arc<crate::reply_node::NodeCheck>) -> Result<(), lapin::Error> {
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
-    let reply_nodes = crate::reply_node::NodeCheck::new(settings.clone(), conns.node);
     let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes });
     let tag = format!("router-{}", settings.instance_name);
     let a = &settings.amqp;
@@ -182,7 +181,6 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     };
     while inflight.join_next().await.is_some() {}
     publish.shared.close("router stopped").await;
-    publish.reply_nodes.close().await;
     info!("router stopped");
     result
 }
@@ -294,7 +292,7 @@ struct PublishChannel {
     /// Cancelled when a delivery found the publishing connection itself closed.
     lost: CancellationToken,
     /// Whether the broker can decode the node of a direct reply-to name ([`crate::reply_node`]).
-    reply_nodes: crate::reply_node::NodeCheck,
+    reply_nodes: Arc<crate::reply_node::NodeCheck>,
 }
 
 impl PublishChannel {
@@ -377,7 +375,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         Intake::Unacked(delivery) => return requeue_after_backoff(a, delivery, stop).await,
     };
     let _ = request_id.set(req.id.clone());
-    let Some(delivery) = refuse_undecodable_reply_to(publish, a, delivery, &req.id, stop).await else { return };
+    if let Some(e) = publish.reply_nodes.refusal(delivery.properties.reply_to().as_ref().map(|r| r.as_str()), &req.id).await {
+        if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&req.id), e.reason(), &e.to_string(), None).await {
+            requeue_after_backoff(a, delivery, stop).await;
+        }
+        return;
+    }
     let r = route(&req, settings);
     // The material is the request's own text: logged quoted and escaped (`?`), so a line break or
     // a control character in a prompt cannot start what looks like another log line.
@@ -402,38 +405,6 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     }
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
 }
-
-/// Dead-letters (`invalid_field`) a request whose direct reply-to name has a node the broker
-/// cannot decode ([`crate::reply_node`]): publishing its result would close the session's
-/// publishing connection. `None` when it was dead-lettered (or requeued after its dead letter
-/// failed); else the delivery, to route.
-async fn refuse_undecodable_reply_to(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, id: &str, stop: &CancellationToken) -> Option<Delivery> {
-    let reply_to = delivery.properties.reply_to().as_ref().map(|r| r.as_str().to_owned()).unwrap_or_default();
-    let Some(node) = crate::request::direct_reply_to_node(&reply_to) else { return Some(delivery) };
-    match publish.reply_nodes.check(&reply_to, &node).await {
-        crate::reply_node::Verdict::Decodable => return Some(delivery),
-        crate::reply_node::Verdict::Unchecked(why) => {
-            crate::warn_limited!(REPLY_NODE_LOG, request_id = %id, node = %node, error = %why, "could not check the node of a direct reply-to name; routing the request");
-            return Some(delivery);
-        }
-        crate::reply_node::Verdict::Undecodable => {}
-    }
-    let e = ParseError::InvalidField {
-        field: "reply_to",
-        detail: format!(
-            "names node {node:?}, which this RabbitMQ cluster cannot decode (it closed a connection with INTERNAL_ERROR when asked for the name): \
-             a direct reply-to name must be taken unchanged from the reply_to RabbitMQ sets on a request published with reply_to \"amq.rabbitmq.reply-to\""
-        ),
-    };
-    crate::warn_limited!(REPLY_NODE_LOG, request_id = %id, node = %node, "a direct reply-to name names a node this cluster cannot decode; dead-lettering the request");
-    if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(id), e.reason(), &e.to_string(), None).await {
-        requeue_after_backoff(a, delivery, stop).await;
-    }
-    None
-}
-
-/// Bounds the lines of [`refuse_undecodable_reply_to`].
-static REPLY_NODE_LOG: LogLimit = LogLimit::new();
 
 /// How [`forward`] ended.
 enum ForwardEnd {
