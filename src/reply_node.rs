@@ -91,13 +91,15 @@ pub struct NodeCheck {
     node: usize,
     /// The checking connection; held for the whole of a check, so checks run one at a time.
     conn: tokio::sync::Mutex<Option<Connection>>,
+    /// Set by [`Self::close`]: no connection is opened any more.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl NodeCheck {
     /// Checks for the session connected to node `node` (index in
     /// [`crate::config::AmqpSettings::nodes`]); connects only when a check needs it.
     pub fn new(settings: Arc<Settings>, node: usize) -> Self {
-        NodeCheck { settings, node, conn: tokio::sync::Mutex::new(None) }
+        NodeCheck { settings, node, conn: tokio::sync::Mutex::new(None), closed: Default::default() }
     }
 
     /// The verdict on `reply_to`'s node `node` (from [`crate::request::direct_reply_to_node`]):
@@ -129,6 +131,9 @@ impl NodeCheck {
     /// [`crate::amqp::connect_node`]); the channel and the declare get `amqp.confirm_timeout`.
     async fn ask(&self, conn: &mut Option<Connection>, name: &str) -> Verdict {
         if conn.as_ref().is_none_or(|c| !c.status().connected()) {
+            if self.closed.load(std::sync::atomic::Ordering::Relaxed) {
+                return Verdict::Unchecked("the session has ended".to_owned());
+            }
             match connect_link(&self.settings.amqp, self.node, &self.settings.instance_name, Link::ReplyToCheck).await {
                 Ok(c) => *conn = Some(c),
                 Err(e) => return Verdict::Unchecked(format!("cannot connect: {e}")),
@@ -187,8 +192,9 @@ impl NodeCheck {
         }
     }
 
-    /// Closes the checking connection, if open.
+    /// Closes the checking connection, if open; later checks open none (the session has ended).
     pub async fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::Relaxed);
         if let Some(c) = self.conn.lock().await.take() {
             if c.status().connected() {
                 let _ = crate::amqp::close_connection(&c, "router stopped").await;
