@@ -27,6 +27,9 @@ pub const PRECONDITION_FAILED: u16 = 406;
 /// AMQP 0-9-1 reply code 403 `ACCESS_REFUSED`: a login refused at `connection.open` (wrong user or
 /// password), or an operation the user has no permission for.
 pub const ACCESS_REFUSED: u16 = 403;
+/// AMQP 0-9-1 reply code 541 `INTERNAL_ERROR`: RabbitMQ's `connection.close` after a channel
+/// process crashed (e.g. on a direct reply-to name it cannot decode, [`crate::reply_node`]).
+pub const INTERNAL_ERROR: u16 = 541;
 /// AMQP 0-9-1 reply code 530 `NOT_ALLOWED`: RabbitMQ's answer to a `connection.open` for a vhost
 /// that does not exist or that the user may not use.
 pub const NOT_ALLOWED: u16 = 530;

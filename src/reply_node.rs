@@ -27,13 +27,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use lapin::Connection;
 use tokio::time::Instant;
 
 use crate::amqp::{connect_link, Link};
 use crate::config::Settings;
+use crate::publisher::{direct_reply_to_present, PublishError};
 use crate::request::ParseError;
 
 /// Bounds the lines of [`NodeCheck::refusal`].
@@ -45,10 +44,6 @@ pub const UNDECODABLE_FOR: Duration = Duration::from_secs(60);
 /// Nodes remembered at most (a cluster has a few; forged names may name many more): when full, the
 /// verdicts are forgotten and asked again.
 const MAX_NODES: usize = 256;
-
-/// AMQP 0-9-1 reply code 541 `INTERNAL_ERROR`: RabbitMQ's `connection.close` after a channel
-/// process crashed.
-pub const INTERNAL_ERROR: u16 = 541;
 
 /// What the broker made of a direct reply-to name's node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,9 +121,9 @@ impl NodeCheck {
         verdict
     }
 
-    /// One passive declare of `name` on a disposable channel of the checking connection, which is
-    /// opened first when needed (within the URL's `connection_timeout`,
-    /// [`crate::amqp::connect_node`]); the channel and the declare get `amqp.confirm_timeout`.
+    /// One passive declare of `name` on a disposable channel of the checking connection
+    /// ([`direct_reply_to_present`], within `amqp.confirm_timeout`), which is opened first when
+    /// needed (within the URL's `connection_timeout`, [`crate::amqp::connect_node`]).
     async fn ask(&self, conn: &mut Option<Connection>, name: &str) -> Verdict {
         if conn.as_ref().is_none_or(|c| !c.status().connected()) {
             if self.closed.load(std::sync::atomic::Ordering::Relaxed) {
@@ -140,30 +135,11 @@ impl NodeCheck {
             }
         }
         let Some(c) = conn.as_ref() else { return Verdict::Unchecked("no connection".to_owned()) };
-        let limit = self.settings.amqp.confirm_timeout;
-        match tokio::time::timeout(limit, Self::declare(c, name)).await {
-            Ok(v) => v,
-            Err(_) => Verdict::Unchecked(format!("no answer within amqp.confirm_timeout ({limit:?})")),
-        }
-    }
-
-    async fn declare(c: &Connection, name: &str) -> Verdict {
-        let ch = match c.create_channel().await {
-            Ok(ch) => ch,
-            Err(e) => return Verdict::Unchecked(format!("cannot open a channel: {e}")),
-        };
-        let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-        match ch.queue_declare(name.into(), passive, FieldTable::default()).await {
-            Ok(_) => {
-                let _ = ch.close(crate::amqp::REPLY_SUCCESS, "direct reply-to node check".into()).await;
-                Verdict::Decodable
-            }
-            Err(e) if crate::amqp::reply_code(&e) == Some(crate::amqp::NOT_FOUND) => Verdict::Decodable,
-            Err(e) if crate::amqp::reply_code(&e) == Some(INTERNAL_ERROR) => Verdict::Undecodable,
-            Err(e) => {
-                tracing::debug!(error = ?e, connected = c.status().connected(), "direct reply-to node check failed");
-                Verdict::Unchecked(e.to_string())
-            }
+        // The requester's presence check: present or gone (404), the node decoded.
+        match direct_reply_to_present(c, name, self.settings.amqp.confirm_timeout).await {
+            Ok(_) => Verdict::Decodable,
+            Err(PublishError::Amqp(e)) if crate::amqp::reply_code(&e) == Some(crate::amqp::INTERNAL_ERROR) => Verdict::Undecodable,
+            Err(e) => Verdict::Unchecked(e.to_string()),
         }
     }
 
