@@ -129,7 +129,8 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             Ok((ch, mut consumer)) => {
                 info!(queue = %a.input_queue, one_at_a_time = careful, "router consuming");
                 loop {
-                    match pump(&mut consumer, &publish, &settings, &stop, &mut inflight, careful).await {
+                    let open = || intake.status().connected() && ch.status().connected();
+                    match pump(&mut consumer, &open, &publish, &settings, &stop, &mut inflight, careful).await {
                         Ended::Fresh => match widen(&ch, &mut consumer, settings.as_ref(), &tag, |d| {
                             inflight.spawn(guarded(publish.clone(), settings.clone(), d, stop.clone()));
                         })
@@ -245,19 +246,34 @@ enum Ended {
     Closed(Option<lapin::Error>),
 }
 
+/// How often [`pump`] checks that the consumer's channel and connection are open.
+const OPEN_CHECK_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Hands every delivery of `consumer` to its own task until `stop` fires or the consumer ends;
 /// when `careful`, also ends after handing on the first delivery not marked redelivered.
+///
+/// `open` tells whether the consumer's channel and connection are open; it is checked every
+/// [`OPEN_CHECK_PERIOD`], and `Closed` is returned when it is not, whether or not the consumer's
+/// stream ended: the intake connection has no other watcher (the session watches the consuming
+/// and publishing connections), and the AMQP client has not always ended a consumer's stream
+/// when its connection was reset (amqp-rs/lapin #222, #283).
 async fn pump(
     consumer: &mut Consumer,
+    open: &impl Fn() -> bool,
     publish: &Arc<PublishChannel>,
     settings: &Arc<Settings>,
     stop: &CancellationToken,
     inflight: &mut JoinSet<()>,
     careful: bool,
 ) -> Ended {
+    let mut check = tokio::time::interval(OPEN_CHECK_PERIOD);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => return Ended::Stopped,
+            _ = check.tick() => if !open() {
+                return Ended::Closed(None);
+            },
             // A delivery found the publishing connection closed: end at once, so the session
             // reconnects, instead of every delivery finding it closed in turn.
             _ = publish.lost.cancelled() => return Ended::Closed(None),
