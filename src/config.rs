@@ -127,7 +127,7 @@ impl fmt::Display for SecretUrl {
 // ---------------------------------------------------------------------------------------------
 
 /// The raw configuration, as written in TOML. See `config/example.toml` for every key.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawConfig {
     pub instance: RawInstance,
@@ -142,25 +142,6 @@ pub struct RawConfig {
     pub http: RawHttp,
     pub shutdown: RawShutdown,
     pub log: RawLog,
-}
-
-impl Default for RawConfig {
-    fn default() -> Self {
-        RawConfig {
-            instance: RawInstance::default(),
-            amqp: RawAmqp::default(),
-            redis: RawRedis::default(),
-            ownership: RawOwnership::default(),
-            keying: RawKeying::default(),
-            sharding: RawSharding::default(),
-            batching: RawBatching::default(),
-            llm: RawLlm::default(),
-            requests: crate::policy::RawRequests::default(),
-            http: RawHttp::default(),
-            shutdown: RawShutdown::default(),
-            log: RawLog::default(),
-        }
-    }
 }
 
 /// `[instance]`

@@ -452,12 +452,15 @@ impl Membership {
     }
 }
 
+/// What the `LIST` script returns: one column per field of [`Member`] (names, nonces, LLM-down
+/// flags, conflict flags, health), each in the same order.
+type MemberColumns = (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>, Vec<String>);
+
 /// The live members (sorted by name) with their nonces, read only (for `status`).
 ///
 /// Errors: Redis unreachable or answering with an error.
 pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
-    let (names, nonces, down, conflicts, health): (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>, Vec<String>) =
-        Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
+    let (names, nonces, down, conflicts, health): MemberColumns = Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
     let mut nonces = nonces.into_iter();
     let mut down = down.into_iter();
     let mut conflicts = conflicts.into_iter();

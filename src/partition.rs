@@ -207,13 +207,16 @@ struct Pending {
     _held: Held,
 }
 
+/// One held delivery: when it was received and, once parsed, its request id.
+type HeldEntry = (Instant, Option<Arc<str>>);
+
 /// The deliveries of one partition held in memory, by receive order: for the
 /// `unsettled_deliveries` gauge and the `consumer_timeout` guard.
 struct HeldDeliveries {
     partition: u32,
     /// The last sequence number given, and per held delivery: when it was received and, once
     /// parsed, its request id (for the detail of a later `delivery_limit` dead letter).
-    state: Mutex<(u64, BTreeMap<u64, (Instant, Option<Arc<str>>)>)>,
+    state: Mutex<(u64, BTreeMap<u64, HeldEntry>)>,
     /// Stall restarts in a row ([`check_stall`]); a delivery sets it back to 0.
     stalls: std::sync::atomic::AtomicU32,
     /// Unix milliseconds since which the partition consumes: when its worker started, or its
