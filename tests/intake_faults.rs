@@ -398,8 +398,7 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
     raw.amqp.delivery_limit = 2;
     raw.amqp.reconnect_backoff_max = "1s".into();
     let mut started = start_with_replies(&env, &raw).await;
-    let name = |suffix: &str| format!("prefix-batcher {}{suffix}", raw.instance.name);
-    let pid = |suffix: &str| broker::connection_pid(&name(suffix)).unwrap_or_else(|| panic!("no connection {:?}", name(suffix)));
+    let pid = |suffix: &str| broker::daemon_connection_pid(&raw.instance.name, suffix);
     let (consume, publish, intake) = (pid(""), pid(" publish"), pid(" intake"));
     let failures_before = counter("input_consumer_failures_total", "reason", "unreadable_message");
 
@@ -452,12 +451,7 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
     assert!(counter("input_consumer_failures_total", "reason", "unreadable_message") > failures_before, "no unreadable message counted");
     assert_eq!((pid(""), pid(" publish")), (consume.clone(), publish.clone()), "the consuming or publishing connection changed: the session restarted");
     assert_ne!(pid(" intake"), intake, "the intake connection was not replaced");
-    assert!(!started.daemon.is_finished(), "the daemon stopped");
-    started.daemon.stop().await.expect("daemon stops cleanly");
-    assert_eq!(started.amqp.queue_depth(&input).await.0, 0, "input queue not empty");
-    started.results.close().await;
-    started.amqp.close().await;
-    env.cleanup().await;
+    stop_with_input_empty(started, env).await;
 }
 
 /// The intake connection closed from the broker's side (an operator's `close_connection`, a
@@ -472,8 +466,7 @@ async fn an_intake_connection_closed_by_the_broker_is_opened_again_without_a_ses
     let mut raw = env.raw_config(fake.url.as_str());
     raw.amqp.reconnect_backoff_max = "1s".into();
     let mut started = start_with_replies(&env, &raw).await;
-    let name = |suffix: &str| format!("prefix-batcher {}{suffix}", raw.instance.name);
-    let pid = |suffix: &str| broker::connection_pid(&name(suffix)).unwrap_or_else(|| panic!("no connection {:?}", name(suffix)));
+    let pid = |suffix: &str| broker::daemon_connection_pid(&raw.instance.name, suffix);
     let (consume, publish, intake) = (pid(""), pid(" publish"), pid(" intake"));
     let lost_before = counter("input_consumer_failures_total", "reason", "connection_lost");
     let input = env.input_queue();
@@ -482,9 +475,10 @@ async fn an_intake_connection_closed_by_the_broker_is_opened_again_without_a_ses
     let first = completions_workload("intakeclosed-first", 10, 2);
     started.amqp.publish_requests(&input, &first, &reply).await;
     started.results.until_all(&ids(&first), DEADLINE).await;
-    broker::close_connection_named(&name(" intake")).await;
+    let intake_name = format!("prefix-batcher {} intake", raw.instance.name);
+    broker::close_connection_named(&intake_name).await;
     let deadline = Instant::now() + DEADLINE;
-    while broker::connection_pid(&name(" intake")).is_none_or(|p| p == intake) {
+    while broker::connection_pid(&intake_name).is_none_or(|p| p == intake) {
         assert!(Instant::now() < deadline, "the intake connection was not opened again");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -494,9 +488,15 @@ async fn an_intake_connection_closed_by_the_broker_is_opened_again_without_a_ses
 
     assert!(counter("input_consumer_failures_total", "reason", "connection_lost") > lost_before, "the lost intake connection was not counted");
     assert_eq!((pid(""), pid(" publish")), (consume, publish), "the consuming or publishing connection changed: the session restarted");
+    stop_with_input_empty(started, env).await;
+}
+
+/// Stops the daemon of `started` (it must still run and stop cleanly), checks that the input
+/// queue is empty, and deletes what the test created.
+async fn stop_with_input_empty(started: Started, env: TestEnv) {
     assert!(!started.daemon.is_finished(), "the daemon stopped");
     started.daemon.stop().await.expect("daemon stops cleanly");
-    assert_eq!(started.amqp.queue_depth(&input).await.0, 0, "input queue not empty");
+    assert_eq!(started.amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
     started.results.close().await;
     started.amqp.close().await;
     env.cleanup().await;

@@ -1221,6 +1221,13 @@ pub mod broker {
             .map(str::to_owned)
     }
 
+    /// The Erlang pid of instance `instance`'s connection `suffix` (`""`, `" publish"`,
+    /// `" intake"`: the names the daemon gives its connections); panics when there is none.
+    pub fn daemon_connection_pid(instance: &str, suffix: &str) -> String {
+        let name = format!("prefix-batcher {instance}{suffix}");
+        connection_pid(&name).unwrap_or_else(|| panic!("no broker connection {name:?}"))
+    }
+
     /// Closes a daemon's AMQP connection (found by its client-provided name, waiting up to 30 s
     /// for it to appear) through the broker, as a network failure or an operator would.
     pub async fn close_connection_named(name: &str) {
