@@ -632,7 +632,7 @@ impl App {
             tokio::spawn(async move { crate::router::run(&conns, settings, token, checks).await })
         };
         let mut backlog = tokio::spawn(poll_backlog(conns.consume.clone(), self.settings.clone(), session.child_token()));
-        tokio::spawn(crate::splits::run(self.settings.clone(), redis.clone(), session.child_token()));
+        tokio::spawn(crate::splits::run_restarting(self.settings.clone(), redis.clone(), session.child_token()));
         let mut own = Ownership::new(self.settings.clone(), redis, self.nonce.clone(), self.llm.clone(), self.readiness.clone(), reply_nodes.clone());
         let (redis_tx, mut redis_rx) = mpsc::unbounded_channel::<bool>();
         let phase = {

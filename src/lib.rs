@@ -36,9 +36,12 @@
 //!   the ack after the effect, and every header name.
 //! - [`metrics`]: every Prometheus metric; [`http`]: `/metrics`, `/healthz`, `/readyz`.
 //! - [`policy`]: what a requester may ask (`reply_to`, parameters, models, message counts).
+//! - [`reply_node`]: whether the broker can decode the node of a direct reply-to name (asked once
+//!   per node, on a connection of its own).
 //! - [`redelivery`]: delivery counts and the last error per request (for `delivery_limit`).
 //! - [`readiness`]: the readiness state (not-ready reasons) behind `/readyz`.
-//! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes.
+//! - [`app`]: wiring, reconnects and graceful shutdown; [`exit`]: the process exit codes;
+//!   [`task`]: task boundaries (a panic caught as a value, a panicked task started again).
 //! - [`client`]: the `submit` and `status` commands.
 //!
 //! The binary (`src/main.rs`) reads the configuration once, starts tracing and runs a command;
@@ -74,5 +77,6 @@ pub mod reply_node;
 pub mod request;
 pub mod router;
 pub mod splits;
+pub mod task;
 pub mod tls;
 pub mod topology;

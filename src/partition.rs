@@ -54,7 +54,6 @@
 //! (the instance name), so consumers and tests can build an ownership log from results alone.
 
 use std::collections::BTreeMap;
-use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -951,12 +950,7 @@ async fn guarded_batch(
     end: Arc<SessionEnd>,
 ) {
     let ackers: Vec<(String, Acker)> = batch.items.iter().map(|p| (p.req.id.clone(), p.delivery.acker.clone())).collect();
-    let Err(panic) = AssertUnwindSafe(process_batch(ctx, out, batch, batch_id, stop, end)).catch_unwind().await else { return };
-    let message = panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-text panic payload".to_owned());
+    let Err(message) = crate::task::catch_panic(process_batch(ctx, out, batch, batch_id, stop, end)).await else { return };
     error!(panic = %message, requests = ackers.len(), "a batch task panicked; requeueing its requests");
     metrics::task_panicked(stage::BATCHER);
     let why = format!("panic: {message}");

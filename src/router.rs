@@ -7,11 +7,9 @@
 //! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
 //! loop. Deliveries are handled concurrently; `amqp.input_prefetch` bounds how many.
 
-use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, OnceLock};
 
-use futures_util::{FutureExt, StreamExt};
+use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
 use lapin::types::FieldTable;
@@ -30,6 +28,7 @@ use crate::publisher::{self, Intake, HEADER_ROUTED_AT_MS, HEADER_ROUTED_KEY, HEA
 use crate::redelivery;
 use crate::request::{short_string, ParseError, MAX_ID_BYTES};
 use crate::splits::Affinity;
+use crate::task::catch_panic;
 
 /// Where one valid request goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -348,18 +347,10 @@ async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery
     if let Err(panic) = catch_panic(handle(&publish, &settings, delivery, &request_id, &stop)).await {
         let id = request_id.get().cloned().or(message_id).unwrap_or_default();
         error!(request_id = %id, panic = %panic, "handling an input delivery panicked; requeueing it");
+        metrics::task_panicked(stage::ROUTER);
         redelivery::note_failure(&id, &format!("panic: {panic}"));
         let _ = acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
     }
-}
-
-/// Runs `fut`, turning a panic into its message.
-async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
-    AssertUnwindSafe(fut).catch_unwind().await.map_err(|p| match (p.downcast_ref::<&str>(), p.downcast_ref::<String>()) {
-        (Some(s), _) => (*s).to_owned(),
-        (None, Some(s)) => s.clone(),
-        (None, None) => "a panic without a message".to_owned(),
-    })
 }
 
 /// Handles one input delivery: parse (or dead-letter), route, forward with a confirm, ack.
@@ -709,14 +700,5 @@ mod tests {
         let a = Settings::from_raw(&raw).unwrap().amqp;
         let got: Vec<u128> = [0, 1, 3, 4, 99].iter().map(|n| redelivery::requeue_backoff(&a, *n).as_millis()).collect();
         assert_eq!(got, [100, 200, 800, 1000, 1000]);
-    }
-
-    #[tokio::test]
-    async fn catch_panic_returns_the_message() {
-        assert_eq!(catch_panic(async { 3 }).await, Ok(3));
-        let got = catch_panic(async { panic!("boom {}", 1) }).await;
-        assert_eq!(got, Err::<(), _>("boom 1".to_owned()));
-        let got = catch_panic(async { std::panic::panic_any(5u8) }).await;
-        assert_eq!(got, Err::<(), _>("a panic without a message".to_owned()));
     }
 }

@@ -690,6 +690,21 @@ pub fn rules(settings: &Settings) -> SplitRules {
     SplitRules::new(settings.batching.max_batch_wait, settings.sharding.max_shards)
 }
 
+/// [`run`] until `stop` fires, started again [`RESTART_AFTER_PANIC`] after a panic
+/// ([`crate::task::restart_after_panic`], counted in `task_panics_total{stage="split_refresh"}`).
+/// Meanwhile routing keeps its last view, as it does while Redis is unreachable;
+/// `split_view_age_seconds` shows the gap.
+pub async fn run_restarting(settings: Arc<Settings>, conn: RedisConn, stop: CancellationToken) {
+    let what = "the split-set refresher (routing keeps its last view)";
+    crate::task::restart_after_panic(what, metrics::stage::SPLIT_REFRESH, RESTART_AFTER_PANIC, &stop, || {
+        run(settings.clone(), conn.clone(), stop.clone())
+    })
+    .await;
+}
+
+/// How long [`run_restarting`] waits before it starts a panicked refresher again.
+pub const RESTART_AFTER_PANIC: Duration = Duration::from_secs(1);
+
 /// Refreshes the deployment's [`Affinity`] every [`REFRESH_INTERVAL`], and at once when
 /// [`Affinity::early_refresh`] asks for it (the first requests of a deployment: a key that
 /// carries all of them splits after 5 requests), until `stop` fires.
