@@ -258,6 +258,15 @@ pub struct RedisConn {
     shared: Arc<Shared>,
 }
 
+/// Clears its flag when dropped.
+struct ClearOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for ClearOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
 struct Shared {
     /// The current connection and its generation (incremented by every swap).
     current: RwLock<(u64, ConnectionManager)>,
@@ -337,6 +346,9 @@ impl RedisConn {
         }
         let this = self.clone();
         tokio::spawn(async move {
+            // Cleared however the task ends, a panic included: a flag left set would stop every
+            // later reconnection for good.
+            let _resolving = ClearOnDrop(&this.shared.resolving);
             let mut backoff = RESOLVE_BACKOFF.0;
             while let Err(e) = this.resolve_once().await {
                 if refused_credentials(&e) {
@@ -352,7 +364,6 @@ impl RedisConn {
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(RESOLVE_BACKOFF.1);
             }
-            this.shared.resolving.store(false, Ordering::Release);
         });
     }
 

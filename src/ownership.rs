@@ -47,7 +47,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::amqp::Connections;
 use crate::breaker::BreakerState;
@@ -496,7 +496,12 @@ impl Ownership {
             match o.task.await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => warn!(partition = p, error = %e, "partition worker failed"),
-                Err(e) => warn!(partition = p, error = %e, "partition worker panicked"),
+                Err(e) => {
+                    error!(partition = p, error = %e, "partition worker panicked; its lease is released and the partition taken again by the next round's assignment (its unacked requests return to the queue)");
+                    if e.is_panic() {
+                        metrics::task_panicked(metrics::stage::PARTITION);
+                    }
+                }
             }
             releases.push((p, o.epoch));
         }
