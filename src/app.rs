@@ -330,6 +330,7 @@ fn llm_hook(endpoints: usize, readiness: Readiness) -> LlmHook {
     Arc::new(move |event: &LlmEvent<'_>| match event {
         LlmEvent::Call { endpoint, outcome, seconds } => metrics::llm_call(*endpoint, call_outcome_label(*outcome), *seconds),
         LlmEvent::Tokens { prompt_tokens, cached_tokens } => metrics::llm_tokens(*prompt_tokens, *cached_tokens),
+        LlmEvent::ProbePanicked { .. } => metrics::task_panicked(metrics::stage::LLM_PROBE),
         LlmEvent::Breaker { endpoint, name, state, reopened } => {
             metrics::llm_circuit(*endpoint, state.as_str(), *reopened);
             match state {

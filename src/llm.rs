@@ -215,6 +215,9 @@ pub enum LlmEvent<'a> {
     /// `reopened`: it went to open again from a failed half-open probe, without having closed (the
     /// same outage; the first opening of an outage has `false`).
     Breaker { endpoint: usize, name: &'a str, state: BreakerState, reopened: bool },
+    /// A probe of an endpoint run by a task of its own (the half-open prober, a verification)
+    /// panicked; it counted as a failed probe (half-open) or as no verdict (verification).
+    ProbePanicked { endpoint: usize },
 }
 
 /// The callback that receives every [`LlmEvent`]; called inline, so it must be cheap and must not
@@ -1516,7 +1519,7 @@ impl LlmClient {
             "server faults that may be the requests' own (5xx, invalid answers, request timeouts) tripped the circuit breaker's rule; \
              probing before opening it"
         );
-        let outcome = self.probe(endpoint, false).await;
+        let outcome = self.probe_guarded(endpoint, false, Outcome::Abandoned).await;
         let changed = lock(&ep.breaker).verified(outcome, Instant::now());
         if changed.is_none() && outcome != Outcome::ServerFault {
             tracing::info!(
@@ -1553,6 +1556,19 @@ impl LlmClient {
         if changed == Some(BreakerState::Open) && !ep.probing.swap(true, Ordering::AcqRel) {
             tokio::spawn(probe_until_closed(Arc::downgrade(&self.inner), endpoint));
         }
+    }
+
+/// [`Self::probe`] of a task of its own (the half-open prober, a verification): a panic is
+    /// logged at ERROR, reported ([`LlmEvent::ProbePanicked`]) and taken as
+    /// `on_panic`, so that the probe or verification slot it held is given back; a slot kept by a
+    /// task that is gone would leave the breaker with no probe ever again.
+    async fn probe_guarded(&self, endpoint: usize, half_open: bool, on_panic: Outcome) -> Outcome {
+        crate::task::catch_panic(self.probe(endpoint, half_open)).await.unwrap_or_else(|panic| {
+            let name = &self.inner.endpoints[endpoint].name;
+            tracing::error!(endpoint, name = %name, panic = %panic, outcome = ?on_panic, "the LLM endpoint probe panicked");
+            (self.inner.hook)(&LlmEvent::ProbePanicked { endpoint });
+            on_panic
+        })
     }
 
     /// The probe of `endpoint` (half-open probe, verification, [`Self::confirm_server_fault`]): a
@@ -2266,11 +2282,14 @@ async fn probe_until_closed(inner: std::sync::Weak<Inner>, endpoint: usize) {
             continue;
         }
         if !lock(&ep.breaker).admit_probe(Instant::now()) {
-            return; // another prober holds the slot (not started by this client: cannot happen)
+            // Another prober holds the slot (not started by this client: cannot happen). The
+            // next opening starts a prober again.
+            ep.probing.store(false, Ordering::Release);
+            return;
         }
         tracing::info!(endpoint, name = %ep.name, "LLM endpoint circuit breaker half-open; probing with a one-token completion");
         client.breaker_changed(endpoint, BreakerState::HalfOpen, false);
-        let outcome = client.probe(endpoint, true).await;
+        let outcome = client.probe_guarded(endpoint, true, Outcome::ServerFault).await;
         client.record(endpoint, outcome, true);
     }
 }

@@ -242,7 +242,7 @@ static INTAKE_FAILURES: LazyLock<IntCounterVec> = counter_vec!(
 );
 // Settlement of partition deliveries: panics, unsettled deliveries, refused results, paused intake.
 static TASK_PANICS: LazyLock<IntCounterVec> =
-    counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage: router (its request was requeued), batcher (its batch was requeued), partition (the worker ended, its lease was released, its unacked requests returned to the queue), split_refresh (the split-set refresher restarted; routing kept its last view).", &["stage"]);
+    counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage: router (its request was requeued), batcher (its batch was requeued), partition (the worker ended, its lease was released, its unacked requests returned to the queue), llm_probe (taken as a failed half-open probe, or as no verdict for a verification), split_refresh (the split-set refresher restarted; routing kept its last view).", &["stage"]);
 macro_rules! gauge_vec {
     ($name:expr, $help:expr, $labels:expr) => {
         LazyLock::new(|| reg(IntGaugeVec::new(Opts::new($name, $help), $labels).unwrap()))
@@ -414,6 +414,9 @@ pub mod stage {
     pub const ROUTER: &str = "router";
     pub const BATCHER: &str = "batcher";
     pub const PUBLISHER: &str = "publisher";
+    /// A probe of an LLM endpoint run by its own task ([`crate::llm`]); only in
+    /// `task_panics_total`.
+    pub const LLM_PROBE: &str = "llm_probe";
     /// A partition's worker as a whole ([`crate::ownership`]); only in `task_panics_total`.
     pub const PARTITION: &str = "partition";
     /// The split-set refresher ([`crate::splits::run_restarting`]); only in `task_panics_total`.
@@ -536,7 +539,7 @@ fn init_faults(destinations: &[&str], reply_refusals: &[&str]) {
         AMQP_BLOCKED_TOTAL.with_label_values(&[c]);
         AMQP_BLOCKED.with_label_values(&[c]);
     }
-    for s in [stage::ROUTER, stage::BATCHER, stage::PARTITION, stage::SPLIT_REFRESH] {
+    for s in [stage::ROUTER, stage::BATCHER, stage::PARTITION, stage::LLM_PROBE, stage::SPLIT_REFRESH] {
         TASK_PANICS.with_label_values(&[s]);
     }
     for r in intake_failure::ALL {

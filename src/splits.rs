@@ -696,10 +696,8 @@ pub fn rules(settings: &Settings) -> SplitRules {
 /// `split_view_age_seconds` shows the gap.
 pub async fn run_restarting(settings: Arc<Settings>, conn: RedisConn, stop: CancellationToken) {
     let what = "the split-set refresher (routing keeps its last view)";
-    crate::task::restart_after_panic(what, metrics::stage::SPLIT_REFRESH, RESTART_AFTER_PANIC, &stop, || {
-        run(settings.clone(), conn.clone(), stop.clone())
-    })
-    .await;
+    let panicked = || metrics::task_panicked(metrics::stage::SPLIT_REFRESH);
+    crate::task::restart_after_panic(what, RESTART_AFTER_PANIC, &stop, panicked, || run(settings.clone(), conn.clone(), stop.clone())).await;
 }
 
 /// How long [`run_restarting`] waits before it starts a panicked refresher again.

@@ -139,6 +139,7 @@ fn client_with(urls: &[&Url], max_response_bytes: usize, open_time: Duration) ->
                 LlmEvent::Call { endpoint, outcome, .. } => format!("call {endpoint} {}", call_outcome_label(*outcome)),
                 LlmEvent::Tokens { prompt_tokens, cached_tokens } => format!("tokens {prompt_tokens} {cached_tokens}"),
                 LlmEvent::Breaker { endpoint, state, .. } => format!("breaker {endpoint} {}", state.as_str()),
+                LlmEvent::ProbePanicked { endpoint } => format!("probe panicked {endpoint}"),
             };
             sink.lock().unwrap().push(line);
         }),
