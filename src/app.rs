@@ -616,15 +616,7 @@ impl App {
             }
             Err(e) => return Ok(SessionEnd::Failed(e)),
         };
-        // Aborted when the session ends, however it ends; aborting counts as unblocked.
-        for slot in &self.last_errors {
-            *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
-        }
-        let [consume_error, publish_error] = self.last_errors.clone();
-        let _blocked = [
-            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.consume, metrics::connection::CONSUME, self.readiness.clone(), consume_error))),
-            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.publish, metrics::connection::PUBLISH, self.readiness.clone(), publish_error))),
-        ];
+        let _blocked = self.watch_blocked(&conns);
         let session = work.child_token();
         // The session's checks of direct reply-to nodes, on a connection of their own.
         let reply_nodes = Arc::new(crate::reply_node::NodeCheck::new(self.settings.clone(), node));
@@ -658,17 +650,38 @@ impl App {
             }
             Phase::Failed(e) => {
                 hard_stop(&mut own, &router, &backlog, &conns, "session failed").await;
-                // lapin reports the broker's `connection.close` (its reply code and text) a moment
-                // after the connection's status changed, which is what ended the session.
-                if !conns.consume.status().connected() || !conns.publish.status().connected() {
-                    let reported = || self.last_errors.iter().any(|slot| last_error(slot).is_some());
-                    let deadline = tokio::time::Instant::now() + LAST_ERROR_WAIT;
-                    while !reported() && tokio::time::Instant::now() < deadline {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                }
+                self.await_close_reason(&conns).await;
                 Ok(SessionEnd::Failed(e))
             }
+        }
+    }
+
+    /// Watches the session's consuming and publishing connections for `connection.blocked`
+    /// ([`watch_connection_blocked`]), with the last errors of the session before cleared. The
+    /// watchers are aborted when the returned value is dropped, however the session ends;
+    /// aborting counts as unblocked.
+    fn watch_blocked(&self, conns: &Connections) -> [AbortOnDrop; 2] {
+        for slot in &self.last_errors {
+            *slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+        }
+        let [consume_error, publish_error] = self.last_errors.clone();
+        [
+            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.consume, metrics::connection::CONSUME, self.readiness.clone(), consume_error))),
+            AbortOnDrop(tokio::spawn(watch_connection_blocked(&conns.publish, metrics::connection::PUBLISH, self.readiness.clone(), publish_error))),
+        ]
+    }
+
+    /// When a connection of `conns` is closed, waits (at most [`LAST_ERROR_WAIT`]) for its
+    /// reason: lapin reports the broker's `connection.close` (its reply code and text) a moment
+    /// after the connection's status changed, which is what ended the session.
+    async fn await_close_reason(&self, conns: &Connections) {
+        if conns.consume.status().connected() && conns.publish.status().connected() {
+            return;
+        }
+        let reported = || self.last_errors.iter().any(|slot| last_error(slot).is_some());
+        let deadline = tokio::time::Instant::now() + LAST_ERROR_WAIT;
+        while !reported() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
