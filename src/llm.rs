@@ -185,7 +185,7 @@ pub const LIVENESS_TIMEOUT_MAX: Duration = Duration::from_secs(10);
 /// Liveness checks in a row without an answer that make an endpoint count as not answering (one
 /// lost packet or a slow accept is not a frozen server).
 pub const LIVENESS_MISSES: u32 = 2;
-/// Largest body of a real call kept for [`LlmClient::probe`] to replay (64 KiB).
+/// Largest body of a real call kept for `LlmClient::probe` to replay (64 KiB).
 pub const KNOWN_GOOD_MAX_BYTES: usize = 64 * 1024;
 /// How often a call waiting to retry after a server fault checks whether its endpoint's breaker
 /// opened meanwhile ([`LlmClient::send_with_retries`]).
@@ -864,7 +864,7 @@ impl LlmClient {
     /// `llm.request_timeout` left before it (reqwest's timeout covers a whole attempt, so an
     /// attempt started in time ends in time). A prompt none of whose attempts started, because
     /// the prompts before it in a sequence, or the wait for an endpoint permit, used the time,
-    /// gets [`ErrorKind::Cancelled`] with [`LlmError::not_sent`]'s message (the caller puts it
+    /// gets [`ErrorKind::Cancelled`] with `LlmError::not_sent`'s message (the caller puts it
     /// back in its queue uncharged); one whose later attempt did not start keeps its last
     /// attempt's error. So slow prompts, slow servers and busy permits cannot hold the answers of
     /// the prompts of a batch past what `amqp.consumer_timeout` allows (the partition's deadline
@@ -1409,7 +1409,7 @@ impl LlmClient {
         }
     }
 
-    /// Makes every call waiting on an endpoint check it at once ([`Self::stopped_answering`]),
+    /// Makes every call waiting on an endpoint check it at once (`Self::stopped_answering`),
     /// instead of after `llm.liveness_check_after`: called when a drain starts, so a frozen
     /// server found within the checks' time (at most 2 × 10 s) lets the drain return its requests
     /// uncharged instead of outlasting `shutdown.drain_timeout`. Nothing when the check is off.

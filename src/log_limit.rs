@@ -70,7 +70,7 @@ impl Default for LogLimit {
 
 /// A `tracing` event at `$level` within a [`LogLimit`]: `log_limited!(warn, LIMIT, fields…,
 /// "message")` logs at that level (with `suppressed = N` when earlier events of the kind went to
-/// `DEBUG`) or at `DEBUG`. [`warn_limited!`], [`error_limited!`] and [`info_limited!`] name the level.
+/// `DEBUG`) or at `DEBUG`. [`crate::warn_limited!`], [`crate::error_limited!`] and [`crate::info_limited!`] name the level.
 #[macro_export]
 macro_rules! log_limited {
     ($level:ident, $limit:expr, $($arg:tt)+) => {

@@ -769,7 +769,7 @@ fn oldest_unreceived_forward(queue: &str) -> Option<Instant> {
 }
 
 /// How long a partition owner may receive nothing while its queue holds ready requests before
-/// [`check_stall`] acts: 2 × `amqp.heartbeat` + 10 s, at least 30 s. A frozen previous owner's
+/// `check_stall` acts: 2 × `amqp.heartbeat` + 10 s, at least 30 s. A frozen previous owner's
 /// consumer stays the single active consumer until the broker's heartbeat check closes its
 /// connection (about two heartbeat intervals; 60 s when `amqp.heartbeat` = 0 leaves it to
 /// RabbitMQ's default), and a releasing owner cancels its consumer before it drains.
@@ -1216,7 +1216,7 @@ static DRAIN_CUT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::n
 /// unanswered requests back, releasing the leases, closing the connection).
 ///
 /// A call still running then is abandoned, and its requests go back to their partition queue
-/// uncharged ([`return_uncharged`]). Left to the deadline instead, the hard stop would close the
+/// uncharged (`return_uncharged`). Left to the deadline instead, the hard stop would close the
 /// channel, which returns them *charged* one delivery each (a quorum queue counts every return,
 /// <https://www.rabbitmq.com/docs/quorum-queues#poison-message-handling>): a rolling restart
 /// during generations longer than the drain would then dead-letter valid requests after

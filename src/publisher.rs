@@ -145,8 +145,8 @@ struct OwnPublish {
 /// (`amqp.confirm_timeout`, or the caller is dropped): a confirm that comes later may still
 /// carry another publish's return, and dropping it would leave that message with lapin, lost,
 /// since its own publisher was told it was delivered. The task waits for such a late confirm
-/// at most [`LATE_CONFIRM_WAIT_FACTOR`] × `amqp.confirm_timeout` (at least
-/// [`LATE_CONFIRM_MIN_WAIT`]); a closed channel ends the wait at once. `conn` opens the channel
+/// at most `LATE_CONFIRM_WAIT_FACTOR` × `amqp.confirm_timeout` (at least
+/// `LATE_CONFIRM_MIN_WAIT`); a closed channel ends the wait at once. `conn` opens the channel
 /// of a placement, and declares a missing destination again.
 pub async fn publish_confirmed(
     ch: &ConfirmChannel,
@@ -306,8 +306,8 @@ const PLACE_RETURNED_MIN_TIMEOUT: Duration = Duration::from_secs(1);
 ///   delivered (RabbitMQ returns those anyway) and is left alone.
 ///
 /// Published with a confirm (waiting `amqp.confirm_timeout`, at least
-/// [`PLACE_RETURNED_MIN_TIMEOUT`]) on a new channel of `conn`, closed afterwards, up to
-/// [`PLACE_RETURNED_ATTEMPTS`] times with the reconnect backoff between them. Not on the channel
+/// `PLACE_RETURNED_MIN_TIMEOUT`) on a new channel of `conn`, closed afterwards, up to
+/// `PLACE_RETURNED_ATTEMPTS` times with the reconnect backoff between them. Not on the channel
 /// the return came on: the publish that received it settles only after this placement, and a
 /// placement on the same channel would wait for that publish to settle ([`ConfirmChannel`]).
 /// A message that still cannot be placed is logged as an error with its `message_id`: it is
@@ -625,7 +625,7 @@ const AFTER_FAILED_ATTEMPTS: u32 = 3;
 
 /// [`publish_confirmed`] on the current channel of `out` ([`SharedConfirmChannel::get`]); a
 /// publish that was [`PublishError::AfterFailed`] goes again on the channel that replaced it, up
-/// to [`AFTER_FAILED_ATTEMPTS`] times (the broker may then hold it twice: a duplicate, never a
+/// to `AFTER_FAILED_ATTEMPTS` times (the broker may then hold it twice: a duplicate, never a
 /// loss). Errors: as [`publish_confirmed`], or no channel could be opened.
 pub async fn publish_on(
     out: &SharedConfirmChannel,
@@ -1286,7 +1286,7 @@ pub async fn wait_to_publish_again(conn: &Connection, wait: Duration) {
 }
 
 /// Whether a failed publish says the message itself is too large for the broker: the channel
-/// closed with 406 `PRECONDITION_FAILED` "message size N is larger than [configured] max size M"
+/// closed with 406 `PRECONDITION_FAILED` "message size N is larger than \[configured\] max size M"
 /// (RabbitMQ's `max_message_size`, 128 MiB by default since 3.8; `rabbit_channel`).
 pub fn says_too_large(e: &PublishError) -> bool {
     match e {

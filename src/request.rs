@@ -490,7 +490,7 @@ fn check_direct_reply_to(reply_to: &str) -> Result<(), ParseError> {
 }
 
 /// The node (`{name}@{decimal hash}`) of a direct reply-to name of the form
-/// [`check_direct_reply_to`] accepts; `None` for another `reply_to`.
+/// `check_direct_reply_to` accepts; `None` for another `reply_to`.
 pub fn direct_reply_to_node(reply_to: &str) -> Option<String> {
     use base64::Engine as _;
     let (pid, _) = reply_to.strip_prefix(DIRECT_REPLY_TO_PREFIX)?.split_once('.')?;
@@ -587,7 +587,7 @@ pub fn refused_request_id(body: &[u8], err: &ParseError, message_id: Option<&str
 }
 
 /// Whether `c` is refused in ids and names copied into headers and log lines
-/// ([`check_no_control`]): Unicode category Cc, U+2028, U+2029 and the bidirectional formatting
+/// (`check_no_control`): Unicode category Cc, U+2028, U+2029 and the bidirectional formatting
 /// characters of Unicode Standard Annex #9.
 pub fn is_control_like(c: char) -> bool {
     c.is_control() || matches!(c, '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')

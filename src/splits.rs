@@ -585,7 +585,7 @@ impl Affinity {
 
     /// One refresh at `now`: decides splits and merges, publishes them with the arrival batches
     /// not delivered yet, and replaces the view with the answer. On an error the view stays as
-    /// it was and the arrival batches are kept for the next refresh (for [`ARRIVALS_KEPT`]).
+    /// it was and the arrival batches are kept for the next refresh (for `ARRIVALS_KEPT`).
     pub async fn refresh(&self, store: &impl SplitSync, rules: &SplitRules, now: Instant) -> Result<SyncAnswer, SplitsError> {
         let view = self.view();
         let hot = lock(&self.inner.load).tick(now, rules, &view);

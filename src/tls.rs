@@ -174,7 +174,7 @@ pub struct TlsKeys {
 /// parse, a key that does not match its certificate, a certificate without its key or the
 /// reverse, a client certificate chain with a certificate past its `notAfter` (the server would
 /// refuse it with the TLS alert `certificate_expired`, RFC 8446 6.2) or with a `notBefore` more
-/// than 5 minutes ahead ([`NOT_BEFORE_SKEW_SECS`]) — each naming the key and the
+/// than 5 minutes ahead (`NOT_BEFORE_SKEW_SECS`) — each naming the key and the
 /// path, never the file's contents (a value that looks like PEM text instead of a path is not
 /// echoed either). Expired certificates in the CA bundle are allowed: rustls does not check the
 /// validity dates of trust anchors.

@@ -116,7 +116,7 @@ pub const BROKER_DELIVERY_LIMIT_MARGIN: u32 = 2;
 /// broker's own `x-death` reason (`delivery_limit`), so nothing is dropped.
 ///
 /// Every quorum queue the daemon declares also carries `x-quorum-initial-group-size` =
-/// `amqp.quorum_initial_group_size` unless that is 0 (see [`group_size`]).
+/// `amqp.quorum_initial_group_size` unless that is 0 (see `group_size`).
 pub fn input_queue_args(cfg: &AmqpSettings) -> FieldTable {
     group_size(cfg, quorum_args(Some(&cfg.dead_letter_exchange), false, Some(broker_delivery_limit(cfg))))
 }
