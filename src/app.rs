@@ -384,6 +384,8 @@ enum Drain {
 }
 
 /// What a drain's end means for the process: only a finished drain stops it cleanly.
+// Returned once, when the process ends: the size of its error does not matter.
+#[allow(clippy::result_large_err)]
 fn drain_verdict(drain: Drain, timeout: Duration) -> Result<(), AppError> {
     match drain {
         Drain::Finished => Ok(()),
@@ -687,6 +689,9 @@ impl App {
 
     /// Runs until a component fails (`Some`) or the shutdown is requested (`None`), reporting
     /// readiness and liveness on the way.
+    // Each argument is a different part of the session this watches; a struct for them would
+    // only be built for this call.
+    #[allow(clippy::too_many_arguments)]
     async fn watch(
         &self,
         conns: &Connections,

@@ -1865,6 +1865,9 @@ fn toml_string(r: &RawConfig) -> String {
 mod tests {
     use super::*;
 
+    /// A change to a raw configuration, for the table-driven tests.
+    type Edit = fn(&mut RawConfig);
+
     fn ok(r: &RawConfig) -> Settings {
         Settings::from_raw(r).unwrap()
     }
@@ -1971,7 +1974,7 @@ mod tests {
 
     #[test]
     fn queue_and_exchange_names_must_not_collide_or_use_amq() {
-        let cases: [(&str, fn(&mut RawConfig), &str); 7] = [
+        let cases: [(&str, Edit, &str); 7] = [
             ("dlq = input", |r| r.amqp.dead_letter_queue = r.amqp.input_queue.clone(), "must differ from amqp.input_queue"),
             ("results = input", |r| r.amqp.results_queue = r.amqp.input_queue.clone(), "must differ from amqp.input_queue"),
             ("exchanges", |r| r.amqp.dead_letter_exchange = r.amqp.shard_exchange.clone(), "must differ from amqp.shard_exchange"),
@@ -2147,7 +2150,7 @@ mod tests {
 
     #[test]
     fn bad_values_name_key_value_and_rule() {
-        let cases: Vec<(fn(&mut RawConfig), &str)> = vec![
+        let cases: Vec<(Edit, &str)> = vec![
             (|r| r.keying.mode = "fast".into(), "keying.mode"),
             (|r| r.keying.chat_key = "x".into(), "keying.chat_key"),
             (|r| r.batching.max_batch_wait = "soon".into(), "batching.max_batch_wait"),

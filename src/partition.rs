@@ -599,6 +599,9 @@ async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, abo
 /// go to `dead_letters`) until a stop signal, the lease deadline, a restart reason, or a consumer
 /// failure. A delivery received but not taken
 /// when a stop came (it waited for the byte budget) goes to `untaken`, still unacked.
+// Each argument is a different part of the session's state (see the caller); a struct for
+// them would only be built for this call.
+#[allow(clippy::too_many_arguments)]
 async fn intake(
     ctx: &PartitionContext,
     stop: &StopSignals,
@@ -867,6 +870,9 @@ fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: 
 }
 
 /// What [`admit`] made of a delivery.
+// Short-lived (one per delivery, matched at once): boxing the request would cost an allocation
+// per delivery for nothing.
+#[allow(clippy::large_enum_variant)]
 enum Admission {
     /// Parsed and holding its bytes of the budget: for the batcher.
     Admitted(Pending),
