@@ -701,11 +701,12 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
         // The `config` crate drops the line of a TOML error (e.g. an integer beyond 64 bits);
         // the `toml` crate's message shows it. A missing or unreadable file is the crate's to say.
         match std::fs::read_to_string(p) {
-            Ok(text) => {
-                if let Err(e) = text.parse::<toml::Table>() {
+            Ok(text) => match text.parse::<toml::Table>() {
+                Ok(table) => check_file_names(&table)?,
+                Err(e) => {
                     return Err(ConfigError::Parse { path: p.display().to_string(), message: redact_text(&redact_key_material(&e.to_string())) });
                 }
-            }
+            },
             Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                 let message = "the file is not UTF-8 text: TOML files must be UTF-8 (https://toml.io/en/v1.0.0#spec); \
                                convert one saved as UTF-16, e.g. `iconv -f UTF-16 -t UTF-8`";
@@ -747,6 +748,43 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
         }
     }
     Ok(raw)
+}
+
+/// Refuses a key of the configuration file that names no configuration key, naming it (as
+/// `section.key`), its value (numbers and booleans as written; a string only by its length: a
+/// misspelt `pasword` holds a secret) and the keys its section has. The deserializer's own
+/// message names only the field, not its section or value. A key under a section that has no
+/// fixed keys in the defaults (an optional table, `sharding.keys`, the `sharding.rules` list) is
+/// left to the deserializer.
+fn check_file_names(file: &toml::Table) -> Result<(), ConfigError> {
+    fn walk(table: &toml::Table, defaults: &serde_json::Map<String, serde_json::Value>, path: &str) -> Result<(), ConfigError> {
+        for (name, value) in table {
+            let dotted = if path.is_empty() { name.clone() } else { format!("{path}.{name}") };
+            let Some(default) = defaults.get(name) else {
+                let known: Vec<&str> = defaults.keys().map(String::as_str).collect();
+                let rule = if path.is_empty() {
+                    format!("not a configuration key: there is no section `{name}` (sections: {})", known.join(", "))
+                } else {
+                    format!("not a configuration key: [{path}] has no key `{name}` (keys: {})", known.join(", "))
+                };
+                let shown = match value {
+                    toml::Value::String(s) => format!("a string of {} characters (not shown: it may be a secret)", s.chars().count()),
+                    toml::Value::Table(_) => "a table".to_owned(),
+                    other => other.to_string(),
+                };
+                return Err(invalid(&dotted, shown, rule));
+            };
+            if let (toml::Value::Table(inner), serde_json::Value::Object(fields)) = (value, default) {
+                if !fields.is_empty() {
+                    walk(inner, fields, &dotted)?;
+                }
+            }
+        }
+        Ok(())
+    }
+    let defaults = serde_json::to_value(RawConfig::default()).expect("the defaults serialize");
+    let serde_json::Value::Object(sections) = defaults else { unreachable!("the configuration is a table") };
+    walk(file, &sections, "")
 }
 
 /// Refuses an environment variable `PREFIX_BATCHER__…` that names no configuration key, naming
@@ -2494,9 +2532,16 @@ mod tests {
         assert_eq!(s.llm.endpoints.len(), 2);
         std::fs::write(&path, "[batching]\nmax_batch_sise = 4\n").unwrap();
         let e = load(Some(&path)).unwrap_err().to_string();
-        assert!(e.contains("max_batch_sise"), "{e}");
+        assert!(e.contains("`batching.max_batch_sise` = 4") && e.contains("[batching] has no key `max_batch_sise`") && e.contains("max_batch_size"), "{e}");
+        std::fs::write(&path, "[redis]\npasword = \"hunter2\"\n").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("`redis.pasword` = a string of 7 characters") && !e.contains("hunter2"), "{e}");
         std::fs::write(&path, "[batchin]\n").unwrap();
-        assert!(load(Some(&path)).is_err());
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("there is no section `batchin`"), "{e}");
+        // Sections without fixed keys are the deserializer's: a static shard table loads.
+        std::fs::write(&path, "[sharding.keys]\nabc = 2\n[[sharding.rules]]\npattern = \"^x\"\nshards = 2\n").unwrap();
+        load(Some(&path)).unwrap();
         let e = load(Some(&dir)).unwrap_err().to_string();
         assert!(e.contains("is a directory") && e.contains("--config"), "{e}");
         // Not TOML, or a number TOML cannot hold: the line is named, credentials are not shown.
