@@ -487,6 +487,10 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize, destinations: &[&str], 
         (stage::PUBLISHER, outcome::PROCESSED),
         (stage::PUBLISHER, outcome::FAILED),
         (stage::PUBLISHER, outcome::REQUEUED),
+        (stage::PUBLISHER, outcome::RESULT_HELD),
+        (stage::ROUTER, outcome::FORWARD_HELD),
+        (stage::ROUTER, outcome::REQUEUED),
+        (stage::BATCHER, outcome::RETURNED_UNCHARGED),
     ] {
         REQUESTS.with_label_values(&[s, o]);
     }
@@ -499,8 +503,11 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize, destinations: &[&str], 
     LazyLock::force(&OLDEST_BUFFERED);
     LazyLock::force(&E2E_LATENCY);
     LazyLock::force(&PARTITIONS_OWNED);
-    for op in ["acquire", "renew", "release"] {
-        LEASE_OPS.with_label_values(&[op, "ok"]);
+    // Every pair `ownership` counts, so that a rate over any of them starts from 0.
+    for (op, outcomes) in [("acquire", &["ok", "busy", "error"][..]), ("renew", &["ok", "lost", "error", "expired"]), ("release", &["ok", "lost", "error"])] {
+        for o in outcomes {
+            LEASE_OPS.with_label_values(&[op, o]);
+        }
     }
     LazyLock::force(&REBALANCES);
     LazyLock::force(&NAME_CONFLICTS);
