@@ -880,8 +880,8 @@ async fn poll_backlog(conn: Arc<Connection>, settings: Arc<Settings>, stop: Canc
 /// unblock, so a closed connection leaves no stale state. Spawn it and abort it when the
 /// connection is done with.
 ///
-/// It also keeps the last error lapin reports on the connection or its channels
-/// ([`lapin::Event::Error`]) in `last_error`.
+/// It also keeps the last error lapin reports on the connection ([`lapin::Event::Error`], not
+/// a channel's soft error) in `last_error`.
 pub fn watch_connection_blocked(
     conn: &Connection,
     connection: &'static str,
@@ -893,10 +893,11 @@ pub fn watch_connection_blocked(
     follow_connection_blocked(events, connection, readiness, last_error)
 }
 
-/// The last error lapin reported on one AMQP connection or its channels: whether the broker
-/// sent it (a `connection.close` or `channel.close` with its reply code and text) or lapin found
-/// it itself (a socket error, missing heartbeats), and its text (credentials redacted). The line
-/// of a session that ended says them as `broker_said` and `client_found`.
+/// The last error lapin reported on one AMQP connection (not a channel's soft error): whether
+/// the broker sent it (a `connection.close`, or a `channel.close` with a hard reply code, with
+/// its reply code and text) or lapin found it itself (a socket error, missing heartbeats), and
+/// its text (credentials redacted). The line of a session that ended says them as `broker_said`
+/// and `client_found`.
 pub type LastError = Arc<std::sync::Mutex<Option<(bool, String)>>>;
 
 /// How long a session that ended because a connection closed waits for lapin to report the
@@ -914,8 +915,12 @@ async fn follow_connection_blocked(events: impl Stream<Item = lapin::Event> + Se
         match event {
             lapin::Event::ConnectionBlocked(reason) => state.block(&reason),
             lapin::Event::ConnectionUnblocked => state.unblock(),
+            // A channel's error (a soft reply code: a passive declare's 404, a refused publish's
+            // 406) closes only that channel, and is logged where it happens; kept here, it would
+            // be reported as the reason of a later, unrelated connection loss.
+            lapin::Event::Error(e) if e.is_amqp_soft_error() => {}
             lapin::Event::Error(e) => {
-                let from_broker = matches!(e.kind(), lapin::ErrorKind::ProtocolError(_));
+                let from_broker = e.is_amqp_error();
                 *last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some((from_broker, crate::config::redact_text(&e.to_string())));
             }
             _ => {}
@@ -1003,6 +1008,38 @@ mod tests {
         let text = metrics::render();
         let prefix = format!("prefix_batcher_amqp_connection_blocked_total{{connection=\"{connection}\"}} ");
         text.lines().find(|l| l.starts_with(&prefix)).map(str::to_owned).unwrap_or_default()
+    }
+
+    /// Seen on a daemon: a passive declare's 404 on a channel of the publishing connection,
+    /// minutes earlier, was the `broker_said` of a later connection loss that had nothing to do
+    /// with it. A channel's soft error is not kept; a connection's error is.
+    #[tokio::test]
+    async fn a_channel_error_is_not_kept_as_the_connection_error() {
+        use lapin::protocol::{AMQPError, AMQPErrorKind};
+        let amqp_error = |code: u16, text: &str| {
+            let kind = AMQPErrorKind::from_id(code).expect("an AMQP reply code");
+            lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(kind, text.into())))
+        };
+        let (tx, rx) = mpsc::unbounded_channel::<lapin::Event>();
+        let events = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+        let slot = LastError::default();
+        let task = tokio::spawn(follow_connection_blocked(events, "test-errors", Readiness::new(), slot.clone()));
+        tx.send(lapin::Event::Error(amqp_error(404, "NOT_FOUND - no queue 'amq.rabbitmq.reply-to.x'"))).unwrap();
+        tx.send(lapin::Event::Error(amqp_error(406, "PRECONDITION_FAILED - message size"))).unwrap();
+        drop(tx);
+        task.await.unwrap();
+        assert_eq!(last_error(&slot), None, "a channel's soft error was kept");
+
+        let (tx, rx) = mpsc::unbounded_channel::<lapin::Event>();
+        let events = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+        let task = tokio::spawn(follow_connection_blocked(events, "test-errors", Readiness::new(), slot.clone()));
+        tx.send(lapin::Event::Error(amqp_error(404, "NOT_FOUND - no queue 'q'"))).unwrap();
+        tx.send(lapin::Event::Error(amqp_error(320, "CONNECTION_FORCED - broker forced connection closure"))).unwrap();
+        tx.send(lapin::Event::Error(amqp_error(404, "NOT_FOUND - a later channel error"))).unwrap();
+        drop(tx);
+        task.await.unwrap();
+        let (from_broker, text) = last_error(&slot).expect("the connection's error is kept");
+        assert!(from_broker && text.contains("CONNECTION_FORCED"), "{text}");
     }
 
     #[tokio::test]
