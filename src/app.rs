@@ -772,10 +772,14 @@ impl App {
         self.llm.check_liveness_now();
         let deadline = tokio::time::Instant::now() + self.settings.drain_timeout;
         let teardown = async {
-            if let Ok(Err(e)) = (&mut *router).await {
-                warn!(error = %e, "router failed during the drain; its unacked input returns to the input queue");
-            }
-            let owned = own_fut.await;
+            // At once, not one after the other: a router slow to stop (a forward waiting for its
+            // confirm) must not hold up the partitions' drains and their lease releases.
+            let router_stopped = async {
+                if let Ok(Err(e)) = (&mut *router).await {
+                    warn!(error = %e, "router failed during the drain; its unacked input returns to the input queue");
+                }
+            };
+            let ((), owned) = tokio::join!(router_stopped, own_fut);
             let _ = backlog.await;
             if let Err(e) = owned {
                 return Drain::Failed(SessionError::Ownership(e));

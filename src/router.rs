@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use crate::log_limit::LogLimit;
 
-use crate::amqp::{answered, close_after_acks, ConfirmChannel, Connections, SharedConfirmChannel};
+use crate::amqp::{answered, close_after_acks, within, ConfirmChannel, Connections, SharedConfirmChannel, CLOSE_TIMEOUT};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
@@ -144,8 +144,10 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
                             Err(e) => break Err(Some(e)),
                         },
                         Ended::Stopped => {
-                            let _ = answered("basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
-                            while inflight.join_next().await.is_some() {}
+                            // Bounded like a close: the channel's close below ends the consumer
+                            // anyway, and a drain has no time for a cancel-ok that does not come.
+                            let _ = within(CLOSE_TIMEOUT, "basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
+                            finish_inflight(&mut inflight).await;
                             let _ = close_after_acks(&ch, "router stopped").await;
                             break Ok(());
                         }
@@ -179,10 +181,28 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             }
         }
     };
-    while inflight.join_next().await.is_some() {}
+    finish_inflight(&mut inflight).await;
     publish.shared.close("router stopped").await;
     info!("router stopped");
     result
+}
+
+/// How long the router waits for its deliveries in flight at a stop before it says so in the log.
+const INFLIGHT_NOTE_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Waits until every delivery task of `inflight` has ended (each ends soon after `stop`: a held
+/// forward or a requeue backoff is cut short; a publish or a dead letter waits at most for its
+/// confirm). Says at WARN how many are left if that takes longer than [`INFLIGHT_NOTE_AFTER`],
+/// so that a stop that does not end names what it waits for.
+async fn finish_inflight(inflight: &mut JoinSet<()>) {
+    let all = async {
+        while inflight.join_next().await.is_some() {}
+    };
+    let mut all = std::pin::pin!(all);
+    if tokio::time::timeout(INFLIGHT_NOTE_AFTER, all.as_mut()).await.is_err() {
+        warn!(waited = ?INFLIGHT_NOTE_AFTER, "the router is stopping and still waits for input deliveries in flight (forwards or dead letters waiting for the broker's confirm)");
+        all.await;
+    }
 }
 
 /// Counts and logs the end of the router's consumer (`e`, none when the consumer just ended;
