@@ -807,12 +807,13 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
 }
 
 /// For each of the `p` partitions, the index in `live` of the member the assignment gives it
-/// (members flagged LLM-down get none while another's LLM is up:
+/// (members flagged LLM-down get none while another member's LLM is up:
 /// [`crate::membership::assignable`]).
 fn desired_owners(p: u32, live: &[crate::membership::Member]) -> Vec<Option<usize>> {
     let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
     let down: Vec<String> = live.iter().filter(|m| m.llm_down).map(|m| m.name.clone()).collect();
-    let assignable = crate::membership::assignable(&names, &down);
+    let unavailable: Vec<String> = live.iter().filter(|m| m.llm_unavailable).map(|m| m.name.clone()).collect();
+    let assignable = crate::membership::assignable(&names, &down, &unavailable);
     assignment(p, &assignable).into_iter().map(|o| o.and_then(|i| names.iter().position(|n| *n == assignable[i]))).collect()
 }
 

@@ -47,20 +47,24 @@ use crate::lease::RedisConn;
 /// Heartbeat: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag,
 /// member's routing settings, the deployment's partition count
 /// ([`crate::topology::partition_count_key`]), the deployment's route
-/// ([`crate::topology::partition_route_key`]), member's health ([`member_health_key`])],
+/// ([`crate::topology::partition_route_key`]), member's health ([`member_health_key`]), member's
+/// LLM-unavailable flag ([`member_llm_unavailable_key`])],
 /// ARGV = [name, nonce, member_ttl_ms, llm_down
 /// ("1" or "0"), key prefix, name_conflict ("1" or "0"), name-conflict flag TTL ms, routing
 /// settings ('' for none: neither stored nor compared), partition count ('' for none: not
-/// recorded), route ('' for none: not recorded), health ('' for none: deleted)]. A name-conflict "1" sets that flag for
+/// recorded), route ('' for none: not recorded), health ('' for none: deleted), llm_unavailable ("1"
+/// or "0")]. A name-conflict "1" sets that flag for
 /// [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to expire. The partition count and the route are
 /// written only where none is recorded (`SET … NX`).
-/// Returns `{names, previous, down, differs, listed, recorded}`: the live member names, sorted;
+/// Returns `{names, previous, down, differs, listed, recorded, other_route, unavailable}`: the
+/// live member names, sorted;
 /// the nonce the name's key held before when it was another process's (else `false`, read as
 /// nil); the live members whose LLM-down flag is set, sorted; `name, settings` pairs (flat) of
 /// the other live members whose routing settings differ; 1 when the member set held this name
 /// before this heartbeat (`ZADD` added no new member), else 0; 1 when this heartbeat recorded the partition count, else 0;
-/// the recorded route when it differs from this member's (else `false`).
-/// The flag and settings expire with the heartbeat.
+/// the recorded route when it differs from this member's (else `false`); the live members whose
+/// LLM-unavailable flag is set, sorted.
+/// The flags and settings expire with the heartbeat.
 const HEARTBEAT: &str = r#"
 local prev = redis.call('GET', KEYS[2])
 if prev == ARGV[2] then prev = false end
@@ -82,6 +86,11 @@ if ARGV[4] == '1' then
 else
   redis.call('DEL', KEYS[3])
 end
+if ARGV[12] == '1' then
+  redis.call('SET', KEYS[9], '1', 'PXAT', expiry)
+else
+  redis.call('DEL', KEYS[9])
+end
 if ARGV[6] == '1' then
   redis.call('SET', KEYS[4], '1', 'PX', ARGV[7])
 end
@@ -101,9 +110,13 @@ end
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
 table.sort(names)
 local down = {}
+local unavailable = {}
 for _, n in ipairs(names) do
   if redis.call('EXISTS', ARGV[5] .. ':member_llm_down:' .. n) == 1 then
     table.insert(down, n)
+  end
+  if redis.call('EXISTS', ARGV[5] .. ':member_llm_unavailable:' .. n) == 1 then
+    table.insert(unavailable, n)
   end
 end
 local differs = {}
@@ -116,11 +129,11 @@ if ARGV[8] ~= '' then
     end
   end
 end
-return {names, prev, down, differs, listed, recorded, other_route}
+return {names, prev, down, differs, listed, recorded, other_route, unavailable}
 "#;
 
 /// Leave: KEYS = [members, member, member's LLM-down flag, member's name-conflict flag, member's
-/// routing settings, member's draining mark, member's health], ARGV = [name, nonce, draining ms ('0': none)].
+/// routing settings, member's draining mark, member's health, member's LLM-unavailable flag], ARGV = [name, nonce, draining ms ('0': none)].
 /// With a draining time, sets the draining mark for that long; else deletes it. Returns 1 when
 /// removed, 0 when the name belongs to another process now.
 const LEAVE: &str = r#"
@@ -128,7 +141,7 @@ local cur = redis.call('GET', KEYS[2])
 if cur and cur ~= ARGV[2] then
   return 0
 end
-redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7])
+redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[7], KEYS[8])
 redis.call('ZREM', KEYS[1], ARGV[1])
 if ARGV[3] ~= '0' then
   redis.call('SET', KEYS[6], ARGV[2], 'PX', ARGV[3])
@@ -138,8 +151,9 @@ end
 return 1
 "#;
 
-/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down, conflicts, health}`,
-/// names sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down flag is set,
+/// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down, conflicts, health,
+/// unavailable}`, names sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down
+/// flag is set, `unavailable[i]` 1 when its LLM-unavailable flag is,
 /// `conflicts[i]` 1 when its name-conflict flag is, `health[i]` its health text ('' when it
 /// published none). The nonce
 /// and flag keys are built from the names inside the script, as the names are not known before
@@ -153,13 +167,15 @@ local nonces = {}
 local down = {}
 local conflicts = {}
 local health = {}
+local unavailable = {}
 for i, n in ipairs(names) do
   nonces[i] = redis.call('GET', ARGV[1] .. ':member:' .. n)
   down[i] = redis.call('EXISTS', ARGV[1] .. ':member_llm_down:' .. n)
   conflicts[i] = redis.call('EXISTS', ARGV[1] .. ':member_name_conflict:' .. n)
   health[i] = redis.call('GET', ARGV[1] .. ':member_health:' .. n) or ''
+  unavailable[i] = redis.call('EXISTS', ARGV[1] .. ':member_llm_unavailable:' .. n)
 end
-return {names, nonces, down, conflicts, health}
+return {names, nonces, down, conflicts, health, unavailable}
 "#;
 
 /// Membership errors.
@@ -195,6 +211,15 @@ pub fn member_key(prefix: &str, name: &str) -> String {
 /// expiry. Built from the names inside the scripts too (`HEARTBEAT`, `LIST`).
 pub fn member_llm_down_key(prefix: &str, name: &str) -> String {
     format!("{prefix}:member_llm_down:{name}")
+}
+
+/// The Redis key of a member's LLM-unavailable flag: set by its heartbeats while every LLM
+/// endpoint of that instance is down now (however briefly), with the heartbeat's expiry. It
+/// moves no partition by itself; it tells the others that this member could not serve the
+/// partitions of a member flagged LLM-down either ([`assignable`]). Built from the names inside
+/// the scripts too (`HEARTBEAT`, `LIST`).
+pub fn member_llm_unavailable_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}:member_llm_unavailable:{name}")
 }
 
 /// The Redis key of a member's name-conflict flag: set by the heartbeats of a process that found
@@ -235,12 +260,17 @@ pub const NAME_CONFLICT_FLAG_TTL: Duration = Duration::from_secs(60);
 pub const MAX_HEALTH_BYTES: usize = 1024;
 
 /// The members that partitions are assigned to ([`crate::keying::assignment`]): the live
-/// members whose LLM is not down, or all live members when every one of them is down (then no
-/// instance can serve, and moving partitions would only return held requests to their queues).
-/// `members` and `llm_down` are sorted; so is the result.
-pub fn assignable(members: &[String], llm_down: &[String]) -> Vec<String> {
+/// members whose LLM is not flagged down (`llm_down`), or all live members when no member's LLM
+/// is up: every one is flagged down or unavailable now (`llm_unavailable`: every endpoint down,
+/// not yet for `ownership.llm_down_hand_over_after`). Then no instance can serve, and moving
+/// partitions would only return held requests to their queues; without the second list, the
+/// first member flagged in an outage of every server handed its partitions to one flagged a
+/// heartbeat later, which handed them back. `members`, `llm_down` and `llm_unavailable` are
+/// sorted; so is the result.
+pub fn assignable(members: &[String], llm_down: &[String], llm_unavailable: &[String]) -> Vec<String> {
     let up: Vec<String> = members.iter().filter(|m| llm_down.binary_search(m).is_err()).cloned().collect();
-    if up.is_empty() {
+    let none_serves = members.iter().all(|m| llm_down.binary_search(m).is_ok() || llm_unavailable.binary_search(m).is_ok());
+    if up.is_empty() || none_serves {
         members.to_vec()
     } else {
         up
@@ -257,11 +287,22 @@ pub struct Member {
     pub nonce: Option<String>,
     /// Its LLM-down flag is set ([`member_llm_down_key`]).
     pub llm_down: bool,
+    /// Its LLM-unavailable flag is set ([`member_llm_unavailable_key`]).
+    pub llm_unavailable: bool,
     /// Another live process heartbeats under the same name ([`member_name_conflict_key`]).
     pub name_conflict: bool,
     /// Its health line ([`member_health_key`]); `None` when it published none (an instance of
     /// an older version).
     pub health: Option<String>,
+}
+
+/// What a heartbeat says of this member's LLM: `down`, every endpoint has been down for
+/// `ownership.llm_down_hand_over_after` (its partitions move to members whose LLM is up);
+/// `unavailable`, every endpoint is down now (implied by `down`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LlmFlags {
+    pub down: bool,
+    pub unavailable: bool,
 }
 
 /// What one heartbeat read.
@@ -276,6 +317,9 @@ pub struct Heartbeat {
     pub previous_nonce: Option<String>,
     /// The live members whose LLM-down flag is set ([`member_llm_down_key`]), sorted.
     pub llm_down: Vec<String>,
+    /// The live members whose LLM-unavailable flag is set ([`member_llm_unavailable_key`]),
+    /// sorted.
+    pub llm_unavailable: Vec<String>,
     /// The other live members whose routing settings differ from this process's, with theirs
     /// (empty when this process publishes none: [`Membership::with_routing`]).
     pub routing_differs: Vec<(String, String)>,
@@ -380,13 +424,13 @@ impl Membership {
     /// (`llm_down`), and returns the live member names, sorted, with the nonce of another process
     /// that held the name until this heartbeat and the members whose LLM is down (one round trip).
     pub async fn heartbeat(&self, llm_down: bool) -> Result<Heartbeat, MembershipError> {
-        self.heartbeat_flagging(llm_down, None).await
+        self.heartbeat_flagging(LlmFlags { down: llm_down, unavailable: llm_down }, None).await
     }
 
     /// [`Self::heartbeat`], also setting this name's conflict flag ([`member_name_conflict_key`])
     /// for the given time when `name_conflict` is `Some` (the rest of
     /// [`NAME_CONFLICT_FLAG_TTL`] since the conflict was last found; at least 1 ms).
-    pub async fn heartbeat_flagging(&self, llm_down: bool, name_conflict: Option<Duration>) -> Result<Heartbeat, MembershipError> {
+    pub async fn heartbeat_flagging(&self, llm: LlmFlags, name_conflict: Option<Duration>) -> Result<Heartbeat, MembershipError> {
         let mut conn = self.conn.clone();
         let mut call = self.heartbeat.prepare_invoke();
         call.key(members_key(&self.prefix))
@@ -397,24 +441,27 @@ impl Membership {
             .key(crate::topology::partition_count_key(&self.prefix))
             .key(crate::topology::partition_route_key(&crate::topology::partition_count_key(&self.prefix)))
             .key(member_health_key(&self.prefix, &self.name))
+            .key(member_llm_unavailable_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(self.ttl.as_millis() as u64)
-            .arg(if llm_down { "1" } else { "0" })
+            .arg(if llm.down { "1" } else { "0" })
             .arg(&self.prefix)
             .arg(if name_conflict.is_some() { "1" } else { "0" })
             .arg(name_conflict.map_or(1, |d| (d.as_millis() as u64).max(1)))
             .arg(&self.routing)
             .arg(&self.partitions)
             .arg(&self.route)
-            .arg(self.health.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_str());
-        type Reply = (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64, Option<String>);
-        let (members, previous_nonce, llm_down, differs, listed, recorded, other_route): Reply = self.timed(call.invoke_async(&mut conn)).await?;
+            .arg(self.health.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_str())
+            .arg(if llm.unavailable || llm.down { "1" } else { "0" });
+        type Reply = (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64, Option<String>, Vec<String>);
+        let (members, previous_nonce, llm_down, differs, listed, recorded, other_route, llm_unavailable): Reply = self.timed(call.invoke_async(&mut conn)).await?;
         let routing_differs = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();
         Ok(Heartbeat {
             members,
             previous_nonce,
             llm_down,
+            llm_unavailable,
             routing_differs,
             was_listed: listed == 1,
             recorded_partition_count: recorded == 1,
@@ -444,6 +491,7 @@ impl Membership {
             .key(member_routing_key(&self.prefix, &self.name))
             .key(member_draining_key(&self.prefix, &self.name))
             .key(member_health_key(&self.prefix, &self.name))
+            .key(member_llm_unavailable_key(&self.prefix, &self.name))
             .arg(&self.name)
             .arg(&self.nonce)
             .arg(drain.map_or(0, |d| (d.as_millis() as u64).max(1)));
@@ -453,24 +501,26 @@ impl Membership {
 }
 
 /// What the `LIST` script returns: one column per field of [`Member`] (names, nonces, LLM-down
-/// flags, conflict flags, health), each in the same order.
-type MemberColumns = (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>, Vec<String>);
+/// flags, conflict flags, health, LLM-unavailable flags), each in the same order.
+type MemberColumns = (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>, Vec<String>, Vec<i64>);
 
 /// The live members (sorted by name) with their nonces, read only (for `status`).
 ///
 /// Errors: Redis unreachable or answering with an error.
 pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), prefix: &str) -> Result<Vec<Member>, redis::RedisError> {
-    let (names, nonces, down, conflicts, health): MemberColumns = Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
+    let (names, nonces, down, conflicts, health, unavailable): MemberColumns = Script::new(LIST).key(members_key(prefix)).arg(prefix).invoke_async(conn).await?;
     let mut nonces = nonces.into_iter();
     let mut down = down.into_iter();
     let mut conflicts = conflicts.into_iter();
     let mut health = health.into_iter();
+    let mut unavailable = unavailable.into_iter();
     Ok(names
         .into_iter()
         .map(|name| Member {
             name,
             nonce: nonces.next().flatten(),
             llm_down: down.next() == Some(1),
+            llm_unavailable: unavailable.next() == Some(1),
             name_conflict: conflicts.next() == Some(1),
             health: health.next().filter(|h| !h.is_empty()),
         })
@@ -488,12 +538,20 @@ mod tests {
     #[test]
     fn partitions_go_to_the_members_whose_llm_is_up_unless_none_is() {
         let members = names(&["a", "b", "c"]);
-        assert_eq!(assignable(&members, &[]), members);
-        assert_eq!(assignable(&members, &names(&["b"])), names(&["a", "c"]));
-        assert_eq!(assignable(&members, &names(&["a", "c"])), names(&["b"]));
-        assert_eq!(assignable(&members, &members), members, "all down: nobody could serve, nothing moves");
+        assert_eq!(assignable(&members, &[], &[]), members);
+        assert_eq!(assignable(&members, &names(&["b"]), &names(&["b"])), names(&["a", "c"]));
+        assert_eq!(assignable(&members, &names(&["a", "c"]), &names(&["a", "c"])), names(&["b"]));
+        assert_eq!(assignable(&members, &members, &members), members, "all down: nobody could serve, nothing moves");
         // A flag of a name that is no longer a member changes nothing.
-        assert_eq!(assignable(&names(&["a"]), &names(&["z"])), names(&["a"]));
-        assert!(assignable(&[], &[]).is_empty());
+        assert_eq!(assignable(&names(&["a"]), &names(&["z"]), &[]), names(&["a"]));
+        assert!(assignable(&[], &[], &[]).is_empty());
+        // Observed: every server down, `a` flagged first; `b` and `c` not yet flagged but down
+        // too: nobody could serve a's partitions, so nothing moves.
+        assert_eq!(assignable(&members, &names(&["a"]), &names(&["a", "b", "c"])), members);
+        // One member still up: a flagged member's partitions go to the unflagged ones (a member
+        // down for a moment keeps its own, as ever).
+        assert_eq!(assignable(&members, &names(&["a"]), &names(&["a", "b"])), names(&["b", "c"]));
+        // An unavailable member alone moves nothing.
+        assert_eq!(assignable(&members, &[], &names(&["b"])), members);
     }
 }

@@ -309,7 +309,8 @@ impl Ownership {
             .collect();
         let held = metrics::held_publishes();
         self.membership.set_health(&health_line(&self.readiness.state(), &endpoints, held, &self.client_certificates, crate::tls::unix_now()));
-        let beat = match self.membership.heartbeat_flagging(llm_down, conflict).await {
+        let flags = crate::membership::LlmFlags { down: llm_down, unavailable: self.llm.all_down_for().is_some() };
+        let beat = match self.membership.heartbeat_flagging(flags, conflict).await {
             Ok(b) => b,
             Err(e) => {
                 let failing_s = self.last_heartbeat.map(|t| t.elapsed().as_secs());
@@ -326,7 +327,7 @@ impl Ownership {
             info!(since_last_success_s = self.last_heartbeat.map(|t| t.elapsed().as_secs()), "membership heartbeat succeeded again");
         }
         self.note_name_conflict(beat.previous_nonce.as_deref());
-        let members = crate::membership::assignable(&beat.members, &beat.llm_down);
+        let members = crate::membership::assignable(&beat.members, &beat.llm_down, &beat.llm_unavailable);
         self.note_llm_down(llm_down, members.contains(&self.settings.instance_name));
         let s = &self.settings.ownership;
         // Blind until now (first heartbeat of this session, or Redis was unreachable for longer

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use prefix_batcher::membership::{
-    assignable, member_health_key, member_key, member_llm_down_key, member_name_conflict_key, members_key, read_members, Member, Membership,
+    assignable, member_health_key, member_key, member_llm_down_key, member_llm_unavailable_key, member_name_conflict_key, members_key, read_members, LlmFlags, Member,
+    Membership,
 };
 use tokio::time::Instant;
 
@@ -28,7 +29,7 @@ async fn membership_against_redis() {
     assert_eq!(b.heartbeat(false).await.unwrap().members, ["b"]);
     assert_eq!(a.heartbeat(false).await.unwrap().members, ["a", "b"], "sorted live names");
     let listed = read_members(&mut conn, prefix).await.unwrap();
-    let member = |name: &str, nonce: &str| Member { name: name.into(), nonce: Some(nonce.into()), llm_down: false, name_conflict: false, health: None };
+    let member = |name: &str, nonce: &str| Member { name: name.into(), nonce: Some(nonce.into()), llm_down: false, llm_unavailable: false, name_conflict: false, health: None };
     assert_eq!(listed, [member("a", "n1"), member("b", "n3")]);
     let kind: String = redis::cmd("TYPE").arg(members_key(prefix)).query_async(&mut probe.conn).await.unwrap();
     assert_eq!(kind, "zset");
@@ -71,10 +72,19 @@ async fn membership_against_redis() {
     assert!(read_members(&mut conn, prefix).await.unwrap()[1].llm_down);
     let flag_ttl: i64 = redis::cmd("PTTL").arg(member_llm_down_key(prefix, "b")).query_async(&mut probe.conn).await.unwrap();
     assert!(flag_ttl > 0 && flag_ttl <= ttl.as_millis() as i64, "the flag expires with the heartbeat: PTTL {flag_ttl}");
-    assert_eq!(assignable(&beat.members, &beat.llm_down), ["a"], "partitions go to the members whose LLM is up");
-    assert_eq!(assignable(&beat.members, &beat.members), ["a", "b"], "all down: all keep their partitions");
+    assert_eq!(beat.llm_unavailable, ["b"], "a member flagged down is unavailable too");
+    assert_eq!(assignable(&beat.members, &beat.llm_down, &beat.llm_unavailable), ["a"], "partitions go to the members whose LLM is up");
+    assert_eq!(assignable(&beat.members, &beat.members, &beat.members), ["a", "b"], "all down: all keep their partitions");
+    // Every server down, `b` flagged first and `a` unavailable (not flagged yet): nobody could
+    // serve b's partitions, so nothing moves; every heartbeat and the listing report it.
+    let beat = a2.heartbeat_flagging(LlmFlags { down: false, unavailable: true }, None).await.unwrap();
+    assert_eq!((beat.llm_down.clone(), beat.llm_unavailable.clone()), (vec!["b".to_owned()], vec!["a".to_owned(), "b".to_owned()]));
+    assert_eq!(assignable(&beat.members, &beat.llm_down, &beat.llm_unavailable), ["a", "b"]);
+    assert!(read_members(&mut conn, prefix).await.unwrap()[0].llm_unavailable);
+    assert!(a2.heartbeat(false).await.unwrap().llm_unavailable == ["b"], "its next heartbeat without the flag clears it");
     assert!(b.heartbeat(false).await.unwrap().llm_down.is_empty());
     assert_eq!(probe.get(&member_llm_down_key(prefix, "b")).await, None);
+    assert_eq!(probe.get(&member_llm_unavailable_key(prefix, "b")).await, None);
     b.set_health("ready");
     b.heartbeat(false).await.unwrap();
     assert_eq!(read_members(&mut conn, prefix).await.unwrap()[1].health.as_deref(), Some("ready"));
@@ -113,10 +123,10 @@ async fn membership_against_redis() {
     }
     // The daemon then flags the conflict with its heartbeats, for `status`; the flag outlives
     // the heartbeat that set it, and a leave removes it.
-    d2.heartbeat_flagging(false, Some(prefix_batcher::membership::NAME_CONFLICT_FLAG_TTL)).await.unwrap();
+    d2.heartbeat_flagging(LlmFlags::default(), Some(prefix_batcher::membership::NAME_CONFLICT_FLAG_TTL)).await.unwrap();
     let d = read_members(&mut conn, prefix).await.unwrap().into_iter().find(|m| m.name == "d").unwrap();
     assert!(d.name_conflict && !d.llm_down);
-    d2.heartbeat_flagging(false, None).await.unwrap();
+    d2.heartbeat_flagging(LlmFlags::default(), None).await.unwrap();
     assert!(read_members(&mut conn, prefix).await.unwrap().iter().any(|m| m.name == "d" && m.name_conflict), "a heartbeat without the flag leaves it to expire");
     let flag_ttl: i64 = redis::cmd("PTTL").arg(member_name_conflict_key(prefix, "d")).query_async(&mut probe.conn).await.unwrap();
     assert!(flag_ttl > ttl.as_millis() as i64 && flag_ttl <= 60_000, "PTTL {flag_ttl}");
