@@ -618,6 +618,69 @@ async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
     env.cleanup().await;
 }
 
+/// g2. Every server down: both instances' servers refuse every connection (b's 1.5 s after a's)
+/// and requests reach every partition, so both instances' breakers open. The first instance
+/// flagged LLM-down must keep its partitions: the other's LLM is down too, only not flagged yet. Observed before:
+/// the first flagged handed its partitions to the other, whose flag came a heartbeat later, and
+/// took them back at once (a useless move: held requests returned, rebalances counted). Every
+/// lease keeps its epoch through the outage, and every request is answered once the servers
+/// are back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn g2_when_every_server_is_down_no_partition_moves() {
+    let _serial = SERIAL.lock().await;
+    const P: u32 = 8;
+    let env = TestEnv::new("alldown");
+    let fake_a = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
+    let fake_b = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
+    let mut raw = scale_config(&env, fake_a.url.as_str(), P);
+    raw.ownership.llm_down_hand_over_after = "2s".into();
+    let mut raw_b = raw.clone();
+    raw_b.llm.endpoints = vec![fake_b.url.as_str().trim_end_matches('/').to_owned()];
+    let prefix = env.key_prefix().to_owned();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut cluster = Cluster::new(&env, raw);
+    cluster.start(&env, "a");
+    cluster.start_with(&env, "b", raw_b);
+    let (before, _) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+
+    // a's server first, b's 1.5 s later (requests to every partition each time, so that the
+    // breakers open): a is flagged about 1.5 s before b, while b's breaker is already open.
+    let amqp = Amqp::connect().await;
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload("alldown", 80, 40);
+    let (first, second) = reqs.split_at(40);
+    fake_a.set_refuse(true).await;
+    amqp.publish_requests(&env.input_queue(), first, &reply).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    fake_b.set_refuse(true).await;
+    amqp.publish_requests(&env.input_queue(), second, &reply).await;
+    // Both flag themselves 2 s after their breakers opened; wait well past both flags.
+    let deadline = Instant::now() + DEADLINE;
+    while !["a", "b"].iter().all(|i| cluster.proc(i).log().contains("every LLM endpoint of this instance has been down")) {
+        assert!(Instant::now() < deadline, "both instances should have flagged their LLM down");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = redis.leases(&prefix, P).await;
+    for i in ["a", "b"] {
+        let log = cluster.proc(i).log();
+        assert!(!log.contains("handing partition over"), "{i} handed a partition over although no member's LLM was up:\n{log}");
+    }
+    assert_eq!(during, before, "every lease keeps its holder and epoch while no member's LLM is up");
+
+    fake_a.set_refuse(false).await;
+    fake_b.set_refuse(false).await;
+    results.until_all(&ids(&reqs), DEADLINE).await;
+    let distinct: HashSet<&String> = results.received.iter().map(|r| &r.correlation_id).collect();
+    assert_eq!(distinct.len(), reqs.len());
+    assert!(results.received.iter().all(|r| r.result().ok), "a server outage is not the requests' fault");
+    cluster.stop_all(DEADLINE).await;
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// h. Redis loses the deployment's data (every key of its prefix deleted, as by `FLUSHALL` or a
 /// restart without persistence) while two instances run: each one's next heartbeat finds its own
 /// entry gone and waits `settle_time` before acquiring, so no partition is ever taken by the
