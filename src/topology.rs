@@ -40,7 +40,7 @@ pub enum TopologyError {
         source: lapin::Error,
     },
     /// The deployment has another partition count.
-    #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: drain and delete the partition queues and delete the Redis key `{redis_key}`)")]
+    #[error("the deployment has {existing} partitions but amqp.partitions = {configured}; the partition count is fixed for the life of a deployment (to change it: stop publishing and let the deployment empty its partition queues, stop every instance, delete the partition queues and the Redis key `{redis_key}`, then start the instances with the new count; deleting a queue under a running instance only has it declared again, and deletes the requests it held)")]
     PartitionCount { existing: String, configured: u32, redis_key: String },
     /// The deployment routes through another shard exchange, other partition queues, or another
     /// dead-letter exchange or queue.
