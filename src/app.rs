@@ -295,11 +295,8 @@ pub async fn run_with_events(
         .map_err(|source| AppError::Listen { addr: settings.http_listen, source })?;
     let addr = listener.local_addr().map_err(|source| AppError::Listen { addr: settings.http_listen, source })?;
     info!(%addr, instance = %settings.instance_name, "http listening");
-    if (1..MIN_ADVISED_HEARTBEAT_SECS).contains(&settings.amqp.heartbeat) {
-        warn!(
-            heartbeat_secs = settings.amqp.heartbeat,
-            "amqp.heartbeat is below the 5 s RabbitMQ advises: a busy host or network may see healthy connections closed (https://www.rabbitmq.com/docs/heartbeats)"
-        );
+    for advice in advisories(&settings) {
+        warn!("{advice}");
     }
     report_client_certificates(&settings);
     let http_token = root.child_token();
@@ -381,6 +378,31 @@ enum Drain {
     Failed(SessionError),
     /// `shutdown.drain_timeout` elapsed first.
     DeadlineExceeded,
+}
+
+/// Settings that are valid but probably not what the operator wants, one sentence each naming
+/// the keys and values: logged at WARN when the daemon starts, printed by `check-config`.
+pub fn advisories(s: &Settings) -> Vec<String> {
+    let mut out = Vec::new();
+    if (1..MIN_ADVISED_HEARTBEAT_SECS).contains(&s.amqp.heartbeat) {
+        out.push(format!(
+            "amqp.heartbeat = {}s is below the 5 s RabbitMQ advises: a busy host or network may see healthy connections closed (https://www.rabbitmq.com/docs/heartbeats)",
+            s.amqp.heartbeat
+        ));
+    }
+    if let Some(verdict) = crate::llm::liveness_verdict_after(&s.llm).filter(|v| s.llm.request_timeout <= *v) {
+        out.push(format!(
+            "llm.request_timeout = {:?} is too short for the frozen-server check (llm.liveness_check_after plus two checks of min(10s, it) each: {verdict:?}): calls to a frozen server are found by their timeouts instead, one probe later; lower llm.liveness_check_after or raise llm.request_timeout",
+            s.llm.request_timeout
+        ));
+    }
+    if s.llm.connect_timeout >= s.llm.request_timeout {
+        out.push(format!(
+            "llm.connect_timeout = {:?} is not below llm.request_timeout = {:?}: a connection still pending when the request timeout fires counts as a request timeout (verified by a probe before the breaker opens), not as the hard fault a connect timeout is",
+            s.llm.connect_timeout, s.llm.request_timeout
+        ));
+    }
+    out
 }
 
 /// What a drain's end means for the process: only a finished drain stops it cleanly.
@@ -1012,6 +1034,20 @@ mod tests {
         let text = metrics::render();
         let prefix = format!("prefix_batcher_amqp_connection_blocked_total{{connection=\"{connection}\"}} ");
         text.lines().find(|l| l.starts_with(&prefix)).map(str::to_owned).unwrap_or_default()
+    }
+
+    #[test]
+    fn advisories_name_likely_mistakes_and_the_defaults_have_none() {
+        let mut raw = crate::config::RawConfig::default();
+        assert_eq!(advisories(&Settings::from_raw(&raw).unwrap()), Vec::<String>::new());
+        raw.amqp.heartbeat = "2s".into();
+        raw.llm.request_timeout = "40s".into();
+        raw.llm.connect_timeout = "45s".into();
+        let got = advisories(&Settings::from_raw(&raw).unwrap());
+        assert_eq!(got.len(), 3, "{got:#?}");
+        assert!(got[0].starts_with("amqp.heartbeat = 2s"), "{}", got[0]);
+        assert!(got[1].starts_with("llm.request_timeout = 40s") && got[1].contains("50s"), "{}", got[1]);
+        assert!(got[2].starts_with("llm.connect_timeout = 45s is not below llm.request_timeout = 40s"), "{}", got[2]);
     }
 
     /// Seen on a daemon: a passive declare's 404 on a channel of the publishing connection,

@@ -185,6 +185,13 @@ pub const LIVENESS_TIMEOUT_MAX: Duration = Duration::from_secs(10);
 /// Liveness checks in a row without an answer that make an endpoint count as not answering (one
 /// lost packet or a slow accept is not a frozen server).
 pub const LIVENESS_MISSES: u32 = 2;
+
+/// When a call's frozen-server check ends at the latest: `llm.liveness_check_after` plus
+/// [`LIVENESS_MISSES`] checks of min(it, [`LIVENESS_TIMEOUT_MAX`]) each. A call that times out
+/// (`llm.request_timeout`) before then is never judged by the check. `None` when the check is off.
+pub fn liveness_verdict_after(settings: &LlmSettings) -> Option<Duration> {
+    settings.liveness_check_after.map(|after| after + after.min(LIVENESS_TIMEOUT_MAX) * LIVENESS_MISSES)
+}
 /// Largest body of a real call kept for `LlmClient::probe` to replay (64 KiB).
 pub const KNOWN_GOOD_MAX_BYTES: usize = 64 * 1024;
 /// How often a call waiting to retry after a server fault checks whether its endpoint's breaker
@@ -712,19 +719,6 @@ impl LlmClient {
             builder = builder.identity(identity);
         }
         let http = builder.build().map_err(|e| config_error(format!("cannot build the HTTP client: {}", e.without_url())))?;
-        if let Some(after) = settings.liveness_check_after {
-            // The check starts after `after` and needs LIVENESS_MISSES unanswered checks: a call
-            // that times out before then is never checked.
-            let verdict = after + after.min(LIVENESS_TIMEOUT_MAX) * LIVENESS_MISSES;
-            if settings.request_timeout <= verdict {
-                tracing::warn!(
-                    request_timeout = ?settings.request_timeout,
-                    liveness_check_after = ?after,
-                    needs_more_than = ?verdict,
-                    "llm.request_timeout is too short for the frozen-server check (llm.liveness_check_after plus two checks of min(10s, it) each): calls to a frozen server are found by their timeouts instead, one probe later; lower llm.liveness_check_after or raise llm.request_timeout"
-                );
-            }
-        }
         let names: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
         let homes = crate::keying::assignment(options.partitions, &names).into_iter().map(|h| h.unwrap_or(0)).collect();
         Ok(LlmClient {

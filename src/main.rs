@@ -247,6 +247,10 @@ async fn dispatch(command: &Command, loaded: Loaded) -> ExitCode {
             for line in tls_summary(s, tls::unix_now()) {
                 println!("# {line}");
             }
+            // What `run` would log at WARN at startup for the same configuration.
+            for advice in prefix_batcher::app::advisories(s) {
+                println!("# warning: {advice}");
+            }
             print!("{}", config::redacted_toml(&loaded.raw));
             ExitCode::from(exit::EX_OK)
         }
