@@ -114,7 +114,6 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
     let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes });
-    let tag = format!("router-{}", settings.instance_name);
     let a = &settings.amqp;
     let mut inflight = JoinSet::new();
     // One delivery at a time, after a failure (see above).
@@ -124,13 +123,13 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     let result = loop {
         let intake = conns.intake();
         // `Ok` when `stop` fired and the consumer finished, else the error it ended with.
-        let ended: Result<(), Option<lapin::Error>> = match subscribe(&intake, settings.as_ref(), &tag, careful).await {
+        let ended: Result<(), Option<lapin::Error>> = match subscribe(&intake, settings.as_ref(), careful).await {
             Ok((ch, mut consumer)) => {
                 info!(queue = %a.input_queue, one_at_a_time = careful, "router consuming");
                 loop {
                     let open = || intake.status().connected() && ch.status().connected();
                     match pump(&mut consumer, &open, &publish, &settings, &stop, &mut inflight, careful).await {
-                        Ended::Fresh => match widen(&ch, &mut consumer, settings.as_ref(), &tag, |d| {
+                        Ended::Fresh => match widen(&ch, &mut consumer, settings.as_ref(), |d| {
                             inflight.spawn(guarded(publish.clone(), settings.clone(), d, stop.clone()));
                         })
                         .await
@@ -146,7 +145,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
                         Ended::Stopped => {
                             // Bounded like a close: the channel's close below ends the consumer
                             // anyway, and a drain has no time for a cancel-ok that does not come.
-                            let _ = within(CLOSE_TIMEOUT, "basic.cancel", ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())).await;
+                            let _ = within(CLOSE_TIMEOUT, "basic.cancel", ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())).await;
                             finish_inflight(&mut inflight).await;
                             let _ = close_after_acks(&ch, "router stopped").await;
                             break Ok(());
@@ -228,30 +227,43 @@ fn report_intake_failure(e: Option<&lapin::Error>, lost: bool, wait: std::time::
 
 /// Opens a consuming channel on the input queue on `intake`, with prefetch 1 when `careful`,
 /// else `amqp.input_prefetch`.
-async fn subscribe(intake: &lapin::Connection, settings: &Settings, tag: &str, careful: bool) -> Result<(Channel, Consumer), lapin::Error> {
+async fn subscribe(intake: &lapin::Connection, settings: &Settings, careful: bool) -> Result<(Channel, Consumer), lapin::Error> {
     let ch = answered("channel.open", intake.create_channel()).await?;
-    let consumer = consume(&ch, settings, tag, if careful { 1 } else { settings.amqp.input_prefetch }).await?;
+    let consumer = consume(&ch, settings, if careful { 1 } else { settings.amqp.input_prefetch }).await?;
     Ok((ch, consumer))
 }
 
 /// Starts the router's consumer of the input queue on `ch` with `prefetch` (per consumer: a
 /// quorum queue has no per-channel prefetch, and a consumer keeps the prefetch it started with).
-async fn consume(ch: &Channel, settings: &Settings, tag: &str, prefetch: u16) -> Result<Consumer, lapin::Error> {
+async fn consume(ch: &Channel, settings: &Settings, prefetch: u16) -> Result<Consumer, lapin::Error> {
     answered("basic.qos", ch.basic_qos(prefetch, BasicQosOptions::default())).await?;
     let queue = settings.amqp.input_queue.as_str().into();
-    answered("basic.consume", ch.basic_consume(queue, tag.into(), BasicConsumeOptions::default(), FieldTable::default())).await
+    let tag = consumer_tag(&settings.instance_name);
+    answered("basic.consume", ch.basic_consume(queue, tag.as_str().into(), BasicConsumeOptions::default(), FieldTable::default())).await
+}
+
+/// A consumer tag of the router no earlier consumer of this process had:
+/// `router-{instance}-{n}`. A tag used again on a channel that still holds the cancelled
+/// consumer's unacked deliveries crashed RabbitMQ 3.10.8's channel at the next delivery
+/// (`function_clause` in `rabbit_channel:handle_deliver0`, the connection closed with 541
+/// `INTERNAL_ERROR`), returning every delivery in flight: each return to full prefetch after
+/// an unreadable message did that.
+fn consumer_tag(instance: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    format!("router-{instance}-{}", NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 /// Replaces the one-at-a-time consumer `careful` on `ch` by one with `amqp.input_prefetch`.
 /// Deliveries the broker sent to `careful` before its cancel took effect go to `handle`; all of
 /// its deliveries stay on `ch` and are acked there as usual.
-async fn widen(ch: &Channel, careful: &mut Consumer, settings: &Settings, tag: &str, mut handle: impl FnMut(Delivery)) -> Result<Consumer, lapin::Error> {
-    answered("basic.cancel", ch.basic_cancel(tag.into(), BasicCancelOptions::default())).await?;
+async fn widen(ch: &Channel, careful: &mut Consumer, settings: &Settings, mut handle: impl FnMut(Delivery)) -> Result<Consumer, lapin::Error> {
+    answered("basic.cancel", ch.basic_cancel(careful.tag(), BasicCancelOptions::default())).await?;
     // lapin ends the stream after the deliveries it holds once the broker's cancel-ok arrives.
     while let Some(Ok(delivery)) = careful.next().await {
         handle(delivery);
     }
-    consume(ch, settings, tag, settings.amqp.input_prefetch).await
+    // Under a new tag: see [`consumer_tag`].
+    consume(ch, settings, settings.amqp.input_prefetch).await
 }
 
 /// How [`pump`] ended.
@@ -264,6 +276,10 @@ enum Ended {
     /// The consumer ended (its channel or connection closed, or the broker cancelled it).
     Closed(Option<lapin::Error>),
 }
+
+/// How long [`pump`], finding the consumer's channel or connection closed, waits for the
+/// consumer's stream to give the reason.
+const CLOSE_REASON_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// How often [`pump`] checks that the consumer's channel and connection are open.
 const OPEN_CHECK_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
@@ -291,7 +307,12 @@ async fn pump(
         tokio::select! {
             _ = stop.cancelled() => return Ended::Stopped,
             _ = check.tick() => if !open() {
-                return Ended::Closed(None);
+                // The stream normally ends with the reason a moment later (an unreadable message,
+                // the broker's close): take it if it comes, for the log and the failure's count.
+                return match tokio::time::timeout(CLOSE_REASON_WAIT, consumer.next()).await {
+                    Ok(Some(Err(e))) => Ended::Closed(Some(e)),
+                    _ => Ended::Closed(None),
+                };
             },
             // A delivery found the publishing connection closed: end at once, so the session
             // reconnects, instead of every delivery finding it closed in turn.

@@ -284,3 +284,40 @@ async fn a_closed_publishing_connection_ends_the_session_and_loses_nothing() {
     fake.shutdown();
     env.cleanup().await;
 }
+
+/// The intake connection closed from the broker's side (an operator's `close_connection`, a
+/// load balancer's idle cut, a network fault on that one socket): the router opens it again and
+/// consumes again, the consuming and publishing connections (and so the partitions and their
+/// leases) stay, and requests published afterwards are served. Nothing else watches the intake
+/// connection, so the router must notice it itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_intake_connection_closed_by_the_broker_is_opened_again_without_a_session_restart() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("intakeclosed");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.reconnect_backoff_max = "1s".into();
+    let mut started = start_with_replies(&env, &raw).await;
+    let pid = |suffix: &str| broker::daemon_connection_pid(&raw.instance.name, suffix);
+    let (consume, publish, intake) = (pid(""), pid(" publish"), pid(" intake"));
+    let lost_before = counter("input_consumer_failures_total", "reason", "connection_lost");
+    let input = env.input_queue();
+    let reply = started.reply.clone();
+
+    let first = completions_workload("intakeclosed-first", 10, 2);
+    started.amqp.publish_requests(&input, &first, &reply).await;
+    started.results.until_all(&ids(&first), DEADLINE).await;
+    let intake_name = format!("prefix-batcher {} intake", raw.instance.name);
+    broker::close_connection_named(&intake_name).await;
+    let deadline = Instant::now() + DEADLINE;
+    while broker::connection_pid(&intake_name).is_none_or(|p| p == intake) {
+        assert!(Instant::now() < deadline, "the intake connection was not opened again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let later = completions_workload("intakeclosed-later", 20, 2);
+    started.amqp.publish_requests(&input, &later, &reply).await;
+    started.results.until_all(&ids(&later), DEADLINE).await;
+
+    assert!(counter("input_consumer_failures_total", "reason", "connection_lost") > lost_before, "the lost intake connection was not counted");
+    assert_eq!((pid(""), pid(" publish")), (consume, publish), "the consuming or publishing connection changed: the session restarted");
+    stop_with_input_empty(started, env).await;
+}

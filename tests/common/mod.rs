@@ -314,6 +314,28 @@ pub fn start_daemon(raw: &RawConfig) -> Daemon {
     Daemon { instance: raw.instance.name.clone(), stop: Some(tx), task: Some(task) }
 }
 
+/// Stops the daemon of `started` (it must still run and stop cleanly), checks that the input
+/// queue is empty, and deletes what the test created.
+pub async fn stop_with_input_empty(started: Started, env: TestEnv) {
+    assert!(!started.daemon.is_finished(), "the daemon stopped");
+    started.daemon.stop().await.expect("daemon stops cleanly");
+    assert_eq!(started.amqp.queue_depth(&env.input_queue()).await.0, 0, "input queue not empty");
+    started.results.close().await;
+    started.amqp.close().await;
+    env.cleanup().await;
+}
+
+/// The value of counter `prefix_batcher_{metric}` with `label = "value"` in this process (0
+/// before its first increment).
+pub fn counter(metric: &str, label: &str, value: &str) -> f64 {
+    let (start, label) = (format!("prefix_batcher_{metric}{{"), format!(r#"{label}="{value}""#));
+    prefix_batcher::metrics::render()
+        .lines()
+        .find(|l| l.starts_with(&start) && l.contains(&label))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// A daemon started in process, holding every partition's lease, with the test's reply queue.
 pub struct Started {
     pub amqp: Amqp,
