@@ -166,8 +166,14 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             Err(e) => e,
         };
         careful = true;
-        let wait = redelivery::requeue_backoff(a, u64::from(failures));
-        failures = failures.saturating_add(1);
+        // A message the AMQP client cannot read is that message's fault, not the broker's: the
+        // router comes back after the first backoff each time, without doubling it, so the
+        // requests behind it wait for its own few deliveries only (it comes back first, alone).
+        let unreadable = e.as_ref().is_some_and(|e| matches!(e.kind(), lapin::ErrorKind::ParsingError(_)));
+        let wait = if unreadable { a.reconnect_backoff_initial } else { redelivery::requeue_backoff(a, u64::from(failures)) };
+        if !unreadable {
+            failures = failures.saturating_add(1);
+        }
         let lost = !intake.status().connected();
         report_intake_failure(e.as_ref(), lost, wait);
         tokio::select! {
