@@ -323,7 +323,7 @@ static HOT_KEY_SHARE: LazyLock<GaugeVec> = LazyLock::new(|| {
 static UNSPLITTABLE_KEY_SHARE: LazyLock<Gauge> = LazyLock::new(|| {
     reg(Gauge::new(
         "unsplittable_key_share",
-        "Share of routed requests carried by the most frequent routed key when it cannot be split further (spread over max_shards, explicit or static key), over the window of hot_key_share; 0 otherwise, and in a window of fewer than 20 requests.",
+        "Share of routed requests carried by the most frequent routed key when it cannot be split further (a finest-level or explicit key spread over max_shards already, or a static key), over the window of hot_key_share; 0 otherwise (also for a finest-level or explicit key whose partition keeps up unspread), and in a window of fewer than 20 requests.",
     )
     .unwrap())
 });
