@@ -49,6 +49,11 @@
 //! (a fake OpenAI-compatible server and a vLLM prefix-cache simulator) live in the separate
 //! workspace member `llm-fakes`, a dev-dependency only.
 
+/// The daemon's version: the crate's, with the commit it was built from as build metadata
+/// (`0.1.0+1a2b3c4d5e6f`) when it was built in a git checkout (`build.rs`). Shown by
+/// `--version`, the `build_info` metric and each member's line in `status`.
+pub const VERSION: &str = env!("PREFIX_BATCHER_VERSION");
+
 pub mod affinity;
 pub mod amqp;
 pub mod app;

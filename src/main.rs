@@ -26,7 +26,7 @@ use prefix_batcher::config::{self, LogFormat, Settings, DEFAULT_CONFIG_PATH};
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 #[derive(Parser)]
-#[command(name = "prefix-batcher", version, about = "Keeps LLM servers' prefix (KV) caches warm by batching RabbitMQ prompt requests per prefix key.")]
+#[command(name = "prefix-batcher", version = prefix_batcher::VERSION, about = "Keeps LLM servers' prefix (KV) caches warm by batching RabbitMQ prompt requests per prefix key.")]
 struct Cli {
     /// Configuration file (TOML). Environment variables PREFIX_BATCHER__SECTION__KEY override it.
     /// When not given and the default path does not exist, built-in defaults are used.

@@ -191,7 +191,7 @@ static PARTITIONS: LazyLock<IntGauge> = LazyLock::new(|| {
     reg(IntGauge::new("partitions", "Configured partition count P (amqp.partitions); the same on every instance of a deployment.").unwrap())
 });
 static BUILD_INFO: LazyLock<IntGaugeVec> = LazyLock::new(|| {
-    reg(IntGaugeVec::new(Opts::new("build_info", "Always 1; the version label is the daemon's version."), &["version"]).unwrap())
+    reg(IntGaugeVec::new(Opts::new("build_info", "Always 1; the version label is the daemon's version, with the commit it was built from as build metadata (0.1.0+1a2b3c4d5e6f)."), &["version"]).unwrap())
 });
 static AMQP_BLOCKED_TOTAL: LazyLock<IntCounterVec> = counter_vec!(
     "amqp_connection_blocked_total",
@@ -517,7 +517,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize, destinations: &[&str], 
     LazyLock::force(&MEMBERS_LLM_DOWN);
     LazyLock::force(&MEMBERS_ROUTING_DIFFERS);
     LazyLock::force(&PARTITIONS);
-    BUILD_INFO.with_label_values(&[env!("CARGO_PKG_VERSION")]).set(1);
+    BUILD_INFO.with_label_values(&[crate::VERSION]).set(1);
     LazyLock::force(&READY);
     init_faults(destinations, reply_refusals);
     init_keys();
