@@ -166,14 +166,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             Err(e) => e,
         };
         careful = true;
-        // A message the AMQP client cannot read is that message's fault, not the broker's: the
-        // router comes back after the first backoff each time, without doubling it, so the
-        // requests behind it wait for its own few deliveries only (it comes back first, alone).
-        let unreadable = e.as_ref().is_some_and(|e| matches!(e.kind(), lapin::ErrorKind::ParsingError(_)));
-        let wait = if unreadable { a.reconnect_backoff_initial } else { redelivery::requeue_backoff(a, u64::from(failures)) };
-        if !unreadable {
-            failures = failures.saturating_add(1);
-        }
+        let wait = intake_retry_wait(a, e.as_ref(), &mut failures);
         let lost = !intake.status().connected();
         report_intake_failure(e.as_ref(), lost, wait);
         tokio::select! {
@@ -208,6 +201,20 @@ async fn finish_inflight(inflight: &mut JoinSet<()>) {
         warn!(waited = ?INFLIGHT_NOTE_AFTER, "the router is stopping and still waits for input deliveries in flight (forwards or dead letters waiting for the broker's confirm)");
         all.await;
     }
+}
+
+/// How long the router waits before it consumes again after its consumer ended with `e`, the
+/// `failures`-th time in a row (counted here): [`redelivery::requeue_backoff`], doubling. A
+/// message the AMQP client cannot read is that message's fault, not the broker's: then the
+/// first backoff each time, not doubled and not counted, so the requests behind it wait for its
+/// own few deliveries only (it comes back first, alone).
+fn intake_retry_wait(a: &AmqpSettings, e: Option<&lapin::Error>, failures: &mut u32) -> std::time::Duration {
+    if e.is_some_and(|e| matches!(e.kind(), lapin::ErrorKind::ParsingError(_))) {
+        return a.reconnect_backoff_initial;
+    }
+    let wait = redelivery::requeue_backoff(a, u64::from(*failures));
+    *failures = failures.saturating_add(1);
+    wait
 }
 
 /// Counts and logs the end of the router's consumer (`e`, none when the consumer just ended;

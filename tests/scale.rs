@@ -537,6 +537,32 @@ async fn f_frozen_owner_is_cut_off_by_the_heartbeat() {
 // g. An instance whose LLM is down.
 // ---------------------------------------------------------------------------------------------
 
+/// Two instances `a` and `b`, each with its own LLM server (5 ms a call) and
+/// `ownership.llm_down_hand_over_after = 2s`, started and settled over `p` partitions.
+struct OwnServers {
+    cluster: Cluster,
+    fake_a: llm_fakes::fake::FakeLlmHandle,
+    fake_b: llm_fakes::fake::FakeLlmHandle,
+    redis: RedisProbe,
+    /// The leases once settled.
+    leases: Vec<Option<prefix_batcher::lease::LeaseValue>>,
+}
+
+async fn two_instances_with_own_servers(env: &TestEnv, p: u32) -> OwnServers {
+    let fake_a = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
+    let fake_b = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
+    let mut raw = scale_config(env, fake_a.url.as_str(), p);
+    raw.ownership.llm_down_hand_over_after = "2s".into();
+    let mut raw_b = raw.clone();
+    raw_b.llm.endpoints = vec![fake_b.url.as_str().trim_end_matches('/').to_owned()];
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut cluster = Cluster::new(env, raw);
+    cluster.start(env, "a");
+    cluster.start_with(env, "b", raw_b);
+    let (leases, _) = cluster.wait_settled(&mut redis, env.key_prefix(), p, DEADLINE).await;
+    OwnServers { cluster, fake_a, fake_b, redis, leases }
+}
+
 /// g. Two instances, each with its own LLM server; b's server refuses every connection. Once
 /// every endpoint of b has been down for `ownership.llm_down_hand_over_after` (2 s here), b flags
 /// itself in the member set, hands its partitions over, and a serves every request, b's included
@@ -548,18 +574,8 @@ async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
     let _serial = SERIAL.lock().await;
     const P: u32 = 8;
     let env = TestEnv::new("llmdown");
-    let fake_a = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
-    let fake_b = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
-    let mut raw = scale_config(&env, fake_a.url.as_str(), P);
-    raw.ownership.llm_down_hand_over_after = "2s".into();
-    let mut raw_b = raw.clone();
-    raw_b.llm.endpoints = vec![fake_b.url.as_str().trim_end_matches('/').to_owned()];
     let prefix = env.key_prefix().to_owned();
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let mut cluster = Cluster::new(&env, raw);
-    cluster.start(&env, "a");
-    cluster.start_with(&env, "b", raw_b);
-    let (leases, _) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let OwnServers { mut cluster, fake_a: _fake_a, fake_b, mut redis, leases } = two_instances_with_own_servers(&env, P).await;
     let (a, b) = (cluster.name("a"), cluster.name("b"));
     let b_parts = held_by(&leases).get(&b).cloned().unwrap_or_default();
     assert!(!b_parts.is_empty(), "b owns no partition to hand over: {leases:?}");
@@ -630,18 +646,8 @@ async fn g2_when_every_server_is_down_no_partition_moves() {
     let _serial = SERIAL.lock().await;
     const P: u32 = 8;
     let env = TestEnv::new("alldown");
-    let fake_a = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
-    let fake_b = FakeLlm::new().latency(Duration::from_millis(5)).start().await.unwrap();
-    let mut raw = scale_config(&env, fake_a.url.as_str(), P);
-    raw.ownership.llm_down_hand_over_after = "2s".into();
-    let mut raw_b = raw.clone();
-    raw_b.llm.endpoints = vec![fake_b.url.as_str().trim_end_matches('/').to_owned()];
     let prefix = env.key_prefix().to_owned();
-    let mut redis = RedisProbe::connect().await.unwrap();
-    let mut cluster = Cluster::new(&env, raw);
-    cluster.start(&env, "a");
-    cluster.start_with(&env, "b", raw_b);
-    let (before, _) = cluster.wait_settled(&mut redis, &prefix, P, DEADLINE).await;
+    let OwnServers { mut cluster, fake_a, fake_b, mut redis, leases: before } = two_instances_with_own_servers(&env, P).await;
 
     // a's server first, b's 1.5 s later (requests to every partition each time, so that the
     // breakers open): a is flagged about 1.5 s before b, while b's breaker is already open.
