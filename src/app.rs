@@ -1132,7 +1132,7 @@ mod tests {
     fn config_mismatch_exits_78_other_topology_errors_1() {
         let e = AppError::Topology(TopologyError::PartitionCount { existing: "8".into(), configured: 4, redis_key: "pb:partitions".into() });
         assert_eq!(e.exit_code(), EX_CONFIG);
-        assert!(e.to_string().contains("delete the Redis key `pb:partitions`"), "{e}");
+        assert!(e.to_string().contains("stop every instance, delete the partition queues and the Redis key `pb:partitions`"), "{e}");
         let io: lapin::Error = std::io::Error::other("reset").into();
         assert_eq!(AppError::Topology(TopologyError::Amqp(io)).exit_code(), EX_FAILURE);
     }
