@@ -767,8 +767,10 @@ fn check_file_names(file: &toml::Table) -> Result<(), ConfigError> {
                 } else {
                     format!("not a configuration key: [{path}] has no key `{name}` (keys: {})", known.join(", "))
                 };
+                // Numbers, booleans and dates as written; what may hold a secret only by its shape.
                 let shown = match value {
                     toml::Value::String(s) => format!("a string of {} characters (not shown: it may be a secret)", s.chars().count()),
+                    toml::Value::Array(a) => format!("an array of {} value{} (not shown: it may hold secrets)", a.len(), if a.len() == 1 { "" } else { "s" }),
                     toml::Value::Table(_) => "a table".to_owned(),
                     other => other.to_string(),
                 };
@@ -2536,6 +2538,9 @@ mod tests {
         std::fs::write(&path, "[redis]\npasword = \"hunter2\"\n").unwrap();
         let e = load(Some(&path)).unwrap_err().to_string();
         assert!(e.contains("`redis.pasword` = a string of 7 characters") && !e.contains("hunter2"), "{e}");
+        std::fs::write(&path, "[redis]\npasword = [\"hunter2\"]\n").unwrap();
+        let e = load(Some(&path)).unwrap_err().to_string();
+        assert!(e.contains("`redis.pasword` = an array of 1 value (not shown") && !e.contains("hunter2"), "{e}");
         std::fs::write(&path, "[batchin]\n").unwrap();
         let e = load(Some(&path)).unwrap_err().to_string();
         assert!(e.contains("there is no section `batchin`"), "{e}");

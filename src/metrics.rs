@@ -151,7 +151,7 @@ static PARTITIONS_OWNED: LazyLock<IntGauge> = LazyLock::new(|| {
 });
 static LEASE_OPS: LazyLock<IntCounterVec> = counter_vec!(
     "lease_operations_total",
-    "Redis lease operations (acquire, renew, release) by outcome (ok, lost, busy, error).",
+    "Redis lease operations by op and outcome: acquire (ok, busy, error), renew (ok, lost, error, expired: the renew deadline passed), release (ok, lost, error).",
     &["op", "outcome"]
 );
 static REBALANCES: LazyLock<IntCounter> = LazyLock::new(|| {
