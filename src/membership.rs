@@ -269,12 +269,18 @@ pub const MAX_HEALTH_BYTES: usize = 1024;
 /// sorted; so is the result.
 pub fn assignable(members: &[String], llm_down: &[String], llm_unavailable: &[String]) -> Vec<String> {
     let up: Vec<String> = members.iter().filter(|m| llm_down.binary_search(m).is_err()).cloned().collect();
-    let none_serves = members.iter().all(|m| llm_down.binary_search(m).is_ok() || llm_unavailable.binary_search(m).is_ok());
-    if up.is_empty() || none_serves {
+    if up.is_empty() || nobody_serves(members, llm_down, llm_unavailable) {
         members.to_vec()
     } else {
         up
     }
+}
+
+/// Whether no live member's LLM is up: each is flagged LLM-down or has every endpoint down now
+/// (sorted lists, as for [`assignable`]). Then no partition moves between live members
+/// (`ownership` holds its handovers), whatever the assignment says. False without members.
+pub fn nobody_serves(members: &[String], llm_down: &[String], llm_unavailable: &[String]) -> bool {
+    !members.is_empty() && members.iter().all(|m| llm_down.binary_search(m).is_ok() || llm_unavailable.binary_search(m).is_ok())
 }
 
 /// One live member, as `status` shows it.

@@ -100,6 +100,9 @@ pub struct Ownership {
     owned: BTreeMap<u32, Owned>,
     view: Vec<String>,
     view_since: Instant,
+    /// At the last heartbeat, no member's LLM was up (each flagged LLM-down or with every
+    /// endpoint down now): partitions stay where they are ([`Self::hand_over`]).
+    nobody_serves: bool,
     last_renew_round: Option<Instant>,
     /// Signalled by every partition worker when it ends, so a drained partition's lease is
     /// released at once instead of at the next tick (this is most of a SIGTERM handoff's speed).
@@ -188,6 +191,7 @@ impl Ownership {
             owned: BTreeMap::new(),
             view: Vec::new(),
             view_since: Instant::now(),
+            nobody_serves: false,
             last_renew_round: None,
             worker_done: Arc::new(Notify::new()),
             left: false,
@@ -328,6 +332,7 @@ impl Ownership {
         }
         self.note_name_conflict(beat.previous_nonce.as_deref());
         let members = crate::membership::assignable(&beat.members, &beat.llm_down, &beat.llm_unavailable);
+        self.nobody_serves = crate::membership::nobody_serves(&beat.members, &beat.llm_down, &beat.llm_unavailable);
         self.note_llm_down(llm_down, members.contains(&self.settings.instance_name));
         let s = &self.settings.ownership;
         // Blind until now (first heartbeat of this session, or Redis was unreachable for longer
@@ -513,9 +518,11 @@ impl Ownership {
     }
 
     /// Step 4b, handovers: drains every partition while stopping; otherwise revokes the partitions
-    /// this instance should no longer own, once the view has been stable for `settle_time`.
+    /// this instance should no longer own, once the view has been stable for `settle_time`, and
+    /// not while no member's LLM is up: a partition moved then would only go to another member
+    /// that cannot serve it either (its held requests returned for nothing).
     fn hand_over(&mut self, desired: &BTreeSet<u32>, stopping: bool, heartbeat_ok: bool) {
-        let settled = self.view_since.elapsed() >= self.settings.ownership.settle_time;
+        let settled = self.view_since.elapsed() >= self.settings.ownership.settle_time && !self.nobody_serves;
         for (p, o) in self.owned.iter_mut() {
             if stopping {
                 if !o.stop.drain.is_cancelled() {

@@ -636,7 +636,8 @@ async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
 
 /// g2. Every server down: both instances' servers refuse every connection (b's 1.5 s after a's)
 /// and requests reach every partition, so both instances' breakers open. The first instance
-/// flagged LLM-down must keep its partitions: the other's LLM is down too, only not flagged yet. Observed before:
+/// flagged LLM-down must keep its partitions: the other's LLM is down too, only not flagged yet.
+/// Then b's server comes back (b takes a's partitions) and fails again: b keeps them all. Observed before:
 /// the first flagged handed its partitions to the other, whose flag came a heartbeat later, and
 /// took them back at once (a useless move: held requests returned, rebalances counted). Every
 /// lease keeps its epoch through the outage, and every request is answered once the servers
@@ -675,8 +676,38 @@ async fn g2_when_every_server_is_down_no_partition_moves() {
     }
     assert_eq!(during, before, "every lease keeps its holder and epoch while no member's LLM is up");
 
+    // b's server back: a, still flagged, hands its partitions to b. Then b's server fails again
+    // (requests to every partition, all b's now): until b is flagged again it is only
+    // unavailable, and nobody's LLM is up, so b keeps every partition. Observed before: b handed
+    // a's partitions back to a, whose server was down too.
+    let b = cluster.name("b");
+    let flagged = |log: &str| log.matches("every LLM endpoint of this instance has been down").count();
+    fake_b.set_refuse(false).await;
+    let deadline = Instant::now() + DEADLINE;
+    let held = loop {
+        let leases = redis.leases(&prefix, P).await;
+        if held_by(&leases).get(&b).map(|ps| ps.len()) == Some(P as usize) {
+            break leases;
+        }
+        assert!(Instant::now() < deadline, "b should hold every partition once its server is back: {leases:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (handed, flags) = (cluster.proc("b").log().matches("handing partition over").count(), flagged(&cluster.proc("b").log()));
+    fake_b.set_refuse(true).await;
+    let third = completions_workload("alldown-again", 40, 40);
+    amqp.publish_requests(&env.input_queue(), &third, &reply).await;
+    while flagged(&cluster.proc("b").log()) <= flags {
+        assert!(Instant::now() < deadline + DEADLINE, "b should have flagged its LLM down again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let b_log = cluster.proc("b").log();
+    assert_eq!(b_log.matches("handing partition over").count(), handed, "b handed a partition over while no member's LLM was up:\n{b_log}");
+    assert_eq!(redis.leases(&prefix, P).await, held, "every lease stays with b while no member's LLM is up");
+
     fake_a.set_refuse(false).await;
     fake_b.set_refuse(false).await;
+    let reqs: Vec<TestRequest> = reqs.into_iter().chain(third).collect();
     results.until_all(&ids(&reqs), DEADLINE).await;
     let distinct: HashSet<&String> = results.received.iter().map(|r| &r.correlation_id).collect();
     assert_eq!(distinct.len(), reqs.len());
