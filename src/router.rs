@@ -190,8 +190,8 @@ const INFLIGHT_NOTE_AFTER: std::time::Duration = std::time::Duration::from_secs(
 
 /// Waits until every delivery task of `inflight` has ended (each ends soon after `stop`: a held
 /// forward or a requeue backoff is cut short; a publish or a dead letter waits at most for its
-/// confirm). Says at WARN how many are left if that takes longer than [`INFLIGHT_NOTE_AFTER`],
-/// so that a stop that does not end names what it waits for.
+/// confirm). Says so at WARN if that takes longer than [`INFLIGHT_NOTE_AFTER`], so that a stop
+/// that does not end names what it waits for.
 async fn finish_inflight(inflight: &mut JoinSet<()>) {
     let all = async {
         while inflight.join_next().await.is_some() {}
@@ -209,7 +209,7 @@ async fn finish_inflight(inflight: &mut JoinSet<()>) {
 /// first backoff each time, not doubled and not counted, so the requests behind it wait for its
 /// own few deliveries only (it comes back first, alone).
 fn intake_retry_wait(a: &AmqpSettings, e: Option<&lapin::Error>, failures: &mut u32) -> std::time::Duration {
-    if e.is_some_and(|e| matches!(e.kind(), lapin::ErrorKind::ParsingError(_))) {
+    if unreadable(e) {
         return a.reconnect_backoff_initial;
     }
     let wait = redelivery::requeue_backoff(a, u64::from(*failures));
@@ -217,12 +217,18 @@ fn intake_retry_wait(a: &AmqpSettings, e: Option<&lapin::Error>, failures: &mut 
     wait
 }
 
+/// Whether the consumer ended on a message the AMQP client cannot parse (lapin fails the
+/// connection with a parsing error).
+fn unreadable(e: Option<&lapin::Error>) -> bool {
+    e.is_some_and(|e| matches!(e.kind(), lapin::ErrorKind::ParsingError(_)))
+}
+
 /// Counts and logs the end of the router's consumer (`e`, none when the consumer just ended;
 /// `lost`: its intake connection closed) before it consumes again in `wait`: at ERROR for a
 /// message the AMQP client cannot parse, else at WARN.
 fn report_intake_failure(e: Option<&lapin::Error>, lost: bool, wait: std::time::Duration) {
     let why = match (e, lost) {
-        (Some(e), _) if matches!(e.kind(), lapin::ErrorKind::ParsingError(_)) => metrics::intake_failure::UNREADABLE_MESSAGE,
+        (e, _) if unreadable(e) => metrics::intake_failure::UNREADABLE_MESSAGE,
         (_, true) => metrics::intake_failure::CONNECTION_LOST,
         (_, false) => metrics::intake_failure::CHANNEL_CLOSED,
     };
