@@ -440,6 +440,10 @@ pub mod outcome {
     /// Batcher: put back in its partition queue without a delivery charged, after a drain or
     /// handoff while its LLM endpoint was down ([`crate::partition`]).
     pub const RETURNED_UNCHARGED: &str = "returned_uncharged";
+    /// Batcher: a second copy of a request this process had taken from a partition queue before
+    /// (the router forwarded it again from a redelivered input message), acked without processing
+    /// ([`crate::redelivery::is_second_copy`]).
+    pub const DUPLICATE: &str = "duplicate";
     /// Publisher: an attempt to publish a result failed for a reason of the broker (permission,
     /// full or missing results queue, closed channel, no confirm); the request stays unacked,
     /// not charged a delivery, and the result goes again after a backoff
@@ -491,6 +495,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize, destinations: &[&str], 
         (stage::ROUTER, outcome::FORWARD_HELD),
         (stage::ROUTER, outcome::REQUEUED),
         (stage::BATCHER, outcome::RETURNED_UNCHARGED),
+        (stage::BATCHER, outcome::DUPLICATE),
     ] {
         REQUESTS.with_label_values(&[s, o]);
     }

@@ -1003,6 +1003,10 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
             return None;
         }
     };
+    if redelivery::is_second_copy(&req.id, &delivery.data, delivery.redelivered, delivery.properties.headers().as_ref()) {
+        drop_second_copy(ctx.partition, delivery, &req.id).await;
+        return None;
+    }
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
     held.identify(&req.id);
     let headers = delivery.properties.headers().as_ref();
@@ -1017,6 +1021,23 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     let forwarded = publish_time_ms(header_u64(headers, HEADER_ROUTED_AT_MS), None, now).or(enqueued_unix_ms);
     let key = crate::splits::batch_key(s, ctx.partition, &req, headers, held.owner.split_queued_ms(forwarded, now));
     Some(Pending { delivery, req, key, shard, received: held.received, queued_ms, enqueued_unix_ms, _held: held })
+}
+
+static SECOND_COPY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// Acks a second copy of a request this process took before ([`redelivery::is_second_copy`]:
+/// the router forwarded it again after the input queue returned the message unacked), without
+/// processing it, and counts it in `requests_total{stage="batcher",outcome="duplicate"}`. When
+/// the ack fails (the channel closed), the broker returns the copy as redelivered and it is
+/// processed: answered twice, never lost.
+async fn drop_second_copy(partition: u32, delivery: Delivery, id: &str) {
+    match delivery.acker.ack(BasicAckOptions::default()).await {
+        Ok(true) => {
+            metrics::requests(stage::BATCHER, outcome::DUPLICATE, 1);
+            crate::info_limited!(SECOND_COPY_LOG, partition, request_id = %id, "a second copy of a request taken before (forwarded again from a redelivered input message) acked without processing");
+        }
+        other => debug!(partition, request_id = %id, result = ?other, "a second copy could not be acked; the broker returns it and it is processed"),
+    }
 }
 
 /// Runs one batch: LLM call, then per request: a confirmed result and its ack, or (server fault)

@@ -441,8 +441,8 @@ pub use crate::amqp::{header_str, header_u64};
 /// over from the original: an allowlist, never a blind copy. Copied: `content_type`,
 /// `content_encoding`, `correlation_id`, `reply_to`, `message_id`, `timestamp`, `type`, `app_id`,
 /// `priority`, `delivery_mode` and the headers (without `x-delivery-count`: the next queue counts
-/// its own deliveries; without `x-earlier-deliveries` and `x-request-id`, which only the daemon
-/// sets), with `extra` added.
+/// its own deliveries; without `x-earlier-deliveries`, `x-input-redelivered` and `x-request-id`,
+/// which only the daemon sets), with `extra` added.
 ///
 /// Never copied: `user_id`, which RabbitMQ checks against the publishing connection's user (a
 /// mismatch closes the channel with 406 `PRECONDITION_FAILED`,
@@ -460,7 +460,9 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
           reply_to => with_reply_to, message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
           app_id => with_app_id, priority => with_priority, delivery_mode => with_delivery_mode);
     let mut headers = FieldTable::default();
-    let own = |k: &str| k == HEADER_DELIVERY_COUNT || k == redelivery::HEADER_EARLIER_DELIVERIES || k == HEADER_REQUEST_ID;
+    let own = |k: &str| {
+        k == HEADER_DELIVERY_COUNT || k == redelivery::HEADER_EARLIER_DELIVERIES || k == redelivery::HEADER_INPUT_REDELIVERED || k == HEADER_REQUEST_ID
+    };
     for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| !own(k.as_str())) {
         headers.insert(k.clone(), v.clone());
     }
@@ -1560,6 +1562,7 @@ mod tests {
         let mut h = FieldTable::default();
         h.insert(ShortString::from(HEADER_DELIVERY_COUNT), AMQPValue::LongLongInt(4));
         h.insert(ShortString::from(HEADER_PREFIX_KEY), AMQPValue::LongString("k".into()));
+        h.insert(ShortString::from(redelivery::HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
         allowed().with_user_id("someone".into()).with_expiration("5000".into()).with_cluster_id("x".into()).with_headers(h)
     }
 
@@ -1573,6 +1576,7 @@ mod tests {
         assert_eq!(header_str(h, HEADER_PREFIX_KEY).as_deref(), Some("k"));
         assert_eq!(header_str(h, HEADER_SHARD).as_deref(), Some("2"));
         assert_eq!(header_u64(h, HEADER_DELIVERY_COUNT), None, "the next queue counts its own deliveries");
+        assert_eq!(header_u64(h, redelivery::HEADER_INPUT_REDELIVERED), None, "set by the router only: a copy put back is processed");
     }
 
     #[test]

@@ -13,12 +13,13 @@
 //! instance is dead-lettered with the detail "delivered N times; last error: unknown on this instance"
 //! (see [`crate::publisher::parse_or_dead_letter`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{LazyLock, Mutex};
 
 use std::time::Duration;
 
 use lapin::types::FieldTable;
+use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64};
 
 use crate::amqp::header_u64;
 use crate::config::AmqpSettings;
@@ -55,6 +56,74 @@ pub fn requeue_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
 /// down): the deliveries charged to it before. Set only by the daemon; the router drops it from
 /// the requests it forwards ([`crate::publisher::carried_props`]).
 pub const HEADER_EARLIER_DELIVERIES: &str = "x-earlier-deliveries";
+
+/// Header the router sets (to `1`) on a forward of an input delivery that the input queue had
+/// delivered before (AMQP 0-9-1 `basic.deliver` `redelivered`): an earlier delivery of the same
+/// message may have been forwarded already and not acked, because the router's intake
+/// connection or channel closed between the forward's confirm and the ack (a message the AMQP
+/// client cannot read, a broker restart, a network fault). Set only by the router: dropped from
+/// what publishers send and from the copies the daemon publishes again
+/// ([`crate::publisher::carried_props`]). Read by [`is_second_copy`].
+pub const HEADER_INPUT_REDELIVERED: &str = "x-input-redelivered";
+
+/// How many requests [`is_second_copy`] remembers: 131,072, about 5 MB (at 4,000 requests/s,
+/// the last half minute).
+pub const RECENT_REQUESTS_CAPACITY: usize = 1 << 17;
+
+/// Requests that entered this process's partition consumers, by [`request_fingerprint`],
+/// oldest forgotten first once `capacity` are kept.
+struct RecentRequests {
+    capacity: usize,
+    seen: HashSet<u128>,
+    order: VecDeque<u128>,
+}
+
+impl RecentRequests {
+    fn new(capacity: usize) -> Self {
+        Self { capacity, seen: HashSet::new(), order: VecDeque::new() }
+    }
+
+    /// [`is_second_copy`] on this table.
+    fn is_second_copy(&mut self, id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
+        let fingerprint = request_fingerprint(id, body);
+        let first = self.seen.insert(fingerprint);
+        if first {
+            self.order.push_back(fingerprint);
+            while self.order.len() > self.capacity {
+                if let Some(old) = self.order.pop_front() {
+                    self.seen.remove(&old);
+                }
+            }
+        }
+        !first && !redelivered && header_u64(headers, HEADER_INPUT_REDELIVERED).is_some_and(|v| v > 0)
+    }
+}
+
+static RECENT_REQUESTS: LazyLock<Mutex<RecentRequests>> = LazyLock::new(|| Mutex::new(RecentRequests::new(RECENT_REQUESTS_CAPACITY)));
+
+/// 128-bit hash of a request's id and body: a second copy of a request has both the same.
+fn request_fingerprint(id: &str, body: &[u8]) -> u128 {
+    xxh3_128_with_seed(body, xxh3_64(id.as_bytes()))
+}
+
+/// Notes that a partition consumer of this process took request `id` with `body`, and tells
+/// whether this delivery is a second copy of a request it took before, to be acked without
+/// processing. That is the case when all three hold:
+/// - the delivery is the partition queue's first one of this message (`redelivered` false: a
+///   message the partition queue delivered before is always processed, since its earlier delivery
+///   did not end);
+/// - it carries [`HEADER_INPUT_REDELIVERED`]: the router forwarded it from a redelivered input
+///   message (so a publisher's own repeat of an id is processed);
+/// - this process took the same id and body (a 128-bit xxh3 hash of both) from a partition queue
+///   among its last [`RECENT_REQUESTS_CAPACITY`] requests.
+///
+/// Dropping such a copy loses nothing: the request taken before either reached an outcome (a
+/// result or a dead letter, then acked) or is still unacked, so the broker gives it back if that
+/// attempt does not end. Requests without an id (a UUID generated per delivery) are never
+/// recognised, nor are copies taken by another instance (the partition moved in between).
+pub fn is_second_copy(id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
+    RECENT_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()).is_second_copy(id, body, redelivered, headers)
+}
 
 /// Which queue a delivery came from, for [`delivery_count`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,6 +186,40 @@ mod tests {
         assert_eq!(last_failure("redelivery-test-first"), None, "the oldest id is forgotten");
         assert!(last_failure(&format!("redelivery-test-{}", LAST_FAILURES_CAPACITY - 1)).is_some());
         assert!(LAST_FAILURES.lock().unwrap().by_id.len() <= LAST_FAILURES_CAPACITY);
+    }
+
+    #[test]
+    fn only_a_fresh_forward_of_a_redelivered_input_message_is_a_second_copy() {
+        let mut marked = FieldTable::default();
+        marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
+        let marked = Some(&marked);
+        let mut t = RecentRequests::new(100);
+        let mut is_second_copy = |id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>| t.is_second_copy(id, body, redelivered, headers);
+        let body = br#"{"id":"copy-test-1","prompt":"p"}"#;
+        assert!(!is_second_copy("copy-test-1", body, false, marked), "the first copy taken is processed, marked or not");
+        assert!(is_second_copy("copy-test-1", body, false, marked), "a marked fresh copy of a request taken before");
+        assert!(!is_second_copy("copy-test-1", body, true, marked), "the partition queue delivered it before: its earlier delivery did not end");
+        assert!(!is_second_copy("copy-test-1", body, false, None), "a publisher's own repeat is processed");
+        assert!(!is_second_copy("copy-test-1", br#"{"id":"copy-test-1","prompt":"q"}"#, false, marked), "another body under the same id");
+        assert!(!is_second_copy("copy-test-2", body, false, marked), "the same body under another id");
+        let mut zero = FieldTable::default();
+        zero.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("0".into()));
+        assert!(!is_second_copy("copy-test-1", body, false, Some(&zero)));
+    }
+
+    #[test]
+    fn the_recent_requests_are_bounded_and_the_oldest_forgotten() {
+        let mut marked = FieldTable::default();
+        marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
+        let mut t = RecentRequests::new(1000);
+        assert!(!t.is_second_copy("recent-first", b"b", false, None));
+        for i in 0..1000 {
+            t.is_second_copy(&format!("recent-{i}"), b"b", false, None);
+        }
+        assert!(!t.is_second_copy("recent-first", b"b", false, Some(&marked)), "the oldest is forgotten");
+        assert!(t.is_second_copy("recent-999", b"b", false, Some(&marked)));
+        assert!(t.is_second_copy("recent-1", b"b", false, Some(&marked)));
+        assert!(t.seen.len() <= 1000 && t.order.len() <= 1000);
     }
 
     #[test]

@@ -452,7 +452,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     // The material is the request's own text: logged quoted and escaped (`?`), so a line break or
     // a control character in a prompt cannot start what looks like another log line.
     debug!(request_id = %r.request_id, key = %r.key_hex, material = ?r.key_preview, shard = r.shard, partition = r.partition, "routing");
-    let fwd = match forward_props(&delivery.properties, &r) {
+    let fwd = match forward_props(&delivery.properties, &r, delivery.redelivered) {
         Ok(p) => p,
         Err(e) => {
             if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
@@ -641,16 +641,20 @@ async fn requeue(delivery: Delivery) {
 /// Properties of a forwarded request: those of [`publisher::carried_props`] (an allowlist; no
 /// `user_id`, no `expiration`), with `message_id` = request id (so every stage agrees on a
 /// generated id), `correlation_id` defaulting to the request id, the shard, the routed key and the
-/// time of forwarding in headers (`x-shard`, `x-routed-key`, `x-routed-at-ms`), and persistent
-/// delivery. Errors when the request id is not a valid short string (longer than
-/// [`MAX_ID_BYTES`]; [`crate::request::parse`] already refuses those).
-fn forward_props(props: &BasicProperties, r: &Route) -> Result<BasicProperties, ParseError> {
+/// time of forwarding in headers (`x-shard`, `x-routed-key`, `x-routed-at-ms`), header
+/// [`redelivery::HEADER_INPUT_REDELIVERED`] when the input queue had delivered the message before
+/// (`redelivered`), and persistent delivery. Errors when the request id is not a valid short
+/// string (longer than [`MAX_ID_BYTES`]; [`crate::request::parse`] already refuses those).
+fn forward_props(props: &BasicProperties, r: &Route, redelivered: bool) -> Result<BasicProperties, ParseError> {
     let id = short_string("id", &r.request_id, MAX_ID_BYTES)?;
-    let headers = [
+    let mut headers = vec![
         (HEADER_SHARD, r.shard.to_string()),
         (HEADER_ROUTED_KEY, r.routed.to_string()),
         (HEADER_ROUTED_AT_MS, publisher::unix_ms().to_string()),
     ];
+    if redelivered {
+        headers.push((redelivery::HEADER_INPUT_REDELIVERED, "1".to_owned()));
+    }
     let p = publisher::carried_props(props, &headers)
         .with_message_id(id.clone())
         .with_delivery_mode(publisher::PERSISTENT);
@@ -661,6 +665,8 @@ fn forward_props(props: &BasicProperties, r: &Route) -> Result<BasicProperties, 
 #[cfg(test)]
 mod tests {
     use std::num::NonZeroU32;
+
+    use lapin::types::{AMQPValue, ShortString};
 
     use super::*;
     use crate::affinity::{SplitMember, SplitState, SplitView};
@@ -731,25 +737,31 @@ mod tests {
 
     #[test]
     fn forwarded_requests_drop_user_id_and_expiration() {
-        let props = BasicProperties::default().with_user_id("other".into()).with_expiration("5000".into());
-        let p = forward_props(&props, &route_of("r1")).unwrap();
+        // A publisher's own `x-input-redelivered` is not passed on: only the router sets it.
+        let mut own = FieldTable::default();
+        own.insert(ShortString::from(redelivery::HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
+        let props = BasicProperties::default().with_user_id("other".into()).with_expiration("5000".into()).with_headers(own);
+        let p = forward_props(&props, &route_of("r1"), false).unwrap();
         assert!(p.user_id().is_none() && p.expiration().is_none());
         assert_eq!(p.message_id().as_ref().map(|m| m.as_str()), Some("r1"));
         assert_eq!(p.correlation_id().as_ref().map(|m| m.as_str()), Some("r1"));
         assert_eq!(*p.delivery_mode(), Some(publisher::PERSISTENT));
         let empty = BasicProperties::default().with_correlation_id("".into());
-        let p_empty = forward_props(&empty, &route_of("r2")).unwrap();
+        let p_empty = forward_props(&empty, &route_of("r2"), true).unwrap();
         assert_eq!(p_empty.correlation_id().as_ref().map(|m| m.as_str()), Some("r2"), "an empty correlation_id counts as none");
         let h = p.headers().as_ref();
         assert_eq!(publisher::header_str(h, publisher::HEADER_ORIGINAL_USER_ID).as_deref(), Some("other"));
         assert_eq!(publisher::header_str(h, HEADER_SHARD).as_deref(), Some("1"));
+        assert_eq!(publisher::header_str(h, redelivery::HEADER_INPUT_REDELIVERED), None, "set by a publisher, first delivery");
+        let marked = p_empty.headers().as_ref();
+        assert_eq!(publisher::header_str(marked, redelivery::HEADER_INPUT_REDELIVERED).as_deref(), Some("1"), "a redelivered input message");
     }
 
     #[test]
     fn a_long_request_id_is_an_error_not_a_panic() {
-        let err = forward_props(&BasicProperties::default(), &route_of(&"a".repeat(300))).unwrap_err();
+        let err = forward_props(&BasicProperties::default(), &route_of(&"a".repeat(300)), false).unwrap_err();
         assert_eq!(err.reason(), "invalid_field");
-        assert!(forward_props(&BasicProperties::default(), &route_of(&"a".repeat(MAX_ID_BYTES))).is_ok());
+        assert!(forward_props(&BasicProperties::default(), &route_of(&"a".repeat(MAX_ID_BYTES)), false).is_ok());
     }
 
     #[test]
