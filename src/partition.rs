@@ -970,6 +970,11 @@ async fn guarded_batch(
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
+    if redelivery::answered_before(delivery.redelivered, delivery.properties.headers().as_ref()) {
+        let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
+        drop_copy(ctx.partition, delivery, &id, "a request answered before, delivered again (its ack was lost with a channel)").await;
+        return None;
+    }
     let mut reason = "";
     let checked = match publisher::check_delivery(&s.amqp, &s.requests, &delivery, Source::Partition) {
         Ok(req) => match ctx.reply_nodes.refusal(delivery.properties.reply_to().as_ref().map(|r| r.as_str()), &req.id).await {
@@ -1004,7 +1009,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
         }
     };
     if redelivery::is_second_copy(&req.id, &delivery.data, delivery.redelivered, delivery.properties.headers().as_ref()) {
-        drop_second_copy(ctx.partition, delivery, &req.id).await;
+        drop_copy(ctx.partition, delivery, &req.id, "a second copy of a request taken before (forwarded again from a redelivered input message)").await;
         return None;
     }
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
@@ -1023,20 +1028,20 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     Some(Pending { delivery, req, key, shard, received: held.received, queued_ms, enqueued_unix_ms, _held: held })
 }
 
-static SECOND_COPY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+static COPY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
-/// Acks a second copy of a request this process took before ([`redelivery::is_second_copy`]:
-/// the router forwarded it again after the input queue returned the message unacked), without
-/// processing it, and counts it in `requests_total{stage="batcher",outcome="duplicate"}`. When
-/// the ack fails (the channel closed), the broker returns the copy as redelivered and it is
-/// processed: answered twice, never lost.
-async fn drop_second_copy(partition: u32, delivery: Delivery, id: &str) {
+/// Acks, without processing, a delivery whose request this process answered or took before
+/// ([`redelivery::answered_before`], [`redelivery::is_second_copy`]; `what` says which, for the
+/// log) and counts it in `requests_total{stage="batcher",outcome="duplicate"}`. When the ack
+/// fails (the channel closed), the broker returns the delivery as redelivered and it is
+/// processed unless answered before: at worst answered twice, never lost.
+async fn drop_copy(partition: u32, delivery: Delivery, id: &str, what: &str) {
     match delivery.acker.ack(BasicAckOptions::default()).await {
         Ok(true) => {
             metrics::requests(stage::BATCHER, outcome::DUPLICATE, 1);
-            crate::info_limited!(SECOND_COPY_LOG, partition, request_id = %id, "a second copy of a request taken before (forwarded again from a redelivered input message) acked without processing");
+            crate::info_limited!(COPY_LOG, partition, request_id = %id, "{what}: acked without processing");
         }
-        other => debug!(partition, request_id = %id, result = ?other, "a second copy could not be acked; the broker returns it and it is processed"),
+        other => debug!(partition, request_id = %id, result = ?other, "a copy could not be acked; the broker returns it"),
     }
 }
 

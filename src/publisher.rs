@@ -441,8 +441,8 @@ pub use crate::amqp::{header_str, header_u64};
 /// over from the original: an allowlist, never a blind copy. Copied: `content_type`,
 /// `content_encoding`, `correlation_id`, `reply_to`, `message_id`, `timestamp`, `type`, `app_id`,
 /// `priority`, `delivery_mode` and the headers (without `x-delivery-count`: the next queue counts
-/// its own deliveries; without `x-earlier-deliveries`, `x-input-redelivered` and `x-request-id`,
-/// which only the daemon sets), with `extra` added.
+/// its own deliveries; without `x-earlier-deliveries`, `x-input-redelivered`, `x-forward-id` and
+/// `x-request-id`, which only the daemon sets), with `extra` added.
 ///
 /// Never copied: `user_id`, which RabbitMQ checks against the publishing connection's user (a
 /// mismatch closes the channel with 406 `PRECONDITION_FAILED`,
@@ -461,7 +461,7 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
           app_id => with_app_id, priority => with_priority, delivery_mode => with_delivery_mode);
     let mut headers = FieldTable::default();
     let own = |k: &str| {
-        k == HEADER_DELIVERY_COUNT || k == redelivery::HEADER_EARLIER_DELIVERIES || k == redelivery::HEADER_INPUT_REDELIVERED || k == HEADER_REQUEST_ID
+        [HEADER_DELIVERY_COUNT, redelivery::HEADER_EARLIER_DELIVERIES, redelivery::HEADER_INPUT_REDELIVERED, redelivery::HEADER_FORWARD_ID, HEADER_REQUEST_ID].contains(&k)
     };
     for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| !own(k.as_str())) {
         headers.insert(k.clone(), v.clone());
@@ -869,6 +869,9 @@ pub async fn dead_letter_and_ack(
         }
         return Intake::Unacked(delivery);
     }
+    if lease.is_some() {
+        redelivery::note_answered(props.headers().as_ref());
+    }
     match delivery.acker.ack(BasicAckOptions::default()).await {
         Ok(_) => metrics::dead_lettered(reason, if lease.is_some() { stage::BATCHER } else { stage::ROUTER }),
         Err(e) => crate::warn_limited!(ACK_FAILED_LOG, error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
@@ -1196,6 +1199,7 @@ fn log_result_held(id: &str, e: &PublishError, failures: u32, wait: Duration) {
 /// unless the lease deadline passed meanwhile (then left for the session's end: the successor
 /// processes it again); counts the outcome and the end-to-end latency from `enqueued_unix_ms`.
 async fn ack_published(delivery: Delivery, result: &RequestResult, tenure: Tenure<'_>, failures: u32, enqueued_unix_ms: Option<u64>) -> ResultEnd {
+    redelivery::note_answered(delivery.properties.headers().as_ref());
     if !tenure.lease.is_valid() {
         // Published but not acked: the successor will process it again (a counted duplicate,
         // detectable by the older x-partition-epoch).
@@ -1563,6 +1567,7 @@ mod tests {
         h.insert(ShortString::from(HEADER_DELIVERY_COUNT), AMQPValue::LongLongInt(4));
         h.insert(ShortString::from(HEADER_PREFIX_KEY), AMQPValue::LongString("k".into()));
         h.insert(ShortString::from(redelivery::HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
+        h.insert(ShortString::from(redelivery::HEADER_FORWARD_ID), AMQPValue::LongString("f".into()));
         allowed().with_user_id("someone".into()).with_expiration("5000".into()).with_cluster_id("x".into()).with_headers(h)
     }
 
@@ -1577,6 +1582,7 @@ mod tests {
         assert_eq!(header_str(h, HEADER_SHARD).as_deref(), Some("2"));
         assert_eq!(header_u64(h, HEADER_DELIVERY_COUNT), None, "the next queue counts its own deliveries");
         assert_eq!(header_u64(h, redelivery::HEADER_INPUT_REDELIVERED), None, "set by the router only: a copy put back is processed");
+        assert_eq!(header_str(h, redelivery::HEADER_FORWARD_ID), None, "set by the router only, one per forward");
     }
 
     #[test]

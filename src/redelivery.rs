@@ -66,26 +66,30 @@ pub const HEADER_EARLIER_DELIVERIES: &str = "x-earlier-deliveries";
 /// ([`crate::publisher::carried_props`]). Read by [`is_second_copy`].
 pub const HEADER_INPUT_REDELIVERED: &str = "x-input-redelivered";
 
-/// How many requests [`is_second_copy`] remembers: 131,072, about 5 MB (at 4,000 requests/s,
-/// the last half minute).
+/// Header the router sets on every forward: a fresh UUID v4 (32 hex digits) naming that one
+/// message, kept across its redeliveries from the partition queue. Set only by the router
+/// (dropped from what publishers send and from the copies the daemon publishes again,
+/// [`crate::publisher::carried_props`]). Read by [`answered_before`].
+pub const HEADER_FORWARD_ID: &str = "x-forward-id";
+
+/// How many requests [`is_second_copy`] and how many forwards [`answered_before`] remember:
+/// 131,072 each, about 5 MB each (at 4,000 requests/s, the last half minute).
 pub const RECENT_REQUESTS_CAPACITY: usize = 1 << 17;
 
-/// Requests that entered this process's partition consumers, by [`request_fingerprint`],
-/// oldest forgotten first once `capacity` are kept.
-struct RecentRequests {
+/// A set of 128-bit fingerprints that forgets the oldest once `capacity` are kept.
+struct RecentSet {
     capacity: usize,
     seen: HashSet<u128>,
     order: VecDeque<u128>,
 }
 
-impl RecentRequests {
+impl RecentSet {
     fn new(capacity: usize) -> Self {
         Self { capacity, seen: HashSet::new(), order: VecDeque::new() }
     }
 
-    /// [`is_second_copy`] on this table.
-    fn is_second_copy(&mut self, id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
-        let fingerprint = request_fingerprint(id, body);
+    /// Adds `fingerprint`; false when it was there already.
+    fn insert(&mut self, fingerprint: u128) -> bool {
         let first = self.seen.insert(fingerprint);
         if first {
             self.order.push_back(fingerprint);
@@ -95,23 +99,37 @@ impl RecentRequests {
                 }
             }
         }
+        first
+    }
+
+    /// [`is_second_copy`] on this set.
+    fn is_second_copy(&mut self, id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
+        let first = self.insert(xxh3_128_with_seed(body, xxh3_64(id.as_bytes())));
         !first && !redelivered && header_u64(headers, HEADER_INPUT_REDELIVERED).is_some_and(|v| v > 0)
+    }
+
+    /// [`answered_before`] on this set.
+    fn answered_before(&self, redelivered: bool, headers: Option<&FieldTable>) -> bool {
+        redelivered && forward_fingerprint(headers).is_some_and(|f| self.seen.contains(&f))
     }
 }
 
-static RECENT_REQUESTS: LazyLock<Mutex<RecentRequests>> = LazyLock::new(|| Mutex::new(RecentRequests::new(RECENT_REQUESTS_CAPACITY)));
+/// Requests that entered this process's partition consumers, by a hash of their id and body.
+static RECENT_REQUESTS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
 
-/// 128-bit hash of a request's id and body: a second copy of a request has both the same.
-fn request_fingerprint(id: &str, body: &[u8]) -> u128 {
-    xxh3_128_with_seed(body, xxh3_64(id.as_bytes()))
+/// Forwards whose outcome this process published (confirmed), by [`forward_fingerprint`].
+static ANSWERED_FORWARDS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
+
+/// 128-bit hash of a message's [`HEADER_FORWARD_ID`], when it has one.
+fn forward_fingerprint(headers: Option<&FieldTable>) -> Option<u128> {
+    crate::amqp::header_str(headers, HEADER_FORWARD_ID).map(|f| xxh3_128_with_seed(f.as_bytes(), 0))
 }
 
 /// Notes that a partition consumer of this process took request `id` with `body`, and tells
 /// whether this delivery is a second copy of a request it took before, to be acked without
 /// processing. That is the case when all three hold:
-/// - the delivery is the partition queue's first one of this message (`redelivered` false: a
-///   message the partition queue delivered before is always processed, since its earlier delivery
-///   did not end);
+/// - the delivery is the partition queue's first one of this message (`redelivered` false; a
+///   message the partition queue delivers again is [`answered_before`]'s case);
 /// - it carries [`HEADER_INPUT_REDELIVERED`]: the router forwarded it from a redelivered input
 ///   message (so a publisher's own repeat of an id is processed);
 /// - this process took the same id and body (a 128-bit xxh3 hash of both) from a partition queue
@@ -123,6 +141,24 @@ fn request_fingerprint(id: &str, body: &[u8]) -> u128 {
 /// recognised, nor are copies taken by another instance (the partition moved in between).
 pub fn is_second_copy(id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
     RECENT_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()).is_second_copy(id, body, redelivered, headers)
+}
+
+/// Notes that the outcome (a result or a dead letter) of the partition delivery with these
+/// headers was confirmed by the broker; called before its ack. Nothing for a message without
+/// [`HEADER_FORWARD_ID`].
+pub fn note_answered(headers: Option<&FieldTable>) {
+    if let Some(f) = forward_fingerprint(headers) {
+        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(f);
+    }
+}
+
+/// Whether a partition queue delivers again (`redelivered`) a forward whose outcome this
+/// process already published ([`note_answered`], among the last [`RECENT_REQUESTS_CAPACITY`]):
+/// its ack was lost with a channel or connection (a broker restart, a network fault, the lease
+/// deadline passing between the confirm and the ack) and this instance took the partition
+/// again. Such a delivery is acked without processing: its outcome is in the broker's hands.
+pub fn answered_before(redelivered: bool, headers: Option<&FieldTable>) -> bool {
+    ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).answered_before(redelivered, headers)
 }
 
 /// Which queue a delivery came from, for [`delivery_count`].
@@ -193,7 +229,7 @@ mod tests {
         let mut marked = FieldTable::default();
         marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
         let marked = Some(&marked);
-        let mut t = RecentRequests::new(100);
+        let mut t = RecentSet::new(100);
         let mut is_second_copy = |id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>| t.is_second_copy(id, body, redelivered, headers);
         let body = br#"{"id":"copy-test-1","prompt":"p"}"#;
         assert!(!is_second_copy("copy-test-1", body, false, marked), "the first copy taken is processed, marked or not");
@@ -211,7 +247,7 @@ mod tests {
     fn the_recent_requests_are_bounded_and_the_oldest_forgotten() {
         let mut marked = FieldTable::default();
         marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
-        let mut t = RecentRequests::new(1000);
+        let mut t = RecentSet::new(1000);
         assert!(!t.is_second_copy("recent-first", b"b", false, None));
         for i in 0..1000 {
             t.is_second_copy(&format!("recent-{i}"), b"b", false, None);
@@ -220,6 +256,25 @@ mod tests {
         assert!(t.is_second_copy("recent-999", b"b", false, Some(&marked)));
         assert!(t.is_second_copy("recent-1", b"b", false, Some(&marked)));
         assert!(t.seen.len() <= 1000 && t.order.len() <= 1000);
+    }
+
+    #[test]
+    fn only_a_redelivery_of_an_answered_forward_was_answered_before() {
+        let with_id = |f: &str| {
+            let mut h = FieldTable::default();
+            h.insert(ShortString::from(HEADER_FORWARD_ID), AMQPValue::LongString(f.into()));
+            h
+        };
+        let (answered, other) = (with_id("answered-before-test-1"), with_id("answered-before-test-2"));
+        let mut t = RecentSet::new(100);
+        t.insert(forward_fingerprint(Some(&answered)).unwrap());
+        assert!(t.answered_before(true, Some(&answered)));
+        assert!(!t.answered_before(false, Some(&answered)), "a first delivery (a forward is published once)");
+        assert!(!t.answered_before(true, Some(&other)), "another forward");
+        assert!(!t.answered_before(true, None), "no forward id: published straight to the partition queue");
+        note_answered(Some(&answered));
+        note_answered(None);
+        assert!(answered_before(true, Some(&answered)) && !answered_before(true, Some(&other)));
     }
 
     #[test]

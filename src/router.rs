@@ -641,7 +641,8 @@ async fn requeue(delivery: Delivery) {
 /// Properties of a forwarded request: those of [`publisher::carried_props`] (an allowlist; no
 /// `user_id`, no `expiration`), with `message_id` = request id (so every stage agrees on a
 /// generated id), `correlation_id` defaulting to the request id, the shard, the routed key and the
-/// time of forwarding in headers (`x-shard`, `x-routed-key`, `x-routed-at-ms`), header
+/// time of forwarding in headers (`x-shard`, `x-routed-key`, `x-routed-at-ms`), a fresh
+/// [`redelivery::HEADER_FORWARD_ID`], header
 /// [`redelivery::HEADER_INPUT_REDELIVERED`] when the input queue had delivered the message before
 /// (`redelivered`), and persistent delivery. Errors when the request id is not a valid short
 /// string (longer than [`MAX_ID_BYTES`]; [`crate::request::parse`] already refuses those).
@@ -651,6 +652,7 @@ fn forward_props(props: &BasicProperties, r: &Route, redelivered: bool) -> Resul
         (HEADER_SHARD, r.shard.to_string()),
         (HEADER_ROUTED_KEY, r.routed.to_string()),
         (HEADER_ROUTED_AT_MS, publisher::unix_ms().to_string()),
+        (redelivery::HEADER_FORWARD_ID, uuid::Uuid::new_v4().simple().to_string()),
     ];
     if redelivered {
         headers.push((redelivery::HEADER_INPUT_REDELIVERED, "1".to_owned()));
@@ -755,6 +757,8 @@ mod tests {
         assert_eq!(publisher::header_str(h, redelivery::HEADER_INPUT_REDELIVERED), None, "set by a publisher, first delivery");
         let marked = p_empty.headers().as_ref();
         assert_eq!(publisher::header_str(marked, redelivery::HEADER_INPUT_REDELIVERED).as_deref(), Some("1"), "a redelivered input message");
+        let forward_id = |h| publisher::header_str(h, redelivery::HEADER_FORWARD_ID).map(|f| f.into_owned());
+        assert!(forward_id(h).is_some_and(|f| f.len() == 32) && forward_id(h) != forward_id(marked), "one forward id per forward");
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::*;
-use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::options::{BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use llm_fakes::fake::FakeLlm;
@@ -506,8 +506,65 @@ async fn a_second_copy_of_a_forwarded_request_is_answered_once() {
     for cid in ["copy-1-other-body", "copy-1-publisher-marked", "copy-after"] {
         assert_eq!(answers(cid), 1, "{cid}");
     }
-    assert_eq!(counter("requests_total", "outcome", "duplicate") - duplicates_before, 1.0, "one second copy dropped");
+    // At least: other tests of this process may drop copies too.
+    assert!(counter("requests_total", "outcome", "duplicate") - duplicates_before >= 1.0, "no copy counted");
     f.finish().await;
+}
+
+/// A forward that its partition queue delivers again after its result was published (the ack
+/// was lost with a channel or connection: a broker restart, a network fault), to the instance
+/// that answered it, is acked without processing: answered once. Another forward of the same
+/// request (another `x-forward-id`), delivered again after an attempt that did not end, is
+/// processed. Both are made redelivered with `basic.get` and a requeue while the daemon is
+/// stopped; the daemon's table of answered forwards lives in this process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_delivered_again_after_its_result_is_answered_once() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("answered");
+    let raw = env.raw_config(fake.url.as_str());
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let duplicates_before = counter("requests_total", "outcome", "duplicate");
+    let body = serde_json::to_vec(&json!({"id": "answered-1", "prompt": "answered before"})).unwrap();
+    let forward = |cid: &str, forward_id: &str| {
+        let mut h = FieldTable::default();
+        h.insert(ShortString::from("x-forward-id"), AMQPValue::LongString(forward_id.into()));
+        request_props(cid, &reply).with_message_id("answered-1".into()).with_headers(h)
+    };
+    let forward_id = format!("{}", uuid::Uuid::new_v4().simple());
+    let p0 = env.partition_queue(0);
+    amqp.publish(&p0, &body, forward("answered-1", &forward_id)).await;
+    results.until_all(&["answered-1".to_owned()].into_iter().collect(), DEADLINE).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+
+    // The same forward again, delivered once more: as after an ack lost with its channel; then
+    // another forward of the same request whose earlier delivery did not end, behind it in the
+    // same queue (so it is taken after the copy was decided).
+    amqp.publish(&p0, &body, forward("answered-1", &forward_id)).await;
+    amqp.publish(&p0, &body, forward("answered-1-other-forward", &format!("{}", uuid::Uuid::new_v4().simple()))).await;
+    // Partition queues refuse `basic.get` (single active consumer): a consumer of the test's
+    // takes both, then returns them.
+    let ch = amqp.conn.create_channel().await.expect("channel");
+    ch.basic_qos(2, BasicQosOptions::default()).await.expect("qos");
+    let mut consumer = ch.basic_consume(p0.as_str().into(), "redeliver".into(), BasicConsumeOptions::default(), FieldTable::default()).await.expect("consume");
+    let mut taken = Vec::new();
+    while taken.len() < 2 {
+        let d = tokio::time::timeout(DEADLINE, futures_util::StreamExt::next(&mut consumer)).await.expect("the two forwards are not delivered");
+        taken.push(d.expect("consumer ended").expect("delivery"));
+    }
+    for d in taken {
+        d.acker.nack(BasicNackOptions { requeue: true, ..Default::default() }).await.expect("nack");
+    }
+    ch.close(200, "done".into()).await.expect("close");
+    let daemon = start_daemon(&raw);
+    results.until_all(&["answered-1-other-forward".to_owned()].into_iter().collect(), DEADLINE).await;
+    results.barrier(&amqp).await;
+    assert_eq!(results.received.iter().filter(|m| m.correlation_id == "answered-1").count(), 1, "answered twice");
+    assert!(counter("requests_total", "outcome", "duplicate") - duplicates_before >= 1.0, "no copy counted");
+    assert_eq!(amqp.queue_depth(&p0).await.0, 0, "the copy was not acked");
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
 }
 
 /// `prefix_batcher_reply_to_refused_total{reason}` of this process.
