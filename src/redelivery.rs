@@ -102,10 +102,25 @@ impl RecentSet {
         first
     }
 
-    /// [`is_second_copy`] on this set.
+    /// [`is_second_copy`] on this set: it holds the fingerprint of every request taken, and that
+    /// fingerprint XOR [`MARKED`] for every marked copy taken.
     fn is_second_copy(&mut self, id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
-        let first = self.insert(xxh3_128_with_seed(body, xxh3_64(id.as_bytes())));
-        !first && !redelivered && header_u64(headers, HEADER_INPUT_REDELIVERED).is_some_and(|v| v > 0)
+        let taken = xxh3_128_with_seed(body, xxh3_64(id.as_bytes()));
+        let marked = header_u64(headers, HEADER_INPUT_REDELIVERED).is_some_and(|v| v > 0);
+        let put_back = header_u64(headers, HEADER_EARLIER_DELIVERIES).is_some();
+        let copy = !redelivered
+            && if marked {
+                self.seen.contains(&taken)
+            } else {
+                !put_back && self.seen.contains(&(taken ^ MARKED))
+            };
+        if !copy {
+            self.insert(taken);
+            if marked {
+                self.insert(taken ^ MARKED);
+            }
+        }
+        copy
     }
 
     /// [`answered_before`] on this set.
@@ -113,6 +128,9 @@ impl RecentSet {
         redelivered && forward_fingerprint(headers).is_some_and(|f| self.seen.contains(&f))
     }
 }
+
+/// Told apart from a request's fingerprint, that of a marked copy ([`HEADER_INPUT_REDELIVERED`]).
+const MARKED: u128 = 0x5a5a_5a5a_5a5a_5a5a_a5a5_a5a5_a5a5_a5a5;
 
 /// Requests that entered this process's partition consumers, by a hash of their id and body.
 static RECENT_REQUESTS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
@@ -127,18 +145,25 @@ fn forward_fingerprint(headers: Option<&FieldTable>) -> Option<u128> {
 
 /// Notes that a partition consumer of this process took request `id` with `body`, and tells
 /// whether this delivery is a second copy of a request it took before, to be acked without
-/// processing. That is the case when all three hold:
-/// - the delivery is the partition queue's first one of this message (`redelivered` false; a
-///   message the partition queue delivers again is [`answered_before`]'s case);
-/// - it carries [`HEADER_INPUT_REDELIVERED`]: the router forwarded it from a redelivered input
-///   message (so a publisher's own repeat of an id is processed);
-/// - this process took the same id and body (a 128-bit xxh3 hash of both) from a partition queue
-///   among its last [`RECENT_REQUESTS_CAPACITY`] requests.
+/// processing. Only a delivery that the partition queue delivers for the first time
+/// (`redelivered` false; one it delivers again is [`answered_before`]'s case) can be one, when
+/// this process took the same id and body (a 128-bit xxh3 hash of both) from a partition queue
+/// among its last [`RECENT_REQUESTS_CAPACITY`] requests, and either
+/// - it carries [`HEADER_INPUT_REDELIVERED`] (the router forwarded it from a redelivered input
+///   message), or
+/// - the copy taken before carried it: the router that first took the input message sent its
+///   forward after the broker had already given the message to another router, whose marked
+///   forward reached the partition queue first.
 ///
-/// Dropping such a copy loses nothing: the request taken before either reached an outcome (a
-/// result or a dead letter, then acked) or is still unacked, so the broker gives it back if that
-/// attempt does not end. Requests without an id (a UUID generated per delivery) are never
-/// recognised, nor are copies taken by another instance (the partition moved in between).
+/// So a publisher's own repeat of an id and body is processed, as long as no marked copy of it
+/// was taken in between, and so is a copy that the daemon put back uncharged
+/// ([`HEADER_EARLIER_DELIVERIES`]).
+///
+/// Dropping such a copy loses nothing: the copy taken before either reached an outcome (a
+/// result or a dead letter, then acked), is still unacked (the broker gives it back if that
+/// attempt does not end), or was put back uncharged, as a copy that is always processed.
+/// Requests without an id (a UUID generated per delivery) are never recognised, nor are copies
+/// taken by another instance (the partition moved in between).
 pub fn is_second_copy(id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
     RECENT_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()).is_second_copy(id, body, redelivered, headers)
 }
@@ -232,15 +257,42 @@ mod tests {
         let mut t = RecentSet::new(100);
         let mut is_second_copy = |id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>| t.is_second_copy(id, body, redelivered, headers);
         let body = br#"{"id":"copy-test-1","prompt":"p"}"#;
-        assert!(!is_second_copy("copy-test-1", body, false, marked), "the first copy taken is processed, marked or not");
+        assert!(!is_second_copy("copy-test-1", body, false, None), "the first copy taken is processed");
         assert!(is_second_copy("copy-test-1", body, false, marked), "a marked fresh copy of a request taken before");
-        assert!(!is_second_copy("copy-test-1", body, true, marked), "the partition queue delivered it before: its earlier delivery did not end");
         assert!(!is_second_copy("copy-test-1", body, false, None), "a publisher's own repeat is processed");
+        assert!(!is_second_copy("copy-test-1", body, true, marked), "the partition queue delivered it before: its earlier delivery did not end");
+        assert!(is_second_copy("copy-test-1", body, false, None), "a marked copy was taken since");
+        assert!(!is_second_copy("copy-test-3", body, false, marked), "the first copy taken is processed, marked or not");
         assert!(!is_second_copy("copy-test-1", br#"{"id":"copy-test-1","prompt":"q"}"#, false, marked), "another body under the same id");
         assert!(!is_second_copy("copy-test-2", body, false, marked), "the same body under another id");
         let mut zero = FieldTable::default();
         zero.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("0".into()));
-        assert!(!is_second_copy("copy-test-1", body, false, Some(&zero)));
+        assert!(!is_second_copy("copy-test-4", body, false, None));
+        assert!(!is_second_copy("copy-test-4", body, false, Some(&zero)), "x-input-redelivered 0 is no mark");
+    }
+
+    #[test]
+    fn an_unmarked_copy_behind_a_marked_one_is_a_second_copy_unless_put_back() {
+        let header = |k: &str, v: &str| {
+            let mut h = FieldTable::default();
+            h.insert(ShortString::from(k), AMQPValue::LongString(v.into()));
+            h
+        };
+        let marked = header(HEADER_INPUT_REDELIVERED, "1");
+        let put_back = header(HEADER_EARLIER_DELIVERIES, "0");
+        let mut t = RecentSet::new(100);
+        let body = b"{}";
+        assert!(!t.is_second_copy("late", body, false, None), "the publisher's first and second publish");
+        assert!(!t.is_second_copy("late", body, false, None));
+        assert!(!t.is_second_copy("race", body, false, Some(&marked)), "the marked copy reached the queue first");
+        assert!(!t.is_second_copy("race", body, false, Some(&put_back)), "put back uncharged: always processed");
+        assert!(t.is_second_copy("race", body, false, None), "the first router's late forward");
+        assert!(!t.is_second_copy("race", body, true, None), "delivered again by the partition queue");
+        assert!(t.is_second_copy("race", body, false, Some(&marked)));
+        // A marked copy dropped is not noted as taken: a later repeat of the publisher is processed.
+        assert!(!t.is_second_copy("dropped", body, false, None));
+        assert!(t.is_second_copy("dropped", body, false, Some(&marked)));
+        assert!(!t.is_second_copy("dropped", body, false, None));
     }
 
     #[test]
@@ -254,7 +306,7 @@ mod tests {
         }
         assert!(!t.is_second_copy("recent-first", b"b", false, Some(&marked)), "the oldest is forgotten");
         assert!(t.is_second_copy("recent-999", b"b", false, Some(&marked)));
-        assert!(t.is_second_copy("recent-1", b"b", false, Some(&marked)));
+        assert!(t.is_second_copy("recent-5", b"b", false, Some(&marked)));
         assert!(t.seen.len() <= 1000 && t.order.len() <= 1000);
     }
 

@@ -461,10 +461,14 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return;
         }
     };
-    match forward(publish, a, ch, turn, &delivery.data, fwd, &r, stop, &mut holding).await {
+    match forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding).await {
         ForwardEnd::Forwarded => {}
         ForwardEnd::Requeue => return requeue(delivery).await,
         ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
+        ForwardEnd::InputGone => {
+            debug!(request_id = %r.request_id, "the input channel closed before the forward; the broker delivers the request again");
+            return metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
+        }
     }
     if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
@@ -482,10 +486,15 @@ enum ForwardEnd {
     /// No publishing channel, or the connection is lost: requeue after
     /// [`redelivery::requeue_backoff`].
     RequeueAfterBackoff,
+    /// The input delivery's channel closed before the forward was sent: the broker has returned
+    /// the message to the input queue already, so it was not forwarded (that would only make a
+    /// copy that no ack can settle).
+    InputGone,
 }
 
-/// Forwards the request (`data` with properties `fwd`) to its partition queue on `ch` with a
-/// confirm: a nack is retried ([`publisher::NackRetry`]), a missing route declared again once per
+/// Forwards the request (the body of `input` with properties `fwd`) to its partition queue on
+/// `ch` with a confirm, unless the channel of `input` closed first ([`ForwardEnd::InputGone`],
+/// checked before each attempt): a nack is retried ([`publisher::NackRetry`]), a missing route declared again once per
 /// attempt, and a forward the broker does not take is held (uncharged, `holding` counts it) and
 /// sent again after [`publisher::hold_backoff`], taking turns with the other held forwards.
 #[allow(clippy::too_many_arguments)] // the parts of one delivery's forward, all borrowed
@@ -494,7 +503,7 @@ async fn forward<'p>(
     a: &AmqpSettings,
     mut ch: ConfirmChannel,
     mut turn: Option<tokio::sync::MutexGuard<'p, ()>>,
-    data: &[u8],
+    input: &Delivery,
     fwd: BasicProperties,
     r: &Route,
     stop: &CancellationToken,
@@ -507,8 +516,12 @@ async fn forward<'p>(
     let mut held = 0u32;
     let conn = &publish.conns.publish;
     loop {
+        // Its channel closed (poisoned ackers, lapin): the broker has put the message back.
+        if input.acker.poisoned() {
+            return ForwardEnd::InputGone;
+        }
         let sent_at = tokio::time::Instant::now();
-        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, data, fwd.clone()).await else {
+        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &input.data, fwd.clone()).await else {
             publish.shared.turns().accepted();
             drop(turn);
             crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);

@@ -471,9 +471,11 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
 /// copy was taken (the router's intake connection closed between the forward's confirm and the
 /// input ack: a message the AMQP client cannot read, a broker restart, a network fault), is acked
 /// without processing and counted in `requests_total{outcome="duplicate"}`: the request is answered
-/// once. Observed before: with 3 instances, 1, 8 and 3 requests answered twice per run right behind
+/// once; so is the first router's forward that reaches the partition queue after the marked copy.
+/// Observed before: with 3 instances, 1, 8 and 3 requests answered twice per run right behind
 /// an unreadable message. What may be another request is processed: the same id with another
-/// body, and a publisher's own `x-input-redelivered` header (only the router sets it).
+/// body, a publisher's own `x-input-redelivered` header (only the router sets it), and a copy the
+/// daemon put back uncharged (`x-earlier-deliveries`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_copy_of_a_forwarded_request_is_answered_once() {
     let fake = FakeLlm::new().start().await.unwrap();
@@ -496,14 +498,23 @@ async fn a_second_copy_of_a_forwarded_request_is_answered_once() {
     s.amqp.publish(&partition, &body("the first copy"), marked(request_props("copy-1", &s.reply).with_message_id("copy-1".into()))).await;
     s.amqp.publish(&partition, &body("another body"), marked(request_props("copy-1-other-body", &s.reply).with_message_id("copy-1".into()))).await;
     s.amqp.publish(&input, &body("the first copy"), marked(request_props("copy-1-publisher-marked", &s.reply))).await;
-    // Published after the second copy to the same queue: taken after it was decided.
+    // The other way round: the marked copy reached the partition queue first, then the first
+    // router's late forward (dropped), then a copy the daemon put back uncharged (processed).
+    let body2 = serde_json::to_vec(&json!({"id": "copy-2", "prompt": "late forward"})).unwrap();
+    let mut earlier = FieldTable::default();
+    earlier.insert(ShortString::from("x-earlier-deliveries"), AMQPValue::LongString("0".into()));
+    s.amqp.publish(&partition, &body2, marked(request_props("copy-2", &s.reply).with_message_id("copy-2".into()))).await;
+    s.amqp.publish(&partition, &body2, request_props("copy-2", &s.reply).with_message_id("copy-2".into())).await;
+    s.amqp.publish(&partition, &body2, request_props("copy-2-put-back", &s.reply).with_message_id("copy-2".into()).with_headers(earlier)).await;
+    // Published after the second copies to the same queue: taken after they were decided.
     s.amqp.publish(&partition, &serde_json::to_vec(&json!({"id": "copy-after", "prompt": "after"})).unwrap(), request_props("copy-after", &s.reply)).await;
-    let want = ["copy-1-other-body", "copy-1-publisher-marked", "copy-after"].map(str::to_owned).into_iter().collect();
+    let want = ["copy-1-other-body", "copy-1-publisher-marked", "copy-2-put-back", "copy-after"].map(str::to_owned).into_iter().collect();
     s.results.until_all(&want, DEADLINE).await;
     s.results.barrier(&s.amqp).await;
     let answers = |cid: &str| s.results.received.iter().filter(|m| m.correlation_id == cid).count();
     assert_eq!(answers("copy-1"), 1, "the second copy was answered");
-    for cid in ["copy-1-other-body", "copy-1-publisher-marked", "copy-after"] {
+    assert_eq!(answers("copy-2"), 1, "the late forward behind a marked copy was answered");
+    for cid in ["copy-1-other-body", "copy-1-publisher-marked", "copy-2-put-back", "copy-after"] {
         assert_eq!(answers(cid), 1, "{cid}");
     }
     // At least: other tests of this process may drop copies too.
