@@ -588,6 +588,9 @@ pub struct MemberStatus {
     pub name: String,
     /// Boot nonce of the process heartbeating under that name.
     pub nonce: Option<String>,
+    /// Its version (`--version`: `0.1.0+<commit>`), from its health line
+    /// ([`crate::ownership::with_version`]); `None` for an instance that publishes none.
+    pub version: Option<String>,
     /// Partitions whose lease it holds.
     pub owned: usize,
     /// Partitions the assignment gives it.
@@ -756,7 +759,13 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let (stale_owners, draining_owners) = stale_owners(&mut r, prefix, &leases, &names).await?;
     let mut members: Vec<MemberStatus> = live
         .into_iter()
-        .map(|m| MemberStatus { name: m.name, nonce: m.nonce, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict, health: m.health })
+        .map(|m| {
+            let (version, health) = match m.health.as_deref().map(crate::ownership::split_version) {
+                Some((version, health)) => (version.map(str::to_owned), Some(health.to_owned())),
+                None => (None, None),
+            };
+            MemberStatus { name: m.name, nonce: m.nonce, version, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict, health }
+        })
         .collect();
     let mut partitions = Vec::with_capacity(p as usize);
     for part in 0..p {
@@ -913,14 +922,15 @@ pub fn render_status(s: &Status) -> String {
 /// The members table of [`render_status`], with the lease holders that are not live members.
 fn render_members(out: &mut String, s: &Status) {
     out.push_str(&format!("members ({}):\n", s.members.len()));
-    out.push_str(&format!("  {:<40} {:<14} {:>5} {:>8}  {}\n", "name", "nonce", "owns", "desired", "health"));
+    out.push_str(&format!("  {:<40} {:<14} {:<20} {:>5} {:>8}  {}\n", "name", "nonce", "version", "owns", "desired", "health"));
     for m in &s.members {
         let down = llm_down_note(m);
         let conflict = if m.name_conflict { "  (NAME CONFLICT: another process heartbeats with this instance.name; names must be unique)" } else { "" };
         out.push_str(&format!(
-            "  {:<40} {:<14} {:>5} {:>8}  {}{down}{conflict}\n",
+            "  {:<40} {:<14} {:<20} {:>5} {:>8}  {}{down}{conflict}\n",
             m.name,
             m.nonce.as_deref().unwrap_or("-"),
+            m.version.as_deref().unwrap_or("-"),
             m.owned,
             m.desired,
             m.health.as_deref().unwrap_or("-")
@@ -1048,7 +1058,7 @@ mod tests {
 
     #[test]
     fn a_flagged_member_is_said_to_keep_its_partitions_only_when_the_assignment_gives_it_some() {
-        let member = |llm_down: bool, desired: usize| MemberStatus { name: "a".into(), nonce: None, owned: 0, desired, llm_down, name_conflict: false, health: None };
+        let member = |llm_down: bool, desired: usize| MemberStatus { name: "a".into(), nonce: None, version: None, owned: 0, desired, llm_down, name_conflict: false, health: None };
         assert_eq!(llm_down_note(&member(false, 8)), "");
         assert!(llm_down_note(&member(true, 0)).contains("go to the others"));
         // A lone member, or every member flagged: the assignment still counts it.

@@ -169,6 +169,25 @@ pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], h
     line
 }
 
+/// Start of a health line as published ([`with_version`]).
+const VERSION_LEAD: &str = "version ";
+
+/// `line` as a member publishes it ([`crate::membership::member_health_key`]): led by the
+/// process's version (`version 0.1.0+<commit>; ready…`), so that `status` shows which instance
+/// runs which build during a rolling upgrade ([`split_version`]).
+pub fn with_version(line: &str) -> String {
+    format!("{VERSION_LEAD}{}; {line}", crate::VERSION)
+}
+
+/// A published health line split into the version it leads with ([`with_version`]; `None` from
+/// an instance that publishes none) and the rest.
+pub fn split_version(published: &str) -> (Option<&str>, &str) {
+    match published.strip_prefix(VERSION_LEAD).and_then(|rest| rest.split_once("; ")) {
+        Some((version, rest)) if !version.contains(' ') => (Some(version), rest),
+        _ => (None, published),
+    }
+}
+
 impl Ownership {
     /// `nonce` is this process's boot nonce.
     pub fn new(settings: Arc<Settings>, redis: RedisConn, nonce: String, llm: LlmClient, readiness: Readiness, reply_nodes: Arc<crate::reply_node::NodeCheck>) -> Self {
@@ -312,7 +331,7 @@ impl Ownership {
             .filter_map(|i| Some((self.llm.endpoint_name(i)?, self.llm.breaker_state(i)?)))
             .collect();
         let held = metrics::held_publishes();
-        self.membership.set_health(&health_line(&self.readiness.state(), &endpoints, held, &self.client_certificates, crate::tls::unix_now()));
+        self.membership.set_health(&with_version(&health_line(&self.readiness.state(), &endpoints, held, &self.client_certificates, crate::tls::unix_now())));
         let flags = crate::membership::LlmFlags { down: llm_down, unavailable: self.llm.all_down_for().is_some() };
         let beat = match self.membership.heartbeat_flagging(flags, conflict).await {
             Ok(b) => b,
@@ -694,6 +713,10 @@ mod tests {
         readiness.set(NotReady::Starting, false);
         let all_up = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Closed)];
         assert_eq!(health_line(&readiness.state(), &all_up, (0, 0), &[], 0), "ready");
+        let published = with_version("ready; 1 of 2 LLM endpoints down: x (open)");
+        assert_eq!(split_version(&published), (Some(crate::VERSION), "ready; 1 of 2 LLM endpoints down: x (open)"));
+        assert_eq!(split_version("ready"), (None, "ready"), "an instance that publishes no version");
+        assert_eq!(split_version("version of what; ready"), (None, "version of what; ready"));
         let one_down = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Open)];
         assert_eq!(health_line(&readiness.state(), &one_down, (0, 0), &[], 0), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
         readiness.set(NotReady::LlmUnavailable, true);

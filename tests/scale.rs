@@ -614,6 +614,7 @@ async fn g_an_instance_whose_llm_is_down_hands_its_partitions_over() {
     );
     let a_row = table.lines().find(|l| l.contains(&a) && !l.contains("owns")).unwrap_or_else(|| panic!("status lists a:\n{table}"));
     assert!(a_row.trim_end().ends_with("  ready"), "status gives a's health: {a_row}");
+    assert!(a_row.contains(&format!(" {} ", prefix_batcher::VERSION)), "status gives a's version: {a_row}");
     assert!(cluster.proc("b").log().contains("every LLM endpoint of this instance has been down"), "b logs why it hands over");
 
     // b's server is back: the flag goes and b gets its partitions back.
