@@ -1008,7 +1008,8 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
             return None;
         }
     };
-    if redelivery::is_second_copy(&req.id, &delivery.data, delivery.redelivered, delivery.properties.headers().as_ref()) {
+    let fingerprint = publisher::request_fingerprint(&req.id, &delivery.data, &delivery.properties);
+    if redelivery::is_second_copy(fingerprint, delivery.redelivered, delivery.properties.headers().as_ref()) {
         drop_copy(ctx.partition, delivery, &req.id, "a second copy of a request taken before (forwarded again from a redelivered input message)").await;
         return None;
     }

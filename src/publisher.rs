@@ -473,6 +473,51 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
     p.with_headers(headers_with(Some(&headers), &added))
 }
 
+/// Headers a request gains on its way through the daemon, left out of [`request_fingerprint`]:
+/// the copies of one request differ in them.
+const DAEMON_HEADERS: [&str; 8] = [
+    HEADER_SHARD,
+    HEADER_ROUTED_KEY,
+    HEADER_ROUTED_AT_MS,
+    redelivery::HEADER_FORWARD_ID,
+    redelivery::HEADER_INPUT_REDELIVERED,
+    redelivery::HEADER_EARLIER_DELIVERIES,
+    HEADER_DELIVERY_COUNT,
+    HEADER_REQUEST_ID,
+];
+
+/// 128-bit xxh3 hash of what a request's publisher set: its id, body, `reply_to`,
+/// `correlation_id`, `timestamp`, `content_type`, `content_encoding`, `type`, `app_id`,
+/// `priority` and its headers, without those the daemon adds ([`DAEMON_HEADERS`]). Two forwards
+/// of one input message have the same; two messages a publisher sent differ unless they are the
+/// same in all of these. For [`redelivery::is_second_copy`].
+pub fn request_fingerprint(id: &str, body: &[u8], props: &BasicProperties) -> u128 {
+    use std::fmt::Write as _;
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    let mut text = String::new();
+    let mut field = |name: &str, value: Option<&str>| {
+        text.clear();
+        let _ = writeln!(text, "{name}={}:{}", value.map_or(0, str::len), value.unwrap_or(""));
+        h.update(text.as_bytes());
+    };
+    field("id", Some(id));
+    field("reply_to", props.reply_to().as_ref().map(|v| v.as_str()));
+    field("correlation_id", props.correlation_id().as_ref().map(|v| v.as_str()));
+    field("timestamp", props.timestamp().map(|t| t.to_string()).as_deref());
+    field("content_type", props.content_type().as_ref().map(|v| v.as_str()));
+    field("content_encoding", props.content_encoding().as_ref().map(|v| v.as_str()));
+    field("type", props.kind().as_ref().map(|v| v.as_str()));
+    field("app_id", props.app_id().as_ref().map(|v| v.as_str()));
+    field("priority", props.priority().map(|p| p.to_string()).as_deref());
+    // A field table is ordered by name (`BTreeMap`), so equal tables hash alike.
+    for (k, v) in props.headers().iter().flat_map(|t| t.inner()).filter(|(k, _)| !DAEMON_HEADERS.contains(&k.as_str())) {
+        field(k.as_str(), Some(&format!("{v:?}")));
+    }
+    field("body", None);
+    h.update(body);
+    h.digest128()
+}
+
 /// Publishes a dead letter: the original body, the properties of [`carried_props`] plus
 /// `x-death-reason` and `x-death-detail` headers and, when the request was parsed far enough to
 /// have one, its id in `x-request-id` (as on results; a publisher's own `x-request-id` header is
@@ -1583,6 +1628,34 @@ mod tests {
         assert_eq!(header_u64(h, HEADER_DELIVERY_COUNT), None, "the next queue counts its own deliveries");
         assert_eq!(header_u64(h, redelivery::HEADER_INPUT_REDELIVERED), None, "set by the router only: a copy put back is processed");
         assert_eq!(header_str(h, redelivery::HEADER_FORWARD_ID), None, "set by the router only, one per forward");
+    }
+
+    #[test]
+    fn the_request_fingerprint_covers_what_the_publisher_set_and_not_what_the_daemon_adds() {
+        let fp = |p: &BasicProperties| request_fingerprint("r1", b"{}", p);
+        let base = allowed();
+        let routed = carried_props(&base, &[(HEADER_SHARD, "3".to_owned()), (HEADER_ROUTED_AT_MS, "1".to_owned())]);
+        let mut daemon_only = FieldTable::default();
+        for k in DAEMON_HEADERS {
+            daemon_only.insert(ShortString::from(k), AMQPValue::LongString("x".into()));
+        }
+        assert_eq!(fp(&base.clone().with_headers(FieldTable::default())), fp(&routed.with_headers(daemon_only)), "the daemon's headers do not count");
+        let mut own = FieldTable::default();
+        own.insert(ShortString::from("tenant"), AMQPValue::LongString("a".into()));
+        for (what, other) in [
+            ("correlation_id", base.clone().with_correlation_id("c2".into())),
+            ("reply_to", base.clone().with_reply_to("r2".into())),
+            ("timestamp", base.clone().with_timestamp(8)),
+            ("a header", base.clone().with_headers(own)),
+        ] {
+            assert_ne!(fp(&base), fp(&other), "{what}");
+        }
+        assert_ne!(fp(&base), request_fingerprint("r2", b"{}", &base), "id");
+        assert_ne!(fp(&base), request_fingerprint("r1", b"{ }", &base), "body");
+        // A value cannot pass for the next field.
+        let a = BasicProperties::default().with_reply_to("x\ncorrelation_id=1:y".into());
+        let b = BasicProperties::default().with_reply_to("x".into()).with_correlation_id("y".into());
+        assert_ne!(fp(&a), fp(&b));
     }
 
     #[test]

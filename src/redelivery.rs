@@ -19,7 +19,7 @@ use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
 use lapin::types::FieldTable;
-use xxhash_rust::xxh3::{xxh3_128_with_seed, xxh3_64};
+use xxhash_rust::xxh3::xxh3_128_with_seed;
 
 use crate::amqp::header_u64;
 use crate::config::AmqpSettings;
@@ -104,8 +104,7 @@ impl RecentSet {
 
     /// [`is_second_copy`] on this set: it holds the fingerprint of every request taken, and that
     /// fingerprint XOR [`MARKED`] for every marked copy taken.
-    fn is_second_copy(&mut self, id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
-        let taken = xxh3_128_with_seed(body, xxh3_64(id.as_bytes()));
+    fn is_second_copy(&mut self, taken: u128, redelivered: bool, headers: Option<&FieldTable>) -> bool {
         let marked = header_u64(headers, HEADER_INPUT_REDELIVERED).is_some_and(|v| v > 0);
         let put_back = header_u64(headers, HEADER_EARLIER_DELIVERIES).is_some();
         let copy = !redelivered
@@ -132,7 +131,7 @@ impl RecentSet {
 /// Told apart from a request's fingerprint, that of a marked copy ([`HEADER_INPUT_REDELIVERED`]).
 const MARKED: u128 = 0x5a5a_5a5a_5a5a_5a5a_a5a5_a5a5_a5a5_a5a5;
 
-/// Requests that entered this process's partition consumers, by a hash of their id and body.
+/// Requests that entered this process's partition consumers, by their fingerprint.
 static RECENT_REQUESTS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
 
 /// Forwards whose outcome this process published (confirmed), by [`forward_fingerprint`].
@@ -143,29 +142,34 @@ fn forward_fingerprint(headers: Option<&FieldTable>) -> Option<u128> {
     crate::amqp::header_str(headers, HEADER_FORWARD_ID).map(|f| xxh3_128_with_seed(f.as_bytes(), 0))
 }
 
-/// Notes that a partition consumer of this process took request `id` with `body`, and tells
-/// whether this delivery is a second copy of a request it took before, to be acked without
-/// processing. Only a delivery that the partition queue delivers for the first time
+/// Notes that a partition consumer of this process took a request with `fingerprint` (a hash of
+/// its id, body and the properties its publisher set: [`crate::publisher::request_fingerprint`]),
+/// and tells whether this delivery is a second copy of a request it took before, to be acked
+/// without processing. Only a delivery that the partition queue delivers for the first time
 /// (`redelivered` false; one it delivers again is [`answered_before`]'s case) can be one, when
-/// this process took the same id and body (a 128-bit xxh3 hash of both) from a partition queue
-/// among its last [`RECENT_REQUESTS_CAPACITY`] requests, and either
+/// this process took a request with the same fingerprint from a partition queue among its last
+/// [`RECENT_REQUESTS_CAPACITY`] requests, and either
 /// - it carries [`HEADER_INPUT_REDELIVERED`] (the router forwarded it from a redelivered input
 ///   message), or
 /// - the copy taken before carried it: the router that first took the input message sent its
 ///   forward after the broker had already given the message to another router, whose marked
 ///   forward reached the partition queue first.
 ///
-/// So a publisher's own repeat of an id and body is processed, as long as no marked copy of it
-/// was taken in between, and so is a copy that the daemon put back uncharged
-/// ([`HEADER_EARLIER_DELIVERIES`]).
+/// The mark says that the input queue delivered the message before, not that a router forwarded
+/// it (it may have waited in a router's prefetch window): so the fingerprint covers everything
+/// the publisher set, and two messages count as one request only when they are the same in
+/// body, id, `reply_to`, `correlation_id`, `timestamp` and headers, where each answer would be
+/// the same message to the same requester. A publisher's retry that differs in any of them
+/// (another correlation id, timestamp, reply queue) is processed, and so is a copy that the
+/// daemon put back uncharged ([`HEADER_EARLIER_DELIVERIES`]).
 ///
-/// Dropping such a copy loses nothing: the copy taken before either reached an outcome (a
+/// Dropping such a copy loses no answer: the copy taken before either reached an outcome (a
 /// result or a dead letter, then acked), is still unacked (the broker gives it back if that
 /// attempt does not end), or was put back uncharged, as a copy that is always processed.
 /// Requests without an id (a UUID generated per delivery) are never recognised, nor are copies
 /// taken by another instance (the partition moved in between).
-pub fn is_second_copy(id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>) -> bool {
-    RECENT_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()).is_second_copy(id, body, redelivered, headers)
+pub fn is_second_copy(fingerprint: u128, redelivered: bool, headers: Option<&FieldTable>) -> bool {
+    RECENT_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()).is_second_copy(fingerprint, redelivered, headers)
 }
 
 /// Notes that the outcome (a result or a dead letter) of the partition delivery with these
@@ -233,6 +237,7 @@ pub fn last_failure(id: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use lapin::types::{AMQPValue, ShortString};
+    use xxhash_rust::xxh3::xxh3_64;
 
     use super::*;
 
@@ -249,13 +254,18 @@ mod tests {
         assert!(LAST_FAILURES.lock().unwrap().by_id.len() <= LAST_FAILURES_CAPACITY);
     }
 
+    /// A fingerprint of `id` and `body` for these tests.
+    fn fp(id: &str, body: &[u8]) -> u128 {
+        xxh3_128_with_seed(body, xxh3_64(id.as_bytes()))
+    }
+
     #[test]
     fn only_a_fresh_forward_of_a_redelivered_input_message_is_a_second_copy() {
         let mut marked = FieldTable::default();
         marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
         let marked = Some(&marked);
         let mut t = RecentSet::new(100);
-        let mut is_second_copy = |id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>| t.is_second_copy(id, body, redelivered, headers);
+        let mut is_second_copy = |id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>| t.is_second_copy(fp(id, body), redelivered, headers);
         let body = br#"{"id":"copy-test-1","prompt":"p"}"#;
         assert!(!is_second_copy("copy-test-1", body, false, None), "the first copy taken is processed");
         assert!(is_second_copy("copy-test-1", body, false, marked), "a marked fresh copy of a request taken before");
@@ -282,17 +292,17 @@ mod tests {
         let put_back = header(HEADER_EARLIER_DELIVERIES, "0");
         let mut t = RecentSet::new(100);
         let body = b"{}";
-        assert!(!t.is_second_copy("late", body, false, None), "the publisher's first and second publish");
-        assert!(!t.is_second_copy("late", body, false, None));
-        assert!(!t.is_second_copy("race", body, false, Some(&marked)), "the marked copy reached the queue first");
-        assert!(!t.is_second_copy("race", body, false, Some(&put_back)), "put back uncharged: always processed");
-        assert!(t.is_second_copy("race", body, false, None), "the first router's late forward");
-        assert!(!t.is_second_copy("race", body, true, None), "delivered again by the partition queue");
-        assert!(t.is_second_copy("race", body, false, Some(&marked)));
+        assert!(!t.is_second_copy(fp("late", body), false, None), "the publisher's first and second publish");
+        assert!(!t.is_second_copy(fp("late", body), false, None));
+        assert!(!t.is_second_copy(fp("race", body), false, Some(&marked)), "the marked copy reached the queue first");
+        assert!(!t.is_second_copy(fp("race", body), false, Some(&put_back)), "put back uncharged: always processed");
+        assert!(t.is_second_copy(fp("race", body), false, None), "the first router's late forward");
+        assert!(!t.is_second_copy(fp("race", body), true, None), "delivered again by the partition queue");
+        assert!(t.is_second_copy(fp("race", body), false, Some(&marked)));
         // A marked copy dropped is not noted as taken: a later repeat of the publisher is processed.
-        assert!(!t.is_second_copy("dropped", body, false, None));
-        assert!(t.is_second_copy("dropped", body, false, Some(&marked)));
-        assert!(!t.is_second_copy("dropped", body, false, None));
+        assert!(!t.is_second_copy(fp("dropped", body), false, None));
+        assert!(t.is_second_copy(fp("dropped", body), false, Some(&marked)));
+        assert!(!t.is_second_copy(fp("dropped", body), false, None));
     }
 
     #[test]
@@ -300,13 +310,13 @@ mod tests {
         let mut marked = FieldTable::default();
         marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
         let mut t = RecentSet::new(1000);
-        assert!(!t.is_second_copy("recent-first", b"b", false, None));
+        assert!(!t.is_second_copy(fp("recent-first", b"b"), false, None));
         for i in 0..1000 {
-            t.is_second_copy(&format!("recent-{i}"), b"b", false, None);
+            t.is_second_copy(fp(&format!("recent-{i}"), b"b"), false, None);
         }
-        assert!(!t.is_second_copy("recent-first", b"b", false, Some(&marked)), "the oldest is forgotten");
-        assert!(t.is_second_copy("recent-999", b"b", false, Some(&marked)));
-        assert!(t.is_second_copy("recent-5", b"b", false, Some(&marked)));
+        assert!(!t.is_second_copy(fp("recent-first", b"b"), false, Some(&marked)), "the oldest is forgotten");
+        assert!(t.is_second_copy(fp("recent-999", b"b"), false, Some(&marked)));
+        assert!(t.is_second_copy(fp("recent-5", b"b"), false, Some(&marked)));
         assert!(t.seen.len() <= 1000 && t.order.len() <= 1000);
     }
 

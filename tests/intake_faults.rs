@@ -472,6 +472,10 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
 /// input ack: a message the AMQP client cannot read, a broker restart, a network fault), is acked
 /// without processing and counted in `requests_total{outcome="duplicate"}`: the request is answered
 /// once; so is the first router's forward that reaches the partition queue after the marked copy.
+/// A marked message need not have been forwarded before (it may have waited in a router's
+/// prefetch window when the intake connection closed): a publisher's retry of the same id and
+/// body, with another correlation id or reply queue, is answered (it was acked unanswered
+/// before, when only the id and body were compared).
 /// Observed before: with 3 instances, 1, 8 and 3 requests answered twice per run right behind
 /// an unreadable message. What may be another request is processed: the same id with another
 /// body, a publisher's own `x-input-redelivered` header (only the router sets it), and a copy the
@@ -488,37 +492,55 @@ async fn a_second_copy_of_a_forwarded_request_is_answered_once() {
         h.insert(ShortString::from("x-input-redelivered"), AMQPValue::LongString("1".into()));
         props.with_headers(h)
     };
+    let mut other_reply = f.started.amqp.reply_queue(&format!("{}.reply2", f.env.name)).await;
     let s = &mut f.started;
-    s.amqp.publish(&input, &body("the first copy"), request_props("copy-1", &s.reply)).await;
+    // Every copy of one message has the properties its publisher set (the timestamp too).
+    let props1 = request_props("copy-1", &s.reply).with_message_id("copy-1".into());
+    s.amqp.publish(&input, &body("the first copy"), props1.clone()).await;
     s.results.until_all(&["copy-1".to_owned()].into_iter().collect(), DEADLINE).await;
     let first = s.results.received.iter().find(|m| m.correlation_id == "copy-1").unwrap().result();
     let partition = f.env.partition_queue(first.partition);
 
     // As the router forwards a redelivered input message: to the same partition, marked.
-    s.amqp.publish(&partition, &body("the first copy"), marked(request_props("copy-1", &s.reply).with_message_id("copy-1".into()))).await;
+    s.amqp.publish(&partition, &body("the first copy"), marked(props1.clone())).await;
+    // A marked message is not always a forwarded one (it may have waited in a router's prefetch
+    // window): a publisher's retry with the same id and body but another correlation id, or
+    // another reply queue, is answered.
+    s.amqp.publish(&partition, &body("the first copy"), marked(request_props("copy-1-retry", &s.reply).with_message_id("copy-1".into()))).await;
+    s.amqp.publish(&partition, &body("the first copy"), marked(props1.clone().with_reply_to(other_reply.queue.as_str().into()))).await;
     s.amqp.publish(&partition, &body("another body"), marked(request_props("copy-1-other-body", &s.reply).with_message_id("copy-1".into()))).await;
     s.amqp.publish(&input, &body("the first copy"), marked(request_props("copy-1-publisher-marked", &s.reply))).await;
     // The other way round: the marked copy reached the partition queue first, then the first
-    // router's late forward (dropped), then a copy the daemon put back uncharged (processed).
+    // router's late forward (dropped).
     let body2 = serde_json::to_vec(&json!({"id": "copy-2", "prompt": "late forward"})).unwrap();
+    let props2 = request_props("copy-2", &s.reply).with_message_id("copy-2".into());
+    s.amqp.publish(&partition, &body2, marked(props2.clone())).await;
+    s.amqp.publish(&partition, &body2, props2).await;
+    // A copy the daemon put back uncharged after a marked one was taken: processed.
+    let body3 = serde_json::to_vec(&json!({"id": "copy-3", "prompt": "put back"})).unwrap();
+    let props3 = request_props("copy-3", &s.reply).with_message_id("copy-3".into());
     let mut earlier = FieldTable::default();
     earlier.insert(ShortString::from("x-earlier-deliveries"), AMQPValue::LongString("0".into()));
-    s.amqp.publish(&partition, &body2, marked(request_props("copy-2", &s.reply).with_message_id("copy-2".into()))).await;
-    s.amqp.publish(&partition, &body2, request_props("copy-2", &s.reply).with_message_id("copy-2".into())).await;
-    s.amqp.publish(&partition, &body2, request_props("copy-2-put-back", &s.reply).with_message_id("copy-2".into()).with_headers(earlier)).await;
+    s.amqp.publish(&partition, &body3, marked(props3.clone())).await;
+    s.amqp.publish(&partition, &body3, props3.with_headers(earlier)).await;
     // Published after the second copies to the same queue: taken after they were decided.
     s.amqp.publish(&partition, &serde_json::to_vec(&json!({"id": "copy-after", "prompt": "after"})).unwrap(), request_props("copy-after", &s.reply)).await;
-    let want = ["copy-1-other-body", "copy-1-publisher-marked", "copy-2-put-back", "copy-after"].map(str::to_owned).into_iter().collect();
+    let want = ["copy-1-retry", "copy-1-other-body", "copy-1-publisher-marked", "copy-2", "copy-3", "copy-after"].map(str::to_owned).into_iter().collect();
     s.results.until_all(&want, DEADLINE).await;
+    s.results.until("both answers of copy-3", DEADLINE, |r| r.iter().filter(|m| m.correlation_id == "copy-3").count() >= 2).await;
     s.results.barrier(&s.amqp).await;
     let answers = |cid: &str| s.results.received.iter().filter(|m| m.correlation_id == cid).count();
     assert_eq!(answers("copy-1"), 1, "the second copy was answered");
     assert_eq!(answers("copy-2"), 1, "the late forward behind a marked copy was answered");
-    for cid in ["copy-1-other-body", "copy-1-publisher-marked", "copy-2-put-back", "copy-after"] {
+    assert_eq!(answers("copy-3"), 2, "the copy put back was not answered");
+    for cid in ["copy-1-retry", "copy-1-other-body", "copy-1-publisher-marked", "copy-after"] {
         assert_eq!(answers(cid), 1, "{cid}");
     }
     // At least: other tests of this process may drop copies too.
     assert!(counter("requests_total", "outcome", "duplicate") - duplicates_before >= 1.0, "no copy counted");
+    // The retry to another reply queue, with the same correlation id.
+    other_reply.until_all(&["copy-1".to_owned()].into_iter().collect(), DEADLINE).await;
+    other_reply.close().await;
     f.finish().await;
 }
 
