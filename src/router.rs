@@ -185,22 +185,71 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     result
 }
 
+/// What the router's deliveries in flight wait for, counted while they wait ([`staged`]), so that
+/// a stop that waits for them says for what ([`finish_inflight`]).
+static STAGES: [std::sync::atomic::AtomicI64; 7] = [const { std::sync::atomic::AtomicI64::new(0) }; 7];
+
+/// Names of the [`STAGES`], by index.
+const STAGE_NAMES: [&str; 7] = ["turn", "publishing channel", "reply-to check or dead letter", "forward", "ack", "requeue", "requeue backoff"];
+const TURN: usize = 0;
+const CHANNEL: usize = 1;
+const CHECK: usize = 2;
+const FORWARD: usize = 3;
+const ACK: usize = 4;
+const REQUEUE: usize = 5;
+const BACKOFF: usize = 6;
+
+/// Runs `f`, counted in [`STAGES`]`[stage]` while it runs.
+async fn staged<T>(stage: usize, f: impl std::future::Future<Output = T>) -> T {
+    struct Counted(usize);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            STAGES[self.0].fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    STAGES[stage].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let _counted = Counted(stage);
+    f.await
+}
+
+/// The [`STAGES`] with deliveries in them: `forward: 2, ack: 1`.
+fn stages_now() -> String {
+    let counts = STAGES.iter().map(|c| c.load(std::sync::atomic::Ordering::Relaxed));
+    let busy: Vec<String> = STAGE_NAMES.iter().zip(counts).filter(|(_, n)| *n > 0).map(|(name, n)| format!("{name}: {n}")).collect();
+    if busy.is_empty() { "none".to_owned() } else { busy.join(", ") }
+}
+
 /// How long the router waits for its deliveries in flight at a stop before it says so in the log.
 const INFLIGHT_NOTE_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How long the router waits for its deliveries in flight at a stop before it abandons them: 15 s,
+/// half the default `shutdown.drain_timeout`. Every wait of theirs is bounded (a confirm by
+/// `amqp.confirm_timeout`, a backoff cut short by the stop), so this bounds what should not happen.
+const INFLIGHT_GIVE_UP_AFTER: std::time::Duration = std::time::Duration::from_secs(15);
+
 /// Waits until every delivery task of `inflight` has ended (each ends soon after `stop`: a held
 /// forward or a requeue backoff is cut short; a publish or a dead letter waits at most for its
-/// confirm). Says so at WARN if that takes longer than [`INFLIGHT_NOTE_AFTER`], so that a stop
-/// that does not end names what it waits for.
+/// confirm). Says so at WARN, with what they wait for ([`stages_now`]), if that takes longer than
+/// [`INFLIGHT_NOTE_AFTER`], and abandons those left after [`INFLIGHT_GIVE_UP_AFTER`] (at ERROR):
+/// their deliveries are unacked, so the close of their channel returns them.
 async fn finish_inflight(inflight: &mut JoinSet<()>) {
-    let all = async {
-        while inflight.join_next().await.is_some() {}
+    let waited = async {
+        if tokio::time::timeout(INFLIGHT_NOTE_AFTER, all_joined(inflight)).await.is_ok() {
+            return true;
+        }
+        warn!(waited = ?INFLIGHT_NOTE_AFTER, deliveries = inflight.len(), waiting_for = %stages_now(), "the router is stopping and still waits for input deliveries in flight (forwards or dead letters waiting for the broker's confirm)");
+        tokio::time::timeout(INFLIGHT_GIVE_UP_AFTER - INFLIGHT_NOTE_AFTER, all_joined(inflight)).await.is_ok()
     };
-    let mut all = std::pin::pin!(all);
-    if tokio::time::timeout(INFLIGHT_NOTE_AFTER, all.as_mut()).await.is_err() {
-        warn!(waited = ?INFLIGHT_NOTE_AFTER, "the router is stopping and still waits for input deliveries in flight (forwards or dead letters waiting for the broker's confirm)");
-        all.await;
+    if !waited.await {
+        error!(waited = ?INFLIGHT_GIVE_UP_AFTER, deliveries = inflight.len(), waiting_for = %stages_now(), "the router abandons input deliveries still in flight at its stop; the broker returns them to the input queue when their channel closes (one whose forward the broker took may be answered twice)");
+        inflight.abort_all();
+        while inflight.join_next().await.is_some() {}
     }
+}
+
+/// Waits until every task of `inflight` ended.
+async fn all_joined(inflight: &mut JoinSet<()>) {
+    while inflight.join_next().await.is_some() {}
 }
 
 /// How long the router waits before it consumes again after its consumer ended with `e`, the
@@ -425,8 +474,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     // Counted in `held_publishes{kind="forward"}` while it waits for its turn because the broker
     // refuses forwards, and from its own first refusal until this returns.
     let mut holding = publish.shared.turns().refusing().then(|| metrics::HeldPublish::new("forward"));
-    let Some(turn) = take_turn(&publish.shared, stop).await else { return requeue(delivery).await };
-    let ch = match publish.get().await {
+    let Some(turn) = staged(TURN, take_turn(&publish.shared, stop)).await else { return requeue(delivery).await };
+    let ch = match staged(CHANNEL, publish.get()).await {
         Ok(ch) => ch,
         Err(e) => {
             // Held for the requeue backoff: requeued at once, a delivery comes straight back,
@@ -436,14 +485,14 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return requeue_after_backoff(&settings.amqp, delivery, stop).await;
         }
     };
-    let (req, delivery) = match publisher::parse_or_dead_letter(&publish.conns.dead_letters, a, &settings.requests, delivery, redelivery::Source::Input, None).await {
+    let (req, delivery) = match staged(CHECK, publisher::parse_or_dead_letter(&publish.conns.dead_letters, a, &settings.requests, delivery, redelivery::Source::Input, None)).await {
         Intake::Valid(req, delivery) => (req, delivery),
         Intake::DeadLettered => return,
         Intake::Unacked(delivery) => return requeue_after_backoff(a, delivery, stop).await,
     };
     let _ = request_id.set(req.id.clone());
-    if let Some(e) = publish.reply_nodes.refusal(delivery.properties.reply_to().as_ref().map(|r| r.as_str()), &req.id).await {
-        if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&req.id), e.reason(), &e.to_string(), None).await {
+    if let Some(e) = staged(CHECK, publish.reply_nodes.refusal(delivery.properties.reply_to().as_ref().map(|r| r.as_str()), &req.id)).await {
+        if let Intake::Unacked(delivery) = staged(CHECK, publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&req.id), e.reason(), &e.to_string(), None)).await {
             requeue_after_backoff(a, delivery, stop).await;
         }
         return;
@@ -455,13 +504,13 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let fwd = match forward_props(&delivery.properties, &r, delivery.redelivered) {
         Ok(p) => p,
         Err(e) => {
-            if let Intake::Unacked(delivery) = publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None).await {
+            if let Intake::Unacked(delivery) = staged(CHECK, publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None)).await {
                 requeue_after_backoff(a, delivery, stop).await;
             }
             return;
         }
     };
-    match forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding).await {
+    match staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding)).await {
         ForwardEnd::Forwarded => {}
         ForwardEnd::Requeue => return requeue(delivery).await,
         ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
@@ -470,7 +519,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
         }
     }
-    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+    if let Err(e) = staged(ACK, delivery.acker.ack(BasicAckOptions::default())).await {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
         return;
     }
@@ -638,16 +687,19 @@ async fn take_turn<'a>(shared: &'a SharedConfirmChannel, stop: &CancellationToke
 async fn requeue_after_backoff(a: &AmqpSettings, delivery: Delivery, stop: &CancellationToken) {
     let wait = redelivery::requeue_backoff(a, redelivery::delivery_count(redelivery::Source::Input, delivery.redelivered, delivery.properties.headers().as_ref()));
     debug!(retry_in = ?wait, "holding an input delivery before requeueing it");
-    tokio::select! {
-        _ = stop.cancelled() => {}
-        _ = tokio::time::sleep(wait) => {}
-    }
+    staged(BACKOFF, async {
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+    })
+    .await;
     requeue(delivery).await
 }
 
 /// Not acked: requeue so another attempt (here or on another instance) can succeed.
 async fn requeue(delivery: Delivery) {
-    let _ = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
+    let _ = staged(REQUEUE, delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() })).await;
     metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
 }
 
@@ -779,6 +831,20 @@ mod tests {
         let err = forward_props(&BasicProperties::default(), &route_of(&"a".repeat(300)), false).unwrap_err();
         assert_eq!(err.reason(), "invalid_field");
         assert!(forward_props(&BasicProperties::default(), &route_of(&"a".repeat(MAX_ID_BYTES)), false).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_abandons_deliveries_in_flight_that_never_end_and_names_what_they_wait_for() {
+        let mut inflight = JoinSet::new();
+        inflight.spawn(staged(ACK, std::future::pending::<()>()));
+        inflight.spawn(async {});
+        tokio::task::yield_now().await;
+        assert!(stages_now().contains("ack: 1"), "{}", stages_now());
+        let started = tokio::time::Instant::now();
+        finish_inflight(&mut inflight).await;
+        assert!(inflight.is_empty());
+        assert_eq!(started.elapsed(), INFLIGHT_GIVE_UP_AFTER);
+        assert!(!stages_now().contains("ack"), "an abandoned delivery leaves its stage: {}", stages_now());
     }
 
     #[test]
