@@ -757,16 +757,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     let names: Vec<String> = live.iter().map(|m| m.name.clone()).collect();
     let desired = desired_owners(p, &live);
     let (stale_owners, draining_owners) = stale_owners(&mut r, prefix, &leases, &names).await?;
-    let mut members: Vec<MemberStatus> = live
-        .into_iter()
-        .map(|m| {
-            let (version, health) = match m.health.as_deref().map(crate::ownership::split_version) {
-                Some((version, health)) => (version.map(str::to_owned), Some(health.to_owned())),
-                None => (None, None),
-            };
-            MemberStatus { name: m.name, nonce: m.nonce, version, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict, health }
-        })
-        .collect();
+    let mut members: Vec<MemberStatus> = live.into_iter().map(member_status).collect();
     let mut partitions = Vec::with_capacity(p as usize);
     for part in 0..p {
         let lease = leases[part as usize].as_ref();
@@ -917,6 +908,16 @@ pub fn render_status(s: &Status) -> String {
     render_partitions(&mut out, s);
     render_hot_keys(&mut out, s);
     out
+}
+
+/// A live member as `status` shows it, its version taken out of its health line
+/// ([`crate::ownership::split_version`]); owned and desired counted later.
+fn member_status(m: crate::membership::Member) -> MemberStatus {
+    let (version, health) = match m.health.as_deref().map(crate::ownership::split_version) {
+        Some((version, health)) => (version.map(str::to_owned), Some(health.to_owned())),
+        None => (None, None),
+    };
+    MemberStatus { name: m.name, nonce: m.nonce, version, owned: 0, desired: 0, llm_down: m.llm_down, name_conflict: m.name_conflict, health }
 }
 
 /// The members table of [`render_status`], with the lease holders that are not live members.

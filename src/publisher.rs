@@ -475,7 +475,7 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
 
 /// Headers a request gains on its way through the daemon, left out of [`request_fingerprint`]:
 /// the copies of one request differ in them.
-const DAEMON_HEADERS: [&str; 8] = [
+pub const DAEMON_HEADERS: [&str; 8] = [
     HEADER_SHARD,
     HEADER_ROUTED_KEY,
     HEADER_ROUTED_AT_MS,
