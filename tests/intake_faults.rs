@@ -548,7 +548,7 @@ async fn a_second_copy_of_a_forwarded_request_is_answered_once() {
 /// was lost with a channel or connection: a broker restart, a network fault), to the instance
 /// that answered it, is acked without processing: answered once. Another forward of the same
 /// request (another `x-forward-id`), delivered again after an attempt that did not end, is
-/// processed. Both are made redelivered with `basic.get` and a requeue while the daemon is
+/// processed. Both are made redelivered by a consumer of the test's and a requeue while the daemon is
 /// stopped; the daemon's table of answered forwards lives in this process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forward_delivered_again_after_its_result_is_answered_once() {
