@@ -171,10 +171,12 @@ async fn fault_matrix() {
 
 /// The deployment of one fault's run.
 struct Deployment {
-    env: TestEnv,
-    redis: RedisServer,
-    fake: FakeLlmHandle,
+    // Dropped in this order when a test panics: the daemons stop before the namespace's cleanup
+    // (a running daemon declares a deleted partition queue again).
     daemons: Vec<Daemon>,
+    fake: FakeLlmHandle,
+    redis: RedisServer,
+    env: TestEnv,
 }
 
 /// Two daemons (`a`, `b`) on a private redis-server, static prefix keys with one shard per key

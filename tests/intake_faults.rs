@@ -45,9 +45,11 @@ fn daemon_connections(instance: &str) -> BTreeSet<String> {
 /// A daemon with its reply queue and a consumer of its dead-letter queue, and the AMQP
 /// connections it had once it held every partition.
 struct Fixture {
-    env: TestEnv,
+    // Dropped in this order when a test panics: the daemon stops before the namespace's cleanup
+    // (a running daemon declares a deleted partition queue again).
     started: Started,
     dead: Collector,
+    env: TestEnv,
     connections: BTreeSet<String>,
     instance: String,
 }
