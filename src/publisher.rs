@@ -917,7 +917,7 @@ pub async fn dead_letter_and_ack(
     if lease.is_some() {
         redelivery::note_answered(props.headers().as_ref());
     }
-    match delivery.acker.ack(BasicAckOptions::default()).await {
+    match crate::amqp::within(crate::amqp::CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default())).await {
         Ok(_) => metrics::dead_lettered(reason, if lease.is_some() { stage::BATCHER } else { stage::ROUTER }),
         Err(e) => crate::warn_limited!(ACK_FAILED_LOG, error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
     }

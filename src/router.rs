@@ -458,7 +458,7 @@ async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery
         error!(request_id = %id, panic = %panic, "handling an input delivery panicked; requeueing it");
         metrics::task_panicked(stage::ROUTER);
         redelivery::note_failure(&id, &format!("panic: {panic}"));
-        let _ = acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await;
+        let _ = within(CLOSE_TIMEOUT, "basic.nack", acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() })).await;
     }
 }
 
@@ -519,7 +519,9 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
         }
     }
-    if let Err(e) = staged(ACK, delivery.acker.ack(BasicAckOptions::default())).await {
+    // Bounded: an ack on a channel whose connection closed may never be answered (lapin), and the
+    // broker returns the delivery anyway then.
+    if let Err(e) = staged(ACK, within(CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default()))).await {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
         return;
     }
@@ -699,7 +701,8 @@ async fn requeue_after_backoff(a: &AmqpSettings, delivery: Delivery, stop: &Canc
 
 /// Not acked: requeue so another attempt (here or on another instance) can succeed.
 async fn requeue(delivery: Delivery) {
-    let _ = staged(REQUEUE, delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() })).await;
+    let nack = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() });
+    let _ = staged(REQUEUE, within(CLOSE_TIMEOUT, "basic.nack", nack)).await;
     metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
 }
 
