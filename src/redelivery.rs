@@ -13,7 +13,7 @@
 //! instance is dead-lettered with the detail "delivered N times; last error: unknown on this instance"
 //! (see [`crate::publisher::parse_or_dead_letter`]).
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{LazyLock, Mutex};
 
 use std::time::Duration;
@@ -33,13 +33,39 @@ pub const LAST_FAILURES_CAPACITY: usize = 10_000;
 /// Longest remembered error text, in characters.
 const MAX_ERROR_CHARS: usize = 300;
 
-#[derive(Default)]
-struct LastFailures {
-    by_id: HashMap<String, String>,
-    order: VecDeque<String>,
+/// A map that forgets its oldest keys once it holds `capacity`: the tables of this module.
+struct Bounded<K, V> {
+    capacity: usize,
+    map: HashMap<K, V>,
+    order: VecDeque<K>,
 }
 
-static LAST_FAILURES: LazyLock<Mutex<LastFailures>> = LazyLock::new(Mutex::default);
+impl<K: std::hash::Hash + Eq + Clone, V> Bounded<K, V> {
+    fn new(capacity: usize) -> Self {
+        Self { capacity, map: HashMap::new(), order: VecDeque::new() }
+    }
+
+    /// Sets `key` to `value`; false when `key` was there already (its value is replaced, its
+    /// age kept).
+    fn insert(&mut self, key: K, value: V) -> bool {
+        let first = self.map.insert(key.clone(), value).is_none();
+        if first {
+            self.order.push_back(key);
+            while self.order.len() > self.capacity {
+                if let Some(old) = self.order.pop_front() {
+                    self.map.remove(&old);
+                }
+            }
+        }
+        first
+    }
+
+    fn contains(&self, key: &K) -> bool {
+        self.map.contains_key(key)
+    }
+}
+
+static LAST_FAILURES: LazyLock<Mutex<Bounded<String, String>>> = LazyLock::new(|| Mutex::new(Bounded::new(LAST_FAILURES_CAPACITY)));
 
 /// How long a delivery whose publish the broker did not confirm (a forward or a dead letter:
 /// channel closed, unroutable, nacked, no confirm) is held before it is requeued:
@@ -77,31 +103,9 @@ pub const HEADER_FORWARD_ID: &str = "x-forward-id";
 pub const RECENT_REQUESTS_CAPACITY: usize = 1 << 17;
 
 /// A set of 128-bit fingerprints that forgets the oldest once `capacity` are kept.
-struct RecentSet {
-    capacity: usize,
-    seen: HashSet<u128>,
-    order: VecDeque<u128>,
-}
+type RecentSet = Bounded<u128, ()>;
 
 impl RecentSet {
-    fn new(capacity: usize) -> Self {
-        Self { capacity, seen: HashSet::new(), order: VecDeque::new() }
-    }
-
-    /// Adds `fingerprint`; false when it was there already.
-    fn insert(&mut self, fingerprint: u128) -> bool {
-        let first = self.seen.insert(fingerprint);
-        if first {
-            self.order.push_back(fingerprint);
-            while self.order.len() > self.capacity {
-                if let Some(old) = self.order.pop_front() {
-                    self.seen.remove(&old);
-                }
-            }
-        }
-        first
-    }
-
     /// [`is_second_copy`] on this set: it holds the fingerprint of every request taken, and that
     /// fingerprint XOR [`MARKED`] for every marked copy taken.
     fn is_second_copy(&mut self, taken: u128, redelivered: bool, headers: Option<&FieldTable>) -> bool {
@@ -109,14 +113,14 @@ impl RecentSet {
         let put_back = header_u64(headers, HEADER_EARLIER_DELIVERIES).is_some();
         let copy = !redelivered
             && if marked {
-                self.seen.contains(&taken)
+                self.contains(&taken)
             } else {
-                !put_back && self.seen.contains(&(taken ^ MARKED))
+                !put_back && self.contains(&(taken ^ MARKED))
             };
         if !copy {
-            self.insert(taken);
+            self.insert(taken, ());
             if marked {
-                self.insert(taken ^ MARKED);
+                self.insert(taken ^ MARKED, ());
             }
         }
         copy
@@ -124,7 +128,7 @@ impl RecentSet {
 
     /// [`answered_before`] on this set.
     fn answered_before(&self, redelivered: bool, headers: Option<&FieldTable>) -> bool {
-        redelivered && forward_fingerprint(headers).is_some_and(|f| self.seen.contains(&f))
+        redelivered && forward_fingerprint(headers).is_some_and(|f| self.contains(&f))
     }
 }
 
@@ -177,7 +181,7 @@ pub fn is_second_copy(fingerprint: u128, redelivered: bool, headers: Option<&Fie
 /// [`HEADER_FORWARD_ID`].
 pub fn note_answered(headers: Option<&FieldTable>) {
     if let Some(f) = forward_fingerprint(headers) {
-        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(f);
+        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(f, ());
     }
 }
 
@@ -187,7 +191,8 @@ pub fn note_answered(headers: Option<&FieldTable>) {
 /// deadline passing between the confirm and the ack) and this instance took the partition
 /// again. Such a delivery is acked without processing: its outcome is in the broker's hands.
 pub fn answered_before(redelivered: bool, headers: Option<&FieldTable>) -> bool {
-    ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).answered_before(redelivered, headers)
+    // Most deliveries are first deliveries: no lock for them.
+    redelivered && ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).answered_before(redelivered, headers)
 }
 
 /// Which queue a delivery came from, for [`delivery_count`].
@@ -218,20 +223,12 @@ pub fn delivery_count(source: Source, redelivered: bool, headers: Option<&FieldT
 /// its queue). Bounded: the oldest ids are forgotten first.
 pub fn note_failure(id: &str, error: &str) {
     let error: String = error.chars().take(MAX_ERROR_CHARS).collect();
-    let mut t = LAST_FAILURES.lock().unwrap_or_else(|p| p.into_inner());
-    if t.by_id.insert(id.to_owned(), error).is_none() {
-        t.order.push_back(id.to_owned());
-        while t.order.len() > LAST_FAILURES_CAPACITY {
-            if let Some(old) = t.order.pop_front() {
-                t.by_id.remove(&old);
-            }
-        }
-    }
+    LAST_FAILURES.lock().unwrap_or_else(|p| p.into_inner()).insert(id.to_owned(), error);
 }
 
 /// The last error [`note_failure`] remembered for request `id`.
 pub fn last_failure(id: &str) -> Option<String> {
-    LAST_FAILURES.lock().unwrap_or_else(|p| p.into_inner()).by_id.get(id).cloned()
+    LAST_FAILURES.lock().unwrap_or_else(|p| p.into_inner()).map.get(id).cloned()
 }
 
 #[cfg(test)]
@@ -251,7 +248,7 @@ mod tests {
         }
         assert_eq!(last_failure("redelivery-test-first"), None, "the oldest id is forgotten");
         assert!(last_failure(&format!("redelivery-test-{}", LAST_FAILURES_CAPACITY - 1)).is_some());
-        assert!(LAST_FAILURES.lock().unwrap().by_id.len() <= LAST_FAILURES_CAPACITY);
+        assert!(LAST_FAILURES.lock().unwrap().map.len() <= LAST_FAILURES_CAPACITY);
     }
 
     /// A fingerprint of `id` and `body` for these tests.
@@ -317,7 +314,7 @@ mod tests {
         assert!(!t.is_second_copy(fp("recent-first", b"b"), false, Some(&marked)), "the oldest is forgotten");
         assert!(t.is_second_copy(fp("recent-999", b"b"), false, Some(&marked)));
         assert!(t.is_second_copy(fp("recent-5", b"b"), false, Some(&marked)));
-        assert!(t.seen.len() <= 1000 && t.order.len() <= 1000);
+        assert!(t.map.len() <= 1000 && t.order.len() <= 1000);
     }
 
     #[test]
@@ -329,7 +326,7 @@ mod tests {
         };
         let (answered, other) = (with_id("answered-before-test-1"), with_id("answered-before-test-2"));
         let mut t = RecentSet::new(100);
-        t.insert(forward_fingerprint(Some(&answered)).unwrap());
+        t.insert(forward_fingerprint(Some(&answered)).unwrap(), ());
         assert!(t.answered_before(true, Some(&answered)));
         assert!(!t.answered_before(false, Some(&answered)), "a first delivery (a forward is published once)");
         assert!(!t.answered_before(true, Some(&other)), "another forward");
