@@ -460,10 +460,7 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
           reply_to => with_reply_to, message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
           app_id => with_app_id, priority => with_priority, delivery_mode => with_delivery_mode);
     let mut headers = FieldTable::default();
-    let own = |k: &str| {
-        [HEADER_DELIVERY_COUNT, redelivery::HEADER_EARLIER_DELIVERIES, redelivery::HEADER_INPUT_REDELIVERED, redelivery::HEADER_FORWARD_ID, HEADER_REQUEST_ID].contains(&k)
-    };
-    for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| !own(k.as_str())) {
+    for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| !OWN_HEADERS.contains(&k.as_str())) {
         headers.insert(k.clone(), v.clone());
     }
     let originals = [(HEADER_ORIGINAL_USER_ID, props.user_id()), (HEADER_ORIGINAL_EXPIRATION, props.expiration())];
@@ -473,22 +470,24 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
     p.with_headers(headers_with(Some(&headers), &added))
 }
 
-/// Headers a request gains on its way through the daemon, left out of [`request_fingerprint`]:
-/// the copies of one request differ in them.
-pub const DAEMON_HEADERS: [&str; 8] = [
-    HEADER_SHARD,
-    HEADER_ROUTED_KEY,
-    HEADER_ROUTED_AT_MS,
-    redelivery::HEADER_FORWARD_ID,
-    redelivery::HEADER_INPUT_REDELIVERED,
-    redelivery::HEADER_EARLIER_DELIVERIES,
-    HEADER_DELIVERY_COUNT,
-    HEADER_REQUEST_ID,
-];
+/// Headers only the daemon (or the queue) sets: [`carried_props`] never copies them from the
+/// original, so a publisher cannot set them.
+pub const OWN_HEADERS: [&str; 5] =
+    [HEADER_DELIVERY_COUNT, redelivery::HEADER_EARLIER_DELIVERIES, redelivery::HEADER_INPUT_REDELIVERED, redelivery::HEADER_FORWARD_ID, HEADER_REQUEST_ID];
+
+/// Headers the router sets on each forward (a publisher's own are replaced).
+pub const ROUTING_HEADERS: [&str; 3] = [HEADER_SHARD, HEADER_ROUTED_KEY, HEADER_ROUTED_AT_MS];
+
+/// Whether request header `name` is one the daemon sets ([`OWN_HEADERS`], [`ROUTING_HEADERS`]):
+/// the copies of one request differ in them, so [`request_fingerprint`] leaves them out.
+fn daemon_header(name: &str) -> bool {
+    OWN_HEADERS.contains(&name) || ROUTING_HEADERS.contains(&name)
+}
 
 /// 128-bit xxh3 hash of what a request's publisher set: its id, body, `reply_to`,
 /// `correlation_id`, `timestamp`, `content_type`, `content_encoding`, `type`, `app_id`,
-/// `priority` and its headers, without those the daemon adds ([`DAEMON_HEADERS`]). Two forwards
+/// `priority` and its headers, without those the daemon sets ([`OWN_HEADERS`],
+/// [`ROUTING_HEADERS`]). Two forwards
 /// of one input message have the same; two messages a publisher sent differ unless they are the
 /// same in all of these. For [`redelivery::is_second_copy`].
 pub fn request_fingerprint(id: &str, body: &[u8], props: &BasicProperties) -> u128 {
@@ -510,7 +509,7 @@ pub fn request_fingerprint(id: &str, body: &[u8], props: &BasicProperties) -> u1
     field("app_id", props.app_id().as_ref().map(|v| v.as_str()));
     field("priority", props.priority().map(|p| p.to_string()).as_deref());
     // A field table is ordered by name (`BTreeMap`), so equal tables hash alike.
-    for (k, v) in props.headers().iter().flat_map(|t| t.inner()).filter(|(k, _)| !DAEMON_HEADERS.contains(&k.as_str())) {
+    for (k, v) in props.headers().iter().flat_map(|t| t.inner()).filter(|(k, _)| !daemon_header(k.as_str())) {
         field(k.as_str(), Some(&format!("{v:?}")));
     }
     field("body", None);
@@ -1636,7 +1635,7 @@ mod tests {
         let base = allowed();
         let routed = carried_props(&base, &[(HEADER_SHARD, "3".to_owned()), (HEADER_ROUTED_AT_MS, "1".to_owned())]);
         let mut daemon_only = FieldTable::default();
-        for k in DAEMON_HEADERS {
+        for k in OWN_HEADERS.into_iter().chain(ROUTING_HEADERS) {
             daemon_only.insert(ShortString::from(k), AMQPValue::LongString("x".into()));
         }
         assert_eq!(fp(&base.clone().with_headers(FieldTable::default())), fp(&routed.with_headers(daemon_only)), "the daemon's headers do not count");
