@@ -95,6 +95,15 @@ impl KeyedRequest {
 
 /// The first `n` Unicode scalar values of `s` (all of `s` when shorter).
 pub fn prefix_chars(s: &str, n: usize) -> &str {
+    // A string of at most `n` bytes has at most `n` characters; `n` ASCII bytes are `n`
+    // characters and end on a character boundary. Both skip decoding the characters one by one
+    // (prompts are mostly ASCII, and a key level can be 16,384 characters long).
+    if s.len() <= n {
+        return s;
+    }
+    if s.as_bytes()[..n].is_ascii() {
+        return &s[..n];
+    }
     match s.char_indices().nth(n) {
         Some((i, _)) => &s[..i],
         None => s,
@@ -407,6 +416,16 @@ mod tests {
         assert_eq!(a.key, b.key);
         assert_eq!(prefix_chars("é😀x", 2), "é😀");
         assert_eq!(prefix_chars("ab", 5), "ab");
+    }
+
+    #[test]
+    fn prefix_chars_agrees_with_counting_characters_one_by_one() {
+        let naive = |s: &str, n: usize| -> String { s.chars().take(n).collect() };
+        for s in ["", "abc", "abcé", "éabc", "ab😀cd", "日本語のテキスト", "plain ascii text", "x\u{0}y"] {
+            for n in 0..=s.len() + 1 {
+                assert_eq!(prefix_chars(s, n), naive(s, n), "{s:?}, {n}");
+            }
+        }
     }
 
     #[test]
