@@ -735,7 +735,9 @@ pub async fn parse_or_dead_letter(
 ) -> Intake {
     match check_delivery(amqp, policy, &delivery, source) {
         Ok(req) => Intake::Valid(req, delivery),
-        Err(r) => dead_letter_and_ack(out, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease).await,
+        // Boxed: the dead-letter path is rare, and inline its future would make every
+        // delivery's future (which awaits this one) larger.
+        Err(r) => Box::pin(dead_letter_and_ack(out, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease)).await,
     }
 }
 

@@ -199,8 +199,9 @@ const ACK: usize = 4;
 const REQUEUE: usize = 5;
 const BACKOFF: usize = 6;
 
-/// Runs `f`, counted in [`STAGES`]`[stage]` while it runs.
-async fn staged<T>(stage: usize, f: impl std::future::Future<Output = T>) -> T {
+/// Runs `f`, counted in [`STAGES`]`[stage]` from now until it ends or is dropped. A combinator,
+/// not an `async fn`, which would hold `f` twice (see [`crate::task::catch_panic`]).
+fn staged<F: std::future::Future>(stage: usize, f: F) -> impl std::future::Future<Output = F::Output> {
     struct Counted(usize);
     impl Drop for Counted {
         fn drop(&mut self) {
@@ -208,8 +209,11 @@ async fn staged<T>(stage: usize, f: impl std::future::Future<Output = T>) -> T {
         }
     }
     STAGES[stage].fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let _counted = Counted(stage);
-    f.await
+    let counted = Counted(stage);
+    futures_util::FutureExt::map(f, move |out| {
+        drop(counted);
+        out
+    })
 }
 
 /// The [`STAGES`] with deliveries in them: `forward: 2, ack: 1`.
@@ -492,7 +496,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     let _ = request_id.set(req.id.clone());
     if let Some(e) = staged(CHECK, publish.reply_nodes.refusal(delivery.properties.reply_to().as_ref().map(|r| r.as_str()), &req.id)).await {
-        if let Intake::Unacked(delivery) = staged(CHECK, publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&req.id), e.reason(), &e.to_string(), None)).await {
+        if let Intake::Unacked(delivery) = staged(CHECK, Box::pin(publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&req.id), e.reason(), &e.to_string(), None))).await {
             requeue_after_backoff(a, delivery, stop).await;
         }
         return;
@@ -504,7 +508,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let fwd = match forward_props(&delivery.properties, &r, delivery.redelivered) {
         Ok(p) => p,
         Err(e) => {
-            if let Intake::Unacked(delivery) = staged(CHECK, publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None)).await {
+            if let Intake::Unacked(delivery) = staged(CHECK, Box::pin(publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None))).await {
                 requeue_after_backoff(a, delivery, stop).await;
             }
             return;

@@ -11,11 +11,17 @@ use tracing::error;
 
 /// Runs `fut`, turning a panic into its message (the payload of `panic!` with a message, or
 /// "a panic without a message").
-pub async fn catch_panic<F: Future>(fut: F) -> Result<F::Output, String> {
-    AssertUnwindSafe(fut).catch_unwind().await.map_err(|p| match (p.downcast_ref::<&str>(), p.downcast_ref::<String>()) {
-        (Some(s), _) => (*s).to_owned(),
-        (None, Some(s)) => s.clone(),
-        (None, None) => "a panic without a message".to_owned(),
+///
+/// A combinator, not an `async fn`: an `async fn` keeps its future argument and, once awaiting
+/// it, a second copy of it, so every wrapped task would be twice its size (and each spawn and
+/// move would copy both).
+pub fn catch_panic<F: Future>(fut: F) -> impl Future<Output = Result<F::Output, String>> {
+    AssertUnwindSafe(fut).catch_unwind().map(|r| {
+        r.map_err(|p| match (p.downcast_ref::<&str>(), p.downcast_ref::<String>()) {
+            (Some(s), _) => (*s).to_owned(),
+            (None, Some(s)) => s.clone(),
+            (None, None) => "a panic without a message".to_owned(),
+        })
     })
 }
 
