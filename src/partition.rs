@@ -987,8 +987,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
         Ok(req) => Intake::Valid(req, delivery),
         Err(r) => {
             reason = r.reason;
-            // Boxed: rare, and inline it would make every delivery's future larger.
-            Box::pin(publisher::dead_letter_and_ack(dead_letters, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease))).await
+            publisher::dead_letter_and_ack(dead_letters, &s.amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, Some(&ctx.lease)).await
         }
     };
     let (req, delivery) = match intake {

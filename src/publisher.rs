@@ -735,9 +735,7 @@ pub async fn parse_or_dead_letter(
 ) -> Intake {
     match check_delivery(amqp, policy, &delivery, source) {
         Ok(req) => Intake::Valid(req, delivery),
-        // Boxed: the dead-letter path is rare, and inline its future would make every
-        // delivery's future (which awaits this one) larger.
-        Err(r) => Box::pin(dead_letter_and_ack(out, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease)).await,
+        Err(r) => dead_letter_and_ack(out, amqp, delivery, r.request_id.as_deref(), r.reason, &r.detail, lease).await,
     }
 }
 
@@ -880,8 +878,25 @@ pub fn log_id(id: &str) -> String {
 /// `request_id` (when the request was parsed far enough to have one) and the delivery's
 /// `correlation_id`, `message_id` and `app_id` are logged with it, each cut by [`log_id`], and
 /// the body's size in bytes.
+///
+/// Boxed: a dead letter is rare, and its future inline would make the future of every delivery
+/// that may take this path (a router's task, a partition's intake) larger, copied at each spawn.
 #[allow(clippy::too_many_arguments)]
-pub async fn dead_letter_and_ack(
+pub fn dead_letter_and_ack<'a>(
+    out: &'a SharedConfirmChannel,
+    amqp: &'a AmqpSettings,
+    delivery: Delivery,
+    request_id: Option<&'a str>,
+    reason: &'static str,
+    detail: &'a str,
+    lease: Option<&'a LeaseClock>,
+) -> futures_util::future::BoxFuture<'a, Intake> {
+    Box::pin(dead_letter_and_ack_inline(out, amqp, delivery, request_id, reason, detail, lease))
+}
+
+/// [`dead_letter_and_ack`], not boxed.
+#[allow(clippy::too_many_arguments)]
+async fn dead_letter_and_ack_inline(
     out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     delivery: Delivery,

@@ -496,7 +496,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     let _ = request_id.set(req.id.clone());
     if let Some(e) = staged(CHECK, publish.reply_nodes.refusal(delivery.properties.reply_to().as_ref().map(|r| r.as_str()), &req.id)).await {
-        if let Intake::Unacked(delivery) = staged(CHECK, Box::pin(publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&req.id), e.reason(), &e.to_string(), None))).await {
+        if let Intake::Unacked(delivery) = staged(CHECK, publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&req.id), e.reason(), &e.to_string(), None)).await {
             requeue_after_backoff(a, delivery, stop).await;
         }
         return;
@@ -508,7 +508,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let fwd = match forward_props(&delivery.properties, &r, delivery.redelivered) {
         Ok(p) => p,
         Err(e) => {
-            if let Intake::Unacked(delivery) = staged(CHECK, Box::pin(publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None))).await {
+            if let Intake::Unacked(delivery) = staged(CHECK, publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None)).await {
                 requeue_after_backoff(a, delivery, stop).await;
             }
             return;
