@@ -1025,6 +1025,10 @@ pub struct OverheadResults {
     /// Peak RSS (VmHWM), kB.
     pub rss_kb: BTreeMap<String, u64>,
     pub body_bytes_mean: f64,
+    /// Whether the latency windows of all systems ran at the same time (false in results of
+    /// earlier runs, which measured one system after the other, each after its burst).
+    #[serde(default)]
+    pub latency_simultaneous: bool,
 }
 
 fn overhead_requests(prompts: &[String], tag: &str, n: usize, rate: Option<f64>) -> Vec<Req> {
@@ -1061,7 +1065,7 @@ pub async fn part_overhead(env: &Env, plan: &Plan, data_dir: &Path) -> anyhow::R
             cleanup(&name, 0, &[format!("{name}.pt-mid")]).await;
         }
         match r {
-            Ok((reps, rss_kb)) => return Ok(OverheadResults { reps, rss_kb, body_bytes_mean }),
+            Ok((reps, rss_kb)) => return Ok(OverheadResults { reps, rss_kb, body_bytes_mean, latency_simultaneous: true }),
             Err(e) => {
                 eprintln!("bench: overhead run failed (attempt {i} of 3): {e:#}");
                 last = Some(e);
@@ -1163,40 +1167,60 @@ async fn overhead_run(
         }
         let systems = order.len();
         order.rotate_left(rep % systems);
-        for (si, system) in order.into_iter().enumerate() {
-            let (queue, pid) = match system {
-                DAEMON => (format!("{run_d}.input"), daemons[0].proc.pid()),
-                DAEMON_1MS => (format!("{run_d}w1.input"), daemons[1].proc.pid()),
-                DAEMON_B => (format!("{run_d}b.input"), daemons[2].proc.pid()),
+        let targets: Vec<(&str, String, u32)> = order
+            .into_iter()
+            .map(|system| match system {
+                DAEMON => (system, format!("{run_d}.input"), daemons[0].proc.pid()),
+                DAEMON_1MS => (system, format!("{run_d}w1.input"), daemons[1].proc.pid()),
+                DAEMON_B => (system, format!("{run_d}b.input"), daemons[2].proc.pid()),
                 _ => {
                     let (_, name, proc) = passes.iter().find(|p| p.0 == system).expect("every pass-through variant runs");
-                    (format!("{name}.input"), proc.pid())
+                    (system, format!("{name}.input"), proc.pid())
                 }
-            };
+            })
+            .collect();
+        // Throughput and CPU: one burst per system, one system at a time.
+        let mut bursts = Vec::new();
+        for (si, (_, queue, pid)) in targets.iter().enumerate() {
             let tag = format!("s{si}-{rep}");
-            let (cpu0, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
+            let (cpu0, _) = procs::proc_usage(*pid).unwrap_or((0.0, 0));
             let (llm0, _) = procs::proc_usage(llm.pid()).unwrap_or((0.0, 0));
-            let burst = drive(&queue, overhead_requests(prompts, &format!("{tag}-b"), plan.overhead_burst, None), Duration::from_secs(300), Duration::from_millis(500), &[]).await?;
-            let (cpu1, _) = procs::proc_usage(pid).unwrap_or((0.0, 0));
+            let burst = drive(queue, overhead_requests(prompts, &format!("{tag}-b"), plan.overhead_burst, None), Duration::from_secs(300), Duration::from_millis(500), &[]).await?;
+            let (cpu1, _) = procs::proc_usage(*pid).unwrap_or((0.0, 0));
             let (llm1, _) = procs::proc_usage(llm.pid()).unwrap_or((0.0, 0));
-            let n_lat = (plan.overhead_rate * plan.overhead_secs) as usize;
-            let lat = drive(&queue, overhead_requests(prompts, &format!("{tag}-l"), n_lat, Some(plan.overhead_rate)), Duration::from_secs(120), Duration::from_millis(500), &[]).await?;
+            bursts.push((burst, cpu1 - cpu0, llm1 - llm0));
+        }
+        // Latency: every system at the same time, each at its share of the rate for as many windows
+        // as there are systems (the broker's load and each system's number of requests are those of
+        // one system after the other), so that a stall of the broker (its quorum queues commit by
+        // fsync, and this machine's disk stalls an fsync for tens of milliseconds every few seconds)
+        // delays every system's requests at the same moments, not whichever system's window it
+        // falls into.
+        let n_lat = (plan.overhead_rate * plan.overhead_secs) as usize;
+        let each = plan.overhead_rate / targets.len() as f64;
+        let lats = futures_util::future::join_all(targets.iter().enumerate().map(|(si, (_, queue, _))| {
+            let reqs = overhead_requests(prompts, &format!("s{si}-{rep}-l"), n_lat, Some(each));
+            drive(queue, reqs, Duration::from_secs(120), Duration::from_millis(500), &[])
+        }))
+        .await;
+        for ((system, _, _), ((burst, cpu, llm_cpu), lat)) in targets.iter().zip(bursts.into_iter().zip(lats)) {
+            let lat = lat?;
             let r = OverheadRep {
-                system: system.into(),
+                system: (*system).into(),
                 rep,
                 throughput_rps: burst.ok as f64 / burst.wall_s,
-                cpu_s_per_1000: (cpu1 - cpu0) / burst.sent.max(1) as f64 * 1000.0,
-                llm_cpu_s_per_1000: (llm1 - llm0) / burst.sent.max(1) as f64 * 1000.0,
+                cpu_s_per_1000: cpu / burst.sent.max(1) as f64 * 1000.0,
+                llm_cpu_s_per_1000: llm_cpu / burst.sent.max(1) as f64 * 1000.0,
                 p50_s: lat.p50_s,
                 p99_s: lat.p99_s,
                 ok: burst.ok + lat.ok,
                 requests: burst.sent + lat.sent,
             };
             eprintln!(
-                "bench:   overhead rep {rep} {system}: {:.0} req/s, CPU {:.2}s/1000, latency at {} req/s p50 {:.1}ms p99 {:.1}ms",
+                "bench:   overhead rep {rep} {system}: {:.0} req/s, CPU {:.2}s/1000, latency at {:.0} req/s each p50 {:.1}ms p99 {:.1}ms",
                 r.throughput_rps,
                 r.cpu_s_per_1000,
-                plan.overhead_rate,
+                each,
                 r.p50_s * 1000.0,
                 r.p99_s * 1000.0
             );
