@@ -1,5 +1,5 @@
 //! 5. Multi-turn chat and 6. hot-key shift, both on simulated servers: the daemon's defaults
-//! (adaptive key levels) against static configurations.
+//!    (adaptive key levels) against static configurations.
 
 use std::collections::HashMap;
 use std::path::Path;

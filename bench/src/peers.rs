@@ -1,5 +1,5 @@
 //! 7. Peers: prefix-batcher against SGLang's and vLLM's cache-aware HTTP routers, on the same
-//! simulated servers and the same request stream, side by side in one run.
+//!    simulated servers and the same request stream, side by side in one run.
 //!
 //! One load generator, many routes. Every route gets fresh simulators (no inherited cache) and
 //! the same requests at the same arrival times with the same `max_tokens`:

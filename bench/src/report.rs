@@ -114,7 +114,7 @@ pub fn render(r: &Results, plots: &[(&str, &str)]) -> String {
     let mut s = String::new();
     let p = r.plan_of("overhead");
     let _ = writeln!(s, "# prefix-batcher benchmarks\n");
-    let _ = writeln!(s, "{} {}\n", header(r), "Raw numbers: [`results.json`](results.json). How to run and what each part does: [`README.md`](README.md).");
+    let _ = writeln!(s, "{} Raw numbers: [`results.json`](results.json). How to run and what each part does: [`README.md`](README.md).\n", header(r));
     let m = &r.machine;
     let _ = writeln!(s, "**Machine**: {} cores (`nproc`), {} ({} RAM), RabbitMQ {}, daemon {}.  ", m.nproc, m.cpu_model, m.mem_total, m.rabbitmq, r.daemon_version);
     let _ = writeln!(s, "**Load** (`uptime`) at start: `{}`; at end: `{}`.  ", m.load_start, m.load_end);
@@ -929,7 +929,7 @@ fn render_chat(s: &mut String, c: &crate::chat::ChatResults, p: &Plan) {
         for x in rows {
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} |",
                 x.mode,
                 x.chat_key,
                 if x.shards == 0 { "–".to_string() } else { x.shards.to_string() },
@@ -940,7 +940,8 @@ fn render_chat(s: &mut String, c: &crate::chat::ChatResults, p: &Plan) {
                 num(x.p50_s, 1),
                 num(x.p99_s, 1),
                 splits_cell(&x.splits),
-                format!("{} / {}", x.ok, x.requests)
+                x.ok,
+                x.requests
             );
         }
         let _ = writeln!(s);

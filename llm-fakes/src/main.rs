@@ -85,7 +85,7 @@ struct SimArgs {
 impl SimArgs {
     /// The validated simulator settings, or `None` when a count or the speedup is not positive.
     fn config(self) -> Option<SimConfig> {
-        if self.chars_per_token == 0 || self.block_tokens == 0 || self.max_concurrency == 0 || !(self.speedup > 0.0) {
+        if self.chars_per_token == 0 || self.block_tokens == 0 || self.max_concurrency == 0 || self.speedup.is_nan() || self.speedup <= 0.0 {
             return None;
         }
         Some(SimConfig {
