@@ -697,12 +697,22 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
         // The config crate would say "not found" for a directory.
         return Err(invalid("--config", format!("{:?}", p.display().to_string()), "is a directory; give the path of a TOML file"));
     }
+    // The text of a configuration file that is not a regular file (read once, used twice).
+    let mut read: Option<String> = None;
     if let Some(p) = path {
         // The `config` crate drops the line of a TOML error (e.g. an integer beyond 64 bits);
         // the `toml` crate's message shows it. A missing or unreadable file is the crate's to say.
         match std::fs::read_to_string(p) {
             Ok(text) => match text.parse::<toml::Table>() {
-                Ok(table) => check_file_names(&table)?,
+                Ok(table) => {
+                    check_file_names(&table)?;
+                    if !p.is_file() {
+                        // /dev/null, a named pipe or a process substitution (`<(…)`): the config
+                        // crate reads only regular files and would say "not found", and a pipe
+                        // can be read once, so the text already read is the source.
+                        read = Some(text);
+                    }
+                }
                 Err(e) => {
                     return Err(ConfigError::Parse { path: p.display().to_string(), message: redact_text(&redact_key_material(&e.to_string())) });
                 }
@@ -714,7 +724,7 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
             }
             Err(_) => {}
         }
-        b = b.add_source(config::File::from(p).format(config::FileFormat::Toml).required(true));
+        b = b.add_source(file_source(p, read.as_deref()));
     }
     b = b.add_source(
         config::Environment::with_prefix(ENV_PREFIX)
@@ -731,7 +741,7 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     let cfg = b.build().map_err(ConfigError::Load)?;
     if let Some(p) = path {
         // The file alone: there a quoted number or boolean is a mistake, not an environment string.
-        let file = config::Config::builder().add_source(config::File::from(p).format(config::FileFormat::Toml)).build();
+        let file = config::Config::builder().add_source(file_source(p, read.as_deref())).build();
         let file: serde_json::Value = file.and_then(|f| f.try_deserialize()).map_err(ConfigError::Load)?;
         check_value_types(&file, false)?;
     }
@@ -748,6 +758,15 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
         }
     }
     Ok(raw)
+}
+
+/// The configuration file as a source of the `config` crate: the file at `p`, or `text` when it
+/// was read already because `p` is not a regular file.
+fn file_source(p: &Path, text: Option<&str>) -> Vec<Box<dyn config::Source + Send + Sync>> {
+    match text {
+        Some(text) => vec![Box::new(config::File::from_str(text, config::FileFormat::Toml))],
+        None => vec![Box::new(config::File::from(p).format(config::FileFormat::Toml).required(true))],
+    }
 }
 
 /// Refuses a key of the configuration file that names no configuration key, naming it (as
@@ -2549,6 +2568,24 @@ mod tests {
         load(Some(&path)).unwrap();
         let e = load(Some(&dir)).unwrap_err().to_string();
         assert!(e.contains("is a directory") && e.contains("--config"), "{e}");
+        // A file that is not a regular file (the config crate would say "not found"): /dev/null
+        // is an empty configuration, a named pipe is read once and used.
+        load(Some(Path::new("/dev/null"))).unwrap();
+        let fifo = dir.join("config.fifo");
+        assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+        let writer = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::write(fifo, "[amqp]\npartitions = 12\n").unwrap())
+        };
+        assert_eq!(load(Some(&fifo)).unwrap().amqp.partitions.get(), 12);
+        writer.join().unwrap();
+        let writer = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || std::fs::write(fifo, "[amqp]\npartitions = \"12\"\n").unwrap())
+        };
+        let e = load(Some(&fifo)).unwrap_err().to_string();
+        assert!(e.contains("amqp.partitions") && e.contains("without quotes"), "{e}");
+        writer.join().unwrap();
         // Not TOML, or a number TOML cannot hold: the line is named, credentials are not shown.
         std::fs::write(&path, "[amqp]\nurl = \"amqp://u:hunter2@h:5672/v\" x\nmax_message_bytes = 1\n").unwrap();
         let e = load(Some(&path)).unwrap_err().to_string();
