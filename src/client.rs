@@ -952,8 +952,9 @@ fn render_members(out: &mut String, s: &Status) {
 fn render_summary(out: &mut String, s: &Status) {
     let owned = s.partitions.iter().filter(|p| p.owner.is_some()).count();
     out.push_str(&format!(
-        "\npartitions: {}, owned {owned}, unowned {}, moving {}; backlog (ready messages; deliveries held by owners are in prefix_batcher_unsettled_deliveries): input {}, partitions {}\n",
+        "\npartitions: {}, owned {owned}{}, unowned {}, moving {}; backlog (ready messages; deliveries held by owners are in prefix_batcher_unsettled_deliveries): input {}, partitions {}\n",
         s.partition_count,
+        stale_owned_note(s),
         s.unowned.len(),
         s.moving.len(),
         s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
@@ -990,6 +991,27 @@ fn render_summary(out: &mut String, s: &Status) {
             (Some(e), _) => format!("UNREACHABLE: {e}"),
         };
         out.push_str(&format!("  {:>4}  {:<48} {state}\n", n.node, n.url));
+    }
+}
+
+/// How many of the owned partitions a lease holder that is not a live member holds, for the
+/// summary line: `" (3 by instances that are not live members until their leases expire, 1 by a
+/// stopping instance)"`, or empty. Such a partition has an owner but may have no consumer and a
+/// growing backlog (a crashed instance), so counting it as owned alone would hide it.
+fn stale_owned_note(s: &Status) -> String {
+    let held = |draining: bool| -> usize { s.stale_owners.iter().filter(|(n, _)| s.draining_owners.contains(n) == draining).map(|(_, ps)| ps.len()).sum() };
+    let (crashed, stopping) = (held(false), held(true));
+    let mut parts = Vec::new();
+    if crashed > 0 {
+        parts.push(format!("{crashed} by instances that are not live members until their leases expire"));
+    }
+    if stopping > 0 {
+        parts.push(format!("{stopping} by stopping instances"));
+    }
+    if parts.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", parts.join(", "))
     }
 }
 
@@ -1056,6 +1078,45 @@ pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_summary_says_how_many_owned_partitions_a_crashed_or_stopping_instance_holds() {
+        let partition = |p: u32, owner: &str| PartitionStatus {
+            partition: p,
+            owner: Some(owner.into()),
+            epoch: None,
+            lease_expires_in_ms: None,
+            desired_owner: None,
+            backlog: None,
+            consumers: None,
+            note: None,
+        };
+        let mut s = Status {
+            partition_count: 4,
+            members: Vec::new(),
+            partitions: vec![partition(0, "a"), partition(1, "b"), partition(2, "b"), partition(3, "c")],
+            unowned: Vec::new(),
+            moving: Vec::new(),
+            stale_owners: BTreeMap::new(),
+            draining_owners: Vec::new(),
+            input_backlog: Some(0),
+            partition_backlog: Some(0),
+            amqp_error: None,
+            amqp_node: None,
+            amqp_nodes: Vec::new(),
+            hot_keys: Vec::new(),
+            redis_primary: "127.0.0.1:6379".into(),
+            deployment_found: true,
+            configured_partitions: None,
+        };
+        let line = |s: &Status| render_status(s).lines().find(|l| l.starts_with("partitions:")).unwrap().to_owned();
+        assert!(line(&s).starts_with("partitions: 4, owned 4, unowned 0"), "{}", line(&s));
+        s.stale_owners.insert("b".into(), vec![1, 2]);
+        assert!(line(&s).starts_with("partitions: 4, owned 4 (2 by instances that are not live members until their leases expire), unowned 0"), "{}", line(&s));
+        s.stale_owners.insert("c".into(), vec![3]);
+        s.draining_owners.push("c".into());
+        assert!(line(&s).contains("owned 4 (2 by instances that are not live members until their leases expire, 1 by stopping instances), unowned 0"), "{}", line(&s));
+    }
 
     #[test]
     fn a_flagged_member_is_said_to_keep_its_partitions_only_when_the_assignment_gives_it_some() {
