@@ -32,6 +32,10 @@ pub enum ConfigError {
     /// in URLs on that line redacted).
     #[error("cannot parse configuration file {path}: {message}")]
     Parse { path: String, message: String },
+    /// The file exists but cannot be read (permissions, an I/O error): the operating system's
+    /// message.
+    #[error("cannot read configuration file {path}: {message}")]
+    Read { path: String, message: String },
     /// A value breaks a rule.
     #[error("invalid configuration: `{key}` = {value}: {rule}")]
     Invalid { key: String, value: String, rule: String },
@@ -722,7 +726,9 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
                                convert one saved as UTF-16, e.g. `iconv -f UTF-16 -t UTF-8`";
                 return Err(ConfigError::Parse { path: p.display().to_string(), message: message.into() });
             }
-            Err(_) => {}
+            // Missing: the config crate's "configuration file … not found".
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ConfigError::Read { path: p.display().to_string(), message: e.to_string() }),
         }
         b = b.add_source(file_source(p, read.as_deref()));
     }
@@ -2571,6 +2577,9 @@ mod tests {
         // A file that is not a regular file (the config crate would say "not found"): /dev/null
         // is an empty configuration, a named pipe is read once and used.
         load(Some(Path::new("/dev/null"))).unwrap();
+        // A file that exists but cannot be read is named with the system's reason.
+        let e = load(Some(Path::new("/proc/self/mem"))).unwrap_err().to_string();
+        assert!(e.starts_with("cannot read configuration file /proc/self/mem: "), "{e}");
         let fifo = dir.join("config.fifo");
         assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
         let writer = {
