@@ -995,8 +995,8 @@ fn render_summary(out: &mut String, s: &Status) {
 }
 
 /// How many of the owned partitions a lease holder that is not a live member holds, for the
-/// summary line: `" (3 by instances that are not live members until their leases expire, 1 by a
-/// stopping instance)"`, or empty. Such a partition has an owner but may have no consumer and a
+/// summary line: `" (3 by instances that are not live members until their leases expire, 1 by
+/// stopping instances)"`, or empty. Such a partition has an owner but may have no consumer and a
 /// growing backlog (a crashed instance), so counting it as owned alone would hide it.
 fn stale_owned_note(s: &Status) -> String {
     let held = |draining: bool| -> usize { s.stale_owners.iter().filter(|(n, _)| s.draining_owners.contains(n) == draining).map(|(_, ps)| ps.len()).sum() };

@@ -705,7 +705,8 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     let mut read: Option<String> = None;
     if let Some(p) = path {
         // The `config` crate drops the line of a TOML error (e.g. an integer beyond 64 bits);
-        // the `toml` crate's message shows it. A missing or unreadable file is the crate's to say.
+        // the `toml` crate's message shows it. A missing file is the crate's to say; one that
+        // exists but cannot be read is named here with the system's reason.
         match std::fs::read_to_string(p) {
             Ok(text) => match text.parse::<toml::Table>() {
                 Ok(table) => {
@@ -2577,9 +2578,6 @@ mod tests {
         // A file that is not a regular file (the config crate would say "not found"): /dev/null
         // is an empty configuration, a named pipe is read once and used.
         load(Some(Path::new("/dev/null"))).unwrap();
-        // A file that exists but cannot be read is named with the system's reason.
-        let e = load(Some(Path::new("/proc/self/mem"))).unwrap_err().to_string();
-        assert!(e.starts_with("cannot read configuration file /proc/self/mem: "), "{e}");
         let fifo = dir.join("config.fifo");
         assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
         let writer = {
@@ -2595,6 +2593,9 @@ mod tests {
         let e = load(Some(&fifo)).unwrap_err().to_string();
         assert!(e.contains("amqp.partitions") && e.contains("without quotes"), "{e}");
         writer.join().unwrap();
+        // A file that exists but cannot be read is named with the system's reason.
+        let e = load(Some(Path::new("/proc/self/mem"))).unwrap_err().to_string();
+        assert!(e.starts_with("cannot read configuration file /proc/self/mem: "), "{e}");
         // Not TOML, or a number TOML cannot hold: the line is named, credentials are not shown.
         std::fs::write(&path, "[amqp]\nurl = \"amqp://u:hunter2@h:5672/v\" x\nmax_message_bytes = 1\n").unwrap();
         let e = load(Some(&path)).unwrap_err().to_string();
