@@ -175,12 +175,19 @@ fn durable() -> QueueDeclareOptions {
 /// `x-delivery-limit` the broker's backstop is missing unless a `delivery-limit` policy sets it
 /// (docs/operations.md "Upgrading to the broker delivery limit"); without
 /// `x-quorum-initial-group-size` nothing changes for an existing queue (the argument only sizes a
-/// new one). A refusal for any other argument is returned as the first [`TopologyError::Mismatch`].
+/// new one).
+///
+/// For the same reason a queue declared with another `x-quorum-initial-group-size` (the key
+/// changed, or set to 0, after the queue was made) is accepted with a warning: the refusal says
+/// the queue's value ([`existing_value`]), and the declare is repeated with it (and without
+/// `x-delivery-limit` if that is missing too). A refusal for any other argument, or another
+/// `x-delivery-limit`, is returned as a [`TopologyError::Mismatch`] naming that argument.
 async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
     let err = match declare_queue_once(conn, name, args.clone()).await {
         Err(e @ TopologyError::Mismatch { .. }) => e,
         other => return other,
     };
+    let mut refusals = vec![err.to_string()];
     let present: Vec<&str> = LATER_ARGS.into_iter().filter(|a| args.contains_key(a)).collect();
     // Subsets to leave out, the smallest first: each alone, then all of them.
     let mut attempts: Vec<Vec<&str>> = present.iter().map(|a| vec![*a]).collect();
@@ -202,11 +209,62 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
                 }
                 return Ok(());
             }
-            Err(TopologyError::Mismatch { .. }) => continue,
+            Err(e @ TopologyError::Mismatch { .. }) => refusals.push(e.to_string()),
             Err(e) => return Err(e),
         }
     }
-    Err(err)
+    let Some(existing) = refusals.iter().find_map(|r| existing_value(r, INITIAL_GROUP_SIZE_ARG)) else {
+        return Err(err);
+    };
+    let mut with_existing = args.clone();
+    with_existing.insert(ShortString::from(INITIAL_GROUP_SIZE_ARG), AMQPValue::LongLongInt(existing));
+    let configured = match args.inner().get(INITIAL_GROUP_SIZE_ARG) {
+        Some(AMQPValue::LongLongInt(n)) => n.to_string(),
+        _ => "none (amqp.quorum_initial_group_size = 0)".to_owned(),
+    };
+    let omissions: &[&[&str]] = if args.contains_key(DELIVERY_LIMIT_ARG) { &[&[], &[DELIVERY_LIMIT_ARG]] } else { &[&[]] };
+    // The group size is accepted: what the queue refuses now (another delivery limit) is the
+    // mismatch to report.
+    let mut blocking = None;
+    for omit in omissions {
+        let mut variant = FieldTable::default();
+        for (k, v) in with_existing.inner().iter().filter(|(k, _)| !omit.contains(&k.as_str())) {
+            variant.insert(k.clone(), v.clone());
+        }
+        match declare_queue_once(conn, name, variant).await {
+            Ok(()) => {
+                warn!(
+                    queue = name,
+                    existing,
+                    configured = %configured,
+                    "queue has another x-quorum-initial-group-size than configured (amqp.quorum_initial_group_size); accepted as it is: the argument only sizes a new queue (`rabbitmq-queues grow` and `shrink` change an existing queue's replicas)"
+                );
+                if !omit.is_empty() {
+                    warn!(queue = name, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit");
+                }
+                return Ok(());
+            }
+            Err(e @ TopologyError::Mismatch { .. }) => {
+                blocking.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(blocking.unwrap_or(err))
+}
+
+/// The integer value an existing queue has for `arg`, from RabbitMQ's 406 refusal of a declare
+/// that differs in it: `inequivalent arg 'ARG' for queue 'Q' in vhost '/': received … but current
+/// is 'N'` (both declares set the argument) or `… but current is the value 'N' of type 'long'`
+/// (the refused declare left it out). Format of `rabbit_misc:assert_args_equivalence` in
+/// rabbitmq-server 3.8–4.x. `None` when the refusal names another argument, or the queue has
+/// none.
+fn existing_value(refusal: &str, arg: &str) -> Option<i64> {
+    let (_, rest) = refusal.split_once(&format!("inequivalent arg '{arg}'"))?;
+    let (_, current) = rest.split_once("but current is ")?;
+    let current = current.strip_prefix("the value ").unwrap_or(current).strip_prefix('\'')?;
+    let (value, _) = current.split_once('\'')?;
+    value.parse().ok()
 }
 
 async fn declare_queue_once(conn: &Connection, name: &str, args: FieldTable) -> Result<(), TopologyError> {
@@ -449,6 +507,22 @@ mod tests {
         assert!(configured_by("inequivalent arg 'x-dead-letter-exchange' for queue").contains("amqp.dead_letter_exchange"));
         assert_eq!(configured_by("inequivalent arg 'x-max-length' for queue"), "");
         assert_eq!(BROKER_DELIVERY_LIMIT_MARGIN, 2, "the text above says + 2");
+    }
+
+    /// An existing queue's group size is read from the broker's refusal, in both of RabbitMQ's
+    /// forms (both declares set it; the refused one left it out), and only for that argument.
+    #[test]
+    fn the_existing_group_size_is_read_from_the_refusal() {
+        let g = "x-quorum-initial-group-size";
+        let both = "queue `p.000` exists with other settings than configured (PRECONDITION_FAILED - inequivalent arg 'x-quorum-initial-group-size' for queue 'p.000' in vhost '/': received '1' but current is '3')";
+        assert_eq!(existing_value(both, g), Some(3));
+        let left_out = "PRECONDITION_FAILED - inequivalent arg 'x-quorum-initial-group-size' for queue 'q' in vhost '/': received none but current is the value '5' of type 'long'";
+        assert_eq!(existing_value(left_out, g), Some(5));
+        let queue_has_none = "PRECONDITION_FAILED - inequivalent arg 'x-quorum-initial-group-size' for queue 'q' in vhost '/': received the value '3' of type 'long' but current is none";
+        assert_eq!(existing_value(queue_has_none, g), None, "no value: the omission attempts handle it");
+        let other_arg = "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'q' in vhost '/': received '7' but current is '6'";
+        assert_eq!(existing_value(other_arg, g), None, "another argument's value is not the group size");
+        assert_eq!(existing_value("inequivalent arg 'x-quorum-initial-group-size' for queue 'q': received '1' but current is 'x'", g), None);
     }
 
     /// A declare refused by a reached queue limit is retried, and says so; an argument mismatch

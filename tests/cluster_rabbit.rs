@@ -4,7 +4,8 @@
 //!   integration tests): `x-quorum-initial-group-size` = 3 declares fine on a single node
 //!   (RabbitMQ caps it at the node count); a queue that exists WITHOUT it refuses a redeclare with
 //!   it (406 `PRECONDITION_FAILED`), and the daemon's topology accepts such a queue (and one
-//!   without `x-delivery-limit` either) with a warning.
+//!   without `x-delivery-limit` either) with a warning; so it does queues made with group size 3
+//!   when the key changes to 1 or 0, while another `amqp.delivery_limit` is still refused.
 //! - `node_loss_under_load` (`#[ignore]`, heavy stage of scripts/test, about 3 minutes): a
 //!   3-node cluster from `scripts/cluster rabbit` (started when not running, stopped again at the
 //!   end), 3 daemon processes connected to the node that leads the most partition queues,
@@ -114,6 +115,26 @@ async fn quorum_group_size_on_one_node_and_queues_declared_without_it() {
     let members = broker::rabbitmqctl(&["list_queues", "--no-table-headers", "name", "members"]).unwrap_or_default();
     let line = members.lines().find(|l| l.starts_with(&fresh.partition_queue(0))).unwrap_or_default().to_owned();
     println!("single node, x-quorum-initial-group-size = 3: {line}");
+    // The group size changed after the queues were made (to 1, and to 0: the argument left out):
+    // every existing queue is accepted as it is, and the broker still holds the old value.
+    for size in [1, 0] {
+        let mut changed = fresh.raw_config("http://127.0.0.1:9");
+        changed.amqp.quorum_initial_group_size = size;
+        let sc = settings(&changed);
+        prefix_batcher::topology::declare(&conn, &sc.amqp, &mut redis, &meta3)
+            .await
+            .unwrap_or_else(|e| panic!("existing queues of group size 3 must be accepted with the key at {size}: {e}"));
+    }
+    let args = broker::rabbitmqctl(&["list_queues", "--no-table-headers", "name", "arguments"]).unwrap_or_default();
+    let p0_args = args.lines().find(|l| l.starts_with(&fresh.partition_queue(0))).unwrap_or_default().to_owned();
+    assert!(p0_args.contains("x-quorum-initial-group-size"), "the queue keeps its argument: {p0_args}");
+    // Another delivery limit is still refused (amqp.delivery_limit is fixed for a queue's life).
+    let mut limit = fresh.raw_config("http://127.0.0.1:9");
+    limit.amqp.quorum_initial_group_size = 1;
+    limit.amqp.delivery_limit = limit.amqp.delivery_limit + 1;
+    let sl = settings(&limit);
+    let refused = prefix_batcher::topology::declare(&conn, &sl.amqp, &mut redis, &meta3).await.expect_err("another delivery limit must be refused");
+    assert!(refused.is_config_error() && refused.to_string().contains("amqp.delivery_limit"), "{refused}");
     let _ = conn.close(200, "done".into()).await;
     fresh.cleanup().await;
     env.cleanup().await;
