@@ -131,7 +131,7 @@ async fn quorum_group_size_on_one_node_and_queues_declared_without_it() {
     // Another delivery limit is still refused (amqp.delivery_limit is fixed for a queue's life).
     let mut limit = fresh.raw_config("http://127.0.0.1:9");
     limit.amqp.quorum_initial_group_size = 1;
-    limit.amqp.delivery_limit = limit.amqp.delivery_limit + 1;
+    limit.amqp.delivery_limit += 1;
     let sl = settings(&limit);
     let refused = prefix_batcher::topology::declare(&conn, &sl.amqp, &mut redis, &meta3).await.expect_err("another delivery limit must be refused");
     assert!(refused.is_config_error() && refused.to_string().contains("amqp.delivery_limit"), "{refused}");
