@@ -656,6 +656,11 @@ pub struct Status {
     pub unowned: Vec<u32>,
     /// Partitions whose holder is not their desired owner.
     pub moving: Vec<u32>,
+    /// Owned partitions whose queue has no consumer on the broker: nothing consumes them although
+    /// a lease is held (a crashed owner until its lease expires; an owner that restarted under
+    /// the same name and waits for its previous process's lease; a handover between release and
+    /// consume). Empty when RabbitMQ could not be asked.
+    pub no_consumer: Vec<u32>,
     /// Lease holders that are not live members (name → partitions).
     pub stale_owners: BTreeMap<String, Vec<u32>>,
     /// Those of `stale_owners` that are stopping and draining their partitions (their draining
@@ -784,6 +789,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     }
     let unowned = partitions.iter().filter(|s| s.owner.is_none()).map(|s| s.partition).collect();
     let moving = partitions.iter().filter(|s| s.note == Some("moving")).map(|s| s.partition).collect();
+    let no_consumer = owned_without_consumer(&partitions);
     let partition_backlog =
         if depths.iter().all(Option::is_some) { Some(depths.iter().flatten().map(|d| u64::from(d.0)).sum()) } else { None };
     Ok(Status {
@@ -792,6 +798,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
         partitions,
         unowned,
         moving,
+        no_consumer,
         stale_owners,
         draining_owners,
         input_backlog,
@@ -862,6 +869,11 @@ async fn stale_owners(
     let marked: Vec<bool> = if stale.is_empty() { Vec::new() } else { pipe.query_async(r).await? };
     let draining = stale.keys().zip(marked).filter(|(_, d)| *d).map(|(n, _)| n.clone()).collect();
     Ok((stale, draining))
+}
+
+/// The owned partitions whose queue the broker reports with no consumer ([`Status::no_consumer`]).
+fn owned_without_consumer(partitions: &[PartitionStatus]) -> Vec<u32> {
+    partitions.iter().filter(|s| s.owner.is_some() && s.consumers == Some(0)).map(|s| s.partition).collect()
 }
 
 /// The note `status` puts on a partition: its `lease`, queue `depth` (ready, consumers), the
@@ -952,11 +964,12 @@ fn render_members(out: &mut String, s: &Status) {
 fn render_summary(out: &mut String, s: &Status) {
     let owned = s.partitions.iter().filter(|p| p.owner.is_some()).count();
     out.push_str(&format!(
-        "\npartitions: {}, owned {owned}{}, unowned {}, moving {}; backlog (ready messages; deliveries held by owners are in prefix_batcher_unsettled_deliveries): input {}, partitions {}\n",
+        "\npartitions: {}, owned {owned}{}, unowned {}, moving {}, owned without a consumer {}; backlog (ready messages; deliveries held by owners are in prefix_batcher_unsettled_deliveries): input {}, partitions {}\n",
         s.partition_count,
         stale_owned_note(s),
         s.unowned.len(),
         s.moving.len(),
+        if s.amqp_error.is_some() { "?".to_owned() } else { s.no_consumer.len().to_string() },
         s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
         s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
     ));
@@ -1097,6 +1110,7 @@ mod tests {
             partitions: vec![partition(0, "a"), partition(1, "b"), partition(2, "b"), partition(3, "c")],
             unowned: Vec::new(),
             moving: Vec::new(),
+            no_consumer: Vec::new(),
             stale_owners: BTreeMap::new(),
             draining_owners: Vec::new(),
             input_backlog: Some(0),
@@ -1116,6 +1130,57 @@ mod tests {
         s.stale_owners.insert("c".into(), vec![3]);
         s.draining_owners.push("c".into());
         assert!(line(&s).contains("owned 4 (2 by instances that are not live members until their leases expire, 1 by stopping instances), unowned 0"), "{}", line(&s));
+        assert!(line(&s).contains("moving 0, owned without a consumer 0;"), "{}", line(&s));
+    }
+
+    /// An instance killed and restarted at once under its name: its partitions are owned (the
+    /// previous process's leases, by a live member) and consumed by nobody until those leases
+    /// expire. The summary and `no_consumer` say so, where `unowned` is empty.
+    #[test]
+    fn owned_partitions_without_a_consumer_are_counted() {
+        let partition = |p: u32, owner: Option<&str>, consumers: Option<u32>| PartitionStatus {
+            partition: p,
+            owner: owner.map(Into::into),
+            epoch: None,
+            lease_expires_in_ms: None,
+            desired_owner: None,
+            backlog: consumers.map(|_| 0),
+            consumers,
+            note: None,
+        };
+        let parts = vec![
+            partition(0, Some("a"), Some(1)),
+            partition(1, Some("b"), Some(0)),
+            partition(2, Some("b"), Some(0)),
+            partition(3, None, Some(0)),
+            partition(4, Some("a"), None),
+        ];
+        assert_eq!(owned_without_consumer(&parts), vec![1, 2], "owned with 0 consumers; not unowned, not unknown");
+        let mut s = Status {
+            partition_count: 5,
+            members: Vec::new(),
+            no_consumer: owned_without_consumer(&parts),
+            partitions: parts,
+            unowned: vec![3],
+            moving: Vec::new(),
+            stale_owners: BTreeMap::new(),
+            draining_owners: Vec::new(),
+            input_backlog: Some(0),
+            partition_backlog: None,
+            amqp_error: None,
+            amqp_node: None,
+            amqp_nodes: Vec::new(),
+            hot_keys: Vec::new(),
+            redis_primary: "127.0.0.1:6379".into(),
+            deployment_found: true,
+            configured_partitions: None,
+        };
+        let line = |s: &Status| render_status(s).lines().find(|l| l.starts_with("partitions:")).unwrap().to_owned();
+        assert!(line(&s).contains("unowned 1, moving 0, owned without a consumer 2;"), "{}", line(&s));
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["no_consumer"], serde_json::json!([1, 2]));
+        s.amqp_error = Some("connection refused".into());
+        assert!(line(&s).contains("owned without a consumer ?;"), "unknown without RabbitMQ: {}", line(&s));
     }
 
     #[test]
