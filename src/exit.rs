@@ -24,5 +24,9 @@ pub const EX_SOFTWARE: u8 = 70;
 /// `status`: a RabbitMQ node answered but refused the login or the vhost (`EX_NOPERM`,
 /// sysexits.h: "insufficient permission"); the table is printed from Redis, backlog unknown.
 pub const EX_NOPERM: u8 = 77;
+/// `check-config`, `status`: their output could not be written (`EX_IOERR`, sysexits.h: "an
+/// error occurred while doing I/O on some file"), e.g. a full disk behind a redirect. A reader
+/// that stopped reading (`… | head -1`) is not an error.
+pub const EX_IOERR: u8 = 74;
 /// A bad configuration, or a deployment that does not match it (`EX_CONFIG`, sysexits.h).
 pub const EX_CONFIG: u8 = 78;

@@ -243,16 +243,16 @@ async fn dispatch(command: &Command, loaded: Loaded) -> ExitCode {
         Command::Run => run(loaded.settings).await,
         Command::CheckConfig { .. } => {
             let s = &loaded.settings;
-            println!("# configuration is valid (instance {}, {} partitions)", s.instance_name, s.amqp.partitions);
+            let mut text = format!("# configuration is valid (instance {}, {} partitions)\n", s.instance_name, s.amqp.partitions);
             for line in tls_summary(s, tls::unix_now()) {
-                println!("# {line}");
+                text.push_str(&format!("# {line}\n"));
             }
             // What `run` would log at WARN at startup for the same configuration.
             for advice in prefix_batcher::app::advisories(s) {
-                println!("# warning: {advice}");
+                text.push_str(&format!("# warning: {advice}\n"));
             }
-            print!("{}", config::redacted_toml(&loaded.raw));
-            ExitCode::from(exit::EX_OK)
+            text.push_str(&config::redacted_toml(&loaded.raw));
+            write_stdout(&text).unwrap_or(ExitCode::from(exit::EX_OK))
         }
         Command::Submit { file, queue, wait, out, timeout } => {
             let opts = client::SubmitOptions {
@@ -326,6 +326,23 @@ async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
     }
 }
 
+/// Writes a command's output to stdout. A reader that stopped reading (`status | head -1`: the
+/// pipe is closed, `EPIPE`) is not an error: the rest has nowhere to go, and `println!` would
+/// panic (exit 101, with a backtrace under `RUST_BACKTRACE`). Any other write error is reported,
+/// and its exit code ([`exit::EX_IOERR`]) returned.
+fn write_stdout(text: &str) -> Option<ExitCode> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => None,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => None,
+        Err(e) => {
+            eprintln!("prefix-batcher: cannot write to stdout: {e}");
+            Some(ExitCode::from(exit::EX_IOERR))
+        }
+    }
+}
+
 /// `status`: a table, or JSON with `--json`.
 async fn status(settings: &Settings, json: bool) -> ExitCode {
     let s = match client::status(settings).await {
@@ -335,10 +352,9 @@ async fn status(settings: &Settings, json: bool) -> ExitCode {
             return ExitCode::from(exit::EX_FAILURE);
         }
     };
-    if json {
-        println!("{}", serde_json::to_string_pretty(&s).expect("status serializes"));
-    } else {
-        print!("{}", client::render_status(&s));
+    let text = if json { format!("{}\n", serde_json::to_string_pretty(&s).expect("status serializes")) } else { client::render_status(&s) };
+    if let Some(code) = write_stdout(&text) {
+        return code;
     }
     if let Some(e) = &s.amqp_error {
         // The table came from Redis alone: a script must not read it as healthy.

@@ -307,3 +307,23 @@ fn check_config_refuses_a_hold_past_the_consumer_timeout() {
         assert!(err.contains(part), "{part} missing from: {err}");
     }
 }
+
+/// `check-config | head -1`: a reader that stops reading is not an error. The pipe's read end is
+/// closed before the command starts, so every write meets `EPIPE` (before, `println!` panicked:
+/// exit 101, "failed printing to stdout: Broken pipe"). A full disk behind a redirect is an
+/// error: exit 74 (`EX_IOERR`) with the system's reason.
+#[test]
+fn check_config_into_a_closed_pipe_exits_0_and_into_a_full_disk_74() {
+    let (reader, writer) = std::io::pipe().expect("pipe");
+    drop(reader);
+    let out = bin_command().arg("check-config").stdout(writer).stderr(std::process::Stdio::piped()).output().expect("run check-config");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "closed pipe: {err}");
+    assert!(!err.contains("panicked"), "closed pipe: {err}");
+    if let Ok(full) = std::fs::OpenOptions::new().write(true).open("/dev/full") {
+        let out = bin_command().arg("check-config").stdout(full).stderr(std::process::Stdio::piped()).output().expect("run check-config");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(74), "/dev/full: {err}");
+        assert!(err.contains("cannot write to stdout") && !err.contains("panicked"), "/dev/full: {err}");
+    }
+}
