@@ -496,18 +496,20 @@ impl App {
             if failure.amqp_failed() {
                 node = crate::amqp::next_node(node, amqp.nodes.len());
             }
-            self.log_session_end(refused.as_deref(), &failure, backoff, failed_node, node);
+            // The log gives the wait that follows: the backoff with its jitter.
+            let wait = jitter(backoff);
+            self.log_session_end(refused.as_deref(), &failure, wait, failed_node, node);
             tokio::select! {
                 _ = work.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(jitter(backoff)) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
             backoff = (backoff * 2).min(amqp.reconnect_backoff_max);
         }
         Ok(())
     }
 
-    /// Logs why a session ended and when the next one starts (`backoff`, on broker node `node`
-    /// after `failed_node`): at ERROR for what lasts until an operator acts (a refused login or
+    /// Logs why a session ended and when the next one starts (after `backoff`, jitter included;
+    /// on broker node `node` after `failed_node`): at ERROR for what lasts until an operator acts (a refused login or
     /// access, a connection limit, queues that no longer match, a queue limit), else at WARN
     /// with what the broker said.
     fn log_session_end(&self, refused: Option<&str>, failure: &SessionError, backoff: Duration, failed_node: usize, node: usize) {

@@ -35,7 +35,7 @@ macro_rules! counter_vec {
 }
 
 static BATCHES: LazyLock<IntCounterVec> =
-    counter_vec!("batches_total", "Batches flushed, by flush reason (size, timeout, prefetch, shutdown, revoke).", &["reason"]);
+    counter_vec!("batches_total", "Batches flushed, by flush reason (size, timeout, prefetch, byte_budget, shutdown, revoke).", &["reason"]);
 static BATCH_SIZE: LazyLock<Histogram> = LazyLock::new(|| {
     reg(Histogram::with_opts(
         HistogramOpts::new("batch_size", "Requests per flushed batch.").buckets(vec![1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]),

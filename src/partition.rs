@@ -525,6 +525,9 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let session = Session { ch, publish, tag, batcher, executor };
 
     let mut untaken = Vec::new();
+    // Exported from the session's start (0), not only from the first pause: an alert or panel on
+    // the series sees an owned partition whose intake runs.
+    metrics::intake_paused(p, false);
     let ending = intake(ctx, stop, &end, &mut consumer, &conns.dead_letters, &item_tx, held, &mut untaken).await;
     metrics::intake_paused(p, false);
     match ending {

@@ -820,6 +820,8 @@ async fn a_stray_consumer_that_drains_owned_partition_queues_is_reported() {
     assert!(!started.daemon.log().contains("reason=\"stalled\""), "no stall was seen (the queues held nothing ready)");
     let (_, metrics) = http_get(&started.daemon.http_addr().await, "/metrics").await;
     assert!(metrics.lines().any(|l| l.starts_with("prefix_batcher_partition_other_consumer_total ") && !l.ends_with(" 0")), "the counter counts it");
+    // An owned partition whose intake runs exports 0, not nothing, from its session's start.
+    assert!(metrics.lines().any(|l| l == "prefix_batcher_intake_paused{partition=\"0\"} 0"), "intake_paused of an owned partition:\n{metrics}");
     assert!(started.results.received.is_empty(), "the owner received nothing while the stray consumer was active");
     drop(taken);
     stray.close().await;
