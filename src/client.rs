@@ -684,7 +684,7 @@ pub struct Status {
     pub redis_primary: String,
     /// Whether Redis holds anything of a deployment under `redis.key_prefix`: a live member, a
     /// lease, or the recorded partition count. `false` under a mistyped prefix or Redis URL (or
-    /// a deployment stopped for longer than its keys live).
+    /// a deployment whose keys were deleted or lost).
     pub deployment_found: bool,
     /// This configuration's `amqp.partitions` when it differs from the count the deployment
     /// recorded in Redis, which `partition_count` and the table follow.
@@ -981,11 +981,11 @@ fn render_summary(out: &mut String, s: &Status) {
         ));
     }
     if !s.deployment_found {
-        out.push_str("NO DEPLOYMENT FOUND under this redis.key_prefix: no member, no lease, no recorded partition count (check redis.url and redis.key_prefix against the daemons' configuration; a deployment stopped for longer than its lease_ttl and member_ttl looks the same)\n");
+        out.push_str("NO DEPLOYMENT FOUND under this redis.key_prefix: no member, no lease, no recorded partition count (check redis.url and redis.key_prefix against the daemons' configuration; the recorded partition count has no expiry, so a stopped deployment is found unless its keys were deleted or Redis lost them)\n");
         let queued = s.input_backlog.is_some() || s.partitions.iter().any(|p| p.backlog.is_some());
         if queued {
             out.push_str(&format!(
-                "  but RabbitMQ holds this configuration's queues (ready: input {}, partitions {}): with the right redis.url and redis.key_prefix, Redis lost its data (restarted without persistence, flushed) while no instance ran, or none has run for longer than its keys live; an instance that starts records the deployment again and takes the partitions\n",
+                "  but RabbitMQ holds this configuration's queues (ready: input {}, partitions {}): with the right redis.url and redis.key_prefix, Redis lost its data (restarted without persistence, flushed) or the deployment's keys were deleted while no instance ran; an instance that starts records the deployment again and takes the partitions\n",
                 s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
                 s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
             ));

@@ -13,7 +13,7 @@ pub const EX_FAILURE: u8 = 1;
 /// `submit --wait`: some requests got no result before `--timeout`.
 pub const EX_MISSING_RESULTS: u8 = 3;
 /// `status`: Redis holds no member, lease or partition count under `redis.key_prefix` (a
-/// mistyped prefix or Redis URL, or a deployment stopped for longer than its keys live).
+/// mistyped prefix or Redis URL, or a deployment whose keys were deleted or lost).
 pub const EX_NO_DEPLOYMENT: u8 = 4;
 /// `status`: the table was printed from Redis, but no RabbitMQ node answered, so the backlog
 /// and consumer columns are unknown (`EX_UNAVAILABLE`, sysexits.h: "a service is unavailable").
