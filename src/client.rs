@@ -1092,22 +1092,26 @@ pub fn error_text(e: &(dyn std::error::Error + 'static)) -> String {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_summary_says_how_many_owned_partitions_a_crashed_or_stopping_instance_holds() {
-        let partition = |p: u32, owner: &str| PartitionStatus {
+    /// Partition `p` held by `owner`, with `consumers` (`None`: RabbitMQ not asked).
+    fn partition(p: u32, owner: Option<&str>, consumers: Option<u32>) -> PartitionStatus {
+        PartitionStatus {
             partition: p,
-            owner: Some(owner.into()),
+            owner: owner.map(Into::into),
             epoch: None,
             lease_expires_in_ms: None,
             desired_owner: None,
-            backlog: None,
-            consumers: None,
+            backlog: consumers.map(|_| 0),
+            consumers,
             note: None,
-        };
-        let mut s = Status {
-            partition_count: 4,
+        }
+    }
+
+    /// A reachable deployment's status with `partitions` and nothing else to note.
+    fn status_of(partitions: Vec<PartitionStatus>) -> Status {
+        Status {
+            partition_count: partitions.len() as u32,
             members: Vec::new(),
-            partitions: vec![partition(0, "a"), partition(1, "b"), partition(2, "b"), partition(3, "c")],
+            partitions,
             unowned: Vec::new(),
             moving: Vec::new(),
             no_consumer: Vec::new(),
@@ -1122,7 +1126,13 @@ mod tests {
             redis_primary: "127.0.0.1:6379".into(),
             deployment_found: true,
             configured_partitions: None,
-        };
+        }
+    }
+
+    #[test]
+    fn the_summary_says_how_many_owned_partitions_a_crashed_or_stopping_instance_holds() {
+        let owned = |p: u32, owner: &str| partition(p, Some(owner), None);
+        let mut s = status_of(vec![owned(0, "a"), owned(1, "b"), owned(2, "b"), owned(3, "c")]);
         let line = |s: &Status| render_status(s).lines().find(|l| l.starts_with("partitions:")).unwrap().to_owned();
         assert!(line(&s).starts_with("partitions: 4, owned 4, unowned 0"), "{}", line(&s));
         s.stale_owners.insert("b".into(), vec![1, 2]);
@@ -1138,16 +1148,6 @@ mod tests {
     /// expire. The summary and `no_consumer` say so, where `unowned` is empty.
     #[test]
     fn owned_partitions_without_a_consumer_are_counted() {
-        let partition = |p: u32, owner: Option<&str>, consumers: Option<u32>| PartitionStatus {
-            partition: p,
-            owner: owner.map(Into::into),
-            epoch: None,
-            lease_expires_in_ms: None,
-            desired_owner: None,
-            backlog: consumers.map(|_| 0),
-            consumers,
-            note: None,
-        };
         let parts = vec![
             partition(0, Some("a"), Some(1)),
             partition(1, Some("b"), Some(0)),
@@ -1156,25 +1156,7 @@ mod tests {
             partition(4, Some("a"), None),
         ];
         assert_eq!(owned_without_consumer(&parts), vec![1, 2], "owned with 0 consumers; not unowned, not unknown");
-        let mut s = Status {
-            partition_count: 5,
-            members: Vec::new(),
-            no_consumer: owned_without_consumer(&parts),
-            partitions: parts,
-            unowned: vec![3],
-            moving: Vec::new(),
-            stale_owners: BTreeMap::new(),
-            draining_owners: Vec::new(),
-            input_backlog: Some(0),
-            partition_backlog: None,
-            amqp_error: None,
-            amqp_node: None,
-            amqp_nodes: Vec::new(),
-            hot_keys: Vec::new(),
-            redis_primary: "127.0.0.1:6379".into(),
-            deployment_found: true,
-            configured_partitions: None,
-        };
+        let mut s = Status { no_consumer: owned_without_consumer(&parts), unowned: vec![3], ..status_of(parts) };
         let line = |s: &Status| render_status(s).lines().find(|l| l.starts_with("partitions:")).unwrap().to_owned();
         assert!(line(&s).contains("unowned 1, moving 0, owned without a consumer 2;"), "{}", line(&s));
         let json = serde_json::to_value(&s).unwrap();

@@ -195,11 +195,7 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
         attempts.push(present.clone());
     }
     for omit in attempts {
-        let mut without = FieldTable::default();
-        for (k, v) in args.inner().iter().filter(|(k, _)| !omit.contains(&k.as_str())) {
-            without.insert(k.clone(), v.clone());
-        }
-        match declare_queue_once(conn, name, without).await {
+        match declare_queue_once(conn, name, without_args(&args, &omit)).await {
             Ok(()) => {
                 for arg in &omit {
                     match *arg {
@@ -227,11 +223,7 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
     // mismatch to report.
     let mut blocking = None;
     for omit in omissions {
-        let mut variant = FieldTable::default();
-        for (k, v) in with_existing.inner().iter().filter(|(k, _)| !omit.contains(&k.as_str())) {
-            variant.insert(k.clone(), v.clone());
-        }
-        match declare_queue_once(conn, name, variant).await {
+        match declare_queue_once(conn, name, without_args(&with_existing, omit)).await {
             Ok(()) => {
                 warn!(
                     queue = name,
@@ -251,6 +243,15 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
         }
     }
     Err(blocking.unwrap_or(err))
+}
+
+/// `args` without the arguments named in `omit`.
+fn without_args(args: &FieldTable, omit: &[&str]) -> FieldTable {
+    let mut without = FieldTable::default();
+    for (k, v) in args.inner().iter().filter(|(k, _)| !omit.contains(&k.as_str())) {
+        without.insert(k.clone(), v.clone());
+    }
+    without
 }
 
 /// The integer value an existing queue has for `arg`, from RabbitMQ's 406 refusal of a declare
