@@ -165,12 +165,12 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitS
     let started = Instant::now();
     let (ids, refused) = publish_input(&ch, settings, opts, &queue, reply.as_ref().map(|(q, _)| q.as_str())).await?;
     let mut summary = SubmitSummary { requests: ids.len(), ..Default::default() };
-    eprintln!("submit: published {} requests to {queue}", ids.len());
+    crate::report!("submit: published {} requests to {queue}", ids.len());
     if let (Some((name, mut consumer)), Some(out)) = (reply, out.as_mut()) {
         if refused.is_some() && !ids.is_empty() {
             // Their results come to this reply queue, which goes with the connection: waiting for
             // them keeps them from going to the results queue instead.
-            eprintln!("submit: the input stopped at a refused line; waiting for the results of the {} requests published before it", ids.len());
+            crate::report!("submit: the input stopped at a refused line; waiting for the results of the {} requests published before it", ids.len());
         }
         let reply = ReplyQueue { conn: &conn, ch: &ch, name: &name };
         collect_results(&reply, &mut consumer, &ids, opts, out, &mut summary).await?;
@@ -378,7 +378,7 @@ async fn collect_results(
         take_result(&delivery, ids, &mut seen, out, summary).map_err(output_error)?;
         if last_progress.elapsed() >= Duration::from_secs(10) {
             last_progress = Instant::now();
-            eprintln!("submit: {}/{} results", seen.len(), ids.len());
+            crate::report!("submit: {}/{} results", seen.len(), ids.len());
         }
     }
     if summary.interrupted {
@@ -388,7 +388,7 @@ async fn collect_results(
     summary.results = seen.len();
     summary.missing = ids.len() - seen.len();
     if summary.interrupted {
-        eprintln!(
+        crate::report!(
             "submit: interrupted with {} of {} results; the rest will go to the results queue (the reply queue is deleted)",
             seen.len(),
             ids.len()
@@ -456,7 +456,7 @@ async fn rescue_results(
             Err(e) => return Err(e.into()),
         }
     }
-    eprintln!("submit: results kept arriving while the reply queue was being deleted; giving up after 100 rounds");
+    crate::report!("submit: results kept arriving while the reply queue was being deleted; giving up after 100 rounds");
     Ok(())
 }
 
@@ -499,7 +499,7 @@ fn report_missing(ids: &HashSet<String>, seen: &HashSet<String>, when: &str) {
         return;
     }
     missing.sort();
-    eprintln!(
+    crate::report!(
         "submit: {} requests without a result {} (a dead-lettered request never gets one: see the dead-letter queue); first: {:?}",
         missing.len(),
         when,
@@ -659,8 +659,11 @@ pub struct Status {
     /// Owned partitions whose queue has no consumer on the broker: nothing consumes them although
     /// a lease is held (a crashed owner until its lease expires; an owner that restarted under
     /// the same name and waits for its previous process's lease; a handover between release and
-    /// consume). Empty when RabbitMQ could not be asked.
-    pub no_consumer: Vec<u32>,
+    /// consume). `None` (`null` in JSON) when RabbitMQ could not be asked: not known.
+    /// A consumer of another process (a foreign client on the queue, a frozen owner until the
+    /// broker drops its connection) counts as a consumer here; `rabbitmqctl list_consumers`
+    /// shows which one is active.
+    pub no_consumer: Option<Vec<u32>>,
     /// Lease holders that are not live members (name → partitions).
     pub stale_owners: BTreeMap<String, Vec<u32>>,
     /// Those of `stale_owners` that are stopping and draining their partitions (their draining
@@ -789,7 +792,7 @@ pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
     }
     let unowned = partitions.iter().filter(|s| s.owner.is_none()).map(|s| s.partition).collect();
     let moving = partitions.iter().filter(|s| s.note == Some("moving")).map(|s| s.partition).collect();
-    let no_consumer = owned_without_consumer(&partitions);
+    let no_consumer = amqp_error.is_none().then(|| owned_without_consumer(&partitions));
     let partition_backlog =
         if depths.iter().all(Option::is_some) { Some(depths.iter().flatten().map(|d| u64::from(d.0)).sum()) } else { None };
     Ok(Status {
@@ -935,12 +938,15 @@ fn member_status(m: crate::membership::Member) -> MemberStatus {
 /// The members table of [`render_status`], with the lease holders that are not live members.
 fn render_members(out: &mut String, s: &Status) {
     out.push_str(&format!("members ({}):\n", s.members.len()));
-    out.push_str(&format!("  {:<40} {:<14} {:<20} {:>5} {:>8}  {}\n", "name", "nonce", "version", "owns", "desired", "health"));
+    // As wide as the longest version (`0.1.0+<commit>.modified` is 27 characters), so the columns
+    // after it stay aligned.
+    let vw = s.members.iter().filter_map(|m| m.version.as_deref()).map(str::len).max().unwrap_or(0).max(20);
+    out.push_str(&format!("  {:<40} {:<14} {:<vw$} {:>5} {:>8}  {}\n", "name", "nonce", "version", "owns", "desired", "health"));
     for m in &s.members {
         let down = llm_down_note(m);
         let conflict = if m.name_conflict { "  (NAME CONFLICT: another process heartbeats with this instance.name; names must be unique)" } else { "" };
         out.push_str(&format!(
-            "  {:<40} {:<14} {:<20} {:>5} {:>8}  {}{down}{conflict}\n",
+            "  {:<40} {:<14} {:<vw$} {:>5} {:>8}  {}{down}{conflict}\n",
             m.name,
             m.nonce.as_deref().unwrap_or("-"),
             m.version.as_deref().unwrap_or("-"),
@@ -969,7 +975,7 @@ fn render_summary(out: &mut String, s: &Status) {
         stale_owned_note(s),
         s.unowned.len(),
         s.moving.len(),
-        if s.amqp_error.is_some() { "?".to_owned() } else { s.no_consumer.len().to_string() },
+        s.no_consumer.as_ref().map_or("?".to_owned(), |l| l.len().to_string()),
         s.input_backlog.map_or("?".to_owned(), |b| b.to_string()),
         s.partition_backlog.map_or("?".to_owned(), |b| b.to_string()),
     ));
@@ -1114,7 +1120,7 @@ mod tests {
             partitions,
             unowned: Vec::new(),
             moving: Vec::new(),
-            no_consumer: Vec::new(),
+            no_consumer: Some(Vec::new()),
             stale_owners: BTreeMap::new(),
             draining_owners: Vec::new(),
             input_backlog: Some(0),
@@ -1156,13 +1162,28 @@ mod tests {
             partition(4, Some("a"), None),
         ];
         assert_eq!(owned_without_consumer(&parts), vec![1, 2], "owned with 0 consumers; not unowned, not unknown");
-        let mut s = Status { no_consumer: owned_without_consumer(&parts), unowned: vec![3], ..status_of(parts) };
+        let mut s = Status { no_consumer: Some(owned_without_consumer(&parts)), unowned: vec![3], ..status_of(parts) };
         let line = |s: &Status| render_status(s).lines().find(|l| l.starts_with("partitions:")).unwrap().to_owned();
         assert!(line(&s).contains("unowned 1, moving 0, owned without a consumer 2;"), "{}", line(&s));
         let json = serde_json::to_value(&s).unwrap();
         assert_eq!(json["no_consumer"], serde_json::json!([1, 2]));
+        // Without RabbitMQ: unknown, not empty (a check for an empty list must not pass).
         s.amqp_error = Some("connection refused".into());
+        s.no_consumer = None;
         assert!(line(&s).contains("owned without a consumer ?;"), "unknown without RabbitMQ: {}", line(&s));
+        assert_eq!(serde_json::to_value(&s).unwrap()["no_consumer"], serde_json::Value::Null);
+    }
+
+    /// A build from a modified checkout (`….modified`, 27 characters) keeps the members table's
+    /// columns aligned.
+    #[test]
+    fn a_long_version_keeps_the_members_table_aligned() {
+        let member = |name: &str, version: &str| MemberStatus { name: name.into(), nonce: Some("807219e30b85".into()), version: Some(version.into()), owned: 4, desired: 4, llm_down: false, name_conflict: false, health: Some("ready".into()) };
+        let s = Status { members: vec![member("a", "0.1.0+2a836be9f629"), member("b", "0.1.0+2a836be9f629.modified")], ..status_of(Vec::new()) };
+        let out = render_status(&s);
+        let cols: Vec<usize> = out.lines().filter(|l| l.starts_with("  name") || l.starts_with("  a ") || l.starts_with("  b ")).map(|l| l.find("ready").or_else(|| l.find("health")).unwrap()).collect();
+        assert_eq!(cols.len(), 3, "{out}");
+        assert!(cols.iter().all(|c| *c == cols[0]), "health column at {cols:?}:\n{out}");
     }
 
     #[test]

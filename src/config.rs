@@ -1019,6 +1019,22 @@ fn name(key: &'static str, v: &str) -> Result<String, ConfigError> {
     Ok(v.to_owned())
 }
 
+/// `redis.key_prefix`: a [`name`] without Redis glob characters (`*`, `?`, `[`, `]`, `\`). The
+/// documented way to find or delete a deployment's keys is a `SCAN` with the pattern
+/// `<prefix>:*` (<https://redis.io/docs/latest/commands/keys/>), and in a prefix these characters
+/// would match other deployments' keys.
+fn key_prefix(v: &str) -> Result<String, ConfigError> {
+    let v = name("redis.key_prefix", v)?;
+    if v.contains(['*', '?', '[', ']', '\\']) {
+        return Err(invalid(
+            "redis.key_prefix",
+            format!("{v:?}"),
+            "must not contain the Redis glob characters * ? [ ] \\ (the pattern <prefix>:* that finds a deployment's keys would match other deployments' keys)",
+        ));
+    }
+    Ok(v)
+}
+
 fn secret_url(key: &'static str, v: &str, schemes: &[&str]) -> Result<SecretUrl, ConfigError> {
     let u = Url::parse(v).map_err(|e| {
         invalid(key, redact_str(v), format!("must be a URL such as {}://host:port (scheme one of {}; percent-encode '/', '#', '@' (and ',' in a list set by an environment variable) in passwords; {e})", schemes[0], schemes.join(", ")))
@@ -1532,7 +1548,7 @@ fn only_with_tls(keys: TlsKeys, [ca, cert, key]: [&str; 3], uses_tls: bool, why:
 fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
     Ok(RedisSettings {
         url: secret_url("redis.url", &r.url, REDIS_SCHEMES)?,
-        key_prefix: name("redis.key_prefix", &r.key_prefix)?,
+        key_prefix: key_prefix(&r.key_prefix)?,
         command_timeout: positive_duration("redis.command_timeout", &r.command_timeout)?,
         tls: tls_files(REDIS_TLS, [&r.tls_ca_file, &r.tls_cert_file, &r.tls_key_file])?,
         sentinel: sentinel(r)?,
@@ -1971,6 +1987,21 @@ mod tests {
             change(&mut r);
             assert_ne!(ok(&r).routing_fingerprint(), base);
         }
+    }
+
+    /// A key prefix with a Redis glob character is refused, naming the key and the value: the
+    /// documented `<prefix>:*` scan would match other deployments' keys. A `:` stays allowed.
+    #[test]
+    fn a_key_prefix_with_glob_characters_is_refused() {
+        for bad in ["pb*", "pb?", "pb[1]", "p\\b"] {
+            let mut r = RawConfig::default();
+            r.redis.key_prefix = bad.into();
+            let e = err(&r);
+            assert!(e.contains("redis.key_prefix") && e.contains("glob characters"), "{bad}: {e}");
+        }
+        let mut r = RawConfig::default();
+        r.redis.key_prefix = "team-a:prefix-batcher".into();
+        assert_eq!(ok(&r).redis.key_prefix, "team-a:prefix-batcher");
     }
 
     #[test]

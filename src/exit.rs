@@ -30,3 +30,14 @@ pub const EX_NOPERM: u8 = 77;
 pub const EX_IOERR: u8 = 74;
 /// A bad configuration, or a deployment that does not match it (`EX_CONFIG`, sysexits.h).
 pub const EX_CONFIG: u8 = 78;
+
+/// `eprintln!` that never panics: a message to a standard error that cannot be written (a full
+/// disk behind `2>file`, a closed journal socket) is dropped, so the process still ends with the
+/// exit code the message explains (78 for a bad configuration) instead of a panic's 101.
+#[macro_export]
+macro_rules! report {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}

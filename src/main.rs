@@ -140,7 +140,7 @@ struct Loaded {
 fn load(path: Option<&Path>, log_format: Option<&str>) -> Result<Loaded, ExitCode> {
     let loaded = config::load_raw(path).and_then(|raw| Ok(Loaded { settings: Settings::from_raw(&raw)?, raw }));
     let mut loaded = loaded.map_err(|e| {
-        eprintln!("prefix-batcher: {e}");
+        prefix_batcher::report!("prefix-batcher: {e}");
         ExitCode::from(exit::EX_CONFIG)
     })?;
     if let Some(f) = log_format {
@@ -211,7 +211,7 @@ fn main() -> ExitCode {
     match runtime {
         Ok(rt) => rt.block_on(async_main()),
         Err(e) => {
-            eprintln!("prefix-batcher: cannot start the async runtime: {e}");
+            prefix_batcher::report!("prefix-batcher: cannot start the async runtime: {e}");
             ExitCode::from(exit::EX_SOFTWARE)
         }
     }
@@ -225,7 +225,7 @@ async fn async_main() -> ExitCode {
             // would otherwise silence the daemon.
             if let Some(v) = std::env::var("RUST_LOG").ok().filter(|v| !v.is_empty()) {
                 if let Err(rule) = config::check_log_filter(&v) {
-                    eprintln!("prefix-batcher: RUST_LOG = {v:?}: {rule}");
+                    prefix_batcher::report!("prefix-batcher: RUST_LOG = {v:?}: {rule}");
                     return ExitCode::from(exit::EX_CONFIG);
                 }
             }
@@ -316,11 +316,11 @@ async fn run(settings: Settings) -> ExitCode {
 async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
     match client::submit(settings, opts).await {
         Ok(summary) => {
-            eprintln!("{}", serde_json::to_string(&summary).expect("summary serializes"));
+            prefix_batcher::report!("{}", serde_json::to_string(&summary).expect("summary serializes"));
             ExitCode::from(if summary.missing > 0 { exit::EX_MISSING_RESULTS } else { exit::EX_OK })
         }
         Err(e) => {
-            eprintln!("prefix-batcher submit: {}", client::error_text(&e));
+            prefix_batcher::report!("prefix-batcher submit: {}", client::error_text(&e));
             ExitCode::from(exit::EX_FAILURE)
         }
     }
@@ -337,7 +337,7 @@ fn write_stdout(text: &str) -> Option<ExitCode> {
         Ok(()) => None,
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => None,
         Err(e) => {
-            eprintln!("prefix-batcher: cannot write to stdout: {e}");
+            prefix_batcher::report!("prefix-batcher: cannot write to stdout: {e}");
             Some(ExitCode::from(exit::EX_IOERR))
         }
     }
@@ -348,7 +348,7 @@ async fn status(settings: &Settings, json: bool) -> ExitCode {
     let s = match client::status(settings).await {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("prefix-batcher status: {}", client::error_text(e.as_ref()));
+            prefix_batcher::report!("prefix-batcher status: {}", client::error_text(e.as_ref()));
             return ExitCode::from(exit::EX_FAILURE);
         }
     };

@@ -217,6 +217,15 @@ fn load_at(keys: TlsKeys, ca_file: &str, cert_file: &str, key_file: &str, now: i
                 rustls::ClientConfig::builder().with_root_certificates(rustls::RootCertStore::empty()).with_client_auth_cert(chain, key.clone_key())
             };
             if let Err(e) = fits(chain.clone()) {
+                // An X.509 v1 certificate (`openssl x509 -req` without extensions makes one):
+                // webpki refuses it whatever the key, so "does not fit" would mislead.
+                if e.to_string().contains("UnsupportedCertVersion") {
+                    return Err(file_error(
+                        keys.cert_file,
+                        cert_file,
+                        "holds an X.509 version 1 certificate, which TLS here (rustls and webpki) refuses: only version 3 is accepted; issue it with extensions, which makes it version 3 (e.g. `openssl x509 -req … -extfile` with `basicConstraints=CA:FALSE`)".to_owned(),
+                    ));
+                }
                 // A chain written in the wrong order (an intermediate first): the key fits a later
                 // certificate of the file, and the order is what to fix.
                 let fitting = (1..chain.len()).find(|&i| fits(vec![chain[i].clone()]).is_ok());
@@ -401,6 +410,17 @@ mod tests {
         let e = load(KEYS, "", &cert_a, &key_text).unwrap_err();
         assert!(!format!("{e:?}").contains("BEGIN") && !format!("{e:?}").contains(&body[..20]), "{e:?}");
         assert!(e.value.contains("not a path"), "{e:?}");
+
+        // Observed: a version 1 certificate (`openssl x509 -req` without -extfile) was reported
+        // as a key that does not fit it; the message now names the version.
+        let csr = dir.join("v1.csr");
+        let out = std::process::Command::new("openssl").args(["req", "-new", "-subj", "/CN=v1", "-key"]).arg(&key_a).arg("-out").arg(&csr).output().expect("openssl");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v1 = dir.join("v1.pem");
+        let out = std::process::Command::new("openssl").args(["x509", "-req", "-days", "1", "-in"]).arg(&csr).arg("-signkey").arg(&key_a).arg("-out").arg(&v1).output().expect("openssl");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let e = load(KEYS, "", &v1.to_string_lossy(), &key_a).unwrap_err();
+        assert!(e.key == "redis.tls_cert_file" && e.rule.contains("version 1"), "{e:?}");
 
         let garbage = write(&dir, "garbage.pem", "-----BEGIN CERTIFICATE-----\nAAAAAAAA\n-----END CERTIFICATE-----\n");
         let e = load(KEYS, &garbage, "", "").unwrap_err();

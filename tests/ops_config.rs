@@ -311,7 +311,8 @@ fn check_config_refuses_a_hold_past_the_consumer_timeout() {
 /// `check-config | head -1`: a reader that stops reading is not an error. The pipe's read end is
 /// closed before the command starts, so every write meets `EPIPE` (before, `println!` panicked:
 /// exit 101, "failed printing to stdout: Broken pipe"). A full disk behind a redirect is an
-/// error: exit 74 (`EX_IOERR`) with the system's reason.
+/// error: exit 74 (`EX_IOERR`) with the system's reason, and a refused configuration whose
+/// message cannot be written exits 78 all the same.
 #[test]
 fn check_config_into_a_closed_pipe_exits_0_and_into_a_full_disk_74() {
     let (reader, writer) = std::io::pipe().expect("pipe");
@@ -325,5 +326,10 @@ fn check_config_into_a_closed_pipe_exits_0_and_into_a_full_disk_74() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(74), "/dev/full: {err}");
         assert!(err.contains("cannot write to stdout") && !err.contains("panicked"), "/dev/full: {err}");
+        // A refused configuration with a standard error that cannot be written still exits 78
+        // (eprintln! panicked: 101, which systemd's RestartPreventExitStatus=78 would restart).
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let out = bin_command().arg("check-config").env("PREFIX_BATCHER__AMQP__PARTITIONS", "0").stderr(full).output().expect("run check-config");
+        assert_eq!(out.status.code(), Some(78), "a refused configuration with stderr on /dev/full");
     }
 }
