@@ -150,7 +150,7 @@ pub struct Ownership {
 /// `ready; redis client certificate expires in 6 days`. Between the two, when the broker does
 /// not take its results or forwards (`held`: `(results, forwards)` held now,
 /// [`metrics::held_publishes`]): `3 results held: the broker does not take them`.
-pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], held: (u64, u64), client_certificates: &[(&str, i64)], now: i64) -> String {
+pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], held: (u64, u64), other_consumer: &[u32], client_certificates: &[(&str, i64)], now: i64) -> String {
     let mut line = readiness.to_string();
     let down: Vec<String> =
         endpoints.iter().filter(|(_, s)| *s != BreakerState::Closed).map(|(name, s)| format!("{name} ({})", s.as_str())).collect();
@@ -161,6 +161,13 @@ pub fn health_line(readiness: &ReadyState, endpoints: &[(&str, BreakerState)], h
     let held: Vec<String> = [counted(held.0, "result"), counted(held.1, "forward")].into_iter().flatten().collect();
     if !held.is_empty() {
         line.push_str(&format!("; {} held: the broker does not take them", held.join(" and ")));
+    }
+    if !other_consumer.is_empty() {
+        let list: Vec<String> = other_consumer.iter().map(u32::to_string).collect();
+        line.push_str(&format!(
+            "; another consumer is active on the queue of partition {}: another deployment with the same queue names or a stray client (rabbitmqctl list_consumers)",
+            list.join(", ")
+        ));
     }
     for note in client_certificates.iter().filter_map(|(link, at)| crate::tls::expiry_note(link, *at, now)) {
         line.push_str("; ");
@@ -331,7 +338,8 @@ impl Ownership {
             .filter_map(|i| Some((self.llm.endpoint_name(i)?, self.llm.breaker_state(i)?)))
             .collect();
         let held = metrics::held_publishes();
-        self.membership.set_health(&with_version(&health_line(&self.readiness.state(), &endpoints, held, &self.client_certificates, crate::tls::unix_now())));
+        let others = crate::partition::other_consumer_partitions(2 * crate::partition::stall_window(&self.settings));
+        self.membership.set_health(&with_version(&health_line(&self.readiness.state(), &endpoints, held, &others, &self.client_certificates, crate::tls::unix_now())));
         let flags = crate::membership::LlmFlags { down: llm_down, unavailable: self.llm.all_down_for().is_some() };
         let beat = match self.membership.heartbeat_flagging(flags, conflict).await {
             Ok(b) => b,
@@ -712,34 +720,40 @@ mod tests {
         let readiness = Readiness::new();
         readiness.set(NotReady::Starting, false);
         let all_up = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Closed)];
-        assert_eq!(health_line(&readiness.state(), &all_up, (0, 0), &[], 0), "ready");
+        assert_eq!(health_line(&readiness.state(), &all_up, (0, 0), &[], &[], 0), "ready");
         let published = with_version("ready; 1 of 2 LLM endpoints down: x (open)");
         assert_eq!(split_version(&published), (Some(crate::VERSION), "ready; 1 of 2 LLM endpoints down: x (open)"));
         assert_eq!(split_version("ready"), (None, "ready"), "an instance that publishes no version");
         assert_eq!(split_version("version of what; ready"), (None, "version of what; ready"));
         let one_down = [("http://a:8000/v1", BreakerState::Closed), ("http://b:8000/v1", BreakerState::Open)];
-        assert_eq!(health_line(&readiness.state(), &one_down, (0, 0), &[], 0), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
+        assert_eq!(health_line(&readiness.state(), &one_down, (0, 0), &[], &[], 0), "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open)");
         readiness.set(NotReady::LlmUnavailable, true);
         readiness.set_connection_blocked("publish", true);
         let all_down = [("http://a:8000/v1", BreakerState::HalfOpen), ("http://b:8000/v1", BreakerState::Open)];
         assert_eq!(
-            health_line(&readiness.state(), &all_down, (0, 0), &[], 0),
+            health_line(&readiness.state(), &all_down, (0, 0), &[], &[], 0),
             "not ready: llm endpoints unavailable, amqp connection blocked; 2 of 2 LLM endpoints down: http://a:8000/v1 (half_open), http://b:8000/v1 (open)"
         );
         // Client certificates: a note for each one within 14 days of its expiry, none for others.
         let now = 1_800_000_000;
         let certificates = [("amqp", now + 6 * 86_400 + 60), ("redis", now + 30 * 86_400), ("llm", now - 3_600)];
         assert_eq!(
-            health_line(&readiness.state(), &all_up, (0, 0), &certificates, now),
+            health_line(&readiness.state(), &all_up, (0, 0), &[], &certificates, now),
             "not ready: llm endpoints unavailable, amqp connection blocked; amqp client certificate expires in 6 days; llm client certificate expired 1 hour ago"
         );
         // Results and forwards the broker does not take.
         readiness.set(NotReady::LlmUnavailable, false);
         readiness.set_connection_blocked("publish", false);
-        assert_eq!(health_line(&readiness.state(), &all_up, (3, 0), &[], now), "ready; 3 results held: the broker does not take them");
+        assert_eq!(health_line(&readiness.state(), &all_up, (3, 0), &[], &[], now), "ready; 3 results held: the broker does not take them");
         assert_eq!(
-            health_line(&readiness.state(), &one_down, (1, 2), &[], now),
+            health_line(&readiness.state(), &one_down, (1, 2), &[], &[], now),
             "ready; 1 of 2 LLM endpoints down: http://b:8000/v1 (open); 1 result and 2 forwards held: the broker does not take them"
+        );
+        // Observed: a stray consumer active on an owned partition's queue; `status` counted it as
+        // the owner's consumer and nothing said otherwise. The owner's finding is in its line.
+        assert_eq!(
+            health_line(&readiness.state(), &all_up, (0, 0), &[3, 5], &[], now),
+            "ready; another consumer is active on the queue of partition 3, 5: another deployment with the same queue names or a stray client (rabbitmqctl list_consumers)"
         );
     }
 }

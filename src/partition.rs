@@ -787,6 +787,28 @@ pub fn stall_window(settings: &Settings) -> Duration {
     Duration::from_secs(2 * heartbeat + 10).max(Duration::from_secs(30))
 }
 
+/// Partitions of this process whose queue another consumer was found active on, with when it
+/// was last found ([`other_consumer_partitions`]).
+static OTHER_CONSUMER: Mutex<BTreeMap<u32, std::time::Instant>> = Mutex::new(BTreeMap::new());
+
+/// Records that another consumer is active on partition `p`'s queue (counted in
+/// `prefix_batcher_partition_other_consumer_total` too).
+fn note_other_consumer(p: u32) {
+    metrics::partition_other_consumer();
+    OTHER_CONSUMER.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert(p, std::time::Instant::now());
+}
+
+/// The partitions, sorted, whose queue this process found another consumer active on within
+/// the last `within` (2 × [`stall_window`] in the member's health line, so a finding that is
+/// not repeated, because the other consumer left or the partition moved, ages out). Its
+/// owner receives nothing from such a queue while `status` counts the other consumer as its.
+pub fn other_consumer_partitions(within: Duration) -> Vec<u32> {
+    let now = std::time::Instant::now();
+    let mut found = OTHER_CONSUMER.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    found.retain(|_, at| now.duration_since(*at) <= within);
+    found.keys().copied().collect()
+}
+
 /// What [`stall_verdict`] concludes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Stall {
@@ -840,7 +862,7 @@ fn check_stall(ctx: &PartitionContext, held: &HeldDeliveries, idle_since: &mut I
             if let Some(at) = oldest_unreceived_forward(&queue).filter(|at| now.saturating_duration_since((*at).max(*idle_since)) >= window) {
                 forwards_received(&queue);
                 warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, waited_s = now.duration_since(at).as_secs_f64(), "this instance owns the partition, but a request routed to its queue went to another consumer: another deployment with the same queue names (another redis.url or redis.key_prefix), or a stray client, is the queue's active consumer (rabbitmqctl list_consumers shows it), unless the queue was purged");
-                metrics::partition_other_consumer();
+                note_other_consumer(ctx.partition);
             }
         }
         Stall::Starved { ready } => {
@@ -850,7 +872,7 @@ fn check_stall(ctx: &PartitionContext, held: &HeldDeliveries, idle_since: &mut I
                 warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, ready, idle_s, "the partition consumer received nothing while its queue held ready requests; restarting it (the broker returns whatever it counted as delivered to it)");
             } else {
                 warn!(partition = ctx.partition, epoch = ctx.epoch, queue = %queue, ready, idle_s, restarts = in_a_row - 1, "this instance owns the partition but still receives nothing after restarting its consumer: most likely another consumer is active on its queue (another deployment with the same queue names, or a stray client; rabbitmqctl list_consumers shows it); restarting again");
-                metrics::partition_other_consumer();
+                note_other_consumer(ctx.partition);
             }
             end.raise(restart::STALLED);
         }

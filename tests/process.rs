@@ -822,6 +822,21 @@ async fn a_stray_consumer_that_drains_owned_partition_queues_is_reported() {
     assert!(metrics.lines().any(|l| l.starts_with("prefix_batcher_partition_other_consumer_total ") && !l.ends_with(" 0")), "the counter counts it");
     // An owned partition whose intake runs exports 0, not nothing, from its session's start.
     assert!(metrics.lines().any(|l| l == "prefix_batcher_intake_paused{partition=\"0\"} 0"), "intake_paused of an owned partition:\n{metrics}");
+    // `status` counts the stray consumer as the owner's (1 consumer, none missing); the owner's
+    // health line, published with its next heartbeat, says what it found.
+    let config = write_config(&env, "status", &raw);
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let c = config.clone();
+        let out = tokio::task::spawn_blocking(move || bin_command().arg("--config").arg(&c).args(["status", "--json"]).output().expect("run status")).await.unwrap();
+        let status: serde_json::Value = serde_json::from_slice(&out.stdout).expect("status --json is JSON");
+        let health = status["members"][0]["health"].as_str().unwrap_or_default().to_owned();
+        if health.contains("another consumer is active on the queue of partition") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "status never showed the other consumer: {status}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert!(started.results.received.is_empty(), "the owner received nothing while the stray consumer was active");
     drop(taken);
     stray.close().await;
