@@ -496,7 +496,6 @@ impl App {
             if failure.amqp_failed() {
                 node = crate::amqp::next_node(node, amqp.nodes.len());
             }
-            // The log gives the wait that follows: the backoff with its jitter.
             let wait = jitter(backoff);
             self.log_session_end(refused.as_deref(), &failure, wait, failed_node, node);
             tokio::select! {
@@ -508,43 +507,43 @@ impl App {
         Ok(())
     }
 
-    /// Logs why a session ended and when the next one starts (after `backoff`, jitter included;
-    /// on broker node `node` after `failed_node`): at ERROR for what lasts until an operator acts (a refused login or
-    /// access, a connection limit, queues that no longer match, a queue limit), else at WARN
-    /// with what the broker said.
-    fn log_session_end(&self, refused: Option<&str>, failure: &SessionError, backoff: Duration, failed_node: usize, node: usize) {
+    /// Logs why a session ended and when the next one starts (after `wait`, the backoff with its
+    /// jitter, on broker node `node` after `failed_node`): at ERROR for what lasts until an
+    /// operator acts (a refused login or access, a connection limit, queues that no longer
+    /// match, a queue limit), else at WARN with what the broker said.
+    fn log_session_end(&self, refused: Option<&str>, failure: &SessionError, wait: Duration, failed_node: usize, node: usize) {
         let amqp = &self.settings.amqp;
         match (refused, failure) {
             (None, f) if f.connection_limit().is_some() => {
                 let why = f.connection_limit().unwrap_or_default();
-                error!(retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}")
+                error!(retry_in = ?wait, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}")
             }
-            (Some(why), _) => error!(error = %failure, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
+            (Some(why), _) => error!(error = %failure, retry_in = ?wait, failed_node, next_node = node, nodes = amqp.nodes.len(), "{why}; reconnecting"),
             (None, SessionError::Topology(e)) if e.is_config_error() => error!(
                 error = %e,
-                retry_in = ?backoff,
+                retry_in = ?wait,
                 "the broker's queues no longer match the configuration (changed under the running daemon); not serving until they do: \
                  delete the queue named so the daemon declares it again, or change the configuration and restart"
             ),
             // It lasts until an operator raises the limit or deletes queues.
-            (None, SessionError::Topology(e @ TopologyError::QueueLimit { .. })) => error!(error = %e, retry_in = ?backoff, "not serving until a queue can be declared; retrying"),
+            (None, SessionError::Topology(e @ TopologyError::QueueLimit { .. })) => error!(error = %e, retry_in = ?wait, "not serving until a queue can be declared; retrying"),
             // Permissions changed under the running daemon: they last until an operator acts.
             (None, SessionError::Topology(TopologyError::Amqp(e))) if crate::amqp::reply_code(e) == Some(crate::amqp::ACCESS_REFUSED) => error!(
                 error = %e,
-                retry_in = ?backoff,
+                retry_in = ?wait,
                 "the broker refused the daemon's user access to one of its queues or exchanges (403 ACCESS_REFUSED): \
                  check the user's configure, write and read permissions on the vhost (rabbitmqctl list_user_permissions); retrying"
             ),
             // Before any AMQP connection: the broker is not the one at fault.
             (None, SessionError::Redis(crate::lease::ConnectError::Sentinels { .. })) => {
-                warn!(error = %failure, retry_in = ?backoff, "cannot learn the Redis primary from the sentinels (redis.sentinels); retrying")
+                warn!(error = %failure, retry_in = ?wait, "cannot learn the Redis primary from the sentinels (redis.sentinels); retrying")
             }
             (None, SessionError::Redis(_)) if self.settings.redis.sentinel.is_some() => {
-                warn!(error = %failure, retry_in = ?backoff, "cannot connect to the Redis primary that the sentinels name (redis.sentinels; credentials of redis.url); retrying")
+                warn!(error = %failure, retry_in = ?wait, "cannot connect to the Redis primary that the sentinels name (redis.sentinels; credentials of redis.url); retrying")
             }
             (None, SessionError::Redis(_)) => {
                 let hint = crate::tls::plain_port_hint(&failure.to_string());
-                warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?backoff, hint, "cannot connect to Redis (redis.url); retrying")
+                warn!(error = %failure, url = %self.settings.redis.url, retry_in = ?wait, hint, "cannot connect to Redis (redis.url); retrying")
             }
             (None, _) => {
                 // What the broker said, when it closed a connection: the error above is often
@@ -556,7 +555,7 @@ impl App {
                 };
                 let (broker_said, client_found) = (said(true), said(false));
                 let hint = crate::tls::plain_port_hint(&failure.to_string());
-                warn!(error = %failure, broker_said, client_found, retry_in = ?backoff, failed_node, next_node = node, nodes = amqp.nodes.len(), hint, "session ended; reconnecting")
+                warn!(error = %failure, broker_said, client_found, retry_in = ?wait, failed_node, next_node = node, nodes = amqp.nodes.len(), hint, "session ended; reconnecting")
             }
         }
     }

@@ -200,10 +200,7 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
                 // Each warning once per queue and process: every session's declare meets the
                 // queue again (one line per queue per reconnect otherwise).
                 for arg in omit.iter().filter(|a| warned_once(name, a)) {
-                    match *arg {
-                        DELIVERY_LIMIT_ARG => warn!(queue = name, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit"),
-                        _ => warn!(queue = name, argument = *arg, "queue was declared without this argument; accepted as it is (the argument only sizes a new queue; `rabbitmq-queues grow` adds replicas)"),
-                    }
+                    warn_omitted(name, arg);
                 }
                 return Ok(());
             }
@@ -235,8 +232,8 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
                         "queue has another x-quorum-initial-group-size than configured (amqp.quorum_initial_group_size); accepted as it is: the argument only sizes a new queue (`rabbitmq-queues grow` and `shrink` change an existing queue's replicas)"
                     );
                 }
-                if !omit.is_empty() && warned_once(name, DELIVERY_LIMIT_ARG) {
-                    warn!(queue = name, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit");
+                for arg in omit.iter().filter(|a| warned_once(name, a)) {
+                    warn_omitted(name, arg);
                 }
                 return Ok(());
             }
@@ -249,12 +246,19 @@ async fn declare_queue(conn: &Connection, name: &str, args: FieldTable) -> Resul
     Err(blocking.unwrap_or(err))
 }
 
+/// Warns that `queue` was accepted although it lacks `argument` ([`LATER_ARGS`]).
+fn warn_omitted(queue: &str, argument: &str) {
+    match argument {
+        DELIVERY_LIMIT_ARG => warn!(queue, "queue was declared without x-delivery-limit; the broker's delivery-limit backstop is off unless a policy sets delivery-limit"),
+        _ => warn!(queue, argument, "queue was declared without this argument; accepted as it is (the argument only sizes a new queue; `rabbitmq-queues grow` adds replicas)"),
+    }
+}
+
 /// True the first time it is called for `queue` and `argument` in this process: a warning about
 /// a queue's argument that each session's declare would repeat is logged once.
 fn warned_once(queue: &str, argument: &str) -> bool {
-    static WARNED: std::sync::Mutex<Option<std::collections::HashSet<(String, String)>>> = std::sync::Mutex::new(None);
-    let mut warned = WARNED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    warned.get_or_insert_with(Default::default).insert((queue.to_owned(), argument.to_owned()))
+    static WARNED: std::sync::Mutex<std::collections::BTreeSet<(String, String)>> = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    WARNED.lock().unwrap_or_else(std::sync::PoisonError::into_inner).insert((queue.to_owned(), argument.to_owned()))
 }
 
 /// `args` without the arguments named in `omit`.
