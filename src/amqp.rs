@@ -136,6 +136,21 @@ pub async fn within<T>(limit: Duration, what: &str, rpc: impl std::future::Futur
     }
 }
 
+/// The outcome of an ack or nack (`Acker::ack`, `Acker::nack`): lapin 4 answers `Ok(false)`
+/// without sending anything when the delivery's channel is closed or the acker was used before
+/// (`Acker::rpc`); that is an error here (`NotConnected`), since the broker returns such a
+/// delivery with the channel instead of taking the settlement.
+pub fn settled(r: lapin::Result<bool>) -> lapin::Result<()> {
+    match r {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(lapin::Error::from(std::io::Error::new(
+            std::io::ErrorKind::NotConnected,
+            "not sent: the delivery's channel is closed (or it was settled before); the broker returns it",
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
 /// How long closing a channel or a connection waits for the broker's close-ok: 5 s. A live
 /// broker answers a close at once (it requeues the channel's unacked deliveries as it does); a
 /// close is often sent because the connection is already in doubt, and the work after it
@@ -378,8 +393,9 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error>
 ///
 /// A `basic.return` carries no delivery tag (AMQP 0-9-1,
 /// <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin hands a returned
-/// message to the next confirm it completes on the channel, which can be another publish's;
-/// [`crate::publisher::publish_confirmed`] recognises that and places the message again.
+/// message to the next confirm it completes on the channel, which can be another publish's. One
+/// task per channel takes every confirm in the order lapin completes them and hands such a return
+/// to its own publish ([`crate::publisher::publish_confirmed`]).
 ///
 /// One shared channel instead of one channel per publish in flight: the broker acks a busy
 /// channel's publishes with one `multiple` ack for many, and fewer frames and wake-ups cost less
@@ -388,6 +404,9 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error>
 pub struct ConfirmChannel {
     ch: Channel,
     order: Arc<PublishOrder>,
+    /// The inbox of the channel's confirm collector, started by its first publish
+    /// ([`crate::publisher::publish_confirmed`]); the collector ends when every handle is gone.
+    confirms: Arc<std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<crate::publisher::Watch>>>,
 }
 
 /// The numbering and settlement state of a [`ConfirmChannel`]'s publishes.
@@ -414,7 +433,16 @@ impl ConfirmChannel {
     /// Wraps `ch`, which must be in confirm mode ([`confirm_channel`]) and must not be published
     /// on except through this wrapper.
     pub fn new(ch: Channel) -> ConfirmChannel {
-        ConfirmChannel { ch, order: Arc::new(PublishOrder::default()) }
+        ConfirmChannel { ch, order: Arc::new(PublishOrder::default()), confirms: Arc::default() }
+    }
+
+    /// The inbox of this channel's confirm collector; `start` starts the collector and gives its
+    /// inbox, on the first call only.
+    pub(crate) fn confirms(
+        &self,
+        start: impl FnOnce() -> tokio::sync::mpsc::UnboundedSender<crate::publisher::Watch>,
+    ) -> &tokio::sync::mpsc::UnboundedSender<crate::publisher::Watch> {
+        self.confirms.get_or_init(start)
     }
 
     /// A new confirm-mode channel on `conn` ([`confirm_channel`]), wrapped.

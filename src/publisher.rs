@@ -130,22 +130,26 @@ struct OwnPublish {
 /// [`PublishError::AfterFailed`]).
 ///
 /// **Returns on a shared channel.** A `basic.return` names no delivery tag (AMQP 0-9-1
-/// §1.8.3.9), and lapin hands a returned message to the next confirm it completes on the
-/// channel. When the broker acks several publishes with one `multiple` ack, lapin completes
-/// their confirms in hash-map order, so the return can reach another publish's confirm. A
-/// return is therefore compared with this publish ([`is_own_return`]: exchange, routing key,
-/// `message_id`, body):
-/// - its own makes this publish [`PublishError::Unroutable`];
-/// - another publish's is placed again ([`place_returned`], on a channel of its own) before this
-///   call returns, and this publish's own outcome is the confirm's.
+/// §1.8.3.9), and lapin 4 hands a returned message to the next confirm it completes on the
+/// channel (`Acknowledgements::complete_pending`). When the broker acks several publishes with
+/// one `multiple` ack, lapin completes their confirms in hash-map order; and an earlier publish's
+/// ack can come between a return and the returned publish's own ack. Either way the return can
+/// reach another publish's confirm, which lapin always completes before (or together with) the
+/// returned publish's own. So every confirm of a channel goes to one task, the channel's
+/// collector ([`collect_confirms`]), which decides no publish before it has taken every confirm
+/// completed by then, and compares each return with what the publishes waiting for their
+/// confirm sent ([`is_own_return`]: exchange, routing key, `message_id`, body):
+/// - this publish's own return makes it [`PublishError::Unroutable`];
+/// - another waiting publish's return is handed to that publish, which lapin completes later
+///   (or has completed in the same ack): it is reported [`PublishError::Unroutable`] to its own
+///   caller, whatever its confirm says;
+/// - a return that matches no waiting publish (its publish was given up after
+///   `amqp.confirm_timeout`, so its caller publishes it again or requeues it) is placed again
+///   ([`place_returned`]): at worst a duplicate.
 ///
-/// Each return reaches exactly one confirm, so every returned message is either reported to its
-/// own publisher or placed again by the one that received it. For that, the publish and its
-/// confirm run in a task of their own, which outlives this call when the call gives up
-/// (`amqp.confirm_timeout`, or the caller is dropped): a confirm that comes later may still
-/// carry another publish's return, and dropping it would leave that message with lapin, lost,
-/// since its own publisher was told it was delivered. The task waits for such a late confirm
-/// at most `LATE_CONFIRM_WAIT_FACTOR` × `amqp.confirm_timeout` (at least
+/// The collector keeps waiting for a confirm after its caller gave up (`amqp.confirm_timeout`,
+/// or the caller was dropped): a confirm that comes later may still carry another publish's
+/// return. It waits at most `LATE_CONFIRM_WAIT_FACTOR` × `amqp.confirm_timeout` (at least
 /// `LATE_CONFIRM_MIN_WAIT`); a closed channel ends the wait at once. `conn` opens the channel
 /// of a placement, and declares a missing destination again.
 pub async fn publish_confirmed(
@@ -167,37 +171,22 @@ pub async fn publish_confirmed(
     let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
     let (ticket, sent) = ch.send(exchange, routing_key, options, own.body.clone(), props).await;
     let (tx, mut rx) = tokio::sync::oneshot::channel();
-    let (task_conn, task_amqp) = (conn.clone(), amqp.clone());
-    tokio::spawn(async move {
-        let wait = (task_amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
-        let publish = async { sent.await?.await };
-        let outcome = match await_unless_blocked(wait, || is_blocked(&task_conn), publish).await {
-            None => Err(PublishError::Timeout(wait)),
-            Some(Err(e)) => Err(PublishError::Amqp(e)),
-            Some(Ok(confirm)) => {
-                let nacked = confirm.is_nack();
-                let own_returned = match confirm.take_message() {
-                    None => false,
-                    Some(m) if is_own_return(&m, &own.exchange, &own.routing_key, own.message_id.as_ref(), &own.body) => true,
-                    Some(other) => {
-                        place_returned_in_task(task_conn.clone(), task_amqp.clone(), other).await;
-                        false
-                    }
-                };
-                if nacked {
-                    Err(PublishError::Nacked)
-                } else if own_returned {
-                    Err(PublishError::Unroutable { exchange: own.exchange.clone(), routing_key: own.routing_key.clone() })
-                } else {
-                    Ok(())
-                }
-            }
-        };
-        let _ = tx.send(outcome);
+    let inbox = ch.confirms(|| {
+        let (inbox, watches) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(collect_confirms(watches, conn.clone(), amqp.clone()));
+        inbox
     });
+    // Sent before the broker can have answered this publish (its frames were queued just now):
+    // the collector takes its inbox before any confirm, so a return of this publish that reaches
+    // an earlier confirm finds it waiting.
+    if inbox.send(Watch { own, sent, outcome: tx }).is_err() {
+        // The collector is gone (it panicked): the publish's fate is unknown.
+        drop(ticket);
+        return Err(PublishError::Timeout(timeout));
+    }
     let outcome = match await_unless_blocked(timeout, || is_blocked(conn), &mut rx).await {
         Some(Ok(outcome)) => outcome,
-        // The task ended without an outcome: it panicked.
+        // The collector ended without an outcome: it panicked.
         Some(Err(_)) => Err(PublishError::Timeout(timeout)),
         None => {
             // Closed first, so that an outcome sent just now is read here, not lost.
@@ -211,6 +200,133 @@ pub async fn publish_confirmed(
         Earlier::AllDelivered => outcome,
         Earlier::OneFailed | Earlier::Unsettled => outcome.and(Err(PublishError::AfterFailed)),
     }
+}
+
+/// One publish waiting for its confirm in its channel's collector ([`collect_confirms`]).
+pub struct Watch {
+    own: OwnPublish,
+    /// The rest of `basic_publish`, resolving to the confirm ([`ConfirmChannel::send`]).
+    sent: futures_util::future::BoxFuture<'static, Result<lapin::PublisherConfirm, lapin::Error>>,
+    outcome: tokio::sync::oneshot::Sender<Result<(), PublishError>>,
+}
+
+/// A channel's confirm collector: takes each [`Watch`] from `watches`, awaits its confirm, and
+/// sends each publish its outcome ([`publish_confirmed`] says how returns are matched). When a
+/// confirm completes, it takes the new watches, then every other confirm completed by then
+/// (lapin wakes a confirm's future as it completes it, so those are ready to be polled), hands
+/// over the returns they all carry, and only then sends their outcomes. Ends when every handle
+/// of the channel is gone and no confirm is awaited.
+async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watch>, conn: Arc<Connection>, amqp: AmqpSettings) {
+    use futures_util::stream::{FuturesUnordered, StreamExt};
+    use futures_util::FutureExt;
+    use std::collections::{HashMap, HashSet};
+    let wait = (amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
+    let mut confirms = FuturesUnordered::new();
+    // Publishes waiting for their confirm: what they sent, and where their outcome goes.
+    let mut waiting: HashMap<u64, (OwnPublish, tokio::sync::oneshot::Sender<Result<(), PublishError>>)> = HashMap::new();
+    // Waiting publishes whose return reached another publish's confirm.
+    let mut returned: HashSet<u64> = HashSet::new();
+    let (mut next, mut open) = (0u64, true);
+    macro_rules! register {
+        ($w:expr) => {{
+            let Watch { own, sent, outcome } = $w;
+            waiting.insert(next, (own, outcome));
+            confirms.push(confirm_of(next, sent, wait, conn.clone()));
+            next += 1;
+        }};
+    }
+    loop {
+        tokio::select! {
+            biased;
+            w = watches.recv(), if open => match w {
+                Some(w) => register!(w),
+                None => open = false,
+            },
+            Some(first) = confirms.next(), if !confirms.is_empty() => {
+                // A publish sent just before this confirm completed may not be in yet.
+                while let Ok(w) = watches.try_recv() {
+                    register!(w);
+                }
+                // Every confirm completed by now: a return reaches a confirm lapin completed
+                // before (or with) its own publish's, and a confirm's completion wakes its
+                // future at once, so none of them is decided before the returns they carry
+                // were handed over.
+                let mut done = vec![first];
+                while let Some(Some(c)) = confirms.next().now_or_never() {
+                    done.push(c);
+                }
+                let mut outcomes = Vec::with_capacity(done.len());
+                for (n, confirm) in done {
+                    let outcome = match confirm {
+                        None => Err(PublishError::Timeout(wait)),
+                        Some(Err(e)) => Err(PublishError::Amqp(e)),
+                        Some(Ok(confirm)) => {
+                            let nacked = confirm.is_nack();
+                            if let Some(m) = confirm.take_message() {
+                                hand_over(m, n, &waiting, &mut returned, &conn, &amqp);
+                            }
+                            if nacked { Err(PublishError::Nacked) } else { Ok(()) }
+                        }
+                    };
+                    outcomes.push((n, outcome));
+                }
+                for (n, outcome) in outcomes {
+                    let Some((own, tx)) = waiting.remove(&n) else { continue };
+                    let outcome = match outcome {
+                        Ok(()) if returned.remove(&n) => {
+                            Err(PublishError::Unroutable { exchange: own.exchange, routing_key: own.routing_key })
+                        }
+                        other => {
+                            returned.remove(&n);
+                            other
+                        }
+                    };
+                    let _ = tx.send(outcome);
+                }
+            }
+            else => break,
+        }
+    }
+}
+
+/// Hands returned message `m`, which reached the confirm of publish `n`, to the waiting publish
+/// that sent it (`n` itself first; marked in `returned`), or places it again
+/// ([`place_returned`], in a task of its own on `conn`) when no waiting publish sent it: its
+/// publish was given up, and its caller publishes it again or requeues it.
+fn hand_over(
+    m: BasicReturnMessage,
+    n: u64,
+    waiting: &std::collections::HashMap<u64, (OwnPublish, tokio::sync::oneshot::Sender<Result<(), PublishError>>)>,
+    returned: &mut std::collections::HashSet<u64>,
+    conn: &Arc<Connection>,
+    amqp: &AmqpSettings,
+) {
+    let sent = |k: &u64| waiting.get(k).is_some_and(|(o, _)| is_own_return(&m, &o.exchange, &o.routing_key, o.message_id.as_ref(), &o.body));
+    let owner = if !returned.contains(&n) && sent(&n) {
+        Some(n)
+    } else {
+        waiting.keys().find(|k| !returned.contains(*k) && sent(k)).copied()
+    };
+    match owner {
+        Some(k) => {
+            returned.insert(k);
+        }
+        None => {
+            tokio::spawn(place_returned_in_task(conn.clone(), amqp.clone(), m));
+        }
+    }
+}
+
+/// The confirm of publish `n` (the rest of its `basic_publish`, `sent`), waited for at most
+/// `wait` while `conn` is not blocked ([`await_unless_blocked`]; `None` when that ran out).
+async fn confirm_of(
+    n: u64,
+    sent: futures_util::future::BoxFuture<'static, Result<lapin::PublisherConfirm, lapin::Error>>,
+    wait: Duration,
+    conn: Arc<Connection>,
+) -> (u64, Option<Result<lapin::Confirmation, lapin::Error>>) {
+    let publish = async { sent.await?.await };
+    (n, await_unless_blocked(wait, || is_blocked(&conn), publish).await)
 }
 
 /// Whether the broker blocks `conn` (`connection.blocked`) while it is open.
@@ -933,7 +1049,7 @@ async fn dead_letter_and_ack_inline(
     if lease.is_some() {
         redelivery::note_answered(props.headers().as_ref());
     }
-    match crate::amqp::within(crate::amqp::CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default())).await {
+    match crate::amqp::settled(crate::amqp::within(crate::amqp::CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default())).await) {
         Ok(_) => metrics::dead_lettered(reason, if lease.is_some() { stage::BATCHER } else { stage::ROUTER }),
         Err(e) => crate::warn_limited!(ACK_FAILED_LOG, error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
     }
@@ -1266,7 +1382,7 @@ async fn ack_published(delivery: Delivery, result: &RequestResult, tenure: Tenur
         // detectable by the older x-partition-epoch).
         return ResultEnd::Settled(left(&result.id, "lease deadline passed before the ack"));
     }
-    if let Err(e) = delivery.acker.ack(BasicAckOptions::default()).await {
+    if let Err(e) = crate::amqp::settled(delivery.acker.ack(BasicAckOptions::default()).await) {
         crate::warn_limited!(ACK_FAILED_LOG, request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
         return ResultEnd::Settled(Settlement::ChannelLost);
     }
@@ -1407,8 +1523,8 @@ async fn publish_with_fallback(
 pub async fn requeue(acker: &Acker, id: &str, why: &str) -> Settlement {
     crate::redelivery::note_failure(id, why);
     metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
-    match acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await {
-        Ok(_) => Settlement::Requeued,
+    match crate::amqp::settled(acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await) {
+        Ok(()) => Settlement::Requeued,
         Err(e) => {
             crate::warn_limited!(ACK_FAILED_LOG, request_id = %id, error = %e, "nack failed; the closed channel returns the request");
             Settlement::ChannelLost

@@ -15,8 +15,8 @@ use llm_fakes::fake::FakeLlm;
 /// on one channel and a `multiple` ack, the return of one result went to its neighbour's confirm.
 /// The neighbour was then published to the results queue a second time, and the returned one
 /// was taken as delivered and acked: a new-user test lost 8 of 3,000 results and duplicated 8;
-/// this test, before the fix, lost 6 and 1 of 3,000 in two runs. Now every publish compares a
-/// return it receives with what it sent and places another's again
+/// this test, before the fix, lost 6 and 1 of 3,000 in two runs. Now every return is compared
+/// with what the channel's waiting publishes sent and reported to its own publish
 /// ([`prefix_batcher::publisher::publish_confirmed`]).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn results_for_a_missing_reply_queue_reach_the_results_queue_exactly_once() {
@@ -53,24 +53,29 @@ async fn results_for_a_missing_reply_queue_reach_the_results_queue_exactly_once(
 /// `basic.return` names no delivery tag, and under a `multiple` ack lapin may hand it to another
 /// publish's confirm: before the fix, that publish was reported unroutable (its message was
 /// delivered, and would be forwarded twice) and the returned message's own publisher was told
-/// it was delivered (its request acked: lost). Now every returned forward is either reported
-/// to its own publisher or placed again in the input queue by the publish that received it, and
-/// no delivered one is reported returned.
+/// it was delivered (its request acked: lost). Then the publish that received another's return
+/// placed it again in the input queue itself, and a placement that failed three times lost it,
+/// its own publisher having been told it was delivered. Now the channel's confirm collector
+/// hands every return to its own publish while that one still waits for its outcome: with no
+/// publish given up, each returned forward is reported to its own publisher, none is placed
+/// again, and no delivered one is reported returned.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_return_on_a_shared_channel_reaches_its_own_publisher_or_is_placed_again() {
     let out = shared_channel_returns("sharedret", "10s", "10s").await;
     assert_eq!(out.timed_out, 0, "no confirm should take 10 s here");
     assert_eq!(out.after_failed, 0, "no publish failed, so none follows a failed one");
     assert_eq!(out.placed_twice, 0, "without timeouts nothing is placed twice");
+    assert_eq!(out.placed, 0, "a return reached a publish other than its own and was placed again, its own publish told delivered");
     eprintln!("2000 forwards: {} returns met their own confirm, {} were placed again by another publish", out.returned, out.placed);
 }
 
 /// The same with a confirm timeout so short (5 ms) for the forwards to the bound partition that
 /// they give up on their confirm. A confirm that comes after its publish gave up may still
-/// carry another publish's return: the publish's own task waits for it and places that message
-/// again, instead of leaving it with lapin (lost, since its own publisher was told it was
-/// delivered). With the confirm dropped on a timeout, this test failed 4 runs of 4 (20 ms);
-/// with only the confirm (not the send) handed to a task, 2 of 3 (5 ms).
+/// carry another publish's return: the channel's confirm collector keeps waiting for it and
+/// hands that return to its own publish (or places it again when that one gave up too),
+/// instead of leaving it with lapin (lost, since its own publisher was told it was delivered).
+/// With the confirm dropped on a timeout, this test failed 4 runs of 4 (20 ms); with only the
+/// confirm (not the send) handed to a task, 2 of 3 (5 ms).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_return_on_a_confirm_that_came_too_late_is_placed_again() {
     let out = shared_channel_returns("lateret", "10s", "5ms").await;
