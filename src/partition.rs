@@ -622,12 +622,19 @@ async fn intake(
     let guard_limit = s.amqp.consumer_timeout.mul_f64(CONSUMER_TIMEOUT_GUARD);
     let mut guard = tokio::time::interval((guard_limit / 20).clamp(Duration::from_millis(10), Duration::from_secs(1)));
     let mut paused = false;
+    // Since when the intake has been paused without returning what the consumer buffered.
+    let mut paused_since: Option<Instant> = None;
     // Last time the consumer received or held a delivery, or was paused (see `check_stall`).
     let mut idle_since = Instant::now();
     let queue = s.amqp.partition_queue(ctx.partition);
     forwards_received(&queue);
     loop {
         let endpoint = pause_while_unavailable(ctx, held, &mut paused);
+        if paused {
+            paused_since.get_or_insert_with(Instant::now);
+        } else {
+            paused_since = None;
+        }
         tokio::select! {
             biased;
             _ = stop.abort.cancelled() => return Ok(Ended::Stopped),
@@ -646,6 +653,10 @@ async fn intake(
                 check_consumer_timeout(ctx, held, guard_limit, end);
                 if paused {
                     idle_since = Instant::now();
+                    if paused_since.is_some_and(|t| t.elapsed() >= guard_limit) {
+                        return_buffered(ctx, consumer, dead_letters).await;
+                        paused_since = Some(Instant::now());
+                    }
                 } else {
                     check_stall(ctx, held, &mut idle_since, end);
                 }
@@ -679,6 +690,31 @@ async fn intake(
             },
         }
     }
+}
+
+/// While the intake is paused, the deliveries the broker sent before the prefetch window was
+/// spent wait in the consumer's buffer, unseen by the `amqp.consumer_timeout` guard (which sees
+/// only held deliveries). After a pause as long as the guard's limit, they go back to the
+/// partition queue uncharged ([`return_uncharged`]), before the broker's `consumer_timeout` would
+/// close the channel and charge each one a delivery; the broker then sends the next ones, which
+/// wait as long again. Called at most once per guard limit while paused.
+async fn return_buffered(ctx: &PartitionContext, consumer: &mut Consumer, out: &SharedConfirmChannel) {
+    let mut buffered = Vec::new();
+    while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
+        buffered.push(delivery);
+    }
+    if buffered.is_empty() {
+        return;
+    }
+    let n = buffered.len();
+    let returned = return_uncharged(ctx, out, buffered).await;
+    warn!(
+        partition = ctx.partition,
+        epoch = ctx.epoch,
+        returned,
+        deliveries = n,
+        "the LLM outage outlasts the consumer_timeout guard: the deliveries waiting for the intake are back in the partition queue, not charged a delivery"
+    );
 }
 
 /// Intake pauses while no endpoint of the partition is available: what is held waits for it

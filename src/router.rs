@@ -525,7 +525,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     }
     // Bounded: an ack on a channel whose connection closed may never be answered (lapin), and the
     // broker returns the delivery anyway then.
-    if let Err(e) = staged(ACK, within(CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default()))).await {
+    if let Err(e) = crate::amqp::settled(staged(ACK, within(CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default()))).await) {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
         return;
     }

@@ -382,6 +382,58 @@ async fn an_outage_after_a_batch_spent_its_time_charges_nothing() {
     env.cleanup().await;
 }
 
+/// An outage longer than the `amqp.consumer_timeout` guard's limit: the partition's intake is
+/// paused, and the requests the broker had already sent it wait in the consumer's buffer, where
+/// the guard (which sees only held requests) did not look; RabbitMQ's own `consumer_timeout`
+/// would have closed the channel and charged each a delivery (with `amqp.delivery_limit = 1`:
+/// dead-lettered). Now each guard period they go back to the queue uncharged, so during a 6 s
+/// `consumer_timeout` (guard at 5.4 s) outage every request is put back uncharged at least twice,
+/// and once the server is back each is answered `ok`, once, and nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_waiting_for_a_paused_intake_go_back_uncharged_within_the_consumer_timeout() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().start().await.unwrap();
+    fake.set_refuse(true).await;
+    let env = TestEnv::new("nu-pausedbuf");
+    let mut raw = env.raw_config(fake.url.as_str());
+    (raw.keying.mode, raw.sharding.default_shards) = ("prefix".into(), 1);
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.amqp.delivery_limit) = ("1s".into(), 2, 1);
+    (raw.amqp.confirm_timeout, raw.amqp.consumer_timeout) = ("1s".into(), "6s".into());
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let guard = "prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}";
+    let returned = "prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"batcher\"}";
+    let (guard_before, returned_before) = (metric(guard), metric(returned));
+    // One group: one partition, whose intake pauses at the first refused call.
+    let reqs: Vec<TestRequest> = (0..8).map(|i| completion(&format!("nu-pausedbuf-{i}"), 0, &format!(" question {i}?"))).collect();
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let started = Instant::now();
+    let twice = returned_before + 2.0 * reqs.len() as f64;
+    while metric(returned) < twice {
+        let put_back = metric(returned) - returned_before;
+        assert!(started.elapsed() < Duration::from_secs(40), "{put_back} requests put back uncharged in 40 s, fewer than twice each");
+        dead.collect_for(Duration::from_millis(300)).await;
+    }
+    let outage = started.elapsed();
+    fake.set_refuse(false).await;
+    st.results.until_all(&ids(&reqs), DEADLINE).await;
+    st.results.collect_for(Duration::from_millis(500)).await;
+    dead.collect_for(Duration::from_millis(500)).await;
+    eprintln!("paused intake: {} put back uncharged in {outage:?}", metric(returned) - returned_before);
+    assert_eq!(dead.received.len(), 0, "dead-lettered (charged with delivery_limit 1): {:?}", dead.received.first().map(|m| &m.headers));
+    assert_eq!(metric(guard), guard_before, "the consumer_timeout guard returned requests charged");
+    let results: Vec<_> = st.results.received.iter().map(|m| m.result()).collect();
+    assert_eq!(results.len(), reqs.len(), "each request answered once");
+    assert!(results.iter().all(|r| r.ok), "ok: false results: {:?}", results.iter().find(|r| !r.ok));
+    let Started { amqp, daemon, results, .. } = st;
+    daemon.stop().await.expect("daemon stops cleanly");
+    for c in [dead, results] {
+        c.close().await;
+    }
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// The observed case of a server answering every call with HTTP 200 and a body that is no
 /// completion (a misconfigured gateway's HTML), which turned requests into `ok: false` results
 /// with `invalid_response` while the breaker stayed closed: here the breaker opens (its probe
