@@ -828,6 +828,16 @@ mod tests {
 
     use super::*;
 
+    /// lapin answers `Ok(false)` to an ack or nack it did not send (the delivery's channel is
+    /// closed): that delivery comes back, so it must not count as settled.
+    #[test]
+    fn an_ack_lapin_did_not_send_is_an_error() {
+        assert!(settled(Ok(true)).is_ok());
+        let e = settled(Ok(false)).expect_err("not sent");
+        assert!(e.to_string().contains("channel is closed"), "{e}");
+        assert!(settled(Err(timed_out("x".into()))).is_err());
+    }
+
     /// Observed: a `timestamp_in_ms` of "+1764000000000" was taken, though the contract says
     /// decimal digits.
     #[test]
