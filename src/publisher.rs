@@ -136,7 +136,7 @@ struct OwnPublish {
 /// ack can come between a return and the returned publish's own ack. Either way the return can
 /// reach another publish's confirm, which lapin always completes before (or together with) the
 /// returned publish's own. So every confirm of a channel goes to one task, the channel's
-/// collector ([`collect_confirms`]), which decides no publish before it has taken every confirm
+/// collector (`collect_confirms`), which decides no publish before it has taken every confirm
 /// completed by then, and compares each return with what the publishes waiting for their
 /// confirm sent ([`is_own_return`]: exchange, routing key, `message_id`, body):
 /// - this publish's own return makes it [`PublishError::Unroutable`];
@@ -202,13 +202,17 @@ pub async fn publish_confirmed(
     }
 }
 
-/// One publish waiting for its confirm in its channel's collector ([`collect_confirms`]).
+/// One publish waiting for its confirm in its channel's collector ([`publish_confirmed`]).
 pub struct Watch {
     own: OwnPublish,
     /// The rest of `basic_publish`, resolving to the confirm ([`ConfirmChannel::send`]).
     sent: futures_util::future::BoxFuture<'static, Result<lapin::PublisherConfirm, lapin::Error>>,
     outcome: tokio::sync::oneshot::Sender<Result<(), PublishError>>,
 }
+
+/// The publishes a confirm collector waits for, by its own number: what each sent, and where its
+/// outcome goes.
+type Waiting = std::collections::HashMap<u64, (OwnPublish, tokio::sync::oneshot::Sender<Result<(), PublishError>>)>;
 
 /// A channel's confirm collector: takes each [`Watch`] from `watches`, awaits its confirm, and
 /// sends each publish its outcome ([`publish_confirmed`] says how returns are matched). When a
@@ -222,8 +226,7 @@ async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watc
     use std::collections::{HashMap, HashSet};
     let wait = (amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
     let mut confirms = FuturesUnordered::new();
-    // Publishes waiting for their confirm: what they sent, and where their outcome goes.
-    let mut waiting: HashMap<u64, (OwnPublish, tokio::sync::oneshot::Sender<Result<(), PublishError>>)> = HashMap::new();
+    let mut waiting: Waiting = HashMap::new();
     // Waiting publishes whose return reached another publish's confirm.
     let mut returned: HashSet<u64> = HashSet::new();
     let (mut next, mut open) = (0u64, true);
@@ -296,7 +299,7 @@ async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watc
 fn hand_over(
     m: BasicReturnMessage,
     n: u64,
-    waiting: &std::collections::HashMap<u64, (OwnPublish, tokio::sync::oneshot::Sender<Result<(), PublishError>>)>,
+    waiting: &Waiting,
     returned: &mut std::collections::HashSet<u64>,
     conn: &Arc<Connection>,
     amqp: &AmqpSettings,
