@@ -328,13 +328,12 @@ pub fn parse(body: &[u8], env: &Envelope<'_>, max_bytes: usize) -> Result<Reques
     }
     check_length("reply_to", env.reply_to.unwrap_or_default(), MAX_SHORT_STRING_BYTES)?;
     let mut obj = json_object(body)?;
-    let prompt = obj.remove("prompt");
-    let messages = obj.remove("messages");
+    // `null` counts as absent (as for `id`): serializers that write unset fields as null.
+    let prompt = obj.remove("prompt").filter(|v| !v.is_null());
+    let messages = obj.remove("messages").filter(|v| !v.is_null());
     let body = match (prompt, messages) {
         (Some(_), Some(_)) => return Err(ParseError::BothPromptAndMessages),
-        (None, None) | (Some(Value::Null), None) | (None, Some(Value::Null)) => {
-            return Err(ParseError::MissingPrompt)
-        }
+        (None, None) => return Err(ParseError::MissingPrompt),
         (Some(Value::String(p)), None) => Body::Completion(p),
         (Some(other), None) => {
             return Err(ParseError::InvalidField {
@@ -602,13 +601,22 @@ pub fn is_control_like(c: char) -> bool {
 fn check_no_control(field: &'static str, value: &str) -> Result<(), ParseError> {
     match value.chars().find(|c| is_control_like(*c)) {
         None => Ok(()),
-        Some(c) => Err(ParseError::InvalidField {
-            field,
-            detail: format!(
-                "contains the control character U+{:04X}; ids, correlation_id and reply_to may not hold control characters, line separators or bidirectional formatting characters",
-                u32::from(c)
-            ),
-        }),
+        Some(c) => {
+            let kind = if c.is_control() {
+                "the control character"
+            } else if matches!(c, '\u{2028}' | '\u{2029}') {
+                "the line or paragraph separator"
+            } else {
+                "the bidirectional formatting character"
+            };
+            Err(ParseError::InvalidField {
+                field,
+                detail: format!(
+                    "contains {kind} U+{:04X}; ids, correlation_id and reply_to may not hold control characters, line separators or bidirectional formatting characters",
+                    u32::from(c)
+                ),
+            })
+        }
     }
 }
 
@@ -916,6 +924,20 @@ mod tests {
         assert_eq!(err.reason(), "too_large");
     }
 
+    /// Observed: `{"prompt": null}` was `missing_prompt` (null as absent), but a null `prompt`
+    /// beside `messages` (or a null `messages` beside `prompt`) was `both_prompt_and_messages`
+    /// (null as present), refusing requests from serializers that write unset fields as null.
+    #[test]
+    fn a_null_prompt_or_messages_counts_as_absent() {
+        let chat = p(r#"{"prompt":null,"messages":[{"role":"user","content":"hi"}]}"#).unwrap();
+        assert!(matches!(chat.body, Body::Chat(_)), "{:?}", chat.body);
+        let completion = p(r#"{"prompt":"hi","messages":null}"#).unwrap();
+        assert!(matches!(completion.body, Body::Completion(ref t) if t == "hi"), "{:?}", completion.body);
+        for body in [r#"{"prompt":null}"#, r#"{"messages":null}"#, r#"{"prompt":null,"messages":null}"#] {
+            assert_eq!(p(body).unwrap_err().reason(), "missing_prompt", "{body}");
+        }
+    }
+
     #[test]
     fn assistant_tool_call_without_content_is_accepted() {
         let r = p(r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":null,"tool_calls":[]}]}"#);
@@ -1014,9 +1036,15 @@ mod tests {
         assert!(parse(br#"{"prompt":"hi"}"#, &env, 1000).is_ok());
         // Observed: an id with U+202E (right-to-left override) was accepted, and read backwards
         // in every log line and header it was copied into.
-        for id in [r#""inv\u202Eexe.txt""#, r#""a\u200Fb""#, r#""p\u2029q""#] {
+        // The detail names the kind of character (it called U+2028 a control character).
+        for (id, kind) in [
+            (r#""inv\u202Eexe.txt""#, "the bidirectional formatting character U+202E"),
+            (r#""a\u200Fb""#, "the bidirectional formatting character U+200F"),
+            (r#""p\u2029q""#, "the line or paragraph separator U+2029"),
+            (r#""bell\u0007""#, "the control character U+0007"),
+        ] {
             match p(&format!(r#"{{"id":{id},"prompt":"hi"}}"#)).unwrap_err() {
-                ParseError::InvalidField { field: "id", detail } => assert!(detail.contains("bidirectional"), "{id}: {detail}"),
+                ParseError::InvalidField { field: "id", detail } => assert!(detail.contains(kind), "{id}: {detail}"),
                 other => panic!("{id}: {other:?}"),
             }
         }
