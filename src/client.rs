@@ -739,8 +739,15 @@ async fn hot_keys(r: &crate::lease::RedisConn, prefix: &str, timeout: Duration) 
 ///
 /// Errors: Redis unreachable or answering with an error.
 pub async fn status(settings: &Settings) -> anyhow::Result<Status> {
+    let r = connect_redis(settings).await?;
+    // A Redis that accepts the connection and then stalls (`CLIENT PAUSE`, a long `DEBUG
+    // SLEEP`, a saturated server) fails a command with only `timed out`.
+    read_status(settings, r).await.with_context(|| format!("reading the deployment from {}", redis_target(settings)))
+}
+
+/// [`status`] once connected to Redis (`r`).
+async fn read_status(settings: &Settings, mut r: crate::lease::RedisConn) -> anyhow::Result<Status> {
     let timeout = settings.redis.command_timeout;
-    let mut r = connect_redis(settings).await?;
     let prefix = &settings.redis.key_prefix;
     let live = read_members(&mut r, prefix).await?;
     let hot_keys = hot_keys(&r, prefix, timeout).await?;
@@ -827,13 +834,19 @@ fn desired_owners(p: u32, live: &[crate::membership::Member]) -> Vec<Option<usiz
     assignment(p, &assignable).into_iter().map(|o| o.and_then(|i| names.iter().position(|n| *n == assignable[i]))).collect()
 }
 
-/// Connects to the deployment's Redis (directly or through Sentinel) within
-/// `redis.command_timeout`. Errors name the target.
-async fn connect_redis(settings: &Settings) -> anyhow::Result<crate::lease::RedisConn> {
-    let target = match &settings.redis.sentinel {
-        None => settings.redis.url.to_string(),
+/// Redis as `status` names it in errors: `redis.url` (its password masked), or the Sentinel
+/// primary.
+fn redis_target(settings: &Settings) -> String {
+    match &settings.redis.sentinel {
+        None => format!("Redis at {}", settings.redis.url),
         Some(s) => format!("the Redis primary of `{}` through redis.sentinels", s.master),
-    };
+    }
+}
+
+/// Connects to the deployment's Redis (directly or through Sentinel) within
+/// `redis.command_timeout`. Errors name the target ([`redis_target`]).
+async fn connect_redis(settings: &Settings) -> anyhow::Result<crate::lease::RedisConn> {
+    let target = redis_target(settings);
     tokio::time::timeout(settings.redis.command_timeout, crate::lease::connect(&settings.redis))
         .await
         .map_err(|_| anyhow::anyhow!("timed out connecting to {target}"))?
@@ -959,7 +972,7 @@ fn render_members(out: &mut String, s: &Status) {
         if s.draining_owners.contains(name) {
             out.push_str(&format!("  {name:<40} (stopping: drains {} partition(s), each handed over when its held requests are finished)\n", ps.len()));
         } else {
-            out.push_str(&format!("  {name:<40} (not a live member; still holds {} lease(s) until they expire)\n", ps.len()));
+            out.push_str(&format!("  {name:<40} (not a live member: crashed, or reconnecting to RabbitMQ or Redis; still holds {} lease(s) until they expire)\n", ps.len()));
         }
     }
 }

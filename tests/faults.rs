@@ -151,6 +151,30 @@ async fn unauthorized_llm_keeps_requests_queued_until_it_accepts_again() {
     env.cleanup().await;
 }
 
+/// Observed: `status` against a Redis that took the connection and then stalled (`CLIENT PAUSE`)
+/// printed only `prefix-batcher status: timed out`; it now names Redis and its address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_against_a_stalled_redis_names_redis() {
+    let env = TestEnv::new("redis-stall");
+    let redis = RedisServer::start(&env, "redis").await;
+    let mut raw = env.raw_config("http://127.0.0.1:9");
+    raw.redis.url = redis.url.clone();
+    raw.redis.command_timeout = "1s".into();
+    let config = write_config(&env, "status", &raw);
+    let address = redis.url.rsplit('@').next().unwrap_or(&redis.url).trim_start_matches("redis://").trim_end_matches('/').to_owned();
+    let address = address.trim_start_matches("unix://").to_owned();
+    let mut c = redis.connect().await.expect("connect");
+    let _: String = redis::cmd("CLIENT").arg("PAUSE").arg(20_000).arg("ALL").query_async(&mut c).await.expect("CLIENT PAUSE");
+    let out = tokio::task::spawn_blocking(move || bin_command().arg("--config").arg(&config).arg("status").output().expect("run status"))
+        .await
+        .expect("status");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("timed out") && text.contains(&address) && text.contains("Redis at"), "names neither Redis nor {address}: {text}");
+    drop(redis);
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_with_millions_of_keys_does_not_delay_readiness() {
     let env = TestEnv::new("redis-big");
