@@ -130,22 +130,27 @@ struct OwnPublish {
 /// [`PublishError::AfterFailed`]).
 ///
 /// **Returns on a shared channel.** A `basic.return` names no delivery tag (AMQP 0-9-1
-/// §1.8.3.9), and lapin 4 hands a returned message to the next confirm it completes on the
-/// channel (`Acknowledgements::complete_pending`). When the broker acks several publishes with
-/// one `multiple` ack, lapin completes their confirms in hash-map order; and an earlier publish's
-/// ack can come between a return and the returned publish's own ack. Either way the return can
-/// reach another publish's confirm, which lapin always completes before (or together with) the
-/// returned publish's own. So every confirm of a channel goes to one task, the channel's
-/// collector (`collect_confirms`), which decides no publish before it has taken every confirm
-/// completed by then, and compares each return with what the publishes waiting for their
-/// confirm sent ([`is_own_return`]: exchange, routing key, `message_id`, body):
-/// - this publish's own return makes it [`PublishError::Unroutable`];
-/// - another waiting publish's return is handed to that publish, which lapin completes later
-///   (or has completed in the same ack): it is reported [`PublishError::Unroutable`] to its own
-///   caller, whatever its confirm says;
-/// - a return that matches no waiting publish (its publish was given up after
-///   `amqp.confirm_timeout`, so its caller publishes it again or requeues it) is placed again
-///   ([`place_returned`]): at worst a duplicate.
+/// §1.8.3.9). lapin 4 queues returns in arrival order and gives the oldest to the next confirm
+/// it completes (`Acknowledgements::complete_pending`), and completes the confirms of one
+/// `multiple` ack in hash-map order: a return can reach another publish's confirm, completed
+/// before or after the returned publish's own in the same ack frame. RabbitMQ sends a returned
+/// publish's `basic.return` before its ack, and acks returned publishes in ascending order (an
+/// unroutable publish is confirmed at once, and each flush of confirms is sorted:
+/// `coalesce_and_send` in `rabbit_channel`); so once lapin has processed the ack frame that
+/// completed a publish's confirm, the returns of that publish and of every publish before it
+/// have reached some confirm. Every confirm of a channel therefore goes to one task, the
+/// channel's collector (`collect_confirms`): when one completes, it waits until lapin has
+/// finished that ack frame, takes every confirm completed by then, and compares each return
+/// they carry with what the publishes still waiting sent ([`is_own_return`]: exchange, routing
+/// key, `message_id`, body), before it sends any outcome:
+/// - a return of a waiting publish (this one or another) makes that publish
+///   [`PublishError::Unroutable`], whatever its own confirm says;
+/// - a return that matches no waiting publish is placed again ([`place_returned`]). A publish
+///   waits in the collector until its confirm comes or the collector's wait ends (below), also
+///   after its caller gave up; a return of a publish whose caller gave up is dropped, since that
+///   caller publishes it again or requeues it. So only a return that comes after the
+///   collector's wait, or one whose publish's frames lapin had not yet handed to the collector,
+///   is placed again: at worst a duplicate.
 ///
 /// The collector keeps waiting for a confirm after its caller gave up (`amqp.confirm_timeout`,
 /// or the caller was dropped): a confirm that comes later may still carry another publish's
@@ -173,7 +178,7 @@ pub async fn publish_confirmed(
     let (tx, mut rx) = tokio::sync::oneshot::channel();
     let inbox = ch.confirms(|| {
         let (inbox, watches) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(collect_confirms(watches, conn.clone(), amqp.clone()));
+        tokio::spawn(collect_confirms(watches, ch.channel().clone(), conn.clone(), amqp.clone()));
         inbox
     });
     // Sent before the broker can have answered this publish (its frames were queued just now):
@@ -216,13 +221,14 @@ type Waiting = std::collections::HashMap<u64, (OwnPublish, tokio::sync::oneshot:
 
 /// A channel's confirm collector: takes each [`Watch`] from `watches`, awaits its confirm, and
 /// sends each publish its outcome ([`publish_confirmed`] says how returns are matched). When a
-/// confirm completes, it takes the new watches, then every other confirm completed by then
-/// (lapin wakes a confirm's future as it completes it, so those are ready to be polled), hands
-/// over the returns they all carry, and only then sends their outcomes. Ends when every handle
-/// of the channel is gone and no confirm is awaited.
-async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watch>, conn: Arc<Connection>, amqp: AmqpSettings) {
+/// confirm completes, it takes the new watches, waits until lapin has finished the ack frame on
+/// `ch` ([`ack_frame_barrier`]), takes every other confirm completed by then ([`take_ready`]:
+/// lapin wakes a confirm's future as it completes it), hands over the returns they all carry,
+/// and only then sends their outcomes. Ends when every handle of the channel is gone and no
+/// confirm is awaited (it holds a handle of `ch` until then, so the channel stays open while
+/// confirms are awaited).
+async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watch>, ch: lapin::Channel, conn: Arc<Connection>, amqp: AmqpSettings) {
     use futures_util::stream::{FuturesUnordered, StreamExt};
-    use futures_util::FutureExt;
     use std::collections::{HashMap, HashSet};
     let wait = (amqp.confirm_timeout * LATE_CONFIRM_WAIT_FACTOR).max(LATE_CONFIRM_MIN_WAIT);
     let mut confirms = FuturesUnordered::new();
@@ -234,7 +240,9 @@ async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watc
         ($w:expr) => {{
             let Watch { own, sent, outcome } = $w;
             waiting.insert(next, (own, outcome));
-            confirms.push(confirm_of(next, sent, wait, conn.clone()));
+            // Unconstrained: a confirm that completed must poll ready when the collector
+            // takes every completed one, whatever tokio's cooperative budget has left.
+            confirms.push(tokio::task::unconstrained(confirm_of(next, sent, wait, conn.clone())));
             next += 1;
         }};
     }
@@ -250,13 +258,14 @@ async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watc
                 while let Ok(w) = watches.try_recv() {
                     register!(w);
                 }
-                // Every confirm completed by now: a return reaches a confirm lapin completed
-                // before (or with) its own publish's, and a confirm's completion wakes its
-                // future at once, so none of them is decided before the returns they carry
-                // were handed over.
+                // Every confirm completed by now, after lapin finished the ack frame it is
+                // processing (see `publish_confirmed`): none is decided before the returns
+                // they all carry were handed over.
+                let dropped = ack_frame_barrier(&ch);
                 let mut done = vec![first];
-                while let Some(Some(c)) = confirms.next().now_or_never() {
-                    done.push(c);
+                take_ready(&mut confirms, &mut done);
+                for m in dropped {
+                    hand_over(m, u64::MAX, &waiting, &mut returned, &conn, &amqp);
                 }
                 let mut outcomes = Vec::with_capacity(done.len());
                 for (n, confirm) in done {
@@ -288,6 +297,49 @@ async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watc
                 }
             }
             else => break,
+        }
+    }
+}
+
+/// Waits until lapin has finished processing the ack frame it may be processing on `ch`: lapin
+/// completes all the confirms of one (`multiple`) ack under one lock of the channel's
+/// acknowledgements (`Acknowledgements::complete_pending_before`), which
+/// `Channel::wait_for_confirms` takes in its first poll (`get_last_pending`) — polled once here,
+/// never awaited (the daemon does not use it otherwise). When no publish is pending it also
+/// gives the returns that reached confirms lapin holds for dropped futures
+/// (`ReturnedMessages::drain`), which nothing else would read: returned.
+fn ack_frame_barrier(ch: &lapin::Channel) -> Vec<BasicReturnMessage> {
+    use futures_util::FutureExt;
+    match ch.wait_for_confirms().now_or_never() {
+        Some(Ok(dropped)) => dropped,
+        _ => Vec::new(),
+    }
+}
+
+/// Takes every future of `confirms` that is ready now into `done`. `FuturesUnordered` may answer
+/// `Pending` with futures still ready (it yields after polling all of them once, or when two
+/// woke during their own poll, or while a waker is enqueuing one), and then wakes its task: so
+/// this polls with a waker that records that, and polls again while it was called.
+fn take_ready<F: std::future::Future>(confirms: &mut futures_util::stream::FuturesUnordered<F>, done: &mut Vec<F::Output>) {
+    use futures_util::Stream;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{Context, Poll};
+    struct Woken(AtomicBool);
+    impl futures_util::task::ArcWake for Woken {
+        fn wake_by_ref(this: &Arc<Self>) {
+            this.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let woken = Arc::new(Woken(AtomicBool::new(false)));
+    let waker = futures_util::task::waker(woken.clone());
+    let mut cx = Context::from_waker(&waker);
+    loop {
+        woken.0.store(false, Ordering::SeqCst);
+        match std::pin::Pin::new(&mut *confirms).poll_next(&mut cx) {
+            Poll::Ready(Some(c)) => done.push(c),
+            Poll::Ready(None) => return,
+            Poll::Pending if woken.0.load(Ordering::SeqCst) => {}
+            Poll::Pending => return,
         }
     }
 }
