@@ -528,7 +528,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     // Exported from the session's start (0), not only from the first pause: an alert or panel on
     // the series sees an owned partition whose intake runs.
     metrics::intake_paused(p, false);
-    let ending = intake(ctx, stop, &end, &mut consumer, &conns.dead_letters, &item_tx, held, &mut untaken).await;
+    let ending = intake(ctx, stop, &end, &mut consumer, &conns.dead_letters, &session.publish, &item_tx, held, &mut untaken).await;
     metrics::intake_paused(p, false);
     match ending {
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
@@ -611,6 +611,7 @@ async fn intake(
     end: &SessionEnd,
     consumer: &mut Consumer,
     dead_letters: &SharedConfirmChannel,
+    results: &SharedConfirmChannel,
     item_tx: &mpsc::Sender<(PrefixKey, Pending)>,
     held: &Arc<HeldDeliveries>,
     untaken: &mut Vec<Delivery>,
@@ -654,7 +655,9 @@ async fn intake(
                 if paused {
                     idle_since = Instant::now();
                     if paused_since.is_some_and(|t| t.elapsed() >= guard_limit) {
-                        return_buffered(ctx, consumer, dead_letters).await;
+                        if let Some(ended) = return_buffered(ctx, end, consumer, results).await {
+                            return ended;
+                        }
                         paused_since = Some(Instant::now());
                     }
                 } else {
@@ -695,26 +698,48 @@ async fn intake(
 /// While the intake is paused, the deliveries the broker sent before the prefetch window was
 /// spent wait in the consumer's buffer, unseen by the `amqp.consumer_timeout` guard (which sees
 /// only held deliveries). After a pause as long as the guard's limit, they go back to the
-/// partition queue uncharged ([`return_uncharged`]), before the broker's `consumer_timeout` would
-/// close the channel and charge each one a delivery; the broker then sends the next ones, which
-/// wait as long again. Called at most once per guard limit while paused.
-async fn return_buffered(ctx: &PartitionContext, consumer: &mut Consumer, out: &SharedConfirmChannel) {
+/// partition queue uncharged ([`return_uncharged`], on the session's publishing channel
+/// `out`), before the broker's `consumer_timeout` would close the channel and charge each one a
+/// delivery; the broker then sends the next ones, which wait as long again. Called at most once
+/// per guard limit while paused. A delivery whose copy the broker did not take stays unacked:
+/// the session then ends (restart `consumer_timeout`) so that the channel's close returns it,
+/// charged, rather than leaving it unsettled on an open channel. An end of the consumer found
+/// in the buffer (a channel error, the broker's cancel) ends the intake as it would have:
+/// `Some` is the intake's end.
+async fn return_buffered(ctx: &PartitionContext, end: &SessionEnd, consumer: &mut Consumer, out: &SharedConfirmChannel) -> Option<Result<Ended, lapin::Error>> {
     let mut buffered = Vec::new();
-    while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
-        buffered.push(delivery);
+    let mut ended = None;
+    loop {
+        match consumer.next().now_or_never() {
+            Some(Some(Ok(delivery))) => buffered.push(delivery),
+            Some(Some(Err(e))) => {
+                ended = Some(Err(e));
+                break;
+            }
+            Some(None) => {
+                warn!(partition = ctx.partition, "the broker cancelled the partition consumer (queue deleted?)");
+                ended = Some(Ok(Ended::Restart(restart::QUEUE_MISSING)));
+                break;
+            }
+            None => break,
+        }
     }
-    if buffered.is_empty() {
-        return;
+    if !buffered.is_empty() {
+        let n = buffered.len();
+        let returned = return_uncharged(ctx, out, buffered).await;
+        warn!(
+            partition = ctx.partition,
+            epoch = ctx.epoch,
+            returned,
+            deliveries = n,
+            "the LLM outage outlasts the consumer_timeout guard: the deliveries waiting for the intake are back in the partition queue, not charged a delivery"
+        );
+        if returned < n && ended.is_none() {
+            end.raise(restart::CONSUMER_TIMEOUT);
+            ended = Some(Ok(Ended::Restart(restart::CONSUMER_TIMEOUT)));
+        }
     }
-    let n = buffered.len();
-    let returned = return_uncharged(ctx, out, buffered).await;
-    warn!(
-        partition = ctx.partition,
-        epoch = ctx.epoch,
-        returned,
-        deliveries = n,
-        "the LLM outage outlasts the consumer_timeout guard: the deliveries waiting for the intake are back in the partition queue, not charged a delivery"
-    );
+    ended
 }
 
 /// Intake pauses while no endpoint of the partition is available: what is held waits for it
