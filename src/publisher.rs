@@ -181,9 +181,10 @@ pub async fn publish_confirmed(
         tokio::spawn(collect_confirms(watches, ch.channel().clone(), conn.clone(), amqp.clone()));
         inbox
     });
-    // Sent before the broker can have answered this publish (its frames were queued just now):
-    // the collector takes its inbox before any confirm, so a return of this publish that reaches
-    // an earlier confirm finds it waiting.
+    // Sent right after the publish's frames were queued, long before the broker's answer can
+    // normally come back, and the collector takes its inbox before any confirm: so a return of
+    // this publish finds it waiting. (A thread preempted for longer than a round trip just here
+    // leaves it to the placement below `hand_over`: a duplicate at worst.)
     if inbox.send(Watch { own, sent, outcome: tx }).is_err() {
         // The collector is gone (it panicked): the publish's fate is unknown.
         drop(ticket);
