@@ -342,6 +342,34 @@ fn metric(prefix: &str) -> f64 {
     text.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or(0.0)
 }
 
+/// `prefix_batcher_consumer_restarts_total` for the `amqp.consumer_timeout` guard, which returns
+/// what it holds charged.
+const GUARD_RESTARTS: &str = "prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}";
+/// Requests put back in their partition queue uncharged.
+const RETURNED_UNCHARGED: &str = "prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"batcher\"}";
+
+/// The configuration of the outage tests: `llm.request_timeout` 1 s and 2 attempts,
+/// `amqp.delivery_limit` 1 (a single charged delivery dead-letters a request), and the smallest
+/// `amqp.consumer_timeout` the check accepts with those, about 5.2 s: 6 s (its guard fires at
+/// 5.4 s).
+fn outage_config(env: &TestEnv, llm_url: &str) -> prefix_batcher::config::RawConfig {
+    let mut raw = env.raw_config(llm_url);
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.amqp.delivery_limit) = ("1s".into(), 2, 1);
+    (raw.amqp.confirm_timeout, raw.amqp.consumer_timeout) = ("1s".into(), "6s".into());
+    raw
+}
+
+/// Stops the daemon, closes `dead` and the results, and cleans up.
+async fn stop_and_clean(env: TestEnv, st: Started, dead: Collector) {
+    let Started { amqp, daemon, results, .. } = st;
+    daemon.stop().await.expect("daemon stops cleanly");
+    for c in [dead, results] {
+        c.close().await;
+    }
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// The observed case of a server that turns too slow for every real call after a batch spent its
 /// time for LLM calls on timeouts (its one-token probe still passing, nothing answered yet to
 /// replay): the breaker opened, the requests waited for the endpoint in memory, and the
@@ -353,14 +381,10 @@ async fn an_outage_after_a_batch_spent_its_time_charges_nothing() {
     let _serial = SERIAL.lock().await;
     let fake = FakeLlm::new().slow_prompts_containing("question", SLOW_DELAY).start().await.unwrap();
     let env = TestEnv::new("nu-lateoutage");
-    let mut raw = env.raw_config(fake.url.as_str());
-    (raw.llm.request_timeout, raw.llm.max_attempts, raw.amqp.delivery_limit) = ("1s".into(), 2, 1);
-    // The smallest consumer_timeout the check accepts here is about 5.2 s: the guard fires at 5.4 s.
-    (raw.amqp.confirm_timeout, raw.amqp.consumer_timeout) = ("1s".into(), "6s".into());
+    let raw = outage_config(&env, fake.url.as_str());
     let st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
-    let guard = "prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}";
-    let returned = "prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"batcher\"}";
+    let (guard, returned) = (GUARD_RESTARTS, RETURNED_UNCHARGED);
     let (guard_before, returned_before) = (metric(guard), metric(returned));
     let reqs: Vec<TestRequest> = (0..4).map(|i| completion(&format!("nu-lateoutage-{i}"), 0, &format!(" question {i}?"))).collect();
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
@@ -373,13 +397,7 @@ async fn an_outage_after_a_batch_spent_its_time_charges_nothing() {
     assert_eq!(dead.received.len(), 0, "dead-lettered (charged with delivery_limit 1): {:?}", dead.received.first().map(|m| &m.headers));
     assert_eq!(metric(guard), guard_before, "the consumer_timeout guard returned requests charged");
     eprintln!("late outage: put back uncharged after {:?}, breaker opened {} times", started.elapsed(), circuit_openings());
-    let Started { amqp, daemon, results, .. } = st;
-    daemon.stop().await.expect("daemon stops cleanly");
-    for c in [dead, results] {
-        c.close().await;
-    }
-    amqp.close().await;
-    env.cleanup().await;
+    stop_and_clean(env, st, dead).await;
 }
 
 /// An outage longer than the `amqp.consumer_timeout` guard's limit: the partition's intake is
@@ -395,14 +413,11 @@ async fn requests_waiting_for_a_paused_intake_go_back_uncharged_within_the_consu
     let fake = FakeLlm::new().start().await.unwrap();
     fake.set_refuse(true).await;
     let env = TestEnv::new("nu-pausedbuf");
-    let mut raw = env.raw_config(fake.url.as_str());
+    let mut raw = outage_config(&env, fake.url.as_str());
     (raw.keying.mode, raw.sharding.default_shards) = ("prefix".into(), 1);
-    (raw.llm.request_timeout, raw.llm.max_attempts, raw.amqp.delivery_limit) = ("1s".into(), 2, 1);
-    (raw.amqp.confirm_timeout, raw.amqp.consumer_timeout) = ("1s".into(), "6s".into());
     let mut st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
-    let guard = "prefix_batcher_consumer_restarts_total{reason=\"consumer_timeout\"}";
-    let returned = "prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"batcher\"}";
+    let (guard, returned) = (GUARD_RESTARTS, RETURNED_UNCHARGED);
     let (guard_before, returned_before) = (metric(guard), metric(returned));
     // One group: one partition, whose intake pauses at the first refused call.
     let reqs: Vec<TestRequest> = (0..8).map(|i| completion(&format!("nu-pausedbuf-{i}"), 0, &format!(" question {i}?"))).collect();
@@ -425,13 +440,7 @@ async fn requests_waiting_for_a_paused_intake_go_back_uncharged_within_the_consu
     let results: Vec<_> = st.results.received.iter().map(|m| m.result()).collect();
     assert_eq!(results.len(), reqs.len(), "each request answered once");
     assert!(results.iter().all(|r| r.ok), "ok: false results: {:?}", results.iter().find(|r| !r.ok));
-    let Started { amqp, daemon, results, .. } = st;
-    daemon.stop().await.expect("daemon stops cleanly");
-    for c in [dead, results] {
-        c.close().await;
-    }
-    amqp.close().await;
-    env.cleanup().await;
+    stop_and_clean(env, st, dead).await;
 }
 
 /// The observed case of a server answering every call with HTTP 200 and a body that is no
