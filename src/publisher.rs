@@ -184,7 +184,7 @@ pub async fn publish_confirmed(
     // Sent right after the publish's frames were queued, long before the broker's answer can
     // normally come back, and the collector takes its inbox before any confirm: so a return of
     // this publish finds it waiting. (A thread preempted for longer than a round trip just here
-    // leaves it to the placement below `hand_over`: a duplicate at worst.)
+    // leaves it to the placement in `hand_over`: a duplicate at worst.)
     if inbox.send(Watch { own, sent, outcome: tx }).is_err() {
         // The collector is gone (it panicked): the publish's fate is unknown.
         drop(ticket);
