@@ -394,8 +394,8 @@ pub async fn confirm_channel(conn: &Connection) -> Result<Channel, lapin::Error>
 /// A `basic.return` carries no delivery tag (AMQP 0-9-1,
 /// <https://www.rabbitmq.com/docs/confirms#when-publishes-are-confirmed>): lapin hands a returned
 /// message to the next confirm it completes on the channel, which can be another publish's. One
-/// task per channel takes every confirm in the order lapin completes them and hands such a return
-/// to its own publish ([`crate::publisher::publish_confirmed`]).
+/// task per channel takes every confirm and hands such a return to its own publish before it
+/// reports any outcome ([`crate::publisher::publish_confirmed`]).
 ///
 /// One shared channel instead of one channel per publish in flight: the broker acks a busy
 /// channel's publishes with one `multiple` ack for many, and fewer frames and wake-ups cost less

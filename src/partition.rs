@@ -685,11 +685,8 @@ async fn intake(
                         return Ok(Ended::Restart(restart::CHANNEL_CLOSED));
                     }
                 }
-                Some(Err(e)) => return Err(e),
-                None => {
-                    warn!(partition = ctx.partition, "the broker cancelled the partition consumer (queue deleted?)");
-                    return Ok(Ended::Restart(restart::QUEUE_MISSING));
-                }
+                Some(Err(e)) => return consumer_ended(ctx, Some(e)),
+                None => return consumer_ended(ctx, None),
             },
         }
     }
@@ -713,12 +710,11 @@ async fn return_buffered(ctx: &PartitionContext, end: &SessionEnd, consumer: &mu
         match consumer.next().now_or_never() {
             Some(Some(Ok(delivery))) => buffered.push(delivery),
             Some(Some(Err(e))) => {
-                ended = Some(Err(e));
+                ended = Some(consumer_ended(ctx, Some(e)));
                 break;
             }
             Some(None) => {
-                warn!(partition = ctx.partition, "the broker cancelled the partition consumer (queue deleted?)");
-                ended = Some(Ok(Ended::Restart(restart::QUEUE_MISSING)));
+                ended = Some(consumer_ended(ctx, None));
                 break;
             }
             None => break,
@@ -740,6 +736,18 @@ async fn return_buffered(ctx: &PartitionContext, end: &SessionEnd, consumer: &mu
         }
     }
     ended
+}
+
+/// The intake's end when its consumer yields error `e`, or ends (`None`: the broker cancelled
+/// it, which it does when the queue is deleted).
+fn consumer_ended(ctx: &PartitionContext, e: Option<lapin::Error>) -> Result<Ended, lapin::Error> {
+    match e {
+        Some(e) => Err(e),
+        None => {
+            warn!(partition = ctx.partition, "the broker cancelled the partition consumer (queue deleted?)");
+            Ok(Ended::Restart(restart::QUEUE_MISSING))
+        }
+    }
 }
 
 /// Intake pauses while no endpoint of the partition is available: what is held waits for it

@@ -285,14 +285,9 @@ async fn collect_confirms(mut watches: tokio::sync::mpsc::UnboundedReceiver<Watc
                 }
                 for (n, outcome) in outcomes {
                     let Some((own, tx)) = waiting.remove(&n) else { continue };
-                    let outcome = match outcome {
-                        Ok(()) if returned.remove(&n) => {
-                            Err(PublishError::Unroutable { exchange: own.exchange, routing_key: own.routing_key })
-                        }
-                        other => {
-                            returned.remove(&n);
-                            other
-                        }
+                    let outcome = match (outcome, returned.remove(&n)) {
+                        (Ok(()), true) => Err(PublishError::Unroutable { exchange: own.exchange, routing_key: own.routing_key }),
+                        (other, _) => other,
                     };
                     let _ = tx.send(outcome);
                 }
@@ -347,8 +342,8 @@ fn take_ready<F: std::future::Future>(confirms: &mut futures_util::stream::Futur
 
 /// Hands returned message `m`, which reached the confirm of publish `n`, to the waiting publish
 /// that sent it (`n` itself first; marked in `returned`), or places it again
-/// ([`place_returned`], in a task of its own on `conn`) when no waiting publish sent it: its
-/// publish was given up, and its caller publishes it again or requeues it.
+/// ([`place_returned`], in a task of its own on `conn`) when no waiting publish sent it: the
+/// collector stopped waiting for its publish's confirm, or had not yet taken that publish in.
 fn hand_over(
     m: BasicReturnMessage,
     n: u64,
