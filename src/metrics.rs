@@ -242,7 +242,7 @@ static INTAKE_FAILURES: LazyLock<IntCounterVec> = counter_vec!(
 );
 // Settlement of partition deliveries: panics, unsettled deliveries, refused results, paused intake.
 static TASK_PANICS: LazyLock<IntCounterVec> =
-    counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage: router (its request was requeued), batcher (its batch was requeued), partition (the worker ended, its lease was released, its unacked requests returned to the queue), llm_probe (taken as a failed half-open probe, or as no verdict for a verification), split_refresh (the split-set refresher restarted; routing kept its last view).", &["stage"]);
+    counter_vec!("task_panics_total", "Panics caught at a task boundary, by stage: router (its request was requeued), batcher (its batch was requeued; or the batcher or executor of a partition's session panicked: the session was closed, which returned its unacked requests), partition (the worker ended, its lease was released, its unacked requests returned to the queue), llm_probe (taken as a failed half-open probe, or as no verdict for a verification), split_refresh (the split-set refresher restarted; routing kept its last view).", &["stage"]);
 macro_rules! gauge_vec {
     ($name:expr, $help:expr, $labels:expr) => {
         LazyLock::new(|| reg(IntGaugeVec::new(Opts::new($name, $help), $labels).unwrap()))
@@ -289,8 +289,10 @@ pub mod restart {
     /// The consumer received nothing for the stall window while its queue held ready requests
     /// ([`crate::partition::stall_window`]).
     pub const STALLED: &str = "stalled";
+    /// The session's batcher or executor task panicked; the close returns what they held.
+    pub const TASK_PANICKED: &str = "task_panicked";
     /// Every label value, for [`super::init`].
-    pub const ALL: &[&str] = &[CONSUMER_TIMEOUT, CHANNEL_CLOSED, QUEUE_MISSING, STALLED];
+    pub const ALL: &[&str] = &[CONSUMER_TIMEOUT, CHANNEL_CLOSED, QUEUE_MISSING, STALLED, TASK_PANICKED];
 }
 
 static READY: LazyLock<Gauge> =

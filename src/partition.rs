@@ -518,10 +518,12 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
         max_buffered: usize::from(s.amqp.partition_prefetch),
     };
     let spent = ctx.buffer_budget.spent_signal();
-    let batcher = tokio::spawn(batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, move |n, age| {
+    let batching = batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
-    }));
-    let executor = tokio::spawn(execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone()));
+    });
+    let batcher = tokio::spawn(session_task("batcher", p, batching, end.clone()));
+    let executing = execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone());
+    let executor = tokio::spawn(session_task("executor", p, executing, end.clone()));
     let session = Session { ch, publish, tag, batcher, executor };
 
     let mut untaken = Vec::new();
@@ -548,6 +550,23 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
             close_at_once(ctx, session, &end, stop.abort.is_cancelled(), reason.or(end.reason())).await;
             other
         }
+    }
+}
+
+/// Runs `task`, the batcher or the executor (`what`) of a session of `partition`, with its panics
+/// caught. A panic ends the session (restart `task_panicked`, [`restart::TASK_PANICKED`]): the
+/// requests the task held are gone from memory but still unacked, and the channel's close returns
+/// them with every other unacked delivery of the session, charged one delivery each (so
+/// `amqp.delivery_limit` bounds a request that panics the task every time). Counted in
+/// `task_panics_total{stage="batcher"}` and logged at ERROR. Without this, the intake would go on
+/// feeding a dead task, and the requests it held would stay unacked until the broker's own
+/// `consumer_timeout` closed the channel. A panic in a batch's own task is handled there
+/// ([`guarded_batch`]).
+async fn session_task(what: &'static str, partition: u32, task: impl std::future::Future<Output = ()>, end: Arc<SessionEnd>) {
+    if let Err(panic) = crate::task::catch_panic(task).await {
+        error!(partition, panic = %panic, "the partition's {what} panicked; closing its consumer, which returns the requests it held to the queue");
+        metrics::task_panicked(stage::BATCHER);
+        end.raise(restart::TASK_PANICKED);
     }
 }
 
@@ -1629,6 +1648,35 @@ mod tests {
 
     const WINDOW: Duration = Duration::from_secs(30);
     const FRESH: Duration = Duration::from_secs(3);
+
+    /// A panic in a session's batcher or executor ends the session (its close returns what the
+    /// task held); a task that returns does not.
+    #[tokio::test]
+    async fn a_panicked_session_task_ends_the_session_and_a_finished_one_does_not() {
+        let abort = CancellationToken::new();
+        let end = SessionEnd::new(&abort);
+        tokio::spawn(session_task("executor", 3, async {}, end.clone())).await.unwrap();
+        assert!(!end.token.is_cancelled());
+        assert_eq!(end.reason(), None);
+        let before = batcher_panics();
+        let task = async {
+            tokio::task::yield_now().await;
+            panic!("the batcher's state is inconsistent");
+        };
+        tokio::spawn(session_task("batcher", 3, task, end.clone())).await.expect("the panic is caught, not the task's end");
+        assert!(end.token.is_cancelled(), "the intake sees the session's end");
+        assert_eq!(end.reason(), Some(restart::TASK_PANICKED));
+        assert!(!abort.is_cancelled(), "the partition itself goes on: a new session starts");
+        let after = batcher_panics();
+        assert!(after > before, "counted: {before} then {after}");
+    }
+
+    /// `task_panics_total{stage="batcher"}` now.
+    fn batcher_panics() -> f64 {
+        let text = crate::metrics::render();
+        let line = text.lines().find(|l| l.starts_with("prefix_batcher_task_panics_total{stage=\"batcher\"}"));
+        line.and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    }
 
     /// The guard counts a delivery's hold from its receipt, a wait for the byte budget included
     /// (the broker's `consumer_timeout` counts from its delivery), and the requests it returns
