@@ -9,7 +9,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::options::ConfirmSelectOptions;
+use lapin::Acker;
+use lapin::options::{BasicAckOptions, BasicNackOptions, ConfirmSelectOptions};
 use lapin::protocol::AMQPErrorKind;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
@@ -149,6 +150,27 @@ pub fn settled(r: lapin::Result<bool>) -> lapin::Result<()> {
         ))),
         Err(e) => Err(e),
     }
+}
+
+/// Acks the delivery of `acker`, waiting at most [`CLOSE_TIMEOUT`]. The broker does not answer
+/// an ack; lapin's future ends once the frame is written, and an ack on a connection that
+/// stopped moving (a full socket to a stalled broker, a connection closing) may never end.
+/// Errors: as [`settled`], or the timeout ([`within`]). Either way the delivery then has a
+/// definite outcome: taken by the broker (a frame written late still arrives), or returned
+/// when its channel closes.
+pub async fn ack(acker: &Acker) -> lapin::Result<()> {
+    settle_within("basic.ack", acker.ack(BasicAckOptions::default())).await
+}
+
+/// Nacks the delivery of `acker` with requeue (the broker puts it back and charges it a
+/// delivery), waiting at most [`CLOSE_TIMEOUT`], as [`ack`] does. Errors: as [`ack`].
+pub async fn nack_requeue(acker: &Acker) -> lapin::Result<()> {
+    settle_within("basic.nack", acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() })).await
+}
+
+/// An ack or nack (`what`) with the deadline of [`ack`], read by [`settled`].
+async fn settle_within(what: &str, settlement: impl std::future::Future<Output = lapin::Result<bool>>) -> lapin::Result<()> {
+    settled(within(CLOSE_TIMEOUT, what, settlement).await)
 }
 
 /// How long closing a channel or a connection waits for the broker's close-ok: 5 s. A live
@@ -836,6 +858,17 @@ mod tests {
         let e = settled(Ok(false)).expect_err("not sent");
         assert!(e.to_string().contains("channel is closed"), "{e}");
         assert!(settled(Err(timed_out("x".into()))).is_err());
+    }
+
+    /// An ack that lapin never finishes sending (a connection that stopped moving) ends in an
+    /// error after [`CLOSE_TIMEOUT`], so its delivery is handled as one whose channel closes.
+    #[tokio::test(start_paused = true)]
+    async fn an_ack_that_never_finishes_ends_after_the_close_timeout() {
+        let t0 = tokio::time::Instant::now();
+        let e = settle_within("basic.ack", std::future::pending()).await.expect_err("never sent");
+        assert_eq!(t0.elapsed(), CLOSE_TIMEOUT);
+        assert!(e.to_string().contains("basic.ack"), "{e}");
+        assert!(settle_within("basic.nack", async { Ok(true) }).await.is_ok());
     }
 
     /// Observed: a `timestamp_in_ms` of "+1764000000000" was taken, though the contract says

@@ -60,7 +60,7 @@ use std::time::Duration;
 use futures_util::{FutureExt, StreamExt};
 use lapin::Acker;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Consumer};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -1150,12 +1150,12 @@ static COPY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 /// fails (the channel closed), the broker returns the delivery as redelivered and it is
 /// processed unless answered before: at worst answered twice, never lost.
 async fn drop_copy(partition: u32, delivery: Delivery, id: &str, what: &str) {
-    match delivery.acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => {
+    match crate::amqp::ack(&delivery.acker).await {
+        Ok(()) => {
             metrics::requests(stage::BATCHER, outcome::DUPLICATE, 1);
             crate::info_limited!(COPY_LOG, partition, request_id = %id, "{what}: acked without processing");
         }
-        other => debug!(partition, request_id = %id, result = ?other, "a copy could not be acked; the broker returns it"),
+        Err(e) => debug!(partition, request_id = %id, error = %e, "a copy could not be acked; the broker returns it"),
     }
 }
 
@@ -1606,12 +1606,12 @@ async fn return_uncharged(ctx: &PartitionContext, out: &SharedConfirmChannel, de
                 debug!(message_id = ?d.properties.message_id(), error = %e, "could not put a delivery back uncharged; the channel's close returns it");
                 return false;
             }
-            // `Ok(false)`: the acker was already used or its channel is gone, so no ack was sent
-            // and the channel's close returns the original as well (a duplicate of the copy).
-            match d.acker.ack(BasicAckOptions::default()).await {
-                Ok(true) => true,
-                other => {
-                    warn!(partition = ctx.partition, message_id = ?d.properties.message_id(), result = ?other, "a delivery put back uncharged could not be acked: it returns as well and will be answered twice");
+            // Not sent (the acker was already used or its channel is gone, or the ack timed out):
+            // the channel's close returns the original as well (a duplicate of the copy).
+            match crate::amqp::ack(&d.acker).await {
+                Ok(()) => true,
+                Err(e) => {
+                    warn!(partition = ctx.partition, message_id = ?d.properties.message_id(), error = %e, "a delivery put back uncharged could not be acked: it returns as well and will be answered twice");
                     false
                 }
             }

@@ -25,7 +25,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use lapin::Acker;
 use lapin::message::{BasicReturnMessage, Delivery};
-use lapin::options::{BasicAckOptions, BasicNackOptions, BasicPublishOptions, QueueDeclareOptions};
+use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection};
 use serde_json::Value;
@@ -1100,7 +1100,7 @@ async fn dead_letter_and_ack_inline(
     if lease.is_some() {
         redelivery::note_answered(props.headers().as_ref());
     }
-    match crate::amqp::settled(crate::amqp::within(crate::amqp::CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default())).await) {
+    match crate::amqp::ack(&delivery.acker).await {
         Ok(_) => metrics::dead_lettered(reason, if lease.is_some() { stage::BATCHER } else { stage::ROUTER }),
         Err(e) => crate::warn_limited!(ACK_FAILED_LOG, error = %e, "ack of a dead-lettered message failed; the broker will redeliver it"),
     }
@@ -1433,7 +1433,7 @@ async fn ack_published(delivery: Delivery, result: &RequestResult, tenure: Tenur
         // detectable by the older x-partition-epoch).
         return ResultEnd::Settled(left(&result.id, "lease deadline passed before the ack"));
     }
-    if let Err(e) = crate::amqp::settled(delivery.acker.ack(BasicAckOptions::default()).await) {
+    if let Err(e) = crate::amqp::ack(&delivery.acker).await {
         crate::warn_limited!(ACK_FAILED_LOG, request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
         return ResultEnd::Settled(Settlement::ChannelLost);
     }
@@ -1574,7 +1574,7 @@ async fn publish_with_fallback(
 pub async fn requeue(acker: &Acker, id: &str, why: &str) -> Settlement {
     crate::redelivery::note_failure(id, why);
     metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
-    match crate::amqp::settled(acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() }).await) {
+    match crate::amqp::nack_requeue(acker).await {
         Ok(()) => Settlement::Requeued,
         Err(e) => {
             crate::warn_limited!(ACK_FAILED_LOG, request_id = %id, error = %e, "nack failed; the closed channel returns the request");

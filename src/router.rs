@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions};
+use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Consumer};
 use tokio::task::JoinSet;
@@ -462,7 +462,7 @@ async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery
         error!(request_id = %id, panic = %panic, "handling an input delivery panicked; requeueing it");
         metrics::task_panicked(stage::ROUTER);
         redelivery::note_failure(&id, &format!("panic: {panic}"));
-        let _ = within(CLOSE_TIMEOUT, "basic.nack", acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() })).await;
+        let _ = crate::amqp::nack_requeue(&acker).await;
     }
 }
 
@@ -525,7 +525,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     }
     // Bounded: an ack on a channel whose connection closed may never be answered (lapin), and the
     // broker returns the delivery anyway then.
-    if let Err(e) = crate::amqp::settled(staged(ACK, within(CLOSE_TIMEOUT, "basic.ack", delivery.acker.ack(BasicAckOptions::default()))).await) {
+    if let Err(e) = staged(ACK, crate::amqp::ack(&delivery.acker)).await {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
         return;
     }
@@ -705,8 +705,7 @@ async fn requeue_after_backoff(a: &AmqpSettings, delivery: Delivery, stop: &Canc
 
 /// Not acked: requeue so another attempt (here or on another instance) can succeed.
 async fn requeue(delivery: Delivery) {
-    let nack = delivery.acker.nack(BasicNackOptions { requeue: true, ..BasicNackOptions::default() });
-    let _ = staged(REQUEUE, within(CLOSE_TIMEOUT, "basic.nack", nack)).await;
+    let _ = staged(REQUEUE, crate::amqp::nack_requeue(&delivery.acker)).await;
     metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
 }
 
