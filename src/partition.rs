@@ -700,8 +700,16 @@ async fn intake(
                         }
                     };
                     let bkey = if keyed { pending.key } else { PrefixKey(0) };
-                    if item_tx.send((bkey, pending)).await.is_err() {
-                        return Ok(Ended::Restart(restart::CHANNEL_CLOSED));
+                    if let Err(mpsc::error::SendError((_, pending))) = item_tx.send((bkey, pending)).await {
+                        // The batcher stopped taking: a revoke that came while this delivery was
+                        // admitted (it flushed what it held and closed its input), or its end.
+                        if stop.revoke.is_cancelled() && !end.token.is_cancelled() {
+                            // A graceful end: the delivery goes back uncharged with the other
+                            // untaken ones, and the batches in flight finish.
+                            untaken.push(pending.delivery);
+                            return Ok(Ended::Stopped);
+                        }
+                        return Ok(Ended::Restart(end.reason().unwrap_or(restart::CHANNEL_CLOSED)));
                     }
                 }
                 Some(Err(e)) => return consumer_ended(ctx, Some(e)),
