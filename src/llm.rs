@@ -1744,15 +1744,36 @@ impl LlmClient {
     /// refusal: a server or gateway serving only chat would otherwise never close its breaker
     /// once it opened. Once completions requests met it ([`Self::api_refused`]), it fails until
     /// the completions API answers.
+    ///
+    /// A request fault on the one-token completion (another 4xx: Azure OpenAI answers 400
+    /// `OperationNotSupported` to a completions call for a chat deployment) is an answer of a
+    /// healthy server only if its chat API agrees: the minimal chat call goes too, and when it
+    /// fails with a server fault (5xx, an invalid answer, a timeout), so does the probe. Without
+    /// that, a chat-only gateway whose chat backend failed every call would pass every probe, and
+    /// the outage would be charged to the requests.
     async fn ping(&self, endpoint: usize) -> Outcome {
         let Err((kind, detail)) = self.minimal_call(endpoint, CallKind::Completions).await else {
             return Outcome::Success;
         };
         let name = &self.inner.endpoints[endpoint].name;
         let completions_refusing = lock(&self.inner.endpoints[endpoint].routes)[CallKind::Completions.route()].refusing;
-        if kind == ErrorKind::EndpointConfig && !completions_refusing && self.minimal_call(endpoint, CallKind::Chat).await.is_ok() {
-            tracing::debug!(endpoint, name = %name, error = %detail, "the LLM endpoint has no completions API but answers a minimal chat call");
-            return Outcome::Success;
+        let chat = match kind.fault() {
+            _ if completions_refusing => None,
+            Fault::Request => Some(self.minimal_call(endpoint, CallKind::Chat).await),
+            _ if kind == ErrorKind::EndpointConfig => Some(self.minimal_call(endpoint, CallKind::Chat).await),
+            _ => None,
+        };
+        match chat {
+            Some(Ok(())) => {
+                tracing::debug!(endpoint, name = %name, error = %detail, "the LLM endpoint refuses the one-token completion but answers a minimal chat call");
+                return Outcome::Success;
+            }
+            Some(Err((chat_kind, chat_detail))) if kind.fault() == Fault::Request && chat_kind.fault() == Fault::Server => {
+                tracing::info!(endpoint, name = %name, kind = chat_kind.as_str(), error = %chat_detail, completions = %detail, "LLM endpoint probe failed on its chat API (its completions API refuses the probe)");
+                *lock(&self.inner.endpoints[endpoint].last_fault) = Some((chat_kind, format!("probe (chat): {chat_detail}")));
+                return Outcome::ServerFault;
+            }
+            _ => {}
         }
         *lock(&self.inner.endpoints[endpoint].last_fault) = Some((kind, format!("probe: {detail}")));
         if kind == ErrorKind::EndpointConfig {
@@ -3221,6 +3242,28 @@ mod tests {
         assert!(client.confirm_server_fault(0).await, "refused connections: down");
         assert!(!client.available(0));
         fake.set_refuse(false).await;
+        let back = tokio::time::timeout(Duration::from_secs(20), client.wait_available(0, &CancellationToken::new())).await;
+        assert_eq!(back.ok(), Some(true), "the probe's chat call closes the breaker");
+        assert!(run(&client, &reqs).await[0].is_ok());
+    }
+
+    /// A chat-only gateway whose completions API answers 400 (as Azure OpenAI does for a chat
+    /// deployment), not 404: when its chat backend fails every call, the one-token completion's
+    /// 400 must not pass the probe, or the outage is charged to the requests. Observed: the
+    /// probe took the 400 as a healthy server's answer, so the breaker never opened.
+    #[tokio::test]
+    async fn a_chat_outage_behind_a_completions_400_is_the_servers_fault() {
+        const AZURE: &str = "The completion operation does not work with the specified model. Please choose different model and try again.";
+        let fake = FakeLlm::new().chat_only_answering(400, AZURE).start().await.unwrap();
+        let client = LlmClient::new(&settings(&fake.url)).unwrap();
+        let reqs = vec![(chat("one"), Map::new())];
+        assert!(run(&client, &reqs).await[0].is_ok());
+        assert_eq!(client.probe(0, false).await, Outcome::Success, "healthy: the chat call answers");
+        fake.set_garbage(true);
+        assert!(run(&client, &reqs).await[0].is_err());
+        assert!(client.confirm_server_fault(0).await, "chat fails: the server's fault, whatever completions answer");
+        assert!(!client.available(0), "the breaker opened");
+        fake.set_garbage(false);
         let back = tokio::time::timeout(Duration::from_secs(20), client.wait_available(0, &CancellationToken::new())).await;
         assert_eq!(back.ok(), Some(true), "the probe's chat call closes the breaker");
         assert!(run(&client, &reqs).await[0].is_ok());

@@ -71,6 +71,8 @@ pub struct FakeLlm {
     slow_marker: Option<(String, Duration)>,
     strict_model: bool,
     chat_only: bool,
+    /// The status and error message of a completions call when [`Self::chat_only`].
+    no_completions: (u16, &'static str),
     echo_authorization: bool,
 }
 
@@ -121,6 +123,7 @@ impl Default for FakeLlm {
             slow_marker: None,
             strict_model: false,
             chat_only: false,
+            no_completions: (404, "Not Found"),
             echo_authorization: false,
         }
     }
@@ -249,6 +252,15 @@ impl FakeLlm {
     /// status), as by a server or gateway that serves only `/v1/chat/completions`.
     pub fn chat_only(mut self) -> Self {
         self.chat_only = true;
+        self
+    }
+
+    /// As [`chat_only`](Self::chat_only), but a completions call is answered `status` with
+    /// `message`: Azure OpenAI answers 400 `OperationNotSupported` ("The completion operation
+    /// does not work with the specified model") to a completions call for a chat deployment.
+    pub fn chat_only_answering(mut self, status: u16, message: &'static str) -> Self {
+        self.chat_only = true;
+        self.no_completions = (status, message);
         self
     }
 
@@ -603,7 +615,8 @@ enum Decision {
     NoChatTemplate,
     /// A call naming a model the fake does not serve ([`FakeLlm::strict_model`]): HTTP 404.
     UnknownModel(String),
-    /// A completions call to a server without that API ([`FakeLlm::chat_only`]): HTTP 404.
+    /// A completions call to a server without that API ([`FakeLlm::chat_only`]): HTTP 404, or
+    /// the status of [`FakeLlm::chat_only_answering`].
     NoSuchApi,
     Answer(Vec<PromptTokens>),
 }
@@ -689,7 +702,8 @@ async fn admit(
         let status = match decision {
             Decision::Fail(s) | Decision::MarkedFail(s) => s,
             Decision::TooLong | Decision::NoChatTemplate => 400,
-            Decision::UnknownModel(_) | Decision::NoSuchApi => 404,
+            Decision::UnknownModel(_) => 404,
+            Decision::NoSuchApi => cfg.no_completions.0,
             _ => 200,
         };
         g.calls.push(RecordedCall {
@@ -732,7 +746,7 @@ async fn admit(
             .into_response()),
         Decision::TooLong => Err(error_response(400, CONTEXT_EXCEEDED, None)),
         Decision::NoChatTemplate => Err(error_response(400, NO_CHAT_TEMPLATE, None)),
-        Decision::NoSuchApi => Err(error_response(404, "Not Found", None)),
+        Decision::NoSuchApi => Err(error_response(cfg.no_completions.0, cfg.no_completions.1, None)),
         Decision::UnknownModel(model) => Err(error_response(404, &format!("The model `{model}` does not exist."), None)),
         Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
         Decision::Answer(counts) => Ok(counts),
