@@ -1131,7 +1131,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     };
     let fingerprint = publisher::request_fingerprint(&req.id, &delivery.data, &delivery.properties);
     if redelivery::is_second_copy(fingerprint, delivery.redelivered, delivery.properties.headers().as_ref()) {
-        drop_copy(ctx.partition, delivery, &req.id, "a second copy of a request taken before (forwarded again from a redelivered input message)").await;
+        drop_copy(ctx.partition, delivery, &req.id, "a second copy of a request taken before (forwarded again from a redelivered input message, or a forward published again)").await;
         return None;
     }
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);

@@ -98,8 +98,9 @@ pub const HEADER_INPUT_REDELIVERED: &str = "x-input-redelivered";
 /// [`crate::publisher::carried_props`]). Read by [`answered_before`].
 pub const HEADER_FORWARD_ID: &str = "x-forward-id";
 
-/// How many requests [`is_second_copy`] and how many forwards [`answered_before`] remember:
-/// 131,072 each, about 5 MB each (at 4,000 requests/s, the last half minute).
+/// How many entries [`is_second_copy`] and [`answered_before`] remember: 131,072 each, about
+/// 5 MB each. [`is_second_copy`] keeps two per forward taken (three for a marked one): at 4,000
+/// requests/s, the last 15 s.
 pub const RECENT_REQUESTS_CAPACITY: usize = 1 << 17;
 
 /// A set of 128-bit fingerprints that forgets the oldest once `capacity` are kept.
@@ -111,16 +112,22 @@ impl RecentSet {
     fn is_second_copy(&mut self, taken: u128, redelivered: bool, headers: Option<&FieldTable>) -> bool {
         let marked = header_u64(headers, HEADER_INPUT_REDELIVERED).is_some_and(|v| v > 0);
         let put_back = header_u64(headers, HEADER_EARLIER_DELIVERIES).is_some();
+        // The same forward (its id and the request's fingerprint together) published again.
+        let forward = forward_fingerprint(headers).map(|f| f ^ taken ^ SENT_AGAIN);
         let copy = !redelivered
-            && if marked {
-                self.contains(&taken)
-            } else {
-                !put_back && self.contains(&(taken ^ MARKED))
-            };
+            && (forward.is_some_and(|f| self.contains(&f))
+                || if marked {
+                    self.contains(&taken)
+                } else {
+                    !put_back && self.contains(&(taken ^ MARKED))
+                });
         if !copy {
             self.insert(taken, ());
             if marked {
                 self.insert(taken ^ MARKED, ());
+            }
+            if let Some(f) = forward {
+                self.insert(f, ());
             }
         }
         copy
@@ -134,6 +141,10 @@ impl RecentSet {
 
 /// Told apart from a request's fingerprint, that of a marked copy ([`HEADER_INPUT_REDELIVERED`]).
 const MARKED: u128 = 0x5a5a_5a5a_5a5a_5a5a_a5a5_a5a5_a5a5_a5a5;
+
+/// Told apart from the others, the entry of a forward taken: its [`HEADER_FORWARD_ID`]'s hash
+/// XOR the request's fingerprint XOR this.
+const SENT_AGAIN: u128 = 0x3c3c_3c3c_c3c3_c3c3_3c3c_3c3c_c3c3_c3c3;
 
 /// Requests that entered this process's partition consumers, by their fingerprint.
 static RECENT_REQUESTS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
@@ -157,7 +168,13 @@ fn forward_fingerprint(headers: Option<&FieldTable>) -> Option<u128> {
 ///   message), or
 /// - the copy taken before carried it: the router that first took the input message sent its
 ///   forward after the broker had already given the message to another router, whose marked
-///   forward reached the partition queue first.
+///   forward reached the partition queue first;
+///
+/// or when it is a forward taken before, published again: the same [`HEADER_FORWARD_ID`] with
+/// the same fingerprint. The router publishes a forward again, with the same properties, when
+/// the broker did not confirm it (no confirm in time, a nack, or an earlier publish on its
+/// channel failed: ordered settlement), though the broker often enqueued it anyway, as around
+/// a quorum queue's leader election.
 ///
 /// The mark says that the input queue delivered the message before, not that a router forwarded
 /// it (it may have waited in a router's prefetch window): so the fingerprint covers everything
@@ -318,6 +335,28 @@ mod tests {
     }
 
     #[test]
+    fn a_forward_published_again_is_a_second_copy_but_its_redelivery_is_not() {
+        let forward = |f: &str| {
+            let mut h = FieldTable::default();
+            h.insert(ShortString::from(HEADER_FORWARD_ID), AMQPValue::LongString(f.into()));
+            h
+        };
+        let (a, b) = (forward("sent-again-test-a"), forward("sent-again-test-b"));
+        let mut t = RecentSet::new(100);
+        let req = fp("sent-again-1", b"body");
+        assert!(!t.is_second_copy(req, false, Some(&a)), "the first copy taken is processed");
+        // Observed: the router's forward got no confirm in time (or a nack, or an earlier publish
+        // on its channel failed) though the broker had enqueued it; its second publish, the same
+        // properties, was processed too and answered twice, counted nowhere.
+        assert!(t.is_second_copy(req, false, Some(&a)), "the same forward, published again");
+        assert!(!t.is_second_copy(req, true, Some(&a)), "the partition queue delivers it again: its earlier delivery did not end");
+        assert!(!t.is_second_copy(req, false, Some(&b)), "another forward of the request (a publisher's own repeat)");
+        let other = fp("sent-again-2", b"body");
+        assert!(!t.is_second_copy(other, false, Some(&a)), "another request under the same forward id (published straight to the queue)");
+        assert!(!t.is_second_copy(fp("sent-again-3", b"body"), false, None), "no forward id");
+    }
+
+    #[test]
     fn only_a_redelivery_of_an_answered_forward_was_answered_before() {
         let with_id = |f: &str| {
             let mut h = FieldTable::default();
@@ -328,7 +367,7 @@ mod tests {
         let mut t = RecentSet::new(100);
         t.insert(forward_fingerprint(Some(&answered)).unwrap(), ());
         assert!(t.answered_before(true, Some(&answered)));
-        assert!(!t.answered_before(false, Some(&answered)), "a first delivery (a forward is published once)");
+        assert!(!t.answered_before(false, Some(&answered)), "a first delivery (one published again is `is_second_copy`'s)");
         assert!(!t.answered_before(true, Some(&other)), "another forward");
         assert!(!t.answered_before(true, None), "no forward id: published straight to the partition queue");
         note_answered(Some(&answered));

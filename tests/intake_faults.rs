@@ -602,6 +602,47 @@ async fn a_forward_delivered_again_after_its_result_is_answered_once() {
     env.cleanup().await;
 }
 
+/// A forward that the router published again (the broker did not confirm the first though it
+/// enqueued it: no confirm in time, a nack, or an earlier publish on its channel failed) reaches
+/// the partition queue twice, with the same `x-forward-id`: answered once, the second copy
+/// acked without processing and counted. Observed before: both were processed and answered,
+/// counted nowhere. A third forward of the request (another `x-forward-id`, as a publisher's own
+/// repeat gets) is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_published_again_is_answered_once() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("sentagain");
+    let raw = env.raw_config(fake.url.as_str());
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let duplicates_before = counter("requests_total", "outcome", "duplicate");
+    let body = serde_json::to_vec(&json!({"id": "sent-again-1", "prompt": "published again"})).unwrap();
+    let forward = |forward_id: &str| {
+        let mut h = FieldTable::default();
+        h.insert(ShortString::from("x-forward-id"), AMQPValue::LongString(forward_id.into()));
+        request_props("sent-again-1", &reply).with_message_id("sent-again-1".into()).with_headers(h)
+    };
+    let forward_id = format!("{}", uuid::Uuid::new_v4().simple());
+    let p0 = env.partition_queue(0);
+    amqp.publish(&p0, &body, forward(&forward_id)).await;
+    amqp.publish(&p0, &body, forward(&forward_id)).await;
+    amqp.publish(&p0, &body, forward(&format!("{}", uuid::Uuid::new_v4().simple()))).await;
+    let answers = |r: &[Received]| r.iter().filter(|m| m.correlation_id == "sent-again-1").count();
+    results.until("two answers (the forward and the other forward)", DEADLINE, |r| answers(r) >= 2).await;
+    // At least: other tests of this process may drop copies too.
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    while counter("requests_total", "outcome", "duplicate") - duplicates_before < 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "no copy counted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    results.barrier(&amqp).await;
+    assert_eq!(answers(&results.received), 2, "the forward published again was answered too");
+    assert_eq!(amqp.queue_depth(&p0).await.0, 0, "the copy was not acked");
+    daemon.stop().await.expect("daemon stops cleanly");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
 /// `prefix_batcher_reply_to_refused_total{reason}` of this process.
 fn reply_to_refusals(reason: &str) -> f64 {
     counter("reply_to_refused_total", "reason", reason)
