@@ -1249,10 +1249,19 @@ impl LlmClient {
         let breaker_outcome = self.record_attempt(call, &outcome, started);
         if breaker_outcome.needs_verification() {
             if let Some(verification) = self.start_verification(call.endpoint) {
+                // Not past the call's deadline: the verification goes on in its own task, and
+                // the breaker holds its verdict for the next call.
+                let past_deadline = async {
+                    match call.deadline {
+                        Some(d) => tokio::time::sleep_until(d).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     biased;
                     _ = cancel.cancelled() => {}
                     _ = verification => {}
+                    () = past_deadline => {}
                 }
             }
         }

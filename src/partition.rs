@@ -1443,7 +1443,19 @@ async fn infer_through_outages(
             return None;
         }
         let server_faults = answers.iter().filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server)).count();
-        let outage = server_faults > 0 && ctx.llm.confirm_server_fault(endpoint).await;
+        // The verdict (a probe, and maybe a replay of a real call) may take as long as a call or
+        // two: not past `release_at`, nor past the session's end.
+        let outage = server_faults > 0
+            && match verdict_by(release_at, &end.token, ctx.llm.confirm_server_fault(endpoint)).await {
+                Verdict::Given(outage) => outage,
+                Verdict::Ended => return None,
+                Verdict::Late => {
+                    // No verdict in time: the items that met a server fault go back uncharged,
+                    // as in an outage near `amqp.consumer_timeout`; the answers go out.
+                    let again = sort_answers(todo, answers, &mut results, &mut not_sent, true);
+                    return Some(Outcomes::released(results, not_sent, again, ctx.partition));
+                }
+            };
         // Isolate a possible offender once; an outage resets nothing (the items wait and go again).
         // Not for request timeouts: a list call that timed out went again prompt by prompt
         // already ([`LlmClient::infer_within`]), so each of them is a prompt's own call.
@@ -1472,6 +1484,29 @@ async fn infer_through_outages(
         }
         log_going_again(ctx, endpoint, again.len(), outage);
         todo = again;
+    }
+}
+
+/// What [`verdict_by`] got.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Whether the endpoint is down ([`LlmClient::confirm_server_fault`]).
+    Given(bool),
+    /// `release_at` came first.
+    Late,
+    /// The session ended first.
+    Ended,
+}
+
+/// Waits for `verdict` (whether a batch's server faults were an outage, which may take a probe
+/// and a replay of a real call: as long as a call or two) until `release_at` or the session's
+/// `end`, whichever comes first.
+async fn verdict_by(release_at: Instant, end: &CancellationToken, verdict: impl std::future::Future<Output = bool>) -> Verdict {
+    tokio::select! {
+        biased;
+        _ = end.cancelled() => Verdict::Ended,
+        outage = verdict => Verdict::Given(outage),
+        () = tokio::time::sleep_until(release_at) => Verdict::Late,
     }
 }
 
@@ -1656,6 +1691,29 @@ mod tests {
 
     const WINDOW: Duration = Duration::from_secs(30);
     const FRESH: Duration = Duration::from_secs(3);
+
+    /// The verdict on a batch's server faults is waited for until `release_at` (later, the
+    /// `amqp.consumer_timeout` guard would return the requests charged) or the session's end.
+    /// Observed: a slow server's probe and replay ran past the guard.
+    #[tokio::test(start_paused = true)]
+    async fn the_verdict_on_server_faults_is_waited_for_until_the_release_time() {
+        let end = CancellationToken::new();
+        let t0 = Instant::now();
+        let release_at = t0 + Duration::from_secs(60);
+        let slow = async {
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            true
+        };
+        assert_eq!(verdict_by(release_at, &end, slow).await, Verdict::Late);
+        assert_eq!(t0.elapsed(), Duration::from_secs(60));
+        let quick = async {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            false
+        };
+        assert_eq!(verdict_by(Instant::now() + Duration::from_secs(60), &end, quick).await, Verdict::Given(false));
+        end.cancel();
+        assert_eq!(verdict_by(Instant::now() + Duration::from_secs(60), &end, std::future::pending()).await, Verdict::Ended);
+    }
 
     /// A panic in a session's batcher or executor ends the session (its close returns what the
     /// task held); a task that returns does not.
