@@ -487,8 +487,8 @@ fn tally(summary: &mut SubmitSummary, body: &[u8]) {
         summary.failed += 1;
     }
     if let Some(u) = r.usage {
-        summary.prompt_tokens += u.prompt_tokens;
-        summary.cached_tokens += u.cached_tokens.unwrap_or(0);
+        summary.prompt_tokens = summary.prompt_tokens.saturating_add(u.prompt_tokens);
+        summary.cached_tokens = summary.cached_tokens.saturating_add(u.cached_tokens.unwrap_or(0));
     }
 }
 

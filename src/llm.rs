@@ -2554,8 +2554,9 @@ struct Parsed {
 
 impl Parsed {
     fn add_tokens(&mut self, (prompt_tokens, cached_tokens): (u64, u64)) {
-        self.prompt_tokens += prompt_tokens;
-        self.cached_tokens += cached_tokens;
+        // Saturating: the counts come from the server.
+        self.prompt_tokens = self.prompt_tokens.saturating_add(prompt_tokens);
+        self.cached_tokens = self.cached_tokens.saturating_add(cached_tokens);
     }
 }
 
@@ -2581,7 +2582,7 @@ fn parse_usage(usage: Option<&Value>, timings: Option<&Value>) -> Option<Usage> 
     }
     let prompt_n = num(timings, "prompt_n")?;
     Some(Usage {
-        prompt_tokens: prompt_n + cache_n.unwrap_or(0),
+        prompt_tokens: prompt_n.saturating_add(cache_n.unwrap_or(0)),
         completion_tokens: num(timings, "predicted_n").unwrap_or(0),
         cached_tokens: cache_n,
     })
@@ -2793,7 +2794,7 @@ fn usage_totals(obj: &Value) -> (u64, u64) {
         return total(Some(u));
     }
     let choices = obj.get("choices").and_then(Value::as_array).into_iter().flatten();
-    choices.map(|c| total(usage_of(c))).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    choices.map(|c| total(usage_of(c))).fold((0, 0), |a, b| (a.0.saturating_add(b.0), a.1.saturating_add(b.1)))
 }
 
 /// A choice's `logprobs`, unless absent or `null`.
@@ -3295,6 +3296,24 @@ mod tests {
         assert!(probed.is_ok(), "no half-open probe: {:?}", fake.calls());
         assert!(!client.available(0), "a minimal chat call does not close it while completions are refused");
         assert!(fake.calls().iter().all(|c| c.path == "/v1/completions"), "no chat fallback once completions requests met the refusal");
+    }
+
+    /// Token counts come from the server: sums of absurd ones saturate instead of overflowing
+    /// (a panic in a debug build, a wrapped count in a release build).
+    #[test]
+    fn token_counts_from_the_server_saturate() {
+        let max = u64::MAX;
+        let answer = json!({"choices": [
+            {"text": "a", "usage": {"prompt_tokens": max, "prompt_tokens_details": {"cached_tokens": max}}},
+            {"text": "b", "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}},
+        ]});
+        assert_eq!(usage_totals(&answer), (max, max));
+        let timings = json!({"prompt_n": max, "cache_n": 5, "predicted_n": 1});
+        assert_eq!(parse_usage(None, Some(&timings)).map(|u| u.prompt_tokens), Some(max));
+        let mut parsed = Parsed::default();
+        parsed.add_tokens((max, 1));
+        parsed.add_tokens((1, max));
+        assert_eq!((parsed.prompt_tokens, parsed.cached_tokens), (max, max));
     }
 
     #[tokio::test]
