@@ -21,7 +21,8 @@
 //! once per node and process, one at a time so that a crash is the check's own, and cost nothing
 //! once the nodes of the cluster are known. A node found undecodable is asked again after
 //! [`UNDECODABLE_FOR`] (a node may join the cluster). When the broker does not answer, the
-//! request is routed as before: the check protects the sessions, it does not hold up intake.
+//! request is routed as before: the check protects the sessions, it does not hold up intake; the
+//! requests of that node's names in the next [`UNCHECKED_FOR`] go on without a check.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -41,6 +42,12 @@ static CHECK_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new()
 /// How long a node found undecodable stays so before it is asked again.
 pub const UNDECODABLE_FOR: Duration = Duration::from_secs(60);
 
+/// How long a check that got no verdict (no connection, no answer in time) stands for its node:
+/// the deliveries that waited behind it, and those of the next seconds, go on at once instead
+/// of each waiting as long again (a stalled broker would otherwise hold the k-th of them k
+/// times `amqp.confirm_timeout`).
+pub const UNCHECKED_FOR: Duration = Duration::from_secs(5);
+
 /// Nodes remembered at most (a cluster has a few; forged names may name many more): when full, the
 /// verdicts are forgotten and asked again.
 const MAX_NODES: usize = 256;
@@ -57,26 +64,29 @@ pub enum Verdict {
     Unchecked(String),
 }
 
-/// The verdicts of this process, by node name (`{name}@{hash}`): `true` decodable; `false`
-/// undecodable, until the instant given.
-static VERDICTS: Mutex<Option<HashMap<String, (bool, Instant)>>> = Mutex::new(None);
+/// The verdicts of this process, by node name (`{name}@{hash}`): `Some(true)` decodable;
+/// `Some(false)` undecodable, until the instant given; `None` no verdict, until the instant given.
+static VERDICTS: Mutex<Option<HashMap<String, (Option<bool>, Instant)>>> = Mutex::new(None);
 
 fn remembered(node: &str) -> Option<Verdict> {
     let v = VERDICTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     match v.as_ref()?.get(node)? {
-        (true, _) => Some(Verdict::Decodable),
-        (false, until) if Instant::now() < *until => Some(Verdict::Undecodable),
-        (false, _) => None,
+        (Some(true), _) => Some(Verdict::Decodable),
+        (_, until) if Instant::now() >= *until => None,
+        (Some(false), _) => Some(Verdict::Undecodable),
+        (None, _) => Some(Verdict::Unchecked(format!("a check of this node got no verdict in the last {} s", UNCHECKED_FOR.as_secs()))),
     }
 }
 
-fn remember(node: &str, decodable: bool) {
+/// Remembers `verdict` for `node`: `Some(decodable)`, or `None` for no verdict.
+fn remember(node: &str, verdict: Option<bool>) {
     let mut v = VERDICTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let map = v.get_or_insert_with(HashMap::new);
     if map.len() >= MAX_NODES && !map.contains_key(node) {
         map.clear();
     }
-    map.insert(node.to_owned(), (decodable, Instant::now() + UNDECODABLE_FOR));
+    let stands = if verdict.is_some() { UNDECODABLE_FOR } else { UNCHECKED_FOR };
+    map.insert(node.to_owned(), (verdict, Instant::now() + stands));
 }
 
 /// The checks of one session: its own connection to the session's broker node, opened at the
@@ -111,9 +121,11 @@ impl NodeCheck {
         }
         let verdict = self.ask(&mut conn, reply_to).await;
         match &verdict {
-            Verdict::Decodable => remember(node, true),
-            Verdict::Undecodable => remember(node, false),
-            Verdict::Unchecked(_) => {}
+            Verdict::Decodable => remember(node, Some(true)),
+            Verdict::Undecodable => remember(node, Some(false)),
+            // Not for a check refused because this session ended: other sessions check.
+            Verdict::Unchecked(_) if self.closed.load(std::sync::atomic::Ordering::Relaxed) => {}
+            Verdict::Unchecked(_) => remember(node, None),
         }
         if conn.as_ref().is_some_and(|c| !c.status().connected()) {
             *conn = None;
@@ -184,19 +196,25 @@ mod tests {
     use super::*;
 
     /// A decodable node is remembered for good; an undecodable one for [`UNDECODABLE_FOR`], then
-    /// asked again; past [`MAX_NODES`] nodes the verdicts are forgotten.
+    /// asked again; a check without a verdict stands for [`UNCHECKED_FOR`]. Past [`MAX_NODES`]
+    /// nodes the verdicts are forgotten.
     #[tokio::test(start_paused = true)]
     async fn verdicts_are_kept_per_node_and_a_refusal_expires() {
-        remember("good-unit@1", true);
-        remember("bad-unit@2", false);
+        remember("good-unit@1", Some(true));
+        remember("bad-unit@2", Some(false));
+        remember("unanswered-unit@4", None);
+        assert!(matches!(remembered("unanswered-unit@4"), Some(Verdict::Unchecked(_))), "the deliveries behind it go on at once");
         assert_eq!(remembered("good-unit@1"), Some(Verdict::Decodable));
         assert_eq!(remembered("bad-unit@2"), Some(Verdict::Undecodable));
         assert_eq!(remembered("unseen-unit@3"), None);
-        tokio::time::advance(UNDECODABLE_FOR + Duration::from_millis(1)).await;
+        tokio::time::advance(UNCHECKED_FOR + Duration::from_millis(1)).await;
+        assert_eq!(remembered("unanswered-unit@4"), None, "asked again after UNCHECKED_FOR");
+        assert_eq!(remembered("bad-unit@2"), Some(Verdict::Undecodable));
+        tokio::time::advance(UNDECODABLE_FOR).await;
         assert_eq!(remembered("good-unit@1"), Some(Verdict::Decodable));
         assert_eq!(remembered("bad-unit@2"), None, "asked again after UNDECODABLE_FOR");
         for i in 0..MAX_NODES {
-            remember(&format!("many-unit@{i}"), false);
+            remember(&format!("many-unit@{i}"), Some(false));
         }
         assert_eq!(remembered("good-unit@1"), None, "forgotten once the table was full");
     }
