@@ -334,14 +334,16 @@ mod tests {
         assert!(t.map.len() <= 1000 && t.order.len() <= 1000);
     }
 
+    /// Headers with [`HEADER_FORWARD_ID`] `f`.
+    fn with_forward_id(f: &str) -> FieldTable {
+        let mut h = FieldTable::default();
+        h.insert(ShortString::from(HEADER_FORWARD_ID), AMQPValue::LongString(f.into()));
+        h
+    }
+
     #[test]
     fn a_forward_published_again_is_a_second_copy_but_its_redelivery_is_not() {
-        let forward = |f: &str| {
-            let mut h = FieldTable::default();
-            h.insert(ShortString::from(HEADER_FORWARD_ID), AMQPValue::LongString(f.into()));
-            h
-        };
-        let (a, b) = (forward("sent-again-test-a"), forward("sent-again-test-b"));
+        let (a, b) = (with_forward_id("sent-again-test-a"), with_forward_id("sent-again-test-b"));
         let mut t = RecentSet::new(100);
         let req = fp("sent-again-1", b"body");
         assert!(!t.is_second_copy(req, false, Some(&a)), "the first copy taken is processed");
@@ -358,12 +360,7 @@ mod tests {
 
     #[test]
     fn only_a_redelivery_of_an_answered_forward_was_answered_before() {
-        let with_id = |f: &str| {
-            let mut h = FieldTable::default();
-            h.insert(ShortString::from(HEADER_FORWARD_ID), AMQPValue::LongString(f.into()));
-            h
-        };
-        let (answered, other) = (with_id("answered-before-test-1"), with_id("answered-before-test-2"));
+        let (answered, other) = (with_forward_id("answered-before-test-1"), with_forward_id("answered-before-test-2"));
         let mut t = RecentSet::new(100);
         t.insert(forward_fingerprint(Some(&answered)).unwrap(), ());
         assert!(t.answered_before(true, Some(&answered)));

@@ -66,7 +66,10 @@ pub enum Verdict {
 
 /// The verdicts of this process, by node name (`{name}@{hash}`): `Some(true)` decodable;
 /// `Some(false)` undecodable, until the instant given; `None` no verdict, until the instant given.
-static VERDICTS: Mutex<Option<HashMap<String, (Option<bool>, Instant)>>> = Mutex::new(None);
+static VERDICTS: Mutex<Option<HashMap<String, Remembered>>> = Mutex::new(None);
+
+/// A remembered verdict ([`VERDICTS`]) and until when it stands.
+type Remembered = (Option<bool>, Instant);
 
 fn remembered(node: &str) -> Option<Verdict> {
     let v = VERDICTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);

@@ -560,11 +560,7 @@ async fn a_forward_delivered_again_after_its_result_is_answered_once() {
     let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
     let duplicates_before = counter("requests_total", "outcome", "duplicate");
     let body = serde_json::to_vec(&json!({"id": "answered-1", "prompt": "answered before"})).unwrap();
-    let forward = |cid: &str, forward_id: &str| {
-        let mut h = FieldTable::default();
-        h.insert(ShortString::from("x-forward-id"), AMQPValue::LongString(forward_id.into()));
-        request_props(cid, &reply).with_message_id("answered-1".into()).with_headers(h)
-    };
+    let forward = |cid: &str, forward_id: &str| forward_props(&reply, cid, "answered-1", forward_id);
     let forward_id = format!("{}", uuid::Uuid::new_v4().simple());
     let p0 = env.partition_queue(0);
     amqp.publish(&p0, &body, forward("answered-1", &forward_id)).await;
@@ -616,11 +612,7 @@ async fn a_forward_published_again_is_answered_once() {
     let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
     let duplicates_before = counter("requests_total", "outcome", "duplicate");
     let body = serde_json::to_vec(&json!({"id": "sent-again-1", "prompt": "published again"})).unwrap();
-    let forward = |forward_id: &str| {
-        let mut h = FieldTable::default();
-        h.insert(ShortString::from("x-forward-id"), AMQPValue::LongString(forward_id.into()));
-        request_props("sent-again-1", &reply).with_message_id("sent-again-1".into()).with_headers(h)
-    };
+    let forward = |forward_id: &str| forward_props(&reply, "sent-again-1", "sent-again-1", forward_id);
     let forward_id = format!("{}", uuid::Uuid::new_v4().simple());
     let p0 = env.partition_queue(0);
     amqp.publish(&p0, &body, forward(&forward_id)).await;
@@ -641,6 +633,14 @@ async fn a_forward_published_again_is_answered_once() {
     results.close().await;
     amqp.close().await;
     env.cleanup().await;
+}
+
+/// The properties of a forward of request `message_id` to `reply`, as the router sets them for
+/// the test's purpose: correlation id `cid` and header `x-forward-id` = `forward_id`.
+fn forward_props(reply: &str, cid: &str, message_id: &str, forward_id: &str) -> BasicProperties {
+    let mut h = FieldTable::default();
+    h.insert(ShortString::from("x-forward-id"), AMQPValue::LongString(forward_id.into()));
+    request_props(cid, reply).with_message_id(message_id.into()).with_headers(h)
 }
 
 /// `prefix_batcher_reply_to_refused_total{reason}` of this process.
