@@ -1959,12 +1959,28 @@ impl LlmClient {
     /// Sends a call of the probe (`ping` or `replay`) and checks its answer with `answered`: the
     /// error kind and a detail for the log when the call fails, the status is not 2xx or
     /// `answered` refuses the body.
+    ///
+    /// A call that fails on an open connection (a write refused, a connection reset or closed
+    /// before the answer: no timeout, no refused connection) goes once more: the connection was
+    /// most likely a kept-alive one the server had closed. A server that answers 413 (or any
+    /// error) before it has read a large body closes the connection; a minimal call that took it
+    /// from the pool failed with `Broken pipe`, and the request's refusal was judged a server
+    /// fault (observed: a 3 MB prompt, dead-lettered after 5 deliveries instead of answered
+    /// `rejected`).
     async fn check_call(
         &self,
         request: reqwest::RequestBuilder,
         answered: impl FnOnce(&[u8]) -> Result<(), String>,
     ) -> Result<(), (ErrorKind, String)> {
-        match request.send().await {
+        let again = request.try_clone();
+        let sent = match (request.send().await, again) {
+            (Err(e), Some(again)) if !e.is_connect() && !e.is_timeout() && !e.is_builder() => {
+                tracing::debug!(error = %transport_message(e), "a probe call failed on an open connection; sending it once more");
+                again.send().await
+            }
+            (sent, _) => sent,
+        };
+        match sent {
             Ok(r) if r.status().is_success() => match read_body(r, self.inner.max_response_bytes).await {
                 Ok(bytes) => answered(&bytes).map_err(|e| (ErrorKind::InvalidResponse, e)),
                 Err((e, _)) => Err((e.kind, e.message)),
@@ -3296,6 +3312,45 @@ mod tests {
         assert!(probed.is_ok(), "no half-open probe: {:?}", fake.calls());
         assert!(!client.available(0), "a minimal chat call does not close it while completions are refused");
         assert!(fake.calls().iter().all(|c| c.path == "/v1/completions"), "no chat fallback once completions requests met the refusal");
+    }
+
+    /// A minimal call that fails on an open connection goes once more. The server here closes its
+    /// first connection after reading the request's head, as a server does that answered a
+    /// large body with 413 before reading it (observed: the kept-alive connection then failed
+    /// the minimal call of the refusal's check with `Broken pipe`, and a request the server
+    /// refused was charged as for a server fault, delivery after delivery).
+    #[tokio::test]
+    async fn a_minimal_call_on_a_connection_the_server_closed_goes_once_more() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let server = tokio::spawn(async move {
+            let mut accepted = 0;
+            loop {
+                let (mut sock, _) = listener.accept().await.unwrap();
+                accepted += 1;
+                let mut buf = vec![0u8; 65536];
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let n = sock.read(&mut buf).await.unwrap();
+                    if n == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                }
+                if accepted == 1 {
+                    drop(sock); // closed before any answer
+                    continue;
+                }
+                let body = r#"{"choices":[{"index":0,"text":"pong","finish_reason":"length"}]}"#;
+                let answer = format!("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len());
+                sock.write_all(answer.as_bytes()).await.unwrap();
+                return accepted;
+            }
+        });
+        let client = LlmClient::new(&settings(&Url::parse(&url).unwrap())).unwrap();
+        assert_eq!(client.minimal_call(0, CallKind::Completions).await, Ok(()));
+        assert_eq!(server.await.unwrap(), 2, "sent once more, on a new connection");
     }
 
     /// Token counts come from the server: sums of absurd ones saturate instead of overflowing
