@@ -1801,6 +1801,15 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
     if l.endpoints.is_empty() {
         return Err(invalid("llm.endpoints", "[]", "must list at least one base URL"));
     }
+    if l.endpoints.iter().any(|e| e.trim().is_empty()) {
+        // `PREFIX_BATCHER__LLM__ENDPOINTS=` set but empty, or a list with a trailing or doubled
+        // comma.
+        return Err(invalid(
+            "llm.endpoints",
+            format!("{:?}", l.endpoints.iter().map(|e| redact_unparsed(e).0).collect::<Vec<_>>().join(",")),
+            "has an empty item (an empty value, or a trailing or doubled comma): list at least one base URL, separated by commas",
+        ));
+    }
     let mut endpoints = Vec::new();
     for e in &l.endpoints {
         let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// or https:// URL ({err})")))?;
@@ -2067,6 +2076,13 @@ mod tests {
         }
         r.llm.endpoints = vec!["http://h:8000/openai".into(), "http://h:8001/".into(), "http://gw/v1/llama/".into()];
         ok(&r);
+        // Observed: `PREFIX_BATCHER__LLM__ENDPOINTS=` (set but empty) or a trailing comma gave
+        // "must be an http:// or https:// URL (relative URL without a base)".
+        for items in [vec![""], vec!["http://h:8000", ""], vec!["http://u:hunter2@h:8000", " ", "http://h:8001"]] {
+            r.llm.endpoints = items.iter().map(|&e| e.into()).collect();
+            let e = err(&r);
+            assert!(e.contains("llm.endpoints") && e.contains("empty item") && !e.contains("hunter2"), "{items:?}: {e}");
+        }
     }
 
     #[test]

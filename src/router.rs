@@ -286,14 +286,15 @@ fn report_intake_failure(e: Option<&lapin::Error>, lost: bool, wait: std::time::
         (_, false) => metrics::intake_failure::CHANNEL_CLOSED,
     };
     metrics::intake_failed(why);
+    let e = e.map_or_else(|| "the consumer ended".to_owned(), ToString::to_string);
     if why == metrics::intake_failure::UNREADABLE_MESSAGE {
         error!(
-            error = ?e,
+            error = %e,
             retry_in = ?wait,
             "the input queue delivered a message the AMQP client cannot parse (a property such as message_id, correlation_id or reply_to, or a header name, that is not UTF-8); it closed the router's intake connection. The router consumes again one delivery at a time, so that only that message is charged a delivery each time, until the input queue's x-delivery-limit dead-letters it (x-death reason delivery_limit, no x-death-reason); the partitions go on meanwhile"
         );
     } else {
-        warn!(error = ?e, intake_connection_lost = lost, retry_in = ?wait, "the router's consumer of the input queue ended; consuming again, one delivery at a time until a new message arrives");
+        warn!(error = %e, intake_connection_lost = lost, retry_in = ?wait, "the router's consumer of the input queue ended; consuming again, one delivery at a time until a new message arrives");
     }
 }
 
