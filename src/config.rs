@@ -754,7 +754,9 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
     }
     let merged: serde_json::Value = cfg.clone().try_deserialize().map_err(ConfigError::Load)?;
     check_value_types(&merged, true)?;
-    let mut raw = cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)?;
+    let raw = cfg.try_deserialize::<RawConfig>().map_err(ConfigError::Load)?;
+    let vars = std::env::vars_os().filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+    let mut raw = keep_env_strings(raw, vars)?;
     // A list from the environment is split at commas as written (`a, b` gives " b"): trim each
     // item, so that what `check-config` prints is what is used.
     for list in [&mut raw.amqp.urls, &mut raw.llm.endpoints, &mut raw.redis.sentinels, &mut raw.requests.allowed_params, &mut raw.requests.models] {
@@ -765,6 +767,35 @@ pub fn load_raw(path: Option<&Path>) -> Result<RawConfig, ConfigError> {
         }
     }
     Ok(raw)
+}
+
+/// Puts back verbatim the environment's values of string keys. The `config` crate reads an
+/// environment value that looks like a number or a boolean as one (`try_parsing`, which integer,
+/// boolean and list keys need) and gives a string key its text again: `007` came back as `7`,
+/// and a 26-digit `llm.api_key` as the text of a float (`1234567890123456800000000`), so every
+/// call was refused with 401. `vars`: the environment, as `(name, value)`.
+/// Errors: none in practice (the configuration read before deserializes again).
+fn keep_env_strings(raw: RawConfig, vars: impl Iterator<Item = (String, String)>) -> Result<RawConfig, ConfigError> {
+    let prefix = format!("{ENV_PREFIX}__");
+    let mut tree = serde_json::to_value(&raw).expect("the configuration serializes");
+    let mut changed = false;
+    for (var, value) in vars {
+        let Some(rest) = var.strip_prefix(&prefix) else { continue };
+        let mut node = Some(&mut tree);
+        for part in rest.split("__").map(str::to_lowercase) {
+            node = node.and_then(|n| n.get_mut(&part));
+        }
+        if let Some(serde_json::Value::String(s)) = node {
+            if *s != value {
+                *s = value;
+                changed = true;
+            }
+        }
+    }
+    if !changed {
+        return Ok(raw);
+    }
+    serde_json::from_value(tree).map_err(|e| ConfigError::Load(config::ConfigError::Message(e.to_string())))
 }
 
 /// The configuration file as a source of the `config` crate: the file at `p`, or `text` when it
@@ -2057,6 +2088,31 @@ mod tests {
     /// An endpoint with `/v1` (the daemon would call `/v1/v1/completions`, a 404 that opens the
     /// breaker for ever) or with a query (often a token, which the error must not print) is
     /// refused with the rule.
+    /// Observed: `PREFIX_BATCHER__LLM__API_KEY=0123…` (26 digits) reached the server as
+    /// `1234567890123456800000000`, and `PREFIX_BATCHER__INSTANCE__NAME=007` became `7`.
+    #[test]
+    fn string_keys_from_the_environment_are_taken_verbatim() {
+        let mut raw = RawConfig::default();
+        // What the `config` crate made of them.
+        raw.llm.api_key = "1234567890123456800000000".into();
+        raw.instance.name = "7".into();
+        raw.llm.model = "1000".into();
+        raw.amqp.partitions = 8;
+        let vars = [
+            ("PREFIX_BATCHER__LLM__API_KEY", "01234567890123456789012345"),
+            ("PREFIX_BATCHER__INSTANCE__NAME", "007"),
+            ("PREFIX_BATCHER__LLM__MODEL", "1e3"),
+            ("PREFIX_BATCHER__AMQP__PARTITIONS", "08"),
+            ("PREFIX_BATCHER__NO__SUCH", "x"),
+            ("OTHER__LLM__MODEL", "y"),
+        ];
+        let kept = keep_env_strings(raw, vars.iter().map(|(k, v)| (k.to_string(), v.to_string()))).unwrap();
+        assert_eq!(kept.llm.api_key, "01234567890123456789012345");
+        assert_eq!(kept.instance.name, "007");
+        assert_eq!(kept.llm.model, "1e3");
+        assert_eq!(kept.amqp.partitions, 8, "an integer key is the crate's to read");
+    }
+
     #[test]
     fn llm_endpoints_are_base_urls_without_v1_or_query() {
         let mut r = RawConfig::default();

@@ -147,7 +147,8 @@ fn every_documented_environment_variable_overrides_its_key() {
     // with spaces around them, as people write lists, which check-config prints trimmed.
     let values: &[(&str, &str, &str)] = &[
         // (key, environment value, expected in check-config's output)
-        ("instance.name", "env-instance", "\"env-instance\""),
+        // Text that looks like a number stays text (observed: `007` became `7`, `1e3` `1000`).
+        ("instance.name", "007", "\"007\""),
         ("amqp.url", "amqps://envuser:envpass@rabbit.example:5673/%2f", "\"amqps://envuser:***@rabbit.example:5673/%2f\""),
         ("amqp.input_queue", "env.input", "\"env.input\""),
         ("amqp.shard_exchange", "env.shards", "\"env.shards\""),
@@ -197,7 +198,7 @@ fn every_documented_environment_variable_overrides_its_key() {
         ("batching.channel_capacity", "32", "32"),
         ("batching.max_buffered_bytes", "2000000", "2000000"),
         ("llm.endpoints", "https://a.example:8000, http://b.example:8001", "[\"https://a.example:8000\", \"http://b.example:8001\"]"),
-        ("llm.model", "env-model", "\"env-model\""),
+        ("llm.model", "1e3", "\"1e3\""),
         ("llm.api_key", "env-token-123", "\"***\""),
         ("llm.max_concurrency", "7", "7"),
         ("llm.request_timeout", "60s", "\"60s\""),
