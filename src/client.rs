@@ -14,7 +14,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::io::AsyncBufReadExt;
 
-use crate::amqp::REPLY_SUCCESS;
+use crate::amqp::{answered, REPLY_SUCCESS};
 use crate::config::Settings;
 use crate::lease::{read_all, LeaseValue, Leases};
 use crate::keying::assignment;
@@ -157,8 +157,8 @@ pub async fn submit(settings: &Settings, opts: &SubmitOptions) -> Result<SubmitS
     let (conn, _node) = crate::amqp::connect(&settings.amqp, ConnectionProperties::default())
         .await
         .map_err(|source| ClientError::Connect { url: nodes_label(settings), source })?;
-    let ch = conn.create_channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let ch = answered("channel.open", conn.create_channel()).await?;
+    answered("confirm.select", ch.confirm_select(ConfirmSelectOptions::default())).await?;
     let queue = opts.queue.clone().unwrap_or_else(|| settings.amqp.input_queue.clone());
     let reply = if opts.wait { Some(open_reply_queue(&ch).await?) } else { None };
 
@@ -326,7 +326,9 @@ pub fn request_properties(id: &str, reply_queue: Option<&str>) -> Result<BasicPr
 /// channel are not published either: the refusal closed the channel).
 async fn await_confirms(confirms: &mut Vec<(usize, lapin::PublisherConfirm)>, queue: &str, confirmed: &mut usize) -> Result<(), ClientError> {
     for (line, c) in confirms.drain(..) {
-        let checked = match c.await {
+        // Bounded: a broker under a memory or disk alarm stops reading the connection, and its
+        // confirms would never come.
+        let checked = match answered("the publisher confirm", c).await {
             Ok(c) => check_confirm(c, queue),
             Err(e) => Err(e.into()),
         };
@@ -705,24 +707,28 @@ async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option
     .map_err(|_| anyhow::anyhow!("timed out connecting to {}", nodes_label(settings)))?
     .with_context(|| format!("connecting to {}", nodes_label(settings)))?;
     let passive = QueueDeclareOptions { passive: true, ..Default::default() };
-    let mut ch = conn.create_channel().await?;
+    let mut ch = answered("channel.open", conn.create_channel()).await?;
     let mut depths = Vec::with_capacity(p as usize);
     for part in 0..p {
-        match ch.queue_declare(settings.amqp.partition_queue(part).as_str().into(), passive, FieldTable::default()).await {
+        match answered("queue.declare", ch.queue_declare(settings.amqp.partition_queue(part).as_str().into(), passive, FieldTable::default())).await {
             Ok(q) => depths.push(Some((q.message_count(), q.consumer_count()))),
-            Err(_) => {
+            Err(e) => {
+                if crate::amqp::reply_code(&e).is_none() {
+                    // No answer: the broker is not serving this connection.
+                    let _ = crate::amqp::close_connection(&conn, "status").await;
+                    return Err(e.into());
+                }
                 // A failed passive declare closes the channel.
                 depths.push(None);
-                ch = conn.create_channel().await?;
+                ch = answered("channel.open", conn.create_channel()).await?;
             }
         }
     }
-    let input = ch
-        .queue_declare(settings.amqp.input_queue.as_str().into(), passive, FieldTable::default())
+    let input = answered("queue.declare", ch.queue_declare(settings.amqp.input_queue.as_str().into(), passive, FieldTable::default()))
         .await
         .ok()
         .map(|q| q.message_count());
-    let _ = conn.close(REPLY_SUCCESS, "status".into()).await;
+    let _ = crate::amqp::close_connection(&conn, "status").await;
     Ok((depths, input, node))
 }
 

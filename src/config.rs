@@ -1036,6 +1036,9 @@ fn nonzero_u32(key: &'static str, v: u32) -> Result<NonZeroU32, ConfigError> {
     NonZeroU32::new(v).ok_or_else(|| invalid(key, v, "must be at least 1"))
 }
 
+/// Largest `batching.channel_capacity`.
+pub const MAX_CHANNEL_CAPACITY: usize = 1_000_000;
+
 fn nonzero_usize(key: &'static str, v: usize) -> Result<NonZeroUsize, ConfigError> {
     NonZeroUsize::new(v).ok_or_else(|| invalid(key, v, "must be at least 1"))
 }
@@ -1804,7 +1807,14 @@ fn batching(b: &RawBatching, amqp: &AmqpSettings) -> Result<BatchingSettings, Co
     let batching = BatchingSettings {
         max_batch_size: nonzero_usize("batching.max_batch_size", b.max_batch_size)?,
         max_batch_wait,
-        channel_capacity: nonzero_usize("batching.channel_capacity", b.channel_capacity)?,
+        channel_capacity: match b.channel_capacity {
+            // tokio's bounded channel panics above `usize::MAX >> 3`; no pipeline needs more
+            // than a million items between two stages.
+            c if c > MAX_CHANNEL_CAPACITY => {
+                return Err(invalid("batching.channel_capacity", c, format!("must be at most {MAX_CHANNEL_CAPACITY}")));
+            }
+            c => nonzero_usize("batching.channel_capacity", c)?,
+        },
         max_buffered_bytes: nonzero_usize("batching.max_buffered_bytes", b.max_buffered_bytes)?,
     };
     if batching.max_buffered_bytes.get() < amqp.max_message_bytes {
@@ -2172,6 +2182,20 @@ mod tests {
         r.batching.max_batch_wait = "0s".into();
         let e = err(&r);
         assert!(e.contains("batching.max_batch_wait") && e.contains("\"0s\"") && e.contains("greater than zero"), "{e}");
+    }
+
+    /// Observed: a huge capacity was accepted, then every partition session panicked in tokio's
+    /// channel constructor (above `usize::MAX >> 3`).
+    #[test]
+    fn channel_capacity_is_bounded_naming_the_key() {
+        let mut r = RawConfig::default();
+        for (bad, says) in [(0, "at least 1"), (MAX_CHANNEL_CAPACITY + 1, "at most 1000000"), (usize::MAX, "at most 1000000")] {
+            r.batching.channel_capacity = bad;
+            let e = err(&r);
+            assert!(e.contains("batching.channel_capacity") && e.contains(&bad.to_string()) && e.contains(says), "{e}");
+        }
+        r.batching.channel_capacity = MAX_CHANNEL_CAPACITY;
+        ok(&r);
     }
 
     #[test]

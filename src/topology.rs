@@ -496,8 +496,9 @@ pub async fn declare_partition(conn: &Connection, cfg: &AmqpSettings, p: u32) ->
     declare_queue(conn, &queue, partition_queue_args(cfg)).await?;
     let ch = answered("channel.open", conn.create_channel()).await?;
     let (exchange, key) = (cfg.shard_exchange.as_str(), AmqpSettings::partition_routing_key(p));
-    ch.queue_bind(queue.as_str().into(), exchange.into(), key.into(), QueueBindOptions::default(), FieldTable::default()).await?;
-    let _ = close_channel(&ch, "ok").await;
+    let bound = answered("queue.bind", ch.queue_bind(queue.as_str().into(), exchange.into(), key.into(), QueueBindOptions::default(), FieldTable::default())).await;
+    let _ = close_channel(&ch, if bound.is_ok() { "ok" } else { "queue.bind failed" }).await;
+    bound?;
     Ok(())
 }
 
