@@ -2095,9 +2095,6 @@ mod tests {
         assert!(e.contains("log.level") && e.contains("nonsense!!") && e.contains("neither a level"), "{e}");
     }
 
-    /// An endpoint with `/v1` (the daemon would call `/v1/v1/completions`, a 404 that opens the
-    /// breaker for ever) or with a query (often a token, which the error must not print) is
-    /// refused with the rule.
     /// Observed: `PREFIX_BATCHER__LLM__API_KEY=0123…` (26 digits) reached the server as
     /// `1234567890123456800000000`, and `PREFIX_BATCHER__INSTANCE__NAME=007` became `7`.
     #[test]
@@ -2123,6 +2120,9 @@ mod tests {
         assert_eq!(kept.amqp.partitions, 8, "an integer key is the crate's to read");
     }
 
+    /// An endpoint with `/v1` (the daemon would call `/v1/v1/completions`, a 404 that opens the
+    /// breaker for ever) or with a query (often a token, which the error must not print) is
+    /// refused with the rule.
     #[test]
     fn llm_endpoints_are_base_urls_without_v1_or_query() {
         let mut r = RawConfig::default();
@@ -2184,7 +2184,7 @@ mod tests {
         assert!(e.contains("batching.max_batch_wait") && e.contains("\"0s\"") && e.contains("greater than zero"), "{e}");
     }
 
-    /// Observed: a huge capacity was accepted, then every partition session panicked in tokio's
+    /// Before, a huge capacity was accepted, then every partition session panicked in tokio's
     /// channel constructor (above `usize::MAX >> 3`).
     #[test]
     fn channel_capacity_is_bounded_naming_the_key() {

@@ -1694,7 +1694,7 @@ mod tests {
 
     /// The verdict on a batch's server faults is waited for until `release_at` (later, the
     /// `amqp.consumer_timeout` guard would return the requests charged) or the session's end.
-    /// Observed: a slow server's probe and replay ran past the guard.
+    /// Before, a slow server's probe and replay could run past the guard.
     #[tokio::test(start_paused = true)]
     async fn the_verdict_on_server_faults_is_waited_for_until_the_release_time() {
         let end = CancellationToken::new();
