@@ -351,7 +351,7 @@ pub async fn run<K, T>(
         let event = tokio::select! {
             biased;
             () = revoke.cancelled() => Event::Revoked,
-            () = sleep_until_some(deadline) => Event::Deadline,
+            () = crate::task::sleep_until_some(deadline) => Event::Deadline,
             Ok(()) = budget_spent.changed() => Event::BudgetSpent,
             received = input.recv() => received.map_or(Event::InputClosed, Event::Item),
         };
@@ -411,14 +411,6 @@ where
 {
     while let Ok((key, item)) = input.try_recv() {
         ready.extend(batcher.push(key, item, now));
-    }
-}
-
-/// Sleeps until `deadline`, or forever when there is none.
-async fn sleep_until_some(deadline: Option<Instant>) {
-    match deadline {
-        Some(deadline) => tokio::time::sleep_until(deadline).await,
-        None => std::future::pending().await,
     }
 }
 

@@ -1251,17 +1251,11 @@ impl LlmClient {
             if let Some(verification) = self.start_verification(call.endpoint) {
                 // Not past the call's deadline: the verification goes on in its own task, and
                 // the breaker holds its verdict for the next call.
-                let past_deadline = async {
-                    match call.deadline {
-                        Some(d) => tokio::time::sleep_until(d).await,
-                        None => std::future::pending().await,
-                    }
-                };
                 tokio::select! {
                     biased;
                     _ = cancel.cancelled() => {}
                     _ = verification => {}
-                    () = past_deadline => {}
+                    () = crate::task::sleep_until_some(call.deadline) => {}
                 }
             }
         }
@@ -1766,12 +1760,8 @@ impl LlmClient {
         };
         let name = &self.inner.endpoints[endpoint].name;
         let completions_refusing = lock(&self.inner.endpoints[endpoint].routes)[CallKind::Completions.route()].refusing;
-        let chat = match kind.fault() {
-            _ if completions_refusing => None,
-            Fault::Request => Some(self.minimal_call(endpoint, CallKind::Chat).await),
-            _ if kind == ErrorKind::EndpointConfig => Some(self.minimal_call(endpoint, CallKind::Chat).await),
-            _ => None,
-        };
+        let ask_chat = !completions_refusing && (kind.fault() == Fault::Request || kind == ErrorKind::EndpointConfig);
+        let chat = if ask_chat { Some(self.minimal_call(endpoint, CallKind::Chat).await) } else { None };
         match chat {
             Some(Ok(())) => {
                 tracing::debug!(endpoint, name = %name, error = %detail, "the LLM endpoint refuses the one-token completion but answers a minimal chat call");

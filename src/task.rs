@@ -25,6 +25,14 @@ pub fn catch_panic<F: Future>(fut: F) -> impl Future<Output = Result<F::Output, 
     })
 }
 
+/// Sleeps until `deadline`, or forever when there is none.
+pub async fn sleep_until_some(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Runs the task `start` makes until it returns or `stop` fires; after a panic (logged at ERROR
 /// naming `what`, then reported to `panicked`, e.g. to count it) starts it again `wait` later.
 pub async fn restart_after_panic<F, Fut>(what: &str, wait: Duration, stop: &CancellationToken, panicked: impl Fn(), mut start: F)
