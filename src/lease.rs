@@ -20,6 +20,8 @@
 //!   mode since Redis 7: the replica stores the resulting values, it does not re-run the script.)
 //! - renew: compare the whole value `name:nonce:epoch` and `PEXPIRE` only on a match.
 //! - release: compare and `DEL` only on a match.
+//! - release at any epoch: `DEL` when the value begins with this process's `name:nonce:`; only
+//!   after an acquire that failed here and may still have run in Redis.
 //!
 //! # Safety argument
 //!
@@ -131,6 +133,17 @@ return 0
 /// Release: KEYS = [lease], ARGV = [value]. Returns 1 when deleted, 0 when not ours.
 const RELEASE: &str = r#"
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"#;
+
+/// Release of any epoch: KEYS = [lease], ARGV = [holder ("name:nonce")]. Deletes the lease when
+/// this process holds it, whatever the epoch. Returns 1 when deleted, 0 when not ours.
+const RELEASE_ANY_EPOCH: &str = r#"
+local cur = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ':'
+if cur and string.sub(cur, 1, string.len(mine)) == mine then
   return redis.call('DEL', KEYS[1])
 end
 return 0
@@ -705,6 +718,7 @@ pub struct Leases {
     acquire: std::sync::Arc<Script>,
     renew: std::sync::Arc<Script>,
     release: std::sync::Arc<Script>,
+    release_any_epoch: std::sync::Arc<Script>,
 }
 
 impl Leases {
@@ -719,6 +733,7 @@ impl Leases {
             acquire: std::sync::Arc::new(Script::new(ACQUIRE)),
             renew: std::sync::Arc::new(Script::new(RENEW)),
             release: std::sync::Arc::new(Script::new(RELEASE)),
+            release_any_epoch: std::sync::Arc::new(Script::new(RELEASE_ANY_EPOCH)),
         }
     }
 
@@ -780,6 +795,19 @@ impl Leases {
         let mut conn = self.conn.clone();
         let n: i64 = self
             .timed(self.release.key(Self::lease_key(&self.prefix, p)).arg(self.value(epoch)).invoke_async(&mut conn))
+            .await?;
+        Ok(n == 1)
+    }
+
+    /// Releases partition `p`'s lease if this process holds it at any epoch. For an acquire that
+    /// failed (timeout, connection error) and may still have run in Redis: this process then
+    /// holds a lease it does not know the epoch of, and no worker uses it. Without the release,
+    /// the partition's next desired owner would wait for its TTL. Only for a partition without
+    /// a running worker of this process. `Ok(false)`: not held by this process.
+    pub async fn release_any_epoch(&self, p: u32) -> Result<bool, LeaseError> {
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .timed(self.release_any_epoch.key(Self::lease_key(&self.prefix, p)).arg(&self.holder).invoke_async(&mut conn))
             .await?;
         Ok(n == 1)
     }

@@ -584,7 +584,7 @@ impl Ownership {
         let sent = Instant::now();
         let leases = &self.leases;
         let attempts = futures_util::future::join_all(wanted.into_iter().map(|p| async move { (p, leases.acquire(p).await) })).await;
-        let mut failed = 0usize;
+        let mut failed = Vec::new();
         for (p, res) in attempts {
             match res {
                 Ok(Acquire::Acquired(epoch)) => {
@@ -597,15 +597,28 @@ impl Ownership {
                 }
                 Err(e) => {
                     metrics::lease_op("acquire", "error");
-                    if failed == 0 {
+                    if failed.is_empty() {
                         warn!(partition = p, error = %e, "lease acquisition failed");
                     }
-                    failed += 1;
+                    failed.push(p);
                 }
             }
         }
-        if failed > 1 {
-            warn!(partitions = failed, "lease acquisitions failed this round");
+        if failed.len() > 1 {
+            warn!(partitions = failed.len(), "lease acquisitions failed this round");
+        }
+        // A failed acquire may still have run in Redis (a timeout after the script was sent):
+        // the lease is then this process's at an epoch it never learnt. Release it at once, so
+        // that if the assignment moves, the new owner need not wait for its TTL. Sent on the
+        // same connection after the acquire, so it runs after it.
+        if !failed.is_empty() {
+            let leases = &self.leases;
+            futures_util::future::join_all(failed.into_iter().map(|p| async move {
+                if let Ok(true) = leases.release_any_epoch(p).await {
+                    info!(partition = p, "lease taken by an acquire that failed here released");
+                }
+            }))
+            .await;
         }
     }
 

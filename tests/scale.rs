@@ -1025,5 +1025,14 @@ async fn lease_protocol_against_redis() {
     let Acquire::Acquired(e4) = a2.acquire(7).await.unwrap() else { panic!() };
     assert!(e4 > e3, "epoch after a lost counter ({e4}) must exceed the old one ({e3})");
     assert_eq!(probe.get(&Leases::lease_key(env.key_prefix(), 7)).await, Some(format!("a:n2:{e4}")));
+
+    // Release at any epoch (after an acquire that failed here but may have run): only the
+    // holder's own lease goes, and only once.
+    assert!(!a.release_any_epoch(7).await.unwrap(), "same name, other process: not released");
+    assert!(!b.release_any_epoch(7).await.unwrap(), "other holder: not released");
+    assert_eq!(probe.get(&Leases::lease_key(env.key_prefix(), 7)).await, Some(format!("a:n2:{e4}")));
+    assert!(a2.release_any_epoch(7).await.unwrap());
+    assert_eq!(probe.get(&Leases::lease_key(env.key_prefix(), 7)).await, None);
+    assert!(!a2.release_any_epoch(7).await.unwrap(), "nothing left to release");
     env.cleanup().await;
 }
