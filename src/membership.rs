@@ -30,7 +30,7 @@
 //! Operations, each one atomic Lua script (one round trip, no interleaving,
 //! <https://redis.io/docs/latest/develop/interact/programmability/eval-intro/>):
 //! - heartbeat: set the nonce key, `ZADD` the name with its expiry (Redis time + `member_ttl`),
-//!   drop expired names, and return the live names (sorted), and whether the name was listed
+//!   drop expired names, and return the live names (sorted by bytes once read), and whether the name was listed
 //!   before (a heartbeat that finds its own entry gone within `member_ttl` of the last one sees
 //!   that Redis lost its data); it also records the partition count `P:partitions` where Redis
 //!   holds none (see [`crate::topology::declare`]);
@@ -57,13 +57,13 @@ use crate::lease::RedisConn;
 /// [`NAME_CONFLICT_FLAG_TTL`]; "0" leaves it to expire. The partition count and the route are
 /// written only where none is recorded (`SET … NX`).
 /// Returns `{names, previous, down, differs, listed, recorded, other_route, unavailable}`: the
-/// live member names, sorted;
+/// live member names, in the member set's order (sorted by bytes once read: [`sorted`]);
 /// the nonce the name's key held before when it was another process's (else `false`, read as
-/// nil); the live members whose LLM-down flag is set, sorted; `name, settings` pairs (flat) of
+/// nil); the live members whose LLM-down flag is set; `name, settings` pairs (flat) of
 /// the other live members whose routing settings differ; 1 when the member set held this name
 /// before this heartbeat (`ZADD` added no new member), else 0; 1 when this heartbeat recorded the partition count, else 0;
 /// the recorded route when it differs from this member's (else `false`); the live members whose
-/// LLM-unavailable flag is set, sorted.
+/// LLM-unavailable flag is set.
 /// The flags and settings expire with the heartbeat.
 const HEARTBEAT: &str = r#"
 local prev = redis.call('GET', KEYS[2])
@@ -108,7 +108,6 @@ if redis.call('PTTL', KEYS[1]) < ttl then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
-table.sort(names)
 local down = {}
 local unavailable = {}
 for _, n in ipairs(names) do
@@ -152,7 +151,7 @@ return 1
 "#;
 
 /// List: KEYS = [members], ARGV = [prefix]. Returns `{names, nonces, down, conflicts, health,
-/// unavailable}`, names sorted, a missing nonce as nil, `down[i]` 1 when that member's LLM-down
+/// unavailable}`, names in the member set's order, a missing nonce as nil, `down[i]` 1 when that member's LLM-down
 /// flag is set, `unavailable[i]` 1 when its LLM-unavailable flag is,
 /// `conflicts[i]` 1 when its name-conflict flag is, `health[i]` its health text ('' when it
 /// published none). The nonce
@@ -162,7 +161,6 @@ const LIST: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local names = redis.call('ZRANGEBYSCORE', KEYS[1], string.format('%d', now), '+inf')
-table.sort(names)
 local nonces = {}
 local down = {}
 local conflicts = {}
@@ -314,17 +312,17 @@ pub struct LlmFlags {
 /// What one heartbeat read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Heartbeat {
-    /// The live member names, sorted.
+    /// The live member names, sorted by bytes.
     pub members: Vec<String>,
     /// The boot nonce that the name's key held before this heartbeat when it was not this
     /// process's: a previous process under the same name (restarted within `member_ttl`), or,
     /// when it comes back on later heartbeats, another live process using the same
     /// `instance.name`.
     pub previous_nonce: Option<String>,
-    /// The live members whose LLM-down flag is set ([`member_llm_down_key`]), sorted.
+    /// The live members whose LLM-down flag is set ([`member_llm_down_key`]), sorted by bytes.
     pub llm_down: Vec<String>,
     /// The live members whose LLM-unavailable flag is set ([`member_llm_unavailable_key`]),
-    /// sorted.
+    /// sorted by bytes.
     pub llm_unavailable: Vec<String>,
     /// The other live members whose routing settings differ from this process's, with theirs
     /// (empty when this process publishes none: [`Membership::with_routing`]).
@@ -460,19 +458,8 @@ impl Membership {
             .arg(&self.route)
             .arg(self.health.lock().unwrap_or_else(std::sync::PoisonError::into_inner).as_str())
             .arg(if llm.unavailable || llm.down { "1" } else { "0" });
-        type Reply = (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64, Option<String>, Vec<String>);
-        let (members, previous_nonce, llm_down, differs, listed, recorded, other_route, llm_unavailable): Reply = self.timed(call.invoke_async(&mut conn)).await?;
-        let routing_differs = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();
-        Ok(Heartbeat {
-            members,
-            previous_nonce,
-            llm_down,
-            llm_unavailable,
-            routing_differs,
-            was_listed: listed == 1,
-            recorded_partition_count: recorded == 1,
-            other_route,
-        })
+        let reply: HeartbeatReply = self.timed(call.invoke_async(&mut conn)).await?;
+        Ok(Heartbeat::from_reply(reply))
     }
 
     /// Removes this process from the member set (and its draining mark). `Ok(false)`: the name
@@ -506,6 +493,38 @@ impl Membership {
     }
 }
 
+/// What the `HEARTBEAT` script returns, in its order: names, previous nonce, LLM-down names,
+/// differing `name, settings` pairs (flat), listed, recorded, other route, LLM-unavailable names.
+type HeartbeatReply = (Vec<String>, Option<String>, Vec<String>, Vec<String>, i64, i64, Option<String>, Vec<String>);
+
+impl Heartbeat {
+    /// The heartbeat read from the script's reply, its name lists sorted by bytes ([`sorted`]).
+    fn from_reply(reply: HeartbeatReply) -> Self {
+        let (members, previous_nonce, llm_down, differs, listed, recorded, other_route, llm_unavailable) = reply;
+        let mut routing_differs: Vec<(String, String)> = differs.chunks_exact(2).map(|p| (p[0].clone(), p[1].clone())).collect();
+        routing_differs.sort_unstable();
+        Heartbeat {
+            members: sorted(members),
+            previous_nonce,
+            llm_down: sorted(llm_down),
+            llm_unavailable: sorted(llm_unavailable),
+            routing_differs,
+            was_listed: listed == 1,
+            recorded_partition_count: recorded == 1,
+            other_route,
+        }
+    }
+}
+
+/// `names` sorted by their bytes. The scripts return names in the member set's order and leave
+/// the sorting here: a Lua `table.sort` in Redis compares strings with `strcoll`, so in the
+/// collation of the Redis server's locale (`LANG=en_US.UTF-8` puts `api-1` before `Web-1`), and
+/// the binary searches of [`assignable`] need byte order.
+fn sorted(mut names: Vec<String>) -> Vec<String> {
+    names.sort_unstable();
+    names
+}
+
 /// What the `LIST` script returns: one column per field of [`Member`] (names, nonces, LLM-down
 /// flags, conflict flags, health, LLM-unavailable flags), each in the same order.
 type MemberColumns = (Vec<String>, Vec<Option<String>>, Vec<i64>, Vec<i64>, Vec<String>, Vec<i64>);
@@ -520,7 +539,7 @@ pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), p
     let mut conflicts = conflicts.into_iter();
     let mut health = health.into_iter();
     let mut unavailable = unavailable.into_iter();
-    Ok(names
+    let mut members: Vec<Member> = names
         .into_iter()
         .map(|name| Member {
             name,
@@ -530,7 +549,10 @@ pub async fn read_members(conn: &mut (impl redis::aio::ConnectionLike + Send), p
             name_conflict: conflicts.next() == Some(1),
             health: health.next().filter(|h| !h.is_empty()),
         })
-        .collect())
+        .collect();
+    // By bytes, as `sorted`: `status` computes the assignment from these lists.
+    members.sort_unstable_by(|a, b| a.name.cmp(&b.name));
+    Ok(members)
 }
 
 #[cfg(test)]
@@ -559,5 +581,22 @@ mod tests {
         assert_eq!(assignable(&members, &names(&["a"]), &names(&["a", "b"])), names(&["b", "c"]));
         // An unavailable member alone moves nothing.
         assert_eq!(assignable(&members, &[], &names(&["b"])), members);
+    }
+
+    /// Reported: a Redis server in an `en_US.UTF-8` locale sorts with `strcoll` inside Lua, so
+    /// `api-1` came before `Web-1`; the binary searches then missed `api-1`, and with every
+    /// server down `Web-1`'s partitions were handed to `api-1`, which could not serve them
+    /// either. The heartbeat's lists are sorted by bytes once read, whatever order Redis used.
+    #[test]
+    fn a_heartbeat_sorts_its_names_by_bytes_whatever_the_redis_locale() {
+        let locale_order = names(&["api-1", "Web-1"]);
+        let reply = (locale_order.clone(), None, names(&["Web-1"]), vec![], 1, 0, None, locale_order.clone());
+        let beat = Heartbeat::from_reply(reply);
+        assert_eq!(beat.members, names(&["Web-1", "api-1"]));
+        assert_eq!(beat.llm_unavailable, names(&["Web-1", "api-1"]));
+        assert!(nobody_serves(&beat.members, &beat.llm_down, &beat.llm_unavailable), "every member is down or unavailable");
+        assert_eq!(assignable(&beat.members, &beat.llm_down, &beat.llm_unavailable), beat.members, "nothing moves");
+        // The lists as Redis sent them: the search misses `api-1`, and Web-1's partitions move.
+        assert!(!nobody_serves(&beat.members, &beat.llm_down, &locale_order));
     }
 }
