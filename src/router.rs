@@ -577,7 +577,10 @@ async fn forward<'p>(
             return ForwardEnd::InputGone;
         }
         let sent_at = tokio::time::Instant::now();
-        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &input.data, fwd.clone()).await else {
+        // After a hold, the forward is routed now: the time it waited here is not the partition
+        // queue's delay, which the owner's split rule reads from `x-routed-at-ms`.
+        let props = if held == 0 { fwd.clone() } else { routed_now(&fwd) };
+        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &input.data, props).await else {
             publish.shared.turns().accepted();
             drop(turn);
             crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);
@@ -736,6 +739,17 @@ fn forward_props(props: &BasicProperties, r: &Route, redelivered: bool) -> Resul
     Ok(if props.correlation_id().as_ref().is_none_or(|c| c.as_str().is_empty()) { p.with_correlation_id(id) } else { p })
 }
 
+/// `fwd` with [`HEADER_ROUTED_AT_MS`] set to now, for a forward sent again after a hold. The
+/// owner's split rule measures a request's delay in the partition queue from that header
+/// ([`crate::splits::batch_key`]); a forward held here for the broker (refused, unconfirmed)
+/// kept its first routing time, so the hold counted as queueing, and with many held forwards of
+/// one key the owner split it when the broker took them again. The dedup fingerprint leaves
+/// that header out ([`publisher::ROUTING_HEADERS`]), so the copies still match.
+fn routed_now(fwd: &BasicProperties) -> BasicProperties {
+    let headers = publisher::headers_with(fwd.headers().as_ref(), &[(HEADER_ROUTED_AT_MS, publisher::unix_ms().to_string())]);
+    fwd.clone().with_headers(headers)
+}
+
 #[cfg(test)]
 mod tests {
     use std::num::NonZeroU32;
@@ -831,6 +845,27 @@ mod tests {
         assert_eq!(publisher::header_str(marked, redelivery::HEADER_INPUT_REDELIVERED).as_deref(), Some("1"), "a redelivered input message");
         let forward_id = |h| publisher::header_str(h, redelivery::HEADER_FORWARD_ID).map(|f| f.into_owned());
         assert!(forward_id(h).is_some_and(|f| f.len() == 32) && forward_id(h) != forward_id(marked), "one forward id per forward");
+    }
+
+    #[test]
+    fn a_forward_sent_again_after_a_hold_is_routed_at_its_new_send() {
+        let p = forward_props(&BasicProperties::default().with_app_id("app".into()), &route_of("r1"), false).unwrap();
+        let routed_at = |p: &BasicProperties| publisher::header_u64(p.headers().as_ref(), HEADER_ROUTED_AT_MS).unwrap();
+        // As if routed 30 s ago and held since.
+        let old = publisher::headers_with(p.headers().as_ref(), &[(HEADER_ROUTED_AT_MS, (publisher::unix_ms() - 30_000).to_string())]);
+        let held = p.clone().with_headers(old);
+        let again = routed_now(&held);
+        assert!(routed_at(&again) >= routed_at(&held) + 30_000, "{} against {}", routed_at(&again), routed_at(&held));
+        let h = |p: &BasicProperties, k| publisher::header_str(p.headers().as_ref(), k).map(|v| v.into_owned());
+        for k in [HEADER_SHARD, HEADER_ROUTED_KEY, redelivery::HEADER_FORWARD_ID] {
+            assert_eq!(h(&again, k), h(&held, k), "{k} kept");
+        }
+        assert_eq!(again.app_id(), held.app_id());
+        assert_eq!(
+            publisher::request_fingerprint("r1", b"{}", &again),
+            publisher::request_fingerprint("r1", b"{}", &held),
+            "still the same forward for the dedup"
+        );
     }
 
     #[test]

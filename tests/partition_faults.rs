@@ -1158,7 +1158,7 @@ async fn a_lost_publishing_connection_charges_held_requests_once() {
 /// forwards on the new channel are refused with 403 `ACCESS_REFUSED`), then takes them again.
 /// Every one of 20 requests must be held at the router, uncharged, and answered once; while the
 /// broker refuses them, the held forwards take turns (one attempt per backoff, not one per held
-/// request).
+/// request). The hold is not the partition queue's delay: it splits no key.
 ///
 /// `amqp.delivery_limit = 2`, not 1: before the turns, the held forwards' attempts met on one
 /// channel, and a refusal closing it while others were queued on it made lapin send them after
@@ -1176,6 +1176,10 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     st.amqp.ch.exchange_delete(env.shard_exchange().as_str().into(), Default::default()).await.expect("delete the shard exchange");
     let held = || metric("prefix_batcher_requests_total{outcome=\"forward_held\",stage=\"router\"}");
     let held_before = held();
+    let splits = || {
+        metric("prefix_batcher_key_split_decisions_total{decision=\"split\"}") + metric("prefix_batcher_key_split_decisions_total{decision=\"spread\"}")
+    };
+    let splits_before = splits();
 
     let reqs = completions_workload("forwardsheld", 20, 2);
     st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
@@ -1212,6 +1216,12 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     }
     assert_eq!(answered, 20, "one result per request");
     assert_eq!(held_now(), 0.0, "forwards taken are no longer counted as held");
+    // Reported: a held forward kept its first `x-routed-at-ms`, so the owner counted the hold
+    // (seconds, against the split rule's 2 s) as the partition queue's delay, and split the two
+    // keys once the broker took them (measured: both, median delay 3.7 s). The owner decides
+    // at the end of the third 1 s window after their dequeue, so absence is checked after 5 s.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(splits(), splits_before, "the keys split on the time their forwards were held at the router");
     dead.collect_for(Duration::from_millis(500)).await;
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
