@@ -13,7 +13,8 @@
 //!   | --- | --- | --- | --- | --- |
 //!   | completions | first `prefix_chars` (256) chars | first 4 × `prefix_chars` (1 024) | 16 × (4 096) | 64 × (16 384) |
 //!   | chat, `chat_key = "opening"` (default) | first `prefix_chars` chars of the opening | 4 × | 16 × | 64 ×; level 4: through the second user message |
-//!   | chat, other `chat_key` | `chat_key` material | through the first user message | through the second user message | — |
+//!   | chat, `chat_key = "system"` or `"rendered"` | `chat_key` material | through the first user message | through the second user message | — |
+//!   | chat, `chat_key = "system_and_first_user"` | its material (through the first user message) | through the second user message | through the third user message | — |
 //!   | explicit `prefix_key` | the key | — | — | — |
 //!
 //!   Chat levels are role-tagged renderings ([`render_chat`]) of the leading messages. The
@@ -160,7 +161,8 @@ pub const COMPLETION_LEVELS: u8 = 4;
 /// conversation through the second user message.
 pub const OPENING_LEVELS: u8 = COMPLETION_LEVELS + 1;
 /// Key levels of a chat request with another `chat_key` (its material; through the first user
-/// message; through the second user message).
+/// message; through the second user message; for `system_and_first_user`, whose material runs
+/// through the first user message: its material; through the second; through the third).
 pub const CHAT_LEVELS: u8 = 3;
 /// Growth of the completions key material from one level to the next.
 pub const LEVEL_GROWTH: usize = 4;
@@ -200,6 +202,9 @@ pub fn level_key(req: &Request, cfg: &KeyingSettings, level: u8) -> Option<Prefi
         }
         (Body::Chat(msgs), _) if cfg.chat_key == ChatKey::Opening => chat_turns_key(msgs, 2),
         (Body::Chat(msgs), 0) => PrefixKey::of(&chat_material(msgs, cfg)),
+        // Its material already runs through the first user message: a level through that
+        // message would be the same key, and a split by it would move nothing.
+        (Body::Chat(msgs), l) if cfg.chat_key == ChatKey::SystemAndFirstUser => chat_turns_key(msgs, usize::from(l) + 1),
         (Body::Chat(msgs), l) => chat_turns_key(msgs, usize::from(l)),
     })
 }
@@ -530,6 +535,19 @@ mod tests {
         assert_ne!(k(&turn1, 2), k(&turn2, 2));
         assert_eq!(k(&turn1, 2), k(&turn1, 1), "one user turn: the whole conversation");
         assert_eq!(level_key(&turn1, &c, 3), None);
+
+        // Keyed through the first user message already: each deeper level adds a user turn, so
+        // no two levels of a conversation with more turns share a key (a split moves it).
+        let c = kcfg(4, ChatKey::SystemAndFirstUser);
+        let k = |r: &Request, l| level_key(r, &c, l).unwrap();
+        assert_eq!(k(&turn3, 0), k(&turn1, 0));
+        assert_eq!(k(&turn3, 0), PrefixKey::of("<|system|>\nS\n<|user|>\nu1\n"));
+        assert_ne!(k(&turn3, 1), k(&turn3, 0), "level 1 goes through the second user turn");
+        assert_eq!(k(&turn3, 1), k(&turn2, 1));
+        assert_eq!(k(&turn3, 1), PrefixKey::of(&render_chat(&msgs[..4], usize::MAX)));
+        assert_ne!(k(&turn3, 2), k(&turn3, 1), "level 2 goes through the third");
+        assert_eq!(k(&turn3, 2), PrefixKey::of(&render_chat(msgs, usize::MAX)));
+        assert_eq!(level_key(&turn3, &c, 3), None);
     }
 
     #[test]
