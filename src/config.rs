@@ -1596,6 +1596,7 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
         }
         redis_database(&s.url)?;
         redis_user_has_password("redis.url", &s.url)?;
+        redis_client_reads("redis.url", &s.url)?;
         Ok(s)
     })
 }
@@ -1606,17 +1607,30 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
 /// for a user name and silently dropped. The message shows neither.
 fn redis_user_has_password(key: &str, url: &SecretUrl) -> Result<(), ConfigError> {
     let u = &url.0;
-    let query_password = u.query_pairs().any(|(k, _)| k == "password");
-    if u.username().is_empty() || u.password().is_some() || query_password {
+    if u.username().is_empty() || u.password().is_some() {
         return Ok(());
     }
     let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
     let at = format!("{}://***@{}{port}{}", u.scheme(), u.host_str().unwrap_or_default(), u.path());
-    Err(invalid(
-        key,
-        at,
-        "names a user but no password, so Redis would not be authenticated (a password written without its leading `:` reads as a user name): write `:password@` for a password alone (requirepass) or `user:password@` for an ACL user",
-    ))
+    // The redis crate reads a redis:// URL's password from its user info only: a `?password=`
+    // query is ignored, and the connection goes unauthenticated.
+    let why = if u.query_pairs().any(|(k, _)| k == "password" || k == "pass") {
+        "names a user and gives the password in the query, which the Redis client does not read, so Redis would not be authenticated: write `user:password@`"
+    } else {
+        "names a user but no password, so Redis would not be authenticated (a password written without its leading `:` reads as a user name): write `:password@` for a password alone (requirepass) or `user:password@` for an ACL user"
+    };
+    Err(invalid(key, at, why))
+}
+
+/// The URL as the Redis client reads it when it connects (`redis::IntoConnectionInfo`): one it
+/// refuses (`?protocol=4`, the wildcard host `0.0.0.0`, a Unix socket's `?db=x`) would pass
+/// every other check here, and the daemon would then retry the connection forever instead of
+/// stopping. The client's messages do not show the URL.
+fn redis_client_reads(key: &str, url: &SecretUrl) -> Result<(), ConfigError> {
+    match redis::IntoConnectionInfo::into_connection_info(url.expose()) {
+        Ok(_) => Ok(()),
+        Err(e) => Err(invalid(key, url.redacted(), format!("is refused by the Redis client: {e}"))),
+    }
 }
 
 /// The database number of a `redis://` or `rediss://` URL is its path (`/0`, `/3`; empty: 0),
@@ -1656,6 +1670,7 @@ fn sentinel(r: &RawRedis) -> Result<Option<SentinelSettings>, ConfigError> {
         let full = if s.contains("://") { s.to_owned() } else { format!("redis://{s}") };
         let u = secret_url("redis.sentinels", &full, &["redis", "rediss"])?;
         redis_user_has_password("redis.sentinels", &u)?;
+        redis_client_reads("redis.sentinels", &u)?;
         if u.0.port().is_none() {
             return Err(invalid("redis.sentinels", u.redacted(), "must give the sentinel's port (usually 26379)"));
         }
@@ -2425,7 +2440,38 @@ mod tests {
             let e = err(&r);
             assert!(e.contains(key) && e.contains("no password") && !e.contains("hunter2"), "{e}");
         }
-        for url in ["redis://:hunter2@h:6379/0", "redis://user:hunter2@h:6379/0", "redis://h:6379/0", "redis://user@h:6379/0?password=hunter2"] {
+        for url in ["redis://:hunter2@h:6379/0", "redis://user:hunter2@h:6379/0", "redis://h:6379/0"] {
+            let mut r = RawConfig::default();
+            r.redis.url = url.into();
+            ok(&r);
+        }
+        // Reported: the redis crate reads no password from a redis:// URL's query; this one
+        // connected unauthenticated (NOAUTH from a server with ACL users).
+        let mut r = RawConfig::default();
+        r.redis.url = "redis://user@h:6379/0?password=hunter2".into();
+        let e = err(&r);
+        assert!(e.contains("redis.url") && e.contains("in the query") && !e.contains("hunter2"), "{e}");
+    }
+
+    /// Reported: URLs the Redis client refuses when it connects passed `check-config`, and `run`
+    /// then retried the connection forever ("Invalid protocol version", "Cannot connect to a
+    /// wildcard address") instead of stopping with 78.
+    #[test]
+    fn a_redis_url_the_client_refuses_stops_startup() {
+        for (url, says) in [
+            ("redis://:hunter2@127.0.0.1:6379/0?protocol=4", "protocol"),
+            ("redis://:hunter2@0.0.0.0:6379/0", "wildcard"),
+        ] {
+            let mut r = RawConfig::default();
+            r.redis.url = url.into();
+            let e = err(&r);
+            assert!(e.contains("redis.url") && e.contains("refused by the Redis client") && e.contains(says) && !e.contains("hunter2"), "{url}: {e}");
+        }
+        let mut r = RawConfig::default();
+        r.redis.sentinels = vec!["0.0.0.0:26379".into()];
+        r.redis.sentinel_master = "mymaster".into();
+        assert!(err(&r).contains("redis.sentinels"), "{}", err(&r));
+        for url in ["redis://127.0.0.1:6379/0?protocol=resp3", "rediss://h:6380/2", "redis+unix:///run/redis.sock?db=3"] {
             let mut r = RawConfig::default();
             r.redis.url = url.into();
             ok(&r);
