@@ -696,6 +696,16 @@ pub struct Status {
     pub configured_partitions: Option<u32>,
 }
 
+impl Status {
+    /// Whether the RabbitMQ part is missing because a node refused the login or the vhost
+    /// ([`login_refused`]) rather than because none could be reached. With several
+    /// `amqp.urls`, the connection's error is the last node's (often one that is down), so
+    /// every node's answer counts: a rotated password must not read as a network outage.
+    pub fn amqp_login_refused(&self) -> bool {
+        self.amqp_error.as_deref().is_some_and(login_refused) || self.amqp_nodes.iter().filter_map(|n| n.error.as_deref()).any(login_refused)
+    }
+}
+
 /// Queue depths from RabbitMQ: `(ready, consumers)` per partition, then the input backlog, and
 /// the broker node (index in `amqp.urls`) they were read from.
 async fn queue_depths(settings: &Settings, p: u32) -> anyhow::Result<(Vec<Option<(u32, u32)>>, Option<u32>, usize)> {
@@ -1017,7 +1027,7 @@ fn render_summary(out: &mut String, s: &Status) {
         }
     }
     if let Some(e) = &s.amqp_error {
-        let what = if login_refused(e) { "RabbitMQ refused the login" } else { "RabbitMQ unreachable" };
+        let what = if s.amqp_login_refused() { "RabbitMQ refused the login" } else { "RabbitMQ unreachable" };
         out.push_str(&format!("{what}, backlog unknown: {e}\n"));
     }
     out.push_str(&format!("\nRabbitMQ nodes ({}):\n", s.amqp_nodes.len()));

@@ -356,9 +356,9 @@ async fn status(settings: &Settings, json: bool) -> ExitCode {
     if let Some(code) = write_stdout(&text) {
         return code;
     }
-    if let Some(e) = &s.amqp_error {
+    if s.amqp_error.is_some() {
         // The table came from Redis alone: a script must not read it as healthy.
-        return ExitCode::from(if client::login_refused(e) { exit::EX_NOPERM } else { exit::EX_UNAVAILABLE });
+        return ExitCode::from(if s.amqp_login_refused() { exit::EX_NOPERM } else { exit::EX_UNAVAILABLE });
     }
     if !s.deployment_found {
         return ExitCode::from(exit::EX_NO_DEPLOYMENT);

@@ -269,6 +269,13 @@ async fn errors_name_the_problem_but_never_a_secret() {
     assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NOPERM)), "status without RabbitMQ: {out}");
     assert!(out.contains("RabbitMQ refused the login, backlog unknown") && out.contains("LOGIN REFUSED"), "{out}");
     assert_no_secret("status's RabbitMQ error", &out, &secrets);
+    // Reported: with a second node that is down, the connection's error was that node's, and
+    // `status` said "unreachable" with exit 69 although the first node refused the login.
+    let down = format!("{bad_amqp},amqp://127.0.0.1:1/%2f");
+    let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__AMQP__URLS", &down)]);
+    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NOPERM)), "status, one node refusing the login and one down: {out}");
+    assert!(out.contains("RabbitMQ refused the login, backlog unknown") && out.contains("LOGIN REFUSED") && out.contains("UNREACHABLE"), "{out}");
+    assert_no_secret("status's RabbitMQ errors", &out, &secrets);
     // A mistyped key prefix finds no deployment, and says so.
     let typo = format!("{}-typo", env.key_prefix());
     let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__KEY_PREFIX", &typo)]);
