@@ -1405,9 +1405,9 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 /// already went again prompt by prompt). Every call ends by `release_at` ([`release_at`]:
 /// before the `amqp.consumer_timeout` guard would return the requests charged): prompts not sent
 /// because the prompts before them, or the wait for an endpoint permit, used the time
-/// ([`LlmClient::infer_within`]) get `None` too, and so do the items still waiting when, after
-/// the first round, waiting for an endpoint or another round of calls would keep them past
-/// `release_at`. `None` when a stop signal or the session's end comes first.
+/// ([`LlmClient::infer_within`]) get `None` too, and so do the items still waiting when waiting
+/// for an endpoint (in any round) or another round of calls would keep them past `release_at`.
+/// `None` when a stop signal or the session's end comes first.
 async fn infer_through_outages(
     ctx: &PartitionContext,
     items: &[InferenceItem<'_>],
@@ -1423,13 +1423,17 @@ async fn infer_through_outages(
     let mut one_by_one = false;
     let mut first = true;
     loop {
-        // After the first round, a wait for the endpoint or a round of calls that would keep the
-        // requests past `release_at` ends here: they go back uncharged, the ones not sent yet
-        // first (the next delivery sends them first, so a batch whose slow requests keep the
-        // endpoint down cannot keep the others from being sent, delivery after delivery).
+        // A wait for the endpoint that would keep the requests past `release_at` ends here, in
+        // every round: they go back uncharged, the ones not sent yet first (the next delivery
+        // sends them first, so a batch whose slow requests keep the endpoint down cannot keep
+        // the others from being sent, delivery after delivery). Also in the first round: a batch
+        // that flushed while every endpoint was down (its requests taken before the breaker
+        // opened) waited without a bound, until the `amqp.consumer_timeout` guard returned
+        // them charged. An endpoint available now is taken, even past `release_at`.
         let endpoint = tokio::select! {
+            biased;
             endpoint = wait_for_endpoint(ctx, stop, &end.token) => endpoint?,
-            () = tokio::time::sleep_until(release_at), if !first => return Some(Outcomes::released(results, not_sent, todo, ctx.partition)),
+            () = tokio::time::sleep_until(release_at) => return Some(Outcomes::released(results, not_sent, todo, ctx.partition)),
         };
         // A later round only with time for one whole call left; in the first, the calls check
         // their own time ([`LlmClient::infer_within`]).

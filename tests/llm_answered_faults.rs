@@ -443,6 +443,48 @@ async fn requests_waiting_for_a_paused_intake_go_back_uncharged_within_the_consu
     stop_and_clean(env, st, dead).await;
 }
 
+/// Reported: a batch that flushes while every endpoint is down (its requests taken before the
+/// breaker opened, waiting for `batching.max_batch_wait`) waited for an endpoint without a
+/// bound in its first round of calls, until the `amqp.consumer_timeout` guard returned its
+/// requests charged: with `amqp.delivery_limit = 1`, dead-lettered. Group 0's 4 requests fill a
+/// batch at once, and its calls' 503s open the breaker; group 1's one request flushes 1.5 s later,
+/// into the outage. It must go back uncharged by its release time (2.8 s after its receipt, the
+/// guard at 5.4 s), and be answered once the server is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_starts_in_an_outage_goes_back_uncharged() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().start().await.unwrap();
+    fake.set_status(Some(503));
+    let env = TestEnv::new("nu-startout");
+    let mut raw = outage_config(&env, fake.url.as_str());
+    // One attempt per call: the longest hold must stay within 0.8 × consumer_timeout.
+    (raw.batching.max_batch_size, raw.batching.max_batch_wait, raw.llm.max_attempts) = (4, "1500ms".into(), 1);
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let (guard, returned) = (GUARD_RESTARTS, RETURNED_UNCHARGED);
+    let (guard_before, returned_before, opened_before) = (metric(guard), metric(returned), circuit_openings());
+    let mut reqs: Vec<TestRequest> = (0..4).map(|i| completion(&format!("nu-startout-{i}"), 0, &format!(" question {i}?"))).collect();
+    reqs.push(completion("nu-startout-late", 1, " the late batch?"));
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let started = Instant::now();
+    while metric(returned) < returned_before + reqs.len() as f64 {
+        let put_back = metric(returned) - returned_before;
+        assert!(started.elapsed() < Duration::from_secs(30), "{put_back} of {} requests put back uncharged in 30 s", reqs.len());
+        dead.collect_for(Duration::from_millis(300)).await;
+    }
+    assert!(circuit_openings() > opened_before, "the 503s opened the breaker");
+    fake.set_status(None);
+    st.results.until_all(&ids(&reqs), DEADLINE).await;
+    st.results.collect_for(Duration::from_millis(500)).await;
+    dead.collect_for(Duration::from_millis(500)).await;
+    assert_eq!(dead.received.len(), 0, "dead-lettered (charged with delivery_limit 1): {:?}", dead.received.first().map(|m| &m.headers));
+    assert_eq!(metric(guard), guard_before, "the consumer_timeout guard returned requests charged");
+    let results: Vec<_> = st.results.received.iter().map(|m| m.result()).collect();
+    assert_eq!(results.len(), reqs.len(), "each request answered once");
+    assert!(results.iter().all(|r| r.ok), "ok: false results: {:?}", results.iter().find(|r| !r.ok));
+    stop_and_clean(env, st, dead).await;
+}
+
 /// The observed case of a server answering every call with HTTP 200 and a body that is no
 /// completion (a misconfigured gateway's HTML), which turned requests into `ok: false` results
 /// with `invalid_response` while the breaker stayed closed: here the breaker opens (its probe
