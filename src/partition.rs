@@ -1463,7 +1463,10 @@ async fn infer_through_outages(
         // Isolate a possible offender once; an outage resets nothing (the items wait and go again).
         // Not for request timeouts: a list call that timed out went again prompt by prompt
         // already ([`LlmClient::infer_within`]), so each of them is a prompt's own call.
-        let to_isolate = answers.iter().filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server && e.kind != ErrorKind::Timeout)).count();
+        let to_isolate = answers
+            .iter()
+            .filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server && !matches!(e.kind, ErrorKind::Timeout | ErrorKind::Unavailable)))
+            .count();
         let isolate = !outage && !one_by_one && to_isolate > 1;
         one_by_one |= isolate;
         let again = sort_answers(todo, answers, &mut results, &mut not_sent, outage || isolate);
@@ -1515,9 +1518,10 @@ async fn verdict_by(release_at: Instant, end: &CancellationToken, verdict: impl 
 }
 
 /// Files a round's `answers` (one per item of `todo`): an answer goes to `results`; an item not
-/// sent (the batch's time ran out) to `not_sent`; with `go_again` (an outage, or an offender to
-/// isolate), an item that met a server fault is returned to go again: those that failed fast
-/// first, then those whose own call failed (suspects).
+/// sent (the batch's time ran out) to `not_sent`; an item that failed fast (breaker open, no
+/// call made) is returned to go again; with `go_again` (an outage, or an offender to isolate),
+/// so is an item that met another server fault: those that failed fast first, then those whose
+/// own call failed (suspects).
 fn sort_answers(
     todo: Vec<usize>,
     answers: Vec<Result<crate::llm::Completion, crate::llm::LlmError>>,
@@ -1534,6 +1538,10 @@ fn sort_answers(
             // Not sent: the batch's time for LLM calls ran out behind slower prompts (the
             // session goes on: the caller checked). Back to the partition queue, uncharged.
             Err(e) if e.kind == ErrorKind::Cancelled => not_sent.push(i),
+            // Failed fast, no call made (the breaker opened before its call went): it goes again
+            // whatever the verdict. Filed as an answer, it was charged a delivery when the
+            // breaker had closed again by the verdict, for an outage its request never reached.
+            Err(e) if e.kind == ErrorKind::Unavailable => again.push(i),
             Err(e) if go_again && e.fault() == Fault::Server => {
                 if e.kind.is_verified_fault() { suspects.push(i) } else { again.push(i) }
             }
@@ -1695,6 +1703,24 @@ mod tests {
 
     const WINDOW: Duration = Duration::from_secs(30);
     const FRESH: Duration = Duration::from_secs(3);
+
+    /// Reported: a request that failed fast (the breaker opened before its call went, no call
+    /// made) was filed as an answer when the verdict found no outage (the breaker had closed
+    /// again), and so charged a delivery. It goes again, whatever the verdict.
+    #[test]
+    fn a_request_never_sent_goes_again_whatever_the_verdict() {
+        let error = |kind| Err(crate::llm::LlmError { kind, message: String::new(), status: None });
+        for go_again in [false, true] {
+            let answers = vec![error(ErrorKind::Unavailable), error(ErrorKind::Server), error(ErrorKind::Cancelled), error(ErrorKind::Rejected)];
+            let mut results: Vec<Answer> = (0..4).map(|_| None).collect();
+            let mut not_sent = Vec::new();
+            let again = sort_answers(vec![0, 1, 2, 3], answers, &mut results, &mut not_sent, go_again);
+            assert_eq!(again, if go_again { vec![0, 1] } else { vec![0] }, "go_again {go_again}");
+            assert_eq!(not_sent, vec![2]);
+            assert!(results[0].is_none() && results[2].is_none() && results[3].is_some());
+            assert_eq!(results[1].is_some(), !go_again, "a server fault of its own call is an answer without go_again");
+        }
+    }
 
     /// The verdict on a batch's server faults is waited for until `release_at` (later, the
     /// `amqp.consumer_timeout` guard would return the requests charged) or the session's end.
