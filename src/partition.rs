@@ -1657,7 +1657,7 @@ async fn return_uncharged(ctx: &PartitionContext, out: &SharedConfirmChannel, de
         async move {
             let earlier = redelivery::delivery_count(Source::Partition, d.redelivered, d.properties.headers().as_ref());
             let props = publisher::carried_props(&d.properties, &[(HEADER_EARLIER_DELIVERIES, earlier.to_string())]);
-            if let Err(e) = publisher::publish_on(out, amqp, &amqp.shard_exchange, rk, &d.data, props).await {
+            if let Err(e) = publisher::publish_on(out, amqp, &amqp.shard_exchange, rk, &d.data, props, None).await {
                 debug!(message_id = ?d.properties.message_id(), error = %e, "could not put a delivery back uncharged; the channel's close returns it");
                 return false;
             }

@@ -100,6 +100,12 @@ pub enum PublishError {
     /// see [`crate::amqp::ConfirmChannel`]. Publish again on a new channel, or requeue.
     #[error("an earlier publish to the same destination on the channel failed, so the broker may have dropped this one")]
     AfterFailed,
+    /// Not published: the partition's local lease deadline had passed ([`LeaseClock`]), so the
+    /// partition's next owner may be answering the request already. Checked before every
+    /// publish of a partition's results and dead letters, also the second one of a result
+    /// that its `reply_to` refused.
+    #[error("not published: the partition's lease deadline passed (its next owner answers the request)")]
+    LeaseExpired,
 }
 
 /// Whether `e` is the broker's 403 `ACCESS_REFUSED` to a publish: the daemon's user has no
@@ -689,7 +695,9 @@ pub fn request_fingerprint(id: &str, body: &[u8], props: &BasicProperties) -> u1
 /// have one, its id in `x-request-id` (as on results; a publisher's own `x-request-id` header is
 /// not passed on), persistent, to the dead-letter exchange ([`publish_own`]: declared again on
 /// `conn` when it or its queue was deleted), in its turn on `out`
-/// ([`crate::amqp::RefusalTurns::turn`]).
+/// ([`crate::amqp::RefusalTurns::turn`]); with a partition's `lease`, not once it is invalid
+/// ([`PublishError::LeaseExpired`]).
+#[allow(clippy::too_many_arguments)] // the parts of one dead letter, all borrowed
 pub async fn dead_letter(
     out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
@@ -698,6 +706,7 @@ pub async fn dead_letter(
     request_id: Option<&str>,
     reason: &str,
     detail: &str,
+    lease: Option<&LeaseClock>,
 ) -> Result<(), PublishError> {
     let mut added = vec![(HEADER_DEATH_REASON, reason.to_owned()), (HEADER_DEATH_DETAIL, detail.chars().take(1000).collect())];
     added.extend(request_id.map(|id| (HEADER_REQUEST_ID, id.to_owned())));
@@ -713,7 +722,7 @@ pub async fn dead_letter(
     }
     let props = out_props;
     let _turn = out.turns().turn().await;
-    publish_own(out, amqp, OwnDestination::DeadLetter, body, props).await
+    publish_own(out, amqp, OwnDestination::DeadLetter, body, props, lease).await
 }
 
 /// Where the daemon itself sends messages, and declares at startup: a publish may find them
@@ -812,13 +821,14 @@ pub async fn publish_own(
     dest: OwnDestination,
     body: &[u8],
     props: BasicProperties,
+    lease: Option<&LeaseClock>,
 ) -> Result<(), PublishError> {
     let (exchange, routing_key) = match dest {
         OwnDestination::DeadLetter => (amqp.dead_letter_exchange.as_str(), ""),
         OwnDestination::Results => ("", amqp.results_queue.as_str()),
         OwnDestination::Partition(_) => unreachable!("forwards are published by the router"),
     };
-    let first = publish_on(out, amqp, exchange, routing_key, body, props.clone()).await;
+    let first = publish_on(out, amqp, exchange, routing_key, body, props.clone(), lease).await;
     match &first {
         Err(e) if says_missing(e) => {}
         _ => return first,
@@ -826,7 +836,7 @@ pub async fn publish_own(
     if !declare_again(out.connection(), amqp, dest).await {
         return first;
     }
-    publish_on(out, amqp, exchange, routing_key, body, props).await
+    publish_on(out, amqp, exchange, routing_key, body, props, lease).await
 }
 
 /// [`publish_on`]'s line for each message it publishes again.
@@ -839,7 +849,9 @@ const AFTER_FAILED_ATTEMPTS: u32 = 3;
 /// [`publish_confirmed`] on the current channel of `out` ([`SharedConfirmChannel::get`]); a
 /// publish that was [`PublishError::AfterFailed`] goes again on the channel that replaced it, up
 /// to `AFTER_FAILED_ATTEMPTS` times (the broker may then hold it twice: a duplicate, never a
-/// loss). Errors: as [`publish_confirmed`], or no channel could be opened.
+/// loss). With `lease` (a partition's), nothing is published once it is invalid
+/// ([`PublishError::LeaseExpired`]), checked before each attempt. Errors: as
+/// [`publish_confirmed`], or no channel could be opened.
 pub async fn publish_on(
     out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
@@ -847,9 +859,13 @@ pub async fn publish_on(
     routing_key: &str,
     body: &[u8],
     props: BasicProperties,
+    lease: Option<&LeaseClock>,
 ) -> Result<(), PublishError> {
     let mut again = 0;
     loop {
+        if lease.is_some_and(|l| !l.is_valid()) {
+            return Err(PublishError::LeaseExpired);
+        }
         let ch = out.get().await?;
         match publish_confirmed(&ch, out.connection(), amqp, exchange, routing_key, body, props.clone()).await {
             Err(PublishError::AfterFailed) if again < AFTER_FAILED_ATTEMPTS => {
@@ -1089,7 +1105,7 @@ async fn dead_letter_and_ack_inline(
         return Intake::Unacked(delivery);
     }
     let (body, props) = (&delivery.data, &delivery.properties);
-    if let Err(e) = dead_letter(out, amqp, body, props, full_request_id, reason, detail).await {
+    if let Err(e) = dead_letter(out, amqp, body, props, full_request_id, reason, detail, lease).await {
         if access_refused(&e) {
             crate::error_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead letter refused: the broker denies the daemon's user write access to the dead-letter exchange (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); the message is not acked");
         } else {
@@ -1282,7 +1298,7 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
         PublishError::Nacked => Some(REFUSED_NACKED),
         PublishError::Unroutable { .. } => Some(REFUSED_UNROUTABLE),
         PublishError::Timeout(_) => Some(REFUSED_TIMEOUT),
-        PublishError::Amqp(_) | PublishError::AfterFailed => None,
+        PublishError::Amqp(_) | PublishError::AfterFailed | PublishError::LeaseExpired => None,
     }
 }
 
@@ -1359,6 +1375,10 @@ pub async fn publish_result(
             out.turns().accepted();
             break;
         };
+        if matches!(e, PublishError::LeaseExpired) {
+            warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
+            return ResultEnd::Settled(left(&result.id, "lease deadline passed before the result was published"));
+        }
         // After a failed publish the partition's next one goes on a new channel
         // ([`crate::amqp::SharedConfirmChannel`]): a quorum queue that rejected a publish can
         // drop later publishes of the same channel while confirming them (RabbitMQ 3.10;
@@ -1547,9 +1567,9 @@ async fn publish_with_fallback(
     let t = amqp.confirm_timeout;
     let reply_to = request.reply_to().as_ref().map(|r| r.as_str().to_owned()).filter(|r| !r.is_empty());
     let Some(rt) = reply_to else {
-        return publish_own(out, amqp, OwnDestination::Results, &body, out_props).await;
+        return publish_own(out, amqp, OwnDestination::Results, &body, out_props, Some(tenure.lease)).await;
     };
-    let (reason, why) = match publish_on(out, amqp, "", &rt, &body, out_props.clone()).await {
+    let (reason, why) = match publish_on(out, amqp, "", &rt, &body, out_props.clone(), Some(tenure.lease)).await {
         Ok(()) => return Ok(()),
         Err(PublishError::Unroutable { .. }) if is_direct_reply_to(&rt) => {
             if direct_reply_to_present(out.connection(), &rt, t).await? {
@@ -1566,7 +1586,7 @@ async fn publish_with_fallback(
     crate::warn_limited!(REPLY_REFUSED_LOG, request_id = %result.id, reply_to = %rt, reason, error = %why, "reply queue refused the result; publishing it to the results queue");
     metrics::reply_to_refused(reason);
     let headers = headers_with(out_props.headers().as_ref(), &[(HEADER_REPLY_TO_REFUSED, reason.to_owned()), (HEADER_REPLY_TO, rt)]);
-    publish_own(out, amqp, OwnDestination::Results, &body, out_props.with_headers(headers)).await
+    publish_own(out, amqp, OwnDestination::Results, &body, out_props.with_headers(headers), Some(tenure.lease)).await
 }
 
 /// Nacks the delivery of `acker` with requeue and notes `why` for request `id`

@@ -274,7 +274,7 @@ async fn no_publish_after_a_nack_on_a_shared_channel_is_reported_delivered_and_l
         let (out, a, queue, id) = (out.clone(), a.clone(), queue.clone(), format!("m-{i}"));
         tasks.spawn(async move {
             let props = BasicProperties::default().with_message_id(id.as_str().into()).with_correlation_id(id.as_str().into());
-            let outcome = publish_on(&out, &a, "", &queue, id.as_bytes(), props).await;
+            let outcome = publish_on(&out, &a, "", &queue, id.as_bytes(), props, None).await;
             (id, outcome)
         });
     }
@@ -299,6 +299,40 @@ async fn no_publish_after_a_nack_on_a_shared_channel_is_reported_delivered_and_l
     assert!(lost.is_empty(), "{} publishes reported delivered are not in the queue: {lost:?}", lost.len());
     out.close("done").await;
     let _ = conn.close(200, "done".into()).await;
+    let _ = amqp.ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// Reported: a result whose `reply_to` publish waited out `amqp.confirm_timeout` went to the
+/// results queue although the lease deadline had passed meanwhile (the lease was checked once,
+/// before the first publish), so the next owner answered the request too. Every publish of a
+/// partition now checks its lease first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_published_for_a_partition_once_its_lease_deadline_passed() {
+    use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+    use lapin::BasicProperties;
+    use prefix_batcher::amqp::SharedConfirmChannel;
+    use prefix_batcher::config::Settings;
+    use prefix_batcher::lease::LeaseClock;
+    use prefix_batcher::publisher::{publish_on, PublishError};
+    use std::sync::Arc;
+
+    let env = TestEnv::new("leasepub");
+    let a = Settings::from_raw(&env.raw_config("http://127.0.0.1:9")).expect("valid test config").amqp;
+    let amqp = Amqp::connect().await;
+    let queue = format!("{}.out", env.name);
+    amqp.ch.queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), Default::default()).await.expect("declare");
+    let out = SharedConfirmChannel::new(Arc::new(lapin::Connection::connect(AMQP_URL, Default::default()).await.expect("connect")), a.confirm_timeout, "test".to_owned());
+    let lease = LeaseClock::new(tokio::time::Instant::now() + Duration::from_secs(60));
+    let props = BasicProperties::default().with_message_id("m".into());
+    publish_on(&out, &a, "", &queue, b"first", props.clone(), Some(&lease)).await.expect("published under a valid lease");
+    lease.invalidate();
+    let refused = publish_on(&out, &a, "", &queue, b"second", props.clone(), Some(&lease)).await;
+    assert!(matches!(refused, Err(PublishError::LeaseExpired)), "{refused:?}");
+    publish_on(&out, &a, "", &queue, b"third", props, None).await.expect("published without a lease (the router's)");
+    assert_eq!(amqp.queue_depth(&queue).await.0, 2, "the publish after the lease deadline reached the queue");
+    out.close("done").await;
     let _ = amqp.ch.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
     amqp.close().await;
     env.cleanup().await;
