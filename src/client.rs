@@ -383,15 +383,23 @@ async fn collect_results(
             crate::report!("submit: {}/{} results", seen.len(), ids.len());
         }
     }
-    if summary.interrupted {
-        rescue_results(reply, ids, &mut seen, out, summary, &output_error).await?;
+    // Interrupted or timed out: results may be in the reply queue or delivered to the consumer
+    // and not read yet. They are acked by the daemon already, and the queue goes with the
+    // connection, so they are read now; the queue is then deleted, and later results go to
+    // the results queue.
+    if seen.len() < ids.len() {
+        match tokio::time::timeout(RESCUE_LIMIT, rescue_results(reply, ids, &mut seen, out, summary, &output_error)).await {
+            Ok(rescued) => rescued?,
+            Err(_) => crate::report!("submit: reading the results left in the reply queue got no answer from the broker within {RESCUE_LIMIT:?}"),
+        }
     }
     out.flush().map_err(output_error)?;
     summary.results = seen.len();
     summary.missing = ids.len() - seen.len();
-    if summary.interrupted {
+    if seen.len() < ids.len() {
         crate::report!(
-            "submit: interrupted with {} of {} results; the rest will go to the results queue (the reply queue is deleted)",
+            "submit: {} with {} of {} results; the rest will go to the results queue (the reply queue is deleted)",
+            if summary.interrupted { "interrupted" } else { "timed out" },
             seen.len(),
             ids.len()
         );
@@ -430,7 +438,10 @@ fn take_result(
     Ok(())
 }
 
-/// After an interrupted wait: the results already in the reply queue (or delivered to the
+/// How long [`rescue_results`] may take before `submit` gives up on the broker.
+const RESCUE_LIMIT: Duration = Duration::from_secs(30);
+
+/// After an interrupted or timed-out wait: the results already in the reply queue (or delivered to the
 /// consumer and not yet read) are written too, then the queue is deleted, so that every later
 /// result goes to `amqp.results_queue` and none is destroyed with the queue.
 ///

@@ -889,8 +889,10 @@ async fn check_config_accepts_the_example_and_rejects_a_zero_batch_wait() {
 /// the signal killed the process: results already acked but still in its output buffer were
 /// lost, and there was no summary; and results still in the reply queue went with it. Nobody
 /// consumes the input queue here; the test answers three requests itself through their
-/// `reply_to`, the third right before the signal. An output path that cannot be written stops
-/// `submit` before it publishes anything.
+/// `reply_to`, the third right before the signal. A wait that times out ends the same way (the
+/// results in the reply queue are read before it goes; before, they were dropped with it), but
+/// not `interrupted`. An output path that cannot be written stops `submit` before it publishes
+/// anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     use lapin::options::{BasicGetOptions, QueueDeclareOptions};
@@ -902,13 +904,14 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     let raw = env.raw_config("http://127.0.0.1:9");
     let cfg = write_config(&env, "submit", &raw);
 
-    for signal in ["-INT", "-TERM"] {
+    for signal in ["-INT", "-TERM", "timeout"] {
+        let timeout = if signal == "timeout" { "4s" } else { "10m" };
         let input = env.dir.join("requests.jsonl");
         let lines: String = (0..5).map(|i| format!("{{\"id\":\"int{i}\",\"prompt\":\"hello {i}\"}}\n")).collect();
         std::fs::write(&input, lines).unwrap();
         let out = env.dir.join("results.jsonl");
         let mut cmd = bin_command();
-        cmd.arg("--config").arg(&cfg).args(["submit", "--wait", "--timeout", "10m", "--queue", &queue, "--file"]).arg(&input).arg("--out").arg(&out);
+        cmd.arg("--config").arg(&cfg).args(["submit", "--wait", "--timeout", timeout, "--queue", &queue, "--file"]).arg(&input).arg("--out").arg(&out);
         let mut submit = DaemonProcess::spawn(&env, &format!("submit{signal}"), cmd);
 
         // Answer the first two requests as the daemon would.
@@ -949,19 +952,25 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
         let id = msg.delivery.properties.correlation_id().as_ref().unwrap().to_string();
         let body = format!("{{\"id\":\"{id}\",\"ok\":true,\"text\":\"hi\"}}");
         amqp.publish(&reply_to, body.as_bytes(), request_props(&id, &reply_to)).await;
-        let ok = std::process::Command::new("kill").arg(signal).arg(submit.pid().to_string()).status().unwrap().success();
-        assert!(ok);
+        if signal != "timeout" {
+            let ok = std::process::Command::new("kill").arg(signal).arg(submit.pid().to_string()).status().unwrap().success();
+            assert!(ok);
+        }
         let status = submit.wait_exit(Duration::from_secs(10)).await;
         let log = submit.log();
         assert_eq!(status.code(), Some(3), "{signal}: {log}");
         let written = std::fs::read_to_string(&out).unwrap();
         assert_eq!(written.lines().count(), 3, "{signal}: the results sent before the signal are written: {written:?}");
         let summary: serde_json::Value = serde_json::from_str(log.lines().last().unwrap()).unwrap_or_else(|e| panic!("{signal}: no summary ({e}): {log}"));
-        assert_eq!(summary["interrupted"], true, "{signal}: {summary}");
+        assert_eq!(summary["interrupted"], signal != "timeout", "{signal}: {summary}");
         assert_eq!(summary["results"], 3, "{signal}: {summary}");
         assert_eq!(summary["missing"], 2, "{signal}: {summary}");
-        assert!(log.contains("interrupted with 3 of 5 results"), "{signal}: {log}");
-        assert!(log.contains("without a result when interrupted"), "{signal}: {log}");
+        if signal == "timeout" {
+            assert!(log.contains("timed out with 3 of 5 results") && log.contains("without a result after 4s"), "{log}");
+        } else {
+            assert!(log.contains("interrupted with 3 of 5 results"), "{signal}: {log}");
+            assert!(log.contains("without a result when interrupted"), "{signal}: {log}");
+        }
         assert!(broker::queues(&reply_to).is_empty(), "the reply queue is deleted");
         // The three unanswered requests are still in the input queue.
         let _ = amqp.ch.queue_purge(queue.as_str().into(), Default::default()).await;
