@@ -313,7 +313,7 @@ static KEY_SPLIT_DECISIONS: LazyLock<IntCounterVec> = counter_vec!(
     &["decision"]
 );
 static KEY_MOVES: LazyLock<IntCounter> = LazyLock::new(|| {
-    reg(IntCounter::new("key_moves_total", "Decision changes (entries added, removed or changed) seen in the split set; each moves a key's traffic.").unwrap())
+    reg(IntCounter::new("key_moves_total", "Decision changes (entries added, removed or changed) seen in the split set; each moves a key's traffic. The first view a process reads counts none.").unwrap())
 });
 static HOT_KEY_SHARE: LazyLock<GaugeVec> = LazyLock::new(|| {
     reg(GaugeVec::new(

@@ -431,6 +431,13 @@ struct RefreshState {
     /// The clock of Redis at a local instant, from the last answer that came within
     /// [`CLOCK_RTT`] (taken as read halfway through the round trip): dates the batches.
     redis_clock: Option<(Instant, u64)>,
+    /// When the last refresh started (successful or not).
+    attempted_at: Option<Instant>,
+    /// The view and records are older than the set in Redis may be: this process did not run
+    /// for [`SPLIT_TTL`] between two refreshes (stopped with SIGSTOP, a paused VM), while other
+    /// instances may have merged and split keys. Until a refresh succeeds, it neither puts back
+    /// a lost set from its view nor keeps or merges entries by its records.
+    stale: bool,
 }
 
 impl Default for RefreshState {
@@ -443,6 +450,8 @@ impl Default for RefreshState {
             seq: 0,
             pending: Vec::new(),
             redis_clock: None,
+            attempted_at: None,
+            stale: false,
         }
     }
 }
@@ -596,7 +605,17 @@ impl Affinity {
         let mut reasons: Vec<(SplitMember, SplitReason)> = Vec::new();
         {
             let st = &mut *lock(&self.inner.refresh);
-            req.generation.clone_from(&st.generation);
+            // Refreshes come every REFRESH_INTERVAL, failed ones too (a Redis outage): a gap of
+            // SPLIT_TTL means this process did not run. Reported: an instance stopped while a
+            // key merged and Redis then lost its data put the merged key back when it resumed.
+            if st.attempted_at.is_some_and(|t| now.saturating_duration_since(t) >= SPLIT_TTL) {
+                warn!(gap_s = st.attempted_at.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()), "the split view was not refreshed for longer than the split TTL (this process did not run): it is read again from Redis before this instance keeps, merges or puts back any entry");
+                st.stale = true;
+            }
+            st.attempted_at = Some(now);
+            if !st.stale {
+                req.generation.clone_from(&st.generation);
+            }
             st.pending.retain(|p| now.saturating_duration_since(p.taken_at) < ARRIVALS_KEPT);
             if !counts.is_empty() {
                 st.seq += 1;
@@ -622,7 +641,7 @@ impl Affinity {
                     }
                 }
             }
-            for r in &st.records {
+            for r in st.records.iter().filter(|_| !st.stale) {
                 let drain = r.drain_rps.unwrap_or(0.0);
                 match st.ledger.review(now, rules, &r.member, drain, r.arrivals_rps) {
                     Verdict::Keep => req.keeps.push((r.member, drain)),
@@ -650,13 +669,15 @@ impl Affinity {
         log_answer(&answer, &reasons);
         let next = SplitView::new(answer.records.iter().map(|r| r.member));
         let per_level = next.per_level();
-        {
+        let first = {
             let st = &mut *lock(&self.inner.refresh);
             st.ledger.update(now, &next);
             st.records.clone_from(&answer.records);
-            st.generation = Some(answer.generation.clone());
-        }
-        let moves = self.set_view(next);
+            st.stale = false;
+            st.generation.replace(answer.generation.clone()).is_none()
+        };
+        // The first view this process reads moves no traffic: its routers had none to go by.
+        let moves = self.set_view(next) * usize::from(!first);
         metrics::split_view(&per_level, moves);
         Ok(answer)
     }
@@ -905,6 +926,29 @@ mod tests {
         let answer = a.refresh(&store, &rules, t0 + Duration::from_secs(5)).await.unwrap();
         assert_eq!(answer.restored, 0);
         assert!(a.view().is_empty());
+    }
+
+    /// Reported: an instance stopped (SIGSTOP) while the others merged a key, and Redis then lost
+    /// its data; when the instance resumed, it put the merged key back from its old view. A
+    /// process that did not refresh for the split TTL reads the set first: it puts nothing back
+    /// and keeps nothing, and the refresh after that is as usual.
+    #[tokio::test(start_paused = true)]
+    async fn an_instance_that_did_not_run_puts_back_nothing_from_its_old_view() {
+        let (a, store, rules, t0) = split_key_42().await;
+        let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
+        // Stopped for 30 s: meanwhile the key merged and the set was lost.
+        store.lose();
+        let answer = a.refresh(&store, &rules, t0 + Duration::from_secs(33)).await.unwrap();
+        assert_eq!(answer.restored, 0, "put back from a view older than the split TTL");
+        assert!(lock(&store.set).get(&split).is_none());
+        assert!(a.view().is_empty(), "the view follows the set in Redis");
+        // The next refresh knows the set again: a loss now is put back as usual.
+        lock(&store.set).insert(split, 20.0);
+        a.refresh(&store, &rules, t0 + Duration::from_secs(34)).await.unwrap();
+        assert_eq!(a.view().get(0, PrefixKey(42)), Some(SplitState::Split));
+        store.lose();
+        let answer = a.refresh(&store, &rules, t0 + Duration::from_secs(35)).await.unwrap();
+        assert_eq!(answer.restored, 1);
     }
 
     /// Routes one request of a 3-level key (level keys 7, 8, 9) through `a`; returns its level.
