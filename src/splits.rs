@@ -403,6 +403,7 @@ impl RouterSide {
 }
 
 /// Why a refresh adds a split entry (logged once the store has taken it).
+#[derive(Clone)]
 enum SplitReason {
     /// Its partition queues ([`crate::affinity::LoadTracker`]).
     Hot(HotKey),
@@ -438,7 +439,14 @@ struct RefreshState {
     /// instances may have merged and split keys. Until a refresh succeeds, it neither puts back
     /// a lost set from its view nor keeps or merges entries by its records.
     stale: bool,
+    /// The adds (with why) and merges of refreshes that got no answer since the last one that
+    /// did (at most [`MAX_UNANSWERED`]): a Redis that stalled runs the calls queued on its socket
+    /// when it resumes, so they may have taken effect; the next answer tells ([`log_late`]).
+    unanswered: Vec<(SplitMember, Option<SplitReason>)>,
 }
+
+/// Bound of [`RefreshState::unanswered`].
+const MAX_UNANSWERED: usize = 64;
 
 impl Default for RefreshState {
     fn default() -> Self {
@@ -452,6 +460,7 @@ impl Default for RefreshState {
             redis_clock: None,
             attempted_at: None,
             stale: false,
+            unanswered: Vec::new(),
         }
     }
 }
@@ -654,6 +663,13 @@ impl Affinity {
             Ok(a) => a,
             Err(e) => {
                 metrics::split_sync_failed();
+                let st = &mut *lock(&self.inner.refresh);
+                let sent = reasons.into_iter().map(|(m, why)| (m, Some(why))).chain(req.merges.iter().map(|m| (*m, None)));
+                for (m, why) in sent {
+                    if st.unanswered.len() < MAX_UNANSWERED && !st.unanswered.iter().any(|(u, _)| *u == m) {
+                        st.unanswered.push((m, why));
+                    }
+                }
                 return Err(e);
             }
         };
@@ -668,6 +684,7 @@ impl Affinity {
         }
         log_answer(&answer, &reasons);
         let next = SplitView::new(answer.records.iter().map(|r| r.member));
+        log_late(&std::mem::take(&mut lock(&self.inner.refresh).unanswered), &view, &next, &answer);
         let per_level = next.per_level();
         let first = {
             let st = &mut *lock(&self.inner.refresh);
@@ -704,6 +721,35 @@ fn log_answer(answer: &SyncAnswer, reasons: &[(SplitMember, SplitReason)]) {
         metrics::split_decision(kind::MERGE);
         info!(key = %m, "cool key: merging back");
     }
+}
+
+/// Logs and counts the adds and merges of refreshes that got no answer (`unanswered`, with why
+/// each add was decided; a merge has none) that the set shows done since the `before` view
+/// (`after`), unless this answer made them: their calls ran when a stalled Redis resumed.
+/// Reported: a split stored that way was neither logged nor counted. Returns how many.
+fn log_late(unanswered: &[(SplitMember, Option<SplitReason>)], before: &SplitView, after: &SplitView, answer: &SyncAnswer) -> usize {
+    let mut late = 0;
+    for (m, why) in unanswered {
+        let (was, is) = (before.get(m.level, m.key), after.get(m.level, m.key));
+        match why {
+            Some(why) if is == Some(m.state) && was != Some(m.state) && !answer.added.contains(m) => {
+                metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
+                let why = match why {
+                    SplitReason::Hot(_) => "hot key",
+                    SplitReason::Dominant { .. } => "dominant key",
+                };
+                info!(key = %m, why, "split stored by a refresh whose answer did not come (Redis stalled, then ran it): splitting");
+                late += 1;
+            }
+            None if was.is_some() && is.is_none() && !answer.removed.contains(m) => {
+                metrics::split_decision(kind::MERGE);
+                info!(key = %m, "merge stored by a refresh whose answer did not come (Redis stalled, then ran it): merging back");
+                late += 1;
+            }
+            _ => {}
+        }
+    }
+    late
 }
 
 /// The rule numbers of a deployment ([`SplitRules::new`]).
@@ -949,6 +995,25 @@ mod tests {
         store.lose();
         let answer = a.refresh(&store, &rules, t0 + Duration::from_secs(35)).await.unwrap();
         assert_eq!(answer.restored, 1);
+    }
+
+    /// Reported: a refresh whose call timed out while Redis stalled, and ran when it resumed,
+    /// split a key that no instance logged or counted. The next answer shows it: logged and
+    /// counted then, unless that answer's own call made the change.
+    #[test]
+    fn a_change_stored_by_a_refresh_without_an_answer_is_logged_once_seen() {
+        let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
+        let other = SplitMember { level: 0, key: PrefixKey(7), state: SplitState::Split };
+        let why = SplitReason::Dominant { share: 0.9, requests: 20 };
+        let unanswered = vec![(split, Some(why)), (other, None)];
+        let (empty, both) = (SplitView::new([]), SplitView::new([split]));
+        let with_other = SplitView::new([other]);
+        let answer = SyncAnswer::default();
+        assert_eq!(log_late(&unanswered, &with_other, &both, &answer), 2, "the split and the merge, both stored late");
+        assert_eq!(log_late(&unanswered, &both, &both, &answer), 0, "split before: nothing new");
+        assert_eq!(log_late(&unanswered, &empty, &empty, &answer), 0, "never stored");
+        let made_now = SyncAnswer { added: vec![split], ..SyncAnswer::default() };
+        assert_eq!(log_late(&unanswered[..1], &empty, &both, &made_now), 0, "this answer made it, and logged it");
     }
 
     /// Routes one request of a 3-level key (level keys 7, 8, 9) through `a`; returns its level.
