@@ -1439,10 +1439,10 @@ async fn infer_through_outages(
     // back first, whatever happens to the rest.
     let mut not_sent: Vec<usize> = Vec::new();
     let mut one_by_one = false;
-    // After an outage that began during this batch's calls, and for requests struck before:
-    // one call at a time, those struck least first, so that when the server goes down again,
-    // one request's own call was in flight ([`strike`]).
-    let mut alone = strikes.iter().any(|&s| s > 0);
+    // Once a request was in flight at [`ALONE_AFTER`] outages (one is a restart as likely as a
+    // crash, and costs nothing more): one call at a time, those struck least first, so that
+    // when the server goes down again, one request's own call was in flight ([`strike`]).
+    let mut alone = false;
     let mut first = true;
     loop {
         // A wait for the endpoint that would keep the requests past `release_at` ends here, in
@@ -1463,6 +1463,7 @@ async fn infer_through_outages(
             return Some(Outcomes::released(results, not_sent, todo, ctx.partition));
         }
         first = false;
+        alone |= todo.iter().any(|&i| strikes[i] >= ALONE_AFTER);
         if alone {
             todo.sort_by_key(|&i| strikes[i]);
         }
@@ -1486,11 +1487,7 @@ async fn infer_through_outages(
                 }
             };
         let (left, answers) = match outage {
-            true if alone => strike(todo, answers, strikes, &mut results, ctx.partition),
-            true => {
-                alone = answers.iter().any(went_down_during);
-                (todo, answers)
-            }
+            true => strike(todo, answers, strikes, alone, &mut results, ctx.partition),
             false => (todo, answers),
         };
         todo = left;
@@ -1528,12 +1525,15 @@ async fn infer_through_outages(
     }
 }
 
-/// How many times the LLM endpoint may go down during a request's own call, sent alone, before
-/// the request is charged a delivery for it ([`strike`]): 2. From then on each such outage
-/// charges it one, so `amqp.delivery_limit` dead-letters a prompt that crashes the server
-/// every time after about `delivery_limit` + 2 crashes, instead of its crashing the restarted
-/// server without end, uncharged.
-pub const CRASH_STRIKES: u32 = 2;
+/// Outages during calls a request was in after which its batch's calls go one at a time: 2.
+pub const ALONE_AFTER: u32 = 2;
+
+/// Outages during calls a request was in (the last ones sent alone) at which it is charged a
+/// delivery ([`strike`]): 3. From then on each such outage charges it one, so
+/// `amqp.delivery_limit` dead-letters a prompt that crashes the server every time after about
+/// `delivery_limit` + 2 crashes, instead of its crashing the restarted server without end,
+/// uncharged.
+pub const CRASH_STRIKES: u32 = 3;
 
 /// Whether a call's answer says the server went away during it: the connection failed or broke
 /// ([`ErrorKind::Connect`]). Not a 5xx, a timeout, a refused token or an invalid answer: a
@@ -1542,16 +1542,18 @@ fn went_down_during(answer: &Result<crate::llm::Completion, crate::llm::LlmError
     answer.as_ref().is_err_and(|e| e.kind == ErrorKind::Connect)
 }
 
-/// After an outage verdict on a round of calls sent alone ([`call_round`]): each request whose
-/// own call the server went away during ([`went_down_during`]) gets a strike. One with
-/// [`CRASH_STRIKES`] gets its error as its answer (charged: [`Settle::one`]); the others, and
-/// their answers, are returned to go on as in any outage. A server that goes down on its own
-/// strikes whichever request was in flight, rarely the same one twice; a prompt that crashes it
-/// is in flight every time, and ends up dead-lettered with reason `delivery_limit`.
+/// After an outage verdict on a round of calls: each request whose call the server went away
+/// during ([`went_down_during`]) gets a strike. In a round sent `alone` ([`call_round`]), one
+/// with [`CRASH_STRIKES`] gets its error as its answer (charged: [`Settle::one`]); the others,
+/// and their answers, are returned to go on as in any outage. A server that goes down on its
+/// own strikes whichever requests are in flight, and a restart once; a prompt that crashes it
+/// is in flight every time, alone once its batch goes one call at a time, and ends up
+/// dead-lettered with reason `delivery_limit`.
 fn strike(
     todo: Vec<usize>,
     answers: Vec<Result<crate::llm::Completion, crate::llm::LlmError>>,
     strikes: &mut [u32],
+    alone: bool,
     results: &mut [Answer],
     partition: u32,
 ) -> (Vec<usize>, Vec<Result<crate::llm::Completion, crate::llm::LlmError>>) {
@@ -1559,7 +1561,7 @@ fn strike(
     for (i, answer) in todo.into_iter().zip(answers) {
         if went_down_during(&answer) {
             strikes[i] = strikes[i].saturating_add(1);
-            if strikes[i] >= CRASH_STRIKES {
+            if alone && strikes[i] >= CRASH_STRIKES {
                 crate::warn_limited!(
                     CRASH_LOG,
                     partition,
@@ -1647,8 +1649,8 @@ fn sort_answers(
 }
 
 /// One round of calls for `call` on `endpoint`, each ending by `deadline`
-/// ([`LlmClient::infer_within`]): one call per item, one at a time, after an outage that began
-/// during the batch's calls (`alone`, [`strike`]); one call per item when a possible offender
+/// ([`LlmClient::infer_within`]): one call per item, one at a time, once an item was in
+/// flight at [`ALONE_AFTER`] outages (`alone`, [`strike`]); one call per item when a possible offender
 /// is being isolated (`one_by_one`); else the batch's calls. One answer per item, in order.
 async fn call_round(
     ctx: &PartitionContext,

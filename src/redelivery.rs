@@ -84,8 +84,8 @@ pub fn requeue_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
 pub const HEADER_EARLIER_DELIVERIES: &str = "x-earlier-deliveries";
 
 /// Header of a request the daemon put back in its partition queue as a copy
-/// ([`HEADER_EARLIER_DELIVERIES`]): how many times its LLM endpoint went down during its own
-/// call, sent alone ([`crate::partition`]). A prompt that crashes the server is in flight each
+/// ([`HEADER_EARLIER_DELIVERIES`]): how many times its LLM endpoint went down during a call it
+/// was in ([`crate::partition`]'s `strike`). A prompt that crashes the server is in flight each
 /// time it goes down; without a count that outlives the copies, every outage would put it back
 /// uncharged and it would crash the restarted server again, without end. Set only by the
 /// daemon, like [`HEADER_EARLIER_DELIVERIES`].

@@ -488,11 +488,10 @@ async fn a_batch_that_starts_in_an_outage_goes_back_uncharged() {
 /// Reported: a prompt that crashes the server (its call's connection breaks, and the server
 /// refuses connections until its restart) met a failed probe each time, so each crash was an
 /// outage: the request went back uncharged and crashed the restarted server again, without end,
-/// with the requests of its batch stuck behind it. Now, after the first outage during its
-/// batch's calls, the calls go one at a time, and a request whose own call the server went down
-/// during twice is charged a delivery, once more for each crash after that
-/// (`partition::CRASH_STRIKES`): with `amqp.delivery_limit = 2` it is dead-lettered after a
-/// handful of crashes, and the 3 requests of its batch are answered once each.
+/// with the requests of its batch stuck behind it. Now each request counts the outages during
+/// calls it was in; after 2 its batch's calls go one at a time, and at 3, alone, it is charged a
+/// delivery, then once per crash (`partition::CRASH_STRIKES`): with `amqp.delivery_limit = 2`
+/// it is dead-lettered after 4 crashes, and the 3 requests of its batch are answered once each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_that_crashes_the_server_is_dead_lettered_and_its_batch_answered() {
     let _serial = SERIAL.lock().await;
@@ -524,7 +523,7 @@ async fn a_prompt_that_crashes_the_server_is_dead_lettered_and_its_batch_answere
     let results: Vec<_> = st.results.received.iter().map(|m| m.result()).collect();
     assert_eq!(results.len(), 3, "each other request answered once");
     assert!(results.iter().all(|r| r.ok), "ok: false results: {:?}", results.iter().find(|r| !r.ok));
-    // The first crash (its list call), two strikes, then one charged crash per delivery.
+    // Two crashes of its list call, then one charged crash per delivery, alone.
     let n = crashes(&fake);
     eprintln!("crashing prompt: dead-lettered after {n} crashes");
     assert!(n <= 8, "{n} crashes before the crashing request was dead-lettered");
