@@ -431,16 +431,23 @@ async fn requests_waiting_for_a_paused_intake_go_back_uncharged_within_the_consu
     }
     let outage = started.elapsed();
     fake.set_refuse(false).await;
-    st.results.until_all(&ids(&reqs), DEADLINE).await;
+    eprintln!("paused intake: {} put back uncharged in {outage:?}", metric(returned) - returned_before);
+    answered_once_none_charged(&mut st, &mut dead, &reqs, guard_before).await;
+    stop_and_clean(env, st, dead).await;
+}
+
+/// Once the server is back: every one of `reqs` is answered `ok`, once, nothing is
+/// dead-lettered (with `amqp.delivery_limit = 1` a charged delivery would be), and the
+/// `amqp.consumer_timeout` guard (at `guard_before` restarts before) returned nothing.
+async fn answered_once_none_charged(st: &mut Started, dead: &mut Collector, reqs: &[TestRequest], guard_before: f64) {
+    st.results.until_all(&ids(reqs), DEADLINE).await;
     st.results.collect_for(Duration::from_millis(500)).await;
     dead.collect_for(Duration::from_millis(500)).await;
-    eprintln!("paused intake: {} put back uncharged in {outage:?}", metric(returned) - returned_before);
     assert_eq!(dead.received.len(), 0, "dead-lettered (charged with delivery_limit 1): {:?}", dead.received.first().map(|m| &m.headers));
-    assert_eq!(metric(guard), guard_before, "the consumer_timeout guard returned requests charged");
+    assert_eq!(metric(GUARD_RESTARTS), guard_before, "the consumer_timeout guard returned requests charged");
     let results: Vec<_> = st.results.received.iter().map(|m| m.result()).collect();
     assert_eq!(results.len(), reqs.len(), "each request answered once");
     assert!(results.iter().all(|r| r.ok), "ok: false results: {:?}", results.iter().find(|r| !r.ok));
-    stop_and_clean(env, st, dead).await;
 }
 
 /// Reported: a batch that flushes while every endpoint is down (its requests taken before the
@@ -474,14 +481,7 @@ async fn a_batch_that_starts_in_an_outage_goes_back_uncharged() {
     }
     assert!(circuit_openings() > opened_before, "the 503s opened the breaker");
     fake.set_status(None);
-    st.results.until_all(&ids(&reqs), DEADLINE).await;
-    st.results.collect_for(Duration::from_millis(500)).await;
-    dead.collect_for(Duration::from_millis(500)).await;
-    assert_eq!(dead.received.len(), 0, "dead-lettered (charged with delivery_limit 1): {:?}", dead.received.first().map(|m| &m.headers));
-    assert_eq!(metric(guard), guard_before, "the consumer_timeout guard returned requests charged");
-    let results: Vec<_> = st.results.received.iter().map(|m| m.result()).collect();
-    assert_eq!(results.len(), reqs.len(), "each request answered once");
-    assert!(results.iter().all(|r| r.ok), "ok: false results: {:?}", results.iter().find(|r| !r.ok));
+    answered_once_none_charged(&mut st, &mut dead, &reqs, guard_before).await;
     stop_and_clean(env, st, dead).await;
 }
 
