@@ -1348,7 +1348,10 @@ async fn put_back_unanswered(ctx: &PartitionContext, out: &PublishOn, items: Vec
     let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
     if graceful && !end.token.is_cancelled() {
         let n = items.len();
-        let returned = return_uncharged(ctx, out, items.into_iter().map(|p| p.delivery).collect()).await;
+        // With the crash counts of this batch's calls: lost here, a crashing prompt whose
+        // partition moves at each outage would start from its old count every time.
+        let back = items.into_iter().map(|p| Return { delivery: p.delivery, crash_strikes: p.crash_strikes, charge: false });
+        let returned = return_copies(ctx, out, back.collect()).await;
         match why {
             CallsEnded::Stopped => info!(
                 partition = ctx.partition,
@@ -1528,12 +1531,12 @@ async fn infer_through_outages(
 /// Outages during calls a request was in after which its batch's calls go one at a time: 2.
 pub const ALONE_AFTER: u32 = 2;
 
-/// Outages during calls a request was in (the last ones sent alone) at which it is charged a
-/// delivery ([`strike`]): 3. From then on each such outage charges it one, so
-/// `amqp.delivery_limit` dead-letters a prompt that crashes the server every time after about
-/// `delivery_limit` + 2 crashes, instead of its crashing the restarted server without end,
-/// uncharged.
-pub const CRASH_STRIKES: u32 = 3;
+/// Strikes at which a request is charged a delivery (`strike`): 4, that is 2 outages during
+/// its own calls sent alone, after the [`ALONE_AFTER`] that calls shared with others can give.
+/// From then on each such outage charges it one, so `amqp.delivery_limit` dead-letters a prompt
+/// that crashes the server every time after about `delivery_limit` + 3 crashes, instead of its
+/// crashing the restarted server without end, uncharged.
+pub const CRASH_STRIKES: u32 = ALONE_AFTER + 2;
 
 /// Whether a call's answer says the server went away during it: the connection failed or broke
 /// ([`ErrorKind::Connect`]). Not a 5xx, a timeout, a refused token or an invalid answer: a
@@ -1543,12 +1546,13 @@ fn went_down_during(answer: &Result<crate::llm::Completion, crate::llm::LlmError
 }
 
 /// After an outage verdict on a round of calls: each request whose call the server went away
-/// during ([`went_down_during`]) gets a strike. In a round sent `alone` ([`call_round`]), one
-/// with [`CRASH_STRIKES`] gets its error as its answer (charged: [`Settle::one`]); the others,
-/// and their answers, are returned to go on as in any outage. A server that goes down on its
-/// own strikes whichever requests are in flight, and a restart once; a prompt that crashes it
-/// is in flight every time, alone once its batch goes one call at a time, and ends up
-/// dead-lettered with reason `delivery_limit`.
+/// during ([`went_down_during`]) gets a strike. In a round sent `alone` ([`call_round`]: each
+/// call with no other call of this process on the endpoint), one with [`CRASH_STRIKES`] gets its
+/// error as its answer (charged: [`Settle::one`]); the others, and their answers, are returned
+/// to go on as in any outage. A server that goes down on its own strikes whichever requests are
+/// in flight, and a restart once; a prompt that crashes it is in flight every time, alone on the
+/// server once its batch goes one call at a time, and ends up dead-lettered with reason
+/// `delivery_limit`.
 fn strike(
     todo: Vec<usize>,
     answers: Vec<Result<crate::llm::Completion, crate::llm::LlmError>>,
@@ -1560,7 +1564,9 @@ fn strike(
     let (mut left, mut left_answers) = (Vec::with_capacity(todo.len()), Vec::with_capacity(todo.len()));
     for (i, answer) in todo.into_iter().zip(answers) {
         if went_down_during(&answer) {
-            strikes[i] = strikes[i].saturating_add(1);
+            // A call shared with others (a list, other batches) counts only towards sending
+            // alone: who brought the server down is not known.
+            strikes[i] = if alone { strikes[i].saturating_add(1) } else { strikes[i].max(strikes[i].saturating_add(1).min(ALONE_AFTER)) };
             if alone && strikes[i] >= CRASH_STRIKES {
                 crate::warn_limited!(
                     CRASH_LOG,
@@ -1662,7 +1668,8 @@ async fn call_round(
     cancel: &CancellationToken,
 ) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
     if alone {
-        // One call at a time; after a server fault the rest are not sent (they go again).
+        // One call at a time, each with no other call of this process on the endpoint; after a
+        // server fault the rest are not sent (they go again).
         let mut answers = Vec::with_capacity(call.len());
         for item in call {
             if answers.last().is_some_and(|a: &Result<_, crate::llm::LlmError>| a.as_ref().is_err_and(|e| e.fault() == Fault::Server)) {
@@ -1673,7 +1680,7 @@ async fn call_round(
                 }));
                 continue;
             }
-            answers.extend(ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await);
+            answers.push(ctx.llm.infer_isolated(endpoint, item, cancel, Some(deadline)).await);
         }
         answers
     } else if one_by_one {

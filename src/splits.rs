@@ -432,10 +432,8 @@ struct RefreshState {
     /// The clock of Redis at a local instant, from the last answer that came within
     /// [`CLOCK_RTT`] (taken as read halfway through the round trip): dates the batches.
     redis_clock: Option<(Instant, u64)>,
-    /// When the last refresh started (successful or not).
-    attempted_at: Option<Instant>,
     /// The view and records are older than the set in Redis may be: this process did not run
-    /// for [`SPLIT_TTL`] between two refreshes (stopped with SIGSTOP, a paused VM), while other
+    /// for [`SPLIT_TTL`] between two refreshes ([`Affinity::mark_stale`]), while other
     /// instances may have merged and split keys. Until a refresh succeeds, it neither puts back
     /// a lost set from its view nor keeps or merges entries by its records.
     stale: bool,
@@ -458,7 +456,6 @@ impl Default for RefreshState {
             seq: 0,
             pending: Vec::new(),
             redis_clock: None,
-            attempted_at: None,
             stale: false,
             unanswered: Vec::new(),
         }
@@ -601,6 +598,15 @@ impl Affinity {
         (counts, dominant)
     }
 
+    /// Marks the view as older than the set in Redis may be: this process did not run for
+    /// [`SPLIT_TTL`] (stopped with SIGSTOP, a paused VM; [`run`] measures the gap between its
+    /// refreshes on the clock). Reported: an instance stopped while a key merged, and Redis
+    /// then lost its data; when it resumed, it put the merged key back from its old view. Until
+    /// a refresh succeeds, none keeps, merges or puts back entries by this view.
+    pub fn mark_stale(&self) {
+        lock(&self.inner.refresh).stale = true;
+    }
+
     /// One refresh at `now`: decides splits and merges, publishes them with the arrival batches
     /// not delivered yet, and replaces the view with the answer. On an error the view stays as
     /// it was and the arrival batches are kept for the next refresh (for `ARRIVALS_KEPT`).
@@ -614,14 +620,6 @@ impl Affinity {
         let mut reasons: Vec<(SplitMember, SplitReason)> = Vec::new();
         {
             let st = &mut *lock(&self.inner.refresh);
-            // Refreshes come every REFRESH_INTERVAL, failed ones too (a Redis outage): a gap of
-            // SPLIT_TTL means this process did not run. Reported: an instance stopped while a
-            // key merged and Redis then lost its data put the merged key back when it resumed.
-            if st.attempted_at.is_some_and(|t| now.saturating_duration_since(t) >= SPLIT_TTL) {
-                warn!(gap_s = st.attempted_at.map_or(0.0, |t| now.saturating_duration_since(t).as_secs_f64()), "the split view was not refreshed for longer than the split TTL (this process did not run): it is read again from Redis before this instance keeps, merges or puts back any entry");
-                st.stale = true;
-            }
-            st.attempted_at = Some(now);
             if !st.stale {
                 req.generation.clone_from(&st.generation);
             }
@@ -781,6 +779,7 @@ pub async fn run(settings: Arc<Settings>, conn: impl Into<RedisConn>, stop: Canc
     let mut tick = tokio::time::interval(REFRESH_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut last_warning: Option<Instant> = None;
+    let mut last_refresh: Option<Instant> = None;
     loop {
         let now = tokio::select! {
             _ = stop.cancelled() => return,
@@ -790,6 +789,15 @@ pub async fn run(settings: Arc<Settings>, conn: impl Into<RedisConn>, stop: Canc
                 Instant::now()
             }
         };
+        // Refreshes come every REFRESH_INTERVAL, failed ones too (a Redis outage): a gap of
+        // SPLIT_TTL on the clock means this process did not run. (Not `now`: after a stop, the
+        // timer hands out the tick it missed.)
+        let woke = Instant::now();
+        if let Some(gap) = last_refresh.map(|t| woke.saturating_duration_since(t)).filter(|gap| *gap >= SPLIT_TTL) {
+            warn!(gap_s = gap.as_secs_f64(), "the split view was not refreshed for longer than the split TTL (this process did not run): it is read again from Redis before this instance keeps, merges or puts back any entry");
+            affinity.mark_stale();
+        }
+        last_refresh = Some(woke);
         if let Err(e) = affinity.refresh(&store, &rules, now).await {
             if last_warning.is_none_or(|t| now.saturating_duration_since(t) >= WARN_EVERY) {
                 last_warning = Some(now);
@@ -982,8 +990,10 @@ mod tests {
     async fn an_instance_that_did_not_run_puts_back_nothing_from_its_old_view() {
         let (a, store, rules, t0) = split_key_42().await;
         let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
-        // Stopped for 30 s: meanwhile the key merged and the set was lost.
+        // Stopped for 30 s (`run` marks the view stale): meanwhile the key merged and the set was
+        // lost.
         store.lose();
+        a.mark_stale();
         let answer = a.refresh(&store, &rules, t0 + Duration::from_secs(33)).await.unwrap();
         assert_eq!(answer.restored, 0, "put back from a view older than the split TTL");
         assert!(lock(&store.set).get(&split).is_none());
