@@ -936,13 +936,7 @@ impl LlmClient {
     }
 
     /// The calls of [`Self::infer_within`], without the isolation lock.
-    async fn infer_calls(
-        &self,
-        endpoint: usize,
-        items: &[InferenceItem<'_>],
-        cancel: &CancellationToken,
-        deadline: Option<Instant>,
-    ) -> Vec<Result<Completion, LlmError>> {
+    async fn infer_calls(&self, endpoint: usize, items: &[InferenceItem<'_>], cancel: &CancellationToken, deadline: Option<Instant>) -> Vec<Result<Completion, LlmError>> {
         let per_prompt = !self.inner.list_prompts || self.inner.endpoints[endpoint].per_prompt_calls.load(Ordering::Relaxed);
         let mut calls: Vec<CallFuture<'_>> = Vec::new();
         for group in group_items(items, &self.inner.model) {
