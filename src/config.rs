@@ -1607,15 +1607,16 @@ fn redis(r: &RawRedis) -> Result<RedisSettings, ConfigError> {
 /// for a user name and silently dropped. The message shows neither.
 fn redis_user_has_password(key: &str, url: &SecretUrl) -> Result<(), ConfigError> {
     let u = &url.0;
-    if u.username().is_empty() || u.password().is_some() {
+    // The redis crate reads a redis:// URL's password from its user info only: a `?password=`
+    // query is ignored, and the connection goes unauthenticated.
+    let query_password = matches!(u.scheme(), "redis" | "rediss") && u.query_pairs().any(|(k, _)| k == "password" || k == "pass");
+    if u.password().is_some() || (u.username().is_empty() && !query_password) {
         return Ok(());
     }
     let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
     let at = format!("{}://***@{}{port}{}", u.scheme(), u.host_str().unwrap_or_default(), u.path());
-    // The redis crate reads a redis:// URL's password from its user info only: a `?password=`
-    // query is ignored, and the connection goes unauthenticated.
-    let why = if u.query_pairs().any(|(k, _)| k == "password" || k == "pass") {
-        "names a user and gives the password in the query, which the Redis client does not read, so Redis would not be authenticated: write `user:password@`"
+    let why = if query_password {
+        "gives the password in the query, which the Redis client does not read, so Redis would not be authenticated: write `:password@` or `user:password@`"
     } else {
         "names a user but no password, so Redis would not be authenticated (a password written without its leading `:` reads as a user name): write `:password@` for a password alone (requirepass) or `user:password@` for an ACL user"
     };
@@ -2447,10 +2448,12 @@ mod tests {
         }
         // Reported: the redis crate reads no password from a redis:// URL's query; this one
         // connected unauthenticated (NOAUTH from a server with ACL users).
-        let mut r = RawConfig::default();
-        r.redis.url = "redis://user@h:6379/0?password=hunter2".into();
-        let e = err(&r);
-        assert!(e.contains("redis.url") && e.contains("in the query") && !e.contains("hunter2"), "{e}");
+        for url in ["redis://user@h:6379/0?password=hunter2", "redis://h:6379/0?password=hunter2"] {
+            let mut r = RawConfig::default();
+            r.redis.url = url.into();
+            let e = err(&r);
+            assert!(e.contains("redis.url") && e.contains("in the query") && !e.contains("hunter2"), "{e}");
+        }
     }
 
     /// Reported: URLs the Redis client refuses when it connects passed `check-config`, and `run`
