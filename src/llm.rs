@@ -339,10 +339,6 @@ struct Endpoint {
     /// Held while a refusal check runs on this endpoint: refusals that come together share one
     /// check.
     refusal_check: tokio::sync::Mutex<()>,
-    /// Shared by every real call on this endpoint ([`LlmClient::infer_within`]), exclusive for
-    /// an isolated one ([`LlmClient::infer_isolated`]). tokio's lock is fair: once an isolated
-    /// call waits, later calls wait behind it.
-    isolation: tokio::sync::RwLock<()>,
     /// The last server fault seen on the endpoint (a call's, a probe's or a check's): its class
     /// and detail, named by the line that logs the breaker's opening.
     last_fault: Mutex<Option<(ErrorKind, String)>>,
@@ -884,59 +880,6 @@ impl LlmClient {
             let e = LlmError::new(ErrorKind::EndpointConfig, format!("no LLM endpoint with index {endpoint}"), None);
             return items.iter().map(|_| Err(e.clone())).collect();
         }
-        // Behind an isolated call that waits or runs ([`Self::infer_isolated`]).
-        let _shared = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return items.iter().map(|_| Err(LlmError::cancelled())).collect(),
-            () = self.latest_start(deadline) => return items.iter().map(|_| Err(LlmError::not_sent())).collect(),
-            shared = self.inner.endpoints[endpoint].isolation.read() => shared,
-        };
-        self.infer_calls(endpoint, items, cancel, deadline).await
-    }
-
-    /// [`Self::infer_within`] for one item, with no other real call of this client in flight on
-    /// the endpoint: it waits for those in flight to end, and holds back those that come
-    /// meanwhile. So when the server goes down during the call, it went down during this item's
-    /// own call (as far as this process can tell: other instances may share the server).
-    /// [`crate::partition`] isolates the calls of requests that were in flight at outages
-    /// before, to find a prompt that crashes the server. The call goes only after the
-    /// endpoint answered the probe's minimal call while the lock is held; else the item gets
-    /// [`ErrorKind::Unavailable`] without a call. The wait ends the item as
-    /// [`Self::infer_within`]'s would: `cancel` with [`ErrorKind::Cancelled`], too little time
-    /// left before `deadline` as not sent.
-    pub async fn infer_isolated(
-        &self,
-        endpoint: usize,
-        item: &InferenceItem<'_>,
-        cancel: &CancellationToken,
-        deadline: Option<Instant>,
-    ) -> Result<Completion, LlmError> {
-        let Some(ep) = self.inner.endpoints.get(endpoint) else {
-            return Err(LlmError::new(ErrorKind::EndpointConfig, format!("no LLM endpoint with index {endpoint}"), None));
-        };
-        let _alone = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return Err(LlmError::cancelled()),
-            () = self.latest_start(deadline) => return Err(LlmError::not_sent()),
-            alone = ep.isolation.write() => alone,
-        };
-        // The server must answer right before the call: one that went down during the call
-        // before (this one waited for it) would refuse this one too, before the breaker opens,
-        // and the refusal would count against this item.
-        let up = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return Err(LlmError::cancelled()),
-            up = self.ping(endpoint) => up == Outcome::Success,
-        };
-        if !up {
-            return Err(LlmError::unavailable(&ep.name));
-        }
-        let mut answers = self.infer_calls(endpoint, std::slice::from_ref(item), cancel, deadline).await;
-        answers.pop().unwrap_or_else(|| Err(LlmError::invalid("internal: no result was produced for this item")))
-    }
-
-    /// The calls of [`Self::infer_within`], without the isolation lock.
-    async fn infer_calls(&self, endpoint: usize, items: &[InferenceItem<'_>], cancel: &CancellationToken, deadline: Option<Instant>) -> Vec<Result<Completion, LlmError>> {
         let per_prompt = !self.inner.list_prompts || self.inner.endpoints[endpoint].per_prompt_calls.load(Ordering::Relaxed);
         let mut calls: Vec<CallFuture<'_>> = Vec::new();
         for group in group_items(items, &self.inner.model) {
@@ -2332,7 +2275,6 @@ impl Endpoint {
             known_good: Mutex::new([KnownCalls::default(), KnownCalls::default()]),
             routes: Mutex::new([RouteHealth::default(); ROUTES]),
             refusal_check: tokio::sync::Mutex::new(()),
-            isolation: tokio::sync::RwLock::new(()),
             last_fault: Mutex::new(None),
             changed: watch::Sender::new(()),
         })

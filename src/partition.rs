@@ -77,7 +77,7 @@ use crate::lease::LeaseClock;
 use crate::llm::{ErrorKind, Fault, InferenceItem, LlmClient};
 use crate::metrics::{self, outcome, restart, stage};
 use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, ResultEnd, Settlement, Tenure, HEADER_ROUTED_AT_MS, HEADER_SHARD, HEADER_TIMESTAMP_MS};
-use crate::redelivery::{self, Source, HEADER_CRASH_STRIKES, HEADER_EARLIER_DELIVERIES};
+use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
 use crate::request::{Request, TimingsMs};
 
 /// How far (milliseconds) a request's publish time (`timestamp_in_ms` header or AMQP `timestamp`)
@@ -202,9 +202,6 @@ struct Pending {
     received: Instant,
     queued_ms: u64,
     enqueued_unix_ms: Option<u64>,
-    /// Times its LLM endpoint went down during its own call, sent alone
-    /// ([`HEADER_CRASH_STRIKES`] on arrival, then counted by [`infer_through_outages`]).
-    crash_strikes: u32,
     /// Counts the delivery as unsettled and holds its bytes of the budget until dropped.
     _held: Held,
 }
@@ -1150,8 +1147,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     // published straight to the partition queue, from its publish), while the partition consumed.
     let forwarded = publish_time_ms(header_u64(headers, HEADER_ROUTED_AT_MS), None, now).or(enqueued_unix_ms);
     let key = crate::splits::batch_key(s, ctx.partition, &req, headers, held.owner.split_queued_ms(forwarded, now));
-    let crash_strikes = crash_strikes(headers);
-    Some(Pending { delivery, req, key, shard, received: held.received, queued_ms, enqueued_unix_ms, crash_strikes, _held: held })
+    Some(Pending { delivery, req, key, shard, received: held.received, queued_ms, enqueued_unix_ms, _held: held })
 }
 
 static COPY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
@@ -1215,18 +1211,14 @@ async fn process_batch(
     // uncharged.
     let cutoff = drain_call_cutoff(ctx.settings.drain_timeout);
     let oldest = batch.items.iter().map(|p| p.received).min().unwrap_or(flushed);
-    let mut strikes: Vec<u32> = batch.items.iter().map(|p| p.crash_strikes).collect();
     let answers = tokio::select! {
-        answers = infer_through_outages(&ctx, &items, &mut strikes, release_at(&ctx.settings, oldest), &stop, &end) => answers.ok_or(CallsEnded::Stopped),
+        answers = infer_through_outages(&ctx, &items, release_at(&ctx.settings, oldest), &stop, &end) => answers.ok_or(CallsEnded::Stopped),
         () = calls_cut(&stop.drain, cutoff) => Err(CallsEnded::DrainTimeRanOut),
     };
-    drop(items);
-    for (p, s) in batch.items.iter_mut().zip(strikes) {
-        p.crash_strikes = s;
-    }
     let Outcomes { results, put_back_first } = match answers {
         Ok(outcomes) => outcomes,
         Err(why) => {
+            drop(items);
             put_back_unanswered(&ctx, &out, batch.items, why, &stop, &end).await;
             return;
         }
@@ -1234,6 +1226,7 @@ async fn process_batch(
     // From the flush to the answers: the calls, their retries and any wait for an endpoint
     // through an outage (`timings_ms.llm`, less each request's permit wait).
     let llm_ms = flushed.elapsed().as_millis() as u64;
+    drop(items);
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
@@ -1300,19 +1293,9 @@ impl Settle<'_> {
         // restart charged every held request a delivery).
         let (ctx, pool) = (self.ctx, &**self.out);
         let Some(answer) = answer else {
-            let back = Return { delivery: pending.delivery, crash_strikes: pending.crash_strikes, charge: false };
-            return if return_copies(ctx, pool, vec![back]).await == 1 { Settlement::Requeued } else { Settlement::ChannelLost };
+            return if return_uncharged(ctx, pool, vec![pending.delivery]).await == 1 { Settlement::Requeued } else { Settlement::ChannelLost };
         };
         let answer = match answer {
-            // Its server went down during its own call too often: charged a delivery, as a copy
-            // that keeps the count ([`HEADER_CRASH_STRIKES`]), so that one more is enough next
-            // time, and `amqp.delivery_limit` ends a prompt that crashes the server every time.
-            Err(e) if e.fault() != Fault::Request && pending.crash_strikes >= CRASH_STRIKES => {
-                redelivery::note_failure(&pending.req.id, &e.to_string());
-                metrics::requests(stage::PUBLISHER, outcome::REQUEUED, 1);
-                let back = Return { delivery: pending.delivery, crash_strikes: pending.crash_strikes, charge: true };
-                return if return_copies(ctx, pool, vec![back]).await == 1 { Settlement::Requeued } else { Settlement::ChannelLost };
-            }
             Err(e) if e.fault() != Fault::Request => {
                 return publisher::requeue(&pending.delivery.acker, &pending.req.id, &e.to_string()).await;
             }
@@ -1348,10 +1331,7 @@ async fn put_back_unanswered(ctx: &PartitionContext, out: &PublishOn, items: Vec
     let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
     if graceful && !end.token.is_cancelled() {
         let n = items.len();
-        // With the crash counts of this batch's calls: lost here, a crashing prompt whose
-        // partition moves at each outage would start from its old count every time.
-        let back = items.into_iter().map(|p| Return { delivery: p.delivery, crash_strikes: p.crash_strikes, charge: false });
-        let returned = return_copies(ctx, out, back.collect()).await;
+        let returned = return_uncharged(ctx, out, items.into_iter().map(|p| p.delivery).collect()).await;
         match why {
             CallsEnded::Stopped => info!(
                 partition = ctx.partition,
@@ -1431,7 +1411,6 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 async fn infer_through_outages(
     ctx: &PartitionContext,
     items: &[InferenceItem<'_>],
-    strikes: &mut [u32],
     release_at: Instant,
     stop: &StopSignals,
     end: &SessionEnd,
@@ -1442,10 +1421,6 @@ async fn infer_through_outages(
     // back first, whatever happens to the rest.
     let mut not_sent: Vec<usize> = Vec::new();
     let mut one_by_one = false;
-    // Once a request was in flight at [`ALONE_AFTER`] outages (one is a restart as likely as a
-    // crash, and costs nothing more): one call at a time, those struck least first, so that
-    // when the server goes down again, one request's own call was in flight ([`strike`]).
-    let mut alone = false;
     let mut first = true;
     loop {
         // A wait for the endpoint that would keep the requests past `release_at` ends here, in
@@ -1466,12 +1441,8 @@ async fn infer_through_outages(
             return Some(Outcomes::released(results, not_sent, todo, ctx.partition));
         }
         first = false;
-        alone |= todo.iter().any(|&i| strikes[i] >= ALONE_AFTER);
-        if alone {
-            todo.sort_by_key(|&i| strikes[i]);
-        }
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
-        let answers = call_round(ctx, endpoint, &call, one_by_one, alone, release_at, &end.token).await;
+        let answers = call_round(ctx, endpoint, &call, one_by_one, release_at, &end.token).await;
         if end.token.is_cancelled() {
             return None;
         }
@@ -1489,11 +1460,6 @@ async fn infer_through_outages(
                     return Some(Outcomes::released(results, not_sent, again, ctx.partition));
                 }
             };
-        let (left, answers) = match outage {
-            true => strike(todo, answers, strikes, alone, &mut results, ctx.partition),
-            false => (todo, answers),
-        };
-        todo = left;
         // Isolate a possible offender once; an outage resets nothing (the items wait and go again).
         // Not for request timeouts: a list call that timed out went again prompt by prompt
         // already ([`LlmClient::infer_within`]), so each of them is a prompt's own call.
@@ -1527,69 +1493,6 @@ async fn infer_through_outages(
         todo = again;
     }
 }
-
-/// Outages during calls a request was in after which its batch's calls go one at a time: 2.
-pub const ALONE_AFTER: u32 = 2;
-
-/// Strikes at which a request is charged a delivery (`strike`): 4, that is 2 outages during
-/// its own calls sent alone, after the [`ALONE_AFTER`] that calls shared with others can give.
-/// From then on each such outage charges it one, so `amqp.delivery_limit` dead-letters a prompt
-/// that crashes the server every time after about `delivery_limit` + 3 crashes, instead of its
-/// crashing the restarted server without end, uncharged.
-pub const CRASH_STRIKES: u32 = ALONE_AFTER + 2;
-
-/// Whether a call's answer says the server went away during it: the connection failed or broke
-/// ([`ErrorKind::Connect`]). Not a 5xx, a timeout, a refused token or an invalid answer: a
-/// server that answers those is up, and an outage of that kind is the server's alone.
-fn went_down_during(answer: &Result<crate::llm::Completion, crate::llm::LlmError>) -> bool {
-    answer.as_ref().is_err_and(|e| e.kind == ErrorKind::Connect)
-}
-
-/// After an outage verdict on a round of calls: each request whose call the server went away
-/// during ([`went_down_during`]) gets a strike. In a round sent `alone` ([`call_round`]: each
-/// call with no other call of this process on the endpoint), one with [`CRASH_STRIKES`] gets its
-/// error as its answer (charged: [`Settle::one`]); the others, and their answers, are returned
-/// to go on as in any outage. A server that goes down on its own strikes whichever requests are
-/// in flight, and a restart once; a prompt that crashes it is in flight every time, alone on the
-/// server once its batch goes one call at a time, and ends up dead-lettered with reason
-/// `delivery_limit`.
-fn strike(
-    todo: Vec<usize>,
-    answers: Vec<Result<crate::llm::Completion, crate::llm::LlmError>>,
-    strikes: &mut [u32],
-    alone: bool,
-    results: &mut [Answer],
-    partition: u32,
-) -> (Vec<usize>, Vec<Result<crate::llm::Completion, crate::llm::LlmError>>) {
-    let (mut left, mut left_answers) = (Vec::with_capacity(todo.len()), Vec::with_capacity(todo.len()));
-    for (i, answer) in todo.into_iter().zip(answers) {
-        if went_down_during(&answer) {
-            // A call shared with others (a list, other batches) counts only towards sending
-            // alone: who brought the server down is not known.
-            strikes[i] = if alone { strikes[i].saturating_add(1) } else { strikes[i].max(strikes[i].saturating_add(1).min(ALONE_AFTER)) };
-            if alone && strikes[i] >= CRASH_STRIKES {
-                crate::warn_limited!(
-                    CRASH_LOG,
-                    partition,
-                    times = strikes[i],
-                    "the LLM server went down during this request's own call, sent alone, again: charging it a delivery (a prompt that crashes the server is dead-lettered after amqp.delivery_limit)"
-                );
-                let times = strikes[i];
-                results[i] = Some(answer.map_err(|e| crate::llm::LlmError {
-                    message: format!("the LLM server went down during this request's own call, sent alone, {times} times (a prompt that crashes the server?); last: {}", e.message),
-                    ..e
-                }));
-                continue;
-            }
-        }
-        left.push(i);
-        left_answers.push(answer);
-    }
-    (left, left_answers)
-}
-
-/// Bounds the lines of [`strike`].
-static CRASH_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
 /// What [`verdict_by`] got.
 #[derive(Debug, PartialEq, Eq)]
@@ -1655,35 +1558,17 @@ fn sort_answers(
 }
 
 /// One round of calls for `call` on `endpoint`, each ending by `deadline`
-/// ([`LlmClient::infer_within`]): one call per item, one at a time, once an item was in
-/// flight at [`ALONE_AFTER`] outages (`alone`, [`strike`]); one call per item when a possible offender
-/// is being isolated (`one_by_one`); else the batch's calls. One answer per item, in order.
+/// ([`LlmClient::infer_within`]): one call per item when a possible offender is being isolated
+/// (`one_by_one`), else the batch's calls. One answer per item, in order.
 async fn call_round(
     ctx: &PartitionContext,
     endpoint: usize,
     call: &[InferenceItem<'_>],
     one_by_one: bool,
-    alone: bool,
     deadline: Instant,
     cancel: &CancellationToken,
 ) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
-    if alone {
-        // One call at a time, each with no other call of this process on the endpoint; after a
-        // server fault the rest are not sent (they go again).
-        let mut answers = Vec::with_capacity(call.len());
-        for item in call {
-            if answers.last().is_some_and(|a: &Result<_, crate::llm::LlmError>| a.as_ref().is_err_and(|e| e.fault() == Fault::Server)) {
-                answers.push(Err(crate::llm::LlmError {
-                    kind: ErrorKind::Unavailable,
-                    message: "not sent: the call before it, sent alone, met a server fault".to_owned(),
-                    status: None,
-                }));
-                continue;
-            }
-            answers.push(ctx.llm.infer_isolated(endpoint, item, cancel, Some(deadline)).await);
-        }
-        answers
-    } else if one_by_one {
+    if one_by_one {
         let calls = call.iter().map(|item| ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)));
         futures_util::future::join_all(calls).await.into_iter().flatten().collect()
     } else {
@@ -1765,40 +1650,13 @@ fn release_at(s: &Settings, oldest: Instant) -> Instant {
 /// returns it, charged, as before: never lost. A copy confirmed whose ack then fails (the channel
 /// closed meanwhile) is a duplicate. The copies go to the back of the queue.
 async fn return_uncharged(ctx: &PartitionContext, out: &SharedConfirmChannel, deliveries: Vec<Delivery>) -> usize {
-    let back = deliveries.into_iter().map(|delivery| Return { crash_strikes: crash_strikes(delivery.properties.headers().as_ref()), delivery, charge: false });
-    return_copies(ctx, out, back.collect()).await
-}
-
-/// A delivery going back to its partition queue as a copy ([`return_copies`]).
-struct Return {
-    delivery: Delivery,
-    /// Written to the copy's [`HEADER_CRASH_STRIKES`] (left out when 0).
-    crash_strikes: u32,
-    /// Count this return as a delivery (the copy's [`HEADER_EARLIER_DELIVERIES`] one more).
-    charge: bool,
-}
-
-/// The [`HEADER_CRASH_STRIKES`] of a delivery (0 without one).
-fn crash_strikes(headers: Option<&lapin::types::FieldTable>) -> u32 {
-    header_u64(headers, HEADER_CRASH_STRIKES).map_or(0, |n| u32::try_from(n).unwrap_or(u32::MAX))
-}
-
-/// [`return_uncharged`] for deliveries that carry a crash count, or are charged a delivery
-/// ([`Return`]). Returns how many were put back; those not charged count in
-/// `requests_total{stage="batcher",outcome="returned_uncharged"}`.
-async fn return_copies(ctx: &PartitionContext, out: &SharedConfirmChannel, deliveries: Vec<Return>) -> usize {
     let amqp = &ctx.settings.amqp;
     let rk = AmqpSettings::partition_routing_key(ctx.partition);
-    let uncharged = deliveries.iter().filter(|r| !r.charge).count();
-    let returns = deliveries.into_iter().map(|Return { delivery: d, crash_strikes, charge }| {
+    let returns = deliveries.into_iter().map(|d| {
         let rk = rk.as_str();
         async move {
-            let earlier = redelivery::delivery_count(Source::Partition, d.redelivered, d.properties.headers().as_ref()) + u64::from(charge);
-            let mut headers = vec![(HEADER_EARLIER_DELIVERIES, earlier.to_string())];
-            if crash_strikes > 0 {
-                headers.push((HEADER_CRASH_STRIKES, crash_strikes.to_string()));
-            }
-            let props = publisher::carried_props(&d.properties, &headers);
+            let earlier = redelivery::delivery_count(Source::Partition, d.redelivered, d.properties.headers().as_ref());
+            let props = publisher::carried_props(&d.properties, &[(HEADER_EARLIER_DELIVERIES, earlier.to_string())]);
             if let Err(e) = publisher::publish_on(out, amqp, &amqp.shard_exchange, rk, &d.data, props, None).await {
                 debug!(message_id = ?d.properties.message_id(), error = %e, "could not put a delivery back uncharged; the channel's close returns it");
                 return false;
@@ -1815,7 +1673,7 @@ async fn return_copies(ctx: &PartitionContext, out: &SharedConfirmChannel, deliv
         }
     });
     let returned = futures_util::future::join_all(returns).await.into_iter().filter(|ok| *ok).count();
-    metrics::requests(stage::BATCHER, outcome::RETURNED_UNCHARGED, returned.min(uncharged) as u64);
+    metrics::requests(stage::BATCHER, outcome::RETURNED_UNCHARGED, returned as u64);
     returned
 }
 

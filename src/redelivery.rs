@@ -83,14 +83,6 @@ pub fn requeue_backoff(a: &AmqpSettings, earlier_deliveries: u64) -> Duration {
 /// the requests it forwards ([`crate::publisher::carried_props`]).
 pub const HEADER_EARLIER_DELIVERIES: &str = "x-earlier-deliveries";
 
-/// Header of a request the daemon put back in its partition queue as a copy
-/// ([`HEADER_EARLIER_DELIVERIES`]): how many times its LLM endpoint went down during a call it
-/// was in ([`crate::partition`]'s `strike`). A prompt that crashes the server is in flight each
-/// time it goes down; without a count that outlives the copies, every outage would put it back
-/// uncharged and it would crash the restarted server again, without end. Set only by the
-/// daemon, like [`HEADER_EARLIER_DELIVERIES`].
-pub const HEADER_CRASH_STRIKES: &str = "x-crash-strikes";
-
 /// Header the router sets (to `1`) on a forward of an input delivery that the input queue had
 /// delivered before (AMQP 0-9-1 `basic.deliver` `redelivered`): an earlier delivery of the same
 /// message may have been forwarded already and not acked, because the router's intake

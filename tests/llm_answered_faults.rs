@@ -485,59 +485,6 @@ async fn a_batch_that_starts_in_an_outage_goes_back_uncharged() {
     stop_and_clean(env, st, dead).await;
 }
 
-/// Reported: a prompt that crashes the server (its call's connection breaks, and the server
-/// refuses connections until its restart) met a failed probe each time, so each crash was an
-/// outage: the request went back uncharged and crashed the restarted server again, without end,
-/// with the requests of its batch stuck behind it. Now each request counts the outages during
-/// calls it was in; after 2 its batch's calls go one at a time, each with no other call on the
-/// server, and after 2 more of those it is charged a delivery, then once per crash
-/// (`partition::CRASH_STRIKES`): with `amqp.delivery_limit = 1` it is dead-lettered after 4
-/// crashes. The 3 other requests of its batch, and the 3 of another key's batch sent at the same
-/// time, are answered once each, none charged (with `delivery_limit = 1` a charge dead-letters;
-/// a review found that other batches' calls in flight at a crash could be charged).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prompt_that_crashes_the_server_is_dead_lettered_and_its_batch_answered() {
-    let _serial = SERIAL.lock().await;
-    let fake = FakeLlm::new().crash_on_prompts_containing("CRASHME", Duration::from_millis(300)).start().await.unwrap();
-    let env = TestEnv::new("nu-crash");
-    let mut raw = outage_config(&env, fake.url.as_str());
-    raw.amqp.delivery_limit = 1;
-    (raw.batching.max_batch_size, raw.batching.max_batch_wait) = (4, "500ms".into());
-    let mut st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
-    let mut reqs: Vec<TestRequest> = (0..6).map(|i| completion(&format!("nu-crash-{i}"), i / 3, &format!(" question {i}?"))).collect();
-    reqs.insert(1, completion("nu-crash-poison", 0, " CRASHME?"));
-    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
-    let innocent: HashSet<String> = reqs.iter().map(|r| r.id.clone()).filter(|id| id != "nu-crash-poison").collect();
-    st.results.until_all(&innocent, DEADLINE).await;
-    let started = Instant::now();
-    while dead.received.is_empty() {
-        assert!(started.elapsed() < DEADLINE, "the crashing request was not dead-lettered; {} crashes so far", crashes(&fake));
-        dead.collect_for(Duration::from_millis(300)).await;
-    }
-    st.results.collect_for(Duration::from_millis(500)).await;
-    dead.collect_for(Duration::from_millis(500)).await;
-    assert_eq!(dead.received.len(), 1, "one dead letter");
-    let letter = &dead.received[0];
-    assert_eq!(letter.correlation_id, "nu-crash-poison");
-    assert_eq!(letter.header("x-death-reason"), Some("delivery_limit"), "{:?}", letter.headers);
-    let detail = letter.header("x-death-detail").unwrap_or_default();
-    assert!(detail.contains("went down during this request's own call"), "{detail}");
-    let results: Vec<_> = st.results.received.iter().map(|m| m.result()).collect();
-    assert_eq!(results.len(), 6, "each other request answered once");
-    assert!(results.iter().all(|r| r.ok), "ok: false results: {:?}", results.iter().find(|r| !r.ok));
-    // Two crashes of its list call, then two alone, the second charged.
-    let n = crashes(&fake);
-    eprintln!("crashing prompt: dead-lettered after {n} crashes");
-    assert!(n <= 6, "{n} crashes before the crashing request was dead-lettered");
-    stop_and_clean(env, st, dead).await;
-}
-
-/// Calls of `fake` that carried the crashing prompt.
-fn crashes(fake: &llm_fakes::fake::FakeLlmHandle) -> usize {
-    fake.calls().iter().filter(|c| c.prompts.iter().any(|p| p.contains("CRASHME"))).count()
-}
-
 /// The observed case of a server answering every call with HTTP 200 and a body that is no
 /// completion (a misconfigured gateway's HTML), which turned requests into `ok: false` results
 /// with `invalid_response` while the breaker stayed closed: here the breaker opens (its probe

@@ -69,7 +69,6 @@ pub struct FakeLlm {
     max_prompt_chars: Option<usize>,
     fail_marker: Option<(String, u16)>,
     slow_marker: Option<(String, Duration)>,
-    crash_marker: Option<(String, Duration)>,
     strict_model: bool,
     chat_only: bool,
     /// The status and error message of a completions call when [`Self::chat_only`].
@@ -122,7 +121,6 @@ impl Default for FakeLlm {
             max_prompt_chars: None,
             fail_marker: None,
             slow_marker: None,
-            crash_marker: None,
             strict_model: false,
             chat_only: false,
             no_completions: (404, "Not Found"),
@@ -239,16 +237,6 @@ impl FakeLlm {
     /// status 200 on arrival; a client that gives up first just closes the connection.
     pub fn slow_prompts_containing(mut self, marker: impl Into<String>, delay: Duration) -> Self {
         self.slow_marker = Some((marker.into(), delay));
-        self
-    }
-
-    /// A call with any prompt containing `marker` crashes the server: the call's connection
-    /// breaks before an answer (a 200 whose body stream fails), and the server stops listening,
-    /// refusing every connection, for `down_for`, then serves again (a crash and its restart
-    /// by systemd). Other calls in flight finish. A prompt that crashes vLLM or llama-server
-    /// every time it is served (a tokenizer or kernel assertion).
-    pub fn crash_on_prompts_containing(mut self, marker: impl Into<String>, down_for: Duration) -> Self {
-        self.crash_marker = Some((marker.into(), down_for));
         self
     }
 
@@ -623,8 +611,6 @@ enum Decision {
     Garbage,
     /// A prompt contains the [`FakeLlm::fail_prompts_containing`] marker.
     MarkedFail(u16),
-    /// A prompt contains the [`FakeLlm::crash_on_prompts_containing`] marker: down for that long.
-    Crash(Duration),
     /// A chat call while [`FakeLlmHandle::set_chat_refused`] is on: HTTP 400.
     NoChatTemplate,
     /// A call naming a model the fake does not serve ([`FakeLlm::strict_model`]): HTTP 404.
@@ -667,9 +653,6 @@ fn decide(cfg: &FakeLlm, g: &mut Inner, path: &str, model: Option<&str>, prompts
     }
     if k < cfg.fail_first + cfg.bad_json_first {
         return Decision::BadJson;
-    }
-    if let Some((_, down_for)) = cfg.crash_marker.as_ref().filter(|(m, _)| prompts.iter().any(|p| p.contains(m.as_str()))) {
-        return Decision::Crash(*down_for);
     }
     if let Some((_, status)) = cfg.fail_marker.as_ref().filter(|(m, _)| prompts.iter().any(|p| p.contains(m.as_str()))) {
         return Decision::MarkedFail(*status);
@@ -766,16 +749,6 @@ async fn admit(
         Decision::NoSuchApi => Err(error_response(cfg.no_completions.0, cfg.no_completions.1, None)),
         Decision::UnknownModel(model) => Err(error_response(404, &format!("The model `{model}` does not exist."), None)),
         Decision::BadJson => Err(([(header::CONTENT_TYPE, "application/json")], "{\"choices\": [{\"text\": ").into_response()),
-        Decision::Crash(down_for) => {
-            let refuse = state.refuse.clone();
-            refuse.send_replace(true);
-            tokio::spawn(async move {
-                tokio::time::sleep(down_for).await;
-                refuse.send_replace(false);
-            });
-            let broken = futures_util::stream::once(async { Err::<Bytes, io::Error>(io::Error::other("fake server crashed")) });
-            Err((axum::http::StatusCode::OK, axum::body::Body::from_stream(broken)).into_response())
-        }
         Decision::Answer(counts) => Ok(counts),
     }
 }
