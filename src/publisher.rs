@@ -1367,14 +1367,11 @@ pub async fn publish_result(
         Err(TurnEnd::Release) => return released(delivery, &result.id, &"stopping while results are refused"),
     };
     loop {
-        if !tenure.lease.is_valid() {
-            warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
-            return ResultEnd::Settled(left(&result.id, "lease deadline passed before the result was published"));
-        }
         let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else {
             out.turns().accepted();
             break;
         };
+        // Each publish checks the lease first ([`publish_on`]), this loop's first one too.
         if matches!(e, PublishError::LeaseExpired) {
             warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
             return ResultEnd::Settled(left(&result.id, "lease deadline passed before the result was published"));
