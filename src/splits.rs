@@ -698,11 +698,19 @@ impl Affinity {
     }
 }
 
+/// The `kind` label of [`metrics::split_decision`] for an added member in state `state`.
+fn added_kind(state: SplitState) -> &'static str {
+    match state {
+        SplitState::Split => kind::SPLIT,
+        SplitState::Spread(_) => kind::SPREAD,
+    }
+}
+
 /// Logs and counts what a refresh's answer says changed: the adds it made (with the reason this
 /// instance decided each), a split set put back after a loss, and the merges it made.
 fn log_answer(answer: &SyncAnswer, reasons: &[(SplitMember, SplitReason)]) {
     for m in &answer.added {
-        metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
+        metrics::split_decision(added_kind(m.state));
         match reasons.iter().find(|(r, _)| r == m).map(|(_, why)| why) {
             Some(SplitReason::Hot(h)) => info!(partition = h.partition, key = %m, share = h.share, median_delay_ms = h.median_delay.as_millis() as u64, drain_rps = h.drain_rps, "hot key: splitting"),
             Some(SplitReason::Dominant { share, requests }) => info!(key = %m, share, requests, "dominant key: splitting"),
@@ -731,7 +739,7 @@ fn log_late(unanswered: &[(SplitMember, Option<SplitReason>)], before: &SplitVie
         let (was, is) = (before.get(m.level, m.key), after.get(m.level, m.key));
         match why {
             Some(why) if is == Some(m.state) && was != Some(m.state) && !answer.added.contains(m) => {
-                metrics::split_decision(if matches!(m.state, SplitState::Split) { kind::SPLIT } else { kind::SPREAD });
+                metrics::split_decision(added_kind(m.state));
                 let why = match why {
                     SplitReason::Hot(_) => "hot key",
                     SplitReason::Dominant { .. } => "dominant key",
