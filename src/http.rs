@@ -34,35 +34,69 @@ async fn readyz(State(readiness): State<Readiness>) -> impl IntoResponse {
 /// How long the server waits, once told to stop, for its open connections to finish: 5 s.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// How long a client has to send a request's whole header, from the moment the server waits for
+/// it (at connect, and once a response is sent on a kept-alive connection): 30 s, hyper's default
+/// for its HTTP/1 server (`hyper::server::conn::http1::Builder::header_read_timeout`). A
+/// connection that has sent no complete header by then is closed.
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Serves on `listener` until `shutdown` completes, then waits at most `grace` for the
 /// connections in progress to finish ([`SHUTDOWN_GRACE`] in the daemon) and drops the rest.
-/// axum's graceful shutdown waits for every open connection, and one whose request never
-/// completes (a client that sent half a request and stalled, a scanner) would keep the process
-/// from exiting after its drain: axum serves without hyper's header-read timeout.
+/// Each connection must send a request's whole header within `header_timeout`
+/// ([`HEADER_READ_TIMEOUT`] in the daemon), or it is closed: a client that sent half a request and
+/// stalled, or connected and sent nothing (a scanner, a stuck scraper), would otherwise hold a file
+/// descriptor until the process stops. (axum's own `serve` runs hyper without a timer, so without
+/// that limit.) A failed accept that is not the one connection's fault (e.g. `EMFILE`, no file
+/// descriptor left) is logged and retried after 1 s, as axum's `serve` does.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     readiness: Readiness,
     shutdown: impl Future<Output = ()> + Send + 'static,
     grace: std::time::Duration,
+    header_timeout: std::time::Duration,
 ) -> std::io::Result<()> {
-    let (fired, told) = tokio::sync::oneshot::channel::<()>();
-    let signal = async move {
-        shutdown.await;
-        let _ = fired.send(());
-    };
-    let server = std::future::IntoFuture::into_future(axum::serve(listener, router(readiness)).with_graceful_shutdown(signal));
-    tokio::pin!(server);
-    tokio::select! {
-        ended = &mut server => return ended,
-        Ok(()) = told => {}
+    let app = router(readiness);
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_timeout);
+    let connections = hyper_util::server::graceful::GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            biased;
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    if !is_connection_error(&e) {
+                        crate::warn_limited!(ACCEPT_LOG, error = %e, "the HTTP server cannot accept a connection; retrying in 1 s");
+                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                    }
+                    continue;
+                }
+            },
+        };
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = connections.watch(http1.serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+        tokio::spawn(async move {
+            // The client's own trouble (a reset, the header timeout): nothing to report.
+            let _ = conn.await;
+        });
     }
-    match tokio::time::timeout(grace, server).await {
-        Ok(ended) => ended,
-        Err(_) => {
-            tracing::info!(grace = ?grace, "HTTP connections still open after the shutdown grace time; closing them");
-            Ok(())
-        }
+    drop(listener);
+    if tokio::time::timeout(grace, connections.shutdown()).await.is_err() {
+        tracing::info!(grace = ?grace, "HTTP connections still open after the shutdown grace time; closing them");
     }
+    Ok(())
+}
+
+/// Bounds the lines of a failing accept in [`serve`].
+static ACCEPT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// Whether a failed accept is about the one connection (it was reset or aborted before it was
+/// taken), so the next accept can follow at once; the list is axum's (`axum::serve`).
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
 }
 
 #[cfg(test)]
@@ -78,7 +112,7 @@ mod tests {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(serve(listener, readiness.clone(), async move {
             let _ = stopped.await;
-        }, SHUTDOWN_GRACE));
+        }, SHUTDOWN_GRACE, HEADER_READ_TIMEOUT));
         crate::tls::install_crypto_provider();
         let get = || async { reqwest::get(url.as_str()).await.unwrap() };
 
@@ -109,7 +143,7 @@ mod tests {
         let grace = std::time::Duration::from_millis(300);
         let server = tokio::spawn(serve(listener, Readiness::new(), async move {
             let _ = stopped.await;
-        }, grace));
+        }, grace, HEADER_READ_TIMEOUT));
         let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
         half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         // The server has taken the connection once it answers another one.
@@ -120,5 +154,36 @@ mod tests {
         let ended = tokio::time::timeout(std::time::Duration::from_secs(30), server).await;
         assert!(ended.is_ok(), "the server still waits for the half-sent request");
         drop(half);
+    }
+
+    /// A connection that sends no complete request header within the header timeout is closed
+    /// while the server runs on. Observed before: a client that sent half a request (or nothing)
+    /// held its connection, a file descriptor of the daemon, until the process stopped.
+    #[tokio::test]
+    async fn a_connection_without_a_whole_header_is_closed_after_the_header_timeout() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let header_timeout = std::time::Duration::from_millis(300);
+        let server = tokio::spawn(serve(listener, Readiness::new(), async move {
+            let _ = stopped.await;
+        }, SHUTDOWN_GRACE, header_timeout));
+        let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
+        half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // Closed by the server: the read ends (EOF, or a reset) instead of waiting. The deadline
+        // is far above the header timeout; without the timeout the read never ends.
+        for (what, conn) in [("half-sent request", &mut half), ("silent connection", &mut silent)] {
+            let mut buf = Vec::new();
+            let read = tokio::time::timeout(std::time::Duration::from_secs(20), conn.read_to_end(&mut buf)).await;
+            assert!(read.is_ok(), "the server still holds the {what}'s connection");
+        }
+        // The server runs on.
+        crate::tls::install_crypto_provider();
+        let r = reqwest::get(format!("http://{addr}/healthz")).await.unwrap();
+        assert_eq!(r.status(), reqwest::StatusCode::OK);
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
     }
 }
