@@ -104,16 +104,27 @@ mod tests {
     use super::*;
     use crate::readiness::NotReady;
 
+    /// A server on a port chosen by the OS: its address, the sender that stops it, and its task.
+    async fn start(
+        readiness: Readiness,
+        grace: std::time::Duration,
+        header_timeout: std::time::Duration,
+    ) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<std::io::Result<()>>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(listener, readiness, async move {
+            let _ = stopped.await;
+        }, grace, header_timeout));
+        crate::tls::install_crypto_provider();
+        (addr, stop, server)
+    }
+
     #[tokio::test]
     async fn readyz_answers_from_the_readiness_state_and_names_the_reasons() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/readyz", listener.local_addr().unwrap());
         let readiness = Readiness::new();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(serve(listener, readiness.clone(), async move {
-            let _ = stopped.await;
-        }, SHUTDOWN_GRACE, HEADER_READ_TIMEOUT));
-        crate::tls::install_crypto_provider();
+        let (addr, stop, server) = start(readiness.clone(), SHUTDOWN_GRACE, HEADER_READ_TIMEOUT).await;
+        let url = format!("http://{addr}/readyz");
         let get = || async { reqwest::get(url.as_str()).await.unwrap() };
 
         readiness.set(NotReady::AmqpDown, true);
@@ -137,17 +148,11 @@ mod tests {
     #[tokio::test]
     async fn a_half_sent_request_does_not_hold_up_the_shutdown() {
         use tokio::io::AsyncWriteExt;
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let grace = std::time::Duration::from_millis(300);
-        let server = tokio::spawn(serve(listener, Readiness::new(), async move {
-            let _ = stopped.await;
-        }, grace, HEADER_READ_TIMEOUT));
+        let (addr, stop, server) = start(Readiness::new(), grace, HEADER_READ_TIMEOUT).await;
         let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
         half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         // The server has taken the connection once it answers another one.
-        crate::tls::install_crypto_provider();
         let r = reqwest::get(format!("http://{addr}/healthz")).await.unwrap();
         assert_eq!(r.status(), reqwest::StatusCode::OK);
         stop.send(()).unwrap();
@@ -162,13 +167,8 @@ mod tests {
     #[tokio::test]
     async fn a_connection_without_a_whole_header_is_closed_after_the_header_timeout() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let header_timeout = std::time::Duration::from_millis(300);
-        let server = tokio::spawn(serve(listener, Readiness::new(), async move {
-            let _ = stopped.await;
-        }, SHUTDOWN_GRACE, header_timeout));
+        let (addr, stop, server) = start(Readiness::new(), SHUTDOWN_GRACE, header_timeout).await;
         let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
         half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
@@ -180,7 +180,6 @@ mod tests {
             assert!(read.is_ok(), "the server still holds the {what}'s connection");
         }
         // The server runs on.
-        crate::tls::install_crypto_provider();
         let r = reqwest::get(format!("http://{addr}/healthz")).await.unwrap();
         assert_eq!(r.status(), reqwest::StatusCode::OK);
         stop.send(()).unwrap();
