@@ -644,8 +644,14 @@ impl Tracked {
         Tracked { seen_at: now, below_since: None, peak_rps: 0.0, recent: VecDeque::new() }
     }
 
-    /// Takes in the rate reviewed at `now` and raises the sustained peak.
+    /// Takes in the rate reviewed at `now` and raises the sustained peak. After a gap of `cool`
+    /// or more since the last review (Redis unreachable, the process stopped), no stretch before
+    /// it counts: neither toward the cool time nor toward the peak.
     fn observe(&mut self, now: Instant, rps: f64, cool: Duration) {
+        if self.recent.back().is_some_and(|(t, _)| now.saturating_duration_since(*t) >= cool) {
+            self.recent.clear();
+            self.below_since = None;
+        }
         self.recent.push_back((now, rps));
         // Keep one review at or before the start of the stretch, so the stretch is covered.
         while self.recent.len() > 1 && now.saturating_duration_since(self.recent[1].0) >= cool {
@@ -699,6 +705,8 @@ impl SplitLedger {
     /// rate ≤ 0 (a dominant key, split without one) stands for the highest arrival rate sustained
     /// for `rules.cool` since the split (not the highest reviewed: a short burst would raise it,
     /// and the key's unchanged traffic would then merge it back while it still dominates).
+    /// Call it once per fresh rate: a rate reviewed again (a refresh that got no answer) would
+    /// count toward the cool time as if it had been measured again.
     pub fn review(&mut self, now: Instant, rules: &SplitRules, member: &SplitMember, drain_rps: f64, arrivals_rps: f64) -> Verdict {
         let t = self.tracked.entry((member.level, member.key)).or_insert_with(|| Tracked::new(now));
         t.observe(now, arrivals_rps, rules.cool);
@@ -1170,6 +1178,24 @@ mod tests {
         assert_eq!(load(&[rk(0, 3, 1), rk(0, 3, 2)], 30), None, "half each");
         assert_eq!(load(&[rk(0, 1, 1)], 40), None, "an explicit key has no next level");
         assert_eq!(load(&[rk(0, 3, 1)], 20), Some(vec![split(0, 1)]));
+    }
+
+    /// A gap of the cool time or more between two reviews (Redis unreachable, the process
+    /// stopped) is not cool time: the stretch starts again at the first review after it.
+    #[tokio::test(start_paused = true)]
+    async fn cool_time_needs_reviews_without_a_gap() {
+        let r = rules();
+        let m = split(0, 1);
+        let mut ledger = SplitLedger::default();
+        let t0 = Instant::now();
+        let at = |s| t0 + Duration::from_secs(s);
+        ledger.update(t0, &SplitView::new([m]));
+        for s in 25..=28 {
+            assert_eq!(ledger.review(at(s), &r, &m, 10.0, 1.0), Verdict::Keep);
+        }
+        assert_eq!(ledger.review(at(60), &r, &m, 10.0, 1.0), Verdict::Keep, "cool since 25 s, but not seen from 28 s to 60 s");
+        assert_eq!(ledger.review(at(69), &r, &m, 10.0, 1.0), Verdict::Keep);
+        assert_eq!(ledger.review(at(70), &r, &m, 10.0, 1.0), Verdict::Merge, "cool for 10 s since the gap");
     }
 
     #[tokio::test(start_paused = true)]

@@ -441,6 +441,14 @@ struct RefreshState {
     /// did (at most [`MAX_UNANSWERED`]): a Redis that stalled runs the calls queued on its socket
     /// when it resumes, so they may have taken effect; the next answer tells ([`log_late`]).
     unanswered: Vec<(SplitMember, Option<SplitReason>)>,
+    /// The merge rule ([`SplitLedger::review`]) has seen `records` since the answer that brought
+    /// them. The refreshes after it, until an answer brings new records (refreshes that fail, as
+    /// every one does while Redis is unreachable), keep every entry without reviewing it again.
+    /// Reported: the rates of the last answer before an outage were reviewed again at every failed
+    /// refresh, as if measured again, so a key whose last rate was low counted as cool for the whole
+    /// outage, and the first refresh that reached Redis merged it back, minutes after that rate was
+    /// measured, while the other instances' current rates kept it.
+    reviewed: bool,
 }
 
 /// Bound of [`RefreshState::unanswered`].
@@ -458,6 +466,7 @@ impl Default for RefreshState {
             redis_clock: None,
             stale: false,
             unanswered: Vec::new(),
+            reviewed: false,
         }
     }
 }
@@ -648,13 +657,16 @@ impl Affinity {
                     }
                 }
             }
+            let review = !st.reviewed;
             for r in st.records.iter().filter(|_| !st.stale) {
                 let drain = r.drain_rps.unwrap_or(0.0);
-                match st.ledger.review(now, rules, &r.member, drain, r.arrivals_rps) {
-                    Verdict::Keep => req.keeps.push((r.member, drain)),
-                    Verdict::Merge => req.merges.push(r.member),
+                if review && st.ledger.review(now, rules, &r.member, drain, r.arrivals_rps) == Verdict::Merge {
+                    req.merges.push(r.member);
+                } else {
+                    req.keeps.push((r.member, drain));
                 }
             }
+            st.reviewed = true;
         }
         let sent = Instant::now();
         let answer = match store.sync(&req).await {
@@ -688,6 +700,7 @@ impl Affinity {
             let st = &mut *lock(&self.inner.refresh);
             st.ledger.update(now, &next);
             st.records.clone_from(&answer.records);
+            st.reviewed = false;
             st.stale = false;
             st.generation.replace(answer.generation.clone()).is_none()
         };
@@ -849,6 +862,8 @@ mod tests {
         sent: Mutex<Vec<Vec<ArrivalBatch>>>,
         /// The set's generation; [`Memory::lose`] starts a new one.
         generation: Mutex<u64>,
+        /// Every entry's arrival rate in the answers, requests/s (`None`: 100).
+        rps: Mutex<Option<f64>>,
     }
 
     impl Memory {
@@ -883,7 +898,7 @@ mod tests {
             lock(&self.sent).push(req.arrivals.clone());
             let records = set
                 .iter()
-                .map(|(m, d)| SplitRecord { member: *m, expires_in_ms: 10_000, drain_rps: Some(*d), arrivals_rps: 100.0 })
+                .map(|(m, d)| SplitRecord { member: *m, expires_in_ms: 10_000, drain_rps: Some(*d), arrivals_rps: lock(&self.rps).unwrap_or(100.0) })
                 .collect();
             // The clock of this Redis reads 1,000,000 s at the start of a paused-time test.
             let redis_time_ms = 1_000_000_000 + Instant::now().duration_since(*START).as_millis() as u64;
@@ -932,6 +947,38 @@ mod tests {
         a.refresh(&store, &rules, t0 + Duration::from_secs(60)).await.unwrap();
         assert_eq!(*lock(&store.arrivals), 0, "an arrival older than the rate window is not sent: no rate would count it");
         assert_eq!(a.view().len(), 1, "still hot (100 rps > half of 20 rps): kept");
+    }
+
+    /// Reported: the rates of the last answer before an outage were reviewed again at every
+    /// failed refresh, as if measured again: a key whose last rate was low counted as cool for
+    /// the whole outage, and the first refresh that reached Redis merged it back, while the other
+    /// instances' current rates kept it. Each answer's rates are reviewed once.
+    #[tokio::test(start_paused = true)]
+    async fn a_redis_outage_does_not_make_the_last_rates_count_as_cool() {
+        let (a, store, rules, t0) = split_key_42().await;
+        let split = SplitMember { level: 0, key: PrefixKey(42), state: SplitState::Split };
+        let at = |s| t0 + Duration::from_secs(s);
+        let set_rps = |rps| *lock(&store.rps) = Some(rps);
+        // The last answer before the outage: 1 request/s, far below half the drain rate.
+        set_rps(1.0);
+        a.refresh(&store, &rules, at(4)).await.unwrap();
+        store.down.store(true, std::sync::atomic::Ordering::SeqCst);
+        for s in (5..60).step_by(2) {
+            assert!(a.refresh(&store, &rules, at(s)).await.is_err());
+        }
+        // Meanwhile the key's traffic came back: the set's current rate is 100/s.
+        set_rps(100.0);
+        store.down.store(false, std::sync::atomic::Ordering::SeqCst);
+        a.refresh(&store, &rules, at(60)).await.unwrap();
+        assert!(lock(&store.set).contains_key(&split), "merged back by a rate measured before the outage");
+        // Rates measured after it decide: cool for the cool time (10 s), then merged.
+        set_rps(1.0);
+        for s in 61..72 {
+            a.refresh(&store, &rules, at(s)).await.unwrap();
+            assert!(lock(&store.set).contains_key(&split), "merged at {s} s");
+        }
+        a.refresh(&store, &rules, at(72)).await.unwrap();
+        assert!(!lock(&store.set).contains_key(&split), "cool for 10 s of fresh rates: merged");
     }
 
     /// Arrivals counted while Redis is unreachable reach it with the second they were counted
