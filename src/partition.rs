@@ -410,6 +410,22 @@ fn split_queued_ms(enqueued_ms: Option<u64>, consuming_since_ms: u64, now_ms: u6
     enqueued_ms.map_or(0, |t| now_ms.saturating_sub(t.max(consuming_since_ms)))
 }
 
+/// When the split rule's queueing delay of a request starts ([`split_queued_ms`]'s
+/// `enqueued_ms`), dequeued at `now_ms`: its forward by a router (header `x-routed-at-ms`,
+/// `routed_at_ms`, by the router's clock), else its publish time (`published_ms`: a request
+/// published straight to the partition queue). A forward time more than [`MAX_CLOCK_SKEW_MS`]
+/// ahead of this host's clock (the router's clock is ahead) gives `None`, no delay, and not the
+/// publish time: that would count the request's wait in the input queue and the router, which
+/// says nothing about how fast this partition drains its key. (It was taken before: with a
+/// router's clock more than 1 s ahead, an input backlog of 2 s counted as queueing in every
+/// partition and split each key that carried half of its partition's traffic.)
+fn split_enqueued_ms(routed_at_ms: Option<u64>, published_ms: Option<u64>, now_ms: u64) -> Option<u64> {
+    match routed_at_ms {
+        Some(t) => publish_time_ms(Some(t), None, now_ms),
+        None => published_ms,
+    }
+}
+
 /// Bounds the lines of partition queues found with other settings than configured.
 static QUEUE_MISMATCH_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
@@ -1145,7 +1161,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     let queued_ms = enqueued_unix_ms.map_or(0, |t| now.saturating_sub(t));
     // The split rule's delay: in the partition queue only (from the router's forward; a request
     // published straight to the partition queue, from its publish), while the partition consumed.
-    let forwarded = publish_time_ms(header_u64(headers, HEADER_ROUTED_AT_MS), None, now).or(enqueued_unix_ms);
+    let forwarded = split_enqueued_ms(header_u64(headers, HEADER_ROUTED_AT_MS), enqueued_unix_ms, now);
     let key = crate::splits::batch_key(s, ctx.partition, &req, headers, held.owner.split_queued_ms(forwarded, now));
     Some(Pending { delivery, req, key, shard, received: held.received, queued_ms, enqueued_unix_ms, _held: held })
 }
@@ -1806,6 +1822,12 @@ mod tests {
         assert_eq!(publish_time_ms(None, Some(now / 1000), now), Some(now / 1000 * 1000));
         assert_eq!(publish_time_ms(Some(now + MAX_CLOCK_SKEW_MS), None, now), Some(now + MAX_CLOCK_SKEW_MS), "skew");
         assert_eq!(publish_time_ms(Some(now + MAX_CLOCK_SKEW_MS + 1), None, now), None);
+        // The split rule's start: the forward, else the publish; never the publish for a forward
+        // time that is no time (the router's clock too far ahead).
+        let published = Some(now - 5_000);
+        assert_eq!(split_enqueued_ms(Some(now - 10), published, now), Some(now - 10));
+        assert_eq!(split_enqueued_ms(None, published, now), published);
+        assert_eq!(split_enqueued_ms(Some(now + MAX_CLOCK_SKEW_MS + 500), published, now), None);
         assert_eq!(publish_time_ms(None, Some(4_102_444_800), now), None, "the year 2100");
         assert_eq!(publish_time_ms(Some(u64::MAX), None, now), None);
         assert_eq!(publish_time_ms(None, None, now), None);
