@@ -30,9 +30,13 @@
 //! whole concurrent round of commands is sent, so never later than the real send); [`LeaseClock`]
 //! is that local deadline, checked before every publish and ack. The lease in Redis
 //! lives until at least `t_sent + lease_ttl` measured by Redis (the expiry was set after the send),
-//! so as long as clocks advance at similar rates (Redis uses its own monotonic-ish clock) and
-//! `lease_ttl - renew_deadline` covers the drift and the time between the last local check and a
-//! publish, the old holder stops before anyone else can acquire. The defaults (15 s vs 10 s) leave
+//! so as long as clocks advance at similar rates and `lease_ttl - renew_deadline` covers the drift
+//! and the time between the last local check and a publish, the old holder stops before anyone
+//! else can acquire. Redis expires keys by its wall clock (a key's expiry is an absolute Unix
+//! time), so a step forward of the Redis host's clock ends leases early: another instance may
+//! then acquire while the old holder still runs. RabbitMQ's single active consumer still
+//! delivers the partition to one consumer at a time, and the epoch in `x-partition-epoch` tells
+//! the two holders' results apart; keep the Redis host's clock slewed (NTP), not stepped. The defaults (15 s vs 10 s) leave
 //! 5 s. Renewals compare the full value including the epoch, so a holder whose lease expired and
 //! was taken by another can never extend the successor's lease. A paused process (SIGSTOP, GC,
 //! swap) that wakes after its deadline finds its local deadline passed before doing anything and
