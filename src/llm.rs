@@ -1844,8 +1844,18 @@ impl LlmClient {
     /// [`ErrorKind::EndpointConfig`], the endpoint's breaker opens at once ([`Breaker::trip`]) and
     /// stays open until a probe's minimal call on that API is answered ([`Self::probe`]); when the
     /// minimal call fails otherwise (5xx, timeout, refused connection), that failure's kind.
-    /// Refusals that come together share one minimal call. `cancel` ends the wait with
-    /// [`ErrorKind::Cancelled`].
+    /// Refusals that come together share one minimal call, and its verdict, whichever it is. A
+    /// refusal judged while the endpoint's breaker is open (the server is down, or found faulty,
+    /// by then) is not judged: [`ErrorKind::Unavailable`], so its request goes again once the
+    /// server is back. `cancel` ends the wait with [`ErrorKind::Cancelled`], and so does the
+    /// call's deadline ([`Self::infer_within`]): a request whose refusal could not be judged in
+    /// its batch's time goes back uncharged.
+    ///
+    /// Reported: refusals that came together (a server whose front end still answered 400 to
+    /// over-long prompts while its engine hung) were judged one at a time, each with a minimal
+    /// call of its own that waited out `llm.probe_timeout`, after the breaker had opened too,
+    /// until the batches holding them passed the `amqp.consumer_timeout` guard, which returned
+    /// every request of the partition charged a delivery.
     async fn judge_refusal(&self, call: &Call<'_>, refusal: LlmError, cancel: &CancellationToken) -> LlmError {
         let ep = &self.inner.endpoints[call.endpoint];
         let route = call.kind.route();
@@ -1859,13 +1869,16 @@ impl LlmClient {
             ),
             _ => refusal,
         };
-        // `Some(true)`: the request's own; `Some(false)`: the API refuses everything.
         let known = || {
             let health = lock(&ep.routes)[route];
             if health.refusing {
-                Some(false)
+                Some(Judged::RefusesAll)
             } else if health.answered.is_some_and(|t| t >= sent) || health.check_passed.is_some_and(|t| t >= sent) {
-                Some(true)
+                Some(Judged::Own)
+            } else if let Some((_, kind)) = health.check_failed.filter(|(t, _)| *t >= sent) {
+                Some(Judged::CheckFailed(kind))
+            } else if !self.available(call.endpoint) {
+                Some(Judged::Down)
             } else {
                 None
             }
@@ -1881,25 +1894,44 @@ impl LlmClient {
                 refusal.status,
             )
         };
-        match known() {
-            Some(true) => return own(refusal),
-            Some(false) => return refused_everything("found before"),
-            None => {}
+        let judged = |j: Judged| match j {
+            Judged::Own => own(refusal.clone()),
+            Judged::RefusesAll => refused_everything("found before"),
+            Judged::CheckFailed(kind) => LlmError::new(
+                kind,
+                format!("{}; then a minimal {} call sent after it failed too ({})", refusal.message, call.kind.api(), kind.as_str()),
+                refusal.status,
+            ),
+            Judged::Down => LlmError::new(
+                ErrorKind::Unavailable,
+                format!("{}; not judged: the endpoint's circuit breaker opened meanwhile (the server is down or faulty), so the request goes again", refusal.message),
+                refusal.status,
+            ),
+        };
+        let out_of_time = || {
+            LlmError::new(
+                ErrorKind::Cancelled,
+                format!("{}; not judged within the batch's time (the check of a refusal that came before it took it), so the request goes back uncharged", refusal.message),
+                refusal.status,
+            )
+        };
+        if let Some(j) = known() {
+            return judged(j);
         }
         let _one_check = tokio::select! {
             biased;
             _ = cancel.cancelled() => return LlmError::cancelled(),
+            () = crate::task::sleep_until_some(call.deadline) => return out_of_time(),
             guard = ep.refusal_check.lock() => guard,
         };
-        match known() {
-            Some(true) => return own(refusal),
-            Some(false) => return refused_everything("found before"),
-            None => {}
+        if let Some(j) = known() {
+            return judged(j);
         }
         let checked = Instant::now();
         let result = tokio::select! {
             biased;
             _ = cancel.cancelled() => return LlmError::cancelled(),
+            () = crate::task::sleep_until_some(call.deadline) => return out_of_time(),
             r = self.minimal_call(call.endpoint, call.kind) => r,
         };
         match result {
@@ -1911,11 +1943,10 @@ impl LlmClient {
                 self.api_refuses_everything(call, &detail, &refusal.message);
                 refused_everything(&detail)
             }
-            Err((kind, detail)) => LlmError::new(
-                kind,
-                format!("{}; then a minimal {} call failed too: {detail}", refusal.message, call.kind.api()),
-                refusal.status,
-            ),
+            Err((kind, detail)) => {
+                lock(&ep.routes)[route].check_failed = Some((checked, kind));
+                LlmError::new(kind, format!("{}; then a minimal {} call failed too: {detail}", refusal.message, call.kind.api()), refusal.status)
+            }
         }
     }
 
@@ -2139,6 +2170,19 @@ impl KnownCall {
     }
 }
 
+/// What is known of a 4xx refusal before a minimal call is sent ([`LlmClient::judge_refusal`]).
+#[derive(Debug, Clone, Copy)]
+enum Judged {
+    /// The API answered another call sent after the refusal: the request's own fault.
+    Own,
+    /// The API refuses every call.
+    RefusesAll,
+    /// A minimal call sent after the refusal failed so (a server fault).
+    CheckFailed(ErrorKind),
+    /// The endpoint's breaker is open: not judged now.
+    Down,
+}
+
 /// The routes (APIs) of an endpoint told apart by the breaker: completions and chat.
 const ROUTES: usize = 2;
 
@@ -2150,6 +2194,10 @@ struct RouteHealth {
     answered: Option<Instant>,
     /// When the last minimal call on the route that was answered was sent.
     check_passed: Option<Instant>,
+    /// When the last minimal call on the route that failed other than by a refusal (a timeout,
+    /// a 5xx, a refused connection) was sent, and how it failed: the refusals sent before it
+    /// share its verdict instead of each waiting for a minimal call of its own.
+    check_failed: Option<(Instant, ErrorKind)>,
     /// The route refused a minimal call (a 4xx): it refuses every request, so the endpoint counts
     /// as down until a probe's minimal call on the route is answered.
     refusing: bool,
@@ -2954,6 +3002,29 @@ mod tests {
             }
         });
         (hook, outcomes)
+    }
+
+    /// Reported: refusals that came together while the server's engine hung (its front end still
+    /// answered 400) were judged one at a time, each with a minimal call of its own that waited
+    /// out the probe timeout: six refusals took six probe timeouts, and their batches held every
+    /// other request meanwhile. The refusals sent before a minimal call that failed share its
+    /// verdict: one minimal call for all six, each a server fault (not charged).
+    #[tokio::test]
+    async fn refusals_that_come_together_share_one_failed_check() {
+        let fake = FakeLlm::new().fail_prompts_containing("BAD", 400).slow_prompts_containing(PROBE_PROMPT, Duration::from_secs(60)).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        s.request_timeout = Duration::from_millis(500);
+        s.max_concurrency = NonZeroUsize::new(8).unwrap();
+        let client = LlmClient::new(&s).unwrap();
+        let reqs: Vec<Vec<(Body, Map<String, Value>)>> = (0..6).map(|i| vec![(completion(&format!("BAD {i}")), Map::new())]).collect();
+        let results = futures_util::future::join_all(reqs.iter().map(|r| run(&client, r))).await;
+        for r in &results {
+            let e = r[0].as_ref().unwrap_err();
+            assert_eq!(e.kind, ErrorKind::Timeout, "{}", e.message);
+        }
+        let checks = fake.calls().iter().filter(|c| c.prompts.iter().any(|p| p == PROBE_PROMPT)).count();
+        assert_eq!(checks, 1, "one minimal call for the refusals sent before it");
+        assert_eq!(fake.call_count(), 7);
     }
 
     fn three_prompts(p: &Map<String, Value>) -> Vec<(Body, Map<String, Value>)> {
