@@ -82,8 +82,12 @@
 //! the minimal call is refused too, the API refuses every request: the call fails with
 //! [`ErrorKind::EndpointConfig`] (a server fault: its request waits, uncharged), the breaker
 //! opens at once, the log says so at ERROR with the server's answer, and every probe repeats the
-//! API's minimal call until it is answered. Refusals that come together share one minimal
-//! call; a list call's refusal goes again prompt by prompt first (one prompt may be the cause).
+//! API's minimal call until it is answered. When the minimal call fails otherwise (a timeout, a
+//! 5xx: the server's front end refuses while its engine hangs), the refusal is a server fault of
+//! that kind. Refusals that come together share one minimal call and its verdict; one met while
+//! the endpoint's breaker is open is not judged (it goes again once the server is back), nor one
+//! whose batch runs out of time first; a list call's refusal goes again prompt by prompt first
+//! (one prompt may be the cause).
 //! The other way round, a 401/403/404 is the endpoint's fault (a wrong URL, token or
 //! `llm.model`) except for a call whose requests name another model than `llm.model`: vLLM
 //! answers 404 "The model `…` does not exist." to a request's typo'd model, a gateway 401/403 to
