@@ -1015,7 +1015,8 @@ enum Admission {
     Admitted(Pending),
     /// Dead-lettered, requeued, or dropped unacked (the channel's close returns it).
     Settled,
-    /// A stop or restart came while it waited for the byte budget: not taken, still unacked.
+    /// A stop, a restart or the lease's deadline came while it waited for the byte budget: not
+    /// taken, still unacked.
     Untaken(Delivery),
 }
 
@@ -1034,6 +1035,9 @@ async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, dea
             Some(p) => p,
             None => return Admission::Settled,
         },
+        // The intake stops at the lease's deadline whatever it waits for: back in its loop, it
+        // finds the deadline passed first.
+        () = ctx.lease.expired() => return Admission::Untaken(delivery),
     };
     match accept(ctx, dead_letters, delivery, held.hold(permit, received)).await {
         Some(pending) => Admission::Admitted(pending),
