@@ -1938,6 +1938,16 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
     if llm.request_timeout < Duration::from_millis(1) {
         return Err(invalid("llm.request_timeout", &l.request_timeout, "must be at least 1ms"));
     }
+    // Each liveness check waits at most min(this, 10 s) for an answer (`llm::LIVENESS_TIMEOUT_MAX`):
+    // a shorter wait would take a remote server's slow answer for a frozen server and abandon
+    // its calls.
+    if llm.liveness_check_after.is_some_and(|d| d < Duration::from_secs(1)) {
+        return Err(invalid(
+            "llm.liveness_check_after",
+            &l.liveness_check_after,
+            "must be \"0s\" (never checked) or at least 1s: each check waits at most this long for the server's answer",
+        ));
+    }
     if llm.backoff_max < llm.backoff_initial {
         return Err(invalid("llm.backoff_max", &l.backoff_max, format!("must be at least llm.backoff_initial ({})", l.backoff_initial)));
     }
@@ -2190,6 +2200,12 @@ mod tests {
         let mut r = RawConfig::default();
         r.llm.request_timeout = "1ns".into();
         assert!(err(&r).contains("llm.request_timeout") && err(&r).contains("at least 1ms"));
+        let mut r = RawConfig::default();
+        r.llm.liveness_check_after = "50ms".into();
+        let e = err(&r);
+        assert!(e.contains("llm.liveness_check_after") && e.contains("= 50ms") && e.contains("at least 1s"), "{e}");
+        r.llm.liveness_check_after = "0s".into();
+        assert!(Settings::from_raw(&r).is_ok(), "0s: never checked");
     }
 
     #[test]
