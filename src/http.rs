@@ -41,7 +41,7 @@ pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Serves on `listener` until `shutdown` completes, then waits at most `grace` for the
-/// connections in progress to finish ([`SHUTDOWN_GRACE`] in the daemon) and drops the rest.
+/// connections in progress to finish ([`SHUTDOWN_GRACE`] in the daemon) and closes the rest.
 /// Each connection must send a request's whole header within `header_timeout`
 /// ([`HEADER_READ_TIMEOUT`] in the daemon), or it is closed: a client that sent half a request and
 /// stalled, or connected and sent nothing (a scanner, a stuck scraper), would otherwise hold a file
@@ -59,6 +59,8 @@ pub async fn serve(
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_timeout);
     let connections = hyper_util::server::graceful::GracefulShutdown::new();
+    // Closes the connections still open after the grace time.
+    let close = tokio_util::sync::CancellationToken::new();
     tokio::pin!(shutdown);
     loop {
         let stream = tokio::select! {
@@ -69,7 +71,10 @@ pub async fn serve(
                 Err(e) => {
                     if !is_connection_error(&e) {
                         crate::warn_limited!(ACCEPT_LOG, error = %e, "the HTTP server cannot accept a connection; retrying in 1 s");
-                        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        tokio::select! {
+                            () = &mut shutdown => break,
+                            () = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+                        }
                     }
                     continue;
                 }
@@ -77,14 +82,19 @@ pub async fn serve(
         };
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let conn = connections.watch(http1.serve_connection(hyper_util::rt::TokioIo::new(stream), service));
+        let close = close.clone();
         tokio::spawn(async move {
             // The client's own trouble (a reset, the header timeout): nothing to report.
-            let _ = conn.await;
+            tokio::select! {
+                _ = conn => {}
+                () = close.cancelled() => {}
+            }
         });
     }
     drop(listener);
     if tokio::time::timeout(grace, connections.shutdown()).await.is_err() {
         tracing::info!(grace = ?grace, "HTTP connections still open after the shutdown grace time; closing them");
+        close.cancel();
     }
     Ok(())
 }
@@ -149,7 +159,8 @@ mod tests {
     async fn a_half_sent_request_does_not_hold_up_the_shutdown() {
         use tokio::io::AsyncWriteExt;
         let grace = std::time::Duration::from_millis(300);
-        let (addr, stop, server) = start(Readiness::new(), grace, HEADER_READ_TIMEOUT).await;
+        // A header timeout far beyond the test's deadline: only the grace time can end the wait.
+        let (addr, stop, server) = start(Readiness::new(), grace, std::time::Duration::from_secs(3600)).await;
         let mut half = tokio::net::TcpStream::connect(addr).await.unwrap();
         half.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
         // The server has taken the connection once it answers another one.
@@ -158,7 +169,11 @@ mod tests {
         stop.send(()).unwrap();
         let ended = tokio::time::timeout(std::time::Duration::from_secs(30), server).await;
         assert!(ended.is_ok(), "the server still waits for the half-sent request");
-        drop(half);
+        // The connection is closed too, not left to the header timeout.
+        use tokio::io::AsyncReadExt;
+        let mut buf = Vec::new();
+        let read = tokio::time::timeout(std::time::Duration::from_secs(30), half.read_to_end(&mut buf)).await;
+        assert!(read.is_ok(), "the half-sent request's connection is still open after the shutdown");
     }
 
     /// A connection that sends no complete request header within the header timeout is closed

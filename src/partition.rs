@@ -413,9 +413,9 @@ fn split_queued_ms(enqueued_ms: Option<u64>, consuming_since_ms: u64, now_ms: u6
 /// When the split rule's queueing delay of a request starts ([`split_queued_ms`]'s
 /// `enqueued_ms`), dequeued at `now_ms`: its forward by a router (header `x-routed-at-ms`,
 /// `routed_at_ms`, by the router's clock), else its publish time (`published_ms`: a request
-/// published straight to the partition queue). A forward time more than [`MAX_CLOCK_SKEW_MS`]
-/// ahead of this host's clock (the router's clock is ahead) gives `None`, no delay, and not the
-/// publish time: that would count the request's wait in the input queue and the router, which
+/// published straight to the partition queue). A forward time that is no time by
+/// [`publish_time_ms`] (more than [`MAX_CLOCK_SKEW_MS`] ahead of this host's clock: the router's
+/// clock is ahead; or before 2000) gives `None`, no delay, and not the publish time: that would count the request's wait in the input queue and the router, which
 /// says nothing about how fast this partition drains its key. (It was taken before: with a
 /// router's clock more than 1 s ahead, an input backlog of 2 s counted as queueing in every
 /// partition and split each key that carried half of its partition's traffic.)
@@ -1035,8 +1035,8 @@ async fn admit(ctx: &PartitionContext, stop: &StopSignals, end: &SessionEnd, dea
             Some(p) => p,
             None => return Admission::Settled,
         },
-        // The intake stops at the lease's deadline whatever it waits for: back in its loop, it
-        // finds the deadline passed first.
+        // The lease's deadline ends the wait for the budget too: back in its loop, the intake
+        // finds the deadline passed first and stops.
         () = ctx.lease.expired() => return Admission::Untaken(delivery),
     };
     match accept(ctx, dead_letters, delivery, held.hold(permit, received)).await {
