@@ -1094,9 +1094,18 @@ impl LlmClient {
             // A refusal may be every request's, or a request's own model's (module doc,
             // "Refusals are verified").
             Err(e) if call.refusal_to_judge(&e) => {
+                let refused = e.kind;
                 let e = self.judge_refusal(&call, e, cancel).await;
                 let seconds = lock(&call.unreported_seconds).take().unwrap_or_default();
-                (self.inner.hook)(&LlmEvent::Call { endpoint, outcome: Err(e.kind), seconds });
+                // A refusal left unjudged (the breaker open, the batch's time out) was still the
+                // server's answer to a call made: counted as what the server said, not as a call
+                // that failed fast or was never sent.
+                let outcome = match e.kind {
+                    ErrorKind::Unavailable => refused,
+                    ErrorKind::Cancelled if !cancel.is_cancelled() => refused,
+                    kind => kind,
+                };
+                (self.inner.hook)(&LlmEvent::Call { endpoint, outcome: Err(outcome), seconds });
                 return group.members.iter().map(|&i| (i, Err(e.clone()))).collect();
             }
             Err(e) if e.kind == ErrorKind::EndpointConfig && e.status.is_some() => {

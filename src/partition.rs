@@ -1555,11 +1555,13 @@ fn sort_answers(
     let mut suspects = Vec::new();
     for (i, answer) in todo.into_iter().zip(answers) {
         match answer {
-            // Not sent: the batch's time for LLM calls ran out behind slower prompts (the
-            // session goes on: the caller checked). Back to the partition queue, uncharged.
+            // Not sent, or its refusal not judged: the batch's time for LLM calls ran out behind
+            // slower prompts (the session goes on: the caller checked). Back to the partition
+            // queue, uncharged.
             Err(e) if e.kind == ErrorKind::Cancelled => not_sent.push(i),
-            // Failed fast, no call made (the breaker opened before its call went): it goes again
-            // whatever the verdict. Filed as an answer, it was charged a delivery when the
+            // Failed fast, no call made (the breaker opened before its call went), or refused
+            // while the breaker opened (its refusal not judged): it goes again whatever the
+            // verdict. Filed as an answer, it was charged a delivery when the
             // breaker had closed again by the verdict, for an outage its request never reached.
             Err(e) if e.kind == ErrorKind::Unavailable => again.push(i),
             Err(e) if go_again && e.fault() == Fault::Server => {
