@@ -204,8 +204,12 @@ pub struct Breaker {
     openings: u32,
     /// The rule tripped with faults to verify: a verification probe is wanted.
     suspect: bool,
-    /// A verification probe is in flight ([`Self::take_verification`] .. [`Self::verified`]).
-    verifying: bool,
+    /// A verification probe is in flight ([`Self::take_verification`] .. [`Self::verified`]):
+    /// the number of openings when it was taken.
+    verifying: Option<u64>,
+    /// Openings since the breaker was made (never reset): a verification taken before the last
+    /// opening speaks of an earlier time.
+    opened: u64,
     /// When the first call of the request timeouts not yet judged by a probe was sent
     /// ([`Self::timed_out_call_sent`]; else when that timeout was recorded).
     timeouts_since: Option<Instant>,
@@ -238,7 +242,8 @@ impl Breaker {
             recent: VecDeque::new(),
             openings: 0,
             suspect: false,
-            verifying: false,
+            verifying: None,
+            opened: 0,
             timeouts_since: None,
             last_answer: None,
             faulty_calls: Vec::new(),
@@ -428,28 +433,33 @@ impl Breaker {
     /// Whether the closed breaker is suspect: faults to verify (answered faults, request
     /// timeouts) tripped its rule and no probe has judged them yet (a verification probe is wanted or in flight).
     pub fn suspect(&self) -> bool {
-        self.state == State::Closed && (self.suspect || self.verifying)
+        self.state == State::Closed && (self.suspect || self.verifying.is_some())
     }
 
-    /// Takes the verification slot: true when the closed breaker is suspect and no verification
-    /// probe is in flight. The caller then probes the endpoint and reports the probe's outcome
-    /// with [`Self::verified`] (also when it gave up: [`Outcome::Abandoned`]).
-    pub fn take_verification(&mut self) -> bool {
-        if self.state != State::Closed || !self.suspect || self.verifying {
-            return false;
+    /// Takes the verification slot: `Some` when the closed breaker is suspect and no
+    /// verification probe is in flight. The caller then probes the endpoint and reports the
+    /// probe's outcome with [`Self::verified`] and this value (also when it gave up:
+    /// [`Outcome::Abandoned`]).
+    pub fn take_verification(&mut self) -> Option<Verification> {
+        if self.state != State::Closed || !self.suspect || self.verifying.is_some() {
+            return None;
         }
-        self.verifying = true;
-        true
+        self.verifying = Some(self.opened);
+        Some(Verification(self.opened))
     }
 
-    /// The outcome of the verification probe taken by [`Self::take_verification`]: a server
+    /// The outcome of the verification probe `taken` ([`Self::take_verification`]): a server
     /// fault of any sort (a probe that timed out included) confirms the suspicion and opens the breaker (returns the new
     /// state); a success or request fault refutes it ([`Self::refute`]); an abandoned probe
     /// leaves the breaker suspect, for the next call's verification. Ignored (apart from freeing
-    /// the slot) when the breaker is no longer closed.
-    pub fn verified(&mut self, outcome: Outcome, now: Instant) -> Option<BreakerState> {
-        self.verifying = false;
-        if self.state != State::Closed {
+    /// the slot) when the breaker is no longer closed, or has opened since the probe was taken
+    /// (its close freed the slot): the probe then speaks of a time before the server was found
+    /// back, and a late failure of it would open the breaker that a passing probe just closed.
+    pub fn verified(&mut self, taken: Verification, outcome: Outcome, now: Instant) -> Option<BreakerState> {
+        if self.verifying == Some(taken.0) {
+            self.verifying = None;
+        }
+        if self.state != State::Closed || taken.0 != self.opened {
             return None;
         }
         match outcome {
@@ -564,6 +574,7 @@ impl Breaker {
         let factor = 2u32.saturating_pow(self.openings);
         let wait = self.policy.open_initial.saturating_mul(factor).min(self.policy.open_max);
         self.openings = self.openings.saturating_add(1);
+        self.opened += 1;
         // Request timeouts among the causes: a passing one-token probe will not show that real
         // calls are answered in time, so its close is a trial.
         self.trial |= self.timeouts_since.is_some();
@@ -583,8 +594,15 @@ impl Breaker {
             self.openings = 0;
         }
         self.suspect = false;
+        // A verification still in flight was taken before the opening: its outcome is ignored.
+        self.verifying = None;
     }
 }
+
+/// A verification probe's slot, taken by [`Breaker::take_verification`] and handed back with the
+/// probe's outcome to [`Breaker::verified`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verification(u64);
 
 #[cfg(test)]
 mod tests {
@@ -724,12 +742,12 @@ mod tests {
             assert_eq!(b.record(Outcome::AnsweredFault, false, t0), None, "answered faults never open it by themselves");
         }
         assert!(b.available(t0) && b.suspect());
-        assert!(b.take_verification());
-        assert!(!b.take_verification(), "one verification probe at a time");
+        let v = b.take_verification().unwrap();
+        assert!(b.take_verification().is_none(), "one verification probe at a time");
         assert_eq!(b.record(Outcome::AnsweredFault, false, t0), None);
-        assert_eq!(b.verified(Outcome::ServerFault, t0), Some(BreakerState::Open), "the probe failed too: an outage");
+        assert_eq!(b.verified(v, Outcome::ServerFault, t0), Some(BreakerState::Open), "the probe failed too: an outage");
         assert_eq!(b.open_until(), Some(t0 + Duration::from_secs(1)));
-        assert!(!b.suspect() && !b.take_verification());
+        assert!(!b.suspect() && b.take_verification().is_none());
     }
 
     /// Records `n` answered faults of the real call with body fingerprint `call` (route 0).
@@ -798,8 +816,8 @@ mod tests {
         for _ in 0..5 {
             b.record(Outcome::AnsweredFault, false, t0);
         }
-        assert!(b.take_verification());
-        assert_eq!(b.verified(Outcome::Success, t0), None);
+        let v = b.take_verification().unwrap();
+        assert_eq!(b.verified(v, Outcome::Success, t0), None);
         assert!(b.available(t0) && !b.suspect(), "refuted: closed and no longer suspect");
         // The discounted faults no longer count: 4 more answered faults do not make it suspect
         // (the run starts again, the window holds 5 healthy + 4).
@@ -810,11 +828,12 @@ mod tests {
         b.record(Outcome::AnsweredFault, false, t0);
         assert!(b.suspect(), "5 in a row again: another verification");
         // An abandoned verification leaves it suspect for the next one.
-        assert!(b.take_verification());
-        assert_eq!(b.verified(Outcome::Abandoned, t0), None);
-        assert!(b.suspect() && b.take_verification());
+        let v = b.take_verification().unwrap();
+        assert_eq!(b.verified(v, Outcome::Abandoned, t0), None);
+        assert!(b.suspect());
+            let v = b.take_verification().unwrap();
         // A request fault answering the probe refutes too.
-        assert_eq!(b.verified(Outcome::RequestFault, t0), None);
+        assert_eq!(b.verified(v, Outcome::RequestFault, t0), None);
         assert!(!b.suspect());
     }
 
@@ -827,7 +846,7 @@ mod tests {
             assert_eq!(b.record(outcome, false, t0), None);
         }
         assert!(b.available(t0) && b.suspect());
-        assert!(b.take_verification());
+        let v = b.take_verification().unwrap();
         // Hard faults alone reaching the rule open it, suspect or not, verification in flight or
         // not: here the ratio over hard faults only, 8 of the 10 latest outcomes.
         b.record(Outcome::Success, false, t0);
@@ -836,8 +855,8 @@ mod tests {
         }
         assert_eq!(b.record(Outcome::ServerFault, false, t0), Some(BreakerState::Open));
         // A verification finishing after the opening only frees its slot.
-        assert!(!b.take_verification());
-        assert_eq!(b.verified(Outcome::Success, t0), None);
+        assert!(b.take_verification().is_none());
+        assert_eq!(b.verified(v, Outcome::Success, t0), None);
         assert_eq!(b.state(t0), BreakerState::Open);
     }
 
@@ -874,9 +893,9 @@ mod tests {
         for i in 0..200 {
             let outcome = if i % 7 == 0 { Outcome::Success } else { Outcome::TimedOut };
             assert_eq!(b.record(outcome, false, t0), None, "call {i}: request timeouts never open it by themselves");
-            if b.take_verification() {
+            if let Some(v) = b.take_verification() {
                 verifications += 1;
-                assert_eq!(b.verified(Outcome::Success, t0), None, "the endpoint answers its probe");
+                assert_eq!(b.verified(v, Outcome::Success, t0), None, "the endpoint answers its probe");
             }
             assert!(b.available(t0), "call {i}");
         }
@@ -905,8 +924,8 @@ mod tests {
         for i in 1..=5 {
             assert_eq!(b.record(Outcome::TimedOut, false, t0 + i * ms), None);
         }
-        assert!(b.take_verification());
-        assert_eq!(b.verified(Outcome::Success, t0 + 6 * ms), Some(BreakerState::Open));
+        let v = b.take_verification().unwrap();
+        assert_eq!(b.verified(v, Outcome::Success, t0 + 6 * ms), Some(BreakerState::Open));
         // The same through the partition's check (`LlmClient::confirm_server_fault`).
         let mut b = Breaker::new(BreakerPolicy::default());
         b.record(Outcome::TimedOut, false, t0);
@@ -1050,9 +1069,9 @@ mod tests {
             for _ in 0..5 {
                 b.record(Outcome::TimedOut, false, now);
             }
-            assert!(b.take_verification());
+            let v = b.take_verification().unwrap();
             let verdict = if probe_fails { Outcome::ServerFault } else { Outcome::Success };
-            assert_eq!(b.verified(verdict, now), Some(BreakerState::Open));
+            assert_eq!(b.verified(v, verdict, now), Some(BreakerState::Open));
             let until = b.open_until().unwrap();
             waits.push((until - now).as_secs());
             now = until;
@@ -1067,6 +1086,33 @@ mod tests {
         assert_eq!(b.open_until().unwrap() - now, policy.open_initial);
     }
 
+    /// A verification probe still in flight when the breaker opened otherwise (hard faults) and a
+    /// half-open probe closed it again speaks of the time before: its late failure leaves the
+    /// closed breaker closed, and a verification taken since is not disturbed by it.
+    #[test]
+    fn a_verification_taken_before_an_opening_is_ignored_after_it() {
+        let mut b = Breaker::new(BreakerPolicy::default());
+        let t0 = Instant::now();
+        for _ in 0..5 {
+            b.record(Outcome::AnsweredFault, false, t0);
+        }
+        let old = b.take_verification().unwrap();
+        // Meanwhile hard faults open it, and its half-open probe closes it.
+        assert_eq!(trip(&mut b), Some(BreakerState::Open));
+        let t1 = b.open_until().unwrap();
+        assert!(b.admit_probe(t1));
+        assert_eq!(b.record(Outcome::Success, true, t1), Some(BreakerState::Closed));
+        // Suspect again, and verified again while the old probe still runs.
+        for _ in 0..5 {
+            b.record(Outcome::AnsweredFault, false, t1);
+        }
+        let new = b.take_verification().expect("the close freed the old probe's slot");
+        assert_eq!(b.verified(old, Outcome::ServerFault, t1), None, "the old probe's late failure");
+        assert!(b.available(t1) && b.suspect());
+        assert!(b.take_verification().is_none(), "the new probe still holds the slot");
+        assert_eq!(b.verified(new, Outcome::ServerFault, t1), Some(BreakerState::Open), "the new probe's failure counts");
+    }
+
     #[test]
     fn a_hung_server_whose_probe_times_out_too_opens_it() {
         let t0 = Instant::now();
@@ -1077,8 +1123,9 @@ mod tests {
             for _ in 0..5 {
                 assert_eq!(b.record(Outcome::TimedOut, false, t0), None);
             }
-            assert!(b.suspect() && b.take_verification());
-            assert_eq!(b.verified(probe, t0), Some(BreakerState::Open), "{probe:?}");
+            assert!(b.suspect());
+            let v = b.take_verification().unwrap();
+            assert_eq!(b.verified(v, probe, t0), Some(BreakerState::Open), "{probe:?}");
             assert!(!b.available(t0));
             // The half-open probe times out too: it reopens, with the doubled open time.
             let t1 = t0 + Duration::from_secs(1);

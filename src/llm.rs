@@ -1510,18 +1510,16 @@ impl LlmClient {
     /// recorded. A task, not a future of the caller, so a dropped caller cannot leave the
     /// verification slot taken.
     fn start_verification(&self, endpoint: usize) -> Option<tokio::task::JoinHandle<()>> {
-        if !lock(&self.inner.endpoints[endpoint].breaker).take_verification() {
-            return None;
-        }
+        let taken = lock(&self.inner.endpoints[endpoint].breaker).take_verification()?;
         let client = self.clone();
-        Some(tokio::spawn(async move { client.verify(endpoint).await }))
+        Some(tokio::spawn(async move { client.verify(endpoint, taken).await }))
     }
 
     /// The verification probe: answered faults or request timeouts tripped the breaker's rule;
     /// the probe decides
     /// whether the endpoint is down (the breaker opens) or they were the requests' own (they are
     /// discounted, the breaker stays closed).
-    async fn verify(&self, endpoint: usize) {
+    async fn verify(&self, endpoint: usize, taken: crate::breaker::Verification) {
         let ep = &self.inner.endpoints[endpoint];
         tracing::info!(
             endpoint,
@@ -1530,7 +1528,7 @@ impl LlmClient {
              probing before opening it"
         );
         let outcome = self.probe_guarded(endpoint, false, Outcome::Abandoned).await;
-        let changed = lock(&ep.breaker).verified(outcome, Instant::now());
+        let changed = lock(&ep.breaker).verified(taken, outcome, Instant::now());
         if changed.is_none() && outcome != Outcome::ServerFault {
             tracing::info!(
                 endpoint,
