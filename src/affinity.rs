@@ -979,11 +979,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn merges_only_after_hold_and_cool_time() {
-        let r = rules();
-        let m = split(0, 1);
-        let mut ledger = SplitLedger::default();
-        let t0 = Instant::now();
-        ledger.update(t0, &SplitView::new([m]));
+        let (r, m, mut ledger, t0) = one_split();
         assert!(ledger.holding(t0, r.hold, 0, PrefixKey(1)));
         // Cool from the start, but the hold time (30 s) is not over.
         for s in 0..30 {
@@ -1180,16 +1176,21 @@ mod tests {
         assert_eq!(load(&[rk(0, 3, 1)], 20), Some(vec![split(0, 1)]));
     }
 
+    /// The split rules, split member level 0 key 1, and a ledger that saw it split at the
+    /// returned instant.
+    fn one_split() -> (SplitRules, SplitMember, SplitLedger, Instant) {
+        let (m, t0) = (split(0, 1), Instant::now());
+        let mut ledger = SplitLedger::default();
+        ledger.update(t0, &SplitView::new([m]));
+        (rules(), m, ledger, t0)
+    }
+
     /// A gap of the cool time or more between two reviews (Redis unreachable, the process
     /// stopped) is not cool time: the stretch starts again at the first review after it.
     #[tokio::test(start_paused = true)]
     async fn cool_time_needs_reviews_without_a_gap() {
-        let r = rules();
-        let m = split(0, 1);
-        let mut ledger = SplitLedger::default();
-        let t0 = Instant::now();
+        let (r, m, mut ledger, t0) = one_split();
         let at = |s| t0 + Duration::from_secs(s);
-        ledger.update(t0, &SplitView::new([m]));
         for s in 25..=28 {
             assert_eq!(ledger.review(at(s), &r, &m, 10.0, 1.0), Verdict::Keep);
         }
@@ -1200,12 +1201,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_dominant_split_merges_when_arrivals_fall_to_half_their_peak() {
-        let r = rules();
-        let m = split(0, 1);
-        let mut ledger = SplitLedger::default();
-        let t0 = Instant::now();
+        let (r, m, mut ledger, t0) = one_split();
         let at = |s| t0 + Duration::from_secs(s);
-        ledger.update(t0, &SplitView::new([m]));
         for s in 0..35 {
             assert_eq!(ledger.review(at(s), &r, &m, 0.0, 20.0), Verdict::Keep, "steady at {s}s");
         }
@@ -1222,12 +1219,8 @@ mod tests {
     /// the hold time. A burst shorter than the cool time does not set the peak now.
     #[tokio::test(start_paused = true)]
     async fn a_burst_does_not_merge_a_dominant_split_back() {
-        let r = rules();
-        let m = split(0, 1);
-        let mut ledger = SplitLedger::default();
-        let t0 = Instant::now();
+        let (r, m, mut ledger, t0) = one_split();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
-        ledger.update(t0, &SplitView::new([m]));
         for tick in 0..(120 * 4) {
             let ms = tick * 250;
             // The arrival rate over the last 5 s: 10/s, and 40/s while a 4 s burst is in it.
