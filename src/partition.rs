@@ -415,8 +415,9 @@ fn split_queued_ms(enqueued_ms: Option<u64>, consuming_since_ms: u64, now_ms: u6
 /// `routed_at_ms`, by the router's clock), else its publish time (`published_ms`: a request
 /// published straight to the partition queue). A forward time that is no time by
 /// [`publish_time_ms`] (more than [`MAX_CLOCK_SKEW_MS`] ahead of this host's clock: the router's
-/// clock is ahead; or before 2000) gives `None`, no delay, and not the publish time: that would count the request's wait in the input queue and the router, which
-/// says nothing about how fast this partition drains its key. (It was taken before: with a
+/// clock is ahead; or before 2000) gives `None`, no delay, and not the publish time: that would
+/// count the request's wait in the input queue and the router, which says nothing about how
+/// fast this partition drains its key. (It was taken before: with a
 /// router's clock more than 1 s ahead, an input backlog of 2 s counted as queueing in every
 /// partition and split each key that carried half of its partition's traffic.)
 fn split_enqueued_ms(routed_at_ms: Option<u64>, published_ms: Option<u64>, now_ms: u64) -> Option<u64> {
@@ -1235,10 +1236,11 @@ async fn process_batch(
         answers = infer_through_outages(&ctx, &items, release_at(&ctx.settings, oldest), &stop, &end) => answers.ok_or(CallsEnded::Stopped),
         () = calls_cut(&stop.drain, cutoff) => Err(CallsEnded::DrainTimeRanOut),
     };
+    // The calls' view of the requests ends here: they are settled from `batch.items` below.
+    drop(items);
     let Outcomes { results, put_back_first } = match answers {
         Ok(outcomes) => outcomes,
         Err(why) => {
-            drop(items);
             put_back_unanswered(&ctx, &out, batch.items, why, &stop, &end).await;
             return;
         }
@@ -1246,7 +1248,6 @@ async fn process_batch(
     // From the flush to the answers: the calls, their retries and any wait for an endpoint
     // through an outage (`timings_ms.llm`, less each request's permit wait).
     let llm_ms = flushed.elapsed().as_millis() as u64;
-    drop(items);
 
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
