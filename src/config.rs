@@ -1938,8 +1938,8 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
     if llm.request_timeout < Duration::from_millis(1) {
         return Err(invalid("llm.request_timeout", &l.request_timeout, "must be at least 1ms"));
     }
-    // Each liveness check waits at most min(this, 10 s) for an answer (`llm::LIVENESS_TIMEOUT_MAX`):
-    // a shorter wait would take a remote server's slow answer for a frozen server and abandon
+    // Each liveness check waits at most min(this, 10 s) for an answer
+    // (`llm::LIVENESS_TIMEOUT_MAX`): a shorter wait would take a remote server's slow answer for a frozen server and abandon
     // its calls.
     if llm.liveness_check_after.is_some_and(|d| d < Duration::from_secs(1)) {
         return Err(invalid(

@@ -36,8 +36,8 @@
 //! time), so a step forward of the Redis host's clock ends leases early: another instance may
 //! then acquire while the old holder still runs. RabbitMQ's single active consumer still
 //! delivers the partition to one consumer at a time, and the epoch in `x-partition-epoch` tells
-//! the two holders' results apart; keep the Redis host's clock slewed (NTP), not stepped. The defaults (15 s vs 10 s) leave
-//! 5 s. Renewals compare the full value including the epoch, so a holder whose lease expired and
+//! the two holders' results apart; keep the Redis host's clock slewed (NTP), not stepped. The
+//! defaults (15 s vs 10 s) leave 5 s. Renewals compare the full value including the epoch, so a holder whose lease expired and
 //! was taken by another can never extend the successor's lease. A paused process (SIGSTOP, GC,
 //! swap) that wakes after its deadline finds its local deadline passed before doing anything and
 //! stops; anything it still publishes carries its old epoch in `x-partition-epoch`, which makes it

@@ -444,10 +444,10 @@ struct RefreshState {
     /// The merge rule ([`SplitLedger::review`]) has seen `records` since the answer that brought
     /// them. The refreshes after it, until an answer brings new records (refreshes that fail, as
     /// every one does while Redis is unreachable), keep every entry without reviewing it again.
-    /// Reported: the rates of the last answer before an outage were reviewed again at every failed
-    /// refresh, as if measured again, so a key whose last rate was low counted as cool for the whole
-    /// outage, and the first refresh that reached Redis merged it back, minutes after that rate was
-    /// measured, while the other instances' current rates kept it.
+    /// Reported: the rates of the last answer before an outage were reviewed again at every
+    /// failed refresh, as if measured again, so a key whose last rate was low counted as cool for
+    /// the whole outage, and the first refresh that reached Redis merged it back, minutes after
+    /// that rate was measured, while the other instances' current rates kept it.
     reviewed: bool,
 }
 
