@@ -641,7 +641,7 @@ impl Ownership {
 
     fn start(&mut self, conns: &Connections, p: u32, epoch: u64, sent: Instant, shutdown: &CancellationToken) {
         let clock = Arc::new(LeaseClock::new(sent + self.settings.ownership.renew_deadline));
-        let stop = StopSignals { drain: shutdown.child_token(), revoke: CancellationToken::new(), abort: CancellationToken::new() };
+        let stop = StopSignals { drain: shutdown.child_token(), ..StopSignals::default() };
         let ctx = PartitionContext {
             partition: p,
             epoch,
@@ -663,7 +663,8 @@ impl Ownership {
         self.owned.insert(p, Owned { epoch, clock, stop, task, renewed_at: sent, handing_over: false });
     }
 
-    /// Lease lost: stop at once; nothing more is published or acked for this partition.
+    /// Lease lost, or its renew deadline passed: stop at once; nothing more is published for this
+    /// partition, and the requests it held go back to its queue ([`crate::partition`], `abort`).
     fn abort(&mut self, p: u32) {
         if let Some(o) = self.owned.remove(&p) {
             o.clock.invalidate();
@@ -676,9 +677,14 @@ impl Ownership {
         }
     }
 
+    /// Aborts every partition, when the instance is about to close its connections or lost one:
+    /// their held requests return with their channels' close ([`StopSignals::closing`]).
     fn abort_all(&mut self) {
         let ps: Vec<u32> = self.owned.keys().copied().collect();
         for p in ps {
+            if let Some(o) = self.owned.get(&p) {
+                o.stop.closing.cancel();
+            }
             self.abort(p);
         }
     }

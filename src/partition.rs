@@ -12,8 +12,12 @@
 //!   in-flight batches, publish and ack, close the channel.
 //! - `revoke` (cooperative handoff to another instance): the same, but buffers flush with
 //!   `reason="revoke"`.
-//! - `abort` (lease lost): close the channel at once — the broker requeues every unacked
-//!   delivery in order — abort in-flight LLM calls and drop their unpublished results.
+//! - `abort` (lease lost, or its renew deadline passed): abort in-flight LLM calls and drop
+//!   their unpublished results at once, cancel the consumer, put every request held back in the
+//!   partition queue uncharged, then close the channel — unless the consuming channel is closed
+//!   already, or the instance is closing its connections ([`StopSignals::closing`]), when the
+//!   broker returns them. What cannot be put back returns with the channel's close, charged a
+//!   delivery.
 //!
 //! **LLM outages pause intake.** While no LLM endpoint of the partition is available (the circuit
 //! breakers are open, [`crate::llm`]), the worker takes no new delivery: the requests wait in
@@ -70,7 +74,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
 use crate::amqp::{answered, close_after_acks, close_channel, reply_code, Connections, SharedConfirmChannel, NOT_FOUND};
-use crate::batcher::{self, Batch, BatchConfig, FlushReason};
+use crate::batcher::{self, Batch, BatchConfig};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
@@ -133,7 +137,7 @@ pub struct BufferBudget {
     /// is accepted and given back when it is settled.
     bytes: Arc<Semaphore>,
     /// Bumped each time an intake finds the budget spent and has to wait. Every batcher of the
-    /// instance watches it and flushes all it holds ([`FlushReason::ByteBudget`]): while the
+    /// instance watches it and flushes all it holds ([`batcher::FlushReason::ByteBudget`]): while the
     /// budget is spent no delivery is accepted, so a buffer could only wait out
     /// `max_batch_wait`, holding bytes that a batch in flight would give back sooner.
     spent: Arc<tokio::sync::watch::Sender<u64>>,
@@ -174,8 +178,13 @@ pub struct StopSignals {
     pub drain: CancellationToken,
     /// Graceful stop for a handoff: flush with `reason="revoke"`.
     pub revoke: CancellationToken,
-    /// Hard stop: lease lost.
+    /// Hard stop: lease lost, or its renew deadline passed. The requests held go back to the
+    /// partition queue uncharged where they can (see the module documentation).
     pub abort: CancellationToken,
+    /// Fired before `abort` when the instance is about to close its connections (a hard stop)
+    /// or lost one: nothing is put back then, the channel's close returns the requests (a copy
+    /// confirmed whose original's ack the close cut would be a duplicate).
+    pub closing: CancellationToken,
 }
 
 impl StopSignals {
@@ -314,11 +323,29 @@ impl Held {
 struct SessionEnd {
     token: CancellationToken,
     reason: Mutex<Option<&'static str>>,
+    /// The session's consuming channel (`None` in unit tests).
+    consume: Option<Channel>,
 }
 
 impl SessionEnd {
-    fn new(abort: &CancellationToken) -> Arc<Self> {
-        Arc::new(SessionEnd { token: abort.child_token(), reason: Mutex::new(None) })
+    fn new(abort: &CancellationToken, consume: Option<Channel>) -> Arc<Self> {
+        Arc::new(SessionEnd { token: abort.child_token(), reason: Mutex::new(None), consume })
+    }
+
+    /// Whether the requests held when [`StopSignals::abort`] fired go back to the partition queue uncharged
+    /// ([`return_uncharged`]) rather than with the channel's close, which charges each of them a
+    /// delivery: the abort (lease lost, or its renew deadline passed during a Redis outage) ended
+    /// the session, not a restart reason, and the consuming channel is still open, so that each
+    /// original can be acked once its copy is confirmed (a copy of a delivery on a closed
+    /// channel would be a duplicate: the broker returns the original too). An abort is no
+    /// request's fault: without this, every Redis outage longer than `ownership.renew_deadline`
+    /// used up one of `amqp.delivery_limit` deliveries of every request the instance held.
+    /// Not when the instance is closing its connections ([`StopSignals::closing`]).
+    fn puts_back_at_abort(&self, stop: &StopSignals) -> bool {
+        stop.abort.is_cancelled()
+            && !stop.closing.is_cancelled()
+            && self.reason().is_none()
+            && self.consume.as_ref().is_some_and(|c| c.status().connected())
     }
 
     /// Ends the session for `reason` (one of [`restart`]).
@@ -525,7 +552,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     };
     info!(partition = p, epoch = ctx.epoch, queue = %queue, "partition consuming");
 
-    let end = SessionEnd::new(&stop.abort);
+    let end = SessionEnd::new(&stop.abort, Some(ch.clone()));
     let cap = s.batching.channel_capacity.get();
     let (item_tx, item_rx) = mpsc::channel::<(PrefixKey, Pending)>(cap);
     let (batch_tx, batch_rx) = mpsc::channel::<Batch<PrefixKey, Pending>>(cap);
@@ -553,6 +580,11 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
         Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
             drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
             finish(ctx, session, &mut consumer, untaken).await;
+            Ok(Ended::Stopped)
+        }
+        Ok(Ended::Stopped) if end.puts_back_at_abort(stop) => {
+            drop(item_tx); // the batcher hands what it holds to the executor, which puts it back
+            put_back_at_abort(ctx, session, &end, &mut consumer, untaken).await;
             Ok(Ended::Stopped)
         }
         other => {
@@ -591,19 +623,9 @@ async fn session_task(what: &'static str, partition: u32, task: impl std::future
 /// The deliveries the broker sent before the cancel that the intake had not taken (`untaken`,
 /// and those still buffered in the consumer: all of them while the intake was paused for an LLM
 /// outage) go back to the queue uncharged ([`return_uncharged`]).
-async fn finish(ctx: &PartitionContext, s: Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>) {
-    let cancelled = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await.is_ok();
-    // After the cancel-ok the broker sends nothing more, and what it sent before is buffered.
-    if cancelled {
-        while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
-            untaken.push(delivery);
-        }
-    }
-    let _ = s.batcher.await;
-    let _ = s.executor.await;
-    if !untaken.is_empty() {
-        let n = untaken.len();
-        let returned = return_uncharged(ctx, &s.publish, untaken).await;
+async fn finish(ctx: &PartitionContext, mut s: Session, consumer: &mut Consumer, untaken: Vec<Delivery>) {
+    let (returned, n) = wind_down(ctx, &mut s, consumer, untaken).await;
+    if n > 0 {
         info!(partition = ctx.partition, epoch = ctx.epoch, returned, deliveries = n, "deliveries not yet taken are back in the partition queue, not charged a delivery");
     }
     let _ = close_after_acks(&s.ch, "partition released").await;
@@ -611,15 +633,62 @@ async fn finish(ctx: &PartitionContext, s: Session, consumer: &mut Consumer, mut
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }
 
+/// Cancels the session's consumer, waits for its batcher and executor to end, and puts back
+/// uncharged the deliveries the intake did not take (`untaken`, and those the consumer still
+/// buffered after the cancel-ok: the broker sends nothing after it). Returns how many of how
+/// many were put back.
+async fn wind_down(ctx: &PartitionContext, s: &mut Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>) -> (usize, usize) {
+    let cancelled = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await.is_ok();
+    if cancelled {
+        while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
+            untaken.push(delivery);
+        }
+    }
+    let _ = (&mut s.batcher).await;
+    let _ = (&mut s.executor).await;
+    let n = untaken.len();
+    let returned = if n > 0 { return_uncharged(ctx, &s.publish, untaken).await } else { 0 };
+    (returned, n)
+}
+
+/// End after an abort whose requests go back uncharged ([`SessionEnd::puts_back_at_abort`]).
+/// The session's LLM calls were cancelled with the abort (its token is a child of the abort
+/// token) and no result is published any more (the lease is invalid). The consumer is cancelled
+/// first (with a single active consumer, the partition's next owner gets the queue's other
+/// messages from then on), and every request the session holds — not taken yet, buffered, in a
+/// batch or in a call — is put back in the partition queue uncharged ([`return_uncharged`]),
+/// then the channel is closed. Within 2 × `amqp.confirm_timeout` (a copy's publish and the
+/// original's ack): what is not back by then returns with the channel's close, charged a
+/// delivery, as every held request did before.
+async fn put_back_at_abort(ctx: &PartitionContext, mut s: Session, end: &SessionEnd, consumer: &mut Consumer, untaken: Vec<Delivery>) {
+    let limit = ctx.settings.amqp.confirm_timeout * 2;
+    match tokio::time::timeout(limit, wind_down(ctx, &mut s, consumer, untaken)).await {
+        Ok(_) => {
+            let _ = close_after_acks(&s.ch, "partition aborted").await;
+            s.publish.close("partition aborted").await;
+            info!(partition = ctx.partition, epoch = ctx.epoch, "partition aborted; the requests it held are back in the partition queue, not charged a delivery");
+        }
+        Err(_) => {
+            warn!(partition = ctx.partition, epoch = ctx.epoch, ?limit, "partition aborted and its requests could not all be put back uncharged in time; closing its channel, which returns the rest charged a delivery");
+            close_at_once(ctx, s, end, true, None).await;
+        }
+    }
+}
+
 /// Hard end (lease lost, channel broken, restart for `reason`, one of [`restart`]): stop
 /// publishing first, so no result goes out after the requeue, then close the channel so the
 /// broker requeues everything unacked, in order.
-async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, aborted: bool, reason: Option<&'static str>) {
+async fn close_at_once(ctx: &PartitionContext, mut s: Session, end: &SessionEnd, aborted: bool, reason: Option<&'static str>) {
     end.token.cancel(); // aborts in-flight LLM calls
     s.executor.abort();
     s.batcher.abort();
-    let _ = s.executor.await;
-    let _ = s.batcher.await;
+    // Each task ended before it closes the channel. One that ended already is not awaited: its
+    // handle may have given its output before ([`put_back_at_abort`] gave up waiting).
+    for task in [&mut s.executor, &mut s.batcher] {
+        if !task.is_finished() {
+            let _ = task.await;
+        }
+    }
     let _ = close_channel(&s.ch, "partition consumer closed").await;
     s.publish.close("partition consumer closed").await;
     metrics::buffer_state(ctx.partition, 0, 0.0);
@@ -1210,10 +1279,14 @@ async fn process_batch(
     end: Arc<SessionEnd>,
 ) {
     let n = batch.items.len();
-    record_flush(&batch);
-    if batch.reason == FlushReason::Revoke && end.token.is_cancelled() {
+    // Flushed after the session's end (an abort, or the batcher's last flush during a hard
+    // stop): no call; the requests go back uncharged if the abort allows it, else with the
+    // channel's close.
+    if end.token.is_cancelled() {
+        put_back_unanswered(&ctx, &out, batch.items, CallsEnded::Stopped, &stop, &end).await;
         return;
     }
+    record_flush(&batch);
     let flushed = Instant::now();
     // Requests charged a delivery before go after the others (stable: arrival order otherwise).
     // Prompts sent one after the other wait for those before them, and the sequence is cut once
@@ -1346,11 +1419,17 @@ impl Settle<'_> {
 }
 
 /// A batch whose calls ended without answers ([`CallsEnded`]): on a graceful stop (drain or
-/// handoff, not an abort or the session's end) its requests go back to the partition queue
-/// uncharged; otherwise nothing is settled here and the channel's close returns them.
+/// handoff, not an abort or the session's end) and on an abort that allows it
+/// ([`SessionEnd::puts_back_at_abort`]) its requests go back to the partition queue uncharged;
+/// otherwise (a restart, a hard stop) nothing is settled here and the channel's close returns
+/// them.
 async fn put_back_unanswered(ctx: &PartitionContext, out: &PublishOn, items: Vec<Pending>, why: CallsEnded, stop: &StopSignals, end: &SessionEnd) {
-    let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !stop.abort.is_cancelled();
-    if graceful && !end.token.is_cancelled() {
+    let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !end.token.is_cancelled();
+    if end.puts_back_at_abort(stop) {
+        let n = items.len();
+        let returned = return_uncharged(ctx, out, items.into_iter().map(|p| p.delivery).collect()).await;
+        debug!(partition = ctx.partition, epoch = ctx.epoch, returned, requests = n, "partition aborted: a batch's requests are back in the partition queue, not charged a delivery");
+    } else if graceful {
         let n = items.len();
         let returned = return_uncharged(ctx, out, items.into_iter().map(|p| p.delivery).collect()).await;
         match why {
@@ -1773,7 +1852,7 @@ mod tests {
     #[tokio::test]
     async fn a_panicked_session_task_ends_the_session_and_a_finished_one_does_not() {
         let abort = CancellationToken::new();
-        let end = SessionEnd::new(&abort);
+        let end = SessionEnd::new(&abort, None);
         tokio::spawn(session_task("executor", 3, async {}, end.clone())).await.unwrap();
         assert!(!end.token.is_cancelled());
         assert_eq!(end.reason(), None);

@@ -14,14 +14,16 @@
 //! - `llm_refused`: the LLM refuses connections for 30 s.
 //! - `llm_503`, `llm_401`: the LLM answers 503 / 401 to everything for 30 s.
 //!
-//!   The three LLM faults run with `amqp.delivery_limit = 1`: an outage must charge no request a
-//!   delivery, so a single charged delivery would dead-letter a request and fail the row.
+//!   The three LLM faults and `redis_paused` run with `amqp.delivery_limit = 1`: an outage must
+//!   charge no request a delivery, so a single charged delivery would dead-letter a request and
+//!   fail the row.
 //! - `reply_queue_rejects`: every request names a reply queue that holds 1 message and rejects
 //!   the rest (`x-max-length = 1`, `x-overflow = reject-publish`, not consumed); results it rejects
 //!   must reach the results queue. The one it holds counts as delivered.
 //! - `memory_alarm`: the broker's memory watermark set to 0.0001 for 20 s (blocks every publisher
 //!   on the broker: run it alone), then restored to its previous value.
-//! - `redis_paused`: the daemons' redis-server sleeps 5 s (`DEBUG SLEEP`).
+//! - `redis_paused`: the daemons' redis-server sleeps 5 s (`DEBUG SLEEP`), longer than the renew
+//!   deadline (2 s): every partition is aborted, and puts the requests it held back uncharged.
 //! - `partition_queue_deleted`: an empty partition queue is deleted mid-run; requests routed to it
 //!   afterwards must still be answered (the queue is declared again).
 //!
@@ -189,7 +191,7 @@ async fn deploy(fault: Fault) -> Deployment {
     raw.redis.url = redis.url.clone();
     raw.keying.mode = "prefix".into();
     raw.sharding.default_shards = 1;
-    if matches!(fault, Fault::LlmRefused | Fault::Llm503 | Fault::Llm401) {
+    if matches!(fault, Fault::LlmRefused | Fault::Llm503 | Fault::Llm401 | Fault::RedisPaused) {
         raw.amqp.delivery_limit = 1;
     }
     let mut daemons = Vec::new();

@@ -6,6 +6,8 @@
 //! - An LLM answering 401 to everything: nothing fails, the requests stay queued, `/readyz` says
 //!   why, and all are answered once the server accepts the key again.
 //! - A Redis holding millions of unrelated keys: the daemon is ready within seconds.
+//! - A Redis outage past the renew deadline, or a lease taken by another holder, while calls are
+//!   in flight: the partitions are aborted, and their requests go back uncharged.
 //! - And the test harness itself: a panicking test leaves nothing on the broker or in Redis.
 
 mod common;
@@ -238,4 +240,79 @@ async fn a_panicking_test_leaves_nothing_behind() {
         let keys = RedisProbe::connect().await.unwrap().keys(&format!("{name}:*")).await;
         assert!(keys.is_empty(), "left in Redis (multi_thread = {multi_thread}): {keys:?}");
     }
+}
+
+/// How [`aborted_mid_call`] makes the daemon abort its partitions.
+#[derive(Clone, Copy, Debug)]
+enum Abort {
+    /// Redis answers nothing for 4 s: longer than the renew deadline (2 s) and the lease TTL (3 s).
+    RedisOutage,
+    /// Another holder takes every lease (for 3 s): the daemon's next renewal finds it lost.
+    LeaseTaken,
+}
+
+/// One daemon on a private redis-server with `amqp.delivery_limit = 1` (one charged delivery
+/// dead-letters a request) and LLM calls of 3 s, which outlast the renew deadline (2 s): once the
+/// first call has started, every partition is aborted (`abort`), and is taken again once the
+/// leases are free. Every request must get an `ok` result, none dead-lettered, and some prompt
+/// must have been sent twice (an abort cut its call).
+async fn aborted_mid_call(test: &str, abort: Abort) {
+    let env = TestEnv::new(test);
+    let redis = RedisServer::start(&env, "redis").await;
+    let fake = FakeLlm::new().latency(Duration::from_secs(3)).start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.redis.url = redis.url.clone();
+    raw.amqp.delivery_limit = 1;
+    raw.keying.mode = "prefix".into();
+    raw.sharding.default_shards = 1;
+    let daemon = start_daemon(&raw);
+    let mut probe = RedisProbe { conn: redis.connect().await.unwrap() };
+    probe.wait_all_held_by(env.key_prefix(), raw.amqp.partitions, &raw.instance.name).await;
+    let amqp = Amqp::connect().await;
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let reqs = completions_workload(test, 24, 3);
+    amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
+    tokio::time::timeout(DEADLINE, fake.wait_for_calls(1)).await.expect("a first LLM call");
+    match abort {
+        Abort::RedisOutage => redis.pause(4.0).await.await.expect("DEBUG SLEEP"),
+        Abort::LeaseTaken => {
+            for (p, lease) in probe.leases(env.key_prefix(), raw.amqp.partitions).await.into_iter().enumerate() {
+                let epoch = lease.expect("held").epoch + 1;
+                let key = format!("{}:lease:{p}", env.key_prefix());
+                let _: () = redis::cmd("SET").arg(&key).arg(format!("other:0:{epoch}")).arg("PX").arg(3_000).query_async(&mut probe.conn).await.unwrap();
+            }
+        }
+    }
+    results.until_all(&ids(&reqs), DEADLINE).await;
+
+    let mut sent: HashMap<String, usize> = HashMap::new();
+    for prompt in fake.calls().iter().flat_map(|c| c.prompts.clone()) {
+        *sent.entry(prompt).or_default() += 1;
+    }
+    assert!(sent.values().any(|&n| n > 1), "{abort:?}: no call was cut by the abort (no prompt sent twice)");
+    let failed: Vec<(String, RequestResult)> =
+        results.received.iter().map(|m| (m.correlation_id.clone(), m.result())).filter(|(_, r)| !r.ok).collect();
+    assert!(failed.is_empty(), "{abort:?}: requests charged by the abort and dead-lettered: {failed:?}");
+    assert_eq!(amqp.queue_depth(&env.dead_letter_queue()).await.0, 0, "{abort:?}: dead-letter queue not empty");
+    daemon.stop().await.expect("daemon stops cleanly");
+    drop(redis);
+    amqp.close().await;
+    env.cleanup().await;
+}
+
+/// Observed: a Redis outage longer than `ownership.renew_deadline` aborted the instance's
+/// partitions, and the close of their channels returned every request they held charged one
+/// delivery, so each such outage used up one of `amqp.delivery_limit` deliveries of every
+/// request in flight. An abort is no request's fault: they now go back uncharged. Before the
+/// fix, the requests whose call the abort cut were dead-lettered (no result within the deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_past_the_renew_deadline_charges_no_request() {
+    aborted_mid_call("abort-outage", Abort::RedisOutage).await;
+}
+
+/// The same for a lease lost to another holder (the renewal's compare fails).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_charges_no_request() {
+    aborted_mid_call("abort-lost", Abort::LeaseTaken).await;
 }
