@@ -98,6 +98,10 @@ pub struct Ownership {
     leases: Leases,
     llm: LlmClient,
     owned: BTreeMap<u32, Owned>,
+    /// Workers aborted and still putting their requests back ([`crate::partition`], `abort`):
+    /// their `closing` tokens and tasks. A stop waits for them, so that closing the connections
+    /// cuts no copy between its confirm and its original's ack; a hard stop fires `closing`.
+    aborting: Vec<(CancellationToken, JoinHandle<Result<(), lapin::Error>>)>,
     view: Vec<String>,
     view_since: Instant,
     /// At the last heartbeat, no member's LLM was up (each flagged LLM-down or with every
@@ -215,6 +219,7 @@ impl Ownership {
             leases,
             llm,
             owned: BTreeMap::new(),
+            aborting: Vec::new(),
             view: Vec::new(),
             view_since: Instant::now(),
             nobody_serves: false,
@@ -271,7 +276,8 @@ impl Ownership {
                 reported = Some(redis_ok);
                 on_redis(redis_ok);
             }
-            if stopping && self.owned.is_empty() {
+            self.aborting.retain(|(_, task)| !task.is_finished());
+            if stopping && self.owned.is_empty() && self.aborting.is_empty() {
                 self.leave(None).await;
                 return Ok(());
             }
@@ -669,10 +675,8 @@ impl Ownership {
         if let Some(o) = self.owned.remove(&p) {
             o.clock.invalidate();
             o.stop.abort.cancel();
-            // The worker closes its channel; we do not wait for it here.
-            tokio::spawn(async move {
-                let _ = o.task.await;
-            });
+            // The worker puts its requests back and closes its channel; not waited for here.
+            self.aborting.push((o.stop.closing.clone(), o.task));
             metrics::partition_released(p);
         }
     }
@@ -686,6 +690,9 @@ impl Ownership {
                 o.stop.closing.cancel();
             }
             self.abort(p);
+        }
+        for (closing, _) in &self.aborting {
+            closing.cancel();
         }
     }
 

@@ -12,12 +12,13 @@
 //!   in-flight batches, publish and ack, close the channel.
 //! - `revoke` (cooperative handoff to another instance): the same, but buffers flush with
 //!   `reason="revoke"`.
-//! - `abort` (lease lost, or its renew deadline passed): abort in-flight LLM calls and drop
-//!   their unpublished results at once, cancel the consumer, put every request held back in the
-//!   partition queue uncharged, then close the channel — unless the consuming channel is closed
-//!   already, or the instance is closing its connections ([`StopSignals::closing`]), when the
-//!   broker returns them. What cannot be put back returns with the channel's close, charged a
-//!   delivery.
+//! - `abort` (lease lost, or its renew deadline passed): abort in-flight LLM calls and publish
+//!   no more results at once; put the requests held back in the partition queue uncharged (those
+//!   of the calls cut first, then, once the consumer is cancelled, those buffered and not taken),
+//!   then close the channel. Not when the consuming channel is closed already or the instance is
+//!   closing its connections ([`StopSignals::closing`]): the channel's close returns them then,
+//!   charged a delivery, as it does a request whose copy the broker did not confirm and one whose
+//!   result the broker was refusing (held) at the abort.
 //!
 //! **LLM outages pause intake.** While no LLM endpoint of the partition is available (the circuit
 //! breakers are open, [`crate::llm`]), the worker takes no new delivery: the requests wait in
@@ -181,8 +182,9 @@ pub struct StopSignals {
     /// Hard stop: lease lost, or its renew deadline passed. The requests held go back to the
     /// partition queue uncharged where they can (see the module documentation).
     pub abort: CancellationToken,
-    /// Fired before `abort` when the instance is about to close its connections (a hard stop)
-    /// or lost one: nothing is put back then, the channel's close returns the requests (a copy
+    /// Fired when the instance is about to close its connections (a hard stop) or lost one:
+    /// before `abort`, and also for workers aborted earlier that are still putting their requests
+    /// back. Nothing more is put back then, the channel's close returns the requests (a copy
     /// confirmed whose original's ack the close cut would be a duplicate).
     pub closing: CancellationToken,
 }
@@ -345,7 +347,13 @@ impl SessionEnd {
         stop.abort.is_cancelled()
             && !stop.closing.is_cancelled()
             && self.reason().is_none()
-            && self.consume.as_ref().is_some_and(|c| c.status().connected())
+            && self.consuming()
+    }
+
+    /// Whether the session's consuming channel is open: a delivery put back uncharged can then be
+    /// acked once its copy is confirmed.
+    fn consuming(&self) -> bool {
+        self.consume.as_ref().is_some_and(|c| c.status().connected())
     }
 
     /// Ends the session for `reason` (one of [`restart`]).
@@ -584,7 +592,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
         }
         Ok(Ended::Stopped) if end.puts_back_at_abort(stop) => {
             drop(item_tx); // the batcher hands what it holds to the executor, which puts it back
-            put_back_at_abort(ctx, session, &end, &mut consumer, untaken).await;
+            put_back_at_abort(ctx, session, stop, &mut consumer, untaken).await;
             Ok(Ended::Stopped)
         }
         other => {
@@ -624,8 +632,10 @@ async fn session_task(what: &'static str, partition: u32, task: impl std::future
 /// and those still buffered in the consumer: all of them while the intake was paused for an LLM
 /// outage) go back to the queue uncharged ([`return_uncharged`]).
 async fn finish(ctx: &PartitionContext, mut s: Session, consumer: &mut Consumer, untaken: Vec<Delivery>) {
-    let (returned, n) = wind_down(ctx, &mut s, consumer, untaken).await;
-    if n > 0 {
+    let untaken = wind_down(&mut s, consumer, untaken).await;
+    if !untaken.is_empty() {
+        let n = untaken.len();
+        let returned = return_uncharged(ctx, &s.publish, untaken).await;
         info!(partition = ctx.partition, epoch = ctx.epoch, returned, deliveries = n, "deliveries not yet taken are back in the partition queue, not charged a delivery");
     }
     let _ = close_after_acks(&s.ch, "partition released").await;
@@ -633,11 +643,10 @@ async fn finish(ctx: &PartitionContext, mut s: Session, consumer: &mut Consumer,
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }
 
-/// Cancels the session's consumer, waits for its batcher and executor to end, and puts back
-/// uncharged the deliveries the intake did not take (`untaken`, and those the consumer still
-/// buffered after the cancel-ok: the broker sends nothing after it). Returns how many of how
-/// many were put back.
-async fn wind_down(ctx: &PartitionContext, s: &mut Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>) -> (usize, usize) {
+/// Cancels the session's consumer and waits for its batcher and executor to end. Returns the
+/// deliveries the intake did not take: `untaken`, and those the consumer still buffered after
+/// the cancel-ok (the broker sends nothing after it).
+async fn wind_down(s: &mut Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>) -> Vec<Delivery> {
     let cancelled = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await.is_ok();
     if cancelled {
         while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
@@ -646,49 +655,45 @@ async fn wind_down(ctx: &PartitionContext, s: &mut Session, consumer: &mut Consu
     }
     let _ = (&mut s.batcher).await;
     let _ = (&mut s.executor).await;
-    let n = untaken.len();
-    let returned = if n > 0 { return_uncharged(ctx, &s.publish, untaken).await } else { 0 };
-    (returned, n)
+    untaken
 }
 
 /// End after an abort whose requests go back uncharged ([`SessionEnd::puts_back_at_abort`]).
 /// The session's LLM calls were cancelled with the abort (its token is a child of the abort
-/// token) and no result is published any more (the lease is invalid). The consumer is cancelled
-/// first (with a single active consumer, the partition's next owner gets the queue's other
-/// messages from then on), and every request the session holds — not taken yet, buffered, in a
-/// batch or in a call — is put back in the partition queue uncharged ([`return_uncharged`]),
-/// then the channel is closed. Within 2 × `amqp.confirm_timeout` (a copy's publish and the
-/// original's ack): what is not back by then returns with the channel's close, charged a
-/// delivery, as every held request did before.
-async fn put_back_at_abort(ctx: &PartitionContext, mut s: Session, end: &SessionEnd, consumer: &mut Consumer, untaken: Vec<Delivery>) {
-    let limit = ctx.settings.amqp.confirm_timeout * 2;
-    match tokio::time::timeout(limit, wind_down(ctx, &mut s, consumer, untaken)).await {
-        Ok(_) => {
-            let _ = close_after_acks(&s.ch, "partition aborted").await;
-            s.publish.close("partition aborted").await;
-            info!(partition = ctx.partition, epoch = ctx.epoch, "partition aborted; the requests it held are back in the partition queue, not charged a delivery");
-        }
-        Err(_) => {
-            warn!(partition = ctx.partition, epoch = ctx.epoch, ?limit, "partition aborted and its requests could not all be put back uncharged in time; closing its channel, which returns the rest charged a delivery");
-            close_at_once(ctx, s, end, true, None).await;
-        }
-    }
+/// token), and no result is published any more (the lease is invalid). The batches whose calls
+/// were cut put their requests back as the calls end; meanwhile the consumer is cancelled (with a
+/// single active consumer, the partition's next owner gets the queue's other messages from then
+/// on), the batcher hands what it holds to the executor, whose batches put their requests back
+/// too, then the deliveries not taken are put back ([`return_uncharged`]), and the channel is
+/// closed once the acks are through. Not bounded as a whole, so that no copy is cut between its
+/// confirm and its original's ack (both would come back: a duplicate); each step is (a copy's
+/// publish by `amqp.confirm_timeout`, an ack by [`crate::amqp::CLOSE_TIMEOUT`]).
+async fn put_back_at_abort(ctx: &PartitionContext, mut s: Session, stop: &StopSignals, consumer: &mut Consumer, untaken: Vec<Delivery>) {
+    let untaken = wind_down(&mut s, consumer, untaken).await;
+    let n = untaken.len();
+    // Not once the instance is closing its connections ([`StopSignals::closing`]).
+    let returned = if n > 0 && !stop.closing.is_cancelled() { return_uncharged(ctx, &s.publish, untaken).await } else { 0 };
+    let _ = close_after_acks(&s.ch, "partition aborted").await;
+    s.publish.close("partition aborted").await;
+    metrics::buffer_state(ctx.partition, 0, 0.0);
+    info!(
+        partition = ctx.partition,
+        epoch = ctx.epoch,
+        untaken_returned = returned,
+        untaken = n,
+        "partition aborted; the requests it held are back in the partition queue, not charged a delivery"
+    );
 }
 
 /// Hard end (lease lost, channel broken, restart for `reason`, one of [`restart`]): stop
 /// publishing first, so no result goes out after the requeue, then close the channel so the
 /// broker requeues everything unacked, in order.
-async fn close_at_once(ctx: &PartitionContext, mut s: Session, end: &SessionEnd, aborted: bool, reason: Option<&'static str>) {
+async fn close_at_once(ctx: &PartitionContext, s: Session, end: &SessionEnd, aborted: bool, reason: Option<&'static str>) {
     end.token.cancel(); // aborts in-flight LLM calls
     s.executor.abort();
     s.batcher.abort();
-    // Each task ended before it closes the channel. One that ended already is not awaited: its
-    // handle may have given its output before ([`put_back_at_abort`] gave up waiting).
-    for task in [&mut s.executor, &mut s.batcher] {
-        if !task.is_finished() {
-            let _ = task.await;
-        }
-    }
+    let _ = s.executor.await;
+    let _ = s.batcher.await;
     let _ = close_channel(&s.ch, "partition consumer closed").await;
     s.publish.close("partition consumer closed").await;
     metrics::buffer_state(ctx.partition, 0, 0.0);
@@ -1325,7 +1330,7 @@ async fn process_batch(
     let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
     let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
     let (requeue, release) = ([&end.token, &stop.abort], [&stop.drain, &stop.revoke]);
-    let settle = Settle { ctx: &ctx, out: &out, tenure, info, hold: HoldEnds { requeue: &requeue, release: &release }, flushed, llm_ms };
+    let settle = Settle { ctx: &ctx, out: &out, tenure, info, hold: HoldEnds { requeue: &requeue, release: &release }, end: &end, flushed, llm_ms };
     let settles = settle_order(batch.items, results, &put_back_first).into_iter().map(|(pending, answer)| {
         let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
         settle.one(pending, answer).instrument(span)
@@ -1335,8 +1340,11 @@ async fn process_batch(
     // end the session, which consumes again (or reconnects). A publishing channel the broker
     // closed does not end it: the held results go again on a new one
     // ([`publisher::publish_result`]), and ending the session would charge every delivery in
-    // flight on the partition a delivery.
-    if settlements.iter().any(|s| matches!(s, Settlement::ChannelLost | Settlement::Left)) || !out.connection().status().connected() {
+    // flight on the partition a delivery. Not after an abort: the session ends anyway, and a
+    // reason raised would keep the other batches from putting their requests back uncharged
+    // ([`SessionEnd::puts_back_at_abort`]).
+    let lost = settlements.iter().any(|s| matches!(s, Settlement::ChannelLost | Settlement::Left)) || !out.connection().status().connected();
+    if lost && !stop.abort.is_cancelled() {
         end.raise(restart::CHANNEL_CLOSED);
     }
 }
@@ -1370,6 +1378,8 @@ struct Settle<'a> {
     tenure: Tenure<'a>,
     info: BatchInfo<'a>,
     hold: HoldEnds<'a>,
+    /// The session's end.
+    end: &'a SessionEnd,
     /// When the batch was flushed.
     flushed: Instant,
     /// From the flush to the answers (`timings_ms.llm` before each request's permit wait).
@@ -1404,10 +1414,15 @@ impl Settle<'_> {
         };
         match publisher::publish_result(pool, &ctx.settings.amqp, self.tenure, pending.delivery, result, pending.enqueued_unix_ms, self.hold).await {
             ResultEnd::Settled(settlement) => settlement,
-            // A graceful stop while the broker refused this result: put the request back
-            // uncharged; if its copy is not confirmed either, the channel's close returns it
+            // A graceful stop while the broker refused this result, or the lease deadline passed
+            // before it was published: put the request back uncharged; if its copy is not
+            // confirmed either, or the consuming channel is closed already (the broker returns
+            // the original: a copy would be a duplicate), the channel's close returns it
             // (charged, as before).
             ResultEnd::Released(delivery) => {
+                if !self.end.consuming() {
+                    return Settlement::ChannelLost;
+                }
                 if return_uncharged(ctx, pool, vec![*delivery]).await == 1 {
                     Settlement::Requeued
                 } else {

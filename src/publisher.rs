@@ -1272,9 +1272,11 @@ pub enum Settlement {
 pub enum ResultEnd {
     /// The delivery is settled (acked, nacked, or its channel is gone).
     Settled(Settlement),
-    /// The result was held (the broker did not take it) when one of [`HoldEnds::release`] fired: the
-    /// delivery is returned unsettled, for the caller to put back without charging it
-    /// (the partition's `return_uncharged`), so a graceful stop does not wait for the broker.
+    /// The result was held (the broker did not take it) when one of [`HoldEnds::release`] fired,
+    /// or was not published because the partition's lease deadline had passed: the delivery is
+    /// returned unsettled, for the caller to put back without charging it (the partition's
+    /// `return_uncharged`), so a graceful stop does not wait for the broker, and an aborted
+    /// partition's request is not charged.
     Released(Box<Delivery>),
 }
 
@@ -1372,9 +1374,12 @@ pub async fn publish_result(
             break;
         };
         // Each publish checks the lease first ([`publish_on`]), this loop's first one too.
+        // Not published anywhere (the fallback's publish checks it too): the request goes back
+        // uncharged, as every other request of the aborted partition.
         if matches!(e, PublishError::LeaseExpired) {
-            warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing");
-            return ResultEnd::Settled(left(&result.id, "lease deadline passed before the result was published"));
+            warn!(partition = tenure.partition, epoch = tenure.epoch, request_id = %result.id, "lease deadline passed; not publishing, the request goes back to its partition queue uncharged");
+            crate::redelivery::note_failure(&result.id, "lease deadline passed before the result was published");
+            return ResultEnd::Released(Box::new(delivery));
         }
         // After a failed publish the partition's next one goes on a new channel
         // ([`crate::amqp::SharedConfirmChannel`]): a quorum queue that rejected a publish can
