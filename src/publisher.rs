@@ -633,7 +633,8 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
           reply_to => with_reply_to, message_id => with_message_id, timestamp => with_timestamp, kind => with_type,
           app_id => with_app_id, priority => with_priority, delivery_mode => with_delivery_mode);
     let mut headers = FieldTable::default();
-    for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| !OWN_HEADERS.contains(&k.as_str())) {
+    let carried = |k: &str| !OWN_HEADERS.contains(&k) && !SENDER_ROUTING_HEADERS.contains(&k);
+    for (k, v) in props.headers().iter().flat_map(|h| h.inner()).filter(|(k, _)| carried(k.as_str())) {
         headers.insert(k.clone(), v.clone());
     }
     let originals = [(HEADER_ORIGINAL_USER_ID, props.user_id()), (HEADER_ORIGINAL_EXPIRATION, props.expiration())];
@@ -642,6 +643,13 @@ pub fn carried_props(props: &BasicProperties, extra: &[(&str, String)]) -> Basic
     added.extend(extra.iter().cloned());
     p.with_headers(headers_with(Some(&headers), &added))
 }
+
+/// Headers RabbitMQ routes by ("sender-selected distribution",
+/// <https://www.rabbitmq.com/docs/sender-selected>): a message is routed with each routing key
+/// they list as well as its own. [`carried_props`] never copies them: a request whose publisher
+/// set `CC` to other partitions' routing keys was forwarded to each of them (answered once per
+/// instance that owned one), and each copy put back uncharged went to all of them again.
+pub const SENDER_ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
 
 /// Headers only the daemon (or the queue) sets: [`carried_props`] never copies them from the
 /// original, so a publisher cannot set them.
@@ -1833,6 +1841,21 @@ mod tests {
         assert_eq!(header_u64(h, HEADER_DELIVERY_COUNT), None, "the next queue counts its own deliveries");
         assert_eq!(header_u64(h, redelivery::HEADER_INPUT_REDELIVERED), None, "set by the router only: a copy put back is processed");
         assert_eq!(header_str(h, redelivery::HEADER_FORWARD_ID), None, "set by the router only, one per forward");
+    }
+
+    /// Reported: a request with `CC: ["0", "1", …]` was forwarded to every partition it listed
+    /// (RabbitMQ routes by `CC` and `BCC` too), and so were its copies put back uncharged.
+    #[test]
+    fn carried_props_drop_the_headers_the_broker_routes_by() {
+        let mut h = FieldTable::default();
+        let keys = AMQPValue::FieldArray(vec![AMQPValue::LongString("0".into()), AMQPValue::LongString("1".into())].into());
+        h.insert(ShortString::from("CC"), keys.clone());
+        h.insert(ShortString::from("BCC"), keys);
+        h.insert(ShortString::from("cc-like"), AMQPValue::LongString("kept".into()));
+        let p = carried_props(&allowed().with_headers(h), &[]);
+        let h = p.headers().as_ref().expect("headers");
+        assert!(!h.contains_key("CC") && !h.contains_key("BCC"), "{h:?}");
+        assert_eq!(header_str(Some(h), "cc-like").as_deref(), Some("kept"));
     }
 
     #[test]
