@@ -1352,8 +1352,10 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// `conn`, the check RabbitMQ documents for a requester that may have gone away): requester
 /// present — the result was delivered (it was present when the result was published), done, no
 /// refusal; requester gone — the result went nowhere, so it goes to `amqp.results_queue` with
-/// `x-reply-to-refused` = [`REFUSED_GONE`]. When the check gets no answer the request is requeued
-/// (its result may then reach the requester twice). A requester that takes the result and leaves
+/// `x-reply-to-refused` = [`REFUSED_GONE`]. When the check gets no answer on a live connection,
+/// the result goes to the results queue with `x-reply-to-refused` = [`REFUSED_UNROUTABLE`] (the
+/// requester may have it as well: a duplicate, not one copy per attempt as when it was held and
+/// published to `reply_to` again). A requester that takes the result and leaves
 /// before the check also finds a copy in the results queue: a duplicate, never a loss.
 pub async fn publish_result(
     out: &SharedConfirmChannel,
@@ -1581,13 +1583,20 @@ async fn publish_with_fallback(
     };
     let (reason, why) = match publish_on(out, amqp, "", &rt, &body, out_props.clone(), Some(tenure.lease)).await {
         Ok(()) => return Ok(()),
-        Err(PublishError::Unroutable { .. }) if is_direct_reply_to(&rt) => {
-            if direct_reply_to_present(out.connection(), &rt, t).await? {
+        Err(PublishError::Unroutable { .. }) if is_direct_reply_to(&rt) => match direct_reply_to_present(out.connection(), &rt, t).await {
+            Ok(true) => {
                 debug!(request_id = %result.id, "result delivered to its direct reply-to requester");
                 return Ok(());
             }
-            (REFUSED_GONE, "the direct reply-to requester has gone away (its channel or reply consumer no longer exists)".to_owned())
-        }
+            Ok(false) => (REFUSED_GONE, "the direct reply-to requester has gone away (its channel or reply consumer no longer exists)".to_owned()),
+            // No answer to the check on a live connection: the requester may have the result.
+            // Held and published to `reply_to` again, it would get one more copy per attempt,
+            // and the partition's other results would wait behind it; it goes to the results
+            // queue as the broker answered (`unroutable`), as a returned result placed again
+            // does: a duplicate at worst.
+            Err(e) if out.connection().status().connected() => (REFUSED_UNROUTABLE, format!("returned, and the check of the direct reply-to requester got no answer ({e}); it may have the result as well")),
+            Err(e) => return Err(e),
+        },
         Err(e) => match refusal_reason(&e) {
             Some(reason) => (reason, e.to_string()),
             None => return Err(e),
