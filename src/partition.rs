@@ -627,12 +627,12 @@ async fn session_task(what: &'static str, partition: u32, task: impl std::future
     }
 }
 
-/// Graceful end: no new deliveries, then flush and finish everything buffered and in flight.
-/// The deliveries the broker sent before the cancel that the intake had not taken (`untaken`,
-/// and those still buffered in the consumer: all of them while the intake was paused for an LLM
-/// outage) go back to the queue uncharged ([`return_uncharged`]).
+/// Graceful end: no new deliveries taken, flush and finish everything buffered and in flight,
+/// then cancel the consumer ([`wind_down`]). The deliveries the broker sent that the intake had
+/// not taken (`untaken`, and those buffered in the consumer: all of them while the intake was
+/// paused for an LLM outage) go back to the queue uncharged ([`return_uncharged`]).
 async fn finish(ctx: &PartitionContext, mut s: Session, consumer: &mut Consumer, untaken: Vec<Delivery>) {
-    let untaken = wind_down(&mut s, consumer, untaken).await;
+    let untaken = wind_down(&mut s, consumer, untaken, ctx.settings.amqp.partition_prefetch).await;
     if !untaken.is_empty() {
         let n = untaken.len();
         let returned = return_uncharged(ctx, &s.publish, untaken).await;
@@ -643,33 +643,70 @@ async fn finish(ctx: &PartitionContext, mut s: Session, consumer: &mut Consumer,
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }
 
-/// Cancels the session's consumer and waits for its batcher and executor to end. Returns the
-/// deliveries the intake did not take: `untaken`, and those the consumer still buffered after
-/// the cancel-ok (the broker sends nothing after it).
-async fn wind_down(s: &mut Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>) -> Vec<Delivery> {
+/// Waits for the session's batcher and executor to end, then cancels its consumer. Returns the
+/// deliveries the intake did not take: `untaken`, those the broker sent meanwhile, and those the
+/// consumer still buffered after the cancel-ok.
+///
+/// A quorum queue may still deliver to a consumer after its cancel-ok (the queue ends a consumer
+/// once its deliveries in flight are through; rabbitmq-server #3729), and lapin drops a delivery
+/// for a consumer it no longer knows: left unacked, the channel's close returned it charged a
+/// delivery, at every drain under a backlog (1 or 2 of the requests left in the partition queues
+/// in `a_stop_under_a_backlog_charges_no_input_delivery`). So the consumer is cancelled once the
+/// broker has nothing in flight to it: what it sends while the batches finish is only collected,
+/// unacked, until it fills `amqp.partition_prefetch` (with a backlog, within milliseconds; not
+/// waited for longer than [`PREFETCH_FILL_WAIT`] without one). A single active consumer keeps the
+/// queue's other messages from the partition's next owner until the cancel anyway.
+async fn wind_down(s: &mut Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>, prefetch: u16) -> Vec<Delivery> {
+    {
+        let collect = async {
+            while let Some(Ok(delivery)) = consumer.next().await {
+                untaken.push(delivery);
+            }
+            std::future::pending::<()>().await;
+        };
+        let tasks = async {
+            let _ = (&mut s.batcher).await;
+            let _ = (&mut s.executor).await;
+        };
+        tokio::select! {
+            () = tasks => {}
+            () = collect => {}
+        }
+    }
+    let fill = async {
+        while untaken.len() < usize::from(prefetch) {
+            match consumer.next().await {
+                Some(Ok(delivery)) => untaken.push(delivery),
+                _ => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(PREFETCH_FILL_WAIT, fill).await;
     let cancelled = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await.is_ok();
+    // After the cancel-ok the broker sends nothing more, and what it sent before is buffered.
     if cancelled {
         while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
             untaken.push(delivery);
         }
     }
-    let _ = (&mut s.batcher).await;
-    let _ = (&mut s.executor).await;
     untaken
 }
+
+/// How long [`wind_down`] waits for the deliveries it collects to fill the prefetch.
+const PREFETCH_FILL_WAIT: Duration = Duration::from_millis(500);
 
 /// End after an abort whose requests go back uncharged ([`SessionEnd::puts_back_at_abort`]).
 /// The session's LLM calls were cancelled with the abort (its token is a child of the abort
 /// token), and no result is published any more (the lease is invalid). The batches whose calls
-/// were cut put their requests back as the calls end; meanwhile the consumer is cancelled (with a
+/// were cut put their requests back as the calls end, the batcher hands what it holds to the
+/// executor, whose batches put their requests back too; then the consumer is cancelled (with a
 /// single active consumer, the partition's next owner gets the queue's other messages from then
-/// on), the batcher hands what it holds to the executor, whose batches put their requests back
-/// too, then the deliveries not taken are put back ([`return_uncharged`]), and the channel is
-/// closed once the acks are through. Not bounded as a whole, so that no copy is cut between its
+/// on, [`wind_down`]), the deliveries not taken are put back ([`return_uncharged`]), and the
+/// channel is closed once the acks are through. Not bounded as a whole, so that no copy is cut between its
 /// confirm and its original's ack (both would come back: a duplicate); each step is (a copy's
 /// publish by `amqp.confirm_timeout`, an ack by [`crate::amqp::CLOSE_TIMEOUT`]).
 async fn put_back_at_abort(ctx: &PartitionContext, mut s: Session, stop: &StopSignals, consumer: &mut Consumer, untaken: Vec<Delivery>) {
-    let untaken = wind_down(&mut s, consumer, untaken).await;
+    let untaken = wind_down(&mut s, consumer, untaken, ctx.settings.amqp.partition_prefetch).await;
     let n = untaken.len();
     // Not once the instance is closing its connections ([`StopSignals::closing`]).
     let returned = if n > 0 && !stop.closing.is_cancelled() { return_uncharged(ctx, &s.publish, untaken).await } else { 0 };

@@ -321,3 +321,36 @@ async fn an_intake_connection_closed_by_the_broker_is_opened_again_without_a_ses
     assert_eq!((pid(""), pid(" publish")), (consume, publish), "the consuming or publishing connection changed: the session restarted");
     stop_with_input_empty(started, env).await;
 }
+
+/// Reported: at a graceful stop, the deliveries the broker had sent to the router's consumer
+/// before its cancel took effect, not handed on yet, were returned by the channel's close, each
+/// charged a delivery: every rolling restart under a backlog used up one of
+/// `amqp.delivery_limit` deliveries of some requests. They are forwarded now, like the others.
+/// The same for the partitions' consumers: none of the requests left in any queue is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_under_a_backlog_charges_no_input_delivery() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("stop-intake");
+    let raw = env.raw_config(fake.url.as_str());
+    let Started { amqp, daemon, results, .. } = start_with_replies(&env, &raw).await;
+    let reqs = completions_workload("stopintake", 6_000, 16);
+    let publisher = common::cluster::PacedPublisher::start(env.input_queue(), reqs, 3_000);
+    publisher.wait_published(1_500, DEADLINE).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    publisher.finish(DEADLINE).await;
+    let queues: Vec<String> = std::iter::once(env.input_queue()).chain((0..PARTITIONS).map(|p| env.partition_queue(p))).collect();
+    let mut charged = Vec::new();
+    for queue in &queues {
+        let depth = amqp.queue_depth(queue).await.0 as usize;
+        let mut left = amqp.consume(queue).await;
+        left.until(&format!("the {depth} messages left in {queue}"), DEADLINE, |r| r.len() >= depth).await;
+        let n = left.received.iter().filter(|m| m.header("x-delivery-count").is_some_and(|n| n != "0")).count();
+        charged.push((queue.as_str(), depth, n));
+        left.close().await;
+    }
+    eprintln!("requests left after the stop, and how many of them were charged a delivery: {charged:?}");
+    assert!(charged.iter().all(|(_, _, n)| *n == 0), "requests charged a delivery by the stop: {charged:?}");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
