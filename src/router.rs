@@ -547,14 +547,30 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     // refuses forwards, and from its own first refusal until this returns.
     let mut holding = publish.shared.turns().refusing().then(|| metrics::HeldPublish::new("forward"));
     let Some(turn) = staged(TURN, take_turn(&publish.shared, stop)).await else { return requeue(delivery).await };
-    let ch = match staged(CHANNEL, publish.get()).await {
-        Ok(ch) => ch,
-        Err(e) => {
-            // Held for the requeue backoff: requeued at once, a delivery comes straight back,
-            // and every request would use up its deliveries (`amqp.delivery_limit`) in
-            // milliseconds while the publishing connection is down; the session ends meanwhile.
-            crate::warn_limited!(NO_CHANNEL_LOG, error = %e, "no publishing channel; requeueing input after a backoff");
-            return requeue_after_backoff(&settings.amqp, delivery, stop).await;
+    let mut attempts = 0;
+    let ch = loop {
+        match staged(CHANNEL, publish.get()).await {
+            Ok(ch) => break ch,
+            // A live connection on which no channel opens: most often one the broker blocked (a
+            // memory or disk alarm: it reads nothing from the connection, so `channel.open`
+            // goes unanswered). The deployment's fault, not the request's: held, uncharged,
+            // and tried again once the connection is unblocked.
+            Err(e) if !stop.is_cancelled() && publish.conns.publish.status().connected() => {
+                let wait = publisher::hold_backoff(&settings.amqp, attempts);
+                attempts += 1;
+                crate::warn_limited!(NO_CHANNEL_LOG, error = %e, retry_in = ?wait, "no publishing channel on a live connection (blocked by the broker?); holding input, uncharged");
+                tokio::select! {
+                    _ = stop.cancelled() => return requeue(delivery).await,
+                    () = staged(BACKOFF, publisher::wait_to_publish_again(&publish.conns.publish, wait)) => {}
+                }
+            }
+            Err(e) => {
+                // Held for the requeue backoff: requeued at once, a delivery comes straight back,
+                // and every request would use up its deliveries (`amqp.delivery_limit`) in
+                // milliseconds while the publishing connection is down; the session ends meanwhile.
+                crate::warn_limited!(NO_CHANNEL_LOG, error = %e, "no publishing channel; requeueing input after a backoff");
+                return requeue_after_backoff(&settings.amqp, delivery, stop).await;
+            }
         }
     };
     let (req, delivery) = match staged(CHECK, publisher::parse_or_dead_letter(&publish.conns.dead_letters, a, &settings.requests, delivery, redelivery::Source::Input, None)).await {
