@@ -47,9 +47,9 @@
 //! and its requests are nacked with requeue, so the delivery limit bounds a poison message.
 //! Everything else ends with the channel's close.
 //!
-//! Before publishing any result, and again before acking ([`publisher::publish_result`]), the
-//! worker checks its local lease deadline ([`LeaseClock`]); a worker whose lease may have expired
-//! (e.g. after a SIGSTOP) publishes and acks nothing. The worker also stops by itself at that
+//! Before publishing any result ([`publisher::publish_result`]), the worker checks its local
+//! lease deadline ([`LeaseClock`]); a worker whose lease may have expired (e.g. after a SIGSTOP)
+//! publishes no result (one already confirmed is acked). The worker also stops by itself at that
 //! deadline, like an `abort`, without waiting for the owner to notice (the owner's loop may be
 //! stuck on an unreachable Redis): consumption stops within the renew deadline whatever happens
 //! to the rest.

@@ -13,9 +13,9 @@
 //! - [`shape_result`] + [`publish_result`]: a request's result goes to its `reply_to` queue, or to
 //!   `amqp.results_queue` when it has none or `reply_to` refuses it (then with the headers
 //!   `x-reply-to-refused` and `x-reply-to`; for a direct reply-to requester, see
-//!   [`publish_result`]); the lease is checked before the publish and again
-//!   before the ack, so a worker whose lease may have expired publishes and acks nothing (see
-//!   [`crate::lease`]). Every delivery ends acked or nacked with requeue ([`Settlement`]).
+//!   [`publish_result`]); the lease is checked before each publish, so a worker whose lease may
+//!   have expired publishes no result (see [`crate::lease`]); a result already confirmed is acked
+//!   all the same. Every delivery ends acked or nacked with requeue ([`Settlement`]).
 //!
 //! Every header name the daemon reads or writes is a constant here (`x-…` and `timestamp_in_ms`).
 
@@ -1193,7 +1193,7 @@ pub struct Tenure<'a> {
     pub epoch: u64,
     /// `instance.name`, sent as `x-instance`.
     pub instance: &'a str,
-    /// The local lease deadline; nothing is published or acked once it is invalid.
+    /// The local lease deadline; no result is published once it is invalid.
     pub lease: &'a LeaseClock,
 }
 
@@ -1318,8 +1318,9 @@ pub fn refusal_reason(e: &PublishError) -> Option<&'static str> {
 /// The result goes to the request's `reply_to` queue, or to `amqp.results_queue` when it has
 /// none. When `reply_to` refuses it (see [`refusal_reason`]) it goes to `amqp.results_queue`
 /// with headers [`HEADER_REPLY_TO_REFUSED`] and [`HEADER_REPLY_TO`]. It carries `x-request-id`,
-/// `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is published or acked once
-/// `tenure.lease` is invalid (the delivery is left for the session's end to return).
+/// `x-partition`, `x-partition-epoch` and `x-instance`. Nothing is published once
+/// `tenure.lease` is invalid: the delivery is handed back ([`ResultEnd::Released`]) to be put
+/// back uncharged. A result confirmed is acked, lease or not.
 /// `enqueued_unix_ms` (the request's publish time) feeds the end-to-end latency.
 ///
 /// **A result the broker does not take is held, not charged.** When the results queue fails too
@@ -1427,7 +1428,7 @@ pub async fn publish_result(
         };
     }
     drop(turn);
-    ack_published(delivery, &result, tenure, failures, enqueued_unix_ms).await
+    ack_published(delivery, &result, failures, enqueued_unix_ms).await
 }
 
 /// Logs a result the broker did not take (`e`, after `failures` attempts, the next in `wait`):
@@ -1455,16 +1456,16 @@ fn log_result_held(id: &str, e: &PublishError, failures: u32, wait: Duration) {
     }
 }
 
-/// Acks the delivery whose result the broker confirmed (after `failures` refused attempts),
-/// unless the lease deadline passed meanwhile (then left for the session's end: the successor
-/// processes it again); counts the outcome and the end-to-end latency from `enqueued_unix_ms`.
-async fn ack_published(delivery: Delivery, result: &RequestResult, tenure: Tenure<'_>, failures: u32, enqueued_unix_ms: Option<u64>) -> ResultEnd {
+/// Acks the delivery whose result the broker confirmed (after `failures` refused attempts);
+/// counts the outcome and the end-to-end latency from `enqueued_unix_ms`.
+///
+/// Even when the lease deadline passed since the publish: the lease fences results, and this
+/// one is out. Left unacked, the request was returned by the channel's close charged a delivery,
+/// and its next owner answered it a second time, or dead-lettered it as `delivery_limit` though
+/// it had been answered. The delivery is this consumer's alone (a single active consumer) until
+/// its channel closes, so the ack cannot take it from another owner.
+async fn ack_published(delivery: Delivery, result: &RequestResult, failures: u32, enqueued_unix_ms: Option<u64>) -> ResultEnd {
     redelivery::note_answered(delivery.properties.headers().as_ref());
-    if !tenure.lease.is_valid() {
-        // Published but not acked: the successor will process it again (a counted duplicate,
-        // detectable by the older x-partition-epoch).
-        return ResultEnd::Settled(left(&result.id, "lease deadline passed before the ack"));
-    }
     if let Err(e) = crate::amqp::ack(&delivery.acker).await {
         crate::warn_limited!(ACK_FAILED_LOG, request_id = %result.id, error = %e, "ack failed; the closed channel returns the request (duplicate result)");
         return ResultEnd::Settled(Settlement::ChannelLost);

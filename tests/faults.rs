@@ -263,6 +263,9 @@ async fn aborted_mid_call(test: &str, abort: Abort) {
     let mut raw = env.raw_config(fake.url.as_str());
     raw.redis.url = redis.url.clone();
     raw.amqp.delivery_limit = 1;
+    // Room in the prefetch for the copies put back: a consumer still subscribed while its batches
+    // put their requests back is delivered those copies again.
+    raw.amqp.partition_prefetch = 256;
     raw.keying.mode = "prefix".into();
     raw.sharding.default_shards = 1;
     let daemon = start_daemon(&raw);
@@ -271,7 +274,7 @@ async fn aborted_mid_call(test: &str, abort: Abort) {
     let amqp = Amqp::connect().await;
     let reply = format!("{}.reply", env.name);
     let mut results = amqp.reply_queue(&reply).await;
-    let reqs = completions_workload(test, 24, 3);
+    let reqs = completions_workload(test, 96, 6);
     amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
     tokio::time::timeout(DEADLINE, fake.wait_for_calls(1)).await.expect("a first LLM call");
     match abort {
