@@ -203,6 +203,59 @@ pub async fn close_after_acks(ch: &Channel, why: &str) -> lapin::Result<()> {
     close_channel(ch, why).await
 }
 
+/// How long [`cancel_when_full`] waits for the deliveries it collects to fill the prefetch.
+pub const PREFETCH_FILL_WAIT: Duration = Duration::from_millis(500);
+
+/// Stops `consumer` (on `ch`, with `prefetch`) at a graceful stop without a delivery lost to the
+/// cancel. Returns what it delivered meanwhile, unacked, in order, for the caller to handle or
+/// put back.
+///
+/// A quorum queue may still deliver to a consumer after its cancel-ok (the queue ends a consumer
+/// once its deliveries in flight are through; rabbitmq-server #3729), and lapin drops a delivery
+/// for a consumer it no longer knows: left unacked, the channel's close returned it charged a
+/// delivery, at every stop under a backlog. So `work` (settling what is in flight) runs first
+/// while what the consumer delivers is only collected; collecting goes on until the collected
+/// deliveries fill `prefetch` (with a backlog, within milliseconds: the broker can send nothing
+/// more) or [`PREFETCH_FILL_WAIT`] passed (without a backlog, a message published in the
+/// moments of the cancel can still be dropped so); then the cancel, bounded by
+/// [`CLOSE_TIMEOUT`] like a close (the channel's close ends the consumer anyway), and what lapin
+/// still holds (it ends the stream after those once the cancel-ok arrived).
+pub async fn cancel_when_full(ch: &Channel, consumer: &mut lapin::Consumer, work: impl std::future::Future<Output = ()>, prefetch: u16) -> Vec<lapin::message::Delivery> {
+    use futures_util::StreamExt;
+    let mut held = Vec::new();
+    {
+        let collect = async {
+            while let Some(Ok(delivery)) = consumer.next().await {
+                held.push(delivery);
+            }
+            std::future::pending::<()>().await;
+        };
+        tokio::select! {
+            () = work => {}
+            () = collect => {}
+        }
+    }
+    let fill = async {
+        while held.len() < usize::from(prefetch) {
+            match consumer.next().await {
+                Some(Ok(delivery)) => held.push(delivery),
+                _ => break,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(PREFETCH_FILL_WAIT, fill).await;
+    let cancel = ch.basic_cancel(consumer.tag(), lapin::options::BasicCancelOptions::default());
+    if within(CLOSE_TIMEOUT, "basic.cancel", cancel).await.is_ok() {
+        let buffered = async {
+            while let Some(Ok(delivery)) = consumer.next().await {
+                held.push(delivery);
+            }
+        };
+        let _ = tokio::time::timeout(CLOSE_TIMEOUT, buffered).await;
+    }
+    held
+}
+
 /// Closes `conn` with `reply-success` and the reason `why`, waiting at most [`CLOSE_TIMEOUT`]
 /// for the broker's close-ok; after that the daemon stops waiting and drops its handle. Errors:
 /// as [`Connection::close`] (a connection already closed is an error), or the timeout.

@@ -65,7 +65,7 @@ use std::time::Duration;
 use futures_util::{FutureExt, StreamExt};
 use lapin::Acker;
 use lapin::message::Delivery;
-use lapin::options::{BasicCancelOptions, BasicConsumeOptions, BasicQosOptions};
+use lapin::options::{BasicConsumeOptions, BasicQosOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Consumer};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
@@ -529,7 +529,6 @@ async fn pause(ctx: &PartitionContext, stop: &StopSignals) -> bool {
 struct Session {
     ch: Channel,
     publish: PublishOn,
-    tag: String,
     batcher: JoinHandle<()>,
     executor: JoinHandle<()>,
 }
@@ -576,7 +575,7 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let batcher = tokio::spawn(session_task("batcher", p, batching, end.clone()));
     let executing = execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone());
     let executor = tokio::spawn(session_task("executor", p, executing, end.clone()));
-    let session = Session { ch, publish, tag, batcher, executor };
+    let session = Session { ch, publish, batcher, executor };
 
     let mut untaken = Vec::new();
     // Exported from the session's start (0), not only from the first pause: an alert or panel on
@@ -643,57 +642,22 @@ async fn finish(ctx: &PartitionContext, mut s: Session, consumer: &mut Consumer,
     info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
 }
 
-/// Waits for the session's batcher and executor to end, then cancels its consumer. Returns the
-/// deliveries the intake did not take: `untaken`, those the broker sent meanwhile, and those the
-/// consumer still buffered after the cancel-ok.
-///
-/// A quorum queue may still deliver to a consumer after its cancel-ok (the queue ends a consumer
-/// once its deliveries in flight are through; rabbitmq-server #3729), and lapin drops a delivery
-/// for a consumer it no longer knows: left unacked, the channel's close returned it charged a
-/// delivery, at every drain under a backlog (1 or 2 of the requests left in the partition queues
-/// in `a_stop_under_a_backlog_charges_no_input_delivery`). So the consumer is cancelled once the
-/// broker has nothing in flight to it: what it sends while the batches finish is only collected,
-/// unacked, until it fills `amqp.partition_prefetch` (with a backlog, within milliseconds; not
-/// waited for longer than [`PREFETCH_FILL_WAIT`] without one). A single active consumer keeps the
-/// queue's other messages from the partition's next owner until the cancel anyway.
+/// Waits for the session's batcher and executor to end, then cancels its consumer once the
+/// broker has nothing in flight to it ([`crate::amqp::cancel_when_full`] with
+/// `amqp.partition_prefetch`: 1 or 2 requests per partition queue were charged at a stop under a
+/// backlog in `a_stop_under_a_backlog_charges_no_input_delivery` before). Returns the deliveries
+/// the intake did not take: `untaken`, and those the broker sent meanwhile. A single active
+/// consumer keeps the queue's other messages from the partition's next owner until the cancel
+/// anyway.
 async fn wind_down(s: &mut Session, consumer: &mut Consumer, mut untaken: Vec<Delivery>, prefetch: u16) -> Vec<Delivery> {
-    {
-        let collect = async {
-            while let Some(Ok(delivery)) = consumer.next().await {
-                untaken.push(delivery);
-            }
-            std::future::pending::<()>().await;
-        };
-        let tasks = async {
-            let _ = (&mut s.batcher).await;
-            let _ = (&mut s.executor).await;
-        };
-        tokio::select! {
-            () = tasks => {}
-            () = collect => {}
-        }
-    }
-    let fill = async {
-        while untaken.len() < usize::from(prefetch) {
-            match consumer.next().await {
-                Some(Ok(delivery)) => untaken.push(delivery),
-                _ => break,
-            }
-        }
+    let (batcher, executor) = (&mut s.batcher, &mut s.executor);
+    let tasks = async move {
+        let _ = batcher.await;
+        let _ = executor.await;
     };
-    let _ = tokio::time::timeout(PREFETCH_FILL_WAIT, fill).await;
-    let cancelled = answered("basic.cancel", s.ch.basic_cancel(s.tag.as_str().into(), BasicCancelOptions::default())).await.is_ok();
-    // After the cancel-ok the broker sends nothing more, and what it sent before is buffered.
-    if cancelled {
-        while let Some(Some(Ok(delivery))) = consumer.next().now_or_never() {
-            untaken.push(delivery);
-        }
-    }
+    untaken.extend(crate::amqp::cancel_when_full(&s.ch, consumer, tasks, prefetch).await);
     untaken
 }
-
-/// How long [`wind_down`] waits for the deliveries it collects to fill the prefetch.
-const PREFETCH_FILL_WAIT: Duration = Duration::from_millis(500);
 
 /// End after an abort whose requests go back uncharged ([`SessionEnd::puts_back_at_abort`]).
 /// The session's LLM calls were cancelled with the abort (its token is a child of the abort

@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use crate::log_limit::LogLimit;
 
-use crate::amqp::{answered, close_after_acks, within, ConfirmChannel, Connections, SharedConfirmChannel, CLOSE_TIMEOUT};
+use crate::amqp::{answered, close_after_acks, ConfirmChannel, Connections, SharedConfirmChannel};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
@@ -250,20 +250,12 @@ async fn finish_inflight(inflight: &mut JoinSet<()>) {
 }
 
 /// The router's graceful stop of `consumer` on `ch`; returns once every delivery it handed on
-/// is settled (or given up, [`finish_inflight`]).
-///
-/// A quorum queue may still deliver to a consumer after its cancel-ok (the queue ends a
-/// consumer once its deliveries in flight are through; rabbitmq-server #3729), and lapin drops a
-/// delivery for a consumer it no longer knows. Left unacked, such a delivery was returned by the
-/// channel's close charged one delivery, and so were those buffered in the consumer that the
-/// stop never handed on: some requests were charged at every stop under a backlog (27 of 5,183
-/// left in the input queue in `a_stop_under_a_backlog_charges_no_input_delivery`). So the
-/// consumer is cancelled once the broker has nothing in flight to it: the deliveries in flight
-/// are finished while new ones are only collected, unacked, until they fill the `prefetch` (with
-/// a backlog, within milliseconds) and the broker can send nothing more; then the cancel (bounded like a close: the
-/// channel's close ends the consumer anyway); then the collected ones, and any buffered before
-/// the cancel-ok, are handled like the others. Without a backlog, a message published in the
-/// moments of the cancel can still be dropped so, and returned charged.
+/// is settled (or given up, [`finish_inflight`]). The deliveries in flight are finished, and the
+/// consumer is cancelled once the broker has nothing in flight to it
+/// ([`crate::amqp::cancel_when_full`]); what it delivered meanwhile is handled like the others.
+/// Before, the deliveries buffered in the consumer and those a quorum queue sends after the
+/// cancel-ok were returned by the channel's close charged a delivery: 27 of 5,183 requests left
+/// in the input queue in `a_stop_under_a_backlog_charges_no_input_delivery`.
 async fn stop_consuming(
     ch: &Channel,
     consumer: &mut Consumer,
@@ -273,39 +265,7 @@ async fn stop_consuming(
     stop: &CancellationToken,
     prefetch: u16,
 ) {
-    let mut held = Vec::new();
-    {
-        let collect = async {
-            while let Some(Ok(delivery)) = consumer.next().await {
-                held.push(delivery);
-            }
-            std::future::pending::<()>().await;
-        };
-        tokio::select! {
-            () = finish_inflight(inflight) => {}
-            () = collect => {}
-        }
-    }
-    // Every delivery of the prefetch unacked here: the broker sends nothing more. Without a
-    // backlog it never fills: not waited for longer than [`PREFETCH_FILL_WAIT`].
-    let fill = async {
-        while held.len() < usize::from(prefetch) {
-            match consumer.next().await {
-                Some(Ok(delivery)) => held.push(delivery),
-                _ => break,
-            }
-        }
-    };
-    let _ = tokio::time::timeout(PREFETCH_FILL_WAIT, fill).await;
-    if within(CLOSE_TIMEOUT, "basic.cancel", ch.basic_cancel(consumer.tag(), BasicCancelOptions::default())).await.is_ok() {
-        // lapin ends the stream after the deliveries it holds once the cancel-ok arrived.
-        let buffered = async {
-            while let Some(Ok(delivery)) = consumer.next().await {
-                held.push(delivery);
-            }
-        };
-        let _ = tokio::time::timeout(CLOSE_TIMEOUT, buffered).await;
-    }
+    let held = crate::amqp::cancel_when_full(ch, consumer, finish_inflight(inflight), prefetch).await;
     if !held.is_empty() {
         debug!(deliveries = held.len(), "router stopping: handing on the deliveries received while the ones in flight finished");
     }
@@ -314,9 +274,6 @@ async fn stop_consuming(
     }
     finish_inflight(inflight).await;
 }
-
-/// How long [`stop_consuming`] waits for the deliveries it collects to fill the prefetch.
-const PREFETCH_FILL_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// Waits until every task of `inflight` ended.
 async fn all_joined(inflight: &mut JoinSet<()>) {
