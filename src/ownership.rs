@@ -684,15 +684,12 @@ impl Ownership {
     /// Aborts every partition, when the instance is about to close its connections or lost one:
     /// their held requests return with their channels' close ([`StopSignals::closing`]).
     fn abort_all(&mut self) {
+        // Before the aborts: a worker that sees its abort must see `closing` already.
+        let closing = self.owned.values().map(|o| &o.stop.closing).chain(self.aborting.iter().map(|(c, _)| c));
+        closing.for_each(CancellationToken::cancel);
         let ps: Vec<u32> = self.owned.keys().copied().collect();
         for p in ps {
-            if let Some(o) = self.owned.get(&p) {
-                o.stop.closing.cancel();
-            }
             self.abort(p);
-        }
-        for (closing, _) in &self.aborting {
-            closing.cancel();
         }
     }
 

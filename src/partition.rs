@@ -138,8 +138,8 @@ pub struct BufferBudget {
     /// is accepted and given back when it is settled.
     bytes: Arc<Semaphore>,
     /// Bumped each time an intake finds the budget spent and has to wait. Every batcher of the
-    /// instance watches it and flushes all it holds ([`batcher::FlushReason::ByteBudget`]): while the
-    /// budget is spent no delivery is accepted, so a buffer could only wait out
+    /// instance watches it and flushes all it holds ([`batcher::FlushReason::ByteBudget`]): while
+    /// the budget is spent no delivery is accepted, so a buffer could only wait out
     /// `max_batch_wait`, holding bytes that a batch in flight would give back sooner.
     spent: Arc<tokio::sync::watch::Sender<u64>>,
 }
@@ -334,9 +334,9 @@ impl SessionEnd {
         Arc::new(SessionEnd { token: abort.child_token(), reason: Mutex::new(None), consume })
     }
 
-    /// Whether the requests held when [`StopSignals::abort`] fired go back to the partition queue uncharged
-    /// ([`return_uncharged`]) rather than with the channel's close, which charges each of them a
-    /// delivery: the abort (lease lost, or its renew deadline passed during a Redis outage) ended
+    /// Whether the requests held when [`StopSignals::abort`] fired go back to the partition
+    /// queue uncharged ([`return_uncharged`]) rather than with the channel's close, which charges
+    /// each of them a delivery: the abort (lease lost, or its renew deadline passed during a Redis outage) ended
     /// the session, not a restart reason, and the consuming channel is still open, so that each
     /// original can be acked once its copy is confirmed (a copy of a delivery on a closed
     /// channel would be a duplicate: the broker returns the original too). An abort is no
@@ -584,14 +584,12 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     let ending = intake(ctx, stop, &end, &mut consumer, &conns.dead_letters, &session.publish, &item_tx, held, &mut untaken).await;
     metrics::intake_paused(p, false);
     match ending {
-        Ok(Ended::Stopped) if !stop.abort.is_cancelled() => {
-            drop(item_tx); // batcher drains with reason "shutdown" (or "revoke" if that token fired)
-            finish(ctx, session, &mut consumer, untaken).await;
-            Ok(Ended::Stopped)
-        }
-        Ok(Ended::Stopped) if end.puts_back_at_abort(stop) => {
-            drop(item_tx); // the batcher hands what it holds to the executor, which puts it back
-            put_back_at_abort(ctx, session, stop, &mut consumer, untaken).await;
+        // A drain or handoff, or an abort whose requests go back uncharged: the batcher drains
+        // with reason "shutdown" (or "revoke" if that token fired); after an abort the executor
+        // puts back what it is handed.
+        Ok(Ended::Stopped) if !stop.abort.is_cancelled() || end.puts_back_at_abort(stop) => {
+            drop(item_tx);
+            finish(ctx, session, stop, &mut consumer, untaken).await;
             Ok(Ended::Stopped)
         }
         other => {
@@ -626,20 +624,38 @@ async fn session_task(what: &'static str, partition: u32, task: impl std::future
     }
 }
 
-/// Graceful end: no new deliveries taken, flush and finish everything buffered and in flight,
-/// then cancel the consumer ([`wind_down`]). The deliveries the broker sent that the intake had
-/// not taken (`untaken`, and those buffered in the consumer: all of them while the intake was
-/// paused for an LLM outage) go back to the queue uncharged ([`return_uncharged`]).
-async fn finish(ctx: &PartitionContext, mut s: Session, consumer: &mut Consumer, untaken: Vec<Delivery>) {
+/// End of a session stopped by a drain or handoff, or by an abort whose requests go back
+/// uncharged ([`SessionEnd::puts_back_at_abort`]): no new deliveries taken, everything buffered
+/// and in flight finished, then the consumer cancelled ([`wind_down`]). The deliveries the broker
+/// sent that the intake had not taken (`untaken`, and those buffered in the consumer: all of
+/// them while the intake was paused for an LLM outage) go back to the queue uncharged
+/// ([`return_uncharged`]), then the channel is closed once the acks are through.
+///
+/// After an abort the session's LLM calls were cancelled with it (its token is a child of the
+/// abort token) and no result is published any more (the lease is invalid): the batches whose
+/// calls were cut put their requests back, and so do those the batcher hands on. Nothing is put
+/// back once the instance is closing its connections ([`StopSignals::closing`]). Not bounded as
+/// a whole, so that no copy is cut between its confirm and its original's ack (both would come
+/// back: a duplicate); each step is (a copy's publish by `amqp.confirm_timeout`, an ack by
+/// [`crate::amqp::CLOSE_TIMEOUT`]).
+async fn finish(ctx: &PartitionContext, mut s: Session, stop: &StopSignals, consumer: &mut Consumer, untaken: Vec<Delivery>) {
+    let aborted = stop.abort.is_cancelled();
     let untaken = wind_down(&mut s, consumer, untaken, ctx.settings.amqp.partition_prefetch).await;
-    if !untaken.is_empty() {
+    let put_back = !(aborted && stop.closing.is_cancelled());
+    if put_back && !untaken.is_empty() {
         let n = untaken.len();
         let returned = return_uncharged(ctx, &s.publish, untaken).await;
         info!(partition = ctx.partition, epoch = ctx.epoch, returned, deliveries = n, "deliveries not yet taken are back in the partition queue, not charged a delivery");
     }
-    let _ = close_after_acks(&s.ch, "partition released").await;
-    s.publish.close("partition released").await;
-    info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
+    let why = if aborted { "partition aborted" } else { "partition released" };
+    let _ = close_after_acks(&s.ch, why).await;
+    s.publish.close(why).await;
+    if aborted {
+        metrics::buffer_state(ctx.partition, 0, 0.0);
+        info!(partition = ctx.partition, epoch = ctx.epoch, "partition aborted; the requests it held are back in the partition queue, not charged a delivery");
+    } else {
+        info!(partition = ctx.partition, epoch = ctx.epoch, "partition drained");
+    }
 }
 
 /// Waits for the session's batcher and executor to end, then cancels its consumer once the
@@ -657,33 +673,6 @@ async fn wind_down(s: &mut Session, consumer: &mut Consumer, mut untaken: Vec<De
     };
     untaken.extend(crate::amqp::cancel_when_full(&s.ch, consumer, tasks, prefetch).await);
     untaken
-}
-
-/// End after an abort whose requests go back uncharged ([`SessionEnd::puts_back_at_abort`]).
-/// The session's LLM calls were cancelled with the abort (its token is a child of the abort
-/// token), and no result is published any more (the lease is invalid). The batches whose calls
-/// were cut put their requests back as the calls end, the batcher hands what it holds to the
-/// executor, whose batches put their requests back too; then the consumer is cancelled (with a
-/// single active consumer, the partition's next owner gets the queue's other messages from then
-/// on, [`wind_down`]), the deliveries not taken are put back ([`return_uncharged`]), and the
-/// channel is closed once the acks are through. Not bounded as a whole, so that no copy is cut between its
-/// confirm and its original's ack (both would come back: a duplicate); each step is (a copy's
-/// publish by `amqp.confirm_timeout`, an ack by [`crate::amqp::CLOSE_TIMEOUT`]).
-async fn put_back_at_abort(ctx: &PartitionContext, mut s: Session, stop: &StopSignals, consumer: &mut Consumer, untaken: Vec<Delivery>) {
-    let untaken = wind_down(&mut s, consumer, untaken, ctx.settings.amqp.partition_prefetch).await;
-    let n = untaken.len();
-    // Not once the instance is closing its connections ([`StopSignals::closing`]).
-    let returned = if n > 0 && !stop.closing.is_cancelled() { return_uncharged(ctx, &s.publish, untaken).await } else { 0 };
-    let _ = close_after_acks(&s.ch, "partition aborted").await;
-    s.publish.close("partition aborted").await;
-    metrics::buffer_state(ctx.partition, 0, 0.0);
-    info!(
-        partition = ctx.partition,
-        epoch = ctx.epoch,
-        untaken_returned = returned,
-        untaken = n,
-        "partition aborted; the requests it held are back in the partition queue, not charged a delivery"
-    );
 }
 
 /// Hard end (lease lost, channel broken, restart for `reason`, one of [`restart`]): stop
@@ -1440,15 +1429,19 @@ impl Settle<'_> {
 /// otherwise (a restart, a hard stop) nothing is settled here and the channel's close returns
 /// them.
 async fn put_back_unanswered(ctx: &PartitionContext, out: &PublishOn, items: Vec<Pending>, why: CallsEnded, stop: &StopSignals, end: &SessionEnd) {
+    let aborted = end.puts_back_at_abort(stop);
     let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !end.token.is_cancelled();
-    if end.puts_back_at_abort(stop) {
-        let n = items.len();
-        let returned = return_uncharged(ctx, out, items.into_iter().map(|p| p.delivery).collect()).await;
-        debug!(partition = ctx.partition, epoch = ctx.epoch, returned, requests = n, "partition aborted: a batch's requests are back in the partition queue, not charged a delivery");
-    } else if graceful {
+    if aborted || graceful {
         let n = items.len();
         let returned = return_uncharged(ctx, out, items.into_iter().map(|p| p.delivery).collect()).await;
         match why {
+            _ if aborted => debug!(
+                partition = ctx.partition,
+                epoch = ctx.epoch,
+                returned,
+                requests = n,
+                "partition aborted: a batch's requests are back in the partition queue, not charged a delivery"
+            ),
             CallsEnded::Stopped => info!(
                 partition = ctx.partition,
                 epoch = ctx.epoch,
