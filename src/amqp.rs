@@ -602,7 +602,8 @@ impl std::ops::Deref for ConfirmChannel {
 /// 'channel.open'"), which ends the session and charges every request in flight one delivery.
 /// A refused publish that has the channel to itself closes it with nothing else queued on it.
 /// On a channel whose every publish may be refused that way, publishes go one at a time from the
-/// start ([`Self::always`]).
+/// start ([`Self::always`]). The router also keeps one per partition queue, for the forwards to a
+/// queue that refuses them while the others take theirs (`crate::router`).
 #[derive(Debug, Default)]
 pub struct RefusalTurns {
     /// Publishes go one at a time whether or not the broker refuses them ([`Self::always`]).

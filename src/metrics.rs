@@ -439,8 +439,11 @@ pub mod outcome {
     pub const FAILED: &str = "failed";
     /// Dropped unacked because the partition lease was lost (the broker redelivers it).
     pub const REQUEUED: &str = "requeued";
-    /// Batcher: put back in its partition queue without a delivery charged, after a drain or
-    /// handoff while its LLM endpoint was down ([`crate::partition`]).
+    /// Batcher: put back in its partition queue without a delivery charged, after a drain,
+    /// handoff or abort ([`crate::partition`]). Router: put back in the input queue without a
+    /// delivery charged, when its partition queue refused forwards and too many were held for
+    /// such queues already, its hold neared `amqp.consumer_timeout`, or the router stopped
+    /// ([`crate::router`]).
     pub const RETURNED_UNCHARGED: &str = "returned_uncharged";
     /// Batcher: a second copy of a request this process had taken from a partition queue before
     /// (the router forwarded it again from a redelivered input message), acked without processing
@@ -496,6 +499,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize, destinations: &[&str], 
         (stage::PUBLISHER, outcome::RESULT_HELD),
         (stage::ROUTER, outcome::FORWARD_HELD),
         (stage::ROUTER, outcome::REQUEUED),
+        (stage::ROUTER, outcome::RETURNED_UNCHARGED),
         (stage::BATCHER, outcome::RETURNED_UNCHARGED),
         (stage::BATCHER, outcome::DUPLICATE),
     ] {

@@ -562,43 +562,6 @@ async fn returned_destination(
     Some((e, rk, d.properties.clone().with_headers(headers), Some(OwnDestination::Results)))
 }
 
-/// Waits between publishes the broker nacked, for [`retry_nacked`]: `amqp.reconnect_backoff_initial`
-/// doubling up to `amqp.reconnect_backoff_max`, for at most `amqp.confirm_timeout` in all.
-pub struct NackRetry {
-    started: tokio::time::Instant,
-    step: Duration,
-}
-
-impl NackRetry {
-    /// A budget starting now, first step `amqp.reconnect_backoff_initial`.
-    pub fn new(amqp: &AmqpSettings) -> NackRetry {
-        NackRetry { started: tokio::time::Instant::now(), step: amqp.reconnect_backoff_initial }
-    }
-}
-
-/// After a publish that failed with `e`: when the broker nacked it (`basic.nack`), or it followed
-/// a failed publish on its channel ([`PublishError::AfterFailed`]: it may or may not have been
-/// taken, so the retry may add a copy), and the budget of `retry` is not spent, waits the next step and returns `true` (publish again, holding the
-/// delivery); else `false` (requeue it, which uses up one of its `amqp.delivery_limit`
-/// deliveries).
-///
-/// A quorum queue nacks publishes while it has no leader: for the few seconds of a leader
-/// election after the node of its leader is lost
-/// (<https://www.rabbitmq.com/docs/quorum-queues#leader-election>). Retrying in place rides that
-/// out without charging the request's deliveries; a nack is the broker not taking the message,
-/// so the retry adds no copy. Retry on a NEW channel: after a rejected publish a quorum queue
-/// (RabbitMQ 3.10) can drop later publishes of the same channel while confirming them
-/// (rabbitmq-server #14589); the router's next channel is a new one
-/// ([`crate::amqp::SharedConfirmChannel`]).
-pub async fn retry_nacked(e: &PublishError, retry: &mut NackRetry, amqp: &AmqpSettings) -> bool {
-    if !matches!(e, PublishError::Nacked | PublishError::AfterFailed) || retry.started.elapsed() + retry.step > amqp.confirm_timeout {
-        return false;
-    }
-    tokio::time::sleep(retry.step).await;
-    retry.step = (retry.step * 2).min(amqp.reconnect_backoff_max);
-    true
-}
-
 /// Copies `headers` and adds `extra` (string values).
 pub fn headers_with(base: Option<&FieldTable>, extra: &[(&str, String)]) -> FieldTable {
     let mut t = base.cloned().unwrap_or_default();
@@ -1756,28 +1719,6 @@ mod tests {
         let start = tokio::time::Instant::now();
         assert_eq!(await_unless_blocked(Duration::from_secs(30), || false, std::future::pending::<()>()).await, None);
         assert_eq!(start.elapsed().as_secs(), 30);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn only_nacks_are_retried_in_place_within_the_confirm_timeout() {
-        let mut raw = crate::config::RawConfig::default();
-        raw.amqp.reconnect_backoff_initial = "100ms".into();
-        raw.amqp.reconnect_backoff_max = "400ms".into();
-        raw.amqp.confirm_timeout = "1s".into();
-        let a = crate::config::Settings::from_raw(&raw).unwrap().amqp;
-        let mut retry = NackRetry::new(&a);
-        let t0 = tokio::time::Instant::now();
-        let mut waits = 0;
-        while retry_nacked(&PublishError::Nacked, &mut retry, &a).await {
-            waits += 1;
-        }
-        // 100 + 200 + 400 ms; the next 400 ms would pass the 1 s budget.
-        assert_eq!(waits, 3);
-        assert_eq!(t0.elapsed(), Duration::from_millis(700));
-        let mut retry = NackRetry::new(&a);
-        assert!(!retry_nacked(&PublishError::Timeout(a.confirm_timeout), &mut retry, &a).await, "a timeout is requeued");
-        let unroutable = PublishError::Unroutable { exchange: "x".into(), routing_key: "1".into() };
-        assert!(!retry_nacked(&unroutable, &mut retry, &a).await, "an unroutable publish is requeued");
     }
 
     #[test]

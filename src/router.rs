@@ -7,7 +7,9 @@
 //! dead-letter exchange with its reason, confirmed, then acked: never dropped, never requeued in a
 //! loop. Deliveries are handled concurrently; `amqp.input_prefetch` bounds how many.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::message::Delivery;
@@ -19,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 use crate::log_limit::LogLimit;
 
-use crate::amqp::{answered, close_after_acks, ConfirmChannel, Connections, SharedConfirmChannel};
+use crate::amqp::{answered, close_after_acks, ConfirmChannel, Connections, RefusalTurns, SharedConfirmChannel};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
@@ -113,7 +115,8 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken, reply_nodes: Arc<crate::reply_node::NodeCheck>) -> Result<(), lapin::Error> {
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
-    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes });
+    let partitions = (0..settings.amqp.partitions.get()).map(|_| RefusalTurns::default()).collect();
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes, partitions, held: AtomicUsize::new(0) });
     let a = &settings.amqp;
     let mut inflight = JoinSet::new();
     // One delivery at a time, after a failure (see above).
@@ -446,6 +449,12 @@ struct PublishChannel {
     lost: CancellationToken,
     /// Whether the broker can decode the node of a direct reply-to name ([`crate::reply_node`]).
     reply_nodes: Arc<crate::reply_node::NodeCheck>,
+    /// The turns of the forwards to each partition queue (indexed by partition) while that queue
+    /// refuses them ([`Refusal::Partition`]).
+    partitions: Vec<RefusalTurns>,
+    /// Input deliveries held now for partition queues that refuse forwards ([`HeldSlot`]), at
+    /// most [`held_cap`].
+    held: AtomicUsize,
 }
 
 impl PublishChannel {
@@ -495,9 +504,13 @@ async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery
 /// A delivery whose dead letter is not confirmed is requeued after
 /// [`redelivery::requeue_backoff`] (or at `stop`); one whose forward is not confirmed is held,
 /// uncharged, and forwarded again after [`publisher::hold_backoff`] until the broker takes it,
-/// the session's publishing connection is lost or `stop` fires (then requeued). The request id
-/// goes to `request_id` once known.
+/// the session's publishing connection is lost or `stop` fires (then requeued). One held because
+/// its partition queue refuses forwards is put back into the input queue uncharged instead
+/// ([`put_back`]) when `stop` fires, when [`held_cap`] deliveries are held so already, or when
+/// its hold nears `amqp.consumer_timeout` ([`hold_limit`]). The request id goes to `request_id`
+/// once known.
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
+    let received = tokio::time::Instant::now();
     let a = &settings.amqp;
     // While the broker refuses forwards, deliveries take turns ([`crate::amqp::RefusalTurns::turn`]).
     // Counted in `held_publishes{kind="forward"}` while it waits for its turn because the broker
@@ -555,9 +568,14 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return;
         }
     };
-    match staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding)).await {
+    let give_back_at = received + hold_limit(a);
+    match staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at)).await {
         ForwardEnd::Forwarded => {}
         ForwardEnd::Requeue => return requeue(delivery).await,
+        ForwardEnd::PutBack { pause } => {
+            drop(holding);
+            return staged(REQUEUE, put_back(publish, a, delivery, &r, pause, stop)).await;
+        }
         ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
         ForwardEnd::InputGone => {
             debug!(request_id = %r.request_id, "the input channel closed before the forward; the broker delivers the request again");
@@ -586,13 +604,85 @@ enum ForwardEnd {
     /// the message to the input queue already, so it was not forwarded (that would only make a
     /// copy that no ack can settle).
     InputGone,
+    /// Its partition queue refuses forwards, and the delivery is not held (any longer): put it
+    /// back into the input queue uncharged ([`put_back`]), after [`PUT_BACK_PAUSE`] when `pause`
+    /// (too many held already: [`held_cap`]), at once otherwise (`stop`, or [`hold_limit`]).
+    PutBack { pause: bool },
+}
+
+/// Why the broker did not take a forward, which decides whose forwards take turns
+/// ([`RefusalTurns`]) until it takes one again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// Of the channel: a channel or connection error (403 `ACCESS_REFUSED` or 404 `NOT_FOUND` on
+    /// the shard exchange, which close the channel; no channel opened). It concerns every
+    /// partition, and the channel it closes is shared: all forwards take turns.
+    Channel,
+    /// Of one partition queue: a nack (a queue full with `overflow = reject-publish`, a quorum
+    /// queue without a leader), no confirm within `amqp.confirm_timeout`, unroutable. The
+    /// channel stays open and the other partition queues take their forwards: only the forwards
+    /// to that partition take turns, each attempt on a channel of its own, so that a confirm it
+    /// never gets does not hold up the confirms of the shared channel's later publishes (ordered
+    /// settlement, [`ConfirmChannel`]).
+    Partition,
+}
+
+impl Refusal {
+    fn of(e: &publisher::PublishError) -> Refusal {
+        if matches!(e, publisher::PublishError::Amqp(_)) { Refusal::Channel } else { Refusal::Partition }
+    }
+}
+
+/// How many input deliveries the router holds at most for partition queues that refuse forwards
+/// ([`Refusal::Partition`]): half of `amqp.input_prefetch`, at least 1. Held deliveries fill the
+/// prefetch: without a cap, one partition queue refusing for long (a quorum queue without a
+/// majority, a policy's `max-length` with `reject-publish`) came to hold every delivery, and the
+/// router forwarded nothing to the other partitions. Beyond the cap a delivery for such a queue is
+/// put back into the input queue uncharged ([`put_back`]) after [`PUT_BACK_PAUSE`].
+fn held_cap(a: &AmqpSettings) -> usize {
+    usize::from(a.input_prefetch / 2).max(1)
+}
+
+/// How long a delivery beyond [`held_cap`] waits before it is put back: a copy of the only kind
+/// of request left in the input queue would otherwise come straight back, and go round at the
+/// broker's speed.
+const PUT_BACK_PAUSE: Duration = Duration::from_secs(1);
+
+/// How long after its receipt an input delivery held for a refusing partition queue is put back
+/// uncharged ([`put_back`]): before RabbitMQ's `consumer_timeout` closes the channel and charges
+/// every delivery on it. [`crate::config::CONSUMER_TIMEOUT_MARGIN`] × `amqp.consumer_timeout` −
+/// 2 × `amqp.confirm_timeout` (the put-back's publish and the forward in flight), as a partition's
+/// batches ([`crate::config::Settings::longest_hold`]).
+fn hold_limit(a: &AmqpSettings) -> Duration {
+    a.consumer_timeout.mul_f64(crate::config::CONSUMER_TIMEOUT_MARGIN).saturating_sub(a.confirm_timeout * 2)
+}
+
+/// One input delivery held for a refusing partition queue, counted in [`PublishChannel::held`]
+/// until dropped.
+struct HeldSlot<'a>(&'a AtomicUsize);
+
+impl<'a> HeldSlot<'a> {
+    /// A slot when fewer than `cap` are held, else `None`.
+    fn take(held: &'a AtomicUsize, cap: usize) -> Option<HeldSlot<'a>> {
+        held.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1)).ok().map(|_| HeldSlot(held))
+    }
+}
+
+impl Drop for HeldSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Forwards the request (the body of `input` with properties `fwd`) to its partition queue on
 /// `ch` with a confirm, unless the channel of `input` closed first ([`ForwardEnd::InputGone`],
-/// checked before each attempt): a nack is retried ([`publisher::NackRetry`]), a missing route declared again once per
-/// attempt, and a forward the broker does not take is held (uncharged, `holding` counts it) and
-/// sent again after [`publisher::hold_backoff`], taking turns with the other held forwards.
+/// checked before each attempt): a missing route is declared again once per attempt, and a
+/// forward the broker does not take (a nack included) is held (uncharged,
+/// `holding` counts it) and sent again after [`publisher::hold_backoff`], taking turns with the
+/// other held forwards ([`Refusal`] says which). `turn` is the turn of the forwards held for a
+/// [`Refusal::Channel`], taken before the delivery was parsed. A delivery held for its partition
+/// queue ([`Refusal::Partition`]) is handed back ([`ForwardEnd::PutBack`]) when [`held_cap`] are
+/// held already, when `stop` fires, or at `give_back_at`.
 #[allow(clippy::too_many_arguments)] // the parts of one delivery's forward, all borrowed
 async fn forward<'p>(
     publish: &'p PublishChannel,
@@ -604,9 +694,19 @@ async fn forward<'p>(
     r: &Route,
     stop: &CancellationToken,
     holding: &mut Option<metrics::HeldPublish>,
+    give_back_at: tokio::time::Instant,
 ) -> ForwardEnd {
     let rk = AmqpSettings::partition_routing_key(r.partition);
-    let mut retry = publisher::NackRetry::new(a);
+    let dest = publish.partitions.get(r.partition as usize);
+    let mut slot: Option<HeldSlot<'p>> = None;
+    // The turn of the forwards to this partition while its queue refuses them.
+    let mut dest_turn = None;
+    if dest.is_some_and(RefusalTurns::refusing) {
+        match take_partition_turn(publish, a, dest, &mut slot, holding, stop, give_back_at).await {
+            Ok(t) => dest_turn = t,
+            Err(end) => return end,
+        }
+    }
     let mut declared_again = false;
     // Failed attempts of a forward the broker does not take (see below).
     let mut held = 0u32;
@@ -620,53 +720,173 @@ async fn forward<'p>(
         // After a hold, the forward is routed now: the time it waited here is not the partition
         // queue's delay, which the owner's split rule reads from `x-routed-at-ms`.
         let props = if held == 0 { fwd.clone() } else { routed_now(&fwd) };
-        let Err(e) = publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &input.data, props).await else {
+        let outcome = if dest_turn.is_some() {
+            // Its partition queue refuses forwards: the attempt goes on a channel of its own.
+            match own_channel(conn, a).await {
+                Ok(own) => {
+                    let outcome = publisher::publish_confirmed(&own, conn, a, &a.shard_exchange, &rk, &input.data, props).await;
+                    tokio::spawn(async move {
+                        let _ = crate::amqp::close_channel(&own, "a forward to a refusing partition queue").await;
+                    });
+                    outcome
+                }
+                Err(e) => Err(publisher::PublishError::Amqp(e)),
+            }
+        } else {
+            // A channel that was closed or had a publish fail since it was taken is replaced.
+            if let Err(err) = publish.renew(&mut ch).await {
+                crate::warn_limited!(NO_CHANNEL_LOG, error = %err, "no publishing channel; requeueing input after a backoff");
+                return ForwardEnd::RequeueAfterBackoff;
+            }
+            publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &input.data, props).await
+        };
+        let Err(e) = outcome else {
             publish.shared.turns().accepted();
-            drop(turn);
+            if let Some(dest) = dest {
+                dest.accepted();
+            }
+            drop((turn, dest_turn));
             crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);
             return ForwardEnd::Forwarded;
         };
         if repair_route(publish, a, r.partition, &e, &mut ch, &mut declared_again).await {
             continue;
         }
-        let again = tokio::select! {
-            _ = stop.cancelled() => false,
-            again = publisher::retry_nacked(&e, &mut retry, a) => again,
-        };
-        if again {
-            debug!(request_id = %r.request_id, partition = r.partition, "forward nacked by the broker; publishing it again");
-            continue;
-        }
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
+        if stop.is_cancelled() && slot.is_some() {
+            return ForwardEnd::PutBack { pause: false };
+        }
         if stop.is_cancelled() || !conn.status().connected() {
             crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, "forwarding failed; requeueing input after a backoff");
             return ForwardEnd::RequeueAfterBackoff;
         }
         // The broker does not take forwards (write access to the shard exchange revoked, no
-        // confirm in time, a partition queue without a leader for longer than the nack retries):
-        // the deployment's fault, not the request's. Requeueing would charge the request a
-        // delivery per attempt; hold it unacked instead, uncharged, and forward it again.
-        let step = publish.shared.turns().refused(turn.is_some());
+        // confirm in time, a nack: a partition queue without a leader, or full with
+        // `reject-publish`): the deployment's fault, not the request's. Requeueing would charge
+        // the request a delivery per attempt; hold it unacked instead, uncharged, and forward it
+        // again. A nack during a quorum queue's leader election (a few seconds after the node of
+        // its leader is lost, <https://www.rabbitmq.com/docs/quorum-queues#leader-election>) is
+        // ridden out so too. A publish after a failed one on its channel
+        // ([`publisher::PublishError::AfterFailed`]) may or may not have been taken: held and
+        // sent again, it may add a copy, which the owner answers once
+        // ([`redelivery::is_second_copy`]).
+        let step = match (Refusal::of(&e), dest) {
+            (Refusal::Partition, Some(dest)) => {
+                if slot.is_none() {
+                    slot = HeldSlot::take(&publish.held, held_cap(a));
+                    if slot.is_none() {
+                        return ForwardEnd::PutBack { pause: true };
+                    }
+                }
+                dest.refused(dest_turn.is_some())
+            }
+            _ => publish.shared.turns().refused(turn.is_some()),
+        };
         let wait = publisher::hold_backoff(a, held.max(step));
         held += 1;
         holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
         log_forward_held(&e, held, wait);
         tokio::select! {
-            _ = stop.cancelled() => return ForwardEnd::Requeue,
+            _ = stop.cancelled() => return if slot.is_some() { ForwardEnd::PutBack { pause: false } } else { ForwardEnd::Requeue },
+            _ = tokio::time::sleep_until(give_back_at), if slot.is_some() => return ForwardEnd::PutBack { pause: false },
             _ = publisher::wait_to_publish_again(conn, wait) => {}
         }
-        drop(turn);
-        let Some(next) = take_turn(&publish.shared, stop).await else { return ForwardEnd::Requeue };
+        drop((turn, dest_turn));
+        let Some(next) = take_turn(&publish.shared, stop).await else {
+            return if slot.is_some() { ForwardEnd::PutBack { pause: false } } else { ForwardEnd::Requeue };
+        };
         turn = next;
-        if let Err(err) = publish.renew(&mut ch).await {
-            crate::warn_limited!(NO_CHANNEL_LOG, error = %err, "no publishing channel; requeueing input after a backoff");
-            return ForwardEnd::RequeueAfterBackoff;
+        dest_turn = None;
+        if dest.is_some_and(RefusalTurns::refusing) {
+            match take_partition_turn(publish, a, dest, &mut slot, holding, stop, give_back_at).await {
+                Ok(t) => dest_turn = t,
+                Err(end) => return end,
+            }
         }
-        retry = publisher::NackRetry::new(a);
         // The route may have been deleted again, or its declaration failed (no answer in time, no
         // permission yet): each held attempt may declare it once more.
         declared_again = false;
+    }
+}
+
+/// Waits for the turn of the forwards to a partition whose queue refuses them (`dest`,
+/// [`Refusal::Partition`]), holding the delivery in a [`HeldSlot`] (`slot`, taken here unless it
+/// is already). `Ok` with the turn (`None` inside once the queue takes forwards again), or the
+/// delivery's end: put back after a pause when [`held_cap`] are held already, at once when `stop`
+/// fires or at `give_back_at`.
+#[allow(clippy::too_many_arguments)] // the parts of one delivery's forward, all borrowed
+async fn take_partition_turn<'p>(
+    publish: &'p PublishChannel,
+    a: &AmqpSettings,
+    dest: Option<&'p RefusalTurns>,
+    slot: &mut Option<HeldSlot<'p>>,
+    holding: &mut Option<metrics::HeldPublish>,
+    stop: &CancellationToken,
+    give_back_at: tokio::time::Instant,
+) -> Result<Option<tokio::sync::MutexGuard<'p, ()>>, ForwardEnd> {
+    let Some(dest) = dest else { return Ok(None) };
+    if slot.is_none() {
+        *slot = HeldSlot::take(&publish.held, held_cap(a));
+        if slot.is_none() {
+            return Err(ForwardEnd::PutBack { pause: true });
+        }
+    }
+    holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
+    tokio::select! {
+        biased;
+        turn = dest.turn() => Ok(turn),
+        _ = stop.cancelled() => Err(ForwardEnd::PutBack { pause: false }),
+        _ = tokio::time::sleep_until(give_back_at) => Err(ForwardEnd::PutBack { pause: false }),
+    }
+}
+
+/// A confirm-mode channel of its own for one attempt of a forward to a partition queue that
+/// refuses forwards ([`Refusal::Partition`]); its opening bounded by `amqp.confirm_timeout` (a
+/// connection the broker blocked answers no `channel.open`).
+async fn own_channel(conn: &lapin::Connection, a: &AmqpSettings) -> Result<ConfirmChannel, lapin::Error> {
+    match tokio::time::timeout(a.confirm_timeout, ConfirmChannel::open(conn)).await {
+        Ok(opened) => opened,
+        Err(_) => Err(lapin::Error::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "channel.open not answered within amqp.confirm_timeout"))),
+    }
+}
+
+/// Puts an input delivery held for a partition queue that refuses forwards back into the input
+/// queue without charging it a delivery ([`ForwardEnd::PutBack`]): after [`PUT_BACK_PAUSE`] when
+/// `pause` (cut short by `stop`), a copy (the same body and properties,
+/// [`publisher::carried_props`], with `message_id` = the request id) is published to the input
+/// queue with a confirm, then the delivery is acked. Quorum queues charge every return of a
+/// delivery (nack, the channel's close, `consumer_timeout`) towards `amqp.delivery_limit`. The
+/// copy goes to the back of the queue, and any instance's router may take it. A copy the broker
+/// does not confirm leaves the delivery to [`requeue_after_backoff`] (charged, never lost); a copy
+/// confirmed whose ack then fails is a duplicate.
+async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, r: &Route, pause: bool, stop: &CancellationToken) {
+    if pause {
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep(PUT_BACK_PAUSE) => {}
+        }
+    }
+    let mut props = publisher::carried_props(&delivery.properties, &[]);
+    if props.message_id().is_none() {
+        if let Ok(id) = short_string("id", &r.request_id, MAX_ID_BYTES) {
+            props = props.with_message_id(id);
+        }
+    }
+    let copied = match publish.get().await {
+        Ok(ch) => publisher::publish_confirmed(&ch, &publish.conns.publish, a, "", &a.input_queue, &delivery.data, props).await.map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    if let Err(e) = copied {
+        crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, request_id = %r.request_id, "could not put an input delivery held for a refusing partition queue back uncharged; requeueing it after a backoff");
+        return requeue_after_backoff(a, delivery, stop).await;
+    }
+    match crate::amqp::ack(&delivery.acker).await {
+        Ok(()) => {
+            debug!(request_id = %r.request_id, partition = r.partition, "put an input delivery held for a refusing partition queue back into the input queue, uncharged");
+            metrics::requests(stage::ROUTER, outcome::RETURNED_UNCHARGED, 1);
+        }
+        Err(e) => warn!(request_id = %r.request_id, error = %e, "an input delivery put back uncharged could not be acked: it returns as well and will be answered twice"),
     }
 }
 
@@ -937,5 +1157,37 @@ mod tests {
         let a = Settings::from_raw(&raw).unwrap().amqp;
         let got: Vec<u128> = [0, 1, 3, 4, 99].iter().map(|n| redelivery::requeue_backoff(&a, *n).as_millis()).collect();
         assert_eq!(got, [100, 200, 800, 1000, 1000]);
+    }
+
+    #[test]
+    fn a_refusal_of_the_channel_concerns_every_partition_and_one_of_a_queue_only_that_queue() {
+        use lapin::protocol::{AMQPError, AMQPErrorKind, AMQPSoftError};
+        let soft = |kind: AMQPSoftError| lapin::Error::from(lapin::ErrorKind::ProtocolError(AMQPError::new(AMQPErrorKind::Soft(kind), "refused".into())));
+        let denied = publisher::PublishError::Amqp(soft(AMQPSoftError::ACCESSREFUSED));
+        assert_eq!(Refusal::of(&denied), Refusal::Channel, "403 on the shard exchange closes the shared channel");
+        assert_eq!(Refusal::of(&publisher::PublishError::Amqp(soft(AMQPSoftError::NOTFOUND))), Refusal::Channel, "404 closes it too");
+        for e in [
+            publisher::PublishError::Nacked,
+            publisher::PublishError::Timeout(Duration::from_secs(1)),
+            publisher::PublishError::AfterFailed,
+            publisher::PublishError::Unroutable { exchange: "x".into(), routing_key: "3".into() },
+        ] {
+            assert_eq!(Refusal::of(&e), Refusal::Partition, "{e}");
+        }
+    }
+
+    #[test]
+    fn at_most_half_the_input_prefetch_is_held_for_refusing_partition_queues() {
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.input_prefetch = 16;
+        let a = Settings::from_raw(&raw).unwrap().amqp;
+        assert_eq!(held_cap(&a), 8);
+        let held = AtomicUsize::new(0);
+        let slots: Vec<HeldSlot> = (0..8).map(|_| HeldSlot::take(&held, held_cap(&a)).expect("below the cap")).collect();
+        assert!(HeldSlot::take(&held, held_cap(&a)).is_none(), "the ninth is put back");
+        drop(slots);
+        assert_eq!(held.load(Ordering::Acquire), 0, "a slot is freed when its delivery ends");
+        raw.amqp.input_prefetch = 1;
+        assert_eq!(held_cap(&Settings::from_raw(&raw).unwrap().amqp), 1, "at least one is held, to find out when the queue takes forwards again");
     }
 }

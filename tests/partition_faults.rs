@@ -8,6 +8,7 @@ mod common;
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use axum::http::StatusCode;
@@ -18,6 +19,7 @@ use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use llm_fakes::fake::{FakeLlm, FakeLlmHandle};
 use prefix_batcher::config::{AmqpSettings, RawConfig, Settings};
+use prefix_batcher::keying::{partition_of, PrefixKey};
 use prefix_batcher::llm::{ClientOptions, LlmClient};
 use prefix_batcher::topology;
 use serde_json::{json, Value};
@@ -1224,6 +1226,79 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     assert_eq!(splits(), splits_before, "the keys split on the time their forwards were held at the router");
     dead.collect_for(Duration::from_millis(500)).await;
     assert!(dead.received.is_empty(), "requests were charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
+/// One partition queue refusing forwards for long (full, with `overflow = reject-publish`, and
+/// nobody consuming it: another instance holds its lease) while the other partition queues take
+/// theirs. Its forwards are held, at most half of `amqp.input_prefetch` at once, and those beyond
+/// are put back into the input queue uncharged. Measured before: the forwards of every partition
+/// took one turn, and the held ones came to fill the input prefetch (16 here): none of the 40
+/// requests for other partitions was answered in 30 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_queue_refusing_forwards_holds_up_no_other_partition() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("refusingpartition");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.delivery_limit = 1;
+    raw.amqp.input_prefetch = 16;
+    raw.keying.mode = "prefix".into();
+    raw.sharding.default_shards = 1;
+    let partitions = NonZeroU32::new(PARTITIONS).unwrap();
+    let partition_of_group = |g: usize| partition_of(PrefixKey::of(&group_prefix(g)), 0, partitions);
+    let refusing = partition_of_group(0);
+    let others: Vec<usize> = (1..64).filter(|&g| partition_of_group(g) != refusing).take(4).collect();
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let lease = format!("{}:lease:{refusing}", env.key_prefix());
+    let _: () = redis::cmd("SET").arg(&lease).arg("other:0:1").arg("PX").arg(300_000).query_async(&mut redis.conn).await.unwrap();
+    let amqp = Amqp::connect().await;
+    let daemon = start_daemon(&raw);
+    let name = raw.instance.name.clone();
+    redis
+        .wait_leases(env.key_prefix(), PARTITIONS, "every other partition held", DEADLINE, |ls| {
+            ls.iter().enumerate().all(|(p, l)| p == refusing as usize || l.as_ref().is_some_and(|l| l.name == name))
+        })
+        .await;
+    let reply = format!("{}.reply", env.name);
+    let results = amqp.reply_queue(&reply).await;
+    let mut st = Started { amqp, daemon, results, reply };
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let queue = env.partition_queue(refusing);
+    for _ in 0..2 {
+        st.amqp.publish(&queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
+    }
+    let policy = Policy::refusing(&env.name, &queue);
+    let put_back = || metric("prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"router\"}");
+    let put_back_before = put_back();
+
+    let to_refusing: Vec<TestRequest> = (0..40).map(|i| completion(&format!("refusingpartition-p-{i}"), 0, &format!(" question {i}?"))).collect();
+    let to_others: Vec<TestRequest> =
+        (0..40).map(|i| completion(&format!("refusingpartition-o-{i}"), others[i % others.len()], &format!(" question {i}?"))).collect();
+    st.amqp.publish_requests(&env.input_queue(), &to_refusing, &st.reply).await;
+    st.amqp.publish_requests(&env.input_queue(), &to_others, &st.reply).await;
+    let want = ids(&to_others);
+    let answered = |st: &Started| st.results.received.iter().filter(|m| want.contains(&m.correlation_id)).count();
+    let deadline = Instant::now() + DEADLINE;
+    while answered(&st) < to_others.len() && Instant::now() < deadline {
+        st.results.collect_for(Duration::from_millis(250)).await;
+    }
+    assert_eq!(answered(&st), to_others.len(), "requests for the other partitions answered while partition {refusing} refused forwards");
+    let refused_answered = st.results.received.iter().filter(|m| m.correlation_id.starts_with("refusingpartition-p-")).count();
+    assert_eq!(refused_answered, 0, "answered although their partition queue refused forwards");
+    assert!(put_back() > put_back_before, "no delivery beyond half the input prefetch was put back");
+    let held = metric("prefix_batcher_held_publishes{kind=\"forward\"}");
+    assert!((1.0..=8.0).contains(&held), "held_publishes{{kind=\"forward\"}} = {held}: at most half the input prefetch (8)");
+
+    // The fault ends: the fillers go, the queue takes forwards, and its lease is free again.
+    st.amqp.ch.queue_purge(queue.as_str().into(), Default::default()).await.expect("purge the fillers");
+    drop(policy);
+    redis.del(&lease).await;
+    let all: Vec<TestRequest> = to_refusing.iter().chain(&to_others).cloned().collect();
+    st.results.until_all(&ids(&all), DEADLINE).await;
+    st.results.collect_for(Duration::from_secs(1)).await;
+    st.results.assert_one_ok_result_each(&all, "after a partition queue refused forwards");
+    dead.collect_for(Duration::from_millis(500)).await;
+    assert!(dead.received.is_empty(), "requests charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
