@@ -1232,9 +1232,9 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
 /// One partition queue refusing forwards for long (full, with `overflow = reject-publish`, and
 /// nobody consuming it: another instance holds its lease) while the other partition queues take
 /// theirs. Its forwards are held, at most half of `amqp.input_prefetch` at once, and those beyond
-/// are put back into the input queue uncharged. Measured before: the forwards of every partition
-/// took one turn, and the held ones came to fill the input prefetch (16 here): none of the 40
-/// requests for other partitions was answered in 30 s.
+/// are put back into the input queue uncharged, as are the held ones at a stop. Measured before:
+/// the forwards of every partition took one turn, and the held ones came to fill the input
+/// prefetch (16 here): none of the 40 requests for other partitions was answered in 30 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_queue_refusing_forwards_holds_up_no_other_partition() {
     let fake = FakeLlm::new().start().await.unwrap();
@@ -1288,6 +1288,19 @@ async fn a_partition_queue_refusing_forwards_holds_up_no_other_partition() {
     assert!(put_back() > put_back_before, "no delivery beyond half the input prefetch was put back");
     let held = metric("prefix_batcher_held_publishes{kind=\"forward\"}");
     assert!((1.0..=8.0).contains(&held), "held_publishes{{kind=\"forward\"}} = {held}: at most half the input prefetch (8)");
+
+    // A stop while the forwards are held puts them back uncharged: all 40 wait in the input queue
+    // for the next start.
+    let Started { amqp, daemon, results, reply } = st;
+    daemon.stop().await.expect("daemon stops cleanly");
+    assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 40, "the requests held at the stop are back in the input queue");
+    let daemon = start_daemon(&raw);
+    redis
+        .wait_leases(env.key_prefix(), PARTITIONS, "every other partition held again", DEADLINE, |ls| {
+            ls.iter().enumerate().all(|(p, l)| p == refusing as usize || l.as_ref().is_some_and(|l| l.name == name))
+        })
+        .await;
+    let mut st = Started { amqp, daemon, results, reply };
 
     // The fault ends: the fillers go, the queue takes forwards, and its lease is free again.
     st.amqp.ch.queue_purge(queue.as_str().into(), Default::default()).await.expect("purge the fillers");
