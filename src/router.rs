@@ -504,11 +504,11 @@ async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery
 /// A delivery whose dead letter is not confirmed is requeued after
 /// [`redelivery::requeue_backoff`] (or at `stop`); one whose forward is not confirmed is held,
 /// uncharged, and forwarded again after [`publisher::hold_backoff`] until the broker takes it,
-/// the session's publishing connection is lost or `stop` fires (then requeued). One held because
-/// its partition queue refuses forwards is put back into the input queue uncharged instead
-/// ([`put_back`]) when `stop` fires, when [`held_cap`] deliveries are held so already, or when
-/// its hold nears `amqp.consumer_timeout` ([`hold_limit`]). The request id goes to `request_id`
-/// once known.
+/// the session's publishing connection is lost or `stop` fires (then requeued). A held delivery
+/// is put back into the input queue uncharged instead ([`put_back`]) when its hold nears
+/// `amqp.consumer_timeout` ([`hold_limit`]); one held because its partition queue refuses
+/// forwards also when `stop` fires and when [`held_cap`] deliveries are held so already. The
+/// request id goes to `request_id` once known.
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let received = tokio::time::Instant::now();
     let a = &settings.amqp;
@@ -516,7 +516,17 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     // Counted in `held_publishes{kind="forward"}` while it waits for its turn because the broker
     // refuses forwards, and from its own first refusal until this returns.
     let mut holding = publish.shared.turns().refusing().then(|| metrics::HeldPublish::new("forward"));
-    let Some(turn) = staged(TURN, take_turn(&publish.shared, stop)).await else { return requeue(delivery).await };
+    let give_back_at = received + hold_limit(a);
+    let turn = match staged(TURN, take_turn(&publish.shared, stop, give_back_at)).await {
+        Ok(turn) => turn,
+        Err(TurnEnd::Stopped) => return requeue(delivery).await,
+        // Waited for the turn until its hold neared `amqp.consumer_timeout`, unparsed.
+        Err(TurnEnd::GiveBack) => {
+            drop(holding);
+            let id = delivery.properties.message_id().as_ref().map(|m| m.as_str().to_owned());
+            return staged(REQUEUE, put_back(publish, a, delivery, id.as_deref(), PutBack { pause: false, own_channel: true }, stop)).await;
+        }
+    };
     let mut attempts = 0;
     let ch = loop {
         match staged(CHANNEL, publish.get()).await {
@@ -568,13 +578,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return;
         }
     };
-    let give_back_at = received + hold_limit(a);
     match staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at)).await {
         ForwardEnd::Forwarded => {}
         ForwardEnd::Requeue => return requeue(delivery).await,
-        ForwardEnd::PutBack { pause } => {
+        ForwardEnd::PutBack(how) => {
             drop(holding);
-            return staged(REQUEUE, put_back(publish, a, delivery, &r, pause, stop)).await;
+            return staged(REQUEUE, put_back(publish, a, delivery, Some(&r.request_id), how, stop)).await;
         }
         ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
         ForwardEnd::InputGone => {
@@ -604,10 +613,35 @@ enum ForwardEnd {
     /// the message to the input queue already, so it was not forwarded (that would only make a
     /// copy that no ack can settle).
     InputGone,
-    /// Its partition queue refuses forwards, and the delivery is not held (any longer): put it
-    /// back into the input queue uncharged ([`put_back`]), after [`PUT_BACK_PAUSE`] when `pause`
-    /// (too many held already: [`held_cap`]), at once otherwise (`stop`, or [`hold_limit`]).
-    PutBack { pause: bool },
+    /// The broker refuses the forward, and the delivery is not held (any longer): put it back
+    /// into the input queue uncharged ([`put_back`]).
+    PutBack(PutBack),
+}
+
+/// How a delivery held for a refused forward goes back into the input queue ([`put_back`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PutBack {
+    /// After [`PUT_BACK_PAUSE`]: too many are held already ([`held_cap`]). Else at once (`stop`,
+    /// or [`hold_limit`]).
+    pause: bool,
+    /// On a channel of its own: the broker refused the channel ([`Refusal::Channel`]), and a
+    /// refused put-back would close the shared one with other publishes queued on it.
+    own_channel: bool,
+}
+
+impl PutBack {
+    /// Put back at once on the shared channel (a partition queue's refusal, `stop`).
+    const NOW: ForwardEnd = ForwardEnd::PutBack(PutBack { pause: false, own_channel: false });
+    /// Put back after a pause on the shared channel ([`held_cap`]).
+    const AFTER_PAUSE: ForwardEnd = ForwardEnd::PutBack(PutBack { pause: true, own_channel: false });
+}
+
+/// Why [`take_turn`] returned without the turn.
+enum TurnEnd {
+    /// `stop` fired.
+    Stopped,
+    /// The delivery's hold neared `amqp.consumer_timeout` ([`hold_limit`]).
+    GiveBack,
 }
 
 /// Why the broker did not take a forward, which decides whose forwards take turns
@@ -648,13 +682,16 @@ fn held_cap(a: &AmqpSettings) -> usize {
 /// broker's speed.
 const PUT_BACK_PAUSE: Duration = Duration::from_secs(1);
 
-/// How long after its receipt an input delivery held for a refusing partition queue is put back
-/// uncharged ([`put_back`]): before RabbitMQ's `consumer_timeout` closes the channel and charges
-/// every delivery on it. [`crate::config::CONSUMER_TIMEOUT_MARGIN`] × `amqp.consumer_timeout` −
-/// 2 × `amqp.confirm_timeout` (the put-back's publish and the forward in flight), as a partition's
-/// batches ([`crate::config::Settings::longest_hold`]).
+/// How long after its receipt an input delivery held for a refused forward (or waiting for its
+/// turn) is put back uncharged ([`put_back`]): before RabbitMQ's `consumer_timeout` closes the
+/// channel and charges every delivery on it. [`crate::config::CONSUMER_TIMEOUT_MARGIN`] ×
+/// `amqp.consumer_timeout` − 2 × `amqp.confirm_timeout` (the put-back's publish and the forward in
+/// flight), as a partition's batches ([`crate::config::Settings::longest_hold`]); at least
+/// [`PUT_BACK_PAUSE`].
 fn hold_limit(a: &AmqpSettings) -> Duration {
-    a.consumer_timeout.mul_f64(crate::config::CONSUMER_TIMEOUT_MARGIN).saturating_sub(a.confirm_timeout * 2)
+    let allowed = a.consumer_timeout.mul_f64(crate::config::CONSUMER_TIMEOUT_MARGIN);
+    // At least PUT_BACK_PAUSE, so that a copy cannot go round at the broker's speed.
+    allowed.saturating_sub(a.confirm_timeout * 2).max(PUT_BACK_PAUSE.min(allowed))
 }
 
 /// One input delivery held for a refusing partition queue, counted in [`PublishChannel::held`]
@@ -680,9 +717,9 @@ impl Drop for HeldSlot<'_> {
 /// forward the broker does not take (a nack included) is held (uncharged,
 /// `holding` counts it) and sent again after [`publisher::hold_backoff`], taking turns with the
 /// other held forwards ([`Refusal`] says which). `turn` is the turn of the forwards held for a
-/// [`Refusal::Channel`], taken before the delivery was parsed. A delivery held for its partition
-/// queue ([`Refusal::Partition`]) is handed back ([`ForwardEnd::PutBack`]) when [`held_cap`] are
-/// held already, when `stop` fires, or at `give_back_at`.
+/// [`Refusal::Channel`], taken before the delivery was parsed. A held delivery is handed back
+/// ([`ForwardEnd::PutBack`]) at `give_back_at`; one held for its partition queue
+/// ([`Refusal::Partition`]) also when [`held_cap`] are held already or when `stop` fires.
 #[allow(clippy::too_many_arguments)] // the parts of one delivery's forward, all borrowed
 async fn forward<'p>(
     publish: &'p PublishChannel,
@@ -754,7 +791,7 @@ async fn forward<'p>(
         }
         redelivery::note_failure(&r.request_id, &format!("forwarding failed: {e}"));
         if stop.is_cancelled() && slot.is_some() {
-            return ForwardEnd::PutBack { pause: false };
+            return PutBack::NOW;
         }
         if stop.is_cancelled() || !conn.status().connected() {
             crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, "forwarding failed; requeueing input after a backoff");
@@ -775,28 +812,32 @@ async fn forward<'p>(
                 if slot.is_none() {
                     slot = HeldSlot::take(&publish.held, held_cap(a));
                     if slot.is_none() {
-                        return ForwardEnd::PutBack { pause: true };
+                        return PutBack::AFTER_PAUSE;
                     }
                 }
                 dest.refused(dest_turn.is_some())
             }
             _ => publish.shared.turns().refused(turn.is_some()),
         };
+        let refusal = Refusal::of(&e);
         let wait = publisher::hold_backoff(a, held.max(step));
         held += 1;
         holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
         log_forward_held(&e, held, wait);
         tokio::select! {
-            _ = stop.cancelled() => return if slot.is_some() { ForwardEnd::PutBack { pause: false } } else { ForwardEnd::Requeue },
-            _ = tokio::time::sleep_until(give_back_at), if slot.is_some() => return ForwardEnd::PutBack { pause: false },
+            _ = stop.cancelled() => return if slot.is_some() { PutBack::NOW } else { ForwardEnd::Requeue },
+            () = tokio::time::sleep_until(give_back_at) => {
+                return ForwardEnd::PutBack(PutBack { pause: false, own_channel: refusal == Refusal::Channel });
+            }
             _ = publisher::wait_to_publish_again(conn, wait) => {}
         }
         drop((turn, dest_turn));
-        let Some(next) = take_turn(&publish.shared, stop).await else {
-            return if slot.is_some() { ForwardEnd::PutBack { pause: false } } else { ForwardEnd::Requeue };
+        turn = match take_turn(&publish.shared, stop, give_back_at).await {
+            Ok(next) => next,
+            Err(TurnEnd::Stopped) => return if slot.is_some() { PutBack::NOW } else { ForwardEnd::Requeue },
+            Err(TurnEnd::GiveBack) => return ForwardEnd::PutBack(PutBack { pause: false, own_channel: true }),
         };
-        turn = next;
         dest_turn = None;
         if dest.is_some_and(RefusalTurns::refusing) {
             match take_partition_turn(publish, a, dest, &mut slot, holding, stop, give_back_at).await {
@@ -829,15 +870,15 @@ async fn take_partition_turn<'p>(
     if slot.is_none() {
         *slot = HeldSlot::take(&publish.held, held_cap(a));
         if slot.is_none() {
-            return Err(ForwardEnd::PutBack { pause: true });
+            return Err(PutBack::AFTER_PAUSE);
         }
     }
     holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
     tokio::select! {
         biased;
         turn = dest.turn() => Ok(turn),
-        _ = stop.cancelled() => Err(ForwardEnd::PutBack { pause: false }),
-        _ = tokio::time::sleep_until(give_back_at) => Err(ForwardEnd::PutBack { pause: false }),
+        _ = stop.cancelled() => Err(PutBack::NOW),
+        _ = tokio::time::sleep_until(give_back_at) => Err(PutBack::NOW),
     }
 }
 
@@ -851,42 +892,53 @@ async fn own_channel(conn: &lapin::Connection, a: &AmqpSettings) -> Result<Confi
     }
 }
 
-/// Puts an input delivery held for a partition queue that refuses forwards back into the input
-/// queue without charging it a delivery ([`ForwardEnd::PutBack`]): after [`PUT_BACK_PAUSE`] when
-/// `pause` (cut short by `stop`), a copy (the same body and properties,
-/// [`publisher::carried_props`], with `message_id` = the request id) is published to the input
-/// queue with a confirm, then the delivery is acked. Quorum queues charge every return of a
-/// delivery (nack, the channel's close, `consumer_timeout`) towards `amqp.delivery_limit`. The
-/// copy goes to the back of the queue, and any instance's router may take it. A copy the broker
-/// does not confirm leaves the delivery to [`requeue_after_backoff`] (charged, never lost); a copy
-/// confirmed whose ack then fails is a duplicate.
-async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, r: &Route, pause: bool, stop: &CancellationToken) {
-    if pause {
+/// Puts an input delivery held for a refused forward back into the input queue without charging
+/// it a delivery ([`ForwardEnd::PutBack`]): after [`PUT_BACK_PAUSE`] when `how.pause` (cut short
+/// by `stop`), a copy (the same body and properties, [`publisher::carried_props`], with
+/// `message_id` = `request_id` when it had none) is published to the input queue with a confirm,
+/// on a channel of its own when `how.own_channel`, then the delivery is acked. Quorum queues
+/// charge every return of a delivery (nack, the channel's close, `consumer_timeout`) towards
+/// `amqp.delivery_limit`. The copy goes to the back of the queue, and any instance's router may
+/// take it. A copy the broker does not confirm leaves the delivery to [`requeue_after_backoff`]
+/// (charged, never lost); a copy confirmed whose ack then fails is a duplicate.
+async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, request_id: Option<&str>, how: PutBack, stop: &CancellationToken) {
+    if how.pause {
         tokio::select! {
             _ = stop.cancelled() => {}
             _ = tokio::time::sleep(PUT_BACK_PAUSE) => {}
         }
     }
     let mut props = publisher::carried_props(&delivery.properties, &[]);
-    if props.message_id().is_none() {
-        if let Ok(id) = short_string("id", &r.request_id, MAX_ID_BYTES) {
-            props = props.with_message_id(id);
-        }
+    if let (None, Some(Ok(id))) = (props.message_id(), request_id.map(|id| short_string("id", id, MAX_ID_BYTES))) {
+        props = props.with_message_id(id);
     }
-    let copied = match publish.get().await {
-        Ok(ch) => publisher::publish_confirmed(&ch, &publish.conns.publish, a, "", &a.input_queue, &delivery.data, props).await.map_err(|e| e.to_string()),
-        Err(e) => Err(e.to_string()),
+    let conn = &publish.conns.publish;
+    let copied = if how.own_channel {
+        match own_channel(conn, a).await {
+            Ok(own) => {
+                let copied = publisher::publish_confirmed(&own, conn, a, "", &a.input_queue, &delivery.data, props).await;
+                let _ = crate::amqp::close_channel(&own, "an input delivery put back").await;
+                copied.map_err(|e| e.to_string())
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    } else {
+        match publish.get().await {
+            Ok(ch) => publisher::publish_confirmed(&ch, conn, a, "", &a.input_queue, &delivery.data, props).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
     };
+    let id = request_id.unwrap_or_default();
     if let Err(e) = copied {
-        crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, request_id = %r.request_id, "could not put an input delivery held for a refusing partition queue back uncharged; requeueing it after a backoff");
+        crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, request_id = %id, "could not put an input delivery held for a refused forward back uncharged; requeueing it after a backoff");
         return requeue_after_backoff(a, delivery, stop).await;
     }
     match crate::amqp::ack(&delivery.acker).await {
         Ok(()) => {
-            debug!(request_id = %r.request_id, partition = r.partition, "put an input delivery held for a refusing partition queue back into the input queue, uncharged");
+            debug!(request_id = %id, "put an input delivery held for a refused forward back into the input queue, uncharged");
             metrics::requests(stage::ROUTER, outcome::RETURNED_UNCHARGED, 1);
         }
-        Err(e) => warn!(request_id = %r.request_id, error = %e, "an input delivery put back uncharged could not be acked: it returns as well and will be answered twice"),
+        Err(e) => warn!(request_id = %id, error = %e, "an input delivery put back uncharged could not be acked: it returns as well and will be answered twice"),
     }
 }
 
@@ -940,13 +992,15 @@ fn log_forward_held(e: &publisher::PublishError, held: u32, wait: std::time::Dur
     }
 }
 
-/// Waits for a forward's turn ([`crate::amqp::RefusalTurns::turn`]): `Some` with the turn (`None`
-/// inside when forwards go concurrently), or `None` when `stop` fired first.
-async fn take_turn<'a>(shared: &'a SharedConfirmChannel, stop: &CancellationToken) -> Option<Option<tokio::sync::MutexGuard<'a, ()>>> {
+/// Waits for the turn of the forwards held for a [`Refusal::Channel`]
+/// ([`crate::amqp::RefusalTurns::turn`]): `Ok` with the turn (`None` inside when forwards go
+/// concurrently), or why not: `stop` fired, or `give_back_at` came first.
+async fn take_turn<'a>(shared: &'a SharedConfirmChannel, stop: &CancellationToken, give_back_at: tokio::time::Instant) -> Result<Option<tokio::sync::MutexGuard<'a, ()>>, TurnEnd> {
     tokio::select! {
         biased;
-        turn = shared.turns().turn() => Some(turn),
-        _ = stop.cancelled() => None,
+        turn = shared.turns().turn() => Ok(turn),
+        _ = stop.cancelled() => Err(TurnEnd::Stopped),
+        () = tokio::time::sleep_until(give_back_at) => Err(TurnEnd::GiveBack),
     }
 }
 

@@ -1229,6 +1229,47 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// Forwards refused for longer than `amqp.consumer_timeout` allows (write access to the shard
+/// exchange revoked: 403 `ACCESS_REFUSED`): each held delivery, and each waiting for its turn, is
+/// put back into the input queue uncharged when its hold nears the timeout (here 15 s: after
+/// 0.8 × 15 s − 2 × `amqp.confirm_timeout` = 8 s), instead of being charged a delivery when
+/// RabbitMQ's `consumer_timeout` closes the channel. `amqp.delivery_limit = 2`, as in
+/// [`a_broker_refusing_forwards_holds_the_requests_uncharged`], whose first attempts can meet a
+/// closed connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "heavy: holds publishes for half a minute; run alone by the heavy stage of scripts/test"]
+async fn forwards_refused_beyond_the_consumer_timeout_are_put_back_uncharged() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let user = BrokerUser::create("forwardsputback");
+    let env = TestEnv::new("forwardsputback");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.url = user.url();
+    raw.amqp.delivery_limit = 2;
+    raw.amqp.consumer_timeout = "15s".into();
+    raw.amqp.confirm_timeout = "2s".into();
+    raw.llm.request_timeout = "2s".into();
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    user.permit_writes(&format!("^(?!{}$).*", env.shard_exchange().replace('.', "\\.")));
+    // Channels opened before keep their write access (RabbitMQ caches it per channel): the
+    // deleted exchange closes the router's, and the forwards on the next one are refused.
+    st.amqp.ch.exchange_delete(env.shard_exchange().as_str().into(), Default::default()).await.expect("delete the shard exchange");
+    let put_back = || metric("prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"router\"}");
+    let put_back_before = put_back();
+    let reqs = completions_workload("forwardsputback", 10, 2);
+    st.amqp.publish_requests(&env.input_queue(), &reqs, &st.reply).await;
+    let all_put_back = wait_for("every held delivery put back", Duration::from_secs(40), || async { put_back() >= put_back_before + 10.0 }).await;
+    assert!(all_put_back, "{} of 10 held deliveries put back within 40 s", put_back() - put_back_before);
+    assert!(st.results.received.is_empty(), "answered although the broker refused every forward");
+    user.permit_writes(".*");
+    st.results.until_all(&ids(&reqs), DEADLINE).await;
+    st.results.collect_for(Duration::from_secs(1)).await;
+    st.results.assert_one_ok_result_each(&reqs, "after forwards refused beyond the consumer timeout");
+    dead.collect_for(Duration::from_millis(500)).await;
+    assert!(dead.received.is_empty(), "requests charged and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// One partition queue refusing forwards for long (full, with `overflow = reject-publish`, and
 /// nobody consuming it: another instance holds its lease) while the other partition queues take
 /// theirs. Its forwards are held, at most half of `amqp.input_prefetch` at once, and those beyond
