@@ -577,8 +577,9 @@ pub use crate::amqp::{header_str, header_u64};
 /// over from the original: an allowlist, never a blind copy. Copied: `content_type`,
 /// `content_encoding`, `correlation_id`, `reply_to`, `message_id`, `timestamp`, `type`, `app_id`,
 /// `priority`, `delivery_mode` and the headers (without `x-delivery-count`: the next queue counts
-/// its own deliveries; without `x-earlier-deliveries`, `x-input-redelivered`, `x-forward-id` and
-/// `x-request-id`, which only the daemon sets), with `extra` added.
+/// its own deliveries; without `x-earlier-deliveries`, `x-input-redelivered`, `x-forward-id`,
+/// `x-request-id`, `x-forwarded-before` and `x-put-back-at-ms`, which the daemon sets:
+/// [`OWN_HEADERS`]), with `extra` added.
 ///
 /// Never copied: `user_id`, which RabbitMQ checks against the publishing connection's user (a
 /// mismatch closes the channel with 406 `PRECONDITION_FAILED`,
@@ -616,8 +617,15 @@ pub const SENDER_ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
 
 /// Headers only the daemon (or the queue) sets: [`carried_props`] never copies them from the
 /// original, so a publisher cannot set them.
-pub const OWN_HEADERS: [&str; 5] =
-    [HEADER_DELIVERY_COUNT, redelivery::HEADER_EARLIER_DELIVERIES, redelivery::HEADER_INPUT_REDELIVERED, redelivery::HEADER_FORWARD_ID, HEADER_REQUEST_ID];
+pub const OWN_HEADERS: [&str; 7] = [
+    HEADER_DELIVERY_COUNT,
+    redelivery::HEADER_EARLIER_DELIVERIES,
+    redelivery::HEADER_INPUT_REDELIVERED,
+    redelivery::HEADER_FORWARD_ID,
+    HEADER_REQUEST_ID,
+    redelivery::HEADER_FORWARDED_BEFORE,
+    redelivery::HEADER_PUT_BACK_AT_MS,
+];
 
 /// Headers the router sets on each forward (a publisher's own are replaced).
 pub const ROUTING_HEADERS: [&str; 3] = [HEADER_SHARD, HEADER_ROUTED_KEY, HEADER_ROUTED_AT_MS];

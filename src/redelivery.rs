@@ -92,6 +92,21 @@ pub const HEADER_EARLIER_DELIVERIES: &str = "x-earlier-deliveries";
 /// ([`crate::publisher::carried_props`]). Read by [`is_second_copy`].
 pub const HEADER_INPUT_REDELIVERED: &str = "x-input-redelivered";
 
+/// Header the router sets (to `1`) on a copy of an input delivery that it put back into the
+/// input queue after a forward whose outcome it could not know (no confirm in time, or an earlier
+/// publish on its channel failed): the broker may still have enqueued that forward. The router
+/// marks the forward of such a copy with [`HEADER_INPUT_REDELIVERED`], as it does for a
+/// redelivered input message, so the partition's owner answers it once ([`is_second_copy`]).
+/// A publisher can set it too: its forward is then marked, which only makes a later identical
+/// copy of that request (same fingerprint) count as a second copy.
+pub const HEADER_FORWARDED_BEFORE: &str = "x-forwarded-before";
+
+/// Header the router sets on a copy of an input delivery that it put back into the input queue:
+/// when it did so (Unix milliseconds). A copy that comes back sooner than one put-back pause
+/// waits out the rest of it before going back again, so that copies cannot go round at the
+/// broker's speed (`crate::router`).
+pub const HEADER_PUT_BACK_AT_MS: &str = "x-put-back-at-ms";
+
 /// Header the router sets on every forward: a fresh UUID v4 (32 hex digits) naming that one
 /// message, kept across its redeliveries from the partition queue. Set only by the router
 /// (dropped from what publishers send and from the copies the daemon publishes again,

@@ -524,7 +524,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         Err(TurnEnd::GiveBack) => {
             drop(holding);
             let id = delivery.properties.message_id().as_ref().map(|m| m.as_str().to_owned());
-            return staged(REQUEUE, put_back(publish, a, delivery, id.as_deref(), PutBack { pause: false, own_channel: true }, stop)).await;
+            return staged(REQUEUE, put_back(publish, a, delivery, id.as_deref(), PutBack { pause: false, own_channel: true }, false, stop)).await;
         }
     };
     let mut attempts = 0;
@@ -578,12 +578,14 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
             return;
         }
     };
-    match staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at)).await {
+    // Whether an attempt's outcome is unknown: the broker may have taken that forward.
+    let mut forwarded_maybe = false;
+    match staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at, &mut forwarded_maybe)).await {
         ForwardEnd::Forwarded => {}
         ForwardEnd::Requeue => return requeue(delivery).await,
         ForwardEnd::PutBack(how) => {
             drop(holding);
-            return staged(REQUEUE, put_back(publish, a, delivery, Some(&r.request_id), how, stop)).await;
+            return staged(REQUEUE, put_back(publish, a, delivery, Some(&r.request_id), how, forwarded_maybe, stop)).await;
         }
         ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
         ForwardEnd::InputGone => {
@@ -621,8 +623,9 @@ enum ForwardEnd {
 /// How a delivery held for a refused forward goes back into the input queue ([`put_back`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct PutBack {
-    /// After [`PUT_BACK_PAUSE`]: too many are held already ([`held_cap`]). Else at once (`stop`,
-    /// or [`hold_limit`]).
+    /// Too many are held already ([`held_cap`]): a copy that comes back within
+    /// [`PUT_BACK_PAUSE`] of its last put-back ([`redelivery::HEADER_PUT_BACK_AT_MS`]) waits out
+    /// the rest of it first. Else at once (`stop`, or [`hold_limit`]).
     pause: bool,
     /// On a channel of its own: the broker refused the channel ([`Refusal::Channel`]), and a
     /// refused put-back would close the shared one with other publishes queued on it.
@@ -677,10 +680,21 @@ fn held_cap(a: &AmqpSettings) -> usize {
     usize::from(a.input_prefetch / 2).max(1)
 }
 
-/// How long a delivery beyond [`held_cap`] waits before it is put back: a copy of the only kind
-/// of request left in the input queue would otherwise come straight back, and go round at the
-/// broker's speed.
+/// How often at most a delivery beyond [`held_cap`] goes back into the input queue: a copy that
+/// comes back sooner (the input queue holds little else) waits out the rest of this pause first,
+/// or it would go round at the broker's speed. A delivery taken for the first time, or a copy
+/// that spent longer in the queue (others wait ahead of it), goes back at once: a pause holds a
+/// prefetch slot, and with many such requests the pauses came to hold the prefetch the others
+/// need (measured by an outside test with 1 s pauses for all: 20 requests/s, half for the
+/// refusing queue, prefetch 16, got 5/s of the others through, and a backlog grew).
 const PUT_BACK_PAUSE: Duration = Duration::from_secs(1);
+
+/// The longest wait between the attempts of the forwards to a partition queue that refuses them
+/// ([`Refusal::Partition`]), below `amqp.reconnect_backoff_max` when that is longer: one publish
+/// per partition per wait, on a channel of its own, costs the broker little, and the held
+/// forwards go within this long after the queue takes them again (with the 30 s default of
+/// `amqp.reconnect_backoff_max`, an outside test saw them go up to 26 s after the fault ended).
+const PARTITION_RETRY_MAX: Duration = Duration::from_secs(5);
 
 /// How long after its receipt an input delivery held for a refused forward (or waiting for its
 /// turn) is put back uncharged ([`put_back`]): before RabbitMQ's `consumer_timeout` closes the
@@ -732,6 +746,7 @@ async fn forward<'p>(
     stop: &CancellationToken,
     holding: &mut Option<metrics::HeldPublish>,
     give_back_at: tokio::time::Instant,
+    forwarded_maybe: &mut bool,
 ) -> ForwardEnd {
     let rk = AmqpSettings::partition_routing_key(r.partition);
     let dest = publish.partitions.get(r.partition as usize);
@@ -786,6 +801,10 @@ async fn forward<'p>(
             crate::partition::forwarded_to(&a.partition_queue(r.partition), sent_at);
             return ForwardEnd::Forwarded;
         };
+        // No confirm, or behind a failed publish: the broker may have enqueued it all the same.
+        if matches!(e, publisher::PublishError::Timeout(_) | publisher::PublishError::AfterFailed) {
+            *forwarded_maybe = true;
+        }
         if repair_route(publish, a, r.partition, &e, &mut ch, &mut declared_again).await {
             continue;
         }
@@ -820,7 +839,12 @@ async fn forward<'p>(
             _ => publish.shared.turns().refused(turn.is_some()),
         };
         let refusal = Refusal::of(&e);
-        let wait = publisher::hold_backoff(a, held.max(step));
+        let wait = match refusal {
+            // One attempt per backoff for the partition, on a channel of its own: cheap, so the
+            // wait stays short and the forwards go soon after the queue takes them again.
+            Refusal::Partition => publisher::hold_backoff(a, held.max(step)).min(PARTITION_RETRY_MAX),
+            Refusal::Channel => publisher::hold_backoff(a, held.max(step)),
+        };
         held += 1;
         holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
         metrics::requests(stage::ROUTER, outcome::FORWARD_HELD, 1);
@@ -893,22 +917,35 @@ async fn own_channel(conn: &lapin::Connection, a: &AmqpSettings) -> Result<Confi
 }
 
 /// Puts an input delivery held for a refused forward back into the input queue without charging
-/// it a delivery ([`ForwardEnd::PutBack`]): after [`PUT_BACK_PAUSE`] when `how.pause` (cut short
-/// by `stop`), a copy (the same body and properties, [`publisher::carried_props`], with
-/// `message_id` = `request_id` when it had none) is published to the input queue with a confirm,
-/// on a channel of its own when `how.own_channel`, then the delivery is acked. Quorum queues
+/// it a delivery ([`ForwardEnd::PutBack`]): after the rest of [`PUT_BACK_PAUSE`] when `how.pause`
+/// (cut short by `stop`), a copy (the same body and properties, [`publisher::carried_props`],
+/// with `message_id` = `request_id` when it had none, [`redelivery::HEADER_PUT_BACK_AT_MS`], and
+/// [`redelivery::HEADER_FORWARDED_BEFORE`] when a forward of it may have reached its partition
+/// queue: `forwarded_maybe`, or the delivery was marked or redelivered) is published to the
+/// input queue with a confirm, on a channel of its own when `how.own_channel`, then the delivery
+/// is acked. Quorum queues
 /// charge every return of a delivery (nack, the channel's close, `consumer_timeout`) towards
 /// `amqp.delivery_limit`. The copy goes to the back of the queue, and any instance's router may
 /// take it. A copy the broker does not confirm leaves the delivery to [`requeue_after_backoff`]
 /// (charged, never lost); a copy confirmed whose ack then fails is a duplicate.
-async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, request_id: Option<&str>, how: PutBack, stop: &CancellationToken) {
+async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, request_id: Option<&str>, how: PutBack, forwarded_maybe: bool, stop: &CancellationToken) {
+    let headers = delivery.properties.headers().as_ref();
     if how.pause {
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            _ = tokio::time::sleep(PUT_BACK_PAUSE) => {}
+        let since = publisher::header_u64(headers, redelivery::HEADER_PUT_BACK_AT_MS).map(|at| publisher::unix_ms().saturating_sub(at));
+        let rest = since.map_or(Duration::ZERO, |ms| PUT_BACK_PAUSE.saturating_sub(Duration::from_millis(ms)));
+        if !rest.is_zero() {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = tokio::time::sleep(rest) => {}
+            }
         }
     }
-    let mut props = publisher::carried_props(&delivery.properties, &[]);
+    let mut extra = vec![(redelivery::HEADER_PUT_BACK_AT_MS, publisher::unix_ms().to_string())];
+    let marked = publisher::header_u64(headers, redelivery::HEADER_FORWARDED_BEFORE).is_some_and(|v| v > 0);
+    if forwarded_maybe || marked || delivery.redelivered {
+        extra.push((redelivery::HEADER_FORWARDED_BEFORE, "1".to_owned()));
+    }
+    let mut props = publisher::carried_props(&delivery.properties, &extra);
     if let (None, Some(Ok(id))) = (props.message_id(), request_id.map(|id| short_string("id", id, MAX_ID_BYTES))) {
         props = props.with_message_id(id);
     }
@@ -1043,7 +1080,7 @@ fn forward_props(props: &BasicProperties, r: &Route, redelivered: bool) -> Resul
         (HEADER_ROUTED_AT_MS, publisher::unix_ms().to_string()),
         (redelivery::HEADER_FORWARD_ID, uuid::Uuid::new_v4().simple().to_string()),
     ];
-    if redelivered {
+    if redelivered || publisher::header_u64(props.headers().as_ref(), redelivery::HEADER_FORWARDED_BEFORE).is_some_and(|v| v > 0) {
         headers.push((redelivery::HEADER_INPUT_REDELIVERED, "1".to_owned()));
     }
     let p = publisher::carried_props(props, &headers)

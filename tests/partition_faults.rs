@@ -1229,6 +1229,72 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// The Raft member of a quorum queue, suspended (`sys:suspend`) while it lives, resumed when
+/// dropped: the queue takes publishes and confirms none of them, as a queue whose leader's node
+/// stalls does.
+struct SuspendedQueue(String);
+
+impl SuspendedQueue {
+    fn suspend(queue: &str) -> SuspendedQueue {
+        let ra = format!("'%2F_{queue}'");
+        let out = broker::rabbitmqctl(&["eval", &format!("sys:suspend(whereis({ra})).")]).expect("rabbitmqctl eval sys:suspend");
+        assert_eq!(out.trim(), "ok", "suspending the Raft member of {queue}");
+        SuspendedQueue(ra)
+    }
+}
+
+impl Drop for SuspendedQueue {
+    fn drop(&mut self) {
+        let _ = broker::rabbitmqctl(&["eval", &format!("sys:resume(whereis({})).", self.0)]);
+    }
+}
+
+/// A partition queue that confirms no forward (its Raft member suspended) for longer than
+/// `amqp.confirm_timeout`, while the others take theirs: the forwards sent to it before the
+/// router knew are held or put back into the input queue, but the broker enqueues them once the
+/// queue runs again. The copies put back carry `x-forwarded-before`, so their forwards are marked
+/// and the owner answers each request once. Reported before by an outside test: 8 of 200 answered
+/// twice with an input prefetch of 16, 128 of 400 with 256.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwards_a_partition_queue_never_confirmed_are_answered_once() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("unconfirmed");
+    let mut raw = env.raw_config(fake.url.as_str());
+    raw.amqp.delivery_limit = 1;
+    raw.amqp.input_prefetch = 16;
+    raw.amqp.confirm_timeout = "2s".into();
+    raw.keying.mode = "prefix".into();
+    raw.sharding.default_shards = 1;
+    let partitions = NonZeroU32::new(PARTITIONS).unwrap();
+    let partition_of_group = |g: usize| partition_of(PrefixKey::of(&group_prefix(g)), 0, partitions);
+    let stalled = partition_of_group(0);
+    let others: Vec<usize> = (1..64).filter(|&g| partition_of_group(g) != stalled).take(4).collect();
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let put_back = || metric("prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"router\"}");
+    let put_back_before = put_back();
+    let suspended = SuspendedQueue::suspend(&env.partition_queue(stalled));
+
+    let to_stalled: Vec<TestRequest> = (0..40).map(|i| completion(&format!("unconfirmed-p-{i}"), 0, &format!(" question {i}?"))).collect();
+    let to_others: Vec<TestRequest> =
+        (0..40).map(|i| completion(&format!("unconfirmed-o-{i}"), others[i % others.len()], &format!(" question {i}?"))).collect();
+    st.amqp.publish_requests(&env.input_queue(), &to_stalled, &st.reply).await;
+    st.amqp.publish_requests(&env.input_queue(), &to_others, &st.reply).await;
+    st.results.until_all(&ids(&to_others), DEADLINE).await;
+    assert!(put_back() > put_back_before, "no delivery beyond half the input prefetch was put back");
+    drop(suspended);
+
+    let all: Vec<TestRequest> = to_stalled.iter().chain(&to_others).cloned().collect();
+    st.results.until_all(&ids(&all), DEADLINE).await;
+    // Time for second answers: the queue has run again for the held forwards' next attempt (at
+    // most 5 s) and the forwards of the copies.
+    st.results.collect_for(Duration::from_secs(8)).await;
+    st.results.assert_one_ok_result_each(&all, "after a partition queue confirmed no forward");
+    dead.collect_for(Duration::from_millis(500)).await;
+    assert!(dead.received.is_empty(), "requests charged and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// Forwards refused for longer than `amqp.consumer_timeout` allows (write access to the shard
 /// exchange revoked: 403 `ACCESS_REFUSED`): each held delivery, and each waiting for its turn, is
 /// put back into the input queue uncharged when its hold nears the timeout (here 15 s: after
