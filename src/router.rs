@@ -931,8 +931,7 @@ async fn own_channel(conn: &lapin::Connection, a: &AmqpSettings) -> Result<Confi
 async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, request_id: Option<&str>, how: PutBack, forwarded_maybe: bool, stop: &CancellationToken) {
     let headers = delivery.properties.headers().as_ref();
     if how.pause {
-        let since = publisher::header_u64(headers, redelivery::HEADER_PUT_BACK_AT_MS).map(|at| publisher::unix_ms().saturating_sub(at));
-        let rest = since.map_or(Duration::ZERO, |ms| PUT_BACK_PAUSE.saturating_sub(Duration::from_millis(ms)));
+        let rest = rest_of_pause(headers, publisher::unix_ms());
         if !rest.is_zero() {
             tokio::select! {
                 _ = stop.cancelled() => {}
@@ -977,6 +976,14 @@ async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery
         }
         Err(e) => warn!(request_id = %id, error = %e, "an input delivery put back uncharged could not be acked: it returns as well and will be answered twice"),
     }
+}
+
+/// How long a delivery beyond [`held_cap`] waits before it goes back into the input queue, at
+/// `now_ms` (Unix milliseconds): the rest of [`PUT_BACK_PAUSE`] since its last put-back
+/// ([`redelivery::HEADER_PUT_BACK_AT_MS`] in `headers`), zero for a delivery never put back.
+fn rest_of_pause(headers: Option<&FieldTable>, now_ms: u64) -> Duration {
+    let since = publisher::header_u64(headers, redelivery::HEADER_PUT_BACK_AT_MS).map(|at| now_ms.saturating_sub(at));
+    since.map_or(Duration::ZERO, |ms| PUT_BACK_PAUSE.saturating_sub(Duration::from_millis(ms)))
 }
 
 /// After a failed forward on `ch`: when the route is missing (`e` says so), declares it again
@@ -1280,5 +1287,14 @@ mod tests {
         assert_eq!(held.load(Ordering::Acquire), 0, "a slot is freed when its delivery ends");
         raw.amqp.input_prefetch = 1;
         assert_eq!(held_cap(&Settings::from_raw(&raw).unwrap().amqp), 1, "at least one is held, to find out when the queue takes forwards again");
+    }
+
+    #[test]
+    fn a_copy_back_within_the_pause_waits_out_its_rest_and_others_go_at_once() {
+        let at = |ms: u64| publisher::headers_with(None, &[(redelivery::HEADER_PUT_BACK_AT_MS, ms.to_string())]);
+        assert_eq!(rest_of_pause(None, 10_000), Duration::ZERO, "taken for the first time: at once");
+        assert_eq!(rest_of_pause(Some(&at(9_700)), 10_000), Duration::from_millis(700), "back after 300 ms");
+        assert_eq!(rest_of_pause(Some(&at(8_000)), 10_000), Duration::ZERO, "back after 2 s: others waited ahead of it");
+        assert_eq!(rest_of_pause(Some(&at(20_000)), 10_000), PUT_BACK_PAUSE, "a time ahead of the clock waits one pause, no more");
     }
 }
