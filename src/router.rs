@@ -116,7 +116,7 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
     let partitions = (0..settings.amqp.partitions.get()).map(|_| RefusalTurns::default()).collect();
-    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes, partitions, held: AtomicUsize::new(0) });
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes, partitions, held: AtomicUsize::new(0), put_back_next: std::sync::Mutex::new(None) });
     let a = &settings.amqp;
     let mut inflight = JoinSet::new();
     // One delivery at a time, after a failure (see above).
@@ -455,9 +455,20 @@ struct PublishChannel {
     /// Input deliveries held now for partition queues that refuse forwards ([`HeldSlot`]), at
     /// most [`held_cap`].
     held: AtomicUsize,
+    /// The earliest time the next copy beyond [`held_cap`] may go back into the input queue
+    /// ([`PublishChannel::pace_put_back`]).
+    put_back_next: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 impl PublishChannel {
+    /// When a copy beyond [`held_cap`] that may go back at `earliest` goes back: copies go back
+    /// at most [`put_back_budget`] a second from this router, each at its own time. A copy waits
+    /// holding its prefetch slot, and the slots bound how many wait, so no copy waits much longer
+    /// than [`PUT_BACK_PAUSE`].
+    fn pace_put_back(&self, a: &AmqpSettings, earliest: tokio::time::Instant) -> tokio::time::Instant {
+        pace(&self.put_back_next, a, earliest)
+    }
+
     /// The channel to publish on ([`SharedConfirmChannel::get`]).
     async fn get(&self) -> Result<ConfirmChannel, lapin::Error> {
         if !self.conns.publish.status().connected() {
@@ -682,12 +693,31 @@ fn held_cap(a: &AmqpSettings) -> usize {
 
 /// How often at most a delivery beyond [`held_cap`] goes back into the input queue: a copy that
 /// comes back sooner (the input queue holds little else) waits out the rest of this pause first,
-/// or it would go round at the broker's speed. A delivery taken for the first time, or a copy
-/// that spent longer in the queue (others wait ahead of it), goes back at once: a pause holds a
-/// prefetch slot, and with many such requests the pauses came to hold the prefetch the others
-/// need (measured by an outside test with 1 s pauses for all: 20 requests/s, half for the
-/// refusing queue, prefetch 16, got 5/s of the others through, and a backlog grew).
+/// or it would go round at the broker's speed. A delivery taken for the first time goes back at
+/// once, and so does a copy that spent longer in the queue (others wait ahead of it) while the
+/// router stays within [`put_back_budget`]: a pause holds a prefetch slot, and with many such
+/// requests the pauses came to hold the prefetch the others need (measured by an outside test
+/// with 1 s pauses for all: 20 requests/s, half for the refusing queue, prefetch 16, got 5/s of
+/// the others through, and a backlog grew).
 const PUT_BACK_PAUSE: Duration = Duration::from_secs(1);
+
+/// How many copies beyond [`held_cap`] a router puts back into the input queue a second at most
+/// ([`PublishChannel::pace_put_back`]): the rest of `amqp.input_prefetch`, at least 1. With every
+/// partition queue refusing, the copies would otherwise go round as fast as the router takes
+/// them (once each has spent [`PUT_BACK_PAUSE`] in the queue), each a publish and an ack the
+/// input queue writes to disk.
+fn put_back_budget(a: &AmqpSettings) -> usize {
+    usize::from(a.input_prefetch).saturating_sub(held_cap(a)).max(1)
+}
+
+/// [`PublishChannel::pace_put_back`] on `next`, the earliest time of the next copy.
+fn pace(next: &std::sync::Mutex<Option<tokio::time::Instant>>, a: &AmqpSettings, earliest: tokio::time::Instant) -> tokio::time::Instant {
+    let interval = PUT_BACK_PAUSE / u32::try_from(put_back_budget(a)).unwrap_or(u32::MAX);
+    let mut next = next.lock().unwrap_or_else(|p| p.into_inner());
+    let at = next.map_or(earliest, |n| n.max(earliest));
+    *next = Some(at + interval);
+    at
+}
 
 /// The longest wait between the attempts of the forwards to a partition queue that refuses them
 /// ([`Refusal::Partition`]), below `amqp.reconnect_backoff_max` when that is longer: one publish
@@ -930,13 +960,13 @@ async fn own_channel(conn: &lapin::Connection, a: &AmqpSettings) -> Result<Confi
 /// (charged, never lost); a copy confirmed whose ack then fails is a duplicate.
 async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery, request_id: Option<&str>, how: PutBack, forwarded_maybe: bool, stop: &CancellationToken) {
     let headers = delivery.properties.headers().as_ref();
-    if how.pause {
-        let rest = rest_of_pause(headers, publisher::unix_ms());
-        if !rest.is_zero() {
-            tokio::select! {
-                _ = stop.cancelled() => {}
-                _ = tokio::time::sleep(rest) => {}
-            }
+    // A copy put back before waits out the rest of its pause, within the budget; one taken for
+    // the first time goes back at once (the publishers' own rate bounds those).
+    if how.pause && publisher::header_u64(headers, redelivery::HEADER_PUT_BACK_AT_MS).is_some() {
+        let at = publish.pace_put_back(a, tokio::time::Instant::now() + rest_of_pause(headers, publisher::unix_ms()));
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = tokio::time::sleep_until(at) => {}
         }
     }
     let mut extra = vec![(redelivery::HEADER_PUT_BACK_AT_MS, publisher::unix_ms().to_string())];
@@ -1296,5 +1326,20 @@ mod tests {
         assert_eq!(rest_of_pause(Some(&at(9_700)), 10_000), Duration::from_millis(700), "back after 300 ms");
         assert_eq!(rest_of_pause(Some(&at(8_000)), 10_000), Duration::ZERO, "back after 2 s: others waited ahead of it");
         assert_eq!(rest_of_pause(Some(&at(20_000)), 10_000), PUT_BACK_PAUSE, "a time ahead of the clock waits one pause, no more");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn copies_go_back_at_most_the_rest_of_the_prefetch_a_second() {
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.input_prefetch = 16;
+        let a = Settings::from_raw(&raw).unwrap().amqp;
+        assert_eq!(put_back_budget(&a), 8);
+        let next = std::sync::Mutex::new(None);
+        let now = tokio::time::Instant::now();
+        let times: Vec<Duration> = (0..10).map(|_| pace(&next, &a, now) - now).collect();
+        let step = Duration::from_millis(125);
+        assert_eq!(times, (0..10).map(|i| step * i).collect::<Vec<_>>(), "8 a second, each at its own time");
+        let later = now + Duration::from_secs(5);
+        assert_eq!(pace(&next, &a, later), later, "a copy due after the budget's last slot goes at once");
     }
 }

@@ -1392,9 +1392,9 @@ async fn a_partition_queue_refusing_forwards_holds_up_no_other_partition() {
     assert_eq!(answered(&st), to_others.len(), "requests for the other partitions answered while partition {refusing} refused forwards");
     let refused_answered = st.results.received.iter().filter(|m| m.correlation_id.starts_with("refusingpartition-p-")).count();
     assert_eq!(refused_answered, 0, "answered although their partition queue refused forwards");
+    // (The metrics are the test process's: other tests running at the same time hold and put back
+    // forwards too, so the number held is not checked against the cap here.)
     assert!(put_back() > put_back_before, "no delivery beyond half the input prefetch was put back");
-    let held = metric("prefix_batcher_held_publishes{kind=\"forward\"}");
-    assert!((1.0..=8.0).contains(&held), "held_publishes{{kind=\"forward\"}} = {held}: at most half the input prefetch (8)");
 
     // A stop while the forwards are held puts them back uncharged: all 40 wait in the input queue
     // for the next start.
