@@ -810,16 +810,7 @@ async fn forward<'p>(
         let props = if held == 0 { fwd.clone() } else { routed_now(&fwd) };
         let outcome = if dest_turn.is_some() {
             // Its partition queue refuses forwards: the attempt goes on a channel of its own.
-            match own_channel(conn, a).await {
-                Ok(own) => {
-                    let outcome = publisher::publish_confirmed(&own, conn, a, &a.shard_exchange, &rk, &input.data, props).await;
-                    tokio::spawn(async move {
-                        let _ = crate::amqp::close_channel(&own, "a forward to a refusing partition queue").await;
-                    });
-                    outcome
-                }
-                Err(e) => Err(publisher::PublishError::Amqp(e)),
-            }
+            publish_on_own_channel(conn, a, &a.shard_exchange, &rk, &input.data, props).await
         } else {
             // A channel that was closed or had a publish fail since it was taken is replaced.
             if let Err(err) = publish.renew(&mut ch).await {
@@ -862,19 +853,16 @@ async fn forward<'p>(
         // ([`publisher::PublishError::AfterFailed`]) may or may not have been taken: held and
         // sent again, it may add a copy, which the owner answers once
         // ([`redelivery::is_second_copy`]).
-        let step = match (Refusal::of(&e), dest) {
+        let refusal = Refusal::of(&e);
+        let step = match (refusal, dest) {
             (Refusal::Partition, Some(dest)) => {
-                if slot.is_none() {
-                    slot = HeldSlot::take(&publish.held, held_cap(a));
-                    if slot.is_none() {
-                        return PutBack::AFTER_PAUSE;
-                    }
+                if let Err(end) = hold(publish, a, &mut slot) {
+                    return end;
                 }
                 dest.refused(dest_turn.is_some())
             }
             _ => publish.shared.turns().refused(turn.is_some()),
         };
-        let refusal = Refusal::of(&e);
         let wait = match refusal {
             // One attempt per backoff for the partition, on a channel of its own: cheap, so the
             // wait stays short and the forwards go soon after the queue takes them again.
@@ -927,12 +915,7 @@ async fn take_partition_turn<'p>(
     give_back_at: tokio::time::Instant,
 ) -> Result<Option<tokio::sync::MutexGuard<'p, ()>>, ForwardEnd> {
     let Some(dest) = dest else { return Ok(None) };
-    if slot.is_none() {
-        *slot = HeldSlot::take(&publish.held, held_cap(a));
-        if slot.is_none() {
-            return Err(PutBack::AFTER_PAUSE);
-        }
-    }
+    hold(publish, a, slot)?;
     holding.get_or_insert_with(|| metrics::HeldPublish::new("forward"));
     tokio::select! {
         biased;
@@ -942,14 +925,39 @@ async fn take_partition_turn<'p>(
     }
 }
 
-/// A confirm-mode channel of its own for one attempt of a forward to a partition queue that
-/// refuses forwards ([`Refusal::Partition`]); its opening bounded by `amqp.confirm_timeout` (a
-/// connection the broker blocked answers no `channel.open`).
-async fn own_channel(conn: &lapin::Connection, a: &AmqpSettings) -> Result<ConfirmChannel, lapin::Error> {
-    match tokio::time::timeout(a.confirm_timeout, ConfirmChannel::open(conn)).await {
-        Ok(opened) => opened,
-        Err(_) => Err(lapin::Error::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "channel.open not answered within amqp.confirm_timeout"))),
+/// Holds the delivery for a refusing partition queue in a [`HeldSlot`] (`slot`, unless it holds
+/// one already), or hands it back ([`PutBack::AFTER_PAUSE`]) when [`held_cap`] are held already.
+fn hold<'p>(publish: &'p PublishChannel, a: &AmqpSettings, slot: &mut Option<HeldSlot<'p>>) -> Result<(), ForwardEnd> {
+    if slot.is_none() {
+        *slot = Some(HeldSlot::take(&publish.held, held_cap(a)).ok_or(PutBack::AFTER_PAUSE)?);
     }
+    Ok(())
+}
+
+/// Publishes one message with a confirm ([`publisher::publish_confirmed`]) on a confirm-mode
+/// channel opened for it and closed after it (in the background): an attempt of a forward to a
+/// partition queue that refuses forwards ([`Refusal::Partition`]), or a put-back after the broker
+/// refused the shared channel ([`Refusal::Channel`]), so that a refusal closes or holds up no
+/// other publish. The channel's opening is bounded by `amqp.confirm_timeout` (a connection the
+/// broker blocked answers no `channel.open`); a failed opening is a
+/// [`publisher::PublishError::Amqp`].
+async fn publish_on_own_channel(
+    conn: &Arc<lapin::Connection>,
+    a: &AmqpSettings,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+) -> Result<(), publisher::PublishError> {
+    let own = match tokio::time::timeout(a.confirm_timeout, ConfirmChannel::open(conn)).await {
+        Ok(opened) => opened?,
+        Err(_) => return Err(lapin::Error::from(std::io::Error::new(std::io::ErrorKind::TimedOut, "channel.open not answered within amqp.confirm_timeout")).into()),
+    };
+    let outcome = publisher::publish_confirmed(&own, conn, a, exchange, routing_key, body, props).await;
+    tokio::spawn(async move {
+        let _ = crate::amqp::close_channel(&own, "a publish on a channel of its own").await;
+    });
+    outcome
 }
 
 /// Puts an input delivery held for a refused forward back into the input queue without charging
@@ -997,14 +1005,7 @@ async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery
             props = props.with_message_id(id);
         }
         let outcome = if how.own_channel {
-            match own_channel(conn, a).await {
-                Ok(own) => {
-                    let outcome = publisher::publish_confirmed(&own, conn, a, "", &a.input_queue, &delivery.data, props).await;
-                    let _ = crate::amqp::close_channel(&own, "an input delivery put back").await;
-                    outcome
-                }
-                Err(e) => Err(publisher::PublishError::Amqp(e)),
-            }
+            publish_on_own_channel(conn, a, "", &a.input_queue, &delivery.data, props).await
         } else {
             match publish.get().await {
                 Ok(ch) => publisher::publish_confirmed(&ch, conn, a, "", &a.input_queue, &delivery.data, props).await,
