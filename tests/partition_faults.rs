@@ -1229,6 +1229,66 @@ async fn a_broker_refusing_forwards_holds_the_requests_uncharged() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// For the tests of one partition queue apart from the others: a configuration of `env` where
+/// each prefix group goes to exactly one partition (static prefix keys, one shard), with
+/// `amqp.delivery_limit = 1` (one charge dead-letters a request) and an input prefetch of 16
+/// (at most 8 held for refusing queues); the partition of group 0; 40 requests of group 0
+/// (ids `{tag}-p-N`) and, published after them, 40 spread over 4 groups of other partitions
+/// (`{tag}-o-N`).
+struct OnePartitionApart {
+    raw: RawConfig,
+    partition: u32,
+    to_it: Vec<TestRequest>,
+    to_others: Vec<TestRequest>,
+}
+
+impl OnePartitionApart {
+    fn new(env: &TestEnv, llm_url: &str, tag: &str) -> OnePartitionApart {
+        let mut raw = env.raw_config(llm_url);
+        raw.amqp.delivery_limit = 1;
+        raw.amqp.input_prefetch = 16;
+        raw.keying.mode = "prefix".into();
+        raw.sharding.default_shards = 1;
+        let partitions = NonZeroU32::new(PARTITIONS).unwrap();
+        let partition_of_group = |g: usize| partition_of(PrefixKey::of(&group_prefix(g)), 0, partitions);
+        let partition = partition_of_group(0);
+        let others: Vec<usize> = (1..64).filter(|&g| partition_of_group(g) != partition).take(4).collect();
+        let to_it = (0..40).map(|i| completion(&format!("{tag}-p-{i}"), 0, &format!(" question {i}?"))).collect();
+        let to_others = (0..40).map(|i| completion(&format!("{tag}-o-{i}"), others[i % others.len()], &format!(" question {i}?"))).collect();
+        OnePartitionApart { raw, partition, to_it, to_others }
+    }
+
+    /// Publishes the requests for the partition, then the others.
+    async fn publish(&self, st: &Started, input_queue: &str) {
+        st.amqp.publish_requests(input_queue, &self.to_it, &st.reply).await;
+        st.amqp.publish_requests(input_queue, &self.to_others, &st.reply).await;
+    }
+
+    /// Every request of both sets.
+    fn all(&self) -> Vec<TestRequest> {
+        self.to_it.iter().chain(&self.to_others).cloned().collect()
+    }
+
+    /// Once the fault has ended: waits until every request has a result, collects for `then`
+    /// more (for second answers), checks one `ok` result each and no dead letter, then stops the
+    /// daemon ([`stop_and_check_nothing_held`]). `after` names the fault in failure messages.
+    async fn check_answered_once(&self, env: TestEnv, mut st: Started, mut dead: Collector, then: Duration, after: &str) {
+        let all = self.all();
+        st.results.until_all(&ids(&all), DEADLINE).await;
+        st.results.collect_for(then).await;
+        st.results.assert_one_ok_result_each(&all, after);
+        dead.collect_for(Duration::from_millis(500)).await;
+        let details: Vec<_> = dead.received.iter().map(|m| m.header("x-death-detail")).collect();
+        assert!(dead.received.is_empty(), "requests charged a delivery and dead-lettered {after}: {details:?}");
+        stop_and_check_nothing_held(env, st, vec![dead]).await;
+    }
+}
+
+/// Counted in this process: deliveries routers put back into their input queue uncharged.
+fn router_put_backs() -> f64 {
+    metric("prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"router\"}")
+}
+
 /// The Raft member of a quorum queue, suspended (`sys:suspend`) while it lives, resumed when
 /// dropped: the queue takes publishes and confirms none of them, as a queue whose leader's node
 /// stalls does.
@@ -1259,40 +1319,21 @@ impl Drop for SuspendedQueue {
 async fn forwards_a_partition_queue_never_confirmed_are_answered_once() {
     let fake = FakeLlm::new().start().await.unwrap();
     let env = TestEnv::new("unconfirmed");
-    let mut raw = env.raw_config(fake.url.as_str());
-    raw.amqp.delivery_limit = 1;
-    raw.amqp.input_prefetch = 16;
-    raw.amqp.confirm_timeout = "2s".into();
-    raw.keying.mode = "prefix".into();
-    raw.sharding.default_shards = 1;
-    let partitions = NonZeroU32::new(PARTITIONS).unwrap();
-    let partition_of_group = |g: usize| partition_of(PrefixKey::of(&group_prefix(g)), 0, partitions);
-    let stalled = partition_of_group(0);
-    let others: Vec<usize> = (1..64).filter(|&g| partition_of_group(g) != stalled).take(4).collect();
-    let mut st = start_with_replies(&env, &raw).await;
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
-    let put_back = || metric("prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"router\"}");
-    let put_back_before = put_back();
-    let suspended = SuspendedQueue::suspend(&env.partition_queue(stalled));
+    let mut load = OnePartitionApart::new(&env, fake.url.as_str(), "unconfirmed");
+    load.raw.amqp.confirm_timeout = "2s".into();
+    let mut st = start_with_replies(&env, &load.raw).await;
+    let dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let put_back_before = router_put_backs();
+    let suspended = SuspendedQueue::suspend(&env.partition_queue(load.partition));
 
-    let to_stalled: Vec<TestRequest> = (0..40).map(|i| completion(&format!("unconfirmed-p-{i}"), 0, &format!(" question {i}?"))).collect();
-    let to_others: Vec<TestRequest> =
-        (0..40).map(|i| completion(&format!("unconfirmed-o-{i}"), others[i % others.len()], &format!(" question {i}?"))).collect();
-    st.amqp.publish_requests(&env.input_queue(), &to_stalled, &st.reply).await;
-    st.amqp.publish_requests(&env.input_queue(), &to_others, &st.reply).await;
-    st.results.until_all(&ids(&to_others), DEADLINE).await;
-    assert!(put_back() > put_back_before, "no delivery beyond half the input prefetch was put back");
+    load.publish(&st, &env.input_queue()).await;
+    st.results.until_all(&ids(&load.to_others), DEADLINE).await;
+    assert!(router_put_backs() > put_back_before, "no delivery beyond half the input prefetch was put back");
     drop(suspended);
 
-    let all: Vec<TestRequest> = to_stalled.iter().chain(&to_others).cloned().collect();
-    st.results.until_all(&ids(&all), DEADLINE).await;
     // Time for second answers: the queue has run again for the held forwards' next attempt (at
     // most 5 s) and the forwards of the copies.
-    st.results.collect_for(Duration::from_secs(8)).await;
-    st.results.assert_one_ok_result_each(&all, "after a partition queue confirmed no forward");
-    dead.collect_for(Duration::from_millis(500)).await;
-    assert!(dead.received.is_empty(), "requests charged and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
-    stop_and_check_nothing_held(env, st, vec![dead]).await;
+    load.check_answered_once(env, st, dead, Duration::from_secs(8), "after a partition queue confirmed no forward").await;
 }
 
 /// Forwards refused for longer than `amqp.consumer_timeout` allows (write access to the shard
@@ -1346,20 +1387,13 @@ async fn forwards_refused_beyond_the_consumer_timeout_are_put_back_uncharged() {
 async fn a_partition_queue_refusing_forwards_holds_up_no_other_partition() {
     let fake = FakeLlm::new().start().await.unwrap();
     let env = TestEnv::new("refusingpartition");
-    let mut raw = env.raw_config(fake.url.as_str());
-    raw.amqp.delivery_limit = 1;
-    raw.amqp.input_prefetch = 16;
-    raw.keying.mode = "prefix".into();
-    raw.sharding.default_shards = 1;
-    let partitions = NonZeroU32::new(PARTITIONS).unwrap();
-    let partition_of_group = |g: usize| partition_of(PrefixKey::of(&group_prefix(g)), 0, partitions);
-    let refusing = partition_of_group(0);
-    let others: Vec<usize> = (1..64).filter(|&g| partition_of_group(g) != refusing).take(4).collect();
+    let load = OnePartitionApart::new(&env, fake.url.as_str(), "refusingpartition");
+    let (raw, refusing) = (&load.raw, load.partition);
     let mut redis = RedisProbe::connect().await.unwrap();
     let lease = format!("{}:lease:{refusing}", env.key_prefix());
     let _: () = redis::cmd("SET").arg(&lease).arg("other:0:1").arg("PX").arg(300_000).query_async(&mut redis.conn).await.unwrap();
     let amqp = Amqp::connect().await;
-    let daemon = start_daemon(&raw);
+    let daemon = start_daemon(raw);
     let name = raw.instance.name.clone();
     redis
         .wait_leases(env.key_prefix(), PARTITIONS, "every other partition held", DEADLINE, |ls| {
@@ -1369,21 +1403,17 @@ async fn a_partition_queue_refusing_forwards_holds_up_no_other_partition() {
     let reply = format!("{}.reply", env.name);
     let results = amqp.reply_queue(&reply).await;
     let mut st = Started { amqp, daemon, results, reply };
-    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let dead = st.amqp.consume(&env.dead_letter_queue()).await;
     let queue = env.partition_queue(refusing);
     for _ in 0..2 {
         st.amqp.publish(&queue, b"{\"filler\": true}", lapin::BasicProperties::default()).await;
     }
     let policy = Policy::refusing(&env.name, &queue);
-    let put_back = || metric("prefix_batcher_requests_total{outcome=\"returned_uncharged\",stage=\"router\"}");
-    let put_back_before = put_back();
+    let put_back_before = router_put_backs();
 
-    let to_refusing: Vec<TestRequest> = (0..40).map(|i| completion(&format!("refusingpartition-p-{i}"), 0, &format!(" question {i}?"))).collect();
-    let to_others: Vec<TestRequest> =
-        (0..40).map(|i| completion(&format!("refusingpartition-o-{i}"), others[i % others.len()], &format!(" question {i}?"))).collect();
-    st.amqp.publish_requests(&env.input_queue(), &to_refusing, &st.reply).await;
-    st.amqp.publish_requests(&env.input_queue(), &to_others, &st.reply).await;
-    let want = ids(&to_others);
+    load.publish(&st, &env.input_queue()).await;
+    let to_others = &load.to_others;
+    let want = ids(to_others);
     let answered = |st: &Started| st.results.received.iter().filter(|m| want.contains(&m.correlation_id)).count();
     let deadline = Instant::now() + DEADLINE;
     while answered(&st) < to_others.len() && Instant::now() < deadline {
@@ -1394,32 +1424,26 @@ async fn a_partition_queue_refusing_forwards_holds_up_no_other_partition() {
     assert_eq!(refused_answered, 0, "answered although their partition queue refused forwards");
     // (The metrics are the test process's: other tests running at the same time hold and put back
     // forwards too, so the number held is not checked against the cap here.)
-    assert!(put_back() > put_back_before, "no delivery beyond half the input prefetch was put back");
+    assert!(router_put_backs() > put_back_before, "no delivery beyond half the input prefetch was put back");
 
     // A stop while the forwards are held puts them back uncharged: all 40 wait in the input queue
     // for the next start.
     let Started { amqp, daemon, results, reply } = st;
     daemon.stop().await.expect("daemon stops cleanly");
     assert_eq!(amqp.queue_depth(&env.input_queue()).await.0, 40, "the requests held at the stop are back in the input queue");
-    let daemon = start_daemon(&raw);
+    let daemon = start_daemon(raw);
     redis
         .wait_leases(env.key_prefix(), PARTITIONS, "every other partition held again", DEADLINE, |ls| {
             ls.iter().enumerate().all(|(p, l)| p == refusing as usize || l.as_ref().is_some_and(|l| l.name == name))
         })
         .await;
-    let mut st = Started { amqp, daemon, results, reply };
+    let st = Started { amqp, daemon, results, reply };
 
     // The fault ends: the fillers go, the queue takes forwards, and its lease is free again.
     st.amqp.ch.queue_purge(queue.as_str().into(), Default::default()).await.expect("purge the fillers");
     drop(policy);
     redis.del(&lease).await;
-    let all: Vec<TestRequest> = to_refusing.iter().chain(&to_others).cloned().collect();
-    st.results.until_all(&ids(&all), DEADLINE).await;
-    st.results.collect_for(Duration::from_secs(1)).await;
-    st.results.assert_one_ok_result_each(&all, "after a partition queue refused forwards");
-    dead.collect_for(Duration::from_millis(500)).await;
-    assert!(dead.received.is_empty(), "requests charged a delivery and dead-lettered: {:?}", dead.received.iter().map(|m| m.header("x-death-detail")).collect::<Vec<_>>());
-    stop_and_check_nothing_held(env, st, vec![dead]).await;
+    load.check_answered_once(env, st, dead, Duration::from_secs(1), "after a partition queue refused forwards").await;
 }
 
 /// A graceful stop while the broker refuses results (the results queue full with
