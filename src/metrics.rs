@@ -447,7 +447,10 @@ pub mod outcome {
     pub const RETURNED_UNCHARGED: &str = "returned_uncharged";
     /// Batcher: a second copy of a request this process had taken from a partition queue before
     /// (the router forwarded it again from a redelivered input message), acked without processing
-    /// ([`crate::redelivery::is_second_copy`]).
+    /// ([`crate::redelivery::is_second_copy`]), or a redelivery of a forward whose outcome this
+    /// process published ([`crate::redelivery::answered_before`]). Router: a redelivered input
+    /// message whose forward from an earlier delivery this process had published, confirmed
+    /// ([`crate::redelivery::earlier_outcome`]), acked without forwarding it again.
     pub const DUPLICATE: &str = "duplicate";
     /// Publisher: an attempt to publish a result failed for a reason of the broker (permission,
     /// full or missing results queue, closed channel, no confirm); the request stays unacked,
@@ -502,6 +505,7 @@ pub fn init(llm_outcomes: &[&str], llm_endpoints: usize, destinations: &[&str], 
         (stage::ROUTER, outcome::RETURNED_UNCHARGED),
         (stage::BATCHER, outcome::RETURNED_UNCHARGED),
         (stage::BATCHER, outcome::DUPLICATE),
+        (stage::ROUTER, outcome::DUPLICATE),
     ] {
         REQUESTS.with_label_values(&[s, o]);
     }

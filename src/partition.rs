@@ -217,8 +217,9 @@ struct Pending {
     _held: Held,
 }
 
-/// One held delivery: when it was received and, once parsed, its request id.
-type HeldEntry = (Instant, Option<Arc<str>>);
+/// One held delivery: when it was received and, once parsed, its request id and its key for
+/// uncharged returns ([`redelivery::forward_key`]).
+type HeldEntry = (Instant, Option<(Arc<str>, Option<u128>)>);
 
 /// The deliveries of one partition held in memory, by receive order: for the
 /// `unsettled_deliveries` gauge and the `consumer_timeout` guard.
@@ -275,11 +276,17 @@ impl HeldDeliveries {
 
     /// Remembers, for each held request, that the `amqp.consumer_timeout` guard returns it
     /// ([`crate::redelivery::note_failure`]): the detail of its `delivery_limit` dead letter,
-    /// should this return be its last, then says why instead of "unknown".
-    fn note_guard_return(&self, limit: Duration) {
+    /// should this return be its last, then says why instead of "unknown". While the broker
+    /// `blocked` the publishing connection (a memory or disk alarm), nothing could be published
+    /// or put back as a copy, so the return is noted uncharged too
+    /// ([`crate::redelivery::note_uncharged_return`]).
+    fn note_guard_return(&self, limit: Duration, blocked: bool) {
         let s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for (received, id) in s.1.values() {
-            if let Some(id) = id {
+            if let Some((id, key)) = id {
+                if let Some(key) = key.filter(|_| blocked) {
+                    crate::redelivery::note_uncharged_return(key);
+                }
                 let why = format!(
                     "held {:.1} s without an outcome, returned to its partition queue by the amqp.consumer_timeout guard \
                      (it returns a partition's held requests when one was held {:.0} s)",
@@ -312,10 +319,10 @@ impl Drop for Held {
 
 impl Held {
     /// Names the held delivery by its request id, once parsed.
-    fn identify(&self, id: &str) {
+    fn identify(&self, id: &str, key: Option<u128>) {
         let mut s = self.owner.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(entry) = s.1.get_mut(&self.seq) {
-            entry.1 = Some(Arc::from(id));
+            entry.1 = Some((Arc::from(id), key));
         }
     }
 }
@@ -751,7 +758,7 @@ async fn intake(
             _ = stop.revoke.cancelled() => return Ok(Ended::Stopped),
             _ = end.token.cancelled() => return Ok(Ended::Restart(end.reason().unwrap_or(restart::CHANNEL_CLOSED))),
             _ = guard.tick() => {
-                check_consumer_timeout(ctx, held, guard_limit, end);
+                check_consumer_timeout(ctx, held, guard_limit, end, results.connection().status().blocked());
                 if paused {
                     idle_since = Instant::now();
                     if paused_since.is_some_and(|t| t.elapsed() >= guard_limit) {
@@ -1058,7 +1065,7 @@ fn check_stall(ctx: &PartitionContext, held: &HeldDeliveries, idle_since: &mut I
 
 /// Ends the session when the oldest unsettled delivery is older than `limit` (0.9 ×
 /// `amqp.consumer_timeout`): the broker would otherwise close the channel itself.
-fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: Duration, end: &SessionEnd) {
+fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: Duration, end: &SessionEnd, blocked: bool) {
     if let Some(age) = held.oldest().map(|t| t.elapsed()).filter(|age| *age >= limit) {
         warn!(
             partition = ctx.partition,
@@ -1066,7 +1073,7 @@ fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: 
             consumer_timeout_s = ctx.settings.amqp.consumer_timeout.as_secs_f64(),
             "a delivery is held close to the broker's consumer_timeout; requeueing and consuming again"
         );
-        held.note_guard_return(limit);
+        held.note_guard_return(limit, blocked);
         end.raise(restart::CONSUMER_TIMEOUT);
     }
 }
@@ -1176,6 +1183,13 @@ async fn guarded_batch(
 /// ([`publisher::parse_or_dead_letter`]), or requeued when that was not possible.
 async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, delivery: Delivery, held: Held) -> Option<Pending> {
     let s = &ctx.settings;
+    // Its outcome from an earlier delivery is still being published (its channel closed under
+    // it, or the guard returned it while the publishing connection was blocked): settled by that
+    // outcome, apart from the intake.
+    if let Some(key) = redelivery::forward_key(delivery.properties.headers().as_ref()).filter(|k| delivery.redelivered && redelivery::outcome_in_flight(*k)) {
+        tokio::spawn(settle_after_earlier_outcome(ctx.partition, delivery, key));
+        return None;
+    }
     if redelivery::answered_before(delivery.redelivered, delivery.properties.headers().as_ref()) {
         let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
         drop_copy(ctx.partition, delivery, &id, "a request answered before, delivered again (its ack was lost with a channel)").await;
@@ -1220,7 +1234,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
         return None;
     }
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
-    held.identify(&req.id);
+    held.identify(&req.id, redelivery::forward_key(delivery.properties.headers().as_ref()));
     let headers = delivery.properties.headers().as_ref();
     let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
     // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin) set
@@ -1236,6 +1250,23 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
 }
 
 static COPY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// Settles a redelivered forward whose outcome (a result or a dead letter) from an earlier
+/// delivery this process is still publishing ([`redelivery::OutcomeInFlight`]), once that
+/// publish ends: acked without processing when the broker confirmed it (counted as a
+/// duplicate), else requeued, that return noted uncharged
+/// ([`redelivery::note_uncharged_return`]): the earlier outcome's fate, not the request, kept
+/// it. Without this, a redelivery at `amqp.delivery_limit` was dead-lettered while its result
+/// was still on its way, and one below it answered twice.
+async fn settle_after_earlier_outcome(partition: u32, delivery: Delivery, key: u128) {
+    let id = delivery.properties.message_id().as_ref().map_or_else(String::new, |m| m.to_string());
+    if redelivery::earlier_outcome(key).await == redelivery::Earlier::Confirmed {
+        drop_copy(partition, delivery, &id, "a request whose answer was still being published, delivered again").await;
+    } else {
+        redelivery::note_uncharged_return(key);
+        publisher::requeue(&delivery.acker, &id, "delivered again while the outcome of an earlier delivery was being published; that publish was not confirmed").await;
+    }
+}
 
 /// Acks, without processing, a delivery whose request this process answered or took before
 /// ([`redelivery::answered_before`], [`redelivery::is_second_copy`]; `what` says which, for the
@@ -1895,10 +1926,10 @@ mod tests {
         let received = Instant::now();
         tokio::time::advance(Duration::from_secs(5)).await; // waiting for the byte budget
         let h = held.hold(budget.clone().try_acquire_owned().unwrap(), received);
-        h.identify("guard-unit-1");
+        h.identify("guard-unit-1", None);
         assert_eq!(held.oldest(), Some(received));
         tokio::time::advance(Duration::from_secs(4)).await;
-        held.note_guard_return(Duration::from_secs(9));
+        held.note_guard_return(Duration::from_secs(9), false);
         let why = crate::redelivery::last_failure("guard-unit-1").unwrap_or_default();
         assert!(why.contains("held 9.0 s") && why.contains("amqp.consumer_timeout guard"), "{why}");
         drop(h);

@@ -901,6 +901,17 @@ pub async fn parse_or_dead_letter(
     }
 }
 
+/// The returns of `delivery` (of request `id`, from `source`) that were not its request's fault
+/// ([`redelivery::note_uncharged_return`]): keyed by the request's fingerprint for an input
+/// message, by its forward id for a partition queue's.
+fn uncharged_returns(source: redelivery::Source, id: &str, delivery: &Delivery) -> u64 {
+    let key = match source {
+        redelivery::Source::Input => Some(redelivery::input_key(request_fingerprint(id, &delivery.data, &delivery.properties))),
+        redelivery::Source::Partition => redelivery::forward_key(delivery.properties.headers().as_ref()),
+    };
+    key.map_or(0, redelivery::uncharged_returns)
+}
+
 /// Why [`check_delivery`] refused a delivery: the dead-letter reason (one of
 /// [`crate::request::DEAD_LETTER_REASONS`]), its detail, and the request id when the request was
 /// parsed far enough to have one.
@@ -968,6 +979,8 @@ pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &De
     let (reason, detail, request_id) = match parsed.map(|req| (policy.check(&req, env.reply_to), req)) {
         Ok((Err((reason, detail)), req)) => (reason, detail, Some(req.id)),
         Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Ok(req),
+        // Returns noted as not the request's fault come off the count (rare: computed only here).
+        Ok((Ok(()), req)) if count.saturating_sub(uncharged_returns(source, &req.id, delivery)) < u64::from(amqp.delivery_limit.get()) => return Ok(req),
         Ok((Ok(()), req)) => {
             let last = redelivery::last_failure(&req.id).unwrap_or_else(|| {
                 "unknown on this instance (its earlier deliveries ended on another instance, before a restart of this one, or with the close of a channel)".to_owned()
@@ -1084,6 +1097,8 @@ async fn dead_letter_and_ack_inline(
         return Intake::Unacked(delivery);
     }
     let (body, props) = (&delivery.data, &delivery.properties);
+    // A partition's outcome: a redelivery meanwhile waits for it (`crate::partition`).
+    let _in_flight = lease.and(redelivery::forward_key(props.headers().as_ref())).map(redelivery::OutcomeInFlight::begin);
     if let Err(e) = dead_letter(out, amqp, body, props, full_request_id, reason, detail, lease).await {
         if access_refused(&e) {
             crate::error_limited!(DEAD_LETTER_FAILED_LOG, error = %e, "dead letter refused: the broker denies the daemon's user write access to the dead-letter exchange (403 ACCESS_REFUSED; check its write permission on the vhost, rabbitmqctl list_user_permissions); the message is not acked");
@@ -1339,6 +1354,8 @@ pub async fn publish_result(
     hold: HoldEnds<'_>,
 ) -> ResultEnd {
     let (hold_until, release_on) = (hold.requeue, hold.release);
+    // Until this returns: a redelivery meanwhile waits for it (`crate::partition`).
+    let _in_flight = redelivery::forward_key(delivery.properties.headers().as_ref()).map(redelivery::OutcomeInFlight::begin);
     let mut failures = 0u32;
     // Counted in `held_publishes{kind="result"}` while it waits for its turn because the broker
     // refuses the partition's results, and from its own first refusal until this returns.
@@ -1883,5 +1900,33 @@ mod tests {
         let good = "ab\u{e9}";
         assert_eq!(prefix_key_header(Some(&header(AMQPValue::LongString(good.into())))).unwrap().as_deref(), Some(good));
         assert_eq!(prefix_key_header(Some(&header(AMQPValue::ByteArray(good.as_bytes().to_vec().into())))).unwrap().as_deref(), Some(good));
+    }
+
+    /// A request at `amqp.delivery_limit` is dead-lettered, unless some of its returns were
+    /// noted as not its fault; then those come off the count.
+    #[test]
+    fn returns_noted_uncharged_come_off_the_delivery_count() {
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.delivery_limit = 2;
+        let settings = crate::config::Settings::from_raw(&raw).unwrap();
+        let delivery = |id: &str, count: i64| {
+            let body = format!(r#"{{"id":"{id}","prompt":"p"}}"#).into_bytes();
+            let mut headers = FieldTable::default();
+            headers.insert(ShortString::from(redelivery::HEADER_DELIVERY_COUNT), AMQPValue::LongLongInt(count));
+            let mut d = Delivery::mock(1, "".into(), "q".into(), true, body);
+            d.properties = BasicProperties::default().with_headers(headers);
+            d
+        };
+        let check = |d: &Delivery| check_delivery(&settings.amqp, &settings.requests, d, redelivery::Source::Input);
+        let charged = delivery("uncharged-unit-1", 2);
+        let refused = check(&charged).unwrap_err();
+        assert_eq!(refused.reason, crate::request::REASON_DELIVERY_LIMIT);
+        assert!(refused.detail.starts_with("delivered 2 times"), "{}", refused.detail);
+        assert!(check(&delivery("uncharged-unit-1", 1)).is_ok(), "below the limit");
+
+        redelivery::note_uncharged_return(redelivery::input_key(request_fingerprint("uncharged-unit-1", &charged.data, &charged.properties)));
+        assert_eq!(check(&charged).unwrap().id, "uncharged-unit-1", "one of its two returns was not its fault");
+        assert!(check(&delivery("uncharged-unit-1", 3)).is_err(), "the limit still holds");
+        assert!(check(&delivery("uncharged-unit-2", 2)).is_err(), "another request");
     }
 }

@@ -63,6 +63,12 @@ impl<K: std::hash::Hash + Eq + Clone, V> Bounded<K, V> {
     fn contains(&self, key: &K) -> bool {
         self.map.contains_key(key)
     }
+
+    /// Removes `key`; true when it was there. Its place in the order stays until it is the
+    /// oldest (removing it then removes nothing).
+    fn take(&mut self, key: &K) -> bool {
+        self.map.remove(key).is_some()
+    }
 }
 
 static LAST_FAILURES: LazyLock<Mutex<Bounded<String, String>>> = LazyLock::new(|| Mutex::new(Bounded::new(LAST_FAILURES_CAPACITY)));
@@ -263,6 +269,157 @@ pub fn last_failure(id: &str) -> Option<String> {
     LAST_FAILURES.lock().unwrap_or_else(|p| p.into_inner()).map.get(id).cloned()
 }
 
+/// Key of an input message for [`OutcomeInFlight`] and the uncharged returns
+/// ([`note_uncharged_return`]): its request's fingerprint
+/// ([`crate::publisher::request_fingerprint`]), told apart from the keys of forwards
+/// ([`forward_key`]).
+pub fn input_key(request_fingerprint: u128) -> u128 {
+    request_fingerprint ^ INPUT_KEY
+}
+
+/// Told apart from the keys of forwards, the key of an input message ([`input_key`]).
+const INPUT_KEY: u128 = 0x6969_9696_6969_9696_9696_6969_9696_6969;
+
+/// Key of a forward (a partition queue's message) for [`OutcomeInFlight`] and the uncharged
+/// returns ([`note_uncharged_return`]): the hash of its [`HEADER_FORWARD_ID`], kept across its
+/// redeliveries. `None` for a message without one (published straight to a partition queue).
+pub fn forward_key(headers: Option<&FieldTable>) -> Option<u128> {
+    forward_fingerprint(headers)
+}
+
+/// The outcome publishes of this process not yet settled, by key ([`input_key`]: forwards of an
+/// input message; [`forward_key`]: results and dead letters of a forward), each with how many
+/// there are and what tells their waiters that one ended.
+static OUTCOMES_IN_FLIGHT: LazyLock<Mutex<HashMap<u128, (usize, std::sync::Arc<tokio::sync::Notify>)>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Outcome publishes that ended without a confirm or a refusal: the broker may have taken them.
+static MAYBE_PUBLISHED: LazyLock<Mutex<Bounded<u128, ()>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
+
+/// The publish of a delivery's outcome (the router's forward of an input message, or a
+/// partition's result or dead letter of a forward), from its start until it is settled.
+///
+/// While a publishing connection is blocked (a memory or disk alarm) or a confirm is slow, the
+/// broker may return the delivery before its outcome is confirmed: its channel closes (the
+/// broker's `consumer_timeout`, a fault of the consuming connection) or the partitions'
+/// `amqp.consumer_timeout` guard returns it. Its redelivery must not make a second outcome
+/// while the first may still land: a dead letter at `amqp.delivery_limit` next to a result, or a
+/// second result. So a redelivery waits for the outcome in flight ([`earlier_outcome`]).
+/// Observed before: a 75 s memory alarm with a 20 s `consumer_timeout` and
+/// `amqp.delivery_limit = 1` answered 32 of 400 requests and dead-lettered them too.
+pub struct OutcomeInFlight {
+    key: u128,
+    /// Confirmed ([`Self::confirmed`]) or refused ([`Self::refused`]): its end is known.
+    settled: bool,
+}
+
+impl OutcomeInFlight {
+    /// Notes the start of an outcome publish for `key`.
+    pub fn begin(key: u128) -> Self {
+        let mut all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
+        all.entry(key).or_insert_with(|| (0, std::sync::Arc::new(tokio::sync::Notify::new()))).0 += 1;
+        Self { key, settled: false }
+    }
+
+    /// The broker confirmed the outcome: a redelivery of its message has its outcome
+    /// ([`Earlier::Confirmed`]). A partition's outcome is noted by [`note_answered`] instead.
+    pub fn confirmed(mut self) {
+        self.settled = true;
+        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, ());
+    }
+
+    /// The broker refused the outcome (a nack, a return, a closed channel before the publish): it
+    /// is not in any queue.
+    pub fn refused(mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for OutcomeInFlight {
+    fn drop(&mut self) {
+        let answered = || ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).contains(&self.key);
+        if !self.settled && !answered() {
+            MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, ());
+        }
+        let mut all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((n, ended)) = all.get_mut(&self.key) {
+            *n -= 1;
+            ended.notify_waiters();
+            if *n == 0 {
+                all.remove(&self.key);
+            }
+        }
+    }
+}
+
+/// What this process knows of an earlier outcome of a message ([`earlier_outcome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Earlier {
+    /// None that this process published (among its last [`RECENT_REQUESTS_CAPACITY`]).
+    Nothing,
+    /// Confirmed by the broker: the message has its outcome.
+    Confirmed,
+    /// Published but neither confirmed nor refused: the broker may have taken it. Told once:
+    /// [`earlier_outcome`] forgets it.
+    Maybe,
+}
+
+/// Whether an outcome publish for `key` is in flight in this process ([`OutcomeInFlight`]).
+pub fn outcome_in_flight(key: u128) -> bool {
+    OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key)
+}
+
+/// The earlier outcome of the message with `key` in this process, once no outcome publish for it
+/// is in flight any more: this waits for those in flight, however long their publishes wait (a
+/// blocked connection is waited out, see [`crate::publisher`]).
+pub async fn earlier_outcome(key: u128) -> Earlier {
+    loop {
+        let ended = {
+            let all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
+            match all.get(&key) {
+                Some((_, ended)) => ended.clone(),
+                None => break,
+            }
+        };
+        let notified = ended.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if !outcome_in_flight(key) {
+            break;
+        }
+        notified.await;
+    }
+    if ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+        Earlier::Confirmed
+    } else if MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner()).take(&key) {
+        Earlier::Maybe
+    } else {
+        Earlier::Nothing
+    }
+}
+
+/// Returns of a message, by key ([`input_key`], [`forward_key`]), that were not its request's
+/// fault, though the broker counted them in `x-delivery-count`: see [`note_uncharged_return`].
+static UNCHARGED_RETURNS: LazyLock<Mutex<Bounded<u128, u64>>> = LazyLock::new(|| Mutex::new(Bounded::new(LAST_FAILURES_CAPACITY)));
+
+/// Notes that the message with `key` went back to its queue, or is about to, for a fault that is
+/// not its request's, where only a charged return was possible: while the broker blocked the
+/// publishing connection (a memory or disk alarm: nothing can be published, so the message cannot
+/// be put back as a copy, and `amqp.consumer_timeout` returns it anyway), or after an outcome of
+/// an earlier delivery whose end is unknown. [`uncharged_returns`] then takes it off the
+/// deliveries counted against `amqp.delivery_limit`. In this process only, bounded like the last
+/// errors; the broker's own `x-delivery-limit` (`amqp.delivery_limit` + 2) still bounds every
+/// message.
+pub fn note_uncharged_return(key: u128) {
+    let mut all = UNCHARGED_RETURNS.lock().unwrap_or_else(|p| p.into_inner());
+    let n = all.map.get(&key).copied().unwrap_or(0);
+    all.insert(key, n.saturating_add(1));
+}
+
+/// How many returns of the message with `key` were noted uncharged ([`note_uncharged_return`]).
+pub fn uncharged_returns(key: u128) -> u64 {
+    UNCHARGED_RETURNS.lock().unwrap_or_else(|p| p.into_inner()).map.get(&key).copied().unwrap_or(0)
+}
+
 #[cfg(test)]
 mod tests {
     use lapin::types::{AMQPValue, ShortString};
@@ -402,5 +559,54 @@ mod tests {
         assert_eq!(delivery_count(Partition, true, Some(&t)), 5);
         assert_eq!(delivery_count(Input, false, Some(&t)), 0, "a publisher cannot set it");
         assert_eq!(delivery_count(Input, true, Some(&t)), 3);
+    }
+
+    /// A redelivery waits for the outcome publish in flight, and learns how it ended: confirmed,
+    /// refused, or neither (told once).
+    #[tokio::test]
+    async fn a_redelivery_waits_for_the_outcome_in_flight_and_learns_its_end() {
+        let key = |n: u128| input_key(0x1234_5678 + n);
+        assert_eq!(earlier_outcome(key(1)).await, Earlier::Nothing, "nothing published");
+
+        let confirmed = OutcomeInFlight::begin(key(1));
+        let second = OutcomeInFlight::begin(key(1));
+        assert!(outcome_in_flight(key(1)));
+        let waiter = tokio::spawn(earlier_outcome(key(1)));
+        tokio::task::yield_now().await;
+        second.refused();
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "one publish of the two is still in flight");
+        confirmed.confirmed();
+        assert_eq!(waiter.await.unwrap(), Earlier::Confirmed);
+        assert!(!outcome_in_flight(key(1)));
+        assert_eq!(earlier_outcome(key(1)).await, Earlier::Confirmed, "kept");
+
+        OutcomeInFlight::begin(key(2)).refused();
+        assert_eq!(earlier_outcome(key(2)).await, Earlier::Nothing, "a refused publish is in no queue");
+
+        drop(OutcomeInFlight::begin(key(3)));
+        assert_eq!(earlier_outcome(key(3)).await, Earlier::Maybe, "neither confirmed nor refused");
+        assert_eq!(earlier_outcome(key(3)).await, Earlier::Nothing, "told once");
+
+        // A partition's outcome is confirmed by `note_answered` before the publish ends.
+        let mut headers = FieldTable::default();
+        headers.insert(ShortString::from(HEADER_FORWARD_ID), AMQPValue::LongString("0123456789abcdef0123456789abcdef".into()));
+        let fwd = forward_key(Some(&headers)).unwrap();
+        let result = OutcomeInFlight::begin(fwd);
+        note_answered(Some(&headers));
+        drop(result);
+        assert_eq!(earlier_outcome(fwd).await, Earlier::Confirmed);
+        assert_eq!(forward_key(None), None);
+    }
+
+    #[test]
+    fn uncharged_returns_are_counted_per_key() {
+        let key = input_key(0xfeed_0001);
+        assert_eq!(uncharged_returns(key), 0);
+        note_uncharged_return(key);
+        note_uncharged_return(key);
+        assert_eq!(uncharged_returns(key), 2);
+        assert_eq!(uncharged_returns(input_key(0xfeed_0002)), 0);
+        assert_ne!(input_key(7), 7, "told apart from forward keys");
     }
 }

@@ -523,6 +523,21 @@ async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let received = tokio::time::Instant::now();
     let a = &settings.amqp;
+    if delivery.redelivered {
+        if let Some(key) = input_key(settings, &delivery) {
+            let earlier = tokio::select! {
+                e = staged(FORWARD, redelivery::earlier_outcome(key)) => e,
+                _ = stop.cancelled() => return requeue(delivery).await,
+            };
+            match earlier {
+                redelivery::Earlier::Confirmed => return ack_forwarded_before(delivery).await,
+                // Forwarded again below, marked: its owner answers it once. Its return was not
+                // its fault, and a dead letter at `amqp.delivery_limit` could meet a result.
+                redelivery::Earlier::Maybe => redelivery::note_uncharged_return(key),
+                redelivery::Earlier::Nothing => {}
+            }
+        }
+    }
     // While the broker refuses forwards, deliveries take turns ([`crate::amqp::RefusalTurns::turn`]).
     // Counted in `held_publishes{kind="forward"}` while it waits for its turn because the broker
     // refuses forwards, and from its own first refusal until this returns.
@@ -553,6 +568,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
                 tokio::select! {
                     _ = stop.cancelled() => return requeue(delivery).await,
                     () = staged(BACKOFF, publisher::wait_to_publish_again(&publish.conns.publish, wait)) => {}
+                }
+                // Its channel closed meanwhile (the broker's `consumer_timeout`): the broker
+                // delivers it again, charged for a fault that is not its own.
+                if delivery.acker.poisoned() {
+                    note_returned_while_blocked(publish, settings, &delivery);
+                    return metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
                 }
             }
             Err(e) => {
@@ -591,7 +612,14 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     // Whether an attempt's outcome is unknown: the broker may have taken that forward.
     let mut forwarded_maybe = false;
-    match staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at, &mut forwarded_maybe)).await {
+    let in_flight = redelivery::OutcomeInFlight::begin(redelivery::input_key(publisher::request_fingerprint(&req.id, &delivery.data, &delivery.properties)));
+    let end = staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at, &mut forwarded_maybe)).await;
+    match &end {
+        ForwardEnd::Forwarded => in_flight.confirmed(),
+        _ if !forwarded_maybe => in_flight.refused(),
+        _ => drop(in_flight),
+    }
+    match end {
         ForwardEnd::Forwarded => {}
         ForwardEnd::Requeue => return requeue(delivery).await,
         ForwardEnd::PutBack(how) => {
@@ -600,6 +628,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         }
         ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
         ForwardEnd::InputGone => {
+            note_returned_while_blocked(publish, settings, &delivery);
             debug!(request_id = %r.request_id, "the input channel closed before the forward; the broker delivers the request again");
             return metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
         }
@@ -611,6 +640,47 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         return;
     }
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
+}
+
+/// The key of an input delivery for [`redelivery::earlier_outcome`] ([`redelivery::input_key`]),
+/// when it has a request id. Parses the delivery: for redeliveries only, before their handling
+/// parses them again.
+fn input_key(settings: &Settings, delivery: &Delivery) -> Option<u128> {
+    let id = match publisher::check_delivery(&settings.amqp, &settings.requests, delivery, redelivery::Source::Input) {
+        Ok(req) => req.id,
+        Err(r) => r.request_id?,
+    };
+    Some(redelivery::input_key(publisher::request_fingerprint(&id, &delivery.data, &delivery.properties)))
+}
+
+/// Notes the return of `delivery` uncharged ([`redelivery::note_uncharged_return`]) when its
+/// channel closed while the broker blocks the publishing connection (a memory or disk alarm):
+/// nothing could be forwarded or put back, and the broker's `consumer_timeout` returned it.
+fn note_returned_while_blocked(publish: &PublishChannel, settings: &Settings, delivery: &Delivery) {
+    if publish.conns.publish.status().blocked() {
+        if let Some(key) = input_key(settings, delivery) {
+            redelivery::note_uncharged_return(key);
+        }
+    }
+}
+
+static FORWARDED_BEFORE_LOG: LogLimit = LogLimit::new();
+
+/// Acks, without forwarding it again, a redelivered input message whose forward from an earlier
+/// delivery this process published and the broker confirmed (the ack of that delivery was lost
+/// with its channel: the broker's `consumer_timeout` while the publishing connection was
+/// blocked, a fault of the intake connection). Counted in
+/// `requests_total{stage="router",outcome="duplicate"}`. When this ack fails too, the broker
+/// delivers it again, and it comes here again.
+async fn ack_forwarded_before(delivery: Delivery) {
+    let id = delivery.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default();
+    match crate::amqp::ack(&delivery.acker).await {
+        Ok(()) => {
+            metrics::requests(stage::ROUTER, outcome::DUPLICATE, 1);
+            crate::info_limited!(FORWARDED_BEFORE_LOG, request_id = %id, "an input message forwarded before, delivered again (its ack was lost with its channel): acked without forwarding it again");
+        }
+        Err(e) => crate::warn_limited!(ACK_FAILED_LOG, request_id = %id, error = %e, "input ack failed; the broker will redeliver"),
+    }
 }
 
 /// How [`forward`] ended.
@@ -1028,6 +1098,13 @@ async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery
     }
     let id = request_id.unwrap_or_default();
     if let Err(e) = copied {
+        // Blocked (a memory or disk alarm): no copy can be published, and the hold must end
+        // before `amqp.consumer_timeout`; the requeue is charged for a fault that is not its own.
+        if conn.status().blocked() {
+            if let Some(id) = request_id {
+                redelivery::note_uncharged_return(redelivery::input_key(publisher::request_fingerprint(id, &delivery.data, &delivery.properties)));
+            }
+        }
         crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, request_id = %id, "could not put an input delivery held for a refused forward back uncharged; requeueing it after a backoff");
         return requeue_after_backoff(a, delivery, stop).await;
     }
