@@ -133,7 +133,8 @@ struct OwnPublish {
 /// Publishes one message (`mandatory`) on `ch` and waits for its confirm, at most
 /// `amqp.confirm_timeout`, then for the publishes sent before it on `ch` to settle (at most as
 /// long again): it is delivered only when they were too ([`ConfirmChannel`]; otherwise
-/// [`PublishError::AfterFailed`]).
+/// [`PublishError::AfterFailed`]). While the broker blocks `conn` (`connection.blocked`), it
+/// waits before it sends anything, and the confirm wait does not run out ([`await_unless_blocked`]).
 ///
 /// **Returns on a shared channel.** A `basic.return` names no delivery tag (AMQP 0-9-1
 /// §1.8.3.9). lapin 4 queues returns in arrival order and gives the oldest to the next confirm
@@ -172,6 +173,11 @@ pub async fn publish_confirmed(
     body: &[u8],
     props: BasicProperties,
 ) -> Result<(), PublishError> {
+    // Nothing is written into a connection the broker blocks: a publish written there goes out
+    // when the alarm ends whatever happens meanwhile, so a delivery returned during the alarm
+    // (by `consumer_timeout`) would get a second outcome. Waiting here, an aborted publish was
+    // never sent (`crate::redelivery::OutcomeInFlight`).
+    wait_unblocked(conn).await;
     let timeout = amqp.confirm_timeout;
     let own = OwnPublish {
         exchange: exchange.to_owned(),
