@@ -290,7 +290,10 @@ pub fn forward_key(headers: Option<&FieldTable>) -> Option<u128> {
 /// The outcome publishes of this process not yet settled, by key ([`input_key`]: forwards of an
 /// input message; [`forward_key`]: results and dead letters of a forward), each with how many
 /// there are and what tells their waiters that one ended.
-static OUTCOMES_IN_FLIGHT: LazyLock<Mutex<HashMap<u128, (usize, std::sync::Arc<tokio::sync::Notify>)>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+static OUTCOMES_IN_FLIGHT: LazyLock<Mutex<HashMap<u128, InFlightCount>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// How many outcome publishes of one key are in flight, and what wakes their waiters when one ends.
+type InFlightCount = (usize, std::sync::Arc<tokio::sync::Notify>);
 
 /// Outcome publishes that ended without a confirm or a refusal: the broker may have taken them.
 static MAYBE_PUBLISHED: LazyLock<Mutex<Bounded<u128, ()>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
