@@ -170,7 +170,9 @@ const SENT_AGAIN: u128 = 0x3c3c_3c3c_c3c3_c3c3_3c3c_3c3c_c3c3_c3c3;
 /// Requests that entered this process's partition consumers, by their fingerprint.
 static RECENT_REQUESTS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
 
-/// Forwards whose outcome this process published (confirmed), by [`forward_fingerprint`].
+/// Forwards whose outcome this process published (confirmed), by [`forward_fingerprint`], and
+/// input messages whose forward it published (confirmed), by [`input_key`]
+/// ([`OutcomeInFlight::confirmed`]).
 static ANSWERED_FORWARDS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
 
 /// 128-bit hash of a message's [`HEADER_FORWARD_ID`], when it has one.
