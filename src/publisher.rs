@@ -134,7 +134,7 @@ struct OwnPublish {
 /// `amqp.confirm_timeout`, then for the publishes sent before it on `ch` to settle (at most as
 /// long again): it is delivered only when they were too ([`ConfirmChannel`]; otherwise
 /// [`PublishError::AfterFailed`]). While the broker blocks `conn` (`connection.blocked`), it
-/// waits before it sends anything, and the confirm wait does not run out ([`await_unless_blocked`]).
+/// waits before it sends anything, and the confirm wait does not run out (`await_unless_blocked`).
 ///
 /// **Returns on a shared channel.** A `basic.return` names no delivery tag (AMQP 0-9-1
 /// §1.8.3.9). lapin 4 queues returns in arrival order and gives the oldest to the next confirm
