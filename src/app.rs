@@ -977,6 +977,9 @@ impl Blocked {
     fn unblock(&mut self) {
         let Some(since) = self.since.take() else { return };
         info!(connection = self.connection, blocked_for = ?since.elapsed(), "the broker unblocked the AMQP connection");
+        if self.connection == metrics::connection::PUBLISH {
+            crate::publisher::note_publishing_unblocked();
+        }
         metrics::amqp_connection_blocked(self.connection, false);
         self.readiness.set_connection_blocked(self.connection, false);
     }

@@ -276,15 +276,15 @@ impl HeldDeliveries {
 
     /// Remembers, for each held request, that the `amqp.consumer_timeout` guard returns it
     /// ([`crate::redelivery::note_failure`]): the detail of its `delivery_limit` dead letter,
-    /// should this return be its last, then says why instead of "unknown". While the broker
-    /// `blocked` the publishing connection (a memory or disk alarm), nothing could be published
-    /// or put back as a copy, so the return is noted uncharged too
-    /// ([`crate::redelivery::note_uncharged_return`]).
-    fn note_guard_return(&self, limit: Duration, blocked: bool) {
+    /// should this return be its last, then says why instead of "unknown". When the broker
+    /// blocked the publishing connection during its hold (`blocked_since(received)`: a memory or
+    /// disk alarm), nothing could be published or put back as a copy, so the return is noted
+    /// uncharged too ([`crate::redelivery::note_uncharged_return`]).
+    fn note_guard_return(&self, limit: Duration, blocked_since: impl Fn(Instant) -> bool) {
         let s = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for (received, id) in s.1.values() {
             if let Some((id, key)) = id {
-                if let Some(key) = key.filter(|_| blocked) {
+                if let Some(key) = key.filter(|_| blocked_since(*received)) {
                     crate::redelivery::note_uncharged_return(key);
                 }
                 let why = format!(
@@ -758,7 +758,7 @@ async fn intake(
             _ = stop.revoke.cancelled() => return Ok(Ended::Stopped),
             _ = end.token.cancelled() => return Ok(Ended::Restart(end.reason().unwrap_or(restart::CHANNEL_CLOSED))),
             _ = guard.tick() => {
-                check_consumer_timeout(ctx, held, guard_limit, end, results.connection().status().blocked());
+                check_consumer_timeout(ctx, held, guard_limit, end, |t| publisher::blocked_since(results.connection(), t));
                 if paused {
                     idle_since = Instant::now();
                     if paused_since.is_some_and(|t| t.elapsed() >= guard_limit) {
@@ -1065,7 +1065,7 @@ fn check_stall(ctx: &PartitionContext, held: &HeldDeliveries, idle_since: &mut I
 
 /// Ends the session when the oldest unsettled delivery is older than `limit` (0.9 ×
 /// `amqp.consumer_timeout`): the broker would otherwise close the channel itself.
-fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: Duration, end: &SessionEnd, blocked: bool) {
+fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: Duration, end: &SessionEnd, blocked_since: impl Fn(Instant) -> bool) {
     if let Some(age) = held.oldest().map(|t| t.elapsed()).filter(|age| *age >= limit) {
         warn!(
             partition = ctx.partition,
@@ -1073,7 +1073,7 @@ fn check_consumer_timeout(ctx: &PartitionContext, held: &HeldDeliveries, limit: 
             consumer_timeout_s = ctx.settings.amqp.consumer_timeout.as_secs_f64(),
             "a delivery is held close to the broker's consumer_timeout; requeueing and consuming again"
         );
-        held.note_guard_return(limit, blocked);
+        held.note_guard_return(limit, blocked_since);
         end.raise(restart::CONSUMER_TIMEOUT);
     }
 }
@@ -1929,7 +1929,7 @@ mod tests {
         h.identify("guard-unit-1", None);
         assert_eq!(held.oldest(), Some(received));
         tokio::time::advance(Duration::from_secs(4)).await;
-        held.note_guard_return(Duration::from_secs(9), false);
+        held.note_guard_return(Duration::from_secs(9), |_| false);
         let why = crate::redelivery::last_failure("guard-unit-1").unwrap_or_default();
         assert!(why.contains("held 9.0 s") && why.contains("amqp.consumer_timeout guard"), "{why}");
         drop(h);

@@ -1524,6 +1524,24 @@ pub async fn wait_unblocked(conn: &Connection) {
     wait_while(|| is_blocked(conn)).await;
 }
 
+/// When the broker last unblocked a publishing connection of this process
+/// ([`note_publishing_unblocked`]).
+static PUBLISHING_UNBLOCKED_AT: std::sync::Mutex<Option<tokio::time::Instant>> = std::sync::Mutex::new(None);
+
+/// Notes that the broker unblocked a publishing connection of this process
+/// (`connection.unblocked`), for [`blocked_since`].
+pub fn note_publishing_unblocked() {
+    *PUBLISHING_UNBLOCKED_AT.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tokio::time::Instant::now());
+}
+
+/// Whether the broker blocks `conn` now, or unblocked a publishing connection of this process
+/// after `since`: a delivery received at `since` was held, at least in part, while nothing could
+/// be published. (A return made just after an alarm ended, before the results held by it were
+/// confirmed, is the alarm's too.)
+pub fn blocked_since(conn: &Connection, since: tokio::time::Instant) -> bool {
+    is_blocked(conn) || PUBLISHING_UNBLOCKED_AT.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some_and(|t| t > since)
+}
+
 /// Returns once `blocked()` is false, looking every [`UNBLOCKED_POLL`].
 async fn wait_while(blocked: impl Fn() -> bool) {
     while blocked() {

@@ -572,7 +572,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
                 // Its channel closed meanwhile (the broker's `consumer_timeout`): the broker
                 // delivers it again, charged for a fault that is not its own.
                 if delivery.acker.poisoned() {
-                    note_returned_while_blocked(publish, settings, &delivery);
+                    note_returned_while_blocked(publish, settings, &delivery, received);
                     return metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
                 }
             }
@@ -628,7 +628,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         }
         ForwardEnd::RequeueAfterBackoff => return requeue_after_backoff(a, delivery, stop).await,
         ForwardEnd::InputGone => {
-            note_returned_while_blocked(publish, settings, &delivery);
+            note_returned_while_blocked(publish, settings, &delivery, received);
             debug!(request_id = %r.request_id, "the input channel closed before the forward; the broker delivers the request again");
             return metrics::requests(stage::ROUTER, outcome::REQUEUED, 1);
         }
@@ -653,11 +653,12 @@ fn input_key(settings: &Settings, delivery: &Delivery) -> Option<u128> {
     Some(redelivery::input_key(publisher::request_fingerprint(&id, &delivery.data, &delivery.properties)))
 }
 
-/// Notes the return of `delivery` uncharged ([`redelivery::note_uncharged_return`]) when its
-/// channel closed while the broker blocks the publishing connection (a memory or disk alarm):
-/// nothing could be forwarded or put back, and the broker's `consumer_timeout` returned it.
-fn note_returned_while_blocked(publish: &PublishChannel, settings: &Settings, delivery: &Delivery) {
-    if publish.conns.publish.status().blocked() {
+/// Notes the return of `delivery` (received at `received`) uncharged
+/// ([`redelivery::note_uncharged_return`]) when its channel closed after the broker blocked the
+/// publishing connection during its hold (a memory or disk alarm): nothing could be forwarded or
+/// put back, and the broker's `consumer_timeout` returned it.
+fn note_returned_while_blocked(publish: &PublishChannel, settings: &Settings, delivery: &Delivery, received: tokio::time::Instant) {
+    if publisher::blocked_since(&publish.conns.publish, received) {
         if let Some(key) = input_key(settings, delivery) {
             redelivery::note_uncharged_return(key);
         }
