@@ -969,6 +969,9 @@ impl Blocked {
             return;
         }
         self.since = Some(tokio::time::Instant::now());
+        if self.connection == metrics::connection::PUBLISH {
+            crate::publisher::note_publishing_blocked();
+        }
         warn!(connection = self.connection, reason, "the broker blocked the AMQP connection (resource alarm): publishing stalls until it unblocks");
         metrics::amqp_connection_blocked(self.connection, true);
         self.readiness.set_connection_blocked(self.connection, true);

@@ -918,6 +918,18 @@ fn uncharged_returns(source: redelivery::Source, id: &str, delivery: &Delivery) 
     key.map_or(0, redelivery::uncharged_returns)
 }
 
+/// One return more allowed during a broker resource alarm and for `amqp.consumer_timeout` after
+/// it ([`alarm_within`]), else none. Nothing can be published during an alarm, so every delivery
+/// held past `consumer_timeout` goes back charged (the partitions' guard, or the broker), and
+/// the instance that made the return may not be the one that sees the redelivery: a partition
+/// that changed owner, an instance stopped, killed or started during the alarm. Measured before,
+/// with `amqp.delivery_limit = 1`, two instances and an 80 s alarm: 44–73 of 300 requests
+/// dead-lettered when a partition changed owner during it. A poison request gets one delivery
+/// more at such a time; the broker's own `x-delivery-limit` still bounds it.
+fn alarm_allowance(amqp: &AmqpSettings) -> u64 {
+    u64::from(alarm_within(amqp.consumer_timeout))
+}
+
 /// Why [`check_delivery`] refused a delivery: the dead-letter reason (one of
 /// [`crate::request::DEAD_LETTER_REASONS`]), its detail, and the request id when the request was
 /// parsed far enough to have one.
@@ -986,7 +998,9 @@ pub fn check_delivery(amqp: &AmqpSettings, policy: &RequestPolicy, delivery: &De
         Ok((Err((reason, detail)), req)) => (reason, detail, Some(req.id)),
         Ok((Ok(()), req)) if count < u64::from(amqp.delivery_limit.get()) => return Ok(req),
         // Returns noted as not the request's fault come off the count (rare: computed only here).
-        Ok((Ok(()), req)) if count.saturating_sub(uncharged_returns(source, &req.id, delivery)) < u64::from(amqp.delivery_limit.get()) => return Ok(req),
+        Ok((Ok(()), req)) if count.saturating_sub(uncharged_returns(source, &req.id, delivery)).saturating_sub(alarm_allowance(amqp)) < u64::from(amqp.delivery_limit.get()) => {
+            return Ok(req)
+        }
         Ok((Ok(()), req)) => {
             let last = redelivery::last_failure(&req.id).unwrap_or_else(|| {
                 "unknown on this instance (its earlier deliveries ended on another instance, before a restart of this one, or with the close of a channel)".to_owned()
@@ -1528,10 +1542,28 @@ pub async fn wait_unblocked(conn: &Connection) {
 /// ([`note_publishing_unblocked`]).
 static PUBLISHING_UNBLOCKED_AT: std::sync::Mutex<Option<tokio::time::Instant>> = std::sync::Mutex::new(None);
 
+/// Publishing connections of this process the broker blocks now ([`note_publishing_blocked`]).
+static PUBLISHING_BLOCKED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Notes that the broker blocked a publishing connection of this process
+/// (`connection.blocked`), for [`alarm_within`].
+pub fn note_publishing_blocked() {
+    PUBLISHING_BLOCKED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Notes that the broker unblocked a publishing connection of this process
-/// (`connection.unblocked`), for [`blocked_since`].
+/// (`connection.unblocked`, or the blocked connection closed), for [`blocked_since`] and
+/// [`alarm_within`]. Follows a [`note_publishing_blocked`].
 pub fn note_publishing_unblocked() {
+    let _ = PUBLISHING_BLOCKED.fetch_update(std::sync::atomic::Ordering::Relaxed, std::sync::atomic::Ordering::Relaxed, |n| n.checked_sub(1));
     *PUBLISHING_UNBLOCKED_AT.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tokio::time::Instant::now());
+}
+
+/// Whether the broker blocks a publishing connection of this process now (a memory or disk
+/// alarm), or unblocked one within `window`.
+pub fn alarm_within(window: Duration) -> bool {
+    PUBLISHING_BLOCKED.load(std::sync::atomic::Ordering::Relaxed) > 0
+        || PUBLISHING_UNBLOCKED_AT.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some_and(|t| t.elapsed() <= window)
 }
 
 /// Whether the broker blocks `conn` now, or unblocked a publishing connection of this process
