@@ -918,16 +918,23 @@ fn uncharged_returns(source: redelivery::Source, id: &str, delivery: &Delivery) 
     key.map_or(0, redelivery::uncharged_returns)
 }
 
-/// One return more allowed during a broker resource alarm and for `amqp.consumer_timeout` after
-/// it ([`alarm_within`]), else none. Nothing can be published during an alarm, so every delivery
+/// Returns allowed beyond `amqp.delivery_limit` during a broker resource alarm and for
+/// `amqp.consumer_timeout` after it ([`alarm_within`]): as many as the broker's own
+/// `x-delivery-limit` allows beyond it ([`crate::topology::BROKER_DELIVERY_LIMIT_MARGIN`], 2), so
+/// at such a time the broker's limit decides; else none. Nothing can be published during an alarm, so every delivery
 /// held past `consumer_timeout` goes back charged (the partitions' guard, or the broker), and
 /// the instance that made the return may not be the one that sees the redelivery: a partition
 /// that changed owner, an instance stopped, killed or started during the alarm. Measured before,
 /// with `amqp.delivery_limit = 1`, two instances and an 80 s alarm: 44–73 of 300 requests
-/// dead-lettered when a partition changed owner during it. A poison request gets one delivery
-/// more at such a time; the broker's own `x-delivery-limit` still bounds it.
+/// dead-lettered when a partition changed owner during it; a partition returned twice meanwhile
+/// needs two. A poison request gets two deliveries more at such a time; the broker's own
+/// `x-delivery-limit` still bounds it.
 fn alarm_allowance(amqp: &AmqpSettings) -> u64 {
-    u64::from(alarm_within(amqp.consumer_timeout))
+    if alarm_within(amqp.consumer_timeout) {
+        u64::from(crate::topology::BROKER_DELIVERY_LIMIT_MARGIN)
+    } else {
+        0
+    }
 }
 
 /// Why [`check_delivery`] refused a delivery: the dead-letter reason (one of
