@@ -1186,7 +1186,8 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     // Its outcome from an earlier delivery is still being published (its channel closed under
     // it, or the guard returned it while the publishing connection was blocked): settled by that
     // outcome, apart from the intake.
-    if let Some(key) = redelivery::forward_key(delivery.properties.headers().as_ref()).filter(|k| delivery.redelivered && redelivery::outcome_in_flight(*k)) {
+    let forward = redelivery::forward_key(delivery.properties.headers().as_ref());
+    if let Some(key) = forward.filter(|k| delivery.redelivered && redelivery::outcome_in_flight(*k)) {
         tokio::spawn(settle_after_earlier_outcome(ctx.partition, delivery, key));
         return None;
     }
@@ -1234,7 +1235,7 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
         return None;
     }
     metrics::requests(stage::BATCHER, outcome::RECEIVED, 1);
-    held.identify(&req.id, redelivery::forward_key(delivery.properties.headers().as_ref()));
+    held.identify(&req.id, forward);
     let headers = delivery.properties.headers().as_ref();
     let shard = header_u64(headers, HEADER_SHARD).unwrap_or(0) as u32;
     // Millisecond publish time when the publisher (or RabbitMQ's message-timestamp plugin) set

@@ -907,12 +907,18 @@ pub async fn parse_or_dead_letter(
     }
 }
 
+/// The key of input message `delivery`, of request `id`, for the in-flight and uncharged-return
+/// tables ([`redelivery::input_key`] of its [`request_fingerprint`]).
+pub fn input_message_key(id: &str, delivery: &Delivery) -> u128 {
+    redelivery::input_key(request_fingerprint(id, &delivery.data, &delivery.properties))
+}
+
 /// The returns of `delivery` (of request `id`, from `source`) that were not its request's fault
 /// ([`redelivery::note_uncharged_return`]): keyed by the request's fingerprint for an input
 /// message, by its forward id for a partition queue's.
 fn uncharged_returns(source: redelivery::Source, id: &str, delivery: &Delivery) -> u64 {
     let key = match source {
-        redelivery::Source::Input => Some(redelivery::input_key(request_fingerprint(id, &delivery.data, &delivery.properties))),
+        redelivery::Source::Input => Some(input_message_key(id, delivery)),
         redelivery::Source::Partition => redelivery::forward_key(delivery.properties.headers().as_ref()),
     };
     key.map_or(0, redelivery::uncharged_returns)
@@ -1987,7 +1993,7 @@ mod tests {
         assert!(refused.detail.starts_with("delivered 2 times"), "{}", refused.detail);
         assert!(check(&delivery("uncharged-unit-1", 1)).is_ok(), "below the limit");
 
-        redelivery::note_uncharged_return(redelivery::input_key(request_fingerprint("uncharged-unit-1", &charged.data, &charged.properties)));
+        redelivery::note_uncharged_return(input_message_key("uncharged-unit-1", &charged));
         assert_eq!(check(&charged).unwrap().id, "uncharged-unit-1", "one of its two returns was not its fault");
         assert!(check(&delivery("uncharged-unit-1", 3)).is_err(), "the limit still holds");
         assert!(check(&delivery("uncharged-unit-2", 2)).is_err(), "another request");

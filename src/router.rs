@@ -612,7 +612,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     // Whether an attempt's outcome is unknown: the broker may have taken that forward.
     let mut forwarded_maybe = false;
-    let in_flight = redelivery::OutcomeInFlight::begin(redelivery::input_key(publisher::request_fingerprint(&req.id, &delivery.data, &delivery.properties)));
+    let in_flight = redelivery::OutcomeInFlight::begin(publisher::input_message_key(&req.id, &delivery));
     let end = staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at, &mut forwarded_maybe)).await;
     match &end {
         ForwardEnd::Forwarded => in_flight.confirmed(),
@@ -650,7 +650,7 @@ fn input_key(settings: &Settings, delivery: &Delivery) -> Option<u128> {
         Ok(req) => req.id,
         Err(r) => r.request_id?,
     };
-    Some(redelivery::input_key(publisher::request_fingerprint(&id, &delivery.data, &delivery.properties)))
+    Some(publisher::input_message_key(&id, delivery))
 }
 
 /// Notes the return of `delivery` (received at `received`) uncharged
@@ -1103,7 +1103,7 @@ async fn put_back(publish: &PublishChannel, a: &AmqpSettings, delivery: Delivery
         // before `amqp.consumer_timeout`; the requeue is charged for a fault that is not its own.
         if conn.status().blocked() {
             if let Some(id) = request_id {
-                redelivery::note_uncharged_return(redelivery::input_key(publisher::request_fingerprint(id, &delivery.data, &delivery.properties)));
+                redelivery::note_uncharged_return(publisher::input_message_key(id, &delivery));
             }
         }
         crate::warn_limited!(FORWARD_FAILED_LOG, error = %e, request_id = %id, "could not put an input delivery held for a refused forward back uncharged; requeueing it after a backoff");
