@@ -173,11 +173,35 @@ pub async fn publish_confirmed(
     body: &[u8],
     props: BasicProperties,
 ) -> Result<(), PublishError> {
+    publish_confirmed_fenced(ch, conn, amqp, exchange, routing_key, body, props, None).await
+}
+
+/// [`publish_confirmed`], with `lease` checked last before the message's frames are queued:
+/// after the wait for an unblocked connection, with no await between the check and the queuing.
+/// An invalid lease publishes nothing ([`PublishError::LeaseExpired`]).
+#[allow(clippy::too_many_arguments)]
+async fn publish_confirmed_fenced(
+    ch: &ConfirmChannel,
+    conn: &Arc<Connection>,
+    amqp: &AmqpSettings,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: BasicProperties,
+    lease: Option<&LeaseClock>,
+) -> Result<(), PublishError> {
     // Nothing is written into a connection the broker blocks: a publish written there goes out
     // when the alarm ends whatever happens meanwhile, so a delivery returned during the alarm
     // (by `consumer_timeout`) would get a second outcome. Waiting here, an aborted publish was
     // never sent (`crate::redelivery::OutcomeInFlight`).
     wait_unblocked(conn).await;
+    // The lease may have ended during that wait (Redis was unreachable for its renewals, or
+    // another instance took the partition) or while the process was stopped: checked here, with
+    // no await before the frames are queued, a stale owner's publish is never queued. Frames
+    // queued before a stop still go out after it, as any publish in flight.
+    if lease.is_some_and(|l| !l.is_valid()) {
+        return Err(PublishError::LeaseExpired);
+    }
     let timeout = amqp.confirm_timeout;
     let own = OwnPublish {
         exchange: exchange.to_owned(),
@@ -835,7 +859,9 @@ const AFTER_FAILED_ATTEMPTS: u32 = 3;
 /// publish that was [`PublishError::AfterFailed`] goes again on the channel that replaced it, up
 /// to `AFTER_FAILED_ATTEMPTS` times (the broker may then hold it twice: a duplicate, never a
 /// loss). With `lease` (a partition's), nothing is published once it is invalid
-/// ([`PublishError::LeaseExpired`]), checked before each attempt. Errors: as
+/// ([`PublishError::LeaseExpired`]), checked before each attempt and again right before its
+/// frames are queued, after any wait for the broker to unblock the connection (a memory or disk
+/// alarm can outlast the lease). Errors: as
 /// [`publish_confirmed`], or no channel could be opened.
 pub async fn publish_on(
     out: &SharedConfirmChannel,
@@ -852,7 +878,7 @@ pub async fn publish_on(
             return Err(PublishError::LeaseExpired);
         }
         let ch = out.get().await?;
-        match publish_confirmed(&ch, out.connection(), amqp, exchange, routing_key, body, props.clone()).await {
+        match publish_confirmed_fenced(&ch, out.connection(), amqp, exchange, routing_key, body, props.clone(), lease).await {
             Err(PublishError::AfterFailed) if again < AFTER_FAILED_ATTEMPTS => {
                 again += 1;
                 crate::warn_limited!(

@@ -1787,3 +1787,58 @@ async fn a_memory_alarm_beyond_the_consumer_timeout_charges_no_request() {
     assert!(dead.received.is_empty(), "requests charged a delivery and dead-lettered: {details:?}");
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
+
+/// A partition's publish that waits for the broker to unblock its connection (a memory alarm)
+/// publishes nothing if its lease ended meanwhile: the lease is checked after that wait, with no
+/// await before the frames are queued (`publisher::publish_on`). Measured before: the publish
+/// whose lease ended during the alarm went out when the alarm ended, confirmed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "heavy: a broker-wide memory alarm for a few seconds; run alone by the heavy stage of scripts/test"]
+async fn a_lease_that_ends_while_the_broker_blocks_publishing_publishes_nothing() {
+    use prefix_batcher::amqp::SharedConfirmChannel;
+    use prefix_batcher::lease::LeaseClock;
+    use prefix_batcher::publisher::{publish_on, PublishError};
+
+    let env = TestEnv::new("alarmlease");
+    let settings = Arc::new(Settings::from_raw(&env.raw_config("http://127.0.0.1:9")).expect("valid test config"));
+    let amqp = Amqp::connect().await;
+    let queue = env.results_queue();
+    let durable = QueueDeclareOptions { durable: true, ..Default::default() };
+    amqp.ch.queue_declare(queue.as_str().into(), durable, FieldTable::default()).await.expect("declare the queue");
+    let conn = Arc::new(lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default()).await.expect("connect"));
+    let out = Arc::new(SharedConfirmChannel::new(conn.clone(), Duration::from_secs(1), "test".into()));
+    let publish = |body: &'static str, lease: Option<Arc<LeaseClock>>| {
+        let (out, settings, queue) = (out.clone(), settings.clone(), queue.clone());
+        tokio::spawn(async move {
+            let props = lapin::BasicProperties::default().with_message_id(body.into());
+            publish_on(&out, &settings.amqp, "", &queue, body.as_bytes(), props, lease.as_deref()).await
+        })
+    };
+
+    let alarm = MemoryAlarm::raise();
+    // RabbitMQ tells a connection it is blocked when it publishes during the alarm.
+    let first = publish("first", None);
+    assert!(wait_for("the connection blocked", Duration::from_secs(20), || async { conn.status().blocked() }).await);
+    let ends = Arc::new(LeaseClock::new(Instant::now() + Duration::from_secs(1)));
+    let lasts = Arc::new(LeaseClock::new(Instant::now() + Duration::from_secs(600)));
+    let stale = publish("stale", Some(ends.clone()));
+    let owned = publish("owned", Some(lasts));
+    assert!(wait_for("the short lease to end", Duration::from_secs(5), || async { !ends.is_valid() }).await);
+    assert!(conn.status().blocked(), "the alarm ended before the lease");
+    drop(alarm);
+
+    let within = |t| tokio::time::timeout(Duration::from_secs(60), t);
+    assert!(matches!(within(first).await.expect("first settles").unwrap(), Ok(())));
+    assert!(matches!(within(owned).await.expect("owned settles").unwrap(), Ok(())));
+    let stale = within(stale).await.expect("stale settles").unwrap();
+    assert!(matches!(stale, Err(PublishError::LeaseExpired)), "a publish whose lease ended during the alarm: {stale:?}");
+    let mut got = Vec::new();
+    while let Some(m) = amqp.ch.basic_get(queue.as_str().into(), lapin::options::BasicGetOptions { no_ack: true }).await.expect("basic.get") {
+        got.push(String::from_utf8_lossy(&m.delivery.data).into_owned());
+    }
+    got.sort();
+    assert_eq!(got, ["first", "owned"], "what reached the queue");
+    let _ = conn.close(200, "done".into()).await;
+    amqp.close().await;
+    env.cleanup().await;
+}

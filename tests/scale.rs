@@ -48,6 +48,8 @@ use tokio::time::Instant;
 
 /// Lease TTL of the test configuration (`TestEnv::raw_config`).
 const LEASE_TTL: Duration = Duration::from_secs(3);
+/// How long after the test takes a timestamp its SIGSTOP or SIGCONT may take effect.
+const SIGNAL_SLACK: Duration = Duration::from_millis(50);
 /// Renew deadline of the test configuration.
 const RENEW_DEADLINE: Duration = Duration::from_secs(2);
 /// Environment variable that allows the disruptive tests (c, d) to run.
@@ -406,9 +408,26 @@ async fn e_stale_owner_after_sigstop() {
         m.entry(o.id.as_str()).or_default().push(o);
         m
     });
+    // A stale publication with no newer copy is the request's only result: its publish passed
+    // the lease check before the SIGSTOP and its frames were still in the client's buffers or the
+    // socket (the ack follows the confirm even when the deadline passed since:
+    // `publisher::ack_published`). So its LLM call must have answered before the SIGSTOP; a result
+    // whose answer came during the pause must not be published with the old epoch.
+    let calls = fake.calls();
+    let mut only_copies = 0;
     for s in &stale {
         let newer = by_id[s.id.as_str()].iter().any(|o| o.partition == s.partition && o.epoch > s.epoch);
-        assert!(newer, "stale result {s:?} is not detectable: no newer epoch of partition {} published request {}", s.partition, s.id);
+        if newer {
+            continue;
+        }
+        only_copies += 1;
+        let prompt = prompt_of(&reqs, &s.id);
+        let answered = calls.iter().filter(|c| c.prompts.contains(&prompt)).map(|c| c.received_at + latency).min();
+        assert!(
+            answered.is_some_and(|at| at <= t_stop + SIGNAL_SLACK),
+            "stale result {s:?} is its request's only result, yet its LLM call answered at {:?} after the SIGSTOP: a published after its lease deadline",
+            answered.map(|at| at.saturating_duration_since(t_stop))
+        );
     }
     for (id, copies) in &t.duplicated {
         let keys: HashSet<(u32, u64)> = copies.iter().map(|o| (o.partition, o.epoch)).collect();
@@ -437,7 +456,7 @@ async fn e_stale_owner_after_sigstop() {
         secs(back_in)
     );
     println!(
-        "stale owner: lost {}, duplicates {}, stale publications {}, results received during the pause {} ({} from a, in flight to the broker at the SIGSTOP), a's log: {noticed} lease-expiry lines, {not_published} results dropped unpublished; ownership log {log_tail}",
+        "stale owner: lost {}, duplicates {}, stale publications {} ({only_copies} of them their request's only result, published before the SIGSTOP), results received during the pause {} ({} from a, in flight to the broker at the SIGSTOP), a's log: {noticed} lease-expiry lines, {not_published} results dropped unpublished; ownership log {log_tail}",
         t.lost.len(),
         t.duplicates(),
         stale.len(),
@@ -794,6 +813,13 @@ fn sac_consumers(prefix: &str) -> Option<Vec<(String, String, bool)>> {
 /// Whether partition queue `q` (`….NNN`) is one of `parts`.
 fn a_queue(q: &str, parts: &BTreeMap<u32, u64>) -> bool {
     q.rsplit('.').next().and_then(|n| n.parse::<u32>().ok()).is_some_and(|p| parts.contains_key(&p))
+}
+
+/// The prompt of request `id` of a completions workload.
+fn prompt_of(reqs: &[TestRequest], id: &str) -> String {
+    let r = reqs.iter().find(|r| r.id == id).unwrap_or_else(|| panic!("no request {id} in the workload"));
+    let body: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    body["prompt"].as_str().unwrap().to_owned()
 }
 
 /// The ownership log check of the stale-owner test: overlaps are allowed only where they come
