@@ -1,4 +1,4 @@
-//! The fault matrix: the main job (2 daemons in this process, ~300 requests at 10/s, the real
+//! The fault matrix: the main job (2 daemons in this process, ~300 requests at 15/s, the real
 //! RabbitMQ, a private redis-server, the fake LLM) while one fault happens, for each fault in turn.
 //! Prints one table row per fault:
 //!
@@ -11,8 +11,8 @@
 //! from the fault's end to the last result of the requests published before it ended.
 //!
 //! Faults (`PREFIX_BATCHER_FAULTS=name,name,…` selects; default all):
-//! - `llm_refused`: the LLM refuses connections for 30 s.
-//! - `llm_503`, `llm_401`: the LLM answers 503 / 401 to everything for 30 s.
+//! - `llm_refused`: the LLM refuses connections for 14 s.
+//! - `llm_503`, `llm_401`: the LLM answers 503 / 401 to everything for 14 s.
 //!
 //!   The three LLM faults and `redis_paused` run with `amqp.delivery_limit = 1`: an outage must
 //!   charge no request a delivery, so a single charged delivery would dead-letter a request and
@@ -47,7 +47,7 @@ use tokio::time::Instant;
 
 const FAULTS_ENV: &str = "PREFIX_BATCHER_FAULTS";
 const REQUESTS: usize = 300;
-const RATE: u32 = 10;
+const RATE: u32 = 15;
 /// Requests published before a fault starts.
 const BEFORE_FAULT: usize = 50;
 /// Groups (prefix keys) of the workload.
@@ -328,7 +328,7 @@ fn row(fault: Fault, reqs: &[TestRequest], results: &[Observed], m: Measured) ->
 
 /// Injects `fault` and ends it; returns when it ended (`None`: it lasts the whole run) and a note.
 async fn inject(fault: Fault, d: &Deployment, empty_partition: Option<u32>) -> (Option<Instant>, String) {
-    const LLM_FAULT: Duration = Duration::from_secs(30);
+    const LLM_FAULT: Duration = Duration::from_secs(14);
     match fault {
         Fault::LlmRefused => {
             d.fake.set_refuse(true).await;
