@@ -363,6 +363,9 @@ struct Endpoint {
     /// How many times the endpoint was found not answering ([`LlmClient::stopped_answering`]);
     /// the calls waiting on it then end too.
     found_hung: AtomicU64,
+    /// One permit: the calls of requests suspected of taking the server down go one at a time
+    /// ([`LlmClient::isolated_call_permit`]).
+    isolation: tokio::sync::Semaphore,
 }
 
 impl fmt::Debug for LlmClient {
@@ -831,6 +834,15 @@ impl LlmClient {
                 r = changed.changed() => if r.is_err() { return false },
             }
         }
+    }
+
+    /// Waits for the isolation lane of `endpoint`: among the calls that hold it, one at a time.
+    /// The partitions send the requests that were in flight when endpoints went down, twice
+    /// ([`crate::redelivery::note_outage_during_call`]), one call each under it, so when the
+    /// server goes down again during such a call, that request is the only suspect of this
+    /// instance (other calls go on as usual meanwhile). `None` for an unknown endpoint.
+    pub async fn isolated_call_permit(&self, endpoint: usize) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        self.inner.endpoints.get(endpoint)?.isolation.acquire().await.ok()
     }
 
     /// Runs one batch on endpoint `endpoint` (an index below the number of endpoints, usually
@@ -2325,6 +2337,7 @@ impl Endpoint {
             models: join(MODELS_PATH)?,
             last_answer: Mutex::new(None),
             found_hung: AtomicU64::new(0),
+            isolation: tokio::sync::Semaphore::new(1),
             probing: AtomicBool::new(false),
             last_check: tokio::sync::Mutex::new(None),
             name,

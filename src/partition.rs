@@ -1332,12 +1332,13 @@ async fn process_batch(
     // uncharged.
     let cutoff = drain_call_cutoff(ctx.settings.drain_timeout);
     let oldest = batch.items.iter().map(|p| p.received).min().unwrap_or(flushed);
+    let ids: Vec<&str> = batch.items.iter().map(|p| p.req.id.as_str()).collect();
     let answers = tokio::select! {
-        answers = infer_through_outages(&ctx, &items, release_at(&ctx.settings, oldest), &stop, &end) => answers.ok_or(CallsEnded::Stopped),
+        answers = infer_through_outages(&ctx, &items, &ids, release_at(&ctx.settings, oldest), &stop, &end) => answers.ok_or(CallsEnded::Stopped),
         () = calls_cut(&stop.drain, cutoff) => Err(CallsEnded::DrainTimeRanOut),
     };
     // The calls' view of the requests ends here: they are settled from `batch.items` below.
-    drop(items);
+    drop((items, ids));
     let Outcomes { results, put_back_first } = match answers {
         Ok(outcomes) => outcomes,
         Err(why) => {
@@ -1552,6 +1553,7 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 async fn infer_through_outages(
     ctx: &PartitionContext,
     items: &[InferenceItem<'_>],
+    ids: &[&str],
     release_at: Instant,
     stop: &StopSignals,
     end: &SessionEnd,
@@ -1583,9 +1585,17 @@ async fn infer_through_outages(
         }
         first = false;
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
-        let answers = call_round(ctx, endpoint, &call, one_by_one, release_at, &end.token).await;
+        // Requests that were in flight when an endpoint went down, twice, go alone, one at a
+        // time per endpoint ([`isolated_calls`]).
+        let isolated: Vec<bool> = todo.iter().map(|&i| redelivery::outages_during_calls(ids[i]) >= redelivery::OUTAGES_BEFORE_ISOLATION).collect();
+        let answers = call_round(ctx, endpoint, &call, &isolated, one_by_one, release_at, &end.token).await;
         if end.token.is_cancelled() {
             return None;
+        }
+        for ((&i, answer), _) in todo.iter().zip(&answers).zip(&isolated).filter(|(_, alone)| **alone) {
+            if answer.is_ok() {
+                redelivery::forget_outages_during_calls(ids[i]);
+            }
         }
         let server_faults = answers.iter().filter(|a| a.as_ref().is_err_and(|e| e.fault() == Fault::Server)).count();
         // The verdict (a probe, and maybe a replay of a real call) may take as long as a call or
@@ -1601,6 +1611,7 @@ async fn infer_through_outages(
                     return Some(Outcomes::released(results, not_sent, again, ctx.partition));
                 }
             };
+        let (round, answers) = if outage { charge_crash_suspects(ctx, ids, todo, answers, &isolated, &mut results) } else { (todo, answers) };
         // Isolate a possible offender once; an outage resets nothing (the items wait and go again).
         // Not for request timeouts: a list call that timed out went again prompt by prompt
         // already ([`LlmClient::infer_within`]), so each of them is a prompt's own call.
@@ -1610,7 +1621,7 @@ async fn infer_through_outages(
             .count();
         let isolate = !outage && !one_by_one && to_isolate > 1;
         one_by_one |= isolate;
-        let again = sort_answers(todo, answers, &mut results, &mut not_sent, outage || isolate);
+        let again = sort_answers(round, answers, &mut results, &mut not_sent, outage || isolate);
         if again.is_empty() {
             return Some(Outcomes { results, put_back_first: not_sent });
         }
@@ -1707,17 +1718,116 @@ async fn call_round(
     ctx: &PartitionContext,
     endpoint: usize,
     call: &[InferenceItem<'_>],
+    isolated: &[bool],
     one_by_one: bool,
     deadline: Instant,
     cancel: &CancellationToken,
 ) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
-    if one_by_one {
-        let calls = call.iter().map(|item| ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)));
-        futures_util::future::join_all(calls).await.into_iter().flatten().collect()
-    } else {
-        ctx.llm.infer_within(endpoint, call, cancel, Some(deadline)).await
+    let (alone, together): (Vec<usize>, Vec<usize>) = (0..call.len()).partition(|&i| isolated[i]);
+    let together_items: Vec<InferenceItem<'_>> = together.iter().map(|&i| call[i]).collect();
+    let alone_items: Vec<InferenceItem<'_>> = alone.iter().map(|&i| call[i]).collect();
+    let together_calls = async {
+        if together_items.is_empty() {
+            Vec::new()
+        } else if one_by_one {
+            let calls = together_items.iter().map(|item| ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)));
+            futures_util::future::join_all(calls).await.into_iter().flatten().collect()
+        } else {
+            ctx.llm.infer_within(endpoint, &together_items, cancel, Some(deadline)).await
+        }
+    };
+    let (together_answers, alone_answers) = futures_util::future::join(together_calls, isolated_calls(ctx, endpoint, &alone_items, deadline, cancel)).await;
+    let mut answers: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = call.iter().map(|_| None).collect();
+    for (i, answer) in together.into_iter().zip(together_answers).chain(alone.into_iter().zip(alone_answers)) {
+        answers[i] = Some(answer);
     }
+    answers.into_iter().map(|a| a.unwrap_or_else(|| Err(llm_error(ErrorKind::Unavailable, "internal: no answer for this request")))).collect()
 }
+
+/// An [`crate::llm::LlmError`] of `kind` with `message` and no HTTP status.
+fn llm_error(kind: ErrorKind, message: &str) -> crate::llm::LlmError {
+    crate::llm::LlmError { kind, message: message.to_owned(), status: None }
+}
+
+/// The calls of requests that were in flight when an LLM endpoint went down, at least
+/// [`redelivery::OUTAGES_BEFORE_ISOLATION`] times ([`redelivery::note_outage_during_call`]): one call each, one after the other, each under the
+/// endpoint's isolation lane ([`LlmClient::isolated_call_permit`]), so that among this
+/// instance's suspects only one is in flight when the server goes down again. After a server
+/// fault the rest are not sent ([`ErrorKind::Unavailable`]: they go again whatever the verdict);
+/// a request whose turn did not come by `deadline` is not sent either ([`ErrorKind::Cancelled`]:
+/// back to its partition queue uncharged). One answer per item, in order.
+async fn isolated_calls(
+    ctx: &PartitionContext,
+    endpoint: usize,
+    items: &[InferenceItem<'_>],
+    deadline: Instant,
+    cancel: &CancellationToken,
+) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
+    let mut answers = Vec::with_capacity(items.len());
+    let mut failed = false;
+    for item in items {
+        if failed {
+            answers.push(Err(llm_error(ErrorKind::Unavailable, "not sent: the request sent alone before it met a server fault")));
+            continue;
+        }
+        let permit = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => None,
+            () = tokio::time::sleep_until(deadline) => None,
+            permit = ctx.llm.isolated_call_permit(endpoint) => permit,
+        };
+        let Some(_permit) = permit else {
+            answers.push(Err(llm_error(ErrorKind::Cancelled, "not sent: its turn to go alone did not come within its batch's time")));
+            continue;
+        };
+        let answer = ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await.pop();
+        let answer = answer.unwrap_or_else(|| Err(llm_error(ErrorKind::Unavailable, "internal: no answer for this request")));
+        failed = answer.as_ref().is_err_and(|e| e.fault() == Fault::Server);
+        answers.push(answer);
+    }
+    answers
+}
+
+/// After a round whose server faults were an outage (the endpoint is down): notes, for each
+/// request whose own call failed with a refused or broken connection or a 5xx, that the
+/// endpoint went down during its call ([`redelivery::note_outage_during_call`]). A request sent
+/// alone ([`isolated_calls`]) that reaches [`redelivery::OUTAGES_BEFORE_CHARGE`] outages is
+/// charged: its answer goes to `results` (requeued, counted towards `amqp.delivery_limit`)
+/// instead of waiting for the endpoint. Returns the other items and their answers.
+fn charge_crash_suspects(
+    ctx: &PartitionContext,
+    ids: &[&str],
+    todo: Vec<usize>,
+    answers: Vec<Result<crate::llm::Completion, crate::llm::LlmError>>,
+    isolated: &[bool],
+    results: &mut [Answer],
+) -> (Vec<usize>, Vec<Result<crate::llm::Completion, crate::llm::LlmError>>) {
+    let mut kept = (Vec::with_capacity(todo.len()), Vec::with_capacity(todo.len()));
+    for ((i, answer), alone) in todo.into_iter().zip(answers).zip(isolated) {
+        let during_call = answer.as_ref().err().filter(|e| matches!(e.kind, ErrorKind::Connect | ErrorKind::Server));
+        let Some(e) = during_call else {
+            kept.0.push(i);
+            kept.1.push(answer);
+            continue;
+        };
+        let outages = redelivery::note_outage_during_call(ids[i]);
+        if !*alone || outages < redelivery::OUTAGES_BEFORE_CHARGE {
+            kept.0.push(i);
+            kept.1.push(answer);
+            continue;
+        }
+        let message = format!(
+            "the LLM server went down during this request's calls {outages} times, the last while it was sent alone (a prompt that may crash the server): charged a delivery; last error: {}",
+            e.message
+        );
+        crate::warn_limited!(CRASH_SUSPECT_LOG, partition = ctx.partition, request_id = %ids[i], outages, "{message}");
+        results[i] = Some(Err(crate::llm::LlmError { kind: e.kind, message, status: e.status }));
+    }
+    kept
+}
+
+/// Bounds the lines of [`charge_crash_suspects`].
+static CRASH_SUSPECT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
 /// Logs the `requests` of a batch that go again: waiting for an endpoint (`outage`) or, while
 /// the endpoint answers probes, one call each.

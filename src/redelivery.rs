@@ -425,6 +425,48 @@ pub fn uncharged_returns(key: u128) -> u64 {
     UNCHARGED_RETURNS.lock().unwrap_or_else(|p| p.into_inner()).map.get(&key).copied().unwrap_or(0)
 }
 
+/// Outages of an LLM endpoint that began while a call carrying the request was in flight, by
+/// request id: [`note_outage_during_call`].
+static OUTAGES_DURING_CALLS: LazyLock<Mutex<Bounded<String, u32>>> = LazyLock::new(|| Mutex::new(Bounded::new(LAST_FAILURES_CAPACITY)));
+
+/// Notes that an LLM endpoint went down (refused or broken connections, or 5xx, and its probe
+/// failed too) while a call carrying request `id` was in flight, and returns how many times this
+/// happened to it. A request that crashes its server is one of those every time; the others are
+/// there by chance. From [`OUTAGES_BEFORE_ISOLATION`] on, the partitions send the request alone,
+/// one call at a time per endpoint ([`crate::llm::LlmClient::isolated_call_permit`]), and from
+/// [`OUTAGES_BEFORE_CHARGE`] on, an outage during such a call charges it a delivery. In this
+/// process only, bounded like the last errors.
+pub fn note_outage_during_call(id: &str) -> u32 {
+    let mut all = OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner());
+    let n = all.map.get(id).copied().unwrap_or(0).saturating_add(1);
+    all.insert(id.to_owned(), n);
+    n
+}
+
+/// How many outages began while a call of request `id` was in flight
+/// ([`note_outage_during_call`]).
+pub fn outages_during_calls(id: &str) -> u32 {
+    OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).map.get(id).copied().unwrap_or(0)
+}
+
+/// Forgets the outages noted for request `id` (it was answered).
+pub fn forget_outages_during_calls(id: &str) {
+    OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).take(&id.to_owned());
+}
+
+/// From this many outages during its calls ([`note_outage_during_call`]), a request is sent
+/// alone, one call at a time per endpoint: the server went down twice while it was in flight (a
+/// restart of the server under load puts every request in flight at one outage; those are not
+/// slowed down).
+pub const OUTAGES_BEFORE_ISOLATION: u32 = 2;
+
+/// From this many outages during its calls ([`note_outage_during_call`]), the last while it was
+/// sent alone, a request is charged a delivery for the outage instead of waiting uncharged. A
+/// request that crashes the server is then dead-lettered at `amqp.delivery_limit`, after about
+/// as many crashes as deliveries plus two, instead of crashing every restart of the server for
+/// ever.
+pub const OUTAGES_BEFORE_CHARGE: u32 = 3;
+
 #[cfg(test)]
 mod tests {
     use lapin::types::{AMQPValue, ShortString};

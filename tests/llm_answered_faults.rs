@@ -545,3 +545,145 @@ async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// A prompt containing this takes the server down ([`CrashingServer`]).
+const CRASH: &str = "NU-CRASH";
+
+/// A TCP proxy in front of a server that behaves like a server process a prompt kills: when the
+/// bytes of a request contain [`CRASH`], every connection through it is cut without an answer
+/// (the one carrying the prompt too), and its port refuses connections for `down_for` (the
+/// process restarting), then accepts them again.
+struct CrashingServer {
+    url: String,
+    crashes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CrashingServer {
+    async fn start(upstream: &url::Url, down_for: Duration) -> CrashingServer {
+        use std::sync::atomic::AtomicUsize;
+        use std::sync::Arc;
+        let upstream = format!("{}:{}", upstream.host_str().unwrap(), upstream.port().unwrap());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let crashes = Arc::new(AtomicUsize::new(0));
+        let (crash, _) = tokio::sync::watch::channel(0usize);
+        let counter = crashes.clone();
+        let task = tokio::spawn(async move {
+            let mut listener = Some(listener);
+            let mut crashed = crash.subscribe();
+            loop {
+                let Some(l) = listener.as_ref() else {
+                    tokio::time::sleep(down_for).await;
+                    while listener.is_none() {
+                        listener = tokio::net::TcpListener::bind(addr).await.ok();
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    crashed.borrow_and_update();
+                    continue;
+                };
+                tokio::select! {
+                    _ = crashed.changed() => listener = None,
+                    accepted = l.accept() => {
+                        let Ok((client, _)) = accepted else { continue };
+                        let (crash, counter, upstream) = (crash.clone(), counter.clone(), upstream.clone());
+                        tokio::spawn(async move {
+                            let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { return };
+                            relay_until_crash(client, server, crash, counter).await;
+                        });
+                    }
+                }
+            }
+        });
+        CrashingServer { url: format!("http://{addr}"), crashes, task }
+    }
+
+    fn crashes(&self) -> usize {
+        self.crashes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for CrashingServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Relays bytes both ways until either side closes or a crash (its own request carried
+/// [`CRASH`], or another connection's did) cuts both.
+async fn relay_until_crash(
+    mut client: tokio::net::TcpStream,
+    mut server: tokio::net::TcpStream,
+    crash: tokio::sync::watch::Sender<usize>,
+    counter: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut crashed = crash.subscribe();
+    let (mut up, mut down) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
+    // The tail of the request bytes so far, so that a marker split between two reads is seen.
+    let mut seen: Vec<u8> = Vec::new();
+    loop {
+        tokio::select! {
+            _ = crashed.changed() => return,
+            n = client.read(&mut up) => {
+                let Ok(n) = n.map(|n| n.min(up.len())) else { return };
+                if n == 0 { return }
+                seen.extend_from_slice(&up[..n]);
+                if seen.windows(CRASH.len()).any(|w| w == CRASH.as_bytes()) {
+                    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    crash.send_modify(|n| *n += 1);
+                    return;
+                }
+                seen.drain(..seen.len().saturating_sub(CRASH.len()));
+                if server.write_all(&up[..n]).await.is_err() { return }
+            }
+            n = server.read(&mut down) => {
+                let Ok(n) = n else { return };
+                if n == 0 || client.write_all(&down[..n]).await.is_err() { return }
+            }
+        }
+    }
+}
+
+/// A prompt that crashes the server (its process dies; it comes back a second later) among
+/// normal requests of its key. The server was down when the daemon probed it, so each crash
+/// was an outage: the request went back uncharged and took the server down again on every
+/// restart, for ever. Now a request that was in flight when the endpoint went down twice is sent
+/// alone, one at a time per endpoint; when the server goes down during that call, the request
+/// is charged a delivery, so it is dead-lettered after `amqp.delivery_limit` (3 here) with the
+/// crash as its last error, and the normal requests are each answered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_that_crashes_the_server_is_dead_lettered_and_the_others_answered() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().latency(Duration::from_millis(50)).start().await.unwrap();
+    let server = CrashingServer::start(&fake.url, Duration::from_millis(1500)).await;
+    let env = TestEnv::new("nu-crash");
+    let mut raw = env.raw_config(&server.url);
+    raw.amqp.delivery_limit = 3;
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+
+    // Warm: the server answered real calls before (so its probes can replay one).
+    let warm = completions_workload("nu-crash-warm", 8, 2);
+    st.amqp.publish_requests(&env.input_queue(), &warm, &st.reply).await;
+    st.results.until_all(&ids(&warm), Duration::from_secs(30)).await;
+    // The crashing request first, in one batch with normal requests of its key.
+    let prompt = format!("{} {CRASH} a prompt the server dies on", group_prefix(0));
+    let body = json!({"id": "nu-crash-0", "prompt": prompt, "params": {"max_tokens": 8}});
+    let bad = vec![TestRequest { id: "nu-crash-0".into(), body: serde_json::to_vec(&body).unwrap(), group: 0 }];
+    let normal = completions_workload("nu-crash-normal", 24, 2);
+    let started = Instant::now();
+    st.amqp.publish_requests(&env.input_queue(), &bad, &st.reply).await;
+    st.amqp.publish_requests(&env.input_queue(), &normal, &st.reply).await;
+    dead.until_all(&ids(&bad), Duration::from_secs(120)).await;
+    let dead_in = started.elapsed();
+    st.results.until_all(&ids(&normal), Duration::from_secs(60)).await;
+    st.results.barrier(&st.amqp).await;
+    let all_normal: Vec<TestRequest> = warm.iter().chain(&normal).cloned().collect();
+    assert_answered_and_dead_lettered(&st.results, &dead, &all_normal, &bad, "went down during this request's calls");
+    assert_eq!(st.results.received.len(), all_normal.len(), "each normal request answered once");
+    let crashes = server.crashes();
+    eprintln!("crashing prompt: dead-lettered after {dead_in:?} and {crashes} crashes of the server; {} others answered once", normal.len());
+    assert!(crashes <= raw.amqp.delivery_limit as usize + 3, "{crashes} crashes for a delivery limit of {}", raw.amqp.delivery_limit);
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
