@@ -1549,6 +1549,9 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 /// because the prompts before them, or the wait for an endpoint permit, used the time
 /// ([`LlmClient::infer_within`]) get `None` too, and so do the items still waiting when waiting
 /// for an endpoint (in any round) or another round of calls would keep them past `release_at`.
+/// A request that was in flight when its endpoint went down twice goes alone, one call at a time
+/// per endpoint, and an outage during that call charges it ([`charge_crash_suspects`]): a prompt
+/// that crashes the server is still down at the probe, so it would wait uncharged for ever.
 /// `None` when a stop signal or the session's end comes first.
 async fn infer_through_outages(
     ctx: &PartitionContext,
@@ -1587,12 +1590,13 @@ async fn infer_through_outages(
         let call: Vec<InferenceItem<'_>> = todo.iter().map(|&i| items[i]).collect();
         // Requests that were in flight when an endpoint went down, twice, go alone, one at a
         // time per endpoint ([`isolated_calls`]).
-        let isolated: Vec<bool> = todo.iter().map(|&i| redelivery::outages_during_calls(ids[i]) >= redelivery::OUTAGES_BEFORE_ISOLATION).collect();
+        let outages: Vec<u32> = todo.iter().map(|&i| redelivery::outages_during_calls(ids[i])).collect();
+        let isolated: Vec<bool> = outages.iter().map(|&n| n >= redelivery::OUTAGES_BEFORE_ISOLATION).collect();
         let answers = call_round(ctx, endpoint, &call, &isolated, one_by_one, release_at, &end.token).await;
         if end.token.is_cancelled() {
             return None;
         }
-        for ((&i, answer), _) in todo.iter().zip(&answers).zip(&isolated).filter(|(_, alone)| **alone) {
+        for ((&i, answer), _) in todo.iter().zip(&answers).zip(&outages).filter(|(_, n)| **n > 0) {
             if answer.is_ok() {
                 redelivery::forget_outages_during_calls(ids[i]);
             }
