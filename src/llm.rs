@@ -438,11 +438,24 @@ pub struct LlmError {
     pub message: String,
     /// The HTTP status, when the server answered.
     pub status: Option<u16>,
+    /// Whether an attempt of the call lost the server during the call: its connection was
+    /// closed or reset after it was made, before the whole answer came, or a gateway answered
+    /// 502 or 504 (its upstream went away). Not for a refused connection or a timeout. What a
+    /// server that crashes on a prompt does to the call carrying it (`crate::partition` counts
+    /// such calls when the endpoint then proves down).
+    pub connection_lost: bool,
 }
 
 impl LlmError {
     fn new(kind: ErrorKind, message: impl Into<String>, status: Option<u16>) -> Self {
-        LlmError { kind, message: message.into(), status }
+        LlmError { kind, message: message.into(), status, connection_lost: false }
+    }
+
+    /// The error of a failed HTTP exchange (`status`: of the answer whose body failed).
+    fn transport(e: reqwest::Error, status: Option<u16>) -> Self {
+        let kind = classify(Problem::Transport(&e));
+        let connection_lost = kind == ErrorKind::Connect && !e.is_connect();
+        LlmError { connection_lost, ..LlmError::new(kind, transport_message(e), status) }
     }
 
     fn cancelled() -> Self {
@@ -1153,6 +1166,9 @@ impl LlmClient {
         let endpoint = call.endpoint;
         let mut attempt = 0u32;
         let mut last_error: Option<LlmError> = None;
+        // Whether an attempt so far lost the server during the call: kept on the error returned
+        // (a crashed server's later attempts are refused).
+        let mut lost = false;
         loop {
             let outcome = match self.attempt_through_breaker(call, cancel, &parse).await {
                 Gate::Cancelled => return (Err(LlmError::cancelled()), attempt),
@@ -1163,13 +1179,15 @@ impl LlmClient {
                 Gate::Attempted(outcome) => outcome,
             };
             attempt += 1;
-            let (error, retry_after) = match outcome {
+            let (mut error, retry_after) = match outcome {
                 Ok(parsed) => {
                     tracing::debug!(endpoint, attempt, items = call.n_items, "LLM call succeeded");
                     return (Ok(parsed), attempt);
                 }
                 Err(failure) => failure,
             };
+            lost |= error.connection_lost;
+            error.connection_lost = lost;
             let stop_for_split = call.list && error.kind.splits_list();
             let breaker_closed = error.is_server_fault() && !self.available(endpoint);
             let timeout_kept = error.kind == ErrorKind::Timeout && !call.retry_timeouts;
@@ -2051,10 +2069,7 @@ impl LlmClient {
         payload: Vec<u8>,
         parse: &impl Fn(Value) -> Result<Parsed, LlmError>,
     ) -> Result<Parsed, (LlmError, Option<Duration>)> {
-        let transport = |e: reqwest::Error| {
-            let kind = classify(Problem::Transport(&e));
-            (LlmError::new(kind, transport_message(e), None), None)
-        };
+        let transport = |e: reqwest::Error| (LlmError::transport(e, None), None);
         let response = self
             .inner
             .http
@@ -2074,7 +2089,9 @@ impl LlmClient {
                 Some(to) => format!("HTTP {status} to {to} (redirects are not followed: set llm.endpoints to the URL that answers): {}", preview(&bytes)),
                 None => format!("HTTP {status}: {}", preview(&bytes)),
             };
-            return Err((LlmError::new(kind, message, Some(status.as_u16())), retry_after));
+            // 502 and 504: a gateway lost the server behind it.
+            let connection_lost = matches!(status.as_u16(), 502 | 504);
+            return Err((LlmError { connection_lost, ..LlmError::new(kind, message, Some(status.as_u16())) }, retry_after));
         }
         let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
             let kind = classify(Problem::InvalidBody);
@@ -2472,8 +2489,7 @@ async fn read_body(mut response: reqwest::Response, limit: usize) -> Result<Vec<
             Ok(Some(chunk)) => bytes.extend_from_slice(&chunk),
             Ok(None) => return Ok(bytes),
             Err(e) => {
-                let kind = classify(Problem::Transport(&e));
-                return Err((LlmError::new(kind, transport_message(e), status), None));
+                return Err((LlmError::transport(e, status), None));
             }
         }
     }
@@ -3609,7 +3625,30 @@ mod tests {
             let e = r.unwrap_err();
             assert_eq!(e.kind, ErrorKind::Connect, "{e}");
             assert!(!e.message.contains("127.0.0.1"), "no URL in messages: {}", e.message);
+            assert!(!e.connection_lost, "a refused connection never reached the server: {e:?}");
         }
+    }
+
+    /// A server that reads the request and closes the connection without an answer (a process
+    /// that dies during the call): `Connect`, and the call lost the server
+    /// ([`LlmError::connection_lost`]), also when the later attempts are refused.
+    #[tokio::test]
+    async fn a_connection_closed_during_the_call_lost_the_server() {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+        // The first connection is read from and closed; then the port refuses.
+        let server = tokio::spawn(async move {
+            let (mut stream, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 64 * 1024];
+            let _ = stream.read(&mut buf).await;
+        });
+        let client = LlmClient::new(&settings(&url)).unwrap();
+        let results = run(&client, &[(completion("p"), Map::new())]).await;
+        server.await.unwrap();
+        let e = results.into_iter().next().unwrap().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Connect, "{e}");
+        assert!(e.connection_lost, "the call lost the server: {e:?}");
     }
 
     #[tokio::test]

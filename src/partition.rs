@@ -1592,7 +1592,9 @@ async fn infer_through_outages(
         // time per endpoint ([`isolated_calls`]).
         let outages: Vec<u32> = todo.iter().map(|&i| redelivery::outages_during_calls(ids[i])).collect();
         let isolated: Vec<bool> = outages.iter().map(|&n| n >= redelivery::OUTAGES_BEFORE_ISOLATION).collect();
-        let answers = call_round(ctx, endpoint, &call, &isolated, one_by_one, release_at, &end.token).await;
+        // `lane`: the isolation lane, held from a call sent alone that met a server fault until
+        // its verdict, so the next request sent alone does not meet the same outage.
+        let (answers, lane) = call_round(ctx, endpoint, &call, &isolated, one_by_one, release_at, &end.token).await;
         if end.token.is_cancelled() {
             return None;
         }
@@ -1616,6 +1618,7 @@ async fn infer_through_outages(
                 }
             };
         let (round, answers) = if outage { charge_crash_suspects(ctx, ids, todo, answers, &isolated, &mut results) } else { (todo, answers) };
+        drop(lane);
         // Isolate a possible offender once; an outage resets nothing (the items wait and go again).
         // Not for request timeouts: a list call that timed out went again prompt by prompt
         // already ([`LlmClient::infer_within`]), so each of them is a prompt's own call.
@@ -1640,7 +1643,7 @@ async fn infer_through_outages(
                 endpoint,
                 answered = results.iter().filter(|r| r.is_some()).count(),
                 waiting = again.len(),
-                "LLM endpoint down with part of a batch answered: its answers go out now, the rest goes back to the partition queue, not charged a delivery"
+                "LLM endpoint down with part of a batch settled (answered, or charged as a request that may crash the server): its answers go out now, the rest goes back to the partition queue, not charged a delivery"
             );
             not_sent.extend(again);
             return Some(Outcomes { results, put_back_first: not_sent });
@@ -1717,16 +1720,18 @@ fn sort_answers(
 
 /// One round of calls for `call` on `endpoint`, each ending by `deadline`
 /// ([`LlmClient::infer_within`]): one call per item when a possible offender is being isolated
-/// (`one_by_one`), else the batch's calls. One answer per item, in order.
-async fn call_round(
-    ctx: &PartitionContext,
+/// (`one_by_one`), else the batch's calls; the items marked in `isolated` go alone meanwhile
+/// ([`isolated_calls`]). One answer per item, in order, and the isolation lane when a call sent
+/// alone met a server fault (held until the verdict on it).
+async fn call_round<'c>(
+    ctx: &'c PartitionContext,
     endpoint: usize,
     call: &[InferenceItem<'_>],
     isolated: &[bool],
     one_by_one: bool,
     deadline: Instant,
     cancel: &CancellationToken,
-) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
+) -> (Vec<Result<crate::llm::Completion, crate::llm::LlmError>>, Option<tokio::sync::SemaphorePermit<'c>>) {
     let (alone, together): (Vec<usize>, Vec<usize>) = (0..call.len()).partition(|&i| isolated[i]);
     let together_items: Vec<InferenceItem<'_>> = together.iter().map(|&i| call[i]).collect();
     let alone_items: Vec<InferenceItem<'_>> = alone.iter().map(|&i| call[i]).collect();
@@ -1740,60 +1745,74 @@ async fn call_round(
             ctx.llm.infer_within(endpoint, &together_items, cancel, Some(deadline)).await
         }
     };
-    let (together_answers, alone_answers) = futures_util::future::join(together_calls, isolated_calls(ctx, endpoint, &alone_items, deadline, cancel)).await;
+    let (together_answers, (alone_answers, lane)) = futures_util::future::join(together_calls, isolated_calls(ctx, endpoint, &alone_items, deadline, cancel)).await;
     let mut answers: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = call.iter().map(|_| None).collect();
     for (i, answer) in together.into_iter().zip(together_answers).chain(alone.into_iter().zip(alone_answers)) {
         answers[i] = Some(answer);
     }
-    answers.into_iter().map(|a| a.unwrap_or_else(|| Err(llm_error(ErrorKind::Unavailable, "internal: no answer for this request")))).collect()
+    let answers = answers.into_iter().map(|a| a.unwrap_or_else(|| Err(llm_error(ErrorKind::Unavailable, "internal: no answer for this request")))).collect();
+    (answers, lane)
 }
 
 /// An [`crate::llm::LlmError`] of `kind` with `message` and no HTTP status.
 fn llm_error(kind: ErrorKind, message: &str) -> crate::llm::LlmError {
-    crate::llm::LlmError { kind, message: message.to_owned(), status: None }
+    crate::llm::LlmError { kind, message: message.to_owned(), status: None, connection_lost: false }
 }
 
 /// The calls of requests that were in flight when an LLM endpoint went down, at least
-/// [`redelivery::OUTAGES_BEFORE_ISOLATION`] times ([`redelivery::note_outage_during_call`]): one call each, one after the other, each under the
-/// endpoint's isolation lane ([`LlmClient::isolated_call_permit`]), so that among this
-/// instance's suspects only one is in flight when the server goes down again. After a server
-/// fault the rest are not sent ([`ErrorKind::Unavailable`]: they go again whatever the verdict);
-/// a request whose turn did not come by `deadline` is not sent either ([`ErrorKind::Cancelled`]:
-/// back to its partition queue uncharged). One answer per item, in order.
-async fn isolated_calls(
-    ctx: &PartitionContext,
+/// [`redelivery::OUTAGES_BEFORE_ISOLATION`] times ([`redelivery::note_outage_during_call`]): one
+/// call each, one after the other, each under the endpoint's isolation lane
+/// ([`LlmClient::isolated_call_permit`]) and only while the endpoint is available, so that among
+/// this instance's suspects only one is in flight when the server goes down again. After a server
+/// fault the rest are not sent ([`ErrorKind::Unavailable`]: they go again whatever the verdict),
+/// and the lane is returned, still held, for the caller to keep until the verdict on that fault;
+/// a request whose turn did not come while a whole call could still end by `deadline` is not
+/// sent ([`ErrorKind::Cancelled`]: back to its partition queue uncharged). One answer per item,
+/// in order.
+async fn isolated_calls<'c>(
+    ctx: &'c PartitionContext,
     endpoint: usize,
     items: &[InferenceItem<'_>],
     deadline: Instant,
     cancel: &CancellationToken,
-) -> Vec<Result<crate::llm::Completion, crate::llm::LlmError>> {
+) -> (Vec<Result<crate::llm::Completion, crate::llm::LlmError>>, Option<tokio::sync::SemaphorePermit<'c>>) {
     let mut answers = Vec::with_capacity(items.len());
-    let mut failed = false;
+    let mut held = None;
+    let last_start = deadline.checked_sub(ctx.settings.llm.request_timeout).unwrap_or(deadline);
     for item in items {
-        if failed {
+        if held.is_some() {
             answers.push(Err(llm_error(ErrorKind::Unavailable, "not sent: the request sent alone before it met a server fault")));
             continue;
         }
         let permit = tokio::select! {
             biased;
             _ = cancel.cancelled() => None,
-            () = tokio::time::sleep_until(deadline) => None,
+            () = tokio::time::sleep_until(last_start) => None,
             permit = ctx.llm.isolated_call_permit(endpoint) => permit,
         };
-        let Some(_permit) = permit else {
+        let Some(permit) = permit else {
             answers.push(Err(llm_error(ErrorKind::Cancelled, "not sent: its turn to go alone did not come within its batch's time")));
             continue;
         };
+        // The lane's previous holder may have left a verdict of "down": not sent into it.
+        if !ctx.llm.available(endpoint) {
+            answers.push(Err(llm_error(ErrorKind::Unavailable, "not sent: the endpoint is down")));
+            held = Some(permit);
+            continue;
+        }
         let answer = ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await.pop();
         let answer = answer.unwrap_or_else(|| Err(llm_error(ErrorKind::Unavailable, "internal: no answer for this request")));
-        failed = answer.as_ref().is_err_and(|e| e.fault() == Fault::Server);
+        if answer.as_ref().is_err_and(|e| e.fault() == Fault::Server) {
+            held = Some(permit);
+        }
         answers.push(answer);
     }
-    answers
+    (answers, held)
 }
 
 /// After a round whose server faults were an outage (the endpoint is down): notes, for each
-/// request whose own call failed with a refused or broken connection or a 5xx, that the
+/// request whose own call lost the server during the call (a connection closed or reset before
+/// the answer, or a gateway's 502 or 504: [`crate::llm::LlmError::connection_lost`]), that the
 /// endpoint went down during its call ([`redelivery::note_outage_during_call`]). A request sent
 /// alone ([`isolated_calls`]) that reaches [`redelivery::OUTAGES_BEFORE_CHARGE`] outages is
 /// charged: its answer goes to `results` (requeued, counted towards `amqp.delivery_limit`)
@@ -1808,7 +1827,7 @@ fn charge_crash_suspects(
 ) -> (Vec<usize>, Vec<Result<crate::llm::Completion, crate::llm::LlmError>>) {
     let mut kept = (Vec::with_capacity(todo.len()), Vec::with_capacity(todo.len()));
     for ((i, answer), alone) in todo.into_iter().zip(answers).zip(isolated) {
-        let during_call = answer.as_ref().err().filter(|e| matches!(e.kind, ErrorKind::Connect | ErrorKind::Server));
+        let during_call = answer.as_ref().err().filter(|e| e.connection_lost);
         let Some(e) = during_call else {
             kept.0.push(i);
             kept.1.push(answer);
@@ -1825,7 +1844,7 @@ fn charge_crash_suspects(
             e.message
         );
         crate::warn_limited!(CRASH_SUSPECT_LOG, partition = ctx.partition, request_id = %ids[i], outages, "{message}");
-        results[i] = Some(Err(crate::llm::LlmError { kind: e.kind, message, status: e.status }));
+        results[i] = Some(Err(crate::llm::LlmError { kind: e.kind, message, status: e.status, connection_lost: true }));
     }
     kept
 }
@@ -1966,7 +1985,7 @@ mod tests {
     /// again), and so charged a delivery. It goes again, whatever the verdict.
     #[test]
     fn a_request_never_sent_goes_again_whatever_the_verdict() {
-        let error = |kind| Err(crate::llm::LlmError { kind, message: String::new(), status: None });
+        let error = |kind| Err(crate::llm::LlmError { kind, message: String::new(), status: None, connection_lost: false });
         for go_again in [false, true] {
             let answers = vec![error(ErrorKind::Unavailable), error(ErrorKind::Server), error(ErrorKind::Cancelled), error(ErrorKind::Rejected)];
             let mut results: Vec<Answer> = (0..4).map(|_| None).collect();

@@ -130,6 +130,13 @@ struct OwnPublish {
     body: Arc<[u8]>,
 }
 
+impl OwnPublish {
+    /// What a publish of `body` to `exchange` with `routing_key` and `props` sends.
+    fn new(exchange: &str, routing_key: &str, body: &[u8], props: &BasicProperties) -> Self {
+        OwnPublish { exchange: exchange.to_owned(), routing_key: routing_key.to_owned(), message_id: props.message_id().clone(), body: Arc::from(body) }
+    }
+}
+
 /// Publishes one message (`mandatory`) on `ch` and waits for its confirm, at most
 /// `amqp.confirm_timeout`, then for the publishes sent before it on `ch` to settle (at most as
 /// long again): it is delivered only when they were too ([`ConfirmChannel`]; otherwise
@@ -173,20 +180,17 @@ pub async fn publish_confirmed(
     body: &[u8],
     props: BasicProperties,
 ) -> Result<(), PublishError> {
-    publish_confirmed_fenced(ch, conn, amqp, exchange, routing_key, body, props, None).await
+    send_confirmed(ch, conn, amqp, OwnPublish::new(exchange, routing_key, body, &props), props, None).await
 }
 
-/// [`publish_confirmed`], with `lease` checked last before the message's frames are queued:
-/// after the wait for an unblocked connection, with no await between the check and the queuing.
-/// An invalid lease publishes nothing ([`PublishError::LeaseExpired`]).
-#[allow(clippy::too_many_arguments)]
-async fn publish_confirmed_fenced(
+/// [`publish_confirmed`] of `own`, with `lease` checked last before the message's frames are
+/// queued: after the wait for an unblocked connection, with no await between the check and the
+/// queuing. An invalid lease publishes nothing ([`PublishError::LeaseExpired`]).
+async fn send_confirmed(
     ch: &ConfirmChannel,
     conn: &Arc<Connection>,
     amqp: &AmqpSettings,
-    exchange: &str,
-    routing_key: &str,
-    body: &[u8],
+    own: OwnPublish,
     props: BasicProperties,
     lease: Option<&LeaseClock>,
 ) -> Result<(), PublishError> {
@@ -203,14 +207,8 @@ async fn publish_confirmed_fenced(
         return Err(PublishError::LeaseExpired);
     }
     let timeout = amqp.confirm_timeout;
-    let own = OwnPublish {
-        exchange: exchange.to_owned(),
-        routing_key: routing_key.to_owned(),
-        message_id: props.message_id().clone(),
-        body: Arc::from(body),
-    };
     let options = BasicPublishOptions { mandatory: true, ..BasicPublishOptions::default() };
-    let (ticket, sent) = ch.send(exchange, routing_key, options, own.body.clone(), props).await;
+    let (ticket, sent) = ch.send(&own.exchange, &own.routing_key, options, own.body.clone(), props).await;
     let (tx, mut rx) = tokio::sync::oneshot::channel();
     let inbox = ch.confirms(|| {
         let (inbox, watches) = tokio::sync::mpsc::unbounded_channel();
@@ -878,7 +876,8 @@ pub async fn publish_on(
             return Err(PublishError::LeaseExpired);
         }
         let ch = out.get().await?;
-        match publish_confirmed_fenced(&ch, out.connection(), amqp, exchange, routing_key, body, props.clone(), lease).await {
+        let own = OwnPublish::new(exchange, routing_key, body, &props);
+        match send_confirmed(&ch, out.connection(), amqp, own, props.clone(), lease).await {
             Err(PublishError::AfterFailed) if again < AFTER_FAILED_ATTEMPTS => {
                 again += 1;
                 crate::warn_limited!(

@@ -429,8 +429,8 @@ pub fn uncharged_returns(key: u128) -> u64 {
 /// request id: [`note_outage_during_call`].
 static OUTAGES_DURING_CALLS: LazyLock<Mutex<Bounded<String, u32>>> = LazyLock::new(|| Mutex::new(Bounded::new(LAST_FAILURES_CAPACITY)));
 
-/// Notes that an LLM endpoint went down (refused or broken connections, or 5xx, and its probe
-/// failed too) while a call carrying request `id` was in flight, and returns how many times this
+/// Notes that an LLM endpoint went down (its probe failed) after a call carrying request `id`
+/// lost the server during the call ([`crate::llm::LlmError::connection_lost`]), and returns how many times this
 /// happened to it. A request that crashes its server is one of those every time; the others are
 /// there by chance. From [`OUTAGES_BEFORE_ISOLATION`] on, the partitions send the request alone,
 /// one call at a time per endpoint ([`crate::llm::LlmClient::isolated_call_permit`]), and from
@@ -449,9 +449,12 @@ pub fn outages_during_calls(id: &str) -> u32 {
     OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).map.get(id).copied().unwrap_or(0)
 }
 
-/// Forgets the outages noted for request `id` (it was answered).
+/// Forgets the outages noted for request `id` (it was answered): its count is set to 0, so the
+/// entry keeps its age in the table.
 pub fn forget_outages_during_calls(id: &str) {
-    OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).take(&id.to_owned());
+    if let Some(n) = OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).map.get_mut(id) {
+        *n = 0;
+    }
 }
 
 /// From this many outages during its calls ([`note_outage_during_call`]), a request is sent

@@ -546,6 +546,9 @@ async fn wait_until(within: Duration, mut cond: impl FnMut() -> bool) -> bool {
     cond()
 }
 
+/// Requests charged a delivery (requeued after a fault that may be their own).
+const CHARGED: &str = "prefix_batcher_requests_total{outcome=\"requeued\",stage=\"publisher\"}";
+
 /// A prompt containing this takes the server down ([`CrashingServer`]).
 const CRASH: &str = "NU-CRASH";
 
@@ -575,9 +578,18 @@ impl CrashingServer {
             loop {
                 let Some(l) = listener.as_ref() else {
                     tokio::time::sleep(down_for).await;
-                    while listener.is_none() {
+                    // The same port again (tokio sets SO_REUSEADDR); a port taken meanwhile
+                    // would leave the server down, which the test's deadlines report.
+                    for _ in 0..500 {
                         listener = tokio::net::TcpListener::bind(addr).await.ok();
+                        if listener.is_some() {
+                            break;
+                        }
                         tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    if listener.is_none() {
+                        eprintln!("the crashing server could not bind {addr} again");
+                        return;
                     }
                     crashed.borrow_and_update();
                     continue;
@@ -586,10 +598,11 @@ impl CrashingServer {
                     _ = crashed.changed() => listener = None,
                     accepted = l.accept() => {
                         let Ok((client, _)) = accepted else { continue };
-                        let (crash, counter, upstream) = (crash.clone(), counter.clone(), upstream.clone());
+                        // Subscribed before the upstream connection is made: a crash meanwhile cuts it.
+                        let (crash, crashed, counter, upstream) = (crash.clone(), crash.subscribe(), counter.clone(), upstream.clone());
                         tokio::spawn(async move {
                             let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { return };
-                            relay_until_crash(client, server, crash, counter).await;
+                            relay_until_crash(client, server, crash, crashed, counter).await;
                         });
                     }
                 }
@@ -615,10 +628,10 @@ async fn relay_until_crash(
     mut client: tokio::net::TcpStream,
     mut server: tokio::net::TcpStream,
     crash: tokio::sync::watch::Sender<usize>,
+    mut crashed: tokio::sync::watch::Receiver<usize>,
     counter: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut crashed = crash.subscribe();
     let (mut up, mut down) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
     // The tail of the request bytes so far, so that a marker split between two reads is seen.
     let mut seen: Vec<u8> = Vec::new();
@@ -662,6 +675,7 @@ async fn a_prompt_that_crashes_the_server_is_dead_lettered_and_the_others_answer
     raw.amqp.delivery_limit = 3;
     let mut st = start_with_replies(&env, &raw).await;
     let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let charged_before = metric(CHARGED);
 
     // Warm: the server answered real calls before (so its probes can replay one).
     let warm = completions_workload("nu-crash-warm", 8, 2);
@@ -683,6 +697,9 @@ async fn a_prompt_that_crashes_the_server_is_dead_lettered_and_the_others_answer
     assert_answered_and_dead_lettered(&st.results, &dead, &all_normal, &bad, "went down during this request's calls");
     assert_eq!(st.results.received.len(), all_normal.len(), "each normal request answered once");
     let crashes = server.crashes();
+    // Only the crashing request was charged: once per delivery but its last.
+    let charged = metric(CHARGED) - charged_before;
+    assert_eq!(charged, f64::from(raw.amqp.delivery_limit), "requests charged a delivery");
     eprintln!("crashing prompt: dead-lettered after {dead_in:?} and {crashes} crashes of the server; {} others answered once", normal.len());
     assert!(crashes <= raw.amqp.delivery_limit as usize + 3, "{crashes} crashes for a delivery limit of {}", raw.amqp.delivery_limit);
     stop_and_check_nothing_held(env, st, vec![dead]).await;
