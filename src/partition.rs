@@ -1814,7 +1814,7 @@ async fn isolated_calls<'c>(
 /// request whose own call lost the server during the call (a connection closed or reset before
 /// the answer, or a gateway's 502 or 504: [`crate::llm::LlmError::connection_lost`]), that the
 /// endpoint went down during its call ([`redelivery::note_outage_during_call`]). A request sent
-/// alone ([`isolated_calls`]) that reaches [`redelivery::OUTAGES_BEFORE_CHARGE`] outages is
+/// alone ([`isolated_calls`]) that reaches [`redelivery::LONE_OUTAGES_BEFORE_CHARGE`] outages while alone is
 /// charged: its answer goes to `results` (requeued, counted towards `amqp.delivery_limit`)
 /// instead of waiting for the endpoint. Returns the other items and their answers.
 fn charge_crash_suspects(
@@ -1833,17 +1833,17 @@ fn charge_crash_suspects(
             kept.1.push(answer);
             continue;
         };
-        let outages = redelivery::note_outage_during_call(ids[i]);
-        if !*alone || outages < redelivery::OUTAGES_BEFORE_CHARGE {
+        let outages = redelivery::note_outage_during_call(ids[i], *alone);
+        if !*alone || outages.alone < redelivery::LONE_OUTAGES_BEFORE_CHARGE {
             kept.0.push(i);
             kept.1.push(answer);
             continue;
         }
         let message = format!(
-            "the LLM server went down during this request's calls {outages} times, the last while it was sent alone (a prompt that may crash the server): charged a delivery; last error: {}",
-            e.message
+            "the LLM server went down during this request's calls {} times, {} of them while it was sent alone (a prompt that may crash the server): charged a delivery; last error: {}",
+            outages.all, outages.alone, e.message
         );
-        crate::warn_limited!(CRASH_SUSPECT_LOG, partition = ctx.partition, request_id = %ids[i], outages, "{message}");
+        crate::warn_limited!(CRASH_SUSPECT_LOG, partition = ctx.partition, request_id = %ids[i], outages = outages.all, alone = outages.alone, "{message}");
         results[i] = Some(Err(crate::llm::LlmError { kind: e.kind, message, status: e.status, connection_lost: true }));
     }
     kept

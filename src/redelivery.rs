@@ -427,18 +427,30 @@ pub fn uncharged_returns(key: u128) -> u64 {
 
 /// Outages of an LLM endpoint that began while a call carrying the request was in flight, by
 /// request id: [`note_outage_during_call`].
-static OUTAGES_DURING_CALLS: LazyLock<Mutex<Bounded<String, u32>>> = LazyLock::new(|| Mutex::new(Bounded::new(LAST_FAILURES_CAPACITY)));
+static OUTAGES_DURING_CALLS: LazyLock<Mutex<Bounded<String, OutagesDuringCalls>>> = LazyLock::new(|| Mutex::new(Bounded::new(LAST_FAILURES_CAPACITY)));
+
+/// What [`note_outage_during_call`] counted for one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutagesDuringCalls {
+    /// Outages that began during one of its calls.
+    pub all: u32,
+    /// Those of them that began while it was sent alone.
+    pub alone: u32,
+}
 
 /// Notes that an LLM endpoint went down (its probe failed) after a call carrying request `id`
-/// lost the server during the call ([`crate::llm::LlmError::connection_lost`]), and returns how many times this
-/// happened to it. A request that crashes its server is one of those every time; the others are
-/// there by chance. From [`OUTAGES_BEFORE_ISOLATION`] on, the partitions send the request alone,
-/// one call at a time per endpoint ([`crate::llm::LlmClient::isolated_call_permit`]), and from
-/// [`OUTAGES_BEFORE_CHARGE`] on, an outage during such a call charges it a delivery. In this
-/// process only, bounded like the last errors.
-pub fn note_outage_during_call(id: &str) -> u32 {
+/// lost the server during the call ([`crate::llm::LlmError::connection_lost`]), `alone` when the
+/// request was sent alone, and returns what was counted for it so far. A request that crashes
+/// its server is one of those every time; the others are there by chance. From
+/// [`OUTAGES_BEFORE_ISOLATION`] outages on, the partitions send the request alone, one call at a
+/// time per endpoint ([`crate::llm::LlmClient::isolated_call_permit`]), and from
+/// [`LONE_OUTAGES_BEFORE_CHARGE`] outages while alone on, an outage during such a call charges
+/// it a delivery. In this process only, bounded like the last errors.
+pub fn note_outage_during_call(id: &str, alone: bool) -> OutagesDuringCalls {
     let mut all = OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner());
-    let n = all.map.get(id).copied().unwrap_or(0).saturating_add(1);
+    let mut n = all.map.get(id).copied().unwrap_or_default();
+    n.all = n.all.saturating_add(1);
+    n.alone = n.alone.saturating_add(u32::from(alone));
     all.insert(id.to_owned(), n);
     n
 }
@@ -446,14 +458,14 @@ pub fn note_outage_during_call(id: &str) -> u32 {
 /// How many outages began while a call of request `id` was in flight
 /// ([`note_outage_during_call`]).
 pub fn outages_during_calls(id: &str) -> u32 {
-    OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).map.get(id).copied().unwrap_or(0)
+    OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).map.get(id).map_or(0, |n| n.all)
 }
 
-/// Forgets the outages noted for request `id` (it was answered): its count is set to 0, so the
-/// entry keeps its age in the table.
+/// Forgets the outages noted for request `id` (it was answered): its counts are set to 0, so
+/// the entry keeps its age in the table.
 pub fn forget_outages_during_calls(id: &str) {
     if let Some(n) = OUTAGES_DURING_CALLS.lock().unwrap_or_else(|p| p.into_inner()).map.get_mut(id) {
-        *n = 0;
+        *n = OutagesDuringCalls::default();
     }
 }
 
@@ -463,12 +475,14 @@ pub fn forget_outages_during_calls(id: &str) {
 /// slowed down).
 pub const OUTAGES_BEFORE_ISOLATION: u32 = 2;
 
-/// From this many outages during its calls ([`note_outage_during_call`]), the last while it was
-/// sent alone, a request is charged a delivery for the outage instead of waiting uncharged. A
-/// request that crashes the server is then dead-lettered at `amqp.delivery_limit`, after about
-/// as many crashes as deliveries plus two, instead of crashing every restart of the server for
-/// ever.
-pub const OUTAGES_BEFORE_CHARGE: u32 = 3;
+/// From this many outages while it was sent alone ([`note_outage_during_call`]), an outage during
+/// a request's lone call charges it a delivery instead of leaving it to wait uncharged. Two, not
+/// one: a server that goes down for its own reasons now and then meets whichever request is
+/// alone in flight at that moment, and rarely the same one twice; a request that crashes the
+/// server meets every outage. Such a request is then dead-lettered at `amqp.delivery_limit`, after
+/// about as many crashes as deliveries plus three, instead of crashing every restart of the
+/// server for ever.
+pub const LONE_OUTAGES_BEFORE_CHARGE: u32 = 2;
 
 #[cfg(test)]
 mod tests {
