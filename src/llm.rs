@@ -447,7 +447,9 @@ pub struct LlmError {
 }
 
 impl LlmError {
-    fn new(kind: ErrorKind, message: impl Into<String>, status: Option<u16>) -> Self {
+    /// An error of `kind` with `message` and the answer's HTTP `status`, if any; not
+    /// [`Self::connection_lost`].
+    pub fn new(kind: ErrorKind, message: impl Into<String>, status: Option<u16>) -> Self {
         LlmError { kind, message: message.into(), status, connection_lost: false }
     }
 

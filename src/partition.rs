@@ -79,7 +79,7 @@ use crate::batcher::{self, Batch, BatchConfig};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
-use crate::llm::{ErrorKind, Fault, InferenceItem, LlmClient};
+use crate::llm::{ErrorKind, Fault, InferenceItem, LlmClient, LlmError};
 use crate::metrics::{self, outcome, restart, stage};
 use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, ResultEnd, Settlement, Tenure, HEADER_ROUTED_AT_MS, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
@@ -1750,13 +1750,8 @@ async fn call_round<'c>(
     for (i, answer) in together.into_iter().zip(together_answers).chain(alone.into_iter().zip(alone_answers)) {
         answers[i] = Some(answer);
     }
-    let answers = answers.into_iter().map(|a| a.unwrap_or_else(|| Err(llm_error(ErrorKind::Unavailable, "internal: no answer for this request")))).collect();
+    let answers = answers.into_iter().map(|a| a.unwrap_or_else(|| Err(LlmError::new(ErrorKind::Unavailable, "internal: no answer for this request", None)))).collect();
     (answers, lane)
-}
-
-/// An [`crate::llm::LlmError`] of `kind` with `message` and no HTTP status.
-fn llm_error(kind: ErrorKind, message: &str) -> crate::llm::LlmError {
-    crate::llm::LlmError { kind, message: message.to_owned(), status: None, connection_lost: false }
 }
 
 /// The calls of requests that were in flight when an LLM endpoint went down, at least
@@ -1781,7 +1776,7 @@ async fn isolated_calls<'c>(
     let last_start = deadline.checked_sub(ctx.settings.llm.request_timeout).unwrap_or(deadline);
     for item in items {
         if held.is_some() {
-            answers.push(Err(llm_error(ErrorKind::Unavailable, "not sent: the request sent alone before it met a server fault")));
+            answers.push(Err(LlmError::new(ErrorKind::Unavailable, "not sent: the request sent alone before it met a server fault", None)));
             continue;
         }
         let permit = tokio::select! {
@@ -1791,17 +1786,17 @@ async fn isolated_calls<'c>(
             permit = ctx.llm.isolated_call_permit(endpoint) => permit,
         };
         let Some(permit) = permit else {
-            answers.push(Err(llm_error(ErrorKind::Cancelled, "not sent: its turn to go alone did not come within its batch's time")));
+            answers.push(Err(LlmError::new(ErrorKind::Cancelled, "not sent: its turn to go alone did not come within its batch's time", None)));
             continue;
         };
         // The lane's previous holder may have left a verdict of "down": not sent into it.
         if !ctx.llm.available(endpoint) {
-            answers.push(Err(llm_error(ErrorKind::Unavailable, "not sent: the endpoint is down")));
+            answers.push(Err(LlmError::new(ErrorKind::Unavailable, "not sent: the endpoint is down", None)));
             held = Some(permit);
             continue;
         }
         let answer = ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await.pop();
-        let answer = answer.unwrap_or_else(|| Err(llm_error(ErrorKind::Unavailable, "internal: no answer for this request")));
+        let answer = answer.unwrap_or_else(|| Err(LlmError::new(ErrorKind::Unavailable, "internal: no answer for this request", None)));
         if answer.as_ref().is_err_and(|e| e.fault() == Fault::Server) {
             held = Some(permit);
         }
@@ -1844,7 +1839,7 @@ fn charge_crash_suspects(
             outages.all, outages.alone, e.message
         );
         crate::warn_limited!(CRASH_SUSPECT_LOG, partition = ctx.partition, request_id = %ids[i], outages = outages.all, alone = outages.alone, "{message}");
-        results[i] = Some(Err(crate::llm::LlmError { kind: e.kind, message, status: e.status, connection_lost: true }));
+        results[i] = Some(Err(LlmError { message, ..e.clone() }));
     }
     kept
 }
@@ -1985,7 +1980,7 @@ mod tests {
     /// again), and so charged a delivery. It goes again, whatever the verdict.
     #[test]
     fn a_request_never_sent_goes_again_whatever_the_verdict() {
-        let error = |kind| Err(crate::llm::LlmError { kind, message: String::new(), status: None, connection_lost: false });
+        let error = |kind| Err(LlmError::new(kind, "", None));
         for go_again in [false, true] {
             let answers = vec![error(ErrorKind::Unavailable), error(ErrorKind::Server), error(ErrorKind::Cancelled), error(ErrorKind::Rejected)];
             let mut results: Vec<Answer> = (0..4).map(|_| None).collect();
