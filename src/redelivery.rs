@@ -16,7 +16,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::{LazyLock, Mutex};
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use lapin::types::FieldTable;
 use xxhash_rust::xxh3::xxh3_128_with_seed;
@@ -124,31 +124,57 @@ pub const HEADER_FORWARD_ID: &str = "x-forward-id";
 /// requests/s, the last 15 s.
 pub const RECENT_REQUESTS_CAPACITY: usize = 1 << 17;
 
-/// A set of 128-bit fingerprints that forgets the oldest once `capacity` are kept.
-type RecentSet = Bounded<u128, ()>;
+/// A set of 128-bit fingerprints, each with when it was last noted, that forgets the oldest once
+/// `capacity` are kept.
+type RecentSet = Bounded<u128, Instant>;
+
+/// How long after a request was taken a copy marked [`HEADER_INPUT_REDELIVERED`] `1` (or an
+/// unmarked one behind such a copy) counts as its second copy ([`is_second_copy`]): 10 s.
+///
+/// Such a mark says only that the input queue delivered the message before; it does not say that
+/// a router forwarded that earlier delivery. When one did (its intake connection closed between
+/// the forward's confirm and the ack), the broker gives the message back at once, and another
+/// instance's router forwards it again within milliseconds to a second or so. Beyond that
+/// window, a marked copy is more likely a publisher's resend of the same message that happened to
+/// be delivered twice (a connection fault in between), and dropping it would lose that request:
+/// so it is processed, and at worst answered twice. Copies marked `2` (the router put the
+/// delivery back after a forward whose outcome it did not know) count without a window.
+pub const SECOND_COPY_WINDOW: Duration = Duration::from_secs(10);
+
+/// [`HEADER_INPUT_REDELIVERED`] value of a forward whose input delivery the router, or one
+/// before it, put back after a forward whose outcome it did not know
+/// ([`HEADER_FORWARDED_BEFORE`]): that earlier forward may be in the partition queue, however
+/// long ago.
+pub const MARK_FORWARDED_MAYBE: u64 = 2;
 
 impl RecentSet {
-    /// [`is_second_copy`] on this set: it holds the fingerprint of every request taken, and that
-    /// fingerprint XOR [`MARKED`] for every marked copy taken.
-    fn is_second_copy(&mut self, taken: u128, redelivered: bool, headers: Option<&FieldTable>) -> bool {
-        let marked = header_u64(headers, HEADER_INPUT_REDELIVERED).is_some_and(|v| v > 0);
+    /// [`is_second_copy`] on this set, at `now`: it holds the fingerprint of every request taken,
+    /// that fingerprint XOR [`MARKED`] for every copy marked `1` taken, and XOR
+    /// [`MARKED_FORWARDED`] for every copy marked [`MARK_FORWARDED_MAYBE`] taken, each with when.
+    fn is_second_copy(&mut self, taken: u128, redelivered: bool, headers: Option<&FieldTable>, now: Instant) -> bool {
+        let mark = header_u64(headers, HEADER_INPUT_REDELIVERED).unwrap_or(0);
+        let marked = mark > 0;
+        let forwarded_maybe = mark >= MARK_FORWARDED_MAYBE;
         let put_back = header_u64(headers, HEADER_EARLIER_DELIVERIES).is_some();
         // The same forward (its id and the request's fingerprint together) published again.
         let forward = forward_fingerprint(headers).map(|f| f ^ taken ^ SENT_AGAIN);
+        let recent = |k: u128| self.map.get(&k).is_some_and(|at| now.saturating_duration_since(*at) <= SECOND_COPY_WINDOW);
         let copy = !redelivered
             && (forward.is_some_and(|f| self.contains(&f))
-                || if marked {
+                || if forwarded_maybe {
                     self.contains(&taken)
+                } else if marked {
+                    recent(taken)
                 } else {
-                    !put_back && self.contains(&(taken ^ MARKED))
+                    !put_back && (self.contains(&(taken ^ MARKED_FORWARDED)) || recent(taken ^ MARKED))
                 });
         if !copy {
-            self.insert(taken, ());
+            self.insert(taken, now);
             if marked {
-                self.insert(taken ^ MARKED, ());
+                self.insert(taken ^ if forwarded_maybe { MARKED_FORWARDED } else { MARKED }, now);
             }
             if let Some(f) = forward {
-                self.insert(f, ());
+                self.insert(f, now);
             }
         }
         copy
@@ -160,8 +186,11 @@ impl RecentSet {
     }
 }
 
-/// Told apart from a request's fingerprint, that of a marked copy ([`HEADER_INPUT_REDELIVERED`]).
+/// Told apart from a request's fingerprint, that of a copy marked `1` ([`HEADER_INPUT_REDELIVERED`]).
 const MARKED: u128 = 0x5a5a_5a5a_5a5a_5a5a_a5a5_a5a5_a5a5_a5a5;
+
+/// Told apart from the others, that of a copy marked [`MARK_FORWARDED_MAYBE`].
+const MARKED_FORWARDED: u128 = 0x7878_8787_7878_8787_8787_7878_8787_7878;
 
 /// Told apart from the others, the entry of a forward taken: its [`HEADER_FORWARD_ID`]'s hash
 /// XOR the request's fingerprint XOR this.
@@ -213,7 +242,7 @@ fn forward_fingerprint(headers: Option<&FieldTable>) -> Option<u128> {
 /// Requests without an id (a UUID generated per delivery) are never recognised, nor are copies
 /// taken by another instance (the partition moved in between).
 pub fn is_second_copy(fingerprint: u128, redelivered: bool, headers: Option<&FieldTable>) -> bool {
-    RECENT_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()).is_second_copy(fingerprint, redelivered, headers)
+    RECENT_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()).is_second_copy(fingerprint, redelivered, headers, Instant::now())
 }
 
 /// Notes that the outcome (a result or a dead letter) of the partition delivery with these
@@ -221,7 +250,7 @@ pub fn is_second_copy(fingerprint: u128, redelivered: bool, headers: Option<&Fie
 /// [`HEADER_FORWARD_ID`].
 pub fn note_answered(headers: Option<&FieldTable>) {
     if let Some(f) = forward_fingerprint(headers) {
-        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(f, ());
+        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(f, Instant::now());
     }
 }
 
@@ -327,9 +356,12 @@ impl OutcomeInFlight {
 
     /// The broker confirmed the outcome: a redelivery of its message has its outcome
     /// ([`Earlier::Confirmed`]). A partition's outcome is noted by [`note_answered`] instead.
+    /// Until its ack completes ([`note_input_acked`]), its message's ack is not settled
+    /// ([`input_ack_settled`]), whatever an earlier message alike to it left.
     pub fn confirmed(mut self) {
         self.settled = true;
-        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, ());
+        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, Instant::now());
+        ACKED_INPUTS.lock().unwrap_or_else(|p| p.into_inner()).take(&self.key);
     }
 
     /// The broker refused the outcome (a nack, a return, a closed channel before the publish): it
@@ -400,6 +432,58 @@ pub async fn earlier_outcome(key: u128) -> Earlier {
     } else {
         Earlier::Nothing
     }
+}
+
+/// Input messages, by [`input_key`], whose forward this process published (confirmed) and whose
+/// ack then completed, each with when ([`note_input_acked`]).
+static ACKED_INPUTS: LazyLock<Mutex<Bounded<u128, Instant>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
+
+/// When this process's router lost its consumer of the input queue ([`note_intake_lost`]): the
+/// last [`INTAKE_LOSSES_KEPT`].
+static INTAKE_LOSSES: LazyLock<Mutex<VecDeque<Instant>>> = LazyLock::new(|| Mutex::new(VecDeque::new()));
+
+/// How many intake losses [`INTAKE_LOSSES`] keeps.
+const INTAKE_LOSSES_KEPT: usize = 64;
+
+/// How long after an input ack completed a loss of the router's consumer of the input queue may
+/// still have lost it: 2 s. lapin completes an ack once its frame is handed to the connection; the
+/// broker applies it when it reads the frame, which on a live connection takes milliseconds.
+pub const ACK_LOSS_WINDOW: Duration = Duration::from_secs(2);
+
+/// Notes that the ack of an input message with `key` ([`input_key`]), whose forward the broker
+/// confirmed, completed. One whose ack failed is not noted: the broker delivers it again, and
+/// that redelivery is a second copy of the forward.
+pub fn note_input_acked(key: u128) {
+    ACKED_INPUTS.lock().unwrap_or_else(|p| p.into_inner()).insert(key, Instant::now());
+}
+
+/// Notes that the router's consumer of the input queue ended under it (its channel or connection
+/// closed): the acks it had sent shortly before may be lost ([`input_ack_settled`]).
+pub fn note_intake_lost() {
+    let mut all = INTAKE_LOSSES.lock().unwrap_or_else(|p| p.into_inner());
+    all.push_back(Instant::now());
+    while all.len() > INTAKE_LOSSES_KEPT {
+        all.pop_front();
+    }
+}
+
+/// Whether the ack of this process's last confirmed forward of the input message with `key` is
+/// known to have reached the broker: it completed ([`note_input_acked`]), and no loss of the
+/// intake consumer followed within [`ACK_LOSS_WINDOW`]. A redelivered input message with such a
+/// key is then not a copy of that forward: the same message published again by its publisher,
+/// delivered twice for a fault of its own delivery. Observed before: a publisher that sent 20
+/// requests again, alike in id, body and properties, a few seconds after their first answers,
+/// with an unreadable message ahead of them (which closes the intake connection): up to 19 of the
+/// 20 were acked as copies and got neither a result nor a dead letter.
+pub fn input_ack_settled(key: u128) -> bool {
+    let acked = ACKED_INPUTS.lock().unwrap_or_else(|p| p.into_inner()).map.get(&key).copied();
+    let losses = INTAKE_LOSSES.lock().unwrap_or_else(|p| p.into_inner());
+    acked.is_some_and(|at| ack_settled(at, losses.iter().copied()))
+}
+
+/// [`input_ack_settled`] for an ack completed `at`, given the intake losses `losses`.
+fn ack_settled(at: Instant, mut losses: impl Iterator<Item = Instant>) -> bool {
+    !losses.any(|lost| lost >= at && lost.saturating_duration_since(at) <= ACK_LOSS_WINDOW)
 }
 
 /// Returns of a message, by key ([`input_key`], [`forward_key`]), that were not its request's
@@ -515,7 +599,7 @@ mod tests {
         marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
         let marked = Some(&marked);
         let mut t = RecentSet::new(100);
-        let mut is_second_copy = |id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>| t.is_second_copy(fp(id, body), redelivered, headers);
+        let mut is_second_copy = |id: &str, body: &[u8], redelivered: bool, headers: Option<&FieldTable>| t.is_second_copy(fp(id, body), redelivered, headers, Instant::now());
         let body = br#"{"id":"copy-test-1","prompt":"p"}"#;
         assert!(!is_second_copy("copy-test-1", body, false, None), "the first copy taken is processed");
         assert!(is_second_copy("copy-test-1", body, false, marked), "a marked fresh copy of a request taken before");
@@ -542,17 +626,61 @@ mod tests {
         let put_back = header(HEADER_EARLIER_DELIVERIES, "0");
         let mut t = RecentSet::new(100);
         let body = b"{}";
-        assert!(!t.is_second_copy(fp("late", body), false, None), "the publisher's first and second publish");
-        assert!(!t.is_second_copy(fp("late", body), false, None));
-        assert!(!t.is_second_copy(fp("race", body), false, Some(&marked)), "the marked copy reached the queue first");
-        assert!(!t.is_second_copy(fp("race", body), false, Some(&put_back)), "put back uncharged: always processed");
-        assert!(t.is_second_copy(fp("race", body), false, None), "the first router's late forward");
-        assert!(!t.is_second_copy(fp("race", body), true, None), "delivered again by the partition queue");
-        assert!(t.is_second_copy(fp("race", body), false, Some(&marked)));
+        assert!(!t.is_second_copy(fp("late", body), false, None, Instant::now()), "the publisher's first and second publish");
+        assert!(!t.is_second_copy(fp("late", body), false, None, Instant::now()));
+        assert!(!t.is_second_copy(fp("race", body), false, Some(&marked), Instant::now()), "the marked copy reached the queue first");
+        assert!(!t.is_second_copy(fp("race", body), false, Some(&put_back), Instant::now()), "put back uncharged: always processed");
+        assert!(t.is_second_copy(fp("race", body), false, None, Instant::now()), "the first router's late forward");
+        assert!(!t.is_second_copy(fp("race", body), true, None, Instant::now()), "delivered again by the partition queue");
+        assert!(t.is_second_copy(fp("race", body), false, Some(&marked), Instant::now()));
         // A marked copy dropped is not noted as taken: a later repeat of the publisher is processed.
-        assert!(!t.is_second_copy(fp("dropped", body), false, None));
-        assert!(t.is_second_copy(fp("dropped", body), false, Some(&marked)));
-        assert!(!t.is_second_copy(fp("dropped", body), false, None));
+        assert!(!t.is_second_copy(fp("dropped", body), false, None, Instant::now()));
+        assert!(t.is_second_copy(fp("dropped", body), false, Some(&marked), Instant::now()));
+        assert!(!t.is_second_copy(fp("dropped", body), false, None, Instant::now()));
+    }
+
+    /// A copy marked `1` counts as a second copy only within [`SECOND_COPY_WINDOW`] of the
+    /// request's take (and an unmarked one behind it likewise); one marked
+    /// [`MARK_FORWARDED_MAYBE`] without a window. Observed before: a publisher's resend of 20
+    /// messages alike to 20 answered seconds or minutes before, delivered twice behind an
+    /// unreadable message, was dropped as copies: no result, no dead letter.
+    #[test]
+    fn a_copy_marked_redelivered_counts_only_within_the_window() {
+        let header = |v: &str| {
+            let mut h = FieldTable::default();
+            h.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString(v.into()));
+            h
+        };
+        let (marked, forwarded) = (header("1"), header("2"));
+        let mut t = RecentSet::new(100);
+        let t0 = Instant::now();
+        let later = t0 + SECOND_COPY_WINDOW + Duration::from_millis(1);
+        let body = b"{}";
+        assert!(!t.is_second_copy(fp("w-1", body), false, None, t0));
+        assert!(t.is_second_copy(fp("w-1", body), false, Some(&marked), t0 + SECOND_COPY_WINDOW), "within the window");
+        assert!(!t.is_second_copy(fp("w-2", body), false, None, t0));
+        assert!(!t.is_second_copy(fp("w-2", body), false, Some(&marked), later), "a resend past the window is processed");
+        assert!(!t.is_second_copy(fp("w-3", body), false, None, t0));
+        assert!(t.is_second_copy(fp("w-3", body), false, Some(&forwarded), later), "a forward that may be in the queue: no window");
+        // Unmarked behind a marked copy.
+        assert!(!t.is_second_copy(fp("w-4", body), false, Some(&marked), t0));
+        assert!(t.is_second_copy(fp("w-4", body), false, None, t0 + Duration::from_secs(1)));
+        assert!(!t.is_second_copy(fp("w-5", body), false, Some(&marked), t0));
+        assert!(!t.is_second_copy(fp("w-5", body), false, None, later), "past the window");
+        assert!(!t.is_second_copy(fp("w-6", body), false, Some(&forwarded), t0));
+        assert!(t.is_second_copy(fp("w-6", body), false, None, later), "behind a copy marked 2: no window");
+    }
+
+    /// An input ack counts as settled unless the intake consumer was lost within
+    /// [`ACK_LOSS_WINDOW`] after it.
+    #[test]
+    fn an_input_ack_is_settled_unless_the_intake_was_lost_right_after() {
+        let at = Instant::now();
+        let none: [Instant; 0] = [];
+        assert!(ack_settled(at, none.into_iter()));
+        assert!(ack_settled(at, [at - Duration::from_secs(1), at + ACK_LOSS_WINDOW + Duration::from_millis(1)].into_iter()), "losses before it, or long after");
+        assert!(!ack_settled(at, [at + Duration::from_millis(300)].into_iter()), "lost right after the ack");
+        assert!(!ack_settled(at, [at].into_iter()));
     }
 
     #[test]
@@ -560,13 +688,13 @@ mod tests {
         let mut marked = FieldTable::default();
         marked.insert(ShortString::from(HEADER_INPUT_REDELIVERED), AMQPValue::LongString("1".into()));
         let mut t = RecentSet::new(1000);
-        assert!(!t.is_second_copy(fp("recent-first", b"b"), false, None));
+        assert!(!t.is_second_copy(fp("recent-first", b"b"), false, None, Instant::now()));
         for i in 0..1000 {
-            t.is_second_copy(fp(&format!("recent-{i}"), b"b"), false, None);
+            t.is_second_copy(fp(&format!("recent-{i}"), b"b"), false, None, Instant::now());
         }
-        assert!(!t.is_second_copy(fp("recent-first", b"b"), false, Some(&marked)), "the oldest is forgotten");
-        assert!(t.is_second_copy(fp("recent-999", b"b"), false, Some(&marked)));
-        assert!(t.is_second_copy(fp("recent-5", b"b"), false, Some(&marked)));
+        assert!(!t.is_second_copy(fp("recent-first", b"b"), false, Some(&marked), Instant::now()), "the oldest is forgotten");
+        assert!(t.is_second_copy(fp("recent-999", b"b"), false, Some(&marked), Instant::now()));
+        assert!(t.is_second_copy(fp("recent-5", b"b"), false, Some(&marked), Instant::now()));
         assert!(t.map.len() <= 1000 && t.order.len() <= 1000);
     }
 
@@ -582,23 +710,23 @@ mod tests {
         let (a, b) = (with_forward_id("sent-again-test-a"), with_forward_id("sent-again-test-b"));
         let mut t = RecentSet::new(100);
         let req = fp("sent-again-1", b"body");
-        assert!(!t.is_second_copy(req, false, Some(&a)), "the first copy taken is processed");
+        assert!(!t.is_second_copy(req, false, Some(&a), Instant::now()), "the first copy taken is processed");
         // Observed: the router's forward got no confirm in time (or a nack, or an earlier publish
         // on its channel failed) though the broker had enqueued it; its second publish, the same
         // properties, was processed too and answered twice, counted nowhere.
-        assert!(t.is_second_copy(req, false, Some(&a)), "the same forward, published again");
-        assert!(!t.is_second_copy(req, true, Some(&a)), "the partition queue delivers it again: its earlier delivery did not end");
-        assert!(!t.is_second_copy(req, false, Some(&b)), "another forward of the request (a publisher's own repeat)");
+        assert!(t.is_second_copy(req, false, Some(&a), Instant::now()), "the same forward, published again");
+        assert!(!t.is_second_copy(req, true, Some(&a), Instant::now()), "the partition queue delivers it again: its earlier delivery did not end");
+        assert!(!t.is_second_copy(req, false, Some(&b), Instant::now()), "another forward of the request (a publisher's own repeat)");
         let other = fp("sent-again-2", b"body");
-        assert!(!t.is_second_copy(other, false, Some(&a)), "another request under the same forward id (published straight to the queue)");
-        assert!(!t.is_second_copy(fp("sent-again-3", b"body"), false, None), "no forward id");
+        assert!(!t.is_second_copy(other, false, Some(&a), Instant::now()), "another request under the same forward id (published straight to the queue)");
+        assert!(!t.is_second_copy(fp("sent-again-3", b"body"), false, None, Instant::now()), "no forward id");
     }
 
     #[test]
     fn only_a_redelivery_of_an_answered_forward_was_answered_before() {
         let (answered, other) = (with_forward_id("answered-before-test-1"), with_forward_id("answered-before-test-2"));
         let mut t = RecentSet::new(100);
-        t.insert(forward_fingerprint(Some(&answered)).unwrap(), ());
+        t.insert(forward_fingerprint(Some(&answered)).unwrap(), Instant::now());
         assert!(t.answered_before(true, Some(&answered)));
         assert!(!t.answered_before(false, Some(&answered)), "a first delivery (one published again is `is_second_copy`'s)");
         assert!(!t.answered_before(true, Some(&other)), "another forward");

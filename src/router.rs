@@ -313,6 +313,7 @@ fn report_intake_failure(e: Option<&lapin::Error>, lost: bool, wait: std::time::
         (_, false) => metrics::intake_failure::CHANNEL_CLOSED,
     };
     metrics::intake_failed(why);
+    redelivery::note_intake_lost();
     let e = e.map_or_else(|| "the consumer ended".to_owned(), ToString::to_string);
     if why == metrics::intake_failure::UNREADABLE_MESSAGE {
         error!(
@@ -523,14 +524,22 @@ async fn guarded(publish: Arc<PublishChannel>, settings: Arc<Settings>, delivery
 async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Delivery, request_id: &OnceLock<String>, stop: &CancellationToken) {
     let received = tokio::time::Instant::now();
     let a = &settings.amqp;
+    // Whether the input queue delivered this message before for a reason of its own: a copy of
+    // none of this process's forwards, so its forward is not marked as one.
+    let mut not_a_copy = false;
     if delivery.redelivered {
-        if let Some(key) = input_key(settings, &delivery) {
+        if let Some((id, key)) = input_key(settings, &delivery) {
             let earlier = tokio::select! {
                 e = staged(FORWARD, redelivery::earlier_outcome(key)) => e,
                 _ = stop.cancelled() => return requeue(delivery).await,
             };
             match earlier {
-                redelivery::Earlier::Confirmed => return ack_forwarded_before(delivery).await,
+                // The forward of an earlier delivery was confirmed, and its ack may have been lost.
+                redelivery::Earlier::Confirmed if !redelivery::input_ack_settled(key) => return ack_forwarded_before(delivery, &id).await,
+                // That ack reached the broker: this is the same message published again, and
+                // delivered again for a fault of its own delivery (an intake connection closed
+                // under it before its forward). Processed: dropped, it would get no answer.
+                redelivery::Earlier::Confirmed => not_a_copy = true,
                 // Forwarded again below, marked: its owner answers it once. Its return was not
                 // its fault, and a dead letter at `amqp.delivery_limit` could meet a result.
                 redelivery::Earlier::Maybe => redelivery::note_uncharged_return(key),
@@ -601,7 +610,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     // The material is the request's own text: logged quoted and escaped (`?`), so a line break or
     // a control character in a prompt cannot start what looks like another log line.
     debug!(request_id = %r.request_id, key = %r.key_hex, material = ?r.key_preview, shard = r.shard, partition = r.partition, "routing");
-    let fwd = match forward_props(&delivery.properties, &r, delivery.redelivered) {
+    let fwd = match forward_props(&delivery.properties, &r, delivery.redelivered && !not_a_copy) {
         Ok(p) => p,
         Err(e) => {
             if let Intake::Unacked(delivery) = staged(CHECK, publisher::dead_letter_and_ack(&publish.conns.dead_letters, a, delivery, Some(&r.request_id), e.reason(), &e.to_string(), None)).await {
@@ -612,7 +621,8 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     };
     // Whether an attempt's outcome is unknown: the broker may have taken that forward.
     let mut forwarded_maybe = false;
-    let in_flight = redelivery::OutcomeInFlight::begin(publisher::input_message_key(&req.id, &delivery));
+    let key = publisher::input_message_key(&req.id, &delivery);
+    let in_flight = redelivery::OutcomeInFlight::begin(key);
     let end = staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at, &mut forwarded_maybe)).await;
     match &end {
         ForwardEnd::Forwarded => in_flight.confirmed(),
@@ -639,18 +649,20 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
         return;
     }
+    redelivery::note_input_acked(key);
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
 }
 
-/// The key of an input delivery for [`redelivery::earlier_outcome`] ([`redelivery::input_key`]),
-/// when it has a request id. Parses the delivery: for redeliveries only, before their handling
-/// parses them again.
-fn input_key(settings: &Settings, delivery: &Delivery) -> Option<u128> {
+/// The request id and the key of an input delivery for [`redelivery::earlier_outcome`]
+/// ([`redelivery::input_key`]), when it has a request id. Parses the delivery: for redeliveries
+/// only, before their handling parses them again.
+fn input_key(settings: &Settings, delivery: &Delivery) -> Option<(String, u128)> {
     let id = match publisher::check_delivery(&settings.amqp, &settings.requests, delivery, redelivery::Source::Input) {
         Ok(req) => req.id,
         Err(r) => r.request_id?,
     };
-    Some(publisher::input_message_key(&id, delivery))
+    let key = publisher::input_message_key(&id, delivery);
+    Some((id, key))
 }
 
 /// Notes the return of `delivery` (received at `received`) uncharged
@@ -659,7 +671,7 @@ fn input_key(settings: &Settings, delivery: &Delivery) -> Option<u128> {
 /// put back, and the broker's `consumer_timeout` returned it.
 fn note_returned_while_blocked(publish: &PublishChannel, settings: &Settings, delivery: &Delivery, received: tokio::time::Instant) {
     if publisher::blocked_since(&publish.conns.publish, received) {
-        if let Some(key) = input_key(settings, delivery) {
+        if let Some((_, key)) = input_key(settings, delivery) {
             redelivery::note_uncharged_return(key);
         }
     }
@@ -667,14 +679,13 @@ fn note_returned_while_blocked(publish: &PublishChannel, settings: &Settings, de
 
 static FORWARDED_BEFORE_LOG: LogLimit = LogLimit::new();
 
-/// Acks, without forwarding it again, a redelivered input message whose forward from an earlier
-/// delivery this process published and the broker confirmed (the ack of that delivery was lost
-/// with its channel: the broker's `consumer_timeout` while the publishing connection was
-/// blocked, a fault of the intake connection). Counted in
-/// `requests_total{stage="router",outcome="duplicate"}`. When this ack fails too, the broker
-/// delivers it again, and it comes here again.
-async fn ack_forwarded_before(delivery: Delivery) {
-    let id = delivery.properties.message_id().as_ref().map(|m| m.to_string()).unwrap_or_default();
+/// Acks, without forwarding it again, a redelivered input message (request id `id`) whose
+/// forward from an earlier delivery this process published and the broker confirmed, and whose
+/// ack may have been lost with its channel ([`redelivery::input_ack_settled`]: the broker's
+/// `consumer_timeout` while the publishing connection was blocked, a fault of the intake
+/// connection). Counted in `requests_total{stage="router",outcome="duplicate"}`. When this ack
+/// fails too, the broker delivers it again, and it comes here again.
+async fn ack_forwarded_before(delivery: Delivery, id: &str) {
     match crate::amqp::ack(&delivery.acker).await {
         Ok(()) => {
             metrics::requests(stage::ROUTER, outcome::DUPLICATE, 1);
@@ -1216,8 +1227,10 @@ async fn requeue(delivery: Delivery) {
 /// generated id), `correlation_id` defaulting to the request id, the shard, the routed key and the
 /// time of forwarding in headers (`x-shard`, `x-routed-key`, `x-routed-at-ms`), a fresh
 /// [`redelivery::HEADER_FORWARD_ID`], header
-/// [`redelivery::HEADER_INPUT_REDELIVERED`] when the input queue had delivered the message before
-/// (`redelivered`), and persistent delivery. Errors when the request id is not a valid short
+/// [`redelivery::HEADER_INPUT_REDELIVERED`]: [`redelivery::MARK_FORWARDED_MAYBE`] on a copy put back
+/// after a forward whose outcome was unknown ([`redelivery::HEADER_FORWARDED_BEFORE`]), else `1`
+/// when `redelivered` (the input queue had delivered the message before, and it may be a copy of
+/// another router's forward), and persistent delivery. Errors when the request id is not a valid short
 /// string (longer than [`MAX_ID_BYTES`]; [`crate::request::parse`] already refuses those).
 fn forward_props(props: &BasicProperties, r: &Route, redelivered: bool) -> Result<BasicProperties, ParseError> {
     let id = short_string("id", &r.request_id, MAX_ID_BYTES)?;
@@ -1227,7 +1240,9 @@ fn forward_props(props: &BasicProperties, r: &Route, redelivered: bool) -> Resul
         (HEADER_ROUTED_AT_MS, publisher::unix_ms().to_string()),
         (redelivery::HEADER_FORWARD_ID, uuid::Uuid::new_v4().simple().to_string()),
     ];
-    if redelivered || publisher::header_u64(props.headers().as_ref(), redelivery::HEADER_FORWARDED_BEFORE).is_some_and(|v| v > 0) {
+    if publisher::header_u64(props.headers().as_ref(), redelivery::HEADER_FORWARDED_BEFORE).is_some_and(|v| v > 0) {
+        headers.push((redelivery::HEADER_INPUT_REDELIVERED, redelivery::MARK_FORWARDED_MAYBE.to_string()));
+    } else if redelivered {
         headers.push((redelivery::HEADER_INPUT_REDELIVERED, "1".to_owned()));
     }
     let p = publisher::carried_props(props, &headers)

@@ -469,6 +469,58 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
     stop_with_input_empty(started, env).await;
 }
 
+/// A publisher that sends the same messages again (the same id, body and properties), after
+/// their first answers, gets them answered again when an unreadable message ahead of them closes
+/// the router's intake connection and the input queue delivers them again. (The daemon is stopped
+/// while they are published, so that they are in the router's first prefetch window behind the
+/// unreadable message; it runs in this process, so its tables outlive the stop.) Observed
+/// before: the router took each redelivered message for a copy of its earlier forward of the
+/// alike message and acked it without forwarding it: it got neither a result nor a dead letter
+/// (19 of 20 and 1 of 20 in runs with 2 instances, where the partition also dropped them as
+/// marked copies).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_sent_again_and_delivered_again_behind_an_unreadable_message_are_answered() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let env = TestEnv::new("sentagain");
+    let mut raw = env.raw_config(fake.url.as_str());
+    // The intake's loss charges every delivery in flight one delivery: 2 leaves room for that.
+    raw.amqp.delivery_limit = 2;
+    raw.amqp.reconnect_backoff_max = "1s".into();
+    let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
+    let input = env.input_queue();
+    let ids: Vec<String> = (0..20).map(|i| format!("again-{i}")).collect();
+    let publish_all = || async {
+        for id in &ids {
+            let body = serde_json::to_vec(&json!({"id": id, "prompt": "the same prompt"})).unwrap();
+            raw_amqp::publish(&input, &body, raw_amqp::RawProps { correlation_id: Some(id.as_bytes()), reply_to: Some(reply.as_bytes()), ..Default::default() }).await;
+        }
+    };
+    publish_all().await;
+    results.until_all(&ids.iter().cloned().collect(), DEADLINE).await;
+    daemon.stop().await.expect("daemon stops cleanly");
+    // Past the time in which an intake loss may still lose the first messages' acks.
+    tokio::time::sleep(prefix_batcher::redelivery::ACK_LOSS_WINDOW + Duration::from_secs(1)).await;
+    raw_amqp::publish(&input, br#"{"prompt":"unreadable"}"#, raw_amqp::RawProps { message_id: Some(b"bad\xff0"), ..Default::default() }).await;
+    publish_all().await;
+    let failures_before = counter("input_consumer_failures_total", "reason", "unreadable_message");
+    let mut started = Started { amqp, daemon: start_daemon(&raw), results, reply };
+    started.results.until("every message answered twice", DEADLINE, |r| ids.iter().all(|id| r.iter().filter(|m| &m.correlation_id == id).count() >= 2)).await;
+    let dlq = env.dead_letter_queue();
+    let deadline = Instant::now() + DEADLINE;
+    while started.amqp.queue_depth(&dlq).await.0 < 1 {
+        assert!(Instant::now() < deadline, "the unreadable message was not dead-lettered by the broker");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    started.results.barrier(&started.amqp).await;
+    for id in &ids {
+        let got = started.results.received.iter().filter(|m| &m.correlation_id == id).count();
+        assert_eq!(got, 2, "{id}: {got} results for 2 messages");
+    }
+    assert_eq!(started.amqp.queue_depth(&dlq).await.0, 1, "only the unreadable message is dead-lettered");
+    assert!(counter("input_consumer_failures_total", "reason", "unreadable_message") > failures_before, "the unreadable message did not close the intake connection");
+    stop_with_input_empty(started, env).await;
+}
+
 /// A second copy of a request, forwarded again from a redelivered input message after the first
 /// copy was taken (the router's intake connection closed between the forward's confirm and the
 /// input ack: a message the AMQP client cannot read, a broker restart, a network fault), is acked
