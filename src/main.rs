@@ -152,24 +152,29 @@ fn load(path: Option<&Path>, log_format: Option<&str>) -> Result<Loaded, ExitCod
 /// Completes at the first SIGTERM or SIGINT. Later ones are logged and change nothing: a drain
 /// is bounded by `shutdown.drain_timeout`, and only SIGKILL stops the process sooner.
 ///
-/// SIGHUP is logged and ignored from the first poll on: the daemon does not reload its
-/// configuration, and the signal's default action (ending the process at once, without a drain,
-/// every delivery in flight charged) is what an operator sending it to "reload", or a closed
+/// SIGHUP, SIGUSR1 and SIGUSR2 are logged and ignored from the first poll on. The daemon does
+/// not reload its configuration and writes its log to standard output and error (no log file to
+/// reopen), and these signals' default action (ending the process at once, without a drain,
+/// every delivery in flight charged; POSIX `signal.h`) is what an operator sending one to
+/// "reload" or "rotate the log" (logrotate scripts often send SIGHUP or SIGUSR1), or a closed
 /// terminal, least expects.
 async fn signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
-    let mut hup = signal(SignalKind::hangup()).expect("SIGHUP handler");
-    tokio::spawn(async move {
-        while hup.recv().await.is_some() {
-            tracing::warn!(
-                signal = "SIGHUP",
-                "ignored: prefix-batcher does not reload its configuration; restart it to apply a new one \
-                 (SIGTERM or `systemctl restart` drains first)"
-            );
-        }
-    });
+    let ignored = [
+        (SignalKind::hangup(), "SIGHUP", "prefix-batcher does not reload its configuration; restart it to apply a new one"),
+        (SignalKind::user_defined1(), "SIGUSR1", "prefix-batcher has no action for it (it logs to standard output and error: no log file to reopen)"),
+        (SignalKind::user_defined2(), "SIGUSR2", "prefix-batcher has no action for it (it logs to standard output and error: no log file to reopen)"),
+    ];
+    for (kind, name, why) in ignored {
+        let mut stream = signal(kind).unwrap_or_else(|e| panic!("{name} handler: {e}"));
+        tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                tracing::warn!(signal = name, "ignored: {why} (SIGTERM or `systemctl restart` drains first)");
+            }
+        });
+    }
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM received"),
         _ = int.recv() => tracing::info!("SIGINT received"),

@@ -274,20 +274,24 @@ async fn a_draining_instance_shows_as_draining_in_status() {
     env.cleanup().await;
 }
 
-/// SIGHUP (an operator's "reload", a closed terminal) is logged and ignored: the daemon goes on
-/// serving, then drains on SIGTERM as usual. Its default action would end the process at once.
+/// SIGHUP (an operator's "reload", a closed terminal), SIGUSR1 and SIGUSR2 (a logrotate script's
+/// "reopen the log") are logged and ignored: the daemon goes on serving, then drains on SIGTERM as
+/// usual. Their default action would end the process at once (observed for SIGUSR1 before: exit
+/// status 138, no drain, no log line).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sighup_is_logged_and_ignored() {
+async fn sighup_and_the_user_signals_are_logged_and_ignored() {
     let env = TestEnv::new("hup");
     let fake = FakeLlm::new().start().await.unwrap();
     let raw = env.raw_config(fake.url.as_str());
     let mut started = run_with_replies(&env, &raw, "hup").await;
-    started.daemon.signal("HUP");
-    started.daemon.wait_log_line("SIGHUP", DEADLINE, "the SIGHUP").await;
+    for name in ["HUP", "USR1", "USR2"] {
+        started.daemon.signal(name);
+        started.daemon.wait_log_line(&format!("SIG{name}"), DEADLINE, &format!("the SIG{name}")).await;
+    }
     let reqs = completions_workload("hup", 10, 2);
     started.amqp.publish_requests(&env.input_queue(), &reqs, &started.reply).await;
     started.results.until_all(&ids(&reqs), DEADLINE).await;
-    assert!(started.daemon.is_running(), "the daemon exited after the SIGHUP");
+    assert!(started.daemon.is_running(), "the daemon exited after the signals");
     started.stop_and_clean_up(env).await;
 }
 
