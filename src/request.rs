@@ -586,18 +586,31 @@ pub fn refused_request_id(body: &[u8], err: &ParseError, message_id: Option<&str
 }
 
 /// Whether `c` is refused in ids and names copied into headers and log lines
-/// (`check_no_control`): Unicode category Cc, U+2028, U+2029 and the bidirectional formatting
-/// characters of Unicode Standard Annex #9.
+/// (`check_no_control`): Unicode category Cc, U+2028, U+2029, the bidirectional formatting
+/// characters of Unicode Standard Annex #9, and the invisible characters of [`is_invisible`].
 pub fn is_control_like(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+    c.is_control()
+        || matches!(c, '\u{061C}' | '\u{200E}' | '\u{200F}' | '\u{2028}' | '\u{2029}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+        || is_invisible(c)
+}
+
+/// Whether `c` is a character that shows as nothing and joins nothing: the soft hyphen U+00AD,
+/// the Mongolian vowel separator U+180E, the zero-width space U+200B, the word joiner and
+/// invisible operators U+2060–U+2064, and the zero-width no-break space (byte order mark)
+/// U+FEFF. An id holding one reads as another id in log lines and headers (`a\u{200B}b` as
+/// `ab`). The zero-width non-joiner and joiner (U+200C, U+200D) are allowed: they belong to the
+/// spelling of several scripts and to emoji sequences.
+pub fn is_invisible(c: char) -> bool {
+    matches!(c, '\u{00AD}' | '\u{180E}' | '\u{200B}' | '\u{2060}'..='\u{2064}' | '\u{FEFF}')
 }
 
 /// A request id (likewise `correlation_id` and `reply_to`) may not hold control characters: it is copied into result headers and log
 /// lines, where a line feed or an escape sequence would forge or garble them, and a
 /// bidirectional override would make it read differently from what it is (CVE-2021-42574).
 /// Refused: Unicode category Cc (U+0000–U+001F, U+007F–U+009F), the line and paragraph
-/// separators U+2028 and U+2029, and the bidirectional formatting characters of Unicode
-/// Standard Annex #9 (U+061C, U+200E, U+200F, U+202A–U+202E, U+2066–U+2069).
+/// separators U+2028 and U+2029, the bidirectional formatting characters of Unicode
+/// Standard Annex #9 (U+061C, U+200E, U+200F, U+202A–U+202E, U+2066–U+2069), and the invisible
+/// characters of [`is_invisible`], which make an id read as another.
 fn check_no_control(field: &'static str, value: &str) -> Result<(), ParseError> {
     match value.chars().find(|c| is_control_like(*c)) {
         None => Ok(()),
@@ -606,13 +619,15 @@ fn check_no_control(field: &'static str, value: &str) -> Result<(), ParseError> 
                 "the control character"
             } else if matches!(c, '\u{2028}' | '\u{2029}') {
                 "the line or paragraph separator"
+            } else if is_invisible(c) {
+                "the invisible character"
             } else {
                 "the bidirectional formatting character"
             };
             Err(ParseError::InvalidField {
                 field,
                 detail: format!(
-                    "contains {kind} U+{:04X}; ids, correlation_id and reply_to may not hold control characters, line separators or bidirectional formatting characters",
+                    "contains {kind} U+{:04X}; ids, correlation_id and reply_to may not hold control characters, line separators, bidirectional formatting characters or invisible characters",
                     u32::from(c)
                 ),
             })
@@ -1042,6 +1057,10 @@ mod tests {
             (r#""a\u200Fb""#, "the bidirectional formatting character U+200F"),
             (r#""p\u2029q""#, "the line or paragraph separator U+2029"),
             (r#""bell\u0007""#, "the control character U+0007"),
+            // Observed: these were accepted, and read as `ab` in log lines and headers.
+            (r#""a\u200Bb""#, "the invisible character U+200B"),
+            (r#""\uFEFFab""#, "the invisible character U+FEFF"),
+            (r#""a\u00ADb""#, "the invisible character U+00AD"),
         ] {
             match p(&format!(r#"{{"id":{id},"prompt":"hi"}}"#)).unwrap_err() {
                 ParseError::InvalidField { field: "id", detail } => assert!(detail.contains(kind), "{id}: {detail}"),
