@@ -864,6 +864,13 @@ fn check_env_names(vars: impl Iterator<Item = String>) -> Result<(), ConfigError
                 let dotted = rest.split("__").map(str::to_lowercase).collect::<Vec<_>>().join(".");
                 return Err(invalid(&dotted, format!("set by {var}"), format!("not read: configuration variables start with {prefix} (two underscores)")));
             }
+            // `PREFIX_BATCHER_AMQP_PARTITIONS`: single underscores throughout, where a section and
+            // one of its keys are meant. Only such names: other `PREFIX_BATCHER_…` variables
+            // (the scripts' `PREFIX_BATCHER_DATA`, …) are not the daemon's.
+            if let Some(dotted) = var.strip_prefix(&one_underscore).and_then(|r| single_underscore_key(&defaults, &r.to_lowercase())) {
+                let meant = format!("{prefix}{}", dotted.replace('.', "__").to_uppercase());
+                return Err(invalid(&dotted, format!("set by {var}"), format!("not read: configuration variables separate the prefix, the section and the key with two underscores: {meant}")));
+            }
             continue;
         };
         let path: Vec<String> = rest.split("__").map(str::to_lowercase).collect();
@@ -893,6 +900,17 @@ fn check_env_names(vars: impl Iterator<Item = String>) -> Result<(), ConfigError
         }
     }
     Ok(())
+}
+
+/// The configuration key (`section.key`) that `rest` (lower case) names when its section and key
+/// are joined by one underscore instead of two (`amqp_partitions` → `amqp.partitions`), if any.
+fn single_underscore_key(defaults: &serde_json::Value, rest: &str) -> Option<String> {
+    let serde_json::Value::Object(sections) = defaults else { return None };
+    sections.iter().find_map(|(section, keys)| {
+        let key = rest.strip_prefix(section.as_str())?.strip_prefix('_')?;
+        let serde_json::Value::Object(keys) = keys else { return None };
+        keys.contains_key(key).then(|| format!("{section}.{key}"))
+    })
 }
 
 /// The kind of value a key takes, where the `config` crate would otherwise convert silently.
@@ -1873,7 +1891,11 @@ fn llm(l: &RawLlm) -> Result<LlmSettings, ConfigError> {
         let u = Url::parse(e).map_err(|err| invalid("llm.endpoints", redact_str(e), format!("must be an http:// or https:// URL ({err})")))?;
         // Shown without credentials and query, which may hold a token.
         let port = u.port().map(|p| format!(":{p}")).unwrap_or_default();
-        let shown = format!("{:?}", format!("{}://{}{port}{}", u.scheme(), u.host_str().unwrap_or_default(), u.path()));
+        // Without what may hold a token; the query and fragment shown as `?***` and `#***`, so the
+        // value named in an error about them has them.
+        let query = if u.query().is_some() { "?***" } else { "" };
+        let fragment = if u.fragment().is_some() { "#***" } else { "" };
+        let shown = format!("{:?}", format!("{}://{}{port}{}{query}{fragment}", u.scheme(), u.host_str().unwrap_or_default(), u.path()));
         if u.scheme() != "http" && u.scheme() != "https" {
             return Err(invalid("llm.endpoints", shown, "must be an http:// or https:// URL"));
         }
@@ -2167,6 +2189,12 @@ mod tests {
             let e = err(&r);
             assert!(e.contains("llm.endpoints") && e.contains(rule) && !e.contains("hunter2"), "{bad}: {e}");
         }
+        // Observed: the value shown had neither (`"http://h:8000/"`), next to "must not have a ?query".
+        for (bad, shown) in [("http://h:8000/?key=hunter2", "\"http://h:8000/?***\""), ("http://h:8000/#x", "\"http://h:8000/#***\"")] {
+            r.llm.endpoints = vec![bad.into()];
+            let e = err(&r);
+            assert!(e.contains(shown), "{bad}: {e}");
+        }
         r.llm.endpoints = vec!["http://h:8000/openai".into(), "http://h:8001/".into(), "http://gw/v1/llama/".into()];
         ok(&r);
         // Observed: `PREFIX_BATCHER__LLM__ENDPOINTS=` (set but empty) or a trailing comma gave
@@ -2319,6 +2347,14 @@ mod tests {
     fn an_environment_variable_that_names_no_key_is_named() {
         let e = |v: &str| check_env_names(std::iter::once(v.to_owned())).map_err(|e| e.to_string());
         assert!(e("PREFIX_BATCHER__AMQP__PARTITIONS").is_ok());
+        // Observed: one underscore throughout was ignored without a word (and `check-config` passed).
+        let got = e("PREFIX_BATCHER_AMQP_PARTITIONS").unwrap_err().to_string();
+        assert!(got.contains("amqp.partitions") && got.contains("PREFIX_BATCHER__AMQP__PARTITIONS"), "{got}");
+        let got = e("PREFIX_BATCHER_LLM_REQUEST_TIMEOUT").unwrap_err().to_string();
+        assert!(got.contains("PREFIX_BATCHER__LLM__REQUEST_TIMEOUT"), "{got}");
+        for other in ["PREFIX_BATCHER_DATA", "PREFIX_BATCHER_TEST_LOG", "PREFIX_BATCHER_AMQP_NO_SUCH_KEY"] {
+            assert!(e(other).is_ok(), "{other} is not a configuration key");
+        }
         assert!(e("PREFIX_BATCHER__AMQP__TLS_CA_FILE").is_ok(), "a key with underscores");
         assert!(e("PREFIX_BATCHER_DATA").is_ok(), "not an override");
         let got = e("PREFIX_BATCHER_AMQP__PARTITIONS").unwrap_err();
