@@ -356,12 +356,13 @@ impl OutcomeInFlight {
 
     /// The broker confirmed the outcome: a redelivery of its message has its outcome
     /// ([`Earlier::Confirmed`]). A partition's outcome is noted by [`note_answered`] instead.
-    /// Until its ack completes ([`note_input_acked`]), its message's ack is not settled
-    /// ([`input_ack_settled`]), whatever an earlier message alike to it left.
+    /// Until its ack completes ([`note_input_ack`]), its message's ack is unsettled
+    /// ([`earlier_input_ack`]), whatever an earlier message alike to it left.
     pub fn confirmed(mut self) {
         self.settled = true;
-        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, Instant::now());
-        ACKED_INPUTS.lock().unwrap_or_else(|p| p.into_inner()).take(&self.key);
+        let now = Instant::now();
+        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, now);
+        INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, InputAck::Unsettled(now));
     }
 
     /// The broker refused the outcome (a nack, a return, a closed channel before the publish): it
@@ -434,15 +435,25 @@ pub async fn earlier_outcome(key: u128) -> Earlier {
     }
 }
 
-/// Input messages, by [`input_key`], whose forward this process published (confirmed) and whose
-/// ack then completed, each with when ([`note_input_acked`]).
-static ACKED_INPUTS: LazyLock<Mutex<Bounded<u128, Instant>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
+/// Where the input ack of a forward this process published (confirmed) stands
+/// ([`earlier_input_ack`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum InputAck {
+    /// Not completed: the ack is under way, or failed (the broker then delivers the message
+    /// again), since then.
+    Unsettled(Instant),
+    /// Completed then: lapin handed its frame to the connection.
+    Completed(Instant),
+}
 
-/// When this process's router lost its consumer of the input queue ([`note_intake_lost`]): the
-/// last [`INTAKE_LOSSES_KEPT`].
-static INTAKE_LOSSES: LazyLock<Mutex<VecDeque<Instant>>> = LazyLock::new(|| Mutex::new(VecDeque::new()));
+/// The input acks of confirmed forwards, by [`input_key`].
+static INPUT_ACKS: LazyLock<Mutex<Bounded<u128, InputAck>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
 
-/// How many intake losses [`INTAKE_LOSSES`] keeps.
+/// When the router of each instance of this process (by `instance.name`) lost its consumer of the
+/// input queue ([`note_intake_lost`]): the last [`INTAKE_LOSSES_KEPT`] of each.
+static INTAKE_LOSSES: LazyLock<Mutex<HashMap<String, VecDeque<Instant>>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// How many intake losses [`INTAKE_LOSSES`] keeps per instance.
 const INTAKE_LOSSES_KEPT: usize = 64;
 
 /// How long after an input ack completed a loss of the router's consumer of the input queue may
@@ -450,40 +461,74 @@ const INTAKE_LOSSES_KEPT: usize = 64;
 /// broker applies it when it reads the frame, which on a live connection takes milliseconds.
 pub const ACK_LOSS_WINDOW: Duration = Duration::from_secs(2);
 
-/// Notes that the ack of an input message with `key` ([`input_key`]), whose forward the broker
-/// confirmed, completed. One whose ack failed is not noted: the broker delivers it again, and
-/// that redelivery is a second copy of the forward.
-pub fn note_input_acked(key: u128) {
-    ACKED_INPUTS.lock().unwrap_or_else(|p| p.into_inner()).insert(key, Instant::now());
+/// How long after an ack failed, or after the intake loss that may have lost it, the message's
+/// redelivery is taken for the copy of its forward: 30 s. The broker returns the message at
+/// once, and the router consumes again within its reconnect backoff; a message alike to it
+/// that comes later is another one (published again), and goes on, marked, to the partition's
+/// window ([`SECOND_COPY_WINDOW`]).
+pub const REDELIVERY_WINDOW: Duration = Duration::from_secs(30);
+
+/// Notes the end of the input ack of a message with `key` ([`input_key`]) whose forward the
+/// broker confirmed: completed (`ok`), or failed (the broker delivers the message again, and that
+/// redelivery is a copy of the forward).
+pub fn note_input_ack(key: u128, ok: bool) {
+    let now = Instant::now();
+    INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner()).insert(key, if ok { InputAck::Completed(now) } else { InputAck::Unsettled(now) });
 }
 
-/// Notes that the router's consumer of the input queue ended under it (its channel or connection
-/// closed): the acks it had sent shortly before may be lost ([`input_ack_settled`]).
-pub fn note_intake_lost() {
+/// Notes that the router of `instance` lost its consumer of the input queue (its channel or
+/// connection closed): the acks it had sent shortly before may be lost ([`earlier_input_ack`]).
+pub fn note_intake_lost(instance: &str) {
     let mut all = INTAKE_LOSSES.lock().unwrap_or_else(|p| p.into_inner());
-    all.push_back(Instant::now());
-    while all.len() > INTAKE_LOSSES_KEPT {
-        all.pop_front();
+    let losses = all.entry(instance.to_owned()).or_default();
+    losses.push_back(Instant::now());
+    while losses.len() > INTAKE_LOSSES_KEPT {
+        losses.pop_front();
     }
 }
 
-/// Whether the ack of this process's last confirmed forward of the input message with `key` is
-/// known to have reached the broker: it completed ([`note_input_acked`]), and no loss of the
-/// intake consumer followed within [`ACK_LOSS_WINDOW`]. A redelivered input message with such a
-/// key is then not a copy of that forward: the same message published again by its publisher,
-/// delivered twice for a fault of its own delivery. Observed before: a publisher that sent 20
-/// requests again, alike in id, body and properties, a few seconds after their first answers,
-/// with an unreadable message ahead of them (which closes the intake connection): up to 19 of the
-/// 20 were acked as copies and got neither a result nor a dead letter.
-pub fn input_ack_settled(key: u128) -> bool {
-    let acked = ACKED_INPUTS.lock().unwrap_or_else(|p| p.into_inner()).map.get(&key).copied();
-    let losses = INTAKE_LOSSES.lock().unwrap_or_else(|p| p.into_inner());
-    acked.is_some_and(|at| ack_settled(at, losses.iter().copied()))
+/// What the router of `instance` knows of the input ack of its earlier confirmed forward of a
+/// message alike to a redelivered one ([`earlier_input_ack`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EarlierAck {
+    /// The ack may have been lost, recently: the redelivery is the copy of that forward.
+    MaybeLost,
+    /// The ack reached the broker: the redelivery is another message, published again by its
+    /// publisher and delivered twice for a fault of its own delivery.
+    Reached,
+    /// Nothing recent: the redelivery may be a copy of another router's forward.
+    Unknown,
 }
 
-/// [`input_ack_settled`] for an ack completed `at`, given the intake losses `losses`.
-fn ack_settled(at: Instant, mut losses: impl Iterator<Item = Instant>) -> bool {
-    !losses.any(|lost| lost >= at && lost.saturating_duration_since(at) <= ACK_LOSS_WINDOW)
+/// What the router of `instance` knows of the input ack of its last confirmed forward of the
+/// message with `key`: [`EarlierAck::MaybeLost`] when the ack is under way or failed, or completed
+/// less than [`ACK_LOSS_WINDOW`] before an intake loss, within the last [`REDELIVERY_WINDOW`];
+/// [`EarlierAck::Reached`] when it completed and no intake loss followed within
+/// [`ACK_LOSS_WINDOW`]; else [`EarlierAck::Unknown`]. Observed before (when every alike message
+/// counted as a copy): a publisher that sent 20 requests again, alike in id, body and properties,
+/// a few seconds after their first answers, with an unreadable message ahead of them (which
+/// closes the intake connection): all 20 were acked as copies and got neither a result nor a
+/// dead letter.
+pub fn earlier_input_ack(key: u128, instance: &str) -> EarlierAck {
+    let ack = INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner()).map.get(&key).copied();
+    let losses = INTAKE_LOSSES.lock().unwrap_or_else(|p| p.into_inner());
+    let losses = losses.get(instance).map(|l| l.iter().copied().collect::<Vec<_>>()).unwrap_or_default();
+    input_ack_state(ack, &losses, Instant::now())
+}
+
+/// [`earlier_input_ack`] at `now` for the ack state `ack` and the intake losses `losses`.
+fn input_ack_state(ack: Option<InputAck>, losses: &[Instant], now: Instant) -> EarlierAck {
+    let recent = |at: Instant| now.saturating_duration_since(at) <= REDELIVERY_WINDOW;
+    match ack {
+        None => EarlierAck::Unknown,
+        Some(InputAck::Unsettled(since)) if recent(since) => EarlierAck::MaybeLost,
+        Some(InputAck::Unsettled(_)) => EarlierAck::Unknown,
+        Some(InputAck::Completed(at)) => match losses.iter().copied().filter(|&lost| lost >= at && lost.saturating_duration_since(at) <= ACK_LOSS_WINDOW).max() {
+            None => EarlierAck::Reached,
+            Some(lost) if recent(lost) => EarlierAck::MaybeLost,
+            Some(_) => EarlierAck::Unknown,
+        },
+    }
 }
 
 /// Returns of a message, by key ([`input_key`], [`forward_key`]), that were not its request's
@@ -671,16 +716,24 @@ mod tests {
         assert!(t.is_second_copy(fp("w-6", body), false, None, later), "behind a copy marked 2: no window");
     }
 
-    /// An input ack counts as settled unless the intake consumer was lost within
-    /// [`ACK_LOSS_WINDOW`] after it.
+    /// What a router knows of the ack of its earlier forward of a message alike to a redelivered
+    /// one: lost maybe (under way, failed, or an intake loss right after it), within
+    /// [`REDELIVERY_WINDOW`]; reached (no loss right after it); else unknown.
     #[test]
-    fn an_input_ack_is_settled_unless_the_intake_was_lost_right_after() {
-        let at = Instant::now();
-        let none: [Instant; 0] = [];
-        assert!(ack_settled(at, none.into_iter()));
-        assert!(ack_settled(at, [at - Duration::from_secs(1), at + ACK_LOSS_WINDOW + Duration::from_millis(1)].into_iter()), "losses before it, or long after");
-        assert!(!ack_settled(at, [at + Duration::from_millis(300)].into_iter()), "lost right after the ack");
-        assert!(!ack_settled(at, [at].into_iter()));
+    fn an_earlier_input_ack_is_maybe_lost_only_just_before_an_intake_loss() {
+        let t0 = Instant::now();
+        let s = |ack: Option<InputAck>, losses: &[Instant], now: Instant| input_ack_state(ack, losses, now);
+        let later = t0 + REDELIVERY_WINDOW + Duration::from_secs(1);
+        assert_eq!(s(None, &[], t0), EarlierAck::Unknown, "forgotten, or never forwarded here");
+        assert_eq!(s(Some(InputAck::Unsettled(t0)), &[], t0 + Duration::from_secs(1)), EarlierAck::MaybeLost, "under way or failed");
+        assert_eq!(s(Some(InputAck::Unsettled(t0)), &[], later), EarlierAck::Unknown, "failed long ago");
+        let done = Some(InputAck::Completed(t0));
+        assert_eq!(s(done, &[], later), EarlierAck::Reached);
+        let far = t0 + ACK_LOSS_WINDOW + Duration::from_millis(1);
+        assert_eq!(s(done, &[t0 - Duration::from_secs(1), far], t0 + Duration::from_secs(5)), EarlierAck::Reached, "losses before it, or long after");
+        let near = t0 + Duration::from_millis(300);
+        assert_eq!(s(done, &[near], t0 + Duration::from_secs(5)), EarlierAck::MaybeLost, "lost right after the ack");
+        assert_eq!(s(done, &[near], near + REDELIVERY_WINDOW + Duration::from_secs(1)), EarlierAck::Unknown, "that loss is long past");
     }
 
     #[test]

@@ -160,6 +160,10 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             Err(e) if intake.status().connected() => break Err(e),
             Err(e) => Err(Some(e)),
         };
+        if ended.is_err() {
+            // The acks sent just before may be lost with the channel ([`redelivery::earlier_input_ack`]).
+            redelivery::note_intake_lost(&settings.instance_name);
+        }
         let e = match ended {
             Ok(()) => break Ok(()),
             Err(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
@@ -313,7 +317,6 @@ fn report_intake_failure(e: Option<&lapin::Error>, lost: bool, wait: std::time::
         (_, false) => metrics::intake_failure::CHANNEL_CLOSED,
     };
     metrics::intake_failed(why);
-    redelivery::note_intake_lost();
     let e = e.map_or_else(|| "the consumer ended".to_owned(), ToString::to_string);
     if why == metrics::intake_failure::UNREADABLE_MESSAGE {
         error!(
@@ -534,12 +537,16 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
                 _ = stop.cancelled() => return requeue(delivery).await,
             };
             match earlier {
-                // The forward of an earlier delivery was confirmed, and its ack may have been lost.
-                redelivery::Earlier::Confirmed if !redelivery::input_ack_settled(key) => return ack_forwarded_before(delivery, &id).await,
-                // That ack reached the broker: this is the same message published again, and
-                // delivered again for a fault of its own delivery (an intake connection closed
-                // under it before its forward). Processed: dropped, it would get no answer.
-                redelivery::Earlier::Confirmed => not_a_copy = true,
+                redelivery::Earlier::Confirmed => match redelivery::earlier_input_ack(key, &settings.instance_name) {
+                    // The forward of an earlier delivery was confirmed, and its ack may have been lost.
+                    redelivery::EarlierAck::MaybeLost => return ack_forwarded_before(delivery, &id).await,
+                    // That ack reached the broker: this is the same message published again, and
+                    // delivered again for a fault of its own delivery (an intake connection closed
+                    // under it before its forward). Processed: dropped, it would get no answer.
+                    redelivery::EarlierAck::Reached => not_a_copy = true,
+                    // Long ago: forwarded marked, as a message this router knows nothing of.
+                    redelivery::EarlierAck::Unknown => {}
+                },
                 // Forwarded again below, marked: its owner answers it once. Its return was not
                 // its fault, and a dead letter at `amqp.delivery_limit` could meet a result.
                 redelivery::Earlier::Maybe => redelivery::note_uncharged_return(key),
@@ -645,11 +652,12 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     }
     // Bounded: an ack on a channel whose connection closed may never be answered (lapin), and the
     // broker returns the delivery anyway then.
-    if let Err(e) = staged(ACK, crate::amqp::ack(&delivery.acker)).await {
+    let acked = staged(ACK, crate::amqp::ack(&delivery.acker)).await;
+    redelivery::note_input_ack(key, acked.is_ok());
+    if let Err(e) = acked {
         crate::warn_limited!(ACK_FAILED_LOG, error = %e, "input ack failed; the broker will redeliver");
         return;
     }
-    redelivery::note_input_acked(key);
     metrics::requests(stage::ROUTER, outcome::ROUTED, 1);
 }
 
@@ -681,7 +689,7 @@ static FORWARDED_BEFORE_LOG: LogLimit = LogLimit::new();
 
 /// Acks, without forwarding it again, a redelivered input message (request id `id`) whose
 /// forward from an earlier delivery this process published and the broker confirmed, and whose
-/// ack may have been lost with its channel ([`redelivery::input_ack_settled`]: the broker's
+/// ack may have been lost with its channel ([`redelivery::earlier_input_ack`]: the broker's
 /// `consumer_timeout` while the publishing connection was blocked, a fault of the intake
 /// connection). Counted in `requests_total{stage="router",outcome="duplicate"}`. When this ack
 /// fails too, the broker delivers it again, and it comes here again.

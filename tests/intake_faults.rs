@@ -15,7 +15,7 @@ use lapin::options::{BasicConsumeOptions, BasicGetOptions, BasicNackOptions, Bas
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use llm_fakes::fake::FakeLlm;
-use prefix_batcher::config::Settings;
+use prefix_batcher::config::{RawConfig, Settings};
 use prefix_batcher::request::MAX_ID_BYTES;
 use prefix_batcher::topology;
 use serde_json::json;
@@ -396,9 +396,7 @@ async fn headers_too_large_for_one_frame_with_the_daemons_are_dead_lettered_with
 async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
     let fake = FakeLlm::new().start().await.unwrap();
     let env = TestEnv::new("unreadable");
-    let mut raw = env.raw_config(fake.url.as_str());
-    raw.amqp.delivery_limit = 2;
-    raw.amqp.reconnect_backoff_max = "1s".into();
+    let raw = unreadable_config(&env, fake.url.as_str());
     let mut started = start_with_replies(&env, &raw).await;
     let pid = |suffix: &str| broker::daemon_connection_pid(&raw.instance.name, suffix);
     let (consume, publish, intake) = (pid(""), pid(" publish"), pid(" intake"));
@@ -432,11 +430,7 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
     // 2) deliveries; nothing else reaches the dead-letter queue. (A lapin consumer of the
     // dead-letter queue would fail on it too, so the queue is only counted.)
     let dlq = env.dead_letter_queue();
-    let deadline = Instant::now() + DEADLINE;
-    while started.amqp.queue_depth(&dlq).await.0 < 1 {
-        assert!(Instant::now() < deadline, "the unreadable message was not dead-lettered by the broker");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_dead_lettered(&started.amqp, &dlq).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(started.amqp.queue_depth(&dlq).await.0, 1, "only the unreadable message is dead-lettered");
     // A request forwarded (confirmed) but not yet acked when the unreadable message failed the
@@ -482,10 +476,7 @@ async fn an_unreadable_message_fails_only_the_intake_and_only_itself() {
 async fn messages_sent_again_and_delivered_again_behind_an_unreadable_message_are_answered() {
     let fake = FakeLlm::new().start().await.unwrap();
     let env = TestEnv::new("sentagain");
-    let mut raw = env.raw_config(fake.url.as_str());
-    // The intake's loss charges every delivery in flight one delivery: 2 leaves room for that.
-    raw.amqp.delivery_limit = 2;
-    raw.amqp.reconnect_backoff_max = "1s".into();
+    let raw = unreadable_config(&env, fake.url.as_str());
     let Started { amqp, daemon, mut results, reply } = start_with_replies(&env, &raw).await;
     let input = env.input_queue();
     let ids: Vec<String> = (0..20).map(|i| format!("again-{i}")).collect();
@@ -506,11 +497,7 @@ async fn messages_sent_again_and_delivered_again_behind_an_unreadable_message_ar
     let mut started = Started { amqp, daemon: start_daemon(&raw), results, reply };
     started.results.until("every message answered twice", DEADLINE, |r| ids.iter().all(|id| r.iter().filter(|m| &m.correlation_id == id).count() >= 2)).await;
     let dlq = env.dead_letter_queue();
-    let deadline = Instant::now() + DEADLINE;
-    while started.amqp.queue_depth(&dlq).await.0 < 1 {
-        assert!(Instant::now() < deadline, "the unreadable message was not dead-lettered by the broker");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    wait_dead_lettered(&started.amqp, &dlq).await;
     started.results.barrier(&started.amqp).await;
     for id in &ids {
         let got = started.results.received.iter().filter(|m| &m.correlation_id == id).count();
@@ -519,6 +506,25 @@ async fn messages_sent_again_and_delivered_again_behind_an_unreadable_message_ar
     assert_eq!(started.amqp.queue_depth(&dlq).await.0, 1, "only the unreadable message is dead-lettered");
     assert!(counter("input_consumer_failures_total", "reason", "unreadable_message") > failures_before, "the unreadable message did not close the intake connection");
     stop_with_input_empty(started, env).await;
+}
+
+/// The configuration of the tests with an unreadable message: `amqp.delivery_limit = 2` (the
+/// intake's loss charges every delivery in flight one delivery) and a 1 s reconnect backoff.
+fn unreadable_config(env: &TestEnv, fake_url: &str) -> RawConfig {
+    let mut raw = env.raw_config(fake_url);
+    raw.amqp.delivery_limit = 2;
+    raw.amqp.reconnect_backoff_max = "1s".into();
+    raw
+}
+
+/// Waits until the broker has dead-lettered the unreadable message into `dlq` (after its
+/// `x-delivery-limit`); a lapin consumer of `dlq` would fail on it, so the queue is only counted.
+async fn wait_dead_lettered(amqp: &Amqp, dlq: &str) {
+    let deadline = Instant::now() + DEADLINE;
+    while amqp.queue_depth(dlq).await.0 < 1 {
+        assert!(Instant::now() < deadline, "the unreadable message was not dead-lettered by the broker");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// A second copy of a request, forwarded again from a redelivered input message after the first
