@@ -179,7 +179,12 @@ impl RecentSet {
         }
         copy
     }
+}
 
+/// A set of 128-bit forward fingerprints that forgets the oldest once `capacity` are kept.
+type AnsweredSet = Bounded<u128, ()>;
+
+impl AnsweredSet {
     /// [`answered_before`] on this set.
     fn answered_before(&self, redelivered: bool, headers: Option<&FieldTable>) -> bool {
         redelivered && forward_fingerprint(headers).is_some_and(|f| self.contains(&f))
@@ -199,10 +204,9 @@ const SENT_AGAIN: u128 = 0x3c3c_3c3c_c3c3_c3c3_3c3c_3c3c_c3c3_c3c3;
 /// Requests that entered this process's partition consumers, by their fingerprint.
 static RECENT_REQUESTS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
 
-/// Forwards whose outcome this process published (confirmed), by [`forward_fingerprint`], and
-/// input messages whose forward it published (confirmed), by [`input_key`]
-/// ([`OutcomeInFlight::confirmed`]).
-static ANSWERED_FORWARDS: LazyLock<Mutex<RecentSet>> = LazyLock::new(|| Mutex::new(RecentSet::new(RECENT_REQUESTS_CAPACITY)));
+/// Forwards whose outcome this process published (confirmed), by [`forward_fingerprint`]. Input
+/// messages whose forward it published (confirmed) are in [`INPUT_ACKS`], by [`input_key`].
+static ANSWERED_FORWARDS: LazyLock<Mutex<AnsweredSet>> = LazyLock::new(|| Mutex::new(AnsweredSet::new(RECENT_REQUESTS_CAPACITY)));
 
 /// 128-bit hash of a message's [`HEADER_FORWARD_ID`], when it has one.
 fn forward_fingerprint(headers: Option<&FieldTable>) -> Option<u128> {
@@ -250,7 +254,7 @@ pub fn is_second_copy(fingerprint: u128, redelivered: bool, headers: Option<&Fie
 /// [`HEADER_FORWARD_ID`].
 pub fn note_answered(headers: Option<&FieldTable>) {
     if let Some(f) = forward_fingerprint(headers) {
-        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(f, Instant::now());
+        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(f, ());
     }
 }
 
@@ -360,9 +364,7 @@ impl OutcomeInFlight {
     /// ([`earlier_input_ack`]), whatever an earlier message alike to it left.
     pub fn confirmed(mut self) {
         self.settled = true;
-        let now = Instant::now();
-        ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, now);
-        INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, InputAck::Unsettled(now));
+        INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, InputAck::Unsettled(Instant::now()));
     }
 
     /// The broker refused the outcome (a nack, a return, a closed channel before the publish): it
@@ -374,8 +376,7 @@ impl OutcomeInFlight {
 
 impl Drop for OutcomeInFlight {
     fn drop(&mut self) {
-        let answered = || ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).contains(&self.key);
-        if !self.settled && !answered() {
+        if !self.settled && !confirmed_before(self.key) {
             MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, ());
         }
         let mut all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
@@ -387,6 +388,13 @@ impl Drop for OutcomeInFlight {
             }
         }
     }
+}
+
+/// Whether an outcome with `key` was confirmed in this process: a partition's result or dead
+/// letter of a forward ([`ANSWERED_FORWARDS`], [`forward_key`]) or the router's forward of an
+/// input message ([`INPUT_ACKS`], [`input_key`]).
+fn confirmed_before(key: u128) -> bool {
+    ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) || INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner()).contains(&key)
 }
 
 /// What this process knows of an earlier outcome of a message ([`earlier_outcome`]).
@@ -426,7 +434,7 @@ pub async fn earlier_outcome(key: u128) -> Earlier {
         }
         notified.await;
     }
-    if ANSWERED_FORWARDS.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+    if confirmed_before(key) {
         Earlier::Confirmed
     } else if MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner()).take(&key) {
         Earlier::Maybe
@@ -512,18 +520,17 @@ pub enum EarlierAck {
 pub fn earlier_input_ack(key: u128, instance: &str) -> EarlierAck {
     let ack = INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner()).map.get(&key).copied();
     let losses = INTAKE_LOSSES.lock().unwrap_or_else(|p| p.into_inner());
-    let losses = losses.get(instance).map(|l| l.iter().copied().collect::<Vec<_>>()).unwrap_or_default();
-    input_ack_state(ack, &losses, Instant::now())
+    input_ack_state(ack, losses.get(instance).into_iter().flatten().copied(), Instant::now())
 }
 
 /// [`earlier_input_ack`] at `now` for the ack state `ack` and the intake losses `losses`.
-fn input_ack_state(ack: Option<InputAck>, losses: &[Instant], now: Instant) -> EarlierAck {
+fn input_ack_state(ack: Option<InputAck>, losses: impl Iterator<Item = Instant>, now: Instant) -> EarlierAck {
     let recent = |at: Instant| now.saturating_duration_since(at) <= REDELIVERY_WINDOW;
     match ack {
         None => EarlierAck::Unknown,
         Some(InputAck::Unsettled(since)) if recent(since) => EarlierAck::MaybeLost,
         Some(InputAck::Unsettled(_)) => EarlierAck::Unknown,
-        Some(InputAck::Completed(at)) => match losses.iter().copied().filter(|&lost| lost >= at && lost.saturating_duration_since(at) <= ACK_LOSS_WINDOW).max() {
+        Some(InputAck::Completed(at)) => match losses.filter(|&lost| lost >= at && lost.saturating_duration_since(at) <= ACK_LOSS_WINDOW).max() {
             None => EarlierAck::Reached,
             Some(lost) if recent(lost) => EarlierAck::MaybeLost,
             Some(_) => EarlierAck::Unknown,
@@ -722,7 +729,7 @@ mod tests {
     #[test]
     fn an_earlier_input_ack_is_maybe_lost_only_just_before_an_intake_loss() {
         let t0 = Instant::now();
-        let s = |ack: Option<InputAck>, losses: &[Instant], now: Instant| input_ack_state(ack, losses, now);
+        let s = |ack: Option<InputAck>, losses: &[Instant], now: Instant| input_ack_state(ack, losses.iter().copied(), now);
         let later = t0 + REDELIVERY_WINDOW + Duration::from_secs(1);
         assert_eq!(s(None, &[], t0), EarlierAck::Unknown, "forgotten, or never forwarded here");
         assert_eq!(s(Some(InputAck::Unsettled(t0)), &[], t0 + Duration::from_secs(1)), EarlierAck::MaybeLost, "under way or failed");
@@ -778,8 +785,8 @@ mod tests {
     #[test]
     fn only_a_redelivery_of_an_answered_forward_was_answered_before() {
         let (answered, other) = (with_forward_id("answered-before-test-1"), with_forward_id("answered-before-test-2"));
-        let mut t = RecentSet::new(100);
-        t.insert(forward_fingerprint(Some(&answered)).unwrap(), Instant::now());
+        let mut t = AnsweredSet::new(100);
+        t.insert(forward_fingerprint(Some(&answered)).unwrap(), ());
         assert!(t.answered_before(true, Some(&answered)));
         assert!(!t.answered_before(false, Some(&answered)), "a first delivery (one published again is `is_second_copy`'s)");
         assert!(!t.answered_before(true, Some(&other)), "another forward");
