@@ -647,7 +647,9 @@ impl App {
         let reply_nodes = Arc::new(crate::reply_node::NodeCheck::new(self.settings.clone(), node));
         let mut router: RouterTask = {
             let (conns, settings, token, checks) = (conns.clone(), self.settings.clone(), session.child_token(), reply_nodes.clone());
-            tokio::spawn(async move { crate::router::run(&conns, settings, token, checks).await })
+            let r = &self.settings.redis;
+            let reports = crate::intake_reports::IntakeReports::new(redis.clone(), &r.key_prefix, &self.settings.instance_name, r.command_timeout);
+            tokio::spawn(async move { crate::router::run(&conns, settings, token, checks, reports).await })
         };
         let mut backlog = tokio::spawn(poll_backlog(conns.consume.clone(), self.settings.clone(), session.child_token()));
         tokio::spawn(crate::splits::run_restarting(self.settings.clone(), redis.clone(), session.child_token()));

@@ -23,7 +23,8 @@
 //! - [`tls`]: TLS files of the three links (one rustls stack, ring provider).
 //! - [`topology`]: declares and checks exchanges and queues; [`amqp`]: the session's consuming and
 //!   publishing connections, AMQP reply codes and the classification of broker refusals by them.
-//! - [`router`]: consumes the input queue and forwards each request to its partition queue.
+//! - [`router`]: consumes the input queue and forwards each request to its partition queue;
+//!   [`intake_reports`]: what a router that lost its intake may have forwarded, in Redis.
 //! - [`lease`]: the Redis lease protocol (acquire, renew, release with epochs) and the local lease deadline.
 //! - [`membership`]: heartbeats and the live member set (a Redis sorted set).
 //! - [`ownership`]: the ownership round (membership refresh, assignment, renewals, releases,
@@ -65,6 +66,7 @@ pub mod exit;
 #[cfg(test)]
 mod fuzz_json;
 pub mod http;
+pub mod intake_reports;
 pub mod keying;
 pub mod log_limit;
 pub mod lease;

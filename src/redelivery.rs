@@ -495,6 +495,32 @@ pub fn note_intake_lost(instance: &str) {
     }
 }
 
+/// The keys of the input messages whose forward this process may have published and whose ack
+/// may not reach the broker, for [`crate::intake_reports::IntakeReports::report`]: every outcome
+/// publish under way ([`OutcomeInFlight`]: a forward whose delivery is then acked on a closed
+/// channel), and every confirmed forward whose ack is under way or failed within
+/// [`REDELIVERY_WINDOW`]; after a loss (`lost`), also those whose ack completed within
+/// [`ACK_LOSS_WINDOW`] (after a stop, whose channel closed after its acks, those reached the
+/// broker). Keys of partition outcomes under way come along; no input message has them.
+pub fn maybe_forwarded(lost: bool) -> Vec<u128> {
+    let now = Instant::now();
+    let mut keys: Vec<u128> = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect();
+    let acks = INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner());
+    keys.extend(acks.map.iter().filter(|(_, ack)| maybe_unacked(**ack, lost, now)).map(|(k, _)| *k));
+    drop(acks);
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
+/// Whether an input ack in state `ack` may not have reached the broker at `now` ([`maybe_forwarded`]).
+fn maybe_unacked(ack: InputAck, lost: bool, now: Instant) -> bool {
+    match ack {
+        InputAck::Unsettled(since) => now.saturating_duration_since(since) <= REDELIVERY_WINDOW,
+        InputAck::Completed(at) => lost && now.saturating_duration_since(at) <= ACK_LOSS_WINDOW,
+    }
+}
+
 /// What the router of `instance` knows of the input ack of its earlier confirmed forward of a
 /// message alike to a redelivered one ([`earlier_input_ack`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -741,6 +767,21 @@ mod tests {
         let near = t0 + Duration::from_millis(300);
         assert_eq!(s(done, &[near], t0 + Duration::from_secs(5)), EarlierAck::MaybeLost, "lost right after the ack");
         assert_eq!(s(done, &[near], near + REDELIVERY_WINDOW + Duration::from_secs(1)), EarlierAck::Unknown, "that loss is long past");
+    }
+
+    /// What a router reports as maybe forwarded when it lost its intake, or stopped: an ack
+    /// under way or failed within [`REDELIVERY_WINDOW`]; after a loss, also one completed within
+    /// [`ACK_LOSS_WINDOW`] before it (after a stop, the channel closed after its acks).
+    #[test]
+    fn a_report_names_the_acks_that_may_not_have_reached_the_broker() {
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_millis(s);
+        assert!(maybe_unacked(InputAck::Unsettled(t0), false, at(1_000)), "under way at a stop");
+        assert!(maybe_unacked(InputAck::Unsettled(t0), true, at(29_000)), "failed 29 s ago");
+        assert!(!maybe_unacked(InputAck::Unsettled(t0), true, t0 + REDELIVERY_WINDOW + Duration::from_secs(1)), "failed long ago");
+        assert!(maybe_unacked(InputAck::Completed(t0), true, at(1_500)), "completed just before the loss");
+        assert!(!maybe_unacked(InputAck::Completed(t0), true, t0 + ACK_LOSS_WINDOW + Duration::from_millis(1)), "completed before that");
+        assert!(!maybe_unacked(InputAck::Completed(t0), false, at(100)), "completed before a stop's close");
     }
 
     #[test]

@@ -24,6 +24,7 @@ use crate::log_limit::LogLimit;
 use crate::amqp::{answered, close_after_acks, ConfirmChannel, Connections, RefusalTurns, SharedConfirmChannel};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::affinity::{self, RoutedKey};
+use crate::intake_reports::{Elsewhere, IntakeReports};
 use crate::keying::{derive_key, level_count, level_key, partition_of, pick_shard, shards_for, static_shards, KeySource};
 use crate::metrics::{self, outcome, stage};
 use crate::publisher::{self, Intake, HEADER_ROUTED_AT_MS, HEADER_ROUTED_KEY, HEADER_SHARD};
@@ -112,11 +113,17 @@ pub fn route_in(req: &crate::request::Request, settings: &Settings, affinity: &A
 /// around it are charged once. The publishing channel is reopened by the next delivery that
 /// needs it. Only a failed consuming or publishing connection (or an intake channel that cannot
 /// be opened on a live connection) ends the router, and with it the session.
-pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: CancellationToken, reply_nodes: Arc<crate::reply_node::NodeCheck>) -> Result<(), lapin::Error> {
+pub async fn run(
+    conns: &Connections,
+    settings: Arc<Settings>,
+    stop: CancellationToken,
+    reply_nodes: Arc<crate::reply_node::NodeCheck>,
+    reports: IntakeReports,
+) -> Result<(), lapin::Error> {
     let shared = SharedConfirmChannel::new(conns.publish.clone(), settings.amqp.confirm_timeout * 2, "router".to_owned());
     shared.get().await?;
     let partitions = (0..settings.amqp.partitions.get()).map(|_| RefusalTurns::default()).collect();
-    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes, partitions, held: AtomicUsize::new(0), put_back_next: std::sync::Mutex::new(None) });
+    let publish = Arc::new(PublishChannel { conns: conns.clone(), shared, lost: CancellationToken::new(), reply_nodes, partitions, held: AtomicUsize::new(0), put_back_next: std::sync::Mutex::new(None), reports });
     let a = &settings.amqp;
     let mut inflight = JoinSet::new();
     // One delivery at a time, after a failure (see above).
@@ -164,6 +171,11 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
             // The acks sent just before may be lost with the channel ([`redelivery::earlier_input_ack`]).
             redelivery::note_intake_lost(&settings.instance_name);
         }
+        // The broker gives the deliveries this router did not ack to any router: tell the others
+        // which of them it may have forwarded ([`crate::intake_reports`]).
+        if let Err(e) = publish.reports.report(&redelivery::maybe_forwarded(ended.is_err())).await {
+            warn!(error = %e, "cannot record in Redis which input messages this router may have forwarded; another router forwards their redeliveries marked as copies");
+        }
         let e = match ended {
             Ok(()) => break Ok(()),
             Err(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
@@ -192,10 +204,10 @@ pub async fn run(conns: &Connections, settings: Arc<Settings>, stop: Cancellatio
 
 /// What the router's deliveries in flight wait for, counted while they wait ([`staged`]), so that
 /// a stop that waits for them says for what ([`finish_inflight`]).
-static STAGES: [std::sync::atomic::AtomicI64; 7] = [const { std::sync::atomic::AtomicI64::new(0) }; 7];
+static STAGES: [std::sync::atomic::AtomicI64; 8] = [const { std::sync::atomic::AtomicI64::new(0) }; 8];
 
 /// Names of the [`STAGES`], by index.
-const STAGE_NAMES: [&str; 7] = ["turn", "publishing channel", "reply-to check or dead letter", "forward", "ack", "requeue", "requeue backoff"];
+const STAGE_NAMES: [&str; 8] = ["turn", "publishing channel", "reply-to check or dead letter", "forward", "ack", "requeue", "requeue backoff", "intake-loss reports"];
 const TURN: usize = 0;
 const CHANNEL: usize = 1;
 const CHECK: usize = 2;
@@ -203,6 +215,7 @@ const FORWARD: usize = 3;
 const ACK: usize = 4;
 const REQUEUE: usize = 5;
 const BACKOFF: usize = 6;
+const REPORTS: usize = 7;
 
 /// Runs `f`, counted in [`STAGES`]`[stage]` from now until it ends or is dropped. A combinator,
 /// not an `async fn`, which would hold `f` twice (see [`crate::task::catch_panic`]).
@@ -462,6 +475,8 @@ struct PublishChannel {
     /// The earliest time the next copy beyond [`held_cap`] may go back into the input queue
     /// ([`PublishChannel::pace_put_back`]).
     put_back_next: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// This instance's intake-loss reports, and the look-up of the others'.
+    reports: IntakeReports,
 }
 
 impl PublishChannel {
@@ -536,21 +551,40 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
                 e = staged(FORWARD, redelivery::earlier_outcome(key)) => e,
                 _ = stop.cancelled() => return requeue(delivery).await,
             };
-            match earlier {
+            // Whether this router knows nothing of an earlier forward of the message.
+            let unknown = match earlier {
                 redelivery::Earlier::Confirmed => match redelivery::earlier_input_ack(key, &settings.instance_name) {
                     // The forward of an earlier delivery was confirmed, and its ack may have been lost.
                     redelivery::EarlierAck::MaybeLost => return ack_forwarded_before(delivery, &id).await,
                     // That ack reached the broker: this is the same message published again, and
                     // delivered again for a fault of its own delivery (an intake connection closed
                     // under it before its forward). Processed: dropped, it would get no answer.
-                    redelivery::EarlierAck::Reached => not_a_copy = true,
-                    // Long ago: forwarded marked, as a message this router knows nothing of.
-                    redelivery::EarlierAck::Unknown => {}
+                    redelivery::EarlierAck::Reached => {
+                        not_a_copy = true;
+                        false
+                    }
+                    // Long ago: as a message this router knows nothing of.
+                    redelivery::EarlierAck::Unknown => true,
                 },
                 // Forwarded again below, marked: its owner answers it once. Its return was not
                 // its fault, and a dead letter at `amqp.delivery_limit` could meet a result.
-                redelivery::Earlier::Maybe => redelivery::note_uncharged_return(key),
-                redelivery::Earlier::Nothing => {}
+                redelivery::Earlier::Maybe => {
+                    redelivery::note_uncharged_return(key);
+                    false
+                }
+                redelivery::Earlier::Nothing => true,
+            };
+            if unknown {
+                // Another router may have forwarded it: forwarded marked, unless that router
+                // reported that it did not ([`crate::intake_reports`]).
+                let elsewhere = tokio::select! {
+                    e = staged(REPORTS, publish.reports.lookup(key)) => e,
+                    _ = stop.cancelled() => return requeue(delivery).await,
+                };
+                if elsewhere == Elsewhere::NotForwarded {
+                    debug!(request_id = %id, "a redelivered input message that the router which had it did not forward; forwarded unmarked");
+                    not_a_copy = true;
+                }
             }
         }
     }

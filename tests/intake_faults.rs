@@ -1215,3 +1215,47 @@ async fn a_deleted_shard_exchange_is_declared_again_and_no_request_is_charged() 
     }
     f.finish().await;
 }
+
+/// The intake-loss reports against the real Redis: a look-up with no recent report waits
+/// [`REPORT_WAIT`] and knows nothing; a report that comes while it waits ends the wait; a reported
+/// key says "maybe forwarded", any other key "not forwarded" while the report is recent (within
+/// [`REPORT_RECENT`]), and nothing once it is older; every key expires after [`REPORT_TTL`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn intake_loss_reports_against_redis() {
+    use prefix_batcher::intake_reports::{losses_key, maybe_forwarded_key, Elsewhere, IntakeReports, REPORT_RECENT, REPORT_TTL, REPORT_WAIT};
+    let prefix = &format!("pbt-reports-{:016x}", fastrand::u64(..));
+    let client = redis::Client::open(REDIS_URL).unwrap();
+    let mut conn = client.get_connection_manager().await.unwrap();
+    let a = IntakeReports::new(conn.clone(), prefix, "a", Duration::from_secs(2));
+    let b = IntakeReports::new(conn.clone(), prefix, "b", Duration::from_secs(2));
+
+    let t = Instant::now();
+    assert_eq!(b.lookup(1).await, Elsewhere::Unknown, "no report");
+    assert!(t.elapsed() >= REPORT_WAIT - Duration::from_millis(150), "answered after {:?} without waiting for a report", t.elapsed());
+
+    let waiting = tokio::spawn({
+        let b = b.clone();
+        async move { b.lookup(2).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.report(&[1, 3]).await.unwrap();
+    assert_eq!(waiting.await.unwrap(), Elsewhere::NotForwarded, "a report during the wait, without the key");
+    assert_eq!(b.lookup(1).await, Elsewhere::Forwarded);
+    assert_eq!(b.lookup(3).await, Elsewhere::Forwarded);
+    assert_eq!(a.lookup(4).await, Elsewhere::NotForwarded, "the reporting instance's own look-up too");
+    for key in [losses_key(prefix), maybe_forwarded_key(prefix, 1)] {
+        let ttl: i64 = redis::cmd("PTTL").arg(&key).query_async(&mut conn).await.unwrap();
+        assert!(ttl > 0 && ttl <= REPORT_TTL.as_millis() as i64, "{key}: PTTL {ttl}");
+    }
+
+    // The report made older than REPORT_RECENT (its score moved back by the Redis clock).
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let old = secs * 1000 + micros / 1000 - REPORT_RECENT.as_millis() as i64 - 1000;
+    let _: () = redis::cmd("ZADD").arg(losses_key(prefix)).arg(old).arg("a").query_async(&mut conn).await.unwrap();
+    assert_eq!(b.lookup(4).await, Elsewhere::Unknown, "only an old report");
+    assert_eq!(b.lookup(1).await, Elsewhere::Forwarded, "a reported key, as long as it is kept");
+
+    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}:*")).query_async(&mut conn).await.unwrap();
+    assert_eq!(keys.len(), 3, "{keys:?}");
+    let _: () = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await.unwrap();
+}

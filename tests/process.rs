@@ -1228,3 +1228,98 @@ async fn a_partition_queue_deleted_under_a_held_request_is_logged_as_deleting_it
     assert!(!wrong(&started.daemon.log()), "the log says the deleted request returns; log:\n{}", started.daemon.log_tail(20));
     started.stop_and_clean_up(env).await;
 }
+
+/// A publisher's messages sent again, alike to ones answered a few seconds before, that wait in
+/// the prefetch window of a router whose intake connection closes (here at a message the AMQP
+/// client cannot read), are answered when another instance's router takes their redeliveries:
+/// the first router reports in Redis that it forwarded none of them, and the second forwards
+/// them unmarked. Observed before, with 2 instances: the second router forwarded them marked as
+/// copies, and the partition's owner, which had taken the alike messages less than 10 s before,
+/// acked them unanswered (10 of 20 and 7 of 20 lost in two runs of an outside test). The
+/// processes are separate, as in production: routers in one process share what they forwarded.
+///
+/// Set-up: instance `b` consumes with a prefetch of 1, both processes are stopped (SIGSTOP)
+/// while the messages are published, so `b` holds one filler and `a` everything after it: the
+/// unreadable message first, then the messages sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_sent_again_that_another_instance_takes_after_an_intake_loss_are_answered() {
+    let env = TestEnv::new("resendelse");
+    let fake = FakeLlm::new().start().await.unwrap();
+    let mut raw = env.raw_config(fake.url.as_str());
+    // One partition for the shared prompt, so the copies meet the table of the one that took
+    // the first messages; the unreadable message closes an intake at each of 2 deliveries.
+    raw.sharding.default_shards = 1;
+    raw.amqp.delivery_limit = 2;
+    raw.log.level = "info,prefix_batcher::router=debug".into();
+    let mut raw_b = with_partitions(&env, &raw, PARTITIONS, "b");
+    raw_b.amqp.input_prefetch = 1;
+    let amqp = Amqp::connect().await;
+    let mut redis = RedisProbe::connect().await.unwrap();
+    let mut a = DaemonProcess::run(&env, "a", &raw);
+    let mut b = DaemonProcess::run(&env, "b", &raw_b);
+    // Both sessions open (each holds a lease) and every partition held.
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        assert!(a.is_running() && b.is_running(), "a daemon exited during startup; logs:\n{}\n{}", a.log_tail(30), b.log_tail(30));
+        let leases = redis.leases(env.key_prefix(), PARTITIONS).await;
+        let held_by = |name: &str| leases.iter().any(|l| l.as_ref().is_some_and(|l| l.name == name));
+        if leases.iter().all(Option::is_some) && held_by(&raw.instance.name) && held_by(&raw_b.instance.name) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the two instances did not share the partitions: {leases:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let reply = format!("{}.reply", env.name);
+    let mut results = amqp.reply_queue(&reply).await;
+    let input = env.input_queue();
+    let ids: Vec<String> = (0..20).map(|i| format!("again-{i}")).collect();
+    // Every copy of a message has all the properties of the first, its timestamp too.
+    let messages: Vec<(Vec<u8>, lapin::BasicProperties)> =
+        ids.iter().map(|id| (serde_json::to_vec(&serde_json::json!({"id": id, "prompt": "the same prompt"})).unwrap(), request_props(id, &reply))).collect();
+    for (body, props) in &messages {
+        amqp.publish(&input, body, props.clone()).await;
+    }
+    results.until_all(&ids.iter().cloned().collect(), DEADLINE).await;
+    // Past the time in which an intake loss may still lose the first messages' acks (each
+    // router then knows that its own acks reached the broker).
+    tokio::time::sleep(prefix_batcher::redelivery::ACK_LOSS_WINDOW + Duration::from_secs(1)).await;
+
+    a.signal("STOP");
+    b.signal("STOP");
+    let fillers: Vec<String> = (0..2).map(|i| format!("filler-{i}")).collect();
+    for id in &fillers {
+        amqp.publish(&input, &serde_json::to_vec(&serde_json::json!({"id": id, "prompt": "a filler"})).unwrap(), request_props(id, &reply)).await;
+    }
+    raw_amqp::publish(&input, br#"{"prompt":"unreadable"}"#, raw_amqp::RawProps { message_id: Some(b"bad\xff0"), ..Default::default() }).await;
+    for (body, props) in &messages {
+        amqp.publish(&input, body, props.clone()).await;
+    }
+    // The broker hands the messages to the stopped consumers' sockets.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.signal("CONT");
+    b.signal("CONT");
+
+    let what = "every message answered twice, and the fillers once";
+    results.until(what, DEADLINE, |r| ids.iter().chain(&fillers).all(|id| r.iter().any(|m| &m.correlation_id == id)) && ids.iter().all(|id| r.iter().filter(|m| &m.correlation_id == id).count() >= 2)).await;
+    let dlq = env.dead_letter_queue();
+    let deadline = Instant::now() + DEADLINE;
+    while amqp.queue_depth(&dlq).await.0 < 1 {
+        assert!(Instant::now() < deadline, "the unreadable message was not dead-lettered by the broker");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    results.barrier(&amqp).await;
+    for id in &ids {
+        let got = results.received.iter().filter(|m| &m.correlation_id == id).count();
+        assert_eq!(got, 2, "{id}: {got} results for 2 messages");
+    }
+    assert_eq!(amqp.queue_depth(&dlq).await.0, 1, "only the unreadable message is dead-lettered");
+    let reported = a.log().contains("forwarded unmarked") || b.log().contains("forwarded unmarked");
+    for (daemon, name) in [(&mut a, "a"), (&mut b, "b")] {
+        daemon.sigterm();
+        assert_eq!(daemon.wait_exit(DEADLINE).await.code(), Some(0), "{name}'s log:\n{}", daemon.log_tail(30));
+    }
+    println!("resend after an intake loss: forwarded unmarked on the report of the other instance: {reported}");
+    results.close().await;
+    amqp.close().await;
+    env.cleanup().await;
+}
