@@ -20,7 +20,8 @@
 //! - a report came in the last [`REPORT_RECENT`] without its key: [`Elsewhere::NotForwarded`],
 //!   the router that reported did not forward it, and it goes unmarked, as a new message;
 //! - no recent report within [`REPORT_WAIT`] (the router that had it crashed, or could not reach
-//!   Redis), or Redis did not answer: [`Elsewhere::Unknown`], forwarded marked, as before.
+//!   Redis), or Redis did not answer: [`Elsewhere::Unknown`], forwarded marked, as before. After
+//!   such a wait, the instance's look-ups ask without waiting for [`REPORT_RECENT`].
 //!
 //! A wrong answer costs at most a duplicate, never a request: `NotForwarded` for a message that a
 //! crashed router had forwarded while another router reported a loss of its own. Reports are
@@ -110,6 +111,9 @@ pub struct IntakeReports {
     timeout: Duration,
     report: Arc<Script>,
     lookup: Arc<Script>,
+    /// When a look-up last waited [`REPORT_WAIT`] in vain, if it did within [`REPORT_RECENT`]:
+    /// the look-ups until then ask once, without waiting (see [`IntakeReports::lookup`]).
+    waited_in_vain: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
 }
 
 /// The sorted set of reports under `prefix`.
@@ -132,6 +136,7 @@ impl IntakeReports {
             timeout,
             report: Arc::new(Script::new(REPORT)),
             lookup: Arc::new(Script::new(LOOKUP)),
+            waited_in_vain: Arc::default(),
         }
     }
 
@@ -153,9 +158,14 @@ impl IntakeReports {
 
     /// What the reports say of the redelivered input message with `key`, waiting up to
     /// [`REPORT_WAIT`] for a recent report. Redis's errors and timeouts give
-    /// [`Elsewhere::Unknown`].
+    /// [`Elsewhere::Unknown`]. Once a look-up of this instance waited in vain (redeliveries
+    /// that no router reports: a crash, a requeue), the look-ups of the next [`REPORT_RECENT`]
+    /// ask once without waiting, so that a backlog of such redeliveries, taken one at a time
+    /// after an intake loss, does not wait [`REPORT_WAIT`] each.
     pub async fn lookup(&self, key: u128) -> Elsewhere {
-        let deadline = tokio::time::Instant::now() + REPORT_WAIT;
+        let start = tokio::time::Instant::now();
+        let quiet = self.waited_in_vain.lock().unwrap_or_else(std::sync::PoisonError::into_inner).is_some_and(|at| start < at + REPORT_RECENT);
+        let deadline = if quiet { start } else { start + REPORT_WAIT };
         loop {
             let mut call = self.lookup.prepare_invoke();
             call.key(losses_key(&self.prefix)).key(maybe_forwarded_key(&self.prefix, key)).arg(REPORT_RECENT.as_millis() as u64);
@@ -163,10 +173,17 @@ impl IntakeReports {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             let answer = tokio::time::timeout(self.timeout.min(left.max(LOOKUP_INTERVAL)), call.invoke_async::<i64>(&mut conn)).await;
             match answer {
-                Ok(Ok(2)) => return Elsewhere::Forwarded,
-                Ok(Ok(1)) => return Elsewhere::NotForwarded,
+                Ok(Ok(found @ (1 | 2))) => {
+                    *self.waited_in_vain.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+                    return if found == 2 { Elsewhere::Forwarded } else { Elsewhere::NotForwarded };
+                }
                 Ok(Ok(_)) if tokio::time::Instant::now() + LOOKUP_INTERVAL < deadline => tokio::time::sleep(LOOKUP_INTERVAL).await,
-                Ok(Ok(_)) => return Elsewhere::Unknown,
+                Ok(Ok(_)) => {
+                    if !quiet {
+                        *self.waited_in_vain.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tokio::time::Instant::now());
+                    }
+                    return Elsewhere::Unknown;
+                }
                 Ok(Err(e)) => {
                     self.conn.report(&e);
                     return Elsewhere::Unknown;

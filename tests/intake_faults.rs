@@ -1232,11 +1232,13 @@ async fn intake_loss_reports_against_redis() {
     let t = Instant::now();
     assert_eq!(b.lookup(1).await, Elsewhere::Unknown, "no report");
     assert!(t.elapsed() >= REPORT_WAIT - Duration::from_millis(150), "answered after {:?} without waiting for a report", t.elapsed());
+    // Having waited in vain, `b` asks without waiting for a while.
+    let t = Instant::now();
+    assert_eq!(b.lookup(5).await, Elsewhere::Unknown);
+    assert!(t.elapsed() < REPORT_WAIT / 2, "waited {:?} again", t.elapsed());
 
-    let waiting = tokio::spawn({
-        let b = b.clone();
-        async move { b.lookup(2).await }
-    });
+    let c = IntakeReports::new(conn.clone(), prefix, "c", Duration::from_secs(2));
+    let waiting = tokio::spawn(async move { c.lookup(2).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.report(&[1, 3]).await.unwrap();
     assert_eq!(waiting.await.unwrap(), Elsewhere::NotForwarded, "a report during the wait, without the key");
