@@ -551,39 +551,43 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
                 e = staged(FORWARD, redelivery::earlier_outcome(key)) => e,
                 _ = stop.cancelled() => return requeue(delivery).await,
             };
-            // Whether this router knows nothing of an earlier forward of the message.
-            let unknown = match earlier {
+            // What this router knows of an earlier forward of the message: `Some(true)` that
+            // its ack reached the broker, `Some(false)` nothing, `None` the rest (handled here).
+            let known = match earlier {
                 redelivery::Earlier::Confirmed => match redelivery::earlier_input_ack(key, &settings.instance_name) {
                     // The forward of an earlier delivery was confirmed, and its ack may have been lost.
                     redelivery::EarlierAck::MaybeLost => return ack_forwarded_before(delivery, &id).await,
                     // That ack reached the broker: this is the same message published again, and
                     // delivered again for a fault of its own delivery (an intake connection closed
-                    // under it before its forward). Processed: dropped, it would get no answer.
-                    redelivery::EarlierAck::Reached => {
-                        not_a_copy = true;
-                        false
-                    }
+                    // under it before its forward) or of another router's ack.
+                    redelivery::EarlierAck::Reached => Some(true),
                     // Long ago: as a message this router knows nothing of.
-                    redelivery::EarlierAck::Unknown => true,
+                    redelivery::EarlierAck::Unknown => Some(false),
                 },
                 // Forwarded again below, marked: its owner answers it once. Its return was not
                 // its fault, and a dead letter at `amqp.delivery_limit` could meet a result.
                 redelivery::Earlier::Maybe => {
                     redelivery::note_uncharged_return(key);
-                    false
+                    None
                 }
-                redelivery::Earlier::Nothing => true,
+                redelivery::Earlier::Nothing => Some(false),
             };
-            if unknown {
-                // Another router may have forwarded it: forwarded marked, unless that router
-                // reported that it did not ([`crate::intake_reports`]).
+            if let Some(reached) = known {
+                // Another router may have forwarded it and lost its ack
+                // ([`crate::intake_reports`]): forwarded marked when that router reported it, or
+                // when this router knows nothing and no router reported; else unmarked, as a new
+                // message (dropped as a copy, it would get no answer).
                 let elsewhere = tokio::select! {
                     e = staged(REPORTS, publish.reports.lookup(key)) => e,
                     _ = stop.cancelled() => return requeue(delivery).await,
                 };
-                if elsewhere == Elsewhere::NotForwarded {
-                    debug!(request_id = %id, "a redelivered input message that the router which had it did not forward; forwarded unmarked");
-                    not_a_copy = true;
+                not_a_copy = match elsewhere {
+                    Elsewhere::Forwarded => false,
+                    Elsewhere::NotForwarded => true,
+                    Elsewhere::Unknown => reached,
+                };
+                if not_a_copy {
+                    debug!(request_id = %id, answered_here_before = reached, "a redelivered input message that no router reported as maybe forwarded; forwarded unmarked");
                 }
             }
         }
