@@ -23,6 +23,10 @@
 //!   Redis), or Redis did not answer: [`Elsewhere::Unknown`], forwarded marked, as before. After
 //!   such a wait, the instance's look-ups ask without waiting for [`REPORT_RECENT`].
 //!
+//! A router that forwarded a message alike to the redelivered one itself, and saw that ack reach
+//! the broker, asks too: the redelivery is then a message published again, forwarded unmarked,
+//! unless another router reported it (the copy of that router's forward, forwarded marked).
+//!
 //! A wrong answer costs at most a duplicate, never a request: `NotForwarded` for a message that a
 //! crashed router had forwarded while another router reported a loss of its own. Reports are
 //! written and read on a path that only intake losses, stops and redeliveries take; routing never
