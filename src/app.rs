@@ -300,7 +300,7 @@ pub async fn run_with_events(
     }
     report_client_certificates(&settings);
     let http_token = root.child_token();
-    let http = tokio::spawn(crate::http::serve(listener, readiness.clone(), http_token.clone().cancelled_owned(), crate::http::SHUTDOWN_GRACE, crate::http::HEADER_READ_TIMEOUT));
+    let http = tokio::spawn(crate::http::serve(listener, readiness.clone(), http_token.clone().cancelled_owned(), crate::http::Limits::DAEMON));
 
     let options = ClientOptions {
         hook: llm_hook(settings.llm.endpoints.len(), readiness.clone()),

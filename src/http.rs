@@ -40,24 +40,52 @@ pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5
 /// connection that has sent no complete header by then is closed.
 pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Serves on `listener` until `shutdown` completes, then waits at most `grace` for the
-/// connections in progress to finish ([`SHUTDOWN_GRACE`] in the daemon) and closes the rest.
-/// Each connection must send a request's whole header within `header_timeout`
-/// ([`HEADER_READ_TIMEOUT`] in the daemon), or it is closed: a client that sent half a request and
-/// stalled, or connected and sent nothing (a scanner, a stuck scraper), would otherwise hold a file
-/// descriptor until the process stops. (axum's own `serve` runs hyper without a timer, so without
-/// that limit.) A failed accept that is not the one connection's fault (e.g. `EMFILE`, no file
-/// descriptor left) is logged and retried after 1 s, as axum's `serve` does.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    readiness: Readiness,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-    grace: std::time::Duration,
-    header_timeout: std::time::Duration,
-) -> std::io::Result<()> {
+/// How many HTTP connections the server holds at once: 256. A connection beyond them is closed
+/// as soon as it is accepted (logged, at most 10 times a minute). Prometheus, a load balancer's
+/// health checks and an operator's `curl` need a few; without a bound, clients that keep their
+/// connections open (say, pipelining requests and never reading the answers, which no header
+/// timeout ends) take every file descriptor of the process, and its LLM calls, Redis and AMQP
+/// connections fail with `EMFILE`.
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// How long the server keeps one HTTP connection open: 5 min, then it is closed, whatever it is
+/// doing. A kept-alive scraper connects again; a client that stopped reading its answers frees
+/// its place.
+pub const MAX_CONNECTION_AGE: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The limits of [`serve`]: the daemon's are [`Limits::DAEMON`].
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// How long the server waits, once told to stop, for the connections in progress to finish.
+    pub grace: std::time::Duration,
+    /// How long a connection has to send a request's whole header.
+    pub header_timeout: std::time::Duration,
+    /// How many connections are held at once.
+    pub max_connections: usize,
+    /// How long one connection is kept open.
+    pub max_age: std::time::Duration,
+}
+
+impl Limits {
+    /// [`SHUTDOWN_GRACE`], [`HEADER_READ_TIMEOUT`], [`MAX_CONNECTIONS`], [`MAX_CONNECTION_AGE`].
+    pub const DAEMON: Limits = Limits { grace: SHUTDOWN_GRACE, header_timeout: HEADER_READ_TIMEOUT, max_connections: MAX_CONNECTIONS, max_age: MAX_CONNECTION_AGE };
+}
+
+/// Serves on `listener` until `shutdown` completes, then waits at most `limits.grace` for the
+/// connections in progress to finish and closes the rest. Each connection must send a request's
+/// whole header within `limits.header_timeout`, or it is closed: a client that sent half a
+/// request and stalled, or connected and sent nothing (a scanner, a stuck scraper), would
+/// otherwise hold a file descriptor until the process stops. (axum's own `serve` runs hyper
+/// without a timer, so without that limit.) At most `limits.max_connections` are open at once,
+/// each for at most `limits.max_age` ([`MAX_CONNECTIONS`], [`MAX_CONNECTION_AGE`]). A failed
+/// accept that is not the one connection's fault (e.g. `EMFILE`, no file descriptor left) is
+/// logged and retried after 1 s, as axum's `serve` does.
+pub async fn serve(listener: tokio::net::TcpListener, readiness: Readiness, shutdown: impl Future<Output = ()> + Send + 'static, limits: Limits) -> std::io::Result<()> {
+    let Limits { grace, header_timeout, max_connections, max_age } = limits;
     let app = router(readiness);
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(header_timeout);
+    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(max_connections));
     let connections = hyper_util::server::graceful::GracefulShutdown::new();
     // Closes the connections still open after the grace time.
     let close = tokio_util::sync::CancellationToken::new();
@@ -80,14 +108,21 @@ pub async fn serve(
                 }
             },
         };
+        let Ok(place) = open.clone().try_acquire_owned() else {
+            crate::warn_limited!(FULL_LOG, max = max_connections, "the HTTP server holds its most connections; closing a new one (do clients keep connections open without reading the answers?)");
+            drop(stream);
+            continue;
+        };
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let conn = connections.watch(http1.serve_connection(hyper_util::rt::TokioIo::new(stream), service));
         let close = close.clone();
         tokio::spawn(async move {
+            let _place = place;
             // The client's own trouble (a reset, the header timeout): nothing to report.
             tokio::select! {
                 _ = conn => {}
                 () = close.cancelled() => {}
+                () = tokio::time::sleep(max_age) => {}
             }
         });
     }
@@ -101,6 +136,9 @@ pub async fn serve(
 
 /// Bounds the lines of a failing accept in [`serve`].
 static ACCEPT_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
+
+/// Bounds the lines of connections closed beyond [`MAX_CONNECTIONS`] in [`serve`].
+static FULL_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
 
 /// Whether a failed accept is about the one connection (it was reset or aborted before it was
 /// taken), so the next accept can follow at once; the list is axum's (`axum::serve`).
@@ -120,12 +158,17 @@ mod tests {
         grace: std::time::Duration,
         header_timeout: std::time::Duration,
     ) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<std::io::Result<()>>) {
+        start_with(readiness, Limits { grace, header_timeout, ..Limits::DAEMON }).await
+    }
+
+    /// [`start`] with all of `limits`.
+    async fn start_with(readiness: Readiness, limits: Limits) -> (std::net::SocketAddr, tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<std::io::Result<()>>) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(serve(listener, readiness, async move {
             let _ = stopped.await;
-        }, grace, header_timeout));
+        }, limits));
         crate::tls::install_crypto_provider();
         (addr, stop, server)
     }
@@ -197,6 +240,46 @@ mod tests {
             assert!(closed_by_server(conn).await, "the server still holds the {what}'s connection");
         }
         // The server runs on.
+        let r = reqwest::get(format!("http://{addr}/healthz")).await.unwrap();
+        assert_eq!(r.status(), reqwest::StatusCode::OK);
+        stop.send(()).unwrap();
+        server.await.unwrap().unwrap();
+    }
+
+    /// Clients that keep connections open hold at most [`Limits::max_connections`] of them, each
+    /// for at most [`Limits::max_age`]. Observed before: 20 connections that each pipelined 100
+    /// `GET /metrics` and never read the answers were held for as long as the test ran (no header
+    /// timeout applies to a blocked write), and 2,000 idle ones, under a limit of 1,024 file
+    /// descriptors, failed the daemon's LLM calls with `EMFILE` until the header timeout.
+    #[tokio::test]
+    async fn connections_are_bounded_in_number_and_age() {
+        use tokio::io::AsyncWriteExt;
+        let limits = Limits { max_connections: 2, max_age: std::time::Duration::from_millis(1500), header_timeout: std::time::Duration::from_secs(3600), ..Limits::DAEMON };
+        let (addr, stop, server) = start_with(Readiness::new(), limits).await;
+        // Two clients that send requests and never read the answers.
+        let mut stuck = Vec::new();
+        for _ in 0..2 {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            c.write_all(&b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n".repeat(100)).await.unwrap();
+            stuck.push(c);
+        }
+        // The server has taken both once a third connection is refused: closed at once.
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let mut third = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let _ = third.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").await;
+            let mut buf = Vec::new();
+            let read = tokio::time::timeout(std::time::Duration::from_millis(500), tokio::io::AsyncReadExt::read_to_end(&mut third, &mut buf)).await;
+            if matches!(read, Ok(Ok(_)) | Ok(Err(_))) && buf.is_empty() {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "a third connection was served: {}", String::from_utf8_lossy(&buf));
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        // Past their age both are closed, and the server answers again.
+        for c in &mut stuck {
+            assert!(closed_by_server(c).await, "a connection that reads nothing is still open");
+        }
         let r = reqwest::get(format!("http://{addr}/healthz")).await.unwrap();
         assert_eq!(r.status(), reqwest::StatusCode::OK);
         stop.send(()).unwrap();

@@ -119,9 +119,12 @@ fn init_tracing(format: LogFormat, level: &str) {
 
 /// Drops the AMQP client's TRACE events whatever `RUST_LOG` says: they print whole frames, and
 /// the `connection.start-ok` frame holds the SASL response, i.e. the broker user and password
-/// (as a byte array, so a search for the password's text does not find it).
+/// (as a byte array, so a search for the password's text does not find it). Drops its
+/// `lapin::returned_messages` events too: one WARN per message the broker returns, holding the
+/// whole message (a result's body, with the LLM's output, and its headers), without a bound;
+/// the daemon logs each return itself, bounded (docs/operations.md, "Logs").
 fn no_amqp_frames<S: tracing::Subscriber>() -> impl tracing_subscriber::Layer<S> {
-    tracing_subscriber::filter::filter_fn(|meta| !(*meta.level() == tracing::Level::TRACE && is_amqp_client(meta.target())))
+    tracing_subscriber::filter::filter_fn(|meta| !(*meta.level() == tracing::Level::TRACE && is_amqp_client(meta.target())) && meta.target() != "lapin::returned_messages")
 }
 
 /// Whether `target` is a module of the AMQP client (lapin, amq-protocol).

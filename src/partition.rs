@@ -565,6 +565,9 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
         }
     };
     info!(partition = p, epoch = ctx.epoch, queue = %queue, "partition consuming");
+    // Its per-partition series from the start, so that an idle partition shows 0, not no data.
+    metrics::buffer_state(p, 0, 0.0);
+    metrics::unsettled_deliveries(p, 0);
 
     let end = SessionEnd::new(&stop.abort, Some(ch.clone()));
     let cap = s.batching.channel_capacity.get();

@@ -160,7 +160,14 @@ async fn json_logs_carry_batch_spans_and_no_secret_appears_anywhere() {
     let reqs = completions_workload("secret", 60, 3);
     amqp.publish_requests(&env.input_queue(), &reqs, &reply).await;
     amqp.publish(&env.input_queue(), b"{not json", request_props("bad-1", &reply)).await; // a dead letter (warning)
+    // A result the broker returns (its reply queue does not exist): it goes to the results queue.
+    let gone = format!("{}.no-such-reply", env.name);
+    amqp.publish(&env.input_queue(), br#"{"id":"returned-1","prompt":"returned"}"#, request_props("returned-1", &gone)).await;
     results.until_all(&ids(&reqs), DEADLINE).await;
+    while amqp.queue_depth(&env.results_queue()).await.0 < 1 {
+        assert!(Instant::now() < deadline + DEADLINE, "the returned result did not reach the results queue");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let calls = fake.calls();
     assert!(!calls.is_empty() && calls.iter().all(|c| c.authorization.as_deref() == Some(&format!("Bearer {}", creds.token))), "the token must be sent");
     daemon.sigterm();
@@ -171,6 +178,9 @@ async fn json_logs_carry_batch_spans_and_no_secret_appears_anywhere() {
     assert_no_secret("the daemon's log", &log, &secrets);
     assert_no_secret("the daemon's stdout", &daemon.out(), &secrets);
     assert!(log.lines().count() > 50, "a debug log has many lines:\n{log}");
+    // lapin logs each returned message whole (the result's body, the LLM's output) at WARN,
+    // unbounded; the daemon logs returns itself.
+    assert!(!log.contains("lapin::returned_messages"), "the AMQP client logged a returned message whole");
 
     // JSON: every line an object with the standard fields.
     let mut batch_lines = 0;
