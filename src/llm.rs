@@ -2095,7 +2095,7 @@ impl LlmClient {
             let connection_lost = matches!(status.as_u16(), 502 | 504);
             return Err((LlmError { connection_lost, ..LlmError::new(kind, message, Some(status.as_u16())) }, retry_after));
         }
-        let value: Value = serde_json::from_slice(&bytes).map_err(|e| {
+        let value: Value = serde_json::from_slice(without_bom(&bytes)).map_err(|e| {
             let kind = classify(Problem::InvalidBody);
             (LlmError::new(kind, format!("response is not JSON ({e}): {}", preview(&bytes)), Some(status.as_u16())), None)
         })?;
@@ -2104,6 +2104,12 @@ impl LlmClient {
             (e, None)
         })
     }
+}
+
+/// `bytes` without a leading UTF-8 byte order mark, which RFC 8259 §8.1 lets a parser ignore
+/// (requests are read the same way, `request.rs`).
+fn without_bom(bytes: &[u8]) -> &[u8] {
+    bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes)
 }
 
 /// A redirect's `Location` as the error shows it: without user, password, query or fragment,
@@ -2134,6 +2140,7 @@ fn fault_outcome(kind: ErrorKind) -> Outcome {
 /// `choices_per_prompt` as the parser of real calls ([`demux_completions`], [`parse_chat`]) wants
 /// it, every item valid; the error says what is wrong with it.
 fn valid_answer(bytes: &[u8], kind: CallKind, n_items: usize, choices_per_prompt: u64) -> Result<(), String> {
+    let bytes = without_bom(bytes);
     let v: Value = serde_json::from_slice(bytes).map_err(|e| format!("response is not JSON ({e}): {}", preview(bytes)))?;
     let parsed = match kind {
         CallKind::Completions => demux_completions(v, n_items, choices_per_prompt),
@@ -2484,11 +2491,20 @@ async fn read_body(mut response: reqwest::Response, limit: usize) -> Result<Vec<
     if response.content_length().is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    let mut bytes = Vec::new();
+    // Grown by doubling, but never past the limit: a `Vec` left to itself would double to twice
+    // a body just under it (observed: 4 calls answered with bodies of about the limit held
+    // 420 MB with a 64 MiB limit).
+    let mut bytes = Vec::with_capacity(response.content_length().map_or(0, |n| n as usize));
     loop {
         match response.chunk().await {
             Ok(Some(chunk)) if bytes.len() + chunk.len() > limit => return Err(too_large()),
-            Ok(Some(chunk)) => bytes.extend_from_slice(&chunk),
+            Ok(Some(chunk)) => {
+                let needed = bytes.len() + chunk.len();
+                if needed > bytes.capacity() {
+                    bytes.reserve_exact(needed.max(bytes.capacity() * 2).min(limit) - bytes.len());
+                }
+                bytes.extend_from_slice(&chunk);
+            }
             Ok(None) => return Ok(bytes),
             Err(e) => {
                 return Err((LlmError::transport(e, status), None));
@@ -2524,24 +2540,35 @@ fn transport_message(e: reqwest::Error) -> String {
 
 /// The `llm.api_key` of every client of this process ([`LlmClient::with_options`]), masked in
 /// all server text the daemon repeats ([`preview`]).
-static TOKENS: LazyLock<RwLock<Vec<String>>> = LazyLock::new(|| RwLock::new(Vec::new()));
+static TOKENS: LazyLock<RwLock<Vec<(String, regex::Regex)>>> = LazyLock::new(|| RwLock::new(Vec::new()));
 
-/// Adds `token` to [`TOKENS`], as written and as a JSON string would hold it (the bodies the
-/// daemon repeats are JSON: `"` and `\` escaped, and `/` as `\/` by some encoders, PHP's
-/// `json_encode` among them).
+/// Adds `token` to [`TOKENS`], matched as written and with any of its characters other than
+/// letters and digits escaped as the bodies the daemon repeats may hold them: JSON (`\"`, `\\`,
+/// `\/` as PHP's `json_encode` writes a slash, `\u00XX` as encoders that escape for HTML write
+/// any of them) and percent-encoding (RFC 3986 §2.1: a server that quotes a URL or a form
+/// field), with upper- or lower-case hex digits, each character on its own. Observed before: a
+/// server error quoting a base64-style key with `%2F` and `\u002f` put it into the log.
 fn mask_token(token: &str) {
-    let json = serde_json::to_string(token).unwrap_or_default();
-    let json = json.get(1..json.len().saturating_sub(1)).unwrap_or_default().to_owned();
-    let mut forms = vec![token.to_owned(), json.clone(), json.replace('/', "\\/")];
-    forms.retain(|f| !f.is_empty());
-    let mut tokens = TOKENS.write().unwrap_or_else(|e| e.into_inner());
-    for form in forms {
-        if !tokens.contains(&form) {
-            tokens.push(form);
+    if token.is_empty() {
+        return;
+    }
+    let mut pattern = String::new();
+    for c in token.chars() {
+        if c.is_ascii_alphanumeric() || !c.is_ascii() {
+            pattern.push_str(&regex::escape(c.encode_utf8(&mut [0; 4])));
+        } else {
+            let b = c as u32;
+            let literal = regex::escape(c.encode_utf8(&mut [0; 4]));
+            pattern.push_str(&format!(r"(?:{literal}|\\{literal}|%{b:02X}|%{b:02x}|\\u00{b:02X}|\\u00{b:02x})"));
         }
     }
-    // The longest first, so a form that contains another is replaced whole.
-    tokens.sort_by_key(|t| std::cmp::Reverse(t.len()));
+    let Ok(re) = regex::Regex::new(&pattern) else { return };
+    let mut tokens = TOKENS.write().unwrap_or_else(|e| e.into_inner());
+    if !tokens.iter().any(|(t, _)| t == token) {
+        tokens.push((token.to_owned(), re));
+    }
+    // The longest first, so a token that contains another is replaced whole.
+    tokens.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
 }
 
 /// The first [`ERROR_BODY_PREVIEW_CHARS`] characters of a response body, lossily decoded, with
@@ -2550,13 +2577,25 @@ fn mask_token(token: &str) {
 /// into the log and into the error results that requesters receive.
 fn preview(bytes: &[u8]) -> String {
     let mut text = String::from_utf8_lossy(bytes).into_owned();
-    for token in TOKENS.read().unwrap_or_else(|e| e.into_inner()).iter() {
-        if text.contains(token.as_str()) {
-            text = text.replace(token.as_str(), "***");
+    for (_, re) in TOKENS.read().unwrap_or_else(|e| e.into_inner()).iter() {
+        if let std::borrow::Cow::Owned(masked) = re.replace_all(&text, "***") {
+            text = masked;
         }
     }
-    let mut out: String = text.chars().take(ERROR_BODY_PREVIEW_CHARS).collect();
-    if out.len() < text.len() {
+    // Control, bidirectional and invisible characters escaped (`\n`, `\u{1b}`, `\u{202e}`):
+    // the text goes into log lines, where a line break would start a forged line and an escape
+    // sequence or an override would disguise it (as ids are refused for, `request::is_control_like`).
+    let mut out = String::new();
+    let mut taken = 0;
+    for c in text.chars().take(ERROR_BODY_PREVIEW_CHARS) {
+        taken += c.len_utf8();
+        if crate::request::is_control_like(c) {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    if taken < text.len() {
         out.push('…');
     }
     out
@@ -2656,18 +2695,26 @@ impl Parsed {
     }
 }
 
+/// The largest token count of one prompt or completion taken from a server: 2^32 − 1
+/// (4,294,967,295), far beyond any model's context window. A larger one is taken as not reported:
+/// summed into the Prometheus counters (unsigned 64-bit, wrapping), 2^64 − 1 per call made them go
+/// back by one each time.
+pub const MAX_REPORTED_TOKENS: u64 = u32::MAX as u64;
+
 /// Reads token counts from an OpenAI `usage` object, falling back to llama-server's `timings`
 /// (`prompt_n` = prompt tokens evaluated, `cache_n` = prompt tokens reused from the cache,
 /// `predicted_n` = generated tokens). Cached tokens are capped at the prompt tokens: a server
-/// that reports more would push the cached-token ratio above 1.
+/// that reports more would push the cached-token ratio above 1. A count above
+/// [`MAX_REPORTED_TOKENS`] counts as absent.
 fn parse_usage(usage: Option<&Value>, timings: Option<&Value>) -> Option<Usage> {
-    let num = |v: Option<&Value>, field: &str| v.and_then(|v| v.get(field)).and_then(Value::as_u64);
+    let count = |v: &Value| v.as_u64().filter(|&n| n <= MAX_REPORTED_TOKENS);
+    let num = |v: Option<&Value>, field: &str| v.and_then(|v| v.get(field)).and_then(count);
     let cache_n = num(timings, "cache_n");
     if let Some(prompt_tokens) = num(usage, "prompt_tokens") {
         let cached = usage
             .and_then(|u| u.get("prompt_tokens_details"))
             .and_then(|d| d.get("cached_tokens"))
-            .and_then(Value::as_u64)
+            .and_then(count)
             .or(cache_n)
             .map(|c| c.min(prompt_tokens));
         return Some(Usage {
@@ -3456,8 +3503,10 @@ mod tests {
         assert_eq!(server.await.unwrap(), 2, "sent once more, on a new connection");
     }
 
-    /// Token counts come from the server: sums of absurd ones saturate instead of overflowing
-    /// (a panic in a debug build, a wrapped count in a release build).
+    /// Token counts come from the server: absurd ones (above [`MAX_REPORTED_TOKENS`]) count as
+    /// not reported, and sums saturate instead of overflowing (a panic in a debug build, a
+    /// wrapped count in a release build). Observed before: a server reporting 2^64 − 1 prompt and
+    /// cached tokens for a prompt made `llm_prompt_tokens_total` go back by one per call.
     #[test]
     fn token_counts_from_the_server_saturate() {
         let max = u64::MAX;
@@ -3465,13 +3514,31 @@ mod tests {
             {"text": "a", "usage": {"prompt_tokens": max, "prompt_tokens_details": {"cached_tokens": max}}},
             {"text": "b", "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}}},
         ]});
-        assert_eq!(usage_totals(&answer), (max, max));
+        assert_eq!(usage_totals(&answer), (7, 3), "the absurd usage is dropped");
+        let big = MAX_REPORTED_TOKENS;
+        let answer = json!({"choices": [
+            {"text": "a", "usage": {"prompt_tokens": big, "prompt_tokens_details": {"cached_tokens": big + 1}}},
+        ]});
+        assert_eq!(usage_totals(&answer), (big, 0), "the largest count is taken, a cached count above it is not");
         let timings = json!({"prompt_n": max, "cache_n": 5, "predicted_n": 1});
-        assert_eq!(parse_usage(None, Some(&timings)).map(|u| u.prompt_tokens), Some(max));
+        assert_eq!(parse_usage(None, Some(&timings)), None);
+        let timings = json!({"prompt_n": big, "cache_n": 5, "predicted_n": 1});
+        assert_eq!(parse_usage(None, Some(&timings)).map(|u| u.prompt_tokens), Some(big + 5));
         let mut parsed = Parsed::default();
         parsed.add_tokens((max, 1));
         parsed.add_tokens((1, max));
         assert_eq!((parsed.prompt_tokens, parsed.cached_tokens), (max, max));
+    }
+
+    /// A leading byte order mark is skipped in answers as in requests (RFC 8259 §8.1). Observed
+    /// before: such an answer counted as a server fault ("not JSON").
+    #[test]
+    fn an_answer_with_a_byte_order_mark_is_read() {
+        let body = br#"{"choices":[{"index":0,"text":"a"}]}"#;
+        let mut with_bom = b"\xEF\xBB\xBF".to_vec();
+        with_bom.extend_from_slice(body);
+        assert_eq!(valid_answer(&with_bom, CallKind::Completions, 1, 1), Ok(()));
+        assert!(valid_answer(b"\xEF\xBB", CallKind::Completions, 1, 1).is_err());
     }
 
     #[tokio::test]
@@ -4072,6 +4139,35 @@ mod tests {
             let shown = preview(body.as_bytes());
             assert!(shown.contains("Bearer ***") && !shown.contains("0042"), "{body} -> {shown}");
         }
+        // Percent-encoded and `\u`-escaped, with either case of hex digits.
+        mask_token("sk-b64/x+y=z-0043");
+        for body in [
+            "key sk-b64%2Fx%2By%3Dz-0043",
+            "key sk-b64%2fx%2by%3dz-0043",
+            r#"{"key": "sk\u002db64\u002fx\u002by\u003dz\u002d0043"}"#,
+            r#"{"key": "sk\u002Db64\u002Fx\u002By\u003Dz\u002D0043"}"#,
+            r#"{"key": "sk-b64\u002fx\u002by=z-0043"}"#,
+            "key sk-b64%2Fx+y%3dz-0043",
+        ] {
+            let shown = preview(body.as_bytes());
+            assert!(shown.contains("***") && !shown.contains("0043"), "{body} -> {shown}");
+        }
+    }
+
+    /// Server text goes into log lines with its control, bidirectional and invisible characters
+    /// escaped. Observed before: a plain-text 500 holding `\n` and a line that looked like the
+    /// daemon's own (`… ERROR prefix_batcher::app: …`) made a forged log line, and ESC and U+202E
+    /// reached the log raw.
+    #[test]
+    fn server_text_cannot_forge_or_disguise_a_log_line() {
+        let body = "oops\n2026-12-07T17:00:00.000000Z ERROR prefix_batcher::app: FORGED\r\u{1b}[31mred\u{202e}txt\u{200b}\0";
+        let shown = preview(body.as_bytes());
+        assert!(!shown.chars().any(crate::request::is_control_like), "{shown:?}");
+        assert!(shown.contains("oops\\n2026") && shown.contains("\\u{1b}[31m") && shown.contains("\\u{202e}"), "{shown}");
+        assert_eq!(preview("naïve — ok".as_bytes()), "naïve — ok", "other text is kept");
+        let long = "é".repeat(ERROR_BODY_PREVIEW_CHARS + 1);
+        assert!(preview(long.as_bytes()).ends_with('…'));
+        assert!(!preview("é".repeat(ERROR_BODY_PREVIEW_CHARS).as_bytes()).ends_with('…'));
     }
 
     #[tokio::test]
