@@ -645,10 +645,11 @@ impl App {
         let session = work.child_token();
         // The session's checks of direct reply-to nodes, on a connection of their own.
         let reply_nodes = Arc::new(crate::reply_node::NodeCheck::new(self.settings.clone(), node));
+        let r = &self.settings.redis;
+        let reports = crate::intake_reports::IntakeReports::new(redis.clone(), &r.key_prefix, &self.settings.instance_name, r.command_timeout);
         let mut router: RouterTask = {
             let (conns, settings, token, checks) = (conns.clone(), self.settings.clone(), session.child_token(), reply_nodes.clone());
-            let r = &self.settings.redis;
-            let reports = crate::intake_reports::IntakeReports::new(redis.clone(), &r.key_prefix, &self.settings.instance_name, r.command_timeout);
+            let reports = reports.clone();
             tokio::spawn(async move { crate::router::run(&conns, settings, token, checks, reports).await })
         };
         let mut backlog = tokio::spawn(poll_backlog(conns.consume.clone(), self.settings.clone(), session.child_token()));
@@ -677,6 +678,8 @@ impl App {
             }
             Phase::Failed(e) => {
                 hard_stop(&mut own, &router, &backlog, &conns, "session failed").await;
+                // The router was aborted: the deliveries it held are back in the input queue.
+                crate::router::report_intake_end(&reports, true).await;
                 self.await_close_reason(&conns).await;
                 Ok(SessionEnd::Failed(e))
             }

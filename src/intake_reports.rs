@@ -21,7 +21,8 @@
 //!   the router that reported did not forward it, and it goes unmarked, as a new message;
 //! - no recent report within [`REPORT_WAIT`] (the router that had it crashed, or could not reach
 //!   Redis), or Redis did not answer: [`Elsewhere::Unknown`], forwarded marked, as before. After
-//!   such a wait, the instance's look-ups ask without waiting for [`REPORT_RECENT`].
+//!   such a wait, or a Redis that did not answer, the instance's look-ups ask without waiting
+//!   for [`REPORT_RECENT`].
 //!
 //! A router that forwarded a message alike to the redelivered one itself, and saw that ack reach
 //! the broker, asks too: the redelivery is then a message published again, forwarded unmarked,
@@ -59,10 +60,14 @@ pub const REPORT_TTL: Duration = crate::redelivery::REDELIVERY_WINDOW;
 /// the message alike to it is answered anyway.
 pub const REPORT_RECENT: Duration = crate::redelivery::SECOND_COPY_WINDOW;
 
-/// How long [`IntakeReports::lookup`] waits for a recent report: 1 s. The router that lost its
+/// How long [`IntakeReports::lookup`] waits for a recent report: 2 s. The router that lost its
 /// intake reports when its consumer ends, which can be a moment after the broker gave its
-/// messages to another router.
-pub const REPORT_WAIT: Duration = Duration::from_secs(1);
+/// messages to another router (lapin notices a closed connection within about 1 s).
+pub const REPORT_WAIT: Duration = Duration::from_secs(2);
+
+/// How long a look-up that does not wait (see [`IntakeReports::lookup`]) waits for Redis's
+/// answer: 250 ms.
+const QUIET_LOOKUP_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// How often [`IntakeReports::lookup`] asks again while it waits: every 100 ms.
 const LOOKUP_INTERVAL: Duration = Duration::from_millis(100);
@@ -175,24 +180,26 @@ impl IntakeReports {
             call.key(losses_key(&self.prefix)).key(maybe_forwarded_key(&self.prefix, key)).arg(REPORT_RECENT.as_millis() as u64);
             let mut conn = self.conn.clone();
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let answer = tokio::time::timeout(self.timeout.min(left.max(LOOKUP_INTERVAL)), call.invoke_async::<i64>(&mut conn)).await;
+            let answer = tokio::time::timeout(self.timeout.min(left.max(QUIET_LOOKUP_TIMEOUT)), call.invoke_async::<i64>(&mut conn)).await;
+            // A wait in vain, or a Redis that does not answer: the next look-ups do not wait.
+            let in_vain = || {
+                if !quiet {
+                    *self.waited_in_vain.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tokio::time::Instant::now());
+                }
+                Elsewhere::Unknown
+            };
             match answer {
                 Ok(Ok(found @ (1 | 2))) => {
                     *self.waited_in_vain.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = None;
                     return if found == 2 { Elsewhere::Forwarded } else { Elsewhere::NotForwarded };
                 }
                 Ok(Ok(_)) if tokio::time::Instant::now() + LOOKUP_INTERVAL < deadline => tokio::time::sleep(LOOKUP_INTERVAL).await,
-                Ok(Ok(_)) => {
-                    if !quiet {
-                        *self.waited_in_vain.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(tokio::time::Instant::now());
-                    }
-                    return Elsewhere::Unknown;
-                }
+                Ok(Ok(_)) => return in_vain(),
                 Ok(Err(e)) => {
                     self.conn.report(&e);
-                    return Elsewhere::Unknown;
+                    return in_vain();
                 }
-                Err(_) => return Elsewhere::Unknown,
+                Err(_) => return in_vain(),
             }
         }
     }

@@ -2540,14 +2540,18 @@ fn transport_message(e: reqwest::Error) -> String {
 
 /// The `llm.api_key` of every client of this process ([`LlmClient::with_options`]), masked in
 /// all server text the daemon repeats ([`preview`]).
-static TOKENS: LazyLock<RwLock<Vec<(String, regex::Regex)>>> = LazyLock::new(|| RwLock::new(Vec::new()));
+static TOKENS: LazyLock<RwLock<Vec<MaskedToken>>> = LazyLock::new(|| RwLock::new(Vec::new()));
+
+/// A token of [`TOKENS`] and the pattern of its escaped forms (`None`: masked as written only).
+type MaskedToken = (String, Option<regex::Regex>);
 
 /// Adds `token` to [`TOKENS`], matched as written and with any of its characters other than
 /// letters and digits escaped as the bodies the daemon repeats may hold them: JSON (`\"`, `\\`,
 /// `\/` as PHP's `json_encode` writes a slash, `\u00XX` as encoders that escape for HTML write
 /// any of them) and percent-encoding (RFC 3986 §2.1: a server that quotes a URL or a form
 /// field), with upper- or lower-case hex digits, each character on its own. Observed before: a
-/// server error quoting a base64-style key with `%2F` and `\u002f` put it into the log.
+/// server error quoting a base64-style key with `%2F` and `\u002f` put it into the log. A key too
+/// long for such a pattern (over the `regex` crate's size limit) is masked as written only.
 fn mask_token(token: &str) {
     if token.is_empty() {
         return;
@@ -2562,7 +2566,7 @@ fn mask_token(token: &str) {
             pattern.push_str(&format!(r"(?:{literal}|\\{literal}|%{b:02X}|%{b:02x}|\\u00{b:02X}|\\u00{b:02x})"));
         }
     }
-    let Ok(re) = regex::Regex::new(&pattern) else { return };
+    let re = regex::Regex::new(&pattern).ok();
     let mut tokens = TOKENS.write().unwrap_or_else(|e| e.into_inner());
     if !tokens.iter().any(|(t, _)| t == token) {
         tokens.push((token.to_owned(), re));
@@ -2576,12 +2580,25 @@ fn mask_token(token: &str) {
 /// header in an error ("Incorrect API key provided: Bearer sk-…") would otherwise put the token
 /// into the log and into the error results that requesters receive.
 fn preview(bytes: &[u8]) -> String {
-    let mut text = String::from_utf8_lossy(bytes).into_owned();
-    for (_, re) in TOKENS.read().unwrap_or_else(|e| e.into_inner()).iter() {
-        if let std::borrow::Cow::Owned(masked) = re.replace_all(&text, "***") {
-            text = masked;
+    let tokens = TOKENS.read().unwrap_or_else(|e| e.into_inner());
+    // Only the start of the body is shown: the preview's characters, and room for a key that
+    // begins among them, however it is escaped (6 bytes a character at most, `\u00XX`).
+    let longest = tokens.first().map_or(0, |(t, _)| t.len());
+    let window = (ERROR_BODY_PREVIEW_CHARS * 4 + longest * 6).min(bytes.len());
+    let mut text = String::from_utf8_lossy(&bytes[..window]).into_owned();
+    for (token, re) in tokens.iter() {
+        match re {
+            Some(re) => {
+                if let std::borrow::Cow::Owned(masked) = re.replace_all(&text, "***") {
+                    text = masked;
+                }
+            }
+            None if text.contains(token.as_str()) => text = text.replace(token.as_str(), "***"),
+            None => {}
         }
     }
+    drop(tokens);
+    let cut = window < bytes.len();
     // Control, bidirectional and invisible characters escaped (`\n`, `\u{1b}`, `\u{202e}`):
     // the text goes into log lines, where a line break would start a forged line and an escape
     // sequence or an override would disguise it (as ids are refused for, `request::is_control_like`).
@@ -2595,7 +2612,7 @@ fn preview(bytes: &[u8]) -> String {
             out.push(c);
         }
     }
-    if taken < text.len() {
+    if cut || taken < text.len() {
         out.push('…');
     }
     out

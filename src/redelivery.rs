@@ -331,7 +331,7 @@ static OUTCOMES_IN_FLIGHT: LazyLock<Mutex<HashMap<u128, InFlightCount>>> = LazyL
 type InFlightCount = (usize, std::sync::Arc<tokio::sync::Notify>);
 
 /// Outcome publishes that ended without a confirm or a refusal: the broker may have taken them.
-static MAYBE_PUBLISHED: LazyLock<Mutex<Bounded<u128, ()>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
+static MAYBE_PUBLISHED: LazyLock<Mutex<Bounded<u128, Instant>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
 
 /// The publish of a delivery's outcome (the router's forward of an input message, or a
 /// partition's result or dead letter of a forward), from its start until it is settled.
@@ -377,7 +377,7 @@ impl OutcomeInFlight {
 impl Drop for OutcomeInFlight {
     fn drop(&mut self) {
         if !self.settled && !confirmed_before(self.key) {
-            MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, ());
+            MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, Instant::now());
         }
         let mut all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((n, ended)) = all.get_mut(&self.key) {
@@ -498,13 +498,17 @@ pub fn note_intake_lost(instance: &str) {
 /// The keys of the input messages whose forward this process may have published and whose ack
 /// may not reach the broker, for [`crate::intake_reports::IntakeReports::report`]: every outcome
 /// publish under way ([`OutcomeInFlight`]: a forward whose delivery is then acked on a closed
-/// channel), and every confirmed forward whose ack is under way or failed within
-/// [`REDELIVERY_WINDOW`]; after a loss (`lost`), also those whose ack completed within
-/// [`ACK_LOSS_WINDOW`] (after a stop, whose channel closed after its acks, those reached the
-/// broker). Keys of partition outcomes under way come along; no input message has them.
+/// channel), every one that ended with its outcome unknown (no confirm in time, a failed earlier
+/// publish on its channel) within [`REDELIVERY_WINDOW`], and every confirmed forward whose ack
+/// is under way or failed within [`REDELIVERY_WINDOW`]; after a loss (`lost`), also those whose
+/// ack completed within [`ACK_LOSS_WINDOW`] (after a stop, whose channel closed after its acks,
+/// those reached the broker). Keys of partition outcomes come along; no input message has them.
 pub fn maybe_forwarded(lost: bool) -> Vec<u128> {
     let now = Instant::now();
     let mut keys: Vec<u128> = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect();
+    let unknown = MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
+    keys.extend(unknown.map.iter().filter(|(_, at)| now.saturating_duration_since(**at) <= REDELIVERY_WINDOW).map(|(k, _)| *k));
+    drop(unknown);
     let acks = INPUT_ACKS.lock().unwrap_or_else(|p| p.into_inner());
     keys.extend(acks.map.iter().filter(|(_, ack)| maybe_unacked(**ack, lost, now)).map(|(k, _)| *k));
     drop(acks);

@@ -153,6 +153,8 @@ pub async fn run(
                             Err(e) => break Err(Some(e)),
                         },
                         Ended::Stopped => {
+                            // Before the deliveries not taken go back to the queue (below).
+                            report_intake_end(&publish.reports, false).await;
                             let prefetch = if careful { 1 } else { a.input_prefetch };
                             stop_consuming(&ch, &mut consumer, &mut inflight, &publish, &settings, &stop, prefetch).await;
                             let _ = close_after_acks(&ch, "router stopped").await;
@@ -171,11 +173,7 @@ pub async fn run(
             // The acks sent just before may be lost with the channel ([`redelivery::earlier_input_ack`]).
             redelivery::note_intake_lost(&settings.instance_name);
         }
-        // The broker gives the deliveries this router did not ack to any router: tell the others
-        // which of them it may have forwarded ([`crate::intake_reports`]).
-        if let Err(e) = publish.reports.report(&redelivery::maybe_forwarded(ended.is_err())).await {
-            warn!(error = %e, "cannot record in Redis which input messages this router may have forwarded; another router forwards their redeliveries marked as copies");
-        }
+        report_intake_end(&publish.reports, ended.is_err()).await;
         let e = match ended {
             Ok(()) => break Ok(()),
             Err(_) if !stop.is_cancelled() && !conns.publish.status().connected() => break Err(publishing_connection_closed()),
@@ -200,6 +198,15 @@ pub async fn run(
     publish.shared.close("router stopped").await;
     info!("router stopped");
     result
+}
+
+/// Records in Redis which input messages this router may have forwarded, now that its consumer
+/// of the input queue ended (`lost`: with an error; else a stop): the broker gives the deliveries
+/// it did not ack to any router ([`crate::intake_reports`]). A failure is logged.
+pub async fn report_intake_end(reports: &IntakeReports, lost: bool) {
+    if let Err(e) = reports.report(&redelivery::maybe_forwarded(lost)).await {
+        warn!(error = %e, "cannot record in Redis which input messages this router may have forwarded; another router forwards their redeliveries marked as copies");
+    }
 }
 
 /// What the router's deliveries in flight wait for, counted while they wait ([`staged`]), so that
