@@ -327,8 +327,9 @@ pub fn forward_key(headers: Option<&FieldTable>) -> Option<u128> {
 /// there are and what tells their waiters that one ended.
 static OUTCOMES_IN_FLIGHT: LazyLock<Mutex<HashMap<u128, InFlightCount>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
-/// How many outcome publishes of one key are in flight, and what wakes their waiters when one ends.
-type InFlightCount = (usize, std::sync::Arc<tokio::sync::Notify>);
+/// How many outcome publishes of one key are in flight, what wakes their waiters when one ends,
+/// and whether one of them was handed to the broker ([`note_sending`]).
+type InFlightCount = (usize, std::sync::Arc<tokio::sync::Notify>, bool);
 
 /// Outcome publishes that ended without a confirm or a refusal: the broker may have taken them.
 static MAYBE_PUBLISHED: LazyLock<Mutex<Bounded<u128, Instant>>> = LazyLock::new(|| Mutex::new(Bounded::new(RECENT_REQUESTS_CAPACITY)));
@@ -354,7 +355,7 @@ impl OutcomeInFlight {
     /// Notes the start of an outcome publish for `key`.
     pub fn begin(key: u128) -> Self {
         let mut all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
-        all.entry(key).or_insert_with(|| (0, std::sync::Arc::new(tokio::sync::Notify::new()))).0 += 1;
+        all.entry(key).or_insert_with(|| (0, std::sync::Arc::new(tokio::sync::Notify::new()), false)).0 += 1;
         Self { key, settled: false }
     }
 
@@ -380,7 +381,7 @@ impl Drop for OutcomeInFlight {
             MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner()).insert(self.key, Instant::now());
         }
         let mut all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((n, ended)) = all.get_mut(&self.key) {
+        if let Some((n, ended, _)) = all.get_mut(&self.key) {
             *n -= 1;
             ended.notify_waiters();
             if *n == 0 {
@@ -409,6 +410,17 @@ pub enum Earlier {
     Maybe,
 }
 
+/// Notes that an outcome publish for `key` in flight ([`OutcomeInFlight::begin`]) is about to be
+/// handed to the broker: from now on the broker may take it, and [`maybe_forwarded`] names it. A
+/// forward noted only as begun may never be published (its delivery's channel closes first),
+/// and named in an intake-loss report it would make a resend alike to it count as a copy.
+/// Observed before: 1 of 13 resends behind an unreadable message lost that way.
+pub fn note_sending(key: u128) {
+    if let Some((_, _, sent)) = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&key) {
+        *sent = true;
+    }
+}
+
 /// Whether an outcome publish for `key` is in flight in this process ([`OutcomeInFlight`]).
 pub fn outcome_in_flight(key: u128) -> bool {
     OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&key)
@@ -422,7 +434,7 @@ pub async fn earlier_outcome(key: u128) -> Earlier {
         let ended = {
             let all = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
             match all.get(&key) {
-                Some((_, ended)) => ended.clone(),
+                Some((_, ended, _)) => ended.clone(),
                 None => break,
             }
         };
@@ -497,15 +509,15 @@ pub fn note_intake_lost(instance: &str) {
 
 /// The keys of the input messages whose forward this process may have published and whose ack
 /// may not reach the broker, for [`crate::intake_reports::IntakeReports::report`]: every outcome
-/// publish under way ([`OutcomeInFlight`]: a forward whose delivery is then acked on a closed
-/// channel), every one that ended with its outcome unknown (no confirm in time, a failed earlier
+/// publish under way and handed to the broker ([`OutcomeInFlight`], [`note_sending`]: a forward
+/// whose delivery is then acked on a closed channel), every one that ended with its outcome unknown (no confirm in time, a failed earlier
 /// publish on its channel) within [`REDELIVERY_WINDOW`], and every confirmed forward whose ack
 /// is under way or failed within [`REDELIVERY_WINDOW`]; after a loss (`lost`), also those whose
 /// ack completed within [`ACK_LOSS_WINDOW`] (after a stop, whose channel closed after its acks,
 /// those reached the broker). Keys of partition outcomes come along; no input message has them.
 pub fn maybe_forwarded(lost: bool) -> Vec<u128> {
     let now = Instant::now();
-    let mut keys: Vec<u128> = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect();
+    let mut keys: Vec<u128> = OUTCOMES_IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|(_, (_, _, sent))| *sent).map(|(k, _)| *k).collect();
     let unknown = MAYBE_PUBLISHED.lock().unwrap_or_else(|p| p.into_inner());
     keys.extend(unknown.map.iter().filter(|(_, at)| now.saturating_duration_since(**at) <= REDELIVERY_WINDOW).map(|(k, _)| *k));
     drop(unknown);
@@ -786,6 +798,21 @@ mod tests {
         assert!(maybe_unacked(InputAck::Completed(t0), true, at(1_500)), "completed just before the loss");
         assert!(!maybe_unacked(InputAck::Completed(t0), true, t0 + ACK_LOSS_WINDOW + Duration::from_millis(1)), "completed before that");
         assert!(!maybe_unacked(InputAck::Completed(t0), false, at(100)), "completed before a stop's close");
+    }
+
+    /// A forward in flight is reported as maybe forwarded only once it was handed to the broker:
+    /// one begun whose delivery's channel closes before its publish is never published.
+    #[test]
+    fn a_forward_in_flight_is_reported_once_it_is_sent() {
+        let key = fp("reported-once-sent", b"b");
+        let in_flight = OutcomeInFlight::begin(key);
+        assert!(!maybe_forwarded(true).contains(&key), "begun, not sent");
+        note_sending(key);
+        assert!(maybe_forwarded(true).contains(&key), "sent");
+        in_flight.refused();
+        assert!(!maybe_forwarded(true).contains(&key), "refused: in no queue");
+        note_sending(key);
+        assert!(!maybe_forwarded(true).contains(&key), "nothing in flight");
     }
 
     #[test]

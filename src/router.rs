@@ -675,7 +675,7 @@ async fn handle(publish: &PublishChannel, settings: &Settings, delivery: Deliver
     let mut forwarded_maybe = false;
     let key = publisher::input_message_key(&req.id, &delivery);
     let in_flight = redelivery::OutcomeInFlight::begin(key);
-    let end = staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, stop, &mut holding, give_back_at, &mut forwarded_maybe)).await;
+    let end = staged(FORWARD, forward(publish, a, ch, turn, &delivery, fwd, &r, key, stop, &mut holding, give_back_at, &mut forwarded_maybe)).await;
     match &end {
         ForwardEnd::Forwarded => in_flight.confirmed(),
         _ if !forwarded_maybe => in_flight.refused(),
@@ -896,9 +896,10 @@ impl Drop for HeldSlot<'_> {
     }
 }
 
-/// Forwards the request (the body of `input` with properties `fwd`) to its partition queue on
-/// `ch` with a confirm, unless the channel of `input` closed first ([`ForwardEnd::InputGone`],
-/// checked before each attempt): a missing route is declared again once per attempt, and a
+/// Forwards the request (the body of `input` with properties `fwd`, input key `key`) to its
+/// partition queue on `ch` with a confirm, unless the channel of `input` closed first
+/// ([`ForwardEnd::InputGone`], checked before each attempt; each attempt handed to the broker is
+/// noted, [`redelivery::note_sending`]): a missing route is declared again once per attempt, and a
 /// forward the broker does not take (a nack included) is held (uncharged,
 /// `holding` counts it) and sent again after [`publisher::hold_backoff`], taking turns with the
 /// other held forwards ([`Refusal`] says which). `turn` is the turn of the forwards held for a
@@ -914,6 +915,7 @@ async fn forward<'p>(
     input: &Delivery,
     fwd: BasicProperties,
     r: &Route,
+    key: u128,
     stop: &CancellationToken,
     holding: &mut Option<metrics::HeldPublish>,
     give_back_at: tokio::time::Instant,
@@ -945,6 +947,7 @@ async fn forward<'p>(
         let props = if held == 0 { fwd.clone() } else { routed_now(&fwd) };
         let outcome = if dest_turn.is_some() {
             // Its partition queue refuses forwards: the attempt goes on a channel of its own.
+            redelivery::note_sending(key);
             publish_on_own_channel(conn, a, &a.shard_exchange, &rk, &input.data, props).await
         } else {
             // A channel that was closed or had a publish fail since it was taken is replaced.
@@ -952,6 +955,7 @@ async fn forward<'p>(
                 crate::warn_limited!(NO_CHANNEL_LOG, error = %err, "no publishing channel; requeueing input after a backoff");
                 return ForwardEnd::RequeueAfterBackoff;
             }
+            redelivery::note_sending(key);
             publisher::publish_confirmed(&ch, conn, a, &a.shard_exchange, &rk, &input.data, props).await
         };
         let Err(e) = outcome else {
