@@ -314,7 +314,7 @@ struct Inner {
 /// `(item index, result)` for each member of a call group.
 type ItemResults = Vec<(usize, Result<Completion, LlmError>)>;
 
-/// One group's calls, boxed so list, sequential and chat calls fit in one `join_all`.
+/// One group's calls, boxed so list, sequential and chat calls run side by side.
 type CallFuture<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ItemResults> + Send + 'a>>;
 
 struct Endpoint {
@@ -395,6 +395,13 @@ pub struct InferenceItem<'a> {
     /// get the endpoint's permits one after another ([`crate::permits`]); no other effect.
     pub prefix_key: Option<u64>,
 }
+
+/// Receives `(item index, completion)` for the items of a batch that are answered while other
+/// calls of the batch still run: the other prompts of a sequence that a slow prompt's retries
+/// follow, the chat calls that end before the slowest one ([`LlmClient::infer_answering_early`]).
+/// An item may be given more than once; its completion is final and is also in the batch's
+/// results.
+pub type EarlyAnswers<'a> = &'a (dyn Fn(usize, &Completion) + Sync);
 
 /// The successful result of one item.
 #[derive(Debug, Clone, PartialEq)]
@@ -907,6 +914,21 @@ impl LlmClient {
         cancel: &CancellationToken,
         deadline: Option<Instant>,
     ) -> Vec<Result<Completion, LlmError>> {
+        self.infer_answering_early(endpoint, items, cancel, deadline, None).await
+    }
+
+    /// [`Self::infer_within`], giving `early` each completion that is final while other calls
+    /// of the batch still run ([`EarlyAnswers`]), so the caller can publish it without waiting
+    /// for a slow prompt's retries (up to `llm.max_attempts` × `llm.request_timeout`). `None`:
+    /// the results only.
+    pub async fn infer_answering_early(
+        &self,
+        endpoint: usize,
+        items: &[InferenceItem<'_>],
+        cancel: &CancellationToken,
+        deadline: Option<Instant>,
+        early: Option<EarlyAnswers<'_>>,
+    ) -> Vec<Result<Completion, LlmError>> {
         if endpoint >= self.inner.endpoints.len() {
             let e = LlmError::new(ErrorKind::EndpointConfig, format!("no LLM endpoint with index {endpoint}"), None);
             return items.iter().map(|_| Err(e.clone())).collect();
@@ -916,9 +938,9 @@ impl LlmClient {
         for group in group_items(items, &self.inner.model) {
             match group.kind {
                 CallKind::Completions if per_prompt || group.choices_per_prompt() > 1 => {
-                    calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel, deadline)))
+                    calls.push(Box::pin(self.run_sequential(endpoint, items, group, cancel, deadline, early)))
                 }
-                CallKind::Completions => calls.push(Box::pin(self.run_list(endpoint, items, group, cancel, deadline))),
+                CallKind::Completions => calls.push(Box::pin(self.run_list(endpoint, items, group, cancel, deadline, early))),
                 CallKind::Chat => {
                     for &member in &group.members {
                         let single = Group { members: vec![member], ..group.clone() };
@@ -928,8 +950,14 @@ impl LlmClient {
             }
         }
         let mut out: Vec<Option<Result<Completion, LlmError>>> = items.iter().map(|_| None).collect();
-        for (i, result) in futures_util::future::join_all(calls).await.into_iter().flatten() {
-            out[i] = Some(result);
+        let mut running: futures_util::stream::FuturesUnordered<CallFuture<'_>> = calls.into_iter().collect();
+        while let Some(results) = futures_util::StreamExt::next(&mut running).await {
+            if !running.is_empty() {
+                answer_early(early, &results);
+            }
+            for (i, result) in results {
+                out[i] = Some(result);
+            }
         }
         out.into_iter()
             .map(|r| r.unwrap_or_else(|| Err(LlmError::invalid("internal: no result was produced for this item"))))
@@ -963,6 +991,7 @@ impl LlmClient {
         group: Group<'_>,
         cancel: &CancellationToken,
         deadline: Option<Instant>,
+        early: Option<EarlyAnswers<'_>>,
     ) -> ItemResults {
         if group.members.len() == 1 {
             return self.run_call(endpoint, items, group, cancel, None, true, deadline).await;
@@ -984,7 +1013,7 @@ impl LlmClient {
                     status = e.status,
                     "the list-prompt call was refused, answered invalidly or timed out; retrying its prompts one by one"
                 );
-                self.run_sequential(endpoint, items, group, cancel, deadline).await
+                self.run_sequential(endpoint, items, group, cancel, deadline, early).await
             }
             _ => results,
         }
@@ -997,7 +1026,8 @@ impl LlmClient {
     /// prompts, a prompt whose call timed out is retried after the others (rounds of one attempt
     /// each, up to `llm.max_attempts` per prompt). No call starts that could not end by
     /// `deadline`, counted with the wait for the permit: a prompt not sent by then gets
-    /// [`LlmError::not_sent`] ([`Self::infer_within`]).
+    /// [`LlmError::not_sent`] ([`Self::infer_within`]). Each completion followed by more calls
+    /// of the sequence goes to `early` as it comes.
     async fn run_sequential(
         &self,
         endpoint: usize,
@@ -1005,6 +1035,7 @@ impl LlmClient {
         group: Group<'_>,
         cancel: &CancellationToken,
         deadline: Option<Instant>,
+        early: Option<EarlyAnswers<'_>>,
     ) -> ItemResults {
         let ep = &self.inner.endpoints[endpoint];
         let asked = Instant::now();
@@ -1022,7 +1053,7 @@ impl LlmClient {
         let mut out: ItemResults = Vec::with_capacity(group.members.len());
         // Positions in `out` of the prompts whose call timed out: retried after the others.
         let mut retry = Vec::new();
-        for &member in &group.members {
+        for (n, &member) in group.members.iter().enumerate() {
             if !fits() {
                 out.push((member, Err(LlmError::not_sent())));
                 continue;
@@ -1032,7 +1063,14 @@ impl LlmClient {
             if !alone && results.iter().any(|(_, r)| is_timeout(r)) {
                 retry.push(out.len());
             }
+            if n + 1 < group.members.len() {
+                answer_early(early, &results);
+            }
             out.extend(results);
+        }
+        // The last prompt's answer, when retries of the prompts that timed out follow it.
+        if !retry.is_empty() {
+            answer_early(early, &out[out.len() - 1..]);
         }
         // Rounds of one more attempt each, while attempts (`llm.max_attempts` per prompt) and the
         // time last; a prompt left with its timeout is charged a delivery by the caller.
@@ -1059,6 +1097,7 @@ impl LlmClient {
                             still.push(i);
                         }
                         out[i].1 = r;
+                        answer_early(early, &out[i..=i]);
                     }
                     None => {}
                 }
@@ -2672,6 +2711,17 @@ struct Group<'a> {
     params: &'a Map<String, Value>,
     /// Item indices, in item order.
     members: Vec<usize>,
+}
+
+/// Gives `early` (when set) each completion of `results`.
+fn answer_early(early: Option<EarlyAnswers<'_>>, results: &[(usize, Result<Completion, LlmError>)]) {
+    if let Some(early) = early {
+        for (i, result) in results {
+            if let Ok(completion) = result {
+                early(*i, completion);
+            }
+        }
+    }
 }
 
 /// Splits a batch into groups of identical (kind, model, params), keeping item order within each

@@ -79,7 +79,7 @@ use crate::batcher::{self, Batch, BatchConfig};
 use crate::config::{AmqpSettings, KeyingMode, Settings};
 use crate::keying::PrefixKey;
 use crate::lease::LeaseClock;
-use crate::llm::{ErrorKind, Fault, InferenceItem, LlmClient, LlmError};
+use crate::llm::{EarlyAnswers, ErrorKind, Fault, InferenceItem, LlmClient, LlmError};
 use crate::metrics::{self, outcome, restart, stage};
 use crate::publisher::{self, header_u64, unix_ms, BatchInfo, HoldEnds, Intake, ResultEnd, Settlement, Tenure, HEADER_ROUTED_AT_MS, HEADER_SHARD, HEADER_TIMESTAMP_MS};
 use crate::redelivery::{self, Source, HEADER_EARLIER_DELIVERIES};
@@ -215,6 +215,31 @@ struct Pending {
     enqueued_unix_ms: Option<u64>,
     /// Counts the delivery as unsettled and holds its bytes of the budget until dropped.
     _held: Held,
+}
+
+/// What settling one request of a flushed batch needs: the [`Pending`] without the request's
+/// prompt and parameters, which the batch's calls borrow while its answered requests are settled
+/// ([`process_batch`]).
+struct Seat {
+    delivery: Delivery,
+    /// The request id.
+    id: String,
+    key: PrefixKey,
+    shard: u32,
+    received: Instant,
+    queued_ms: u64,
+    enqueued_unix_ms: Option<u64>,
+    /// Counts the delivery as unsettled and holds its bytes of the budget until dropped.
+    _held: Held,
+}
+
+impl Pending {
+    /// The request, and the rest as a [`Seat`].
+    fn split(self) -> (Request, Seat) {
+        let Pending { delivery, req, key, shard, received, queued_ms, enqueued_unix_ms, _held } = self;
+        let seat = Seat { delivery, id: req.id.clone(), key, shard, received, queued_ms, enqueued_unix_ms, _held };
+        (req, seat)
+    }
 }
 
 /// One held delivery: when it was received and, once parsed, its request id and its key for
@@ -1288,7 +1313,8 @@ async fn drop_copy(partition: u32, delivery: Delivery, id: &str, what: &str) {
 }
 
 /// Runs one batch: LLM call, then per request: a confirmed result and its ack, or (server fault)
-/// a nack with requeue. Ends the session when a channel was lost.
+/// a nack with requeue. A request answered while other calls of the batch still run is settled
+/// at once ([`crate::llm::EarlyAnswers`]). Ends the session when a channel was lost.
 ///
 /// **A server-wide failure is not a request's failure.** The call waits for an available endpoint
 /// ([`wait_for_endpoint`]). When items come back with a server fault,
@@ -1313,7 +1339,8 @@ async fn process_batch(
     // stop): no call; the requests go back uncharged if the abort allows it, else with the
     // channel's close.
     if end.token.is_cancelled() {
-        put_back_unanswered(&ctx, &out, batch.items, CallsEnded::Stopped, &stop, &end).await;
+        let seats = batch.items.into_iter().map(|p| p.split().1).collect();
+        put_back_unanswered(&ctx, &out, seats, CallsEnded::Stopped, &stop, &end).await;
         return;
     }
     record_flush(&batch);
@@ -1324,44 +1351,74 @@ async fn process_batch(
     // came back must not keep the fresh ones of its key behind it, delivery after delivery.
     let mut batch = batch;
     batch.items.sort_by_key(|p| redelivery::delivery_count(Source::Partition, p.delivery.redelivered, p.delivery.properties.headers().as_ref()));
-    let items: Vec<InferenceItem<'_>> = batch
-        .items
-        .iter()
-        .map(|p| InferenceItem { body: &p.req.body, model: p.req.model.as_deref(), params: &p.req.params, prefix_key: Some(batch.key.0) })
-        .collect();
-    // `None`: stopping, lease lost or session ending. Nothing is settled here; the channel's close
-    // returns these requests — except after a drain or handoff that found them waiting for an
-    // endpoint, or a drain whose time ran out before the calls answered, which put them back
-    // uncharged.
-    let cutoff = drain_call_cutoff(ctx.settings.drain_timeout);
-    let oldest = batch.items.iter().map(|p| p.received).min().unwrap_or(flushed);
-    let ids: Vec<&str> = batch.items.iter().map(|p| p.req.id.as_str()).collect();
-    let answers = tokio::select! {
-        answers = infer_through_outages(&ctx, &items, &ids, release_at(&ctx.settings, oldest), &stop, &end) => answers.ok_or(CallsEnded::Stopped),
-        () = calls_cut(&stop.drain, cutoff) => Err(CallsEnded::DrainTimeRanOut),
+    let (reqs, seats): (Vec<Request>, Vec<Seat>) = batch.items.into_iter().map(Pending::split).unzip();
+    let oldest = seats.iter().map(|s| s.received).min().unwrap_or(flushed);
+    let mut seats: Vec<Option<Seat>> = seats.into_iter().map(Some).collect();
+
+    let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
+    let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
+    let (requeue, release) = ([&end.token, &stop.abort], [&stop.drain, &stop.revoke]);
+    let settle = Settle { ctx: &ctx, out: &out, tenure, info, hold: HoldEnds { requeue: &requeue, release: &release }, end: &end, flushed };
+    let settle_one = |seat: Seat, answer: Answer, llm_ms: u64| {
+        let span = info_span!("request", request_id = %seat.id, shard = seat.shard);
+        settle.one(seat, answer, llm_ms).instrument(span)
     };
-    // The calls' view of the requests ends here: they are settled from `batch.items` below.
-    drop((items, ids));
+    // Requests answered while other calls of the batch still run (a slow prompt's retries, the
+    // slowest chat call) are settled at once, not held until the batch's calls end: with the
+    // defaults a prompt that keeps timing out would hold its batch-mates' results for up to
+    // `llm.max_attempts` × `llm.request_timeout`.
+    let (early_tx, mut early_rx) = mpsc::unbounded_channel::<(usize, crate::llm::Completion)>();
+    let early = move |i: usize, completion: &crate::llm::Completion| {
+        let _ = early_tx.send((i, completion.clone()));
+    };
+    let mut early_settles = futures_util::stream::FuturesUnordered::new();
+    let mut settlements = Vec::with_capacity(n);
+    let answers = {
+        let items: Vec<InferenceItem<'_>> = reqs
+            .iter()
+            .map(|r| InferenceItem { body: &r.body, model: r.model.as_deref(), params: &r.params, prefix_key: Some(batch.key.0) })
+            .collect();
+        let ids: Vec<&str> = reqs.iter().map(|r| r.id.as_str()).collect();
+        // `None`: stopping, lease lost or session ending. Nothing is settled here; the channel's
+        // close returns these requests — except after a drain or handoff that found them waiting
+        // for an endpoint, or a drain whose time ran out before the calls answered, which put
+        // them back uncharged.
+        let cutoff = drain_call_cutoff(ctx.settings.drain_timeout);
+        let calls = async {
+            tokio::select! {
+                answers = infer_through_outages(&ctx, &items, &ids, release_at(&ctx.settings, oldest), &stop, &end, &early) => answers.ok_or(CallsEnded::Stopped),
+                () = calls_cut(&stop.drain, cutoff) => Err(CallsEnded::DrainTimeRanOut),
+            }
+        };
+        tokio::pin!(calls);
+        loop {
+            tokio::select! {
+                biased;
+                answers = &mut calls => break answers,
+                Some((i, completion)) = early_rx.recv() => {
+                    if let Some(seat) = seats.get_mut(i).and_then(Option::take) {
+                        early_settles.push(settle_one(seat, Some(Ok(completion)), flushed.elapsed().as_millis() as u64));
+                    }
+                }
+                Some(settled) = early_settles.next(), if !early_settles.is_empty() => settlements.push(settled),
+            }
+        }
+    };
     let Outcomes { results, put_back_first } = match answers {
         Ok(outcomes) => outcomes,
         Err(why) => {
-            put_back_unanswered(&ctx, &out, batch.items, why, &stop, &end).await;
+            // The requests settled meanwhile end their publishes first.
+            while early_settles.next().await.is_some() {}
+            put_back_unanswered(&ctx, &out, seats.into_iter().flatten().collect(), why, &stop, &end).await;
             return;
         }
     };
     // From the flush to the answers: the calls, their retries and any wait for an endpoint
     // through an outage (`timings_ms.llm`, less each request's permit wait).
     let llm_ms = flushed.elapsed().as_millis() as u64;
-
-    let tenure = Tenure { partition: ctx.partition, epoch: ctx.epoch, instance: &ctx.settings.instance_name, lease: &ctx.lease };
-    let info = BatchInfo { partition: ctx.partition, batch_id: &batch_id, batch_size: n };
-    let (requeue, release) = ([&end.token, &stop.abort], [&stop.drain, &stop.revoke]);
-    let settle = Settle { ctx: &ctx, out: &out, tenure, info, hold: HoldEnds { requeue: &requeue, release: &release }, end: &end, flushed, llm_ms };
-    let settles = settle_order(batch.items, results, &put_back_first).into_iter().map(|(pending, answer)| {
-        let span = info_span!("request", request_id = %pending.req.id, shard = pending.shard);
-        settle.one(pending, answer).instrument(span)
-    });
-    let settlements = futures_util::future::join_all(settles).await;
+    let settles = settle_order(seats, results, &put_back_first).into_iter().map(|(seat, answer)| settle_one(seat, answer, llm_ms));
+    let (rest, earlier) = futures_util::future::join(futures_util::future::join_all(settles), early_settles.collect::<Vec<_>>()).await;
+    settlements.extend(earlier.into_iter().chain(rest));
     // A consuming channel found closed (an ack or nack failed), or a closed publishing connection:
     // end the session, which consumes again (or reconnects). A publishing channel the broker
     // closed does not end it: the held results go again on a new one
@@ -1385,11 +1442,11 @@ fn record_flush(batch: &Batch<PrefixKey, Pending>) {
     debug!(size = n, reason = batch.reason.as_str(), purity, "batch flushed");
 }
 
-/// The batch's requests paired with their answers, in the order they are settled (and so put
-/// back): the answered ones, then those going back uncharged in the order
+/// The batch's requests not settled yet (`None`: settled as answered while the calls ran)
+/// paired with their answers, in the order they are settled (and so put back): the answered ones, then those going back uncharged in the order
 /// [`infer_through_outages`] gives (`put_back_first`), then any other.
-fn settle_order(items: Vec<Pending>, results: Vec<Answer>, put_back_first: &[usize]) -> Vec<(Pending, Answer)> {
-    let mut paired: Vec<Option<(Pending, Answer)>> = items.into_iter().zip(results).map(Some).collect();
+fn settle_order(items: Vec<Option<Seat>>, results: Vec<Answer>, put_back_first: &[usize]) -> Vec<(Seat, Answer)> {
+    let mut paired: Vec<Option<(Seat, Answer)>> = items.into_iter().zip(results).map(|(seat, answer)| seat.map(|s| (s, answer))).collect();
     let mut ordered = Vec::with_capacity(paired.len());
     ordered.extend(paired.iter_mut().filter(|p| p.as_ref().is_some_and(|(_, a)| a.is_some())).filter_map(Option::take));
     ordered.extend(put_back_first.iter().filter_map(|&i| paired.get_mut(i).and_then(Option::take)));
@@ -1408,15 +1465,14 @@ struct Settle<'a> {
     end: &'a SessionEnd,
     /// When the batch was flushed.
     flushed: Instant,
-    /// From the flush to the answers (`timings_ms.llm` before each request's permit wait).
-    llm_ms: u64,
 }
 
 impl Settle<'_> {
     /// Settles one request: its result published and the delivery acked, or the delivery
     /// requeued (a server fault: charged) or put back uncharged (`None`: still waiting for an
-    /// endpoint while the rest of its batch was answered, [`infer_through_outages`]).
-    async fn one(&self, pending: Pending, answer: Answer) -> Settlement {
+    /// endpoint while the rest of its batch was answered, [`infer_through_outages`]). `llm_ms`:
+    /// from the flush to its answer (`timings_ms.llm` before its permit wait).
+    async fn one(&self, pending: Seat, answer: Answer, llm_ms: u64) -> Settlement {
         // `pending` whole until the delivery is settled: its `Held` counts for the byte budget,
         // the `unsettled_deliveries` gauge, the consumer_timeout guard and the stall check (a
         // result held while the broker refuses results looked like an idle consumer, whose
@@ -1427,16 +1483,16 @@ impl Settle<'_> {
         };
         let answer = match answer {
             Err(e) if e.fault() != Fault::Request => {
-                return publisher::requeue(&pending.delivery.acker, &pending.req.id, &e.to_string()).await;
+                return publisher::requeue(&pending.delivery.acker, &pending.id, &e.to_string()).await;
             }
             answer => answer,
         };
         let batch_wait = self.flushed.saturating_duration_since(pending.received).as_millis() as u64;
         let llm_wait = answer.as_ref().map_or(0, |c| c.permit_wait.as_millis() as u64);
-        let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: self.llm_ms.saturating_sub(llm_wait), llm_wait };
-        let (id, key) = (pending.req.id.clone(), pending.key.to_string());
+        let timings = TimingsMs { queued: pending.queued_ms, batch_wait, llm: llm_ms.saturating_sub(llm_wait), llm_wait };
+        let (id, key) = (pending.id.clone(), pending.key.to_string());
         let Some(result) = publisher::shape_result(self.info, id, key, pending.shard, timings, answer) else {
-            return publisher::requeue(&pending.delivery.acker, &pending.req.id, "cancelled").await;
+            return publisher::requeue(&pending.delivery.acker, &pending.id, "cancelled").await;
         };
         match publisher::publish_result(pool, &ctx.settings.amqp, self.tenure, pending.delivery, result, pending.enqueued_unix_ms, self.hold).await {
             ResultEnd::Settled(settlement) => settlement,
@@ -1464,7 +1520,7 @@ impl Settle<'_> {
 /// ([`SessionEnd::puts_back_at_abort`]) its requests go back to the partition queue uncharged;
 /// otherwise (a restart, a hard stop) nothing is settled here and the channel's close returns
 /// them.
-async fn put_back_unanswered(ctx: &PartitionContext, out: &PublishOn, items: Vec<Pending>, why: CallsEnded, stop: &StopSignals, end: &SessionEnd) {
+async fn put_back_unanswered(ctx: &PartitionContext, out: &PublishOn, items: Vec<Seat>, why: CallsEnded, stop: &StopSignals, end: &SessionEnd) {
     let aborted = end.puts_back_at_abort(stop);
     let graceful = (stop.drain.is_cancelled() || stop.revoke.is_cancelled()) && !end.token.is_cancelled();
     if aborted || graceful {
@@ -1555,7 +1611,8 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 /// A request that was in flight when its endpoint went down twice goes alone, one call at a time
 /// per endpoint, and an outage during that call charges it ([`charge_crash_suspects`]): a prompt
 /// that crashes the server is still down at the probe, so it would wait uncharged for ever.
-/// `None` when a stop signal or the session's end comes first.
+/// `None` when a stop signal or the session's end comes first. Completions that are final while
+/// other calls of a round still run also go to `early`, by item index ([`EarlyAnswers`]).
 async fn infer_through_outages(
     ctx: &PartitionContext,
     items: &[InferenceItem<'_>],
@@ -1563,6 +1620,7 @@ async fn infer_through_outages(
     release_at: Instant,
     stop: &StopSignals,
     end: &SessionEnd,
+    early: EarlyAnswers<'_>,
 ) -> Option<Outcomes> {
     let mut results: Vec<Answer> = items.iter().map(|_| None).collect();
     let mut todo: Vec<usize> = (0..items.len()).collect();
@@ -1597,7 +1655,8 @@ async fn infer_through_outages(
         let isolated: Vec<bool> = outages.iter().map(|&n| n >= redelivery::OUTAGES_BEFORE_ISOLATION).collect();
         // `lane`: the isolation lane, held from a call sent alone that met a server fault until
         // its verdict, so the next request sent alone does not meet the same outage.
-        let (answers, lane) = call_round(ctx, endpoint, &call, &isolated, one_by_one, release_at, &end.token).await;
+        let round_early = |j: usize, completion: &crate::llm::Completion| early(todo[j], completion);
+        let (answers, lane) = call_round(ctx, endpoint, &call, &isolated, one_by_one, release_at, &end.token, &round_early).await;
         if end.token.is_cancelled() {
             return None;
         }
@@ -1725,7 +1784,9 @@ fn sort_answers(
 /// ([`LlmClient::infer_within`]): one call per item when a possible offender is being isolated
 /// (`one_by_one`), else the batch's calls; the items marked in `isolated` go alone meanwhile
 /// ([`isolated_calls`]). One answer per item, in order, and the isolation lane when a call sent
-/// alone met a server fault (held until the verdict on it).
+/// alone met a server fault (held until the verdict on it). Completions final while other calls
+/// of the round still run also go to `early`, by index in `call`.
+#[allow(clippy::too_many_arguments)]
 async fn call_round<'c>(
     ctx: &'c PartitionContext,
     endpoint: usize,
@@ -1734,21 +1795,32 @@ async fn call_round<'c>(
     one_by_one: bool,
     deadline: Instant,
     cancel: &CancellationToken,
+    early: EarlyAnswers<'_>,
 ) -> (Vec<Result<crate::llm::Completion, crate::llm::LlmError>>, Option<tokio::sync::SemaphorePermit<'c>>) {
     let (alone, together): (Vec<usize>, Vec<usize>) = (0..call.len()).partition(|&i| isolated[i]);
     let together_items: Vec<InferenceItem<'_>> = together.iter().map(|&i| call[i]).collect();
     let alone_items: Vec<InferenceItem<'_>> = alone.iter().map(|&i| call[i]).collect();
+    let together_early = |j: usize, completion: &crate::llm::Completion| early(together[j], completion);
+    let alone_early = |j: usize, completion: &crate::llm::Completion| early(alone[j], completion);
     let together_calls = async {
         if together_items.is_empty() {
             Vec::new()
         } else if one_by_one {
-            let calls = together_items.iter().map(|item| ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)));
+            // One call per item: each answer goes out as it comes.
+            let calls = together_items.iter().enumerate().map(|(j, item)| async move {
+                let answers = ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await;
+                if let Some(Ok(completion)) = answers.first() {
+                    together_early(j, completion);
+                }
+                answers
+            });
             futures_util::future::join_all(calls).await.into_iter().flatten().collect()
         } else {
-            ctx.llm.infer_within(endpoint, &together_items, cancel, Some(deadline)).await
+            ctx.llm.infer_answering_early(endpoint, &together_items, cancel, Some(deadline), Some(&together_early)).await
         }
     };
-    let (together_answers, (alone_answers, lane)) = futures_util::future::join(together_calls, isolated_calls(ctx, endpoint, &alone_items, deadline, cancel)).await;
+    let (together_answers, (alone_answers, lane)) =
+        futures_util::future::join(together_calls, isolated_calls(ctx, endpoint, &alone_items, deadline, cancel, &alone_early)).await;
     let mut answers: Vec<Option<Result<crate::llm::Completion, crate::llm::LlmError>>> = call.iter().map(|_| None).collect();
     for (i, answer) in together.into_iter().zip(together_answers).chain(alone.into_iter().zip(alone_answers)) {
         answers[i] = Some(answer);
@@ -1766,18 +1838,19 @@ async fn call_round<'c>(
 /// and the lane is returned, still held, for the caller to keep until the verdict on that fault;
 /// a request whose turn did not come while a whole call could still end by `deadline` is not
 /// sent ([`ErrorKind::Cancelled`]: back to its partition queue uncharged). One answer per item,
-/// in order.
+/// in order; each completion also goes to `early` as it comes.
 async fn isolated_calls<'c>(
     ctx: &'c PartitionContext,
     endpoint: usize,
     items: &[InferenceItem<'_>],
     deadline: Instant,
     cancel: &CancellationToken,
+    early: EarlyAnswers<'_>,
 ) -> (Vec<Result<crate::llm::Completion, crate::llm::LlmError>>, Option<tokio::sync::SemaphorePermit<'c>>) {
     let mut answers = Vec::with_capacity(items.len());
     let mut held = None;
     let last_start = deadline.checked_sub(ctx.settings.llm.request_timeout).unwrap_or(deadline);
-    for item in items {
+    for (j, item) in items.iter().enumerate() {
         if held.is_some() {
             answers.push(Err(LlmError::new(ErrorKind::Unavailable, "not sent: the request sent alone before it met a server fault", None)));
             continue;
@@ -1800,8 +1873,10 @@ async fn isolated_calls<'c>(
         }
         let answer = ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await.pop();
         let answer = answer.unwrap_or_else(|| Err(LlmError::new(ErrorKind::Unavailable, "internal: no answer for this request", None)));
-        if answer.as_ref().is_err_and(|e| e.fault() == Fault::Server) {
-            held = Some(permit);
+        match &answer {
+            Ok(completion) => early(j, completion),
+            Err(e) if e.fault() == Fault::Server => held = Some(permit),
+            Err(_) => {}
         }
         answers.push(answer);
     }

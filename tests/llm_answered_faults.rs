@@ -336,6 +336,70 @@ async fn a_slow_prompt_in_a_list_batch_costs_the_others_nothing() {
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 
+/// A chat request whose user message is `question`, on a system prompt of its own.
+fn chat(id: &str, question: &str) -> TestRequest {
+    let messages = json!([{"role": "system", "content": "nu-early: answer in one word."}, {"role": "user", "content": question}]);
+    let body = json!({"id": id, "messages": messages, "params": {"max_tokens": 8}});
+    TestRequest { id: id.to_owned(), body: serde_json::to_vec(&body).unwrap(), group: 1 }
+}
+
+/// When the fake received the `n`-th (1-based) call carrying [`SLOW`] on `path`.
+fn slow_call_at(fake: &llm_fakes::fake::FakeLlmHandle, path: &str, n: usize) -> Option<Instant> {
+    let slow_calls = fake.calls().into_iter().filter(|c| c.path == path && c.prompts.iter().any(|p| p.contains(SLOW)));
+    slow_calls.map(|c| c.received_at).nth(n - 1)
+}
+
+/// The results of a slow prompt's batch-mates used to be published with the batch, once the slow
+/// prompt's retries ended: up to `llm.max_attempts` × `llm.request_timeout` later (20 minutes with
+/// the defaults), for requests the server had answered at once. Here one prompt outlasts the
+/// timeout in a batch of 4 sent one after the other (`llm.list_prompts = false`) and one chat
+/// call in a batch of 4 chat calls: the other 3 of each batch are published before the slow
+/// one's last attempt is even sent, and each slow request is dead-lettered once
+/// (`amqp.delivery_limit = 1`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_requests_do_not_wait_for_a_slow_batch_mates_retries() {
+    let _serial = SERIAL.lock().await;
+    let fake = FakeLlm::new().slow_prompts_containing(SLOW, SLOW_DELAY).start().await.unwrap();
+    let env = TestEnv::new("nu-early");
+    let mut raw = env.raw_config(fake.url.as_str());
+    (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts, raw.amqp.delivery_limit) = ("2s".into(), 3, false, 1);
+    (raw.batching.max_batch_wait, raw.sharding.default_shards) = ("500ms".into(), 1);
+    let mut st = start_with_replies(&env, &raw).await;
+    let mut dead = st.amqp.consume(&env.dead_letter_queue()).await;
+    let opened_before = circuit_openings();
+    // The slow ones first in their batches: the others are sent after its first timeout.
+    let slow_completion = completion("nu-early-slow", 0, &format!(" {SLOW} question?"));
+    let completions: Vec<TestRequest> = (0..3).map(|i| completion(&format!("nu-early-{i}"), 0, &format!(" question {i}?"))).collect();
+    let slow_chat = chat("nu-early-chat-slow", &format!("{SLOW} question?"));
+    let chats: Vec<TestRequest> = (0..3).map(|i| chat(&format!("nu-early-chat-{i}"), &format!("question {i}?"))).collect();
+    let bad = vec![slow_completion.clone(), slow_chat.clone()];
+    let all: Vec<TestRequest> = [vec![slow_completion, slow_chat], completions.clone(), chats.clone()].concat();
+    st.amqp.publish_requests(&env.input_queue(), &all, &st.reply).await;
+    st.results.until_all(&ids(&chats), Duration::from_secs(30)).await;
+    let chats_answered = Instant::now();
+    st.results.until_all(&ids(&completions), Duration::from_secs(30)).await;
+    let completions_answered = Instant::now();
+    let started = Instant::now();
+    while dead.distinct_of(&ids(&bad)) < bad.len() {
+        assert!(started.elapsed() < Duration::from_secs(60), "the slow requests were not dead-lettered within 60 s");
+        dead.collect_for(Duration::from_millis(300)).await;
+    }
+    // Each slow request made its 3 attempts in its one delivery.
+    let last_completion_attempt = slow_call_at(&fake, "/v1/completions", 3).expect("3 calls of the slow prompt");
+    let second_chat_attempt = slow_call_at(&fake, "/v1/chat/completions", 2).expect("a second call of the slow chat request");
+    let normal: Vec<TestRequest> = [completions, chats].concat();
+    let (opened, _) = judged_as_the_requests_own(&mut st, &dead, &fake, &normal, &bad, opened_before).await;
+    eprintln!(
+        "early answers: completions published {:?} before the slow prompt's last attempt was sent, chat {:?} before the slow chat request's second attempt",
+        last_completion_attempt.saturating_duration_since(completions_answered),
+        second_chat_attempt.saturating_duration_since(chats_answered),
+    );
+    assert!(completions_answered < last_completion_attempt, "the 3 completions waited for the slow prompt's retries");
+    assert!(chats_answered < second_chat_attempt, "the 3 chat requests waited for the slow chat request's retries");
+    assert_eq!(opened, 0.0);
+    stop_and_check_nothing_held(env, st, vec![dead]).await;
+}
+
 /// The value of the process-wide metric line starting with `prefix` (0 when absent).
 fn metric(prefix: &str) -> f64 {
     let text = prefix_batcher::metrics::render();
