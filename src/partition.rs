@@ -206,15 +206,8 @@ impl StopSignals {
 
 /// A request waiting in a batch.
 struct Pending {
-    delivery: Delivery,
     req: Request,
-    key: PrefixKey,
-    shard: u32,
-    received: Instant,
-    queued_ms: u64,
-    enqueued_unix_ms: Option<u64>,
-    /// Counts the delivery as unsettled and holds its bytes of the budget until dropped.
-    _held: Held,
+    seat: Seat,
 }
 
 /// What settling one request of a flushed batch needs: the [`Pending`] without the request's
@@ -222,7 +215,7 @@ struct Pending {
 /// ([`process_batch`]).
 struct Seat {
     delivery: Delivery,
-    /// The request id.
+    /// The request id (a copy of the request's).
     id: String,
     key: PrefixKey,
     shard: u32,
@@ -236,9 +229,7 @@ struct Seat {
 impl Pending {
     /// The request, and the rest as a [`Seat`].
     fn split(self) -> (Request, Seat) {
-        let Pending { delivery, req, key, shard, received, queued_ms, enqueued_unix_ms, _held } = self;
-        let seat = Seat { delivery, id: req.id.clone(), key, shard, received, queued_ms, enqueued_unix_ms, _held };
-        (req, seat)
+        (self.req, self.seat)
     }
 }
 
@@ -815,14 +806,14 @@ async fn intake(
                             continue;
                         }
                     };
-                    let bkey = if keyed { pending.key } else { PrefixKey(0) };
+                    let bkey = if keyed { pending.seat.key } else { PrefixKey(0) };
                     if let Err(mpsc::error::SendError((_, pending))) = item_tx.send((bkey, pending)).await {
                         // The batcher stopped taking: a revoke that came while this delivery was
                         // admitted (it flushed what it held and closed its input), or its end.
                         if stop.revoke.is_cancelled() && !end.token.is_cancelled() {
                             // A graceful end: the delivery goes back uncharged with the other
                             // untaken ones, and the batches in flight finish.
-                            untaken.push(pending.delivery);
+                            untaken.push(pending.seat.delivery);
                             return Ok(Ended::Stopped);
                         }
                         return Ok(Ended::Restart(end.reason().unwrap_or(restart::CHANNEL_CLOSED)));
@@ -1196,7 +1187,7 @@ async fn guarded_batch(
     stop: StopSignals,
     end: Arc<SessionEnd>,
 ) {
-    let ackers: Vec<(String, Acker)> = batch.items.iter().map(|p| (p.req.id.clone(), p.delivery.acker.clone())).collect();
+    let ackers: Vec<(String, Acker)> = batch.items.iter().map(|p| (p.req.id.clone(), p.seat.delivery.acker.clone())).collect();
     let Err(message) = crate::task::catch_panic(process_batch(ctx, out, batch, batch_id, stop, end)).await else { return };
     error!(panic = %message, requests = ackers.len(), "a batch task panicked; requeueing its requests");
     metrics::task_panicked(stage::BATCHER);
@@ -1275,7 +1266,8 @@ async fn accept(ctx: &PartitionContext, dead_letters: &SharedConfirmChannel, del
     // published straight to the partition queue, from its publish), while the partition consumed.
     let forwarded = split_enqueued_ms(header_u64(headers, HEADER_ROUTED_AT_MS), enqueued_unix_ms, now);
     let key = crate::splits::batch_key(s, ctx.partition, &req, headers, held.owner.split_queued_ms(forwarded, now));
-    Some(Pending { delivery, req, key, shard, received: held.received, queued_ms, enqueued_unix_ms, _held: held })
+    let seat = Seat { delivery, id: req.id.clone(), key, shard, received: held.received, queued_ms, enqueued_unix_ms, _held: held };
+    Some(Pending { req, seat })
 }
 
 static COPY_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new();
@@ -1350,7 +1342,7 @@ async fn process_batch(
     // timeouts used its time ([`LlmClient::infer_within`]): a request that timed out before and
     // came back must not keep the fresh ones of its key behind it, delivery after delivery.
     let mut batch = batch;
-    batch.items.sort_by_key(|p| redelivery::delivery_count(Source::Partition, p.delivery.redelivered, p.delivery.properties.headers().as_ref()));
+    batch.items.sort_by_key(|p| redelivery::delivery_count(Source::Partition, p.seat.delivery.redelivered, p.seat.delivery.properties.headers().as_ref()));
     let (reqs, seats): (Vec<Request>, Vec<Seat>) = batch.items.into_iter().map(Pending::split).unzip();
     let oldest = seats.iter().map(|s| s.received).min().unwrap_or(flushed);
     let mut seats: Vec<Option<Seat>> = seats.into_iter().map(Some).collect();
@@ -1435,7 +1427,7 @@ async fn process_batch(
 /// Counts a flushed batch: its size, flush reason, batch purity and shared-prefix ratio.
 fn record_flush(batch: &Batch<PrefixKey, Pending>) {
     let n = batch.items.len();
-    let purity = batcher::purity(batch.items.iter().map(|p| p.key));
+    let purity = batcher::purity(batch.items.iter().map(|p| p.seat.key));
     let texts: Vec<std::borrow::Cow<'_, str>> = batch.items.iter().map(|p| p.req.body.text_for_stats()).collect();
     let shared = batcher::shared_prefix_ratio(&texts);
     metrics::batch_flushed(batch.reason, n, purity, shared);
