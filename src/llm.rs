@@ -396,12 +396,14 @@ pub struct InferenceItem<'a> {
     pub prefix_key: Option<u64>,
 }
 
-/// Receives `(item index, completion)` for the items of a batch that are answered while other
-/// calls of the batch still run: the other prompts of a sequence that a slow prompt's retries
-/// follow, the chat calls that end before the slowest one ([`LlmClient::infer_answering_early`]).
-/// An item may be given more than once; its completion is final and is also in the batch's
-/// results.
-pub type EarlyAnswers<'a> = &'a (dyn Fn(usize, &Completion) + Sync);
+/// Receives `(item index, answer)` for the items of a batch that get their final answer while
+/// other calls of the batch still run: the other prompts of a sequence that a slow prompt's
+/// retries follow, the chat calls that end before the slowest one
+/// ([`LlmClient::infer_answering_early`]). A final answer is a completion or a refusal of the
+/// request itself ([`Fault::Request`], judged already); a server fault never is (the caller
+/// decides whether it goes again). An item may be given more than once; its answer is also in
+/// the batch's results.
+pub type EarlyAnswers<'a> = &'a (dyn Fn(usize, &Result<Completion, LlmError>) + Sync);
 
 /// The successful result of one item.
 #[derive(Debug, Clone, PartialEq)]
@@ -917,9 +919,9 @@ impl LlmClient {
         self.infer_answering_early(endpoint, items, cancel, deadline, None).await
     }
 
-    /// [`Self::infer_within`], giving `early` each completion that is final while other calls
-    /// of the batch still run ([`EarlyAnswers`]), so the caller can publish it without waiting
-    /// for a slow prompt's retries (up to `llm.max_attempts` × `llm.request_timeout`). `None`:
+    /// [`Self::infer_within`], giving `early` each answer that is final while other calls of the
+    /// batch still run ([`EarlyAnswers`]), so the caller can publish it without waiting for a
+    /// slow prompt's retries (up to `llm.max_attempts` × `llm.request_timeout`). `None`:
     /// the results only.
     pub async fn infer_answering_early(
         &self,
@@ -2713,15 +2715,19 @@ struct Group<'a> {
     members: Vec<usize>,
 }
 
-/// Gives `early` (when set) each completion of `results`.
+/// Gives `early` (when set) each final answer of `results`: a completion or a refusal of the
+/// request itself ([`EarlyAnswers`]).
 fn answer_early(early: Option<EarlyAnswers<'_>>, results: &[(usize, Result<Completion, LlmError>)]) {
     if let Some(early) = early {
-        for (i, result) in results {
-            if let Ok(completion) = result {
-                early(*i, completion);
-            }
+        for (i, result) in results.iter().filter(|(_, r)| is_final(r)) {
+            early(*i, result);
         }
     }
+}
+
+/// Whether `answer` is final for its request: a completion, or a refusal of the request itself.
+pub fn is_final(answer: &Result<Completion, LlmError>) -> bool {
+    answer.as_ref().err().is_none_or(|e| e.fault() == Fault::Request)
 }
 
 /// Splits a batch into groups of identical (kind, model, params), keeping item order within each

@@ -1359,9 +1359,9 @@ async fn process_batch(
     // slowest chat call) are settled at once, not held until the batch's calls end: with the
     // defaults a prompt that keeps timing out would hold its batch-mates' results for up to
     // `llm.max_attempts` × `llm.request_timeout`.
-    let (early_tx, mut early_rx) = mpsc::unbounded_channel::<(usize, crate::llm::Completion)>();
-    let early = move |i: usize, completion: &crate::llm::Completion| {
-        let _ = early_tx.send((i, completion.clone()));
+    let (early_tx, mut early_rx) = mpsc::unbounded_channel::<(usize, Result<crate::llm::Completion, LlmError>)>();
+    let early = move |i: usize, answer: &Result<crate::llm::Completion, LlmError>| {
+        let _ = early_tx.send((i, answer.clone()));
     };
     let mut early_settles = futures_util::stream::FuturesUnordered::new();
     let mut settlements = Vec::with_capacity(n);
@@ -1387,9 +1387,9 @@ async fn process_batch(
             tokio::select! {
                 biased;
                 answers = &mut calls => break answers,
-                Some((i, completion)) = early_rx.recv() => {
+                Some((i, answer)) = early_rx.recv() => {
                     if let Some(seat) = seats.get_mut(i).and_then(Option::take) {
-                        early_settles.push(settle_one(seat, Some(Ok(completion)), flushed.elapsed().as_millis() as u64));
+                        early_settles.push(settle_one(seat, Some(answer), flushed.elapsed().as_millis() as u64));
                     }
                 }
                 Some(settled) = early_settles.next(), if !early_settles.is_empty() => settlements.push(settled),
@@ -1603,7 +1603,7 @@ static WAITING_LOG: crate::log_limit::LogLimit = crate::log_limit::LogLimit::new
 /// A request that was in flight when its endpoint went down twice goes alone, one call at a time
 /// per endpoint, and an outage during that call charges it ([`charge_crash_suspects`]): a prompt
 /// that crashes the server is still down at the probe, so it would wait uncharged for ever.
-/// `None` when a stop signal or the session's end comes first. Completions that are final while
+/// `None` when a stop signal or the session's end comes first. Answers that are final while
 /// other calls of a round still run also go to `early`, by item index ([`EarlyAnswers`]).
 async fn infer_through_outages(
     ctx: &PartitionContext,
@@ -1647,7 +1647,7 @@ async fn infer_through_outages(
         let isolated: Vec<bool> = outages.iter().map(|&n| n >= redelivery::OUTAGES_BEFORE_ISOLATION).collect();
         // `lane`: the isolation lane, held from a call sent alone that met a server fault until
         // its verdict, so the next request sent alone does not meet the same outage.
-        let round_early = |j: usize, completion: &crate::llm::Completion| early(todo[j], completion);
+        let round_early = |j: usize, answer: &Result<crate::llm::Completion, LlmError>| early(todo[j], answer);
         let (answers, lane) = call_round(ctx, endpoint, &call, &isolated, one_by_one, release_at, &end.token, &round_early).await;
         if end.token.is_cancelled() {
             return None;
@@ -1776,8 +1776,8 @@ fn sort_answers(
 /// ([`LlmClient::infer_within`]): one call per item when a possible offender is being isolated
 /// (`one_by_one`), else the batch's calls; the items marked in `isolated` go alone meanwhile
 /// ([`isolated_calls`]). One answer per item, in order, and the isolation lane when a call sent
-/// alone met a server fault (held until the verdict on it). Completions final while other calls
-/// of the round still run also go to `early`, by index in `call`.
+/// alone met a server fault (held until the verdict on it). Answers final while other calls of
+/// the round still run also go to `early`, by index in `call`.
 #[allow(clippy::too_many_arguments)]
 async fn call_round<'c>(
     ctx: &'c PartitionContext,
@@ -1792,8 +1792,8 @@ async fn call_round<'c>(
     let (alone, together): (Vec<usize>, Vec<usize>) = (0..call.len()).partition(|&i| isolated[i]);
     let together_items: Vec<InferenceItem<'_>> = together.iter().map(|&i| call[i]).collect();
     let alone_items: Vec<InferenceItem<'_>> = alone.iter().map(|&i| call[i]).collect();
-    let together_early = |j: usize, completion: &crate::llm::Completion| early(together[j], completion);
-    let alone_early = |j: usize, completion: &crate::llm::Completion| early(alone[j], completion);
+    let together_early = |j: usize, answer: &Result<crate::llm::Completion, LlmError>| early(together[j], answer);
+    let alone_early = |j: usize, answer: &Result<crate::llm::Completion, LlmError>| early(alone[j], answer);
     let together_calls = async {
         if together_items.is_empty() {
             Vec::new()
@@ -1801,8 +1801,8 @@ async fn call_round<'c>(
             // One call per item: each answer goes out as it comes.
             let calls = together_items.iter().enumerate().map(|(j, item)| async move {
                 let answers = ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await;
-                if let Some(Ok(completion)) = answers.first() {
-                    together_early(j, completion);
+                if let Some(answer) = answers.first().filter(|a| crate::llm::is_final(a)) {
+                    together_early(j, answer);
                 }
                 answers
             });
@@ -1830,7 +1830,7 @@ async fn call_round<'c>(
 /// and the lane is returned, still held, for the caller to keep until the verdict on that fault;
 /// a request whose turn did not come while a whole call could still end by `deadline` is not
 /// sent ([`ErrorKind::Cancelled`]: back to its partition queue uncharged). One answer per item,
-/// in order; each completion also goes to `early` as it comes.
+/// in order; each final answer also goes to `early` as it comes.
 async fn isolated_calls<'c>(
     ctx: &'c PartitionContext,
     endpoint: usize,
@@ -1865,10 +1865,10 @@ async fn isolated_calls<'c>(
         }
         let answer = ctx.llm.infer_within(endpoint, std::slice::from_ref(item), cancel, Some(deadline)).await.pop();
         let answer = answer.unwrap_or_else(|| Err(LlmError::new(ErrorKind::Unavailable, "internal: no answer for this request", None)));
-        match &answer {
-            Ok(completion) => early(j, completion),
-            Err(e) if e.fault() == Fault::Server => held = Some(permit),
-            Err(_) => {}
+        if crate::llm::is_final(&answer) {
+            early(j, &answer);
+        } else if answer.as_ref().is_err_and(|e| e.fault() == Fault::Server) {
+            held = Some(permit);
         }
         answers.push(answer);
     }

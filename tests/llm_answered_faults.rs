@@ -349,17 +349,20 @@ fn slow_call_at(fake: &llm_fakes::fake::FakeLlmHandle, path: &str, n: usize) -> 
     slow_calls.map(|c| c.received_at).nth(n - 1)
 }
 
+/// A prompt containing this is refused by the fake (HTTP 400), alone.
+const REFUSED: &str = "NU-REFUSED";
+
 /// The results of a slow prompt's batch-mates used to be published with the batch, once the slow
 /// prompt's retries ended: up to `llm.max_attempts` × `llm.request_timeout` later (20 minutes with
-/// the defaults), for requests the server had answered at once. Here one prompt outlasts the
-/// timeout in a batch of 4 sent one after the other (`llm.list_prompts = false`) and one chat
-/// call in a batch of 4 chat calls: the other 3 of each batch are published before the slow
-/// one's last attempt is even sent, and each slow request is dead-lettered once
-/// (`amqp.delivery_limit = 1`).
+/// the defaults), for requests the server had answered (or refused) at once. Here one prompt
+/// outlasts the timeout in a batch of 4 sent one after the other (`llm.list_prompts = false`) and
+/// one chat call in a batch of 5 chat calls, one of which the server refuses: the others of each
+/// batch get their results (the refused one `ok: false`) before the slow one's next attempt is
+/// even sent, and each slow request is dead-lettered once (`amqp.delivery_limit = 1`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answered_requests_do_not_wait_for_a_slow_batch_mates_retries() {
     let _serial = SERIAL.lock().await;
-    let fake = FakeLlm::new().slow_prompts_containing(SLOW, SLOW_DELAY).start().await.unwrap();
+    let fake = FakeLlm::new().slow_prompts_containing(SLOW, SLOW_DELAY).fail_prompts_containing(REFUSED, 400).start().await.unwrap();
     let env = TestEnv::new("nu-early");
     let mut raw = env.raw_config(fake.url.as_str());
     (raw.llm.request_timeout, raw.llm.max_attempts, raw.llm.list_prompts, raw.amqp.delivery_limit) = ("2s".into(), 3, false, 1);
@@ -371,14 +374,25 @@ async fn answered_requests_do_not_wait_for_a_slow_batch_mates_retries() {
     let slow_completion = completion("nu-early-slow", 0, &format!(" {SLOW} question?"));
     let completions: Vec<TestRequest> = (0..3).map(|i| completion(&format!("nu-early-{i}"), 0, &format!(" question {i}?"))).collect();
     let slow_chat = chat("nu-early-chat-slow", &format!("{SLOW} question?"));
-    let chats: Vec<TestRequest> = (0..3).map(|i| chat(&format!("nu-early-chat-{i}"), &format!("question {i}?"))).collect();
+    let refused = chat("nu-early-chat-refused", &format!("{REFUSED} question?"));
+    let mut chats: Vec<TestRequest> = (0..3).map(|i| chat(&format!("nu-early-chat-{i}"), &format!("question {i}?"))).collect();
     let bad = vec![slow_completion.clone(), slow_chat.clone()];
-    let all: Vec<TestRequest> = [vec![slow_completion, slow_chat], completions.clone(), chats.clone()].concat();
+    let all: Vec<TestRequest> = [vec![slow_completion, slow_chat, refused.clone()], completions.clone(), chats.clone()].concat();
     st.amqp.publish_requests(&env.input_queue(), &all, &st.reply).await;
-    st.results.until_all(&ids(&chats), Duration::from_secs(30)).await;
-    let chats_answered = Instant::now();
-    st.results.until_all(&ids(&completions), Duration::from_secs(30)).await;
-    let completions_answered = Instant::now();
+    chats.push(refused.clone());
+    // When each of the two sets was all answered (at most this late).
+    let (mut chats_answered, mut completions_answered) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while chats_answered.is_none() || completions_answered.is_none() {
+        assert!(st.results.next_until(deadline).await, "not all answered within 30 s");
+        let got: HashSet<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).collect();
+        for (set, at) in [(&chats, &mut chats_answered), (&completions, &mut completions_answered)] {
+            if at.is_none() && set.iter().all(|r| got.contains(r.id.as_str())) {
+                *at = Some(Instant::now());
+            }
+        }
+    }
+    let (chats_answered, completions_answered) = (chats_answered.unwrap(), completions_answered.unwrap());
     let started = Instant::now();
     while dead.distinct_of(&ids(&bad)) < bad.len() {
         assert!(started.elapsed() < Duration::from_secs(60), "the slow requests were not dead-lettered within 60 s");
@@ -387,16 +401,26 @@ async fn answered_requests_do_not_wait_for_a_slow_batch_mates_retries() {
     // Each slow request made its 3 attempts in its one delivery.
     let last_completion_attempt = slow_call_at(&fake, "/v1/completions", 3).expect("3 calls of the slow prompt");
     let second_chat_attempt = slow_call_at(&fake, "/v1/chat/completions", 2).expect("a second call of the slow chat request");
-    let normal: Vec<TestRequest> = [completions, chats].concat();
-    let (opened, _) = judged_as_the_requests_own(&mut st, &dead, &fake, &normal, &bad, opened_before).await;
+    st.results.barrier(&st.amqp).await;
     eprintln!(
         "early answers: completions published {:?} before the slow prompt's last attempt was sent, chat {:?} before the slow chat request's second attempt",
         last_completion_attempt.saturating_duration_since(completions_answered),
         second_chat_attempt.saturating_duration_since(chats_answered),
     );
     assert!(completions_answered < last_completion_attempt, "the 3 completions waited for the slow prompt's retries");
-    assert!(chats_answered < second_chat_attempt, "the 3 chat requests waited for the slow chat request's retries");
-    assert_eq!(opened, 0.0);
+    assert!(chats_answered < second_chat_attempt, "the chat requests waited for the slow chat request's retries");
+    // One result each, `ok` but for the refused one; no result for the slow ones, one dead letter each.
+    let mut answered: Vec<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).collect();
+    answered.sort_unstable();
+    let mut expected: Vec<&str> = completions.iter().chain(&chats).map(|r| r.id.as_str()).collect();
+    expected.sort_unstable();
+    assert_eq!(answered, expected, "one result for each answered or refused request");
+    for m in &st.results.received {
+        let r = m.result();
+        assert_eq!(r.ok, m.correlation_id != refused.id, "{}: {:?}", m.correlation_id, r.error);
+    }
+    assert_eq!(dead.received.len(), bad.len(), "each slow request is dead-lettered once");
+    assert_eq!(circuit_openings() - opened_before, 0.0, "the breaker opened");
     stop_and_check_nothing_held(env, st, vec![dead]).await;
 }
 

@@ -847,7 +847,7 @@ impl Collector {
     }
 
     /// Waits for the next message until `deadline`; `false` when the deadline passed.
-    async fn next_until(&mut self, deadline: Instant) -> bool {
+    pub async fn next_until(&mut self, deadline: Instant) -> bool {
         match tokio::time::timeout_at(deadline, self.consumer.next()).await {
             Err(_) => false,
             Ok(None) => panic!("consumer of {} ended", self.queue),
