@@ -3990,6 +3990,42 @@ mod tests {
         assert_eq!(slow, 2, "no timeout retried within the sequence, the third slow prompt not sent");
     }
 
+    /// What goes to `early` before the calls end: in a sequence with a slow prompt retried
+    /// after the others, every other prompt's answer and refusal, each once it comes; never the
+    /// slow prompt's timeout (a server fault, which the caller may send again). The last item
+    /// of the results is the same as what went early.
+    #[tokio::test]
+    async fn answers_final_before_a_slow_prompts_retries_go_early() {
+        let fake = FakeLlm::new().slow_prompts_containing("SLOW", Duration::from_secs(30)).fail_prompts_containing("REFUSED", 400).start().await.unwrap();
+        let mut s = settings(&fake.url);
+        (s.request_timeout, s.max_attempts, s.list_prompts) = (Duration::from_millis(300), NonZeroU32::new(3).unwrap(), false);
+        let client = LlmClient::new(&s).unwrap();
+        let reqs: Vec<_> = ["a SLOW", "b", "c REFUSED", "d"].iter().map(|p| (completion(p), Map::new())).collect();
+        let early: Mutex<Vec<(usize, bool, Instant)>> = Mutex::new(Vec::new());
+        let note = |i: usize, r: &Result<Completion, LlmError>| early.lock().unwrap().push((i, r.is_ok(), Instant::now()));
+        let results = client.infer_answering_early(0, &items(&reqs), &CancellationToken::new(), None, Some(&note)).await;
+        let ended = Instant::now();
+        let kinds: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.kind)).collect();
+        assert_eq!(kinds, [Some(ErrorKind::Timeout), None, Some(ErrorKind::Rejected), None]);
+        let early = early.into_inner().unwrap();
+        let given: Vec<(usize, bool)> = early.iter().map(|&(i, ok, _)| (i, ok)).collect();
+        assert_eq!(given, [(1, true), (2, false), (3, true)], "the answers and the refusal, in order, not the timeout");
+        // The slow prompt's 2 retries (300 ms each) came after the last of them.
+        assert!(early.iter().all(|&(_, _, at)| at + Duration::from_millis(500) < ended), "{early:?} ended {ended:?}");
+        let slow = fake.calls().iter().filter(|c| c.prompts.iter().any(|p| p.contains("SLOW"))).count();
+        assert_eq!(slow, 3, "the slow prompt's 3 attempts");
+
+        // Chat calls run side by side: those that end before the slow one's retries go early.
+        let chats: Vec<_> = ["SLOW", "x", "y"].iter().map(|p| (chat(p), Map::new())).collect();
+        let given: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+        let note = |i: usize, _: &Result<Completion, LlmError>| given.lock().unwrap().push(i);
+        let results = client.infer_answering_early(0, &items(&chats), &CancellationToken::new(), None, Some(&note)).await;
+        assert!(results[0].as_ref().is_err_and(|e| e.kind == ErrorKind::Timeout) && results[1..].iter().all(Result::is_ok), "{results:?}");
+        let mut given = given.into_inner().unwrap();
+        given.sort_unstable();
+        assert_eq!(given, [1, 2]);
+    }
+
     /// The observed case: a sequence of prompts each answered well within `llm.request_timeout`
     /// (1.5 s each, 8 of them, `llm.request_timeout = 4s`) outlasted the partition's
     /// `amqp.consumer_timeout` guard, which returned all 8 charged, the answered ones with them.
