@@ -1435,8 +1435,9 @@ fn record_flush(batch: &Batch<PrefixKey, Pending>) {
 }
 
 /// The batch's requests not settled yet (`None`: settled as answered while the calls ran)
-/// paired with their answers, in the order they are settled (and so put back): the answered ones, then those going back uncharged in the order
-/// [`infer_through_outages`] gives (`put_back_first`), then any other.
+/// paired with their answers, in the order they are settled (and so put back): the answered
+/// ones, then those going back uncharged in the order [`infer_through_outages`] gives
+/// (`put_back_first`), then any other.
 fn settle_order(items: Vec<Option<Seat>>, results: Vec<Answer>, put_back_first: &[usize]) -> Vec<(Seat, Answer)> {
     let mut paired: Vec<Option<(Seat, Answer)>> = items.into_iter().zip(results).map(|(seat, answer)| seat.map(|s| (s, answer))).collect();
     let mut ordered = Vec::with_capacity(paired.len());

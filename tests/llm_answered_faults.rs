@@ -409,7 +409,8 @@ async fn answered_requests_do_not_wait_for_a_slow_batch_mates_retries() {
     );
     assert!(completions_answered < last_completion_attempt, "the 3 completions waited for the slow prompt's retries");
     assert!(chats_answered < second_chat_attempt, "the chat requests waited for the slow chat request's retries");
-    // One result each, `ok` but for the refused one; no result for the slow ones, one dead letter each.
+    // One result each, `ok` but for the refused one; no result for the slow ones, one dead
+    // letter each.
     let mut answered: Vec<&str> = st.results.received.iter().map(|m| m.correlation_id.as_str()).collect();
     answered.sort_unstable();
     let mut expected: Vec<&str> = completions.iter().chain(&chats).map(|r| r.id.as_str()).collect();
