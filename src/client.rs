@@ -126,6 +126,22 @@ pub enum ClientError {
     },
 }
 
+impl ClientError {
+    /// The exit code `submit` ends with for this error ([`crate::exit`]): RabbitMQ refusing the
+    /// login or the vhost 77 (`EX_NOPERM`), no RabbitMQ node reachable 69 (`EX_UNAVAILABLE`), as
+    /// for `status`; an unreadable input file 66 (`EX_NOINPUT`), an output file that cannot be
+    /// created or written 73 (`EX_CANTCREAT`); any other failure 1.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            ClientError::Connect { .. } if login_refused(&error_text(self)) => crate::exit::EX_NOPERM,
+            ClientError::Connect { .. } => crate::exit::EX_UNAVAILABLE,
+            ClientError::Input { .. } => crate::exit::EX_NOINPUT,
+            ClientError::Output { .. } => crate::exit::EX_CANTCREAT,
+            _ => crate::exit::EX_FAILURE,
+        }
+    }
+}
+
 /// "the N requests … were published", for [`ClientError::AtLine`].
 fn published_text(n: usize) -> String {
     match n {

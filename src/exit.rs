@@ -16,13 +16,21 @@ pub const EX_MISSING_RESULTS: u8 = 3;
 /// mistyped prefix or Redis URL, or a deployment whose keys were deleted or lost).
 pub const EX_NO_DEPLOYMENT: u8 = 4;
 /// `status`: the table was printed from Redis, but no RabbitMQ node answered, so the backlog
-/// and consumer columns are unknown (`EX_UNAVAILABLE`, sysexits.h: "a service is unavailable").
+/// and consumer columns are unknown; `submit`: no RabbitMQ node answered (`EX_UNAVAILABLE`,
+/// sysexits.h: "a service is unavailable").
 pub const EX_UNAVAILABLE: u8 = 69;
+/// `submit`: the input file cannot be opened or read (`EX_NOINPUT`, sysexits.h: "an input file
+/// did not exist or was not readable").
+pub const EX_NOINPUT: u8 = 66;
+/// `submit --wait`: the results file cannot be created or written (`EX_CANTCREAT`, sysexits.h:
+/// "a (user specified) output file cannot be created").
+pub const EX_CANTCREAT: u8 = 73;
 /// The drain did not finish within `shutdown.drain_timeout` (`EX_SOFTWARE`, sysexits.h:
 /// "an internal software error"); unfinished requests return to their queues.
 pub const EX_SOFTWARE: u8 = 70;
 /// `status`: a RabbitMQ node answered but refused the login or the vhost (`EX_NOPERM`,
 /// sysexits.h: "insufficient permission"); the table is printed from Redis, backlog unknown.
+/// `submit`: the same refusal.
 pub const EX_NOPERM: u8 = 77;
 /// `check-config`, `status`: their output could not be written (`EX_IOERR`, sysexits.h: "an
 /// error occurred while doing I/O on some file"), e.g. a full disk behind a redirect. A reader

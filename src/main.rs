@@ -320,7 +320,8 @@ async fn run(settings: Settings) -> ExitCode {
     }
 }
 
-/// `submit`: exit 3 when some requests got no result.
+/// `submit`: exit 3 when some requests got no result; on an error, its
+/// [`client::ClientError::exit_code`].
 async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
     match client::submit(settings, opts).await {
         Ok(summary) => {
@@ -329,7 +330,7 @@ async fn submit(settings: &Settings, opts: &client::SubmitOptions) -> ExitCode {
         }
         Err(e) => {
             prefix_batcher::report!("prefix-batcher submit: {}", client::error_text(&e));
-            ExitCode::from(exit::EX_FAILURE)
+            ExitCode::from(e.exit_code())
         }
     }
 }

@@ -267,9 +267,21 @@ async fn errors_name_the_problem_but_never_a_secret() {
     }
 
     // The client commands' connection errors.
+    // `submit` exits as `status` does for RabbitMQ: 77 for a refused login, 69 for no node.
     let (code, out) = run_bin(&["--config", cfg, "submit", "--file", "/dev/null"], &[("PREFIX_BATCHER__AMQP__URL", &bad_amqp)]);
-    assert_ne!(code, Some(0), "submit with a wrong password must fail: {out}");
+    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NOPERM)), "submit with a wrong password: {out}");
+    assert!(out.contains("ACCESS_REFUSED"), "{out}");
     assert_no_secret("submit's error", &out, &secrets);
+    let closed_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let unreachable = format!("amqp://{}:{}@127.0.0.1:{closed_port}/%2f", creds.amqp_user, creds.amqp_password);
+    let (code, out) = run_bin(&["--config", cfg, "submit", "--file", "/dev/null"], &[("PREFIX_BATCHER__AMQP__URL", &unreachable)]);
+    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_UNAVAILABLE)), "submit without a broker: {out}");
+    assert_no_secret("submit's error without a broker", &out, &secrets);
+    // An input file that cannot be read: 66, naming the file.
+    let missing = env.dir.join("no-such-input.jsonl");
+    let (code, out) = run_bin(&["--config", cfg, "submit", "--file", missing.to_str().unwrap()], &[("PREFIX_BATCHER__AMQP__URL", &good_amqp)]);
+    assert_eq!(code, Some(i32::from(prefix_batcher::exit::EX_NOINPUT)), "submit of a missing file: {out}");
+    assert!(out.contains("no-such-input.jsonl"), "{out}");
     let (code, out) = run_bin(&["--config", cfg, "status"], &[("PREFIX_BATCHER__REDIS__URL", &bad_redis)]);
     assert_ne!(code, Some(0), "status with a wrong password must fail: {out}");
     assert_no_secret("status's error", &out, &secrets);

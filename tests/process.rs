@@ -988,7 +988,7 @@ async fn an_interrupted_submit_wait_writes_its_results_and_its_summary() {
     let mut submit = DaemonProcess::spawn(&env, "submit-bad-out", cmd);
     let status = submit.wait_exit(DEADLINE).await;
     let log = submit.log();
-    assert_eq!(status.code(), Some(1), "{log}");
+    assert_eq!(status.code(), Some(i32::from(prefix_batcher::exit::EX_CANTCREAT)), "{log}");
     assert!(log.contains("no-such-dir") && !log.contains("published"), "names the output, publishes nothing: {log}");
     assert_eq!(amqp.queue_depth(&queue).await.0, 0, "nothing was published");
     amqp.close().await;
