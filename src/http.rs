@@ -268,10 +268,11 @@ mod tests {
     }
 
     /// Clients that keep connections open hold at most [`Limits::max_connections`] of them, each
-    /// for at most [`Limits::max_age`], and a new client is served by closing the oldest. Observed before: 20 connections that each pipelined 100
-    /// `GET /metrics` and never read the answers were held for as long as the test ran (no header
-    /// timeout applies to a blocked write), and 2,000 idle ones, under a limit of 1,024 file
-    /// descriptors, failed the daemon's LLM calls with `EMFILE` until the header timeout.
+    /// for at most [`Limits::max_age`], and a new client is served by closing the oldest.
+    /// Observed before: 20 connections that each pipelined 100 `GET /metrics` and never read the
+    /// answers were held for as long as the test ran (no header timeout applies to a blocked
+    /// write), and 2,000 idle ones, under a limit of 1,024 file descriptors, failed the daemon's
+    /// LLM calls with `EMFILE` until the header timeout.
     #[tokio::test]
     async fn connections_are_bounded_in_number_and_age() {
         use tokio::io::AsyncWriteExt;

@@ -510,8 +510,9 @@ pub fn note_intake_lost(instance: &str) {
 /// The keys of the input messages whose forward this process may have published and whose ack
 /// may not reach the broker, for [`crate::intake_reports::IntakeReports::report`]: every outcome
 /// publish under way and handed to the broker ([`OutcomeInFlight`], [`note_sending`]: a forward
-/// whose delivery is then acked on a closed channel), every one that ended with its outcome unknown (no confirm in time, a failed earlier
-/// publish on its channel) within [`REDELIVERY_WINDOW`], and every confirmed forward whose ack
+/// whose delivery is then acked on a closed channel), every one that ended with its outcome
+/// unknown (no confirm in time, a failed earlier publish on its channel) within
+/// [`REDELIVERY_WINDOW`], and every confirmed forward whose ack
 /// is under way or failed within [`REDELIVERY_WINDOW`]; after a loss (`lost`), also those whose
 /// ack completed within [`ACK_LOSS_WINDOW`] (after a stop, whose channel closed after its acks,
 /// those reached the broker). Keys of partition outcomes come along; no input message has them.
