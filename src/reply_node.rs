@@ -221,4 +221,51 @@ mod tests {
         }
         assert_eq!(remembered("good-unit@1"), None, "forgotten once the table was full");
     }
+
+    /// A broker that takes the checking connection and answers nothing (a stalled node, a paused
+    /// VM): the check ends without a verdict within the URL's `connection_timeout`, the request
+    /// goes on, and the next requests naming that node within [`UNCHECKED_FOR`] go on without a
+    /// check of their own instead of each waiting as long again.
+    #[tokio::test]
+    async fn a_check_without_an_answer_lets_the_requests_go_on_and_is_not_repeated() {
+        use base64::Engine as _;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counted = accepted.clone();
+        // Takes connections and keeps them open, reading and writing nothing.
+        let silent = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::SeqCst);
+                held.push(socket);
+            }
+        });
+        let mut raw = crate::config::RawConfig::default();
+        raw.amqp.url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f?connection_timeout=400");
+        let check = NodeCheck::new(Arc::new(Settings::from_raw(&raw).unwrap()), 0);
+        // A name of the form RabbitMQ issues, of a node no other test names.
+        let node = "silent-check@4242";
+        let mut pid = vec![131, 88, 119, u8::try_from(node.len()).unwrap()];
+        pid.extend_from_slice(node.as_bytes());
+        pid.extend_from_slice(&[0; 12]);
+        let name = format!("{}{}.key", crate::request::DIRECT_REPLY_TO_PREFIX, base64::engine::general_purpose::STANDARD.encode(&pid));
+        assert_eq!(crate::request::direct_reply_to_node(&name).as_deref(), Some(node));
+
+        let started = Instant::now();
+        let verdict = check.check(&name, node).await;
+        let waited = started.elapsed();
+        let Verdict::Unchecked(why) = &verdict else { panic!("no answer gave a verdict: {verdict:?}") };
+        assert!(why.contains("connection_timeout"), "{why}");
+        assert!(waited >= Duration::from_millis(400), "ended before connection_timeout: {waited:?}");
+        assert!(waited < crate::amqp::DEFAULT_CONNECT_TIMEOUT, "the URL's connection_timeout was not applied: {waited:?}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+
+        for i in 0..10 {
+            assert!(check.refusal(Some(&name), &format!("next-{i}")).await.is_none(), "a request without a verdict was refused");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1, "the requests after it checked again");
+        silent.abort();
+    }
 }
