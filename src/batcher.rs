@@ -234,21 +234,29 @@ where
     /// `<= now` (its first item is at least `max_batch_wait` old), oldest first. Empty when none is
     /// due; O(log n) per flushed buffer plus one comparison.
     pub fn flush_expired(&mut self, now: Instant) -> Vec<Batch<K, T>> {
-        let wait = self.cfg.max_batch_wait;
+        self.flush_expired_up_to(now, usize::MAX)
+    }
+
+    /// As [`Batcher::flush_expired`], but at most `limit` buffers, the oldest; the other due
+    /// buffers stay, keep taking items of their keys (a full one flushes with
+    /// [`FlushReason::Size`]) and are due at every later call.
+    pub fn flush_expired_up_to(&mut self, now: Instant, limit: usize) -> Vec<Batch<K, T>> {
         let mut flushed = Vec::new();
-        while let Some(entry) = self.by_age.first_entry() {
-            let (oldest, _) = *entry.key();
-            // Compared as an age, so a wait too large for `Instant` never overflows.
-            let expired = now
-                .checked_duration_since(oldest)
-                .is_some_and(|age| age >= wait);
-            if !expired {
-                break;
-            }
+        while flushed.len() < limit && self.has_expired(now) {
+            let Some(entry) = self.by_age.first_entry() else { break };
             let key = entry.remove();
             flushed.extend(self.take(key, FlushReason::Timeout));
         }
         flushed
+    }
+
+    /// Whether a buffer is due at `now`: its first item is at least `max_batch_wait` old.
+    pub fn has_expired(&self, now: Instant) -> bool {
+        let wait = self.cfg.max_batch_wait;
+        // Compared as an age, so a wait too large for `Instant` never overflows.
+        self.by_age
+            .first_key_value()
+            .is_some_and(|(&(oldest, _), _)| now.checked_duration_since(oldest).is_some_and(|age| age >= wait))
     }
 
     /// When the buffers hold at least `max_buffered` items, removes and returns every buffer,
@@ -306,6 +314,111 @@ where
     }
 }
 
+/// The batches of one partition handed on by [`run`] and not finished yet: [`run`] counts each
+/// batch it sends, and the task that runs the batch holds an [`InProgress::finishing`] guard,
+/// whose drop (the batch done, failed, cancelled or panicked) counts it out. Cloning gives
+/// another handle to the same count.
+#[derive(Debug, Clone)]
+pub struct InProgress {
+    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// Bumped at each batch's end, for [`run`]'s wait on held buffers.
+    ended: std::sync::Arc<watch::Sender<u64>>,
+}
+
+impl Default for InProgress {
+    fn default() -> Self {
+        InProgress { count: Default::default(), ended: std::sync::Arc::new(watch::Sender::new(0)) }
+    }
+}
+
+impl InProgress {
+    /// Batches handed on and not finished.
+    pub fn count(&self) -> usize {
+        self.count.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The guard of one batch [`run`] has counted; its drop counts the batch out.
+    pub fn finishing(&self) -> Finishing {
+        Finishing(self.clone())
+    }
+
+    fn started(&self) {
+        self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Counts its batch out of [`InProgress`] when dropped.
+#[derive(Debug)]
+pub struct Finishing(InProgress);
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        let _ = self.0.count.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1));
+        self.0.ended.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
+/// What [`run`] asks before a flush by age ([`FlushReason::Timeout`]): whether the LLM server
+/// serving the partition has a free call slot (`llm.max_concurrency`), and how many batches of
+/// the partition are under way ([`InProgress`]).
+///
+/// Why: when every call slot is taken (a backlog, a slow server, the queue after an outage), a
+/// partial batch flushed at its deadline only waits for a slot, and keeps its deliveries, which
+/// hold the partition's prefetch, out of reach of the requests of its key that arrive meanwhile.
+/// Each freed slot then brings in a few deliveries, which flush at their own deadline as small
+/// batches and wait in turn: batches shrink to one request each and a backlog drains at a
+/// fraction of the server's speed (observed: 600 requests, 2 s calls, 4 slots, batches of 8
+/// allowed: mean batch size 3.6 in the first 20 s, 1.0 from the second minute, 240 s to drain).
+/// So while no slot is free and the partition already has a batch under way, due buffers stay
+/// and keep growing (a full one flushes by size); with no batch of the partition under way, the
+/// oldest due buffer goes, so every partition keeps one batch in line. A due buffer goes as
+/// soon as a slot frees or a batch of the partition ends.
+pub struct CallSlots {
+    /// Whether a call to the partition's endpoint would start at once.
+    pub free: Box<dyn Fn() -> bool + Send>,
+    /// Changes each time a slot becomes free ([`crate::llm::LlmClient::call_slot_freed`]).
+    pub freed: watch::Receiver<u64>,
+    /// The partition's batches under way.
+    pub in_progress: InProgress,
+}
+
+impl CallSlots {
+    /// How many due buffers may flush now: all with a free slot, the oldest with none free but
+    /// no batch of the partition under way, else none.
+    fn due_flushes(&self) -> usize {
+        if (self.free)() {
+            usize::MAX
+        } else if self.in_progress.count() == 0 {
+            1
+        } else {
+            0
+        }
+    }
+}
+
+/// Waits until a call slot frees or a batch of the partition ends; never with no `slots`.
+async fn slots_changed(slots: Option<&mut CallSlots>, ended: Option<&mut watch::Receiver<u64>>) {
+    let (Some(slots), Some(ended)) = (slots, ended) else { return std::future::pending().await };
+    tokio::select! {
+        // A closed sender (the LLM client or the count gone) changes nothing more: wait on.
+        Ok(()) = slots.freed.changed() => {}
+        Ok(()) = ended.changed() => {}
+        else => std::future::pending().await,
+    }
+}
+
+/// Flushes the due buffers that `slots` lets go ([`CallSlots`]; all of them without `slots`) and
+/// says in `held` whether any stayed.
+fn flush_due<K, T>(batcher: &mut Batcher<K, T>, now: Instant, slots: Option<&CallSlots>, held: &mut bool) -> Vec<Batch<K, T>>
+where
+    K: Eq + Hash + Clone,
+{
+    let limit = slots.map_or(usize::MAX, CallSlots::due_flushes);
+    let flushed = batcher.flush_expired_up_to(now, limit);
+    *held = batcher.has_expired(now);
+    flushed
+}
+
 /// What woke the driver.
 enum Event<K, T> {
     Item((K, T)),
@@ -320,7 +433,10 @@ enum Event<K, T> {
 ///
 /// - Size batches are sent as soon as they fill; timeout batches at their deadline (one sleep on
 ///   [`Batcher::next_deadline`], expiry is also checked on every received item, so a busy input
-///   cannot starve it).
+///   cannot starve it), unless `slots` holds them back: while the LLM server has no free call
+///   slot and the partition has a batch under way, due buffers stay and keep growing, and go
+///   when a slot frees or a batch of the partition ends ([`CallSlots`]). Each batch sent is
+///   counted in `slots`' [`InProgress`].
 /// - When `input` closes (every sender dropped), all partial batches are sent with
 ///   [`FlushReason::Shutdown`] and `run` returns: nothing sent on `input` is lost.
 /// - When `revoke` is cancelled, `input` is closed (later sends fail and give the item back to
@@ -341,17 +457,22 @@ pub async fn run<K, T>(
     out: mpsc::Sender<Batch<K, T>>,
     revoke: CancellationToken,
     mut budget_spent: watch::Receiver<u64>,
+    mut slots: Option<CallSlots>,
     mut on_state: impl FnMut(usize, Option<Duration>),
 ) where
     K: Eq + Hash + Clone,
 {
     let mut batcher = Batcher::new(cfg);
+    let mut ended = slots.as_ref().map(|s| s.in_progress.ended.subscribe());
+    // Due buffers held back by `slots`: no deadline to sleep on until a slot frees.
+    let mut held = false;
     loop {
-        let deadline = batcher.next_deadline();
+        let deadline = if held { None } else { batcher.next_deadline() };
         let event = tokio::select! {
             biased;
             () = revoke.cancelled() => Event::Revoked,
             () = crate::task::sleep_until_some(deadline) => Event::Deadline,
+            () = slots_changed(slots.as_mut(), ended.as_mut()), if held => Event::Deadline,
             Ok(()) = budget_spent.changed() => Event::BudgetSpent,
             received = input.recv() => received.map_or(Event::InputClosed, Event::Item),
         };
@@ -359,14 +480,16 @@ pub async fn run<K, T>(
         let mut ready = Vec::new();
         let last = match event {
             Event::Item((key, item)) => {
-                // Expire first: an item arriving at or after its key's deadline starts a new batch.
-                ready.extend(batcher.flush_expired(now));
+                // Expire first: an item arriving at or after its key's deadline starts a new
+                // batch, unless its buffer is held back (then it joins it).
+                ready.extend(flush_due(&mut batcher, now, slots.as_ref(), &mut held));
                 ready.extend(batcher.push(key, item, now));
                 ready.extend(batcher.flush_full());
+                held = held && batcher.has_expired(now);
                 false
             }
             Event::Deadline => {
-                ready.extend(batcher.flush_expired(now));
+                ready.extend(flush_due(&mut batcher, now, slots.as_ref(), &mut held));
                 false
             }
             Event::BudgetSpent => {
@@ -390,8 +513,14 @@ pub async fn run<K, T>(
                 true
             }
         };
+        if batcher.is_empty() {
+            held = false;
+        }
         on_state(batcher.buffered(), batcher.oldest_age(now));
         for batch in ready {
+            if let Some(s) = &slots {
+                s.in_progress.started();
+            }
             if out.send(batch).await.is_err() {
                 on_state(0, None);
                 return;
@@ -932,6 +1061,7 @@ mod tests {
             out_tx,
             revoke.clone(),
             spent.subscribe(),
+            None,
             move |n, age| recorded.lock().unwrap().push((n, age)),
         ));
         Harness {
@@ -982,6 +1112,71 @@ mod tests {
         assert_eq!(batch.items, [1, 2]);
         assert_eq!(batch.reason, FlushReason::Timeout);
         assert_eq!(batch.oldest, t0);
+    }
+
+    /// While the LLM server has no free call slot and the partition has a batch under way, a due
+    /// buffer stays open and takes its key's later items; it goes when a slot frees, or by size
+    /// when it fills. With no batch of the partition under way, only the oldest due buffer goes;
+    /// the next one when a batch ends ([`CallSlots`]).
+    #[tokio::test(start_paused = true)]
+    async fn run_holds_due_buffers_while_every_call_slot_is_taken() {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        let free = std::sync::Arc::new(AtomicBool::new(false));
+        let freed = watch::Sender::new(0u64);
+        let in_progress = InProgress::default();
+        let is_free = free.clone();
+        let slots = CallSlots { free: Box::new(move || is_free.load(SeqCst)), freed: freed.subscribe(), in_progress: in_progress.clone() };
+        let (tx, in_rx) = mpsc::channel(64);
+        let (out_tx, mut out) = mpsc::channel(64);
+        tokio::spawn(run(cfg(4, WAIT), in_rx, out_tx, CancellationToken::new(), watch::channel(0).1, Some(slots), |_, _| {}));
+        let settle = || tokio::time::sleep(MS);
+        let t0 = Instant::now();
+        tx.send(("a", 1)).await.unwrap();
+        tx.send(("b", 2)).await.unwrap();
+        // No slot free and no batch under way: the oldest due buffer goes, alone.
+        let a = next(&mut out).await;
+        assert_eq!((a.key, a.items, a.reason, Instant::now()), ("a", vec![1], FlushReason::Timeout, t0 + WAIT));
+        assert_eq!(in_progress.count(), 1, "a batch sent is under way");
+        let a_done = in_progress.finishing();
+        // "b" is due, and held: it takes its key's later items.
+        tokio::time::sleep(WAIT * 3).await;
+        tx.send(("b", 3)).await.unwrap();
+        tx.send(("b", 4)).await.unwrap();
+        settle().await;
+        assert!(out.try_recv().is_err(), "b went while a's batch was under way and no slot was free");
+        // A slot frees: b goes at once, with what it took meanwhile.
+        free.store(true, SeqCst);
+        freed.send_modify(|n| *n += 1);
+        let t1 = Instant::now();
+        let b = next(&mut out).await;
+        assert_eq!((b.key, b.items, b.reason, Instant::now()), ("b", vec![2, 3, 4], FlushReason::Timeout, t1));
+        let b_done = in_progress.finishing();
+        // With a slot free, due buffers go at their deadline as before.
+        let t2 = Instant::now();
+        tx.send(("c", 5)).await.unwrap();
+        let c = next(&mut out).await;
+        assert_eq!((c.items, Instant::now()), (vec![5], t2 + WAIT));
+        let c_done = in_progress.finishing();
+        // No slot again: a held buffer that fills goes by size.
+        free.store(false, SeqCst);
+        for i in 6..=9 {
+            tx.send(("d", i)).await.unwrap();
+            tokio::time::sleep(WAIT).await;
+        }
+        let d = next(&mut out).await;
+        assert_eq!((d.items, d.reason), (vec![6, 7, 8, 9], FlushReason::Size));
+        let d_done = in_progress.finishing();
+        // Held until the partition's batches end (no slot frees): the last end lets "e" go.
+        tx.send(("e", 10)).await.unwrap();
+        tokio::time::sleep(WAIT * 2).await;
+        drop((a_done, b_done, c_done));
+        settle().await;
+        assert!(out.try_recv().is_err(), "e went while d's batch was under way and no slot was free");
+        assert_eq!(in_progress.count(), 1);
+        let t3 = Instant::now();
+        drop(d_done);
+        let e = next(&mut out).await;
+        assert_eq!((e.items, e.reason, Instant::now()), (vec![10], FlushReason::Timeout, t3));
     }
 
     #[test]
@@ -1159,7 +1354,7 @@ mod tests {
                 .unwrap();
         }
         revoke.cancel();
-        run(cfg(3, WAIT), in_rx, out_tx, revoke, watch::channel(0).1, |_, _| {}).await;
+        run(cfg(3, WAIT), in_rx, out_tx, revoke, watch::channel(0).1, None, |_, _| {}).await;
         let mut batches = Vec::new();
         while let Some(batch) = out.recv().await {
             batches.push((batch.key, batch.items, batch.reason));

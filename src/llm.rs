@@ -308,6 +308,8 @@ struct Inner {
     liveness_after: Option<Duration>,
     /// Bumped by [`LlmClient::check_liveness_now`]: the waiting calls check their endpoints at once.
     check_now: watch::Sender<()>,
+    /// Bumped each time a permit of any endpoint becomes free ([`LlmClient::call_slot_freed`]).
+    slots_freed: Arc<watch::Sender<u64>>,
     hook: LlmHook,
 }
 
@@ -752,6 +754,10 @@ impl LlmClient {
         let http = builder.build().map_err(|e| config_error(format!("cannot build the HTTP client: {}", e.without_url())))?;
         let names: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
         let homes = crate::keying::assignment(options.partitions, &names).into_iter().map(|h| h.unwrap_or(0)).collect();
+        let slots_freed = Arc::new(watch::Sender::new(0));
+        for ep in &endpoints {
+            ep.permits.signal_freed(slots_freed.clone());
+        }
         Ok(LlmClient {
             inner: Arc::new(Inner {
                 http,
@@ -767,6 +773,7 @@ impl LlmClient {
                 max_response_bytes: options.max_response_bytes,
                 liveness_after: settings.liveness_check_after,
                 check_now: watch::Sender::new(()),
+                slots_freed,
                 hook: options.hook,
             }),
         })
@@ -815,6 +822,19 @@ impl LlmClient {
     /// time is over and no probe is in flight. False for an unknown index.
     pub fn available(&self, endpoint: usize) -> bool {
         self.inner.endpoints.get(endpoint).is_some_and(|ep| lock(&ep.breaker).available(Instant::now()))
+    }
+
+    /// Whether a call to `endpoint` would start at once: one of its `llm.max_concurrency`
+    /// permits is free. False for an unknown index.
+    pub fn call_slot_free(&self, endpoint: usize) -> bool {
+        self.inner.endpoints.get(endpoint).is_some_and(|ep| ep.permits.available() > 0)
+    }
+
+    /// A receiver whose value changes each time a permit of any endpoint becomes free (a call
+    /// ended and no call was waiting for its permit): a batcher that holds back partial batches
+    /// while [`Self::call_slot_free`] is false waits on it ([`crate::batcher::CallSlots`]).
+    pub fn call_slot_freed(&self) -> watch::Receiver<u64> {
+        self.inner.slots_freed.subscribe()
     }
 
     /// Whether any endpoint is [available](Self::available) (for `/readyz`).

@@ -595,11 +595,19 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
         max_buffered: usize::from(s.amqp.partition_prefetch),
     };
     let spent = ctx.buffer_budget.spent_signal();
-    let batching = batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, move |n, age| {
+    // Partial batches wait in their buffers, not in line for a call slot ([`batcher::CallSlots`]).
+    let in_progress = batcher::InProgress::default();
+    let llm = ctx.llm.clone();
+    let slots = batcher::CallSlots {
+        free: Box::new(move || llm.call_slot_free(llm.endpoint_for(p))),
+        freed: ctx.llm.call_slot_freed(),
+        in_progress: in_progress.clone(),
+    };
+    let batching = batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, Some(slots), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     });
     let batcher = tokio::spawn(session_task("batcher", p, batching, end.clone()));
-    let executing = execute(ctx.clone(), publish.clone(), batch_rx, stop.clone(), end.clone());
+    let executing = execute(ctx.clone(), publish.clone(), batch_rx, in_progress, stop.clone(), end.clone());
     let executor = tokio::spawn(session_task("executor", p, executing, end.clone()));
     let session = Session { ch, publish, batcher, executor };
 
@@ -1155,6 +1163,7 @@ async fn execute(
     ctx: PartitionContext,
     out: PublishOn,
     mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>,
+    in_progress: batcher::InProgress,
     stop: StopSignals,
     end: Arc<SessionEnd>,
 ) {
@@ -1167,7 +1176,10 @@ async fn execute(
                     let seq = BATCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                     let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
                     let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
-                    tasks.spawn(guarded_batch(ctx.clone(), out.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span));
+                    // Counted out of `in_progress` when the task ends, however it ends.
+                    let finishing = in_progress.finishing();
+                    let run = guarded_batch(ctx.clone(), out.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span);
+                    tasks.spawn(futures_util::FutureExt::map(run, move |()| drop(finishing)));
                 }
                 None => break,
             },

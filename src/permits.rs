@@ -43,6 +43,8 @@ struct State {
     free: usize,
     waiters: VecDeque<Waiter>,
     next_id: u64,
+    /// Bumped each time a permit becomes free ([`KeyedPermits::signal_freed`]).
+    freed: Option<Arc<tokio::sync::watch::Sender<u64>>>,
 }
 
 #[derive(Debug)]
@@ -69,7 +71,7 @@ impl Drop for Permit {
 impl KeyedPermits {
     /// `n` permits (n ≥ 1 in practice: `llm.max_concurrency`).
     pub fn new(n: usize) -> Self {
-        KeyedPermits { state: Arc::new(Mutex::new(State { free: n, waiters: VecDeque::new(), next_id: 0 })) }
+        KeyedPermits { state: Arc::new(Mutex::new(State { free: n, waiters: VecDeque::new(), next_id: 0, freed: None })) }
     }
 
     /// Waits for a permit for a call of prefix key `key` (`None`: a call of no particular key,
@@ -88,9 +90,16 @@ impl KeyedPermits {
         Acquire { state: self.state.clone(), key, wait: Wait::Queued(id, rx) }
     }
 
-    /// Permits free now (for tests and status).
+    /// Permits free now: a call would get one without waiting.
     pub fn available(&self) -> usize {
         lock(&self.state).free
+    }
+
+    /// From now on, bumps `freed` each time a permit becomes free (no call was waiting for it),
+    /// so that a batcher holding back batches while every permit is taken
+    /// ([`crate::batcher::CallSlots`]) learns when one could start.
+    pub fn signal_freed(&self, freed: Arc<tokio::sync::watch::Sender<u64>>) {
+        lock(&self.state).freed = Some(freed);
     }
 }
 
@@ -165,6 +174,9 @@ fn release(state: &Mutex<State>, ended: Option<u64>) {
         }
     }
     s.free += 1;
+    if let Some(freed) = &s.freed {
+        freed.send_modify(|n| *n = n.wrapping_add(1));
+    }
 }
 
 /// The waiter that gets a permit after a call of key `ended`: the oldest with the same key, unless
