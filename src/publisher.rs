@@ -1425,8 +1425,10 @@ pub async fn publish_result(
         Err(TurnEnd::Requeue) => return ResultEnd::Settled(left(&result.id, "the session ended while results were refused")),
         Err(TurnEnd::Release) => return released(delivery, &result.id, &"stopping while results are refused"),
     };
+    // Whether a refusal by `reply_to` was counted already: once per result, not per attempt.
+    let mut refusal_counted = false;
     loop {
-        let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result).await else {
+        let Err(e) = publish_with_fallback(out, amqp, tenure, &delivery.properties, &result, &mut refusal_counted).await else {
             out.turns().accepted();
             break;
         };
@@ -1649,13 +1651,16 @@ pub fn says_too_large(e: &PublishError) -> bool {
 
 /// Publishes a result to `reply_to` (or the results queue), then, when `reply_to` refused it, to
 /// the results queue with the refusal headers. A return for a direct reply-to name is settled by
-/// [`direct_reply_to_present`] (see [`publish_result`]).
+/// [`direct_reply_to_present`] (see [`publish_result`]). The refusal is counted in
+/// `reply_to_refused_total` unless `refusal_counted` says it was already, by an earlier attempt
+/// at the same result (the results queue refused that one too), and sets it.
 async fn publish_with_fallback(
     out: &SharedConfirmChannel,
     amqp: &AmqpSettings,
     tenure: Tenure<'_>,
     request: &BasicProperties,
     result: &RequestResult,
+    refusal_counted: &mut bool,
 ) -> Result<(), PublishError> {
     let body = serde_json::to_vec(result).expect("result serializes");
     let out_props = result_props(request, &result.id, tenure);
@@ -1686,7 +1691,9 @@ async fn publish_with_fallback(
         },
     };
     crate::warn_limited!(REPLY_REFUSED_LOG, request_id = %result.id, reply_to = %rt, reason, error = %why, "reply queue refused the result; publishing it to the results queue");
-    metrics::reply_to_refused(reason);
+    if !std::mem::replace(refusal_counted, true) {
+        metrics::reply_to_refused(reason);
+    }
     let headers = headers_with(out_props.headers().as_ref(), &[(HEADER_REPLY_TO_REFUSED, reason.to_owned()), (HEADER_REPLY_TO, rt)]);
     publish_own(out, amqp, OwnDestination::Results, &body, out_props.with_headers(headers), Some(tenure.lease)).await
 }

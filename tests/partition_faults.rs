@@ -327,6 +327,38 @@ async fn a_full_reply_queue_diverts_results_and_stalls_nothing() {
     stop_and_check_nothing_held(env, st, vec![diverted]).await;
 }
 
+/// A result whose reply queue does not exist, held while the results queue refuses it too
+/// (full, `reject-publish`): each attempt finds `reply_to` unroutable again, and
+/// `reply_to_refused_total{reason="unroutable"}` counts each result once, not once per attempt
+/// (observed: 239 for 200 requests, each held attempt counted again). Every request gets one
+/// result in the results queue once it takes results again, marked `unroutable`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_reply_to_is_counted_once_per_result_however_often_it_is_held() {
+    let fake = FakeLlm::new().start().await.unwrap();
+    let (env, st) = start("refusedonce", fake.url.as_str()).await;
+    let amqp = &st.amqp;
+    let unroutable = || metric("prefix_batcher_reply_to_refused_total{reason=\"unroutable\"}");
+    let (unroutable_before, held_before) = (unroutable(), results_held());
+    let policy = refuse_results(&env, amqp).await;
+    let reqs = one_key("refusedonce", 20, 0);
+    let missing = format!("{}.missing", env.name);
+    amqp.publish_requests(&env.input_queue(), &reqs, &missing).await;
+    let held = wait_for("held attempts, two per result", Duration::from_secs(30), || async { results_held() >= held_before + 40.0 }).await;
+    assert!(held, "the refused results were not held ({} attempts)", results_held() - held_before);
+    drop(policy);
+    let mut diverted = amqp.consume(&env.results_queue()).await;
+    let want = ids(&reqs);
+    diverted.until("20 diverted results", Duration::from_secs(30), |r| r.iter().filter(|m| want.contains(&m.correlation_id)).count() >= 20).await;
+    diverted.collect_for(Duration::from_secs(1)).await;
+    let ours: Vec<_> = diverted.received.iter().filter(|m| want.contains(&m.correlation_id)).collect();
+    assert_eq!(ours.len(), 20, "one result each");
+    assert!(ours.iter().all(|m| m.header("x-reply-to-refused") == Some("unroutable")));
+    let counted = unroutable() - unroutable_before;
+    eprintln!("20 results refused by reply_to and held: {} held attempts, {counted} refusals counted", results_held() - held_before);
+    assert_eq!(counted, 20.0, "refusals counted per attempt, not per result");
+    stop_and_check_nothing_held(env, st, vec![diverted]).await;
+}
+
 /// A reply queue that holds 100 results and refuses the rest (`x-max-length = 100`,
 /// `x-overflow = reject-publish`, never consumed), for 500 requests on 16 keys, so many results
 /// are in flight on each partition's publishing channel when the refusals start. Every request
