@@ -424,6 +424,13 @@ impl Membership {
         }
     }
 
+    /// `PING`: whether Redis answers within the command timeout, without writing anything.
+    pub async fn ping(&self) -> Result<(), MembershipError> {
+        let mut conn = self.conn.clone();
+        let _: String = self.timed(redis::cmd("PING").query_async(&mut conn)).await?;
+        Ok(())
+    }
+
     /// Announces this process for another `member_ttl`, with its LLM-down flag set or cleared
     /// (`llm_down`), and returns the live member names, sorted, with the nonce of another process
     /// that held the name until this heartbeat and the members whose LLM is down (one round trip).

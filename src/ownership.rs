@@ -347,6 +347,20 @@ impl Ownership {
         let others = crate::partition::other_consumer_partitions(2 * crate::partition::stall_window(&self.settings));
         self.membership.set_health(&with_version(&health_line(&self.readiness.state(), &endpoints, held, &others, &self.client_certificates, crate::tls::unix_now())));
         let flags = crate::membership::LlmFlags { down: llm_down, unavailable: self.llm.all_down_for().is_some() };
+        // After a failed heartbeat, the next one goes only once a `PING` is answered within
+        // `redis.command_timeout`. A heartbeat that timed out here may still have reached Redis
+        // and renewed this instance's membership: over a link slower than the timeout, each one
+        // would keep it a live member, and the desired owner of its partitions, while none of
+        // its lease commands is answered in time, so nobody would serve those partitions
+        // (observed: 2 of 6 partitions unserved for the whole 46 s of a link with 1.1 s round
+        // trips, `command_timeout` 1 s). Without heartbeats its entry expires after
+        // `member_ttl` and the other members take its share.
+        if self.heartbeat_failure_logged.is_some() {
+            if let Err(e) = self.membership.ping().await {
+                debug!(error = %e, "Redis did not answer a PING in time; no heartbeat this round");
+                return None;
+            }
+        }
         let beat = match self.membership.heartbeat_flagging(flags, conflict).await {
             Ok(b) => b,
             Err(e) => {
