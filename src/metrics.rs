@@ -440,7 +440,9 @@ pub mod outcome {
     /// Dropped unacked because the partition lease was lost (the broker redelivers it).
     pub const REQUEUED: &str = "requeued";
     /// Batcher: put back in its partition queue without a delivery charged, after a drain,
-    /// handoff or abort ([`crate::partition`]). Router: put back in the input queue without a
+    /// handoff or abort ([`crate::partition`]); this includes deliveries the broker had sent
+    /// that the partition had not taken yet, which were never counted [`RECEIVED`] (so `received`
+    /// is not `processed` + `failed` + this). Router: put back in the input queue without a
     /// delivery charged, when its partition queue refused forwards and too many were held for
     /// such queues already, its hold neared `amqp.consumer_timeout`, or the router stopped
     /// ([`crate::router`]).
