@@ -314,53 +314,9 @@ where
     }
 }
 
-/// The batches of one partition handed on by [`run`] and not finished yet: [`run`] counts each
-/// batch it sends, and the task that runs the batch holds an [`InProgress::finishing`] guard,
-/// whose drop (the batch done, failed, cancelled or panicked) counts it out. Cloning gives
-/// another handle to the same count.
-#[derive(Debug, Clone)]
-pub struct InProgress {
-    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    /// Bumped at each batch's end, for [`run`]'s wait on held buffers.
-    ended: std::sync::Arc<watch::Sender<u64>>,
-}
-
-impl Default for InProgress {
-    fn default() -> Self {
-        InProgress { count: Default::default(), ended: std::sync::Arc::new(watch::Sender::new(0)) }
-    }
-}
-
-impl InProgress {
-    /// Batches handed on and not finished.
-    pub fn count(&self) -> usize {
-        self.count.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// The guard of one batch [`run`] has counted; its drop counts the batch out.
-    pub fn finishing(&self) -> Finishing {
-        Finishing(self.clone())
-    }
-
-    fn started(&self) {
-        self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-/// Counts its batch out of [`InProgress`] when dropped.
-#[derive(Debug)]
-pub struct Finishing(InProgress);
-
-impl Drop for Finishing {
-    fn drop(&mut self) {
-        let _ = self.0.count.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1));
-        self.0.ended.send_modify(|n| *n = n.wrapping_add(1));
-    }
-}
-
 /// What [`run`] asks before a flush by age ([`FlushReason::Timeout`]): whether the LLM server
-/// serving the partition has a free call slot (`llm.max_concurrency`), and how many batches of
-/// the partition are under way ([`InProgress`]).
+/// serving the partition has a free call slot (`llm.max_concurrency`), and whether a batch of
+/// the partition already waits for one.
 ///
 /// Why: when every call slot is taken (a backlog, a slow server, the queue after an outage), a
 /// partial batch flushed at its deadline only waits for a slot, and keeps its deliveries, which
@@ -369,26 +325,30 @@ impl Drop for Finishing {
 /// batches and wait in turn: batches shrink to one request each and a backlog drains at a
 /// fraction of the server's speed (observed: 600 requests, 2 s calls, 4 slots, batches of 8
 /// allowed: mean batch size 3.6 in the first 20 s, 1.0 from the second minute, 240 s to drain).
-/// So while no slot is free and the partition already has a batch under way, due buffers stay
-/// and keep growing (a full one flushes by size); with no batch of the partition under way, the
-/// oldest due buffer goes, so every partition keeps one batch in line. A due buffer goes as
-/// soon as a slot frees or a batch of the partition ends.
+/// So while no slot is free and a batch of the partition waits for one, due buffers stay and
+/// keep growing (a full one flushes by size). With no batch of the partition waiting (none under
+/// way, or all calling the server), the oldest due buffer goes, so every partition keeps one
+/// batch in line, and a batch that takes long (a slow prompt's retries) holds nothing back. A
+/// due buffer goes as soon as a slot frees or the partition's batch in line gets its slot.
 pub struct CallSlots {
     /// Whether a call to the partition's endpoint would start at once.
     pub free: Box<dyn Fn() -> bool + Send>,
-    /// Changes each time a slot becomes free ([`crate::llm::LlmClient::call_slot_freed`]).
-    pub freed: watch::Receiver<u64>,
-    /// The partition's batches under way.
-    pub in_progress: InProgress,
+    /// Whether a batch of the partition waits for a call slot.
+    pub in_line: Box<dyn Fn() -> bool + Send>,
+    /// Changes when the slots or their waiting calls change
+    /// ([`crate::llm::LlmClient::call_slots_changed`]).
+    pub changed: watch::Receiver<u64>,
+    /// Changes when a batch of the partition ends.
+    pub ended: watch::Receiver<u64>,
 }
 
 impl CallSlots {
     /// How many due buffers may flush now: all with a free slot, the oldest with none free but
-    /// no batch of the partition under way, else none.
+    /// no batch of the partition in line, else none.
     fn due_flushes(&self) -> usize {
         if (self.free)() {
             usize::MAX
-        } else if self.in_progress.count() == 0 {
+        } else if !(self.in_line)() {
             1
         } else {
             0
@@ -396,13 +356,13 @@ impl CallSlots {
     }
 }
 
-/// Waits until a call slot frees or a batch of the partition ends; never with no `slots`.
-async fn slots_changed(slots: Option<&mut CallSlots>, ended: Option<&mut watch::Receiver<u64>>) {
-    let (Some(slots), Some(ended)) = (slots, ended) else { return std::future::pending().await };
+/// Waits until the call slots or the partition's batches change; never with no `slots`.
+async fn slots_changed(slots: Option<&mut CallSlots>) {
+    let Some(slots) = slots else { return std::future::pending().await };
     tokio::select! {
-        // A closed sender (the LLM client or the count gone) changes nothing more: wait on.
-        Ok(()) = slots.freed.changed() => {}
-        Ok(()) = ended.changed() => {}
+        // A closed sender (the LLM client or the partition gone) changes nothing more: wait on.
+        Ok(()) = slots.changed.changed() => {}
+        Ok(()) = slots.ended.changed() => {}
         else => std::future::pending().await,
     }
 }
@@ -434,9 +394,8 @@ enum Event<K, T> {
 /// - Size batches are sent as soon as they fill; timeout batches at their deadline (one sleep on
 ///   [`Batcher::next_deadline`], expiry is also checked on every received item, so a busy input
 ///   cannot starve it), unless `slots` holds them back: while the LLM server has no free call
-///   slot and the partition has a batch under way, due buffers stay and keep growing, and go
-///   when a slot frees or a batch of the partition ends ([`CallSlots`]). Each batch sent is
-///   counted in `slots`' [`InProgress`].
+///   slot and a batch of the partition waits for one, due buffers stay and keep growing, and go
+///   when a slot frees or that batch gets its slot ([`CallSlots`]).
 /// - When `input` closes (every sender dropped), all partial batches are sent with
 ///   [`FlushReason::Shutdown`] and `run` returns: nothing sent on `input` is lost.
 /// - When `revoke` is cancelled, `input` is closed (later sends fail and give the item back to
@@ -463,8 +422,7 @@ pub async fn run<K, T>(
     K: Eq + Hash + Clone,
 {
     let mut batcher = Batcher::new(cfg);
-    let mut ended = slots.as_ref().map(|s| s.in_progress.ended.subscribe());
-    // Due buffers held back by `slots`: no deadline to sleep on until a slot frees.
+    // Due buffers held back by `slots`: no deadline to sleep on until the slots change.
     let mut held = false;
     loop {
         let deadline = if held { None } else { batcher.next_deadline() };
@@ -472,7 +430,7 @@ pub async fn run<K, T>(
             biased;
             () = revoke.cancelled() => Event::Revoked,
             () = crate::task::sleep_until_some(deadline) => Event::Deadline,
-            () = slots_changed(slots.as_mut(), ended.as_mut()), if held => Event::Deadline,
+            () = slots_changed(slots.as_mut()), if held => Event::Deadline,
             Ok(()) = budget_spent.changed() => Event::BudgetSpent,
             received = input.recv() => received.map_or(Event::InputClosed, Event::Item),
         };
@@ -518,9 +476,6 @@ pub async fn run<K, T>(
         }
         on_state(batcher.buffered(), batcher.oldest_age(now));
         for batch in ready {
-            if let Some(s) = &slots {
-                s.in_progress.started();
-            }
             if out.send(batch).await.is_err() {
                 on_state(0, None);
                 return;
@@ -1114,18 +1069,22 @@ mod tests {
         assert_eq!(batch.oldest, t0);
     }
 
-    /// While the LLM server has no free call slot and the partition has a batch under way, a due
-    /// buffer stays open and takes its key's later items; it goes when a slot frees, or by size
-    /// when it fills. With no batch of the partition under way, only the oldest due buffer goes;
-    /// the next one when a batch ends ([`CallSlots`]).
+    /// While the LLM server has no free call slot and a batch of the partition waits for one, a
+    /// due buffer stays open and takes its key's later items; it goes when a slot frees or the
+    /// waiting batch gets its slot, or by size when it fills. With no batch of the partition
+    /// waiting, only the oldest due buffer goes ([`CallSlots`]).
     #[tokio::test(start_paused = true)]
     async fn run_holds_due_buffers_while_every_call_slot_is_taken() {
         use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
-        let free = std::sync::Arc::new(AtomicBool::new(false));
-        let freed = watch::Sender::new(0u64);
-        let in_progress = InProgress::default();
-        let is_free = free.clone();
-        let slots = CallSlots { free: Box::new(move || is_free.load(SeqCst)), freed: freed.subscribe(), in_progress: in_progress.clone() };
+        let (free, in_line) = (std::sync::Arc::new(AtomicBool::new(false)), std::sync::Arc::new(AtomicBool::new(false)));
+        let (changed, ended) = (watch::Sender::new(0u64), watch::Sender::new(0u64));
+        let (is_free, is_in_line) = (free.clone(), in_line.clone());
+        let slots = CallSlots {
+            free: Box::new(move || is_free.load(SeqCst)),
+            in_line: Box::new(move || is_in_line.load(SeqCst)),
+            changed: changed.subscribe(),
+            ended: ended.subscribe(),
+        };
         let (tx, in_rx) = mpsc::channel(64);
         let (out_tx, mut out) = mpsc::channel(64);
         tokio::spawn(run(cfg(4, WAIT), in_rx, out_tx, CancellationToken::new(), watch::channel(0).1, Some(slots), |_, _| {}));
@@ -1133,30 +1092,27 @@ mod tests {
         let t0 = Instant::now();
         tx.send(("a", 1)).await.unwrap();
         tx.send(("b", 2)).await.unwrap();
-        // No slot free and no batch under way: the oldest due buffer goes, alone.
+        // No slot free and no batch in line: the oldest due buffer goes, alone.
         let a = next(&mut out).await;
         assert_eq!((a.key, a.items, a.reason, Instant::now()), ("a", vec![1], FlushReason::Timeout, t0 + WAIT));
-        assert_eq!(in_progress.count(), 1, "a batch sent is under way");
-        let a_done = in_progress.finishing();
-        // "b" is due, and held: it takes its key's later items.
+        // a's batch waits for a slot; "b", due, is held and takes its key's later items.
+        in_line.store(true, SeqCst);
         tokio::time::sleep(WAIT * 3).await;
         tx.send(("b", 3)).await.unwrap();
         tx.send(("b", 4)).await.unwrap();
         settle().await;
-        assert!(out.try_recv().is_err(), "b went while a's batch was under way and no slot was free");
+        assert!(out.try_recv().is_err(), "b went while a batch of the partition waited and no slot was free");
         // A slot frees: b goes at once, with what it took meanwhile.
         free.store(true, SeqCst);
-        freed.send_modify(|n| *n += 1);
+        changed.send_modify(|n| *n += 1);
         let t1 = Instant::now();
         let b = next(&mut out).await;
         assert_eq!((b.key, b.items, b.reason, Instant::now()), ("b", vec![2, 3, 4], FlushReason::Timeout, t1));
-        let b_done = in_progress.finishing();
         // With a slot free, due buffers go at their deadline as before.
         let t2 = Instant::now();
         tx.send(("c", 5)).await.unwrap();
         let c = next(&mut out).await;
         assert_eq!((c.items, Instant::now()), (vec![5], t2 + WAIT));
-        let c_done = in_progress.finishing();
         // No slot again: a held buffer that fills goes by size.
         free.store(false, SeqCst);
         for i in 6..=9 {
@@ -1165,18 +1121,26 @@ mod tests {
         }
         let d = next(&mut out).await;
         assert_eq!((d.items, d.reason), (vec![6, 7, 8, 9], FlushReason::Size));
-        let d_done = in_progress.finishing();
-        // Held until the partition's batches end (no slot frees): the last end lets "e" go.
+        // Held while a batch waits; the partition's batches changing (one ended) is not enough.
         tx.send(("e", 10)).await.unwrap();
+        tx.send(("f", 11)).await.unwrap();
         tokio::time::sleep(WAIT * 2).await;
-        drop((a_done, b_done, c_done));
+        ended.send_modify(|n| *n += 1);
         settle().await;
-        assert!(out.try_recv().is_err(), "e went while d's batch was under way and no slot was free");
-        assert_eq!(in_progress.count(), 1);
+        assert!(out.try_recv().is_err(), "e went while a batch of the partition waited and no slot was free");
+        // The waiting batch got its slot (none free, none waiting): the oldest due buffer goes,
+        // the next one stays for the next turn.
+        in_line.store(false, SeqCst);
+        changed.send_modify(|n| *n += 1);
         let t3 = Instant::now();
-        drop(d_done);
         let e = next(&mut out).await;
         assert_eq!((e.items, e.reason, Instant::now()), (vec![10], FlushReason::Timeout, t3));
+        in_line.store(true, SeqCst);
+        settle().await;
+        assert!(out.try_recv().is_err(), "f went with e");
+        in_line.store(false, SeqCst);
+        ended.send_modify(|n| *n += 1);
+        assert_eq!(next(&mut out).await.items, vec![11]);
     }
 
     #[test]

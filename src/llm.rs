@@ -308,8 +308,8 @@ struct Inner {
     liveness_after: Option<Duration>,
     /// Bumped by [`LlmClient::check_liveness_now`]: the waiting calls check their endpoints at once.
     check_now: watch::Sender<()>,
-    /// Bumped each time a permit of any endpoint becomes free ([`LlmClient::call_slot_freed`]).
-    slots_freed: Arc<watch::Sender<u64>>,
+    /// Bumped at each change of the permits of any endpoint ([`LlmClient::call_slots_changed`]).
+    slots_changed: Arc<watch::Sender<u64>>,
     hook: LlmHook,
 }
 
@@ -754,9 +754,9 @@ impl LlmClient {
         let http = builder.build().map_err(|e| config_error(format!("cannot build the HTTP client: {}", e.without_url())))?;
         let names: Vec<&str> = endpoints.iter().map(|e| e.name.as_str()).collect();
         let homes = crate::keying::assignment(options.partitions, &names).into_iter().map(|h| h.unwrap_or(0)).collect();
-        let slots_freed = Arc::new(watch::Sender::new(0));
+        let slots_changed = Arc::new(watch::Sender::new(0));
         for ep in &endpoints {
-            ep.permits.signal_freed(slots_freed.clone());
+            ep.permits.signal_changes(slots_changed.clone());
         }
         Ok(LlmClient {
             inner: Arc::new(Inner {
@@ -773,7 +773,7 @@ impl LlmClient {
                 max_response_bytes: options.max_response_bytes,
                 liveness_after: settings.liveness_check_after,
                 check_now: watch::Sender::new(()),
-                slots_freed,
+                slots_changed,
                 hook: options.hook,
             }),
         })
@@ -830,11 +830,18 @@ impl LlmClient {
         self.inner.endpoints.get(endpoint).is_some_and(|ep| ep.permits.available() > 0)
     }
 
-    /// A receiver whose value changes each time a permit of any endpoint becomes free (a call
-    /// ended and no call was waiting for its permit): a batcher that holds back partial batches
-    /// while [`Self::call_slot_free`] is false waits on it ([`crate::batcher::CallSlots`]).
-    pub fn call_slot_freed(&self) -> watch::Receiver<u64> {
-        self.inner.slots_freed.subscribe()
+    /// Whether a call to `endpoint` waits for a permit with a prefix key that satisfies `of`.
+    /// False for an unknown index.
+    pub fn call_waiting(&self, endpoint: usize, of: impl Fn(u64) -> bool) -> bool {
+        self.inner.endpoints.get(endpoint).is_some_and(|ep| ep.permits.has_waiter(of))
+    }
+
+    /// A receiver whose value changes each time a permit of any endpoint is handed to a waiting
+    /// call or becomes free, or a waiting call leaves without one: a batcher that holds back
+    /// partial batches while [`Self::call_slot_free`] is false waits on it
+    /// ([`crate::batcher::CallSlots`]).
+    pub fn call_slots_changed(&self) -> watch::Receiver<u64> {
+        self.inner.slots_changed.subscribe()
     }
 
     /// Whether any endpoint is [available](Self::available) (for `/readyz`).

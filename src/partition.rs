@@ -58,7 +58,7 @@
 //! result with a lower epoch than one already seen for its partition is stale) and `x-instance`
 //! (the instance name), so consumers and tests can build an ownership log from results alone.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -596,18 +596,19 @@ async fn session(conns: &Connections, ctx: &PartitionContext, stop: &StopSignals
     };
     let spent = ctx.buffer_budget.spent_signal();
     // Partial batches wait in their buffers, not in line for a call slot ([`batcher::CallSlots`]).
-    let in_progress = batcher::InProgress::default();
-    let llm = ctx.llm.clone();
+    let under_way = UnderWay::default();
+    let (llm, llm_too, keys) = (ctx.llm.clone(), ctx.llm.clone(), under_way.clone());
     let slots = batcher::CallSlots {
         free: Box::new(move || llm.call_slot_free(llm.endpoint_for(p))),
-        freed: ctx.llm.call_slot_freed(),
-        in_progress: in_progress.clone(),
+        in_line: Box::new(move || llm_too.call_waiting(llm_too.endpoint_for(p), |key| keys.contains(key))),
+        changed: ctx.llm.call_slots_changed(),
+        ended: under_way.ended.subscribe(),
     };
     let batching = batcher::run(cfg, item_rx, batch_tx, stop.revoke.clone(), spent, Some(slots), move |n, age| {
         metrics::buffer_state(p, n, age.map_or(0.0, |d| d.as_secs_f64()))
     });
     let batcher = tokio::spawn(session_task("batcher", p, batching, end.clone()));
-    let executing = execute(ctx.clone(), publish.clone(), batch_rx, in_progress, stop.clone(), end.clone());
+    let executing = execute(ctx.clone(), publish.clone(), batch_rx, under_way, stop.clone(), end.clone());
     let executor = tokio::spawn(session_task("executor", p, executing, end.clone()));
     let session = Session { ch, publish, batcher, executor };
 
@@ -1155,6 +1156,58 @@ type PublishOn = Arc<SharedConfirmChannel>;
 /// restarted within its epoch (a deleted queue, a closed channel), which began its count again.
 static BATCH_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// The prefix keys of a partition's batches under way (each key once per batch), for the
+/// batcher's question whether one of them waits for a call slot ([`batcher::CallSlots`]), and a
+/// signal at the end of each. Cloning gives another handle to the same set.
+#[derive(Clone)]
+struct UnderWay {
+    keys: Arc<Mutex<HashMap<u64, usize>>>,
+    ended: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Default for UnderWay {
+    fn default() -> Self {
+        UnderWay { keys: Arc::default(), ended: Arc::new(tokio::sync::watch::Sender::new(0)) }
+    }
+}
+
+impl UnderWay {
+    fn keys(&self) -> std::sync::MutexGuard<'_, HashMap<u64, usize>> {
+        self.keys.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether a batch of prefix key `key` is under way.
+    fn contains(&self, key: u64) -> bool {
+        self.keys().contains_key(&key)
+    }
+
+    /// Counts a batch of prefix key `key` under way until the returned guard is dropped.
+    fn begin(&self, key: u64) -> BatchUnderWay {
+        *self.keys().entry(key).or_default() += 1;
+        BatchUnderWay { set: self.clone(), key }
+    }
+}
+
+/// One batch of [`UnderWay`]; its drop counts it out and signals the end.
+struct BatchUnderWay {
+    set: UnderWay,
+    key: u64,
+}
+
+impl Drop for BatchUnderWay {
+    fn drop(&mut self) {
+        let mut keys = self.set.keys();
+        if let Some(n) = keys.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                keys.remove(&self.key);
+            }
+        }
+        drop(keys);
+        self.set.ended.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
+
 /// The executor: one task per batch until the batcher's output closes, then waits for them all.
 /// Results are published on the channel of `out` ([`SharedConfirmChannel`]); its connection serves the
 /// direct reply-to checks ([`publisher::direct_reply_to_present`]).
@@ -1163,7 +1216,7 @@ async fn execute(
     ctx: PartitionContext,
     out: PublishOn,
     mut batch_rx: mpsc::Receiver<Batch<PrefixKey, Pending>>,
-    in_progress: batcher::InProgress,
+    under_way: UnderWay,
     stop: StopSignals,
     end: Arc<SessionEnd>,
 ) {
@@ -1176,8 +1229,8 @@ async fn execute(
                     let seq = BATCH_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
                     let batch_id = format!("{}-{}-{}", ctx.partition, ctx.epoch, seq);
                     let span = info_span!("batch", partition = ctx.partition, batch_id = %batch_id, key = %batch.key);
-                    // Counted out of `in_progress` when the task ends, however it ends.
-                    let finishing = in_progress.finishing();
+                    // Counted out of `under_way` when the task ends, however it ends.
+                    let finishing = under_way.begin(batch.key.0);
                     let run = guarded_batch(ctx.clone(), out.clone(), batch, batch_id, stop.clone(), end.clone()).instrument(span);
                     tasks.spawn(futures_util::FutureExt::map(run, move |()| drop(finishing)));
                 }

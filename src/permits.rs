@@ -43,8 +43,8 @@ struct State {
     free: usize,
     waiters: VecDeque<Waiter>,
     next_id: u64,
-    /// Bumped each time a permit becomes free ([`KeyedPermits::signal_freed`]).
-    freed: Option<Arc<tokio::sync::watch::Sender<u64>>>,
+    /// Bumped at each change of who holds or waits ([`KeyedPermits::signal_changes`]).
+    changed: Option<Arc<tokio::sync::watch::Sender<u64>>>,
 }
 
 #[derive(Debug)]
@@ -71,7 +71,7 @@ impl Drop for Permit {
 impl KeyedPermits {
     /// `n` permits (n ≥ 1 in practice: `llm.max_concurrency`).
     pub fn new(n: usize) -> Self {
-        KeyedPermits { state: Arc::new(Mutex::new(State { free: n, waiters: VecDeque::new(), next_id: 0, freed: None })) }
+        KeyedPermits { state: Arc::new(Mutex::new(State { free: n, waiters: VecDeque::new(), next_id: 0, changed: None })) }
     }
 
     /// Waits for a permit for a call of prefix key `key` (`None`: a call of no particular key,
@@ -95,11 +95,17 @@ impl KeyedPermits {
         lock(&self.state).free
     }
 
-    /// From now on, bumps `freed` each time a permit becomes free (no call was waiting for it),
-    /// so that a batcher holding back batches while every permit is taken
-    /// ([`crate::batcher::CallSlots`]) learns when one could start.
-    pub fn signal_freed(&self, freed: Arc<tokio::sync::watch::Sender<u64>>) {
-        lock(&self.state).freed = Some(freed);
+    /// From now on, bumps `changed` each time a permit is handed to a waiting call or becomes
+    /// free, and each time a waiting call leaves the queue without one, so that a batcher holding
+    /// back batches while every permit is taken ([`crate::batcher::CallSlots`]) looks again.
+    pub fn signal_changes(&self, changed: Arc<tokio::sync::watch::Sender<u64>>) {
+        lock(&self.state).changed = Some(changed);
+    }
+
+    /// Whether a call waits for a permit whose prefix key satisfies `of` (a call of no particular
+    /// key never does).
+    pub fn has_waiter(&self, of: impl Fn(u64) -> bool) -> bool {
+        lock(&self.state).waiters.iter().any(|w| w.key.is_some_and(&of))
     }
 }
 
@@ -150,6 +156,7 @@ impl Drop for Acquire {
         let mut s = lock(&self.state);
         if let Some(i) = s.waiters.iter().position(|w| w.id == id) {
             s.waiters.remove(i);
+            s.signal();
             return;
         }
         drop(s);
@@ -170,12 +177,20 @@ fn release(state: &Mutex<State>, ended: Option<u64>) {
         let w = s.waiters.remove(i).expect("index from next_waiter");
         if w.tx.send(()).is_ok() {
             crate::metrics::llm_permit_handoff(i > 0);
+            s.signal();
             return;
         }
     }
     s.free += 1;
-    if let Some(freed) = &s.freed {
-        freed.send_modify(|n| *n = n.wrapping_add(1));
+    s.signal();
+}
+
+impl State {
+    /// Bumps the change signal, if any ([`KeyedPermits::signal_changes`]).
+    fn signal(&self) {
+        if let Some(changed) = &self.changed {
+            changed.send_modify(|n| *n = n.wrapping_add(1));
+        }
     }
 }
 

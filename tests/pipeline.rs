@@ -316,8 +316,8 @@ async fn a_spent_byte_budget_flushes_the_buffers_at_once() {
 /// deliveries, each freed delivery started a batch of its own that flushed 50 ms later, and the
 /// batches shrank towards one request each (observed: 118 calls for 160 requests, 1.4 requests
 /// per call, the last 20 calls single, 36.8 s). Now a due batch stays open while no slot is free
-/// and its partition has a batch under way, so it takes the requests of its key that arrive
-/// meanwhile (observed: 32 calls, 5.0 requests per call, 10.8 s).
+/// and a batch of its partition waits for one, so it takes the requests of its key that arrive
+/// meanwhile (observed: 34 calls, 4.7 requests per call, 11.3 s).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_behind_a_busy_server_drains_in_batches() {
     let env = TestEnv::new("backlog");
