@@ -2,7 +2,8 @@
 //!
 //! Every tick (at most 500 ms, at most a third of `renew_interval`, and at once when a partition
 //! worker ends) an instance runs one round of named steps:
-//! 1. membership refresh: heartbeats and reads the live members ([`crate::membership`]);
+//! 1. membership refresh: heartbeats and reads the live members ([`crate::membership`]); after
+//!    a failed heartbeat, only once Redis answers a `PING` within `redis.command_timeout`;
 //! 2. assignment: the desired owner of each partition by rendezvous hashing with bounded loads
 //!    over the member names ([`crate::keying::assignment`]); over those whose LLM is up when
 //!    some are flagged down ([`crate::membership::assignable`]; an instance flags itself when
