@@ -443,7 +443,6 @@ pub async fn run<K, T>(
                 ready.extend(flush_due(&mut batcher, now, slots.as_ref(), &mut held));
                 ready.extend(batcher.push(key, item, now));
                 ready.extend(batcher.flush_full());
-                held = held && batcher.has_expired(now);
                 false
             }
             Event::Deadline => {
@@ -471,9 +470,9 @@ pub async fn run<K, T>(
                 true
             }
         };
-        if batcher.is_empty() {
-            held = false;
-        }
+        // Held only while a held buffer is still there and due (not flushed by size, prefetch,
+        // budget or the end).
+        held = held && batcher.has_expired(now);
         on_state(batcher.buffered(), batcher.oldest_age(now));
         for batch in ready {
             if out.send(batch).await.is_err() {
